@@ -1,0 +1,277 @@
+//! Cores, clocks and the CPU-time sampling timer.
+//!
+//! The profiler follows OProfile's method as the papers used it: a sample is taken every
+//! `interval` of *CPU time consumed by the thread* (a POSIX timer on the thread's own
+//! CPU clock, delivered as `SIGPROF` to that thread), and attributed to the cost class the
+//! thread has declared as current. Classes are small integers here; `hv` names them.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+/// Number of cores the process may run on.
+pub fn online_cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Pins the calling thread to one core.
+pub fn pin_current_thread(core: usize) -> std::io::Result<()> {
+    if core >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `core < CPU_SETSIZE`, checked above.
+    unsafe { libc::CPU_SET(core, &mut set) };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the given size.
+    let r = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn timespec_to_duration(ts: libc::timespec) -> Duration {
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// CPU time consumed so far by the calling thread.
+pub fn thread_cpu_time() -> Duration {
+    clock_read(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or_default()
+}
+
+/// CPU time consumed so far by the whole process.
+pub fn process_cpu_time() -> Duration {
+    clock_read(libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or_default()
+}
+
+fn clock_read(id: libc::clockid_t) -> Option<Duration> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid out-parameter; an invalid clock id yields an error code.
+    (unsafe { libc::clock_gettime(id, &mut ts) } == 0).then(|| timespec_to_duration(ts))
+}
+
+/// A handle on one thread's CPU clock, readable from any thread while that thread lives.
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadClock(libc::clockid_t);
+
+impl ThreadClock {
+    /// The calling thread's CPU clock.
+    pub fn current() -> std::io::Result<Self> {
+        let mut id: libc::clockid_t = 0;
+        // SAFETY: pthread_self is always valid for the caller; `id` is an out-parameter.
+        let r = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut id) };
+        if r == 0 {
+            Ok(Self(id))
+        } else {
+            Err(std::io::Error::from_raw_os_error(r))
+        }
+    }
+    /// CPU time of the thread, or `None` once it has exited.
+    pub fn read(&self) -> Option<Duration> {
+        clock_read(self.0)
+    }
+}
+
+/// The time-stamp counter (constant-rate on the machines pvio targets).
+#[inline]
+pub fn rdtsc() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: rdtsc has no memory-safety preconditions.
+        unsafe { std::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    }
+}
+
+/// Number of distinct classes a [`SampleSlot`] can count.
+pub const MAX_CLASSES: usize = 64;
+
+/// Where a thread's samples go: its current class and one counter per class.
+///
+/// The owning thread writes `current`; its own signal handler increments `counts`;
+/// readers on other threads sum them. All accesses are atomics, so the handler needs
+/// no lock (it must not take one).
+#[derive(Debug)]
+pub struct SampleSlot {
+    current: AtomicU8,
+    counts: [AtomicU64; MAX_CLASSES],
+}
+
+impl Default for SampleSlot {
+    fn default() -> Self {
+        Self { current: AtomicU8::new(0), counts: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
+}
+
+impl SampleSlot {
+    /// Samples counted so far for `class`.
+    pub fn count(&self, class: u8) -> u64 {
+        self.counts.get(class as usize).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+    /// All counters, indexed by class.
+    pub fn counts(&self) -> [u64; MAX_CLASSES] {
+        std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed))
+    }
+    /// Zeroes the counters.
+    pub fn reset(&self) {
+        for c in &self.counts {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+    /// The class currently declared by the owning thread.
+    pub fn current(&self) -> u8 {
+        self.current.load(Ordering::Relaxed)
+    }
+    fn record(&self) {
+        let c = self.current.load(Ordering::Relaxed) as usize % MAX_CLASSES;
+        self.counts[c].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    // The slot of the calling thread, or null. Const-initialised and without a
+    // destructor, so reading it from the signal handler touches no lazy state.
+    static SLOT: Cell<*const SampleSlot> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Declares `class` as the calling thread's current cost class and returns the previous
+/// one (so that a guard can restore it). A no-op returning 0 on threads without a slot.
+#[inline]
+pub fn set_class(class: u8) -> u8 {
+    SLOT.with(|s| {
+        let p = s.get();
+        if p.is_null() {
+            return 0;
+        }
+        // SAFETY: a non-null SLOT points at the slot kept alive by this thread's
+        // `SlotBinding`, which clears SLOT before releasing it.
+        let slot = unsafe { &*p };
+        // Relaxed: the only reader that matters is this thread's own signal handler,
+        // which runs on this thread and so sees program order.
+        slot.current.swap(class, Ordering::Relaxed)
+    })
+}
+
+/// Binds a [`SampleSlot`] to the calling thread until dropped; [`set_class`] writes to it
+/// and the sampling timer counts into it. Not `Send`: it must be dropped on its thread.
+#[derive(Debug)]
+pub struct SlotBinding {
+    slot: Arc<SampleSlot>,
+    timer: Option<libc::timer_t>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+extern "C" fn on_sigprof(_sig: libc::c_int) {
+    // Async-signal-safe: a TLS read of a plain pointer and one atomic add.
+    let p = SLOT.with(|s| s.get());
+    if !p.is_null() {
+        // SAFETY: see `set_class`; the handler runs on the thread owning the binding, which
+        // cannot be in the middle of dropping it (the timer is deleted first).
+        unsafe { &*p }.record();
+    }
+}
+
+static INSTALL: Once = Once::new();
+
+fn install_handler() {
+    INSTALL.call_once(|| {
+        // SAFETY: sigaction is plain data; zeroed is a valid starting value.
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+        sa.sa_sigaction = on_sigprof as extern "C" fn(libc::c_int) as usize;
+        // SA_RESTART: a sample never turns a blocking call into EINTR.
+        sa.sa_flags = libc::SA_RESTART;
+        // SAFETY: `sa.sa_mask` is a valid sigset; installing a handler that only does
+        // async-signal-safe work.
+        unsafe {
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(libc::SIGPROF, &sa, std::ptr::null_mut());
+        }
+    });
+}
+
+impl SlotBinding {
+    /// Binds `slot` to the calling thread. With `interval`, also starts a timer on the
+    /// thread's CPU clock that takes one sample per `interval` of CPU time.
+    pub fn bind(slot: Arc<SampleSlot>, interval: Option<Duration>) -> std::io::Result<Self> {
+        SLOT.with(|s| s.set(Arc::as_ptr(&slot)));
+        let mut b = Self { slot, timer: None, _not_send: std::marker::PhantomData };
+        if let Some(iv) = interval {
+            install_handler();
+            b.timer = Some(start_thread_timer(iv)?);
+        }
+        Ok(b)
+    }
+    /// The bound slot.
+    pub fn slot(&self) -> &Arc<SampleSlot> {
+        &self.slot
+    }
+}
+
+fn start_thread_timer(interval: Duration) -> std::io::Result<libc::timer_t> {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::pid_t;
+    // SAFETY: sigevent is plain data; zeroed is valid before we fill it.
+    let mut sev: libc::sigevent = unsafe { std::mem::zeroed() };
+    sev.sigev_notify = libc::SIGEV_THREAD_ID;
+    sev.sigev_signo = libc::SIGPROF;
+    sev.sigev_notify_thread_id = tid;
+    let mut timer: libc::timer_t = std::ptr::null_mut();
+    // SAFETY: valid clock id, sigevent and out-parameter.
+    if unsafe { libc::timer_create(libc::CLOCK_THREAD_CPUTIME_ID, &mut sev, &mut timer) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ts = libc::timespec { tv_sec: interval.as_secs() as libc::time_t, tv_nsec: interval.subsec_nanos() as libc::c_long };
+    let spec = libc::itimerspec { it_interval: ts, it_value: ts };
+    // SAFETY: `timer` was just created; `spec` is valid.
+    if unsafe { libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()) } != 0 {
+        let e = std::io::Error::last_os_error();
+        // SAFETY: deleting the timer we created.
+        unsafe { libc::timer_delete(timer) };
+        return Err(e);
+    }
+    Ok(timer)
+}
+
+impl Drop for SlotBinding {
+    fn drop(&mut self) {
+        if let Some(t) = self.timer.take() {
+            // SAFETY: deleting our own timer; no further signal is generated after this.
+            unsafe { libc::timer_delete(t) };
+        }
+        SLOT.with(|s| s.set(std::ptr::null()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_follow_the_current_class() {
+        let slot = Arc::new(SampleSlot::default());
+        let b = SlotBinding::bind(Arc::clone(&slot), Some(Duration::from_micros(200))).expect("timer");
+        let burn = |d: Duration| {
+            let t0 = thread_cpu_time();
+            let mut x = 0u64;
+            while thread_cpu_time() - t0 < d {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(1));
+            }
+        };
+        set_class(3);
+        burn(Duration::from_millis(30));
+        set_class(5);
+        burn(Duration::from_millis(10));
+        drop(b);
+        let (c3, c5) = (slot.count(3), slot.count(5));
+        assert!(c3 > 0 && c5 > 0, "samples {c3} {c5}");
+        assert!(c3 > c5, "30 ms of class 3 should outweigh 10 ms of class 5: {c3} vs {c5}");
+        assert_eq!(set_class(1), 0, "unbound thread has no slot");
+    }
+}

@@ -1,0 +1,293 @@
+//! One memfd of N frames, mapped once: the machine's RAM.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
+use std::sync::Arc;
+
+use crate::{check_in_page, MemError, Mfn, PageAccess, PAGE_SIZE};
+
+/// The machine's memory: `frames` 4 KiB frames in one memfd, mapped read-write once.
+///
+/// The mapping is the hypervisor's direct map. Domains never get this object; they get
+/// handles (in `hv`) that translate their own guest frames and refuse everything else.
+#[derive(Debug)]
+pub struct MachineMemory {
+    base: NonNull<u8>,
+    frames: u32,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is plain shared memory that lives as long as `self`; every access
+// goes through bounds-checked methods that copy or use atomics, so handing `&self` to
+// several threads is what the type is for. Concurrent writers race on contents only,
+// which callers treat as untrusted bytes (copy, then validate).
+unsafe impl Send for MachineMemory {}
+// SAFETY: as above.
+unsafe impl Sync for MachineMemory {}
+
+impl MachineMemory {
+    /// Creates machine memory of `frames` frames, zero-filled.
+    pub fn new(frames: u32) -> std::io::Result<Self> {
+        let bytes = (frames as usize)
+            .checked_mul(PAGE_SIZE)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: the name is a NUL-terminated literal; flags are valid for memfd_create.
+        let raw = unsafe { libc::memfd_create(c"pvio-machine-memory".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain syscall on a descriptor we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a new shared mapping of the whole file at an address the kernel picks;
+        // it aliases no Rust object.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes.max(PAGE_SIZE),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+        Ok(Self { base, frames, fd })
+    }
+
+    /// Number of frames.
+    pub fn frames(&self) -> u32 {
+        self.frames
+    }
+
+    /// The memfd, for mapping frames elsewhere (grant map).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Pointer to `[offset, offset+len)` of frame `mfn`, after checking both bounds.
+    #[inline]
+    fn ptr(&self, mfn: Mfn, offset: usize, len: usize) -> Result<*mut u8, MemError> {
+        if mfn.0 >= self.frames {
+            return Err(MemError::NoSuchFrame(mfn.0));
+        }
+        check_in_page(offset, len)?;
+        // Cannot overflow: mfn < frames and the whole range was allocated in `new`.
+        let at = mfn.0 as usize * PAGE_SIZE + offset;
+        // SAFETY: `at + len <= frames * PAGE_SIZE`, inside the mapping made in `new`.
+        Ok(unsafe { self.base.as_ptr().add(at) })
+    }
+
+    /// Copies bytes out of a frame.
+    #[inline]
+    pub fn read(&self, mfn: Mfn, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
+        let p = self.ptr(mfn, offset, buf.len())?;
+        // SAFETY: `p..p+len` is inside the mapping (checked by `ptr`) and cannot overlap
+        // `buf`, which is ordinary Rust memory outside the machine memory mapping.
+        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes into a frame.
+    #[inline]
+    pub fn write(&self, mfn: Mfn, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        let p = self.ptr(mfn, offset, data.len())?;
+        // SAFETY: as in `read`, with the direction reversed.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes into a frame with non-temporal stores, so that they land in memory
+    /// and not in this core's cache, as a NIC's DMA write does.
+    pub fn write_nt(&self, mfn: Mfn, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        let p = self.ptr(mfn, offset, data.len())?;
+        // SAFETY: `p..p+len` is inside the mapping, checked by `ptr`.
+        unsafe { stream_copy(p, data) };
+        Ok(())
+    }
+
+    /// Fills `len` bytes of a frame with `byte`.
+    pub fn fill(&self, mfn: Mfn, offset: usize, len: usize, byte: u8) -> Result<(), MemError> {
+        let p = self.ptr(mfn, offset, len)?;
+        // SAFETY: `p..p+len` is inside the mapping, checked by `ptr`.
+        unsafe { std::ptr::write_bytes(p, byte, len) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes between two frames (possibly the same one). This is the data
+    /// movement of a grant copy.
+    #[inline]
+    pub fn copy(&self, src: Mfn, src_off: usize, dst: Mfn, dst_off: usize, len: usize) -> Result<(), MemError> {
+        let s = self.ptr(src, src_off, len)?;
+        let d = self.ptr(dst, dst_off, len)?;
+        // SAFETY: both ranges are inside the mapping (checked above); `copy` (memmove)
+        // tolerates overlap when source and destination are the same frame.
+        unsafe { std::ptr::copy(s, d, len) };
+        Ok(())
+    }
+
+    /// The 16-bit word at `offset` in frame `mfn` as an atomic.
+    #[inline]
+    pub fn atomic_u16(&self, mfn: Mfn, offset: usize) -> Result<&AtomicU16, MemError> {
+        let p = self.aligned(mfn, offset, 2)?;
+        // SAFETY: `p` is 2-aligned, inside the mapping for the lifetime of `&self`, and
+        // only ever accessed atomically or by byte copies of untrusted contents.
+        Ok(unsafe { AtomicU16::from_ptr(p.cast()) })
+    }
+
+    /// The 32-bit word at `offset` in frame `mfn` as an atomic.
+    #[inline]
+    pub fn atomic_u32(&self, mfn: Mfn, offset: usize) -> Result<&AtomicU32, MemError> {
+        let p = self.aligned(mfn, offset, 4)?;
+        // SAFETY: as in `atomic_u16`, with 4-byte alignment.
+        Ok(unsafe { AtomicU32::from_ptr(p.cast()) })
+    }
+
+    /// The 64-bit word at `offset` in frame `mfn` as an atomic.
+    #[inline]
+    pub fn atomic_u64(&self, mfn: Mfn, offset: usize) -> Result<&AtomicU64, MemError> {
+        let p = self.aligned(mfn, offset, 8)?;
+        // SAFETY: as in `atomic_u16`, with 8-byte alignment.
+        Ok(unsafe { AtomicU64::from_ptr(p.cast()) })
+    }
+
+    #[inline]
+    fn aligned(&self, mfn: Mfn, offset: usize, size: usize) -> Result<*mut u8, MemError> {
+        if offset % size != 0 {
+            return Err(MemError::Misaligned(offset));
+        }
+        self.ptr(mfn, offset, size)
+    }
+
+    /// Raw address of a frame's first byte, for diagnostics only (never dereferenced
+    /// outside this crate).
+    pub fn frame_addr(&self, mfn: Mfn) -> Option<usize> {
+        self.ptr(mfn, 0, 0).ok().map(|p| p as usize)
+    }
+}
+
+impl Drop for MachineMemory {
+    fn drop(&mut self) {
+        let bytes = (self.frames as usize * PAGE_SIZE).max(PAGE_SIZE);
+        // SAFETY: unmaps exactly the mapping made in `new`; no borrow of it can outlive
+        // `self`.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), bytes) };
+    }
+}
+
+/// Copies `data` to `dst` with non-temporal stores where the destination is 8-aligned,
+/// ordinary stores for the unaligned head and tail, then a store fence so that the data
+/// is globally visible before whatever the caller publishes next.
+///
+/// # Safety
+/// `dst..dst+data.len()` must be valid for writes.
+unsafe fn stream_copy(dst: *mut u8, data: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_sfence, _mm_stream_si64};
+        let len = data.len();
+        let head = (dst.align_offset(8)).min(len);
+        // SAFETY: `head <= len`, so both ranges are inside the caller's guarantee.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, head) };
+        let mut i = head;
+        while i + 8 <= len {
+            let word = u64::from_le_bytes(data[i..i + 8].try_into().unwrap_or([0; 8]));
+            // SAFETY: `dst + i` is 8-aligned (past the head) and `i + 8 <= len`.
+            unsafe { _mm_stream_si64(dst.add(i).cast::<i64>(), word as i64) };
+            i += 8;
+        }
+        // SAFETY: the tail `i..len` is inside the caller's range.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(i), dst.add(i), len - i) };
+        // SAFETY: sfence has no memory-safety preconditions; it orders the streaming
+        // stores before later stores (the descriptor write-back that publishes them).
+        unsafe { _mm_sfence() };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller guarantees the destination range.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len())
+    }
+}
+
+/// One machine frame reached through the direct map, as a [`PageAccess`]. Owned (holds
+/// the memory by `Arc`) so that rings and tables can keep it.
+#[derive(Debug, Clone)]
+pub struct FramePage {
+    mem: Arc<MachineMemory>,
+    mfn: Mfn,
+}
+
+impl FramePage {
+    /// The page of frame `mfn`, or an error if it does not exist.
+    pub fn new(mem: Arc<MachineMemory>, mfn: Mfn) -> Result<Self, MemError> {
+        if mfn.0 >= mem.frames() {
+            return Err(MemError::NoSuchFrame(mfn.0));
+        }
+        Ok(Self { mem, mfn })
+    }
+    /// The frame.
+    pub fn mfn(&self) -> Mfn {
+        self.mfn
+    }
+}
+
+impl PageAccess for FramePage {
+    #[inline]
+    fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
+        self.mem.read(self.mfn, offset, buf)
+    }
+    #[inline]
+    fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.mem.write(self.mfn, offset, data)
+    }
+    #[inline]
+    fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
+        self.mem.atomic_u16(self.mfn, offset)
+    }
+    #[inline]
+    fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, MemError> {
+        self.mem.atomic_u32(self.mfn, offset)
+    }
+    #[inline]
+    fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
+        self.mem.atomic_u64(self.mfn, offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn frames_are_bounds_checked() {
+        let m = MachineMemory::new(4).expect("memfd");
+        let mut b = [0u8; 8];
+        assert_eq!(m.read(Mfn(4), 0, &mut b), Err(MemError::NoSuchFrame(4)));
+        assert_eq!(m.read(Mfn(0), 4090, &mut b), Err(MemError::CrossesPage { offset: 4090, len: 8 }));
+        assert_eq!(m.atomic_u32(Mfn(0), 2).err(), Some(MemError::Misaligned(2)));
+        m.write(Mfn(3), 4088, &[7; 8]).expect("in bounds");
+        m.read(Mfn(3), 4088, &mut b).expect("in bounds");
+        assert_eq!(b, [7; 8]);
+    }
+
+    #[test]
+    fn nt_write_and_copy_move_the_bytes() {
+        let m = MachineMemory::new(2).expect("memfd");
+        let data: Vec<u8> = (0..1500u32).map(|i| (i * 7) as u8).collect();
+        m.write_nt(Mfn(0), 3, &data).expect("nt");
+        m.copy(Mfn(0), 3, Mfn(1), 100, 1500).expect("copy");
+        let mut out = vec![0u8; 1500];
+        m.read(Mfn(1), 100, &mut out).expect("read");
+        assert_eq!(out, data);
+        m.atomic_u64(Mfn(1), 0).expect("aligned").store(5, Ordering::Relaxed);
+        assert_eq!(m.atomic_u64(Mfn(1), 0).expect("aligned").load(Ordering::Relaxed), 5);
+    }
+}
