@@ -1,0 +1,557 @@
+//! The shared I/O ring of Xen's `io/ring.h`, over one shared page, generic over the
+//! request and response types.
+//!
+//! Layout (as ring.h): a 64-byte header holding `req_prod`, `req_event`, `rsp_prod`,
+//! `rsp_event` (free-running `u32`s) then padding, followed by a power-of-two number of
+//! slots, each as large as the larger of a request and a response. The front end produces
+//! requests and consumes responses; the back end the reverse. Names follow ring.h
+//! (`req_prod_pvt`, `rsp_cons`, ...) so the code can be read beside it.
+//!
+//! What it owns: each end's private indices. What it trusts: nothing in the shared page.
+//! Every index read from the peer is loaded once, checked against the ring size, and
+//! every entry is copied out of its slot before the caller sees it
+//! ([`BackRing::take_request`] returns a value, never a reference: Xen's
+//! `RING_COPY_REQUEST`, XSA-155). A peer whose producer index runs more than a ring
+//! ahead breaks this ring only: every later call returns [`RingError::Broken`].
+//!
+//! What it guarantees: with a well-behaved peer, no request or response is lost or read
+//! before it is written, and a notification is asked for whenever the peer may be
+//! waiting (checked with loom in `tests/loom.rs`).
+
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+
+use mem::{MemError, PageAccess, PAGE_SIZE};
+
+/// Size of the shared header (`struct *_sring` up to `ring[]`): four indices and padding.
+pub const HEADER_SIZE: usize = 64;
+const REQ_PROD: usize = 0;
+const REQ_EVENT: usize = 4;
+const RSP_PROD: usize = 8;
+const RSP_EVENT: usize = 12;
+
+/// One ring protocol: the request and response entry types. Both are plain old data with
+/// their ABI layout; a slot holds either.
+pub trait RingProtocol {
+    /// What the front end asks.
+    type Req: bytemuck::Pod;
+    /// What the back end answers.
+    type Rsp: bytemuck::Pod;
+    /// Size of one slot: the larger entry, as ring.h's union.
+    const SLOT_SIZE: usize = if std::mem::size_of::<Self::Req>() > std::mem::size_of::<Self::Rsp>() {
+        std::mem::size_of::<Self::Req>()
+    } else {
+        std::mem::size_of::<Self::Rsp>()
+    };
+}
+
+/// Number of slots a region of `region` bytes holds for slots of `slot` bytes: the
+/// largest power of two that fits after the header (ring.h's `__RD32`).
+pub const fn ring_size(region: usize, slot: usize) -> u32 {
+    if slot == 0 || region <= HEADER_SIZE {
+        return 0;
+    }
+    let n = (region - HEADER_SIZE) / slot;
+    if n == 0 {
+        0
+    } else {
+        1 << (usize::BITS - 1 - n.leading_zeros())
+    }
+}
+
+/// The shared region a ring lives in: four index words and the slot array. Implemented
+/// for a page of machine memory (through [`PageAccess`]) and, in tests, for loom.
+pub trait RingMemory {
+    /// Bytes in the region (a page for real rings).
+    fn region_size(&self) -> usize;
+    /// Loads the index word at byte offset `at` (0, 4, 8 or 12).
+    fn load(&self, at: usize, order: Ordering) -> u32;
+    /// Stores the index word at byte offset `at`.
+    fn store(&self, at: usize, v: u32, order: Ordering);
+    /// A memory fence (loom needs its own).
+    fn fence(&self, order: Ordering);
+    /// Copies slot `slot` out into `buf` (`buf.len()` is the slot's entry size).
+    fn read_slot(&self, slot: u32, slot_size: usize, buf: &mut [u8]);
+    /// Copies `data` into slot `slot`.
+    fn write_slot(&self, slot: u32, slot_size: usize, data: &[u8]);
+}
+
+/// A shared page as ring memory. Construction checks that the index words are reachable
+/// as atomics (the page is mapped writable), so later accesses cannot fail.
+#[derive(Debug)]
+pub struct PageRing<P: PageAccess>(P);
+
+impl<P: PageAccess> PageRing<P> {
+    /// Wraps a page; fails if it cannot host a ring (read-only mapping, say).
+    pub fn new(page: P) -> Result<Self, MemError> {
+        for at in [REQ_PROD, REQ_EVENT, RSP_PROD, RSP_EVENT] {
+            page.atomic_u32(at)?;
+        }
+        Ok(Self(page))
+    }
+    /// The page.
+    pub fn page(&self) -> &P {
+        &self.0
+    }
+}
+
+impl<P: PageAccess> RingMemory for PageRing<P> {
+    fn region_size(&self) -> usize {
+        PAGE_SIZE
+    }
+    #[inline]
+    fn load(&self, at: usize, order: Ordering) -> u32 {
+        // Cannot fail: `new` checked the four index words.
+        self.0.atomic_u32(at).map_or(0, |a| a.load(order))
+    }
+    #[inline]
+    fn store(&self, at: usize, v: u32, order: Ordering) {
+        if let Ok(a) = self.0.atomic_u32(at) {
+            a.store(v, order);
+        }
+    }
+    #[inline]
+    fn fence(&self, order: Ordering) {
+        std::sync::atomic::fence(order);
+    }
+    #[inline]
+    fn read_slot(&self, slot: u32, slot_size: usize, buf: &mut [u8]) {
+        // In bounds: slot < ring_size(PAGE_SIZE, slot_size), so the slot ends inside the page.
+        let _ = self.0.read(HEADER_SIZE + slot as usize * slot_size, buf);
+    }
+    #[inline]
+    fn write_slot(&self, slot: u32, slot_size: usize, data: &[u8]) {
+        let _ = self.0.write(HEADER_SIZE + slot as usize * slot_size, data);
+    }
+}
+
+/// A free-running ring index; it wraps, and is masked into a slot in exactly one place.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingIdx(pub u32);
+
+impl RingIdx {
+    /// The slot this index names in a ring of `size` (a power of two).
+    #[inline]
+    pub fn slot(self, size: u32) -> u32 {
+        self.0 & (size - 1)
+    }
+    /// Distance from `earlier` to `self`, modulo 2^32.
+    #[inline]
+    pub fn since(self, earlier: RingIdx) -> u32 {
+        self.0.wrapping_sub(earlier.0)
+    }
+    #[inline]
+    fn bump(&mut self) {
+        self.0 = self.0.wrapping_add(1);
+    }
+}
+
+/// Why a ring refuses to go on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    /// The peer's producer index is more than a ring ahead of what this end has answered
+    /// or consumed: a protocol break, fatal for this ring.
+    #[error("peer producer index {prod} is more than a ring ahead of {base} (ring of {size})")]
+    ProducerOverrun { prod: u32, base: u32, size: u32 },
+    /// This ring was broken by an earlier protocol break; it is not touched again.
+    #[error("ring is broken by an earlier protocol error")]
+    Broken,
+    /// No free slot for another request (front end) or no consumed request to answer
+    /// (back end).
+    #[error("ring is full")]
+    Full,
+    /// The region cannot hold a single slot.
+    #[error("region too small for a ring")]
+    TooSmall,
+}
+
+/// The front end of a ring: produces requests, consumes responses.
+#[derive(Debug)]
+pub struct FrontRing<P: RingProtocol, M: RingMemory> {
+    mem: M,
+    size: u32,
+    req_prod_pvt: RingIdx,
+    rsp_cons: RingIdx,
+    /// Last `rsp_prod` loaded and validated.
+    rsp_prod_seen: RingIdx,
+    broken: bool,
+    _p: PhantomData<P>,
+}
+
+impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
+    /// Initialises the shared header (`SHARED_RING_INIT`) and the front end's private
+    /// state (`FRONT_RING_INIT`). Done by the front end before granting the page.
+    pub fn init(mem: M) -> Result<Self, RingError> {
+        let size = ring_size(mem.region_size(), P::SLOT_SIZE);
+        if size == 0 {
+            return Err(RingError::TooSmall);
+        }
+        mem.store(REQ_PROD, 0, Ordering::Relaxed);
+        mem.store(RSP_PROD, 0, Ordering::Relaxed);
+        mem.store(REQ_EVENT, 1, Ordering::Relaxed);
+        mem.store(RSP_EVENT, 1, Ordering::Relaxed);
+        mem.fence(Ordering::Release);
+        Ok(Self {
+            mem,
+            size,
+            req_prod_pvt: RingIdx(0),
+            rsp_cons: RingIdx(0),
+            rsp_prod_seen: RingIdx(0),
+            broken: false,
+            _p: PhantomData,
+        })
+    }
+
+    /// Number of slots.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+    /// The ring memory.
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+    /// Requests pushed privately or published but not yet answered.
+    pub fn outstanding(&self) -> u32 {
+        self.req_prod_pvt.since(self.rsp_cons)
+    }
+    /// Free slots for new requests (`RING_FREE_REQUESTS`).
+    pub fn free_requests(&self) -> u32 {
+        self.size - self.outstanding()
+    }
+    /// Whether a protocol break stopped this ring.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    /// Writes a request into the next private slot; not visible to the back end until
+    /// [`Self::push_requests_and_check_notify`].
+    pub fn push_request(&mut self, req: &P::Req) -> Result<(), RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        if self.free_requests() == 0 {
+            return Err(RingError::Full);
+        }
+        self.mem.write_slot(self.req_prod_pvt.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of(req));
+        self.req_prod_pvt.bump();
+        Ok(())
+    }
+
+    /// Publishes the private requests and says whether the back end asked to be notified
+    /// (`RING_PUSH_REQUESTS_AND_CHECK_NOTIFY`).
+    pub fn push_requests_and_check_notify(&mut self) -> bool {
+        let new = self.req_prod_pvt.0;
+        // We are the only writer of req_prod, so a relaxed load gives our last value.
+        let old = self.mem.load(REQ_PROD, Ordering::Relaxed);
+        // Release: the back end that sees the new req_prod also sees the slots.
+        self.mem.store(REQ_PROD, new, Ordering::Release);
+        // Full fence: our req_prod store must be visible before we read req_event, or we
+        // could miss the back end arming req_event just after checking req_prod (and
+        // both sides would wait).
+        self.mem.fence(Ordering::SeqCst);
+        let event = self.mem.load(REQ_EVENT, Ordering::Relaxed);
+        new.wrapping_sub(event) < new.wrapping_sub(old)
+    }
+
+    fn responses_available(&mut self) -> Result<u32, RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        if self.rsp_cons != self.rsp_prod_seen {
+            return Ok(self.rsp_prod_seen.since(self.rsp_cons));
+        }
+        // Acquire: pairs with the back end's Release store; slots up to prod are written.
+        let prod = RingIdx(self.mem.load(RSP_PROD, Ordering::Acquire));
+        // The back end may answer only what we asked: anything beyond our outstanding
+        // requests is a protocol break.
+        if prod.since(self.rsp_cons) > self.outstanding() {
+            self.broken = true;
+            return Err(RingError::ProducerOverrun { prod: prod.0, base: self.rsp_cons.0, size: self.size });
+        }
+        self.rsp_prod_seen = prod;
+        Ok(prod.since(self.rsp_cons))
+    }
+
+    /// Copies out the next response, if one is published.
+    pub fn take_response(&mut self) -> Result<Option<P::Rsp>, RingError> {
+        if self.responses_available()? == 0 {
+            return Ok(None);
+        }
+        let mut rsp = <P::Rsp as bytemuck::Zeroable>::zeroed();
+        self.mem.read_slot(self.rsp_cons.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of_mut(&mut rsp));
+        self.rsp_cons.bump();
+        Ok(Some(rsp))
+    }
+
+    /// Whether responses are pending; if none, arms `rsp_event` so that the back end
+    /// notifies on the next one, then checks again (`RING_FINAL_CHECK_FOR_RESPONSES`).
+    pub fn final_check_for_responses(&mut self) -> Result<bool, RingError> {
+        if self.responses_available()? > 0 {
+            return Ok(true);
+        }
+        self.mem.store(RSP_EVENT, self.rsp_cons.0.wrapping_add(1), Ordering::Relaxed);
+        // Full fence: rsp_event must be visible before we re-read rsp_prod, so a response
+        // published in between is either seen here or notified.
+        self.mem.fence(Ordering::SeqCst);
+        Ok(self.responses_available()? > 0)
+    }
+}
+
+/// The back end of a ring: consumes requests, produces responses.
+#[derive(Debug)]
+pub struct BackRing<P: RingProtocol, M: RingMemory> {
+    mem: M,
+    size: u32,
+    rsp_prod_pvt: RingIdx,
+    req_cons: RingIdx,
+    /// Last `req_prod` loaded and validated.
+    req_prod_seen: RingIdx,
+    broken: bool,
+    _p: PhantomData<P>,
+}
+
+impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
+    /// Attaches to a ring the front end initialised (`BACK_RING_INIT`).
+    pub fn attach(mem: M) -> Result<Self, RingError> {
+        let size = ring_size(mem.region_size(), P::SLOT_SIZE);
+        if size == 0 {
+            return Err(RingError::TooSmall);
+        }
+        Ok(Self {
+            mem,
+            size,
+            rsp_prod_pvt: RingIdx(0),
+            req_cons: RingIdx(0),
+            req_prod_seen: RingIdx(0),
+            broken: false,
+            _p: PhantomData,
+        })
+    }
+
+    /// Number of slots.
+    pub fn size(&self) -> u32 {
+        self.size
+    }
+    /// The ring memory.
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+    /// Whether a protocol break stopped this ring.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+    /// Requests consumed but not yet answered.
+    pub fn unanswered(&self) -> u32 {
+        self.req_cons.since(self.rsp_prod_pvt)
+    }
+
+    /// Number of requests published and not yet consumed, validating the peer's index.
+    pub fn requests_available(&mut self) -> Result<u32, RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        if self.req_cons != self.req_prod_seen {
+            return Ok(self.req_prod_seen.since(self.req_cons));
+        }
+        // Acquire: pairs with the front end's Release store of req_prod.
+        let prod = RingIdx(self.mem.load(REQ_PROD, Ordering::Acquire));
+        // A front end may have at most one ring of requests unanswered; more means its
+        // index is bogus (netback's RING_REQUEST_PROD_OVERFLOW). Fatal for this ring.
+        if prod.since(self.rsp_prod_pvt) > self.size {
+            self.broken = true;
+            return Err(RingError::ProducerOverrun { prod: prod.0, base: self.rsp_prod_pvt.0, size: self.size });
+        }
+        self.req_prod_seen = prod;
+        Ok(prod.since(self.req_cons))
+    }
+
+    /// Copies out the next request, if one is published. The caller validates the copy
+    /// and acts only on it.
+    pub fn take_request(&mut self) -> Result<Option<P::Req>, RingError> {
+        if self.requests_available()? == 0 {
+            return Ok(None);
+        }
+        let mut req = <P::Req as bytemuck::Zeroable>::zeroed();
+        self.mem.read_slot(self.req_cons.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of_mut(&mut req));
+        self.req_cons.bump();
+        Ok(Some(req))
+    }
+
+    /// Writes a response into the next private slot. There must be a consumed,
+    /// unanswered request (the response reuses its slot).
+    pub fn push_response(&mut self, rsp: &P::Rsp) -> Result<(), RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        if self.unanswered() == 0 {
+            return Err(RingError::Full);
+        }
+        self.mem.write_slot(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of(rsp));
+        self.rsp_prod_pvt.bump();
+        Ok(())
+    }
+
+    /// Publishes the private responses and says whether the front end asked to be
+    /// notified (`RING_PUSH_RESPONSES_AND_CHECK_NOTIFY`).
+    pub fn push_responses_and_check_notify(&mut self) -> bool {
+        if self.broken {
+            return false;
+        }
+        let new = self.rsp_prod_pvt.0;
+        let old = self.mem.load(RSP_PROD, Ordering::Relaxed);
+        // Release: slots before index.
+        self.mem.store(RSP_PROD, new, Ordering::Release);
+        // Full fence: rsp_prod before reading rsp_event (see the front end's twin).
+        self.mem.fence(Ordering::SeqCst);
+        let event = self.mem.load(RSP_EVENT, Ordering::Relaxed);
+        new.wrapping_sub(event) < new.wrapping_sub(old)
+    }
+
+    /// Whether requests are pending; if none, arms `req_event` and checks again
+    /// (`RING_FINAL_CHECK_FOR_REQUESTS`).
+    pub fn final_check_for_requests(&mut self) -> Result<bool, RingError> {
+        if self.requests_available()? > 0 {
+            return Ok(true);
+        }
+        self.mem.store(REQ_EVENT, self.req_cons.0.wrapping_add(1), Ordering::Relaxed);
+        // Full fence: req_event before re-reading req_prod.
+        self.mem.fence(Ordering::SeqCst);
+        Ok(self.requests_available()? > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mem::{FramePage, MachineMemory, Mfn};
+    use std::sync::Arc;
+
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    #[repr(C)]
+    struct Req {
+        id: u16,
+        pad: u16,
+        val: u32,
+    }
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    #[repr(C)]
+    struct Rsp {
+        id: u16,
+        status: i16,
+    }
+    struct Proto;
+    impl RingProtocol for Proto {
+        type Req = Req;
+        type Rsp = Rsp;
+    }
+
+    fn pair() -> (FrontRing<Proto, PageRing<FramePage>>, BackRing<Proto, PageRing<FramePage>>, Arc<MachineMemory>) {
+        let mem = Arc::new(MachineMemory::new(1).expect("memfd"));
+        let page = || PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame")).expect("ring");
+        (FrontRing::init(page()).expect("init"), BackRing::attach(page()).expect("attach"), Arc::clone(&mem))
+    }
+
+    #[test]
+    fn sizes_follow_ring_h() {
+        // netif TX: 12-byte requests, 8-byte responses -> 12-byte slots, 256 of them.
+        assert_eq!(ring_size(4096, 12), 256);
+        assert_eq!(ring_size(4096, 8), 256);
+        assert_eq!(ring_size(4096, 112), 32); // blkif
+        assert_eq!(ring_size(64, 8), 0);
+    }
+
+    #[test]
+    fn requests_and_responses_round_trip_with_notifications() {
+        let (mut f, mut b, _m) = pair();
+        assert_eq!(f.size(), 256);
+        // Back end idle and armed (req_event = 1): the first push notifies.
+        f.push_request(&Req { id: 1, pad: 0, val: 10 }).expect("push");
+        assert!(f.push_requests_and_check_notify());
+        // Second push without the back end re-arming: no notification needed.
+        f.push_request(&Req { id: 2, pad: 0, val: 20 }).expect("push");
+        assert!(!f.push_requests_and_check_notify());
+        assert_eq!(b.take_request(), Ok(Some(Req { id: 1, pad: 0, val: 10 })));
+        assert_eq!(b.take_request(), Ok(Some(Req { id: 2, pad: 0, val: 20 })));
+        assert_eq!(b.take_request(), Ok(None));
+        assert_eq!(b.final_check_for_requests(), Ok(false));
+        b.push_response(&Rsp { id: 1, status: 0 }).expect("rsp");
+        b.push_response(&Rsp { id: 2, status: 0 }).expect("rsp");
+        assert_eq!(b.push_response(&Rsp { id: 3, status: 0 }), Err(RingError::Full));
+        assert!(b.push_responses_and_check_notify());
+        assert_eq!(f.take_response().expect("ok").map(|r| r.id), Some(1));
+        assert_eq!(f.take_response().expect("ok").map(|r| r.id), Some(2));
+        assert_eq!(f.final_check_for_responses(), Ok(false));
+        // Re-armed by the final check: the next request notifies again.
+        f.push_request(&Req { id: 3, pad: 0, val: 0 }).expect("push");
+        assert!(f.push_requests_and_check_notify());
+    }
+
+    #[test]
+    fn front_end_cannot_overfill() {
+        let (mut f, _b, _m) = pair();
+        for i in 0..256 {
+            f.push_request(&Req { id: i, pad: 0, val: 0 }).expect("room");
+        }
+        assert_eq!(f.push_request(&Req { id: 0, pad: 0, val: 0 }), Err(RingError::Full));
+    }
+
+    #[test]
+    fn producer_index_more_than_a_ring_ahead_breaks_only_that_ring() {
+        let (_f, mut b, mem) = pair();
+        // A hostile front end writes req_prod = size + 1 directly.
+        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(257, Ordering::Release);
+        assert_eq!(b.take_request(), Err(RingError::ProducerOverrun { prod: 257, base: 0, size: 256 }));
+        assert!(b.is_broken());
+        // Even after the peer "fixes" its index, the ring stays broken.
+        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(1, Ordering::Release);
+        assert_eq!(b.take_request(), Err(RingError::Broken));
+        assert_eq!(b.push_response(&Rsp { id: 0, status: 0 }), Err(RingError::Broken));
+        assert!(!b.push_responses_and_check_notify());
+    }
+
+    #[test]
+    fn exactly_one_ring_ahead_is_legal_and_wrapping_is_handled() {
+        let (mut f, mut b, mem) = pair();
+        // Start both ends near the 2^32 wrap to exercise wrapping arithmetic.
+        let start = u32::MAX - 3;
+        f.req_prod_pvt = RingIdx(start);
+        f.rsp_cons = RingIdx(start);
+        f.rsp_prod_seen = RingIdx(start);
+        b.req_cons = RingIdx(start);
+        b.rsp_prod_pvt = RingIdx(start);
+        b.req_prod_seen = RingIdx(start);
+        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(start, Ordering::Relaxed);
+        mem.atomic_u32(Mfn(0), RSP_PROD).expect("idx").store(start, Ordering::Relaxed);
+        for i in 0..256u32 {
+            f.push_request(&Req { id: i as u16, pad: 0, val: i }).expect("room");
+        }
+        f.push_requests_and_check_notify();
+        for i in 0..256u32 {
+            assert_eq!(b.take_request().expect("valid").map(|r| r.val), Some(i));
+            b.push_response(&Rsp { id: i as u16, status: 0 }).expect("answer");
+        }
+        b.push_responses_and_check_notify();
+        for i in 0..256u32 {
+            assert_eq!(f.take_response().expect("valid").map(|r| r.id), Some(i as u16));
+        }
+    }
+
+    #[test]
+    fn back_end_answering_more_than_asked_breaks_the_front_ring() {
+        let (mut f, _b, mem) = pair();
+        f.push_request(&Req { id: 1, pad: 0, val: 0 }).expect("push");
+        f.push_requests_and_check_notify();
+        mem.atomic_u32(Mfn(0), RSP_PROD).expect("idx").store(2, Ordering::Release);
+        assert!(matches!(f.take_response(), Err(RingError::ProducerOverrun { .. })));
+        assert_eq!(f.take_response(), Err(RingError::Broken));
+    }
+
+    #[test]
+    fn a_read_only_page_cannot_host_a_ring() {
+        let mem = Arc::new(MachineMemory::new(1).expect("memfd"));
+        let w = Arc::new(mem::MapWindow::new(Arc::clone(&mem), 1).expect("window"));
+        w.map(0, Mfn(0), false).expect("map");
+        let page = w.page(0).expect("page");
+        assert_eq!(PageRing::new(page).err(), Some(MemError::ReadOnly(0)));
+    }
+}
