@@ -1,0 +1,217 @@
+//! pvio's hypervisor core.
+//!
+//! What it owns: machine memory and the frame table; domains with their P2M tables,
+//! grant tables, event channels and foreign-map windows; vCPU threads; the store; the
+//! IOMMU; the cost classes and the sampling profiler.
+//!
+//! What it trusts: nothing that a domain wrote. Grant entries, ring indices, port
+//! numbers, handles and frame numbers coming from a domain are copied and checked on
+//! every use; a bad one gets its own error, counted by the caller, and affects nothing
+//! else.
+//!
+//! What it guarantees (each one a test under `tests/`): a domain reaches only its own
+//! frames and the frames granted to it, in the way and the byte range granted; a revoked
+//! grant gives nothing; a grant in use cannot be revoked; a destroyed domain's mappings
+//! and pins are released and its frames are scrubbed before reuse.
+//!
+//! Hypercalls are ordinary method calls on [`Hypervisor`] made from the caller's thread,
+//! so their work runs on the caller's core and is charged (by class) to the caller, as in
+//! Xen.
+
+pub mod domain;
+pub mod event;
+pub mod frame;
+pub mod grant;
+pub mod iommu;
+pub mod profile;
+pub mod store;
+pub mod types;
+pub mod vcpu;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+pub use domain::{Domain, DomainConfig, DomainError};
+pub use event::{ChannelState, EvtchnError};
+pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
+pub use mem::{MachineMemory, PageAccess, PAGE_SIZE};
+pub use types::*;
+pub use vcpu::{Vcpu, VcpuStart, WaitMode};
+
+use frame::FrameTable;
+
+/// How to build a machine.
+#[derive(Debug, Clone, Copy)]
+pub struct HvConfig {
+    /// Frames of machine memory.
+    pub frames: u32,
+    /// Grant implementation.
+    pub grant_path: GrantPath,
+}
+
+impl Default for HvConfig {
+    fn default() -> Self {
+        Self { frames: 16 * 1024, grant_path: GrantPath::Optimised }
+    }
+}
+
+/// Why a machine or domain could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum HvError {
+    /// Not enough free machine frames.
+    #[error("out of machine memory")]
+    OutOfMemory,
+    /// No free domain id.
+    #[error("too many domains")]
+    TooManyDomains,
+    /// The kernel refused memory or address space.
+    #[error("os: {0}")]
+    Os(#[from] std::io::Error),
+    /// The domain does not exist.
+    #[error("no such domain {0}")]
+    NoSuchDomain(DomId),
+}
+
+/// Most domains alive at once.
+pub const MAX_DOMAINS: usize = 256;
+/// Interrupt vectors.
+pub const NR_VECTORS: usize = 256;
+
+/// The machine: memory, domains, and the hypercall interface.
+#[derive(Debug)]
+pub struct Hypervisor {
+    pub(crate) mem: Arc<MachineMemory>,
+    pub(crate) frames: FrameTable,
+    domains: RwLock<Vec<Option<Arc<Domain>>>>,
+    pub(crate) grant_optimised: AtomicBool,
+    pub(crate) irqs: Box<[AtomicU64]>,
+    pub(crate) irq_unbound: AtomicU64,
+    store: store::Store,
+    iommu: Arc<iommu::Iommu>,
+    /// Frames of destroyed domains still referenced by someone; freed by `reap`.
+    zombies: Mutex<Vec<Mfn>>,
+}
+
+impl Hypervisor {
+    /// Builds a machine.
+    pub fn new(cfg: HvConfig) -> Result<Arc<Self>, HvError> {
+        let mem = Arc::new(MachineMemory::new(cfg.frames)?);
+        let frames = FrameTable::new(cfg.frames);
+        let iommu = Arc::new(iommu::Iommu::new(Arc::clone(&mem)));
+        let hv = Arc::new(Self {
+            mem,
+            frames,
+            domains: RwLock::new(vec![None; MAX_DOMAINS]),
+            grant_optimised: AtomicBool::new(cfg.grant_path == GrantPath::Optimised),
+            irqs: (0..NR_VECTORS).map(|_| AtomicU64::new(0)).collect(),
+            irq_unbound: AtomicU64::new(0),
+            store: store::Store::new(),
+            iommu,
+            zombies: Mutex::new(Vec::new()),
+        });
+        hv.iommu_setup()?;
+        Ok(hv)
+    }
+
+    /// Machine memory (for device models' DMA through the IOMMU, and tools).
+    pub fn machine_memory(&self) -> &Arc<MachineMemory> {
+        &self.mem
+    }
+    /// The frame table.
+    pub fn frame_table(&self) -> &FrameTable {
+        &self.frames
+    }
+    /// The store.
+    pub fn store(&self) -> &store::Store {
+        &self.store
+    }
+    /// The IOMMU.
+    pub fn iommu(&self) -> &Arc<iommu::Iommu> {
+        &self.iommu
+    }
+
+    /// Looks a domain up (`rcu_lock_domain_by_id`).
+    #[inline]
+    pub fn domain(&self, id: DomId) -> Option<Arc<Domain>> {
+        let d = self.domains.read().unwrap_or_else(|p| p.into_inner());
+        d.get(id.0 as usize)?.as_ref().filter(|d| !d.is_dying()).cloned()
+    }
+
+    /// Creates a domain: allocates and scrubs its frames, builds its P2M, grant table,
+    /// event channels and window. Frames are scrubbed so that nothing of a previous
+    /// owner survives.
+    pub fn create_domain(&self, cfg: &DomainConfig) -> Result<Arc<Domain>, HvError> {
+        let mut doms = self.domains.write().unwrap_or_else(|p| p.into_inner());
+        let id = doms.iter().position(Option::is_none).ok_or(HvError::TooManyDomains)?;
+        let id = DomId(id as u16);
+        let mut p2m = Vec::with_capacity(cfg.pages as usize);
+        for _ in 0..cfg.pages {
+            match self.frames.alloc(id) {
+                Ok(m) => {
+                    let _ = self.mem.fill(m, 0, PAGE_SIZE, 0);
+                    p2m.push(m);
+                }
+                Err(_) => {
+                    for m in p2m {
+                        let _ = self.frames.free(m);
+                    }
+                    return Err(HvError::OutOfMemory);
+                }
+            }
+        }
+        let d = Arc::new(Domain::new(id, cfg, Arc::clone(&self.mem), p2m.into_boxed_slice())?);
+        doms[id.0 as usize] = Some(Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// Destroys a domain: its mappings of others' grants are unmapped and released, its
+    /// event channels closed (peers see them unbound), its devices detached from the
+    /// IOMMU, and its frames freed once nothing references them.
+    pub fn destroy_domain(&self, id: DomId) -> Result<(), HvError> {
+        let d = self.domain(id).ok_or(HvError::NoSuchDomain(id))?;
+        d.dying.store(true, Ordering::Release);
+        let handles = d.maptrack.lock().unwrap_or_else(|p| p.into_inner()).handles();
+        for h in handles {
+            let _ = self.unmap_one(&d, h);
+        }
+        for p in 1..event::NR_EVENT_CHANNELS {
+            if !matches!(d.evtchn.state(Port(p)), Ok(ChannelState::Free)) {
+                let _ = self.evtchn_close(&d, Port(p));
+            }
+        }
+        self.iommu.detach_domain(id);
+        self.iommu_teardown(id);
+        for v in d.vcpus.iter() {
+            v.kick();
+        }
+        self.domains.write().unwrap_or_else(|p| p.into_inner())[id.0 as usize] = None;
+        let mut z = self.zombies.lock().unwrap_or_else(|p| p.into_inner());
+        for &m in d.p2m.iter() {
+            if self.frames.free(m).is_err() {
+                z.push(m);
+            }
+        }
+        drop(z);
+        self.reap();
+        Ok(())
+    }
+
+    /// Frees frames of destroyed domains that are no longer referenced. Returns how many
+    /// are still held.
+    pub fn reap(&self) -> usize {
+        let mut z = self.zombies.lock().unwrap_or_else(|p| p.into_inner());
+        z.retain(|&m| self.frames.free(m).is_err());
+        z.len()
+    }
+
+    /// The machine frame behind a domain's guest frame (a privileged look-up for tools
+    /// and tests; domains themselves never need machine frame numbers).
+    pub fn gfn_to_mfn(&self, dom: &Domain, gfn: Gfn) -> Option<Mfn> {
+        dom.gfn_to_mfn(gfn).ok()
+    }
+
+    /// All live domains.
+    pub fn domains(&self) -> Vec<Arc<Domain>> {
+        self.domains.read().unwrap_or_else(|p| p.into_inner()).iter().flatten().cloned().collect()
+    }
+}

@@ -1,0 +1,208 @@
+//! Domains: their frames (P2M), an accessor to their own memory only, their grant table,
+//! event channels, foreign-map window and vCPUs.
+//!
+//! Guest frame layout (fixed at creation, so that tests and tools can find things):
+//!
+//! | gfn | what |
+//! |---|---|
+//! | 0 | shared info: vCPU info blocks, event pending and mask bitmaps |
+//! | 1 .. 1+G | grant-table frames (entries) |
+//! | then S frames | v2 grant status frames (none for v1) |
+//! | the rest | the domain's own pages, handed out by [`Domain::alloc_page`] |
+
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use mem::{FramePage, MachineMemory, MapWindow, MemError};
+
+use crate::event::EventChannels;
+use crate::grant::{GrantTable, GrantVersion, Maptrack};
+use crate::types::{DomId, Gfn, Mfn};
+use crate::vcpu::VcpuState;
+
+/// What a new domain gets.
+#[derive(Debug, Clone)]
+pub struct DomainConfig {
+    /// A name for reports.
+    pub name: String,
+    /// Frames of memory, including the reserved ones of the layout above.
+    pub pages: u32,
+    /// Grant-table frames (entries: 512 per frame for v1, 256 for v2).
+    pub grant_frames: u32,
+    /// Grant-table layout.
+    pub grant_version: GrantVersion,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Pages of the foreign-map window (how many grants it can map at once).
+    pub map_slots: u32,
+    /// A driver domain: its time counts as `kernel0`/`xen0` in Table 3.
+    pub driver_domain: bool,
+}
+
+impl Default for DomainConfig {
+    fn default() -> Self {
+        Self {
+            name: "guest".into(),
+            pages: 1024,
+            grant_frames: 4,
+            grant_version: GrantVersion::V1,
+            vcpus: 1,
+            map_slots: 1024,
+            driver_domain: false,
+        }
+    }
+}
+
+/// Why a domain operation on its own memory was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DomainError {
+    /// The guest frame is beyond this domain's memory.
+    #[error("guest frame {0:#x} is not this domain's")]
+    BadGfn(u32),
+    /// The access does not fit in the page, or is misaligned.
+    #[error("bad access: {0}")]
+    Access(#[from] MemError),
+    /// The domain has no free page left.
+    #[error("domain out of memory")]
+    OutOfMemory,
+    /// The domain is being destroyed.
+    #[error("domain is dying")]
+    Dying,
+}
+
+/// A domain. Code running "inside" a domain holds an `Arc<Domain>` for its own memory
+/// and calls the [`crate::Hypervisor`] for everything foreign.
+#[derive(Debug)]
+pub struct Domain {
+    pub(crate) id: DomId,
+    pub(crate) name: String,
+    pub(crate) driver_domain: bool,
+    pub(crate) mem: Arc<MachineMemory>,
+    /// Guest frame → machine frame. Fixed for the domain's life, so lookups need no lock.
+    pub(crate) p2m: Box<[Mfn]>,
+    free_pages: Mutex<Vec<Gfn>>,
+    pub(crate) grant: GrantTable,
+    pub(crate) evtchn: EventChannels,
+    pub(crate) window: Arc<MapWindow>,
+    pub(crate) maptrack: Mutex<Maptrack>,
+    pub(crate) vcpus: Box<[VcpuState]>,
+    pub(crate) dying: AtomicBool,
+}
+
+/// The shared-info frame.
+pub const SHARED_INFO_GFN: Gfn = Gfn(0);
+/// First grant-table frame.
+pub const GRANT_FRAMES_START: u32 = 1;
+
+impl Domain {
+    pub(crate) fn new(id: DomId, cfg: &DomainConfig, mem: Arc<MachineMemory>, p2m: Box<[Mfn]>) -> std::io::Result<Self> {
+        let grant = GrantTable::new(cfg.grant_version, cfg.grant_frames);
+        let reserved = GRANT_FRAMES_START + grant.entry_frames() + grant.status_frames();
+        let free_pages = (reserved..p2m.len() as u32).rev().map(Gfn).collect();
+        let window = Arc::new(MapWindow::new(Arc::clone(&mem), cfg.map_slots)?);
+        Ok(Self {
+            id,
+            name: cfg.name.clone(),
+            driver_domain: cfg.driver_domain,
+            mem,
+            p2m,
+            free_pages: Mutex::new(free_pages),
+            grant,
+            evtchn: EventChannels::new(),
+            window,
+            maptrack: Mutex::new(Maptrack::new(cfg.map_slots)),
+            vcpus: (0..cfg.vcpus.max(1)).map(VcpuState::new).collect(),
+            dying: AtomicBool::new(false),
+        })
+    }
+
+    /// This domain's identifier.
+    pub fn id(&self) -> DomId {
+        self.id
+    }
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Whether it is a driver domain.
+    pub fn is_driver_domain(&self) -> bool {
+        self.driver_domain
+    }
+    /// Number of guest frames.
+    pub fn pages(&self) -> u32 {
+        self.p2m.len() as u32
+    }
+    /// Number of vCPUs.
+    pub fn vcpu_count(&self) -> u32 {
+        self.vcpus.len() as u32
+    }
+    /// Whether destruction has begun.
+    pub fn is_dying(&self) -> bool {
+        self.dying.load(Ordering::Acquire)
+    }
+
+    /// Machine frame of one of this domain's guest frames.
+    #[inline]
+    pub(crate) fn gfn_to_mfn(&self, gfn: Gfn) -> Result<Mfn, DomainError> {
+        self.p2m.get(gfn.0 as usize).copied().ok_or(DomainError::BadGfn(gfn.0))
+    }
+
+    /// Hands out one of the domain's free pages (its kernel's page allocator).
+    pub fn alloc_page(&self) -> Result<Gfn, DomainError> {
+        self.free_pages.lock().map_err(|_| DomainError::OutOfMemory)?.pop().ok_or(DomainError::OutOfMemory)
+    }
+    /// Returns a page to the domain's allocator.
+    pub fn free_page(&self, gfn: Gfn) -> Result<(), DomainError> {
+        self.gfn_to_mfn(gfn)?;
+        self.free_pages.lock().map_err(|_| DomainError::OutOfMemory)?.push(gfn);
+        Ok(())
+    }
+    /// Free pages left.
+    pub fn free_page_count(&self) -> usize {
+        self.free_pages.lock().map(|f| f.len()).unwrap_or(0)
+    }
+
+    /// Copies bytes out of one of this domain's pages.
+    #[inline]
+    pub fn read(&self, gfn: Gfn, offset: usize, buf: &mut [u8]) -> Result<(), DomainError> {
+        Ok(self.mem.read(self.gfn_to_mfn(gfn)?, offset, buf)?)
+    }
+    /// Copies bytes into one of this domain's pages.
+    #[inline]
+    pub fn write(&self, gfn: Gfn, offset: usize, data: &[u8]) -> Result<(), DomainError> {
+        Ok(self.mem.write(self.gfn_to_mfn(gfn)?, offset, data)?)
+    }
+    /// Fills part of one of this domain's pages.
+    pub fn fill(&self, gfn: Gfn, offset: usize, len: usize, byte: u8) -> Result<(), DomainError> {
+        Ok(self.mem.fill(self.gfn_to_mfn(gfn)?, offset, len, byte)?)
+    }
+    /// A 16-bit word of this domain's memory as an atomic.
+    pub fn atomic_u16(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU16, DomainError> {
+        Ok(self.mem.atomic_u16(self.gfn_to_mfn(gfn)?, offset)?)
+    }
+    /// A 32-bit word of this domain's memory as an atomic.
+    pub fn atomic_u32(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU32, DomainError> {
+        Ok(self.mem.atomic_u32(self.gfn_to_mfn(gfn)?, offset)?)
+    }
+    /// A 64-bit word of this domain's memory as an atomic.
+    pub fn atomic_u64(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU64, DomainError> {
+        Ok(self.mem.atomic_u64(self.gfn_to_mfn(gfn)?, offset)?)
+    }
+    /// One of this domain's pages as a [`mem::PageAccess`] (to host a shared ring, say).
+    pub fn page(&self, gfn: Gfn) -> Result<FramePage, DomainError> {
+        Ok(FramePage::new(Arc::clone(&self.mem), self.gfn_to_mfn(gfn)?)?)
+    }
+    /// The domain's vCPUs (CPU time, samples, wake counters).
+    pub fn vcpus(&self) -> &[VcpuState] {
+        &self.vcpus
+    }
+    /// This domain's foreign-map window: where grant maps land; read and write mapped
+    /// pages through it.
+    pub fn window(&self) -> &Arc<MapWindow> {
+        &self.window
+    }
+    /// The domain's grant table (the guest side: issuing and revoking grants).
+    pub fn grant_table(&self) -> crate::grant::GuestGrants<'_> {
+        crate::grant::GuestGrants::new(self)
+    }
+}

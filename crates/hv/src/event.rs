@@ -1,0 +1,388 @@
+//! Event channels with the 2-level ABI, and virtual IRQs.
+//!
+//! Layout of the shared-info frame (gfn 0 of every domain), as Xen's `shared_info` on
+//! x86-64: 32 vCPU-info blocks of 64 bytes, then `evtchn_pending[64]` and
+//! `evtchn_mask[64]` (64-bit words: 4096 ports). In a vCPU-info block, the 16-bit word at
+//! 0 holds `evtchn_upcall_pending` (low byte) and `evtchn_upcall_mask` (high byte); the
+//! 64-bit word at 8 is `evtchn_pending_sel`, one bit per pending word.
+//!
+//! Delivery (`evtchn_set_pending`): set the port's pending bit; if it was clear and the
+//! port is not masked, set the word's bit in the notified vCPU's selector, then set
+//! `upcall_pending` and kick the vCPU if that was clear. A masked port stays pending and
+//! is delivered by `unmask`, which redoes the selector and upcall steps. The guest
+//! consumes with [`Domain::take_pending`]: clear `upcall_pending`, swap the selector to
+//! zero, and for each selected word take the pending and unmasked bits.
+//!
+//! Every port number from a caller is checked against the table, and binding state is a
+//! single atomic word per port, so `send` on the hot path takes no lock.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::domain::{Domain, SHARED_INFO_GFN};
+use crate::profile::{enter, Class};
+use crate::types::{DomId, Port, Vector};
+use crate::Hypervisor;
+
+/// Ports per domain in the 2-level ABI with 64-bit words: 64 × 64.
+pub const NR_EVENT_CHANNELS: u32 = 4096;
+/// Size of one vCPU-info block.
+pub const VCPU_INFO_SIZE: usize = 64;
+/// vCPU-info blocks in the shared-info frame.
+pub const MAX_VIRT_CPUS: u32 = 32;
+/// Offset of `evtchn_pending` in the shared-info frame.
+pub const EVTCHN_PENDING: usize = VCPU_INFO_SIZE * MAX_VIRT_CPUS as usize;
+/// Offset of `evtchn_mask`.
+pub const EVTCHN_MASK: usize = EVTCHN_PENDING + 64 * 8;
+const UPCALL_PENDING_SEL: usize = 8;
+
+const ST_FREE: u64 = 0;
+const ST_UNBOUND: u64 = 1;
+const ST_INTERDOMAIN: u64 = 2;
+const ST_PIRQ: u64 = 3;
+
+/// What an event channel is connected to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChannelState {
+    /// Not allocated.
+    Free,
+    /// Allocated, waiting for `remote` to bind to it.
+    Unbound { remote: DomId },
+    /// Connected to `remote_port` of `remote`.
+    Interdomain { remote: DomId, remote_port: Port },
+    /// Receives a physical interrupt vector.
+    Pirq { vector: Vector },
+}
+
+impl ChannelState {
+    fn encode(self, notify_vcpu: u32) -> u64 {
+        let v = (notify_vcpu as u64 & 0xff) << 8;
+        v | match self {
+            ChannelState::Free => ST_FREE,
+            ChannelState::Unbound { remote } => ST_UNBOUND | (remote.0 as u64) << 16,
+            ChannelState::Interdomain { remote, remote_port } => {
+                ST_INTERDOMAIN | (remote.0 as u64) << 16 | (remote_port.0 as u64) << 32
+            }
+            ChannelState::Pirq { vector } => ST_PIRQ | (vector.0 as u64) << 32,
+        }
+    }
+    fn decode(w: u64) -> (Self, u32) {
+        let vcpu = ((w >> 8) & 0xff) as u32;
+        let remote = DomId((w >> 16) as u16);
+        let s = match w & 7 {
+            ST_UNBOUND => ChannelState::Unbound { remote },
+            ST_INTERDOMAIN => ChannelState::Interdomain { remote, remote_port: Port((w >> 32) as u32) },
+            ST_PIRQ => ChannelState::Pirq { vector: Vector((w >> 32) as u8) },
+            _ => ChannelState::Free,
+        };
+        (s, vcpu)
+    }
+}
+
+/// Why an event-channel operation was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EvtchnError {
+    /// The port number is beyond the domain's table.
+    #[error("port {0} out of range")]
+    PortOutOfRange(u32),
+    /// The port is not bound to anything that can be signalled.
+    #[error("port {0} is not bound")]
+    NotBound(u32),
+    /// No free port left.
+    #[error("no free event channel")]
+    NoFreePort,
+    /// The remote domain does not exist or is dying.
+    #[error("remote domain {0} does not exist")]
+    NoSuchDomain(DomId),
+    /// The remote port is not an unbound port offered to the caller.
+    #[error("remote port {0} is not offered to this domain")]
+    NotOffered(u32),
+    /// The vCPU does not exist.
+    #[error("no such vcpu {0}")]
+    BadVcpu(u32),
+    /// The interrupt vector is already routed.
+    #[error("vector {0} already bound")]
+    VectorInUse(u8),
+    /// The interrupt vector is not routed to any domain.
+    #[error("vector {0} is not bound")]
+    VectorUnbound(u8),
+}
+
+/// A domain's event-channel table.
+#[derive(Debug)]
+pub struct EventChannels {
+    ports: Box<[AtomicU64]>,
+    /// Serialises allocation and binding changes (Xen's per-domain event lock); `send`
+    /// reads the port words without it.
+    lock: Mutex<()>,
+}
+
+impl EventChannels {
+    pub(crate) fn new() -> Self {
+        Self { ports: (0..NR_EVENT_CHANNELS).map(|_| AtomicU64::new(0)).collect(), lock: Mutex::new(()) }
+    }
+
+    fn word(&self, port: Port) -> Result<&AtomicU64, EvtchnError> {
+        self.ports.get(port.0 as usize).ok_or(EvtchnError::PortOutOfRange(port.0))
+    }
+
+    /// State of a port.
+    pub fn state(&self, port: Port) -> Result<ChannelState, EvtchnError> {
+        Ok(ChannelState::decode(self.word(port)?.load(Ordering::Acquire)).0)
+    }
+
+    fn set(&self, port: Port, s: ChannelState, vcpu: u32) {
+        if let Ok(w) = self.word(port) {
+            w.store(s.encode(vcpu), Ordering::Release);
+        }
+    }
+
+    /// First free port (port 0 is never used, as in Xen). Caller holds `lock`.
+    fn alloc(&self) -> Result<Port, EvtchnError> {
+        (1..NR_EVENT_CHANNELS)
+            .map(Port)
+            .find(|p| self.ports[p.0 as usize].load(Ordering::Relaxed) & 7 == ST_FREE)
+            .ok_or(EvtchnError::NoFreePort)
+    }
+}
+
+fn bit(port: Port) -> (usize, u64) {
+    ((port.0 / 64) as usize, 1u64 << (port.0 % 64))
+}
+
+impl Domain {
+    fn evtchn_word(&self, base: usize, word: usize) -> Option<&AtomicU64> {
+        self.atomic_u64(SHARED_INFO_GFN, base + word * 8).ok()
+    }
+    fn upcall_word(&self, vcpu: u32) -> Option<&std::sync::atomic::AtomicU16> {
+        self.atomic_u16(SHARED_INFO_GFN, vcpu as usize * VCPU_INFO_SIZE).ok()
+    }
+    fn pending_sel(&self, vcpu: u32) -> Option<&AtomicU64> {
+        self.atomic_u64(SHARED_INFO_GFN, vcpu as usize * VCPU_INFO_SIZE + UPCALL_PENDING_SEL).ok()
+    }
+
+    /// The state of one of this domain's ports.
+    pub fn evtchn_state(&self, port: Port) -> Result<ChannelState, EvtchnError> {
+        self.evtchn.state(port)
+    }
+
+    /// Masks a port (the guest sets the bit in its own shared-info page).
+    pub fn evtchn_mask(&self, port: Port) -> Result<(), EvtchnError> {
+        self.evtchn.word(port)?;
+        let (w, b) = bit(port);
+        if let Some(m) = self.evtchn_word(EVTCHN_MASK, w) {
+            m.fetch_or(b, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// Whether a port's pending bit is set.
+    pub fn evtchn_is_pending(&self, port: Port) -> Result<bool, EvtchnError> {
+        self.evtchn.word(port)?;
+        let (w, b) = bit(port);
+        Ok(self.evtchn_word(EVTCHN_PENDING, w).is_some_and(|p| p.load(Ordering::Acquire) & b != 0))
+    }
+
+    /// Whether vCPU `vcpu` has an upcall pending.
+    #[inline]
+    pub fn upcall_pending(&self, vcpu: u32) -> bool {
+        self.upcall_word(vcpu).is_some_and(|u| u.load(Ordering::Acquire) & 0xff != 0)
+    }
+
+    /// The guest's upcall handler: takes every pending, unmasked port notified to
+    /// `vcpu`, clearing each pending bit before calling `f` (so an event that arrives
+    /// during `f` is seen again). Returns how many ports were handled.
+    pub fn take_pending(&self, vcpu: u32, mut f: impl FnMut(Port)) -> usize {
+        let _c = enter(Class::Interrupt);
+        let (Some(up), Some(sel)) = (self.upcall_word(vcpu), self.pending_sel(vcpu)) else {
+            return 0;
+        };
+        // Clear upcall_pending first: an event set after this re-raises it.
+        up.fetch_and(!0xff, Ordering::SeqCst);
+        let mut sel_bits = sel.swap(0, Ordering::SeqCst);
+        let mut n = 0;
+        while sel_bits != 0 {
+            let w = sel_bits.trailing_zeros() as usize;
+            sel_bits &= sel_bits - 1;
+            let (Some(pend), Some(mask)) = (self.evtchn_word(EVTCHN_PENDING, w), self.evtchn_word(EVTCHN_MASK, w))
+            else {
+                continue;
+            };
+            let mut ready = pend.load(Ordering::Acquire) & !mask.load(Ordering::Acquire);
+            while ready != 0 {
+                let b = ready.trailing_zeros();
+                ready &= ready - 1;
+                pend.fetch_and(!(1u64 << b), Ordering::SeqCst);
+                f(Port(w as u32 * 64 + b));
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+impl Hypervisor {
+    /// `EVTCHNOP_alloc_unbound`: a new port of `dom` that `remote` may bind to.
+    pub fn evtchn_alloc_unbound(&self, dom: &Domain, remote: DomId) -> Result<Port, EvtchnError> {
+        let _c = enter(Class::XenEvent);
+        let _g = dom.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
+        let p = dom.evtchn.alloc()?;
+        dom.evtchn.set(p, ChannelState::Unbound { remote }, 0);
+        Ok(p)
+    }
+
+    /// `EVTCHNOP_bind_interdomain`: connects a new port of `dom` to `remote_port` of
+    /// `remote`, which must be unbound and offered to `dom`.
+    pub fn evtchn_bind_interdomain(&self, dom: &Domain, remote: DomId, remote_port: Port) -> Result<Port, EvtchnError> {
+        let _c = enter(Class::XenEvent);
+        let rd = self.domain(remote).ok_or(EvtchnError::NoSuchDomain(remote))?;
+        // Lock both tables in domain-id order so two binds cannot deadlock.
+        let (first, second) = if dom.id <= rd.id { (dom, &*rd) } else { (&*rd, dom) };
+        let _g1 = first.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
+        let _g2 = if dom.id != rd.id { Some(second.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?) } else { None };
+        match rd.evtchn.state(remote_port)? {
+            ChannelState::Unbound { remote: offered } if offered == dom.id => {}
+            _ => return Err(EvtchnError::NotOffered(remote_port.0)),
+        }
+        let p = dom.evtchn.alloc()?;
+        dom.evtchn.set(p, ChannelState::Interdomain { remote, remote_port }, 0);
+        rd.evtchn.set(remote_port, ChannelState::Interdomain { remote: dom.id, remote_port: p }, 0);
+        Ok(p)
+    }
+
+    /// `EVTCHNOP_send`: signals the other end of an interdomain channel.
+    #[inline]
+    pub fn evtchn_send(&self, dom: &Domain, port: Port) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenEvent);
+        let (state, _) = ChannelState::decode(dom.evtchn.word(port)?.load(Ordering::Acquire));
+        let ChannelState::Interdomain { remote, remote_port } = state else {
+            return Err(EvtchnError::NotBound(port.0));
+        };
+        let rd = self.domain(remote).ok_or(EvtchnError::NoSuchDomain(remote))?;
+        self.set_pending(&rd, remote_port);
+        Ok(())
+    }
+
+    /// Marks `port` of `dom` pending and notifies its vCPU (`evtchn_set_pending`).
+    pub(crate) fn set_pending(&self, dom: &Domain, port: Port) {
+        let Ok(w) = dom.evtchn.word(port) else { return };
+        let (_, vcpu) = ChannelState::decode(w.load(Ordering::Relaxed));
+        let (wi, b) = bit(port);
+        let (Some(pend), Some(mask)) = (dom.evtchn_word(EVTCHN_PENDING, wi), dom.evtchn_word(EVTCHN_MASK, wi)) else {
+            return;
+        };
+        // SeqCst on the bitmap words: the guest's unmask (clear mask, then test pending)
+        // and this path (set pending, then test mask) must not both miss each other.
+        if pend.fetch_or(b, Ordering::SeqCst) & b != 0 {
+            return; // already pending: the first setter notified
+        }
+        if mask.load(Ordering::SeqCst) & b != 0 {
+            return; // delivered by unmask
+        }
+        self.raise_upcall(dom, vcpu, wi);
+    }
+
+    fn raise_upcall(&self, dom: &Domain, vcpu: u32, word: usize) {
+        let (Some(sel), Some(up)) = (dom.pending_sel(vcpu), dom.upcall_word(vcpu)) else { return };
+        sel.fetch_or(1 << word, Ordering::SeqCst);
+        if up.fetch_or(1, Ordering::SeqCst) & 0xff == 0 {
+            if let Some(v) = dom.vcpus.get(vcpu as usize) {
+                v.kick();
+            }
+        }
+    }
+
+    /// `EVTCHNOP_unmask`: clears the mask bit and delivers an event that arrived while
+    /// masked.
+    pub fn evtchn_unmask(&self, dom: &Domain, port: Port) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenEvent);
+        let (_, vcpu) = ChannelState::decode(dom.evtchn.word(port)?.load(Ordering::Acquire));
+        let (wi, b) = bit(port);
+        let (Some(pend), Some(mask)) = (dom.evtchn_word(EVTCHN_PENDING, wi), dom.evtchn_word(EVTCHN_MASK, wi)) else {
+            return Ok(());
+        };
+        if mask.fetch_and(!b, Ordering::SeqCst) & b != 0 && pend.load(Ordering::SeqCst) & b != 0 {
+            self.raise_upcall(dom, vcpu, wi);
+        }
+        Ok(())
+    }
+
+    /// `EVTCHNOP_close`: frees a port; the peer's end of an interdomain channel goes back
+    /// to unbound (offered to us again), as in Xen.
+    pub fn evtchn_close(&self, dom: &Domain, port: Port) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenEvent);
+        let state = dom.evtchn.state(port)?;
+        match state {
+            ChannelState::Free => return Err(EvtchnError::NotBound(port.0)),
+            ChannelState::Interdomain { remote, remote_port } => {
+                if let Some(rd) = self.domain(remote) {
+                    let _g = rd.evtchn.lock.lock();
+                    if rd.evtchn.state(remote_port)
+                        == Ok(ChannelState::Interdomain { remote: dom.id, remote_port: port })
+                    {
+                        rd.evtchn.set(remote_port, ChannelState::Unbound { remote: dom.id }, 0);
+                    }
+                }
+            }
+            ChannelState::Pirq { vector } => self.irq_unbind(vector),
+            ChannelState::Unbound { .. } => {}
+        }
+        let _g = dom.evtchn.lock.lock();
+        dom.evtchn.set(port, ChannelState::Free, 0);
+        let (wi, b) = bit(port);
+        if let Some(p) = dom.evtchn_word(EVTCHN_PENDING, wi) {
+            p.fetch_and(!b, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// `EVTCHNOP_bind_vcpu`: which vCPU a port notifies.
+    pub fn evtchn_bind_vcpu(&self, dom: &Domain, port: Port, vcpu: u32) -> Result<(), EvtchnError> {
+        if vcpu >= dom.vcpu_count() {
+            return Err(EvtchnError::BadVcpu(vcpu));
+        }
+        let _g = dom.evtchn.lock.lock();
+        let s = dom.evtchn.state(port)?;
+        dom.evtchn.set(port, s, vcpu);
+        Ok(())
+    }
+
+    /// Routes physical interrupt `vector` to a new port of `dom` (`PHYSDEVOP` +
+    /// `EVTCHNOP_bind_pirq`): the device raises the vector, the hypervisor sets the port.
+    pub fn bind_irq(&self, dom: &Domain, vector: Vector) -> Result<Port, EvtchnError> {
+        let _g = dom.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
+        let p = dom.evtchn.alloc()?;
+        let route = (1u64 << 63) | (dom.id.0 as u64) << 32 | p.0 as u64;
+        self.irqs[vector.0 as usize]
+            .compare_exchange(0, route, Ordering::AcqRel, Ordering::Relaxed)
+            .map_err(|_| EvtchnError::VectorInUse(vector.0))?;
+        dom.evtchn.set(p, ChannelState::Pirq { vector }, 0);
+        Ok(p)
+    }
+
+    fn irq_unbind(&self, vector: Vector) {
+        self.irqs[vector.0 as usize].store(0, Ordering::Release);
+    }
+
+    /// A device model raises `vector`: the hypervisor turns it into an event on the
+    /// owner's port (the virtual IRQ). Runs in the device's thread, charged to no domain.
+    #[inline]
+    pub fn raise_irq(&self, vector: Vector) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenInterrupt);
+        let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
+        if route >> 63 == 0 {
+            self.irq_unbound.fetch_add(1, Ordering::Relaxed);
+            return Err(EvtchnError::VectorUnbound(vector.0));
+        }
+        let dom = DomId((route >> 32) as u16);
+        let port = Port(route as u32);
+        let d = self.domain(dom).ok_or(EvtchnError::NoSuchDomain(dom))?;
+        self.set_pending(&d, port);
+        Ok(())
+    }
+
+    /// Interrupts raised on vectors routed nowhere.
+    pub fn irq_unbound_count(&self) -> u64 {
+        self.irq_unbound.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,431 @@
+//! The store: a xenstore-like tree of paths with per-node permissions and watches, and
+//! the xenbus state machine front and back ends use to negotiate and connect.
+//!
+//! Domain 0 (the toolstack) may do anything. Another domain may read a node it owns or
+//! that grants it read, and write one it owns or that grants it write; a new node needs
+//! write permission on its nearest existing ancestor, inherits that ancestor's
+//! permissions and is owned by its creator (as xenstored does). Paths, values and the
+//! number of nodes a domain owns are bounded, so a hostile domain cannot grow the store
+//! without limit. A watch fires once when set and then on every change at or below its
+//! path that the watcher may read.
+//!
+//! The store is the control plane, off the data path: it allocates and locks freely.
+//! Transactions are not implemented (front and back ends here write one key at a time).
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
+
+use crate::types::DomId;
+
+/// Longest path (`XENSTORE_ABS_PATH_MAX`).
+pub const MAX_PATH: usize = 3072;
+/// Longest value (`XENSTORE_PAYLOAD_MAX`).
+pub const MAX_VALUE: usize = 4096;
+/// Nodes one (unprivileged) domain may own (xenstored's default entry quota).
+pub const MAX_NODES_PER_DOMAIN: usize = 1000;
+/// Watches one (unprivileged) domain may hold (xenstored's default).
+pub const MAX_WATCHES_PER_DOMAIN: usize = 128;
+
+/// Access a domain has to a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Perm {
+    /// Read only.
+    Read,
+    /// Write only.
+    Write,
+    /// Read and write.
+    Both,
+}
+
+/// Why a store operation failed (xenstore's errno names).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// No such node (`ENOENT`).
+    #[error("no such node {0}")]
+    NoEntry(String),
+    /// Not permitted (`EACCES`).
+    #[error("permission denied on {0}")]
+    Denied(String),
+    /// Malformed path or oversized value (`EINVAL`).
+    #[error("invalid path or value")]
+    Invalid,
+    /// Quota exceeded (`EQUOTA`).
+    #[error("quota exceeded")]
+    Quota,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    value: String,
+    owner: DomId,
+    perms: Vec<(DomId, Perm)>,
+}
+
+/// A watch event: the path that changed and the token given when watching.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchEvent {
+    /// Node that changed (or was removed).
+    pub path: String,
+    /// The watcher's token.
+    pub token: String,
+}
+
+#[derive(Debug)]
+struct Watch {
+    dom: DomId,
+    path: String,
+    token: String,
+    tx: Sender<WatchEvent>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    nodes: BTreeMap<String, Node>,
+    watches: Vec<Watch>,
+}
+
+/// The store.
+#[derive(Debug)]
+pub struct Store {
+    inner: Mutex<Inner>,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn valid_path(p: &str) -> bool {
+    p.len() <= MAX_PATH
+        && p.starts_with('/')
+        && (p == "/" || !p.ends_with('/'))
+        && !p.contains("//")
+        && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"/-_@.".contains(&b))
+}
+
+fn parent(p: &str) -> Option<&str> {
+    if p == "/" {
+        return None;
+    }
+    Some(match p.rfind('/') {
+        Some(0) => "/",
+        Some(i) => &p[..i],
+        None => "/",
+    })
+}
+
+/// Whether `path` is `base` or below it.
+fn is_at_or_below(path: &str, base: &str) -> bool {
+    base == "/" || path == base || (path.starts_with(base) && path.as_bytes().get(base.len()) == Some(&b'/'))
+}
+
+impl Node {
+    fn allows(&self, dom: DomId, write: bool) -> bool {
+        if dom == DomId::DOM0 || dom == self.owner {
+            return true;
+        }
+        self.perms.iter().any(|(d, p)| {
+            *d == dom && matches!((p, write), (Perm::Both, _) | (Perm::Read, false) | (Perm::Write, true))
+        })
+    }
+}
+
+impl Inner {
+    fn notify(&mut self, changed: &str) {
+        let readable = |dom: DomId, nodes: &BTreeMap<String, Node>| {
+            // A removed node: judge by its nearest existing ancestor.
+            let mut p = Some(changed);
+            while let Some(q) = p {
+                if let Some(n) = nodes.get(q) {
+                    return n.allows(dom, false);
+                }
+                p = parent(q);
+            }
+            dom == DomId::DOM0
+        };
+        let nodes = &self.nodes;
+        self.watches.retain(|w| {
+            if !is_at_or_below(changed, &w.path) || !readable(w.dom, nodes) {
+                return true;
+            }
+            // A watcher that has gone away is dropped.
+            w.tx.send(WatchEvent { path: changed.to_string(), token: w.token.clone() }).is_ok()
+        });
+    }
+
+    fn owned_by(&self, dom: DomId) -> usize {
+        self.nodes.values().filter(|n| n.owner == dom).count()
+    }
+}
+
+impl Store {
+    /// An empty store with the root owned by domain 0.
+    pub fn new() -> Self {
+        let mut nodes = BTreeMap::new();
+        nodes.insert("/".to_string(), Node { value: String::new(), owner: DomId::DOM0, perms: Vec::new() });
+        Self { inner: Mutex::new(Inner { nodes, watches: Vec::new() }) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads a node.
+    pub fn read(&self, caller: DomId, path: &str) -> Result<String, StoreError> {
+        if !valid_path(path) {
+            return Err(StoreError::Invalid);
+        }
+        let g = self.lock();
+        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        if !n.allows(caller, false) {
+            return Err(StoreError::Denied(path.into()));
+        }
+        Ok(n.value.clone())
+    }
+
+    /// Writes a node, creating it and any missing ancestors.
+    pub fn write(&self, caller: DomId, path: &str, value: &str) -> Result<(), StoreError> {
+        if !valid_path(path) || value.len() > MAX_VALUE {
+            return Err(StoreError::Invalid);
+        }
+        let mut g = self.lock();
+        if let Some(n) = g.nodes.get_mut(path) {
+            if !n.allows(caller, true) {
+                return Err(StoreError::Denied(path.into()));
+            }
+            n.value = value.to_string();
+        } else {
+            // Nearest existing ancestor decides, and gives its permissions.
+            let mut missing = vec![path.to_string()];
+            let mut p = parent(path);
+            let anc = loop {
+                let Some(q) = p else { return Err(StoreError::Invalid) };
+                if let Some(n) = g.nodes.get(q) {
+                    break n.clone();
+                }
+                missing.push(q.to_string());
+                p = parent(q);
+            };
+            if !anc.allows(caller, true) {
+                return Err(StoreError::Denied(path.into()));
+            }
+            if caller != DomId::DOM0 && g.owned_by(caller) + missing.len() > MAX_NODES_PER_DOMAIN {
+                return Err(StoreError::Quota);
+            }
+            let owner = if caller == DomId::DOM0 { anc.owner } else { caller };
+            for (i, m) in missing.iter().rev().enumerate() {
+                let v = if i + 1 == missing.len() { value.to_string() } else { String::new() };
+                g.nodes.insert(m.clone(), Node { value: v, owner, perms: anc.perms.clone() });
+            }
+        }
+        g.notify(path);
+        Ok(())
+    }
+
+    /// Removes a node and everything below it.
+    pub fn rm(&self, caller: DomId, path: &str) -> Result<(), StoreError> {
+        if !valid_path(path) || path == "/" {
+            return Err(StoreError::Invalid);
+        }
+        let mut g = self.lock();
+        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        if !n.allows(caller, true) {
+            return Err(StoreError::Denied(path.into()));
+        }
+        let doomed: Vec<String> = g.nodes.keys().filter(|k| is_at_or_below(k, path)).cloned().collect();
+        for k in &doomed {
+            g.nodes.remove(k);
+        }
+        g.notify(path);
+        Ok(())
+    }
+
+    /// Names of a node's children.
+    pub fn directory(&self, caller: DomId, path: &str) -> Result<Vec<String>, StoreError> {
+        if !valid_path(path) {
+            return Err(StoreError::Invalid);
+        }
+        let g = self.lock();
+        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        if !n.allows(caller, false) {
+            return Err(StoreError::Denied(path.into()));
+        }
+        let prefix = if path == "/" { "/".to_string() } else { format!("{path}/") };
+        Ok(g.nodes
+            .range(prefix.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .filter_map(|(k, _)| {
+                let rest = &k[prefix.len()..];
+                (!rest.is_empty() && !rest.contains('/')).then(|| rest.to_string())
+            })
+            .collect())
+    }
+
+    /// Sets a node's owner and permissions (owner or domain 0 only).
+    pub fn set_perms(&self, caller: DomId, path: &str, owner: DomId, perms: &[(DomId, Perm)]) -> Result<(), StoreError> {
+        if !valid_path(path) {
+            return Err(StoreError::Invalid);
+        }
+        let mut g = self.lock();
+        let n = g.nodes.get_mut(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        if caller != DomId::DOM0 && caller != n.owner {
+            return Err(StoreError::Denied(path.into()));
+        }
+        n.owner = owner;
+        n.perms = perms.to_vec();
+        g.notify(path);
+        Ok(())
+    }
+
+    /// Watches `path` and below; the returned receiver gets one event at once (as
+    /// xenstore fires a new watch) and one per later change.
+    pub fn watch(&self, caller: DomId, path: &str, token: &str) -> Result<Receiver<WatchEvent>, StoreError> {
+        if !valid_path(path) {
+            return Err(StoreError::Invalid);
+        }
+        let (tx, rx) = channel();
+        let mut g = self.lock();
+        if caller != DomId::DOM0 && g.watches.iter().filter(|w| w.dom == caller).count() >= MAX_WATCHES_PER_DOMAIN {
+            return Err(StoreError::Quota);
+        }
+        let _ = tx.send(WatchEvent { path: path.to_string(), token: token.to_string() });
+        g.watches.push(Watch { dom: caller, path: path.to_string(), token: token.to_string(), tx });
+        Ok(rx)
+    }
+
+    /// Removes a domain's watch.
+    pub fn unwatch(&self, caller: DomId, path: &str, token: &str) {
+        self.lock().watches.retain(|w| !(w.dom == caller && w.path == path && w.token == token));
+    }
+
+    /// Reads `<dir>/state` as a xenbus state (missing or garbage reads as `Unknown`).
+    pub fn xenbus_state(&self, caller: DomId, dir: &str) -> XenbusState {
+        self.read(caller, &format!("{dir}/state")).ok().and_then(|v| v.parse::<u32>().ok()).map_or(XenbusState::Unknown, XenbusState::from_u32)
+    }
+
+    /// Moves `<dir>/state` to `to`, refusing transitions the xenbus protocol does not
+    /// have (so a confused peer cannot, say, jump from Closed to Connected).
+    pub fn switch_state(&self, caller: DomId, dir: &str, to: XenbusState) -> Result<(), StoreError> {
+        let from = self.xenbus_state(caller, dir);
+        if !from.may_become(to) {
+            return Err(StoreError::Invalid);
+        }
+        self.write(caller, &format!("{dir}/state"), &(to as u32).to_string())
+    }
+}
+
+/// `enum xenbus_state` of Xen's `io/xenbus.h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum XenbusState {
+    /// Not yet written.
+    Unknown = 0,
+    /// Setting up.
+    Initialising = 1,
+    /// Waiting for the peer's information (back ends, after publishing features).
+    InitWait = 2,
+    /// Information published (front ends, after writing ring refs and ports).
+    Initialised = 3,
+    /// Running.
+    Connected = 4,
+    /// Shutting down.
+    Closing = 5,
+    /// Shut down.
+    Closed = 6,
+    /// Reconfiguring (not used by network devices).
+    Reconfiguring = 7,
+    /// Reconfigured.
+    Reconfigured = 8,
+}
+
+impl XenbusState {
+    /// From the store's number; unknown numbers read as `Unknown`.
+    pub fn from_u32(v: u32) -> Self {
+        match v {
+            1 => Self::Initialising,
+            2 => Self::InitWait,
+            3 => Self::Initialised,
+            4 => Self::Connected,
+            5 => Self::Closing,
+            6 => Self::Closed,
+            7 => Self::Reconfiguring,
+            8 => Self::Reconfigured,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// Whether an end may move from `self` to `to`: forward through set-up, to Closing
+    /// from anywhere, Closing to Closed, and Closed back to Initialising (reconnect after
+    /// a back end restarts).
+    pub fn may_become(self, to: Self) -> bool {
+        use XenbusState::*;
+        match (self, to) {
+            (a, b) if a == b => true,
+            (_, Closing) => true,
+            (Closing, Closed) => true,
+            (Closed | Unknown, Initialising) => true,
+            (Unknown | Initialising, InitWait | Initialised) => true,
+            (InitWait, Initialised) => true,
+            (Initialising | InitWait | Initialised, Connected) => true,
+            (Connected, Reconfiguring) | (Reconfiguring, Reconfigured) | (Reconfigured, Connected) => true,
+            (Unknown, Closed) => true,
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permissions_and_watches() {
+        let s = Store::new();
+        let (d1, d2) = (DomId(1), DomId(2));
+        s.write(DomId::DOM0, "/local/domain/1", "").expect("toolstack");
+        s.set_perms(DomId::DOM0, "/local/domain/1", d1, &[]).expect("perms");
+        s.write(d1, "/local/domain/1/device/vif/0/state", "1").expect("own subtree");
+        assert_eq!(s.read(d2, "/local/domain/1/device/vif/0/state"), Err(StoreError::Denied("/local/domain/1/device/vif/0/state".into())));
+        assert!(matches!(s.write(d2, "/local/domain/1/x", "y"), Err(StoreError::Denied(_))));
+        s.set_perms(d1, "/local/domain/1/device/vif/0/state", d1, &[(d2, Perm::Read)]).expect("share");
+        let w = s.watch(d2, "/local/domain/1/device/vif/0/state", "tok").expect("watch");
+        assert_eq!(w.try_recv().map(|e| e.token), Ok("tok".to_string()), "fires once when set");
+        s.write(d1, "/local/domain/1/device/vif/0/state", "2").expect("write");
+        assert_eq!(w.try_recv().map(|e| e.path), Ok("/local/domain/1/device/vif/0/state".to_string()));
+        assert_eq!(s.directory(d1, "/local/domain/1/device/vif"), Ok(vec!["0".to_string()]));
+        assert_eq!(s.write(d1, "bad//path", "x"), Err(StoreError::Invalid));
+        assert_eq!(s.write(d1, "/local/domain/1/v", &"x".repeat(MAX_VALUE + 1)), Err(StoreError::Invalid));
+        s.rm(d1, "/local/domain/1/device").expect("rm");
+        assert!(matches!(s.read(d1, "/local/domain/1/device/vif/0/state"), Err(StoreError::NoEntry(_))));
+    }
+
+    #[test]
+    fn a_domain_cannot_exceed_its_node_quota() {
+        let s = Store::new();
+        s.write(DomId::DOM0, "/q", "").expect("mk");
+        s.set_perms(DomId::DOM0, "/q", DomId(3), &[]).expect("own");
+        // It already owns /q.
+        for i in 0..MAX_NODES_PER_DOMAIN - 1 {
+            s.write(DomId(3), &format!("/q/n{i}"), "v").expect("under quota");
+        }
+        assert_eq!(s.write(DomId(3), "/q/one-too-many", "v"), Err(StoreError::Quota));
+    }
+
+    #[test]
+    fn xenbus_transitions() {
+        let s = Store::new();
+        let d = "/local/domain/0/backend/vif/1/0";
+        s.switch_state(DomId::DOM0, d, XenbusState::Initialising).expect("start");
+        s.switch_state(DomId::DOM0, d, XenbusState::InitWait).expect("features");
+        s.switch_state(DomId::DOM0, d, XenbusState::Connected).expect("connect");
+        assert_eq!(s.xenbus_state(DomId::DOM0, d), XenbusState::Connected);
+        assert_eq!(s.switch_state(DomId::DOM0, d, XenbusState::Initialised), Err(StoreError::Invalid));
+        s.switch_state(DomId::DOM0, d, XenbusState::Closing).expect("close");
+        s.switch_state(DomId::DOM0, d, XenbusState::Closed).expect("closed");
+        assert_eq!(s.switch_state(DomId::DOM0, d, XenbusState::Connected), Err(StoreError::Invalid));
+        s.write(DomId::DOM0, &format!("{d}/state"), "garbage").expect("hostile write");
+        assert_eq!(s.xenbus_state(DomId::DOM0, d), XenbusState::Unknown);
+    }
+}
