@@ -1,0 +1,76 @@
+//! pvio's lab: the experiments that reproduce the papers' figures and tables, and the
+//! measurement, statistics and report code they share.
+//!
+//! An experiment is data: an id, its paper reference, and a function that measures and
+//! fills a [`Report`]. `pvio reproduce` runs them all (or one), prints each table and
+//! writes `<out>/<id>.json` (with the git revision, date, host and full configuration)
+//! and `<out>/<id>.md`. Measurements are CPU or wall time per operation, repeated over
+//! several iterations; ratios are taken per iteration against a baseline measured in
+//! the same run and summarised by their median, so the shared machine's noise cancels as
+//! far as it can.
+
+pub mod experiments;
+pub mod report;
+pub mod stats;
+
+pub use report::{Report, Row, RunEnv};
+pub use stats::Stats;
+
+/// How a run is asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Full length (the numbers to quote).
+    Full,
+    /// Shorter runs for a quick look (the README's first command).
+    Quick,
+    /// Tiny runs that exercise every code path (tests); numbers mean nothing.
+    Smoke,
+}
+
+impl Mode {
+    /// Iterations of each measurement.
+    pub fn iterations(self) -> usize {
+        match self {
+            Mode::Full => 9,
+            Mode::Quick => 5,
+            Mode::Smoke => 1,
+        }
+    }
+    /// Scales an operation count.
+    pub fn scale(self, full: u64) -> u64 {
+        match self {
+            Mode::Full => full,
+            Mode::Quick => (full / 4).max(1),
+            Mode::Smoke => (full / 1000).max(1),
+        }
+    }
+}
+
+/// A registered experiment.
+#[derive(Debug, Clone, Copy)]
+pub struct Experiment {
+    /// Short id (`--only`).
+    pub id: &'static str,
+    /// Title.
+    pub title: &'static str,
+    /// Paper and figure.
+    pub paper: &'static str,
+    /// Runs it.
+    pub run: fn(Mode) -> Result<Report, LabError>,
+}
+
+/// Why an experiment could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    /// Building the machine failed.
+    #[error("machine: {0}")]
+    Hv(#[from] hv::HvError),
+    /// Something else.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Every experiment, in the order `reproduce` runs them.
+pub fn registry() -> Vec<Experiment> {
+    vec![experiments::core::EXPERIMENT]
+}

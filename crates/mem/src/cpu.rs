@@ -10,9 +10,17 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-/// Number of cores the process may run on.
+/// Number of online cores of the machine. Not `available_parallelism`, which honours
+/// the calling thread's affinity mask: after a thread pins itself to one core, its
+/// children would see a one-core machine.
 pub fn online_cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    if n > 0 {
+        n as usize
+    } else {
+        1
+    }
 }
 
 /// Pins the calling thread to one core.
@@ -252,6 +260,18 @@ impl Drop for SlotBinding {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pinning_does_not_shrink_the_core_count_seen_by_children() {
+        let n = online_cores();
+        std::thread::spawn(move || {
+            pin_current_thread(0).expect("pin");
+            let seen = std::thread::spawn(online_cores).join().expect("child");
+            assert_eq!(seen, n);
+        })
+        .join()
+        .expect("pinned thread");
+    }
 
     #[test]
     fn samples_follow_the_current_class() {

@@ -1,0 +1,3 @@
+//! One module per experiment.
+
+pub mod core;

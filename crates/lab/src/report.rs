@@ -1,0 +1,281 @@
+//! What an experiment produces: a table for people, a JSON record for machines, a
+//! Markdown report for the repository.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::stats::Stats;
+
+/// One measured quantity.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Section of the table.
+    pub group: String,
+    /// What was measured.
+    pub name: String,
+    /// Unit of the values.
+    pub unit: String,
+    /// Over the iterations.
+    pub stats: Stats,
+    /// Median of per-iteration ratios to a baseline row measured in the same run:
+    /// (baseline name, ratio).
+    pub ratio: Option<(String, f64)>,
+    /// What the paper (or the reference) says, as text.
+    pub reference: Option<String>,
+}
+
+/// A target the experiment checks its own result against.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// The claim, e.g. "optimised grant copy 1500 B, batch 32 ≤ 3× memcpy".
+    pub what: String,
+    /// Measured value (a ratio or a percentage, as `unit` says).
+    pub value: f64,
+    /// Unit of `value` and `target`.
+    pub unit: String,
+    /// The target.
+    pub target: String,
+    /// Whether the measurement meets it.
+    pub met: bool,
+}
+
+/// An experiment's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Registry id.
+    pub id: String,
+    /// Title.
+    pub title: String,
+    /// Paper reference.
+    pub paper: String,
+    /// A short paragraph: what runs where.
+    pub setup: String,
+    /// Full configuration.
+    pub config: serde_json::Value,
+    /// Measurements.
+    pub rows: Vec<Row>,
+    /// Targets.
+    pub checks: Vec<Check>,
+    /// Observations worth keeping with the numbers.
+    pub notes: Vec<String>,
+}
+
+impl Report {
+    /// An empty report.
+    pub fn new(id: &str, title: &str, paper: &str) -> Self {
+        Self {
+            id: id.into(),
+            title: title.into(),
+            paper: paper.into(),
+            setup: String::new(),
+            config: serde_json::Value::Null,
+            rows: Vec::new(),
+            checks: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// Adds a row from raw samples.
+    pub fn row(&mut self, group: &str, name: &str, unit: &str, samples: &[f64]) -> &mut Row {
+        self.rows.push(Row {
+            group: group.into(),
+            name: name.into(),
+            unit: unit.into(),
+            stats: Stats::of(samples),
+            ratio: None,
+            reference: None,
+        });
+        let last = self.rows.len() - 1;
+        &mut self.rows[last]
+    }
+
+    /// Adds a check.
+    pub fn check(&mut self, what: &str, value: f64, unit: &str, target: &str, met: bool) {
+        self.checks.push(Check { what: what.into(), value, unit: unit.into(), target: target.into(), met });
+    }
+
+    /// The human table: columns sized to their contents.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "== {} — {} ({})", self.id, self.title, self.paper);
+        if !self.setup.is_empty() {
+            let _ = writeln!(out, "{}", self.setup);
+        }
+        let header = ["group", "measurement", "median", "min", "max", "p99", "unit", "ratio", "reference"];
+        let mut lines: Vec<[String; 9]> = vec![header.map(String::from)];
+        for r in &self.rows {
+            lines.push([
+                r.group.clone(),
+                r.name.clone(),
+                fmt_num(r.stats.median),
+                fmt_num(r.stats.min),
+                fmt_num(r.stats.max),
+                fmt_num(r.stats.p99),
+                r.unit.clone(),
+                r.ratio.as_ref().map_or(String::new(), |(b, x)| format!("{x:.2}x {b}")),
+                r.reference.clone().unwrap_or_default(),
+            ]);
+        }
+        let widths: Vec<usize> = (0..9).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+        for l in &lines {
+            let cells: Vec<String> = l
+                .iter()
+                .enumerate()
+                .map(|(c, s)| {
+                    let pad = widths[c] - s.chars().count();
+                    // Numbers right-aligned, text left-aligned.
+                    if (2..=5).contains(&c) {
+                        format!("{}{s}", " ".repeat(pad))
+                    } else {
+                        format!("{s}{}", " ".repeat(pad))
+                    }
+                })
+                .collect();
+            let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+        }
+        if !self.checks.is_empty() {
+            let _ = writeln!(out, "targets:");
+            for c in &self.checks {
+                let _ = writeln!(
+                    out,
+                    "  [{}] {}: {} {} (target {})",
+                    if c.met { "met" } else { "MISSED" },
+                    c.what,
+                    fmt_num(c.value),
+                    c.unit,
+                    c.target
+                );
+            }
+        }
+        for n in &self.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
+        out
+    }
+
+    /// The Markdown report.
+    pub fn markdown(&self, env: &RunEnv) -> String {
+        let mut md = String::new();
+        let _ = writeln!(md, "# {}: {}\n", self.id, self.title);
+        let _ = writeln!(md, "Paper: {}  ", self.paper);
+        let _ = writeln!(md, "Revision `{}`, {} on {} ({}, {} cores).\n", env.revision, env.date, env.host, env.cpu, env.cores);
+        if !self.setup.is_empty() {
+            let _ = writeln!(md, "{}\n", self.setup);
+        }
+        let _ = writeln!(md, "| group | measurement | median | min | max | p99 | unit | ratio (same run) | reference |");
+        let _ = writeln!(md, "|---|---|---:|---:|---:|---:|---|---|---|");
+        for r in &self.rows {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.group,
+                r.name,
+                fmt_num(r.stats.median),
+                fmt_num(r.stats.min),
+                fmt_num(r.stats.max),
+                fmt_num(r.stats.p99),
+                r.unit,
+                r.ratio.as_ref().map_or(String::new(), |(b, x)| format!("{x:.2}× {b}")),
+                r.reference.clone().unwrap_or_default()
+            );
+        }
+        if !self.checks.is_empty() {
+            let _ = writeln!(md, "\n## Targets\n");
+            for c in &self.checks {
+                let _ = writeln!(
+                    md,
+                    "- {} **{}**: {} {} (target {})",
+                    if c.met { "✅" } else { "❌" },
+                    c.what,
+                    fmt_num(c.value),
+                    c.unit,
+                    c.target
+                );
+            }
+        }
+        if !self.notes.is_empty() {
+            let _ = writeln!(md, "\n## Notes\n");
+            for n in &self.notes {
+                let _ = writeln!(md, "- {n}");
+            }
+        }
+        md
+    }
+
+    /// Writes `<dir>/<id>.json` and `<dir>/<id>.md`; returns their paths.
+    pub fn write(&self, dir: &Path, env: &RunEnv) -> std::io::Result<(PathBuf, PathBuf)> {
+        std::fs::create_dir_all(dir)?;
+        let json = dir.join(format!("{}.json", self.id));
+        let md = dir.join(format!("{}.md", self.id));
+        let record = serde_json::json!({ "env": env, "experiment": self });
+        std::fs::write(&json, serde_json::to_string_pretty(&record).map_err(std::io::Error::other)?)?;
+        std::fs::write(&md, self.markdown(env))?;
+        Ok((json, md))
+    }
+}
+
+/// Where and when a run happened.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunEnv {
+    /// `git describe` of the source, or "unknown".
+    pub revision: String,
+    /// RFC 3339 UTC.
+    pub date: String,
+    /// Host name.
+    pub host: String,
+    /// CPU model.
+    pub cpu: String,
+    /// Cores available to the process.
+    pub cores: usize,
+    /// Kernel release.
+    pub kernel: String,
+    /// Quick mode.
+    pub quick: bool,
+}
+
+impl RunEnv {
+    /// Reads the environment of this run.
+    pub fn capture(quick: bool) -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into());
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+            .unwrap_or_else(|| "unknown".into());
+        let revision = std::process::Command::new("git")
+            .args(["describe", "--always", "--dirty"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| "unknown".into());
+        Self {
+            revision,
+            date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            host: read("/proc/sys/kernel/hostname"),
+            cpu,
+            cores: mem::cpu::online_cores(),
+            kernel: read("/proc/sys/kernel/osrelease"),
+            quick,
+        }
+    }
+}
+
+/// Formats a number with about four significant digits.
+pub fn fmt_num(v: f64) -> String {
+    let a = v.abs();
+    if a == 0.0 {
+        "0".into()
+    } else if a >= 1e6 {
+        format!("{:.3e}", v)
+    } else if a >= 100.0 {
+        format!("{v:.0}")
+    } else if a >= 10.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
