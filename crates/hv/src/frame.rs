@@ -152,11 +152,14 @@ impl FrameTable {
         }
     }
 
-    /// Drops a general reference.
+    /// Drops a general reference taken with [`Self::get_page`].
     pub fn put_page(&self, mfn: Mfn) {
         if let Some(c) = self.count.get(mfn.0 as usize) {
-            // Release: our accesses to the frame happen before a free that sees zero.
-            let _ = c.fetch_update(Ordering::Release, Ordering::Relaxed, |v| v.checked_sub(1));
+            // One `lock xadd`, not a compare-and-swap loop: callers only put what they got,
+            // so the count cannot underflow (checked in debug builds). Release: our
+            // accesses to the frame happen before a free that sees zero.
+            let old = c.fetch_sub(1, Ordering::Release);
+            debug_assert!(old > 0, "put_page without get_page on {mfn}");
         }
     }
 
@@ -189,7 +192,10 @@ impl FrameTable {
     /// another type is taken at count zero.
     pub fn put_page_type(&self, mfn: Mfn) {
         if let Some(t) = self.type_info.get(mfn.0 as usize) {
-            let _ = t.fetch_update(Ordering::Release, Ordering::Relaxed, |v| (v & COUNT_MASK != 0).then(|| v - 1));
+            // The count is the low bits and is nonzero (callers put what they got), so a
+            // plain decrement never borrows from the type bits.
+            let old = t.fetch_sub(1, Ordering::Release);
+            debug_assert!(old & COUNT_MASK != 0, "put_page_type without get_page_type on {mfn}");
         }
     }
 

@@ -169,7 +169,9 @@ fn set_status(w: &EntryWords<'_>, ty: u16, user: DomId, write: bool, act: &Activ
         }
         Some(status) => {
             check_header(w.combo.load(Ordering::Acquire), ty, user, write)?;
-            status.fetch_or(bits, Ordering::Relaxed);
+            // A plain store, not a read-modify-write: in v2 only the hypervisor writes the
+            // status word, always under this table's lock (the guest only reads it).
+            status.store(status.load(Ordering::Relaxed) | bits, Ordering::Relaxed);
             // Full fence: our status bits must be visible before we re-read the header;
             // pairs with the guest's store-fence-load in end-access.
             fence(Ordering::SeqCst);
@@ -193,9 +195,13 @@ fn clear_status(w: &EntryWords<'_>, act: &ActiveEntry) {
     }
     if clear != 0 {
         match w.status {
-            None => w.flags.fetch_and(!clear, Ordering::Release),
-            Some(s) => s.fetch_and(!clear, Ordering::Release),
-        };
+            // v1: the guest may compare-and-swap this word at any moment: atomic RMW.
+            None => {
+                w.flags.fetch_and(!clear, Ordering::Release);
+            }
+            // v2: ours alone, under the table lock (see `set_status`).
+            Some(s) => s.store(s.load(Ordering::Relaxed) & !clear, Ordering::Release),
+        }
     }
 }
 
@@ -498,9 +504,7 @@ impl Hypervisor {
     /// to release them; everything else goes the per-operation way (without pinning the
     /// caller's own pages).
     fn copy_batch(&self, caller: &Domain, ops: &[GrantCopy], status: &mut [GrantStatus]) {
-        // Per-op state: the pinned sides of the fast operations.
-        let mut fast: [Option<(Held, Held)>; COPY_CHUNK] = std::array::from_fn(|_| None);
-        let mut slow = [false; COPY_CHUNK];
+        let mut state = [Fast::Done; COPY_CHUNK];
         let foreign = ops.iter().find_map(|op| op.source.gref_dom().or(op.dest.gref_dom())).and_then(|d| self.domain(d));
 
         if let Some(fd) = &foreign {
@@ -511,42 +515,41 @@ impl Hypervisor {
                     continue;
                 }
                 let same = [op.source.gref_dom(), op.dest.gref_dom()].iter().all(|d| d.is_none_or(|d| d == fd.id));
-                if !same {
-                    slow[i] = true;
-                    continue;
-                }
-                match self.pin_pair_locked(caller, fd, &mut act, op) {
-                    Ok(pair) => fast[i] = Some(pair),
-                    Err(PinError::NeedTransitive) => slow[i] = true,
-                    Err(PinError::Grant(e)) => status[i] = Err(e),
-                }
+                state[i] = if !same {
+                    Fast::Slow
+                } else {
+                    match pin_pair_locked(caller, fd, &mut act, op) {
+                        Ok((src, dst)) => Fast::Pinned { src, dst },
+                        Err(PinError::NeedTransitive) => Fast::Slow,
+                        Err(PinError::Grant(e)) => {
+                            status[i] = Err(e);
+                            Fast::Done
+                        }
+                    }
+                };
             }
         } else {
-            slow[..ops.len()].iter_mut().for_each(|s| *s = true);
+            state[..ops.len()].iter_mut().for_each(|s| *s = Fast::Slow);
         }
 
         for (i, op) in ops.iter().enumerate() {
-            if slow[i] {
-                status[i] = self.copy_one(caller, op, false);
-            } else if let Some((src, dst)) = &mut fast[i] {
-                status[i] = self
-                    .reference(src, false)
-                    .and_then(|()| self.reference(dst, true))
-                    .and_then(|()| self.do_copy(src, op.source.offset(), dst, op.dest.offset(), op.len));
+            match state[i] {
+                Fast::Slow => status[i] = self.copy_one(caller, op, false),
+                Fast::Pinned { src, dst } => {
+                    status[i] = self.copy_pinned(src, op.source.offset(), dst, op.dest.offset(), op.len)
+                }
+                Fast::Done => {}
             }
         }
 
         if let Some(fd) = &foreign {
             let mut act = lock_active(fd);
-            for pair in fast.iter_mut().take(ops.len()) {
-                if let Some((src, dst)) = pair.take() {
-                    for (h, write) in [(dst, true), (src, false)] {
-                        if let Held::Foreign { gref, pin, referenced, .. } = h {
-                            if referenced {
-                                self.put_ref(pin.mfn, write);
-                            }
-                            // Not transitive (those went the slow way), so nothing follows.
-                            release_locked(fd, &mut act, gref, write);
+            for st in &state[..ops.len()] {
+                if let Fast::Pinned { src, dst } = *st {
+                    // Not transitive (those went the slow way), so nothing follows.
+                    for (side, write) in [(dst, true), (src, false)] {
+                        if let Some(r) = side.gref {
+                            release_locked(fd, &mut act, r, write);
                         }
                     }
                 }
@@ -554,40 +557,33 @@ impl Hypervisor {
         }
     }
 
-    /// Pins both sides of `op` under the held lock of `fd` (all its grants are in `fd`).
-    fn pin_pair_locked(
-        &self,
-        caller: &Domain,
-        fd: &Arc<Domain>,
-        act: &mut [ActiveEntry],
-        op: &GrantCopy,
-    ) -> Result<(Held, Held), PinError> {
-        let side = |p: &CopyPtr, write: bool, act: &mut [ActiveEntry]| -> Result<Held, PinError> {
-            match *p {
-                CopyPtr::Local { gfn, .. } => {
-                    let mfn = caller.gfn_to_mfn(gfn).map_err(|_| GrantError::BadPage)?;
-                    Ok(Held::Local { mfn, pinned: false })
+    /// The copy of an operation pinned on the optimised path: reference the foreign
+    /// frames (not the caller's own), copy, drop the references.
+    fn copy_pinned(&self, src: FastSide, src_off: u16, dst: FastSide, dst_off: u16, len: u16) -> GrantStatus {
+        if let Some(o) = src.owner {
+            self.frames.get_page(src.mfn, o).map_err(frame_err)?;
+        }
+        if let Some(o) = dst.owner {
+            if let Err(e) = self.frames.get_page_writable(dst.mfn, o) {
+                if src.owner.is_some() {
+                    self.frames.put_page(src.mfn);
                 }
-                CopyPtr::Gref { gref, offset, .. } => {
-                    let pin = pin_locked(fd, act, gref, caller.id, write, Purpose::Copy)?;
-                    if let Err(e) = check_window(&pin, offset, op.len) {
-                        release_locked(fd, act, gref, write);
-                        return Err(e.into());
-                    }
-                    Ok(Held::Foreign { dom: Arc::clone(fd), gref, pin, referenced: false })
-                }
-            }
-        };
-        let src = side(&op.source, false, act)?;
-        match side(&op.dest, true, act) {
-            Ok(dst) => Ok((src, dst)),
-            Err(e) => {
-                if let Held::Foreign { gref, .. } = src {
-                    release_locked(fd, act, gref, false);
-                }
-                Err(e)
+                return Err(frame_err(e));
             }
         }
+        let r = {
+            let _c = enter(Class::GrantCopy);
+            self.mem
+                .copy(src.mfn, src_off as usize, dst.mfn, dst_off as usize, len as usize)
+                .map_err(|_| GrantError::BadCopyArg)
+        };
+        if dst.owner.is_some() {
+            self.frames.put_page_writable(dst.mfn);
+        }
+        if src.owner.is_some() {
+            self.frames.put_page(src.mfn);
+        }
+        r
     }
 
     /// `GNTTABOP_map_grant_ref`: maps each grant into the caller's window with a real
@@ -665,6 +661,61 @@ impl Hypervisor {
     /// The granted frame of a live mapping and whether it is writable (for tools/tests).
     pub fn mapping(&self, caller: &Domain, h: GrantHandle) -> Option<(u32, bool)> {
         caller.maptrack.lock().unwrap_or_else(|p| p.into_inner()).get(h).map(|e| (e.slot, e.writable))
+    }
+}
+
+/// One side of an operation on the optimised path: the frame, and for a foreign side
+/// the grant pinned and the frame's owner.
+#[derive(Debug, Clone, Copy)]
+struct FastSide {
+    mfn: Mfn,
+    gref: Option<GrantRef>,
+    owner: Option<DomId>,
+}
+
+/// Where an operation of an optimised batch stands.
+#[derive(Debug, Clone, Copy)]
+enum Fast {
+    /// Finished (failed validation) or not in the batch.
+    Done,
+    /// Goes the per-operation way (another domain, or a transitive grant).
+    Slow,
+    /// Both sides pinned under the batch's lock.
+    Pinned { src: FastSide, dst: FastSide },
+}
+
+/// Pins both sides of `op` under the held lock of `fd` (all its grants are in `fd`).
+fn pin_pair_locked(
+    caller: &Domain,
+    fd: &Domain,
+    act: &mut [ActiveEntry],
+    op: &GrantCopy,
+) -> Result<(FastSide, FastSide), PinError> {
+    let side = |p: &CopyPtr, write: bool, act: &mut [ActiveEntry]| -> Result<FastSide, PinError> {
+        match *p {
+            CopyPtr::Local { gfn, .. } => {
+                let mfn = caller.gfn_to_mfn(gfn).map_err(|_| GrantError::BadPage)?;
+                Ok(FastSide { mfn, gref: None, owner: None })
+            }
+            CopyPtr::Gref { gref, offset, .. } => {
+                let pin = pin_locked(fd, act, gref, caller.id, write, Purpose::Copy)?;
+                if let Err(e) = check_window(&pin, offset, op.len) {
+                    release_locked(fd, act, gref, write);
+                    return Err(e.into());
+                }
+                Ok(FastSide { mfn: pin.mfn, gref: Some(gref), owner: Some(pin.owner) })
+            }
+        }
+    };
+    let src = side(&op.source, false, act)?;
+    match side(&op.dest, true, act) {
+        Ok(dst) => Ok((src, dst)),
+        Err(e) => {
+            if let Some(r) = src.gref {
+                release_locked(fd, act, r, false);
+            }
+            Err(e)
+        }
     }
 }
 
