@@ -95,7 +95,12 @@ pub const SHARED_INFO_GFN: Gfn = Gfn(0);
 pub const GRANT_FRAMES_START: u32 = 1;
 
 impl Domain {
-    pub(crate) fn new(id: DomId, cfg: &DomainConfig, mem: Arc<MachineMemory>, p2m: Box<[Mfn]>) -> std::io::Result<Self> {
+    pub(crate) fn new(
+        id: DomId,
+        cfg: &DomainConfig,
+        mem: Arc<MachineMemory>,
+        p2m: Box<[Mfn]>,
+    ) -> std::io::Result<Self> {
         let grant = GrantTable::new(cfg.grant_version, cfg.grant_frames);
         let reserved = GRANT_FRAMES_START + grant.entry_frames() + grant.status_frames();
         let free_pages = (reserved..p2m.len() as u32).rev().map(Gfn).collect();
@@ -144,17 +149,27 @@ impl Domain {
     /// Machine frame of one of this domain's guest frames.
     #[inline]
     pub(crate) fn gfn_to_mfn(&self, gfn: Gfn) -> Result<Mfn, DomainError> {
-        self.p2m.get(gfn.0 as usize).copied().ok_or(DomainError::BadGfn(gfn.0))
+        self.p2m
+            .get(gfn.0 as usize)
+            .copied()
+            .ok_or(DomainError::BadGfn(gfn.0))
     }
 
     /// Hands out one of the domain's free pages (its kernel's page allocator).
     pub fn alloc_page(&self) -> Result<Gfn, DomainError> {
-        self.free_pages.lock().map_err(|_| DomainError::OutOfMemory)?.pop().ok_or(DomainError::OutOfMemory)
+        self.free_pages
+            .lock()
+            .map_err(|_| DomainError::OutOfMemory)?
+            .pop()
+            .ok_or(DomainError::OutOfMemory)
     }
     /// Returns a page to the domain's allocator.
     pub fn free_page(&self, gfn: Gfn) -> Result<(), DomainError> {
         self.gfn_to_mfn(gfn)?;
-        self.free_pages.lock().map_err(|_| DomainError::OutOfMemory)?.push(gfn);
+        self.free_pages
+            .lock()
+            .map_err(|_| DomainError::OutOfMemory)?
+            .push(gfn);
         Ok(())
     }
     /// Free pages left.
@@ -190,7 +205,10 @@ impl Domain {
     }
     /// One of this domain's pages as a [`mem::PageAccess`] (to host a shared ring, say).
     pub fn page(&self, gfn: Gfn) -> Result<FramePage, DomainError> {
-        Ok(FramePage::new(Arc::clone(&self.mem), self.gfn_to_mfn(gfn)?)?)
+        Ok(FramePage::new(
+            Arc::clone(&self.mem),
+            self.gfn_to_mfn(gfn)?,
+        )?)
     }
     /// The domain's vCPUs (CPU time, samples, wake counters).
     pub fn vcpus(&self) -> &[VcpuState] {

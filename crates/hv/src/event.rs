@@ -60,9 +60,10 @@ impl ChannelState {
         v | match self {
             ChannelState::Free => ST_FREE,
             ChannelState::Unbound { remote } => ST_UNBOUND | (remote.0 as u64) << 16,
-            ChannelState::Interdomain { remote, remote_port } => {
-                ST_INTERDOMAIN | (remote.0 as u64) << 16 | (remote_port.0 as u64) << 32
-            }
+            ChannelState::Interdomain {
+                remote,
+                remote_port,
+            } => ST_INTERDOMAIN | (remote.0 as u64) << 16 | (remote_port.0 as u64) << 32,
             ChannelState::Pirq { vector } => ST_PIRQ | (vector.0 as u64) << 32,
         }
     }
@@ -71,8 +72,13 @@ impl ChannelState {
         let remote = DomId((w >> 16) as u16);
         let s = match w & 7 {
             ST_UNBOUND => ChannelState::Unbound { remote },
-            ST_INTERDOMAIN => ChannelState::Interdomain { remote, remote_port: Port((w >> 32) as u32) },
-            ST_PIRQ => ChannelState::Pirq { vector: Vector((w >> 32) as u8) },
+            ST_INTERDOMAIN => ChannelState::Interdomain {
+                remote,
+                remote_port: Port((w >> 32) as u32),
+            },
+            ST_PIRQ => ChannelState::Pirq {
+                vector: Vector((w >> 32) as u8),
+            },
             _ => ChannelState::Free,
         };
         (s, vcpu)
@@ -119,11 +125,16 @@ pub struct EventChannels {
 
 impl EventChannels {
     pub(crate) fn new() -> Self {
-        Self { ports: (0..NR_EVENT_CHANNELS).map(|_| AtomicU64::new(0)).collect(), lock: Mutex::new(()) }
+        Self {
+            ports: (0..NR_EVENT_CHANNELS).map(|_| AtomicU64::new(0)).collect(),
+            lock: Mutex::new(()),
+        }
     }
 
     fn word(&self, port: Port) -> Result<&AtomicU64, EvtchnError> {
-        self.ports.get(port.0 as usize).ok_or(EvtchnError::PortOutOfRange(port.0))
+        self.ports
+            .get(port.0 as usize)
+            .ok_or(EvtchnError::PortOutOfRange(port.0))
     }
 
     /// State of a port.
@@ -155,10 +166,15 @@ impl Domain {
         self.atomic_u64(SHARED_INFO_GFN, base + word * 8).ok()
     }
     fn upcall_word(&self, vcpu: u32) -> Option<&std::sync::atomic::AtomicU16> {
-        self.atomic_u16(SHARED_INFO_GFN, vcpu as usize * VCPU_INFO_SIZE).ok()
+        self.atomic_u16(SHARED_INFO_GFN, vcpu as usize * VCPU_INFO_SIZE)
+            .ok()
     }
     fn pending_sel(&self, vcpu: u32) -> Option<&AtomicU64> {
-        self.atomic_u64(SHARED_INFO_GFN, vcpu as usize * VCPU_INFO_SIZE + UPCALL_PENDING_SEL).ok()
+        self.atomic_u64(
+            SHARED_INFO_GFN,
+            vcpu as usize * VCPU_INFO_SIZE + UPCALL_PENDING_SEL,
+        )
+        .ok()
     }
 
     /// The state of one of this domain's ports.
@@ -180,13 +196,16 @@ impl Domain {
     pub fn evtchn_is_pending(&self, port: Port) -> Result<bool, EvtchnError> {
         self.evtchn.word(port)?;
         let (w, b) = bit(port);
-        Ok(self.evtchn_word(EVTCHN_PENDING, w).is_some_and(|p| p.load(Ordering::Acquire) & b != 0))
+        Ok(self
+            .evtchn_word(EVTCHN_PENDING, w)
+            .is_some_and(|p| p.load(Ordering::Acquire) & b != 0))
     }
 
     /// Whether vCPU `vcpu` has an upcall pending.
     #[inline]
     pub fn upcall_pending(&self, vcpu: u32) -> bool {
-        self.upcall_word(vcpu).is_some_and(|u| u.load(Ordering::Acquire) & 0xff != 0)
+        self.upcall_word(vcpu)
+            .is_some_and(|u| u.load(Ordering::Acquire) & 0xff != 0)
     }
 
     /// The guest's upcall handler: takes every pending, unmasked port notified to
@@ -204,8 +223,10 @@ impl Domain {
         while sel_bits != 0 {
             let w = sel_bits.trailing_zeros() as usize;
             sel_bits &= sel_bits - 1;
-            let (Some(pend), Some(mask)) = (self.evtchn_word(EVTCHN_PENDING, w), self.evtchn_word(EVTCHN_MASK, w))
-            else {
+            let (Some(pend), Some(mask)) = (
+                self.evtchn_word(EVTCHN_PENDING, w),
+                self.evtchn_word(EVTCHN_MASK, w),
+            ) else {
                 continue;
             };
             let mut ready = pend.load(Ordering::Acquire) & !mask.load(Ordering::Acquire);
@@ -225,7 +246,11 @@ impl Hypervisor {
     /// `EVTCHNOP_alloc_unbound`: a new port of `dom` that `remote` may bind to.
     pub fn evtchn_alloc_unbound(&self, dom: &Domain, remote: DomId) -> Result<Port, EvtchnError> {
         let _c = enter(Class::XenEvent);
-        let _g = dom.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
+        let _g = dom
+            .evtchn
+            .lock
+            .lock()
+            .map_err(|_| EvtchnError::NoFreePort)?;
         let p = dom.evtchn.alloc()?;
         dom.evtchn.set(p, ChannelState::Unbound { remote }, 0);
         Ok(p)
@@ -233,20 +258,59 @@ impl Hypervisor {
 
     /// `EVTCHNOP_bind_interdomain`: connects a new port of `dom` to `remote_port` of
     /// `remote`, which must be unbound and offered to `dom`.
-    pub fn evtchn_bind_interdomain(&self, dom: &Domain, remote: DomId, remote_port: Port) -> Result<Port, EvtchnError> {
+    pub fn evtchn_bind_interdomain(
+        &self,
+        dom: &Domain,
+        remote: DomId,
+        remote_port: Port,
+    ) -> Result<Port, EvtchnError> {
         let _c = enter(Class::XenEvent);
-        let rd = self.domain(remote).ok_or(EvtchnError::NoSuchDomain(remote))?;
+        let rd = self
+            .domain(remote)
+            .ok_or(EvtchnError::NoSuchDomain(remote))?;
         // Lock both tables in domain-id order so two binds cannot deadlock.
-        let (first, second) = if dom.id <= rd.id { (dom, &*rd) } else { (&*rd, dom) };
-        let _g1 = first.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
-        let _g2 = if dom.id != rd.id { Some(second.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?) } else { None };
+        let (first, second) = if dom.id <= rd.id {
+            (dom, &*rd)
+        } else {
+            (&*rd, dom)
+        };
+        let _g1 = first
+            .evtchn
+            .lock
+            .lock()
+            .map_err(|_| EvtchnError::NoFreePort)?;
+        let _g2 = if dom.id != rd.id {
+            Some(
+                second
+                    .evtchn
+                    .lock
+                    .lock()
+                    .map_err(|_| EvtchnError::NoFreePort)?,
+            )
+        } else {
+            None
+        };
         match rd.evtchn.state(remote_port)? {
             ChannelState::Unbound { remote: offered } if offered == dom.id => {}
             _ => return Err(EvtchnError::NotOffered(remote_port.0)),
         }
         let p = dom.evtchn.alloc()?;
-        dom.evtchn.set(p, ChannelState::Interdomain { remote, remote_port }, 0);
-        rd.evtchn.set(remote_port, ChannelState::Interdomain { remote: dom.id, remote_port: p }, 0);
+        dom.evtchn.set(
+            p,
+            ChannelState::Interdomain {
+                remote,
+                remote_port,
+            },
+            0,
+        );
+        rd.evtchn.set(
+            remote_port,
+            ChannelState::Interdomain {
+                remote: dom.id,
+                remote_port: p,
+            },
+            0,
+        );
         Ok(p)
     }
 
@@ -255,10 +319,16 @@ impl Hypervisor {
     pub fn evtchn_send(&self, dom: &Domain, port: Port) -> Result<(), EvtchnError> {
         let _c = enter(Class::XenEvent);
         let (state, _) = ChannelState::decode(dom.evtchn.word(port)?.load(Ordering::Acquire));
-        let ChannelState::Interdomain { remote, remote_port } = state else {
+        let ChannelState::Interdomain {
+            remote,
+            remote_port,
+        } = state
+        else {
             return Err(EvtchnError::NotBound(port.0));
         };
-        let rd = self.domain(remote).ok_or(EvtchnError::NoSuchDomain(remote))?;
+        let rd = self
+            .domain(remote)
+            .ok_or(EvtchnError::NoSuchDomain(remote))?;
         self.set_pending(&rd, remote_port);
         Ok(())
     }
@@ -268,7 +338,10 @@ impl Hypervisor {
         let Ok(w) = dom.evtchn.word(port) else { return };
         let (_, vcpu) = ChannelState::decode(w.load(Ordering::Relaxed));
         let (wi, b) = bit(port);
-        let (Some(pend), Some(mask)) = (dom.evtchn_word(EVTCHN_PENDING, wi), dom.evtchn_word(EVTCHN_MASK, wi)) else {
+        let (Some(pend), Some(mask)) = (
+            dom.evtchn_word(EVTCHN_PENDING, wi),
+            dom.evtchn_word(EVTCHN_MASK, wi),
+        ) else {
             return;
         };
         // SeqCst on the bitmap words: the guest's unmask (clear mask, then test pending)
@@ -283,7 +356,9 @@ impl Hypervisor {
     }
 
     fn raise_upcall(&self, dom: &Domain, vcpu: u32, word: usize) {
-        let (Some(sel), Some(up)) = (dom.pending_sel(vcpu), dom.upcall_word(vcpu)) else { return };
+        let (Some(sel), Some(up)) = (dom.pending_sel(vcpu), dom.upcall_word(vcpu)) else {
+            return;
+        };
         sel.fetch_or(1 << word, Ordering::SeqCst);
         if up.fetch_or(1, Ordering::SeqCst) & 0xff == 0 {
             if let Some(v) = dom.vcpus.get(vcpu as usize) {
@@ -298,7 +373,10 @@ impl Hypervisor {
         let _c = enter(Class::XenEvent);
         let (_, vcpu) = ChannelState::decode(dom.evtchn.word(port)?.load(Ordering::Acquire));
         let (wi, b) = bit(port);
-        let (Some(pend), Some(mask)) = (dom.evtchn_word(EVTCHN_PENDING, wi), dom.evtchn_word(EVTCHN_MASK, wi)) else {
+        let (Some(pend), Some(mask)) = (
+            dom.evtchn_word(EVTCHN_PENDING, wi),
+            dom.evtchn_word(EVTCHN_MASK, wi),
+        ) else {
             return Ok(());
         };
         if mask.fetch_and(!b, Ordering::SeqCst) & b != 0 && pend.load(Ordering::SeqCst) & b != 0 {
@@ -314,13 +392,20 @@ impl Hypervisor {
         let state = dom.evtchn.state(port)?;
         match state {
             ChannelState::Free => return Err(EvtchnError::NotBound(port.0)),
-            ChannelState::Interdomain { remote, remote_port } => {
+            ChannelState::Interdomain {
+                remote,
+                remote_port,
+            } => {
                 if let Some(rd) = self.domain(remote) {
                     let _g = rd.evtchn.lock.lock();
                     if rd.evtchn.state(remote_port)
-                        == Ok(ChannelState::Interdomain { remote: dom.id, remote_port: port })
+                        == Ok(ChannelState::Interdomain {
+                            remote: dom.id,
+                            remote_port: port,
+                        })
                     {
-                        rd.evtchn.set(remote_port, ChannelState::Unbound { remote: dom.id }, 0);
+                        rd.evtchn
+                            .set(remote_port, ChannelState::Unbound { remote: dom.id }, 0);
                     }
                 }
             }
@@ -350,7 +435,11 @@ impl Hypervisor {
     /// Routes physical interrupt `vector` to a new port of `dom` (`PHYSDEVOP` +
     /// `EVTCHNOP_bind_pirq`): the device raises the vector, the hypervisor sets the port.
     pub fn bind_irq(&self, dom: &Domain, vector: Vector) -> Result<Port, EvtchnError> {
-        let _g = dom.evtchn.lock.lock().map_err(|_| EvtchnError::NoFreePort)?;
+        let _g = dom
+            .evtchn
+            .lock
+            .lock()
+            .map_err(|_| EvtchnError::NoFreePort)?;
         let p = dom.evtchn.alloc()?;
         let route = (1u64 << 63) | (dom.id.0 as u64) << 32 | p.0 as u64;
         self.irqs[vector.0 as usize]

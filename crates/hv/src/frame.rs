@@ -95,7 +95,12 @@ impl FrameTable {
 
     /// Allocates a frame to `owner`.
     pub fn alloc(&self, owner: DomId) -> Result<Mfn, FrameError> {
-        let mfn = self.free.lock().map_err(|_| FrameError::OutOfMemory)?.pop().ok_or(FrameError::OutOfMemory)?;
+        let mfn = self
+            .free
+            .lock()
+            .map_err(|_| FrameError::OutOfMemory)?
+            .pop()
+            .ok_or(FrameError::OutOfMemory)?;
         self.owner[mfn.0 as usize].store(owner.0 as u32, Ordering::Release);
         Ok(mfn)
     }
@@ -103,18 +108,25 @@ impl FrameTable {
     /// Returns a frame to the free list; refused while it has references.
     pub fn free(&self, mfn: Mfn) -> Result<(), FrameError> {
         let i = self.index(mfn)?;
-        if self.count[i].load(Ordering::Acquire) != 0 || self.type_info[i].load(Ordering::Acquire) & COUNT_MASK != 0 {
+        if self.count[i].load(Ordering::Acquire) != 0
+            || self.type_info[i].load(Ordering::Acquire) & COUNT_MASK != 0
+        {
             return Err(FrameError::Referenced);
         }
         self.owner[i].store(NO_OWNER, Ordering::Release);
         self.type_info[i].store(0, Ordering::Relaxed);
-        self.free.lock().map_err(|_| FrameError::OutOfMemory)?.push(mfn);
+        self.free
+            .lock()
+            .map_err(|_| FrameError::OutOfMemory)?
+            .push(mfn);
         Ok(())
     }
 
     fn index(&self, mfn: Mfn) -> Result<usize, FrameError> {
         let i = mfn.0 as usize;
-        (i < self.owner.len()).then_some(i).ok_or(FrameError::NoSuchFrame)
+        (i < self.owner.len())
+            .then_some(i)
+            .ok_or(FrameError::NoSuchFrame)
     }
 
     /// The owner of a frame, if allocated.
@@ -125,12 +137,17 @@ impl FrameTable {
 
     /// General reference count.
     pub fn refcount(&self, mfn: Mfn) -> u64 {
-        self.count.get(mfn.0 as usize).map_or(0, |c| c.load(Ordering::Acquire))
+        self.count
+            .get(mfn.0 as usize)
+            .map_or(0, |c| c.load(Ordering::Acquire))
     }
 
     /// Current type and type count.
     pub fn page_type(&self, mfn: Mfn) -> (PageType, u64) {
-        let t = self.type_info.get(mfn.0 as usize).map_or(0, |c| c.load(Ordering::Acquire));
+        let t = self
+            .type_info
+            .get(mfn.0 as usize)
+            .map_or(0, |c| c.load(Ordering::Acquire));
         (PageType::decode(t >> TYPE_SHIFT), t & COUNT_MASK)
     }
 
@@ -195,7 +212,10 @@ impl FrameTable {
             // The count is the low bits and is nonzero (callers put what they got), so a
             // plain decrement never borrows from the type bits.
             let old = t.fetch_sub(1, Ordering::Release);
-            debug_assert!(old & COUNT_MASK != 0, "put_page_type without get_page_type on {mfn}");
+            debug_assert!(
+                old & COUNT_MASK != 0,
+                "put_page_type without get_page_type on {mfn}"
+            );
         }
     }
 
@@ -227,10 +247,14 @@ mod tests {
         assert_eq!(ft.owner(m), Some(DomId(1)));
         assert_eq!(ft.get_page(m, DomId(2)), Err(FrameError::WrongOwner));
         ft.get_page_writable(m, DomId(1)).expect("pin");
-        assert_eq!(ft.get_page_type(m, PageType::PageTable(1)), Err(FrameError::TypeConflict));
+        assert_eq!(
+            ft.get_page_type(m, PageType::PageTable(1)),
+            Err(FrameError::TypeConflict)
+        );
         assert_eq!(ft.free(m), Err(FrameError::Referenced));
         ft.put_page_writable(m);
-        ft.get_page_type(m, PageType::PageTable(1)).expect("type change at count 0");
+        ft.get_page_type(m, PageType::PageTable(1))
+            .expect("type change at count 0");
         assert_eq!(ft.page_type(m), (PageType::PageTable(1), 1));
         ft.put_page_type(m);
         ft.free(m).expect("free");

@@ -181,7 +181,11 @@ impl Iommu {
             tables: Mutex::new(HashMap::new()),
             roots: (0..crate::MAX_DOMAINS).map(|_| AtomicU64::new(0)).collect(),
             tlb: (0..IOTLB_ENTRIES)
-                .map(|_| TlbEntry { seq: AtomicU32::new(0), tag: AtomicU64::new(0), data: AtomicU64::new(0) })
+                .map(|_| TlbEntry {
+                    seq: AtomicU32::new(0),
+                    tag: AtomicU64::new(0),
+                    data: AtomicU64::new(0),
+                })
                 .collect(),
             tlb_lock: Mutex::new(()),
             queue: Mutex::new(None),
@@ -193,7 +197,10 @@ impl Iommu {
 
     /// Binds device `dev` to domain `dom`.
     pub fn attach(&self, dev: DeviceId, dom: DomId) -> Result<(), IommuError> {
-        let c = self.context.get(dev.0 as usize).ok_or(IommuError::BadDevice)?;
+        let c = self
+            .context
+            .get(dev.0 as usize)
+            .ok_or(IommuError::BadDevice)?;
         c.store(1 << 63 | (dom.0 as u64) << 32, Ordering::Release);
         Ok(())
     }
@@ -217,7 +224,13 @@ impl Iommu {
 
     /// A DMA handle for a device model's thread (owns its counters).
     pub fn device(self: &Arc<Self>, dev: DeviceId) -> DmaContext {
-        DmaContext { iommu: Arc::clone(self), dev, hits: 0, misses: 0, faults: 0 }
+        DmaContext {
+            iommu: Arc::clone(self),
+            dev,
+            hits: 0,
+            misses: 0,
+            faults: 0,
+        }
     }
 
     /// All faults so far.
@@ -226,7 +239,12 @@ impl Iommu {
     }
     /// The most recent faults, oldest first.
     pub fn fault_log(&self) -> Vec<DmaFault> {
-        self.fault_log.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect()
+        self.fault_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .copied()
+            .collect()
     }
 
     fn record_fault(&self, f: DmaFault) -> DmaFault {
@@ -245,13 +263,18 @@ impl Iommu {
 
     /// Walks the I/O page table of `dom` (a miss): returns the leaf entry.
     fn walk(&self, dom: DomId, pfn: u64) -> u64 {
-        let root = self.roots.get(dom.0 as usize).map_or(0, |r| r.load(Ordering::Acquire));
+        let root = self
+            .roots
+            .get(dom.0 as usize)
+            .map_or(0, |r| r.load(Ordering::Acquire));
         if root == 0 {
             return 0;
         }
         let mut table = Mfn((root >> 12) as u32);
         for level in (1..=LEVELS).rev() {
-            let Some(e) = self.pte(table, level_index(pfn, level)) else { return 0 };
+            let Some(e) = self.pte(table, level_index(pfn, level)) else {
+                return 0;
+            };
             let v = e.load(Ordering::Acquire);
             if v & (PTE_R | PTE_W) == 0 {
                 return 0;
@@ -364,19 +387,25 @@ impl Iommu {
                     InvScope::Page(d, a) => (3, d.0 as u64, a.0),
                 };
                 let desc = [ty | did << 16, addr];
-                let _ = self.mem.write(q.frame, q.tail * 16, bytemuck::cast_slice(&desc));
+                let _ = self
+                    .mem
+                    .write(q.frame, q.tail * 16, bytemuck::cast_slice(&desc));
                 q.tail = (q.tail + 1) % IQ_ENTRIES;
             }
             q.status = q.status.wrapping_add(1);
             let wait = [4u64 | (q.status as u64) << 16, 0];
-            let _ = self.mem.write(q.frame, q.tail * 16, bytemuck::cast_slice(&wait));
+            let _ = self
+                .mem
+                .write(q.frame, q.tail * 16, bytemuck::cast_slice(&wait));
             q.tail = (q.tail + 1) % IQ_ENTRIES;
             // The hardware side: fetch descriptors from memory up to the tail.
             let _g = self.tlb_lock.lock().unwrap_or_else(|p| p.into_inner());
             let mut head = start;
             while head != q.tail {
                 let mut raw = [0u64; 2];
-                let _ = self.mem.read(q.frame, head * 16, bytemuck::cast_slice_mut(&mut raw));
+                let _ = self
+                    .mem
+                    .read(q.frame, head * 16, bytemuck::cast_slice_mut(&mut raw));
                 head = (head + 1) % IQ_ENTRIES;
                 let did = DomId((raw[0] >> 16) as u16);
                 match raw[0] & 0xf {
@@ -394,17 +423,28 @@ impl Iommu {
                 }
             }
             // The waiter's poll: done when the status shows our wait.
-            debug_assert!(self.mem.atomic_u32(q.frame, PAGE_SIZE - 4).map_or(true, |s| s.load(Ordering::Acquire) == q.status));
+            debug_assert!(self
+                .mem
+                .atomic_u32(q.frame, PAGE_SIZE - 4)
+                .map_or(true, |s| s.load(Ordering::Acquire) == q.status));
         }
     }
 
-    fn set_entry(&self, frames: &FrameTable, dom: DomId, pfn: u64, leaf: Option<u64>) -> Result<Option<u64>, IommuError> {
+    fn set_entry(
+        &self,
+        frames: &FrameTable,
+        dom: DomId,
+        pfn: u64,
+        leaf: Option<u64>,
+    ) -> Result<Option<u64>, IommuError> {
         if pfn > MAX_IOVA_PFN {
             return Err(IommuError::OutOfRange);
         }
         let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         let alloc = |v: &mut Vec<Mfn>| -> Result<Mfn, IommuError> {
-            let m = frames.alloc(DomId::XEN).map_err(|_| IommuError::OutOfMemory)?;
+            let m = frames
+                .alloc(DomId::XEN)
+                .map_err(|_| IommuError::OutOfMemory)?;
             let _ = self.mem.fill(m, 0, PAGE_SIZE, 0);
             v.push(m);
             Ok(m)
@@ -417,13 +457,16 @@ impl Iommu {
                 }
                 let mut v = Vec::new();
                 let root = alloc(&mut v)?;
-                self.roots[dom.0 as usize].store(root.byte_offset() | PTE_R | PTE_W, Ordering::Release);
+                self.roots[dom.0 as usize]
+                    .store(root.byte_offset() | PTE_R | PTE_W, Ordering::Release);
                 tables.entry(dom).or_insert(IoTable { root, frames: v })
             }
         };
         let mut table = t.root;
         for level in (2..=LEVELS).rev() {
-            let e = self.pte(table, level_index(pfn, level)).ok_or(IommuError::OutOfRange)?;
+            let e = self
+                .pte(table, level_index(pfn, level))
+                .ok_or(IommuError::OutOfRange)?;
             let v = e.load(Ordering::Acquire);
             table = if v & (PTE_R | PTE_W) != 0 {
                 Mfn(((v & PTE_ADDR) >> 12) as u32)
@@ -437,17 +480,28 @@ impl Iommu {
                 next
             };
         }
-        let e = self.pte(table, level_index(pfn, 1)).ok_or(IommuError::OutOfRange)?;
+        let e = self
+            .pte(table, level_index(pfn, 1))
+            .ok_or(IommuError::OutOfRange)?;
         let old = e.swap(leaf.unwrap_or(0), Ordering::AcqRel);
         Ok((old & (PTE_R | PTE_W) != 0).then_some(old))
     }
 
     pub(crate) fn setup_queue(&self, frame: Mfn) {
-        *self.queue.lock().unwrap_or_else(|p| p.into_inner()) = Some(InvQueue { frame, tail: 0, status: 0 });
+        *self.queue.lock().unwrap_or_else(|p| p.into_inner()) = Some(InvQueue {
+            frame,
+            tail: 0,
+            status: 0,
+        });
     }
 
     pub(crate) fn teardown(&self, frames: &FrameTable, dom: DomId) {
-        if let Some(t) = self.tables.lock().unwrap_or_else(|p| p.into_inner()).remove(&dom) {
+        if let Some(t) = self
+            .tables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&dom)
+        {
             self.roots[dom.0 as usize].store(0, Ordering::Release);
             self.invalidate_register(InvScope::Domain(dom));
             let _ = t.root;
@@ -462,16 +516,27 @@ impl Hypervisor {
     /// Maps I/O page `iova` of `dom`'s devices to its guest frame `gfn` (read-only
     /// unless `write`). The domain must own the frame; the page table lives in
     /// hypervisor frames. No invalidation is needed for a new mapping.
-    pub fn iommu_map(&self, dom: &Domain, iova: Iova, gfn: Gfn, write: bool) -> Result<(), IommuError> {
+    pub fn iommu_map(
+        &self,
+        dom: &Domain,
+        iova: Iova,
+        gfn: Gfn,
+        write: bool,
+    ) -> Result<(), IommuError> {
         let mfn = dom.gfn_to_mfn(gfn).map_err(|_| IommuError::BadGfn)?;
         let leaf = mfn.byte_offset() | PTE_R | if write { PTE_W } else { 0 };
-        self.iommu.set_entry(&self.frames, dom.id, iova.pfn(), Some(leaf)).map(|_| ())
+        self.iommu
+            .set_entry(&self.frames, dom.id, iova.pfn(), Some(leaf))
+            .map(|_| ())
     }
 
     /// Removes a mapping. The caller must invalidate the IOTLB (page-selective, say)
     /// before reusing the frame, as on hardware.
     pub fn iommu_unmap(&self, dom: &Domain, iova: Iova) -> Result<(), IommuError> {
-        match self.iommu.set_entry(&self.frames, dom.id, iova.pfn(), None)? {
+        match self
+            .iommu
+            .set_entry(&self.frames, dom.id, iova.pfn(), None)?
+        {
             Some(_) => Ok(()),
             None => Err(IommuError::NotMapped),
         }
@@ -483,7 +548,10 @@ impl Hypervisor {
     }
 
     pub(crate) fn iommu_setup(&self) -> Result<(), crate::HvError> {
-        let f = self.frames.alloc(DomId::XEN).map_err(|_| crate::HvError::OutOfMemory)?;
+        let f = self
+            .frames
+            .alloc(DomId::XEN)
+            .map_err(|_| crate::HvError::OutOfMemory)?;
         self.iommu.setup_queue(f);
         Ok(())
     }
@@ -516,7 +584,12 @@ impl DmaContext {
     /// Translates `iova` for a read or a write: the machine frame, or a fault.
     #[inline]
     pub fn translate(&mut self, iova: Iova, write: bool) -> Result<Mfn, DmaFault> {
-        let fault = |reason| DmaFault { dev: self.dev, iova, write, reason };
+        let fault = |reason| DmaFault {
+            dev: self.dev,
+            iova,
+            write,
+            reason,
+        };
         let ctx = self.iommu.context[self.dev.0 as usize % MAX_DEVICES].load(Ordering::Acquire);
         if ctx >> 63 == 0 {
             self.faults += 1;

@@ -51,7 +51,10 @@ pub struct HvConfig {
 
 impl Default for HvConfig {
     fn default() -> Self {
-        Self { frames: 16 * 1024, grant_path: GrantPath::Optimised }
+        Self {
+            frames: 16 * 1024,
+            grant_path: GrantPath::Optimised,
+        }
     }
 }
 
@@ -134,7 +137,10 @@ impl Hypervisor {
     #[inline]
     pub fn domain(&self, id: DomId) -> Option<Arc<Domain>> {
         let d = self.domains.read().unwrap_or_else(|p| p.into_inner());
-        d.get(id.0 as usize)?.as_ref().filter(|d| !d.is_dying()).cloned()
+        d.get(id.0 as usize)?
+            .as_ref()
+            .filter(|d| !d.is_dying())
+            .cloned()
     }
 
     /// Creates a domain: allocates and scrubs its frames, builds its P2M, grant table,
@@ -142,7 +148,10 @@ impl Hypervisor {
     /// owner survives.
     pub fn create_domain(&self, cfg: &DomainConfig) -> Result<Arc<Domain>, HvError> {
         let mut doms = self.domains.write().unwrap_or_else(|p| p.into_inner());
-        let id = doms.iter().position(Option::is_none).ok_or(HvError::TooManyDomains)?;
+        let id = doms
+            .iter()
+            .position(Option::is_none)
+            .ok_or(HvError::TooManyDomains)?;
         let id = DomId(id as u16);
         let mut p2m = Vec::with_capacity(cfg.pages as usize);
         for _ in 0..cfg.pages {
@@ -159,7 +168,12 @@ impl Hypervisor {
                 }
             }
         }
-        let d = Arc::new(Domain::new(id, cfg, Arc::clone(&self.mem), p2m.into_boxed_slice())?);
+        let d = Arc::new(Domain::new(
+            id,
+            cfg,
+            Arc::clone(&self.mem),
+            p2m.into_boxed_slice(),
+        )?);
         doms[id.0 as usize] = Some(Arc::clone(&d));
         Ok(d)
     }
@@ -170,7 +184,11 @@ impl Hypervisor {
     pub fn destroy_domain(&self, id: DomId) -> Result<(), HvError> {
         let d = self.domain(id).ok_or(HvError::NoSuchDomain(id))?;
         d.dying.store(true, Ordering::Release);
-        let handles = d.maptrack.lock().unwrap_or_else(|p| p.into_inner()).handles();
+        let handles = d
+            .maptrack
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .handles();
         for h in handles {
             let _ = self.unmap_one(&d, h);
         }
@@ -212,6 +230,12 @@ impl Hypervisor {
 
     /// All live domains.
     pub fn domains(&self) -> Vec<Arc<Domain>> {
-        self.domains.read().unwrap_or_else(|p| p.into_inner()).iter().flatten().cloned().collect()
+        self.domains
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .flatten()
+            .cloned()
+            .collect()
     }
 }

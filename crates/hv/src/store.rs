@@ -102,7 +102,8 @@ fn valid_path(p: &str) -> bool {
         && p.starts_with('/')
         && (p == "/" || !p.ends_with('/'))
         && !p.contains("//")
-        && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"/-_@.".contains(&b))
+        && p.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/-_@.".contains(&b))
 }
 
 fn parent(p: &str) -> Option<&str> {
@@ -118,7 +119,9 @@ fn parent(p: &str) -> Option<&str> {
 
 /// Whether `path` is `base` or below it.
 fn is_at_or_below(path: &str, base: &str) -> bool {
-    base == "/" || path == base || (path.starts_with(base) && path.as_bytes().get(base.len()) == Some(&b'/'))
+    base == "/"
+        || path == base
+        || (path.starts_with(base) && path.as_bytes().get(base.len()) == Some(&b'/'))
 }
 
 impl Node {
@@ -127,7 +130,11 @@ impl Node {
             return true;
         }
         self.perms.iter().any(|(d, p)| {
-            *d == dom && matches!((p, write), (Perm::Both, _) | (Perm::Read, false) | (Perm::Write, true))
+            *d == dom
+                && matches!(
+                    (p, write),
+                    (Perm::Both, _) | (Perm::Read, false) | (Perm::Write, true)
+                )
         })
     }
 }
@@ -151,7 +158,11 @@ impl Inner {
                 return true;
             }
             // A watcher that has gone away is dropped.
-            w.tx.send(WatchEvent { path: changed.to_string(), token: w.token.clone() }).is_ok()
+            w.tx.send(WatchEvent {
+                path: changed.to_string(),
+                token: w.token.clone(),
+            })
+            .is_ok()
         });
     }
 
@@ -164,8 +175,20 @@ impl Store {
     /// An empty store with the root owned by domain 0.
     pub fn new() -> Self {
         let mut nodes = BTreeMap::new();
-        nodes.insert("/".to_string(), Node { value: String::new(), owner: DomId::DOM0, perms: Vec::new() });
-        Self { inner: Mutex::new(Inner { nodes, watches: Vec::new() }) }
+        nodes.insert(
+            "/".to_string(),
+            Node {
+                value: String::new(),
+                owner: DomId::DOM0,
+                perms: Vec::new(),
+            },
+        );
+        Self {
+            inner: Mutex::new(Inner {
+                nodes,
+                watches: Vec::new(),
+            }),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -178,7 +201,10 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let g = self.lock();
-        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        let n = g
+            .nodes
+            .get(path)
+            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
         if !n.allows(caller, false) {
             return Err(StoreError::Denied(path.into()));
         }
@@ -201,7 +227,9 @@ impl Store {
             let mut missing = vec![path.to_string()];
             let mut p = parent(path);
             let anc = loop {
-                let Some(q) = p else { return Err(StoreError::Invalid) };
+                let Some(q) = p else {
+                    return Err(StoreError::Invalid);
+                };
                 if let Some(n) = g.nodes.get(q) {
                     break n.clone();
                 }
@@ -214,10 +242,25 @@ impl Store {
             if caller != DomId::DOM0 && g.owned_by(caller) + missing.len() > MAX_NODES_PER_DOMAIN {
                 return Err(StoreError::Quota);
             }
-            let owner = if caller == DomId::DOM0 { anc.owner } else { caller };
+            let owner = if caller == DomId::DOM0 {
+                anc.owner
+            } else {
+                caller
+            };
             for (i, m) in missing.iter().rev().enumerate() {
-                let v = if i + 1 == missing.len() { value.to_string() } else { String::new() };
-                g.nodes.insert(m.clone(), Node { value: v, owner, perms: anc.perms.clone() });
+                let v = if i + 1 == missing.len() {
+                    value.to_string()
+                } else {
+                    String::new()
+                };
+                g.nodes.insert(
+                    m.clone(),
+                    Node {
+                        value: v,
+                        owner,
+                        perms: anc.perms.clone(),
+                    },
+                );
             }
         }
         g.notify(path);
@@ -230,11 +273,19 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let mut g = self.lock();
-        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        let n = g
+            .nodes
+            .get(path)
+            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
         if !n.allows(caller, true) {
             return Err(StoreError::Denied(path.into()));
         }
-        let doomed: Vec<String> = g.nodes.keys().filter(|k| is_at_or_below(k, path)).cloned().collect();
+        let doomed: Vec<String> = g
+            .nodes
+            .keys()
+            .filter(|k| is_at_or_below(k, path))
+            .cloned()
+            .collect();
         for k in &doomed {
             g.nodes.remove(k);
         }
@@ -248,11 +299,18 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let g = self.lock();
-        let n = g.nodes.get(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        let n = g
+            .nodes
+            .get(path)
+            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
         if !n.allows(caller, false) {
             return Err(StoreError::Denied(path.into()));
         }
-        let prefix = if path == "/" { "/".to_string() } else { format!("{path}/") };
+        let prefix = if path == "/" {
+            "/".to_string()
+        } else {
+            format!("{path}/")
+        };
         Ok(g.nodes
             .range(prefix.clone()..)
             .take_while(|(k, _)| k.starts_with(&prefix))
@@ -264,12 +322,21 @@ impl Store {
     }
 
     /// Sets a node's owner and permissions (owner or domain 0 only).
-    pub fn set_perms(&self, caller: DomId, path: &str, owner: DomId, perms: &[(DomId, Perm)]) -> Result<(), StoreError> {
+    pub fn set_perms(
+        &self,
+        caller: DomId,
+        path: &str,
+        owner: DomId,
+        perms: &[(DomId, Perm)],
+    ) -> Result<(), StoreError> {
         if !valid_path(path) {
             return Err(StoreError::Invalid);
         }
         let mut g = self.lock();
-        let n = g.nodes.get_mut(path).ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        let n = g
+            .nodes
+            .get_mut(path)
+            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
         if caller != DomId::DOM0 && caller != n.owner {
             return Err(StoreError::Denied(path.into()));
         }
@@ -281,33 +348,58 @@ impl Store {
 
     /// Watches `path` and below; the returned receiver gets one event at once (as
     /// xenstore fires a new watch) and one per later change.
-    pub fn watch(&self, caller: DomId, path: &str, token: &str) -> Result<Receiver<WatchEvent>, StoreError> {
+    pub fn watch(
+        &self,
+        caller: DomId,
+        path: &str,
+        token: &str,
+    ) -> Result<Receiver<WatchEvent>, StoreError> {
         if !valid_path(path) {
             return Err(StoreError::Invalid);
         }
         let (tx, rx) = channel();
         let mut g = self.lock();
-        if caller != DomId::DOM0 && g.watches.iter().filter(|w| w.dom == caller).count() >= MAX_WATCHES_PER_DOMAIN {
+        if caller != DomId::DOM0
+            && g.watches.iter().filter(|w| w.dom == caller).count() >= MAX_WATCHES_PER_DOMAIN
+        {
             return Err(StoreError::Quota);
         }
-        let _ = tx.send(WatchEvent { path: path.to_string(), token: token.to_string() });
-        g.watches.push(Watch { dom: caller, path: path.to_string(), token: token.to_string(), tx });
+        let _ = tx.send(WatchEvent {
+            path: path.to_string(),
+            token: token.to_string(),
+        });
+        g.watches.push(Watch {
+            dom: caller,
+            path: path.to_string(),
+            token: token.to_string(),
+            tx,
+        });
         Ok(rx)
     }
 
     /// Removes a domain's watch.
     pub fn unwatch(&self, caller: DomId, path: &str, token: &str) {
-        self.lock().watches.retain(|w| !(w.dom == caller && w.path == path && w.token == token));
+        self.lock()
+            .watches
+            .retain(|w| !(w.dom == caller && w.path == path && w.token == token));
     }
 
     /// Reads `<dir>/state` as a xenbus state (missing or garbage reads as `Unknown`).
     pub fn xenbus_state(&self, caller: DomId, dir: &str) -> XenbusState {
-        self.read(caller, &format!("{dir}/state")).ok().and_then(|v| v.parse::<u32>().ok()).map_or(XenbusState::Unknown, XenbusState::from_u32)
+        self.read(caller, &format!("{dir}/state"))
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .map_or(XenbusState::Unknown, XenbusState::from_u32)
     }
 
     /// Moves `<dir>/state` to `to`, refusing transitions the xenbus protocol does not
     /// have (so a confused peer cannot, say, jump from Closed to Connected).
-    pub fn switch_state(&self, caller: DomId, dir: &str, to: XenbusState) -> Result<(), StoreError> {
+    pub fn switch_state(
+        &self,
+        caller: DomId,
+        dir: &str,
+        to: XenbusState,
+    ) -> Result<(), StoreError> {
         let from = self.xenbus_state(caller, dir);
         if !from.may_become(to) {
             return Err(StoreError::Invalid);
@@ -369,7 +461,9 @@ impl XenbusState {
             (Unknown | Initialising, InitWait | Initialised) => true,
             (InitWait, Initialised) => true,
             (Initialising | InitWait | Initialised, Connected) => true,
-            (Connected, Reconfiguring) | (Reconfiguring, Reconfigured) | (Reconfigured, Connected) => true,
+            (Connected, Reconfiguring)
+            | (Reconfiguring, Reconfigured)
+            | (Reconfigured, Connected) => true,
             (Unknown, Closed) => true,
             _ => false,
         }
@@ -384,21 +478,57 @@ mod tests {
     fn permissions_and_watches() {
         let s = Store::new();
         let (d1, d2) = (DomId(1), DomId(2));
-        s.write(DomId::DOM0, "/local/domain/1", "").expect("toolstack");
-        s.set_perms(DomId::DOM0, "/local/domain/1", d1, &[]).expect("perms");
-        s.write(d1, "/local/domain/1/device/vif/0/state", "1").expect("own subtree");
-        assert_eq!(s.read(d2, "/local/domain/1/device/vif/0/state"), Err(StoreError::Denied("/local/domain/1/device/vif/0/state".into())));
-        assert!(matches!(s.write(d2, "/local/domain/1/x", "y"), Err(StoreError::Denied(_))));
-        s.set_perms(d1, "/local/domain/1/device/vif/0/state", d1, &[(d2, Perm::Read)]).expect("share");
-        let w = s.watch(d2, "/local/domain/1/device/vif/0/state", "tok").expect("watch");
-        assert_eq!(w.try_recv().map(|e| e.token), Ok("tok".to_string()), "fires once when set");
-        s.write(d1, "/local/domain/1/device/vif/0/state", "2").expect("write");
-        assert_eq!(w.try_recv().map(|e| e.path), Ok("/local/domain/1/device/vif/0/state".to_string()));
-        assert_eq!(s.directory(d1, "/local/domain/1/device/vif"), Ok(vec!["0".to_string()]));
+        s.write(DomId::DOM0, "/local/domain/1", "")
+            .expect("toolstack");
+        s.set_perms(DomId::DOM0, "/local/domain/1", d1, &[])
+            .expect("perms");
+        s.write(d1, "/local/domain/1/device/vif/0/state", "1")
+            .expect("own subtree");
+        assert_eq!(
+            s.read(d2, "/local/domain/1/device/vif/0/state"),
+            Err(StoreError::Denied(
+                "/local/domain/1/device/vif/0/state".into()
+            ))
+        );
+        assert!(matches!(
+            s.write(d2, "/local/domain/1/x", "y"),
+            Err(StoreError::Denied(_))
+        ));
+        s.set_perms(
+            d1,
+            "/local/domain/1/device/vif/0/state",
+            d1,
+            &[(d2, Perm::Read)],
+        )
+        .expect("share");
+        let w = s
+            .watch(d2, "/local/domain/1/device/vif/0/state", "tok")
+            .expect("watch");
+        assert_eq!(
+            w.try_recv().map(|e| e.token),
+            Ok("tok".to_string()),
+            "fires once when set"
+        );
+        s.write(d1, "/local/domain/1/device/vif/0/state", "2")
+            .expect("write");
+        assert_eq!(
+            w.try_recv().map(|e| e.path),
+            Ok("/local/domain/1/device/vif/0/state".to_string())
+        );
+        assert_eq!(
+            s.directory(d1, "/local/domain/1/device/vif"),
+            Ok(vec!["0".to_string()])
+        );
         assert_eq!(s.write(d1, "bad//path", "x"), Err(StoreError::Invalid));
-        assert_eq!(s.write(d1, "/local/domain/1/v", &"x".repeat(MAX_VALUE + 1)), Err(StoreError::Invalid));
+        assert_eq!(
+            s.write(d1, "/local/domain/1/v", &"x".repeat(MAX_VALUE + 1)),
+            Err(StoreError::Invalid)
+        );
         s.rm(d1, "/local/domain/1/device").expect("rm");
-        assert!(matches!(s.read(d1, "/local/domain/1/device/vif/0/state"), Err(StoreError::NoEntry(_))));
+        assert!(matches!(
+            s.read(d1, "/local/domain/1/device/vif/0/state"),
+            Err(StoreError::NoEntry(_))
+        ));
     }
 
     #[test]
@@ -408,24 +538,40 @@ mod tests {
         s.set_perms(DomId::DOM0, "/q", DomId(3), &[]).expect("own");
         // It already owns /q.
         for i in 0..MAX_NODES_PER_DOMAIN - 1 {
-            s.write(DomId(3), &format!("/q/n{i}"), "v").expect("under quota");
+            s.write(DomId(3), &format!("/q/n{i}"), "v")
+                .expect("under quota");
         }
-        assert_eq!(s.write(DomId(3), "/q/one-too-many", "v"), Err(StoreError::Quota));
+        assert_eq!(
+            s.write(DomId(3), "/q/one-too-many", "v"),
+            Err(StoreError::Quota)
+        );
     }
 
     #[test]
     fn xenbus_transitions() {
         let s = Store::new();
         let d = "/local/domain/0/backend/vif/1/0";
-        s.switch_state(DomId::DOM0, d, XenbusState::Initialising).expect("start");
-        s.switch_state(DomId::DOM0, d, XenbusState::InitWait).expect("features");
-        s.switch_state(DomId::DOM0, d, XenbusState::Connected).expect("connect");
+        s.switch_state(DomId::DOM0, d, XenbusState::Initialising)
+            .expect("start");
+        s.switch_state(DomId::DOM0, d, XenbusState::InitWait)
+            .expect("features");
+        s.switch_state(DomId::DOM0, d, XenbusState::Connected)
+            .expect("connect");
         assert_eq!(s.xenbus_state(DomId::DOM0, d), XenbusState::Connected);
-        assert_eq!(s.switch_state(DomId::DOM0, d, XenbusState::Initialised), Err(StoreError::Invalid));
-        s.switch_state(DomId::DOM0, d, XenbusState::Closing).expect("close");
-        s.switch_state(DomId::DOM0, d, XenbusState::Closed).expect("closed");
-        assert_eq!(s.switch_state(DomId::DOM0, d, XenbusState::Connected), Err(StoreError::Invalid));
-        s.write(DomId::DOM0, &format!("{d}/state"), "garbage").expect("hostile write");
+        assert_eq!(
+            s.switch_state(DomId::DOM0, d, XenbusState::Initialised),
+            Err(StoreError::Invalid)
+        );
+        s.switch_state(DomId::DOM0, d, XenbusState::Closing)
+            .expect("close");
+        s.switch_state(DomId::DOM0, d, XenbusState::Closed)
+            .expect("closed");
+        assert_eq!(
+            s.switch_state(DomId::DOM0, d, XenbusState::Connected),
+            Err(StoreError::Invalid)
+        );
+        s.write(DomId::DOM0, &format!("{d}/state"), "garbage")
+            .expect("hostile write");
         assert_eq!(s.xenbus_state(DomId::DOM0, d), XenbusState::Unknown);
     }
 }

@@ -99,7 +99,10 @@ impl VcpuState {
 
     /// Times the vCPU blocked and was woken by a kick.
     pub fn block_wake_counts(&self) -> (u64, u64) {
-        (self.blocks.load(Ordering::Relaxed), self.wakes.load(Ordering::Relaxed))
+        (
+            self.blocks.load(Ordering::Relaxed),
+            self.wakes.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -207,33 +210,43 @@ impl Hypervisor {
         start: VcpuStart,
         kernel: impl FnOnce(Vcpu) -> R + Send + 'static,
     ) -> std::io::Result<JoinHandle<R>> {
-        let st = dom.vcpus.get(start.vcpu as usize).ok_or_else(|| std::io::Error::from_raw_os_error(libc_einval()))?;
-        st.mode.store(u8::from(start.mode == WaitMode::Polling), Ordering::Relaxed);
-        let v = Vcpu { hv: Arc::clone(self), dom: Arc::clone(dom), id: start.vcpu };
-        std::thread::Builder::new().name(format!("{}-v{}", dom.name, start.vcpu)).spawn(move || {
-            let s = v.state();
-            if let Some(c) = start.core {
-                // Best effort: a missing core leaves the thread floating, visibly in the
-                // experiment's configuration record.
-                let _ = pin_current_thread(c);
-            }
-            let _ = s.thread.set(std::thread::current());
-            let binding = SlotBinding::bind(Arc::clone(&s.slot), start.sample).ok();
-            if let Ok(mut c) = s.clock.lock() {
-                *c = ThreadClock::current().ok();
-            }
-            let st_dom = Arc::clone(&v.dom);
-            let id = v.id as usize;
-            let r = kernel(v);
-            let s = &st_dom.vcpus[id];
-            let t = mem::cpu::thread_cpu_time();
-            s.final_cpu_ns.store(t.as_nanos() as u64, Ordering::Release);
-            if let Ok(mut c) = s.clock.lock() {
-                *c = None;
-            }
-            drop(binding);
-            r
-        })
+        let st = dom
+            .vcpus
+            .get(start.vcpu as usize)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc_einval()))?;
+        st.mode
+            .store(u8::from(start.mode == WaitMode::Polling), Ordering::Relaxed);
+        let v = Vcpu {
+            hv: Arc::clone(self),
+            dom: Arc::clone(dom),
+            id: start.vcpu,
+        };
+        std::thread::Builder::new()
+            .name(format!("{}-v{}", dom.name, start.vcpu))
+            .spawn(move || {
+                let s = v.state();
+                if let Some(c) = start.core {
+                    // Best effort: a missing core leaves the thread floating, visibly in the
+                    // experiment's configuration record.
+                    let _ = pin_current_thread(c);
+                }
+                let _ = s.thread.set(std::thread::current());
+                let binding = SlotBinding::bind(Arc::clone(&s.slot), start.sample).ok();
+                if let Ok(mut c) = s.clock.lock() {
+                    *c = ThreadClock::current().ok();
+                }
+                let st_dom = Arc::clone(&v.dom);
+                let id = v.id as usize;
+                let r = kernel(v);
+                let s = &st_dom.vcpus[id];
+                let t = mem::cpu::thread_cpu_time();
+                s.final_cpu_ns.store(t.as_nanos() as u64, Ordering::Release);
+                if let Ok(mut c) = s.clock.lock() {
+                    *c = None;
+                }
+                drop(binding);
+                r
+            })
     }
 
     /// Wakes a vCPU without an event (so that its loop can notice a stop flag, say).

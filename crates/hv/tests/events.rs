@@ -8,9 +8,25 @@ use hv::event::NR_EVENT_CHANNELS;
 use hv::*;
 
 fn two_domains() -> (Arc<Hypervisor>, Arc<Domain>, Arc<Domain>) {
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() }).expect("machine");
-    let a = hv.create_domain(&DomainConfig { name: "a".into(), pages: 64, ..Default::default() }).expect("a");
-    let b = hv.create_domain(&DomainConfig { name: "b".into(), pages: 64, ..Default::default() }).expect("b");
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })
+    .expect("machine");
+    let a = hv
+        .create_domain(&DomainConfig {
+            name: "a".into(),
+            pages: 64,
+            ..Default::default()
+        })
+        .expect("a");
+    let b = hv
+        .create_domain(&DomainConfig {
+            name: "b".into(),
+            pages: 64,
+            ..Default::default()
+        })
+        .expect("b");
     (hv, a, b)
 }
 
@@ -31,7 +47,13 @@ fn drain(d: &Domain) -> Vec<Port> {
 fn send_sets_the_remote_port_pending_once() {
     let (hv, a, b) = two_domains();
     let (pa, pb) = connect(&hv, &a, &b);
-    assert_eq!(b.evtchn_state(pb), Ok(ChannelState::Interdomain { remote: a.id(), remote_port: pa }));
+    assert_eq!(
+        b.evtchn_state(pb),
+        Ok(ChannelState::Interdomain {
+            remote: a.id(),
+            remote_port: pa
+        })
+    );
     hv.evtchn_send(&a, pa).expect("send");
     hv.evtchn_send(&a, pa).expect("send again: coalesced");
     assert!(b.upcall_pending(0));
@@ -61,18 +83,52 @@ fn an_event_that_arrives_while_masked_is_delivered_after_unmask() {
 fn bad_ports_are_refused_and_touch_nothing() {
     let (hv, a, b) = two_domains();
     let (pa, pb) = connect(&hv, &a, &b);
-    assert_eq!(hv.evtchn_send(&a, Port(NR_EVENT_CHANNELS)), Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS)));
-    assert_eq!(hv.evtchn_send(&a, Port(u32::MAX)), Err(EvtchnError::PortOutOfRange(u32::MAX)));
-    assert_eq!(hv.evtchn_send(&a, Port(pa.0 + 1)), Err(EvtchnError::NotBound(pa.0 + 1)));
+    assert_eq!(
+        hv.evtchn_send(&a, Port(NR_EVENT_CHANNELS)),
+        Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS))
+    );
+    assert_eq!(
+        hv.evtchn_send(&a, Port(u32::MAX)),
+        Err(EvtchnError::PortOutOfRange(u32::MAX))
+    );
+    assert_eq!(
+        hv.evtchn_send(&a, Port(pa.0 + 1)),
+        Err(EvtchnError::NotBound(pa.0 + 1))
+    );
     let unbound = hv.evtchn_alloc_unbound(&a, b.id()).expect("offer");
-    assert_eq!(hv.evtchn_send(&a, unbound), Err(EvtchnError::NotBound(unbound.0)));
-    assert_eq!(a.evtchn_mask(Port(NR_EVENT_CHANNELS)), Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS)));
-    assert_eq!(hv.evtchn_unmask(&a, Port(NR_EVENT_CHANNELS + 5)), Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS + 5)));
+    assert_eq!(
+        hv.evtchn_send(&a, unbound),
+        Err(EvtchnError::NotBound(unbound.0))
+    );
+    assert_eq!(
+        a.evtchn_mask(Port(NR_EVENT_CHANNELS)),
+        Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS))
+    );
+    assert_eq!(
+        hv.evtchn_unmask(&a, Port(NR_EVENT_CHANNELS + 5)),
+        Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS + 5))
+    );
     // Binding to a port not offered to the caller.
-    let c = hv.create_domain(&DomainConfig { name: "c".into(), pages: 32, ..Default::default() }).expect("c");
-    assert_eq!(hv.evtchn_bind_interdomain(&c, a.id(), unbound), Err(EvtchnError::NotOffered(unbound.0)));
-    assert_eq!(hv.evtchn_bind_interdomain(&c, b.id(), pb), Err(EvtchnError::NotOffered(pb.0)), "already bound");
-    assert_eq!(hv.evtchn_bind_interdomain(&c, DomId(200), Port(1)), Err(EvtchnError::NoSuchDomain(DomId(200))));
+    let c = hv
+        .create_domain(&DomainConfig {
+            name: "c".into(),
+            pages: 32,
+            ..Default::default()
+        })
+        .expect("c");
+    assert_eq!(
+        hv.evtchn_bind_interdomain(&c, a.id(), unbound),
+        Err(EvtchnError::NotOffered(unbound.0))
+    );
+    assert_eq!(
+        hv.evtchn_bind_interdomain(&c, b.id(), pb),
+        Err(EvtchnError::NotOffered(pb.0)),
+        "already bound"
+    );
+    assert_eq!(
+        hv.evtchn_bind_interdomain(&c, DomId(200), Port(1)),
+        Err(EvtchnError::NoSuchDomain(DomId(200)))
+    );
     // Nobody got an event out of all this.
     assert!(!a.upcall_pending(0) && !b.upcall_pending(0) && !c.upcall_pending(0));
     // The good channel still works.
@@ -86,7 +142,10 @@ fn closing_one_end_unbinds_the_other() {
     let (pa, pb) = connect(&hv, &a, &b);
     hv.evtchn_close(&a, pa).expect("close");
     assert_eq!(a.evtchn_state(pa), Ok(ChannelState::Free));
-    assert_eq!(b.evtchn_state(pb), Ok(ChannelState::Unbound { remote: a.id() }));
+    assert_eq!(
+        b.evtchn_state(pb),
+        Ok(ChannelState::Unbound { remote: a.id() })
+    );
     assert_eq!(hv.evtchn_send(&b, pb), Err(EvtchnError::NotBound(pb.0)));
     assert_eq!(hv.evtchn_send(&a, pa), Err(EvtchnError::NotBound(pa.0)));
     assert_eq!(hv.evtchn_close(&a, pa), Err(EvtchnError::NotBound(pa.0)));
@@ -101,7 +160,10 @@ fn destroying_a_domain_unbinds_its_peers() {
     let (hv, a, b) = two_domains();
     let (_pa, pb) = connect(&hv, &a, &b);
     hv.destroy_domain(a.id()).expect("destroy");
-    assert!(matches!(hv.evtchn_send(&b, pb), Err(EvtchnError::NotBound(_))));
+    assert!(matches!(
+        hv.evtchn_send(&b, pb),
+        Err(EvtchnError::NotBound(_))
+    ));
 }
 
 #[test]
@@ -112,26 +174,43 @@ fn a_device_interrupt_becomes_an_event_on_the_owner_port() {
     assert_eq!(hv.bind_irq(&a, v), Err(EvtchnError::VectorInUse(33)));
     hv.raise_irq(v).expect("raise");
     assert_eq!(drain(&a), vec![p]);
-    assert_eq!(hv.raise_irq(Vector(34)), Err(EvtchnError::VectorUnbound(34)));
+    assert_eq!(
+        hv.raise_irq(Vector(34)),
+        Err(EvtchnError::VectorUnbound(34))
+    );
     assert_eq!(hv.irq_unbound_count(), 1);
     hv.evtchn_close(&a, p).expect("close");
     assert_eq!(hv.raise_irq(v), Err(EvtchnError::VectorUnbound(33)));
 }
 
 /// A vCPU that handles `n` events on `port`, waiting in `mode` between them.
-fn run_receiver(hv: &Arc<Hypervisor>, d: &Arc<Domain>, mode: WaitMode, n: u32) -> (std::thread::JoinHandle<u32>, Arc<AtomicU32>) {
+fn run_receiver(
+    hv: &Arc<Hypervisor>,
+    d: &Arc<Domain>,
+    mode: WaitMode,
+    n: u32,
+) -> (std::thread::JoinHandle<u32>, Arc<AtomicU32>) {
     let seen = Arc::new(AtomicU32::new(0));
     let s2 = Arc::clone(&seen);
     let h = hv
-        .start_vcpu(d, VcpuStart { vcpu: 0, core: None, mode, sample: None }, move |v| {
-            while s2.load(Ordering::Relaxed) < n {
-                v.wait();
-                v.handle_events(|_| {
-                    s2.fetch_add(1, Ordering::Relaxed);
-                });
-            }
-            s2.load(Ordering::Relaxed)
-        })
+        .start_vcpu(
+            d,
+            VcpuStart {
+                vcpu: 0,
+                core: None,
+                mode,
+                sample: None,
+            },
+            move |v| {
+                while s2.load(Ordering::Relaxed) < n {
+                    v.wait();
+                    v.handle_events(|_| {
+                        s2.fetch_add(1, Ordering::Relaxed);
+                    });
+                }
+                s2.load(Ordering::Relaxed)
+            },
+        )
         .expect("vcpu");
     (h, seen)
 }
@@ -146,14 +225,20 @@ fn blocked_and_polling_vcpus_wake_on_events() {
             hv.evtchn_send(&a, pa).expect("send");
             let t0 = Instant::now();
             while seen.load(Ordering::Relaxed) < i {
-                assert!(t0.elapsed() < Duration::from_secs(10), "{mode:?}: event {i} never handled");
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{mode:?}: event {i} never handled"
+                );
                 std::thread::yield_now();
             }
         }
         assert_eq!(h.join().expect("vcpu"), 5);
         if mode == WaitMode::Blocking {
             let (blocks, wakes) = b.vcpus()[0].block_wake_counts();
-            assert!(blocks >= 1 && wakes >= 1, "it really blocked: {blocks} {wakes}");
+            assert!(
+                blocks >= 1 && wakes >= 1,
+                "it really blocked: {blocks} {wakes}"
+            );
         }
         assert!(b.vcpus()[0].cpu_time() > Duration::ZERO);
     }
@@ -165,11 +250,20 @@ fn a_kick_wakes_a_blocked_vcpu_without_an_event() {
     let stop = Arc::new(AtomicBool::new(false));
     let s2 = Arc::clone(&stop);
     let h = hv
-        .start_vcpu(&b, VcpuStart { vcpu: 0, core: None, mode: WaitMode::Blocking, sample: None }, move |v| {
-            while !s2.load(Ordering::Acquire) {
-                v.wait();
-            }
-        })
+        .start_vcpu(
+            &b,
+            VcpuStart {
+                vcpu: 0,
+                core: None,
+                mode: WaitMode::Blocking,
+                sample: None,
+            },
+            move |v| {
+                while !s2.load(Ordering::Acquire) {
+                    v.wait();
+                }
+            },
+        )
         .expect("vcpu");
     std::thread::sleep(Duration::from_millis(20));
     stop.store(true, Ordering::Release);

@@ -6,8 +6,19 @@ use hv::iommu::{FaultReason, InvScope};
 use hv::*;
 
 fn setup() -> (Arc<Hypervisor>, Arc<Domain>) {
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() }).expect("machine");
-    let d = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 64, driver_domain: true, ..Default::default() }).expect("dom");
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })
+    .expect("machine");
+    let d = hv
+        .create_domain(&DomainConfig {
+            name: "drv".into(),
+            pages: 64,
+            driver_domain: true,
+            ..Default::default()
+        })
+        .expect("dom");
     (hv, d)
 }
 
@@ -45,19 +56,26 @@ fn unmapped_read_only_and_unassigned_accesses_fault_and_are_counted() {
     let mut dev = hv.iommu().device(DeviceId(1));
     let e = dev.dma_write(Iova(0x2000), b"x").expect_err("read-only");
     assert_eq!(e.reason, FaultReason::ReadOnly);
-    let e = dev.dma_read(Iova(0x9000), &mut [0u8; 4]).expect_err("unmapped");
+    let e = dev
+        .dma_read(Iova(0x9000), &mut [0u8; 4])
+        .expect_err("unmapped");
     assert_eq!(e.reason, FaultReason::NotPresent);
     let e = dev.translate(Iova(u64::MAX), false).expect_err("range");
     assert_eq!(e.reason, FaultReason::OutOfRange);
     let mut stranger = hv.iommu().device(DeviceId(2));
-    let e = stranger.dma_read(Iova(0x2000), &mut [0u8; 4]).expect_err("no context");
+    let e = stranger
+        .dma_read(Iova(0x2000), &mut [0u8; 4])
+        .expect_err("no context");
     assert_eq!(e.reason, FaultReason::NoContext);
     assert_eq!(dev.faults, 3);
     assert_eq!(hv.iommu().fault_count(), 4);
     assert_eq!(hv.iommu().fault_log().len(), 4);
     let mut page = vec![0u8; PAGE_SIZE];
     d.read(g, 0, &mut page).expect("read");
-    assert!(page.iter().all(|b| *b == 0), "the faulting write wrote nothing");
+    assert!(
+        page.iter().all(|b| *b == 0),
+        "the faulting write wrote nothing"
+    );
     // The good read still works.
     dev.dma_read(Iova(0x2000), &mut [0u8; 4]).expect("readable");
 }
@@ -73,24 +91,53 @@ fn a_stale_translation_lasts_until_invalidated_register_and_queued() {
         dev.translate(Iova(0x4000), true).expect("fill the IOTLB");
         hv.iommu_unmap(&d, Iova(0x4000)).expect("unmap");
         // As on hardware: the page table changed, the IOTLB did not yet.
-        assert!(dev.translate(Iova(0x4000), true).is_ok(), "cached until invalidated");
+        assert!(
+            dev.translate(Iova(0x4000), true).is_ok(),
+            "cached until invalidated"
+        );
         let scope = InvScope::Page(d.id(), Iova(0x4000));
         if queued {
             hv.iommu().invalidate_queued(&[scope]);
-            assert_eq!(hv.iommu().stats.waits.load(std::sync::atomic::Ordering::Relaxed), 1);
+            assert_eq!(
+                hv.iommu()
+                    .stats
+                    .waits
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                1
+            );
         } else {
             hv.iommu().invalidate_register(scope);
         }
-        assert_eq!(dev.translate(Iova(0x4000), true).map_err(|f| f.reason), Err(FaultReason::NotPresent));
-        assert_eq!(hv.iommu_unmap(&d, Iova(0x4000)), Err(hv::iommu::IommuError::NotMapped));
+        assert_eq!(
+            dev.translate(Iova(0x4000), true).map_err(|f| f.reason),
+            Err(FaultReason::NotPresent)
+        );
+        assert_eq!(
+            hv.iommu_unmap(&d, Iova(0x4000)),
+            Err(hv::iommu::IommuError::NotMapped)
+        );
     }
 }
 
 #[test]
 fn domain_and_global_invalidations_drop_exactly_their_entries() {
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() }).expect("machine");
-    let d1 = hv.create_domain(&DomainConfig { pages: 32, ..Default::default() }).expect("d1");
-    let d2 = hv.create_domain(&DomainConfig { pages: 32, ..Default::default() }).expect("d2");
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })
+    .expect("machine");
+    let d1 = hv
+        .create_domain(&DomainConfig {
+            pages: 32,
+            ..Default::default()
+        })
+        .expect("d1");
+    let d2 = hv
+        .create_domain(&DomainConfig {
+            pages: 32,
+            ..Default::default()
+        })
+        .expect("d2");
     for (d, dev) in [(&d1, 1u16), (&d2, 2)] {
         let g = d.alloc_page().expect("page");
         hv.iommu_map(d, Iova(0x1000), g, true).expect("map");
@@ -110,5 +157,8 @@ fn domain_and_global_invalidations_drop_exactly_their_entries() {
     assert_eq!((a.misses, b.misses), (3, 2));
     // Destroying a domain detaches its devices.
     hv.destroy_domain(d2.id()).expect("destroy");
-    assert_eq!(b.translate(Iova(0x1000), false).map_err(|f| f.reason), Err(FaultReason::NoContext));
+    assert_eq!(
+        b.translate(Iova(0x1000), false).map_err(|f| f.reason),
+        Err(FaultReason::NoContext)
+    );
 }

@@ -93,7 +93,13 @@ impl Report {
 
     /// Adds a check.
     pub fn check(&mut self, what: &str, value: f64, unit: &str, target: &str, met: bool) {
-        self.checks.push(Check { what: what.into(), value, unit: unit.into(), target: target.into(), met });
+        self.checks.push(Check {
+            what: what.into(),
+            value,
+            unit: unit.into(),
+            target: target.into(),
+            met,
+        });
     }
 
     /// The human table: columns sized to their contents.
@@ -103,7 +109,17 @@ impl Report {
         if !self.setup.is_empty() {
             let _ = writeln!(out, "{}", self.setup);
         }
-        let header = ["group", "measurement", "median", "min", "max", "p99", "unit", "ratio", "reference"];
+        let header = [
+            "group",
+            "measurement",
+            "median",
+            "min",
+            "max",
+            "p99",
+            "unit",
+            "ratio",
+            "reference",
+        ];
         let mut lines: Vec<[String; 9]> = vec![header.map(String::from)];
         for r in &self.rows {
             lines.push([
@@ -114,11 +130,21 @@ impl Report {
                 fmt_num(r.stats.max),
                 fmt_num(r.stats.p99),
                 r.unit.clone(),
-                r.ratio.as_ref().map_or(String::new(), |(b, x)| format!("{x:.2}x {b}")),
+                r.ratio
+                    .as_ref()
+                    .map_or(String::new(), |(b, x)| format!("{x:.2}x {b}")),
                 r.reference.clone().unwrap_or_default(),
             ]);
         }
-        let widths: Vec<usize> = (0..9).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+        let widths: Vec<usize> = (0..9)
+            .map(|c| {
+                lines
+                    .iter()
+                    .map(|l| l[c].chars().count())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
         for l in &lines {
             let cells: Vec<String> = l
                 .iter()
@@ -160,7 +186,11 @@ impl Report {
         let mut md = String::new();
         let _ = writeln!(md, "# {}: {}\n", self.id, self.title);
         let _ = writeln!(md, "Paper: {}  ", self.paper);
-        let _ = writeln!(md, "Revision `{}`, {} on {} ({}, {} cores).\n", env.revision, env.date, env.host, env.cpu, env.cores);
+        let _ = writeln!(
+            md,
+            "Revision `{}`, {} on {} ({}, {} cores).\n",
+            env.revision, env.date, env.host, env.cpu, env.cores
+        );
         if !self.setup.is_empty() {
             let _ = writeln!(md, "{}\n", self.setup);
         }
@@ -177,7 +207,9 @@ impl Report {
                 fmt_num(r.stats.max),
                 fmt_num(r.stats.p99),
                 r.unit,
-                r.ratio.as_ref().map_or(String::new(), |(b, x)| format!("{x:.2}× {b}")),
+                r.ratio
+                    .as_ref()
+                    .map_or(String::new(), |(b, x)| format!("{x:.2}× {b}")),
                 r.reference.clone().unwrap_or_default()
             );
         }
@@ -210,7 +242,10 @@ impl Report {
         let json = dir.join(format!("{}.json", self.id));
         let md = dir.join(format!("{}.md", self.id));
         let record = serde_json::json!({ "env": env, "experiment": self });
-        std::fs::write(&json, serde_json::to_string_pretty(&record).map_err(std::io::Error::other)?)?;
+        std::fs::write(
+            &json,
+            serde_json::to_string_pretty(&record).map_err(std::io::Error::other)?,
+        )?;
         std::fs::write(&md, self.markdown(env))?;
         Ok((json, md))
     }
@@ -238,10 +273,19 @@ pub struct RunEnv {
 impl RunEnv {
     /// Reads the environment of this run.
     pub fn capture(quick: bool) -> Self {
-        let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into());
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .map(|s| s.trim().to_string())
+                .unwrap_or_else(|_| "unknown".into())
+        };
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|m| m.trim().to_string())
+            })
             .unwrap_or_else(|| "unknown".into());
         let revision = std::process::Command::new("git")
             .args(["describe", "--always", "--dirty"])

@@ -21,22 +21,43 @@ impl Stats {
     /// Summarises `samples` (empty gives all zeros).
     pub fn of(samples: &[f64]) -> Self {
         if samples.is_empty() {
-            return Self { n: 0, median: 0.0, min: 0.0, max: 0.0, p99: 0.0 };
+            return Self {
+                n: 0,
+                median: 0.0,
+                min: 0.0,
+                max: 0.0,
+                p99: 0.0,
+            };
         }
         let mut v = samples.to_vec();
         v.sort_by(f64::total_cmp);
         let n = v.len();
-        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
         // Nearest-rank percentile: ceil(0.99 n)-th smallest.
         let rank = ((0.99 * n as f64).ceil() as usize).clamp(1, n);
-        Self { n, median, min: v[0], max: v[n - 1], p99: v[rank - 1] }
+        Self {
+            n,
+            median,
+            min: v[0],
+            max: v[n - 1],
+            p99: v[rank - 1],
+        }
     }
 }
 
 /// Median of per-iteration ratios `num[i] / den[i]` (ratios taken within one
 /// iteration, so that machine noise common to both cancels).
 pub fn ratio_median(num: &[f64], den: &[f64]) -> Option<f64> {
-    let r: Vec<f64> = num.iter().zip(den).filter(|(_, d)| **d > 0.0).map(|(n, d)| n / d).collect();
+    let r: Vec<f64> = num
+        .iter()
+        .zip(den)
+        .filter(|(_, d)| **d > 0.0)
+        .map(|(n, d)| n / d)
+        .collect();
     (!r.is_empty()).then(|| Stats::of(&r).median)
 }
 

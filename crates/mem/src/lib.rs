@@ -33,7 +33,10 @@ pub const PAGE_SHIFT: u32 = 12;
 
 // Ring and grant entries are laid out little-endian, as on the x86 machines the papers
 // used; the byte views of those plain-old-data types rely on it.
-const _: () = assert!(cfg!(target_endian = "little"), "pvio assumes a little-endian host");
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "pvio assumes a little-endian host"
+);
 
 /// A machine frame number: the index of a 4 KiB frame in [`MachineMemory`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -118,7 +121,7 @@ pub trait PageAccess {
         Ok(v)
     }
     /// Writes a plain-old-data value.
-    fn write_obj<T: bytemuck::NoUninit>(&self, offset: usize, v: &T) -> Result<(), MemError> {
+    fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
         self.write(offset, bytemuck::bytes_of(v))
     }
 }

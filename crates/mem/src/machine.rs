@@ -58,7 +58,8 @@ impl MachineMemory {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+        let base = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
         Ok(Self { base, frames, fd })
     }
 
@@ -95,6 +96,30 @@ impl MachineMemory {
         Ok(())
     }
 
+    /// Reads a plain-old-data value with one unaligned load (no `memcpy` call for small
+    /// entries such as ring slots).
+    #[inline]
+    pub fn read_obj<T: bytemuck::Pod>(&self, mfn: Mfn, offset: usize) -> Result<T, MemError> {
+        let p = self.ptr(mfn, offset, std::mem::size_of::<T>())?;
+        // SAFETY: `p..p+size_of::<T>()` is inside the mapping (checked by `ptr`); `T` is
+        // Pod, so any bit pattern is a valid value; the load is unaligned-tolerant.
+        Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
+    }
+
+    /// Writes a plain-old-data value with one unaligned store.
+    #[inline]
+    pub fn write_obj<T: bytemuck::Pod>(
+        &self,
+        mfn: Mfn,
+        offset: usize,
+        v: &T,
+    ) -> Result<(), MemError> {
+        let p = self.ptr(mfn, offset, std::mem::size_of::<T>())?;
+        // SAFETY: in bounds as in `read_obj`; `T` is Pod, so its bytes are all initialised.
+        unsafe { std::ptr::write_unaligned(p.cast::<T>(), *v) };
+        Ok(())
+    }
+
     /// Copies bytes into a frame.
     #[inline]
     pub fn write(&self, mfn: Mfn, offset: usize, data: &[u8]) -> Result<(), MemError> {
@@ -124,7 +149,14 @@ impl MachineMemory {
     /// Copies `len` bytes between two frames (possibly the same one). This is the data
     /// movement of a grant copy.
     #[inline]
-    pub fn copy(&self, src: Mfn, src_off: usize, dst: Mfn, dst_off: usize, len: usize) -> Result<(), MemError> {
+    pub fn copy(
+        &self,
+        src: Mfn,
+        src_off: usize,
+        dst: Mfn,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
         let s = self.ptr(src, src_off, len)?;
         let d = self.ptr(dst, dst_off, len)?;
         // SAFETY: both ranges are inside the mapping (checked above); `copy` (memmove)
@@ -244,6 +276,14 @@ impl PageAccess for FramePage {
         self.mem.read(self.mfn, offset, buf)
     }
     #[inline]
+    fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
+        self.mem.read_obj(self.mfn, offset)
+    }
+    #[inline]
+    fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
+        self.mem.write_obj(self.mfn, offset, v)
+    }
+    #[inline]
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
         self.mem.write(self.mfn, offset, data)
     }
@@ -271,7 +311,13 @@ mod tests {
         let m = MachineMemory::new(4).expect("memfd");
         let mut b = [0u8; 8];
         assert_eq!(m.read(Mfn(4), 0, &mut b), Err(MemError::NoSuchFrame(4)));
-        assert_eq!(m.read(Mfn(0), 4090, &mut b), Err(MemError::CrossesPage { offset: 4090, len: 8 }));
+        assert_eq!(
+            m.read(Mfn(0), 4090, &mut b),
+            Err(MemError::CrossesPage {
+                offset: 4090,
+                len: 8
+            })
+        );
         assert_eq!(m.atomic_u32(Mfn(0), 2).err(), Some(MemError::Misaligned(2)));
         m.write(Mfn(3), 4088, &[7; 8]).expect("in bounds");
         m.read(Mfn(3), 4088, &mut b).expect("in bounds");
@@ -287,7 +333,14 @@ mod tests {
         let mut out = vec![0u8; 1500];
         m.read(Mfn(1), 100, &mut out).expect("read");
         assert_eq!(out, data);
-        m.atomic_u64(Mfn(1), 0).expect("aligned").store(5, Ordering::Relaxed);
-        assert_eq!(m.atomic_u64(Mfn(1), 0).expect("aligned").load(Ordering::Relaxed), 5);
+        m.atomic_u64(Mfn(1), 0)
+            .expect("aligned")
+            .store(5, Ordering::Relaxed);
+        assert_eq!(
+            m.atomic_u64(Mfn(1), 0)
+                .expect("aligned")
+                .load(Ordering::Relaxed),
+            5
+        );
     }
 }

@@ -71,7 +71,8 @@ impl MapWindow {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+        let base = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
         Ok(Self {
             base,
             slots,
@@ -87,7 +88,9 @@ impl MapWindow {
     }
 
     fn word(&self, slot: u32) -> Result<&AtomicU32, MemError> {
-        self.state.get(slot as usize).ok_or(MemError::NoSuchSlot(slot))
+        self.state
+            .get(slot as usize)
+            .ok_or(MemError::NoSuchSlot(slot))
     }
 
     fn addr(&self, slot: u32) -> *mut u8 {
@@ -123,10 +126,17 @@ impl MapWindow {
             return Err(MemError::NoSuchFrame(mfn.0));
         }
         // Claim the empty slot; nobody can access it meanwhile (not MAPPED).
-        if word.compare_exchange(0, CHANGING, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        if word
+            .compare_exchange(0, CHANGING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
             return Err(MemError::AlreadyMapped(slot));
         }
-        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
         // SAFETY: replaces exactly one page of our own reservation, which no Rust object
         // refers to (the slot was unmapped and is claimed CHANGING, so no accessor holds it).
         let p = unsafe {
@@ -146,7 +156,10 @@ impl MapWindow {
         }
         self.mfns[slot as usize].store(mfn.0, Ordering::Relaxed);
         // Release: an accessor that sees MAPPED also sees the new page-table entry.
-        word.store(MAPPED | if writable { WRITABLE } else { 0 }, Ordering::Release);
+        word.store(
+            MAPPED | if writable { WRITABLE } else { 0 },
+            Ordering::Release,
+        );
         Ok(())
     }
 
@@ -162,7 +175,10 @@ impl MapWindow {
             return Err(MemError::InUse(slot));
         }
         // Only succeeds with zero users; from here no accessor can get in.
-        if word.compare_exchange(s, s | CHANGING, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        if word
+            .compare_exchange(s, s | CHANGING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
             return Err(MemError::InUse(slot));
         }
         let mfn = Mfn(self.mfns[slot as usize].load(Ordering::Relaxed));
@@ -221,7 +237,9 @@ impl MapWindow {
         self.enter(slot, false)?;
         // SAFETY: the slot is mapped and counted as in use, so it cannot be unmapped
         // during the copy; the range is inside the page (checked above).
-        unsafe { std::ptr::copy_nonoverlapping(self.addr(slot).add(offset), buf.as_mut_ptr(), buf.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.addr(slot).add(offset), buf.as_mut_ptr(), buf.len())
+        };
         self.leave(slot);
         Ok(())
     }
@@ -231,7 +249,9 @@ impl MapWindow {
         check_in_page(offset, data.len())?;
         self.enter(slot, true)?;
         // SAFETY: as in `read`; the mapping is writable (checked by `enter`).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.addr(slot).add(offset), data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.addr(slot).add(offset), data.len())
+        };
         self.leave(slot);
         Ok(())
     }
@@ -241,7 +261,11 @@ impl MapWindow {
     pub fn page(self: &Arc<Self>, slot: u32) -> Result<MappedPage, MemError> {
         self.enter(slot, false)?;
         let writable = self.state(slot)? == SlotState::ReadWrite;
-        Ok(MappedPage { window: Arc::clone(self), slot, writable })
+        Ok(MappedPage {
+            window: Arc::clone(self),
+            slot,
+            writable,
+        })
     }
 }
 
@@ -249,7 +273,12 @@ impl Drop for MapWindow {
     fn drop(&mut self) {
         // SAFETY: unmaps the whole reservation (with any frames still mapped in it);
         // `&mut self` means no accessor or `MappedPage` (which holds an Arc) is alive.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.slots.max(1) as usize * PAGE_SIZE) };
+        unsafe {
+            libc::munmap(
+                self.base.as_ptr().cast(),
+                self.slots.max(1) as usize * PAGE_SIZE,
+            )
+        };
     }
 }
 
@@ -290,6 +319,20 @@ impl PageAccess for MappedPage {
         let p = self.at(offset, buf.len(), 1)?;
         // SAFETY: `p..p+len` is in the held, mapped page; `buf` is separate memory.
         unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+    fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
+        let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
+        // SAFETY: in the held, mapped page; `T` is Pod; unaligned-tolerant load.
+        Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
+    }
+    fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
+        if !self.writable {
+            return Err(MemError::ReadOnly(self.slot));
+        }
+        let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
+        // SAFETY: in the held, writable mapped page; `T` is Pod.
+        unsafe { std::ptr::write_unaligned(p.cast::<T>(), *v) };
         Ok(())
     }
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {

@@ -7,7 +7,11 @@ use clap::{Parser, Subcommand};
 use lab::{Mode, RunEnv};
 
 #[derive(Parser, Debug)]
-#[command(name = "pvio", version, about = "A user-space paravirtualization platform and its lab")]
+#[command(
+    name = "pvio",
+    version,
+    about = "A user-space paravirtualization platform and its lab"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -44,9 +48,15 @@ enum Command {
 
 fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode {
     let all = lab::registry();
-    let chosen: Vec<_> = all.iter().filter(|e| only.is_none_or(|id| e.id == id)).collect();
+    let chosen: Vec<_> = all
+        .iter()
+        .filter(|e| only.is_none_or(|id| e.id == id))
+        .collect();
     if chosen.is_empty() {
-        eprintln!("no experiment named {:?}; `pvio list` shows them", only.unwrap_or_default());
+        eprintln!(
+            "no experiment named {:?}; `pvio list` shows them",
+            only.unwrap_or_default()
+        );
         return ExitCode::from(2);
     }
     let env = RunEnv::capture(quick);

@@ -38,7 +38,8 @@ pub trait RingProtocol {
     /// What the back end answers.
     type Rsp: bytemuck::Pod;
     /// Size of one slot: the larger entry, as ring.h's union.
-    const SLOT_SIZE: usize = if std::mem::size_of::<Self::Req>() > std::mem::size_of::<Self::Rsp>() {
+    const SLOT_SIZE: usize = if std::mem::size_of::<Self::Req>() > std::mem::size_of::<Self::Rsp>()
+    {
         std::mem::size_of::<Self::Req>()
     } else {
         std::mem::size_of::<Self::Rsp>()
@@ -70,10 +71,10 @@ pub trait RingMemory {
     fn store(&self, at: usize, v: u32, order: Ordering);
     /// A memory fence (loom needs its own).
     fn fence(&self, order: Ordering);
-    /// Copies slot `slot` out into `buf` (`buf.len()` is the slot's entry size).
-    fn read_slot(&self, slot: u32, slot_size: usize, buf: &mut [u8]);
-    /// Copies `data` into slot `slot`.
-    fn write_slot(&self, slot: u32, slot_size: usize, data: &[u8]);
+    /// Copies the entry in slot `slot` out (slots are `slot_size` bytes apart).
+    fn read_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize) -> T;
+    /// Writes an entry into slot `slot`.
+    fn write_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize, v: &T);
 }
 
 /// A shared page as ring memory. Construction checks that the index words are reachable
@@ -115,13 +116,16 @@ impl<P: PageAccess> RingMemory for PageRing<P> {
         std::sync::atomic::fence(order);
     }
     #[inline]
-    fn read_slot(&self, slot: u32, slot_size: usize, buf: &mut [u8]) {
-        // In bounds: slot < ring_size(PAGE_SIZE, slot_size), so the slot ends inside the page.
-        let _ = self.0.read(HEADER_SIZE + slot as usize * slot_size, buf);
+    fn read_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize) -> T {
+        // In bounds: slot < ring_size(PAGE_SIZE, slot_size), so the slot ends inside the
+        // page; the accessor checks again and a failure reads as zeroes.
+        self.0
+            .read_obj(HEADER_SIZE + slot as usize * slot_size)
+            .unwrap_or_else(|_| T::zeroed())
     }
     #[inline]
-    fn write_slot(&self, slot: u32, slot_size: usize, data: &[u8]) {
-        let _ = self.0.write(HEADER_SIZE + slot as usize * slot_size, data);
+    fn write_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize, v: &T) {
+        let _ = self.0.write_obj(HEADER_SIZE + slot as usize * slot_size, v);
     }
 }
 
@@ -232,7 +236,8 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         if self.free_requests() == 0 {
             return Err(RingError::Full);
         }
-        self.mem.write_slot(self.req_prod_pvt.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of(req));
+        self.mem
+            .write_entry(self.req_prod_pvt.slot(self.size), P::SLOT_SIZE, req);
         self.req_prod_pvt.bump();
         Ok(())
     }
@@ -266,7 +271,11 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         // requests is a protocol break.
         if prod.since(self.rsp_cons) > self.outstanding() {
             self.broken = true;
-            return Err(RingError::ProducerOverrun { prod: prod.0, base: self.rsp_cons.0, size: self.size });
+            return Err(RingError::ProducerOverrun {
+                prod: prod.0,
+                base: self.rsp_cons.0,
+                size: self.size,
+            });
         }
         self.rsp_prod_seen = prod;
         Ok(prod.since(self.rsp_cons))
@@ -277,8 +286,9 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         if self.responses_available()? == 0 {
             return Ok(None);
         }
-        let mut rsp = <P::Rsp as bytemuck::Zeroable>::zeroed();
-        self.mem.read_slot(self.rsp_cons.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of_mut(&mut rsp));
+        let rsp = self
+            .mem
+            .read_entry(self.rsp_cons.slot(self.size), P::SLOT_SIZE);
         self.rsp_cons.bump();
         Ok(Some(rsp))
     }
@@ -289,7 +299,11 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         if self.responses_available()? > 0 {
             return Ok(true);
         }
-        self.mem.store(RSP_EVENT, self.rsp_cons.0.wrapping_add(1), Ordering::Relaxed);
+        self.mem.store(
+            RSP_EVENT,
+            self.rsp_cons.0.wrapping_add(1),
+            Ordering::Relaxed,
+        );
         // Full fence: rsp_event must be visible before we re-read rsp_prod, so a response
         // published in between is either seen here or notified.
         self.mem.fence(Ordering::SeqCst);
@@ -359,7 +373,11 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         // index is bogus (netback's RING_REQUEST_PROD_OVERFLOW). Fatal for this ring.
         if prod.since(self.rsp_prod_pvt) > self.size {
             self.broken = true;
-            return Err(RingError::ProducerOverrun { prod: prod.0, base: self.rsp_prod_pvt.0, size: self.size });
+            return Err(RingError::ProducerOverrun {
+                prod: prod.0,
+                base: self.rsp_prod_pvt.0,
+                size: self.size,
+            });
         }
         self.req_prod_seen = prod;
         Ok(prod.since(self.req_cons))
@@ -371,8 +389,9 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         if self.requests_available()? == 0 {
             return Ok(None);
         }
-        let mut req = <P::Req as bytemuck::Zeroable>::zeroed();
-        self.mem.read_slot(self.req_cons.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of_mut(&mut req));
+        let req = self
+            .mem
+            .read_entry(self.req_cons.slot(self.size), P::SLOT_SIZE);
         self.req_cons.bump();
         Ok(Some(req))
     }
@@ -386,7 +405,8 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         if self.unanswered() == 0 {
             return Err(RingError::Full);
         }
-        self.mem.write_slot(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, bytemuck::bytes_of(rsp));
+        self.mem
+            .write_entry(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, rsp);
         self.rsp_prod_pvt.bump();
         Ok(())
     }
@@ -413,7 +433,11 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         if self.requests_available()? > 0 {
             return Ok(true);
         }
-        self.mem.store(REQ_EVENT, self.req_cons.0.wrapping_add(1), Ordering::Relaxed);
+        self.mem.store(
+            REQ_EVENT,
+            self.req_cons.0.wrapping_add(1),
+            Ordering::Relaxed,
+        );
         // Full fence: req_event before re-reading req_prod.
         self.mem.fence(Ordering::SeqCst);
         Ok(self.requests_available()? > 0)
@@ -445,10 +469,20 @@ mod tests {
         type Rsp = Rsp;
     }
 
-    fn pair() -> (FrontRing<Proto, PageRing<FramePage>>, BackRing<Proto, PageRing<FramePage>>, Arc<MachineMemory>) {
+    fn pair() -> (
+        FrontRing<Proto, PageRing<FramePage>>,
+        BackRing<Proto, PageRing<FramePage>>,
+        Arc<MachineMemory>,
+    ) {
         let mem = Arc::new(MachineMemory::new(1).expect("memfd"));
-        let page = || PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame")).expect("ring");
-        (FrontRing::init(page()).expect("init"), BackRing::attach(page()).expect("attach"), Arc::clone(&mem))
+        let page = || {
+            PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame")).expect("ring")
+        };
+        (
+            FrontRing::init(page()).expect("init"),
+            BackRing::attach(page()).expect("attach"),
+            Arc::clone(&mem),
+        )
     }
 
     #[test]
@@ -465,24 +499,56 @@ mod tests {
         let (mut f, mut b, _m) = pair();
         assert_eq!(f.size(), 256);
         // Back end idle and armed (req_event = 1): the first push notifies.
-        f.push_request(&Req { id: 1, pad: 0, val: 10 }).expect("push");
+        f.push_request(&Req {
+            id: 1,
+            pad: 0,
+            val: 10,
+        })
+        .expect("push");
         assert!(f.push_requests_and_check_notify());
         // Second push without the back end re-arming: no notification needed.
-        f.push_request(&Req { id: 2, pad: 0, val: 20 }).expect("push");
+        f.push_request(&Req {
+            id: 2,
+            pad: 0,
+            val: 20,
+        })
+        .expect("push");
         assert!(!f.push_requests_and_check_notify());
-        assert_eq!(b.take_request(), Ok(Some(Req { id: 1, pad: 0, val: 10 })));
-        assert_eq!(b.take_request(), Ok(Some(Req { id: 2, pad: 0, val: 20 })));
+        assert_eq!(
+            b.take_request(),
+            Ok(Some(Req {
+                id: 1,
+                pad: 0,
+                val: 10
+            }))
+        );
+        assert_eq!(
+            b.take_request(),
+            Ok(Some(Req {
+                id: 2,
+                pad: 0,
+                val: 20
+            }))
+        );
         assert_eq!(b.take_request(), Ok(None));
         assert_eq!(b.final_check_for_requests(), Ok(false));
         b.push_response(&Rsp { id: 1, status: 0 }).expect("rsp");
         b.push_response(&Rsp { id: 2, status: 0 }).expect("rsp");
-        assert_eq!(b.push_response(&Rsp { id: 3, status: 0 }), Err(RingError::Full));
+        assert_eq!(
+            b.push_response(&Rsp { id: 3, status: 0 }),
+            Err(RingError::Full)
+        );
         assert!(b.push_responses_and_check_notify());
         assert_eq!(f.take_response().expect("ok").map(|r| r.id), Some(1));
         assert_eq!(f.take_response().expect("ok").map(|r| r.id), Some(2));
         assert_eq!(f.final_check_for_responses(), Ok(false));
         // Re-armed by the final check: the next request notifies again.
-        f.push_request(&Req { id: 3, pad: 0, val: 0 }).expect("push");
+        f.push_request(&Req {
+            id: 3,
+            pad: 0,
+            val: 0,
+        })
+        .expect("push");
         assert!(f.push_requests_and_check_notify());
     }
 
@@ -490,22 +556,48 @@ mod tests {
     fn front_end_cannot_overfill() {
         let (mut f, _b, _m) = pair();
         for i in 0..256 {
-            f.push_request(&Req { id: i, pad: 0, val: 0 }).expect("room");
+            f.push_request(&Req {
+                id: i,
+                pad: 0,
+                val: 0,
+            })
+            .expect("room");
         }
-        assert_eq!(f.push_request(&Req { id: 0, pad: 0, val: 0 }), Err(RingError::Full));
+        assert_eq!(
+            f.push_request(&Req {
+                id: 0,
+                pad: 0,
+                val: 0
+            }),
+            Err(RingError::Full)
+        );
     }
 
     #[test]
     fn producer_index_more_than_a_ring_ahead_breaks_only_that_ring() {
         let (_f, mut b, mem) = pair();
         // A hostile front end writes req_prod = size + 1 directly.
-        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(257, Ordering::Release);
-        assert_eq!(b.take_request(), Err(RingError::ProducerOverrun { prod: 257, base: 0, size: 256 }));
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(257, Ordering::Release);
+        assert_eq!(
+            b.take_request(),
+            Err(RingError::ProducerOverrun {
+                prod: 257,
+                base: 0,
+                size: 256
+            })
+        );
         assert!(b.is_broken());
         // Even after the peer "fixes" its index, the ring stays broken.
-        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(1, Ordering::Release);
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(1, Ordering::Release);
         assert_eq!(b.take_request(), Err(RingError::Broken));
-        assert_eq!(b.push_response(&Rsp { id: 0, status: 0 }), Err(RingError::Broken));
+        assert_eq!(
+            b.push_response(&Rsp { id: 0, status: 0 }),
+            Err(RingError::Broken)
+        );
         assert!(!b.push_responses_and_check_notify());
     }
 
@@ -520,29 +612,55 @@ mod tests {
         b.req_cons = RingIdx(start);
         b.rsp_prod_pvt = RingIdx(start);
         b.req_prod_seen = RingIdx(start);
-        mem.atomic_u32(Mfn(0), REQ_PROD).expect("idx").store(start, Ordering::Relaxed);
-        mem.atomic_u32(Mfn(0), RSP_PROD).expect("idx").store(start, Ordering::Relaxed);
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(start, Ordering::Relaxed);
+        mem.atomic_u32(Mfn(0), RSP_PROD)
+            .expect("idx")
+            .store(start, Ordering::Relaxed);
         for i in 0..256u32 {
-            f.push_request(&Req { id: i as u16, pad: 0, val: i }).expect("room");
+            f.push_request(&Req {
+                id: i as u16,
+                pad: 0,
+                val: i,
+            })
+            .expect("room");
         }
         f.push_requests_and_check_notify();
         for i in 0..256u32 {
             assert_eq!(b.take_request().expect("valid").map(|r| r.val), Some(i));
-            b.push_response(&Rsp { id: i as u16, status: 0 }).expect("answer");
+            b.push_response(&Rsp {
+                id: i as u16,
+                status: 0,
+            })
+            .expect("answer");
         }
         b.push_responses_and_check_notify();
         for i in 0..256u32 {
-            assert_eq!(f.take_response().expect("valid").map(|r| r.id), Some(i as u16));
+            assert_eq!(
+                f.take_response().expect("valid").map(|r| r.id),
+                Some(i as u16)
+            );
         }
     }
 
     #[test]
     fn back_end_answering_more_than_asked_breaks_the_front_ring() {
         let (mut f, _b, mem) = pair();
-        f.push_request(&Req { id: 1, pad: 0, val: 0 }).expect("push");
+        f.push_request(&Req {
+            id: 1,
+            pad: 0,
+            val: 0,
+        })
+        .expect("push");
         f.push_requests_and_check_notify();
-        mem.atomic_u32(Mfn(0), RSP_PROD).expect("idx").store(2, Ordering::Release);
-        assert!(matches!(f.take_response(), Err(RingError::ProducerOverrun { .. })));
+        mem.atomic_u32(Mfn(0), RSP_PROD)
+            .expect("idx")
+            .store(2, Ordering::Release);
+        assert!(matches!(
+            f.take_response(),
+            Err(RingError::ProducerOverrun { .. })
+        ));
         assert_eq!(f.take_response(), Err(RingError::Broken));
     }
 

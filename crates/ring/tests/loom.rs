@@ -44,13 +44,21 @@ impl RingMemory for Shared {
         }
         fence(order)
     }
-    fn read_slot(&self, slot: u32, _size: usize, buf: &mut [u8]) {
-        let v = self.0.slots[slot as usize].load(Ordering::Relaxed);
-        buf.copy_from_slice(&v.to_le_bytes()[..buf.len()]);
+    fn read_entry<T: bytemuck::Pod>(&self, slot: u32, _size: usize) -> T {
+        let v = self.0.slots[slot as usize]
+            .load(Ordering::Relaxed)
+            .to_le_bytes();
+        let mut t = T::zeroed();
+        let b = bytemuck::bytes_of_mut(&mut t);
+        let n = b.len().min(4);
+        b[..n].copy_from_slice(&v[..n]);
+        t
     }
-    fn write_slot(&self, slot: u32, _size: usize, data: &[u8]) {
+    fn write_entry<T: bytemuck::Pod>(&self, slot: u32, _size: usize, v: &T) {
         let mut b = [0u8; 4];
-        b[..data.len()].copy_from_slice(data);
+        let src = bytemuck::bytes_of(v);
+        let n = src.len().min(4);
+        b[..n].copy_from_slice(&src[..n]);
         self.0.slots[slot as usize].store(u32::from_le_bytes(b), Ordering::Relaxed);
     }
 }

@@ -28,20 +28,62 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() }).expect("machine");
-    let back_dom = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 64, driver_domain: true, ..Default::default() }).expect("drv");
-    let front_dom = hv.create_domain(&DomainConfig { name: "guest".into(), pages: 64, ..Default::default() }).expect("guest");
-    Setup { hv, front_dom, back_dom }
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })
+    .expect("machine");
+    let back_dom = hv
+        .create_domain(&DomainConfig {
+            name: "drv".into(),
+            pages: 64,
+            driver_domain: true,
+            ..Default::default()
+        })
+        .expect("drv");
+    let front_dom = hv
+        .create_domain(&DomainConfig {
+            name: "guest".into(),
+            pages: 64,
+            ..Default::default()
+        })
+        .expect("guest");
+    Setup {
+        hv,
+        front_dom,
+        back_dom,
+    }
 }
 
 /// Front end initialises a ring in its page and grants it; back end maps it at `slot`.
-fn connect(s: &Setup, slot: u32) -> (FrontRing<Proto, PageRing<FramePage>>, BackRing<Proto, PageRing<mem::MappedPage>>, Gfn) {
+fn connect(
+    s: &Setup,
+    slot: u32,
+) -> (
+    FrontRing<Proto, PageRing<FramePage>>,
+    BackRing<Proto, PageRing<mem::MappedPage>>,
+    Gfn,
+) {
     let g = s.front_dom.alloc_page().expect("page");
-    let front = FrontRing::init(PageRing::new(s.front_dom.page(g).expect("own page")).expect("ring page")).expect("init");
+    let front =
+        FrontRing::init(PageRing::new(s.front_dom.page(g).expect("own page")).expect("ring page"))
+            .expect("init");
     let r = s.front_dom.grant_table().alloc_ref().expect("ref");
-    s.front_dom.grant_table().grant_access(r, s.back_dom.id(), g, false).expect("grant");
+    s.front_dom
+        .grant_table()
+        .grant_access(r, s.back_dom.id(), g, false)
+        .expect("grant");
     let mut out = [Ok(GrantHandle(0))];
-    s.hv.grant_map(&s.back_dom, &[MapOp { dom: s.front_dom.id(), gref: r, readonly: false, slot }], &mut out);
+    s.hv.grant_map(
+        &s.back_dom,
+        &[MapOp {
+            dom: s.front_dom.id(),
+            gref: r,
+            readonly: false,
+            slot,
+        }],
+        &mut out,
+    );
     out[0].expect("map");
     let page = s.back_dom.window().page(slot).expect("mapped");
     let back = BackRing::attach(PageRing::new(page).expect("ring page")).expect("attach");
@@ -56,11 +98,21 @@ fn requests_cross_a_mapped_grant_and_a_hostile_index_breaks_only_that_ring() {
     let (mut f1, mut b1, g1) = connect(&s, 0);
     let (mut f2, mut b2, _g2) = connect(&s, 1);
     for i in 0..10 {
-        f1.push_request(&Req { id: i, len: 100 + i }).expect("room");
+        f1.push_request(&Req {
+            id: i,
+            len: 100 + i,
+        })
+        .expect("room");
     }
     f1.push_requests_and_check_notify();
     for i in 0..10 {
-        assert_eq!(b1.take_request(), Ok(Some(Req { id: i, len: 100 + i })));
+        assert_eq!(
+            b1.take_request(),
+            Ok(Some(Req {
+                id: i,
+                len: 100 + i
+            }))
+        );
         b1.push_response(&Req { id: i, len: 0 }).expect("answer");
     }
     b1.push_responses_and_check_notify();
@@ -68,8 +120,14 @@ fn requests_cross_a_mapped_grant_and_a_hostile_index_breaks_only_that_ring() {
         assert_eq!(f1.take_response().expect("valid").map(|r| r.id), Some(i));
     }
     // The guest scribbles a producer index far ahead into its ring page.
-    s.front_dom.atomic_u32(g1, 0).expect("req_prod").store(10 + 1000, Ordering::Release);
-    assert!(matches!(b1.take_request(), Err(RingError::ProducerOverrun { .. })));
+    s.front_dom
+        .atomic_u32(g1, 0)
+        .expect("req_prod")
+        .store(10 + 1000, Ordering::Release);
+    assert!(matches!(
+        b1.take_request(),
+        Err(RingError::ProducerOverrun { .. })
+    ));
     assert_eq!(b1.take_request(), Err(RingError::Broken));
     // The other ring of the same guest is unaffected.
     f2.push_request(&Req { id: 7, len: 7 }).expect("room");

@@ -283,12 +283,18 @@ impl GrantTable {
     /// Where entry `r` lives: (gfn, byte offset).
     pub(crate) fn entry_at(&self, r: GrantRef) -> (Gfn, usize) {
         let per = (mem::PAGE_SIZE / self.version.entry_size()) as u32;
-        (Gfn(GRANT_FRAMES_START + r.0 / per), (r.0 % per) as usize * self.version.entry_size())
+        (
+            Gfn(GRANT_FRAMES_START + r.0 / per),
+            (r.0 % per) as usize * self.version.entry_size(),
+        )
     }
     /// Where v2 status word `r` lives.
     pub(crate) fn status_at(&self, r: GrantRef) -> (Gfn, usize) {
         let per = (mem::PAGE_SIZE / 2) as u32;
-        (Gfn(GRANT_FRAMES_START + self.frames + r.0 / per), (r.0 % per) as usize * 2)
+        (
+            Gfn(GRANT_FRAMES_START + self.frames + r.0 / per),
+            (r.0 % per) as usize * 2,
+        )
     }
     pub(crate) fn check_ref(&self, r: GrantRef) -> Result<(), GrantError> {
         if r.0 < self.entries {
@@ -321,7 +327,11 @@ impl Domain {
                 Some(self.atomic_u16(sg, so).map_err(|_| GrantError::BadPage)?)
             }
         };
-        Ok(EntryWords { combo, flags, status })
+        Ok(EntryWords {
+            combo,
+            flags,
+            status,
+        })
     }
 
     /// A copy of entry `r` in v2 form (a v1 entry is widened).
@@ -331,12 +341,19 @@ impl Domain {
         match self.grant.version {
             GrantVersion::V1 => {
                 let mut e = GrantEntryV1::default();
-                self.read(gfn, off, bytemuck::bytes_of_mut(&mut e)).map_err(|_| GrantError::BadPage)?;
-                Ok(GrantEntryV2 { flags: e.flags, domid: e.domid, frame_or_gref: e.frame as u64, ..Default::default() })
+                self.read(gfn, off, bytemuck::bytes_of_mut(&mut e))
+                    .map_err(|_| GrantError::BadPage)?;
+                Ok(GrantEntryV2 {
+                    flags: e.flags,
+                    domid: e.domid,
+                    frame_or_gref: e.frame as u64,
+                    ..Default::default()
+                })
             }
             GrantVersion::V2 => {
                 let mut e = GrantEntryV2::default();
-                self.read(gfn, off, bytemuck::bytes_of_mut(&mut e)).map_err(|_| GrantError::BadPage)?;
+                self.read(gfn, off, bytemuck::bytes_of_mut(&mut e))
+                    .map_err(|_| GrantError::BadPage)?;
                 Ok(e)
             }
         }
@@ -366,12 +383,22 @@ impl<'a> GuestGrants<'a> {
 
     /// Takes a free reference from the domain's allocator.
     pub fn alloc_ref(&self) -> Option<GrantRef> {
-        self.dom.grant.free_refs.lock().unwrap_or_else(|p| p.into_inner()).pop()
+        self.dom
+            .grant
+            .free_refs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
     }
     /// Returns a reference (after a successful [`Self::end_access`]).
     pub fn free_ref(&self, r: GrantRef) {
         if self.dom.grant.check_ref(r).is_ok() {
-            self.dom.grant.free_refs.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+            self.dom
+                .grant
+                .free_refs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(r);
         }
     }
 
@@ -384,25 +411,48 @@ impl<'a> GuestGrants<'a> {
         match self.dom.grant.version {
             GrantVersion::V1 => {
                 let frame = u32::try_from(e.frame_or_gref).map_err(|_| GrantError::BadPage)?;
-                self.dom.write(gfn, off + 4, &frame.to_le_bytes()).map_err(|_| GrantError::BadPage)?;
+                self.dom
+                    .write(gfn, off + 4, &frame.to_le_bytes())
+                    .map_err(|_| GrantError::BadPage)?;
             }
             GrantVersion::V2 => {
-                self.dom.write(gfn, off + 4, &e.page_off_or_trans_domid.to_le_bytes()).map_err(|_| GrantError::BadPage)?;
-                self.dom.write(gfn, off + 6, &e.length.to_le_bytes()).map_err(|_| GrantError::BadPage)?;
-                self.dom.write(gfn, off + 8, &e.frame_or_gref.to_le_bytes()).map_err(|_| GrantError::BadPage)?;
+                self.dom
+                    .write(gfn, off + 4, &e.page_off_or_trans_domid.to_le_bytes())
+                    .map_err(|_| GrantError::BadPage)?;
+                self.dom
+                    .write(gfn, off + 6, &e.length.to_le_bytes())
+                    .map_err(|_| GrantError::BadPage)?;
+                self.dom
+                    .write(gfn, off + 8, &e.frame_or_gref.to_le_bytes())
+                    .map_err(|_| GrantError::BadPage)?;
             }
         }
         // flags and domid go in one 32-bit store so that no reader sees new flags with an
         // old domid.
-        w.combo.store(e.flags as u32 | (e.domid as u32) << 16, Ordering::Release);
+        w.combo
+            .store(e.flags as u32 | (e.domid as u32) << 16, Ordering::Release);
         Ok(())
     }
 
     /// Grants `domid` access to the whole of page `gfn` (`gnttab_grant_foreign_access_ref`).
-    pub fn grant_access(&self, r: GrantRef, domid: DomId, gfn: Gfn, readonly: bool) -> Result<(), GrantError> {
+    pub fn grant_access(
+        &self,
+        r: GrantRef,
+        domid: DomId,
+        gfn: Gfn,
+        readonly: bool,
+    ) -> Result<(), GrantError> {
         self.dom.gfn_to_mfn(gfn).map_err(|_| GrantError::BadPage)?;
         let flags = GTF_PERMIT_ACCESS | if readonly { GTF_READONLY } else { 0 };
-        self.write_entry(r, GrantEntryV2 { flags, domid: domid.0, frame_or_gref: gfn.0 as u64, ..Default::default() })
+        self.write_entry(
+            r,
+            GrantEntryV2 {
+                flags,
+                domid: domid.0,
+                frame_or_gref: gfn.0 as u64,
+                ..Default::default()
+            },
+        )
     }
 
     /// Grants `domid` access to bytes `offset..offset+len` of page `gfn` only (v2).
@@ -423,7 +473,13 @@ impl<'a> GuestGrants<'a> {
         let flags = GTF_PERMIT_ACCESS | GTF_SUB_PAGE | if readonly { GTF_READONLY } else { 0 };
         self.write_entry(
             r,
-            GrantEntryV2 { flags, domid: domid.0, page_off_or_trans_domid: offset, length: len, frame_or_gref: gfn.0 as u64 },
+            GrantEntryV2 {
+                flags,
+                domid: domid.0,
+                page_off_or_trans_domid: offset,
+                length: len,
+                frame_or_gref: gfn.0 as u64,
+            },
         )
     }
 
@@ -473,7 +529,10 @@ impl<'a> GuestGrants<'a> {
                     if cur & (GTF_READING | GTF_WRITING) != 0 {
                         return Err(GrantError::InUse);
                     }
-                    match w.flags.compare_exchange(cur, 0, Ordering::AcqRel, Ordering::Acquire) {
+                    match w
+                        .flags
+                        .compare_exchange(cur, 0, Ordering::AcqRel, Ordering::Acquire)
+                    {
                         Ok(_) => return Ok(()),
                         Err(now) => cur = now,
                     }
@@ -527,7 +586,10 @@ pub(crate) struct Maptrack {
 
 impl Maptrack {
     pub fn new(capacity: u32) -> Self {
-        Self { entries: vec![None; capacity as usize], free: (0..capacity).rev().collect() }
+        Self {
+            entries: vec![None; capacity as usize],
+            free: (0..capacity).rev().collect(),
+        }
     }
     pub fn insert(&mut self, e: MapEntry) -> Option<GrantHandle> {
         let h = self.free.pop()?;
@@ -543,6 +605,11 @@ impl Maptrack {
         Some(e)
     }
     pub fn handles(&self) -> Vec<GrantHandle> {
-        self.entries.iter().enumerate().filter(|(_, e)| e.is_some()).map(|(i, _)| GrantHandle(i as u32)).collect()
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_some())
+            .map(|(i, _)| GrantHandle(i as u32))
+            .collect()
     }
 }

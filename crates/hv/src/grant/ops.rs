@@ -19,8 +19,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, MutexGuard};
 
 use super::{
-    ActiveEntry, EntryWords, GrantError, GrantStatus, GrantVersion, MapEntry, GTF_PERMIT_ACCESS, GTF_READING,
-    GTF_READONLY, GTF_SUB_PAGE, GTF_TRANSITIVE, GTF_TYPE_MASK, GTF_WRITING, MAX_UNSTABLE_RETRIES,
+    ActiveEntry, EntryWords, GrantError, GrantStatus, GrantVersion, MapEntry, GTF_PERMIT_ACCESS,
+    GTF_READING, GTF_READONLY, GTF_SUB_PAGE, GTF_TRANSITIVE, GTF_TYPE_MASK, GTF_WRITING,
+    MAX_UNSTABLE_RETRIES,
 };
 use crate::domain::Domain;
 use crate::frame::FrameError;
@@ -41,7 +42,11 @@ pub enum GrantPath {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyPtr {
     /// A page another domain granted to the caller (`GNTCOPY_*_gref`).
-    Gref { dom: DomId, gref: GrantRef, offset: u16 },
+    Gref {
+        dom: DomId,
+        gref: GrantRef,
+        offset: u16,
+    },
     /// One of the caller's own pages.
     Local { gfn: Gfn, offset: u16 },
 }
@@ -149,7 +154,13 @@ fn check_header(combo: u32, ty: u16, user: DomId, write: bool) -> Result<(), Gra
 /// compare-and-swap in end-access either sees our bits or we see its revocation.
 /// v2 (`_set_status_v2`): set the status bits, full fence, re-read the header; if the
 /// guest revoked meanwhile, undo and fail.
-fn set_status(w: &EntryWords<'_>, ty: u16, user: DomId, write: bool, act: &ActiveEntry) -> Result<(), GrantError> {
+fn set_status(
+    w: &EntryWords<'_>,
+    ty: u16,
+    user: DomId,
+    write: bool,
+    act: &ActiveEntry,
+) -> Result<(), GrantError> {
     let bits = GTF_READING | if write { GTF_WRITING } else { 0 };
     match w.status {
         None => {
@@ -160,7 +171,10 @@ fn set_status(w: &EntryWords<'_>, ty: u16, user: DomId, write: bool, act: &Activ
                 if new == cur {
                     return Ok(());
                 }
-                match w.combo.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                match w
+                    .combo
+                    .compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire)
+                {
                     Ok(_) => return Ok(()),
                     Err(now) => cur = now,
                 }
@@ -226,24 +240,40 @@ fn pin_locked(
         }
         _ => return Err(GrantError::NotGranted.into()),
     }
-    check_header(e.flags as u32 | (e.domid as u32) << 16, GTF_PERMIT_ACCESS, user, write)?;
+    check_header(
+        e.flags as u32 | (e.domid as u32) << 16,
+        GTF_PERMIT_ACCESS,
+        user,
+        write,
+    )?;
     let sub_page = v2 && e.flags & GTF_SUB_PAGE != 0;
     if sub_page && matches!(purpose, Purpose::Map) {
         return Err(GrantError::NotMappable.into());
     }
     let (start, len) = if sub_page {
-        mem::check_in_page(e.page_off_or_trans_domid as usize, e.length as usize).map_err(|_| GrantError::BadCopyArg)?;
+        mem::check_in_page(e.page_off_or_trans_domid as usize, e.length as usize)
+            .map_err(|_| GrantError::BadCopyArg)?;
         (e.page_off_or_trans_domid, e.length)
     } else {
         (0, mem::PAGE_SIZE as u16)
     };
     let gfn = u32::try_from(e.frame_or_gref).map_err(|_| GrantError::BadPage)?;
-    let mfn = granter.gfn_to_mfn(Gfn(gfn)).map_err(|_| GrantError::BadPage)?;
+    let mfn = granter
+        .gfn_to_mfn(Gfn(gfn))
+        .map_err(|_| GrantError::BadPage)?;
     let w = granter.grant_words(r)?;
     let a = &mut act[r.0 as usize];
     if a.pins() == 0 {
         set_status(&w, GTF_PERMIT_ACCESS, user, write, a)?;
-        *a = ActiveEntry { pin_ro: 0, pin_rw: 0, user, mfn, start, len, trans: None };
+        *a = ActiveEntry {
+            pin_ro: 0,
+            pin_rw: 0,
+            user,
+            mfn,
+            start,
+            len,
+            trans: None,
+        };
     } else {
         // Already pinned: the entry must still say what it said (a v2 guest may have
         // revoked and re-granted it meanwhile).
@@ -258,7 +288,12 @@ fn pin_locked(
         }
     }
     bump(a, write)?;
-    Ok(Pinned { mfn, owner: granter.id, start, len })
+    Ok(Pinned {
+        mfn,
+        owner: granter.id,
+        start,
+        len,
+    })
 }
 
 fn bump(a: &mut ActiveEntry, write: bool) -> Result<(), GrantError> {
@@ -269,7 +304,12 @@ fn bump(a: &mut ActiveEntry, write: bool) -> Result<(), GrantError> {
 
 /// Drops one pin of `r`, with the table lock held. Returns the underlying grant of a
 /// transitive entry, whose pin the caller must drop next (without this lock).
-fn release_locked(granter: &Domain, act: &mut [ActiveEntry], r: GrantRef, write: bool) -> Option<(DomId, GrantRef)> {
+fn release_locked(
+    granter: &Domain,
+    act: &mut [ActiveEntry],
+    r: GrantRef,
+    write: bool,
+) -> Option<(DomId, GrantRef)> {
     let a = act.get_mut(r.0 as usize)?;
     if write {
         a.pin_rw = a.pin_rw.saturating_sub(1);
@@ -292,7 +332,12 @@ enum Held {
     /// The caller's own frame; `pinned` if the original path took references on it.
     Local { mfn: Mfn, pinned: bool },
     /// A foreign grant, pinned; `referenced` once the frame reference is taken.
-    Foreign { dom: Arc<Domain>, gref: GrantRef, pin: Pinned, referenced: bool },
+    Foreign {
+        dom: Arc<Domain>,
+        gref: GrantRef,
+        pin: Pinned,
+        referenced: bool,
+    },
 }
 
 impl Held {
@@ -315,14 +360,26 @@ impl Hypervisor {
     }
     /// Switches the grant path (for experiments; takes effect on the next operation).
     pub fn set_grant_path(&self, p: GrantPath) {
-        self.grant_optimised.store(p == GrantPath::Optimised, Ordering::Relaxed);
+        self.grant_optimised
+            .store(p == GrantPath::Optimised, Ordering::Relaxed);
     }
 
     /// Resolves and pins a transitive grant `r` of `granter` for `user`. No lock held on
     /// entry; at most one table lock held at any time.
-    fn pin_transitive(&self, granter: &Arc<Domain>, r: GrantRef, user: DomId, write: bool) -> Result<Pinned, GrantError> {
+    fn pin_transitive(
+        &self,
+        granter: &Arc<Domain>,
+        r: GrantRef,
+        user: DomId,
+        write: bool,
+    ) -> Result<Pinned, GrantError> {
         let e = granter.read_entry(r)?;
-        check_header(e.flags as u32 | (e.domid as u32) << 16, GTF_TRANSITIVE, user, write)?;
+        check_header(
+            e.flags as u32 | (e.domid as u32) << 16,
+            GTF_TRANSITIVE,
+            user,
+            write,
+        )?;
         let tdom = DomId(e.page_off_or_trans_domid);
         let tref = GrantRef(e.frame_or_gref as u32);
         if tdom == granter.id {
@@ -382,7 +439,14 @@ impl Hypervisor {
     }
 
     /// Pins a grant with its own lock acquisition (the per-operation path).
-    fn pin_any(&self, granter: &Arc<Domain>, r: GrantRef, user: DomId, write: bool, purpose: Purpose) -> Result<Pinned, GrantError> {
+    fn pin_any(
+        &self,
+        granter: &Arc<Domain>,
+        r: GrantRef,
+        user: DomId,
+        write: bool,
+        purpose: Purpose,
+    ) -> Result<Pinned, GrantError> {
         let first = pin_locked(granter, &mut lock_active(granter), r, user, write, purpose);
         match first {
             Ok(p) => Ok(p),
@@ -393,11 +457,18 @@ impl Hypervisor {
 
     /// Takes the frame reference for a held foreign side.
     fn reference(&self, h: &mut Held, write: bool) -> Result<(), GrantError> {
-        if let Held::Foreign { pin, referenced, .. } = h {
+        if let Held::Foreign {
+            pin, referenced, ..
+        } = h
+        {
             if write {
-                self.frames.get_page_writable(pin.mfn, pin.owner).map_err(frame_err)?;
+                self.frames
+                    .get_page_writable(pin.mfn, pin.owner)
+                    .map_err(frame_err)?;
             } else {
-                self.frames.get_page(pin.mfn, pin.owner).map_err(frame_err)?;
+                self.frames
+                    .get_page(pin.mfn, pin.owner)
+                    .map_err(frame_err)?;
             }
             *referenced = true;
         }
@@ -405,24 +476,42 @@ impl Hypervisor {
     }
 
     /// Acquires one side of a copy on the per-operation path.
-    fn acquire_side(&self, caller: &Domain, p: &CopyPtr, write: bool, len: u16, pin_local: bool) -> Result<Held, GrantError> {
+    fn acquire_side(
+        &self,
+        caller: &Domain,
+        p: &CopyPtr,
+        write: bool,
+        len: u16,
+        pin_local: bool,
+    ) -> Result<Held, GrantError> {
         match *p {
             CopyPtr::Local { gfn, .. } => {
                 let mfn = caller.gfn_to_mfn(gfn).map_err(|_| GrantError::BadPage)?;
                 if pin_local {
                     if write {
-                        self.frames.get_page_writable(mfn, caller.id).map_err(frame_err)?;
+                        self.frames
+                            .get_page_writable(mfn, caller.id)
+                            .map_err(frame_err)?;
                     } else {
                         self.frames.get_page(mfn, caller.id).map_err(frame_err)?;
                     }
                 }
-                Ok(Held::Local { mfn, pinned: pin_local })
+                Ok(Held::Local {
+                    mfn,
+                    pinned: pin_local,
+                })
             }
             CopyPtr::Gref { dom, gref, offset } => {
                 let d = self.domain(dom).ok_or(GrantError::BadDomain(dom))?;
                 let pin = self.pin_any(&d, gref, caller.id, write, Purpose::Copy)?;
-                let mut h = Held::Foreign { dom: d, gref, pin, referenced: false };
-                let r = check_window(&pin, offset, len).and_then(|()| self.reference(&mut h, write));
+                let mut h = Held::Foreign {
+                    dom: d,
+                    gref,
+                    pin,
+                    referenced: false,
+                };
+                let r =
+                    check_window(&pin, offset, len).and_then(|()| self.reference(&mut h, write));
                 if let Err(e) = r {
                     self.release_side(h, write);
                     return Err(e);
@@ -439,7 +528,12 @@ impl Hypervisor {
                     self.put_ref(mfn, write);
                 }
             }
-            Held::Foreign { dom, gref, pin, referenced } => {
+            Held::Foreign {
+                dom,
+                gref,
+                pin,
+                referenced,
+            } => {
                 if referenced {
                     self.put_ref(pin.mfn, write);
                 }
@@ -458,7 +552,15 @@ impl Hypervisor {
 
     fn do_copy(&self, src: &Held, src_off: u16, dst: &Held, dst_off: u16, len: u16) -> GrantStatus {
         let _c = enter(Class::GrantCopy);
-        self.mem.copy(src.mfn(), src_off as usize, dst.mfn(), dst_off as usize, len as usize).map_err(|_| GrantError::BadCopyArg)
+        self.mem
+            .copy(
+                src.mfn(),
+                src_off as usize,
+                dst.mfn(),
+                dst_off as usize,
+                len as usize,
+            )
+            .map_err(|_| GrantError::BadCopyArg)
     }
 
     /// One copy on the per-operation path.
@@ -481,7 +583,12 @@ impl Hypervisor {
     /// `GNTTABOP_copy`: performs `ops` for `caller`, writing one status per operation
     /// into `status` (which must be at least as long). A failed operation does not stop
     /// the others. Returns how many succeeded.
-    pub fn grant_copy(&self, caller: &Domain, ops: &[GrantCopy], status: &mut [GrantStatus]) -> usize {
+    pub fn grant_copy(
+        &self,
+        caller: &Domain,
+        ops: &[GrantCopy],
+        status: &mut [GrantStatus],
+    ) -> usize {
         let _c = enter(Class::XenGrant);
         let n = ops.len().min(status.len());
         match self.grant_path() {
@@ -491,7 +598,10 @@ impl Hypervisor {
                 }
             }
             GrantPath::Optimised => {
-                for (o, s) in ops[..n].chunks(COPY_CHUNK).zip(status[..n].chunks_mut(COPY_CHUNK)) {
+                for (o, s) in ops[..n]
+                    .chunks(COPY_CHUNK)
+                    .zip(status[..n].chunks_mut(COPY_CHUNK))
+                {
                     self.copy_batch(caller, o, s);
                 }
             }
@@ -505,7 +615,10 @@ impl Hypervisor {
     /// caller's own pages).
     fn copy_batch(&self, caller: &Domain, ops: &[GrantCopy], status: &mut [GrantStatus]) {
         let mut state = [Fast::Done; COPY_CHUNK];
-        let foreign = ops.iter().find_map(|op| op.source.gref_dom().or(op.dest.gref_dom())).and_then(|d| self.domain(d));
+        let foreign = ops
+            .iter()
+            .find_map(|op| op.source.gref_dom().or(op.dest.gref_dom()))
+            .and_then(|d| self.domain(d));
 
         if let Some(fd) = &foreign {
             let mut act = lock_active(fd);
@@ -514,7 +627,9 @@ impl Hypervisor {
                     status[i] = Err(e);
                     continue;
                 }
-                let same = [op.source.gref_dom(), op.dest.gref_dom()].iter().all(|d| d.is_none_or(|d| d == fd.id));
+                let same = [op.source.gref_dom(), op.dest.gref_dom()]
+                    .iter()
+                    .all(|d| d.is_none_or(|d| d == fd.id));
                 state[i] = if !same {
                     Fast::Slow
                 } else {
@@ -536,7 +651,8 @@ impl Hypervisor {
             match state[i] {
                 Fast::Slow => status[i] = self.copy_one(caller, op, false),
                 Fast::Pinned { src, dst } => {
-                    status[i] = self.copy_pinned(src, op.source.offset(), dst, op.dest.offset(), op.len)
+                    status[i] =
+                        self.copy_pinned(src, op.source.offset(), dst, op.dest.offset(), op.len)
                 }
                 Fast::Done => {}
             }
@@ -559,7 +675,14 @@ impl Hypervisor {
 
     /// The copy of an operation pinned on the optimised path: reference the foreign
     /// frames (not the caller's own), copy, drop the references.
-    fn copy_pinned(&self, src: FastSide, src_off: u16, dst: FastSide, dst_off: u16, len: u16) -> GrantStatus {
+    fn copy_pinned(
+        &self,
+        src: FastSide,
+        src_off: u16,
+        dst: FastSide,
+        dst_off: u16,
+        len: u16,
+    ) -> GrantStatus {
         if let Some(o) = src.owner {
             self.frames.get_page(src.mfn, o).map_err(frame_err)?;
         }
@@ -574,7 +697,13 @@ impl Hypervisor {
         let r = {
             let _c = enter(Class::GrantCopy);
             self.mem
-                .copy(src.mfn, src_off as usize, dst.mfn, dst_off as usize, len as usize)
+                .copy(
+                    src.mfn,
+                    src_off as usize,
+                    dst.mfn,
+                    dst_off as usize,
+                    len as usize,
+                )
                 .map_err(|_| GrantError::BadCopyArg)
         };
         if dst.owner.is_some() {
@@ -588,7 +717,12 @@ impl Hypervisor {
 
     /// `GNTTABOP_map_grant_ref`: maps each grant into the caller's window with a real
     /// `mmap(MAP_FIXED)`; one result (a handle or an error) per operation.
-    pub fn grant_map(&self, caller: &Domain, ops: &[MapOp], out: &mut [Result<GrantHandle, GrantError>]) -> usize {
+    pub fn grant_map(
+        &self,
+        caller: &Domain,
+        ops: &[MapOp],
+        out: &mut [Result<GrantHandle, GrantError>],
+    ) -> usize {
         let _c = enter(Class::XenGrant);
         let n = ops.len().min(out.len());
         for (op, o) in ops[..n].iter().zip(out.iter_mut()) {
@@ -608,7 +742,12 @@ impl Hypervisor {
         let d = self.domain(op.dom).ok_or(GrantError::BadDomain(op.dom))?;
         let write = !op.readonly;
         let pin = self.pin_any(&d, op.gref, caller.id, write, Purpose::Map)?;
-        let mut h = Held::Foreign { dom: Arc::clone(&d), gref: op.gref, pin, referenced: false };
+        let mut h = Held::Foreign {
+            dom: Arc::clone(&d),
+            gref: op.gref,
+            pin,
+            referenced: false,
+        };
         if let Err(e) = self.reference(&mut h, write) {
             self.release_side(h, write);
             return Err(e);
@@ -620,8 +759,18 @@ impl Hypervisor {
                 _ => GrantError::BadVirtAddr,
             });
         }
-        let entry = MapEntry { granter: d, gref: op.gref, writable: write, slot: op.slot, mfn: pin.mfn };
-        let handle = caller.maptrack.lock().unwrap_or_else(|p| p.into_inner()).insert(entry);
+        let entry = MapEntry {
+            granter: d,
+            gref: op.gref,
+            writable: write,
+            slot: op.slot,
+            mfn: pin.mfn,
+        };
+        let handle = caller
+            .maptrack
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(entry);
         match handle {
             Some(hd) => Ok(hd),
             None => {
@@ -634,7 +783,12 @@ impl Hypervisor {
 
     /// `GNTTABOP_unmap_grant_ref`: unmaps each mapping (a real page-table update and TLB
     /// flush) and releases its grant; one status per handle.
-    pub fn grant_unmap(&self, caller: &Domain, handles: &[GrantHandle], out: &mut [GrantStatus]) -> usize {
+    pub fn grant_unmap(
+        &self,
+        caller: &Domain,
+        handles: &[GrantHandle],
+        out: &mut [GrantStatus],
+    ) -> usize {
         let _c = enter(Class::XenGrant);
         let n = handles.len().min(out.len());
         for (h, o) in handles[..n].iter().zip(out.iter_mut()) {
@@ -660,7 +814,12 @@ impl Hypervisor {
 
     /// The granted frame of a live mapping and whether it is writable (for tools/tests).
     pub fn mapping(&self, caller: &Domain, h: GrantHandle) -> Option<(u32, bool)> {
-        caller.maptrack.lock().unwrap_or_else(|p| p.into_inner()).get(h).map(|e| (e.slot, e.writable))
+        caller
+            .maptrack
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(h)
+            .map(|e| (e.slot, e.writable))
     }
 }
 
@@ -695,7 +854,11 @@ fn pin_pair_locked(
         match *p {
             CopyPtr::Local { gfn, .. } => {
                 let mfn = caller.gfn_to_mfn(gfn).map_err(|_| GrantError::BadPage)?;
-                Ok(FastSide { mfn, gref: None, owner: None })
+                Ok(FastSide {
+                    mfn,
+                    gref: None,
+                    owner: None,
+                })
             }
             CopyPtr::Gref { gref, offset, .. } => {
                 let pin = pin_locked(fd, act, gref, caller.id, write, Purpose::Copy)?;
@@ -703,7 +866,11 @@ fn pin_pair_locked(
                     release_locked(fd, act, gref, write);
                     return Err(e.into());
                 }
-                Ok(FastSide { mfn: pin.mfn, gref: Some(gref), owner: Some(pin.owner) })
+                Ok(FastSide {
+                    mfn: pin.mfn,
+                    gref: Some(gref),
+                    owner: Some(pin.owner),
+                })
             }
         }
     };
@@ -721,7 +888,8 @@ fn pin_pair_locked(
 
 fn check_bounds(op: &GrantCopy) -> GrantStatus {
     for p in [&op.source, &op.dest] {
-        mem::check_in_page(p.offset() as usize, op.len as usize).map_err(|_| GrantError::BadCopyArg)?;
+        mem::check_in_page(p.offset() as usize, op.len as usize)
+            .map_err(|_| GrantError::BadCopyArg)?;
     }
     Ok(())
 }

@@ -59,7 +59,8 @@ impl Samples {
         if let Some(e) = self.0.iter_mut().find(|e| e.1 == name) {
             e.3.push(v);
         } else {
-            self.0.push((group.into(), name.into(), unit.into(), vec![v]));
+            self.0
+                .push((group.into(), name.into(), unit.into(), vec![v]));
         }
     }
     fn get(&self, name: &str) -> &[f64] {
@@ -76,9 +77,19 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     for _ in 0..iters {
         pin(CORE_A);
         for &n in &SIZES {
-            s.push("baseline", &format!("memcpy {n} B (hot)"), "ns/op", memcpy_ns(n, mode.scale(2_000_000)));
+            s.push(
+                "baseline",
+                &format!("memcpy {n} B (hot)"),
+                "ns/op",
+                memcpy_ns(n, mode.scale(2_000_000)),
+            );
         }
-        s.push("baseline", "bare SPSC ring, 8 B descriptors, batch 32", "Mdesc/s", spsc_mdesc_per_s(mode.scale(40_000_000)));
+        s.push(
+            "baseline",
+            "bare SPSC ring, 8 B descriptors, batch 32",
+            "Mdesc/s",
+            spsc_mdesc_per_s(mode.scale(40_000_000)),
+        );
         for path in [GrantPath::Original, GrantPath::Optimised] {
             for &n in &SIZES {
                 for batch in [1, BATCH] {
@@ -89,31 +100,80 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }
         for busy in [false, true] {
             let v = map_unmap_ns(busy, mode.scale(40_000))?;
-            let name = if busy { "map + unmap pair, peer vCPU busy" } else { "map + unmap pair, peer idle" };
+            let name = if busy {
+                "map + unmap pair, peer vCPU busy"
+            } else {
+                "map + unmap pair, peer idle"
+            };
             s.push("grant map", name, "ns/pair", v);
         }
         let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000))?;
         ring_events.0 += ev.0;
         ring_events.1 += ev.1;
-        s.push("shared ring", "requests through ring, 2 vCPUs, copied + validated", "Mreq/s", rate);
+        s.push(
+            "shared ring",
+            "requests through ring, 2 vCPUs, copied + validated",
+            "Mreq/s",
+            rate,
+        );
         for wm in [WaitMode::Polling, WaitMode::Blocking] {
-            let n = if wm == WaitMode::Polling { mode.scale(200_000) } else { mode.scale(20_000) };
+            let n = if wm == WaitMode::Polling {
+                mode.scale(200_000)
+            } else {
+                mode.scale(20_000)
+            };
             let lat = event_latency_ns(wm, n)?;
             let st = Stats::of(&lat);
-            s.push("event", &format!("send → remote vCPU running, {wm:?}, median"), "ns", st.median);
-            s.push("event", &format!("send → remote vCPU running, {wm:?}, p99"), "ns", st.p99);
+            s.push(
+                "event",
+                &format!("send → remote vCPU running, {wm:?}, median"),
+                "ns",
+                st.median,
+            );
+            s.push(
+                "event",
+                &format!("send → remote vCPU running, {wm:?}, p99"),
+                "ns",
+                st.p99,
+            );
         }
         let io = iommu_costs(mode)?;
         s.push("iommu", "IOTLB hit translation", "ns", io.hit);
-        s.push("iommu", "IOTLB miss translation (4-level walk)", "ns", io.miss);
-        s.push("iommu", "page invalidation, register", "ns/page", io.inv_register);
-        s.push("iommu", "page invalidation, queued, batch 1", "ns/page", io.inv_queued_1);
-        s.push("iommu", "page invalidation, queued, batch 32", "ns/page", io.inv_queued_32);
-        let p = profiler_overhead(mode.scale(400_000));
+        s.push(
+            "iommu",
+            "IOTLB miss translation (4-level walk)",
+            "ns",
+            io.miss,
+        );
+        s.push(
+            "iommu",
+            "page invalidation, register",
+            "ns/page",
+            io.inv_register,
+        );
+        s.push(
+            "iommu",
+            "page invalidation, queued, batch 1",
+            "ns/page",
+            io.inv_queued_1,
+        );
+        s.push(
+            "iommu",
+            "page invalidation, queued, batch 32",
+            "ns/page",
+            io.inv_queued_32,
+        );
+        let p = profiler_overhead(mode.scale(2_000_000));
         sampler = p.sampler;
         s.push("profiler", "overhead at default rate", "%", p.overhead_pct);
         s.push("profiler", "effective sample rate", "samples/CPU-s", p.rate);
-        s.push("profiler", "attribution error (usercopy share vs 25% of the work)", "pp", p.attribution_error_pp);
+        s.push("profiler", "cost per sample", "µs", p.cost_per_sample_us);
+        s.push(
+            "profiler",
+            "attribution error (usercopy share vs 25% of the work)",
+            "pp",
+            p.attribution_error_pp,
+        );
     }
 
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
@@ -130,6 +190,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "mode": format!("{mode:?}"), "iterations": iters, "sizes": SIZES, "batch": BATCH,
         "cores": [CORE_A, CORE_B], "online_cores": mem::cpu::online_cores(),
         "sample_interval_us": DEFAULT_SAMPLE_INTERVAL.as_micros() as u64,
+        "profiler_work_units": mode.scale(2_000_000),
         "ring": { "request_bytes": 12, "response_bytes": 4, "slots": 256, "budget": 64, "push_batch": BATCH },
     });
     for (group, name, unit, v) in &s.0 {
@@ -138,7 +199,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // Ratios against the baselines of the same iteration.
     for row in r.rows.iter_mut() {
         if row.group == "grant copy" {
-            let n: usize = row.name.split_whitespace().find_map(|w| w.parse().ok()).unwrap_or(0);
+            let n: usize = row
+                .name
+                .split_whitespace()
+                .find_map(|w| w.parse().ok())
+                .unwrap_or(0);
             let base = format!("memcpy {n} B (hot)");
             row.ratio = ratio_median(s.get(&row.name), s.get(&base)).map(|x| (base, x));
         }
@@ -148,19 +213,51 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             row.reference = Some("target ≥ 0.50× bare ring".into());
         }
     }
-    let opt = ratio_median(s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)), s.get("memcpy 1500 B (hot)")).unwrap_or(f64::NAN);
-    r.check("optimised grant copy, 1500 B, batch 32, per op vs memcpy 1500 B", opt, "×", "≤ 3×", opt <= 3.0);
-    let ring = ratio_median(s.get("requests through ring, 2 vCPUs, copied + validated"), s.get("bare SPSC ring, 8 B descriptors, batch 32")).unwrap_or(f64::NAN);
-    r.check("shared ring request rate vs bare SPSC ring", ring, "×", "≥ 0.5×", ring >= 0.5);
+    let opt = ratio_median(
+        s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
+        s.get("memcpy 1500 B (hot)"),
+    )
+    .unwrap_or(f64::NAN);
+    r.check(
+        "optimised grant copy, 1500 B, batch 32, per op vs memcpy 1500 B",
+        opt,
+        "×",
+        "≤ 3×",
+        opt <= 3.0,
+    );
+    let ring = ratio_median(
+        s.get("requests through ring, 2 vCPUs, copied + validated"),
+        s.get("bare SPSC ring, 8 B descriptors, batch 32"),
+    )
+    .unwrap_or(f64::NAN);
+    r.check(
+        "shared ring request rate vs bare SPSC ring",
+        ring,
+        "×",
+        "≥ 0.5×",
+        ring >= 0.5,
+    );
     let prof = Stats::of(s.get("overhead at default rate")).median;
-    r.check("profiler overhead at default rate", prof, "%", "< 3%", prof < 3.0);
-    let orig = ratio_median(s.get(&copy_name(GrantPath::Original, 1500, BATCH)), s.get(&copy_name(GrantPath::Optimised, 1500, BATCH))).unwrap_or(f64::NAN);
+    r.check(
+        "profiler overhead at default rate",
+        prof,
+        "%",
+        "< 3%",
+        prof < 3.0,
+    );
+    let orig = ratio_median(
+        s.get(&copy_name(GrantPath::Original, 1500, BATCH)),
+        s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
+    )
+    .unwrap_or(f64::NAN);
     r.notes.push(format!(
         "profiler sampler: {sampler:?}; the default period of {} µs is {:.0} samples per CPU-second",
         DEFAULT_SAMPLE_INTERVAL.as_micros(),
         1e6 / DEFAULT_SAMPLE_INTERVAL.as_micros() as f64
     ));
-    r.notes.push(format!("original / optimised grant copy, 1500 B, batch 32: {orig:.2}× (same run)"));
+    r.notes.push(format!(
+        "original / optimised grant copy, 1500 B, batch 32: {orig:.2}× (same run)"
+    ));
     let total_req = mode.scale(16_000_000) * iters as u64;
     r.notes.push(format!(
         "shared ring: {:.4} events sent per request by the front end and {:.4} by the back end (event hold-off at work)",
@@ -171,7 +268,14 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 }
 
 fn copy_name(path: GrantPath, n: usize, batch: usize) -> String {
-    format!("{} {n} B, batch {batch}", if path == GrantPath::Original { "original" } else { "optimised" })
+    format!(
+        "{} {n} B, batch {batch}",
+        if path == GrantPath::Original {
+            "original"
+        } else {
+            "optimised"
+        }
+    )
 }
 
 /// A page-aligned page of ordinary memory.
@@ -202,13 +306,21 @@ fn spsc_mdesc_per_s(total: u64) -> f64 {
     let tail = Arc::new(Padded(AtomicU32::new(0)));
     let go = Arc::new(Barrier::new(2));
     let total = total - total % BATCH as u64;
-    let (s2, h2, t2, g2) = (Arc::clone(&slots), Arc::clone(&head), Arc::clone(&tail), Arc::clone(&go));
+    let (s2, h2, t2, g2) = (
+        Arc::clone(&slots),
+        Arc::clone(&head),
+        Arc::clone(&tail),
+        Arc::clone(&go),
+    );
     let consumer = std::thread::spawn(move || {
         pin(CORE_B);
         g2.wait();
         let (mut h, mut sum, mut got) = (0u32, 0u64, 0u64);
         while got < total {
-            let avail = t2.0.load(Ordering::Acquire).wrapping_sub(h).min(BATCH as u32);
+            let avail =
+                t2.0.load(Ordering::Acquire)
+                    .wrapping_sub(h)
+                    .min(BATCH as u32);
             if avail == 0 {
                 std::hint::spin_loop();
                 continue;
@@ -254,32 +366,71 @@ impl CopyBench {
 
     fn new() -> Result<Self, LabError> {
         let build = |ver: GrantVersion, path: GrantPath| -> Result<_, LabError> {
-            let hv = Hypervisor::new(HvConfig { frames: Self::FRAMES, grant_path: path })?;
-            let drv = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 256, grant_version: ver, driver_domain: true, ..Default::default() })?;
-            let guest = hv.create_domain(&DomainConfig { name: "guest".into(), pages: 256, grant_version: ver, ..Default::default() })?;
+            let hv = Hypervisor::new(HvConfig {
+                frames: Self::FRAMES,
+                grant_path: path,
+            })?;
+            let drv = hv.create_domain(&DomainConfig {
+                name: "drv".into(),
+                pages: 256,
+                grant_version: ver,
+                driver_domain: true,
+                ..Default::default()
+            })?;
+            let guest = hv.create_domain(&DomainConfig {
+                name: "guest".into(),
+                pages: 256,
+                grant_version: ver,
+                ..Default::default()
+            })?;
             let mut locals = Vec::new();
             let mut refs = Vec::new();
             for i in 0..BATCH {
-                let l = drv.alloc_page().map_err(|e| LabError::Other(e.to_string()))?;
-                drv.fill(l, 0, PAGE_SIZE, i as u8).map_err(|e| LabError::Other(e.to_string()))?;
+                let l = drv
+                    .alloc_page()
+                    .map_err(|e| LabError::Other(e.to_string()))?;
+                drv.fill(l, 0, PAGE_SIZE, i as u8)
+                    .map_err(|e| LabError::Other(e.to_string()))?;
                 locals.push(l);
-                let g = guest.alloc_page().map_err(|e| LabError::Other(e.to_string()))?;
-                let r = guest.grant_table().alloc_ref().ok_or_else(|| LabError::Other("no grant ref".into()))?;
-                guest.grant_table().grant_access(r, drv.id(), g, false).map_err(|e| LabError::Other(e.to_string()))?;
+                let g = guest
+                    .alloc_page()
+                    .map_err(|e| LabError::Other(e.to_string()))?;
+                let r = guest
+                    .grant_table()
+                    .alloc_ref()
+                    .ok_or_else(|| LabError::Other("no grant ref".into()))?;
+                guest
+                    .grant_table()
+                    .grant_access(r, drv.id(), g, false)
+                    .map_err(|e| LabError::Other(e.to_string()))?;
                 refs.push(r);
             }
             let gid = guest.id();
             Ok((hv, drv, locals, refs, gid))
         };
-        Ok(Self { v1: build(GrantVersion::V1, GrantPath::Original)?, v2: build(GrantVersion::V2, GrantPath::Optimised)? })
+        Ok(Self {
+            v1: build(GrantVersion::V1, GrantPath::Original)?,
+            v2: build(GrantVersion::V2, GrantPath::Optimised)?,
+        })
     }
 
     fn ns_per_op(&self, path: GrantPath, n: usize, batch: usize, ops: u64) -> f64 {
-        let (hv, drv, locals, refs, gid) = if path == GrantPath::Original { &self.v1 } else { &self.v2 };
+        let (hv, drv, locals, refs, gid) = if path == GrantPath::Original {
+            &self.v1
+        } else {
+            &self.v2
+        };
         let list: Vec<GrantCopy> = (0..batch)
             .map(|i| GrantCopy {
-                source: CopyPtr::Local { gfn: locals[i], offset: 0 },
-                dest: CopyPtr::Gref { dom: *gid, gref: refs[i], offset: 0 },
+                source: CopyPtr::Local {
+                    gfn: locals[i],
+                    offset: 0,
+                },
+                dest: CopyPtr::Gref {
+                    dom: *gid,
+                    gref: refs[i],
+                    offset: 0,
+                },
                 len: n as u16,
             })
             .collect();
@@ -290,7 +441,10 @@ impl CopyBench {
             debug_assert_eq!(ok, batch);
         });
         // An operation that failed would make the number meaningless: say so loudly.
-        assert!(st.iter().all(|s| s.is_ok()), "grant copy failed in the benchmark: {st:?}");
+        assert!(
+            st.iter().all(|s| s.is_ok()),
+            "grant copy failed in the benchmark: {st:?}"
+        );
         per_call / batch as f64
     }
 }
@@ -298,27 +452,60 @@ impl CopyBench {
 /// Map + unmap of one grant, optionally with another thread of the process busy on the
 /// other core (so the unmap's TLB shoot-down must interrupt it).
 fn map_unmap_ns(peer_busy: bool, pairs: u64) -> Result<f64, LabError> {
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() })?;
-    let drv = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 64, driver_domain: true, ..Default::default() })?;
-    let guest = hv.create_domain(&DomainConfig { name: "guest".into(), pages: 64, ..Default::default() })?;
-    let g = guest.alloc_page().map_err(|e| LabError::Other(e.to_string()))?;
-    let r = guest.grant_table().alloc_ref().ok_or_else(|| LabError::Other("no ref".into()))?;
-    guest.grant_table().grant_access(r, drv.id(), g, false).map_err(|e| LabError::Other(e.to_string()))?;
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })?;
+    let drv = hv.create_domain(&DomainConfig {
+        name: "drv".into(),
+        pages: 64,
+        driver_domain: true,
+        ..Default::default()
+    })?;
+    let guest = hv.create_domain(&DomainConfig {
+        name: "guest".into(),
+        pages: 64,
+        ..Default::default()
+    })?;
+    let g = guest
+        .alloc_page()
+        .map_err(|e| LabError::Other(e.to_string()))?;
+    let r = guest
+        .grant_table()
+        .alloc_ref()
+        .ok_or_else(|| LabError::Other("no ref".into()))?;
+    guest
+        .grant_table()
+        .grant_access(r, drv.id(), g, false)
+        .map_err(|e| LabError::Other(e.to_string()))?;
     let stop = Arc::new(AtomicBool::new(false));
     let peer = if peer_busy {
         let s2 = Arc::clone(&stop);
-        let start = VcpuStart { vcpu: 0, core: Some(CORE_B), mode: WaitMode::Polling, sample: None };
-        Some(hv.start_vcpu(&guest, start, move |_v| {
-            let mut x = 0u64;
-            while !s2.load(Ordering::Relaxed) {
-                x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
-            }
-        }).map_err(|e| LabError::Other(e.to_string()))?)
+        let start = VcpuStart {
+            vcpu: 0,
+            core: Some(CORE_B),
+            mode: WaitMode::Polling,
+            sample: None,
+        };
+        Some(
+            hv.start_vcpu(&guest, start, move |_v| {
+                let mut x = 0u64;
+                while !s2.load(Ordering::Relaxed) {
+                    x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            })
+            .map_err(|e| LabError::Other(e.to_string()))?,
+        )
     } else {
         None
     };
     pin(CORE_A);
-    let op = [MapOp { dom: guest.id(), gref: r, readonly: false, slot: 0 }];
+    let op = [MapOp {
+        dom: guest.id(),
+        gref: r,
+        readonly: false,
+        slot: 0,
+    }];
     let mut out = [Ok(GrantHandle(0))];
     let mut us = [Ok(())];
     let ns = cpu_ns_per_op(pairs, |_| {
@@ -332,7 +519,10 @@ fn map_unmap_ns(peer_busy: bool, pairs: u64) -> Result<f64, LabError> {
         let _ = p.join();
     }
     if out[0].is_err() || us[0].is_err() {
-        return Err(LabError::Other(format!("map/unmap failed: {:?} {:?}", out[0], us[0])));
+        return Err(LabError::Other(format!(
+            "map/unmap failed: {:?} {:?}",
+            out[0], us[0]
+        )));
     }
     Ok(ns)
 }
@@ -365,97 +555,167 @@ impl RingProtocol for BenchProto {
 /// Returns (Mreq/s, (front events sent, back events sent)).
 fn ring_mreq_per_s(total: u64) -> Result<(f64, (u64, u64)), LabError> {
     let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
-    let hv = Hypervisor::new(HvConfig { frames: 1024, ..Default::default() })?;
-    let drv = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 64, driver_domain: true, ..Default::default() })?;
-    let guest = hv.create_domain(&DomainConfig { name: "guest".into(), pages: 64, ..Default::default() })?;
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })?;
+    let drv = hv.create_domain(&DomainConfig {
+        name: "drv".into(),
+        pages: 64,
+        driver_domain: true,
+        ..Default::default()
+    })?;
+    let guest = hv.create_domain(&DomainConfig {
+        name: "guest".into(),
+        pages: 64,
+        ..Default::default()
+    })?;
     let page = guest.alloc_page().map_err(|e| err(&e))?;
-    let front = FrontRing::<BenchProto, _>::init(PageRing::new(guest.page(page).map_err(|e| err(&e))?).map_err(|e| err(&e))?).map_err(|e| err(&e))?;
-    let r = guest.grant_table().alloc_ref().ok_or_else(|| LabError::Other("no ref".into()))?;
-    guest.grant_table().grant_access(r, drv.id(), page, false).map_err(|e| err(&e))?;
+    let front = FrontRing::<BenchProto, _>::init(
+        PageRing::new(guest.page(page).map_err(|e| err(&e))?).map_err(|e| err(&e))?,
+    )
+    .map_err(|e| err(&e))?;
+    let r = guest
+        .grant_table()
+        .alloc_ref()
+        .ok_or_else(|| LabError::Other("no ref".into()))?;
+    guest
+        .grant_table()
+        .grant_access(r, drv.id(), page, false)
+        .map_err(|e| err(&e))?;
     let mut out = [Ok(GrantHandle(0))];
-    hv.grant_map(&drv, &[MapOp { dom: guest.id(), gref: r, readonly: false, slot: 0 }], &mut out);
+    hv.grant_map(
+        &drv,
+        &[MapOp {
+            dom: guest.id(),
+            gref: r,
+            readonly: false,
+            slot: 0,
+        }],
+        &mut out,
+    );
     out[0].map_err(|e| err(&e))?;
-    let back = BackRing::<BenchProto, _>::attach(PageRing::new(drv.window().page(0).map_err(|e| err(&e))?).map_err(|e| err(&e))?).map_err(|e| err(&e))?;
-    let back_port = hv.evtchn_alloc_unbound(&drv, guest.id()).map_err(|e| err(&e))?;
-    let front_port = hv.evtchn_bind_interdomain(&guest, drv.id(), back_port).map_err(|e| err(&e))?;
+    let back = BackRing::<BenchProto, _>::attach(
+        PageRing::new(drv.window().page(0).map_err(|e| err(&e))?).map_err(|e| err(&e))?,
+    )
+    .map_err(|e| err(&e))?;
+    let back_port = hv
+        .evtchn_alloc_unbound(&drv, guest.id())
+        .map_err(|e| err(&e))?;
+    let front_port = hv
+        .evtchn_bind_interdomain(&guest, drv.id(), back_port)
+        .map_err(|e| err(&e))?;
     let go = Arc::new(Barrier::new(3));
 
     let g2 = Arc::clone(&go);
-    let start_b = VcpuStart { vcpu: 0, core: Some(CORE_B), mode: WaitMode::Polling, sample: None };
-    let backend = hv.start_vcpu(&drv, start_b, move |v| {
-        let mut back = back;
-        let (mut done, mut events, mut bad) = (0u64, 0u64, 0u64);
-        g2.wait();
-        while done < total {
-            let mut n = 0;
-            // Budget per poll, as netback's NAPI weight.
-            while n < 64 {
-                let Ok(Some(req)) = back.take_request() else { break };
-                // Validate the copy, never the ring: id in range, a frame's size, inside a page.
-                let ok = req.id < 256 && req.size >= 14 && req.offset as usize + req.size as usize <= PAGE_SIZE;
-                bad += u64::from(!ok);
-                let _ = back.push_response(&BenchRsp { id: req.id, status: if ok { 0 } else { -1 } });
-                n += 1;
-            }
-            done += n;
-            if n > 0 {
-                if back.push_responses_and_check_notify() {
-                    let _ = v.hv().evtchn_send(v.domain(), back_port);
-                    events += 1;
+    let start_b = VcpuStart {
+        vcpu: 0,
+        core: Some(CORE_B),
+        mode: WaitMode::Polling,
+        sample: None,
+    };
+    let backend = hv
+        .start_vcpu(&drv, start_b, move |v| {
+            let mut back = back;
+            let (mut done, mut events, mut bad) = (0u64, 0u64, 0u64);
+            g2.wait();
+            while done < total {
+                let mut n = 0;
+                // Budget per poll, as netback's NAPI weight.
+                while n < 64 {
+                    let Ok(Some(req)) = back.take_request() else {
+                        break;
+                    };
+                    // Validate the copy, never the ring: id in range, a frame's size, inside a page.
+                    let ok = req.id < 256
+                        && req.size >= 14
+                        && req.offset as usize + req.size as usize <= PAGE_SIZE;
+                    bad += u64::from(!ok);
+                    let _ = back.push_response(&BenchRsp {
+                        id: req.id,
+                        status: if ok { 0 } else { -1 },
+                    });
+                    n += 1;
                 }
-            } else if !back.final_check_for_requests().unwrap_or(false) {
-                v.wait();
-                v.handle_events(|_| {});
+                done += n;
+                if n > 0 {
+                    if back.push_responses_and_check_notify() {
+                        let _ = v.hv().evtchn_send(v.domain(), back_port);
+                        events += 1;
+                    }
+                } else if !back.final_check_for_requests().unwrap_or(false) {
+                    v.wait();
+                    v.handle_events(|_| {});
+                }
             }
-        }
-        (events, bad)
-    }).map_err(|e| err(&e))?;
+            (events, bad)
+        })
+        .map_err(|e| err(&e))?;
 
     let g3 = Arc::clone(&go);
-    let start_f = VcpuStart { vcpu: 0, core: Some(CORE_A), mode: WaitMode::Polling, sample: None };
-    let frontend = hv.start_vcpu(&guest, start_f, move |v| {
-        let mut front = front;
-        let mut inflight = [false; 256];
-        let (mut sent, mut answered, mut events, mut bad) = (0u64, 0u64, 0u64, 0u64);
-        g3.wait();
-        let t0 = Instant::now();
-        while answered < total {
-            let mut pushed = 0;
-            while pushed < BATCH && sent < total && front.free_requests() > 0 {
-                let id = (sent % 256) as u16;
-                inflight[id as usize] = true;
-                let _ = front.push_request(&BenchReq { gref: 8, offset: 0, flags: 0, id, size: 1500 });
-                sent += 1;
-                pushed += 1;
-            }
-            if pushed > 0 && front.push_requests_and_check_notify() {
-                let _ = v.hv().evtchn_send(v.domain(), front_port);
-                events += 1;
-            }
-            let mut got = 0;
-            while let Ok(Some(rsp)) = front.take_response() {
-                // netfront's checks: id in range and in flight.
-                let i = rsp.id as usize;
-                if i < inflight.len() && inflight[i] && rsp.status == 0 {
-                    inflight[i] = false;
-                } else {
-                    bad += 1;
+    let start_f = VcpuStart {
+        vcpu: 0,
+        core: Some(CORE_A),
+        mode: WaitMode::Polling,
+        sample: None,
+    };
+    let frontend = hv
+        .start_vcpu(&guest, start_f, move |v| {
+            let mut front = front;
+            let mut inflight = [false; 256];
+            let (mut sent, mut answered, mut events, mut bad) = (0u64, 0u64, 0u64, 0u64);
+            g3.wait();
+            let t0 = Instant::now();
+            while answered < total {
+                let mut pushed = 0;
+                while pushed < BATCH && sent < total && front.free_requests() > 0 {
+                    let id = (sent % 256) as u16;
+                    inflight[id as usize] = true;
+                    let _ = front.push_request(&BenchReq {
+                        gref: 8,
+                        offset: 0,
+                        flags: 0,
+                        id,
+                        size: 1500,
+                    });
+                    sent += 1;
+                    pushed += 1;
                 }
-                got += 1;
+                if pushed > 0 && front.push_requests_and_check_notify() {
+                    let _ = v.hv().evtchn_send(v.domain(), front_port);
+                    events += 1;
+                }
+                let mut got = 0;
+                while let Ok(Some(rsp)) = front.take_response() {
+                    // netfront's checks: id in range and in flight.
+                    let i = rsp.id as usize;
+                    if i < inflight.len() && inflight[i] && rsp.status == 0 {
+                        inflight[i] = false;
+                    } else {
+                        bad += 1;
+                    }
+                    got += 1;
+                }
+                answered += got;
+                if got == 0 && pushed == 0 && !front.final_check_for_responses().unwrap_or(false) {
+                    v.wait();
+                    v.handle_events(|_| {});
+                }
             }
-            answered += got;
-            if got == 0 && pushed == 0 && !front.final_check_for_responses().unwrap_or(false) {
-                v.wait();
-                v.handle_events(|_| {});
-            }
-        }
-        (t0.elapsed(), events, bad)
-    }).map_err(|e| err(&e))?;
+            (t0.elapsed(), events, bad)
+        })
+        .map_err(|e| err(&e))?;
     go.wait();
-    let (elapsed, fev, fbad) = frontend.join().map_err(|_| LabError::Other("front end panicked".into()))?;
-    let (bev, bbad) = backend.join().map_err(|_| LabError::Other("back end panicked".into()))?;
+    let (elapsed, fev, fbad) = frontend
+        .join()
+        .map_err(|_| LabError::Other("front end panicked".into()))?;
+    let (bev, bbad) = backend
+        .join()
+        .map_err(|_| LabError::Other("back end panicked".into()))?;
     if fbad + bbad != 0 {
-        return Err(LabError::Other(format!("ring benchmark saw {fbad} bad responses and {bbad} bad requests")));
+        return Err(LabError::Other(format!(
+            "ring benchmark saw {fbad} bad responses and {bbad} bad requests"
+        )));
     }
     Ok((total as f64 / elapsed.as_secs_f64() / 1e6, (fev, bev)))
 }
@@ -464,48 +724,85 @@ fn ring_mreq_per_s(total: u64) -> Result<(f64, (u64, u64)), LabError> {
 /// handler on core B, per event, in ns.
 fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
     let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
-    let hv = Hypervisor::new(HvConfig { frames: 512, ..Default::default() })?;
-    let a = hv.create_domain(&DomainConfig { name: "sender".into(), pages: 32, ..Default::default() })?;
-    let b = hv.create_domain(&DomainConfig { name: "receiver".into(), pages: 32, ..Default::default() })?;
+    let hv = Hypervisor::new(HvConfig {
+        frames: 512,
+        ..Default::default()
+    })?;
+    let a = hv.create_domain(&DomainConfig {
+        name: "sender".into(),
+        pages: 32,
+        ..Default::default()
+    })?;
+    let b = hv.create_domain(&DomainConfig {
+        name: "receiver".into(),
+        pages: 32,
+        ..Default::default()
+    })?;
     let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(|e| err(&e))?;
-    let pa = hv.evtchn_bind_interdomain(&a, b.id(), pb).map_err(|e| err(&e))?;
+    let pa = hv
+        .evtchn_bind_interdomain(&a, b.id(), pb)
+        .map_err(|e| err(&e))?;
     let base = Instant::now();
     let t_send = Arc::new(AtomicU64::new(0));
     let acked = Arc::new(AtomicU64::new(0));
     let (ts2, ack2) = (Arc::clone(&t_send), Arc::clone(&acked));
-    let receiver = hv.start_vcpu(&b, VcpuStart { vcpu: 0, core: Some(CORE_B), mode, sample: None }, move |v| {
-        let mut lat = Vec::with_capacity(n as usize);
-        while (lat.len() as u64) < n {
-            v.wait();
-            let mut got = false;
-            v.handle_events(|_| got = true);
-            if got {
-                let now = base.elapsed().as_nanos() as u64;
-                lat.push(now.saturating_sub(ts2.load(Ordering::Acquire)) as f64);
-                ack2.store(lat.len() as u64, Ordering::Release);
-            }
-        }
-        lat
-    }).map_err(|e| err(&e))?;
-    let (ts3, ack3) = (Arc::clone(&t_send), Arc::clone(&acked));
-    let sender = hv.start_vcpu(&a, VcpuStart { vcpu: 0, core: Some(CORE_A), mode: WaitMode::Polling, sample: None }, move |v| {
-        for i in 0..n {
-            while ack3.load(Ordering::Acquire) < i {
-                std::hint::spin_loop();
-            }
-            // Let a blocking receiver really block between events.
-            if mode == WaitMode::Blocking {
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_micros(20) {
-                    std::hint::spin_loop();
+    let receiver = hv
+        .start_vcpu(
+            &b,
+            VcpuStart {
+                vcpu: 0,
+                core: Some(CORE_B),
+                mode,
+                sample: None,
+            },
+            move |v| {
+                let mut lat = Vec::with_capacity(n as usize);
+                while (lat.len() as u64) < n {
+                    v.wait();
+                    let mut got = false;
+                    v.handle_events(|_| got = true);
+                    if got {
+                        let now = base.elapsed().as_nanos() as u64;
+                        lat.push(now.saturating_sub(ts2.load(Ordering::Acquire)) as f64);
+                        ack2.store(lat.len() as u64, Ordering::Release);
+                    }
                 }
-            }
-            ts3.store(base.elapsed().as_nanos() as u64, Ordering::Release);
-            let _ = v.hv().evtchn_send(v.domain(), pa);
-        }
-    }).map_err(|e| err(&e))?;
+                lat
+            },
+        )
+        .map_err(|e| err(&e))?;
+    let (ts3, ack3) = (Arc::clone(&t_send), Arc::clone(&acked));
+    let sender = hv
+        .start_vcpu(
+            &a,
+            VcpuStart {
+                vcpu: 0,
+                core: Some(CORE_A),
+                mode: WaitMode::Polling,
+                sample: None,
+            },
+            move |v| {
+                for i in 0..n {
+                    while ack3.load(Ordering::Acquire) < i {
+                        std::hint::spin_loop();
+                    }
+                    // Let a blocking receiver really block between events.
+                    if mode == WaitMode::Blocking {
+                        let t = Instant::now();
+                        while t.elapsed() < Duration::from_micros(20) {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    ts3.store(base.elapsed().as_nanos() as u64, Ordering::Release);
+                    let _ = v.hv().evtchn_send(v.domain(), pa);
+                }
+            },
+        )
+        .map_err(|e| err(&e))?;
     let _ = sender.join();
-    receiver.join().map_err(|_| LabError::Other("receiver panicked".into()))
+    receiver
+        .join()
+        .map_err(|_| LabError::Other("receiver panicked".into()))
 }
 
 struct IommuCosts {
@@ -519,12 +816,21 @@ struct IommuCosts {
 fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
     let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
     const PAGES: u64 = 16 * 1024; // 16× the IOTLB: a sequential sweep always misses
-    let hv = Hypervisor::new(HvConfig { frames: 2048, ..Default::default() })?;
-    let d = hv.create_domain(&DomainConfig { name: "drv".into(), pages: 256, driver_domain: true, ..Default::default() })?;
+    let hv = Hypervisor::new(HvConfig {
+        frames: 2048,
+        ..Default::default()
+    })?;
+    let d = hv.create_domain(&DomainConfig {
+        name: "drv".into(),
+        pages: 256,
+        driver_domain: true,
+        ..Default::default()
+    })?;
     let base = 0x4000_0000u64;
     for i in 0..PAGES {
         let g = Gfn(64 + (i % 128) as u32);
-        hv.iommu_map(&d, Iova(base + (i << 12)), g, true).map_err(|e| err(&e))?;
+        hv.iommu_map(&d, Iova(base + (i << 12)), g, true)
+            .map_err(|e| err(&e))?;
     }
     hv.iommu_attach(DeviceId(1), &d).map_err(|e| err(&e))?;
     let mut dev = hv.iommu().device(DeviceId(1));
@@ -538,12 +844,17 @@ fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
         black_box(dev.translate(Iova(base + ((i % PAGES) << 12)), false).ok());
     });
     if ((dev.misses - m0) as f64) < 0.95 * sweeps as f64 {
-        return Err(LabError::Other(format!("miss sweep hit the IOTLB: {} misses of {sweeps}", dev.misses - m0)));
+        return Err(LabError::Other(format!(
+            "miss sweep hit the IOTLB: {} misses of {sweeps}",
+            dev.misses - m0
+        )));
     }
     // Invalidations of present entries: fill 1024 pages (not timed), invalidate them (timed).
     let rounds = (mode.scale(1_000_000) / 1024).max(1);
     let mut timed = |f: &mut dyn FnMut(&[InvScope])| -> f64 {
-        let scopes: Vec<InvScope> = (0..1024).map(|i| InvScope::Page(d.id(), Iova(base + (i << 12)))).collect();
+        let scopes: Vec<InvScope> = (0..1024)
+            .map(|i| InvScope::Page(d.id(), Iova(base + (i << 12))))
+            .collect();
         let mut t = Duration::ZERO;
         for _ in 0..rounds {
             for i in 0..1024u64 {
@@ -557,14 +868,24 @@ fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
     };
     let io = Arc::clone(hv.iommu());
     let inv_register = timed(&mut |s| s.iter().for_each(|x| io.invalidate_register(*x)));
-    let inv_queued_1 = timed(&mut |s| s.iter().for_each(|x| io.invalidate_queued(std::slice::from_ref(x))));
+    let inv_queued_1 = timed(&mut |s| {
+        s.iter()
+            .for_each(|x| io.invalidate_queued(std::slice::from_ref(x)))
+    });
     let inv_queued_32 = timed(&mut |s| s.chunks(32).for_each(|c| io.invalidate_queued(c)));
-    Ok(IommuCosts { hit, miss, inv_register, inv_queued_1, inv_queued_32 })
+    Ok(IommuCosts {
+        hit,
+        miss,
+        inv_register,
+        inv_queued_1,
+        inv_queued_32,
+    })
 }
 
 struct ProfilerCost {
     overhead_pct: f64,
     rate: f64,
+    cost_per_sample_us: f64,
     attribution_error_pp: f64,
     sampler: mem::cpu::Sampler,
 }
@@ -581,7 +902,11 @@ fn profiler_overhead(units: u64) -> ProfilerCost {
         let mut work = |units: u64| {
             let t0 = thread_cpu_time();
             for i in 0..units {
-                let _c = enter(if i % 4 == 3 { Class::UserCopy } else { Class::Network });
+                let _c = enter(if i % 4 == 3 {
+                    Class::UserCopy
+                } else {
+                    Class::Network
+                });
                 dst.copy_from_slice(black_box(&src));
                 let mut h = 0u64;
                 for b in dst.iter().step_by(16) {
@@ -601,17 +926,31 @@ fn profiler_overhead(units: u64) -> ProfilerCost {
             let sampler = b.as_ref().map_or(mem::cpu::Sampler::None, |b| b.sampler());
             (work(units), sampler)
         };
-        let (n, c) = (slot.count(Class::Network as u8) as f64, slot.count(Class::UserCopy as u8) as f64);
+        let (n, c) = (
+            slot.count(Class::Network as u8) as f64,
+            slot.count(Class::UserCopy as u8) as f64,
+        );
         let total = slot.counts().iter().sum::<u64>() as f64;
         ProfilerCost {
             overhead_pct: (on.as_secs_f64() / off.as_secs_f64() - 1.0) * 100.0,
             rate: total / on.as_secs_f64().max(1e-9),
-            attribution_error_pp: if n + c > 0.0 { (100.0 * c / (n + c) - 25.0).abs() } else { 100.0 },
+            cost_per_sample_us: (on.as_secs_f64() - off.as_secs_f64()) * 1e6 / total.max(1.0),
+            attribution_error_pp: if n + c > 0.0 {
+                (100.0 * c / (n + c) - 25.0).abs()
+            } else {
+                100.0
+            },
             sampler,
         }
     })
     .join()
-    .unwrap_or(ProfilerCost { overhead_pct: f64::NAN, rate: 0.0, attribution_error_pp: f64::NAN, sampler: mem::cpu::Sampler::None })
+    .unwrap_or(ProfilerCost {
+        overhead_pct: f64::NAN,
+        rate: 0.0,
+        cost_per_sample_us: f64::NAN,
+        attribution_error_pp: f64::NAN,
+        sampler: mem::cpu::Sampler::None,
+    })
 }
 
 #[cfg(test)]
@@ -635,11 +974,23 @@ mod tests {
             "page invalidation, queued, batch 32",
             "overhead at default rate",
         ] {
-            let row = r.rows.iter().find(|x| x.name == name).unwrap_or_else(|| panic!("missing row {name}"));
-            assert!(row.stats.n == 1 && row.stats.median.is_finite(), "{name}: {:?}", row.stats);
+            let row = r
+                .rows
+                .iter()
+                .find(|x| x.name == name)
+                .unwrap_or_else(|| panic!("missing row {name}"));
+            assert!(
+                row.stats.n == 1 && row.stats.median.is_finite(),
+                "{name}: {:?}",
+                row.stats
+            );
         }
         assert_eq!(r.checks.len(), 3);
-        assert!(r.rows.iter().filter(|x| x.group == "grant copy").all(|x| x.ratio.is_some()));
+        assert!(r
+            .rows
+            .iter()
+            .filter(|x| x.group == "grant copy")
+            .all(|x| x.ratio.is_some()));
         assert!(r.table().contains("targets:"));
     }
 }
