@@ -259,7 +259,7 @@ impl ClassSamples {
             .map(|c| (*c, self.of(*c)))
             .filter(|(_, n)| *n > 0)
             .collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1));
+        v.sort_by_key(|e| std::cmp::Reverse(e.1));
         v
     }
 }

@@ -181,7 +181,7 @@ fn bad_grant_ref_fails_alone_and_the_batch_proceeds() {
         let mut st = [Ok(()); 3];
         assert_eq!(m.hv.grant_copy(&m.b, &ops, &mut st), 1);
         assert_eq!(st[0], Err(GrantError::BadGntRef(beyond.0)));
-        assert_eq!(st[0].unwrap_err().gntst(), GNTST_BAD_GNTREF);
+        assert_eq!(st[0].map_err(|e| e.gntst()), Err(GNTST_BAD_GNTREF));
         assert_eq!(st[1], Ok(()));
         assert_eq!(st[2], Err(GrantError::BadGntRef(u32::MAX)));
         assert_eq!(&read_page(&m.b, dst)[..8], &pattern(2)[..8]);
@@ -209,7 +209,7 @@ fn a_grant_for_another_domain_is_refused() {
             },
         );
         assert_eq!(st, Err(GrantError::NotForYou));
-        assert_eq!(st.unwrap_err().gntst(), GNTST_PERMISSION_DENIED);
+        assert_eq!(st.map_err(|e| e.gntst()), Err(GNTST_PERMISSION_DENIED));
         let mut out = [Ok(GrantHandle(0))];
         m.hv.grant_map(
             &m.c,
@@ -364,7 +364,7 @@ fn copies_crossing_a_page_are_refused() {
         for op in bad {
             let st = copy1(&m, &m.b, op);
             assert_eq!(st, Err(GrantError::BadCopyArg), "{op:?}");
-            assert_eq!(st.unwrap_err().gntst(), GNTST_BAD_COPY_ARG);
+            assert_eq!(st.map_err(|e| e.gntst()), Err(GNTST_BAD_COPY_ARG));
         }
         assert!(read_page(&m.b, dst).iter().all(|b| *b == 0));
         assert_eq!(m.a.grant_table().in_use(r), Ok(false));
@@ -640,7 +640,7 @@ fn unknown_handles_are_refused_and_nothing_is_unmapped() {
     let mut us = [Ok(()), Ok(()), Ok(())];
     m.hv.grant_unmap(&m.b, &[GrantHandle(h.0 + 1), GrantHandle(9999), h], &mut us);
     assert_eq!(us[0], Err(GrantError::BadHandle(h.0 + 1)));
-    assert_eq!(us[0].unwrap_err().gntst(), GNTST_BAD_HANDLE);
+    assert_eq!(us[0].map_err(|e| e.gntst()), Err(GNTST_BAD_HANDLE));
     assert_eq!(us[1], Err(GrantError::BadHandle(9999)));
     assert_eq!(us[2], Ok(()));
     // Another domain cannot unmap B's handle either, and a second unmap is refused.

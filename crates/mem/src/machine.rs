@@ -192,7 +192,7 @@ impl MachineMemory {
 
     #[inline]
     fn aligned(&self, mfn: Mfn, offset: usize, size: usize) -> Result<*mut u8, MemError> {
-        if offset % size != 0 {
+        if !offset.is_multiple_of(size) {
             return Err(MemError::Misaligned(offset));
         }
         self.ptr(mfn, offset, size)

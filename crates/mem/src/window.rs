@@ -297,7 +297,7 @@ impl MappedPage {
     }
 
     fn at(&self, offset: usize, len: usize, align: usize) -> Result<*mut u8, MemError> {
-        if offset % align != 0 {
+        if !offset.is_multiple_of(align) {
             return Err(MemError::Misaligned(offset));
         }
         check_in_page(offset, len)?;

@@ -469,11 +469,10 @@ mod tests {
         type Rsp = Rsp;
     }
 
-    fn pair() -> (
-        FrontRing<Proto, PageRing<FramePage>>,
-        BackRing<Proto, PageRing<FramePage>>,
-        Arc<MachineMemory>,
-    ) {
+    type Front = FrontRing<Proto, PageRing<FramePage>>;
+    type Back = BackRing<Proto, PageRing<FramePage>>;
+
+    fn pair() -> (Front, Back, Arc<MachineMemory>) {
         let mem = Arc::new(MachineMemory::new(1).expect("memfd"));
         let page = || {
             PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame")).expect("ring")

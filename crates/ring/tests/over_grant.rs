@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hv::*;
+use mem::FramePage;
 use ring::{BackRing, FrontRing, PageRing, RingError, RingProtocol};
 
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -55,15 +56,11 @@ fn setup() -> Setup {
     }
 }
 
+type Front = FrontRing<Proto, PageRing<FramePage>>;
+type Back = BackRing<Proto, PageRing<mem::MappedPage>>;
+
 /// Front end initialises a ring in its page and grants it; back end maps it at `slot`.
-fn connect(
-    s: &Setup,
-    slot: u32,
-) -> (
-    FrontRing<Proto, PageRing<FramePage>>,
-    BackRing<Proto, PageRing<mem::MappedPage>>,
-    Gfn,
-) {
+fn connect(s: &Setup, slot: u32) -> (Front, Back, Gfn) {
     let g = s.front_dom.alloc_page().expect("page");
     let front =
         FrontRing::init(PageRing::new(s.front_dom.page(g).expect("own page")).expect("ring page"))
@@ -89,8 +86,6 @@ fn connect(
     let back = BackRing::attach(PageRing::new(page).expect("ring page")).expect("attach");
     (front, back, g)
 }
-
-use mem::FramePage;
 
 #[test]
 fn requests_cross_a_mapped_grant_and_a_hostile_index_breaks_only_that_ring() {
