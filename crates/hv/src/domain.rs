@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use mem::{FramePage, MachineMemory, MapWindow, MemError};
 
 use crate::event::EventChannels;
-use crate::grant::{GrantTable, GrantVersion, Maptrack};
+use crate::grant::{GrantError, GrantTable, GrantVersion, Maptrack};
 use crate::types::{DomId, Gfn, Mfn};
 use crate::vcpu::VcpuState;
 
@@ -87,6 +87,9 @@ pub struct Domain {
     pub(crate) maptrack: Mutex<Maptrack>,
     pub(crate) vcpus: Box<[VcpuState]>,
     pub(crate) dying: AtomicBool,
+    /// Failed grant operations this domain asked for, per [`GrantError::index`]. Only
+    /// touched on failure, so off the data path.
+    pub(crate) grant_errors: [AtomicU64; GrantError::REASONS],
 }
 
 /// The shared-info frame.
@@ -118,6 +121,7 @@ impl Domain {
             maptrack: Mutex::new(Maptrack::new(cfg.map_slots)),
             vcpus: (0..cfg.vcpus.max(1)).map(VcpuState::new).collect(),
             dying: AtomicBool::new(false),
+            grant_errors: std::array::from_fn(|_| AtomicU64::new(0)),
         })
     }
 
@@ -210,6 +214,23 @@ impl Domain {
             self.gfn_to_mfn(gfn)?,
         )?)
     }
+    /// How many of this domain's grant operations failed for `reason`.
+    pub fn grant_error_count(&self, reason: GrantError) -> u64 {
+        self.grant_errors[reason.index()].load(Ordering::Relaxed)
+    }
+
+    /// Failed grant operations of this domain, all reasons together.
+    pub fn grant_errors_total(&self) -> u64 {
+        self.grant_errors
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    pub(crate) fn count_grant_error(&self, e: GrantError) {
+        self.grant_errors[e.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The domain's vCPUs (CPU time, samples, wake counters).
     pub fn vcpus(&self) -> &[VcpuState] {
         &self.vcpus

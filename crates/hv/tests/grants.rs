@@ -185,6 +185,10 @@ fn bad_grant_ref_fails_alone_and_the_batch_proceeds() {
         assert_eq!(st[1], Ok(()));
         assert_eq!(st[2], Err(GrantError::BadGntRef(u32::MAX)));
         assert_eq!(&read_page(&m.b, dst)[..8], &pattern(2)[..8]);
+        // Counted against the caller, per reason; nobody else's counters move.
+        assert_eq!(m.b.grant_error_count(GrantError::BadGntRef(0)), 2);
+        assert_eq!(m.b.grant_errors_total(), 2);
+        assert_eq!(m.a.grant_errors_total() + m.c.grant_errors_total(), 0);
     }
 }
 
@@ -649,6 +653,8 @@ fn unknown_handles_are_refused_and_nothing_is_unmapped() {
     assert_eq!(again[0], Err(GrantError::BadHandle(h.0)));
     m.hv.grant_unmap(&m.b, &[h], &mut again);
     assert_eq!(again[0], Err(GrantError::BadHandle(h.0)));
+    assert_eq!(m.b.grant_error_count(GrantError::BadHandle(0)), 3);
+    assert_eq!(m.c.grant_error_count(GrantError::BadHandle(0)), 1);
 }
 
 #[test]

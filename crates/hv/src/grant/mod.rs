@@ -191,6 +191,35 @@ pub enum GrantError {
 }
 
 impl GrantError {
+    /// Number of distinct reasons (size of a per-reason counter array).
+    pub const REASONS: usize = 20;
+
+    /// A stable index per reason, for counters.
+    pub fn index(self) -> usize {
+        match self {
+            GrantError::BadGntRef(_) => 0,
+            GrantError::NotForYou => 1,
+            GrantError::NotGranted => 2,
+            GrantError::ReadOnly => 3,
+            GrantError::BadCopyArg => 4,
+            GrantError::OutsideSubPage => 5,
+            GrantError::TransitiveChain => 6,
+            GrantError::TransitiveLoop => 7,
+            GrantError::NotMappable => 8,
+            GrantError::InUse => 9,
+            GrantError::BadHandle(_) => 10,
+            GrantError::BadDomain(_) => 11,
+            GrantError::BadPage => 12,
+            GrantError::BadVirtAddr => 13,
+            GrantError::MappingInUse => 14,
+            GrantError::NoSpace => 15,
+            GrantError::Unstable => 16,
+            GrantError::WrongVersion => 17,
+            GrantError::TypeConflict => 18,
+            GrantError::Os(_) => 19,
+        }
+    }
+
     /// The `GNTST_*` status Xen would return.
     pub fn gntst(self) -> i16 {
         match self {

@@ -606,7 +606,7 @@ impl Hypervisor {
                 }
             }
         }
-        status[..n].iter().filter(|s| s.is_ok()).count()
+        count_errors(caller, status[..n].iter().copied())
     }
 
     /// The optimised path for up to [`COPY_CHUNK`] operations: one lock acquisition of
@@ -728,7 +728,7 @@ impl Hypervisor {
         for (op, o) in ops[..n].iter().zip(out.iter_mut()) {
             *o = self.map_one(caller, op);
         }
-        out[..n].iter().filter(|r| r.is_ok()).count()
+        count_errors(caller, out[..n].iter().map(|r| r.map(|_| ())))
     }
 
     fn map_one(&self, caller: &Domain, op: &MapOp) -> Result<GrantHandle, GrantError> {
@@ -794,7 +794,7 @@ impl Hypervisor {
         for (h, o) in handles[..n].iter().zip(out.iter_mut()) {
             *o = self.unmap_one(caller, *h);
         }
-        out[..n].iter().filter(|r| r.is_ok()).count()
+        count_errors(caller, out[..n].iter().copied())
     }
 
     pub(crate) fn unmap_one(&self, caller: &Domain, h: GrantHandle) -> GrantStatus {
@@ -884,6 +884,18 @@ fn pin_pair_locked(
             Err(e)
         }
     }
+}
+
+/// Counts the failures of a batch against the caller; returns the successes.
+fn count_errors(caller: &Domain, statuses: impl Iterator<Item = GrantStatus>) -> usize {
+    let mut ok = 0;
+    for s in statuses {
+        match s {
+            Ok(()) => ok += 1,
+            Err(e) => caller.count_grant_error(e),
+        }
+    }
+    ok
 }
 
 fn check_bounds(op: &GrantCopy) -> GrantStatus {
