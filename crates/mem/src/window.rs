@@ -296,6 +296,7 @@ impl MappedPage {
         self.slot
     }
 
+    #[inline]
     fn at(&self, offset: usize, len: usize, align: usize) -> Result<*mut u8, MemError> {
         if !offset.is_multiple_of(align) {
             return Err(MemError::Misaligned(offset));
@@ -305,6 +306,7 @@ impl MappedPage {
         Ok(unsafe { self.window.addr(self.slot).add(offset) })
     }
 
+    #[inline]
     fn atomic_at(&self, offset: usize, size: usize) -> Result<*mut u8, MemError> {
         // Atomics are read-modify-write capable: refuse them on a read-only mapping.
         if !self.writable {
@@ -315,17 +317,20 @@ impl MappedPage {
 }
 
 impl PageAccess for MappedPage {
+    #[inline]
     fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
         let p = self.at(offset, buf.len(), 1)?;
         // SAFETY: `p..p+len` is in the held, mapped page; `buf` is separate memory.
         unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
         Ok(())
     }
+    #[inline]
     fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
         let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
         // SAFETY: in the held, mapped page; `T` is Pod; unaligned-tolerant load.
         Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
     }
+    #[inline]
     fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
         if !self.writable {
             return Err(MemError::ReadOnly(self.slot));
@@ -335,6 +340,7 @@ impl PageAccess for MappedPage {
         unsafe { std::ptr::write_unaligned(p.cast::<T>(), *v) };
         Ok(())
     }
+    #[inline]
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
         if !self.writable {
             return Err(MemError::ReadOnly(self.slot));
@@ -344,16 +350,19 @@ impl PageAccess for MappedPage {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
         Ok(())
     }
+    #[inline]
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
         let p = self.atomic_at(offset, 2)?;
         // SAFETY: aligned, in a writable mapped page that outlives the borrow of `self`.
         Ok(unsafe { AtomicU16::from_ptr(p.cast()) })
     }
+    #[inline]
     fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, MemError> {
         let p = self.atomic_at(offset, 4)?;
         // SAFETY: as in `atomic_u16`.
         Ok(unsafe { AtomicU32::from_ptr(p.cast()) })
     }
+    #[inline]
     fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
         let p = self.atomic_at(offset, 8)?;
         // SAFETY: as in `atomic_u16`.
