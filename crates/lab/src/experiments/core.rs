@@ -92,6 +92,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             "Mdesc/s",
             spsc_mdesc_per_s(mode.scale(40_000_000)),
         );
+        s.push(
+            "baseline",
+            "bare ring.h-shaped ring, 12 B slots, responses in place",
+            "Mreq/s",
+            reqrsp_mreq_per_s(mode.scale(16_000_000)),
+        );
         for path in [GrantPath::Original, GrantPath::Optimised] {
             for &n in &SIZES {
                 for batch in [1, BATCH] {
