@@ -787,7 +787,9 @@ fn a_guest_rewriting_its_entry_during_use_gets_clean_outcomes_and_leaks_nothing(
         let m = machine(ver, path);
         let page = page_with(&m.a, 16);
         let r = m.a.grant_table().alloc_ref().expect("ref");
-        m.a.grant_table().grant_access(r, m.b.id(), page, true).expect("grant");
+        m.a.grant_table()
+            .grant_access(r, m.b.id(), page, true)
+            .expect("grant");
         let dst = m.b.alloc_page().expect("page");
         let stop = Arc::new(AtomicBool::new(false));
         // The guest keeps rewriting the entry: read-only / writable / revoked / again.
@@ -807,7 +809,15 @@ fn a_guest_rewriting_its_entry_during_use_gets_clean_outcomes_and_leaks_nothing(
         };
         let mut seen_ok = 0;
         for _ in 0..20_000 {
-            let st = copy1(&m, &m.b, GrantCopy { source: from_gref(m.a.id(), r, 0), dest: local(dst, 0), len: 64 });
+            let st = copy1(
+                &m,
+                &m.b,
+                GrantCopy {
+                    source: from_gref(m.a.id(), r, 0),
+                    dest: local(dst, 0),
+                    len: 64,
+                },
+            );
             match st {
                 Ok(()) => seen_ok += 1,
                 Err(GrantError::NotGranted | GrantError::Unstable) => {}
