@@ -1046,9 +1046,11 @@ struct ProfilerCost {
 
 /// Profiler overhead: the same CPU-bound work (a 1500-byte copy and a hash per unit,
 /// every fourth unit tagged `usercopy`, the rest `network`) on a thread with sampling off
-/// and then on; the overhead is the ratio of thread CPU times. Since the units are
-/// identical, a faithful profiler puts 25% of the samples in `usercopy`.
+/// and on, in four alternating halves each so that drift of the machine cancels; the
+/// overhead is the ratio of the summed thread CPU times. Since the units are identical,
+/// a faithful profiler puts 25% of the samples in `usercopy`.
 fn profiler_overhead(units: u64) -> ProfilerCost {
+    const HALVES: u64 = 4;
     std::thread::spawn(move || {
         pin(CORE_A);
         let src = vec![3u8; 1500];
@@ -1071,15 +1073,18 @@ fn profiler_overhead(units: u64) -> ProfilerCost {
             thread_cpu_time() - t0
         };
         let slot = Arc::new(SampleSlot::default());
-        let off = {
-            let _b = SlotBinding::bind(Arc::clone(&slot), None);
-            work(units)
-        };
-        let (on, sampler) = {
+        let per = (units / HALVES).max(4);
+        let (mut off, mut on) = (Duration::ZERO, Duration::ZERO);
+        let mut sampler = mem::cpu::Sampler::None;
+        for _ in 0..HALVES {
+            {
+                let _b = SlotBinding::bind(Arc::clone(&slot), None);
+                off += work(per);
+            }
             let b = SlotBinding::bind(Arc::clone(&slot), Some(DEFAULT_SAMPLE_INTERVAL));
-            let sampler = b.as_ref().map_or(mem::cpu::Sampler::None, |b| b.sampler());
-            (work(units), sampler)
-        };
+            sampler = b.as_ref().map_or(mem::cpu::Sampler::None, |b| b.sampler());
+            on += work(per);
+        }
         let (n, c) = (
             slot.count(Class::Network as u8) as f64,
             slot.count(Class::UserCopy as u8) as f64,
