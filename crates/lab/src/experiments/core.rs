@@ -305,6 +305,37 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     Ok(r)
 }
 
+/// A machine with a driver domain and a guest: the set-up most measurements share.
+struct Machine {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    guest: Arc<Domain>,
+}
+
+fn machine(
+    frames: u32,
+    pages: u32,
+    version: GrantVersion,
+    grant_path: GrantPath,
+) -> Result<Machine, LabError> {
+    let hv = Hypervisor::new(HvConfig { frames, grant_path })?;
+    let dom = |name: &str, driver_domain| DomainConfig {
+        name: name.into(),
+        pages,
+        grant_version: version,
+        driver_domain,
+        ..Default::default()
+    };
+    let drv = hv.create_domain(&dom("drv", true))?;
+    let guest = hv.create_domain(&dom("guest", false))?;
+    Ok(Machine { hv, drv, guest })
+}
+
+/// Any displayable failure as a lab error.
+fn other(e: impl std::fmt::Display) -> LabError {
+    LabError::Other(e.to_string())
+}
+
 fn copy_name(path: GrantPath, n: usize, batch: usize) -> String {
     format!(
         "{} {n} B, batch {batch}",
@@ -504,35 +535,14 @@ impl CopyBench {
 
     fn new() -> Result<Self, LabError> {
         let build = |ver: GrantVersion, path: GrantPath| -> Result<_, LabError> {
-            let hv = Hypervisor::new(HvConfig {
-                frames: Self::FRAMES,
-                grant_path: path,
-            })?;
-            let drv = hv.create_domain(&DomainConfig {
-                name: "drv".into(),
-                pages: 256,
-                grant_version: ver,
-                driver_domain: true,
-                ..Default::default()
-            })?;
-            let guest = hv.create_domain(&DomainConfig {
-                name: "guest".into(),
-                pages: 256,
-                grant_version: ver,
-                ..Default::default()
-            })?;
+            let Machine { hv, drv, guest } = machine(Self::FRAMES, 256, ver, path)?;
             let mut locals = Vec::new();
             let mut refs = Vec::new();
             for i in 0..BATCH {
-                let l = drv
-                    .alloc_page()
-                    .map_err(|e| LabError::Other(e.to_string()))?;
-                drv.fill(l, 0, PAGE_SIZE, i as u8)
-                    .map_err(|e| LabError::Other(e.to_string()))?;
+                let l = drv.alloc_page().map_err(other)?;
+                drv.fill(l, 0, PAGE_SIZE, i as u8).map_err(other)?;
                 locals.push(l);
-                let g = guest
-                    .alloc_page()
-                    .map_err(|e| LabError::Other(e.to_string()))?;
+                let g = guest.alloc_page().map_err(other)?;
                 let r = guest
                     .grant_table()
                     .alloc_ref()
@@ -540,7 +550,7 @@ impl CopyBench {
                 guest
                     .grant_table()
                     .grant_access(r, drv.id(), g, false)
-                    .map_err(|e| LabError::Other(e.to_string()))?;
+                    .map_err(other)?;
                 refs.push(r);
             }
             let gid = guest.id();
@@ -590,24 +600,8 @@ impl CopyBench {
 /// Map + unmap of one grant, optionally with another thread of the process busy on the
 /// other core (so the unmap's TLB shoot-down must interrupt it).
 fn map_unmap_ns(peer_busy: bool, pairs: u64) -> Result<f64, LabError> {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 1024,
-        ..Default::default()
-    })?;
-    let drv = hv.create_domain(&DomainConfig {
-        name: "drv".into(),
-        pages: 64,
-        driver_domain: true,
-        ..Default::default()
-    })?;
-    let guest = hv.create_domain(&DomainConfig {
-        name: "guest".into(),
-        pages: 64,
-        ..Default::default()
-    })?;
-    let g = guest
-        .alloc_page()
-        .map_err(|e| LabError::Other(e.to_string()))?;
+    let Machine { hv, drv, guest } = machine(1024, 64, GrantVersion::V1, GrantPath::Optimised)?;
+    let g = guest.alloc_page().map_err(other)?;
     let r = guest
         .grant_table()
         .alloc_ref()
@@ -615,7 +609,7 @@ fn map_unmap_ns(peer_busy: bool, pairs: u64) -> Result<f64, LabError> {
     guest
         .grant_table()
         .grant_access(r, drv.id(), g, false)
-        .map_err(|e| LabError::Other(e.to_string()))?;
+        .map_err(other)?;
     let stop = Arc::new(AtomicBool::new(false));
     let peer = if peer_busy {
         let s2 = Arc::clone(&stop);
@@ -632,7 +626,7 @@ fn map_unmap_ns(peer_busy: bool, pairs: u64) -> Result<f64, LabError> {
                     x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
                 }
             })
-            .map_err(|e| LabError::Other(e.to_string()))?,
+            .map_err(other)?,
         )
     } else {
         None
@@ -702,27 +696,12 @@ pub enum Idle {
 /// and validates it, the front end validates each response (id in range and in flight).
 /// Returns (Mreq/s, (front events sent, back events sent)).
 pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabError> {
-    let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
-    let hv = Hypervisor::new(HvConfig {
-        frames: 1024,
-        ..Default::default()
-    })?;
-    let drv = hv.create_domain(&DomainConfig {
-        name: "drv".into(),
-        pages: 64,
-        driver_domain: true,
-        ..Default::default()
-    })?;
-    let guest = hv.create_domain(&DomainConfig {
-        name: "guest".into(),
-        pages: 64,
-        ..Default::default()
-    })?;
-    let page = guest.alloc_page().map_err(|e| err(&e))?;
+    let Machine { hv, drv, guest } = machine(1024, 64, GrantVersion::V1, GrantPath::Optimised)?;
+    let page = guest.alloc_page().map_err(other)?;
     let front = FrontRing::<BenchProto, _>::init(
-        PageRing::new(guest.page(page).map_err(|e| err(&e))?).map_err(|e| err(&e))?,
+        PageRing::new(guest.page(page).map_err(other)?).map_err(other)?,
     )
-    .map_err(|e| err(&e))?;
+    .map_err(other)?;
     let r = guest
         .grant_table()
         .alloc_ref()
@@ -730,7 +709,7 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
     guest
         .grant_table()
         .grant_access(r, drv.id(), page, false)
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
     let mut out = [Ok(GrantHandle(0))];
     hv.grant_map(
         &drv,
@@ -742,17 +721,15 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
         }],
         &mut out,
     );
-    out[0].map_err(|e| err(&e))?;
+    out[0].map_err(other)?;
     let back = BackRing::<BenchProto, _>::attach(
-        PageRing::new(drv.window().page(0).map_err(|e| err(&e))?).map_err(|e| err(&e))?,
+        PageRing::new(drv.window().page(0).map_err(other)?).map_err(other)?,
     )
-    .map_err(|e| err(&e))?;
-    let back_port = hv
-        .evtchn_alloc_unbound(&drv, guest.id())
-        .map_err(|e| err(&e))?;
+    .map_err(other)?;
+    let back_port = hv.evtchn_alloc_unbound(&drv, guest.id()).map_err(other)?;
     let front_port = hv
         .evtchn_bind_interdomain(&guest, drv.id(), back_port)
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
     let go = Arc::new(Barrier::new(3));
 
     let g2 = Arc::clone(&go);
@@ -800,7 +777,7 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
             }
             (events, bad)
         })
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
 
     let g3 = Arc::clone(&go);
     let start_f = VcpuStart {
@@ -858,7 +835,7 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
             }
             (t0.elapsed(), events, bad)
         })
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
     go.wait();
     let (elapsed, fev, fbad) = frontend
         .join()
@@ -877,25 +854,14 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
 /// One-way latency from `evtchn_send` on core A to the receiving vCPU running its
 /// handler on core B, per event, in ns.
 fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
-    let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
-    let hv = Hypervisor::new(HvConfig {
-        frames: 512,
-        ..Default::default()
-    })?;
-    let a = hv.create_domain(&DomainConfig {
-        name: "sender".into(),
-        pages: 32,
-        ..Default::default()
-    })?;
-    let b = hv.create_domain(&DomainConfig {
-        name: "receiver".into(),
-        pages: 32,
-        ..Default::default()
-    })?;
-    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(|e| err(&e))?;
-    let pa = hv
-        .evtchn_bind_interdomain(&a, b.id(), pb)
-        .map_err(|e| err(&e))?;
+    // The driver domain sends, the guest receives.
+    let Machine {
+        hv,
+        drv: a,
+        guest: b,
+    } = machine(512, 32, GrantVersion::V1, GrantPath::Optimised)?;
+    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(other)?;
+    let pa = hv.evtchn_bind_interdomain(&a, b.id(), pb).map_err(other)?;
     let base = Instant::now();
     let t_send = Arc::new(AtomicU64::new(0));
     let acked = Arc::new(AtomicU64::new(0));
@@ -924,7 +890,7 @@ fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
                 lat
             },
         )
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
     let (ts3, ack3) = (Arc::clone(&t_send), Arc::clone(&acked));
     let sender = hv
         .start_vcpu(
@@ -952,7 +918,7 @@ fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
                 }
             },
         )
-        .map_err(|e| err(&e))?;
+        .map_err(other)?;
     let _ = sender.join();
     receiver
         .join()
@@ -968,25 +934,15 @@ struct IommuCosts {
 }
 
 fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
-    let err = |e: &dyn std::fmt::Display| LabError::Other(e.to_string());
     const PAGES: u64 = 16 * 1024; // 16× the IOTLB: a sequential sweep always misses
-    let hv = Hypervisor::new(HvConfig {
-        frames: 2048,
-        ..Default::default()
-    })?;
-    let d = hv.create_domain(&DomainConfig {
-        name: "drv".into(),
-        pages: 256,
-        driver_domain: true,
-        ..Default::default()
-    })?;
+    let Machine { hv, drv: d, .. } = machine(2048, 256, GrantVersion::V1, GrantPath::Optimised)?;
     let base = 0x4000_0000u64;
     for i in 0..PAGES {
         let g = Gfn(64 + (i % 128) as u32);
         hv.iommu_map(&d, Iova(base + (i << 12)), g, true)
-            .map_err(|e| err(&e))?;
+            .map_err(other)?;
     }
-    hv.iommu_attach(DeviceId(1), &d).map_err(|e| err(&e))?;
+    hv.iommu_attach(DeviceId(1), &d).map_err(other)?;
     let mut dev = hv.iommu().device(DeviceId(1));
     pin(CORE_A);
     let hit = cpu_ns_per_op(mode.scale(4_000_000), |_| {
