@@ -131,6 +131,12 @@ impl EventChannels {
         }
     }
 
+    /// The table lock; a poisoned lock is recovered (the port words are atomics and
+    /// always consistent on their own).
+    fn guard(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn word(&self, port: Port) -> Result<&AtomicU64, EvtchnError> {
         self.ports
             .get(port.0 as usize)
@@ -246,11 +252,7 @@ impl Hypervisor {
     /// `EVTCHNOP_alloc_unbound`: a new port of `dom` that `remote` may bind to.
     pub fn evtchn_alloc_unbound(&self, dom: &Domain, remote: DomId) -> Result<Port, EvtchnError> {
         let _c = enter(Class::XenEvent);
-        let _g = dom
-            .evtchn
-            .lock
-            .lock()
-            .map_err(|_| EvtchnError::NoFreePort)?;
+        let _g = dom.evtchn.guard();
         let p = dom.evtchn.alloc()?;
         dom.evtchn.set(p, ChannelState::Unbound { remote }, 0);
         Ok(p)
@@ -274,19 +276,9 @@ impl Hypervisor {
         } else {
             (&*rd, dom)
         };
-        let _g1 = first
-            .evtchn
-            .lock
-            .lock()
-            .map_err(|_| EvtchnError::NoFreePort)?;
+        let _g1 = first.evtchn.guard();
         let _g2 = if dom.id != rd.id {
-            Some(
-                second
-                    .evtchn
-                    .lock
-                    .lock()
-                    .map_err(|_| EvtchnError::NoFreePort)?,
-            )
+            Some(second.evtchn.guard())
         } else {
             None
         };
@@ -397,7 +389,7 @@ impl Hypervisor {
                 remote_port,
             } => {
                 if let Some(rd) = self.domain(remote) {
-                    let _g = rd.evtchn.lock.lock();
+                    let _g = rd.evtchn.guard();
                     if rd.evtchn.state(remote_port)
                         == Ok(ChannelState::Interdomain {
                             remote: dom.id,
@@ -412,7 +404,7 @@ impl Hypervisor {
             ChannelState::Pirq { vector } => self.irq_unbind(vector),
             ChannelState::Unbound { .. } => {}
         }
-        let _g = dom.evtchn.lock.lock();
+        let _g = dom.evtchn.guard();
         dom.evtchn.set(port, ChannelState::Free, 0);
         let (wi, b) = bit(port);
         if let Some(p) = dom.evtchn_word(EVTCHN_PENDING, wi) {
@@ -426,7 +418,7 @@ impl Hypervisor {
         if vcpu >= dom.vcpu_count() {
             return Err(EvtchnError::BadVcpu(vcpu));
         }
-        let _g = dom.evtchn.lock.lock();
+        let _g = dom.evtchn.guard();
         let s = dom.evtchn.state(port)?;
         dom.evtchn.set(port, s, vcpu);
         Ok(())
@@ -435,11 +427,7 @@ impl Hypervisor {
     /// Routes physical interrupt `vector` to a new port of `dom` (`PHYSDEVOP` +
     /// `EVTCHNOP_bind_pirq`): the device raises the vector, the hypervisor sets the port.
     pub fn bind_irq(&self, dom: &Domain, vector: Vector) -> Result<Port, EvtchnError> {
-        let _g = dom
-            .evtchn
-            .lock
-            .lock()
-            .map_err(|_| EvtchnError::NoFreePort)?;
+        let _g = dom.evtchn.guard();
         let p = dom.evtchn.alloc()?;
         let route = (1u64 << 63) | (dom.id.0 as u64) << 32 | p.0 as u64;
         self.irqs[vector.0 as usize]
