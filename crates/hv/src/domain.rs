@@ -231,6 +231,16 @@ impl Domain {
         self.grant_errors[e.index()].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Exact CPU time of all the domain's vCPUs (thread CPU clocks).
+    pub fn cpu_time(&self) -> std::time::Duration {
+        self.vcpus.iter().map(|v| v.cpu_time()).sum()
+    }
+
+    /// Profiler samples of all the domain's vCPUs, per class.
+    pub fn class_samples(&self) -> crate::profile::ClassSamples {
+        crate::profile::ClassSamples::collect(self.vcpus.iter().map(|v| v.samples()))
+    }
+
     /// The domain's vCPUs (CPU time, samples, wake counters).
     pub fn vcpus(&self) -> &[VcpuState] {
         &self.vcpus
