@@ -13,3 +13,4 @@
 //! acted on.
 
 pub mod netif;
+pub mod wire;

@@ -1,0 +1,398 @@
+//! Frames on the wire: building the remote sender's UDP messages (IP-fragmented into
+//! full-size frames when larger than the MTU, as paper 000's 48000-byte messages are)
+//! and parsing received frames into validated IPv4 fragments and UDP datagrams.
+//!
+//! Header formats and checksums are `smoltcp::wire`'s; this module only arranges them.
+//! Parsing trusts nothing: lengths are checked before any field is read, checksums are
+//! verified, and each failure has its own error.
+
+use smoltcp::phy::ChecksumCapabilities;
+use smoltcp::wire::{
+    EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, IpAddress, IpProtocol,
+    Ipv4Address, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr,
+};
+
+/// Ethernet header.
+pub const ETH_HEADER: usize = 14;
+/// IPv4 header without options.
+pub const IPV4_HEADER: usize = 20;
+/// UDP header.
+pub const UDP_HEADER: usize = 8;
+/// The Ethernet MTU the papers' links had.
+pub const DEFAULT_MTU: u16 = 1500;
+/// Largest frame pvio builds: MTU plus the Ethernet header.
+pub const MAX_FRAME: usize = DEFAULT_MTU as usize + ETH_HEADER;
+/// Largest UDP payload an IPv4 datagram can carry.
+pub const MAX_UDP_PAYLOAD: usize = 65535 - IPV4_HEADER - UDP_HEADER;
+
+/// Why a frame was not accepted (or a message not built).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum WireError {
+    /// Shorter than its headers or its length fields say.
+    #[error("truncated")]
+    Truncated,
+    /// Not an IPv4 frame.
+    #[error("not IPv4")]
+    NotIpv4,
+    /// IPv4 header malformed (version, header length).
+    #[error("malformed IPv4 header")]
+    BadIpHeader,
+    /// IPv4 header checksum wrong.
+    #[error("bad IPv4 checksum")]
+    BadIpChecksum,
+    /// UDP header malformed (length field).
+    #[error("malformed UDP header")]
+    BadUdpHeader,
+    /// UDP checksum wrong.
+    #[error("bad UDP checksum")]
+    BadUdpChecksum,
+    /// A message too large for one IPv4 datagram, or an MTU too small to fragment into.
+    #[error("message too large")]
+    TooLarge,
+}
+
+/// One direction of a UDP flow between two hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdpFlow {
+    /// Sender MAC.
+    pub src_mac: [u8; 6],
+    /// Receiver MAC.
+    pub dst_mac: [u8; 6],
+    /// Sender address.
+    pub src_ip: Ipv4Address,
+    /// Receiver address.
+    pub dst_ip: Ipv4Address,
+    /// Sender port.
+    pub src_port: u16,
+    /// Receiver port.
+    pub dst_port: u16,
+    /// Link MTU (IP packet size).
+    pub mtu: u16,
+}
+
+/// Builds the frames of UDP messages for one flow. Its buffers are allocated once; each
+/// message reuses them (no allocation per packet).
+#[derive(Debug)]
+pub struct UdpFramer {
+    flow: UdpFlow,
+    datagram: Vec<u8>,
+    frame: Vec<u8>,
+}
+
+impl UdpFramer {
+    /// A framer for `flow`.
+    pub fn new(flow: UdpFlow) -> Self {
+        Self {
+            flow,
+            datagram: vec![0; 65535],
+            frame: vec![0; flow.mtu as usize + ETH_HEADER],
+        }
+    }
+
+    /// The flow.
+    pub fn flow(&self) -> &UdpFlow {
+        &self.flow
+    }
+
+    /// Bytes of IP payload per fragment: the MTU less the IP header, rounded down to the
+    /// 8-byte unit fragment offsets count in.
+    pub fn fragment_payload(&self) -> usize {
+        (self.flow.mtu as usize).saturating_sub(IPV4_HEADER) / 8 * 8
+    }
+
+    /// Number of frames a message of `len` payload bytes takes.
+    pub fn frames_for(&self, len: usize) -> usize {
+        (UDP_HEADER + len).div_ceil(self.fragment_payload().max(8))
+    }
+
+    /// Builds the frames carrying one UDP message with IP identification `ident`, calling
+    /// `emit` with each frame in order. The UDP checksum covers the whole datagram, which
+    /// is then cut into fragments. Returns the number of frames.
+    pub fn frames(
+        &mut self,
+        ident: u16,
+        payload: &[u8],
+        mut emit: impl FnMut(&[u8]),
+    ) -> Result<usize, WireError> {
+        if payload.len() > MAX_UDP_PAYLOAD {
+            return Err(WireError::TooLarge);
+        }
+        let per = self.fragment_payload();
+        if per < 8 {
+            return Err(WireError::TooLarge);
+        }
+        let f = self.flow;
+        let (src, dst) = (IpAddress::Ipv4(f.src_ip), IpAddress::Ipv4(f.dst_ip));
+        // The whole UDP datagram, checksummed.
+        let dlen = UDP_HEADER + payload.len();
+        let mut udp = UdpPacket::new_unchecked(&mut self.datagram[..dlen]);
+        UdpRepr {
+            src_port: f.src_port,
+            dst_port: f.dst_port,
+        }
+        .emit(
+            &mut udp,
+            &src,
+            &dst,
+            payload.len(),
+            |p| p.copy_from_slice(payload),
+            &ChecksumCapabilities::default(),
+        );
+        // Cut into fragments of `per` bytes.
+        let mut off = 0;
+        let mut n = 0;
+        while off < dlen {
+            let chunk = per.min(dlen - off);
+            let more = off + chunk < dlen;
+            let total = ETH_HEADER + IPV4_HEADER + chunk;
+            let frame = &mut self.frame[..total];
+            let mut eth = EthernetFrame::new_unchecked(&mut *frame);
+            EthernetRepr {
+                src_addr: EthernetAddress(f.src_mac),
+                dst_addr: EthernetAddress(f.dst_mac),
+                ethertype: EthernetProtocol::Ipv4,
+            }
+            .emit(&mut eth);
+            let mut ip = Ipv4Packet::new_unchecked(eth.payload_mut());
+            Ipv4Repr {
+                src_addr: f.src_ip,
+                dst_addr: f.dst_ip,
+                next_header: IpProtocol::Udp,
+                payload_len: chunk,
+                hop_limit: 64,
+            }
+            .emit(&mut ip, &ChecksumCapabilities::default());
+            ip.set_ident(ident);
+            ip.set_dont_frag(false);
+            ip.set_more_frags(more);
+            // Cannot truncate: off < 65535 and is a multiple of 8.
+            ip.set_frag_offset(off as u16);
+            ip.fill_checksum();
+            ip.payload_mut()[..chunk].copy_from_slice(&self.datagram[off..off + chunk]);
+            emit(&self.frame[..total]);
+            off += chunk;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+/// An IPv4 packet (a whole datagram or one fragment) from a received frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv4Fragment<'a> {
+    /// Source MAC of the frame.
+    pub src_mac: [u8; 6],
+    /// Source address.
+    pub src: Ipv4Address,
+    /// Destination address.
+    pub dst: Ipv4Address,
+    /// Protocol.
+    pub proto: IpProtocol,
+    /// Identification.
+    pub ident: u16,
+    /// Offset of this fragment's payload in the datagram, in bytes.
+    pub offset: u16,
+    /// More fragments follow.
+    pub more: bool,
+    /// This fragment's IP payload (trailing link padding excluded).
+    pub payload: &'a [u8],
+}
+
+impl Ipv4Fragment<'_> {
+    /// Whether this is a whole datagram.
+    pub fn is_whole(&self) -> bool {
+        self.offset == 0 && !self.more
+    }
+}
+
+/// Parses and validates an Ethernet frame carrying IPv4: lengths, version, header
+/// checksum. Options are allowed (and skipped); the payload ends where the IP total
+/// length says, so link padding is excluded.
+pub fn parse_ipv4(frame: &[u8]) -> Result<Ipv4Fragment<'_>, WireError> {
+    let eth = EthernetFrame::new_checked(frame).map_err(|_| WireError::Truncated)?;
+    if eth.ethertype() != EthernetProtocol::Ipv4 {
+        return Err(WireError::NotIpv4);
+    }
+    let src_mac = eth.src_addr().0;
+    let body = &frame[ETH_HEADER..];
+    let ip = Ipv4Packet::new_checked(body).map_err(|_| WireError::Truncated)?;
+    if ip.version() != 4 || (ip.header_len() as usize) < IPV4_HEADER {
+        return Err(WireError::BadIpHeader);
+    }
+    if !ip.verify_checksum() {
+        return Err(WireError::BadIpChecksum);
+    }
+    let (hl, tl) = (ip.header_len() as usize, ip.total_len() as usize);
+    Ok(Ipv4Fragment {
+        src_mac,
+        src: ip.src_addr(),
+        dst: ip.dst_addr(),
+        proto: ip.next_header(),
+        ident: ip.ident(),
+        offset: ip.frag_offset(),
+        more: ip.more_frags(),
+        payload: &body[hl..tl],
+    })
+}
+
+/// A validated UDP datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdpDatagram<'a> {
+    /// Source port.
+    pub src_port: u16,
+    /// Destination port.
+    pub dst_port: u16,
+    /// Payload.
+    pub payload: &'a [u8],
+}
+
+/// Parses a whole UDP datagram (after reassembly) and verifies its checksum (a zero
+/// checksum means "none" in IPv4 and is accepted).
+pub fn parse_udp<'a>(
+    src: Ipv4Address,
+    dst: Ipv4Address,
+    datagram: &'a [u8],
+) -> Result<UdpDatagram<'a>, WireError> {
+    let udp = UdpPacket::new_checked(datagram).map_err(|_| WireError::BadUdpHeader)?;
+    let len = udp.len() as usize;
+    if len < UDP_HEADER || len > datagram.len() {
+        return Err(WireError::BadUdpHeader);
+    }
+    if udp.checksum() != 0 && !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst)) {
+        return Err(WireError::BadUdpChecksum);
+    }
+    Ok(UdpDatagram {
+        src_port: udp.src_port(),
+        dst_port: udp.dst_port(),
+        payload: &datagram[UDP_HEADER..len],
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn flow() -> UdpFlow {
+        UdpFlow {
+            src_mac: [2, 0, 0, 0, 0, 1],
+            dst_mac: [2, 0, 0, 0, 0, 2],
+            src_ip: Ipv4Address::new(10, 0, 0, 1),
+            dst_ip: Ipv4Address::new(10, 0, 0, 2),
+            src_port: 5001,
+            dst_port: 5002,
+            mtu: DEFAULT_MTU,
+        }
+    }
+
+    pub(crate) fn message(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect()
+    }
+
+    pub(crate) fn frames_of(len: usize, ident: u16) -> Vec<Vec<u8>> {
+        let mut f = UdpFramer::new(flow());
+        let mut out = Vec::new();
+        f.frames(ident, &message(len, ident as u8), |fr| {
+            out.push(fr.to_vec())
+        })
+        .expect("frames");
+        out
+    }
+
+    #[test]
+    fn the_papers_message_sizes_become_the_right_frames() {
+        let f = UdpFramer::new(flow());
+        assert_eq!(f.fragment_payload(), 1480);
+        // 52 and 1500 bytes: one frame each? 1500 B of payload + 8 of UDP needs two.
+        assert_eq!(frames_of(52, 1).len(), 1);
+        assert_eq!(
+            frames_of(52, 1)[0].len(),
+            ETH_HEADER + IPV4_HEADER + UDP_HEADER + 52
+        );
+        assert_eq!(
+            frames_of(1472, 1).len(),
+            1,
+            "1472 B is the largest unfragmented payload"
+        );
+        assert_eq!(frames_of(1500, 1).len(), 2);
+        // 48000 bytes: 33 frames, all full-size but the last.
+        let fr = frames_of(48000, 7);
+        assert_eq!(fr.len(), 33);
+        assert!(fr[..32].iter().all(|x| x.len() == MAX_FRAME));
+        assert_eq!(f.frames_for(48000), 33);
+    }
+
+    #[test]
+    fn built_frames_parse_back_with_offsets_and_checksums() {
+        let fr = frames_of(48000, 9);
+        let mut whole = vec![0u8; UDP_HEADER + 48000];
+        for (i, x) in fr.iter().enumerate() {
+            let p = parse_ipv4(x).expect("valid");
+            assert_eq!(
+                (p.ident, p.proto, p.more),
+                (9, IpProtocol::Udp, i + 1 < fr.len())
+            );
+            assert_eq!(p.offset as usize, i * 1480);
+            whole[p.offset as usize..p.offset as usize + p.payload.len()]
+                .copy_from_slice(p.payload);
+        }
+        let d = parse_udp(flow().src_ip, flow().dst_ip, &whole).expect("udp");
+        assert_eq!((d.src_port, d.dst_port), (5001, 5002));
+        assert_eq!(d.payload, &message(48000, 9)[..]);
+        let small = frames_of(52, 3);
+        let one = parse_ipv4(&small[0]).expect("valid");
+        assert!(one.is_whole());
+        assert_eq!(
+            parse_udp(one.src, one.dst, one.payload)
+                .expect("udp")
+                .payload,
+            &message(52, 3)[..]
+        );
+    }
+
+    #[test]
+    fn malformed_frames_are_refused_with_their_reason() {
+        let good = frames_of(100, 1).remove(0);
+        assert_eq!(parse_ipv4(&good[..10]), Err(WireError::Truncated));
+        assert_eq!(
+            parse_ipv4(&good[..ETH_HEADER + 10]),
+            Err(WireError::Truncated)
+        );
+        let mut arp = good.clone();
+        arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        assert_eq!(parse_ipv4(&arp), Err(WireError::NotIpv4));
+        let mut v6 = good.clone();
+        v6[ETH_HEADER] = 0x65;
+        assert!(matches!(
+            parse_ipv4(&v6),
+            Err(WireError::BadIpHeader | WireError::Truncated)
+        ));
+        let mut csum = good.clone();
+        csum[ETH_HEADER + 8] ^= 1; // TTL changes, checksum does not
+        assert_eq!(parse_ipv4(&csum), Err(WireError::BadIpChecksum));
+        let mut long = good.clone();
+        long[ETH_HEADER + 2..ETH_HEADER + 4].copy_from_slice(&2000u16.to_be_bytes()); // total length > frame
+        assert!(matches!(
+            parse_ipv4(&long),
+            Err(WireError::Truncated | WireError::BadIpChecksum)
+        ));
+        let p = parse_ipv4(&good).expect("valid");
+        let mut bad = p.payload.to_vec();
+        bad[UDP_HEADER] ^= 0xff;
+        assert_eq!(
+            parse_udp(p.src, p.dst, &bad),
+            Err(WireError::BadUdpChecksum)
+        );
+        let mut short = p.payload.to_vec();
+        short[4..6].copy_from_slice(&4u16.to_be_bytes());
+        assert!(matches!(
+            parse_udp(p.src, p.dst, &short),
+            Err(WireError::BadUdpHeader)
+        ));
+        assert_eq!(
+            UdpFramer::new(flow()).frames(1, &vec![0; MAX_UDP_PAYLOAD + 1], |_| {}),
+            Err(WireError::TooLarge)
+        );
+    }
+}
