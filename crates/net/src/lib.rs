@@ -13,4 +13,5 @@
 //! acted on.
 
 pub mod netif;
+pub mod reasm;
 pub mod wire;
