@@ -140,6 +140,18 @@ impl Node {
 }
 
 impl Inner {
+    /// The node at `path`, if it exists and `caller` may read (or write) it.
+    fn node(&self, caller: DomId, path: &str, write: bool) -> Result<&Node, StoreError> {
+        let n = self
+            .nodes
+            .get(path)
+            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
+        if !n.allows(caller, write) {
+            return Err(StoreError::Denied(path.into()));
+        }
+        Ok(n)
+    }
+
     fn notify(&mut self, changed: &str) {
         let readable = |dom: DomId, nodes: &BTreeMap<String, Node>| {
             // A removed node: judge by its nearest existing ancestor.
@@ -201,13 +213,7 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let g = self.lock();
-        let n = g
-            .nodes
-            .get(path)
-            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
-        if !n.allows(caller, false) {
-            return Err(StoreError::Denied(path.into()));
-        }
+        let n = g.node(caller, path, false)?;
         Ok(n.value.clone())
     }
 
@@ -273,13 +279,7 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let mut g = self.lock();
-        let n = g
-            .nodes
-            .get(path)
-            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
-        if !n.allows(caller, true) {
-            return Err(StoreError::Denied(path.into()));
-        }
+        g.node(caller, path, true)?;
         let doomed: Vec<String> = g
             .nodes
             .keys()
@@ -299,13 +299,7 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let g = self.lock();
-        let n = g
-            .nodes
-            .get(path)
-            .ok_or_else(|| StoreError::NoEntry(path.into()))?;
-        if !n.allows(caller, false) {
-            return Err(StoreError::Denied(path.into()));
-        }
+        g.node(caller, path, false)?;
         let prefix = if path == "/" {
             "/".to_string()
         } else {

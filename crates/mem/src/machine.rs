@@ -197,12 +197,6 @@ impl MachineMemory {
         }
         self.ptr(mfn, offset, size)
     }
-
-    /// Raw address of a frame's first byte, for diagnostics only (never dereferenced
-    /// outside this crate).
-    pub fn frame_addr(&self, mfn: Mfn) -> Option<usize> {
-        self.ptr(mfn, 0, 0).ok().map(|p| p as usize)
-    }
 }
 
 impl Drop for MachineMemory {

@@ -161,12 +161,16 @@ fn check_header(combo: u32, ty: u16, user: DomId, write: bool) -> Result<(), Gra
 /// compare-and-swap in end-access either sees our bits or we see its revocation.
 /// v2 (`_set_status_v2`): set the status bits, full fence, re-read the header; if the
 /// guest revoked meanwhile, undo and fail.
+///
+/// With [`Fence::Deferred`] (v2 only) the fence and re-check are left to the caller's
+/// batch (`copy_batch`), which fences once and re-checks every header.
 fn set_status(
     w: &EntryWords<'_>,
     ty: u16,
     user: DomId,
     write: bool,
     act: &ActiveEntry,
+    when: Fence,
 ) -> Result<(), GrantError> {
     let bits = GTF_READING | if write { GTF_WRITING } else { 0 };
     match w.status {
@@ -193,6 +197,9 @@ fn set_status(
             // A plain store, not a read-modify-write: in v2 only the hypervisor writes the
             // status word, always under this table's lock (the guest only reads it).
             status.store(status.load(Ordering::Relaxed) | bits, Ordering::Relaxed);
+            if when == Fence::Deferred {
+                return Ok(());
+            }
             // Full fence: our status bits must be visible before we re-read the header;
             // pairs with the guest's store-fence-load in end-access.
             fence(Ordering::SeqCst);
@@ -275,15 +282,7 @@ fn pin_locked(
     let w = granter.grant_words(r)?;
     let a = &mut act[r.0 as usize];
     if a.pins() == 0 {
-        match (fence, w.status) {
-            // v2 in a batch: mark in use now; the caller fences once for the whole batch
-            // and then re-checks every header (`copy_batch`).
-            (Fence::Deferred, Some(status)) => {
-                let bits = GTF_READING | if write { GTF_WRITING } else { 0 };
-                status.store(status.load(Ordering::Relaxed) | bits, Ordering::Relaxed);
-            }
-            _ => set_status(&w, GTF_PERMIT_ACCESS, user, write, a)?,
-        }
+        set_status(&w, GTF_PERMIT_ACCESS, user, write, a, fence)?;
         *a = ActiveEntry {
             pin_ro: 0,
             pin_rw: 0,
@@ -303,7 +302,7 @@ fn pin_locked(
             return Err(GrantError::Unstable.into());
         }
         if write && a.pin_rw == 0 {
-            set_status(&w, GTF_PERMIT_ACCESS, user, true, a)?;
+            set_status(&w, GTF_PERMIT_ACCESS, user, true, a, Fence::Now)?;
         }
     }
     bump(a, write)?;
@@ -430,7 +429,7 @@ impl Hypervisor {
             let w = granter.grant_words(r)?;
             let a = &mut act[r.0 as usize];
             if a.pins() == 0 {
-                set_status(&w, GTF_TRANSITIVE, user, write, a)?;
+                set_status(&w, GTF_TRANSITIVE, user, write, a, Fence::Now)?;
                 *a = ActiveEntry {
                     pin_ro: 0,
                     pin_rw: 0,
@@ -443,7 +442,7 @@ impl Hypervisor {
             } else if a.user != user || a.trans != Some((tdom, tref)) {
                 return Err(GrantError::Unstable);
             } else if write && a.pin_rw == 0 {
-                set_status(&w, GTF_TRANSITIVE, user, true, a)?;
+                set_status(&w, GTF_TRANSITIVE, user, true, a, Fence::Now)?;
             }
             bump(a, write)
         })();
