@@ -1,12 +1,16 @@
-//! IPv4 reassembly with bounded memory.
+//! IPv4 reassembly with bounded memory and no copying.
 //!
-//! A fixed number of reassembly contexts, each with one buffer for the largest IPv4
-//! payload and a bitmap of the 8-byte units received, all allocated at creation: a
-//! hostile sender can make pvio drop datagrams, never grow its memory. Fragments that
-//! overlap (the teardrop family), run past 65535 bytes, break the 8-byte unit rule, or
-//! disagree about where the datagram ends drop the whole datagram; datagrams that never
-//! complete expire; when every context is busy the oldest is evicted. Each outcome has a
-//! counter. Time is an input (`now`), so tests are deterministic.
+//! As Linux's `ip_defrag`, the fragments are not copied: each context keeps the items
+//! (packet buffers, in the stack) that carry its fragments, and hands them over in
+//! offset order when the datagram completes, to be linked into one buffer's fragment
+//! list. A fixed number of contexts, each with room for [`MAX_PIECES`] fragments and a
+//! bitmap of the 8-byte units received, is allocated at creation: a hostile sender can
+//! make pvio drop datagrams, never grow its memory. Fragments that overlap (the
+//! teardrop family), run past 65535 bytes, break the 8-byte unit rule, disagree about
+//! where the datagram ends, or are too many drop the whole datagram, and every item it
+//! held is given back through `release`; datagrams that never complete expire; when
+//! every context is busy the oldest is evicted. Each outcome has a counter. Time is an
+//! input (`now`), so tests are deterministic.
 
 use std::time::Duration;
 
@@ -43,17 +47,21 @@ pub enum ReasmDrop {
     /// Its context was taken for a newer datagram.
     #[error("evicted for a newer datagram")]
     Evicted,
+    /// More fragments than a context holds.
+    #[error("too many fragments")]
+    TooManyFragments,
 }
 
 impl ReasmDrop {
     /// Every reason, in counter order.
-    pub const ALL: [ReasmDrop; 6] = [
+    pub const ALL: [ReasmDrop; 7] = [
         ReasmDrop::OutOfRange,
         ReasmDrop::Misaligned,
         ReasmDrop::Overlap,
         ReasmDrop::ConflictingEnd,
         ReasmDrop::Timeout,
         ReasmDrop::Evicted,
+        ReasmDrop::TooManyFragments,
     ];
 }
 
@@ -66,7 +74,7 @@ pub struct ReasmStats {
     /// Datagrams delivered.
     pub datagrams: u64,
     /// Datagrams dropped, per [`ReasmDrop`] (in `ReasmDrop::ALL` order).
-    pub drops: [u64; 6],
+    pub drops: [u64; 7],
 }
 
 impl ReasmStats {
@@ -74,6 +82,61 @@ impl ReasmStats {
     pub fn drop_count(&self, r: ReasmDrop) -> u64 {
         self.drops[r as usize]
     }
+}
+
+/// Fragments one context holds: a 65535-byte datagram in full-size Ethernet frames takes
+/// 45, so 64 leaves room for smaller MTUs down to ~1000 bytes.
+pub const MAX_PIECES: usize = 64;
+
+/// What reassembly needs to know of a fragment (its IPv4 header, validated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FragInfo {
+    /// Source address.
+    pub src: Ipv4Address,
+    /// Destination address.
+    pub dst: Ipv4Address,
+    /// Protocol.
+    pub proto: IpProtocol,
+    /// Identification.
+    pub ident: u16,
+    /// Offset of the payload in the datagram, in bytes.
+    pub offset: u16,
+    /// More fragments follow.
+    pub more: bool,
+    /// Payload bytes.
+    pub len: u16,
+}
+
+impl FragInfo {
+    /// Whether this is a whole datagram.
+    pub fn is_whole(&self) -> bool {
+        self.offset == 0 && !self.more
+    }
+}
+
+impl From<&Ipv4Fragment<'_>> for FragInfo {
+    fn from(f: &Ipv4Fragment<'_>) -> Self {
+        Self {
+            src: f.src,
+            dst: f.dst,
+            proto: f.proto,
+            ident: f.ident,
+            offset: f.offset,
+            more: f.more,
+            len: f.payload.len() as u16,
+        }
+    }
+}
+
+/// One fragment held: where its payload goes in the datagram, and its item.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Piece<T> {
+    /// Offset in the datagram.
+    pub offset: u16,
+    /// Payload bytes.
+    pub len: u16,
+    /// What carries it.
+    pub item: T,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,9 +148,10 @@ struct Key {
 }
 
 #[derive(Debug)]
-struct Context {
+struct Context<T> {
     key: Option<Key>,
-    buf: Box<[u8]>,
+    pieces: Box<[Piece<T>]>,
+    nr: usize,
     have: Box<[u64]>,
     received: usize,
     /// Highest byte offset received so far.
@@ -97,11 +161,12 @@ struct Context {
     started: Duration,
 }
 
-impl Context {
+impl<T: Copy + Default> Context<T> {
     fn new() -> Self {
         Self {
             key: None,
-            buf: vec![0; MAX_DATAGRAM].into_boxed_slice(),
+            pieces: vec![Piece::default(); MAX_PIECES].into_boxed_slice(),
+            nr: 0,
             have: vec![0; UNITS.div_ceil(64)].into_boxed_slice(),
             received: 0,
             max_end: 0,
@@ -109,7 +174,12 @@ impl Context {
             started: Duration::ZERO,
         }
     }
-    fn reset(&mut self) {
+    /// Empties the context, giving back every item it held.
+    fn reset(&mut self, release: &mut impl FnMut(T)) {
+        for p in &self.pieces[..self.nr] {
+            release(p.item);
+        }
+        self.nr = 0;
         self.key = None;
         self.have.iter_mut().for_each(|w| *w = 0);
         self.received = 0;
@@ -126,17 +196,17 @@ impl Context {
     }
 }
 
-/// The reassembler of one receiver.
+/// The reassembler of one receiver, holding items of type `T`.
 #[derive(Debug)]
-pub struct Reassembler {
-    contexts: Box<[Context]>,
+pub struct Reassembler<T> {
+    contexts: Box<[Context<T>]>,
     timeout: Duration,
     stats: ReasmStats,
 }
 
-impl Reassembler {
-    /// `contexts` datagrams at a time, each waiting at most `timeout`. Allocates
-    /// `contexts` × 64 KiB once.
+impl<T: Copy + Default> Reassembler<T> {
+    /// `contexts` datagrams at a time, each waiting at most `timeout`. Allocates every
+    /// context once.
     pub fn new(contexts: usize, timeout: Duration) -> Self {
         Self {
             contexts: (0..contexts.max(1)).map(|_| Context::new()).collect(),
@@ -155,12 +225,13 @@ impl Reassembler {
         self.contexts.iter().filter(|c| c.key.is_some()).count()
     }
 
-    /// Drops the datagrams older than the timeout. Returns how many.
-    pub fn expire(&mut self, now: Duration) -> usize {
+    /// Drops the datagrams older than the timeout, giving back their items. Returns how
+    /// many datagrams.
+    pub fn expire(&mut self, now: Duration, release: &mut impl FnMut(T)) -> usize {
         let mut n = 0;
         for c in self.contexts.iter_mut() {
             if c.key.is_some() && now.saturating_sub(c.started) >= self.timeout {
-                c.reset();
+                c.reset(release);
                 n += 1;
             }
         }
@@ -168,28 +239,49 @@ impl Reassembler {
         n
     }
 
-    fn drop_datagram(&mut self, i: Option<usize>, why: ReasmDrop) -> ReasmDrop {
+    /// Drops everything held (an interface going down), giving back the items.
+    pub fn clear(&mut self, release: &mut impl FnMut(T)) {
+        for c in self.contexts.iter_mut() {
+            c.reset(release);
+        }
+    }
+
+    fn drop_datagram(
+        &mut self,
+        i: Option<usize>,
+        why: ReasmDrop,
+        release: &mut impl FnMut(T),
+    ) -> ReasmDrop {
         if let Some(i) = i {
-            self.contexts[i].reset();
+            self.contexts[i].reset(release);
         }
         self.stats.drops[why as usize] += 1;
         why
     }
 
-    /// Offers one fragment (or a whole datagram). When it completes a datagram, calls
-    /// `deliver` with the datagram's payload and returns `Ok(true)`; `Ok(false)` means
-    /// it was kept for later; an error means its datagram was dropped (and counted).
+    /// Offers one fragment (or a whole datagram) carried by `item`. When it completes a
+    /// datagram, calls `deliver` with the datagram's pieces in offset order (their
+    /// items now belong to the caller) and returns `Ok(true)`; `Ok(false)` means it was
+    /// kept; an error means its datagram was dropped (and counted) and every item of it,
+    /// `item` included, was given to `release`.
     pub fn push(
         &mut self,
         now: Duration,
-        f: &Ipv4Fragment<'_>,
-        deliver: impl FnOnce(&[u8]),
+        f: &FragInfo,
+        item: T,
+        deliver: impl FnOnce(&[Piece<T>]),
+        release: &mut impl FnMut(T),
     ) -> Result<bool, ReasmDrop> {
         self.stats.fragments += 1;
-        self.expire(now);
+        self.expire(now, release);
+        let piece = Piece {
+            offset: f.offset,
+            len: f.len,
+            item,
+        };
         if f.is_whole() {
             self.stats.datagrams += 1;
-            deliver(f.payload);
+            deliver(&[piece]);
             return Ok(true);
         }
         let key = Key {
@@ -199,13 +291,18 @@ impl Reassembler {
             proto: f.proto,
         };
         let found = self.contexts.iter().position(|c| c.key == Some(key));
-        let (off, len) = (f.offset as usize, f.payload.len());
+        let (off, len) = (f.offset as usize, f.len as usize);
         let end_of = off + len;
-        if end_of > MAX_DATAGRAM {
-            return Err(self.drop_datagram(found, ReasmDrop::OutOfRange));
-        }
-        if f.more && len % 8 != 0 {
-            return Err(self.drop_datagram(found, ReasmDrop::Misaligned));
+        let refuse = if end_of > MAX_DATAGRAM {
+            Some(ReasmDrop::OutOfRange)
+        } else if f.more && len % 8 != 0 {
+            Some(ReasmDrop::Misaligned)
+        } else {
+            None
+        };
+        if let Some(why) = refuse {
+            release(item);
+            return Err(self.drop_datagram(found, why, release));
         }
         let i = match found {
             Some(i) => i,
@@ -217,7 +314,7 @@ impl Reassembler {
                         let oldest = (0..self.contexts.len())
                             .min_by_key(|&j| self.contexts[j].started)
                             .unwrap_or(0);
-                        self.drop_datagram(Some(oldest), ReasmDrop::Evicted);
+                        self.drop_datagram(Some(oldest), ReasmDrop::Evicted, release);
                         oldest
                     }
                 };
@@ -229,19 +326,32 @@ impl Reassembler {
         };
         let c = &self.contexts[i];
         let (u0, u1) = (off / 8, end_of.div_ceil(8));
-        if c.any_set(u0, u1) {
-            return Err(self.drop_datagram(Some(i), ReasmDrop::Overlap));
-        }
-        let conflict = if f.more {
+        let refuse = if c.any_set(u0, u1) {
+            Some(ReasmDrop::Overlap)
+        } else if if f.more {
             c.end.is_some_and(|e| end_of > e)
         } else {
             c.end.is_some_and(|e| e != end_of) || c.max_end > end_of
+        } {
+            Some(ReasmDrop::ConflictingEnd)
+        } else if c.nr == MAX_PIECES {
+            Some(ReasmDrop::TooManyFragments)
+        } else {
+            None
         };
-        if conflict {
-            return Err(self.drop_datagram(Some(i), ReasmDrop::ConflictingEnd));
+        if let Some(why) = refuse {
+            release(item);
+            return Err(self.drop_datagram(Some(i), why, release));
         }
         let c = &mut self.contexts[i];
-        c.buf[off..end_of].copy_from_slice(f.payload);
+        // Keep the pieces in offset order (insertion; a handful, usually in order).
+        let mut at = c.nr;
+        while at > 0 && c.pieces[at - 1].offset > f.offset {
+            c.pieces[at] = c.pieces[at - 1];
+            at -= 1;
+        }
+        c.pieces[at] = piece;
+        c.nr += 1;
         c.set(u0, u1);
         c.received += len;
         c.max_end = c.max_end.max(end_of);
@@ -250,8 +360,10 @@ impl Reassembler {
         }
         match c.end {
             Some(e) if c.received == e => {
-                deliver(&c.buf[..e]);
-                c.reset();
+                deliver(&c.pieces[..c.nr]);
+                // The items went to the caller.
+                c.nr = 0;
+                c.reset(&mut |_| {});
                 self.stats.datagrams += 1;
                 Ok(true)
             }
@@ -266,28 +378,46 @@ mod tests {
     use crate::wire::tests::{flow, frames_of, message};
     use crate::wire::{parse_ipv4, parse_udp, UDP_HEADER};
 
-    fn frag<'a>(ident: u16, offset: u16, more: bool, payload: &'a [u8]) -> Ipv4Fragment<'a> {
-        Ipv4Fragment {
-            src_mac: [0; 6],
+    fn frag(ident: u16, offset: u16, more: bool, len: u16) -> FragInfo {
+        FragInfo {
             src: flow().src_ip,
             dst: flow().dst_ip,
             proto: IpProtocol::Udp,
             ident,
             offset,
             more,
-            payload,
+            len,
         }
     }
 
-    fn reassemble(frames: &[Vec<u8>], order: &[usize]) -> (Option<Vec<u8>>, Reassembler) {
-        let mut r = Reassembler::new(DEFAULT_CONTEXTS, DEFAULT_TIMEOUT);
-        let mut out = None;
+    /// Rebuilds a datagram from its pieces, each item an index into `frames`.
+    fn join(frames: &[Vec<u8>], pieces: &[Piece<usize>]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for p in pieces {
+            let f = parse_ipv4(&frames[p.item]).expect("valid");
+            assert_eq!(p.offset as usize, out.len(), "pieces come in offset order");
+            out.extend_from_slice(f.payload);
+        }
+        out
+    }
+
+    fn push_frames(
+        r: &mut Reassembler<usize>,
+        frames: &[Vec<u8>],
+        order: &[usize],
+        got: &mut Vec<Vec<u8>>,
+    ) {
         for &i in order {
             let p = parse_ipv4(&frames[i]).expect("valid frame");
-            r.push(Duration::ZERO, &p, |d| out = Some(d.to_vec()))
-                .expect("accepted");
+            r.push(
+                Duration::ZERO,
+                &FragInfo::from(&p),
+                i,
+                |d| got.push(join(frames, d)),
+                &mut |_| panic!("nothing is dropped"),
+            )
+            .expect("accepted");
         }
-        (out, r)
     }
 
     #[test]
@@ -299,9 +429,11 @@ mod tests {
             (0..n).rev().collect(),
             (0..n).map(|i| (i * 7) % n).collect(),
         ] {
-            let (d, r) = reassemble(&fr, &order);
-            let d = d.expect("complete");
-            let udp = parse_udp(flow().src_ip, flow().dst_ip, &d).expect("checksum holds");
+            let mut r = Reassembler::new(DEFAULT_CONTEXTS, DEFAULT_TIMEOUT);
+            let mut got = Vec::new();
+            push_frames(&mut r, &fr, &order, &mut got);
+            assert_eq!(got.len(), 1);
+            let udp = parse_udp(flow().src_ip, flow().dst_ip, &got[0]).expect("checksum holds");
             assert_eq!(udp.payload, &message(48000, 5)[..]);
             assert_eq!((r.stats().datagrams, r.in_progress()), (1, 0));
         }
@@ -310,103 +442,101 @@ mod tests {
     #[test]
     fn interleaved_datagrams_do_not_mix() {
         let (a, b) = (frames_of(3000, 1), frames_of(3000, 2));
+        let all: Vec<Vec<u8>> = a.iter().chain(b.iter()).cloned().collect();
+        let order: Vec<usize> = (0..a.len()).flat_map(|i| [i, a.len() + i]).collect();
         let mut r = Reassembler::new(2, DEFAULT_TIMEOUT);
         let mut got = Vec::new();
-        for i in 0..a.len() {
-            for fr in [&a[i], &b[i]] {
-                let p = parse_ipv4(fr).expect("valid");
-                r.push(Duration::ZERO, &p, |d| got.push(d.to_vec()))
-                    .expect("ok");
-            }
-        }
+        push_frames(&mut r, &all, &order, &mut got);
         assert_eq!(got.len(), 2);
         assert_eq!(&got[0][UDP_HEADER..], &message(3000, 1)[..]);
         assert_eq!(&got[1][UDP_HEADER..], &message(3000, 2)[..]);
     }
 
     #[test]
-    fn hostile_fragments_drop_their_datagram_and_are_counted() {
+    fn hostile_fragments_drop_their_datagram_and_every_item_comes_back() {
         let mut r = Reassembler::new(4, DEFAULT_TIMEOUT);
         let t = Duration::ZERO;
-        let data = [7u8; 64];
+        let mut released = Vec::new();
+        let mut next = 0usize;
+        let mut push = |r: &mut Reassembler<usize>, f: FragInfo| {
+            next += 1;
+            r.push(t, &f, next, |_| panic!("never completes"), &mut |i| {
+                released.push(i)
+            })
+        };
         // Overlap (teardrop): second fragment starts inside the first.
-        assert_eq!(r.push(t, &frag(1, 0, true, &data), |_| {}), Ok(false));
-        assert_eq!(
-            r.push(t, &frag(1, 32, false, &data), |_| {}),
-            Err(ReasmDrop::Overlap)
-        );
+        assert_eq!(push(&mut r, frag(1, 0, true, 64)), Ok(false));
+        assert_eq!(push(&mut r, frag(1, 32, false, 64)), Err(ReasmDrop::Overlap));
         assert_eq!(r.in_progress(), 0, "the whole datagram is gone");
         // A duplicate is an overlap too.
-        r.push(t, &frag(2, 0, true, &data), |_| {}).expect("first");
-        assert_eq!(
-            r.push(t, &frag(2, 0, true, &data), |_| {}),
-            Err(ReasmDrop::Overlap)
-        );
+        push(&mut r, frag(2, 0, true, 64)).expect("first");
+        assert_eq!(push(&mut r, frag(2, 0, true, 64)), Err(ReasmDrop::Overlap));
         // Beyond 65535 bytes.
         assert_eq!(
-            r.push(t, &frag(3, 65512, false, &data), |_| {}),
+            push(&mut r, frag(3, 65512, false, 64)),
             Err(ReasmDrop::OutOfRange)
         );
         // Non-final fragment not a multiple of 8.
-        assert_eq!(
-            r.push(t, &frag(4, 0, true, &data[..13]), |_| {}),
-            Err(ReasmDrop::Misaligned)
-        );
+        assert_eq!(push(&mut r, frag(4, 0, true, 13)), Err(ReasmDrop::Misaligned));
         // Two different ends, and data past a known end.
-        r.push(t, &frag(5, 64, false, &data), |_| {})
-            .expect("last first");
+        push(&mut r, frag(5, 64, false, 64)).expect("last first");
         assert_eq!(
-            r.push(t, &frag(5, 256, false, &data), |_| {}),
+            push(&mut r, frag(5, 256, false, 64)),
             Err(ReasmDrop::ConflictingEnd)
         );
-        r.push(t, &frag(6, 0, false, &data[..8]).with_offset(8), |_| {})
-            .expect("end at 16");
+        push(&mut r, frag(6, 8, false, 8)).expect("end at 16");
         assert_eq!(
-            r.push(t, &frag(6, 64, true, &data), |_| {}),
+            push(&mut r, frag(6, 64, true, 64)),
             Err(ReasmDrop::ConflictingEnd)
         );
-        let s = r.stats();
+        // More pieces than a context holds.
+        for k in 0..MAX_PIECES as u16 {
+            push(&mut r, frag(7, k * 8, true, 8)).expect("room");
+        }
+        assert_eq!(
+            push(&mut r, frag(7, MAX_PIECES as u16 * 8, true, 8)),
+            Err(ReasmDrop::TooManyFragments)
+        );
+        let s = r.stats().clone();
         for (why, n) in [
             (ReasmDrop::Overlap, 2),
             (ReasmDrop::OutOfRange, 1),
             (ReasmDrop::Misaligned, 1),
             (ReasmDrop::ConflictingEnd, 2),
+            (ReasmDrop::TooManyFragments, 1),
         ] {
             assert_eq!(s.drop_count(why), n, "{why:?}");
         }
         assert_eq!(s.datagrams, 0);
         assert_eq!(r.in_progress(), 0);
+        // Every item offered came back exactly once: nothing leaks, nothing is freed twice.
+        released.sort_unstable();
+        assert_eq!(released, (1..=next).collect::<Vec<_>>());
     }
 
     #[test]
     fn never_completed_datagrams_expire_and_memory_stays_bounded() {
         let mut r = Reassembler::new(2, Duration::from_secs(30));
-        let data = [1u8; 8];
-        r.push(Duration::from_secs(0), &frag(1, 0, true, &data), |_| {})
-            .expect("kept");
-        r.push(Duration::from_secs(1), &frag(2, 0, true, &data), |_| {})
-            .expect("kept");
+        let mut freed = 0;
+        let mut rel = |_: u32| freed += 1;
+        let s = Duration::from_secs;
+        r.push(s(0), &frag(1, 0, true, 8), 1, |_| {}, &mut rel).expect("kept");
+        r.push(s(1), &frag(2, 0, true, 8), 2, |_| {}, &mut rel).expect("kept");
         // A third datagram while both contexts are busy evicts the oldest.
-        r.push(Duration::from_secs(2), &frag(3, 0, true, &data), |_| {})
-            .expect("kept");
+        r.push(s(2), &frag(3, 0, true, 8), 3, |_| {}, &mut rel).expect("kept");
         assert_eq!(r.stats().drop_count(ReasmDrop::Evicted), 1);
         assert_eq!(r.in_progress(), 2);
         // Thirty seconds later both remaining ones time out.
-        assert_eq!(r.expire(Duration::from_secs(40)), 2);
+        assert_eq!(r.expire(s(40), &mut rel), 2);
         assert_eq!(r.stats().drop_count(ReasmDrop::Timeout), 2);
         assert_eq!(r.in_progress(), 0);
         // A flood of never-completing datagrams never needs more than the fixed contexts.
         for id in 0..10_000u16 {
-            let _ = r.push(Duration::from_secs(50), &frag(id, 0, true, &data), |_| {});
+            let _ = r.push(s(50), &frag(id, 0, true, 8), 9, |_| {}, &mut rel);
         }
         assert_eq!(r.in_progress(), 2);
         assert_eq!(r.stats().drop_count(ReasmDrop::Evicted), 1 + 9_998);
-    }
-
-    impl<'a> Ipv4Fragment<'a> {
-        fn with_offset(mut self, offset: u16) -> Self {
-            self.offset = offset;
-            self
-        }
+        r.clear(&mut rel);
+        assert_eq!(freed, 10_003, "every item held was given back");
     }
 }
