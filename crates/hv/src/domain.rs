@@ -191,6 +191,19 @@ impl Domain {
     pub fn write(&self, gfn: Gfn, offset: usize, data: &[u8]) -> Result<(), DomainError> {
         Ok(self.mem.write(self.gfn_to_mfn(gfn)?, offset, data)?)
     }
+    /// Copies bytes between two of this domain's pages (its kernel's `memcpy`).
+    #[inline]
+    pub fn copy(
+        &self,
+        src: Gfn,
+        src_offset: usize,
+        dst: Gfn,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DomainError> {
+        let (s, d) = (self.gfn_to_mfn(src)?, self.gfn_to_mfn(dst)?);
+        Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
+    }
     /// Fills part of one of this domain's pages.
     pub fn fill(&self, gfn: Gfn, offset: usize, len: usize, byte: u8) -> Result<(), DomainError> {
         Ok(self.mem.fill(self.gfn_to_mfn(gfn)?, offset, len, byte)?)

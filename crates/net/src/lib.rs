@@ -14,4 +14,5 @@
 
 pub mod netif;
 pub mod reasm;
+pub mod skb;
 pub mod wire;

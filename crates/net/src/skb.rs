@@ -1,0 +1,783 @@
+//! Packet buffers, shaped like Linux socket buffers.
+//!
+//! An [`Skb`] has a linear head (a 2 KiB buffer in one of its domain's pages, with
+//! headroom), up to [`MAX_SKB_FRAGS`] page fragments, and a fragment list of further
+//! buffers (what IPv4 reassembly links together). The bytes live in domain memory; the
+//! descriptors live in the domain kernel's [`SkbPool`], which allocates all of them, the
+//! head buffers and a pool of whole pages for fragments once, at creation. Allocating
+//! and freeing on the data path is popping and pushing a free list: no heap allocation
+//! per packet.
+//!
+//! A fragment is either one of the domain's own pages, which goes back to the page pool
+//! when the buffer is freed, or a foreign page mapped through a grant (netback's TX
+//! path), which is put on a release queue for its owner to unmap and answer — Linux's
+//! zero-copy completion callback.
+
+use std::sync::Arc;
+
+use hv::{Domain, DomainError, Gfn, PAGE_SIZE};
+
+/// Bytes of one head buffer (two per page).
+pub const SKB_HEAD_SIZE: usize = 2048;
+/// Headroom reserved in front of a received frame (Linux's `NET_SKB_PAD`).
+pub const NET_SKB_PAD: usize = 64;
+/// Extra offset so that the IP header after a 14-byte Ethernet header is 16-byte
+/// aligned (`NET_IP_ALIGN`): received frames are deliberately misaligned.
+pub const NET_IP_ALIGN: usize = 2;
+/// Page fragments per buffer (`MAX_SKB_FRAGS` with 4 KiB pages).
+pub const MAX_SKB_FRAGS: usize = 17;
+
+/// Index of a buffer in its pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct SkbId(u32);
+
+/// No buffer (end of a list).
+const NONE: u32 = u32::MAX;
+
+/// Where a fragment's page is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FragPage {
+    /// One of the domain's own pages, from its page pool.
+    Local(Gfn),
+    /// A foreign page mapped at a slot of the domain's window; `token` tells its owner
+    /// which grant to release.
+    Foreign {
+        /// Window slot.
+        slot: u32,
+        /// The owner's cookie (netback's pending index).
+        token: u32,
+    },
+}
+
+/// One page fragment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frag {
+    /// The page.
+    pub page: FragPage,
+    /// Offset of the bytes in it.
+    pub offset: u16,
+    /// Bytes.
+    pub len: u16,
+}
+
+const EMPTY_FRAG: Frag = Frag {
+    page: FragPage::Local(Gfn(0)),
+    offset: 0,
+    len: 0,
+};
+
+/// A packet buffer's descriptor (`struct sk_buff`).
+#[derive(Debug, Clone)]
+pub struct Skb {
+    head: Gfn,
+    head_off: u16,
+    /// Offset of the first data byte in the head buffer.
+    data: u16,
+    /// Bytes in the head buffer.
+    linear: u16,
+    frags: [Frag; MAX_SKB_FRAGS],
+    nr_frags: u8,
+    frag_list: u32,
+    next: u32,
+    /// Bytes in all: linear, fragments and fragment list.
+    len: u32,
+    /// Checksums verified (by the device or the back end).
+    pub csum_valid: bool,
+    /// Port it entered the bridge from.
+    pub in_port: u16,
+    free: bool,
+}
+
+/// Why a buffer operation was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SkbError {
+    /// The pool (descriptors, heads or pages) is empty.
+    #[error("out of packet buffers")]
+    Exhausted,
+    /// Not enough room in the head buffer, or too many fragments.
+    #[error("no room in the buffer")]
+    NoRoom,
+    /// A read past the buffer's bytes.
+    #[error("out of bounds")]
+    OutOfBounds,
+    /// The domain refused a memory access.
+    #[error("domain memory: {0}")]
+    Domain(#[from] DomainError),
+}
+
+/// A foreign fragment freed with its buffer, waiting for its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Window slot.
+    pub slot: u32,
+    /// The owner's cookie.
+    pub token: u32,
+}
+
+/// Counters of a pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Buffers allocated.
+    pub allocs: u64,
+    /// Allocations refused (pool empty).
+    pub alloc_failures: u64,
+    /// Pages handed out.
+    pub page_allocs: u64,
+    /// Page allocations refused.
+    pub page_failures: u64,
+}
+
+/// A domain kernel's packet buffers and fragment pages, allocated once.
+#[derive(Debug)]
+pub struct SkbPool {
+    dom: Arc<Domain>,
+    skbs: Box<[Skb]>,
+    free: Vec<u32>,
+    pages: Vec<Gfn>,
+    page_count: usize,
+    head_pages: Vec<Gfn>,
+    released: Vec<Released>,
+    stats: PoolStats,
+}
+
+impl SkbPool {
+    /// A pool of `buffers` buffers (with their heads) and `pages` fragment pages, taken
+    /// from `dom`'s allocator now.
+    pub fn new(dom: Arc<Domain>, buffers: usize, pages: usize) -> Result<Self, SkbError> {
+        let per_page = PAGE_SIZE / SKB_HEAD_SIZE;
+        let mut head_pages = Vec::with_capacity(buffers.div_ceil(per_page));
+        let mut skbs = Vec::with_capacity(buffers);
+        for i in 0..buffers {
+            if i % per_page == 0 {
+                head_pages.push(dom.alloc_page().map_err(|_| SkbError::Exhausted)?);
+            }
+            let head = *head_pages.last().ok_or(SkbError::Exhausted)?;
+            skbs.push(Skb {
+                head,
+                head_off: ((i % per_page) * SKB_HEAD_SIZE) as u16,
+                data: 0,
+                linear: 0,
+                frags: [EMPTY_FRAG; MAX_SKB_FRAGS],
+                nr_frags: 0,
+                frag_list: NONE,
+                next: NONE,
+                len: 0,
+                csum_valid: false,
+                in_port: 0,
+                free: true,
+            });
+        }
+        let mut page_list = Vec::with_capacity(pages);
+        for _ in 0..pages {
+            page_list.push(dom.alloc_page().map_err(|_| SkbError::Exhausted)?);
+        }
+        Ok(Self {
+            dom,
+            free: (0..buffers as u32).rev().collect(),
+            skbs: skbs.into_boxed_slice(),
+            page_count: pages,
+            pages: page_list,
+            head_pages,
+            released: Vec::with_capacity(buffers * MAX_SKB_FRAGS),
+            stats: PoolStats::default(),
+        })
+    }
+
+    /// The domain whose memory holds the bytes.
+    pub fn domain(&self) -> &Arc<Domain> {
+        &self.dom
+    }
+    /// Every page the pool owns (heads and fragment pages), e.g. to map them for DMA.
+    pub fn all_pages(&self) -> impl Iterator<Item = Gfn> + '_ {
+        self.head_pages.iter().copied().chain(self.pages.iter().copied())
+    }
+    /// Counters.
+    pub fn stats(&self) -> PoolStats {
+        self.stats
+    }
+    /// Buffers free.
+    pub fn free_buffers(&self) -> usize {
+        self.free.len()
+    }
+    /// Fragment pages free.
+    pub fn free_pages(&self) -> usize {
+        self.pages.len()
+    }
+    /// Buffers in the pool.
+    pub fn capacity(&self) -> usize {
+        self.skbs.len()
+    }
+    /// Fragment pages in the pool.
+    pub fn page_capacity(&self) -> usize {
+        self.page_count
+    }
+
+    /// A fresh buffer with `headroom` bytes reserved in front of its data.
+    #[inline]
+    pub fn alloc(&mut self, headroom: usize) -> Result<SkbId, SkbError> {
+        let Some(i) = self.free.pop() else {
+            self.stats.alloc_failures += 1;
+            return Err(SkbError::Exhausted);
+        };
+        self.stats.allocs += 1;
+        let s = &mut self.skbs[i as usize];
+        s.data = headroom.min(SKB_HEAD_SIZE) as u16;
+        s.linear = 0;
+        s.nr_frags = 0;
+        s.frag_list = NONE;
+        s.next = NONE;
+        s.len = 0;
+        s.csum_valid = false;
+        s.in_port = 0;
+        s.free = false;
+        Ok(SkbId(i))
+    }
+
+    /// A whole page for a fragment (or an RX buffer to post).
+    #[inline]
+    pub fn alloc_page(&mut self) -> Result<Gfn, SkbError> {
+        match self.pages.pop() {
+            Some(g) => {
+                self.stats.page_allocs += 1;
+                Ok(g)
+            }
+            None => {
+                self.stats.page_failures += 1;
+                Err(SkbError::Exhausted)
+            }
+        }
+    }
+
+    /// Gives a page back to the pool.
+    #[inline]
+    pub fn free_page(&mut self, gfn: Gfn) {
+        debug_assert!(self.pages.len() < self.page_count);
+        self.pages.push(gfn);
+    }
+
+    #[inline]
+    fn get(&self, id: SkbId) -> &Skb {
+        &self.skbs[id.0 as usize]
+    }
+    #[inline]
+    fn get_mut(&mut self, id: SkbId) -> &mut Skb {
+        &mut self.skbs[id.0 as usize]
+    }
+
+    /// Frees a buffer, its fragments and its fragment list. Local pages go back to the
+    /// pool; foreign ones to the release queue.
+    pub fn free(&mut self, id: SkbId) {
+        let mut cur = id.0;
+        while cur != NONE {
+            let s = &mut self.skbs[cur as usize];
+            debug_assert!(!s.free, "double free of a packet buffer");
+            s.free = true;
+            let (nf, fl) = (s.nr_frags as usize, s.frag_list);
+            s.nr_frags = 0;
+            s.frag_list = NONE;
+            for k in 0..nf {
+                match self.skbs[cur as usize].frags[k].page {
+                    FragPage::Local(g) => self.pages.push(g),
+                    FragPage::Foreign { slot, token } => {
+                        self.released.push(Released { slot, token })
+                    }
+                }
+            }
+            self.free.push(cur);
+            cur = fl;
+        }
+    }
+
+    /// Takes the foreign fragments released since the last call.
+    pub fn take_released(&mut self, mut f: impl FnMut(Released)) {
+        for r in self.released.drain(..) {
+            f(r);
+        }
+    }
+
+    // --- the bytes ---------------------------------------------------------------
+
+    /// Bytes in all.
+    #[inline]
+    pub fn len(&self, id: SkbId) -> usize {
+        self.get(id).len as usize
+    }
+    /// Bytes in the head buffer.
+    #[inline]
+    pub fn linear_len(&self, id: SkbId) -> usize {
+        self.get(id).linear as usize
+    }
+    /// Where the data starts: the head's page and the byte offset in it.
+    #[inline]
+    pub fn data_location(&self, id: SkbId) -> (Gfn, usize) {
+        let s = self.get(id);
+        (s.head, s.head_off as usize + s.data as usize)
+    }
+    /// Room left at the end of the head buffer.
+    #[inline]
+    pub fn tailroom(&self, id: SkbId) -> usize {
+        let s = self.get(id);
+        SKB_HEAD_SIZE - s.data as usize - s.linear as usize
+    }
+    /// The fragments.
+    #[inline]
+    pub fn frags(&self, id: SkbId) -> &[Frag] {
+        let s = self.get(id);
+        &s.frags[..s.nr_frags as usize]
+    }
+    /// The first buffer of the fragment list.
+    #[inline]
+    pub fn frag_list(&self, id: SkbId) -> Option<SkbId> {
+        let f = self.get(id).frag_list;
+        (f != NONE).then_some(SkbId(f))
+    }
+
+    /// Appends `data` to the head buffer (`skb_put` and a copy).
+    pub fn put(&mut self, id: SkbId, data: &[u8]) -> Result<(), SkbError> {
+        if data.len() > self.tailroom(id) {
+            return Err(SkbError::NoRoom);
+        }
+        let (g, off) = self.data_location(id);
+        let at = off + self.get(id).linear as usize;
+        self.dom.write(g, at, data)?;
+        self.extend_linear(id, data.len())
+    }
+
+    /// Counts `n` more bytes in the head buffer, already written there (by a device's
+    /// DMA or a copy into [`Self::data_location`]).
+    #[inline]
+    pub fn extend_linear(&mut self, id: SkbId, n: usize) -> Result<(), SkbError> {
+        if n > self.tailroom(id) {
+            return Err(SkbError::NoRoom);
+        }
+        let s = self.get_mut(id);
+        s.linear += n as u16;
+        s.len += n as u32;
+        Ok(())
+    }
+
+    /// Drops `n` bytes from the front of the linear data (`skb_pull`).
+    #[inline]
+    pub fn pull(&mut self, id: SkbId, n: usize) -> Result<(), SkbError> {
+        let s = self.get_mut(id);
+        if n > s.linear as usize {
+            return Err(SkbError::OutOfBounds);
+        }
+        s.data += n as u16;
+        s.linear -= n as u16;
+        s.len -= n as u32;
+        Ok(())
+    }
+
+    /// Gives back `n` bytes in front of the data (`skb_push`), undoing a pull.
+    #[inline]
+    pub fn push_front(&mut self, id: SkbId, n: usize) -> Result<(), SkbError> {
+        let s = self.get_mut(id);
+        if n > s.data as usize {
+            return Err(SkbError::NoRoom);
+        }
+        s.data -= n as u16;
+        s.linear += n as u16;
+        s.len += n as u32;
+        Ok(())
+    }
+
+    /// Cuts the buffer down to `len` bytes (dropping link padding, say). Only the
+    /// linear part and the fragments are trimmed; a buffer with a fragment list is
+    /// never trimmed.
+    pub fn trim(&mut self, id: SkbId, len: usize) -> Result<(), SkbError> {
+        let s = self.get_mut(id);
+        if len >= s.len as usize {
+            return Ok(());
+        }
+        if s.frag_list != NONE {
+            return Err(SkbError::OutOfBounds);
+        }
+        if len <= s.linear as usize {
+            s.linear = len as u16;
+            let nf = s.nr_frags as usize;
+            s.nr_frags = 0;
+            s.len = len as u32;
+            for k in 0..nf {
+                match self.skbs[id.0 as usize].frags[k].page {
+                    FragPage::Local(g) => self.pages.push(g),
+                    FragPage::Foreign { slot, token } => {
+                        self.released.push(Released { slot, token })
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let mut left = len - s.linear as usize;
+        for k in 0..s.nr_frags as usize {
+            let f = &mut s.frags[k];
+            if left <= f.len as usize {
+                f.len = left as u16;
+                // Later fragments go.
+                let nf = s.nr_frags as usize;
+                s.nr_frags = (k + 1) as u8;
+                s.len = len as u32;
+                for j in k + 1..nf {
+                    match self.skbs[id.0 as usize].frags[j].page {
+                        FragPage::Local(g) => self.pages.push(g),
+                        FragPage::Foreign { slot, token } => {
+                            self.released.push(Released { slot, token })
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            left -= f.len as usize;
+        }
+        Ok(())
+    }
+
+    /// Appends a page fragment; the buffer now owns the page.
+    #[inline]
+    pub fn add_frag(&mut self, id: SkbId, frag: Frag) -> Result<(), SkbError> {
+        let s = self.get_mut(id);
+        if s.nr_frags as usize == MAX_SKB_FRAGS
+            || frag.offset as usize + frag.len as usize > PAGE_SIZE
+        {
+            return Err(SkbError::NoRoom);
+        }
+        s.frags[s.nr_frags as usize] = frag;
+        s.nr_frags += 1;
+        s.len += frag.len as u32;
+        Ok(())
+    }
+
+    /// Links `tail` at the end of `id`'s fragment list; `id` now owns it.
+    pub fn append_frag_list(&mut self, id: SkbId, tail: SkbId) {
+        let add = self.get(tail).len;
+        let mut cur = id.0;
+        loop {
+            let s = &self.skbs[cur as usize];
+            if s.frag_list == NONE {
+                break;
+            }
+            cur = s.frag_list;
+        }
+        // The fragment list is walked as a chain: each member's `frag_list` is the next.
+        self.skbs[cur as usize].frag_list = tail.0;
+        self.get_mut(id).len += add;
+        // The members' own lengths stay theirs: reading walks them.
+    }
+
+    /// Copies `out.len()` bytes starting at byte `offset` of the buffer (across the
+    /// head, the fragments and the fragment list) into `out` (for headers).
+    pub fn read(&self, id: SkbId, offset: usize, out: &mut [u8]) -> Result<(), SkbError> {
+        let mut done = 0;
+        self.walk(id, offset, out.len(), |seg, at| {
+            let n = seg.len;
+            let r = match seg.page {
+                SegPage::Own(g) => self.dom.read(g, seg.offset, &mut out[at..at + n]),
+                SegPage::Window(slot) => self
+                    .dom
+                    .window()
+                    .read(slot, seg.offset, &mut out[at..at + n])
+                    .map_err(DomainError::from),
+            };
+            done += n;
+            r.map_err(SkbError::from)
+        })?;
+        if done == out.len() {
+            Ok(())
+        } else {
+            Err(SkbError::OutOfBounds)
+        }
+    }
+
+    /// Visits the bytes `[offset, offset + len)` of the buffer as segments, each in one
+    /// page: `f(segment, position in the range)`. Used to copy data out (the
+    /// `usercopy` of a receive) or into grant-copy operations.
+    pub fn walk(
+        &self,
+        id: SkbId,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(Segment, usize) -> Result<(), SkbError>,
+    ) -> Result<(), SkbError> {
+        let mut skip = offset;
+        let mut left = len;
+        let mut at = 0;
+        let mut cur = id.0;
+        let mut emit = |page: SegPage, off: usize, n: usize, skip: &mut usize, left: &mut usize| {
+            if *left == 0 {
+                return Ok(());
+            }
+            if *skip >= n {
+                *skip -= n;
+                return Ok(());
+            }
+            let take = (n - *skip).min(*left);
+            let seg = Segment {
+                page,
+                offset: off + *skip,
+                len: take,
+            };
+            *skip = 0;
+            *left -= take;
+            let r = f(seg, at);
+            at += take;
+            r
+        };
+        while cur != NONE && left > 0 {
+            let s = &self.skbs[cur as usize];
+            // A fragment-list member's own bytes: its linear part and fragments.
+            let lin = s.linear as usize;
+            emit(
+                SegPage::Own(s.head),
+                s.head_off as usize + s.data as usize,
+                lin,
+                &mut skip,
+                &mut left,
+            )?;
+            for fr in &s.frags[..s.nr_frags as usize] {
+                let page = match fr.page {
+                    FragPage::Local(g) => SegPage::Own(g),
+                    FragPage::Foreign { slot, .. } => SegPage::Window(slot),
+                };
+                emit(page, fr.offset as usize, fr.len as usize, &mut skip, &mut left)?;
+            }
+            cur = s.frag_list;
+        }
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(SkbError::OutOfBounds)
+        }
+    }
+
+    // --- queues ------------------------------------------------------------------
+
+    #[inline]
+    fn set_next(&mut self, id: SkbId, next: Option<SkbId>) {
+        self.get_mut(id).next = next.map_or(NONE, |n| n.0);
+    }
+    #[inline]
+    fn next_of(&self, id: SkbId) -> Option<SkbId> {
+        let n = self.get(id).next;
+        (n != NONE).then_some(SkbId(n))
+    }
+}
+
+/// A run of bytes in one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// The page.
+    pub page: SegPage,
+    /// Offset in it.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A segment's page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegPage {
+    /// One of the domain's own pages.
+    Own(Gfn),
+    /// A foreign page at a window slot.
+    Window(u32),
+}
+
+/// A FIFO of buffers linked through their descriptors (`sk_buff_head`), bounded by a
+/// byte budget: what does not fit is refused, for the caller to drop and count.
+#[derive(Debug, Clone)]
+pub struct SkbQueue {
+    head: Option<SkbId>,
+    tail: Option<SkbId>,
+    len: usize,
+    bytes: usize,
+    limit: usize,
+}
+
+impl SkbQueue {
+    /// An empty queue holding at most `limit` bytes.
+    pub fn new(limit: usize) -> Self {
+        Self {
+            head: None,
+            tail: None,
+            len: 0,
+            bytes: 0,
+            limit,
+        }
+    }
+    /// Buffers queued.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Bytes queued.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Appends `id` if it fits; otherwise gives it back.
+    pub fn push(&mut self, pool: &mut SkbPool, id: SkbId) -> Result<(), SkbId> {
+        let n = pool.len(id);
+        if self.bytes + n > self.limit && self.len > 0 {
+            return Err(id);
+        }
+        pool.set_next(id, None);
+        match self.tail {
+            Some(t) => pool.set_next(t, Some(id)),
+            None => self.head = Some(id),
+        }
+        self.tail = Some(id);
+        self.len += 1;
+        self.bytes += n;
+        Ok(())
+    }
+    /// The first buffer, without taking it.
+    pub fn peek(&self) -> Option<SkbId> {
+        self.head
+    }
+    /// Takes the first buffer.
+    pub fn pop(&mut self, pool: &SkbPool) -> Option<SkbId> {
+        let h = self.head?;
+        self.head = pool.next_of(h);
+        if self.head.is_none() {
+            self.tail = None;
+        }
+        self.len -= 1;
+        self.bytes -= pool.len(h);
+        Some(h)
+    }
+    /// Frees everything queued.
+    pub fn purge(&mut self, pool: &mut SkbPool) {
+        while let Some(id) = self.pop(pool) {
+            pool.free(id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
+
+    fn pool(buffers: usize, pages: usize) -> (Arc<Hypervisor>, SkbPool) {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 2048,
+            grant_path: GrantPath::Optimised,
+        })
+        .expect("hv");
+        let d = hv
+            .create_domain(&DomainConfig {
+                name: "g".into(),
+                pages: 512,
+                grant_frames: 1,
+                grant_version: GrantVersion::V2,
+                vcpus: 1,
+                map_slots: 4,
+                driver_domain: false,
+            })
+            .expect("dom");
+        (hv, SkbPool::new(d, buffers, pages).expect("pool"))
+    }
+
+    #[test]
+    fn head_fragments_and_frag_list_read_back_in_order() {
+        let (_hv, mut p) = pool(8, 8);
+        let a = p.alloc(NET_SKB_PAD).expect("skb");
+        p.put(a, b"hello ").expect("put");
+        let g = p.alloc_page().expect("page");
+        p.domain().write(g, 100, b"page ").expect("write");
+        p.add_frag(
+            a,
+            Frag {
+                page: FragPage::Local(g),
+                offset: 100,
+                len: 5,
+            },
+        )
+        .expect("frag");
+        let b = p.alloc(0).expect("skb");
+        p.put(b, b"world").expect("put");
+        p.append_frag_list(a, b);
+        assert_eq!(p.len(a), 16);
+        let mut out = [0u8; 16];
+        p.read(a, 0, &mut out).expect("read");
+        assert_eq!(&out, b"hello page world");
+        let mut mid = [0u8; 6];
+        p.read(a, 4, &mut mid).expect("read");
+        assert_eq!(&mid, b"o page");
+        assert_eq!(p.read(a, 12, &mut [0u8; 5]), Err(SkbError::OutOfBounds));
+        // Freeing the head frees the list and returns the page.
+        let (fb, fp) = (p.free_buffers(), p.free_pages());
+        p.free(a);
+        assert_eq!((p.free_buffers(), p.free_pages()), (fb + 2, fp + 1));
+    }
+
+    #[test]
+    fn the_pool_is_bounded_and_recycles() {
+        let (_hv, mut p) = pool(4, 2);
+        let ids: Vec<_> = (0..4).map(|_| p.alloc(0).expect("skb")).collect();
+        assert_eq!(p.alloc(0), Err(SkbError::Exhausted));
+        assert_eq!(p.stats().alloc_failures, 1);
+        for id in ids {
+            p.free(id);
+        }
+        assert_eq!(p.free_buffers(), 4);
+        assert!(p.alloc(0).is_ok());
+        p.alloc_page().expect("1");
+        p.alloc_page().expect("2");
+        assert_eq!(p.alloc_page(), Err(SkbError::Exhausted));
+    }
+
+    #[test]
+    fn foreign_fragments_are_released_to_their_owner() {
+        let (_hv, mut p) = pool(4, 2);
+        let a = p.alloc(0).expect("skb");
+        p.add_frag(
+            a,
+            Frag {
+                page: FragPage::Foreign { slot: 3, token: 77 },
+                offset: 0,
+                len: 100,
+            },
+        )
+        .expect("frag");
+        p.free(a);
+        let mut got = Vec::new();
+        p.take_released(|r| got.push(r));
+        assert_eq!(got, vec![Released { slot: 3, token: 77 }]);
+    }
+
+    #[test]
+    fn queues_are_fifo_and_bounded_by_bytes() {
+        let (_hv, mut p) = pool(8, 0);
+        let mut q = SkbQueue::new(250);
+        let ids: Vec<_> = (0..3)
+            .map(|_| {
+                let id = p.alloc(0).expect("skb");
+                p.put(id, &[0u8; 100]).expect("put");
+                id
+            })
+            .collect();
+        assert!(q.push(&mut p, ids[0]).is_ok());
+        assert!(q.push(&mut p, ids[1]).is_ok());
+        assert_eq!(q.push(&mut p, ids[2]), Err(ids[2]), "over the byte limit");
+        assert_eq!(q.pop(&p), Some(ids[0]));
+        assert_eq!(q.pop(&p), Some(ids[1]));
+        assert_eq!(q.pop(&p), None);
+    }
+
+    #[test]
+    fn trim_drops_padding_and_pull_push_move_the_data_start() {
+        let (_hv, mut p) = pool(2, 0);
+        let a = p.alloc(NET_SKB_PAD).expect("skb");
+        p.put(a, &[1u8; 60]).expect("put");
+        p.trim(a, 42).expect("trim");
+        assert_eq!(p.len(a), 42);
+        p.pull(a, 14).expect("pull");
+        assert_eq!((p.len(a), p.data_location(a).1), (28, NET_SKB_PAD + 14));
+        p.push_front(a, 14).expect("push");
+        assert_eq!(p.len(a), 42);
+        assert_eq!(p.pull(a, 43), Err(SkbError::OutOfBounds));
+    }
+}
