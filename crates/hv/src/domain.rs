@@ -204,6 +204,12 @@ impl Domain {
         let (s, d) = (self.gfn_to_mfn(src)?, self.gfn_to_mfn(dst)?);
         Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
     }
+    /// Ones'-complement sum of bytes of one of this domain's pages (see
+    /// [`mem::MachineMemory::csum_partial`]).
+    #[inline]
+    pub fn csum_partial(&self, gfn: Gfn, offset: usize, len: usize) -> Result<u16, DomainError> {
+        Ok(self.mem.csum_partial(self.gfn_to_mfn(gfn)?, offset, len)?)
+    }
     /// Fills part of one of this domain's pages.
     pub fn fill(&self, gfn: Gfn, offset: usize, len: usize, byte: u8) -> Result<(), DomainError> {
         Ok(self.mem.fill(self.gfn_to_mfn(gfn)?, offset, len, byte)?)

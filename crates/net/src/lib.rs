@@ -15,4 +15,5 @@
 pub mod netif;
 pub mod reasm;
 pub mod skb;
+pub mod stack;
 pub mod wire;

@@ -81,10 +81,8 @@ pub struct Skb {
     next: u32,
     /// Bytes in all: linear, fragments and fragment list.
     len: u32,
-    /// Checksums verified (by the device or the back end).
-    pub csum_valid: bool,
-    /// Port it entered the bridge from.
-    pub in_port: u16,
+    csum_valid: bool,
+    in_port: u16,
     free: bool,
 }
 
@@ -301,6 +299,26 @@ impl SkbPool {
     #[inline]
     pub fn len(&self, id: SkbId) -> usize {
         self.get(id).len as usize
+    }
+    /// Whether the checksums were verified before the stack (by a device or back end).
+    #[inline]
+    pub fn csum_valid(&self, id: SkbId) -> bool {
+        self.get(id).csum_valid
+    }
+    /// Marks the checksums verified (or not).
+    #[inline]
+    pub fn set_csum_valid(&mut self, id: SkbId, v: bool) {
+        self.get_mut(id).csum_valid = v;
+    }
+    /// The bridge port the buffer came in on.
+    #[inline]
+    pub fn in_port(&self, id: SkbId) -> u16 {
+        self.get(id).in_port
+    }
+    /// Records the bridge port the buffer came in on.
+    #[inline]
+    pub fn set_in_port(&mut self, id: SkbId, port: u16) {
+        self.get_mut(id).in_port = port;
     }
     /// Bytes in the head buffer.
     #[inline]
