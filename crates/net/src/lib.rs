@@ -12,6 +12,7 @@
 //! crate hands out values), is validated once, and only the validated description is
 //! acted on.
 
+pub mod bridge;
 pub mod netif;
 pub mod reasm;
 pub mod skb;
