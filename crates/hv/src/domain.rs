@@ -90,6 +90,9 @@ pub struct Domain {
     /// Failed grant operations this domain asked for, per [`GrantError::index`]. Only
     /// touched on failure, so off the data path.
     pub(crate) grant_errors: [AtomicU64; GrantError::REASONS],
+    /// Whether a device is assigned to this domain, so that its grant maps must also
+    /// appear in its IOMMU context (for the device to reach mapped foreign pages).
+    pub(crate) iommu_grants: AtomicBool,
 }
 
 /// The shared-info frame.
@@ -122,6 +125,7 @@ impl Domain {
             vcpus: (0..cfg.vcpus.max(1)).map(VcpuState::new).collect(),
             dying: AtomicBool::new(false),
             grant_errors: std::array::from_fn(|_| AtomicU64::new(0)),
+            iommu_grants: AtomicBool::new(false),
         })
     }
 

@@ -48,6 +48,14 @@ pub const MAX_DEVICES: usize = 256;
 /// Invalidation-queue descriptors (one page of 16-byte descriptors).
 pub const IQ_ENTRIES: usize = PAGE_SIZE / 16;
 
+/// First I/O page of the range where a domain's grant maps appear in its IOMMU context.
+pub const WINDOW_IOVA_PFN: u64 = 1 << 34;
+
+/// The I/O address of window slot `slot`'s page.
+pub fn window_iova(slot: u32) -> Iova {
+    Iova((WINDOW_IOVA_PFN + slot as u64) << mem::PAGE_SHIFT)
+}
+
 /// What an invalidation covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InvScope {
@@ -542,9 +550,42 @@ impl Hypervisor {
         }
     }
 
-    /// Binds a device to a domain.
+    /// Binds a device to a domain. From now on the domain's grant maps also enter its
+    /// IOMMU context, at [`window_iova`] of their window slot, as Xen adds a grant
+    /// mapping to the IOMMU of a domain with an assigned device.
     pub fn iommu_attach(&self, dev: DeviceId, dom: &Domain) -> Result<(), IommuError> {
+        dom.iommu_grants
+            .store(true, std::sync::atomic::Ordering::Release);
         self.iommu.attach(dev, dom.id)
+    }
+
+    /// Puts a granted frame just mapped at window `slot` into `dom`'s IOMMU context.
+    pub(crate) fn iommu_map_grant(
+        &self,
+        dom: &Domain,
+        slot: u32,
+        mfn: Mfn,
+        write: bool,
+    ) -> Result<(), IommuError> {
+        if !dom.iommu_grants.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let leaf = mfn.byte_offset() | PTE_R | if write { PTE_W } else { 0 };
+        self.iommu
+            .set_entry(&self.frames, dom.id, window_iova(slot).pfn(), Some(leaf))
+            .map(|_| ())
+    }
+
+    /// Takes a grant mapping out of `dom`'s IOMMU context and flushes its IOTLB entry
+    /// (the flush every grant unmap costs a domain with a device, paper 004's subject).
+    pub(crate) fn iommu_unmap_grant(&self, dom: &Domain, slot: u32) {
+        if !dom.iommu_grants.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        let iova = window_iova(slot);
+        if let Ok(Some(_)) = self.iommu.set_entry(&self.frames, dom.id, iova.pfn(), None) {
+            self.iommu.invalidate_register(InvScope::Page(dom.id, iova));
+        }
     }
 
     pub(crate) fn iommu_setup(&self) -> Result<(), crate::HvError> {

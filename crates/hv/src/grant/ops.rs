@@ -828,6 +828,13 @@ impl Hypervisor {
                 _ => GrantError::BadVirtAddr,
             });
         }
+        if let Err(e) = self.iommu_map_grant(caller, op.slot, pin.mfn, write) {
+            let _ = caller.window.unmap(op.slot);
+            self.release_side(h, write);
+            // Out of page-table frames (or a window slot beyond the I/O address range).
+            let _ = e;
+            return Err(GrantError::NoSpace);
+        }
         let entry = MapEntry {
             granter: d,
             gref: op.gref,
@@ -876,6 +883,7 @@ impl Hypervisor {
         })?;
         let e = mt.remove(h).ok_or(GrantError::BadHandle(h.0))?;
         drop(mt);
+        self.iommu_unmap_grant(caller, e.slot);
         self.put_ref(e.mfn, e.writable);
         self.unpin(&e.granter, e.gref, e.writable);
         Ok(())
