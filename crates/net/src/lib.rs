@@ -13,8 +13,11 @@
 //! acted on.
 
 pub mod bridge;
+pub mod netback;
+pub mod netfront;
 pub mod netif;
 pub mod reasm;
 pub mod skb;
 pub mod stack;
 pub mod wire;
+pub mod xenbus;

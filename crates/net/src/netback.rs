@@ -1,0 +1,819 @@
+//! netback: the driver domain's end of a virtual interface, as Linux's `xen-netback`.
+//!
+//! **Guest receive** (`start_xmit` → [`Vif::rx_action`]): packets the bridge forwards
+//! to the vif wait in a bounded queue; the RX action takes buffers the guest posted
+//! (copied out of the ring, then used), builds one grant copy per page-sized piece of
+//! each packet into those buffers, issues the whole batch as one `GNTTABOP_copy`,
+//! answers each request with its length (or an error if its copy failed) and notifies
+//! the guest once. A guest that stops posting buffers only fills its own queue, whose
+//! overflow is dropped and counted.
+//!
+//! **Guest transmit** ([`Vif::tx_action`]): each packet's slot chain is copied out and
+//! checked by [`crate::netif::read_tx_packet`] (tolerated errors are answered and
+//! counted; fatal ones disable this vif and no other); the first
+//! [`TX_COPY_LEN`] bytes are grant-copied into a fresh buffer's linear area (headers
+//! must be local for the bridge to inspect safely), the rest of each slot is grant-mapped
+//! and attached as a foreign fragment. Slots fully copied are answered at once; mapped
+//! ones when the packet has left and its buffer is freed (the release queue of
+//! [`crate::skb::SkbPool`]): then they are unmapped in one batch and answered.
+
+use std::sync::Arc;
+
+use hv::profile::{enter, Class};
+use hv::store::XenbusState;
+use hv::{
+    CopyPtr, DomId, Domain, GrantCopy, GrantError, GrantHandle, GrantRef, GrantStatus, Hypervisor,
+    MapOp, Port, PAGE_SIZE,
+};
+use mem::MappedPage;
+use ring::{BackRing, PageRing};
+
+use crate::netif::{
+    read_tx_packet, RxResponse, TxCheckStats, TxFatal, TxResponse, TxRing, TxVerdict, RxRing,
+    FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
+    XEN_NETIF_RSP_OKAY,
+};
+use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, NET_SKB_PAD};
+use crate::xenbus::{self, XenbusError};
+
+/// Bytes of each transmitted packet copied into the back end's buffer (Linux's
+/// `XEN_NETBACK_TX_COPY_LEN`).
+pub const TX_COPY_LEN: usize = 128;
+/// Packets per RX batch (one grant-copy hypercall).
+pub const RX_BATCH: usize = 64;
+/// TX slots that may be mapped at once (`MAX_PENDING_REQS`).
+pub const MAX_PENDING: usize = 256;
+/// Window slots a vif needs: its two rings and its pending TX maps.
+pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
+/// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
+pub const RX_QUEUE_BYTES: usize = 512 * 1024;
+
+type Back<P> = BackRing<P, PageRing<MappedPage>>;
+
+/// Why a vif stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disabled {
+    /// A fatal TX error.
+    Fatal(TxFatal),
+    /// A ring index broke the protocol.
+    RingBroken,
+    /// Torn down.
+    Disconnected,
+}
+
+/// Counters of one vif.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VifStats {
+    /// Packets copied to the guest.
+    pub rx_packets: u64,
+    /// Bytes copied to the guest.
+    pub rx_bytes: u64,
+    /// Packets dropped because the receive queue was full (the guest is not posting).
+    pub rx_queue_full: u64,
+    /// Packets whose grant copy failed (bad gref from the guest), answered with an error.
+    pub rx_copy_errors: u64,
+    /// Packets dropped because they held foreign pages (guest-to-guest through maps).
+    pub rx_foreign: u64,
+    /// Times the RX action stopped for want of posted buffers.
+    pub rx_stalls: u64,
+    /// TX packets passed to the bridge.
+    pub tx_packets: u64,
+    /// TX packets whose grant copy or map failed, answered with an error.
+    pub tx_grant_errors: u64,
+    /// TX packets dropped for want of a buffer.
+    pub tx_no_buffer: u64,
+    /// Packets dropped because the vif was disabled.
+    pub dropped_disabled: u64,
+    /// Notifications sent to the guest.
+    pub notifies: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Pending {
+    handle: Option<GrantHandle>,
+    id: u16,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RxMeta {
+    id: u16,
+    size: u16,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RxPkt {
+    skb: SkbId,
+    first_meta: usize,
+    metas: usize,
+    first_op: usize,
+    ops: usize,
+    csum: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TxPkt {
+    skb: SkbId,
+    copy_op: usize,
+    copy_len: usize,
+    /// Index into `map_ops` of its first map, and how many.
+    first_map: usize,
+    maps: usize,
+    /// Request id of the first slot when it was copied whole (answered now).
+    copied_id: Option<u16>,
+    /// Extras to answer with `RSP_NULL`.
+    extras: usize,
+}
+
+/// One virtual interface's back end.
+#[derive(Debug)]
+pub struct Vif {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    fe: DomId,
+    handle: u32,
+    index: u16,
+    port: Port,
+    tx: Back<TxRing>,
+    rx: Back<RxRing>,
+    ring_handles: [GrantHandle; 2],
+    slot_base: u32,
+    rx_queue: SkbQueue,
+    // Scratch, allocated once.
+    copy_ops: Vec<GrantCopy>,
+    copy_status: Vec<GrantStatus>,
+    rx_meta: Vec<RxMeta>,
+    rx_pkts: Vec<RxPkt>,
+    map_ops: Vec<MapOp>,
+    map_pending: Vec<u16>,
+    map_results: Vec<Result<GrantHandle, GrantError>>,
+    tx_pkts: Vec<TxPkt>,
+    tx_frags: Vec<(u16, u16)>,
+    unmap_handles: Vec<GrantHandle>,
+    unmap_pending: Vec<u16>,
+    unmap_status: Vec<GrantStatus>,
+    pending: Box<[Pending]>,
+    pending_free: Vec<u16>,
+    tx_check: TxCheckStats,
+    stats: VifStats,
+    disabled: Option<Disabled>,
+}
+
+/// Publishes the back end's features and waits for the front end (`InitWait`).
+pub fn probe(store: &hv::store::Store, be: DomId, fe: DomId, handle: u32) -> Result<(), XenbusError> {
+    let dir = xenbus::backend_dir(be, fe, handle);
+    for (k, v) in xenbus::BACKEND_FEATURES {
+        store.write(be, &format!("{dir}/{k}"), v)?;
+    }
+    store.switch_state(be, &dir, XenbusState::InitWait)?;
+    Ok(())
+}
+
+impl Vif {
+    /// Connects to a front end that published its rings: reads and checks its keys,
+    /// maps both ring pages at window slots `slot_base` and `slot_base + 1` (the vif
+    /// uses [`VIF_WINDOW_SLOTS`] slots from there), binds the event channel, and moves
+    /// to `Connected`. `index` names the vif in release tokens.
+    pub fn connect(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        fe: DomId,
+        handle: u32,
+        index: u16,
+        slot_base: u32,
+    ) -> Result<Self, XenbusError> {
+        let store = hv.store();
+        let be = dom.id();
+        let fdir = xenbus::frontend_dir(fe, handle);
+        let bdir = xenbus::backend_dir(be, fe, handle);
+        let st = store.xenbus_state(be, &fdir);
+        if !matches!(st, XenbusState::Initialised | XenbusState::Connected) {
+            return Err(XenbusError::PeerState(st));
+        }
+        if !xenbus::feature(store, be, &fdir, "request-rx-copy") {
+            return Err(XenbusError::MissingFeature("request-rx-copy"));
+        }
+        let tx_ref = xenbus::read_u32(store, be, &format!("{fdir}/tx-ring-ref"))?;
+        let rx_ref = xenbus::read_u32(store, be, &format!("{fdir}/rx-ring-ref"))?;
+        let evtchn = xenbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
+
+        let ops = [
+            MapOp {
+                dom: fe,
+                gref: GrantRef(tx_ref),
+                readonly: false,
+                slot: slot_base,
+            },
+            MapOp {
+                dom: fe,
+                gref: GrantRef(rx_ref),
+                readonly: false,
+                slot: slot_base + 1,
+            },
+        ];
+        let mut res = [Err(GrantError::BadHandle(0)); 2];
+        hv.grant_map(dom, &ops, &mut res);
+        let bad = |e: &GrantError| XenbusError::BadKey(format!("{fdir}/*-ring-ref: {e}"));
+        let (th, rh) = match res {
+            [Ok(t), Ok(r)] => (t, r),
+            [a, b] => {
+                let mut st = [Ok(()); 2];
+                let hs: Vec<GrantHandle> = [a, b].iter().filter_map(|r| r.ok()).collect();
+                hv.grant_unmap(dom, &hs, &mut st);
+                let e = [a, b].into_iter().find_map(|r| r.err()).unwrap_or(GrantError::BadPage);
+                return Err(bad(&e));
+            }
+        };
+        let unmap = |hv: &Hypervisor| {
+            let mut st = [Ok(()); 2];
+            hv.grant_unmap(dom, &[th, rh], &mut st);
+        };
+        let page = |slot| dom.window().page(slot);
+        let rings = page(slot_base)
+            .ok()
+            .and_then(|p| PageRing::new(p).ok())
+            .and_then(|p| BackRing::<TxRing, _>::attach(p).ok())
+            .zip(
+                page(slot_base + 1)
+                    .ok()
+                    .and_then(|p| PageRing::new(p).ok())
+                    .and_then(|p| BackRing::<RxRing, _>::attach(p).ok()),
+            );
+        let Some((tx, rx)) = rings else {
+            unmap(hv);
+            return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref")));
+        };
+        let port = match hv.evtchn_bind_interdomain(dom, fe, Port(evtchn)) {
+            Ok(p) => p,
+            Err(e) => {
+                unmap(hv);
+                return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
+            }
+        };
+        store.switch_state(be, &bdir, XenbusState::Connected)?;
+        let max_ops = RX_BATCH * (65536 / PAGE_SIZE + 2);
+        Ok(Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            fe,
+            handle,
+            index,
+            port,
+            tx,
+            rx,
+            ring_handles: [th, rh],
+            slot_base,
+            rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
+            copy_ops: Vec::with_capacity(max_ops),
+            copy_status: vec![Ok(()); max_ops],
+            rx_meta: Vec::with_capacity(max_ops),
+            rx_pkts: Vec::with_capacity(RX_BATCH),
+            map_ops: Vec::with_capacity(MAX_PENDING),
+            map_pending: Vec::with_capacity(MAX_PENDING),
+            map_results: vec![Err(GrantError::BadHandle(0)); MAX_PENDING],
+            tx_pkts: Vec::with_capacity(MAX_PENDING),
+            tx_frags: Vec::with_capacity(MAX_PENDING),
+            unmap_handles: Vec::with_capacity(MAX_PENDING),
+            unmap_pending: Vec::with_capacity(MAX_PENDING),
+            unmap_status: vec![Ok(()); MAX_PENDING],
+            pending: vec![Pending::default(); MAX_PENDING].into_boxed_slice(),
+            pending_free: (0..MAX_PENDING as u16).rev().collect(),
+            tx_check: TxCheckStats::default(),
+            stats: VifStats::default(),
+            disabled: None,
+        })
+    }
+
+    /// The local end of the vif's event channel.
+    pub fn port(&self) -> Port {
+        self.port
+    }
+    /// The front end's domain.
+    pub fn frontend(&self) -> DomId {
+        self.fe
+    }
+    /// The index given at connection (high half of release tokens).
+    pub fn index(&self) -> u16 {
+        self.index
+    }
+    /// Counters.
+    pub fn stats(&self) -> &VifStats {
+        &self.stats
+    }
+    /// TX check counters (per tolerated and fatal reason).
+    pub fn tx_check_stats(&self) -> &TxCheckStats {
+        &self.tx_check
+    }
+    /// Why the vif stopped, if it did.
+    pub fn disabled(&self) -> Option<Disabled> {
+        self.disabled
+    }
+    /// Packets waiting to be copied to the guest.
+    pub fn rx_queued(&self) -> usize {
+        self.rx_queue.len()
+    }
+
+    fn disable(&mut self, why: Disabled) {
+        if self.disabled.is_none() {
+            self.disabled = Some(why);
+            let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.handle);
+            let _ = self
+                .hv
+                .store()
+                .switch_state(self.dom.id(), &dir, XenbusState::Closing);
+        }
+    }
+
+    fn notify(&mut self) {
+        let _c = enter(Class::Hypercall);
+        self.stats.notifies += 1;
+        let _ = self.hv.evtchn_send(&self.dom, self.port);
+    }
+
+    /// The bridge hands a packet to the vif (`xenvif_start_xmit`): queued for the RX
+    /// action, or dropped and counted if the queue is full or the vif is down.
+    pub fn start_xmit(&mut self, pool: &mut SkbPool, skb: SkbId) {
+        let _c = enter(Class::Netback);
+        if self.disabled.is_some() {
+            self.stats.dropped_disabled += 1;
+            pool.free(skb);
+            return;
+        }
+        if let Err(skb) = self.rx_queue.push(pool, skb) {
+            self.stats.rx_queue_full += 1;
+            pool.free(skb);
+        }
+    }
+
+    /// Whether the RX action has work it can do now.
+    pub fn rx_pending(&self) -> bool {
+        self.disabled.is_none() && !self.rx_queue.is_empty()
+    }
+
+    /// Copies queued packets into buffers the guest posted, in batches of
+    /// [`RX_BATCH`]. Returns the packets taken off the queue (delivered, or answered
+    /// with an error and counted).
+    pub fn rx_action(&mut self, pool: &mut SkbPool) -> usize {
+        let _c = enter(Class::Netback);
+        let mut total = 0;
+        while self.disabled.is_none() && !self.rx_queue.is_empty() {
+            let n = self.rx_batch(pool);
+            total += n;
+            if n == 0 {
+                break;
+            }
+        }
+        total
+    }
+
+    fn rx_batch(&mut self, pool: &mut SkbPool) -> usize {
+        self.copy_ops.clear();
+        self.rx_meta.clear();
+        self.rx_pkts.clear();
+        let fe = self.fe;
+        while self.rx_pkts.len() < RX_BATCH {
+            let Some(skb) = self.rx_queue.peek() else {
+                break;
+            };
+            let len = pool.len(skb);
+            let need = len.div_ceil(PAGE_SIZE).max(1) as u32;
+            let avail = match self.rx.requests_available() {
+                Ok(a) => a,
+                Err(_) => {
+                    self.disable(Disabled::RingBroken);
+                    break;
+                }
+            };
+            if avail < need {
+                self.stats.rx_stalls += 1;
+                // Ask to be told when the guest posts more (`req_event`).
+                match self.rx.final_check_for_requests() {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(_) => {
+                        self.disable(Disabled::RingBroken);
+                        break;
+                    }
+                }
+            }
+            let _ = self.rx_queue.pop(pool);
+            let (first_meta, first_op) = (self.rx_meta.len(), self.copy_ops.len());
+            let mut foreign = false;
+            let mut broken = false;
+            // Fill guest pages from offset 0, one request per page.
+            let mut page_off = PAGE_SIZE;
+            let mut gref = 0u32;
+            let (ops, meta, rx) = (&mut self.copy_ops, &mut self.rx_meta, &mut self.rx);
+            let r = pool.walk(skb, 0, len, |seg, _| {
+                let SegPage::Own(gfn) = seg.page else {
+                    foreign = true;
+                    return Ok(());
+                };
+                let mut done = 0;
+                while done < seg.len {
+                    if page_off == PAGE_SIZE {
+                        let Ok(Some(req)) = rx.take_request() else {
+                            broken = true;
+                            return Ok(());
+                        };
+                        meta.push(RxMeta { id: req.id, size: 0 });
+                        gref = req.gref;
+                        page_off = 0;
+                    }
+                    let n = (seg.len - done).min(PAGE_SIZE - page_off);
+                    ops.push(GrantCopy {
+                        source: CopyPtr::Local {
+                            gfn,
+                            offset: (seg.offset + done) as u16,
+                        },
+                        dest: CopyPtr::Gref {
+                            dom: fe,
+                            gref: GrantRef(gref),
+                            offset: page_off as u16,
+                        },
+                        len: n as u16,
+                    });
+                    if let Some(m) = meta.last_mut() {
+                        m.size += n as u16;
+                    }
+                    page_off += n;
+                    done += n;
+                }
+                Ok(())
+            });
+            if broken {
+                self.disable(Disabled::RingBroken);
+            }
+            if foreign || r.is_err() {
+                // Requests already taken still need answers: error ones.
+                self.stats.rx_foreign += u64::from(foreign);
+                self.copy_ops.truncate(first_op);
+                for m in &mut self.rx_meta[first_meta..] {
+                    m.size = 0;
+                }
+            }
+            self.rx_pkts.push(RxPkt {
+                skb,
+                first_meta,
+                metas: self.rx_meta.len() - first_meta,
+                first_op,
+                ops: self.copy_ops.len() - first_op,
+                csum: pool.csum_valid(skb) && !foreign && r.is_ok(),
+            });
+            if broken {
+                break;
+            }
+        }
+        if self.rx_pkts.is_empty() {
+            return 0;
+        }
+        let nops = self.copy_ops.len();
+        if nops > 0 {
+            let _h = enter(Class::Hypercall);
+            self.hv
+                .grant_copy(&self.dom, &self.copy_ops, &mut self.copy_status[..nops]);
+        }
+        let mut delivered = 0;
+        for k in 0..self.rx_pkts.len() {
+            let p = self.rx_pkts[k];
+            let ok = p.ops > 0
+                && self.copy_status[p.first_op..p.first_op + p.ops]
+                    .iter()
+                    .all(|s| s.is_ok());
+            if ok {
+                delivered += 1;
+                self.stats.rx_packets += 1;
+                self.stats.rx_bytes += pool.len(p.skb) as u64;
+            } else if p.ops > 0 {
+                self.stats.rx_copy_errors += 1;
+            }
+            for j in 0..p.metas {
+                let m = self.rx_meta[p.first_meta + j];
+                let mut flags = 0;
+                if j == 0 && p.csum {
+                    flags |= NETRXF_DATA_VALIDATED;
+                }
+                if j + 1 < p.metas {
+                    flags |= NETRXF_MORE_DATA;
+                }
+                let status = if ok { m.size as i16 } else { XEN_NETIF_RSP_ERROR };
+                // Cannot fail: one response per request taken.
+                let _ = self.rx.push_response(&RxResponse {
+                    id: m.id,
+                    offset: 0,
+                    flags,
+                    status,
+                });
+            }
+        }
+        if self.rx.push_responses_and_check_notify() {
+            self.notify();
+        }
+        {
+            let _m = enter(Class::Mem);
+            for k in 0..self.rx_pkts.len() {
+                pool.free(self.rx_pkts[k].skb);
+            }
+        }
+        let _ = delivered;
+        self.rx_pkts.len()
+    }
+
+    /// Takes the guest's transmitted packets (at most `budget`), builds them and hands
+    /// each valid one to `deliver` (the bridge). Returns the packets delivered.
+    pub fn tx_action(
+        &mut self,
+        pool: &mut SkbPool,
+        budget: usize,
+        mut deliver: impl FnMut(&mut SkbPool, SkbId),
+    ) -> usize {
+        let _c = enter(Class::Netback);
+        if self.disabled.is_some() {
+            return 0;
+        }
+        self.copy_ops.clear();
+        self.map_ops.clear();
+        self.map_pending.clear();
+        self.tx_pkts.clear();
+        self.tx_frags.clear();
+        let fe = self.fe;
+        let mut responses = false;
+        while self.tx_pkts.len() < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
+            let avail = match self.tx.requests_available() {
+                Ok(a) => a,
+                Err(_) => {
+                    self.disable(Disabled::RingBroken);
+                    return 0;
+                }
+            };
+            if avail == 0 {
+                match self.tx.final_check_for_requests() {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(_) => {
+                        self.disable(Disabled::RingBroken);
+                        return 0;
+                    }
+                }
+            }
+            let Ok(Some(first)) = self.tx.take_request() else {
+                self.disable(Disabled::RingBroken);
+                return 0;
+            };
+            let tx = &mut self.tx;
+            let v = read_tx_packet(first, avail as usize - 1, || tx.take_request().ok().flatten());
+            self.tx_check.count(&v);
+            let chain = match v {
+                TxVerdict::Fatal(r) => {
+                    self.disable(Disabled::Fatal(r));
+                    return 0;
+                }
+                TxVerdict::Drop(_, chain) => {
+                    for r in chain.responses(XEN_NETIF_RSP_ERROR) {
+                        let _ = self.tx.push_response(&r);
+                    }
+                    responses = true;
+                    continue;
+                }
+                TxVerdict::Packet(chain) => chain,
+            };
+            let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
+                self.stats.tx_no_buffer += 1;
+                for r in chain.responses(XEN_NETIF_RSP_ERROR) {
+                    let _ = self.tx.push_response(&r);
+                }
+                responses = true;
+                continue;
+            };
+            let slots = chain.slots();
+            let s0 = slots[0];
+            let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+            let (hg, hoff) = pool.data_location(skb);
+            let copy_op = self.copy_ops.len();
+            self.copy_ops.push(GrantCopy {
+                source: CopyPtr::Gref {
+                    dom: fe,
+                    gref: GrantRef(s0.gref),
+                    offset: s0.offset,
+                },
+                dest: CopyPtr::Local {
+                    gfn: hg,
+                    offset: hoff as u16,
+                },
+                len: copy_len as u16,
+            });
+            let first_map = self.map_ops.len();
+            let map_slot = |gref: u32, id: u16, me: &mut Self| {
+                let p = me.pending_free.pop().expect("checked: a chain's worth is free");
+                me.pending[p as usize] = Pending { handle: None, id };
+                me.map_ops.push(MapOp {
+                    dom: fe,
+                    gref: GrantRef(gref),
+                    readonly: true,
+                    slot: me.slot_base + 2 + p as u32,
+                });
+                me.map_pending.push(p);
+            };
+            let copied_id = if s0.len as usize > copy_len {
+                map_slot(s0.gref, s0.id, self);
+                None
+            } else {
+                Some(s0.id)
+            };
+            for s in &slots[1..] {
+                map_slot(s.gref, s.id, self);
+            }
+            self.tx_pkts.push(TxPkt {
+                skb,
+                copy_op,
+                copy_len,
+                first_map,
+                maps: self.map_ops.len() - first_map,
+                copied_id,
+                extras: chain.extras,
+            });
+            // Each map's byte range in its page, in map order.
+            self.tx_meta_push(&chain);
+        }
+
+        let nc = self.copy_ops.len();
+        let nm = self.map_ops.len();
+        if nc > 0 {
+            let _h = enter(Class::Hypercall);
+            self.hv
+                .grant_copy(&self.dom, &self.copy_ops, &mut self.copy_status[..nc]);
+        }
+        if nm > 0 {
+            let _h = enter(Class::Hypercall);
+            self.hv
+                .grant_map(&self.dom, &self.map_ops, &mut self.map_results[..nm]);
+        }
+        let mut delivered = 0;
+        for k in 0..self.tx_pkts.len() {
+            let p = self.tx_pkts[k];
+            let copy_ok = self.copy_status[p.copy_op].is_ok();
+            let maps_ok = self.map_results[p.first_map..p.first_map + p.maps]
+                .iter()
+                .all(|r| r.is_ok());
+            for j in 0..p.maps {
+                let pi = self.map_pending[p.first_map + j] as usize;
+                self.pending[pi].handle = self.map_results[p.first_map + j].ok();
+            }
+            // Extras are answered now, whatever happens to the packet.
+            for _ in 0..p.extras {
+                let _ = self.tx.push_response(&TxResponse {
+                    id: 0,
+                    status: crate::netif::XEN_NETIF_RSP_NULL,
+                });
+            }
+            if !(copy_ok && maps_ok) {
+                self.stats.tx_grant_errors += 1;
+                if let Some(id) = p.copied_id {
+                    let _ = self.tx.push_response(&TxResponse {
+                        id,
+                        status: XEN_NETIF_RSP_ERROR,
+                    });
+                }
+                for j in 0..p.maps {
+                    let pi = self.map_pending[p.first_map + j];
+                    self.release_pending(pi, XEN_NETIF_RSP_ERROR);
+                }
+                pool.free(p.skb);
+                responses = true;
+                continue;
+            }
+            let _ = pool.extend_linear(p.skb, p.copy_len);
+            let mut ok = true;
+            for j in 0..p.maps {
+                let pi = self.map_pending[p.first_map + j];
+                let (off, len) = self.tx_frag_extent(p.first_map + j);
+                ok &= pool
+                    .add_frag(
+                        p.skb,
+                        Frag {
+                            page: FragPage::Foreign {
+                                slot: self.slot_base + 2 + pi as u32,
+                                token: (self.index as u32) << 16 | pi as u32,
+                            },
+                            offset: off,
+                            len,
+                        },
+                    )
+                    .is_ok();
+            }
+            if let Some(id) = p.copied_id {
+                let _ = self.tx.push_response(&TxResponse {
+                    id,
+                    status: XEN_NETIF_RSP_OKAY,
+                });
+                responses = true;
+            }
+            if !ok {
+                pool.free(p.skb);
+                continue;
+            }
+            self.stats.tx_packets += 1;
+            delivered += 1;
+            deliver(pool, p.skb);
+        }
+        self.tx_frags.clear();
+        if responses && self.tx.push_responses_and_check_notify() {
+            self.notify();
+        }
+        delivered
+    }
+
+    /// Answers the requests of mapped slots whose buffers were freed (`token`s from the
+    /// pool's release queue that belong to this vif), unmapping them in one batch.
+    pub fn tx_release(&mut self, tokens: impl IntoIterator<Item = u32>) {
+        let _c = enter(Class::Netback);
+        self.unmap_handles.clear();
+        self.unmap_pending.clear();
+        for t in tokens {
+            if t >> 16 != self.index as u32 {
+                continue;
+            }
+            let pi = (t & 0xffff) as u16;
+            if let Some(h) = self.pending.get(pi as usize).and_then(|p| p.handle) {
+                self.unmap_handles.push(h);
+                self.unmap_pending.push(pi);
+            }
+        }
+        let n = self.unmap_handles.len();
+        if n == 0 {
+            return;
+        }
+        {
+            let _h = enter(Class::Hypercall);
+            self.hv
+                .grant_unmap(&self.dom, &self.unmap_handles, &mut self.unmap_status[..n]);
+        }
+        for k in 0..n {
+            let pi = self.unmap_pending[k];
+            self.pending[pi as usize].handle = None;
+            let id = self.pending[pi as usize].id;
+            self.pending_free.push(pi);
+            if self.disabled.is_none() {
+                let _ = self.tx.push_response(&TxResponse {
+                    id,
+                    status: XEN_NETIF_RSP_OKAY,
+                });
+            }
+        }
+        if self.disabled.is_none() && self.tx.push_responses_and_check_notify() {
+            self.notify();
+        }
+    }
+
+    fn release_pending(&mut self, pi: u16, status: i16) {
+        let p = self.pending[pi as usize];
+        if let Some(h) = p.handle {
+            let mut st = [Ok(())];
+            self.hv.grant_unmap(&self.dom, &[h], &mut st);
+        }
+        self.pending[pi as usize].handle = None;
+        self.pending_free.push(pi);
+        let _ = self.tx.push_response(&TxResponse { id: p.id, status });
+    }
+
+    /// Whether the guest has published TX requests not yet taken.
+    pub fn tx_pending(&mut self) -> bool {
+        self.disabled.is_none() && self.tx.requests_available().is_ok_and(|n| n > 0)
+    }
+
+    /// Tears the vif down: frees its queue, unmaps whatever it still maps (answering
+    /// nothing more), closes its channel.
+    pub fn disconnect(&mut self, pool: &mut SkbPool) {
+        self.disable(Disabled::Disconnected);
+        self.rx_queue.purge(pool);
+        let held: Vec<GrantHandle> = self
+            .pending
+            .iter()
+            .filter_map(|p| p.handle)
+            .chain(self.ring_handles)
+            .collect();
+        let mut st = vec![Ok(()); held.len()];
+        self.hv.grant_unmap(&self.dom, &held, &mut st);
+        for p in self.pending.iter_mut() {
+            p.handle = None;
+        }
+        let _ = self.hv.evtchn_close(&self.dom, self.port);
+    }
+}
+
+impl Vif {
+    fn tx_meta_push(&mut self, chain: &crate::netif::TxChain) {
+        let slots = chain.slots();
+        let s0 = slots[0];
+        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+        if s0.len as usize > copy_len {
+            self.tx_frags
+                .push((s0.offset + copy_len as u16, s0.len - copy_len as u16));
+        }
+        for s in &slots[1..] {
+            self.tx_frags.push((s.offset, s.len));
+        }
+    }
+    fn tx_frag_extent(&self, map_index: usize) -> (u16, u16) {
+        self.tx_frags[map_index]
+    }
+}

@@ -1,0 +1,514 @@
+//! netfront: the guest's end of a virtual interface, in its original form (paper 000
+//! §3.4.2).
+//!
+//! **Receive.** It keeps the RX ring full of whole pages, each granted writable to the
+//! back end. A response names the buffer by id: the id must be in range and in flight
+//! ([`crate::netif::check_rx_response`]), the data must stay in its page; then the grant
+//! is revoked, a packet buffer is allocated, the first [`RX_COPY_LEN`] bytes are copied
+//! into its linear area and the rest of the page stays attached as a fragment — the
+//! fragment use the paper found expensive. Anything else a back end returns is counted
+//! and dropped; a broken ring index disconnects.
+//!
+//! **Transmit.** Each page a packet's bytes lie in is granted read-only and described by
+//! one request; the completion revokes the grants and frees the buffer.
+
+use std::sync::Arc;
+
+use hv::profile::{enter, Class};
+use hv::store::XenbusState;
+use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
+use mem::FramePage;
+use ring::{FrontRing, PageRing};
+
+use crate::netif::{
+    check_rx_response, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing,
+    LEGACY_SLOTS_MAX, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
+    NETTXF_MORE_DATA, RING_IDS, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
+};
+use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
+use crate::xenbus::{self, XenbusError};
+
+/// Bytes netfront copies from the first fragment into the linear area.
+pub const RX_COPY_LEN: usize = 200;
+
+type Front<P> = FrontRing<P, PageRing<FramePage>>;
+
+/// Counters of one interface.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FrontStats {
+    /// Packets received and handed to the stack.
+    pub rx_packets: u64,
+    /// Responses refused, per [`RxError`] (BadId, NotInFlight, CrossesPage, ErrorStatus).
+    pub rx_errors: [u64; 4],
+    /// Packets dropped for want of a packet buffer.
+    pub rx_no_buffer: u64,
+    /// Packets dropped for a malformed chain (extras not negotiated, too many slots).
+    pub rx_bad_chain: u64,
+    /// Grants the back end still held when revoked (pages kept out of use).
+    pub grants_busy: u64,
+    /// Packets transmitted (completed).
+    pub tx_packets: u64,
+    /// Transmit completions with an error status.
+    pub tx_errors: u64,
+    /// Transmit responses with a bad id.
+    pub tx_bad_response: u64,
+    /// Notifications sent to the back end.
+    pub notifies: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RxBuf {
+    gref: GrantRef,
+    gfn: Option<Gfn>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TxBuf {
+    gref: GrantRef,
+    in_flight: bool,
+    skb: Option<SkbId>,
+}
+
+/// One interface's front end.
+#[derive(Debug)]
+pub struct Netfront {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    be: DomId,
+    port: Port,
+    tx: Front<TxRing>,
+    rx: Front<RxRing>,
+    rx_bufs: Box<[RxBuf]>,
+    rx_free: Vec<u16>,
+    inflight: InFlight,
+    tx_bufs: Box<[TxBuf]>,
+    tx_free: Vec<u16>,
+    /// A packet being assembled from a multi-slot response chain.
+    partial: Option<SkbId>,
+    stats: FrontStats,
+    broken: bool,
+}
+
+fn rx_error_index(e: RxError) -> usize {
+    match e {
+        RxError::BadId => 0,
+        RxError::NotInFlight => 1,
+        RxError::CrossesPage => 2,
+        RxError::ErrorStatus => 3,
+    }
+}
+
+impl Netfront {
+    /// Connects to a back end in `InitWait`: sets up both rings (granted to it), an
+    /// unbound event channel and the grant references of every buffer, publishes them,
+    /// and moves to `Connected`.
+    pub fn connect(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        handle: u32,
+    ) -> Result<Self, XenbusError> {
+        let store = hv.store();
+        let me = dom.id();
+        let fdir = xenbus::frontend_dir(me, handle);
+        let be = DomId(xenbus::read_u32(store, me, &format!("{fdir}/backend-id"))? as u16);
+        let bdir = store
+            .read(me, &format!("{fdir}/backend"))
+            .map_err(|_| XenbusError::BadKey(format!("{fdir}/backend")))?;
+        let st = store.xenbus_state(me, &bdir);
+        if !matches!(st, XenbusState::InitWait | XenbusState::Connected) {
+            return Err(XenbusError::PeerState(st));
+        }
+        if !xenbus::feature(store, me, &bdir, "feature-rx-copy") {
+            return Err(XenbusError::MissingFeature("feature-rx-copy"));
+        }
+        let gt = dom.grant_table();
+        let oom = || XenbusError::BadKey("out of pages or grant references".into());
+        let ring = || -> Result<(Gfn, GrantRef), XenbusError> {
+            let g = dom.alloc_page().map_err(|_| oom())?;
+            let r = gt.alloc_ref().ok_or_else(oom)?;
+            gt.grant_access(r, be, g, false).map_err(|_| oom())?;
+            Ok((g, r))
+        };
+        let (tg, tr) = ring()?;
+        let (rg, rr) = ring()?;
+        let page = |g| dom.page(g).map_err(|_| oom());
+        let tx = FrontRing::init(PageRing::new(page(tg)?).map_err(|_| oom())?).map_err(|_| oom())?;
+        let rx = FrontRing::init(PageRing::new(page(rg)?).map_err(|_| oom())?).map_err(|_| oom())?;
+        let port = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
+        let refs = || gt.alloc_ref().ok_or_else(oom);
+        let rx_bufs = (0..RING_IDS)
+            .map(|_| Ok(RxBuf { gref: refs()?, gfn: None }))
+            .collect::<Result<Vec<_>, XenbusError>>()?;
+        let tx_bufs = (0..RING_IDS)
+            .map(|_| {
+                Ok(TxBuf {
+                    gref: refs()?,
+                    in_flight: false,
+                    skb: None,
+                })
+            })
+            .collect::<Result<Vec<_>, XenbusError>>()?;
+        for (k, v) in [
+            ("tx-ring-ref", tr.0.to_string()),
+            ("rx-ring-ref", rr.0.to_string()),
+            ("event-channel", port.0.to_string()),
+            ("request-rx-copy", "1".into()),
+            ("feature-rx-notify", "1".into()),
+            ("feature-sg", "1".into()),
+        ] {
+            store.write(me, &format!("{fdir}/{k}"), &v)?;
+        }
+        store.switch_state(me, &fdir, XenbusState::Connected)?;
+        Ok(Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            be,
+            port,
+            tx,
+            rx,
+            rx_bufs: rx_bufs.into_boxed_slice(),
+            rx_free: (0..RING_IDS).rev().collect(),
+            inflight: InFlight::default(),
+            tx_bufs: tx_bufs.into_boxed_slice(),
+            tx_free: (0..RING_IDS).rev().collect(),
+            partial: None,
+            stats: FrontStats::default(),
+            broken: false,
+        })
+    }
+
+    /// The guest's end of the event channel.
+    pub fn port(&self) -> Port {
+        self.port
+    }
+    /// Counters.
+    pub fn stats(&self) -> &FrontStats {
+        &self.stats
+    }
+    /// Whether a ring broke and the interface stopped.
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+    /// RX buffers posted and not yet returned.
+    pub fn rx_posted(&self) -> u32 {
+        self.inflight.count()
+    }
+
+    fn notify(&mut self) {
+        let _c = enter(Class::Hypercall);
+        self.stats.notifies += 1;
+        let _ = self.hv.evtchn_send(&self.dom, self.port);
+    }
+
+    /// Posts a granted page for every free RX slot (`xennet_alloc_rx_buffers`).
+    pub fn refill_rx(&mut self, pool: &mut SkbPool) {
+        let _c = enter(Class::Driver);
+        if self.broken {
+            return;
+        }
+        let mut posted = false;
+        while self.rx.free_requests() > 0 {
+            let Some(id) = self.rx_free.pop() else { break };
+            let gfn = {
+                let _m = enter(Class::Mem);
+                pool.alloc_page()
+            };
+            let Ok(gfn) = gfn else {
+                self.rx_free.push(id);
+                break;
+            };
+            let b = &mut self.rx_bufs[id as usize];
+            if self
+                .dom
+                .grant_table()
+                .grant_access(b.gref, self.be, gfn, false)
+                .is_err()
+            {
+                pool.free_page(gfn);
+                self.rx_free.push(id);
+                break;
+            }
+            b.gfn = Some(gfn);
+            self.inflight.post(id);
+            let _ = self.rx.push_request(&RxRequest {
+                id,
+                pad: 0,
+                gref: b.gref.0,
+            });
+            posted = true;
+        }
+        if posted && self.rx.push_requests_and_check_notify() {
+            self.notify();
+        }
+    }
+
+    /// Takes back buffer `id` after its response: revokes the grant and returns the
+    /// page, or keeps it out of use if the back end still holds it.
+    fn reclaim(&mut self, id: u16) -> Option<Gfn> {
+        let b = self.rx_bufs[id as usize];
+        let gfn = b.gfn?;
+        match self.dom.grant_table().end_access(b.gref) {
+            Ok(()) => {
+                self.rx_bufs[id as usize].gfn = None;
+                self.rx_free.push(id);
+                Some(gfn)
+            }
+            Err(GrantError::InUse) | Err(_) => {
+                // The back end mapped it and kept it: neither the page nor the id can
+                // be reused safely. Both stay out of circulation.
+                self.stats.grants_busy += 1;
+                None
+            }
+        }
+    }
+
+    /// Handles up to `budget` packets from the RX ring, handing each to `deliver`, then
+    /// refills the ring. Returns the packets delivered.
+    pub fn poll_rx(
+        &mut self,
+        pool: &mut SkbPool,
+        budget: usize,
+        mut deliver: impl FnMut(&mut SkbPool, SkbId),
+    ) -> usize {
+        let _c = enter(Class::Driver);
+        let mut n = 0;
+        while n < budget && !self.broken {
+            let rsp = match self.rx.take_response() {
+                Ok(Some(r)) => r,
+                Ok(None) => match self.rx.final_check_for_responses() {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(_) => {
+                        self.broken = true;
+                        break;
+                    }
+                },
+                Err(_) => {
+                    self.broken = true;
+                    break;
+                }
+            };
+            let len = match check_rx_response(&rsp, &mut self.inflight) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.stats.rx_errors[rx_error_index(e)] += 1;
+                    if matches!(e, RxError::CrossesPage | RxError::ErrorStatus) {
+                        // The id was ours: take the buffer back.
+                        if let Some(g) = self.reclaim(rsp.id) {
+                            pool.free_page(g);
+                        }
+                    }
+                    self.abandon_partial(pool);
+                    continue;
+                }
+            };
+            let Some(gfn) = self.reclaim(rsp.id) else {
+                self.abandon_partial(pool);
+                continue;
+            };
+            if rsp.flags & NETRXF_EXTRA_INFO != 0 {
+                // No extras were negotiated.
+                self.stats.rx_bad_chain += 1;
+                pool.free_page(gfn);
+                self.abandon_partial(pool);
+                continue;
+            }
+            let skb = match self.partial.take() {
+                Some(s) => s,
+                None => {
+                    let _m = enter(Class::Mem);
+                    match pool.alloc(NET_SKB_PAD) {
+                        Ok(s) => {
+                            pool.set_csum_valid(s, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+                            s
+                        }
+                        Err(_) => {
+                            self.stats.rx_no_buffer += 1;
+                            pool.free_page(gfn);
+                            continue;
+                        }
+                    }
+                }
+            };
+            let (off, len) = (rsp.offset as usize, len as usize);
+            // The first bytes go to the linear area; the rest stays in the page.
+            let lin = if pool.len(skb) == 0 {
+                len.min(RX_COPY_LEN)
+            } else {
+                0
+            };
+            let (hg, hoff) = pool.data_location(skb);
+            let copied = lin == 0
+                || self
+                    .dom
+                    .copy(gfn, off, hg, hoff, lin)
+                    .is_ok_and(|()| pool.extend_linear(skb, lin).is_ok());
+            let attached = copied
+                && if len > lin {
+                    pool.add_frag(
+                        skb,
+                        Frag {
+                            page: FragPage::Local(gfn),
+                            offset: (off + lin) as u16,
+                            len: (len - lin) as u16,
+                        },
+                    )
+                    .is_ok()
+                } else {
+                    pool.free_page(gfn);
+                    true
+                };
+            if !attached {
+                if copied && len > lin {
+                    pool.free_page(gfn);
+                }
+                self.stats.rx_bad_chain += 1;
+                pool.free(skb);
+                continue;
+            }
+            if rsp.flags & NETRXF_MORE_DATA != 0 {
+                if pool.frags(skb).len() == MAX_SKB_FRAGS {
+                    self.stats.rx_bad_chain += 1;
+                    pool.free(skb);
+                } else {
+                    self.partial = Some(skb);
+                }
+                continue;
+            }
+            self.stats.rx_packets += 1;
+            n += 1;
+            deliver(pool, skb);
+        }
+        self.refill_rx(pool);
+        n
+    }
+
+    fn abandon_partial(&mut self, pool: &mut SkbPool) {
+        if let Some(s) = self.partial.take() {
+            self.stats.rx_bad_chain += 1;
+            pool.free(s);
+        }
+    }
+
+    /// Queues a packet for transmission (`xennet_start_xmit`): one read-only grant and
+    /// one request per page its bytes lie in. Gives the buffer back if the ring is full.
+    pub fn xmit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
+        let _c = enter(Class::Driver);
+        if self.broken {
+            pool.free(skb);
+            return Ok(());
+        }
+        let len = pool.len(skb);
+        let mut segs = 0usize;
+        let _ = pool.walk(skb, 0, len, |_, _| {
+            segs += 1;
+            Ok(())
+        });
+        if segs == 0
+            || segs > LEGACY_SLOTS_MAX
+            || segs > self.tx.free_requests() as usize
+            || segs > self.tx_free.len()
+            || len > u16::MAX as usize
+        {
+            return Err(skb);
+        }
+        let (be, dom) = (self.be, &self.dom);
+        let gt = dom.grant_table();
+        let (tx, tx_free, tx_bufs) = (&mut self.tx, &mut self.tx_free, &mut self.tx_bufs);
+        let mut k = 0;
+        let mut last = 0u16;
+        let r = pool.walk(skb, 0, len, |seg, _| {
+            let SegPage::Own(gfn) = seg.page else {
+                return Err(crate::skb::SkbError::OutOfBounds);
+            };
+            let id = tx_free.pop().ok_or(crate::skb::SkbError::Exhausted)?;
+            let b = &mut tx_bufs[id as usize];
+            gt.grant_access(b.gref, be, gfn, true)
+                .map_err(|_| crate::skb::SkbError::Exhausted)?;
+            b.in_flight = true;
+            b.skb = None;
+            k += 1;
+            let _ = tx.push_request(&TxRequest {
+                gref: b.gref.0,
+                offset: seg.offset as u16,
+                flags: if k < segs { NETTXF_MORE_DATA } else { 0 },
+                id,
+                size: if k == 1 { len as u16 } else { seg.len as u16 },
+            });
+            last = id;
+            Ok(())
+        });
+        if r.is_err() {
+            // Cannot happen for a buffer of our own pages within the slot limit; if it
+            // did, the requests already written are not published, and are withdrawn.
+            self.broken = true;
+            pool.free(skb);
+            return Ok(());
+        }
+        self.tx_bufs[last as usize].skb = Some(skb);
+        if self.tx.push_requests_and_check_notify() {
+            self.notify();
+        }
+        Ok(())
+    }
+
+    /// Handles transmit completions: revokes each slot's grant and frees finished
+    /// packets. Returns completions handled.
+    pub fn poll_tx(&mut self, pool: &mut SkbPool) -> usize {
+        let _c = enter(Class::Driver);
+        let mut n = 0;
+        while !self.broken {
+            let rsp = match self.tx.take_response() {
+                Ok(Some(r)) => r,
+                Ok(None) => match self.tx.final_check_for_responses() {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(_) => {
+                        self.broken = true;
+                        break;
+                    }
+                },
+                Err(_) => {
+                    self.broken = true;
+                    break;
+                }
+            };
+            if rsp.status == XEN_NETIF_RSP_NULL {
+                continue;
+            }
+            let Some(b) = self.tx_bufs.get(rsp.id as usize).copied() else {
+                self.stats.tx_bad_response += 1;
+                continue;
+            };
+            if !b.in_flight {
+                self.stats.tx_bad_response += 1;
+                continue;
+            }
+            if self.dom.grant_table().end_access(b.gref).is_err() {
+                // Still mapped by the back end: the id and the page stay out of use.
+                self.stats.grants_busy += 1;
+                self.tx_bufs[rsp.id as usize].in_flight = false;
+                continue;
+            }
+            self.tx_bufs[rsp.id as usize].in_flight = false;
+            self.tx_free.push(rsp.id);
+            if rsp.status != XEN_NETIF_RSP_OKAY {
+                self.stats.tx_errors += 1;
+            }
+            if let Some(skb) = self.tx_bufs[rsp.id as usize].skb.take() {
+                if rsp.status == XEN_NETIF_RSP_OKAY {
+                    self.stats.tx_packets += 1;
+                }
+                let _m = enter(Class::Mem);
+                pool.free(skb);
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Whether RX responses are waiting.
+    pub fn rx_ready(&mut self) -> bool {
+        !self.broken && self.rx.final_check_for_responses().unwrap_or(false)
+    }
+}

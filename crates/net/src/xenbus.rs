@@ -1,0 +1,115 @@
+//! The store side of a virtual network interface: where each end's keys live, what the
+//! toolstack writes to create a vif, and strict reading of what the other end wrote.
+//!
+//! The handshake is netif's: the toolstack creates both directories (each end owns its
+//! own, the other may read it) in state `Initialising`; the back end publishes its
+//! `feature-*` keys and moves to `InitWait`; the front end checks them, publishes
+//! `tx-ring-ref`, `rx-ring-ref`, `event-channel` and `request-rx-copy`, and moves to
+//! `Connected`; the back end reads and validates those, maps the rings, binds the
+//! channel and moves to `Connected`. Every value read from the peer's directory is
+//! untrusted text: it is parsed strictly and a bad one fails the connection.
+
+use hv::store::{Perm, Store, StoreError, XenbusState};
+use hv::DomId;
+
+/// Why a handshake step failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum XenbusError {
+    /// The store refused an operation.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// A key the peer must write is missing or not a number.
+    #[error("bad or missing key {0}")]
+    BadKey(String),
+    /// The peer is not in a state this step can follow.
+    #[error("peer in state {0:?}")]
+    PeerState(XenbusState),
+    /// The peer lacks a feature this end needs.
+    #[error("peer lacks {0}")]
+    MissingFeature(&'static str),
+}
+
+/// The front end's directory.
+pub fn frontend_dir(fe: DomId, handle: u32) -> String {
+    format!("/local/domain/{}/device/vif/{handle}", fe.0)
+}
+
+/// The back end's directory.
+pub fn backend_dir(be: DomId, fe: DomId, handle: u32) -> String {
+    format!("/local/domain/{}/backend/vif/{}/{handle}", be.0, fe.0)
+}
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The toolstack's part: creates both directories with their owners and links them.
+pub fn create_vif(
+    store: &Store,
+    be: DomId,
+    fe: DomId,
+    handle: u32,
+    mac: [u8; 6],
+) -> Result<(), XenbusError> {
+    let (f, b) = (frontend_dir(fe, handle), backend_dir(be, fe, handle));
+    let t = DomId::DOM0;
+    let init = (XenbusState::Initialising as u32).to_string();
+    for (k, v) in [
+        ("backend", b.as_str()),
+        ("backend-id", &be.0.to_string()),
+        ("mac", &mac_text(mac)),
+        ("handle", &handle.to_string()),
+        ("state", &init),
+    ] {
+        store.write(t, &format!("{f}/{k}"), v)?;
+    }
+    for (k, v) in [
+        ("frontend", f.as_str()),
+        ("frontend-id", &fe.0.to_string()),
+        ("mac", &mac_text(mac)),
+        ("handle", &handle.to_string()),
+        ("state", &init),
+    ] {
+        store.write(t, &format!("{b}/{k}"), v)?;
+    }
+    // Each end owns its directory and may read the other's.
+    for (dir, owner, peer) in [(&f, fe, be), (&b, be, fe)] {
+        for k in ["", "/backend", "/backend-id", "/frontend", "/frontend-id", "/mac", "/handle", "/state"] {
+            let p = format!("{dir}{k}");
+            if store.read(t, &p).is_ok() {
+                store.set_perms(t, &p, owner, &[(peer, Perm::Read)])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a decimal key the peer wrote, refusing anything but a plain number.
+pub fn read_u32(store: &Store, caller: DomId, path: &str) -> Result<u32, XenbusError> {
+    let v = store
+        .read(caller, path)
+        .map_err(|_| XenbusError::BadKey(path.into()))?;
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|c| c.is_ascii_digit()) {
+        return Err(XenbusError::BadKey(path.into()));
+    }
+    v.parse().map_err(|_| XenbusError::BadKey(path.into()))
+}
+
+/// Whether the peer advertised a boolean feature (`1`); anything else is no.
+pub fn feature(store: &Store, caller: DomId, dir: &str, key: &str) -> bool {
+    store
+        .read(caller, &format!("{dir}/{key}"))
+        .is_ok_and(|v| v == "1")
+}
+
+/// The back end's features, as pvio's netback offers them.
+pub const BACKEND_FEATURES: [(&str, &str); 5] = [
+    ("feature-sg", "1"),
+    ("feature-rx-copy", "1"),
+    ("feature-rx-flip", "0"),
+    ("feature-gso-tcpv4", "0"),
+    ("feature-multicast-control", "0"),
+];
