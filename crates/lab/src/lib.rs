@@ -10,6 +10,7 @@
 //! far as it can.
 
 pub mod experiments;
+pub mod platform;
 pub mod report;
 pub mod stats;
 

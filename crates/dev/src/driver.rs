@@ -1,0 +1,359 @@
+//! The NIC's driver, running in the kernel of the domain that owns the NIC (the driver
+//! domain, a guest with the NIC assigned, or a native machine).
+//!
+//! Receive buffers are packet buffers from the kernel's pool, posted in the RX ring with
+//! the IP-aligning offset Linux drivers use; the device fills them in place. The
+//! interrupt handler turns interrupts off and schedules the poll; the poll takes
+//! completed descriptors up to its budget, refills each slot with a fresh buffer, hands
+//! the packets up, and turns interrupts back on when it runs dry (NAPI). Transmit maps
+//! each page a packet lies in (its own pages, or foreign pages netback mapped) for the
+//! device and rings the doorbell; completions free the buffers, which releases foreign
+//! pages to their owner.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+
+use hv::iommu::window_iova;
+use hv::profile::{enter, Class};
+use hv::{Domain, Gfn, Hypervisor, Iova, PAGE_SIZE};
+use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
+
+use crate::nic::{Desc, NicRegs, DESC_DD, DESC_EOP, DESC_L4_OK, DESC_SIZE, RING_DESCS};
+
+/// The kernel's DMA interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DmaApi {
+    /// Native Linux's `pci-nommu`: the bus address is the physical address.
+    Direct,
+    /// A Xen guest kernel's `swiotlb`: guest frames need not be machine-contiguous, so
+    /// each mapping checks whether the buffer's pages are (and would bounce them if not;
+    /// packet buffers never span pages, so none bounce).
+    Swiotlb,
+}
+
+/// Why the driver could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// No memory for rings or buffers.
+    #[error("out of memory")]
+    NoMemory,
+    /// The IOMMU refused a mapping.
+    #[error("iommu: {0}")]
+    Iommu(#[from] hv::iommu::IommuError),
+}
+
+/// Counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DriverStats {
+    /// Packets received and handed up.
+    pub rx_packets: u64,
+    /// Packets dropped for want of a replacement buffer.
+    pub rx_no_buffer: u64,
+    /// Packets transmitted (completed).
+    pub tx_packets: u64,
+    /// Transmit refusals: ring full.
+    pub tx_ring_full: u64,
+    /// Interrupts handled.
+    pub irqs: u64,
+    /// Buffers whose pages are not machine-contiguous (would bounce).
+    pub dma_bounces: u64,
+}
+
+/// The driver of one NIC.
+#[derive(Debug)]
+pub struct NicDriver {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    regs: Arc<NicRegs>,
+    dma: DmaApi,
+    rx_ring: Gfn,
+    tx_ring: Gfn,
+    rx_skbs: Box<[Option<SkbId>]>,
+    rx_next: u32,
+    tx_skbs: Box<[Option<SkbId>]>,
+    tx_next: u32,
+    tx_clean: u32,
+    napi: bool,
+    stats: DriverStats,
+}
+
+/// The I/O address of a byte of the owner's memory (its IOMMU context maps every page
+/// the driver gives the device at the page's own frame number).
+pub fn iova_of(gfn: Gfn, offset: usize) -> Iova {
+    Iova((gfn.0 as u64) << mem::PAGE_SHIFT | offset as u64)
+}
+
+impl NicDriver {
+    /// Probes the NIC: allocates both rings, maps them and every page of `pool` in the
+    /// owner's IOMMU context, posts a buffer in every RX slot, and enables the device
+    /// and its interrupt.
+    pub fn probe(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        regs: &Arc<NicRegs>,
+        pool: &mut SkbPool,
+        dma: DmaApi,
+    ) -> Result<Self, DriverError> {
+        let rx_ring = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
+        let tx_ring = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
+        for g in [rx_ring, tx_ring].into_iter().chain(pool.all_pages()) {
+            hv.iommu_map(dom, iova_of(g, 0), g, true)?;
+        }
+        let _ = dom.fill(rx_ring, 0, PAGE_SIZE, 0);
+        let _ = dom.fill(tx_ring, 0, PAGE_SIZE, 0);
+        let mut d = Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            regs: Arc::clone(regs),
+            dma,
+            rx_ring,
+            tx_ring,
+            rx_skbs: vec![None; RING_DESCS as usize].into_boxed_slice(),
+            rx_next: 0,
+            tx_skbs: vec![None; RING_DESCS as usize].into_boxed_slice(),
+            tx_next: 0,
+            tx_clean: 0,
+            napi: false,
+            stats: DriverStats::default(),
+        };
+        for i in 0..RING_DESCS {
+            let skb = pool
+                .alloc(NET_SKB_PAD + NET_IP_ALIGN)
+                .map_err(|_| DriverError::NoMemory)?;
+            d.post_rx(pool, i, skb);
+        }
+        regs.rx_base
+            .store(iova_of(rx_ring, 0).0, Ordering::Relaxed);
+        regs.tx_base
+            .store(iova_of(tx_ring, 0).0, Ordering::Relaxed);
+        regs.set_rx_tail(RING_DESCS - 1);
+        regs.irq_enabled.store(true, Ordering::Release);
+        regs.enabled.store(true, Ordering::Release);
+        Ok(d)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &DriverStats {
+        &self.stats
+    }
+    /// The device's registers.
+    pub fn regs(&self) -> &Arc<NicRegs> {
+        &self.regs
+    }
+    /// Whether the poll is scheduled (interrupts off).
+    pub fn napi_scheduled(&self) -> bool {
+        self.napi
+    }
+
+    fn read_desc(&self, ring: Gfn, i: u32) -> Desc {
+        let mut raw = [0u8; DESC_SIZE];
+        let _ = self
+            .dom
+            .read(ring, (i % RING_DESCS) as usize * DESC_SIZE, &mut raw);
+        bytemuck::pod_read_unaligned(&raw)
+    }
+
+    fn write_desc(&self, ring: Gfn, i: u32, d: &Desc) {
+        let _ = self.dom.write(
+            ring,
+            (i % RING_DESCS) as usize * DESC_SIZE,
+            bytemuck::bytes_of(d),
+        );
+    }
+
+    /// `dma_map_single`: the bus address of a buffer's bytes.
+    fn dma_map(&mut self, gfn: Gfn, offset: usize, len: usize) -> Iova {
+        let _c = enter(Class::Dma);
+        if self.dma == DmaApi::Swiotlb {
+            // swiotlb's `range_needs_mapping`: is every page of the buffer
+            // machine-contiguous with the first?
+            let first = self.hv.gfn_to_mfn(&self.dom, gfn);
+            let pages = (offset + len.max(1)).div_ceil(PAGE_SIZE);
+            for k in 1..pages {
+                let next = self.hv.gfn_to_mfn(&self.dom, Gfn(gfn.0 + k as u32));
+                if first.zip(next).is_none_or(|(a, b)| b.0 != a.0 + k as u32) {
+                    self.stats.dma_bounces += 1;
+                }
+            }
+        }
+        iova_of(gfn, offset)
+    }
+
+    fn post_rx(&mut self, pool: &SkbPool, i: u32, skb: SkbId) {
+        let (g, off) = pool.data_location(skb);
+        let room = pool.tailroom(skb);
+        let addr = self.dma_map(g, off, room);
+        self.write_desc(
+            self.rx_ring,
+            i,
+            &Desc {
+                addr: addr.0,
+                len: room as u16,
+                ..Default::default()
+            },
+        );
+        self.rx_skbs[i as usize] = Some(skb);
+    }
+
+    /// The interrupt handler: masks the device's interrupt and schedules the poll.
+    pub fn interrupt(&mut self) {
+        let _c = enter(Class::Interrupt);
+        self.stats.irqs += 1;
+        self.regs.irq_enabled.store(false, Ordering::Release);
+        self.napi = true;
+    }
+
+    /// The NAPI poll: up to `budget` received packets handed to `deliver`, and transmit
+    /// completions cleaned. When it runs dry it re-enables the interrupt (and keeps the
+    /// poll scheduled if a packet slipped in meanwhile). Returns packets received.
+    pub fn poll(
+        &mut self,
+        pool: &mut SkbPool,
+        budget: usize,
+        mut deliver: impl FnMut(&mut SkbPool, SkbId),
+    ) -> usize {
+        let _c = enter(Class::Driver);
+        self.clean_tx(pool);
+        let mut n = 0;
+        while n < budget {
+            let i = self.rx_next;
+            let d = self.read_desc(self.rx_ring, i);
+            if d.status & DESC_DD == 0 {
+                break;
+            }
+            // The descriptor is read before the data it announces.
+            fence(Ordering::Acquire);
+            let Some(skb) = self.rx_skbs[i as usize].take() else {
+                break;
+            };
+            let fresh = {
+                let _m = enter(Class::Mem);
+                pool.alloc(NET_SKB_PAD + NET_IP_ALIGN)
+            };
+            match fresh {
+                Ok(new) => {
+                    let len = (d.len as usize).min(pool.tailroom(skb));
+                    let _ = pool.extend_linear(skb, len);
+                    pool.set_csum_valid(skb, d.status & DESC_L4_OK != 0);
+                    self.post_rx(pool, i, new);
+                    self.stats.rx_packets += 1;
+                    deliver(pool, skb);
+                }
+                Err(_) => {
+                    // No buffer to replace it: drop the packet, reuse its buffer.
+                    self.stats.rx_no_buffer += 1;
+                    self.post_rx(pool, i, skb);
+                }
+            }
+            self.rx_next = (i + 1) % RING_DESCS;
+            n += 1;
+        }
+        if n > 0 {
+            self.regs
+                .set_rx_tail((self.rx_next + RING_DESCS - 1) % RING_DESCS);
+        }
+        if n < budget {
+            self.napi = false;
+            self.regs.irq_enabled.store(true, Ordering::Release);
+            // A completion that arrived between the last check and the re-enable
+            // raised no interrupt: look once more.
+            fence(Ordering::SeqCst);
+            if self.read_desc(self.rx_ring, self.rx_next).status & DESC_DD != 0 {
+                self.regs.irq_enabled.store(false, Ordering::Release);
+                self.napi = true;
+            }
+        }
+        n
+    }
+
+    /// Frees the buffers of transmitted packets.
+    pub fn clean_tx(&mut self, pool: &mut SkbPool) -> usize {
+        let mut n = 0;
+        while self.tx_clean != self.tx_next {
+            let d = self.read_desc(self.tx_ring, self.tx_clean);
+            if d.status & DESC_DD == 0 {
+                break;
+            }
+            if let Some(skb) = self.tx_skbs[self.tx_clean as usize].take() {
+                let _m = enter(Class::Mem);
+                pool.free(skb);
+                self.stats.tx_packets += 1;
+            }
+            self.tx_clean = (self.tx_clean + 1) % RING_DESCS;
+            n += 1;
+        }
+        n
+    }
+
+    /// Transmits a packet: one descriptor per page its bytes lie in. Gives the buffer
+    /// back if the ring has no room.
+    pub fn xmit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
+        let _c = enter(Class::Driver);
+        let len = pool.len(skb);
+        let mut segs = 0u32;
+        let _ = pool.walk(skb, 0, len, |_, _| {
+            segs += 1;
+            Ok(())
+        });
+        let used = (self.tx_next + RING_DESCS - self.tx_clean) % RING_DESCS;
+        if segs == 0 || used + segs >= RING_DESCS {
+            self.stats.tx_ring_full += 1;
+            return Err(skb);
+        }
+        let mut k = 0;
+        let mut descs = [Desc::default(); net::skb::MAX_SKB_FRAGS * 2 + 2];
+        let _ = pool.walk(skb, 0, len, |seg, _| {
+            if k < descs.len() {
+                descs[k] = Desc {
+                    addr: match seg.page {
+                        SegPage::Own(g) => iova_of(g, seg.offset).0,
+                        SegPage::Window(slot) => window_iova(slot).0 + seg.offset as u64,
+                    },
+                    len: seg.len as u16,
+                    ..Default::default()
+                };
+            }
+            k += 1;
+            Ok(())
+        });
+        if k > descs.len() {
+            self.stats.tx_ring_full += 1;
+            return Err(skb);
+        }
+        for (j, d) in descs[..k].iter_mut().enumerate() {
+            if let Some(g) = pool_page_of(d.addr) {
+                let _ = self.dma_map(g, (d.addr as usize) % PAGE_SIZE, d.len as usize);
+            }
+            if j + 1 == k {
+                d.flags = DESC_EOP;
+            }
+            self.write_desc(self.tx_ring, self.tx_next, d);
+            if j + 1 == k {
+                self.tx_skbs[self.tx_next as usize] = Some(skb);
+            }
+            self.tx_next = (self.tx_next + 1) % RING_DESCS;
+        }
+        // Descriptors before the doorbell.
+        fence(Ordering::Release);
+        self.regs.ring_tx_doorbell(self.tx_next);
+        Ok(())
+    }
+
+    /// Stops the device and frees every buffer the rings hold.
+    pub fn shutdown(&mut self, pool: &mut SkbPool) {
+        self.regs.enabled.store(false, Ordering::Release);
+        self.regs.irq_enabled.store(false, Ordering::Release);
+        for s in self.rx_skbs.iter_mut().chain(self.tx_skbs.iter_mut()) {
+            if let Some(id) = s.take() {
+                pool.free(id);
+            }
+        }
+    }
+}
+
+/// The page of an own-memory I/O address (foreign window pages have none: they were
+/// mapped by the hypervisor when granted).
+fn pool_page_of(addr: u64) -> Option<Gfn> {
+    let pfn = addr >> mem::PAGE_SHIFT;
+    (pfn < hv::iommu::WINDOW_IOVA_PFN).then_some(Gfn(pfn as u32))
+}

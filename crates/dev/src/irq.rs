@@ -1,0 +1,74 @@
+//! How a device's interrupt reaches its driver.
+//!
+//! Under the hypervisor (driver domain, or a guest with an assigned device) the device
+//! raises a vector at the hypervisor, which turns it into an event on the owner's
+//! channel: two hops, as in Xen. A native machine has no hypervisor in the way: the
+//! interrupt wakes the kernel's CPU directly.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
+
+use hv::{Hypervisor, Vector};
+
+/// A native interrupt line: a pending bit and the CPU it wakes.
+#[derive(Debug, Default)]
+pub struct NativeIrq {
+    pending: AtomicBool,
+    cpu: OnceLock<Thread>,
+}
+
+impl NativeIrq {
+    /// The thread of the CPU the line is routed to (set once, by that thread).
+    pub fn route_here(&self) {
+        let _ = self.cpu.set(std::thread::current());
+    }
+    /// Whether an interrupt is pending.
+    pub fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+    /// Acknowledges (clears) the interrupt; true if one was pending.
+    pub fn ack(&self) -> bool {
+        self.pending.swap(false, Ordering::AcqRel)
+    }
+    /// Raises the interrupt and wakes the CPU.
+    pub fn raise(&self) {
+        self.pending.store(true, Ordering::Release);
+        if let Some(t) = self.cpu.get() {
+            t.unpark();
+        }
+    }
+    /// Halts the CPU until an interrupt is pending or `stop` is set (the idle loop's
+    /// `hlt`).
+    pub fn halt(&self, stop: &AtomicBool) {
+        while !self.pending() && !stop.load(Ordering::Acquire) {
+            std::thread::park();
+        }
+    }
+}
+
+/// Where a device's interrupt goes.
+#[derive(Debug, Clone)]
+pub enum IrqLine {
+    /// Through the hypervisor, as a virtual IRQ on the owner's event channel.
+    Hypervisor {
+        /// The hypervisor.
+        hv: Arc<Hypervisor>,
+        /// The device's vector.
+        vector: Vector,
+    },
+    /// Straight to a native kernel.
+    Native(Arc<NativeIrq>),
+}
+
+impl IrqLine {
+    /// Raises the interrupt.
+    pub fn raise(&self) {
+        match self {
+            IrqLine::Hypervisor { hv, vector } => {
+                let _ = hv.raise_irq(*vector);
+            }
+            IrqLine::Native(n) => n.raise(),
+        }
+    }
+}

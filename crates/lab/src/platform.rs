@@ -1,0 +1,644 @@
+//! The machines of paper 000's receive experiments, assembled and running.
+//!
+//! Three configurations, chosen by name:
+//! * `native`: one domain runs the NIC driver (`pci-nommu` DMA), the stack and the
+//!   application; the NIC's interrupt wakes it directly and it idles by halting, so no
+//!   hypervisor code is on its path;
+//! * `direct`: the NIC is assigned to the guest — its DMA goes through the guest's IOMMU
+//!   context, its interrupt arrives as an event from the hypervisor, the guest kernel's
+//!   DMA interface is `swiotlb` and it idles by blocking in the hypervisor;
+//! * `pv`: a driver domain runs the NIC driver, the bridge (with or without its netfilter
+//!   hooks) and netback; the guest runs netfront, the stack and the application. The two
+//!   domains' vCPUs are on different cores, as in the paper.
+//!
+//! The NIC's far end is the paced sender ([`dev::wire::PacedSender`]). Each domain's
+//! kernel is a loop on its vCPU thread: take events, run the NAPI poll or netfront, run
+//! netback, then the application's `recv` loop; idle, wait.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dev::driver::{DmaApi, NicDriver};
+use dev::irq::{IrqLine, NativeIrq};
+use dev::nic::{Coalesce, Nic};
+use dev::wire::{CountingSink, PacedSender, SenderCounters};
+use hv::profile::{enter, Class, ClassSamples};
+use hv::{
+    DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Vcpu, VcpuStart,
+    Vector, WaitMode,
+};
+use net::bridge::{Bridge, Forward};
+use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
+use net::netfront::Netfront;
+use net::skb::SkbPool;
+use net::stack::{SocketId, Stack, UserBuf, DEFAULT_RCVBUF};
+use net::wire::{UdpFlow, DEFAULT_MTU};
+use smoltcp::wire::Ipv4Address;
+
+use crate::LabError;
+
+/// Which machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Config {
+    /// Linux without a hypervisor.
+    Native,
+    /// A guest with the NIC assigned.
+    Direct,
+    /// Driver domain and paravirtual guest.
+    Pv,
+}
+
+impl Config {
+    /// Every configuration, in the paper's order.
+    pub const ALL: [Config; 3] = [Config::Native, Config::Direct, Config::Pv];
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Config::Native => "native",
+            Config::Direct => "direct",
+            Config::Pv => "pv",
+        }
+    }
+    /// By name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == s)
+    }
+}
+
+/// How to build and drive the machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// The configuration.
+    pub config: Config,
+    /// UDP payload bytes per message.
+    pub message: usize,
+    /// Frames per second on the wire.
+    pub rate: f64,
+    /// The NIC's interrupt coalescing.
+    pub coalesce: Coalesce,
+    /// Bridge netfilter hooks on (pv only).
+    pub netfilter: bool,
+    /// Grant-table layout.
+    pub grant_version: GrantVersion,
+    /// Grant implementation.
+    pub grant_path: GrantPath,
+    /// Profiler sampling interval (none: no sampling).
+    pub sample: Option<Duration>,
+}
+
+/// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
+/// frame check and inter-frame gap: 1538 bytes on the wire).
+pub const GIGABIT_FULL_FRAME_PPS: f64 = 1e9 / (1538.0 * 8.0);
+
+impl Options {
+    /// The paper's set-up for `config` and `message`: the original implementation
+    /// (v1 grants, original grant path), netfilter hooks on, 6 packets / 18 µs.
+    pub fn paper(config: Config, message: usize) -> Self {
+        Self {
+            config,
+            message,
+            rate: GIGABIT_FULL_FRAME_PPS,
+            coalesce: Coalesce::default(),
+            netfilter: true,
+            grant_version: GrantVersion::V1,
+            grant_path: GrantPath::Original,
+            sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
+        }
+    }
+}
+
+/// The flow the sender sends.
+pub fn flow() -> UdpFlow {
+    UdpFlow {
+        src_mac: [0x02, 0, 0, 0, 0, 0x01],
+        dst_mac: [0x02, 0, 0, 0, 0, 0x10],
+        src_ip: Ipv4Address::new(10, 0, 0, 1),
+        dst_ip: Ipv4Address::new(10, 0, 0, 2),
+        src_port: 5001,
+        dst_port: 5002,
+        mtu: DEFAULT_MTU,
+    }
+}
+
+/// What the application saw.
+#[derive(Debug, Default)]
+pub struct AppCounters {
+    /// Messages received.
+    pub messages: AtomicU64,
+    /// Bytes received.
+    pub bytes: AtomicU64,
+    /// Messages whose length or content was not what the sender sent.
+    pub corrupt: AtomicU64,
+}
+
+/// A domain's CPU use at one instant.
+#[derive(Debug, Clone)]
+pub struct DomainSnapshot {
+    /// Exact CPU time of its vCPUs.
+    pub cpu: Duration,
+    /// Profiler samples per class.
+    pub samples: ClassSamples,
+}
+
+/// The machine's counters at one instant.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// When.
+    pub at: Instant,
+    /// Per domain: (name, driver domain?, use).
+    pub domains: Vec<(String, bool, DomainSnapshot)>,
+    /// Frames the sender put on the wire.
+    pub frames_sent: u64,
+    /// Messages the application received.
+    pub messages: u64,
+}
+
+/// Final per-component counters, for the loss account.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Counters {
+    /// (component, counter, value), nonzero drop counters and totals.
+    pub entries: Vec<(String, String, u64)>,
+}
+
+impl Counters {
+    fn add(&mut self, comp: &str, name: &str, v: u64) {
+        self.entries.push((comp.into(), name.into(), v));
+    }
+    /// A counter's value (0 if absent).
+    pub fn get(&self, comp: &str, name: &str) -> u64 {
+        self.entries
+            .iter()
+            .filter(|(c, n, _)| c == comp && n == name)
+            .map(|e| e.2)
+            .sum()
+    }
+}
+
+/// A running machine.
+#[derive(Debug)]
+pub struct Running {
+    /// The hypervisor.
+    pub hv: Arc<Hypervisor>,
+    /// Options it was built with.
+    pub opts: Options,
+    domains: Vec<Arc<Domain>>,
+    nic: Option<Nic>,
+    sender: Arc<SenderCounters>,
+    frames_per_message: usize,
+    app: Arc<AppCounters>,
+    stop: Arc<AtomicBool>,
+    kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
+    native_irq: Option<Arc<NativeIrq>>,
+}
+
+const NIC: DeviceId = DeviceId(1);
+const NIC_VECTOR: Vector = Vector(40);
+const POOL_BUFFERS: usize = 1536;
+const POOL_PAGES: usize = 640;
+const DOMAIN_PAGES: u32 = 4096;
+const NAPI_BUDGET: usize = 64;
+
+fn other(e: impl std::fmt::Display) -> LabError {
+    LabError::Other(e.to_string())
+}
+
+/// The receiving application: `recv` until the socket is empty, checking each message
+/// against what the sender sends (two bytes and the length).
+struct App {
+    sock: SocketId,
+    buf: UserBuf,
+    message: usize,
+    counters: Arc<AppCounters>,
+}
+
+impl App {
+    fn run(&mut self, stack: &mut Stack, pool: &mut SkbPool) -> usize {
+        let mut n = 0;
+        while let Ok(Some(r)) = stack.recv(pool, self.sock, &self.buf) {
+            let _u = enter(Class::User);
+            let mut head = [0u8; 2];
+            let ok = r.len == self.message
+                && (self.message < 2
+                    || (self.buf.read(pool.domain(), 0, &mut head).is_ok()
+                        && head[1] == head[0].wrapping_add(31)));
+            if !ok {
+                self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            }
+            self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .bytes
+                .fetch_add(r.len as u64, Ordering::Relaxed);
+            n += 1;
+        }
+        n
+    }
+}
+
+fn now_since(t0: Instant) -> Duration {
+    let _t = enter(Class::Time);
+    t0.elapsed()
+}
+
+impl Running {
+    /// Builds the machine for `opts` and starts it: domains, NIC, drivers, vCPUs, and
+    /// the sender.
+    pub fn start(opts: Options) -> Result<Self, LabError> {
+        let cores = mem::cpu::online_cores();
+        let core = |i: usize| (cores > i).then_some(i);
+        let hv = Hypervisor::new(HvConfig {
+            frames: DOMAIN_PAGES * 3 + 1024,
+            grant_path: opts.grant_path,
+        })?;
+        let mk = |name: &str, driver: bool, slots: u32| {
+            hv.create_domain(&DomainConfig {
+                name: name.into(),
+                pages: DOMAIN_PAGES,
+                grant_frames: 4,
+                grant_version: opts.grant_version,
+                vcpus: 1,
+                map_slots: slots,
+                driver_domain: driver,
+            })
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let app = Arc::new(AppCounters::default());
+        let f = flow();
+        let sender = PacedSender::new(f, opts.message, opts.rate, None).map_err(other)?;
+        let sender_counters = Arc::clone(sender.counters());
+        let fpm = sender.frames_per_message();
+        let sink = CountingSink::default();
+        let start = |_dom: &Arc<Domain>, core: Option<usize>| VcpuStart {
+            vcpu: 0,
+            core,
+            mode: WaitMode::Blocking,
+            sample: opts.sample,
+        };
+        let _ = dom_name(opts.config);
+        let mut kernels = Vec::new();
+        let mut domains = Vec::new();
+        let mut native_irq = None;
+        let t0 = Instant::now();
+
+        let nic;
+        match opts.config {
+            Config::Native | Config::Direct => {
+                let native = opts.config == Config::Native;
+                let dom = mk(if native { "native" } else { "guest" }, native, 4)?;
+                hv.iommu_attach(NIC, &dom).map_err(other)?;
+                let (irq, port) = if native {
+                    let n = Arc::new(NativeIrq::default());
+                    native_irq = Some(Arc::clone(&n));
+                    (IrqLine::Native(n), None)
+                } else {
+                    let p = hv.bind_irq(&dom, NIC_VECTOR).map_err(other)?;
+                    (
+                        IrqLine::Hypervisor {
+                            hv: Arc::clone(&hv),
+                            vector: NIC_VECTOR,
+                        },
+                        Some(p),
+                    )
+                };
+                nic = Nic::start(
+                    &hv,
+                    NIC,
+                    irq,
+                    opts.coalesce,
+                    Box::new(sender),
+                    Box::new(sink),
+                )
+                .map_err(other)?;
+                let mut pool = SkbPool::new(Arc::clone(&dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+                let dma = if native { DmaApi::Direct } else { DmaApi::Swiotlb };
+                let mut drv = NicDriver::probe(&hv, &dom, nic.regs(), &mut pool, dma).map_err(other)?;
+                let mut stack = Stack::new(f.dst_ip, f.dst_mac);
+                let sock = stack.bind_udp(f.dst_port, DEFAULT_RCVBUF).ok_or_else(|| other("bind"))?;
+                let mut app_ = App {
+                    sock,
+                    buf: UserBuf::new(&dom, 65536).map_err(other)?,
+                    message: opts.message,
+                    counters: Arc::clone(&app),
+                };
+                let (stop_, nirq) = (Arc::clone(&stop), native_irq.clone());
+                let h = hv
+                    .start_vcpu(&dom, start(&dom, core(1)), move |v: Vcpu| {
+                        if let Some(n) = &nirq {
+                            n.route_here();
+                        }
+                        while !stop_.load(Ordering::Acquire) {
+                            match (&nirq, port) {
+                                (Some(n), _) => {
+                                    if n.ack() {
+                                        drv.interrupt();
+                                    }
+                                }
+                                (None, Some(p)) => {
+                                    v.handle_events(|q| {
+                                        if q == p {
+                                            drv.interrupt();
+                                        }
+                                    });
+                                }
+                                _ => {}
+                            }
+                            let mut work = 0;
+                            if drv.napi_scheduled() {
+                                let now = now_since(t0);
+                                work += drv.poll(&mut pool, NAPI_BUDGET, |pool, skb| {
+                                    stack.input(pool, skb, now)
+                                });
+                            }
+                            work += app_.run(&mut stack, &mut pool);
+                            if work == 0 && !drv.napi_scheduled() {
+                                match &nirq {
+                                    Some(n) => {
+                                        let _s = enter(Class::Schedule);
+                                        n.halt(&stop_);
+                                    }
+                                    None => v.wait(),
+                                }
+                            }
+                        }
+                        let mut c = Counters::default();
+                        stack_counters(&mut c, &stack);
+                        driver_counters(&mut c, &drv);
+                        drv.shutdown(&mut pool);
+                        stack.shutdown(&mut pool);
+                        c
+                    })
+                    .map_err(other)?;
+                kernels.push((Arc::clone(&dom), h));
+                domains.push(dom);
+            }
+            Config::Pv => {
+                let drv_dom = mk("driver", true, VIF_WINDOW_SLOTS + 4)?;
+                let guest = mk("guest", false, 4)?;
+                hv.iommu_attach(NIC, &drv_dom).map_err(other)?;
+                let irq_port = hv.bind_irq(&drv_dom, NIC_VECTOR).map_err(other)?;
+                nic = Nic::start(
+                    &hv,
+                    NIC,
+                    IrqLine::Hypervisor {
+                        hv: Arc::clone(&hv),
+                        vector: NIC_VECTOR,
+                    },
+                    opts.coalesce,
+                    Box::new(sender),
+                    Box::new(sink),
+                )
+                .map_err(other)?;
+                // The toolstack and the handshake.
+                net::xenbus::create_vif(hv.store(), drv_dom.id(), guest.id(), 0, f.dst_mac)
+                    .map_err(other)?;
+                netback::probe(hv.store(), drv_dom.id(), guest.id(), 0).map_err(other)?;
+                let mut front = Netfront::connect(&hv, &guest, 0).map_err(other)?;
+                let mut vif = Vif::connect(&hv, &drv_dom, guest.id(), 0, 0, 0).map_err(other)?;
+                let mut dpool =
+                    SkbPool::new(Arc::clone(&drv_dom), POOL_BUFFERS, 64).map_err(other)?;
+                let mut gpool =
+                    SkbPool::new(Arc::clone(&guest), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+                front.refill_rx(&mut gpool);
+                let mut nicdrv =
+                    NicDriver::probe(&hv, &drv_dom, nic.regs(), &mut dpool, DmaApi::Swiotlb)
+                        .map_err(other)?;
+                let mut bridge = Bridge::new(2, opts.netfilter);
+                bridge.learn(f.dst_mac, 1);
+
+                let stop_d = Arc::clone(&stop);
+                let vif_port = vif.port();
+                let hd = hv
+                    .start_vcpu(&drv_dom, start(&drv_dom, core(0)), move |v: Vcpu| {
+                        let mut tokens: Vec<u32> = Vec::with_capacity(POOL_BUFFERS);
+                        while !stop_d.load(Ordering::Acquire) {
+                            let mut vif_ev = false;
+                            v.handle_events(|q| {
+                                if q == irq_port {
+                                    nicdrv.interrupt();
+                                } else if q == vif_port {
+                                    vif_ev = true;
+                                }
+                            });
+                            let mut work = 0;
+                            if nicdrv.napi_scheduled() {
+                                work += nicdrv.poll(&mut dpool, NAPI_BUDGET, |pool, skb| {
+                                    match bridge.input(pool, skb, 0) {
+                                        Forward::Port(1) | Forward::Flood => {
+                                            vif.start_xmit(pool, skb)
+                                        }
+                                        _ => pool.free(skb),
+                                    }
+                                });
+                            }
+                            if vif.rx_pending() {
+                                work += vif.rx_action(&mut dpool);
+                            }
+                            if vif_ev || vif.tx_pending() {
+                                work += vif.tx_action(&mut dpool, NAPI_BUDGET, |pool, skb| {
+                                    match bridge.input(pool, skb, 1) {
+                                        Forward::Port(0) | Forward::Flood => {
+                                            if let Err(s) = nicdrv.xmit(pool, skb) {
+                                                pool.free(s);
+                                            }
+                                        }
+                                        _ => pool.free(skb),
+                                    }
+                                });
+                            }
+                            nicdrv.clean_tx(&mut dpool);
+                            dpool.take_released(|r| tokens.push(r.token));
+                            if !tokens.is_empty() {
+                                vif.tx_release(tokens.drain(..));
+                            }
+                            if work == 0 && !nicdrv.napi_scheduled() {
+                                v.wait();
+                            }
+                        }
+                        let mut c = Counters::default();
+                        driver_counters(&mut c, &nicdrv);
+                        let s = vif.stats();
+                        c.add("netback", "rx_packets", s.rx_packets);
+                        c.add("netback", "rx_queue_full", s.rx_queue_full);
+                        c.add("netback", "rx_copy_errors", s.rx_copy_errors);
+                        c.add("netback", "rx_stalls", s.rx_stalls);
+                        let b = bridge.stats();
+                        c.add("bridge", "forwarded", b.forwarded);
+                        c.add("bridge", "dropped", b.drops.iter().sum());
+                        nicdrv.shutdown(&mut dpool);
+                        vif.disconnect(&mut dpool);
+                        c
+                    })
+                    .map_err(other)?;
+                kernels.push((Arc::clone(&drv_dom), hd));
+
+                let mut stack = Stack::new(f.dst_ip, f.dst_mac);
+                let sock = stack.bind_udp(f.dst_port, DEFAULT_RCVBUF).ok_or_else(|| other("bind"))?;
+                let mut app_ = App {
+                    sock,
+                    buf: UserBuf::new(&guest, 65536).map_err(other)?,
+                    message: opts.message,
+                    counters: Arc::clone(&app),
+                };
+                let stop_g = Arc::clone(&stop);
+                let fport = front.port();
+                let hg = hv
+                    .start_vcpu(&guest, start(&guest, core(1)), move |v: Vcpu| {
+                        while !stop_g.load(Ordering::Acquire) {
+                            v.handle_events(|_| {});
+                            let now = now_since(t0);
+                            let mut work = front.poll_rx(&mut gpool, NAPI_BUDGET, |pool, skb| {
+                                stack.input(pool, skb, now)
+                            });
+                            front.poll_tx(&mut gpool);
+                            work += app_.run(&mut stack, &mut gpool);
+                            if work == 0 {
+                                v.wait();
+                            }
+                        }
+                        let _ = fport;
+                        let mut c = Counters::default();
+                        stack_counters(&mut c, &stack);
+                        let s = front.stats();
+                        c.add("netfront", "rx_packets", s.rx_packets);
+                        c.add("netfront", "rx_errors", s.rx_errors.iter().sum());
+                        c.add("netfront", "rx_no_buffer", s.rx_no_buffer);
+                        stack.shutdown(&mut gpool);
+                        c
+                    })
+                    .map_err(other)?;
+                kernels.push((Arc::clone(&guest), hg));
+                domains.push(drv_dom);
+                domains.push(guest);
+            }
+        }
+        Ok(Self {
+            hv,
+            opts,
+            domains,
+            nic: Some(nic),
+            sender: sender_counters,
+            frames_per_message: fpm,
+            app,
+            stop,
+            kernels,
+            native_irq,
+        })
+    }
+
+    /// Frames per message.
+    pub fn frames_per_message(&self) -> usize {
+        self.frames_per_message
+    }
+
+    /// The machine's counters now.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            at: Instant::now(),
+            domains: self
+                .domains
+                .iter()
+                .map(|d| {
+                    (
+                        d.name().to_string(),
+                        d.is_driver_domain() && self.opts.config == Config::Pv,
+                        DomainSnapshot {
+                            cpu: d.cpu_time(),
+                            samples: d.class_samples(),
+                        },
+                    )
+                })
+                .collect(),
+            frames_sent: self.sender.frames.load(Ordering::Relaxed),
+            messages: self.app.messages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Stops the sender, waits up to `drain` for what is in flight to arrive, stops the
+    /// machine and accounts for every frame.
+    pub fn finish(mut self, drain: Duration) -> Result<Finish, LabError> {
+        let nic = self.nic.take().ok_or_else(|| other("no nic"))?;
+        nic.regs().enabled.store(false, Ordering::Release);
+        let sent = self.sender.frames.load(Ordering::Relaxed);
+        let whole = sent / self.frames_per_message as u64;
+        let t = Instant::now();
+        while self.app.messages.load(Ordering::Relaxed) < whole && t.elapsed() < drain {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let regs = Arc::clone(nic.regs());
+        drop(nic);
+        self.stop.store(true, Ordering::Release);
+        if let Some(n) = &self.native_irq {
+            n.raise();
+        }
+        let mut counters = Counters::default();
+        for (d, h) in self.kernels.drain(..) {
+            self.hv.kick_vcpu(&d, 0);
+            let c = h.join().map_err(|_| other("a vCPU panicked"))?;
+            counters.entries.extend(c.entries);
+        }
+        counters.add("nic", "rx_frames", regs.rx_frames.load(Ordering::Relaxed));
+        counters.add("nic", "rx_missed", regs.rx_missed.load(Ordering::Relaxed));
+        counters.add("nic", "dma_faults", regs.dma_faults.load(Ordering::Relaxed));
+        counters.add("nic", "irqs", regs.irqs.load(Ordering::Relaxed));
+        Ok(Finish {
+            frames_sent: sent,
+            messages_sent: whole,
+            messages_received: self.app.messages.load(Ordering::Relaxed),
+            corrupt: self.app.corrupt.load(Ordering::Relaxed),
+            counters,
+        })
+    }
+}
+
+/// What a finished run accounts for.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finish {
+    /// Frames the sender sent.
+    pub frames_sent: u64,
+    /// Whole messages among them.
+    pub messages_sent: u64,
+    /// Messages the application received.
+    pub messages_received: u64,
+    /// Of those, not as sent.
+    pub corrupt: u64,
+    /// Every component's counters.
+    pub counters: Counters,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(n) = &self.native_irq {
+            n.raise();
+        }
+        for (d, h) in self.kernels.drain(..) {
+            self.hv.kick_vcpu(&d, 0);
+            let _ = h.join();
+        }
+    }
+}
+
+fn dom_name(c: Config) -> &'static str {
+    c.name()
+}
+
+fn stack_counters(c: &mut Counters, s: &Stack) {
+    let st = s.stats();
+    c.add("stack", "frames", st.frames);
+    c.add("stack", "datagrams", st.datagrams);
+    for r in net::stack::RxDrop::ALL {
+        let n = st.drop_count(r);
+        if n > 0 {
+            c.add("stack", &format!("drop {r:?}"), n);
+        }
+    }
+    c.add("stack", "soft_csums", st.soft_csums);
+}
+
+fn driver_counters(c: &mut Counters, d: &NicDriver) {
+    let s = d.stats();
+    c.add("driver", "rx_packets", s.rx_packets);
+    c.add("driver", "rx_no_buffer", s.rx_no_buffer);
+    c.add("driver", "irqs", s.irqs);
+}
