@@ -73,5 +73,5 @@ pub enum LabError {
 
 /// Every experiment, in the order `reproduce` runs them.
 pub fn registry() -> Vec<Experiment> {
-    vec![experiments::core::EXPERIMENT]
+    vec![experiments::core::EXPERIMENT, experiments::santos08::EXPERIMENT]
 }

@@ -40,7 +40,7 @@ use smoltcp::wire::Ipv4Address;
 use crate::LabError;
 
 /// Which machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum Config {
     /// Linux without a hypervisor.
     Native,

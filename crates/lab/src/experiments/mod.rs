@@ -1,3 +1,4 @@
 //! One module per experiment.
 
 pub mod core;
+pub mod santos08;
