@@ -18,7 +18,14 @@ use hv::profile::{enter, Class};
 use hv::{Domain, Gfn, Hypervisor, Iova, PAGE_SIZE};
 use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 
-use crate::nic::{Desc, NicRegs, DESC_DD, DESC_EOP, DESC_L4_OK, DESC_SIZE, RING_DESCS};
+use crate::nic::{Desc, NicRegs, DESC_DD, DESC_EOP, DESC_L4_OK, DESC_SIZE, RING_DESCS, RING_PAGES};
+
+/// Where the rings appear to the device: I/O-virtually contiguous, whatever frames hold
+/// them.
+const RX_RING_IOVA_PFN: u64 = 1 << 33;
+const TX_RING_IOVA_PFN: u64 = (1 << 33) + 64;
+
+type Ring = [Gfn; RING_PAGES];
 
 /// The kernel's DMA interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,8 +73,8 @@ pub struct NicDriver {
     dom: Arc<Domain>,
     regs: Arc<NicRegs>,
     dma: DmaApi,
-    rx_ring: Gfn,
-    tx_ring: Gfn,
+    rx_ring: Ring,
+    tx_ring: Ring,
     rx_skbs: Box<[Option<SkbId>]>,
     rx_next: u32,
     tx_skbs: Box<[Option<SkbId>]>,
@@ -94,13 +101,20 @@ impl NicDriver {
         pool: &mut SkbPool,
         dma: DmaApi,
     ) -> Result<Self, DriverError> {
-        let rx_ring = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
-        let tx_ring = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
-        for g in [rx_ring, tx_ring].into_iter().chain(pool.all_pages()) {
+        let ring = |base: u64| -> Result<Ring, DriverError> {
+            let mut r = [Gfn(0); RING_PAGES];
+            for (k, g) in r.iter_mut().enumerate() {
+                *g = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
+                let _ = dom.fill(*g, 0, PAGE_SIZE, 0);
+                hv.iommu_map(dom, Iova((base + k as u64) << mem::PAGE_SHIFT), *g, true)?;
+            }
+            Ok(r)
+        };
+        let rx_ring = ring(RX_RING_IOVA_PFN)?;
+        let tx_ring = ring(TX_RING_IOVA_PFN)?;
+        for g in pool.all_pages() {
             hv.iommu_map(dom, iova_of(g, 0), g, true)?;
         }
-        let _ = dom.fill(rx_ring, 0, PAGE_SIZE, 0);
-        let _ = dom.fill(tx_ring, 0, PAGE_SIZE, 0);
         let mut d = Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
@@ -123,9 +137,9 @@ impl NicDriver {
             d.post_rx(pool, i, skb);
         }
         regs.rx_base
-            .store(iova_of(rx_ring, 0).0, Ordering::Relaxed);
+            .store(RX_RING_IOVA_PFN << mem::PAGE_SHIFT, Ordering::Relaxed);
         regs.tx_base
-            .store(iova_of(tx_ring, 0).0, Ordering::Relaxed);
+            .store(TX_RING_IOVA_PFN << mem::PAGE_SHIFT, Ordering::Relaxed);
         regs.set_rx_tail(RING_DESCS - 1);
         regs.irq_enabled.store(true, Ordering::Release);
         regs.enabled.store(true, Ordering::Release);
@@ -145,20 +159,21 @@ impl NicDriver {
         self.napi
     }
 
-    fn read_desc(&self, ring: Gfn, i: u32) -> Desc {
+    fn desc_at(ring: &Ring, i: u32) -> (Gfn, usize) {
+        let at = (i % RING_DESCS) as usize * DESC_SIZE;
+        (ring[at / PAGE_SIZE], at % PAGE_SIZE)
+    }
+
+    fn read_desc(&self, ring: &Ring, i: u32) -> Desc {
         let mut raw = [0u8; DESC_SIZE];
-        let _ = self
-            .dom
-            .read(ring, (i % RING_DESCS) as usize * DESC_SIZE, &mut raw);
+        let (g, off) = Self::desc_at(ring, i);
+        let _ = self.dom.read(g, off, &mut raw);
         bytemuck::pod_read_unaligned(&raw)
     }
 
-    fn write_desc(&self, ring: Gfn, i: u32, d: &Desc) {
-        let _ = self.dom.write(
-            ring,
-            (i % RING_DESCS) as usize * DESC_SIZE,
-            bytemuck::bytes_of(d),
-        );
+    fn write_desc(&self, ring: &Ring, i: u32, d: &Desc) {
+        let (g, off) = Self::desc_at(ring, i);
+        let _ = self.dom.write(g, off, bytemuck::bytes_of(d));
     }
 
     /// `dma_map_single`: the bus address of a buffer's bytes.
@@ -184,7 +199,7 @@ impl NicDriver {
         let room = pool.tailroom(skb);
         let addr = self.dma_map(g, off, room);
         self.write_desc(
-            self.rx_ring,
+            &self.rx_ring,
             i,
             &Desc {
                 addr: addr.0,
@@ -217,7 +232,7 @@ impl NicDriver {
         let mut n = 0;
         while n < budget {
             let i = self.rx_next;
-            let d = self.read_desc(self.rx_ring, i);
+            let d = self.read_desc(&self.rx_ring, i);
             if d.status & DESC_DD == 0 {
                 break;
             }
@@ -258,7 +273,7 @@ impl NicDriver {
             // A completion that arrived between the last check and the re-enable
             // raised no interrupt: look once more.
             fence(Ordering::SeqCst);
-            if self.read_desc(self.rx_ring, self.rx_next).status & DESC_DD != 0 {
+            if self.read_desc(&self.rx_ring, self.rx_next).status & DESC_DD != 0 {
                 self.regs.irq_enabled.store(false, Ordering::Release);
                 self.napi = true;
             }
@@ -270,7 +285,7 @@ impl NicDriver {
     pub fn clean_tx(&mut self, pool: &mut SkbPool) -> usize {
         let mut n = 0;
         while self.tx_clean != self.tx_next {
-            let d = self.read_desc(self.tx_ring, self.tx_clean);
+            let d = self.read_desc(&self.tx_ring, self.tx_clean);
             if d.status & DESC_DD == 0 {
                 break;
             }
@@ -327,7 +342,7 @@ impl NicDriver {
             if j + 1 == k {
                 d.flags = DESC_EOP;
             }
-            self.write_desc(self.tx_ring, self.tx_next, d);
+            self.write_desc(&self.tx_ring, self.tx_next, d);
             if j + 1 == k {
                 self.tx_skbs[self.tx_next as usize] = Some(skb);
             }

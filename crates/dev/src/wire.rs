@@ -65,6 +65,9 @@ pub struct SenderCounters {
     pub frames: AtomicU64,
     /// Whole messages put on the wire.
     pub messages: AtomicU64,
+    /// The latest any frame went out after its due time, in µs (the device thread
+    /// was not running): a measure of how faithful the pacing was.
+    pub max_late_us: AtomicU64,
 }
 
 /// The remote sender: UDP messages of one size at a fixed frame rate (paper 000 kept
@@ -144,6 +147,10 @@ impl WireSource for PacedSender {
             let due = start + self.period.mul_f64(self.sent as f64);
             if due > now {
                 break;
+            }
+            let late = now.duration_since(due).as_micros() as u64;
+            if late > self.counters.max_late_us.load(Ordering::Relaxed) {
+                self.counters.max_late_us.store(late, Ordering::Relaxed);
             }
             let (off, len) = self.spans[self.sent as usize % self.spans.len()];
             emit(&self.frames[off..off + len]);

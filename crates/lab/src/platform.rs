@@ -195,9 +195,9 @@ pub struct Running {
 
 const NIC: DeviceId = DeviceId(1);
 const NIC_VECTOR: Vector = Vector(40);
-const POOL_BUFFERS: usize = 1536;
+const POOL_BUFFERS: usize = 3072;
 const POOL_PAGES: usize = 640;
-const DOMAIN_PAGES: u32 = 4096;
+const DOMAIN_PAGES: u32 = 8192;
 const NAPI_BUDGET: usize = 64;
 
 fn other(e: impl std::fmt::Display) -> LabError {
@@ -263,6 +263,7 @@ impl Running {
             })
         };
         let stop = Arc::new(AtomicBool::new(false));
+        let ready = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let app = Arc::new(AppCounters::default());
         let f = flow();
         let sender = PacedSender::new(f, opts.message, opts.rate, None).map_err(other)?;
@@ -321,12 +322,13 @@ impl Running {
                     message: opts.message,
                     counters: Arc::clone(&app),
                 };
-                let (stop_, nirq) = (Arc::clone(&stop), native_irq.clone());
+                let (stop_, nirq, ready_) = (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
                 let h = hv
                     .start_vcpu(&dom, start(&dom, core(1)), move |v: Vcpu| {
                         if let Some(n) = &nirq {
                             n.route_here();
                         }
+                        ready_.fetch_add(1, Ordering::Release);
                         while !stop_.load(Ordering::Acquire) {
                             match (&nirq, port) {
                                 (Some(n), _) => {
@@ -406,11 +408,12 @@ impl Running {
                 let mut bridge = Bridge::new(2, opts.netfilter);
                 bridge.learn(f.dst_mac, 1);
 
-                let stop_d = Arc::clone(&stop);
+                let (stop_d, ready_d) = (Arc::clone(&stop), Arc::clone(&ready));
                 let vif_port = vif.port();
                 let hd = hv
                     .start_vcpu(&drv_dom, start(&drv_dom, core(0)), move |v: Vcpu| {
                         let mut tokens: Vec<u32> = Vec::with_capacity(POOL_BUFFERS);
+                        ready_d.fetch_add(1, Ordering::Release);
                         while !stop_d.load(Ordering::Acquire) {
                             let mut vif_ev = false;
                             v.handle_events(|q| {
@@ -480,10 +483,11 @@ impl Running {
                     message: opts.message,
                     counters: Arc::clone(&app),
                 };
-                let stop_g = Arc::clone(&stop);
+                let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
                 let fport = front.port();
                 let hg = hv
                     .start_vcpu(&guest, start(&guest, core(1)), move |v: Vcpu| {
+                        ready_g.fetch_add(1, Ordering::Release);
                         while !stop_g.load(Ordering::Acquire) {
                             v.handle_events(|_| {});
                             let now = now_since(t0);
@@ -512,6 +516,12 @@ impl Running {
                 domains.push(guest);
             }
         }
+        // Plug the cable in once every kernel runs.
+        let t = Instant::now();
+        while ready.load(Ordering::Acquire) < kernels.len() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        nic.regs().link_up.store(true, Ordering::Release);
         Ok(Self {
             hv,
             opts,
@@ -558,7 +568,7 @@ impl Running {
     /// machine and accounts for every frame.
     pub fn finish(mut self, drain: Duration) -> Result<Finish, LabError> {
         let nic = self.nic.take().ok_or_else(|| other("no nic"))?;
-        nic.regs().enabled.store(false, Ordering::Release);
+        nic.regs().unplug();
         let sent = self.sender.frames.load(Ordering::Relaxed);
         let whole = sent / self.frames_per_message as u64;
         let t = Instant::now();
@@ -581,6 +591,7 @@ impl Running {
         counters.add("nic", "rx_missed", regs.rx_missed.load(Ordering::Relaxed));
         counters.add("nic", "dma_faults", regs.dma_faults.load(Ordering::Relaxed));
         counters.add("nic", "irqs", regs.irqs.load(Ordering::Relaxed));
+        counters.add("sender", "max_late_us", self.sender.max_late_us.load(Ordering::Relaxed));
         Ok(Finish {
             frames_sent: sent,
             messages_sent: whole,

@@ -274,6 +274,27 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         );
     }
 
+    // How much of each domain's measured CPU the samples account for.
+    for (size, label) in SIZES {
+        for config in Config::ALL {
+            let runs = &results[&size][&config];
+            for dom in ["native", "guest", "driver"] {
+                let v: Vec<f64> = runs
+                    .iter()
+                    .filter_map(|rc| rc.domains.get(dom).map(|(_, d)| d.coverage * 100.0))
+                    .collect();
+                if !v.is_empty() {
+                    r.row(
+                        "profiler coverage",
+                        &format!("{label} B {} {dom}", config.name()),
+                        "% of CPU",
+                        &v,
+                    );
+                }
+            }
+        }
+    }
+
     // Figures 3, 5, 6, 7 at 48000 bytes: per class, per domain.
     let big = &results[&48000];
     let per_class = |config: Config, dom: &str, c: Class| -> Vec<f64> {
