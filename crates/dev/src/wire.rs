@@ -157,7 +157,7 @@ impl WireSource for PacedSender {
             self.sent += 1;
             n += 1;
             self.counters.frames.fetch_add(1, Ordering::Relaxed);
-            if self.sent % self.frames_per_message as u64 == 0 {
+            if self.sent.is_multiple_of(self.frames_per_message as u64) {
                 self.counters.messages.fetch_add(1, Ordering::Relaxed);
             }
         }

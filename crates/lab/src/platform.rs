@@ -331,11 +331,10 @@ impl Running {
                         ready_.fetch_add(1, Ordering::Release);
                         while !stop_.load(Ordering::Acquire) {
                             match (&nirq, port) {
-                                (Some(n), _) => {
-                                    if n.ack() {
+                                (Some(n), _)
+                                    if n.ack() => {
                                         drv.interrupt();
                                     }
-                                }
                                 (None, Some(p)) => {
                                     v.handle_events(|q| {
                                         if q == p {
