@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use hv::iommu::DmaContext;
 use hv::{DeviceId, Iova};
-use smoltcp::wire::{EthernetFrame, EthernetProtocol, IpAddress, IpProtocol, Ipv4Packet, UdpPacket};
+use smoltcp::wire::{
+    EthernetFrame, EthernetProtocol, IpAddress, IpProtocol, Ipv4Packet, UdpPacket,
+};
 
 use crate::irq::IrqLine;
 use crate::wire::{WireSink, WireSource};
@@ -290,7 +292,11 @@ fn l4_checksum_ok(frame: &[u8]) -> bool {
 }
 
 impl Device {
-    fn run(&mut self, mut source: Box<dyn WireSource>, mut sink: Box<dyn WireSink>) -> Box<dyn WireSource> {
+    fn run(
+        &mut self,
+        mut source: Box<dyn WireSource>,
+        mut sink: Box<dyn WireSink>,
+    ) -> Box<dyn WireSource> {
         let _ = mem::cpu::set_timer_slack(1_000);
         let regs = Arc::clone(&self.regs);
 

@@ -134,7 +134,11 @@ impl PacedSender {
     /// The payload of prebuilt message `m` (what a receiver should get).
     pub fn payload_of(message: usize, m: usize) -> Vec<u8> {
         (0..message)
-            .map(|i| (i as u8).wrapping_mul(31).wrapping_add((m % PREBUILT) as u8))
+            .map(|i| {
+                (i as u8)
+                    .wrapping_mul(31)
+                    .wrapping_add((m % PREBUILT) as u8)
+            })
             .collect()
     }
 }

@@ -73,5 +73,8 @@ pub enum LabError {
 
 /// Every experiment, in the order `reproduce` runs them.
 pub fn registry() -> Vec<Experiment> {
-    vec![experiments::core::EXPERIMENT, experiments::santos08::EXPERIMENT]
+    vec![
+        experiments::core::EXPERIMENT,
+        experiments::santos08::EXPERIMENT,
+    ]
 }

@@ -311,18 +311,27 @@ impl Running {
                     Box::new(sink),
                 )
                 .map_err(other)?;
-                let mut pool = SkbPool::new(Arc::clone(&dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
-                let dma = if native { DmaApi::Direct } else { DmaApi::Swiotlb };
-                let mut drv = NicDriver::probe(&hv, &dom, nic.regs(), &mut pool, dma).map_err(other)?;
+                let mut pool =
+                    SkbPool::new(Arc::clone(&dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+                let dma = if native {
+                    DmaApi::Direct
+                } else {
+                    DmaApi::Swiotlb
+                };
+                let mut drv =
+                    NicDriver::probe(&hv, &dom, nic.regs(), &mut pool, dma).map_err(other)?;
                 let mut stack = Stack::new(f.dst_ip, f.dst_mac);
-                let sock = stack.bind_udp(f.dst_port, DEFAULT_RCVBUF).ok_or_else(|| other("bind"))?;
+                let sock = stack
+                    .bind_udp(f.dst_port, DEFAULT_RCVBUF)
+                    .ok_or_else(|| other("bind"))?;
                 let mut app_ = App {
                     sock,
                     buf: UserBuf::new(&dom, 65536).map_err(other)?,
                     message: opts.message,
                     counters: Arc::clone(&app),
                 };
-                let (stop_, nirq, ready_) = (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
+                let (stop_, nirq, ready_) =
+                    (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
                 let h = hv
                     .start_vcpu(&dom, start(&dom, core(1)), move |v: Vcpu| {
                         if let Some(n) = &nirq {
@@ -331,10 +340,9 @@ impl Running {
                         ready_.fetch_add(1, Ordering::Release);
                         while !stop_.load(Ordering::Acquire) {
                             match (&nirq, port) {
-                                (Some(n), _)
-                                    if n.ack() => {
-                                        drv.interrupt();
-                                    }
+                                (Some(n), _) if n.ack() => {
+                                    drv.interrupt();
+                                }
                                 (None, Some(p)) => {
                                     v.handle_events(|q| {
                                         if q == p {
@@ -424,29 +432,33 @@ impl Running {
                             });
                             let mut work = 0;
                             if nicdrv.napi_scheduled() {
-                                work += nicdrv.poll(&mut dpool, NAPI_BUDGET, |pool, skb| {
-                                    match bridge.input(pool, skb, 0) {
+                                work +=
+                                    nicdrv.poll(&mut dpool, NAPI_BUDGET, |pool, skb| match bridge
+                                        .input(pool, skb, 0)
+                                    {
                                         Forward::Port(1) | Forward::Flood => {
                                             vif.start_xmit(pool, skb)
                                         }
                                         _ => pool.free(skb),
-                                    }
-                                });
+                                    });
                             }
                             if vif.rx_pending() {
                                 work += vif.rx_action(&mut dpool);
                             }
                             if vif_ev || vif.tx_pending() {
-                                work += vif.tx_action(&mut dpool, NAPI_BUDGET, |pool, skb| {
-                                    match bridge.input(pool, skb, 1) {
-                                        Forward::Port(0) | Forward::Flood => {
-                                            if let Err(s) = nicdrv.xmit(pool, skb) {
-                                                pool.free(s);
+                                work +=
+                                    vif.tx_action(
+                                        &mut dpool,
+                                        NAPI_BUDGET,
+                                        |pool, skb| match bridge.input(pool, skb, 1) {
+                                            Forward::Port(0) | Forward::Flood => {
+                                                if let Err(s) = nicdrv.xmit(pool, skb) {
+                                                    pool.free(s);
+                                                }
                                             }
-                                        }
-                                        _ => pool.free(skb),
-                                    }
-                                });
+                                            _ => pool.free(skb),
+                                        },
+                                    );
                             }
                             nicdrv.clean_tx(&mut dpool);
                             dpool.take_released(|r| tokens.push(r.token));
@@ -475,7 +487,9 @@ impl Running {
                 kernels.push((Arc::clone(&drv_dom), hd));
 
                 let mut stack = Stack::new(f.dst_ip, f.dst_mac);
-                let sock = stack.bind_udp(f.dst_port, DEFAULT_RCVBUF).ok_or_else(|| other("bind"))?;
+                let sock = stack
+                    .bind_udp(f.dst_port, DEFAULT_RCVBUF)
+                    .ok_or_else(|| other("bind"))?;
                 let mut app_ = App {
                     sock,
                     buf: UserBuf::new(&guest, 65536).map_err(other)?,
@@ -517,7 +531,8 @@ impl Running {
         }
         // Plug the cable in once every kernel runs.
         let t = Instant::now();
-        while ready.load(Ordering::Acquire) < kernels.len() && t.elapsed() < Duration::from_secs(5) {
+        while ready.load(Ordering::Acquire) < kernels.len() && t.elapsed() < Duration::from_secs(5)
+        {
             std::thread::sleep(Duration::from_millis(1));
         }
         nic.regs().link_up.store(true, Ordering::Release);
@@ -590,7 +605,11 @@ impl Running {
         counters.add("nic", "rx_missed", regs.rx_missed.load(Ordering::Relaxed));
         counters.add("nic", "dma_faults", regs.dma_faults.load(Ordering::Relaxed));
         counters.add("nic", "irqs", regs.irqs.load(Ordering::Relaxed));
-        counters.add("sender", "max_late_us", self.sender.max_late_us.load(Ordering::Relaxed));
+        counters.add(
+            "sender",
+            "max_late_us",
+            self.sender.max_late_us.load(Ordering::Relaxed),
+        );
         Ok(Finish {
             frames_sent: sent,
             messages_sent: whole,

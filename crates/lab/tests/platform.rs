@@ -15,7 +15,11 @@ fn every_configuration_delivers_every_message_intact() {
             std::thread::sleep(Duration::from_millis(150));
             let s = m.snapshot();
             let f = m.finish(Duration::from_secs(2)).expect("finish");
-            assert!(f.messages_sent > 10, "{config:?} {message}: sent {}", f.messages_sent);
+            assert!(
+                f.messages_sent > 10,
+                "{config:?} {message}: sent {}",
+                f.messages_sent
+            );
             assert_eq!(
                 f.messages_received, f.messages_sent,
                 "{config:?} {message}: every message arrives ({:?})",

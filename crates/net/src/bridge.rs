@@ -464,7 +464,11 @@ mod tests {
         let mut br = Bridge::new(3, true);
         let f = frames_of(100, 1).remove(0);
         let id = skb(&mut p, &f);
-        assert_eq!(br.input(&p, id, 0), Forward::Flood, "receiver not known yet");
+        assert_eq!(
+            br.input(&p, id, 0),
+            Forward::Flood,
+            "receiver not known yet"
+        );
         br.learn(flow().dst_mac, 2);
         assert_eq!(br.input(&p, id, 0), Forward::Port(2));
         // The sender was learned on port 0: a reply goes there.

@@ -29,7 +29,7 @@ use mem::MappedPage;
 use ring::{BackRing, PageRing};
 
 use crate::netif::{
-    read_tx_packet, RxResponse, TxCheckStats, TxFatal, TxResponse, TxRing, TxVerdict, RxRing,
+    read_tx_packet, RxResponse, RxRing, TxCheckStats, TxFatal, TxResponse, TxRing, TxVerdict,
     FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
     XEN_NETIF_RSP_OKAY,
 };
@@ -159,7 +159,12 @@ pub struct Vif {
 }
 
 /// Publishes the back end's features and waits for the front end (`InitWait`).
-pub fn probe(store: &hv::store::Store, be: DomId, fe: DomId, handle: u32) -> Result<(), XenbusError> {
+pub fn probe(
+    store: &hv::store::Store,
+    be: DomId,
+    fe: DomId,
+    handle: u32,
+) -> Result<(), XenbusError> {
     let dir = xenbus::backend_dir(be, fe, handle);
     for (k, v) in xenbus::BACKEND_FEATURES {
         store.write(be, &format!("{dir}/{k}"), v)?;
@@ -219,7 +224,10 @@ impl Vif {
                 let mut st = [Ok(()); 2];
                 let hs: Vec<GrantHandle> = [a, b].iter().filter_map(|r| r.ok()).collect();
                 hv.grant_unmap(dom, &hs, &mut st);
-                let e = [a, b].into_iter().find_map(|r| r.err()).unwrap_or(GrantError::BadPage);
+                let e = [a, b]
+                    .into_iter()
+                    .find_map(|r| r.err())
+                    .unwrap_or(GrantError::BadPage);
                 return Err(bad(&e));
             }
         };
@@ -415,7 +423,10 @@ impl Vif {
                             broken = true;
                             return Ok(());
                         };
-                        meta.push(RxMeta { id: req.id, size: 0 });
+                        meta.push(RxMeta {
+                            id: req.id,
+                            size: 0,
+                        });
                         gref = req.gref;
                         page_off = 0;
                     }
@@ -495,7 +506,11 @@ impl Vif {
                 if j + 1 < p.metas {
                     flags |= NETRXF_MORE_DATA;
                 }
-                let status = if ok { m.size as i16 } else { XEN_NETIF_RSP_ERROR };
+                let status = if ok {
+                    m.size as i16
+                } else {
+                    XEN_NETIF_RSP_ERROR
+                };
                 // Cannot fail: one response per request taken.
                 let _ = self.rx.push_response(&RxResponse {
                     id: m.id,
@@ -560,7 +575,9 @@ impl Vif {
                 return 0;
             };
             let tx = &mut self.tx;
-            let v = read_tx_packet(first, avail as usize - 1, || tx.take_request().ok().flatten());
+            let v = read_tx_packet(first, avail as usize - 1, || {
+                tx.take_request().ok().flatten()
+            });
             self.tx_check.count(&v);
             let chain = match v {
                 TxVerdict::Fatal(r) => {
@@ -603,7 +620,10 @@ impl Vif {
             });
             let first_map = self.map_ops.len();
             let map_slot = |gref: u32, id: u16, me: &mut Self| {
-                let p = me.pending_free.pop().expect("checked: a chain's worth is free");
+                let p = me
+                    .pending_free
+                    .pop()
+                    .expect("checked: a chain's worth is free");
                 me.pending[p as usize] = Pending { handle: None, id };
                 me.map_ops.push(MapOp {
                     dom: fe,

@@ -21,9 +21,9 @@ use mem::FramePage;
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{
-    check_rx_response, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing,
-    LEGACY_SLOTS_MAX, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
-    NETTXF_MORE_DATA, RING_IDS, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
+    check_rx_response, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing, LEGACY_SLOTS_MAX,
+    NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RING_IDS,
+    XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
@@ -132,12 +132,19 @@ impl Netfront {
         let (tg, tr) = ring()?;
         let (rg, rr) = ring()?;
         let page = |g| dom.page(g).map_err(|_| oom());
-        let tx = FrontRing::init(PageRing::new(page(tg)?).map_err(|_| oom())?).map_err(|_| oom())?;
-        let rx = FrontRing::init(PageRing::new(page(rg)?).map_err(|_| oom())?).map_err(|_| oom())?;
+        let tx =
+            FrontRing::init(PageRing::new(page(tg)?).map_err(|_| oom())?).map_err(|_| oom())?;
+        let rx =
+            FrontRing::init(PageRing::new(page(rg)?).map_err(|_| oom())?).map_err(|_| oom())?;
         let port = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
         let refs = || gt.alloc_ref().ok_or_else(oom);
         let rx_bufs = (0..RING_IDS)
-            .map(|_| Ok(RxBuf { gref: refs()?, gfn: None }))
+            .map(|_| {
+                Ok(RxBuf {
+                    gref: refs()?,
+                    gfn: None,
+                })
+            })
             .collect::<Result<Vec<_>, XenbusError>>()?;
         let tx_bufs = (0..RING_IDS)
             .map(|_| {

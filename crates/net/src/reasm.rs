@@ -466,7 +466,10 @@ mod tests {
         };
         // Overlap (teardrop): second fragment starts inside the first.
         assert_eq!(push(&mut r, frag(1, 0, true, 64)), Ok(false));
-        assert_eq!(push(&mut r, frag(1, 32, false, 64)), Err(ReasmDrop::Overlap));
+        assert_eq!(
+            push(&mut r, frag(1, 32, false, 64)),
+            Err(ReasmDrop::Overlap)
+        );
         assert_eq!(r.in_progress(), 0, "the whole datagram is gone");
         // A duplicate is an overlap too.
         push(&mut r, frag(2, 0, true, 64)).expect("first");
@@ -477,7 +480,10 @@ mod tests {
             Err(ReasmDrop::OutOfRange)
         );
         // Non-final fragment not a multiple of 8.
-        assert_eq!(push(&mut r, frag(4, 0, true, 13)), Err(ReasmDrop::Misaligned));
+        assert_eq!(
+            push(&mut r, frag(4, 0, true, 13)),
+            Err(ReasmDrop::Misaligned)
+        );
         // Two different ends, and data past a known end.
         push(&mut r, frag(5, 64, false, 64)).expect("last first");
         assert_eq!(
@@ -520,10 +526,13 @@ mod tests {
         let mut freed = 0;
         let mut rel = |_: u32| freed += 1;
         let s = Duration::from_secs;
-        r.push(s(0), &frag(1, 0, true, 8), 1, |_| {}, &mut rel).expect("kept");
-        r.push(s(1), &frag(2, 0, true, 8), 2, |_| {}, &mut rel).expect("kept");
+        r.push(s(0), &frag(1, 0, true, 8), 1, |_| {}, &mut rel)
+            .expect("kept");
+        r.push(s(1), &frag(2, 0, true, 8), 2, |_| {}, &mut rel)
+            .expect("kept");
         // A third datagram while both contexts are busy evicts the oldest.
-        r.push(s(2), &frag(3, 0, true, 8), 3, |_| {}, &mut rel).expect("kept");
+        r.push(s(2), &frag(3, 0, true, 8), 3, |_| {}, &mut rel)
+            .expect("kept");
         assert_eq!(r.stats().drop_count(ReasmDrop::Evicted), 1);
         assert_eq!(r.in_progress(), 2);
         // Thirty seconds later both remaining ones time out.

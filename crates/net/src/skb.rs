@@ -187,7 +187,10 @@ impl SkbPool {
     }
     /// Every page the pool owns (heads and fragment pages), e.g. to map them for DMA.
     pub fn all_pages(&self) -> impl Iterator<Item = Gfn> + '_ {
-        self.head_pages.iter().copied().chain(self.pages.iter().copied())
+        self.head_pages
+            .iter()
+            .copied()
+            .chain(self.pages.iter().copied())
     }
     /// Counters.
     pub fn stats(&self) -> PoolStats {
@@ -556,7 +559,13 @@ impl SkbPool {
                     FragPage::Local(g) => SegPage::Own(g),
                     FragPage::Foreign { slot, .. } => SegPage::Window(slot),
                 };
-                emit(page, fr.offset as usize, fr.len as usize, &mut skip, &mut left)?;
+                emit(
+                    page,
+                    fr.offset as usize,
+                    fr.len as usize,
+                    &mut skip,
+                    &mut left,
+                )?;
             }
             cur = s.frag_list;
         }

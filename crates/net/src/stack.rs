@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use hv::profile::{enter, Class};
 use hv::{Domain, Gfn, PAGE_SIZE};
-use smoltcp::wire::{checksum, EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Address, Ipv4Packet};
+use smoltcp::wire::{
+    checksum, EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Address, Ipv4Packet,
+};
 
 use crate::reasm::{FragInfo, Reassembler, DEFAULT_CONTEXTS, DEFAULT_TIMEOUT, MAX_PIECES};
 use crate::skb::{SegPage, SkbError, SkbId, SkbPool, SkbQueue};
@@ -131,10 +133,7 @@ impl UserBuf {
             let pos = at + done;
             let (p, o) = (pos / PAGE_SIZE, pos % PAGE_SIZE);
             let n = (PAGE_SIZE - o).min(out.len() - done);
-            let g = *self
-                .pages
-                .get(p)
-                .ok_or(hv::DomainError::BadGfn(u32::MAX))?;
+            let g = *self.pages.get(p).ok_or(hv::DomainError::BadGfn(u32::MAX))?;
             dom.read(g, o, &mut out[done..done + n])?;
             done += n;
         }
@@ -480,8 +479,15 @@ mod tests {
             st.input(&mut pool, id, Duration::from_millis(i as u64));
         }
         assert_eq!(st.stats().datagrams, 1);
-        assert_eq!(st.stats().soft_csums, 1, "fragments cannot be checked by a device");
-        let r = st.recv(&mut pool, s, &ub).expect("copy").expect("one datagram");
+        assert_eq!(
+            st.stats().soft_csums,
+            1,
+            "fragments cannot be checked by a device"
+        );
+        let r = st
+            .recv(&mut pool, s, &ub)
+            .expect("copy")
+            .expect("one datagram");
         assert_eq!(r.len, 48000);
         let mut got = vec![0u8; 48000];
         ub.read(pool.domain(), 0, &mut got).expect("read");

@@ -77,7 +77,16 @@ pub fn create_vif(
     }
     // Each end owns its directory and may read the other's.
     for (dir, owner, peer) in [(&f, fe, be), (&b, be, fe)] {
-        for k in ["", "/backend", "/backend-id", "/frontend", "/frontend-id", "/mac", "/handle", "/state"] {
+        for k in [
+            "",
+            "/backend",
+            "/backend-id",
+            "/frontend",
+            "/frontend-id",
+            "/mac",
+            "/handle",
+            "/state",
+        ] {
             let p = format!("{dir}{k}");
             if store.read(t, &p).is_ok() {
                 store.set_perms(t, &p, owner, &[(peer, Perm::Read)])?;

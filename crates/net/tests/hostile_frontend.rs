@@ -45,7 +45,9 @@ impl Raw {
             ("event-channel", port.0.to_string()),
             ("request-rx-copy", "1".into()),
         ] {
-            store.write(dom.id(), &format!("{dir}/{k}"), &v).expect("write");
+            store
+                .write(dom.id(), &format!("{dir}/{k}"), &v)
+                .expect("write");
         }
         store
             .switch_state(dom.id(), &dir, XenbusState::Connected)
@@ -60,11 +62,17 @@ impl Raw {
     /// Writes request `i` and publishes `prod`.
     fn put(&self, i: u32, r: TxRequest) {
         self.dom
-            .write(self.tx, HDR + (i as usize % 256) * 12, bytemuck::bytes_of(&r))
+            .write(
+                self.tx,
+                HDR + (i as usize % 256) * 12,
+                bytemuck::bytes_of(&r),
+            )
             .expect("slot");
     }
     fn publish(&self, prod: u32) {
-        self.dom.write(self.tx, 0, &prod.to_le_bytes()).expect("prod");
+        self.dom
+            .write(self.tx, 0, &prod.to_le_bytes())
+            .expect("prod");
     }
 }
 
@@ -161,7 +169,10 @@ fn fatal_chains_disable_and_tolerated_ones_are_answered_with_errors() {
     for (name, reqs, want) in [
         (
             "unterminated chain",
-            vec![req(0, 0, NETTXF_MORE_DATA, 0, 200), req(0, 0, NETTXF_MORE_DATA, 1, 100)],
+            vec![
+                req(0, 0, NETTXF_MORE_DATA, 0, 200),
+                req(0, 0, NETTXF_MORE_DATA, 1, 100),
+            ],
             Some(TxFatal::Unterminated),
         ),
         (
@@ -199,13 +210,13 @@ fn bad_grants_short_packets_and_zero_length_slots_are_answered_and_counted() {
     let free = w.pool.free_buffers();
     let g = raw.data_ref;
     let reqs = [
-        req(9999, 0, 0, 1, 100),                // a grant that does not exist
-        req(g, 0, 0, 2, 10),                    // below an Ethernet header
-        req(g, 0, NETTXF_MORE_DATA, 3, 300),    // first slot ...
-        req(g, 0, 0, 4, 0),                     // ... then a zero-length slot
-        req(g, 0, NETTXF_MORE_DATA, 5, 100),    // first slot smaller than ...
-        req(g, 0, 0, 6, 200),                   // ... its fragment
-        req(g, 0, 0, 7, 100),                   // and one good packet
+        req(9999, 0, 0, 1, 100),             // a grant that does not exist
+        req(g, 0, 0, 2, 10),                 // below an Ethernet header
+        req(g, 0, NETTXF_MORE_DATA, 3, 300), // first slot ...
+        req(g, 0, 0, 4, 0),                  // ... then a zero-length slot
+        req(g, 0, NETTXF_MORE_DATA, 5, 100), // first slot smaller than ...
+        req(g, 0, 0, 6, 200),                // ... its fragment
+        req(g, 0, 0, 7, 100),                // and one good packet
     ];
     for (i, r) in reqs.iter().enumerate() {
         raw.put(i as u32, *r);
@@ -236,12 +247,17 @@ fn a_guest_that_stops_posting_rx_buffers_only_fills_its_own_bounded_queue() {
     let (_raw, mut bad, mut front, mut vif, good) = pair(&w);
     let free = w.pool.free_buffers();
     for _ in 0..400 {
-        let Ok(s) = w.pool.alloc(NET_SKB_PAD) else { break };
+        let Ok(s) = w.pool.alloc(NET_SKB_PAD) else {
+            break;
+        };
         w.pool.put(s, &[1u8; 1514]).expect("put");
         bad.start_xmit(&mut w.pool, s);
         bad.rx_action(&mut w.pool);
     }
-    assert!(bad.stats().rx_queue_full > 0, "the overflow is dropped and counted");
+    assert!(
+        bad.stats().rx_queue_full > 0,
+        "the overflow is dropped and counted"
+    );
     assert!(bad.rx_queued() <= net::netback::RX_QUEUE_BYTES / 1514);
     assert!(w.pool.free_buffers() >= free - bad.rx_queued(), "bounded");
     good_still_works(&mut w, (&mut front, &mut vif, &good));

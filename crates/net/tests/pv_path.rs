@@ -93,7 +93,9 @@ fn received_messages_cross_intact_for_every_grant_layout() {
         p.front.refill_rx(&mut p.gpool);
         assert_eq!(p.front.rx_posted(), 256);
         let mut stack = Stack::new(flow().dst_ip, flow().dst_mac);
-        let sock = stack.bind_udp(flow().dst_port, DEFAULT_RCVBUF).expect("bind");
+        let sock = stack
+            .bind_udp(flow().dst_port, DEFAULT_RCVBUF)
+            .expect("bind");
         let ub = UserBuf::new(&p.guest, 65536).expect("user buffer");
         let gfree = (p.gpool.free_buffers(), p.gpool.free_pages());
         let mut framer = UdpFramer::new(flow());
@@ -122,7 +124,11 @@ fn received_messages_cross_intact_for_every_grant_layout() {
             ub.read(&p.guest, 0, &mut got).expect("read");
             assert_eq!(got, msg, "{len} bytes, {v:?}");
         }
-        assert_eq!(p.vif.stats().rx_packets, 1 + 2 + 33, "a 1500-byte message takes two frames");
+        assert_eq!(
+            p.vif.stats().rx_packets,
+            1 + 2 + 33,
+            "a 1500-byte message takes two frames"
+        );
         assert_eq!(p.front.stats().rx_packets, 36);
         assert_eq!(stack.stats().drops_total(), 0);
         // Every buffer and page came back, and the ring is full again.

@@ -34,7 +34,10 @@ pub const SIZES: [(usize, &str); 3] = [(52, "52"), (1472, "1500"), (48000, "4800
 const PAPER_48000: [(Config, &[(GlobalClass, f64)]); 3] = [
     (
         Config::Native,
-        &[(GlobalClass::UserCopy, 1100.0), (GlobalClass::Kernel, 2900.0)],
+        &[
+            (GlobalClass::UserCopy, 1100.0),
+            (GlobalClass::Kernel, 2900.0),
+        ],
     ),
     (Config::Direct, &[]),
     (
@@ -227,7 +230,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 if v.iter().all(|x| *x == 0.0) {
                     continue;
                 }
-                let row = r.row(&group, &format!("{} {}", config.name(), g.name()), "ns/pkt", &v);
+                let row = r.row(
+                    &group,
+                    &format!("{} {}", config.name(), g.name()),
+                    "ns/pkt",
+                    &v,
+                );
                 if size == 48000 {
                     row.reference = paper_ns(config, g).map(|p| format!("paper {p:.0} ns"));
                 }
@@ -317,7 +325,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             ("fig3/5 guest kernel", Config::Native, "native", "native"),
             ("fig3/5 guest kernel", Config::Direct, "guest", "direct"),
             ("fig3/5 guest kernel", Config::Pv, "guest", "pv guest"),
-            ("fig7 driver-domain kernel", Config::Pv, "driver", "pv driver domain"),
+            (
+                "fig7 driver-domain kernel",
+                Config::Pv,
+                "driver",
+                "pv driver domain",
+            ),
         ] {
             let v = per_class(config, dom, c);
             if v.iter().any(|x| *x > 0.0) {
@@ -333,7 +346,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         ] {
             let v = per_class(config, dom, c);
             if v.iter().any(|x| *x > 0.0) {
-                r.row("fig6 hypervisor", &format!("{} {who}", c.name()), "ns/pkt", &v);
+                r.row(
+                    "fig6 hypervisor",
+                    &format!("{} {who}", c.name()),
+                    "ns/pkt",
+                    &v,
+                );
             }
         }
     }
