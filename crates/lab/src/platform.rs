@@ -270,13 +270,12 @@ impl Running {
         let sender_counters = Arc::clone(sender.counters());
         let fpm = sender.frames_per_message();
         let sink = CountingSink::default();
-        let start = |_dom: &Arc<Domain>, core: Option<usize>| VcpuStart {
+        let start = |core: Option<usize>| VcpuStart {
             vcpu: 0,
             core,
             mode: WaitMode::Blocking,
             sample: opts.sample,
         };
-        let _ = dom_name(opts.config);
         let mut kernels = Vec::new();
         let mut domains = Vec::new();
         let mut native_irq = None;
@@ -333,7 +332,7 @@ impl Running {
                 let (stop_, nirq, ready_) =
                     (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
                 let h = hv
-                    .start_vcpu(&dom, start(&dom, core(1)), move |v: Vcpu| {
+                    .start_vcpu(&dom, start(core(1)), move |v: Vcpu| {
                         if let Some(n) = &nirq {
                             n.route_here();
                         }
@@ -418,7 +417,7 @@ impl Running {
                 let (stop_d, ready_d) = (Arc::clone(&stop), Arc::clone(&ready));
                 let vif_port = vif.port();
                 let hd = hv
-                    .start_vcpu(&drv_dom, start(&drv_dom, core(0)), move |v: Vcpu| {
+                    .start_vcpu(&drv_dom, start(core(0)), move |v: Vcpu| {
                         let mut tokens: Vec<u32> = Vec::with_capacity(POOL_BUFFERS);
                         ready_d.fetch_add(1, Ordering::Release);
                         while !stop_d.load(Ordering::Acquire) {
@@ -497,9 +496,8 @@ impl Running {
                     counters: Arc::clone(&app),
                 };
                 let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
-                let fport = front.port();
                 let hg = hv
-                    .start_vcpu(&guest, start(&guest, core(1)), move |v: Vcpu| {
+                    .start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
                         ready_g.fetch_add(1, Ordering::Release);
                         while !stop_g.load(Ordering::Acquire) {
                             v.handle_events(|_| {});
@@ -513,7 +511,6 @@ impl Running {
                                 v.wait();
                             }
                         }
-                        let _ = fport;
                         let mut c = Counters::default();
                         stack_counters(&mut c, &stack);
                         let s = front.stats();
@@ -646,10 +643,6 @@ impl Drop for Running {
             let _ = h.join();
         }
     }
-}
-
-fn dom_name(c: Config) -> &'static str {
-    c.name()
 }
 
 fn stack_counters(c: &mut Counters, s: &Stack) {

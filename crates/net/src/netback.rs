@@ -483,7 +483,6 @@ impl Vif {
             self.hv
                 .grant_copy(&self.dom, &self.copy_ops, &mut self.copy_status[..nops]);
         }
-        let mut delivered = 0;
         for k in 0..self.rx_pkts.len() {
             let p = self.rx_pkts[k];
             let ok = p.ops > 0
@@ -491,7 +490,6 @@ impl Vif {
                     .iter()
                     .all(|s| s.is_ok());
             if ok {
-                delivered += 1;
                 self.stats.rx_packets += 1;
                 self.stats.rx_bytes += pool.len(p.skb) as u64;
             } else if p.ops > 0 {
@@ -529,7 +527,6 @@ impl Vif {
                 pool.free(self.rx_pkts[k].skb);
             }
         }
-        let _ = delivered;
         self.rx_pkts.len()
     }
 
@@ -619,7 +616,9 @@ impl Vif {
                 len: copy_len as u16,
             });
             let first_map = self.map_ops.len();
-            let map_slot = |gref: u32, id: u16, me: &mut Self| {
+            // Each mapped slot: a pending entry, a map op, and the bytes of the page it
+            // contributes (in map order).
+            let map_slot = |gref: u32, id: u16, offset: u16, len: u16, me: &mut Self| {
                 let p = me
                     .pending_free
                     .pop()
@@ -632,15 +631,17 @@ impl Vif {
                     slot: me.slot_base + 2 + p as u32,
                 });
                 me.map_pending.push(p);
+                me.tx_frags.push((offset, len));
             };
             let copied_id = if s0.len as usize > copy_len {
-                map_slot(s0.gref, s0.id, self);
+                let c = copy_len as u16;
+                map_slot(s0.gref, s0.id, s0.offset + c, s0.len - c, self);
                 None
             } else {
                 Some(s0.id)
             };
             for s in &slots[1..] {
-                map_slot(s.gref, s.id, self);
+                map_slot(s.gref, s.id, s.offset, s.len, self);
             }
             self.tx_pkts.push(TxPkt {
                 skb,
@@ -651,8 +652,6 @@ impl Vif {
                 copied_id,
                 extras: chain.extras,
             });
-            // Each map's byte range in its page, in map order.
-            self.tx_meta_push(&chain);
         }
 
         let nc = self.copy_ops.len();
@@ -705,7 +704,7 @@ impl Vif {
             let mut ok = true;
             for j in 0..p.maps {
                 let pi = self.map_pending[p.first_map + j];
-                let (off, len) = self.tx_frag_extent(p.first_map + j);
+                let (off, len) = self.tx_frags[p.first_map + j];
                 ok &= pool
                     .add_frag(
                         p.skb,
@@ -735,7 +734,6 @@ impl Vif {
             delivered += 1;
             deliver(pool, p.skb);
         }
-        self.tx_frags.clear();
         if responses && self.tx.push_responses_and_check_notify() {
             self.notify();
         }
@@ -817,23 +815,5 @@ impl Vif {
             p.handle = None;
         }
         let _ = self.hv.evtchn_close(&self.dom, self.port);
-    }
-}
-
-impl Vif {
-    fn tx_meta_push(&mut self, chain: &crate::netif::TxChain) {
-        let slots = chain.slots();
-        let s0 = slots[0];
-        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
-        if s0.len as usize > copy_len {
-            self.tx_frags
-                .push((s0.offset + copy_len as u16, s0.len - copy_len as u16));
-        }
-        for s in &slots[1..] {
-            self.tx_frags.push((s.offset, s.len));
-        }
-    }
-    fn tx_frag_extent(&self, map_index: usize) -> (u16, u16) {
-        self.tx_frags[map_index]
     }
 }

@@ -89,6 +89,24 @@ pub struct Netfront {
     broken: bool,
 }
 
+/// The next response on a ring, copied out; when none is waiting, arms the ring's
+/// event and looks once more (`RING_FINAL_CHECK_FOR_RESPONSES`). A broken index marks
+/// the interface broken.
+fn next_response<P: ring::RingProtocol>(ring: &mut Front<P>, broken: &mut bool) -> Option<P::Rsp> {
+    loop {
+        match ring.take_response() {
+            Ok(Some(r)) => return Some(r),
+            Ok(None) => match ring.final_check_for_responses() {
+                Ok(true) => continue,
+                Ok(false) => return None,
+                Err(_) => *broken = true,
+            },
+            Err(_) => *broken = true,
+        }
+        return None;
+    }
+}
+
 fn rx_error_index(e: RxError) -> usize {
     match e {
         RxError::BadId => 0,
@@ -280,20 +298,8 @@ impl Netfront {
         let _c = enter(Class::Driver);
         let mut n = 0;
         while n < budget && !self.broken {
-            let rsp = match self.rx.take_response() {
-                Ok(Some(r)) => r,
-                Ok(None) => match self.rx.final_check_for_responses() {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(_) => {
-                        self.broken = true;
-                        break;
-                    }
-                },
-                Err(_) => {
-                    self.broken = true;
-                    break;
-                }
+            let Some(rsp) = next_response(&mut self.rx, &mut self.broken) else {
+                break;
             };
             let len = match check_rx_response(&rsp, &mut self.inflight) {
                 Ok(l) => l,
@@ -465,20 +471,8 @@ impl Netfront {
         let _c = enter(Class::Driver);
         let mut n = 0;
         while !self.broken {
-            let rsp = match self.tx.take_response() {
-                Ok(Some(r)) => r,
-                Ok(None) => match self.tx.final_check_for_responses() {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(_) => {
-                        self.broken = true;
-                        break;
-                    }
-                },
-                Err(_) => {
-                    self.broken = true;
-                    break;
-                }
+            let Some(rsp) = next_response(&mut self.tx, &mut self.broken) else {
+                break;
             };
             if rsp.status == XEN_NETIF_RSP_NULL {
                 continue;

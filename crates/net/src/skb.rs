@@ -277,15 +277,20 @@ impl SkbPool {
             s.nr_frags = 0;
             s.frag_list = NONE;
             for k in 0..nf {
-                match self.skbs[cur as usize].frags[k].page {
-                    FragPage::Local(g) => self.pages.push(g),
-                    FragPage::Foreign { slot, token } => {
-                        self.released.push(Released { slot, token })
-                    }
-                }
+                self.release_page(self.skbs[cur as usize].frags[k].page)
             }
             self.free.push(cur);
             cur = fl;
+        }
+    }
+
+    /// A fragment's page leaves its buffer: own pages back to the pool, foreign ones to
+    /// their owner's release queue.
+    #[inline]
+    fn release_page(&mut self, page: FragPage) {
+        match page {
+            FragPage::Local(g) => self.pages.push(g),
+            FragPage::Foreign { slot, token } => self.released.push(Released { slot, token }),
         }
     }
 
@@ -420,12 +425,7 @@ impl SkbPool {
             s.nr_frags = 0;
             s.len = len as u32;
             for k in 0..nf {
-                match self.skbs[id.0 as usize].frags[k].page {
-                    FragPage::Local(g) => self.pages.push(g),
-                    FragPage::Foreign { slot, token } => {
-                        self.released.push(Released { slot, token })
-                    }
-                }
+                self.release_page(self.skbs[id.0 as usize].frags[k].page)
             }
             return Ok(());
         }
@@ -439,12 +439,7 @@ impl SkbPool {
                 s.nr_frags = (k + 1) as u8;
                 s.len = len as u32;
                 for j in k + 1..nf {
-                    match self.skbs[id.0 as usize].frags[j].page {
-                        FragPage::Local(g) => self.pages.push(g),
-                        FragPage::Foreign { slot, token } => {
-                            self.released.push(Released { slot, token })
-                        }
-                    }
+                    self.release_page(self.skbs[id.0 as usize].frags[j].page)
                 }
                 return Ok(());
             }
