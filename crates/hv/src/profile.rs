@@ -220,10 +220,9 @@ impl Drop for ClassGuard {
 }
 
 /// The sampling period used unless a run asks otherwise: one sample per 1 ms of a
-/// thread's CPU time. Measured on the development VM (`bench core`), a sample costs
-/// ~15 µs — the hrtimer interrupt and signal delivery under virtualisation, not the
-/// handler — so 1 ms keeps the profiler under the 3% budget (OProfile's 100 000-cycle
-/// period on the papers' 3 GHz machines was 33 µs, on bare metal with NMIs).
+/// thread's CPU time. The default sampler (a POSIX CPU-clock timer, see `mem::cpu`)
+/// looks at ticks, 4 ms apart at HZ=250, and weighs each by the periods that expired
+/// since the last, so a shorter period adds no resolution.
 pub const DEFAULT_SAMPLE_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Samples per class, summed over a set of vCPUs.
