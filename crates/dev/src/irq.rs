@@ -8,20 +8,29 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use hv::{Hypervisor, Vector};
 
-/// A native interrupt line: a pending bit and the CPU it wakes.
+/// A native interrupt line: a pending bit and the CPU it wakes. The CPU's clock and
+/// its local timer (a deadline the idle loop's halt honours) live here too.
 #[derive(Debug, Default)]
 pub struct NativeIrq {
     pending: AtomicBool,
     cpu: OnceLock<Thread>,
+    epoch: OnceLock<Instant>,
 }
 
 impl NativeIrq {
-    /// The thread of the CPU the line is routed to (set once, by that thread).
+    /// The thread of the CPU the line is routed to (set once, by that thread); its
+    /// clock starts now.
     pub fn route_here(&self) {
         let _ = self.cpu.set(std::thread::current());
+        let _ = self.epoch.set(Instant::now());
+    }
+    /// The CPU's clock: time since the line was routed.
+    pub fn now(&self) -> Duration {
+        self.epoch.get().map_or(Duration::ZERO, Instant::elapsed)
     }
     /// Whether an interrupt is pending.
     pub fn pending(&self) -> bool {
@@ -41,9 +50,24 @@ impl NativeIrq {
     /// Halts the CPU until an interrupt is pending or `stop` is set (the idle loop's
     /// `hlt`).
     pub fn halt(&self, stop: &AtomicBool) {
+        self.halt_until(stop, None);
+    }
+    /// Halts as [`NativeIrq::halt`] does, with the local timer armed for `deadline` (on
+    /// [`NativeIrq::now`]'s clock); true if the timer expired.
+    pub fn halt_until(&self, stop: &AtomicBool, deadline: Option<Duration>) -> bool {
         while !self.pending() && !stop.load(Ordering::Acquire) {
-            std::thread::park();
+            match deadline {
+                None => std::thread::park(),
+                Some(d) => {
+                    let now = self.now();
+                    if now >= d {
+                        return true;
+                    }
+                    std::thread::park_timeout(d - now);
+                }
+            }
         }
+        false
     }
 }
 

@@ -40,6 +40,15 @@ const ST_FREE: u64 = 0;
 const ST_UNBOUND: u64 = 1;
 const ST_INTERDOMAIN: u64 = 2;
 const ST_PIRQ: u64 = 3;
+const ST_VIRQ: u64 = 4;
+
+/// Virtual interrupts that the hypervisor itself raises (`VIRQ_*` of `xen.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Virq {
+    /// The vCPU's single-shot timer expired (`VIRQ_TIMER`).
+    Timer = 0,
+}
 
 /// What an event channel is connected to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +61,8 @@ pub enum ChannelState {
     Interdomain { remote: DomId, remote_port: Port },
     /// Receives a physical interrupt vector.
     Pirq { vector: Vector },
+    /// Receives a virtual interrupt of the vCPU it notifies.
+    Virq { virq: Virq },
 }
 
 impl ChannelState {
@@ -65,6 +76,7 @@ impl ChannelState {
                 remote_port,
             } => ST_INTERDOMAIN | (remote.0 as u64) << 16 | (remote_port.0 as u64) << 32,
             ChannelState::Pirq { vector } => ST_PIRQ | (vector.0 as u64) << 32,
+            ChannelState::Virq { virq } => ST_VIRQ | (virq as u64) << 32,
         }
     }
     fn decode(w: u64) -> (Self, u32) {
@@ -79,6 +91,7 @@ impl ChannelState {
             ST_PIRQ => ChannelState::Pirq {
                 vector: Vector((w >> 32) as u8),
             },
+            ST_VIRQ => ChannelState::Virq { virq: Virq::Timer },
             _ => ChannelState::Free,
         };
         (s, vcpu)
@@ -109,6 +122,9 @@ pub enum EvtchnError {
     /// The interrupt vector is already routed.
     #[error("vector {0} already bound")]
     VectorInUse(u8),
+    /// The virtual interrupt already has a port on that vCPU.
+    #[error("virq {0} already bound")]
+    VirqInUse(u8),
     /// The interrupt vector is not routed to any domain.
     #[error("vector {0} is not bound")]
     VectorUnbound(u8),
@@ -402,6 +418,11 @@ impl Hypervisor {
                 }
             }
             ChannelState::Pirq { vector } => self.irq_unbind(vector),
+            ChannelState::Virq { virq: Virq::Timer } => {
+                for v in dom.vcpus.iter() {
+                    v.unbind_timer(port);
+                }
+            }
             ChannelState::Unbound { .. } => {}
         }
         let _g = dom.evtchn.guard();
@@ -441,11 +462,13 @@ impl Hypervisor {
         self.irqs[vector.0 as usize].store(0, Ordering::Release);
     }
 
-    /// A device model raises `vector`: the hypervisor turns it into an event on the
-    /// owner's port (the virtual IRQ). Runs in the device's thread, charged to no domain.
+    /// A device raises `vector`: the interrupt controller marks it in the request
+    /// register of the CPU it is routed to (the owner's vCPU that the port notifies) and
+    /// wakes that CPU. The hypervisor's handling, [`Hypervisor::do_irq`], then runs on
+    /// that CPU, charged to the domain running there, as Xen's `do_IRQ` is. This part is
+    /// hardware: it runs on the device's thread.
     #[inline]
     pub fn raise_irq(&self, vector: Vector) -> Result<(), EvtchnError> {
-        let _c = enter(Class::XenInterrupt);
         let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
         if route >> 63 == 0 {
             self.irq_unbound.fetch_add(1, Ordering::Relaxed);
@@ -454,8 +477,50 @@ impl Hypervisor {
         let dom = DomId((route >> 32) as u16);
         let port = Port(route as u32);
         let d = self.domain(dom).ok_or(EvtchnError::NoSuchDomain(dom))?;
-        self.set_pending(&d, port);
+        let (_, vcpu) = ChannelState::decode(d.evtchn.word(port)?.load(Ordering::Relaxed));
+        if let Some(v) = d.vcpus.get(vcpu as usize) {
+            v.raise_vector(vector);
+        }
         Ok(())
+    }
+
+    /// The hypervisor's interrupt entry on a vCPU that has physical vectors pending:
+    /// for each, finds its binding and sends the guest's event (`do_IRQ` →
+    /// `send_guest_pirq`). Returns how many vectors were taken. A vector whose binding
+    /// went away meanwhile is counted as unbound.
+    pub fn do_irq(&self, dom: &Domain, vcpu: u32) -> usize {
+        let _e = enter(Class::XenEntry);
+        let Some(v) = dom.vcpus.get(vcpu as usize) else {
+            return 0;
+        };
+        let mut n = 0;
+        v.take_vectors(|vector| {
+            let _c = enter(Class::XenInterrupt);
+            n += 1;
+            let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
+            if route >> 63 == 0 || DomId((route >> 32) as u16) != dom.id {
+                self.irq_unbound.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            self.set_pending(dom, Port(route as u32));
+        });
+        n
+    }
+
+    /// `EVTCHNOP_bind_virq`: a new port of `dom` that receives `virq` of `vcpu`.
+    pub fn bind_virq(&self, dom: &Domain, virq: Virq, vcpu: u32) -> Result<Port, EvtchnError> {
+        let v = dom
+            .vcpus
+            .get(vcpu as usize)
+            .ok_or(EvtchnError::BadVcpu(vcpu))?;
+        let _g = dom.evtchn.guard();
+        if v.timer_port().is_some() {
+            return Err(EvtchnError::VirqInUse(virq as u8));
+        }
+        let p = dom.evtchn.alloc()?;
+        dom.evtchn.set(p, ChannelState::Virq { virq }, vcpu);
+        v.bind_timer(p);
+        Ok(p)
     }
 
     /// Interrupts raised on vectors routed nowhere.

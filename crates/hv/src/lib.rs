@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use domain::{Domain, DomainConfig, DomainError};
-pub use event::{ChannelState, EvtchnError};
+pub use event::{ChannelState, EvtchnError, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
 pub use mem::{MachineMemory, PageAccess, PAGE_SIZE};
 pub use types::*;
@@ -93,6 +93,8 @@ pub struct Hypervisor {
     iommu: Arc<iommu::Iommu>,
     /// Frames of destroyed domains still referenced by someone; freed by `reap`.
     zombies: Mutex<Vec<Mfn>>,
+    /// Time zero of the hypervisor's clock (`NOW()`).
+    boot: std::time::Instant,
 }
 
 impl Hypervisor {
@@ -111,9 +113,16 @@ impl Hypervisor {
             store: store::Store::new(),
             iommu,
             zombies: Mutex::new(Vec::new()),
+            boot: std::time::Instant::now(),
         });
         hv.iommu_setup()?;
         Ok(hv)
+    }
+
+    /// The hypervisor's system time (`NOW()`): time since the machine started.
+    #[inline]
+    pub fn now(&self) -> std::time::Duration {
+        self.boot.elapsed()
     }
 
     /// Machine memory (for device models' DMA through the IOMMU, and tools).

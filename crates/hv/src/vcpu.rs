@@ -7,7 +7,7 @@
 //! nanoseconds per hand-off, at the price of a core. Both are real; the experiments say
 //! which they use.
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::Duration;
@@ -16,7 +16,7 @@ use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
 
 use crate::domain::Domain;
 use crate::profile::{enter, Class};
-use crate::types::Port;
+use crate::types::{Port, Vector};
 use crate::Hypervisor;
 
 /// How a vCPU waits for events.
@@ -45,6 +45,14 @@ pub struct VcpuState {
     /// Counters (owner-written, read when reporting).
     blocks: AtomicU64,
     wakes: AtomicU64,
+    /// Physical vectors raised at this CPU and not yet taken by the hypervisor (the
+    /// local APIC's request register).
+    irr: [AtomicU64; 4],
+    /// The single-shot timer's deadline on the hypervisor clock, in ns; 0 when unset.
+    timer_deadline: AtomicU64,
+    /// The port bound to `VIRQ_TIMER`, plus one; 0 when none.
+    timer_port: AtomicU32,
+    timer_fires: AtomicU64,
 }
 
 impl VcpuState {
@@ -60,7 +68,61 @@ impl VcpuState {
             final_cpu_ns: AtomicU64::new(0),
             blocks: AtomicU64::new(0),
             wakes: AtomicU64::new(0),
+            irr: std::array::from_fn(|_| AtomicU64::new(0)),
+            timer_deadline: AtomicU64::new(0),
+            timer_port: AtomicU32::new(0),
+            timer_fires: AtomicU64::new(0),
         }
+    }
+
+    /// Marks `vector` pending at this CPU and wakes it (the interrupt controller).
+    pub(crate) fn raise_vector(&self, vector: Vector) {
+        let (w, b) = (vector.0 as usize / 64, vector.0 % 64);
+        self.irr[w].fetch_or(1 << b, Ordering::Release);
+        self.kick();
+    }
+
+    /// Whether a physical vector waits for the hypervisor on this CPU.
+    #[inline]
+    pub(crate) fn irr_pending(&self) -> bool {
+        self.irr.iter().any(|w| w.load(Ordering::Relaxed) != 0)
+    }
+
+    /// Takes the pending vectors, lowest first.
+    pub(crate) fn take_vectors(&self, mut f: impl FnMut(Vector)) {
+        for (i, w) in self.irr.iter().enumerate() {
+            if w.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = w.swap(0, Ordering::Acquire);
+            while bits != 0 {
+                let b = bits.trailing_zeros();
+                bits &= bits - 1;
+                f(Vector((i * 64) as u8 + b as u8));
+            }
+        }
+    }
+
+    pub(crate) fn bind_timer(&self, port: Port) {
+        self.timer_port.store(port.0 + 1, Ordering::Release);
+    }
+
+    pub(crate) fn unbind_timer(&self, port: Port) {
+        let _ =
+            self.timer_port
+                .compare_exchange(port.0 + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    pub(crate) fn timer_port(&self) -> Option<Port> {
+        match self.timer_port.load(Ordering::Acquire) {
+            0 => None,
+            p => Some(Port(p - 1)),
+        }
+    }
+
+    /// Times the single-shot timer fired.
+    pub fn timer_fires(&self) -> u64 {
+        self.timer_fires.load(Ordering::Relaxed)
     }
 
     /// Wakes the vCPU if it is blocked (`vcpu_kick`).
@@ -140,16 +202,59 @@ impl Vcpu {
         }
     }
 
-    /// Whether an event upcall is pending.
+    /// Whether an event upcall, or a physical interrupt for the hypervisor to turn into
+    /// one, is pending.
     #[inline]
     pub fn upcall_pending(&self) -> bool {
-        self.dom.upcall_pending(self.id)
+        self.dom.upcall_pending(self.id) || self.state().irr_pending()
     }
 
-    /// Handles pending events: calls `f` for each pending, unmasked port.
+    /// Handles pending events: first the hypervisor takes any physical interrupt raised
+    /// at this CPU and any expired timer, then the guest's upcall handler calls `f` for
+    /// each pending, unmasked port.
     #[inline]
     pub fn handle_events(&self, f: impl FnMut(Port)) -> usize {
+        let s = self.state();
+        if s.irr_pending() {
+            self.hv.do_irq(&self.dom, self.id);
+        }
+        if s.timer_deadline.load(Ordering::Relaxed) != 0 {
+            self.check_timer();
+        }
         self.dom.take_pending(self.id, f)
+    }
+
+    /// `VCPUOP_set_singleshot_timer` (or, with `None`, `VCPUOP_stop_singleshot_timer`):
+    /// at `deadline` on the hypervisor's clock, `VIRQ_TIMER` is sent to this vCPU, waking
+    /// it if it blocked. A deadline already past fires at once.
+    pub fn set_timer(&self, deadline: Option<Duration>) {
+        let _c = enter(Class::XenTime);
+        let ns = deadline.map_or(0, |d| (d.as_nanos() as u64).max(1));
+        self.state().timer_deadline.store(ns, Ordering::Relaxed);
+        if ns != 0 {
+            self.check_timer();
+        }
+    }
+
+    /// Fires the single-shot timer if its deadline has passed; returns the time left
+    /// otherwise (none when no timer is set).
+    fn check_timer(&self) -> Option<Duration> {
+        let _c = enter(Class::XenTime);
+        let s = self.state();
+        let ns = s.timer_deadline.load(Ordering::Relaxed);
+        if ns == 0 {
+            return None;
+        }
+        let now = self.hv.now().as_nanos() as u64;
+        if now < ns {
+            return Some(Duration::from_nanos(ns - now));
+        }
+        s.timer_deadline.store(0, Ordering::Relaxed);
+        s.timer_fires.fetch_add(1, Ordering::Relaxed);
+        if let Some(p) = s.timer_port() {
+            self.hv.set_pending(&self.dom, p);
+        }
+        None
     }
 
     /// Waits until an event upcall is pending or the vCPU is kicked, in this vCPU's mode.
@@ -160,6 +265,9 @@ impl Vcpu {
             WaitMode::Polling => {
                 let s = self.state();
                 while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
+                    if s.timer_deadline.load(Ordering::Relaxed) != 0 {
+                        self.check_timer();
+                    }
                     std::hint::spin_loop();
                 }
                 s.kicked.store(false, Ordering::Relaxed);
@@ -178,7 +286,11 @@ impl Vcpu {
         let mut parked = false;
         while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
             parked = true;
-            std::thread::park();
+            if s.timer_deadline.load(Ordering::Relaxed) == 0 {
+                std::thread::park();
+            } else if let Some(left) = self.check_timer() {
+                std::thread::park_timeout(left);
+            }
         }
         s.blocked.store(false, Ordering::Relaxed);
         s.kicked.store(false, Ordering::Relaxed);

@@ -173,14 +173,88 @@ fn a_device_interrupt_becomes_an_event_on_the_owner_port() {
     let p = hv.bind_irq(&a, v).expect("bind");
     assert_eq!(hv.bind_irq(&a, v), Err(EvtchnError::VectorInUse(33)));
     hv.raise_irq(v).expect("raise");
+    // The device only raised the vector at the owner's CPU; the hypervisor's handler,
+    // running there, turns it into the event.
+    assert!(drain(&a).is_empty(), "no event before the hypervisor ran");
+    assert_eq!(hv.do_irq(&a, 0), 1);
     assert_eq!(drain(&a), vec![p]);
+    assert_eq!(hv.do_irq(&a, 0), 0, "the request was taken");
     assert_eq!(
         hv.raise_irq(Vector(34)),
         Err(EvtchnError::VectorUnbound(34))
     );
     assert_eq!(hv.irq_unbound_count(), 1);
+    // A binding closed between the raise and the handler: counted, no event.
+    hv.raise_irq(v).expect("raise");
     hv.evtchn_close(&a, p).expect("close");
+    assert_eq!(hv.do_irq(&a, 0), 1);
+    assert!(drain(&a).is_empty());
+    assert_eq!(hv.irq_unbound_count(), 2);
     assert_eq!(hv.raise_irq(v), Err(EvtchnError::VectorUnbound(33)));
+}
+
+#[test]
+fn a_device_interrupt_wakes_the_blocked_owner_vcpu() {
+    let (hv, a, _b) = two_domains();
+    let v = Vector(40);
+    let p = hv.bind_irq(&a, v).expect("bind");
+    let (h, seen) = run_receiver(&hv, &a, WaitMode::Blocking, 3);
+    for i in 1..=3 {
+        hv.raise_irq(v).expect("raise");
+        let t0 = Instant::now();
+        while seen.load(Ordering::Relaxed) < i {
+            assert!(t0.elapsed() < Duration::from_secs(10), "irq {i} lost");
+            std::thread::yield_now();
+        }
+    }
+    assert_eq!(h.join().expect("vcpu"), 3);
+    assert!(!a.evtchn_is_pending(p).expect("port"));
+}
+
+#[test]
+fn the_single_shot_timer_wakes_a_blocked_vcpu_with_virq_timer() {
+    let (hv, a, _b) = two_domains();
+    let h = hv
+        .start_vcpu(
+            &a,
+            VcpuStart {
+                vcpu: 0,
+                core: None,
+                mode: WaitMode::Blocking,
+                sample: None,
+            },
+            move |v| {
+                let t = v.hv().bind_virq(v.domain(), Virq::Timer, 0).expect("virq");
+                assert_eq!(
+                    v.hv().bind_virq(v.domain(), Virq::Timer, 0),
+                    Err(EvtchnError::VirqInUse(0))
+                );
+                let mut fired = Vec::new();
+                // A deadline already past fires at once.
+                v.set_timer(Some(v.hv().now()));
+                v.handle_events(|p| fired.push(p));
+                assert_eq!(fired, vec![t]);
+                // A cancelled timer never fires.
+                v.set_timer(Some(v.hv().now() + Duration::from_millis(5)));
+                v.set_timer(None);
+                std::thread::sleep(Duration::from_millis(10));
+                fired.clear();
+                v.handle_events(|p| fired.push(p));
+                assert!(fired.is_empty());
+                // Blocking with a timer set: the timer wakes us, no earlier.
+                let deadline = v.hv().now() + Duration::from_millis(20);
+                v.set_timer(Some(deadline));
+                v.wait();
+                let woke = v.hv().now();
+                v.handle_events(|p| fired.push(p));
+                (fired, woke >= deadline, v.domain().vcpus()[0].timer_fires())
+            },
+        )
+        .expect("vcpu");
+    let (fired, late_enough, fires) = h.join().expect("vcpu");
+    assert_eq!(fired.len(), 1, "{fired:?}");
+    assert!(late_enough, "the timer fired before its deadline");
+    assert_eq!(fires, 2);
 }
 
 /// A vCPU that handles `n` events on `port`, waiting in `mode` between them.

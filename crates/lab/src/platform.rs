@@ -27,7 +27,7 @@ use dev::wire::{CountingSink, PacedSender, SenderCounters};
 use hv::profile::{enter, Class, ClassSamples};
 use hv::{
     DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Vcpu, VcpuStart,
-    Vector, WaitMode,
+    Vector, Virq, WaitMode,
 };
 use net::bridge::{Bridge, Forward};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
@@ -236,9 +236,26 @@ impl App {
     }
 }
 
-fn now_since(t0: Instant) -> Duration {
-    let _t = enter(Class::Time);
-    t0.elapsed()
+/// A guest kernel's view of its one-shot timer: what it last asked for, so that it
+/// programs the timer (a hypercall under Xen, the local APIC natively) only when the
+/// deadline it needs changes.
+#[derive(Debug, Default)]
+struct KernelTimer {
+    armed: Option<Duration>,
+}
+
+impl KernelTimer {
+    /// Asks for `want`, calling `program` if it differs from what is armed.
+    fn arm(&mut self, want: Option<Duration>, program: impl FnOnce(Option<Duration>)) {
+        if want != self.armed {
+            program(want);
+            self.armed = want;
+        }
+    }
+    /// A native kernel's check of its local timer at interrupt time.
+    fn native_expired(&self, now: Duration) -> bool {
+        self.armed.is_some_and(|d| now >= d)
+    }
 }
 
 impl Running {
@@ -279,7 +296,6 @@ impl Running {
         let mut kernels = Vec::new();
         let mut domains = Vec::new();
         let mut native_irq = None;
-        let t0 = Instant::now();
 
         let nic;
         match opts.config {
@@ -333,27 +349,47 @@ impl Running {
                     (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
                 let h = hv
                     .start_vcpu(&dom, start(core(1)), move |v: Vcpu| {
+                        let tport = if nirq.is_none() {
+                            v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok()
+                        } else {
+                            None
+                        };
                         if let Some(n) = &nirq {
                             n.route_here();
                         }
+                        let clock = |v: &Vcpu| {
+                            let _t = enter(Class::Time);
+                            nirq.as_ref().map_or_else(|| v.hv().now(), |n| n.now())
+                        };
+                        let mut timer = KernelTimer::default();
                         ready_.fetch_add(1, Ordering::Release);
                         while !stop_.load(Ordering::Acquire) {
+                            let mut expired = false;
                             match (&nirq, port) {
-                                (Some(n), _) if n.ack() => {
-                                    drv.interrupt();
+                                (Some(n), _) => {
+                                    if n.ack() {
+                                        drv.interrupt();
+                                    }
+                                    expired = timer.native_expired(clock(&v));
                                 }
                                 (None, Some(p)) => {
                                     v.handle_events(|q| {
                                         if q == p {
                                             drv.interrupt();
+                                        } else if Some(q) == tport {
+                                            expired = true;
                                         }
                                     });
                                 }
                                 _ => {}
                             }
+                            let now = clock(&v);
+                            if expired {
+                                timer.armed = None;
+                                stack.tick(&mut pool, now);
+                            }
                             let mut work = 0;
                             if drv.napi_scheduled() {
-                                let now = now_since(t0);
                                 work += drv.poll(&mut pool, NAPI_BUDGET, |pool, skb| {
                                     stack.input(pool, skb, now)
                                 });
@@ -362,10 +398,14 @@ impl Running {
                             if work == 0 && !drv.napi_scheduled() {
                                 match &nirq {
                                     Some(n) => {
+                                        timer.arm(stack.next_timer(), |_| {});
                                         let _s = enter(Class::Schedule);
-                                        n.halt(&stop_);
+                                        n.halt_until(&stop_, timer.armed);
                                     }
-                                    None => v.wait(),
+                                    None => {
+                                        timer.arm(stack.next_timer(), |d| v.set_timer(d));
+                                        v.wait();
+                                    }
                                 }
                             }
                         }
@@ -498,16 +538,27 @@ impl Running {
                 let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
                 let hg = hv
                     .start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
+                        let tport = v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok();
+                        let mut timer = KernelTimer::default();
                         ready_g.fetch_add(1, Ordering::Release);
                         while !stop_g.load(Ordering::Acquire) {
-                            v.handle_events(|_| {});
-                            let now = now_since(t0);
+                            let mut expired = false;
+                            v.handle_events(|q| expired |= Some(q) == tport);
+                            let now = {
+                                let _t = enter(Class::Time);
+                                v.hv().now()
+                            };
+                            if expired {
+                                timer.armed = None;
+                                stack.tick(&mut gpool, now);
+                            }
                             let mut work = front.poll_rx(&mut gpool, NAPI_BUDGET, |pool, skb| {
                                 stack.input(pool, skb, now)
                             });
                             front.poll_tx(&mut gpool);
                             work += app_.run(&mut stack, &mut gpool);
                             if work == 0 {
+                                timer.arm(stack.next_timer(), |d| v.set_timer(d));
                                 v.wait();
                             }
                         }

@@ -225,6 +225,15 @@ impl<T: Copy + Default> Reassembler<T> {
         self.contexts.iter().filter(|c| c.key.is_some()).count()
     }
 
+    /// When the oldest datagram in progress times out (for the kernel's timer), if any.
+    pub fn next_expiry(&self) -> Option<Duration> {
+        self.contexts
+            .iter()
+            .filter(|c| c.key.is_some())
+            .map(|c| c.started + self.timeout)
+            .min()
+    }
+
     /// Drops the datagrams older than the timeout, giving back their items. Returns how
     /// many datagrams.
     pub fn expire(&mut self, now: Duration, release: &mut impl FnMut(T)) -> usize {

@@ -350,8 +350,15 @@ impl Stack {
         r.map(|()| Some(Received { len, datagram }))
     }
 
-    /// Expires stale reassembly (call now and then).
+    /// When [`Stack::tick`] next has work: the kernel sets its timer to this before it
+    /// idles.
+    pub fn next_timer(&self) -> Option<Duration> {
+        self.reasm.next_expiry()
+    }
+
+    /// Expires stale reassembly (at [`Stack::next_timer`], or now and then).
     pub fn tick(&mut self, pool: &mut SkbPool, now: Duration) {
+        let _c = enter(Class::Time);
         let Self {
             reasm, released, ..
         } = self;
