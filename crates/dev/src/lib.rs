@@ -14,4 +14,5 @@
 pub mod driver;
 pub mod irq;
 pub mod nic;
+pub mod tap;
 pub mod wire;

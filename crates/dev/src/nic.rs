@@ -155,6 +155,15 @@ impl NicRegs {
         }
     }
 
+    /// A frame arrived at the far end of the cable: wakes an idle device.
+    pub fn wire_wake(&self) {
+        if self.parked.load(Ordering::Acquire) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+
     /// Publishes RX descriptors up to `tail`.
     pub fn set_rx_tail(&self, tail: u32) {
         self.rx_tail.store(tail, Ordering::Release);
@@ -299,6 +308,7 @@ impl Device {
     ) -> Box<dyn WireSource> {
         let _ = mem::cpu::set_timer_slack(1_000);
         let regs = Arc::clone(&self.regs);
+        source.attach(&regs);
 
         while !regs.stop.load(Ordering::Acquire) {
             regs.iterations.fetch_add(1, Ordering::AcqRel);
@@ -339,6 +349,7 @@ impl Device {
                     // seen must not be slept through.
                     if regs.tx_tail.load(Ordering::Acquire) == self.tx_head
                         && !regs.stop.load(Ordering::Acquire)
+                        && !(source.ready() && regs.link_up.load(Ordering::Acquire))
                     {
                         std::thread::park_timeout(Duration::from_millis(1));
                     }

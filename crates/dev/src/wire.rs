@@ -12,6 +12,13 @@ pub trait WireSource: Send {
     fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize;
     /// When the next frame is due (`None`: nothing scheduled).
     fn next_due(&self) -> Option<Instant>;
+    /// Whether frames already wait (a source fed from outside, which wakes the device
+    /// through [`crate::nic::NicRegs::wire_wake`]).
+    fn ready(&self) -> bool {
+        false
+    }
+    /// Called once by the device thread as it starts, with its registers.
+    fn attach(&mut self, _regs: &Arc<crate::nic::NicRegs>) {}
 }
 
 /// What the NIC transmits goes here.

@@ -13,6 +13,7 @@ pub mod experiments;
 pub mod platform;
 pub mod report;
 pub mod stats;
+pub mod up;
 
 pub use report::{Report, Row, RunEnv};
 pub use stats::Stats;

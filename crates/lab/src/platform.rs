@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use dev::driver::{DmaApi, NicDriver};
 use dev::irq::{IrqLine, NativeIrq};
 use dev::nic::{Coalesce, Nic};
-use dev::wire::{CountingSink, PacedSender, SenderCounters};
+use dev::tap::TapPort;
+use dev::wire::{CountingSink, PacedSender, SenderCounters, WireSink, WireSource};
 use hv::profile::{enter, Class, ClassSamples};
 use hv::{
     DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Vcpu, VcpuStart,
@@ -32,7 +33,7 @@ use hv::{
 use net::bridge::{Bridge, Forward};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::Netfront;
-use net::skb::SkbPool;
+use net::skb::{SkbPool, NET_SKB_PAD};
 use net::stack::{SocketId, Stack, UserBuf, DEFAULT_RCVBUF};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -236,6 +237,86 @@ impl App {
     }
 }
 
+/// The guest kernel of a plumbed machine: netfront's received frames go to the TAP
+/// (the guest's stack), frames from the TAP go out through netfront.
+#[allow(clippy::too_many_arguments)]
+fn guest_on_tap(
+    hv: &Arc<Hypervisor>,
+    guest: &Arc<Domain>,
+    start: VcpuStart,
+    mut tap: TapPort,
+    mut front: Netfront,
+    mut gpool: SkbPool,
+    stop: Arc<AtomicBool>,
+    ready: Arc<std::sync::atomic::AtomicUsize>,
+) -> Result<JoinHandle<Counters>, LabError> {
+    let (h, g) = (Arc::clone(hv), Arc::clone(guest));
+    tap.set_wake(move || h.kick_vcpu(&g, 0));
+    hv.start_vcpu(guest, start, move |v: Vcpu| {
+        // One frame's bytes on their way to the TAP: netfront's buffers are a head
+        // and page fragments, a write wants one slice.
+        let mut scratch = vec![0u8; 65536];
+        let mut tx_dropped = 0u64;
+        ready.fetch_add(1, Ordering::Release);
+        while !stop.load(Ordering::Acquire) {
+            v.handle_events(|_| {});
+            let mut work = front.poll_rx(&mut gpool, NAPI_BUDGET, |pool, skb| {
+                let len = pool.len(skb).min(scratch.len());
+                if pool.read(skb, 0, &mut scratch[..len]).is_ok() {
+                    tap.send(&scratch[..len]);
+                }
+                pool.free(skb);
+            });
+            // A frame netfront cannot take yet (its ring or the pool is full) waits in
+            // the TAP's queue: the stack behind it is held back, not dropped on.
+            work += tap.recv(|frame| {
+                let Ok(skb) = gpool.alloc(NET_SKB_PAD) else {
+                    return false;
+                };
+                if gpool.put(skb, frame).is_err() {
+                    gpool.free(skb);
+                    tx_dropped += 1;
+                    return true;
+                }
+                match front.xmit(&mut gpool, skb) {
+                    Ok(()) => true,
+                    Err(s) => {
+                        gpool.free(s);
+                        false
+                    }
+                }
+            });
+            work += front.poll_tx(&mut gpool);
+            if work == 0 {
+                v.wait();
+            }
+        }
+        let mut c = Counters::default();
+        let s = front.stats();
+        c.add("netfront", "rx_packets", s.rx_packets);
+        c.add("netfront", "rx_errors", s.rx_errors.iter().sum());
+        c.add("guest", "tx_dropped", tx_dropped);
+        let t = tap.counters();
+        c.add(
+            "guest tap",
+            "frames_in",
+            t.frames_in.load(Ordering::Relaxed),
+        );
+        c.add(
+            "guest tap",
+            "frames_out",
+            t.frames_out.load(Ordering::Relaxed),
+        );
+        c.add(
+            "guest tap",
+            "oversize_in",
+            t.oversize_in.load(Ordering::Relaxed),
+        );
+        c
+    })
+    .map_err(other)
+}
+
 /// A guest kernel's view of its one-shot timer: what it last asked for, so that it
 /// programs the timer (a hypercall under Xen, the local APIC natively) only when the
 /// deadline it needs changes.
@@ -258,10 +339,30 @@ impl KernelTimer {
     }
 }
 
+/// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on one TAP instead
+/// of the paced sender, and the guest's received frames handed to another TAP (whose
+/// network namespace's Linux stack is the guest's stack) instead of pvio's stack and
+/// application. Frames the guest's stack sends go out through netfront.
+#[derive(Debug)]
+pub struct Plumbing {
+    /// The NIC's far end.
+    pub wire: TapPort,
+    /// The guest's stack.
+    pub guest: TapPort,
+}
+
 impl Running {
     /// Builds the machine for `opts` and starts it: domains, NIC, drivers, vCPUs, and
     /// the sender.
     pub fn start(opts: Options) -> Result<Self, LabError> {
+        Self::start_with(opts, None)
+    }
+
+    /// As [`Running::start`], with real interfaces on a `pv` machine.
+    pub fn start_with(opts: Options, plumbing: Option<Plumbing>) -> Result<Self, LabError> {
+        if plumbing.is_some() && opts.config != Config::Pv {
+            return Err(other("real interfaces need the pv configuration"));
+        }
         let cores = mem::cpu::online_cores();
         let core = |i: usize| (cores > i).then_some(i);
         let hv = Hypervisor::new(HvConfig {
@@ -425,6 +526,14 @@ impl Running {
                 let guest = mk("guest", false, 4)?;
                 hv.iommu_attach(NIC, &drv_dom).map_err(other)?;
                 let irq_port = hv.bind_irq(&drv_dom, NIC_VECTOR).map_err(other)?;
+                let (source, wire_sink, guest_tap): (Box<dyn WireSource>, Box<dyn WireSink>, _) =
+                    match plumbing {
+                        Some(p) => {
+                            let sink = p.wire.sink().map_err(other)?;
+                            (Box::new(p.wire), Box::new(sink), Some(p.guest))
+                        }
+                        None => (Box::new(sender), Box::new(sink), None),
+                    };
                 nic = Nic::start(
                     &hv,
                     NIC,
@@ -433,8 +542,8 @@ impl Running {
                         vector: NIC_VECTOR,
                     },
                     opts.coalesce,
-                    Box::new(sender),
-                    Box::new(sink),
+                    source,
+                    wire_sink,
                 )
                 .map_err(other)?;
                 // The toolstack and the handshake.
@@ -525,6 +634,35 @@ impl Running {
                     .map_err(other)?;
                 kernels.push((Arc::clone(&drv_dom), hd));
 
+                let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
+                if let Some(tap) = guest_tap {
+                    let hg = guest_on_tap(
+                        &hv,
+                        &guest,
+                        start(core(1)),
+                        tap,
+                        front,
+                        gpool,
+                        stop_g,
+                        ready_g,
+                    )?;
+                    kernels.push((Arc::clone(&guest), hg));
+                    domains.push(drv_dom);
+                    domains.push(guest);
+                    return Ok(Self::plug_in(
+                        hv,
+                        opts,
+                        domains,
+                        nic,
+                        sender_counters,
+                        fpm,
+                        app,
+                        stop,
+                        kernels,
+                        ready,
+                        native_irq,
+                    ));
+                }
                 let mut stack = Stack::new(f.dst_ip, f.dst_mac);
                 let sock = stack
                     .bind_udp(f.dst_port, DEFAULT_RCVBUF)
@@ -535,7 +673,6 @@ impl Running {
                     message: opts.message,
                     counters: Arc::clone(&app),
                 };
-                let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
                 let hg = hv
                     .start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
                         let tport = v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok();
@@ -577,25 +714,59 @@ impl Running {
                 domains.push(guest);
             }
         }
-        // Plug the cable in once every kernel runs.
+        Ok(Self::plug_in(
+            hv,
+            opts,
+            domains,
+            nic,
+            sender_counters,
+            fpm,
+            app,
+            stop,
+            kernels,
+            ready,
+            native_irq,
+        ))
+    }
+
+    /// Plugs the cable in once every kernel runs, and wraps the parts up.
+    #[allow(clippy::too_many_arguments)]
+    fn plug_in(
+        hv: Arc<Hypervisor>,
+        opts: Options,
+        domains: Vec<Arc<Domain>>,
+        nic: Nic,
+        sender: Arc<SenderCounters>,
+        frames_per_message: usize,
+        app: Arc<AppCounters>,
+        stop: Arc<AtomicBool>,
+        kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
+        ready: Arc<std::sync::atomic::AtomicUsize>,
+        native_irq: Option<Arc<NativeIrq>>,
+    ) -> Self {
         let t = Instant::now();
         while ready.load(Ordering::Acquire) < kernels.len() && t.elapsed() < Duration::from_secs(5)
         {
             std::thread::sleep(Duration::from_millis(1));
         }
         nic.regs().link_up.store(true, Ordering::Release);
-        Ok(Self {
+        Self {
             hv,
             opts,
             domains,
             nic: Some(nic),
-            sender: sender_counters,
-            frames_per_message: fpm,
+            sender,
+            frames_per_message,
             app,
             stop,
             kernels,
             native_irq,
-        })
+        }
+    }
+
+    /// The NIC's registers and counters.
+    pub fn nic_regs(&self) -> Option<&Arc<dev::nic::NicRegs>> {
+        self.nic.as_ref().map(|n| n.regs())
     }
 
     /// Frames per message.

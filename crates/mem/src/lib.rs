@@ -19,6 +19,7 @@
 
 pub mod cpu;
 mod machine;
+pub mod tap;
 mod window;
 
 pub use machine::{FramePage, MachineMemory};

@@ -42,8 +42,170 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = "results")]
         out: PathBuf,
     },
+    /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
+    /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
+    /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
+    /// 10.77.0.2`.
+    Up {
+        /// The outside namespace (made if missing).
+        #[arg(long, default_value = "pvio-outside")]
+        outside_ns: String,
+        /// The guest's namespace (made if missing).
+        #[arg(long, default_value = "pvio-guest")]
+        guest_ns: String,
+        /// The outside interface's address.
+        #[arg(long, default_value = "10.77.0.1/24")]
+        outside_addr: String,
+        /// The guest's address.
+        #[arg(long, default_value = "10.77.0.2/24")]
+        guest_addr: String,
+        /// Turn the bridge's netfilter hooks off.
+        #[arg(long)]
+        no_netfilter: bool,
+        /// Stop after this many seconds (default: at Ctrl-C).
+        #[arg(long, value_name = "SECS")]
+        seconds: Option<u64>,
+    },
     /// Lists the registered experiments.
     List,
+    /// Sends `bytes` of a seeded pseudo-random stream over TCP to `to` and prints its
+    /// length and digest (a byte-exact check of a path, with `tcp-sink`).
+    #[command(hide = true)]
+    TcpSource {
+        /// address:port
+        #[arg(long)]
+        to: String,
+        /// Bytes to send.
+        #[arg(long)]
+        bytes: u64,
+    },
+    /// Accepts one TCP connection on `port`, reads it to the end, and prints the length
+    /// and digest of what arrived.
+    #[command(hide = true)]
+    TcpSink {
+        /// Port to listen on.
+        #[arg(long)]
+        port: u16,
+    },
+}
+
+/// A stream anyone can regenerate: xorshift64 bytes.
+fn stream_byte(x: &mut u64) -> u8 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x as u8
+}
+
+/// FNV-1a, 64 bits: enough to tell a changed, lost or reordered byte.
+fn fnv(h: u64, data: &[u8]) -> u64 {
+    data.iter()
+        .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn tcp_source(to: &str, bytes: u64) -> ExitCode {
+    use std::io::Write;
+    let mut s = match std::net::TcpStream::connect(to) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("connect {to}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (mut x, mut h, mut left) = (0x9e37_79b9_7f4a_7c15u64, FNV_START, bytes);
+    let mut buf = vec![0u8; 65536];
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        for b in &mut buf[..n] {
+            *b = stream_byte(&mut x);
+        }
+        if let Err(e) = s.write_all(&buf[..n]) {
+            eprintln!("send: {e}");
+            return ExitCode::FAILURE;
+        }
+        h = fnv(h, &buf[..n]);
+        left -= n as u64;
+    }
+    println!("{bytes} {h:016x}");
+    ExitCode::SUCCESS
+}
+
+fn tcp_sink(port: u16) -> ExitCode {
+    use std::io::Read;
+    let l = match std::net::TcpListener::bind(("0.0.0.0", port)) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("listen {port}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok((mut s, _)) = l.accept() else {
+        return ExitCode::FAILURE;
+    };
+    let (mut h, mut total) = (FNV_START, 0u64);
+    let mut buf = vec![0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                h = fnv(h, &buf[..n]);
+                total += n as u64;
+            }
+            Err(e) => {
+                eprintln!("recv: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    println!("{total} {h:016x}");
+    ExitCode::SUCCESS
+}
+
+fn up(cfg: &lab::up::UpConfig, seconds: Option<u64>) -> ExitCode {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = std::sync::Arc::clone(&stop);
+    if let Err(e) = ctrlc::set_handler(move || s.store(true, std::sync::atomic::Ordering::Release))
+    {
+        eprintln!("cannot catch Ctrl-C: {e}");
+    }
+    let machine = match lab::up::up(cfg) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("pvio up: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (o, g) = (&cfg.outside_ns, &cfg.guest_ns);
+    let guest_ip = cfg.guest_addr.split('/').next().unwrap_or_default();
+    println!(
+        "up: outside namespace {o} ({}), guest namespace {g} ({}).\n  \
+         ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
+         Ctrl-C stops it.",
+        cfg.outside_addr, cfg.guest_addr
+    );
+    let t0 = std::time::Instant::now();
+    let mut last = lab::up::UpCounters::default();
+    while !stop.load(std::sync::atomic::Ordering::Acquire)
+        && seconds.is_none_or(|s| t0.elapsed().as_secs() < s)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let c = machine.counters();
+        if c != last && t0.elapsed().as_millis() % 5000 < 200 {
+            println!(
+                "wire in {} out {}, guest in {} out {}, oversize {}",
+                c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
+            );
+            last = c;
+        }
+    }
+    let c = machine.counters();
+    println!(
+        "down: wire in {} out {}, guest in {} out {}, oversize {}",
+        c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
+    );
+    machine.down();
+    ExitCode::SUCCESS
 }
 
 fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode {
@@ -92,6 +254,25 @@ fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Reproduce { quick, only, out } => reproduce(quick, only.as_deref(), &out),
         Command::Bench { id, quick, out } => reproduce(quick, Some(&id), &out),
+        Command::Up {
+            outside_ns,
+            guest_ns,
+            outside_addr,
+            guest_addr,
+            no_netfilter,
+            seconds,
+        } => up(
+            &lab::up::UpConfig {
+                outside_ns,
+                guest_ns,
+                outside_addr,
+                guest_addr,
+                netfilter: !no_netfilter,
+            },
+            seconds,
+        ),
+        Command::TcpSource { to, bytes } => tcp_source(&to, bytes),
+        Command::TcpSink { port } => tcp_sink(port),
         Command::List => {
             for e in lab::registry() {
                 println!("{:<10} {}  [{}]", e.id, e.title, e.paper);

@@ -1,0 +1,194 @@
+//! `pvio up`: a running `pv` machine on real interfaces, for real traffic.
+//!
+//! Two network namespaces are made: the *outside*, holding the TAP that is the far end
+//! of the NIC model's cable, and the *guest*, holding the TAP that netfront's frames
+//! are handed to, so that the guest's network stack is that namespace's Linux stack.
+//! Anything run in the outside namespace (`ping`, `iperf3 -c`) reaches what runs in the
+//! guest namespace (`iperf3 -s`) through NIC model → driver → bridge → netback →
+//! netfront, and the replies come back the other way.
+
+use std::process::Command;
+use std::sync::atomic::Ordering;
+
+use crate::platform::{flow, Config, Options, Plumbing, Running};
+use crate::LabError;
+
+/// Where and how to bring the machine up.
+#[derive(Debug, Clone)]
+pub struct UpConfig {
+    /// The outside namespace (made if missing, removed at the end if made here).
+    pub outside_ns: String,
+    /// The guest's namespace.
+    pub guest_ns: String,
+    /// The outside interface's address, with its prefix length.
+    pub outside_addr: String,
+    /// The guest's address, with its prefix length.
+    pub guest_addr: String,
+    /// The bridge's netfilter hooks.
+    pub netfilter: bool,
+}
+
+impl Default for UpConfig {
+    fn default() -> Self {
+        Self {
+            outside_ns: "pvio-outside".into(),
+            guest_ns: "pvio-guest".into(),
+            outside_addr: "10.77.0.1/24".into(),
+            guest_addr: "10.77.0.2/24".into(),
+            netfilter: true,
+        }
+    }
+}
+
+/// A machine that is up; brought down (and its namespaces removed) when dropped.
+#[derive(Debug)]
+pub struct Up {
+    running: Option<Running>,
+    made: Vec<String>,
+    wire: std::sync::Arc<dev::tap::TapCounters>,
+    guest: std::sync::Arc<dev::tap::TapCounters>,
+}
+
+/// What has crossed the machine so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpCounters {
+    /// Frames from the outside into the NIC.
+    pub wire_in: u64,
+    /// Frames from the NIC to the outside.
+    pub wire_out: u64,
+    /// Frames handed to the guest's stack.
+    pub guest_in: u64,
+    /// Frames the guest's stack sent.
+    pub guest_out: u64,
+    /// Frames either side dropped as too long for a 1500-byte MTU.
+    pub oversize: u64,
+}
+
+fn ip(args: &[&str]) -> Result<(), LabError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| LabError::Other(format!("ip {}: {e}", args.join(" "))))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(LabError::Other(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+fn netns_exists(name: &str) -> bool {
+    std::path::Path::new("/run/netns").join(name).exists()
+}
+
+/// Makes the namespaces and interfaces and starts the machine.
+pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
+    let mut made = Vec::new();
+    let r = bring_up(cfg, &mut made);
+    if r.is_err() {
+        for ns in &made {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+    r.map(|(running, wire, guest)| Up {
+        running: Some(running),
+        made,
+        wire,
+        guest,
+    })
+}
+
+type Brought = (
+    Running,
+    std::sync::Arc<dev::tap::TapCounters>,
+    std::sync::Arc<dev::tap::TapCounters>,
+);
+
+fn bring_up(cfg: &UpConfig, made: &mut Vec<String>) -> Result<Brought, LabError> {
+    for ns in [&cfg.outside_ns, &cfg.guest_ns] {
+        if !netns_exists(ns) {
+            ip(&["netns", "add", ns])?;
+            made.push(ns.clone());
+        }
+    }
+    let pid = std::process::id() % 100_000;
+    let (wire_file, wire_if) = mem::tap::open_tap(&format!("pvw{pid}"))
+        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+    let (guest_file, guest_if) = mem::tap::open_tap(&format!("pvg{pid}"))
+        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+    let mac = flow().dst_mac;
+    let mac = format!(
+        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        mac[0], mac[1], mac[2], mac[3], mac[4], mac[5]
+    );
+    for (ifname, ns, addr, lladdr) in [
+        (&wire_if, &cfg.outside_ns, &cfg.outside_addr, None),
+        (
+            &guest_if,
+            &cfg.guest_ns,
+            &cfg.guest_addr,
+            Some(mac.as_str()),
+        ),
+    ] {
+        ip(&["link", "set", "dev", ifname, "netns", ns])?;
+        if let Some(a) = lladdr {
+            ip(&["-n", ns, "link", "set", "dev", ifname, "address", a])?;
+        }
+        ip(&["-n", ns, "addr", "add", addr, "dev", ifname])?;
+        ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
+        ip(&["-n", ns, "link", "set", "dev", "lo", "up"])?;
+    }
+    let wire = dev::tap::TapPort::start(wire_file).map_err(|e| LabError::Other(e.to_string()))?;
+    let guest = dev::tap::TapPort::start(guest_file).map_err(|e| LabError::Other(e.to_string()))?;
+    let (wc, gc) = (
+        std::sync::Arc::clone(wire.counters()),
+        std::sync::Arc::clone(guest.counters()),
+    );
+    let opts = Options {
+        netfilter: cfg.netfilter,
+        sample: None,
+        ..Options::paper(Config::Pv, 52)
+    };
+    let running = Running::start_with(opts, Some(Plumbing { wire, guest }))?;
+    Ok((running, wc, gc))
+}
+
+impl Up {
+    /// Traffic so far.
+    pub fn counters(&self) -> UpCounters {
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        UpCounters {
+            wire_in: l(&self.wire.frames_in),
+            wire_out: l(&self.wire.frames_out),
+            guest_in: l(&self.guest.frames_out),
+            guest_out: l(&self.guest.frames_in),
+            oversize: l(&self.wire.oversize_in) + l(&self.guest.oversize_in),
+        }
+    }
+
+    /// The running machine.
+    pub fn machine(&self) -> Option<&Running> {
+        self.running.as_ref()
+    }
+
+    /// Stops the machine and removes the namespaces made for it.
+    pub fn down(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        drop(self.running.take());
+        for ns in self.made.drain(..) {
+            let _ = ip(&["netns", "del", &ns]);
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
