@@ -635,8 +635,8 @@ impl Running {
                 kernels.push((Arc::clone(&drv_dom), hd));
 
                 let (stop_g, ready_g) = (Arc::clone(&stop), Arc::clone(&ready));
-                if let Some(tap) = guest_tap {
-                    let hg = guest_on_tap(
+                let hg = if let Some(tap) = guest_tap {
+                    guest_on_tap(
                         &hv,
                         &guest,
                         start(core(1)),
@@ -645,36 +645,19 @@ impl Running {
                         gpool,
                         stop_g,
                         ready_g,
-                    )?;
-                    kernels.push((Arc::clone(&guest), hg));
-                    domains.push(drv_dom);
-                    domains.push(guest);
-                    return Ok(Self::plug_in(
-                        hv,
-                        opts,
-                        domains,
-                        nic,
-                        sender_counters,
-                        fpm,
-                        app,
-                        stop,
-                        kernels,
-                        ready,
-                        native_irq,
-                    ));
-                }
-                let mut stack = Stack::new(f.dst_ip, f.dst_mac);
-                let sock = stack
-                    .bind_udp(f.dst_port, DEFAULT_RCVBUF)
-                    .ok_or_else(|| other("bind"))?;
-                let mut app_ = App {
-                    sock,
-                    buf: UserBuf::new(&guest, 65536).map_err(other)?,
-                    message: opts.message,
-                    counters: Arc::clone(&app),
-                };
-                let hg = hv
-                    .start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
+                    )?
+                } else {
+                    let mut stack = Stack::new(f.dst_ip, f.dst_mac);
+                    let sock = stack
+                        .bind_udp(f.dst_port, DEFAULT_RCVBUF)
+                        .ok_or_else(|| other("bind"))?;
+                    let mut app_ = App {
+                        sock,
+                        buf: UserBuf::new(&guest, 65536).map_err(other)?,
+                        message: opts.message,
+                        counters: Arc::clone(&app),
+                    };
+                    hv.start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
                         let tport = v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok();
                         let mut timer = KernelTimer::default();
                         ready_g.fetch_add(1, Ordering::Release);
@@ -708,60 +691,32 @@ impl Running {
                         stack.shutdown(&mut gpool);
                         c
                     })
-                    .map_err(other)?;
+                    .map_err(other)?
+                };
                 kernels.push((Arc::clone(&guest), hg));
                 domains.push(drv_dom);
                 domains.push(guest);
             }
         }
-        Ok(Self::plug_in(
-            hv,
-            opts,
-            domains,
-            nic,
-            sender_counters,
-            fpm,
-            app,
-            stop,
-            kernels,
-            ready,
-            native_irq,
-        ))
-    }
-
-    /// Plugs the cable in once every kernel runs, and wraps the parts up.
-    #[allow(clippy::too_many_arguments)]
-    fn plug_in(
-        hv: Arc<Hypervisor>,
-        opts: Options,
-        domains: Vec<Arc<Domain>>,
-        nic: Nic,
-        sender: Arc<SenderCounters>,
-        frames_per_message: usize,
-        app: Arc<AppCounters>,
-        stop: Arc<AtomicBool>,
-        kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
-        ready: Arc<std::sync::atomic::AtomicUsize>,
-        native_irq: Option<Arc<NativeIrq>>,
-    ) -> Self {
+        // Plug the cable in once every kernel runs.
         let t = Instant::now();
         while ready.load(Ordering::Acquire) < kernels.len() && t.elapsed() < Duration::from_secs(5)
         {
             std::thread::sleep(Duration::from_millis(1));
         }
         nic.regs().link_up.store(true, Ordering::Release);
-        Self {
+        Ok(Self {
             hv,
             opts,
             domains,
             nic: Some(nic),
-            sender,
-            frames_per_message,
+            sender: sender_counters,
+            frames_per_message: fpm,
             app,
             stop,
             kernels,
             native_irq,
-        }
+        })
     }
 
     /// The NIC's registers and counters.
