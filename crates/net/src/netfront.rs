@@ -46,8 +46,10 @@ pub struct FrontStats {
     pub rx_bad_chain: u64,
     /// Grants the back end still held when revoked (pages kept out of use).
     pub grants_busy: u64,
-    /// Packets transmitted (completed).
+    /// Packets transmitted (every slot answered OK).
     pub tx_packets: u64,
+    /// Packets whose buffer stays out of use because a slot's grant was still mapped.
+    pub tx_pinned: u64,
     /// Transmit completions with an error status.
     pub tx_errors: u64,
     /// Transmit responses with a bad id.
@@ -62,11 +64,19 @@ struct RxBuf {
     gfn: Option<Gfn>,
 }
 
+/// One TX id. A packet's state lives in the entry of its first slot (its head): the
+/// buffer, the slots still unanswered, and whether any slot failed or stayed mapped.
 #[derive(Debug, Clone, Copy)]
 struct TxBuf {
     gref: GrantRef,
     in_flight: bool,
+    /// The back end still had this slot's grant mapped when answered.
+    held: bool,
+    head: u16,
     skb: Option<SkbId>,
+    left: u8,
+    failed: bool,
+    pinned: bool,
 }
 
 /// One interface's front end.
@@ -169,7 +179,12 @@ impl Netfront {
                 Ok(TxBuf {
                     gref: refs()?,
                     in_flight: false,
+                    held: false,
+                    head: 0,
                     skb: None,
+                    left: 0,
+                    failed: false,
+                    pinned: false,
                 })
             })
             .collect::<Result<Vec<_>, XenbusError>>()?;
@@ -429,7 +444,7 @@ impl Netfront {
         let gt = dom.grant_table();
         let (tx, tx_free, tx_bufs) = (&mut self.tx, &mut self.tx_free, &mut self.tx_bufs);
         let mut k = 0;
-        let mut last = 0u16;
+        let mut head = None;
         let r = pool.walk(skb, 0, len, |seg, _| {
             let SegPage::Own(gfn) = seg.page else {
                 return Err(crate::skb::SkbError::OutOfBounds);
@@ -438,8 +453,10 @@ impl Netfront {
             let b = &mut tx_bufs[id as usize];
             gt.grant_access(b.gref, be, gfn, true)
                 .map_err(|_| crate::skb::SkbError::Exhausted)?;
+            let h = *head.get_or_insert(id);
             b.in_flight = true;
-            b.skb = None;
+            b.held = false;
+            b.head = h;
             k += 1;
             let _ = tx.push_request(&TxRequest {
                 gref: b.gref.0,
@@ -448,17 +465,20 @@ impl Netfront {
                 id,
                 size: if k == 1 { len as u16 } else { seg.len as u16 },
             });
-            last = id;
             Ok(())
         });
-        if r.is_err() {
+        let Some(head) = head.filter(|_| r.is_ok()) else {
             // Cannot happen for a buffer of our own pages within the slot limit; if it
             // did, the requests already written are not published, and are withdrawn.
             self.broken = true;
             pool.free(skb);
             return Ok(());
-        }
-        self.tx_bufs[last as usize].skb = Some(skb);
+        };
+        let h = &mut self.tx_bufs[head as usize];
+        h.skb = Some(skb);
+        h.left = segs as u8;
+        h.failed = false;
+        h.pinned = false;
         if self.tx.push_requests_and_check_notify() {
             self.notify();
         }
@@ -485,23 +505,43 @@ impl Netfront {
                 self.stats.tx_bad_response += 1;
                 continue;
             }
-            if self.dom.grant_table().end_access(b.gref).is_err() {
-                // Still mapped by the back end: the id and the page stay out of use.
+            let mapped = self.dom.grant_table().end_access(b.gref).is_err();
+            let me = &mut self.tx_bufs[rsp.id as usize];
+            me.in_flight = false;
+            me.held = mapped;
+            if mapped {
+                // Still mapped by the back end: this id and the packet's pages stay out
+                // of use for good.
                 self.stats.grants_busy += 1;
-                self.tx_bufs[rsp.id as usize].in_flight = false;
-                continue;
+            } else if rsp.id != b.head {
+                // The head's id carries the packet's state until its last slot is in.
+                self.tx_free.push(rsp.id);
             }
-            self.tx_bufs[rsp.id as usize].in_flight = false;
-            self.tx_free.push(rsp.id);
             if rsp.status != XEN_NETIF_RSP_OKAY {
                 self.stats.tx_errors += 1;
             }
-            if let Some(skb) = self.tx_bufs[rsp.id as usize].skb.take() {
-                if rsp.status == XEN_NETIF_RSP_OKAY {
-                    self.stats.tx_packets += 1;
+            let h = &mut self.tx_bufs[b.head as usize];
+            h.pinned |= mapped;
+            h.failed |= rsp.status != XEN_NETIF_RSP_OKAY;
+            h.left -= 1;
+            if h.left == 0 {
+                // The last slot of the packet is answered: its pages are granted to
+                // no one any more (unless pinned), so the buffer can go.
+                let (skb, failed, pinned) = (h.skb.take(), h.failed, h.pinned);
+                if !h.held {
+                    self.tx_free.push(b.head);
                 }
-                let _m = enter(Class::Mem);
-                pool.free(skb);
+                if let Some(skb) = skb {
+                    if pinned {
+                        self.stats.tx_pinned += 1;
+                    } else {
+                        if !failed {
+                            self.stats.tx_packets += 1;
+                        }
+                        let _m = enter(Class::Mem);
+                        pool.free(skb);
+                    }
+                }
             }
             n += 1;
         }

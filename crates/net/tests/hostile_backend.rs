@@ -1,0 +1,576 @@
+//! A hostile back end writes whatever it likes into a guest's rings. netfront must
+//! count and drop what it cannot use, never hand the stack bytes from outside the
+//! buffer it posted, never reuse a page the back end still holds, and stop only the
+//! interface whose ring index broke — the guest's other interface keeps working.
+
+use std::sync::Arc;
+
+use hv::{
+    Domain, DomainConfig, GrantHandle, GrantPath, GrantRef, GrantVersion, HvConfig, Hypervisor,
+    MapOp,
+};
+use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
+use net::netfront::{Netfront, RX_COPY_LEN};
+use net::netif::{
+    RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
+    NETTXF_MORE_DATA, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
+};
+use net::skb::{Frag, FragPage, SkbPool, NET_SKB_PAD};
+use net::xenbus;
+
+const HDR: usize = 64;
+const SLOTS: u32 = 256;
+/// Window slots of the raw back end: TX ring, RX ring, one for buffer pages.
+const TX_SLOT: u32 = 0;
+const RX_SLOT: u32 = 1;
+const BUF_SLOT: u32 = 2;
+
+/// A back end that maps the guest's rings by hand and writes raw entries.
+struct Raw {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    fe: hv::DomId,
+    rx_req_cons: u32,
+    rx_rsp_prod: u32,
+    tx_req_cons: u32,
+    tx_rsp_prod: u32,
+    /// RX buffers posted: (id, gref), in ring order.
+    posted: Vec<RxRequest>,
+    /// The ring mappings, kept for the test's life.
+    _rings: Vec<GrantHandle>,
+}
+
+impl Raw {
+    fn connect(hv: &Arc<Hypervisor>, drv: &Arc<Domain>, guest: &Arc<Domain>) -> (Raw, Netfront) {
+        let store = hv.store();
+        xenbus::create_vif(store, drv.id(), guest.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
+        netback::probe(store, drv.id(), guest.id(), 0).expect("probe");
+        let front = Netfront::connect(hv, guest, 0).expect("front end");
+        let dir = xenbus::frontend_dir(guest.id(), 0);
+        let key = |k: &str| xenbus::read_u32(store, drv.id(), &format!("{dir}/{k}")).expect(k);
+        let ops = [("tx-ring-ref", TX_SLOT), ("rx-ring-ref", RX_SLOT)].map(|(k, slot)| MapOp {
+            dom: guest.id(),
+            gref: GrantRef(key(k)),
+            readonly: false,
+            slot,
+        });
+        let mut res = [Err(hv::GrantError::BadPage); 2];
+        hv.grant_map(drv, &ops, &mut res);
+        let rings = res.into_iter().map(|r| r.expect("ring map")).collect();
+        let raw = Raw {
+            hv: Arc::clone(hv),
+            drv: Arc::clone(drv),
+            fe: guest.id(),
+            rx_req_cons: 0,
+            rx_rsp_prod: 0,
+            tx_req_cons: 0,
+            tx_rsp_prod: 0,
+            posted: Vec::new(),
+            _rings: rings,
+        };
+        (raw, front)
+    }
+
+    fn read_u32(&self, slot: u32, off: usize) -> u32 {
+        let mut b = [0u8; 4];
+        self.drv.window().read(slot, off, &mut b).expect("read");
+        u32::from_le_bytes(b)
+    }
+
+    /// Collects the RX requests published since the last call.
+    fn take_rx_requests(&mut self) {
+        let prod = self.read_u32(RX_SLOT, 0);
+        while self.rx_req_cons != prod {
+            let mut r = RxRequest::default();
+            let at = HDR + (self.rx_req_cons % SLOTS) as usize * 8;
+            self.drv
+                .window()
+                .read(RX_SLOT, at, bytemuck::bytes_of_mut(&mut r))
+                .expect("read");
+            self.posted.push(r);
+            self.rx_req_cons += 1;
+        }
+    }
+
+    /// The TX requests published since the last call.
+    fn take_tx_requests(&mut self) -> Vec<TxRequest> {
+        let prod = self.read_u32(TX_SLOT, 0);
+        let mut out = Vec::new();
+        while self.tx_req_cons != prod {
+            let mut r = TxRequest::default();
+            let at = HDR + (self.tx_req_cons % SLOTS) as usize * 12;
+            self.drv
+                .window()
+                .read(TX_SLOT, at, bytemuck::bytes_of_mut(&mut r))
+                .expect("read");
+            out.push(r);
+            self.tx_req_cons += 1;
+        }
+        out
+    }
+
+    /// Takes the oldest posted RX buffer.
+    fn buffer(&mut self) -> RxRequest {
+        self.take_rx_requests();
+        self.posted.remove(0)
+    }
+
+    /// Maps `gref` at the buffer slot; the handle is returned for [`Self::unmap`].
+    fn map(&self, gref: u32, readonly: bool) -> GrantHandle {
+        self.try_map(gref, readonly).expect("buffer map")
+    }
+
+    fn try_map(&self, gref: u32, readonly: bool) -> Result<GrantHandle, hv::GrantError> {
+        let mut res = [Err(hv::GrantError::BadPage)];
+        self.hv.grant_map(
+            &self.drv,
+            &[MapOp {
+                dom: self.fe,
+                gref: GrantRef(gref),
+                readonly,
+                slot: BUF_SLOT,
+            }],
+            &mut res,
+        );
+        res[0]
+    }
+
+    /// Whether none of `reqs`' grants can be mapped any more (all revoked). The buffer
+    /// slot is free before each try, so a failure is the grant's.
+    fn all_revoked(&self, reqs: &[TxRequest]) -> bool {
+        reqs.iter().all(|r| match self.try_map(r.gref, true) {
+            Ok(h) => {
+                self.unmap(h);
+                false
+            }
+            Err(_) => true,
+        })
+    }
+
+    fn unmap(&self, h: GrantHandle) {
+        let mut st = [Ok(())];
+        self.hv.grant_unmap(&self.drv, &[h], &mut st);
+        st[0].expect("unmap");
+    }
+
+    /// Writes `data` into a posted buffer at `off` (as netback's grant copy would).
+    fn fill(&self, buf: &RxRequest, off: usize, data: &[u8]) {
+        let h = self.map(buf.gref, false);
+        self.drv.window().write(BUF_SLOT, off, data).expect("write");
+        self.unmap(h);
+    }
+
+    fn rx_respond(&mut self, id: u16, offset: u16, flags: u16, status: i16) {
+        let rsp = RxResponse {
+            id,
+            offset,
+            flags,
+            status,
+        };
+        let at = HDR + (self.rx_rsp_prod % SLOTS) as usize * 8;
+        self.drv
+            .window()
+            .write(RX_SLOT, at, bytemuck::bytes_of(&rsp))
+            .expect("write");
+        self.rx_rsp_prod += 1;
+    }
+
+    fn tx_respond(&mut self, id: u16, status: i16) {
+        let at = HDR + (self.tx_rsp_prod % SLOTS) as usize * 12;
+        self.drv
+            .window()
+            .write(TX_SLOT, at, bytemuck::bytes_of(&TxResponse { id, status }))
+            .expect("write");
+        self.tx_rsp_prod += 1;
+    }
+
+    fn publish(&self) {
+        let w = self.drv.window();
+        w.write(RX_SLOT, 8, &self.rx_rsp_prod.to_le_bytes())
+            .expect("rx prod");
+        w.write(TX_SLOT, 8, &self.tx_rsp_prod.to_le_bytes())
+            .expect("tx prod");
+    }
+
+    /// A well-formed one-slot packet in the oldest posted buffer.
+    fn deliver(&mut self, data: &[u8]) {
+        let b = self.buffer();
+        self.fill(&b, 0, data);
+        self.rx_respond(b.id, 0, 0, data.len() as i16);
+    }
+}
+
+struct World {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    guest: Arc<Domain>,
+    raw: Raw,
+    front: Netfront,
+    pool: SkbPool,
+}
+
+fn world() -> World {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 16384,
+        grant_path: GrantPath::Optimised,
+    })
+    .expect("hv");
+    let drv = hv
+        .create_domain(&DomainConfig {
+            name: "evil-drv".into(),
+            pages: 2048,
+            grant_frames: 4,
+            grant_version: GrantVersion::V2,
+            vcpus: 1,
+            map_slots: 2 * VIF_WINDOW_SLOTS,
+            driver_domain: true,
+        })
+        .expect("drv");
+    let guest = hv
+        .create_domain(&DomainConfig {
+            name: "guest".into(),
+            pages: 4096,
+            grant_frames: 8,
+            grant_version: GrantVersion::V2,
+            vcpus: 1,
+            map_slots: 4,
+            driver_domain: false,
+        })
+        .expect("guest");
+    let (raw, mut front) = Raw::connect(&hv, &drv, &guest);
+    let mut pool = SkbPool::new(Arc::clone(&guest), 64, 320).expect("pool");
+    front.refill_rx(&mut pool);
+    assert_eq!(front.rx_posted(), 256);
+    World {
+        hv,
+        drv,
+        guest,
+        raw,
+        front,
+        pool,
+    }
+}
+
+impl World {
+    /// Polls the RX ring and returns each delivered packet's bytes.
+    fn poll(&mut self) -> Vec<Vec<u8>> {
+        let mut got = Vec::new();
+        self.front.poll_rx(&mut self.pool, 64, |p, s| {
+            let mut b = vec![0u8; p.len(s)];
+            p.read(s, 0, &mut b).expect("read");
+            got.push(b);
+            p.free(s);
+        });
+        got
+    }
+
+    /// Pages either free in the pool or posted to the back end: what netfront owns.
+    fn pages_accounted(&self) -> usize {
+        self.pool.free_pages() + self.front.rx_posted() as usize
+    }
+
+    /// A good packet still crosses after the misbehaviour, and every page and buffer is
+    /// back where it belongs.
+    fn still_receives(&mut self, pages: usize) {
+        let msg: Vec<u8> = (0..700u32).map(|i| (i * 13) as u8).collect();
+        self.raw.deliver(&msg);
+        self.raw.publish();
+        assert_eq!(self.poll(), vec![msg], "a good packet after the bad ones");
+        assert_eq!(self.pages_accounted(), pages, "no page lost or duplicated");
+        assert_eq!(self.front.rx_posted(), 256, "the ring is full again");
+        assert_eq!(self.pool.free_buffers(), self.pool.capacity());
+        assert!(!self.front.is_broken());
+    }
+}
+
+fn message(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[test]
+fn rx_ids_out_of_range_or_not_in_flight_are_counted_and_dropped() {
+    let mut w = world();
+    let pages = w.pages_accounted();
+    let good = w.raw.buffer();
+    let data = message(300, 1);
+    w.raw.fill(&good, 0, &data);
+    w.raw.rx_respond(300, 0, 0, 64); // beyond the ring's ids
+    w.raw.rx_respond(good.id, 0, 0, 300);
+    w.raw.rx_respond(good.id, 0, 0, 300); // the same buffer twice
+    w.raw.publish();
+    assert_eq!(w.poll(), vec![data], "only the real answer is delivered");
+    let st = w.front.stats();
+    assert_eq!(st.rx_errors[0], 1, "bad id");
+    assert_eq!(st.rx_errors[1], 1, "not in flight");
+    assert_eq!(st.rx_packets, 1);
+    w.still_receives(pages);
+}
+
+#[test]
+fn rx_data_crossing_its_page_or_an_error_status_gives_the_buffer_back() {
+    let mut w = world();
+    let pages = w.pages_accounted();
+    for (offset, status) in [
+        (4000u16, 200i16),
+        (0, 4097),
+        (u16::MAX, 1),
+        (0, XEN_NETIF_RSP_ERROR),
+    ] {
+        let b = w.raw.buffer();
+        w.raw.rx_respond(b.id, offset, 0, status);
+    }
+    w.raw.publish();
+    assert!(w.poll().is_empty());
+    let st = w.front.stats();
+    assert_eq!(st.rx_errors[2], 3, "crosses its page");
+    assert_eq!(st.rx_errors[3], 1, "error status");
+    w.still_receives(pages);
+}
+
+#[test]
+fn rx_extras_never_negotiated_and_overlong_chains_are_dropped() {
+    let mut w = world();
+    let pages = w.pages_accounted();
+    // An extra-info flag, though no extras were negotiated.
+    let b = w.raw.buffer();
+    w.raw.rx_respond(b.id, 0, NETRXF_EXTRA_INFO, 100);
+    // A chain of more fragments than a packet buffer holds.
+    for _ in 0..40 {
+        let b = w.raw.buffer();
+        w.raw.fill(&b, 0, &message(1000, 2));
+        w.raw.rx_respond(b.id, 0, NETRXF_MORE_DATA, 1000);
+    }
+    // Then a chain cut short by a bad id: the half-built packet is thrown away.
+    let b = w.raw.buffer();
+    w.raw.rx_respond(b.id, 0, NETRXF_MORE_DATA, 1000);
+    w.raw.rx_respond(999, 0, 0, 10);
+    w.raw.publish();
+    // Polled in several rounds, as a budget would.
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        got.extend(w.poll());
+    }
+    assert!(
+        got.is_empty(),
+        "no packet from a broken chain: {}",
+        got.len()
+    );
+    let st = w.front.stats().clone();
+    assert!(st.rx_bad_chain >= 3, "{st:?}");
+    assert_eq!(st.rx_errors[0], 1);
+    w.still_receives(pages);
+}
+
+#[test]
+fn rx_data_is_taken_from_the_buffer_page_only() {
+    // Offset and length are the back end's; the bytes delivered are those of the
+    // posted page at that place, with the first RX_COPY_LEN copied to the head.
+    let mut w = world();
+    let b = w.raw.buffer();
+    let data = message(1500, 3);
+    w.raw.fill(&b, 2000, &data);
+    w.raw.rx_respond(b.id, 2000, 0, 1500);
+    w.raw.publish();
+    assert_eq!(w.poll(), vec![data]);
+    assert!(RX_COPY_LEN < 1500);
+}
+
+#[test]
+fn an_rx_buffer_the_back_end_keeps_mapped_is_never_reused() {
+    let mut w = world();
+    let pages = w.pages_accounted();
+    let b = w.raw.buffer();
+    let h = w.raw.map(b.gref, false);
+    w.raw.rx_respond(b.id, 0, 0, 64);
+    w.raw.publish();
+    assert!(
+        w.poll().is_empty(),
+        "a page the back end still maps is not delivered"
+    );
+    assert_eq!(w.front.stats().grants_busy, 1);
+    // The page and its id stay out of circulation: one fewer buffer on the ring.
+    assert_eq!(w.front.rx_posted(), 255);
+    assert_eq!(w.pages_accounted(), pages - 1);
+    // The back end can still write to it, and nothing the guest owns changes.
+    w.drv
+        .window()
+        .write(BUF_SLOT, 0, &[0xee; 64])
+        .expect("still mapped");
+    w.raw.unmap(h);
+    let msg = message(500, 4);
+    w.raw.deliver(&msg);
+    w.raw.publish();
+    assert_eq!(w.poll(), vec![msg]);
+    assert_eq!(w.pages_accounted(), pages - 1);
+}
+
+/// A second interface of the same guest, on a real netback in the same driver domain.
+fn good_interface(w: &World) -> (Netfront, Vif, SkbPool, SkbPool) {
+    let store = w.hv.store();
+    xenbus::create_vif(store, w.drv.id(), w.guest.id(), 1, [2, 0, 0, 0, 0, 7]).expect("ts");
+    netback::probe(store, w.drv.id(), w.guest.id(), 1).expect("probe");
+    let front = Netfront::connect(&w.hv, &w.guest, 1).expect("front");
+    let vif = Vif::connect(&w.hv, &w.drv, w.guest.id(), 1, 1, VIF_WINDOW_SLOTS).expect("vif");
+    let gpool = SkbPool::new(Arc::clone(&w.guest), 16, 300).expect("pool");
+    let dpool = SkbPool::new(Arc::clone(&w.drv), 16, 16).expect("pool");
+    (front, vif, gpool, dpool)
+}
+
+#[test]
+fn a_broken_rx_index_stops_that_interface_only() {
+    let mut w = world();
+    let (mut front, mut vif, mut gpool, mut dpool) = good_interface(&w);
+    front.refill_rx(&mut gpool);
+    // More responses than requests outstanding.
+    w.raw.rx_rsp_prod = 1000;
+    w.raw.publish();
+    assert!(w.poll().is_empty());
+    assert!(w.front.is_broken());
+    // A broken interface takes nothing more, and gives back what it is handed.
+    let s = w.pool.alloc(NET_SKB_PAD).expect("skb");
+    w.pool.put(s, &[1; 60]).expect("put");
+    assert_eq!(w.front.xmit(&mut w.pool, s), Ok(()));
+    assert_eq!(w.pool.free_buffers(), w.pool.capacity());
+    assert!(w.raw.take_tx_requests().is_empty());
+    // The guest's other interface carries a packet each way.
+    let s = dpool.alloc(NET_SKB_PAD).expect("skb");
+    let msg = message(200, 5);
+    dpool.put(s, &msg).expect("put");
+    vif.start_xmit(&mut dpool, s);
+    vif.rx_action(&mut dpool);
+    let mut got = Vec::new();
+    front.poll_rx(&mut gpool, 8, |p, s| {
+        let mut b = vec![0u8; p.len(s)];
+        p.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        p.free(s);
+    });
+    assert_eq!(got, vec![msg]);
+    let s = gpool.alloc(NET_SKB_PAD).expect("skb");
+    gpool.put(s, &[7; 100]).expect("put");
+    front.xmit(&mut gpool, s).expect("room");
+    assert_eq!(vif.tx_action(&mut dpool, 8, |p, s| p.free(s)), 1);
+    assert!(!front.is_broken());
+    assert_eq!(vif.disabled(), None);
+}
+
+/// Sends a packet of `lens` bytes in its head and then one fragment per further length,
+/// so that it takes one TX slot per entry.
+fn xmit(w: &mut World, lens: &[usize]) -> Vec<TxRequest> {
+    let s = w.pool.alloc(NET_SKB_PAD).expect("skb");
+    w.pool.put(s, &message(lens[0], 6)).expect("put");
+    for &l in &lens[1..] {
+        let g = w.pool.alloc_page().expect("page");
+        w.guest.write(g, 0, &message(l, 7)).expect("write");
+        w.pool
+            .add_frag(
+                s,
+                Frag {
+                    page: FragPage::Local(g),
+                    offset: 0,
+                    len: l as u16,
+                },
+            )
+            .expect("frag");
+    }
+    w.front.xmit(&mut w.pool, s).expect("room");
+    let reqs = w.raw.take_tx_requests();
+    assert_eq!(reqs.len(), lens.len());
+    reqs
+}
+
+#[test]
+fn tx_answers_with_bad_ids_not_in_flight_null_or_error_are_counted() {
+    let mut w = world();
+    let buffers = w.pool.free_buffers();
+    let sent: Vec<TxRequest> = (0..6).map(|_| xmit(&mut w, &[100])[0]).collect();
+    let (a, b) = (sent[0], sent[1]);
+    let never = (0..256u16)
+        .find(|i| sent.iter().all(|r| r.id != *i))
+        .expect("id");
+    // One answer per request, as the ring allows; four of them are bogus.
+    w.raw.tx_respond(256, XEN_NETIF_RSP_OKAY); // beyond the ring's ids
+    w.raw.tx_respond(never, XEN_NETIF_RSP_OKAY); // never sent
+    w.raw.tx_respond(a.id, XEN_NETIF_RSP_NULL); // a filler, skipped
+    w.raw.tx_respond(a.id, XEN_NETIF_RSP_OKAY);
+    w.raw.tx_respond(a.id, XEN_NETIF_RSP_OKAY); // twice
+    w.raw.tx_respond(b.id, XEN_NETIF_RSP_ERROR);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    let st = w.front.stats();
+    assert_eq!(st.tx_bad_response, 3);
+    assert_eq!(st.tx_packets, 1);
+    assert_eq!(st.tx_errors, 1);
+    assert!(!w.front.is_broken());
+    // a and b were freed once each; the four never answered stay with the back end,
+    // their pages granted, as a real front end's would.
+    assert_eq!(w.pool.free_buffers(), buffers - 4);
+    assert!(w.raw.all_revoked(&[a, b]), "no grant left open");
+    assert!(!w.raw.all_revoked(&sent[2..3]));
+}
+
+#[test]
+fn a_tx_packet_is_freed_only_when_every_slot_is_answered() {
+    let mut w = world();
+    let (buffers, pages) = (w.pool.free_buffers(), w.pool.free_pages());
+    let r = xmit(&mut w, &[200, 1000, 1000]);
+    assert_eq!(r[0].flags & NETTXF_MORE_DATA, NETTXF_MORE_DATA);
+    // The back end answers the last slot first, then the head: the middle page is
+    // still granted, so the packet's pages must not go back to the pool.
+    w.raw.tx_respond(r[2].id, XEN_NETIF_RSP_OKAY);
+    w.raw.tx_respond(r[0].id, XEN_NETIF_RSP_OKAY);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    assert_eq!(w.pool.free_buffers(), buffers - 1, "still in flight");
+    assert_eq!(w.pool.free_pages(), pages - 2);
+    // Another packet meanwhile must not take over the first one's state.
+    let s = xmit(&mut w, &[64]);
+    assert_ne!(s[0].id, r[0].id, "the head's id is not reused early");
+    w.raw.tx_respond(s[0].id, XEN_NETIF_RSP_OKAY);
+    w.raw.tx_respond(r[1].id, XEN_NETIF_RSP_OKAY);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    assert_eq!(w.front.stats().tx_packets, 2);
+    assert_eq!(
+        (w.pool.free_buffers(), w.pool.free_pages()),
+        (buffers, pages)
+    );
+    assert!(w.raw.all_revoked(&r));
+}
+
+#[test]
+fn a_tx_page_the_back_end_keeps_mapped_is_never_freed() {
+    let mut w = world();
+    let (buffers, pages) = (w.pool.free_buffers(), w.pool.free_pages());
+    let r = xmit(&mut w, &[100, 1000]);
+    let h = w.raw.map(r[1].gref, true);
+    w.raw.tx_respond(r[0].id, XEN_NETIF_RSP_OKAY);
+    w.raw.tx_respond(r[1].id, XEN_NETIF_RSP_OKAY);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    let st = w.front.stats();
+    assert_eq!((st.grants_busy, st.tx_pinned, st.tx_packets), (1, 1, 0));
+    // Neither the buffer nor its fragment page returns while a peer can read it.
+    assert_eq!(w.pool.free_buffers(), buffers - 1);
+    assert_eq!(w.pool.free_pages(), pages - 1);
+    w.raw.unmap(h);
+    // The interface goes on.
+    let s = xmit(&mut w, &[80]);
+    w.raw.tx_respond(s[0].id, XEN_NETIF_RSP_OKAY);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    assert_eq!(w.front.stats().tx_packets, 1);
+}
+
+#[test]
+fn a_broken_tx_index_stops_the_interface() {
+    let mut w = world();
+    xmit(&mut w, &[100]);
+    w.raw.tx_rsp_prod = 5; // one request outstanding
+    w.raw.publish();
+    assert_eq!(w.front.poll_tx(&mut w.pool), 0);
+    assert!(w.front.is_broken());
+    assert!(w.poll().is_empty());
+}
