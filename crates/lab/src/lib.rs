@@ -77,5 +77,6 @@ pub fn registry() -> Vec<Experiment> {
     vec![
         experiments::core::EXPERIMENT,
         experiments::santos08::EXPERIMENT,
+        experiments::ceiling::EXPERIMENT,
     ]
 }

@@ -229,6 +229,14 @@ impl Netfront {
     pub fn is_broken(&self) -> bool {
         self.broken
     }
+    /// TX slots free now: a packet of up to this many pages can be queued (a stack
+    /// stops its queue below one packet's worth, as `netif_stop_queue`).
+    pub fn tx_room(&self) -> usize {
+        if self.broken {
+            return 0;
+        }
+        (self.tx.free_requests() as usize).min(self.tx_free.len())
+    }
     /// RX buffers posted and not yet returned.
     pub fn rx_posted(&self) -> u32 {
         self.inflight.count()

@@ -375,7 +375,11 @@ fn rx_data_is_taken_from_the_buffer_page_only() {
     w.raw.publish();
     let mut got = Vec::new();
     w.front.poll_rx(&mut w.pool, 8, |p, s| {
-        assert_eq!(p.linear_len(s), RX_COPY_LEN, "the head holds the first bytes");
+        assert_eq!(
+            p.linear_len(s),
+            RX_COPY_LEN,
+            "the head holds the first bytes"
+        );
         let mut b = vec![0u8; p.len(s)];
         p.read(s, 0, &mut b).expect("read");
         got.push(b);

@@ -1,4 +1,5 @@
 //! One module per experiment.
 
+pub mod ceiling;
 pub mod core;
 pub mod santos08;
