@@ -9,6 +9,7 @@
 //! the same run and summarised by their median, so the shared machine's noise cancels as
 //! far as it can.
 
+pub mod dpdk;
 pub mod experiments;
 pub mod platform;
 pub mod report;
