@@ -9,6 +9,7 @@
 //! the same run and summarised by their median, so the shared machine's noise cancels as
 //! far as it can.
 
+pub mod chart;
 pub mod dpdk;
 pub mod experiments;
 pub mod platform;
@@ -16,7 +17,7 @@ pub mod report;
 pub mod stats;
 pub mod up;
 
-pub use report::{Report, Row, RunEnv};
+pub use report::{Report, Row, RunEnv, Written};
 pub use stats::Stats;
 
 /// How a run is asked for.

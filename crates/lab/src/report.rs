@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::chart::StackedBars;
 use crate::stats::Stats;
 
 /// One measured quantity.
@@ -60,6 +61,21 @@ pub struct Report {
     pub checks: Vec<Check>,
     /// Observations worth keeping with the numbers.
     pub notes: Vec<String>,
+    /// Stacked-bar charts of the breakdowns, written beside the report as PNG.
+    pub charts: Vec<StackedBars>,
+}
+
+/// What [`Report::write`] wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// `<id>.json`.
+    pub json: PathBuf,
+    /// `<id>.md`.
+    pub md: PathBuf,
+    /// `<id>-<chart>.png`, one per chart drawn.
+    pub charts: Vec<PathBuf>,
+    /// Why a chart was not drawn.
+    pub chart_errors: Vec<String>,
 }
 
 impl Report {
@@ -74,6 +90,7 @@ impl Report {
             rows: Vec::new(),
             checks: Vec::new(),
             notes: Vec::new(),
+            charts: Vec::new(),
         }
     }
 
@@ -236,8 +253,12 @@ impl Report {
         md
     }
 
-    /// Writes `<dir>/<id>.json` and `<dir>/<id>.md`; returns their paths.
-    pub fn write(&self, dir: &Path, env: &RunEnv) -> std::io::Result<(PathBuf, PathBuf)> {
+    fn chart_file(&self, c: &StackedBars) -> String {
+        format!("{}-{}.png", self.id, c.name)
+    }
+
+    /// Writes `<dir>/<id>.json`, `<dir>/<id>.md` and a PNG per chart.
+    pub fn write(&self, dir: &Path, env: &RunEnv) -> std::io::Result<Written> {
         std::fs::create_dir_all(dir)?;
         let json = dir.join(format!("{}.json", self.id));
         let md = dir.join(format!("{}.md", self.id));
@@ -246,8 +267,26 @@ impl Report {
             &json,
             serde_json::to_string_pretty(&record).map_err(std::io::Error::other)?,
         )?;
-        std::fs::write(&md, self.markdown(env))?;
-        Ok((json, md))
+        let mut text = self.markdown(env);
+        let (mut charts, mut chart_errors) = (Vec::new(), Vec::new());
+        for c in &self.charts {
+            let file = self.chart_file(c);
+            let path = dir.join(&file);
+            match c.render(&path) {
+                Ok(()) => {
+                    let _ = writeln!(text, "\n![{}]({file})", c.title);
+                    charts.push(path);
+                }
+                Err(e) => chart_errors.push(format!("{file}: {e}")),
+            }
+        }
+        std::fs::write(&md, text)?;
+        Ok(Written {
+            json,
+            md,
+            charts,
+            chart_errors,
+        })
     }
 }
 

@@ -230,7 +230,16 @@ fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode
             Ok(report) => {
                 println!("{}", report.table());
                 match report.write(out, &env) {
-                    Ok((j, m)) => println!("wrote {} and {}\n", j.display(), m.display()),
+                    Ok(w) => {
+                        println!("wrote {} and {}", w.json.display(), w.md.display());
+                        for c in &w.charts {
+                            println!("wrote {}", c.display());
+                        }
+                        for e in &w.chart_errors {
+                            eprintln!("chart not drawn: {e}");
+                        }
+                        println!();
+                    }
                     Err(err) => {
                         eprintln!("could not write the report of {}: {err}", e.id);
                         failed += 1;

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use hv::profile::{Class, GlobalClass};
 
+use crate::chart::{Bar, StackedBars};
 use crate::platform::{Config, Finish, Options, Running, Snapshot};
 use crate::{Experiment, LabError, Mode, Report};
 
@@ -356,6 +357,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }
     }
 
+    charts(&mut r, &results);
+
     // Loss accounting.
     let mut lost_total = 0;
     for (size, config, f) in &losses {
@@ -385,6 +388,106 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         losses.len()
     ));
     Ok(r)
+}
+
+/// The median of `f` over a configuration's runs.
+fn median_of(runs: &[RunCost], f: impl Fn(&RunCost) -> f64) -> f64 {
+    crate::Stats::of(&runs.iter().map(f).collect::<Vec<_>>()).median
+}
+
+/// Figure 2 (global classes, every size and configuration, with the paper's two bars at
+/// 48000 bytes) and Figures 3/5, 6 and 7 (function classes at 48000 bytes), each class
+/// the median over runs.
+fn charts(r: &mut Report, results: &BTreeMap<usize, BTreeMap<Config, Vec<RunCost>>>) {
+    let mut fig2 = Vec::new();
+    for (size, label) in SIZES {
+        for config in Config::ALL {
+            let runs = &results[&size][&config];
+            fig2.push(Bar {
+                label: format!("{} {label}", config.name()),
+                segments: GLOBALS
+                    .iter()
+                    .map(|&g| (g.name().to_string(), median_of(runs, |c| c.global(g))))
+                    .filter(|s| s.1 > 0.0)
+                    .collect(),
+            });
+        }
+    }
+    for (config, classes) in PAPER_48000.iter().filter(|p| !p.1.is_empty()) {
+        fig2.push(Bar {
+            label: format!("paper {} 48000", config.name()),
+            segments: classes
+                .iter()
+                .map(|(g, cycles)| (g.name().to_string(), cycles / 3.0))
+                .collect(),
+        });
+    }
+    r.charts.push(StackedBars {
+        name: "fig2".into(),
+        title: "Figure 2: CPU per packet by global class (message size in bytes)".into(),
+        unit: "ns per packet".into(),
+        bars: fig2,
+    });
+    let big = &results[&48000];
+    let class_bars = |who: &[(Config, &str, &str)], keep: &dyn Fn(Class) -> bool| -> Vec<Bar> {
+        who.iter()
+            .map(|&(config, dom, label)| Bar {
+                label: label.to_string(),
+                segments: Class::ALL
+                    .iter()
+                    .copied()
+                    .filter(|&c| keep(c))
+                    .map(|c| {
+                        let v = median_of(&big[&config], |rc| {
+                            rc.domains
+                                .get(dom)
+                                .and_then(|(_, d)| d.classes.get(&c).copied())
+                                .unwrap_or(0.0)
+                        });
+                        (c.name().to_string(), v)
+                    })
+                    .filter(|s| s.1 > 0.0)
+                    .collect(),
+            })
+            .collect()
+    };
+    let kernel =
+        |c: Class| !c.is_xen() && !matches!(c, Class::UserCopy | Class::User | Class::GrantCopy);
+    for (name, title, who, keep) in [
+        (
+            "fig3-5",
+            "Figures 3 and 5: guest kernel by function class, 48000-byte messages",
+            &[
+                (Config::Native, "native", "native"),
+                (Config::Direct, "guest", "direct"),
+                (Config::Pv, "guest", "pv guest"),
+            ][..],
+            &kernel as &dyn Fn(Class) -> bool,
+        ),
+        (
+            "fig6",
+            "Figure 6: hypervisor by function class, 48000-byte messages",
+            &[
+                (Config::Direct, "guest", "direct (guest)"),
+                (Config::Pv, "guest", "pv (guest)"),
+                (Config::Pv, "driver", "pv (driver domain)"),
+            ][..],
+            &|c: Class| c.is_xen(),
+        ),
+        (
+            "fig7",
+            "Figure 7: driver-domain kernel by function class, 48000-byte messages",
+            &[(Config::Pv, "driver", "pv driver domain")][..],
+            &kernel,
+        ),
+    ] {
+        r.charts.push(StackedBars {
+            name: name.into(),
+            title: title.into(),
+            unit: "ns per packet".into(),
+            bars: class_bars(who, keep),
+        });
+    }
 }
 
 fn paper_ns(config: Config, g: GlobalClass) -> Option<f64> {
