@@ -22,7 +22,7 @@ use mem::cpu::pin_current_thread;
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::Netfront;
 use net::skb::{SkbPool, NET_SKB_PAD};
-use net::wire::{UdpFramer, DEFAULT_MTU};
+use net::wire::UdpFramer;
 use net::xenbus;
 
 use crate::platform::flow;
@@ -84,11 +84,9 @@ fn other(e: impl std::fmt::Display) -> LabError {
 
 /// A frame of exactly `len` bytes: Ethernet, IPv4 and UDP headers and a payload.
 fn frame(len: usize) -> Result<Vec<u8>, LabError> {
-    let mut f = flow();
-    f.mtu = DEFAULT_MTU;
     let payload = vec![0xa5u8; len - 42];
     let mut out = Vec::new();
-    UdpFramer::new(f)
+    UdpFramer::new(flow())
         .frames(1, &payload, |fr| out = fr.to_vec())
         .map_err(other)?;
     if out.len() != len {

@@ -261,9 +261,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 }
             }
         }
-        let med = |c: Config| {
-            crate::Stats::of(&by[&c].iter().map(|x| x.total_ns).collect::<Vec<_>>()).median
-        };
+        let med = |c: Config| median_of(&by[&c], |x| x.total_ns);
         let (n, di, pv) = (med(Config::Native), med(Config::Direct), med(Config::Pv));
         r.check(
             &format!("{label} B: pv > direct > native (total ns/pkt, medians)"),
