@@ -36,6 +36,14 @@ pub const EVTCHN_PENDING: usize = VCPU_INFO_SIZE * MAX_VIRT_CPUS as usize;
 pub const EVTCHN_MASK: usize = EVTCHN_PENDING + 64 * 8;
 const UPCALL_PENDING_SEL: usize = 8;
 
+/// A line's state at the interrupt controller: masked, because its last interrupt went
+/// to the owner and the owner has not yet signalled the end of it (Xen's level-triggered
+/// `ACKTYPE_UNMASK`: `do_IRQ` masks the pin, the guest's `PHYSDEVOP_eoi` unmasks it).
+const IRQ_IN_FLIGHT: u8 = 1;
+/// The device raised the line while it was masked: it fires again when unmasked, as a
+/// level-triggered line still asserted does.
+const IRQ_LATCHED: u8 = 2;
+
 const ST_FREE: u64 = 0;
 const ST_UNBOUND: u64 = 1;
 const ST_INTERDOMAIN: u64 = 2;
@@ -128,6 +136,9 @@ pub enum EvtchnError {
     /// The interrupt vector is not routed to any domain.
     #[error("vector {0} is not bound")]
     VectorUnbound(u8),
+    /// The port does not receive a physical interrupt of the caller's.
+    #[error("port {0} is not bound to a physical interrupt")]
+    NotPirq(u32),
 }
 
 /// A domain's event-channel table.
@@ -460,6 +471,17 @@ impl Hypervisor {
 
     fn irq_unbind(&self, vector: Vector) {
         self.irqs[vector.0 as usize].store(0, Ordering::Release);
+        self.irq_lines[vector.0 as usize].store(0, Ordering::Release);
+    }
+
+    /// Marks `vector` at the CPU of the vCPU that `port` of `d` notifies.
+    fn irq_to_cpu(&self, d: &Domain, port: Port, vector: Vector) {
+        if let Ok(w) = d.evtchn.word(port) {
+            let (_, vcpu) = ChannelState::decode(w.load(Ordering::Relaxed));
+            if let Some(v) = d.vcpus.get(vcpu as usize) {
+                v.raise_vector(vector);
+            }
+        }
     }
 
     /// A device raises `vector`: the interrupt controller marks it in the request
@@ -474,18 +496,62 @@ impl Hypervisor {
             self.irq_unbound.fetch_add(1, Ordering::Relaxed);
             return Err(EvtchnError::VectorUnbound(vector.0));
         }
+        // A masked line holds the request until its owner's end-of-interrupt.
+        let line = &self.irq_lines[vector.0 as usize];
+        let mut cur = line.load(Ordering::Acquire);
+        while cur & IRQ_IN_FLIGHT != 0 {
+            if cur & IRQ_LATCHED != 0 {
+                return Ok(());
+            }
+            match line.compare_exchange_weak(
+                cur,
+                cur | IRQ_LATCHED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(c) => cur = c,
+            }
+        }
         let dom = DomId((route >> 32) as u16);
-        let port = Port(route as u32);
         let d = self.domain(dom).ok_or(EvtchnError::NoSuchDomain(dom))?;
-        let (_, vcpu) = ChannelState::decode(d.evtchn.word(port)?.load(Ordering::Relaxed));
-        if let Some(v) = d.vcpus.get(vcpu as usize) {
-            v.raise_vector(vector);
+        self.irq_to_cpu(&d, Port(route as u32), vector);
+        Ok(())
+    }
+
+    /// `PHYSDEVOP_eoi`: the owner has handled the interrupt that arrived on `port`. The
+    /// hypervisor unmasks the line and, if the device raised it meanwhile, sends it to
+    /// the owner's CPU again. Until then the line stays masked, so an owner that never
+    /// signals the end of an interrupt silences only its own device.
+    pub fn pirq_eoi(&self, dom: &Domain, port: Port) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenHypercall);
+        let ChannelState::Pirq { vector } = dom.evtchn.state(port)? else {
+            return Err(EvtchnError::NotPirq(port.0));
+        };
+        let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
+        if route >> 63 == 0 || DomId((route >> 32) as u16) != dom.id || route as u32 != port.0 {
+            return Err(EvtchnError::NotPirq(port.0));
+        }
+        let line = &self.irq_lines[vector.0 as usize];
+        // Only the owner's end-of-interrupt clears the mask; a line not in flight is left
+        // alone (a spurious EOI).
+        if line.load(Ordering::Acquire) & IRQ_IN_FLIGHT == 0 {
+            return Ok(());
+        }
+        if line.swap(0, Ordering::AcqRel) & IRQ_LATCHED != 0 {
+            self.irq_to_cpu(dom, port, vector);
         }
         Ok(())
     }
 
+    /// Whether `vector`'s line is masked awaiting its owner's end-of-interrupt.
+    pub fn irq_in_flight(&self, vector: Vector) -> bool {
+        self.irq_lines[vector.0 as usize].load(Ordering::Acquire) & IRQ_IN_FLIGHT != 0
+    }
+
     /// The hypervisor's interrupt entry on a vCPU that has physical vectors pending:
-    /// for each, finds its binding and sends the guest's event (`do_IRQ` →
+    /// for each, finds its binding, masks the line until the owner's end-of-interrupt
+    /// ([`Hypervisor::pirq_eoi`]) and sends the guest's event (`do_IRQ` →
     /// `send_guest_pirq`). Returns how many vectors were taken. A vector whose binding
     /// went away meanwhile is counted as unbound.
     pub fn do_irq(&self, dom: &Domain, vcpu: u32) -> usize {
@@ -502,6 +568,8 @@ impl Hypervisor {
                 self.irq_unbound.fetch_add(1, Ordering::Relaxed);
                 return;
             }
+            // Mask the line until the owner's `PHYSDEVOP_eoi`, then send the event.
+            self.irq_lines[vector.0 as usize].fetch_or(IRQ_IN_FLIGHT, Ordering::AcqRel);
             self.set_pending(dom, Port(route as u32));
         });
         n

@@ -25,10 +25,11 @@ pub mod grant;
 pub mod iommu;
 pub mod profile;
 pub mod store;
+pub mod time;
 pub mod types;
 pub mod vcpu;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use domain::{Domain, DomainConfig, DomainError};
@@ -88,6 +89,8 @@ pub struct Hypervisor {
     domains: RwLock<Vec<Option<Arc<Domain>>>>,
     pub(crate) grant_optimised: AtomicBool,
     pub(crate) irqs: Box<[AtomicU64]>,
+    /// Per vector, the line's state at the interrupt controller (`event::IRQ_*`).
+    pub(crate) irq_lines: Box<[AtomicU8]>,
     pub(crate) irq_unbound: AtomicU64,
     store: store::Store,
     iommu: Arc<iommu::Iommu>,
@@ -109,6 +112,7 @@ impl Hypervisor {
             domains: RwLock::new(vec![None; MAX_DOMAINS]),
             grant_optimised: AtomicBool::new(cfg.grant_path == GrantPath::Optimised),
             irqs: (0..NR_VECTORS).map(|_| AtomicU64::new(0)).collect(),
+            irq_lines: (0..NR_VECTORS).map(|_| AtomicU8::new(0)).collect(),
             irq_unbound: AtomicU64::new(0),
             store: store::Store::new(),
             iommu,

@@ -16,6 +16,7 @@ use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
 
 use crate::domain::Domain;
 use crate::profile::{enter, Class};
+use crate::time::{read_system_time, update_vcpu_system_time, Runstate, RunstateKind};
 use crate::types::{Port, Vector};
 use crate::Hypervisor;
 
@@ -53,6 +54,11 @@ pub struct VcpuState {
     /// The port bound to `VIRQ_TIMER`, plus one; 0 when none.
     timer_port: AtomicU32,
     timer_fires: AtomicU64,
+    /// Run-state accounting (owner-written): the state, when it began, and ns per
+    /// state, as [`crate::time::Runstate`].
+    run_state: AtomicU8,
+    run_entry_ns: AtomicU64,
+    run_time_ns: [AtomicU64; 4],
 }
 
 impl VcpuState {
@@ -72,6 +78,9 @@ impl VcpuState {
             timer_deadline: AtomicU64::new(0),
             timer_port: AtomicU32::new(0),
             timer_fires: AtomicU64::new(0),
+            run_state: AtomicU8::new(RunstateKind::Offline as u8),
+            run_entry_ns: AtomicU64::new(0),
+            run_time_ns: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 
@@ -157,6 +166,36 @@ impl VcpuState {
     /// The vCPU's sample counters.
     pub fn samples(&self) -> &Arc<SampleSlot> {
         &self.slot
+    }
+
+    /// `VCPUOP_get_runstate_info`: the vCPU's state and its time in each state.
+    pub fn runstate(&self) -> Runstate {
+        let kind = |k: u8| match k {
+            0 => RunstateKind::Running,
+            1 => RunstateKind::Runnable,
+            2 => RunstateKind::Blocked,
+            _ => RunstateKind::Offline,
+        };
+        Runstate {
+            state: kind(self.run_state.load(Ordering::Acquire)),
+            state_entry_time: Duration::from_nanos(self.run_entry_ns.load(Ordering::Acquire)),
+            time: std::array::from_fn(|i| {
+                Duration::from_nanos(self.run_time_ns[i].load(Ordering::Relaxed))
+            }),
+        }
+    }
+
+    /// `vcpu_runstate_change`: closes the current state's interval at `now` and enters
+    /// `next`.
+    fn runstate_change(&self, next: RunstateKind, now: Duration) {
+        let now = now.as_nanos() as u64;
+        let cur = self.run_state.load(Ordering::Relaxed) as usize;
+        let since = self.run_entry_ns.load(Ordering::Relaxed);
+        if let Some(t) = self.run_time_ns.get(cur) {
+            t.fetch_add(now.saturating_sub(since), Ordering::Relaxed);
+        }
+        self.run_entry_ns.store(now, Ordering::Relaxed);
+        self.run_state.store(next as u8, Ordering::Release);
     }
 
     /// Times the vCPU blocked and was woken by a kick.
@@ -285,6 +324,10 @@ impl Vcpu {
         fence(Ordering::SeqCst);
         let mut parked = false;
         while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
+            if !parked {
+                // Xen's `schedule` on the way out: the vCPU is blocked from now.
+                s.runstate_change(RunstateKind::Blocked, self.hv.now());
+            }
             parked = true;
             if s.timer_deadline.load(Ordering::Relaxed) == 0 {
                 std::thread::park();
@@ -296,7 +339,26 @@ impl Vcpu {
         s.kicked.store(false, Ordering::Relaxed);
         if parked {
             s.blocks.fetch_add(1, Ordering::Relaxed);
+            self.schedule_in();
         }
+    }
+
+    /// What Xen's context switch does for a vCPU it runs again: the run-state change,
+    /// and a fresh stamp in the vCPU's time-info block (`update_vcpu_system_time`).
+    fn schedule_in(&self) {
+        let _c = enter(Class::XenTime);
+        let tsc = mem::cpu::rdtsc();
+        let now = self.hv.now();
+        self.state().runstate_change(RunstateKind::Running, now);
+        update_vcpu_system_time(&self.dom, self.id, tsc, now);
+    }
+
+    /// The guest's clock: system time read from this vCPU's time-info block and the TSC,
+    /// as a PV guest reads it ([`crate::time::read_system_time`]); the hypervisor's
+    /// clock if the block cannot be read.
+    #[inline]
+    pub fn system_time(&self) -> Duration {
+        read_system_time(&self.dom, self.id).unwrap_or_else(|| self.hv.now())
     }
 }
 
@@ -343,14 +405,17 @@ impl Hypervisor {
                     let _ = pin_current_thread(c);
                 }
                 let _ = s.thread.set(std::thread::current());
+                v.schedule_in();
                 let binding = SlotBinding::bind(Arc::clone(&s.slot), start.sample).ok();
                 if let Ok(mut c) = s.clock.lock() {
                     *c = ThreadClock::current().ok();
                 }
                 let st_dom = Arc::clone(&v.dom);
+                let st_hv = Arc::clone(&v.hv);
                 let id = v.id as usize;
                 let r = kernel(v);
                 let s = &st_dom.vcpus[id];
+                s.runstate_change(RunstateKind::Offline, st_hv.now());
                 let t = mem::cpu::thread_cpu_time();
                 s.final_cpu_ns.store(t.as_nanos() as u64, Ordering::Release);
                 if let Ok(mut c) = s.clock.lock() {

@@ -179,6 +179,7 @@ fn a_device_interrupt_becomes_an_event_on_the_owner_port() {
     assert_eq!(hv.do_irq(&a, 0), 1);
     assert_eq!(drain(&a), vec![p]);
     assert_eq!(hv.do_irq(&a, 0), 0, "the request was taken");
+    hv.pirq_eoi(&a, p).expect("eoi");
     assert_eq!(
         hv.raise_irq(Vector(34)),
         Err(EvtchnError::VectorUnbound(34))
@@ -191,6 +192,47 @@ fn a_device_interrupt_becomes_an_event_on_the_owner_port() {
     assert!(drain(&a).is_empty());
     assert_eq!(hv.irq_unbound_count(), 2);
     assert_eq!(hv.raise_irq(v), Err(EvtchnError::VectorUnbound(33)));
+}
+
+#[test]
+fn a_line_stays_masked_until_its_owner_signals_the_end_of_the_interrupt() {
+    let (hv, a, b) = two_domains();
+    let v = Vector(35);
+    let p = hv.bind_irq(&a, v).expect("bind");
+    hv.raise_irq(v).expect("raise");
+    assert_eq!(hv.do_irq(&a, 0), 1);
+    assert_eq!(drain(&a), vec![p]);
+    assert!(hv.irq_in_flight(v));
+    // Raised twice more while masked: held, not delivered.
+    hv.raise_irq(v).expect("raise");
+    hv.raise_irq(v).expect("raise");
+    assert_eq!(hv.do_irq(&a, 0), 0, "a masked line delivers nothing");
+    assert!(drain(&a).is_empty());
+    // Nobody else can unmask it: not another domain (whatever its port), not a port of
+    // the owner's that is no pirq.
+    assert!(hv.pirq_eoi(&b, p).is_err());
+    let other = hv.evtchn_alloc_unbound(&a, b.id()).expect("offer");
+    assert_eq!(hv.pirq_eoi(&a, other), Err(EvtchnError::NotPirq(other.0)));
+    assert_eq!(
+        hv.pirq_eoi(&a, Port(NR_EVENT_CHANNELS)),
+        Err(EvtchnError::PortOutOfRange(NR_EVENT_CHANNELS))
+    );
+    assert!(hv.irq_in_flight(v));
+    // The owner's EOI unmasks the line and the held request fires once.
+    hv.pirq_eoi(&a, p).expect("eoi");
+    assert_eq!(hv.do_irq(&a, 0), 1);
+    assert_eq!(drain(&a), vec![p]);
+    hv.pirq_eoi(&a, p).expect("eoi");
+    assert!(!hv.irq_in_flight(v));
+    // A spurious EOI changes nothing; the line works as before.
+    hv.pirq_eoi(&a, p).expect("spurious eoi");
+    assert_eq!(hv.do_irq(&a, 0), 0);
+    hv.raise_irq(v).expect("raise");
+    assert_eq!(hv.do_irq(&a, 0), 1);
+    assert_eq!(drain(&a), vec![p]);
+    // Closing the port releases the line, masked or not.
+    hv.evtchn_close(&a, p).expect("close");
+    assert!(!hv.irq_in_flight(v));
 }
 
 #[test]
@@ -278,8 +320,10 @@ fn run_receiver(
             move |v| {
                 while s2.load(Ordering::Relaxed) < n {
                     v.wait();
-                    v.handle_events(|_| {
+                    v.handle_events(|p| {
                         s2.fetch_add(1, Ordering::Relaxed);
+                        // A physical interrupt's line stays masked until its EOI.
+                        let _ = v.hv().pirq_eoi(v.domain(), p);
                     });
                 }
                 s2.load(Ordering::Relaxed)
