@@ -36,9 +36,12 @@ impl NativeIrq {
     pub fn pending(&self) -> bool {
         self.pending.load(Ordering::Acquire)
     }
-    /// Acknowledges (clears) the interrupt; true if one was pending.
+    /// Acknowledges (clears) the interrupt; true if one was pending. The pending bit is
+    /// read first and cleared only when set: a CPU learns of an interrupt from its own
+    /// controller, so the common case (none pending) must not pull the line's cache
+    /// line over from the device's core with a locked write.
     pub fn ack(&self) -> bool {
-        self.pending.swap(false, Ordering::AcqRel)
+        self.pending() && self.pending.swap(false, Ordering::AcqRel)
     }
     /// Raises the interrupt and wakes the CPU.
     pub fn raise(&self) {

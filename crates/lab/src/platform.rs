@@ -317,6 +317,22 @@ fn guest_on_tap(
     .map_err(other)
 }
 
+/// A Xen kernel's handling of a physical interrupt's event, as 2.6.18-xen's `ack_pirq`
+/// and `end_pirq` do it: the port is masked while `handler` runs, then unmasked, and the
+/// hypervisor is told that the interrupt has ended (`PHYSDEVOP_eoi`), which unmasks the
+/// line it masked when it delivered the interrupt. The port is the kernel's own pirq,
+/// so none of the calls can fail.
+fn xen_pirq(v: &Vcpu, port: hv::Port, handler: impl FnOnce()) {
+    {
+        let _i = enter(Class::Interrupt);
+        let _ = v.domain().evtchn_mask(port);
+    }
+    handler();
+    let _h = enter(Class::Hypercall);
+    let _ = v.hv().evtchn_unmask(v.domain(), port);
+    let _ = v.hv().pirq_eoi(v.domain(), port);
+}
+
 /// A guest kernel's view of its one-shot timer: what it last asked for, so that it
 /// programs the timer (a hypercall under Xen, the local APIC natively) only when the
 /// deadline it needs changes.
@@ -333,9 +349,17 @@ impl KernelTimer {
             self.armed = want;
         }
     }
-    /// A native kernel's check of its local timer at interrupt time.
-    fn native_expired(&self, now: Duration) -> bool {
-        self.armed.is_some_and(|d| now >= d)
+    /// A Xen kernel going idle, as 2.6.18-xen's `stop_hz_timer`: it programs the
+    /// one-shot timer for its next timer event (`VCPUOP_set_singleshot_timer`, or stops
+    /// it when there is none) at every idle entry, whether or not the deadline changed.
+    fn xen_idle(&mut self, want: Option<Duration>, v: &Vcpu) {
+        v.set_timer(want);
+        self.armed = want;
+    }
+    /// A native kernel's check of its local timer at interrupt time; the clock is read
+    /// only when the timer is armed.
+    fn native_expired(&self, now: impl FnOnce() -> Duration) -> bool {
+        self.armed.is_some_and(|d| now() >= d)
     }
 }
 
@@ -460,7 +484,7 @@ impl Running {
                         }
                         let clock = |v: &Vcpu| {
                             let _t = enter(Class::Time);
-                            nirq.as_ref().map_or_else(|| v.hv().now(), |n| n.now())
+                            nirq.as_ref().map_or_else(|| v.system_time(), |n| n.now())
                         };
                         let mut timer = KernelTimer::default();
                         ready_.fetch_add(1, Ordering::Release);
@@ -471,12 +495,12 @@ impl Running {
                                     if n.ack() {
                                         drv.interrupt();
                                     }
-                                    expired = timer.native_expired(clock(&v));
+                                    expired = timer.native_expired(|| clock(&v));
                                 }
                                 (None, Some(p)) => {
                                     v.handle_events(|q| {
                                         if q == p {
-                                            drv.interrupt();
+                                            xen_pirq(&v, p, || drv.interrupt());
                                         } else if Some(q) == tport {
                                             expired = true;
                                         }
@@ -504,7 +528,7 @@ impl Running {
                                         n.halt_until(&stop_, timer.armed);
                                     }
                                     None => {
-                                        timer.arm(stack.next_timer(), |d| v.set_timer(d));
+                                        timer.xen_idle(stack.next_timer(), &v);
                                         v.wait();
                                     }
                                 }
@@ -573,7 +597,7 @@ impl Running {
                             let mut vif_ev = false;
                             v.handle_events(|q| {
                                 if q == irq_port {
-                                    nicdrv.interrupt();
+                                    xen_pirq(&v, irq_port, || nicdrv.interrupt());
                                 } else if q == vif_port {
                                     vif_ev = true;
                                 }
@@ -666,7 +690,7 @@ impl Running {
                             v.handle_events(|q| expired |= Some(q) == tport);
                             let now = {
                                 let _t = enter(Class::Time);
-                                v.hv().now()
+                                v.system_time()
                             };
                             if expired {
                                 timer.armed = None;
@@ -678,7 +702,7 @@ impl Running {
                             front.poll_tx(&mut gpool);
                             work += app_.run(&mut stack, &mut gpool);
                             if work == 0 {
-                                timer.arm(stack.next_timer(), |d| v.set_timer(d));
+                                timer.xen_idle(stack.next_timer(), &v);
                                 v.wait();
                             }
                         }
