@@ -75,6 +75,9 @@ pub struct SenderCounters {
     /// The latest any frame went out after its due time, in µs (the device thread
     /// was not running): a measure of how faithful the pacing was.
     pub max_late_us: AtomicU64,
+    /// Frames not sent because the host held the device thread past the stall horizon
+    /// (whole messages; see [`PacedSender::skip_after_stall`]).
+    pub skipped_frames: AtomicU64,
 }
 
 /// The remote sender: UDP messages of one size at a fixed frame rate (paper 000 kept
@@ -90,6 +93,7 @@ pub struct PacedSender {
     start: Option<Instant>,
     sent: u64,
     limit: Option<u64>,
+    stall_horizon: Option<Duration>,
     counters: Arc<SenderCounters>,
 }
 
@@ -126,8 +130,20 @@ impl PacedSender {
             start: None,
             sent: 0,
             limit,
+            stall_horizon: None,
             counters: Arc::default(),
         })
+    }
+
+    /// Messages whose first frame is due more than `horizon` in the past are not sent
+    /// (counted in `skipped_frames`). A wire delivers frames at their times; when the
+    /// host deschedules the device thread, sending its backlog at once would be a burst
+    /// no link produces, which overflows the NIC's ring: host stalls would show up as
+    /// the platform's loss. Skipped frames are not offered load. A message already
+    /// begun is finished, so no partial message is made.
+    pub fn skip_after_stall(mut self, horizon: Duration) -> Self {
+        self.stall_horizon = Some(horizon);
+        self
     }
 
     /// Frames each message takes.
@@ -159,9 +175,19 @@ impl WireSource for PacedSender {
             if due > now {
                 break;
             }
-            let late = now.duration_since(due).as_micros() as u64;
-            if late > self.counters.max_late_us.load(Ordering::Relaxed) {
-                self.counters.max_late_us.store(late, Ordering::Relaxed);
+            let late = now.duration_since(due);
+            let late_us = late.as_micros() as u64;
+            if late_us > self.counters.max_late_us.load(Ordering::Relaxed) {
+                self.counters.max_late_us.store(late_us, Ordering::Relaxed);
+            }
+            let fpm = self.frames_per_message as u64;
+            if self.stall_horizon.is_some_and(|h| late > h) && self.sent.is_multiple_of(fpm) {
+                let skip = self.limit.map_or(fpm, |l| fpm.min(l - self.sent));
+                self.sent += skip;
+                self.counters
+                    .skipped_frames
+                    .fetch_add(skip, Ordering::Relaxed);
+                continue;
             }
             let (off, len) = self.spans[self.sent as usize % self.spans.len()];
             emit(&self.frames[off..off + len]);
@@ -183,5 +209,68 @@ impl WireSource for PacedSender {
             Some(s) => Some(s + self.period.mul_f64(self.sent as f64)),
             None => Some(Instant::now()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smoltcp::wire::Ipv4Address;
+
+    fn flow() -> UdpFlow {
+        UdpFlow {
+            src_mac: [2, 0, 0, 0, 0, 1],
+            dst_mac: [2, 0, 0, 0, 0, 2],
+            src_ip: Ipv4Address::new(10, 0, 0, 1),
+            dst_ip: Ipv4Address::new(10, 0, 0, 2),
+            src_port: 1,
+            dst_port: 2,
+            mtu: 1500,
+        }
+    }
+
+    fn poll(s: &mut PacedSender, at: Instant) -> usize {
+        s.poll(at, &mut |_| {})
+    }
+
+    #[test]
+    fn a_late_sender_catches_up_unless_told_to_skip_after_a_stall() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        // Without a horizon every frame due is sent, late or not.
+        let mut s = PacedSender::new(flow(), 52, 1000.0, None).expect("sender");
+        assert_eq!(poll(&mut s, t0), 1);
+        assert_eq!(poll(&mut s, t0 + 10 * ms), 10);
+        assert_eq!(s.counters().max_late_us.load(Ordering::Relaxed), 9000);
+        // With a 2 ms horizon, frames more than 2 ms late are skipped and counted.
+        let mut s = PacedSender::new(flow(), 52, 1000.0, None)
+            .expect("sender")
+            .skip_after_stall(2 * ms);
+        assert_eq!(poll(&mut s, t0), 1);
+        assert_eq!(poll(&mut s, t0 + 10 * ms), 3, "frames 8, 9 and 10");
+        let c = s.counters();
+        assert_eq!(c.skipped_frames.load(Ordering::Relaxed), 7);
+        assert_eq!(c.frames.load(Ordering::Relaxed), 4);
+        assert_eq!(c.messages.load(Ordering::Relaxed), 4);
+        // The schedule is kept: the next frame is due at 11 ms.
+        assert_eq!(s.next_due(), Some(t0 + 11 * ms));
+    }
+
+    #[test]
+    fn a_stall_skips_whole_messages_and_finishes_one_begun() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let mut s = PacedSender::new(flow(), 3000, 1000.0, None)
+            .expect("sender")
+            .skip_after_stall(2 * ms);
+        assert_eq!(s.frames_per_message(), 3);
+        assert_eq!(poll(&mut s, t0), 1);
+        // Frames 1 and 2 finish message 0 however late; messages 1 and 2 (frames 3-8)
+        // are skipped; message 3 begins at frame 9, 1 ms late.
+        assert_eq!(poll(&mut s, t0 + 10 * ms), 4);
+        let c = s.counters();
+        assert_eq!(c.skipped_frames.load(Ordering::Relaxed), 6);
+        assert_eq!(c.frames.load(Ordering::Relaxed), 5);
+        assert_eq!(c.messages.load(Ordering::Relaxed), 1);
     }
 }

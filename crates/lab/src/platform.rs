@@ -110,6 +110,11 @@ impl Options {
     }
 }
 
+/// How late the sender's device thread may be before it skips whole messages instead
+/// of bursting them: 2 ms is 163 full-size frames at the paper's rate, well inside the
+/// NIC's 1024 descriptors, and far beyond the thread's usual wake-up jitter.
+pub const STALL_HORIZON: Duration = Duration::from_millis(2);
+
 /// The flow the sender sends.
 pub fn flow() -> UdpFlow {
     UdpFlow {
@@ -408,7 +413,9 @@ impl Running {
         let ready = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let app = Arc::new(AppCounters::default());
         let f = flow();
-        let sender = PacedSender::new(f, opts.message, opts.rate, None).map_err(other)?;
+        let sender = PacedSender::new(f, opts.message, opts.rate, None)
+            .map_err(other)?
+            .skip_after_stall(STALL_HORIZON);
         let sender_counters = Arc::clone(sender.counters());
         let fpm = sender.frames_per_message();
         let sink = CountingSink::default();
@@ -807,6 +814,11 @@ impl Running {
             "sender",
             "max_late_us",
             self.sender.max_late_us.load(Ordering::Relaxed),
+        );
+        counters.add(
+            "sender",
+            "skipped_frames",
+            self.sender.skipped_frames.load(Ordering::Relaxed),
         );
         Ok(Finish {
             frames_sent: sent,

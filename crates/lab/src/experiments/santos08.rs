@@ -204,9 +204,16 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // results[size][config] = per-run costs.
     let mut results: BTreeMap<usize, BTreeMap<Config, Vec<RunCost>>> = BTreeMap::new();
     let mut losses: Vec<(usize, Config, Finish)> = Vec::new();
-    for _ in 0..d.runs {
+    for round in 0..d.runs {
         for (size, _) in SIZES {
-            for config in Config::ALL {
+            // Native and direct swap places every other round, so that neither always
+            // runs right after the pv machine or first after a change of size.
+            let order = if round % 2 == 0 {
+                [Config::Native, Config::Direct, Config::Pv]
+            } else {
+                [Config::Direct, Config::Native, Config::Pv]
+            };
+            for config in order {
                 let (c, f) = one_run(Options::paper(config, size), &d)?;
                 results
                     .entry(size)
@@ -293,6 +300,21 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             pd > 1.0 && dn > 1.0,
         );
     }
+    // Direct I/O's extra cost is per interrupt and small here; pooled over every size's
+    // rounds, a one-sided sign test says whether "direct dearer than native" is chance.
+    let (mut dearer, mut pairs) = (0usize, 0usize);
+    for (size, _) in SIZES {
+        let by = &results[&size];
+        for (d, n) in by[&Config::Direct].iter().zip(&by[&Config::Native]) {
+            pairs += 1;
+            dearer += usize::from(d.total_ns > n.total_ns);
+        }
+    }
+    r.notes.push(format!(
+        "direct I/O dearer than native in {dearer} of {pairs} rounds over all sizes \
+         (one-sided sign test p = {:.3})",
+        sign_test_p(dearer, pairs)
+    ));
     if mode != Mode::Smoke {
         r.check(
             &format!(
@@ -400,6 +422,22 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }
     }
     let sent: u64 = losses.iter().map(|l| l.2.frames_sent).sum();
+    let skipped: u64 = losses
+        .iter()
+        .map(|l| l.2.counters.get("sender", "skipped_frames"))
+        .sum();
+    let worst_stall = losses
+        .iter()
+        .map(|l| l.2.counters.get("sender", "max_late_us"))
+        .max()
+        .unwrap_or(0);
+    r.notes.push(format!(
+        "{skipped} frames ({:.3}% of those due) not sent because the host held the device \
+         thread more than {} ms (longest {:.1} ms): not offered, so not loss",
+        100.0 * skipped as f64 / (sent + skipped).max(1) as f64,
+        crate::platform::STALL_HORIZON.as_millis(),
+        worst_stall as f64 / 1000.0
+    ));
     r.check(
         "messages lost or corrupted (all runs)",
         lost_total as f64,
@@ -415,6 +453,19 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 }
 
 /// The median of `f` over a configuration's runs.
+/// P(X ≥ k) for X ~ Binomial(n, ½): the chance of `k` or more wins in `n` fair tosses.
+fn sign_test_p(k: usize, n: usize) -> f64 {
+    let mut c = 1.0f64; // C(n, 0)
+    let mut tail = 0.0;
+    for i in 0..=n {
+        if i >= k {
+            tail += c;
+        }
+        c = c * (n - i) as f64 / (i + 1) as f64;
+    }
+    tail / 2f64.powi(n as i32)
+}
+
 fn median_of(runs: &[RunCost], f: impl Fn(&RunCost) -> f64) -> f64 {
     crate::Stats::of(&runs.iter().map(f).collect::<Vec<_>>()).median
 }
@@ -520,4 +571,18 @@ fn paper_ns(config: Config, g: GlobalClass) -> Option<f64> {
         .find(|(c, _)| *c == config)
         .and_then(|(_, v)| v.iter().find(|(k, _)| *k == g))
         .map(|(_, cycles)| cycles / 3.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sign_test_is_the_binomial_tail() {
+        assert_eq!(sign_test_p(0, 10), 1.0);
+        assert!((sign_test_p(10, 10) - 1.0 / 1024.0).abs() < 1e-12);
+        // P(X ≥ 12 | n = 15) = (455 + 105 + 15 + 1) / 32768.
+        assert!((sign_test_p(12, 15) - 576.0 / 32768.0).abs() < 1e-12);
+        assert_eq!(sign_test_p(1, 0), 0.0);
+    }
 }
