@@ -63,14 +63,17 @@ impl TscScale {
         Self { mul, shift }
     }
 
-    /// Nanoseconds in `ticks`.
+    /// Nanoseconds in `ticks`. The scale may come from a guest-writable page, so any
+    /// shift is taken (one of 64 bits or more gives 0) and nothing can overflow.
     #[inline]
     pub fn ns(self, ticks: u64) -> u64 {
+        let by = u32::from(self.shift.unsigned_abs());
         let t = if self.shift >= 0 {
-            ticks << self.shift
+            ticks.checked_shl(by)
         } else {
-            ticks >> -self.shift
-        };
+            ticks.checked_shr(by)
+        }
+        .unwrap_or(0);
         ((t as u128 * self.mul as u128) >> 32) as u64
     }
 

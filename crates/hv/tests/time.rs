@@ -49,6 +49,22 @@ fn the_scale_turns_ticks_into_nanoseconds_at_any_rate() {
 }
 
 #[test]
+fn any_scale_a_guest_writes_converts_without_overflow() {
+    for shift in [i8::MIN, -64, -1, 0, 1, 63, 64, 100, i8::MAX] {
+        let s = TscScale {
+            mul: u32::MAX,
+            shift,
+        };
+        let _ = s.ns(u64::MAX);
+    }
+    let wide = TscScale {
+        mul: u32::MAX,
+        shift: 64,
+    };
+    assert_eq!(wide.ns(1), 0, "a shift of 64 bits or more gives 0");
+}
+
+#[test]
 fn a_guest_reads_the_hypervisor_clock_from_its_time_info_block() {
     let (hv, d) = domain();
     // Never stamped: the guest cannot read its clock.
