@@ -220,6 +220,27 @@ struct App {
 }
 
 impl App {
+    /// A kernel's stack for `dom` with the application's socket bound to the flow's
+    /// destination, and the application with its user buffer.
+    fn bind(
+        dom: &Arc<Domain>,
+        f: UdpFlow,
+        message: usize,
+        counters: &Arc<AppCounters>,
+    ) -> Result<(Stack, Self), LabError> {
+        let mut stack = Stack::new(f.dst_ip, f.dst_mac);
+        let sock = stack
+            .bind_udp(f.dst_port, DEFAULT_RCVBUF)
+            .ok_or_else(|| other("bind"))?;
+        let app = App {
+            sock,
+            buf: UserBuf::new(dom, 65536).map_err(other)?,
+            message,
+            counters: Arc::clone(counters),
+        };
+        Ok((stack, app))
+    }
+
     fn run(&mut self, stack: &mut Stack, pool: &mut SkbPool) -> usize {
         let mut n = 0;
         while let Ok(Some(r)) = stack.recv(pool, self.sock, &self.buf) {
@@ -467,16 +488,7 @@ impl Running {
                 };
                 let mut drv =
                     NicDriver::probe(&hv, &dom, nic.regs(), &mut pool, dma).map_err(other)?;
-                let mut stack = Stack::new(f.dst_ip, f.dst_mac);
-                let sock = stack
-                    .bind_udp(f.dst_port, DEFAULT_RCVBUF)
-                    .ok_or_else(|| other("bind"))?;
-                let mut app_ = App {
-                    sock,
-                    buf: UserBuf::new(&dom, 65536).map_err(other)?,
-                    message: opts.message,
-                    counters: Arc::clone(&app),
-                };
+                let (mut stack, mut app_) = App::bind(&dom, f, opts.message, &app)?;
                 let (stop_, nirq, ready_) =
                     (Arc::clone(&stop), native_irq.clone(), Arc::clone(&ready));
                 let h = hv
@@ -678,16 +690,7 @@ impl Running {
                         ready_g,
                     )?
                 } else {
-                    let mut stack = Stack::new(f.dst_ip, f.dst_mac);
-                    let sock = stack
-                        .bind_udp(f.dst_port, DEFAULT_RCVBUF)
-                        .ok_or_else(|| other("bind"))?;
-                    let mut app_ = App {
-                        sock,
-                        buf: UserBuf::new(&guest, 65536).map_err(other)?,
-                        message: opts.message,
-                        counters: Arc::clone(&app),
-                    };
+                    let (mut stack, mut app_) = App::bind(&guest, f, opts.message, &app)?;
                     hv.start_vcpu(&guest, start(core(1)), move |v: Vcpu| {
                         let tport = v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok();
                         let mut timer = KernelTimer::default();
