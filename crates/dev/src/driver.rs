@@ -322,7 +322,7 @@ impl NicDriver {
                 descs[k] = Desc {
                     addr: match seg.page {
                         SegPage::Own(g) => iova_of(g, seg.offset).0,
-                        SegPage::Window(slot) => window_iova(slot).0 + seg.offset as u64,
+                        SegPage::Window { slot, .. } => window_iova(slot).0 + seg.offset as u64,
                     },
                     len: seg.len as u16,
                     ..Default::default()

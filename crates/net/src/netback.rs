@@ -45,6 +45,10 @@ pub const RX_BATCH: usize = 64;
 pub const MAX_PENDING: usize = 256;
 /// Window slots a vif needs: its two rings and its pending TX maps.
 pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
+/// The longest frame a front end without `feature-sg` is sent: a full Ethernet frame
+/// with a VLAN tag. Without scatter-gather the vif's MTU is 1500 (Linux's
+/// `xenvif_change_mtu`), and longer frames are dropped before the RX queue.
+pub const NO_SG_MAX_FRAME: usize = 1518;
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
 
@@ -72,8 +76,9 @@ pub struct VifStats {
     pub rx_queue_full: u64,
     /// Packets whose grant copy failed (bad gref from the guest), answered with an error.
     pub rx_copy_errors: u64,
-    /// Packets dropped because they held foreign pages (guest-to-guest through maps).
-    pub rx_foreign: u64,
+    /// Packets copied (in part) straight from pages another guest granted: frames one
+    /// guest sent to another, forwarded by the bridge without a local copy.
+    pub rx_from_grants: u64,
     /// Times the RX action stopped for want of posted buffers.
     pub rx_stalls: u64,
     /// TX packets passed to the bridge.
@@ -82,6 +87,9 @@ pub struct VifStats {
     pub tx_grant_errors: u64,
     /// TX packets dropped for want of a buffer.
     pub tx_no_buffer: u64,
+    /// Packets dropped because they were longer than the front end can take (over
+    /// [`NO_SG_MAX_FRAME`] to a front end without `feature-sg`).
+    pub rx_oversize: u64,
     /// Packets dropped because the vif was disabled.
     pub dropped_disabled: u64,
     /// Notifications sent to the guest.
@@ -138,6 +146,8 @@ pub struct Vif {
     ring_handles: [GrantHandle; 2],
     slot_base: u32,
     rx_queue: SkbQueue,
+    /// The front end takes packets over several slots (`feature-sg`).
+    can_sg: bool,
     // Scratch, allocated once.
     copy_ops: Vec<GrantCopy>,
     copy_status: Vec<GrantStatus>,
@@ -197,6 +207,7 @@ impl Vif {
         if !xenbus::feature(store, be, &fdir, "request-rx-copy") {
             return Err(XenbusError::MissingFeature("request-rx-copy"));
         }
+        let can_sg = xenbus::feature(store, be, &fdir, "feature-sg");
         let tx_ref = xenbus::read_u32(store, be, &format!("{fdir}/tx-ring-ref"))?;
         let rx_ref = xenbus::read_u32(store, be, &format!("{fdir}/rx-ring-ref"))?;
         let evtchn = xenbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
@@ -271,6 +282,7 @@ impl Vif {
             ring_handles: [th, rh],
             slot_base,
             rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
+            can_sg,
             copy_ops: Vec::with_capacity(max_ops),
             copy_status: vec![Ok(()); max_ops],
             rx_meta: Vec::with_capacity(max_ops),
@@ -315,6 +327,10 @@ impl Vif {
     pub fn disabled(&self) -> Option<Disabled> {
         self.disabled
     }
+    /// Whether the front end takes multi-slot packets (`feature-sg`).
+    pub fn can_sg(&self) -> bool {
+        self.can_sg
+    }
     /// Packets waiting to be copied to the guest.
     pub fn rx_queued(&self) -> usize {
         self.rx_queue.len()
@@ -343,6 +359,11 @@ impl Vif {
         let _c = enter(Class::Netback);
         if self.disabled.is_some() {
             self.stats.dropped_disabled += 1;
+            pool.free(skb);
+            return;
+        }
+        if !self.can_sg && pool.len(skb) > NO_SG_MAX_FRAME {
+            self.stats.rx_oversize += 1;
             pool.free(skb);
             return;
         }
@@ -412,10 +433,24 @@ impl Vif {
             let mut gref = 0u32;
             let (ops, meta, rx) = (&mut self.copy_ops, &mut self.rx_meta, &mut self.rx);
             let r = pool.walk(skb, 0, len, |seg, _| {
-                let SegPage::Own(gfn) = seg.page else {
-                    foreign = true;
-                    return Ok(());
+                // A page of our own is copied from; a page another guest granted (a
+                // packet it sent, forwarded by the bridge) is copied from through its
+                // grant, as Linux netback does for foreign pages: the driver domain's
+                // mapping is not a frame it owns.
+                let source = |offset: usize| match seg.page {
+                    SegPage::Own(gfn) => CopyPtr::Local {
+                        gfn,
+                        offset: offset as u16,
+                    },
+                    SegPage::Window {
+                        grant: (dom, gref), ..
+                    } => CopyPtr::Gref {
+                        dom,
+                        gref,
+                        offset: offset as u16,
+                    },
                 };
+                foreign |= matches!(seg.page, SegPage::Window { .. });
                 let mut done = 0;
                 while done < seg.len {
                     if page_off == PAGE_SIZE {
@@ -432,10 +467,7 @@ impl Vif {
                     }
                     let n = (seg.len - done).min(PAGE_SIZE - page_off);
                     ops.push(GrantCopy {
-                        source: CopyPtr::Local {
-                            gfn,
-                            offset: (seg.offset + done) as u16,
-                        },
+                        source: source(seg.offset + done),
                         dest: CopyPtr::Gref {
                             dom: fe,
                             gref: GrantRef(gref),
@@ -454,9 +486,9 @@ impl Vif {
             if broken {
                 self.disable(Disabled::RingBroken);
             }
-            if foreign || r.is_err() {
+            self.stats.rx_from_grants += u64::from(foreign);
+            if r.is_err() {
                 // Requests already taken still need answers: error ones.
-                self.stats.rx_foreign += u64::from(foreign);
                 self.copy_ops.truncate(first_op);
                 for m in &mut self.rx_meta[first_meta..] {
                     m.size = 0;
@@ -468,7 +500,7 @@ impl Vif {
                 metas: self.rx_meta.len() - first_meta,
                 first_op,
                 ops: self.copy_ops.len() - first_op,
-                csum: pool.csum_valid(skb) && !foreign && r.is_ok(),
+                csum: pool.csum_valid(skb) && r.is_ok(),
             });
             if broken {
                 break;
@@ -712,6 +744,7 @@ impl Vif {
                             page: FragPage::Foreign {
                                 slot: self.slot_base + 2 + pi as u32,
                                 token: (self.index as u32) << 16 | pi as u32,
+                                grant: (fe, self.map_ops[p.first_map + j].gref),
                             },
                             offset: off,
                             len,

@@ -9,6 +9,13 @@
 //! fragment use the paper found expensive. Anything else a back end returns is counted
 //! and dropped; a broken ring index disconnects.
 //!
+//! **Receive without fragments** ([`RxBuffers::Linear`], the paper's modified netfront
+//! of §3.4.2, Figure 5's third bar): the ring is kept full of socket buffers allocated
+//! in advance, each with a whole page as its linear area; the back end's copy lands
+//! where the stack reads it, so there is no head copy and no fragment. Such a front end
+//! does not offer `feature-sg`: a packet needing more than one slot is refused and
+//! counted, since it would need a fragment.
+//!
 //! **Transmit.** Each page a packet's bytes lie in is granted read-only and described by
 //! one request; the completion revokes the grants and frees the buffer.
 
@@ -30,6 +37,18 @@ use crate::xenbus::{self, XenbusError};
 
 /// Bytes netfront copies from the first fragment into the linear area.
 pub const RX_COPY_LEN: usize = 200;
+
+/// What netfront posts on the RX ring.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RxBuffers {
+    /// Whole pages, attached as fragments after [`RX_COPY_LEN`] bytes are copied into
+    /// a fresh buffer's linear area (the original netfront).
+    #[default]
+    Fragments,
+    /// Socket buffers allocated in advance, a page of linear area each, filled in place
+    /// (the paper's netfront without fragments). Single-slot packets only.
+    Linear,
+}
 
 type Front<P> = FrontRing<P, PageRing<FramePage>>;
 
@@ -62,6 +81,8 @@ pub struct FrontStats {
 struct RxBuf {
     gref: GrantRef,
     gfn: Option<Gfn>,
+    /// The buffer whose linear area `gfn` is ([`RxBuffers::Linear`]).
+    skb: Option<SkbId>,
 }
 
 /// One TX id. A packet's state lives in the entry of its first slot (its head): the
@@ -95,6 +116,9 @@ pub struct Netfront {
     tx_free: Vec<u16>,
     /// A packet being assembled from a multi-slot response chain.
     partial: Option<SkbId>,
+    rx_buffers: RxBuffers,
+    /// The rest of a multi-slot chain a linear front end refused is being skipped.
+    skipping: bool,
     stats: FrontStats,
     broken: bool,
 }
@@ -117,6 +141,14 @@ fn next_response<P: ring::RingProtocol>(ring: &mut Front<P>, broken: &mut bool) 
     }
 }
 
+/// Gives back a posted buffer that carries no packet.
+fn free_buf(pool: &mut SkbPool, gfn: Gfn, skb: Option<SkbId>) {
+    match skb {
+        Some(s) => pool.free(s),
+        None => pool.free_page(gfn),
+    }
+}
+
 fn rx_error_index(e: RxError) -> usize {
     match e {
         RxError::BadId => 0,
@@ -134,6 +166,17 @@ impl Netfront {
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         handle: u32,
+    ) -> Result<Self, XenbusError> {
+        Self::connect_with(hv, dom, handle, RxBuffers::Fragments)
+    }
+
+    /// As [`Netfront::connect`], posting `rx_buffers` on the RX ring. A linear front end
+    /// does not offer `feature-sg`.
+    pub fn connect_with(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        handle: u32,
+        rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
         let store = hv.store();
         let me = dom.id();
@@ -171,6 +214,7 @@ impl Netfront {
                 Ok(RxBuf {
                     gref: refs()?,
                     gfn: None,
+                    skb: None,
                 })
             })
             .collect::<Result<Vec<_>, XenbusError>>()?;
@@ -188,13 +232,18 @@ impl Netfront {
                 })
             })
             .collect::<Result<Vec<_>, XenbusError>>()?;
+        let sg = if rx_buffers == RxBuffers::Fragments {
+            "1"
+        } else {
+            "0"
+        };
         for (k, v) in [
             ("tx-ring-ref", tr.0.to_string()),
             ("rx-ring-ref", rr.0.to_string()),
             ("event-channel", port.0.to_string()),
             ("request-rx-copy", "1".into()),
             ("feature-rx-notify", "1".into()),
-            ("feature-sg", "1".into()),
+            ("feature-sg", sg.into()),
         ] {
             store.write(me, &format!("{fdir}/{k}"), &v)?;
         }
@@ -212,6 +261,8 @@ impl Netfront {
             tx_bufs: tx_bufs.into_boxed_slice(),
             tx_free: (0..RING_IDS).rev().collect(),
             partial: None,
+            rx_buffers,
+            skipping: false,
             stats: FrontStats::default(),
             broken: false,
         })
@@ -237,6 +288,10 @@ impl Netfront {
         }
         (self.tx.free_requests() as usize).min(self.tx_free.len())
     }
+    /// What the RX ring is kept full of.
+    pub fn rx_buffers(&self) -> RxBuffers {
+        self.rx_buffers
+    }
     /// RX buffers posted and not yet returned.
     pub fn rx_posted(&self) -> u32 {
         self.inflight.count()
@@ -257,11 +312,16 @@ impl Netfront {
         let mut posted = false;
         while self.rx.free_requests() > 0 {
             let Some(id) = self.rx_free.pop() else { break };
-            let gfn = {
+            let buf = {
                 let _m = enter(Class::Mem);
-                pool.alloc_page()
+                match self.rx_buffers {
+                    RxBuffers::Fragments => pool.alloc_page().map(|g| (g, None)),
+                    RxBuffers::Linear => pool
+                        .alloc_page_linear()
+                        .map(|s| (pool.data_location(s).0, Some(s))),
+                }
             };
-            let Ok(gfn) = gfn else {
+            let Ok((gfn, skb)) = buf else {
                 self.rx_free.push(id);
                 break;
             };
@@ -272,11 +332,12 @@ impl Netfront {
                 .grant_access(b.gref, self.be, gfn, false)
                 .is_err()
             {
-                pool.free_page(gfn);
+                free_buf(pool, gfn, skb);
                 self.rx_free.push(id);
                 break;
             }
             b.gfn = Some(gfn);
+            b.skb = skb;
             self.inflight.post(id);
             let _ = self.rx.push_request(&RxRequest {
                 id,
@@ -292,14 +353,16 @@ impl Netfront {
 
     /// Takes back buffer `id` after its response: revokes the grant and returns the
     /// page, or keeps it out of use if the back end still holds it.
-    fn reclaim(&mut self, id: u16) -> Option<Gfn> {
+    fn reclaim(&mut self, id: u16) -> Option<(Gfn, Option<SkbId>)> {
         let b = self.rx_bufs[id as usize];
         let gfn = b.gfn?;
         match self.dom.grant_table().end_access(b.gref) {
             Ok(()) => {
-                self.rx_bufs[id as usize].gfn = None;
+                let b = &mut self.rx_bufs[id as usize];
+                b.gfn = None;
+                let skb = b.skb.take();
                 self.rx_free.push(id);
-                Some(gfn)
+                Some((gfn, skb))
             }
             Err(GrantError::InUse) | Err(_) => {
                 // The back end mapped it and kept it: neither the page nor the id can
@@ -330,23 +393,49 @@ impl Netfront {
                     self.stats.rx_errors[rx_error_index(e)] += 1;
                     if matches!(e, RxError::CrossesPage | RxError::ErrorStatus) {
                         // The id was ours: take the buffer back.
-                        if let Some(g) = self.reclaim(rsp.id) {
-                            pool.free_page(g);
+                        if let Some((g, s)) = self.reclaim(rsp.id) {
+                            free_buf(pool, g, s);
                         }
                     }
                     self.abandon_partial(pool);
                     continue;
                 }
             };
-            let Some(gfn) = self.reclaim(rsp.id) else {
+            let Some((gfn, linear)) = self.reclaim(rsp.id) else {
                 self.abandon_partial(pool);
                 continue;
             };
             if rsp.flags & NETRXF_EXTRA_INFO != 0 {
                 // No extras were negotiated.
                 self.stats.rx_bad_chain += 1;
-                pool.free_page(gfn);
+                free_buf(pool, gfn, linear);
                 self.abandon_partial(pool);
+                continue;
+            }
+            if let Some(skb) = linear {
+                // The back end wrote into the buffer's own linear area.
+                let more = rsp.flags & NETRXF_MORE_DATA != 0;
+                if more || self.skipping {
+                    // No scatter-gather was offered: a chain is refused whole.
+                    self.stats.rx_bad_chain += u64::from(!self.skipping);
+                    self.skipping = more;
+                    pool.free(skb);
+                    continue;
+                }
+                if pool
+                    .reserve(skb, rsp.offset as usize)
+                    .and_then(|()| pool.extend_linear(skb, len as usize))
+                    .is_err()
+                {
+                    // Cannot happen once the response is checked to stay in its page.
+                    self.stats.rx_bad_chain += 1;
+                    pool.free(skb);
+                    continue;
+                }
+                pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+                self.stats.rx_packets += 1;
+                n += 1;
+                deliver(pool, skb);
                 continue;
             }
             let skb = match self.partial.take() {
@@ -420,6 +509,7 @@ impl Netfront {
     }
 
     fn abandon_partial(&mut self, pool: &mut SkbPool) {
+        self.skipping = false;
         if let Some(s) = self.partial.take() {
             self.stats.rx_bad_chain += 1;
             pool.free(s);

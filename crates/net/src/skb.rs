@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use hv::{Domain, DomainError, Gfn, PAGE_SIZE};
+use hv::{DomId, Domain, DomainError, Gfn, GrantRef, PAGE_SIZE};
 
 /// Bytes of one head buffer (two per page).
 pub const SKB_HEAD_SIZE: usize = 2048;
@@ -46,6 +46,9 @@ pub enum FragPage {
         slot: u32,
         /// The owner's cookie (netback's pending index).
         token: u32,
+        /// The grant it is mapped through: the granting domain and its reference, which
+        /// a grant copy names to read the page again (guest-to-guest forwarding).
+        grant: (DomId, GrantRef),
     },
 }
 
@@ -71,6 +74,11 @@ const EMPTY_FRAG: Frag = Frag {
 pub struct Skb {
     head: Gfn,
     head_off: u16,
+    /// Bytes of the head buffer: [`SKB_HEAD_SIZE`], or a whole page for a buffer made by
+    /// [`SkbPool::alloc_page_linear`].
+    head_size: u16,
+    /// The descriptor's own head buffer, while `head` is a borrowed page.
+    home: Option<(Gfn, u16)>,
     /// Offset of the first data byte in the head buffer.
     data: u16,
     /// Bytes in the head buffer.
@@ -153,6 +161,8 @@ impl SkbPool {
             skbs.push(Skb {
                 head,
                 head_off: ((i % per_page) * SKB_HEAD_SIZE) as u16,
+                head_size: SKB_HEAD_SIZE as u16,
+                home: None,
                 data: 0,
                 linear: 0,
                 frags: [EMPTY_FRAG; MAX_SKB_FRAGS],
@@ -222,7 +232,7 @@ impl SkbPool {
         };
         self.stats.allocs += 1;
         let s = &mut self.skbs[i as usize];
-        s.data = headroom.min(SKB_HEAD_SIZE) as u16;
+        s.data = headroom.min(s.head_size as usize) as u16;
         s.linear = 0;
         s.nr_frags = 0;
         s.frag_list = NONE;
@@ -232,6 +242,26 @@ impl SkbPool {
         s.in_port = 0;
         s.free = false;
         Ok(SkbId(i))
+    }
+
+    /// A fresh buffer whose head is a whole page of its own, at the start of which its
+    /// data begins (a linear buffer a device or a back end can fill up to a page, as
+    /// the paper's modified netfront posted, §3.4.2). Freeing it gives the page back.
+    pub fn alloc_page_linear(&mut self) -> Result<SkbId, SkbError> {
+        let page = self.alloc_page()?;
+        let id = match self.alloc(0) {
+            Ok(id) => id,
+            Err(e) => {
+                self.free_page(page);
+                return Err(e);
+            }
+        };
+        let s = self.get_mut(id);
+        s.home = Some((s.head, s.head_off));
+        s.head = page;
+        s.head_off = 0;
+        s.head_size = PAGE_SIZE as u16;
+        Ok(id)
     }
 
     /// A whole page for a fragment (or an RX buffer to post).
@@ -276,6 +306,14 @@ impl SkbPool {
             let (nf, fl) = (s.nr_frags as usize, s.frag_list);
             s.nr_frags = 0;
             s.frag_list = NONE;
+            let borrowed = s.home.take().map(|(g, off)| {
+                s.head_off = off;
+                s.head_size = SKB_HEAD_SIZE as u16;
+                std::mem::replace(&mut s.head, g)
+            });
+            if let Some(page) = borrowed {
+                self.pages.push(page);
+            }
             for k in 0..nf {
                 self.release_page(self.skbs[cur as usize].frags[k].page)
             }
@@ -290,7 +328,7 @@ impl SkbPool {
     fn release_page(&mut self, page: FragPage) {
         match page {
             FragPage::Local(g) => self.pages.push(g),
-            FragPage::Foreign { slot, token } => self.released.push(Released { slot, token }),
+            FragPage::Foreign { slot, token, .. } => self.released.push(Released { slot, token }),
         }
     }
 
@@ -343,7 +381,7 @@ impl SkbPool {
     #[inline]
     pub fn tailroom(&self, id: SkbId) -> usize {
         let s = self.get(id);
-        SKB_HEAD_SIZE - s.data as usize - s.linear as usize
+        s.head_size as usize - s.data as usize - s.linear as usize
     }
     /// The fragments.
     #[inline]
@@ -379,6 +417,18 @@ impl SkbPool {
         let s = self.get_mut(id);
         s.linear += n as u16;
         s.len += n as u32;
+        Ok(())
+    }
+
+    /// Moves the start of an empty buffer's data `n` bytes on (`skb_reserve`), e.g. to
+    /// where a back end wrote it.
+    #[inline]
+    pub fn reserve(&mut self, id: SkbId, n: usize) -> Result<(), SkbError> {
+        let s = self.get_mut(id);
+        if s.linear != 0 || s.data as usize + n > s.head_size as usize {
+            return Err(SkbError::NoRoom);
+        }
+        s.data += n as u16;
         Ok(())
     }
 
@@ -488,7 +538,7 @@ impl SkbPool {
             let n = seg.len;
             let r = match seg.page {
                 SegPage::Own(g) => self.dom.read(g, seg.offset, &mut out[at..at + n]),
-                SegPage::Window(slot) => self
+                SegPage::Window { slot, .. } => self
                     .dom
                     .window()
                     .read(slot, seg.offset, &mut out[at..at + n])
@@ -552,7 +602,7 @@ impl SkbPool {
             for fr in &s.frags[..s.nr_frags as usize] {
                 let page = match fr.page {
                     FragPage::Local(g) => SegPage::Own(g),
-                    FragPage::Foreign { slot, .. } => SegPage::Window(slot),
+                    FragPage::Foreign { slot, grant, .. } => SegPage::Window { slot, grant },
                 };
                 emit(
                     page,
@@ -600,8 +650,13 @@ pub struct Segment {
 pub enum SegPage {
     /// One of the domain's own pages.
     Own(Gfn),
-    /// A foreign page at a window slot.
-    Window(u32),
+    /// A foreign page at a window slot, mapped through `grant`.
+    Window {
+        /// Window slot.
+        slot: u32,
+        /// The granting domain and its reference.
+        grant: (DomId, GrantRef),
+    },
 }
 
 /// A FIFO of buffers linked through their descriptors (`sk_buff_head`), bounded by a
@@ -736,6 +791,34 @@ mod tests {
     }
 
     #[test]
+    fn a_page_linear_buffer_holds_a_page_and_gives_it_back() {
+        let (_hv, mut p) = pool(2, 2);
+        let a = p.alloc_page_linear().expect("skb");
+        assert_eq!(p.free_pages(), 1);
+        let (g, off) = p.data_location(a);
+        assert_eq!((off, p.tailroom(a)), (0, PAGE_SIZE));
+        // Data a back end wrote at an offset of its choosing.
+        p.domain().write(g, 300, &[9u8; 3000]).expect("write");
+        p.reserve(a, 300).expect("reserve");
+        p.extend_linear(a, 3000).expect("extend");
+        assert_eq!(p.extend_linear(a, PAGE_SIZE - 3299), Err(SkbError::NoRoom));
+        assert_eq!(p.reserve(a, 1), Err(SkbError::NoRoom), "only when empty");
+        let mut out = [0u8; 3000];
+        p.read(a, 0, &mut out).expect("read");
+        assert_eq!(out, [9u8; 3000]);
+        p.free(a);
+        assert_eq!((p.free_pages(), p.free_buffers()), (2, 2));
+        // The descriptor has its own head again.
+        let b = p.alloc(0).expect("skb");
+        let c = p.alloc(0).expect("skb");
+        assert_eq!(p.tailroom(b).max(p.tailroom(c)), SKB_HEAD_SIZE);
+        assert_ne!(p.data_location(b).0, g);
+        assert_ne!(p.data_location(c).0, g);
+        assert_eq!(p.alloc_page_linear(), Err(SkbError::Exhausted));
+        assert_eq!(p.free_pages(), 2, "a failed allocation keeps no page");
+    }
+
+    #[test]
     fn the_pool_is_bounded_and_recycles() {
         let (_hv, mut p) = pool(4, 2);
         let ids: Vec<_> = (0..4).map(|_| p.alloc(0).expect("skb")).collect();
@@ -758,7 +841,11 @@ mod tests {
         p.add_frag(
             a,
             Frag {
-                page: FragPage::Foreign { slot: 3, token: 77 },
+                page: FragPage::Foreign {
+                    slot: 3,
+                    token: 77,
+                    grant: (DomId(9), GrantRef(5)),
+                },
                 offset: 0,
                 len: 100,
             },

@@ -10,7 +10,7 @@ use hv::{
     MapOp,
 };
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RX_COPY_LEN};
+use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{
     RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
     NETTXF_MORE_DATA, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
@@ -41,11 +41,16 @@ struct Raw {
 }
 
 impl Raw {
-    fn connect(hv: &Arc<Hypervisor>, drv: &Arc<Domain>, guest: &Arc<Domain>) -> (Raw, Netfront) {
+    fn connect(
+        hv: &Arc<Hypervisor>,
+        drv: &Arc<Domain>,
+        guest: &Arc<Domain>,
+        rx_buffers: RxBuffers,
+    ) -> (Raw, Netfront) {
         let store = hv.store();
         xenbus::create_vif(store, drv.id(), guest.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
         netback::probe(store, drv.id(), guest.id(), 0).expect("probe");
-        let front = Netfront::connect(hv, guest, 0).expect("front end");
+        let front = Netfront::connect_with(hv, guest, 0, rx_buffers).expect("front end");
         let dir = xenbus::frontend_dir(guest.id(), 0);
         let key = |k: &str| xenbus::read_u32(store, drv.id(), &format!("{dir}/{k}")).expect(k);
         let ops = [("tx-ring-ref", TX_SLOT), ("rx-ring-ref", RX_SLOT)].map(|(k, slot)| MapOp {
@@ -210,6 +215,10 @@ struct World {
 }
 
 fn world() -> World {
+    world_with(RxBuffers::Fragments)
+}
+
+fn world_with(rx_buffers: RxBuffers) -> World {
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
@@ -237,8 +246,13 @@ fn world() -> World {
             driver_domain: false,
         })
         .expect("guest");
-    let (raw, mut front) = Raw::connect(&hv, &drv, &guest);
-    let mut pool = SkbPool::new(Arc::clone(&guest), 64, 320).expect("pool");
+    let (raw, mut front) = Raw::connect(&hv, &drv, &guest, rx_buffers);
+    // A linear front end keeps a buffer on each posted page.
+    let buffers = match rx_buffers {
+        RxBuffers::Fragments => 64,
+        RxBuffers::Linear => 320,
+    };
+    let mut pool = SkbPool::new(Arc::clone(&guest), buffers, 320).expect("pool");
     front.refill_rx(&mut pool);
     assert_eq!(front.rx_posted(), 256);
     World {
@@ -278,7 +292,11 @@ impl World {
         assert_eq!(self.poll(), vec![msg], "a good packet after the bad ones");
         assert_eq!(self.pages_accounted(), pages, "no page lost or duplicated");
         assert_eq!(self.front.rx_posted(), 256, "the ring is full again");
-        assert_eq!(self.pool.free_buffers(), self.pool.capacity());
+        let on_ring = match self.front.rx_buffers() {
+            RxBuffers::Fragments => 0,
+            RxBuffers::Linear => 256,
+        };
+        assert_eq!(self.pool.free_buffers() + on_ring, self.pool.capacity());
         assert!(!self.front.is_broken());
     }
 }
@@ -415,6 +433,50 @@ fn an_rx_buffer_the_back_end_keeps_mapped_is_never_reused() {
     w.raw.publish();
     assert_eq!(w.poll(), vec![msg]);
     assert_eq!(w.pages_accounted(), pages - 1);
+}
+
+#[test]
+fn a_linear_front_end_takes_data_where_the_back_end_put_it_and_refuses_chains_whole() {
+    let mut w = world_with(RxBuffers::Linear);
+    let dir = xenbus::frontend_dir(w.guest.id(), 0);
+    assert!(
+        !xenbus::feature(w.hv.store(), w.drv.id(), &dir, "feature-sg"),
+        "no scatter-gather offered"
+    );
+    let pages = w.pages_accounted();
+    // One packet at an offset of the back end's choosing: all of it in the linear
+    // area, no fragment, nothing copied by the guest.
+    let b = w.raw.buffer();
+    let data = message(1514, 6);
+    w.raw.fill(&b, 100, &data);
+    w.raw.rx_respond(b.id, 100, 0, 1514);
+    w.raw.publish();
+    let mut got = Vec::new();
+    w.front.poll_rx(&mut w.pool, 8, |p, s| {
+        assert_eq!((p.linear_len(s), p.frags(s).len()), (1514, 0));
+        let mut b = vec![0u8; p.len(s)];
+        p.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        p.free(s);
+    });
+    assert_eq!(got, vec![data]);
+    // A three-slot chain would need fragments: refused whole, counted once. Then a
+    // chain cut by a bad id, and data crossing its page.
+    for flags in [NETRXF_MORE_DATA, NETRXF_MORE_DATA, 0, NETRXF_MORE_DATA] {
+        let b = w.raw.buffer();
+        w.raw.fill(&b, 0, &message(1000, 7));
+        w.raw.rx_respond(b.id, 0, flags, 1000);
+    }
+    w.raw.rx_respond(999, 0, 0, 10);
+    let b = w.raw.buffer();
+    w.raw.rx_respond(b.id, 3000, 0, 1500);
+    w.raw.publish();
+    assert!(w.poll().is_empty());
+    let st = w.front.stats().clone();
+    assert_eq!(st.rx_bad_chain, 2, "{st:?}");
+    assert_eq!((st.rx_errors[0], st.rx_errors[2]), (1, 1), "{st:?}");
+    assert_eq!(st.rx_packets, 1);
+    w.still_receives(pages);
 }
 
 /// A second interface of the same guest, on a real netback in the same driver domain.
