@@ -1,22 +1,29 @@
-//! Probe: native vs direct at one message size, alternating, printing CPU ns per packet
-//! and its classes. `cargo run --release --example idleprobe -- 52 4`.
+//! Probe: native vs direct (or pv with and without netfront's fragments) at one message
+//! size, alternating, printing CPU ns per packet and its classes.
+//! `cargo run --release --example idleprobe -- 52 4 [native|direct|pv]`.
 use std::time::Duration;
 
 use hv::profile::Class;
 use lab::platform::{Config, Options, Running};
+use net::netfront::RxBuffers;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut a = std::env::args().skip(1);
     let size: usize = a.next().and_then(|s| s.parse().ok()).unwrap_or(52);
     let runs: usize = a.next().and_then(|s| s.parse().ok()).unwrap_or(3);
-    let which: Vec<Config> = match a.next().as_deref() {
-        Some("native") => vec![Config::Native],
-        Some("direct") => vec![Config::Direct],
-        _ => vec![Config::Native, Config::Direct],
+    let frag = RxBuffers::Fragments;
+    let which: Vec<(Config, RxBuffers)> = match a.next().as_deref() {
+        Some("native") => vec![(Config::Native, frag)],
+        Some("direct") => vec![(Config::Direct, frag)],
+        Some("pv") => vec![(Config::Pv, frag), (Config::Pv, RxBuffers::Linear)],
+        _ => vec![(Config::Native, frag), (Config::Direct, frag)],
     };
     for _ in 0..runs {
-        for &config in &which {
-            let m = Running::start(Options::paper(config, size))?;
+        for &(config, rx_buffers) in &which {
+            let m = Running::start(Options {
+                rx_buffers,
+                ..Options::paper(config, size)
+            })?;
             std::thread::sleep(Duration::from_millis(300));
             let s0 = m.snapshot();
             std::thread::sleep(Duration::from_secs(2));
@@ -29,7 +36,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .iter()
                     .map(|&c| d1.samples.of(c) - d0.samples.of(c))
                     .sum();
-                let mut line = format!("{:7} {name:7} {cpu:7.0} ns/pkt |", config.name());
+                let variant = if rx_buffers == frag { "" } else { "-linear" };
+                let mut line = format!(
+                    "{:7} {name:7} {cpu:7.0} ns/pkt |",
+                    format!("{}{variant}", config.name())
+                );
                 for c in Class::ALL {
                     let n = d1.samples.of(c) - d0.samples.of(c);
                     if n > 0 {

@@ -32,7 +32,7 @@ use hv::{
 };
 use net::bridge::{Bridge, Forward};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::Netfront;
+use net::netfront::{Netfront, RxBuffers};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::stack::{SocketId, Stack, UserBuf, DEFAULT_RCVBUF};
 use net::wire::{UdpFlow, DEFAULT_MTU};
@@ -87,6 +87,9 @@ pub struct Options {
     pub grant_path: GrantPath,
     /// Profiler sampling interval (none: no sampling).
     pub sample: Option<Duration>,
+    /// What netfront posts (pv only): page fragments (the original) or linear buffers
+    /// (the paper's netfront without fragments, §3.4.2).
+    pub rx_buffers: RxBuffers,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -106,6 +109,7 @@ impl Options {
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
+            rx_buffers: RxBuffers::Fragments,
         }
     }
 }
@@ -593,7 +597,8 @@ impl Running {
                 net::xenbus::create_vif(hv.store(), drv_dom.id(), guest.id(), 0, f.dst_mac)
                     .map_err(other)?;
                 netback::probe(hv.store(), drv_dom.id(), guest.id(), 0).map_err(other)?;
-                let mut front = Netfront::connect(&hv, &guest, 0).map_err(other)?;
+                let mut front =
+                    Netfront::connect_with(&hv, &guest, 0, opts.rx_buffers).map_err(other)?;
                 let mut vif = Vif::connect(&hv, &drv_dom, guest.id(), 0, 0, 0).map_err(other)?;
                 let mut dpool =
                     SkbPool::new(Arc::clone(&drv_dom), POOL_BUFFERS, 64).map_err(other)?;
@@ -667,6 +672,7 @@ impl Running {
                         c.add("netback", "rx_queue_full", s.rx_queue_full);
                         c.add("netback", "rx_copy_errors", s.rx_copy_errors);
                         c.add("netback", "rx_stalls", s.rx_stalls);
+                        c.add("netback", "rx_oversize", s.rx_oversize);
                         let b = bridge.stats();
                         c.add("bridge", "forwarded", b.forwarded);
                         c.add("bridge", "dropped", b.drops.iter().sum());

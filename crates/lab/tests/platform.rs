@@ -4,25 +4,32 @@
 use std::time::Duration;
 
 use lab::platform::{Config, Options, Running};
+use net::netfront::RxBuffers;
 
 #[test]
 fn every_configuration_delivers_every_message_intact() {
-    for config in Config::ALL {
+    // pv twice: with netfront's original page fragments and without them.
+    let variants = Config::ALL
+        .iter()
+        .map(|&c| (c, RxBuffers::Fragments))
+        .chain([(Config::Pv, RxBuffers::Linear)]);
+    for (config, rx_buffers) in variants {
         for message in [52usize, 1472, 48000] {
             let mut o = Options::paper(config, message);
             o.rate = 20_000.0;
+            o.rx_buffers = rx_buffers;
             let m = Running::start(o).expect("machine");
             std::thread::sleep(Duration::from_millis(150));
             let s = m.snapshot();
             let f = m.finish(Duration::from_secs(2)).expect("finish");
             assert!(
                 f.messages_sent > 10,
-                "{config:?} {message}: sent {}",
+                "{config:?} {rx_buffers:?} {message}: sent {}",
                 f.messages_sent
             );
             assert_eq!(
                 f.messages_received, f.messages_sent,
-                "{config:?} {message}: every message arrives ({:?})",
+                "{config:?} {rx_buffers:?} {message}: every message arrives ({:?})",
                 f.counters
             );
             assert_eq!(f.corrupt, 0);

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use mem::cpu::pin_current_thread;
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::Netfront;
+use net::netfront::{Netfront, RxBuffers};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::wire::UdpFramer;
 use net::xenbus;
@@ -111,7 +111,12 @@ fn timed(busy: &mut Duration, f: impl FnOnce() -> usize) -> usize {
 
 /// Runs one direction for `length`, the driver domain's side on core 0 and the guest's
 /// on core 1.
-fn run_once(dir: Dir, len: usize, length: Duration) -> Result<Run, LabError> {
+fn run_once(
+    dir: Dir,
+    len: usize,
+    length: Duration,
+    rx_buffers: RxBuffers,
+) -> Result<Run, LabError> {
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
@@ -131,7 +136,7 @@ fn run_once(dir: Dir, len: usize, length: Duration) -> Result<Run, LabError> {
     let guest = dom("guest", false, 4)?;
     xenbus::create_vif(hv.store(), drv.id(), guest.id(), 0, flow().dst_mac).map_err(other)?;
     netback::probe(hv.store(), drv.id(), guest.id(), 0).map_err(other)?;
-    let mut front = Netfront::connect(&hv, &guest, 0).map_err(other)?;
+    let mut front = Netfront::connect_with(&hv, &guest, 0, rx_buffers).map_err(other)?;
     let mut vif = Vif::connect(&hv, &drv, guest.id(), 0, 0, 0).map_err(other)?;
     let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
     let mut gpool = SkbPool::new(Arc::clone(&guest), 1024, 320).map_err(other)?;
@@ -310,9 +315,15 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     for dir in [Dir::Rx, Dir::Tx] {
         for len in FRAMES {
             let mut runs = Vec::with_capacity(iters);
+            // Guest RX again with netfront posting linear buffers (no fragments, no
+            // head copy), right after each run of the original.
+            let mut linear = Vec::new();
             let mut dpdk_mpps = Vec::new();
             for _ in 0..iters {
-                runs.push(run_once(dir, len, length)?);
+                runs.push(run_once(dir, len, length, RxBuffers::Fragments)?);
+                if dir == Dir::Rx {
+                    linear.push(run_once(dir, len, length, RxBuffers::Linear)?);
+                }
                 if let Ok(p) = &pmd {
                     match p.rate(dir == Dir::Rx, len, pmd_secs) {
                         Ok(r) => dpdk_mpps.push(r / 1e6),
@@ -356,6 +367,29 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 "ns",
                 &col(|r| r.busy_guest_ns),
             );
+            if !linear.is_empty() {
+                let group = "guest RX, netfront without fragments";
+                let lcol = |f: fn(&Run) -> f64| linear.iter().map(f).collect::<Vec<_>>();
+                let row = rep.row(
+                    group,
+                    &format!("{len} B frames"),
+                    "Mpps",
+                    &lcol(|r| r.pps / 1e6),
+                );
+                row.ratio = crate::stats::ratio_median(&lcol(|r| r.pps), &col(|r| r.pps))
+                    .map(|x| ("with fragments".to_string(), x));
+                let row = rep.row(
+                    group,
+                    &format!("{len} B: guest side busy per packet"),
+                    "ns",
+                    &lcol(|r| r.busy_guest_ns),
+                );
+                row.ratio = crate::stats::ratio_median(
+                    &lcol(|r| r.busy_guest_ns),
+                    &col(|r| r.busy_guest_ns),
+                )
+                .map(|x| ("with fragments".to_string(), x));
+            }
             rep.check(
                 &format!(
                     "{} {len} B ≥ DPDK{}",
@@ -394,6 +428,12 @@ mod tests {
             .filter(|r| r.name.ends_with("pvio"))
             .collect();
         assert_eq!(rates.len(), 4);
+        let linear = rep
+            .rows
+            .iter()
+            .filter(|r| r.group.contains("without fragments") && r.unit == "Mpps")
+            .count();
+        assert_eq!(linear, 2, "guest RX without fragments at both sizes");
         assert!(rates.iter().all(|r| r.stats.median > 0.0), "{rates:?}");
         assert_eq!(rep.checks.len(), 4);
     }
