@@ -17,6 +17,8 @@ pub mod report;
 pub mod stats;
 pub mod up;
 
+/// What netfront posts on its RX ring, re-exported for `pvio up`.
+pub use net::netfront::RxBuffers;
 pub use report::{Report, Row, RunEnv, Written};
 pub use stats::Stats;
 

@@ -7,6 +7,7 @@
 //! guest namespace (`iperf3 -s`) through NIC model → driver → bridge → netback →
 //! netfront, and the replies come back the other way.
 
+use net::netfront::RxBuffers;
 use std::process::Command;
 use std::sync::atomic::Ordering;
 
@@ -26,6 +27,9 @@ pub struct UpConfig {
     pub guest_addr: String,
     /// The bridge's netfilter hooks.
     pub netfilter: bool,
+    /// What netfront posts: page fragments (the original) or linear buffers (no
+    /// fragments; frames up to 1518 bytes).
+    pub rx_buffers: RxBuffers,
 }
 
 impl Default for UpConfig {
@@ -36,6 +40,7 @@ impl Default for UpConfig {
             outside_addr: "10.77.0.1/24".into(),
             guest_addr: "10.77.0.2/24".into(),
             netfilter: true,
+            rx_buffers: RxBuffers::Fragments,
         }
     }
 }
@@ -149,6 +154,7 @@ fn bring_up(cfg: &UpConfig, made: &mut Vec<String>) -> Result<Brought, LabError>
     );
     let opts = Options {
         netfilter: cfg.netfilter,
+        rx_buffers: cfg.rx_buffers,
         sample: None,
         ..Options::paper(Config::Pv, 52)
     };

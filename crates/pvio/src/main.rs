@@ -62,6 +62,10 @@ enum Command {
         /// Turn the bridge's netfilter hooks off.
         #[arg(long)]
         no_netfilter: bool,
+        /// netfront posts linear buffers instead of page fragments (paper 000 §3.4.2's
+        /// modification; the guest's MTU stays 1500).
+        #[arg(long)]
+        no_fragments: bool,
         /// Stop after this many seconds (default: at Ctrl-C).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
@@ -269,6 +273,7 @@ fn main() -> ExitCode {
             outside_addr,
             guest_addr,
             no_netfilter,
+            no_fragments,
             seconds,
         } => up(
             &lab::up::UpConfig {
@@ -277,6 +282,11 @@ fn main() -> ExitCode {
                 outside_addr,
                 guest_addr,
                 netfilter: !no_netfilter,
+                rx_buffers: if no_fragments {
+                    lab::RxBuffers::Linear
+                } else {
+                    lab::RxBuffers::Fragments
+                },
             },
             seconds,
         ),

@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use lab::up::{up, UpConfig};
+use lab::RxBuffers;
 
 fn run(args: &[&str]) -> Output {
     Command::new(args[0])
@@ -79,6 +80,55 @@ fn json_u64(v: &serde_json::Value, path: &[&str]) -> u64 {
         .unwrap_or_else(|| panic!("no {path:?} in iperf3's report"))
 }
 
+/// `pvio tcp-source` in `source_ns` sends 8 MiB to `pvio tcp-sink` at `to` in `sink_ns`;
+/// both print the length and digest of what they sent and received.
+fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
+    let exe = env!("CARGO_BIN_EXE_pvio");
+    let port = to.rsplit(':').next().expect("address:port");
+    let sink = Command::new("ip")
+        .args(["netns", "exec", sink_ns, exe, "tcp-sink", "--port", port])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcp-sink");
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = run(&[
+        "ip",
+        "netns",
+        "exec",
+        source_ns,
+        exe,
+        "tcp-source",
+        "--to",
+        to,
+        "--bytes",
+        "8388608",
+    ]);
+    assert!(
+        sent.status.success(),
+        "tcp-source: {}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let got = sink.wait_with_output().expect("tcp-sink");
+    assert!(got.status.success());
+    let (sent, got) = (
+        String::from_utf8_lossy(&sent.stdout).trim().to_string(),
+        String::from_utf8_lossy(&got.stdout).trim().to_string(),
+    );
+    assert!(sent.starts_with("8388608 "), "{sent}");
+    assert_eq!(got, sent, "to {to}: the bytes arrived intact");
+}
+
+fn ping(ns: &str, to: &str) {
+    let p = run(&[
+        "ip", "netns", "exec", ns, "ping", "-c", "3", "-i", "0.2", "-W", "2", to,
+    ]);
+    assert!(
+        p.status.success(),
+        "ping: {}",
+        String::from_utf8_lossy(&p.stdout)
+    );
+}
+
 #[test]
 fn ping_and_iperf3_cross_the_pv_path_intact() {
     if let Err(e) = namespaces_possible() {
@@ -93,66 +143,17 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         outside_addr: "10.78.0.1/24".into(),
         guest_addr: "10.78.0.2/24".into(),
         netfilter: true,
+        rx_buffers: RxBuffers::Fragments,
     };
     let machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
 
     // ping: ARP through the bridge's flood, ICMP both ways.
-    let p = run(&[
-        "ip",
-        "netns",
-        "exec",
-        o,
-        "ping",
-        "-c",
-        "3",
-        "-i",
-        "0.2",
-        "-W",
-        "2",
-        "10.78.0.2",
-    ]);
-    assert!(
-        p.status.success(),
-        "ping: {}",
-        String::from_utf8_lossy(&p.stdout)
-    );
+    ping(o, "10.78.0.2");
 
-    // A stream over TCP, byte for byte, both ways: `pvio tcp-source` and `tcp-sink`
-    // print the length and digest of what they sent and received.
-    let exe = env!("CARGO_BIN_EXE_pvio");
+    // A stream over TCP, byte for byte, both ways.
     for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {
-        let sink = Command::new("ip")
-            .args(["netns", "exec", sink_ns, exe, "tcp-sink", "--port", "5300"])
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("tcp-sink");
-        std::thread::sleep(Duration::from_millis(300));
-        let sent = run(&[
-            "ip",
-            "netns",
-            "exec",
-            source_ns,
-            exe,
-            "tcp-source",
-            "--to",
-            to,
-            "--bytes",
-            "8388608",
-        ]);
-        assert!(
-            sent.status.success(),
-            "tcp-source: {}",
-            String::from_utf8_lossy(&sent.stderr)
-        );
-        let got = sink.wait_with_output().expect("tcp-sink");
-        assert!(got.status.success());
-        let (sent, got) = (
-            String::from_utf8_lossy(&sent.stdout).trim().to_string(),
-            String::from_utf8_lossy(&got.stdout).trim().to_string(),
-        );
-        assert!(sent.starts_with("8388608 "), "{sent}");
-        assert_eq!(got, sent, "to {to}: the bytes arrived intact");
+        stream_arrives_intact(sink_ns, source_ns, to);
     }
 
     // TCP both ways and UDP, from iperf3's own accounting.
@@ -209,4 +210,18 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         !std::path::Path::new("/run/netns").join(o).exists(),
         "the namespaces made are removed"
     );
+
+    // Again with netfront posting linear buffers (no fragments): the guest's MTU of
+    // 1500 fits them, so ping and the stream cross just the same.
+    let linear = UpConfig {
+        rx_buffers: RxBuffers::Linear,
+        ..cfg.clone()
+    };
+    let machine = up(&linear).expect("pvio up, no fragments");
+    ping(o, "10.78.0.2");
+    for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {
+        stream_arrives_intact(sink_ns, source_ns, to);
+    }
+    assert_eq!(machine.counters().oversize, 0);
+    machine.down();
 }
