@@ -531,7 +531,10 @@ fn fig5(r: &mut Report, big: &BTreeMap<Config, Vec<RunCost>>, nofrag: &[RunCost]
     let cheaper = saved.iter().filter(|x| **x > 0.0).count();
     r.notes.push(format!(
         "netfront without fragments: the PV guest cost less in {cheaper} of {} rounds \
-         (one-sided sign test p = {:.3}); median saving {:.0} ns per packet",
+         (one-sided sign test p = {:.3}); median saving {:.0} ns per packet. netfront's \
+         fragment work is a 200-byte copy and a page kept as a fragment, a few tens of ns \
+         per packet (`pvio bench netif-ceiling`, guest RX without fragments, measures it \
+         alone), less than this machine's run-to-run noise in a whole guest's CPU",
         saved.len(),
         sign_test_p(cheaper, saved.len()),
         crate::Stats::of(&saved).median
