@@ -74,10 +74,8 @@ const EMPTY_FRAG: Frag = Frag {
 pub struct Skb {
     head: Gfn,
     head_off: u16,
-    /// Bytes of the head buffer: [`SKB_HEAD_SIZE`], or a whole page for a buffer made by
-    /// [`SkbPool::alloc_page_linear`].
-    head_size: u16,
-    /// The descriptor's own head buffer, while `head` is a borrowed page.
+    /// The descriptor's own head buffer, while `head` is a whole page borrowed from the
+    /// pool ([`SkbPool::alloc_page_linear`]).
     home: Option<(Gfn, u16)>,
     /// Offset of the first data byte in the head buffer.
     data: u16,
@@ -92,6 +90,18 @@ pub struct Skb {
     csum_valid: bool,
     in_port: u16,
     free: bool,
+}
+
+impl Skb {
+    /// Bytes of the head buffer: a whole page when borrowed, else [`SKB_HEAD_SIZE`].
+    #[inline]
+    fn head_size(&self) -> usize {
+        if self.home.is_some() {
+            PAGE_SIZE
+        } else {
+            SKB_HEAD_SIZE
+        }
+    }
 }
 
 /// Why a buffer operation was refused.
@@ -161,7 +171,6 @@ impl SkbPool {
             skbs.push(Skb {
                 head,
                 head_off: ((i % per_page) * SKB_HEAD_SIZE) as u16,
-                head_size: SKB_HEAD_SIZE as u16,
                 home: None,
                 data: 0,
                 linear: 0,
@@ -232,7 +241,7 @@ impl SkbPool {
         };
         self.stats.allocs += 1;
         let s = &mut self.skbs[i as usize];
-        s.data = headroom.min(s.head_size as usize) as u16;
+        s.data = headroom.min(SKB_HEAD_SIZE) as u16;
         s.linear = 0;
         s.nr_frags = 0;
         s.frag_list = NONE;
@@ -260,7 +269,6 @@ impl SkbPool {
         s.home = Some((s.head, s.head_off));
         s.head = page;
         s.head_off = 0;
-        s.head_size = PAGE_SIZE as u16;
         Ok(id)
     }
 
@@ -308,7 +316,6 @@ impl SkbPool {
             s.frag_list = NONE;
             let borrowed = s.home.take().map(|(g, off)| {
                 s.head_off = off;
-                s.head_size = SKB_HEAD_SIZE as u16;
                 std::mem::replace(&mut s.head, g)
             });
             if let Some(page) = borrowed {
@@ -381,7 +388,7 @@ impl SkbPool {
     #[inline]
     pub fn tailroom(&self, id: SkbId) -> usize {
         let s = self.get(id);
-        s.head_size as usize - s.data as usize - s.linear as usize
+        s.head_size() - s.data as usize - s.linear as usize
     }
     /// The fragments.
     #[inline]
@@ -425,7 +432,7 @@ impl SkbPool {
     #[inline]
     pub fn reserve(&mut self, id: SkbId, n: usize) -> Result<(), SkbError> {
         let s = self.get_mut(id);
-        if s.linear != 0 || s.data as usize + n > s.head_size as usize {
+        if s.linear != 0 || s.data as usize + n > s.head_size() {
             return Err(SkbError::NoRoom);
         }
         s.data += n as u16;

@@ -88,6 +88,66 @@ fn message(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
 }
 
+/// Fills netfront's ring, then sends one UDP message of each of `sizes` through netback
+/// into the guest's stack and checks that `recv` gives it back intact. `offload` marks
+/// single-frame messages' checksums verified, as the NIC would; `check` sees every
+/// buffer netfront delivers. Returns the stack and the guest pool's free (buffers,
+/// pages) after the refill, for [`all_returned`].
+fn receive_each(
+    p: &mut Pair,
+    sizes: &[usize],
+    offload: bool,
+    check: impl Fn(&SkbPool, SkbId),
+) -> (Stack, (usize, usize)) {
+    p.front.refill_rx(&mut p.gpool);
+    assert_eq!(p.front.rx_posted(), 256);
+    let mut stack = Stack::new(flow().dst_ip, flow().dst_mac);
+    let sock = stack
+        .bind_udp(flow().dst_port, DEFAULT_RCVBUF)
+        .expect("bind");
+    let ub = UserBuf::new(&p.guest, 65536).expect("user buffer");
+    let gfree = (p.gpool.free_buffers(), p.gpool.free_pages());
+    let mut framer = UdpFramer::new(flow());
+    for (i, &len) in sizes.iter().enumerate() {
+        let msg = message(len, i as u8);
+        let mut frames = Vec::new();
+        framer
+            .frames(i as u16, &msg, |f| frames.push(f.to_vec()))
+            .expect("frames");
+        for f in &frames {
+            let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
+            p.dpool.put(s, f).expect("put");
+            if offload {
+                p.dpool.set_csum_valid(s, frames.len() == 1);
+            }
+            p.vif.start_xmit(&mut p.dpool, s);
+        }
+        p.vif.rx_action(&mut p.dpool);
+        let Pair { front, gpool, .. } = p;
+        front.poll_rx(gpool, 64, |pool, skb| {
+            check(pool, skb);
+            stack.input(pool, skb, Duration::ZERO)
+        });
+        let r = stack
+            .recv(&mut p.gpool, sock, &ub)
+            .expect("copy")
+            .expect("a datagram");
+        let mut got = vec![0u8; r.len];
+        ub.read(&p.guest, 0, &mut got).expect("read");
+        assert_eq!(got, msg, "{len} bytes");
+    }
+    (stack, gfree)
+}
+
+/// Nothing dropped; every buffer and page came back, and the ring is full again.
+fn all_returned(p: &Pair, stack: &Stack, gfree: (usize, usize)) {
+    assert_eq!(stack.stats().drops_total(), 0);
+    assert_eq!((p.gpool.free_buffers(), p.gpool.free_pages()), gfree);
+    assert_eq!(p.front.rx_posted(), 256);
+    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
+    assert_eq!(p.drv.grant_errors_total(), 0);
+}
+
 #[test]
 fn received_messages_cross_intact_for_every_grant_layout() {
     for (v, path) in [
@@ -95,52 +155,14 @@ fn received_messages_cross_intact_for_every_grant_layout() {
         (GrantVersion::V2, GrantPath::Optimised),
     ] {
         let mut p = pair(v, path);
-        p.front.refill_rx(&mut p.gpool);
-        assert_eq!(p.front.rx_posted(), 256);
-        let mut stack = Stack::new(flow().dst_ip, flow().dst_mac);
-        let sock = stack
-            .bind_udp(flow().dst_port, DEFAULT_RCVBUF)
-            .expect("bind");
-        let ub = UserBuf::new(&p.guest, 65536).expect("user buffer");
-        let gfree = (p.gpool.free_buffers(), p.gpool.free_pages());
-        let mut framer = UdpFramer::new(flow());
-        for (i, len) in [52usize, 1500, 48000].into_iter().enumerate() {
-            let msg = message(len, i as u8);
-            let mut frames = Vec::new();
-            framer
-                .frames(i as u16, &msg, |f| frames.push(f.to_vec()))
-                .expect("frames");
-            for f in &frames {
-                let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
-                p.dpool.put(s, f).expect("put");
-                p.dpool.set_csum_valid(s, frames.len() == 1);
-                p.vif.start_xmit(&mut p.dpool, s);
-            }
-            p.vif.rx_action(&mut p.dpool);
-            let Pair { front, gpool, .. } = &mut p;
-            front.poll_rx(gpool, 64, |pool, skb| {
-                stack.input(pool, skb, Duration::ZERO)
-            });
-            let r = stack
-                .recv(&mut p.gpool, sock, &ub)
-                .expect("copy")
-                .expect("a datagram");
-            let mut got = vec![0u8; r.len];
-            ub.read(&p.guest, 0, &mut got).expect("read");
-            assert_eq!(got, msg, "{len} bytes, {v:?}");
-        }
+        let (stack, gfree) = receive_each(&mut p, &[52, 1500, 48000], true, |_, _| {});
         assert_eq!(
             p.vif.stats().rx_packets,
             1 + 2 + 33,
-            "a 1500-byte message takes two frames"
+            "a 1500-byte message takes two frames ({v:?})"
         );
         assert_eq!(p.front.stats().rx_packets, 36);
-        assert_eq!(stack.stats().drops_total(), 0);
-        // Every buffer and page came back, and the ring is full again.
-        assert_eq!((p.gpool.free_buffers(), p.gpool.free_pages()), gfree);
-        assert_eq!(p.front.rx_posted(), 256);
-        assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
-        assert_eq!(p.drv.grant_errors_total(), 0);
+        all_returned(&p, &stack, gfree);
     }
 }
 
@@ -184,41 +206,10 @@ fn transmitted_packets_cross_intact_and_their_grants_are_released() {
 fn a_front_end_without_fragments_receives_every_size_in_linear_buffers() {
     let mut p = pair_with(GrantVersion::V1, GrantPath::Original, RxBuffers::Linear);
     assert!(!p.vif.can_sg());
-    p.front.refill_rx(&mut p.gpool);
-    assert_eq!(p.front.rx_posted(), 256);
-    let mut stack = Stack::new(flow().dst_ip, flow().dst_mac);
-    let sock = stack
-        .bind_udp(flow().dst_port, DEFAULT_RCVBUF)
-        .expect("bind");
-    let ub = UserBuf::new(&p.guest, 65536).expect("user buffer");
-    let gfree = (p.gpool.free_buffers(), p.gpool.free_pages());
-    let mut framer = UdpFramer::new(flow());
-    for (i, len) in [52usize, 1472, 48000].into_iter().enumerate() {
-        let msg = message(len, i as u8);
-        let mut frames = Vec::new();
-        framer
-            .frames(i as u16, &msg, |f| frames.push(f.to_vec()))
-            .expect("frames");
-        for f in &frames {
-            let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
-            p.dpool.put(s, f).expect("put");
-            p.vif.start_xmit(&mut p.dpool, s);
-        }
-        p.vif.rx_action(&mut p.dpool);
-        let Pair { front, gpool, .. } = &mut p;
-        front.poll_rx(gpool, 64, |pool, skb| {
-            assert!(pool.frags(skb).is_empty(), "no fragment");
-            assert_eq!(pool.linear_len(skb), pool.len(skb));
-            stack.input(pool, skb, Duration::ZERO)
-        });
-        let r = stack
-            .recv(&mut p.gpool, sock, &ub)
-            .expect("copy")
-            .expect("a datagram");
-        let mut got = vec![0u8; r.len];
-        ub.read(&p.guest, 0, &mut got).expect("read");
-        assert_eq!(got, msg, "{len} bytes");
-    }
+    let (stack, gfree) = receive_each(&mut p, &[52, 1472, 48000], false, |pool, skb| {
+        assert!(pool.frags(skb).is_empty(), "no fragment");
+        assert_eq!(pool.linear_len(skb), pool.len(skb));
+    });
     assert_eq!(p.front.stats().rx_packets, 1 + 1 + 33);
     // A frame longer than the vif's MTU without scatter-gather stops at netback.
     let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
@@ -226,11 +217,7 @@ fn a_front_end_without_fragments_receives_every_size_in_linear_buffers() {
     p.vif.start_xmit(&mut p.dpool, s);
     assert_eq!(p.vif.stats().rx_oversize, 1);
     assert_eq!(p.vif.rx_queued(), 0);
-    assert_eq!(stack.stats().drops_total(), 0);
-    assert_eq!((p.gpool.free_buffers(), p.gpool.free_pages()), gfree);
-    assert_eq!(p.front.rx_posted(), 256);
-    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
-    assert_eq!(p.drv.grant_errors_total(), 0);
+    all_returned(&p, &stack, gfree);
 }
 
 const MAC_A: [u8; 6] = [2, 0, 0, 0, 0, 0xa];

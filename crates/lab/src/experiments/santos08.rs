@@ -620,7 +620,6 @@ fn charts(
             })
             .collect()
     };
-    let kernel = is_kernel;
     for (name, title, who, keep) in [
         (
             "fig3-5",
@@ -631,7 +630,7 @@ fn charts(
                 (runs(Config::Pv), "guest", "pv guest"),
                 (nofrag, "guest", "pv, no fragments"),
             ][..],
-            &kernel as &dyn Fn(Class) -> bool,
+            &is_kernel as &dyn Fn(Class) -> bool,
         ),
         (
             "fig6",
@@ -647,7 +646,7 @@ fn charts(
             "fig7",
             "Figure 7: driver-domain kernel by function class, 48000-byte messages",
             &[(runs(Config::Pv), "driver", "pv driver domain")][..],
-            &kernel,
+            &is_kernel,
         ),
     ] {
         r.charts.push(StackedBars {
