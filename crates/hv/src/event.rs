@@ -445,6 +445,14 @@ impl Hypervisor {
         Ok(())
     }
 
+    /// Ports of `dom` that are not free (any binding, or allocated unbound): what a
+    /// teardown must bring back to zero.
+    pub fn evtchn_open_ports(&self, dom: &Domain) -> usize {
+        (1..NR_EVENT_CHANNELS)
+            .filter(|&p| !matches!(dom.evtchn.state(Port(p)), Ok(ChannelState::Free)))
+            .count()
+    }
+
     /// `EVTCHNOP_bind_vcpu`: which vCPU a port notifies.
     pub fn evtchn_bind_vcpu(&self, dom: &Domain, port: Port, vcpu: u32) -> Result<(), EvtchnError> {
         if vcpu >= dom.vcpu_count() {

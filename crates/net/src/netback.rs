@@ -33,7 +33,9 @@ use crate::netif::{
     FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
     XEN_NETIF_RSP_OKAY,
 };
-use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, NET_SKB_PAD};
+use crate::skb::{
+    Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD,
+};
 use crate::xenbus::{self, XenbusError};
 
 /// Bytes of each transmitted packet copied into the back end's buffer (Linux's
@@ -121,6 +123,9 @@ struct RxPkt {
 #[derive(Debug, Clone, Copy)]
 struct TxPkt {
     skb: SkbId,
+    /// A second buffer for the maps beyond [`MAX_SKB_FRAGS`], linked on the first's
+    /// fragment list.
+    overflow: Option<SkbId>,
     copy_op: usize,
     copy_len: usize,
     /// Index into `map_ops` of its first map, and how many.
@@ -261,14 +266,22 @@ impl Vif {
             unmap(hv);
             return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref")));
         };
+        // From here each failure gives back what was taken, rings first: a ring holds
+        // its mapped page open, and a held page cannot be unmapped.
         let port = match hv.evtchn_bind_interdomain(dom, fe, Port(evtchn)) {
             Ok(p) => p,
             Err(e) => {
+                drop((tx, rx));
                 unmap(hv);
                 return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
             }
         };
-        store.switch_state(be, &bdir, XenbusState::Connected)?;
+        if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
+            drop((tx, rx));
+            unmap(hv);
+            let _ = hv.evtchn_close(dom, port);
+            return Err(e.into());
+        }
         let max_ops = RX_BATCH * (65536 / PAGE_SIZE + 2);
         Ok(Self {
             hv: Arc::clone(hv),
@@ -405,23 +418,18 @@ impl Vif {
             };
             let len = pool.len(skb);
             let need = len.div_ceil(PAGE_SIZE).max(1) as u32;
-            let avail = match self.rx.requests_available() {
-                Ok(a) => a,
+            // All the buffers the packet needs, or wait for the guest's next post (the
+            // check arms `req_event`). Asking again without an event would get the
+            // same answer, so a short ring ends the batch: looping on it was a hang.
+            match self.rx.final_check_for_at_least(need) {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.stats.rx_stalls += 1;
+                    break;
+                }
                 Err(_) => {
                     self.disable(Disabled::RingBroken);
                     break;
-                }
-            };
-            if avail < need {
-                self.stats.rx_stalls += 1;
-                // Ask to be told when the guest posts more (`req_event`).
-                match self.rx.final_check_for_requests() {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(_) => {
-                        self.disable(Disabled::RingBroken);
-                        break;
-                    }
                 }
             }
             let _ = self.rx_queue.pop(pool);
@@ -581,12 +589,19 @@ impl Vif {
         self.tx_frags.clear();
         let fe = self.fe;
         let mut responses = false;
-        while self.tx_pkts.len() < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
+        // Every chain consumed counts against the budget, dropped ones too: answering
+        // a bad chain costs the back end as much as building a packet, and a front end
+        // that keeps its ring full of them must not hold this vCPU.
+        let mut chains = 0;
+        // A ring or fatal error ends the build here, but the packets already built go on
+        // through the flush and respond stages below: their buffers and maps are then
+        // released and their requests answered as usual (returning early leaked them).
+        while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
             let avail = match self.tx.requests_available() {
                 Ok(a) => a,
                 Err(_) => {
                     self.disable(Disabled::RingBroken);
-                    return 0;
+                    break;
                 }
             };
             if avail == 0 {
@@ -595,14 +610,15 @@ impl Vif {
                     Ok(false) => break,
                     Err(_) => {
                         self.disable(Disabled::RingBroken);
-                        return 0;
+                        break;
                     }
                 }
             }
             let Ok(Some(first)) = self.tx.take_request() else {
                 self.disable(Disabled::RingBroken);
-                return 0;
+                break;
             };
+            chains += 1;
             let tx = &mut self.tx;
             let v = read_tx_packet(first, avail as usize - 1, || {
                 tx.take_request().ok().flatten()
@@ -611,7 +627,7 @@ impl Vif {
             let chain = match v {
                 TxVerdict::Fatal(r) => {
                     self.disable(Disabled::Fatal(r));
-                    return 0;
+                    break;
                 }
                 TxVerdict::Drop(_, chain) => {
                     for r in chain.responses(XEN_NETIF_RSP_ERROR) {
@@ -633,6 +649,27 @@ impl Vif {
             let slots = chain.slots();
             let s0 = slots[0];
             let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+            // Pages to map: every slot after the first, and the first one's tail. The
+            // legal maximum (LEGACY_SLOTS_MAX) with a long first slot is one more than a
+            // buffer's fragments; the rest go on a second buffer on the fragment list,
+            // as Linux netback's `frag_overflow` does.
+            let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
+            let overflow = if maps > MAX_SKB_FRAGS {
+                match pool.alloc(0) {
+                    Ok(o) => Some(o),
+                    Err(_) => {
+                        pool.free(skb);
+                        self.stats.tx_no_buffer += 1;
+                        for r in chain.responses(XEN_NETIF_RSP_ERROR) {
+                            let _ = self.tx.push_response(&r);
+                        }
+                        responses = true;
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
             let (hg, hoff) = pool.data_location(skb);
             let copy_op = self.copy_ops.len();
             self.copy_ops.push(GrantCopy {
@@ -677,6 +714,7 @@ impl Vif {
             }
             self.tx_pkts.push(TxPkt {
                 skb,
+                overflow,
                 copy_op,
                 copy_len,
                 first_map,
@@ -729,6 +767,9 @@ impl Vif {
                     self.release_pending(pi, XEN_NETIF_RSP_ERROR);
                 }
                 pool.free(p.skb);
+                if let Some(o) = p.overflow {
+                    pool.free(o);
+                }
                 responses = true;
                 continue;
             }
@@ -737,20 +778,29 @@ impl Vif {
             for j in 0..p.maps {
                 let pi = self.map_pending[p.first_map + j];
                 let (off, len) = self.tx_frags[p.first_map + j];
-                ok &= pool
-                    .add_frag(
-                        p.skb,
-                        Frag {
-                            page: FragPage::Foreign {
-                                slot: self.slot_base + 2 + pi as u32,
-                                token: (self.index as u32) << 16 | pi as u32,
-                                grant: (fe, self.map_ops[p.first_map + j].gref),
-                            },
-                            offset: off,
-                            len,
-                        },
-                    )
-                    .is_ok();
+                let to = match p.overflow {
+                    Some(o) if j >= MAX_SKB_FRAGS => o,
+                    _ => p.skb,
+                };
+                let frag = Frag {
+                    page: FragPage::Foreign {
+                        slot: self.slot_base + 2 + pi as u32,
+                        token: (self.index as u32) << 16 | pi as u32,
+                        grant: (fe, self.map_ops[p.first_map + j].gref),
+                    },
+                    offset: off,
+                    len,
+                };
+                // Cannot fail for a chain read_tx_packet passed (each slot within its
+                // page, and room counted above); if it did, the slot is answered now
+                // rather than leaked, and the packet dropped.
+                if pool.add_frag(to, frag).is_err() {
+                    self.release_pending(pi, XEN_NETIF_RSP_ERROR);
+                    ok = false;
+                }
+            }
+            if let Some(o) = p.overflow {
+                pool.append_frag_list(p.skb, o);
             }
             if let Some(id) = p.copied_id {
                 let _ = self.tx.push_response(&TxResponse {
@@ -832,8 +882,10 @@ impl Vif {
     }
 
     /// Tears the vif down: frees its queue, unmaps whatever it still maps (answering
-    /// nothing more), closes its channel.
-    pub fn disconnect(&mut self, pool: &mut SkbPool) {
+    /// nothing more), rings included, and closes its channel. The vif is gone after:
+    /// its rings are dropped before their pages are unmapped, since a ring holds its
+    /// page open and a held page cannot be unmapped.
+    pub fn disconnect(mut self, pool: &mut SkbPool) {
         self.disable(Disabled::Disconnected);
         self.rx_queue.purge(pool);
         let held: Vec<GrantHandle> = self
@@ -842,11 +894,12 @@ impl Vif {
             .filter_map(|p| p.handle)
             .chain(self.ring_handles)
             .collect();
+        let Vif {
+            hv, dom, port, tx, rx, ..
+        } = self;
+        drop((tx, rx));
         let mut st = vec![Ok(()); held.len()];
-        self.hv.grant_unmap(&self.dom, &held, &mut st);
-        for p in self.pending.iter_mut() {
-            p.handle = None;
-        }
-        let _ = self.hv.evtchn_close(&self.dom, self.port);
+        hv.grant_unmap(&dom, &held, &mut st);
+        let _ = hv.evtchn_close(&dom, port);
     }
 }

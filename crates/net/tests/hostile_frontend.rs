@@ -8,7 +8,10 @@ use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, Gfn, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::Netfront;
-use net::netif::{TxFatal, TxRequest, NETTXF_MORE_DATA};
+use net::netif::{
+    RxRequest, RxResponse, TxFatal, TxRequest, TxResponse, NETRXF_MORE_DATA, NETTXF_MORE_DATA,
+    XEN_NETIF_RSP_OKAY,
+};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::xenbus;
 
@@ -16,6 +19,7 @@ use net::xenbus;
 struct Raw {
     dom: Arc<Domain>,
     tx: Gfn,
+    rx: Gfn,
     data: Gfn,
     data_ref: u32,
 }
@@ -35,7 +39,7 @@ impl Raw {
             (g, r)
         };
         let (tx, txr) = grant(false);
-        let (_rx, rxr) = grant(false);
+        let (rx, rxr) = grant(false);
         let (data, dr) = grant(true);
         let port = hv.evtchn_alloc_unbound(dom, be.id()).expect("port");
         let dir = xenbus::frontend_dir(dom.id(), 0);
@@ -44,6 +48,7 @@ impl Raw {
             ("rx-ring-ref", rxr.0.to_string()),
             ("event-channel", port.0.to_string()),
             ("request-rx-copy", "1".into()),
+            ("feature-sg", "1".into()),
         ] {
             store
                 .write(dom.id(), &format!("{dir}/{k}"), &v)
@@ -55,6 +60,7 @@ impl Raw {
         Raw {
             dom: Arc::clone(dom),
             tx,
+            rx,
             data,
             data_ref: dr.0,
         }
@@ -74,6 +80,64 @@ impl Raw {
             .write(self.tx, 0, &prod.to_le_bytes())
             .expect("prod");
     }
+    /// Posts RX buffer `i` (a writable grant) and publishes `prod`.
+    fn post_rx(&self, i: u32, r: RxRequest, prod: u32) {
+        self.dom
+            .write(self.rx, HDR + (i as usize % 256) * 8, bytemuck::bytes_of(&r))
+            .expect("slot");
+        self.dom
+            .write(self.rx, 0, &prod.to_le_bytes())
+            .expect("prod");
+    }
+    /// A 32-bit word of a ring header (`req_prod` 0, `req_event` 4, `rsp_prod` 8).
+    fn word(&self, ring: Gfn, at: usize) -> u32 {
+        let mut b = [0u8; 4];
+        self.dom.read(ring, at, &mut b).expect("index");
+        u32::from_le_bytes(b)
+    }
+    /// TX response `i`.
+    fn tx_response(&self, i: u32) -> TxResponse {
+        let mut b = [0u8; 4];
+        self.dom
+            .read(self.tx, HDR + (i as usize % 256) * 12, &mut b)
+            .expect("slot");
+        bytemuck::pod_read_unaligned(&b)
+    }
+    /// RX response `i`.
+    fn rx_response(&self, i: u32) -> RxResponse {
+        let mut b = [0u8; 8];
+        self.dom
+            .read(self.rx, HDR + (i as usize % 256) * 8, &mut b)
+            .expect("slot");
+        bytemuck::pod_read_unaligned(&b)
+    }
+    /// A fresh page granted writable to the back end (an RX buffer).
+    fn rx_buffer(&self, be: &Domain) -> u32 {
+        let gt = self.dom.grant_table();
+        let g = self.dom.alloc_page().expect("page");
+        let r = gt.alloc_ref().expect("ref");
+        gt.grant_access(r, be.id(), g, false).expect("grant");
+        r.0
+    }
+}
+
+/// Runs `f` on a thread of its own and fails the test if it does not return within a
+/// few seconds: a guest that can hang the driver domain's loop must show as a failure,
+/// not as a test that never ends.
+fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("{what} did not return: a guest hung the driver domain"))
+}
+
+/// Hands the packets the released fragments of `pool` belong to back to `vif`.
+fn release(pool: &mut SkbPool, vif: &mut Vif) {
+    let mut tokens = Vec::new();
+    pool.take_released(|r| tokens.push(r.token));
+    vif.tx_release(tokens);
 }
 
 struct World {
@@ -261,4 +325,240 @@ fn a_guest_that_stops_posting_rx_buffers_only_fills_its_own_bounded_queue() {
     assert!(bad.rx_queued() <= net::netback::RX_QUEUE_BYTES / 1514);
     assert!(w.pool.free_buffers() >= free - bad.rx_queued(), "bounded");
     good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
+// --- Findings of the hostile-input run (issue 15) -----------------------------------
+
+#[test]
+fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
+    // Finding 1: one buffer posted, a packet that needs two (the front end offers
+    // feature-sg). The RX action must stop, ask to be told of more buffers, and return.
+    let w = world();
+    let (raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let mut w = w;
+    assert!(bad.can_sg());
+    let b0 = raw.rx_buffer(&w.drv);
+    raw.post_rx(0, RxRequest { id: 10, pad: 0, gref: b0 }, 1);
+    let s = w.pool.alloc(NET_SKB_PAD).expect("skb");
+    w.pool.put(s, &[0x11; 1500]).expect("put");
+    let frag = w.pool.alloc_page().expect("page");
+    w.drv.fill(frag, 0, 3500, 0x22).expect("fill");
+    w.pool
+        .add_frag(
+            s,
+            net::skb::Frag {
+                page: net::skb::FragPage::Local(frag),
+                offset: 0,
+                len: 3500,
+            },
+        )
+        .expect("frag");
+    bad.start_xmit(&mut w.pool, s);
+    let (mut w, mut bad, n) = within("rx_action", move || {
+        let n = bad.rx_action(&mut w.pool);
+        (w, bad, n)
+    });
+    assert_eq!(n, 0, "nothing can be delivered yet");
+    assert_eq!(bad.rx_queued(), 1, "the packet waits for buffers");
+    assert!(bad.stats().rx_stalls > 0, "the stall is counted");
+    assert_eq!(bad.disabled(), None, "too few buffers is no protocol break");
+    assert_eq!(
+        raw.word(raw.rx, 4),
+        2,
+        "req_event asks for a notification at the next buffer posted"
+    );
+    // A second buffer lets the packet through, over two responses.
+    let b1 = raw.rx_buffer(&w.drv);
+    raw.post_rx(1, RxRequest { id: 11, pad: 0, gref: b1 }, 2);
+    assert_eq!(bad.rx_action(&mut w.pool), 1);
+    assert_eq!(bad.stats().rx_packets, 1);
+    let (r0, r1) = (raw.rx_response(0), raw.rx_response(1));
+    assert_eq!((r0.id, r0.status, r0.flags & NETRXF_MORE_DATA), (10, 4096, NETRXF_MORE_DATA));
+    assert_eq!((r1.id, r1.status, r1.flags & NETRXF_MORE_DATA), (11, 904, 0));
+    good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
+#[test]
+fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
+    // Finding 2: with one request consumed and still unanswered (its page is mapped
+    // and the packet not yet freed), the front end moves req_prod back by one. The
+    // ring used to see ~2^32 requests.
+    let w = world();
+    let (raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let mut w = w;
+    let free = w.pool.free_buffers();
+    raw.put(0, req(raw.data_ref, 0, 0, 1, 200));
+    raw.publish(1);
+    let mut held = Vec::new();
+    assert_eq!(bad.tx_action(&mut w.pool, 64, |_, s| held.push(s)), 1);
+    assert_eq!(raw.word(raw.tx, 8), 0, "the mapped slot is not answered yet");
+    raw.publish(0);
+    let (mut w, mut bad, n) = within("tx_action", move || {
+        let n = bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
+        (w, bad, n)
+    });
+    assert_eq!(n, 0);
+    assert_eq!(bad.disabled(), Some(Disabled::RingBroken));
+    for s in held {
+        w.pool.free(s);
+    }
+    release(&mut w.pool, &mut bad);
+    bad.disconnect(&mut w.pool);
+    assert_eq!(w.pool.free_buffers(), free, "nothing leaked");
+    assert_eq!(w.hv.mappings_held(&w.drv), 2, "only the good vif's rings stay mapped");
+    good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
+#[test]
+fn dropped_chains_count_against_the_tx_budget() {
+    // Finding 2, second half: requests that are answered with an error at once cost
+    // the back end as much as packets do; a budget that counts only delivered packets
+    // lets a front end that keeps refilling its ring hold netback forever.
+    let mut w = world();
+    let (raw, mut bad, _front, _vif, _good) = pair(&w);
+    for i in 0..200 {
+        raw.put(i, req(raw.data_ref, 0, 0, i as u16, 10));
+    }
+    raw.publish(200);
+    assert_eq!(bad.tx_action(&mut w.pool, 64, |p, s| p.free(s)), 0);
+    assert_eq!(raw.word(raw.tx, 8), 64, "one budget's worth of chains consumed");
+    while bad.tx_pending() {
+        bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
+    }
+    assert_eq!(raw.word(raw.tx, 8), 200, "the rest in later calls");
+    assert_eq!(bad.disabled(), None);
+}
+
+#[test]
+fn a_fatal_chain_after_good_packets_leaks_nothing_and_answers_them() {
+    // Finding 3: a good packet, then an unterminated chain, in one batch.
+    let w = world();
+    let (raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let mut w = w;
+    let free = w.pool.free_buffers();
+    raw.put(0, req(raw.data_ref, 0, 0, 1, 100));
+    raw.put(1, req(raw.data_ref, 0, NETTXF_MORE_DATA, 2, 200));
+    raw.put(2, req(raw.data_ref, 0, NETTXF_MORE_DATA, 3, 100));
+    raw.publish(3);
+    let mut delivered = 0;
+    bad.tx_action(&mut w.pool, 64, |p, s| {
+        delivered += 1;
+        p.free(s)
+    });
+    assert_eq!(bad.disabled(), Some(Disabled::Fatal(TxFatal::Unterminated)));
+    assert_eq!(delivered, 1, "the packet before the fatal chain still goes on");
+    let r = raw.tx_response(0);
+    assert_eq!((r.id, r.status), (1, XEN_NETIF_RSP_OKAY), "and is answered");
+    bad.disconnect(&mut w.pool);
+    assert_eq!(w.pool.free_buffers(), free, "no buffer of the batch leaked");
+    good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
+#[test]
+fn a_packet_of_the_most_slots_with_a_long_first_slot_is_carried_whole_and_answered() {
+    // Finding 4: 18 slots (the legal maximum) whose first slot is longer than the
+    // copied header: 18 pages to map, one more than a buffer's fragments.
+    let mut w = world();
+    let (raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let free = w.pool.free_buffers();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    raw.dom.write(raw.data, 0, &data).expect("data");
+    let first = 200u16;
+    let rest = 60u16;
+    let total = first + 17 * rest;
+    let mut want = data[..first as usize].to_vec();
+    for i in 1..18usize {
+        want.extend_from_slice(&data[200 * i..200 * i + rest as usize]);
+    }
+    let slot = |i: u32| {
+        if i == 0 {
+            req(raw.data_ref, 0, NETTXF_MORE_DATA, 0, total)
+        } else {
+            let more = if i < 17 { NETTXF_MORE_DATA } else { 0 };
+            req(raw.data_ref, 200 * i as u16, more, i as u16, rest)
+        }
+    };
+    // Many times over: a leaked pending slot per packet would stop the vif's TX.
+    for round in 0..300u32 {
+        let base = round * 18;
+        for i in 0..18u32 {
+            raw.put(base + i, slot(i));
+        }
+        raw.publish(base + 18);
+        let mut got = Vec::new();
+        bad.tx_action(&mut w.pool, 64, |_, s| got.push(s));
+        assert_eq!(got.len(), 1, "round {round}: the packet goes on");
+        let s = got[0];
+        assert_eq!(w.pool.len(s), total as usize);
+        let mut bytes = vec![0u8; total as usize];
+        w.pool.read(s, 0, &mut bytes).expect("read");
+        assert_eq!(bytes, want, "round {round}: every byte in order");
+        w.pool.free(s);
+        release(&mut w.pool, &mut bad);
+        assert_eq!(raw.word(raw.tx, 8), base + 18, "round {round}: all 18 answered");
+        for i in 0..18 {
+            assert_eq!(raw.tx_response(base + i).status, XEN_NETIF_RSP_OKAY);
+        }
+    }
+    assert_eq!(bad.disabled(), None);
+    assert_eq!(w.pool.free_buffers(), free);
+    good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
+#[test]
+fn disconnect_unmaps_the_rings_so_the_guest_leaves_no_frame_behind() {
+    // Finding 5.
+    let mut w = world();
+    let (raw, bad, _front, _vif, _good) = pair(&w);
+    assert_eq!(w.hv.mappings_held(&w.drv), 4, "two vifs, two rings each");
+    bad.disconnect(&mut w.pool);
+    assert_eq!(w.hv.mappings_held(&w.drv), 2, "the evil vif's rings are unmapped");
+    let evil = raw.dom.id();
+    drop(raw);
+    w.hv.destroy_domain(evil).expect("destroy");
+    assert_eq!(w.hv.reap(), 0, "no frame of the destroyed guest is still referenced");
+}
+
+#[test]
+fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
+    // Finding 6: a bad event-channel value, then a back end whose state cannot move to
+    // Connected. Each failure must leave nothing mapped and no port open.
+    let w = world();
+    let evil = guest(&w.hv, "evil");
+    let raw = Raw::connect(&w.hv, &evil, &w.drv);
+    let store = w.hv.store();
+    let fdir = xenbus::frontend_dir(evil.id(), 0);
+    let good_port = store
+        .read(evil.id(), &format!("{fdir}/event-channel"))
+        .expect("port");
+    store
+        .write(evil.id(), &format!("{fdir}/event-channel"), "9999")
+        .expect("write");
+    assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
+    assert_eq!(w.hv.mappings_held(&w.drv), 0, "bad port: rings unmapped again");
+    store
+        .write(evil.id(), &format!("{fdir}/event-channel"), &good_port)
+        .expect("write");
+    // The back end's state is moved to Closed behind its back: Connected is refused.
+    let bdir = xenbus::backend_dir(w.drv.id(), evil.id(), 0);
+    store
+        .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Closing)
+        .expect("closing");
+    store
+        .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Closed)
+        .expect("closed");
+    assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
+    assert_eq!(w.hv.mappings_held(&w.drv), 0, "failed switch: rings unmapped again");
+    assert_eq!(
+        w.hv.evtchn_open_ports(&w.drv),
+        0,
+        "failed switch: the bound port is closed again"
+    );
+    store
+        .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Initialising)
+        .expect("restart");
+    netback::probe(store, w.drv.id(), evil.id(), 0).expect("probe");
+    let vif = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("a retry connects");
+    assert_eq!(vif.disabled(), None);
+    let _ = raw;
 }

@@ -157,6 +157,10 @@ pub enum RingError {
     /// or consumed: a protocol break, fatal for this ring.
     #[error("peer producer index {prod} is more than a ring ahead of {base} (ring of {size})")]
     ProducerOverrun { prod: u32, base: u32, size: u32 },
+    /// The peer moved its producer index back behind requests this end has already
+    /// consumed: a protocol break, fatal for this ring.
+    #[error("peer producer index {prod} is behind the consumer {cons}")]
+    ProducerBehind { prod: u32, cons: u32 },
     /// This ring was broken by an earlier protocol break; it is not touched again.
     #[error("ring is broken by an earlier protocol error")]
     Broken,
@@ -360,6 +364,7 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
     }
 
     /// Number of requests published and not yet consumed, validating the peer's index.
+    /// The index is re-read only once everything seen before has been consumed.
     pub fn requests_available(&mut self) -> Result<u32, RingError> {
         if self.broken {
             return Err(RingError::Broken);
@@ -367,16 +372,36 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         if self.req_cons != self.req_prod_seen {
             return Ok(self.req_prod_seen.since(self.req_cons));
         }
+        self.load_req_prod()
+    }
+
+    /// Loads the front end's `req_prod` and checks it against what this end has
+    /// consumed and answered; returns the requests published and not yet consumed.
+    fn load_req_prod(&mut self) -> Result<u32, RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
         // Acquire: pairs with the front end's Release store of req_prod.
         let prod = RingIdx(self.mem.load(REQ_PROD, Ordering::Acquire));
-        // A front end may have at most one ring of requests unanswered; more means its
-        // index is bogus (netback's RING_REQUEST_PROD_OVERFLOW). Fatal for this ring.
-        if prod.since(self.rsp_prod_pvt) > self.size {
+        // Measured from rsp_prod_pvt, the producer must lie between what we consumed
+        // and one ring further. Beyond a ring means a bogus index (netback's
+        // RING_REQUEST_PROD_OVERFLOW); behind req_cons means the front end took back
+        // requests we already hold, and `prod - req_cons` would wrap to ~2^32. Both are
+        // fatal for this ring.
+        let ahead = prod.since(self.rsp_prod_pvt);
+        if ahead > self.size {
             self.broken = true;
             return Err(RingError::ProducerOverrun {
                 prod: prod.0,
                 base: self.rsp_prod_pvt.0,
                 size: self.size,
+            });
+        }
+        if ahead < self.req_cons.since(self.rsp_prod_pvt) {
+            self.broken = true;
+            return Err(RingError::ProducerBehind {
+                prod: prod.0,
+                cons: self.req_cons.0,
             });
         }
         self.req_prod_seen = prod;
@@ -425,6 +450,26 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         self.mem.fence(Ordering::SeqCst);
         let event = self.mem.load(RSP_EVENT, Ordering::Relaxed);
         new.wrapping_sub(event) < new.wrapping_sub(old)
+    }
+
+    /// Whether at least `need` requests are published, re-reading the producer index
+    /// even if some are already seen. If fewer, arms `req_event` so that the front end
+    /// notifies at its next request, and checks once more (netback's
+    /// `xenvif_rx_ring_slots_available`: a packet needing several buffers waits for all
+    /// of them). A caller that gets `false` must stop and wait for the event: the same
+    /// question asked again without one gets the same answer.
+    pub fn final_check_for_at_least(&mut self, need: u32) -> Result<bool, RingError> {
+        if self.load_req_prod()? >= need {
+            return Ok(true);
+        }
+        self.mem.store(
+            REQ_EVENT,
+            self.req_prod_seen.0.wrapping_add(1),
+            Ordering::Relaxed,
+        );
+        // Full fence: req_event before re-reading req_prod, as in the final check below.
+        self.mem.fence(Ordering::SeqCst);
+        Ok(self.load_req_prod()? >= need)
     }
 
     /// Whether requests are pending; if none, arms `req_event` and checks again
@@ -641,6 +686,43 @@ mod tests {
                 Some(i as u16)
             );
         }
+    }
+
+    #[test]
+    fn a_producer_index_moved_behind_the_consumer_breaks_only_that_ring() {
+        let (mut f, mut b, mem) = pair();
+        for id in 0..2 {
+            f.push_request(&Req { id, pad: 0, val: 0 }).expect("push");
+        }
+        f.push_requests_and_check_notify();
+        assert!(b.take_request().expect("valid").is_some());
+        assert!(b.take_request().expect("valid").is_some());
+        b.push_response(&Rsp { id: 0, status: 0 }).expect("answer");
+        // One request is consumed and unanswered; the peer takes req_prod back to 1.
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(1, Ordering::Release);
+        assert_eq!(
+            b.final_check_for_at_least(1),
+            Err(RingError::ProducerBehind { prod: 1, cons: 2 })
+        );
+        assert_eq!(b.requests_available(), Err(RingError::Broken));
+    }
+
+    #[test]
+    fn waiting_for_several_requests_arms_the_event_at_the_next_one() {
+        let (mut f, mut b, mem) = pair();
+        f.push_request(&Req { id: 0, pad: 0, val: 0 }).expect("push");
+        f.push_requests_and_check_notify();
+        assert_eq!(b.requests_available(), Ok(1));
+        // Three are needed, one is there: wait, and be told at the second.
+        assert_eq!(b.final_check_for_at_least(3), Ok(false));
+        assert_eq!(mem.atomic_u32(Mfn(0), REQ_EVENT).expect("idx").load(Ordering::Relaxed), 2);
+        f.push_request(&Req { id: 1, pad: 0, val: 0 }).expect("push");
+        assert!(f.push_requests_and_check_notify(), "the front end notifies");
+        // Seen although one request was still unconsumed (no cached index).
+        assert_eq!(b.final_check_for_at_least(2), Ok(true));
+        assert_eq!(b.final_check_for_at_least(3), Ok(false));
     }
 
     #[test]

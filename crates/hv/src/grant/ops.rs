@@ -889,6 +889,19 @@ impl Hypervisor {
         Ok(())
     }
 
+    /// How many grant mappings `caller` holds (its live maptrack entries): what a
+    /// back end's teardown must bring back to zero.
+    pub fn mappings_held(&self, caller: &Domain) -> usize {
+        caller
+            .maptrack
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entries
+            .iter()
+            .filter(|e| e.is_some())
+            .count()
+    }
+
     /// The granted frame of a live mapping and whether it is writable (for tools/tests).
     pub fn mapping(&self, caller: &Domain, h: GrantHandle) -> Option<(u32, bool)> {
         caller
