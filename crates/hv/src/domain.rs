@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use mem::{FramePage, MachineMemory, MapWindow, MemError};
+use mem::{FramePage, MachineMemory, MapWindow, MemError, PageAccess};
 
 use crate::event::EventChannels;
 use crate::grant::{GrantError, GrantTable, GrantVersion, Maptrack};
@@ -154,13 +154,26 @@ impl Domain {
         self.dying.load(Ordering::Acquire)
     }
 
-    /// Machine frame of one of this domain's guest frames.
+    /// Machine frame of one of this domain's guest frames (the hypervisor's own
+    /// look-up, which also serves while the domain is torn down).
     #[inline]
     pub(crate) fn gfn_to_mfn(&self, gfn: Gfn) -> Result<Mfn, DomainError> {
         self.p2m
             .get(gfn.0 as usize)
             .copied()
             .ok_or(DomainError::BadGfn(gfn.0))
+    }
+
+    /// The frame behind one of the domain's own pages, for an access by the domain's
+    /// code: refused once destruction has begun, so code of a dead domain that still
+    /// runs reaches nothing (its frames are not handed on while it holds this handle
+    /// either: see [`crate::Hypervisor::reap`]).
+    #[inline]
+    fn own(&self, gfn: Gfn) -> Result<Mfn, DomainError> {
+        if self.is_dying() {
+            return Err(DomainError::Dying);
+        }
+        self.gfn_to_mfn(gfn)
     }
 
     /// Hands out one of the domain's free pages (its kernel's page allocator).
@@ -188,12 +201,12 @@ impl Domain {
     /// Copies bytes out of one of this domain's pages.
     #[inline]
     pub fn read(&self, gfn: Gfn, offset: usize, buf: &mut [u8]) -> Result<(), DomainError> {
-        Ok(self.mem.read(self.gfn_to_mfn(gfn)?, offset, buf)?)
+        Ok(self.mem.read(self.own(gfn)?, offset, buf)?)
     }
     /// Copies bytes into one of this domain's pages.
     #[inline]
     pub fn write(&self, gfn: Gfn, offset: usize, data: &[u8]) -> Result<(), DomainError> {
-        Ok(self.mem.write(self.gfn_to_mfn(gfn)?, offset, data)?)
+        Ok(self.mem.write(self.own(gfn)?, offset, data)?)
     }
     /// Copies bytes between two of this domain's pages (its kernel's `memcpy`).
     #[inline]
@@ -205,37 +218,39 @@ impl Domain {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), DomainError> {
-        let (s, d) = (self.gfn_to_mfn(src)?, self.gfn_to_mfn(dst)?);
+        let (s, d) = (self.own(src)?, self.own(dst)?);
         Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
     }
     /// Ones'-complement sum of bytes of one of this domain's pages (see
     /// [`mem::MachineMemory::csum_partial`]).
     #[inline]
     pub fn csum_partial(&self, gfn: Gfn, offset: usize, len: usize) -> Result<u16, DomainError> {
-        Ok(self.mem.csum_partial(self.gfn_to_mfn(gfn)?, offset, len)?)
+        Ok(self.mem.csum_partial(self.own(gfn)?, offset, len)?)
     }
     /// Fills part of one of this domain's pages.
     pub fn fill(&self, gfn: Gfn, offset: usize, len: usize, byte: u8) -> Result<(), DomainError> {
-        Ok(self.mem.fill(self.gfn_to_mfn(gfn)?, offset, len, byte)?)
+        Ok(self.mem.fill(self.own(gfn)?, offset, len, byte)?)
     }
     /// A 16-bit word of this domain's memory as an atomic.
     pub fn atomic_u16(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU16, DomainError> {
-        Ok(self.mem.atomic_u16(self.gfn_to_mfn(gfn)?, offset)?)
+        Ok(self.mem.atomic_u16(self.own(gfn)?, offset)?)
     }
     /// A 32-bit word of this domain's memory as an atomic.
     pub fn atomic_u32(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU32, DomainError> {
-        Ok(self.mem.atomic_u32(self.gfn_to_mfn(gfn)?, offset)?)
+        Ok(self.mem.atomic_u32(self.own(gfn)?, offset)?)
     }
     /// A 64-bit word of this domain's memory as an atomic.
     pub fn atomic_u64(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU64, DomainError> {
-        Ok(self.mem.atomic_u64(self.gfn_to_mfn(gfn)?, offset)?)
+        Ok(self.mem.atomic_u64(self.own(gfn)?, offset)?)
     }
     /// One of this domain's pages as a [`mem::PageAccess`] (to host a shared ring, say).
-    pub fn page(&self, gfn: Gfn) -> Result<FramePage, DomainError> {
-        Ok(FramePage::new(
-            Arc::clone(&self.mem),
-            self.gfn_to_mfn(gfn)?,
-        )?)
+    /// It holds the domain, and every access through it is refused once the domain is
+    /// being destroyed.
+    pub fn page(self: &Arc<Self>, gfn: Gfn) -> Result<OwnPage, DomainError> {
+        Ok(OwnPage {
+            page: FramePage::new(Arc::clone(&self.mem), self.own(gfn)?)?,
+            dom: Arc::clone(self),
+        })
     }
     /// How many of this domain's grant operations failed for `reason`.
     pub fn grant_error_count(&self, reason: GrantError) -> u64 {
@@ -276,5 +291,55 @@ impl Domain {
     /// The domain's grant table (the guest side: issuing and revoking grants).
     pub fn grant_table(&self) -> crate::grant::GuestGrants<'_> {
         crate::grant::GuestGrants::new(self)
+    }
+}
+
+/// One of a domain's own pages, kept by the domain's code (a ring it hosts). Holding
+/// it holds the domain, so its frame goes to no other domain while it lives; every
+/// access first checks that the domain is not being destroyed.
+#[derive(Debug, Clone)]
+pub struct OwnPage {
+    dom: Arc<Domain>,
+    page: FramePage,
+}
+
+impl OwnPage {
+    #[inline]
+    fn live(&self) -> Result<&FramePage, MemError> {
+        if self.dom.is_dying() {
+            return Err(MemError::Revoked);
+        }
+        Ok(&self.page)
+    }
+}
+
+impl PageAccess for OwnPage {
+    #[inline]
+    fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
+        self.live()?.read(offset, buf)
+    }
+    #[inline]
+    fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.live()?.write(offset, data)
+    }
+    #[inline]
+    fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
+        self.live()?.atomic_u16(offset)
+    }
+    #[inline]
+    fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, MemError> {
+        self.live()?.atomic_u32(offset)
+    }
+    #[inline]
+    fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
+        self.live()?.atomic_u64(offset)
+    }
+    #[inline]
+    fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
+        self.live()?.read_obj(offset)
+    }
+    #[inline]
+    fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
+        self.live()?.write_obj(offset, v)
     }
 }

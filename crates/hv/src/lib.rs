@@ -32,7 +32,7 @@ pub mod vcpu;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-pub use domain::{Domain, DomainConfig, DomainError};
+pub use domain::{Domain, DomainConfig, DomainError, OwnPage};
 pub use event::{ChannelState, EvtchnError, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
 pub use mem::{MachineMemory, PageAccess, PAGE_SIZE};
@@ -96,6 +96,10 @@ pub struct Hypervisor {
     iommu: Arc<iommu::Iommu>,
     /// Frames of destroyed domains still referenced by someone; freed by `reap`.
     zombies: Mutex<Vec<Mfn>>,
+    /// Destroyed domains whose code still holds a handle: their frames wait, so that
+    /// nothing it does (even an access that passed its liveness check just before the
+    /// destruction) can reach a frame that another domain has since been given.
+    dead: Mutex<Vec<Arc<Domain>>>,
     /// Time zero of the hypervisor's clock (`NOW()`).
     boot: std::time::Instant,
 }
@@ -117,6 +121,7 @@ impl Hypervisor {
             store: store::Store::new(),
             iommu,
             zombies: Mutex::new(Vec::new()),
+            dead: Mutex::new(Vec::new()),
             boot: std::time::Instant::now(),
         });
         hv.iommu_setup()?;
@@ -216,23 +221,28 @@ impl Hypervisor {
             v.kick();
         }
         self.domains.write().unwrap_or_else(|p| p.into_inner())[id.0 as usize] = None;
-        let mut z = self.zombies.lock().unwrap_or_else(|p| p.into_inner());
-        for &m in d.p2m.iter() {
-            if self.frames.free(m).is_err() {
-                z.push(m);
-            }
-        }
-        drop(z);
+        self.dead.lock().unwrap_or_else(|p| p.into_inner()).push(d);
         self.reap();
         Ok(())
     }
 
-    /// Frees frames of destroyed domains that are no longer referenced. Returns how many
-    /// are still held.
+    /// Frees the frames of destroyed domains once no handle to the domain remains and
+    /// nothing references the frame. Returns how many frames of destroyed domains are
+    /// still held back.
     pub fn reap(&self) -> usize {
+        let mut dead = self.dead.lock().unwrap_or_else(|p| p.into_inner());
         let mut z = self.zombies.lock().unwrap_or_else(|p| p.into_inner());
+        // The list holds the last handle: the domain left the table at destruction, so
+        // no new handle can be made, and a count of one cannot rise again.
+        dead.retain(|d| {
+            if Arc::strong_count(d) > 1 {
+                return true;
+            }
+            z.extend(d.p2m.iter().copied());
+            false
+        });
         z.retain(|&m| self.frames.free(m).is_err());
-        z.len()
+        z.len() + dead.iter().map(|d| d.p2m.len()).sum::<usize>()
     }
 
     /// The machine frame behind a domain's guest frame (a privileged look-up for tools

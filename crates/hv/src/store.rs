@@ -13,7 +13,7 @@
 //! Transactions are not implemented (front and back ends here write one key at a time).
 
 use std::collections::BTreeMap;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Mutex;
 
 use crate::types::DomId;
@@ -26,6 +26,14 @@ pub const MAX_VALUE: usize = 4096;
 pub const MAX_NODES_PER_DOMAIN: usize = 1000;
 /// Watches one (unprivileged) domain may hold (xenstored's default).
 pub const MAX_WATCHES_PER_DOMAIN: usize = 128;
+/// Entries in a node's permission list that an unprivileged domain may set
+/// (xenstored's `quota-nb-perms-per-node` default).
+pub const MAX_PERMS_PER_NODE: usize = 5;
+/// Events queued on one watch for a watcher that has not read them; later ones are
+/// dropped and counted ([`Store::watch_events_dropped`]), as oxenstored bounds a
+/// connection's pending watch events. With [`MAX_WATCHES_PER_DOMAIN`] watches and an
+/// event of at most [`MAX_VALUE`] bytes, a domain that never reads pins at most 32 MiB.
+pub const MAX_WATCH_EVENTS: usize = 64;
 
 /// Access a domain has to a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,13 +84,15 @@ struct Watch {
     dom: DomId,
     path: String,
     token: String,
-    tx: Sender<WatchEvent>,
+    tx: SyncSender<WatchEvent>,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     nodes: BTreeMap<String, Node>,
     watches: Vec<Watch>,
+    /// Watch events dropped because their watcher's queue was full.
+    events_dropped: u64,
 }
 
 /// The store.
@@ -164,17 +174,25 @@ impl Inner {
             }
             dom == DomId::DOM0
         };
-        let nodes = &self.nodes;
+        let (nodes, dropped) = (&self.nodes, &mut self.events_dropped);
         self.watches.retain(|w| {
             if !is_at_or_below(changed, &w.path) || !readable(w.dom, nodes) {
                 return true;
             }
-            // A watcher that has gone away is dropped.
-            w.tx.send(WatchEvent {
+            let ev = WatchEvent {
                 path: changed.to_string(),
                 token: w.token.clone(),
-            })
-            .is_ok()
+            };
+            match w.tx.try_send(ev) {
+                Ok(()) => true,
+                // A watcher that does not read loses events, not the store's memory.
+                Err(TrySendError::Full(_)) => {
+                    *dropped += 1;
+                    true
+                }
+                // A watcher that has gone away is dropped.
+                Err(TrySendError::Disconnected(_)) => false,
+            }
         });
     }
 
@@ -199,6 +217,7 @@ impl Store {
             inner: Mutex::new(Inner {
                 nodes,
                 watches: Vec::new(),
+                events_dropped: 0,
             }),
         }
     }
@@ -315,7 +334,10 @@ impl Store {
             .collect())
     }
 
-    /// Sets a node's owner and permissions (owner or domain 0 only).
+    /// Sets a node's owner and permissions. Domain 0 may set anything; the owner may
+    /// change the permission list (at most [`MAX_PERMS_PER_NODE`] entries) but not give
+    /// the node to another domain, which would move it out of its own quota and into
+    /// the other's (xenstored refuses the same).
     pub fn set_perms(
         &self,
         caller: DomId,
@@ -331,8 +353,13 @@ impl Store {
             .nodes
             .get_mut(path)
             .ok_or_else(|| StoreError::NoEntry(path.into()))?;
-        if caller != DomId::DOM0 && caller != n.owner {
-            return Err(StoreError::Denied(path.into()));
+        if caller != DomId::DOM0 {
+            if caller != n.owner || owner != n.owner {
+                return Err(StoreError::Denied(path.into()));
+            }
+            if perms.len() > MAX_PERMS_PER_NODE {
+                return Err(StoreError::Quota);
+            }
         }
         n.owner = owner;
         n.perms = perms.to_vec();
@@ -341,24 +368,27 @@ impl Store {
     }
 
     /// Watches `path` and below; the returned receiver gets one event at once (as
-    /// xenstore fires a new watch) and one per later change.
+    /// xenstore fires a new watch) and one per later change, at most
+    /// [`MAX_WATCH_EVENTS`] of them waiting. The path and token must fit one watch-event
+    /// message (`XENSTORE_PAYLOAD_MAX`).
     pub fn watch(
         &self,
         caller: DomId,
         path: &str,
         token: &str,
     ) -> Result<Receiver<WatchEvent>, StoreError> {
-        if !valid_path(path) {
+        // The event message carries both, each NUL-terminated.
+        if !valid_path(path) || path.len() + token.len() + 2 > MAX_VALUE {
             return Err(StoreError::Invalid);
         }
-        let (tx, rx) = channel();
+        let (tx, rx) = sync_channel(MAX_WATCH_EVENTS);
         let mut g = self.lock();
         if caller != DomId::DOM0
             && g.watches.iter().filter(|w| w.dom == caller).count() >= MAX_WATCHES_PER_DOMAIN
         {
             return Err(StoreError::Quota);
         }
-        let _ = tx.send(WatchEvent {
+        let _ = tx.try_send(WatchEvent {
             path: path.to_string(),
             token: token.to_string(),
         });
@@ -369,6 +399,11 @@ impl Store {
             tx,
         });
         Ok(rx)
+    }
+
+    /// Watch events dropped so far because a watcher's queue was full.
+    pub fn watch_events_dropped(&self) -> u64 {
+        self.lock().events_dropped
     }
 
     /// Removes a domain's watch.
@@ -539,6 +574,66 @@ mod tests {
             s.write(DomId(3), "/q/one-too-many", "v"),
             Err(StoreError::Quota)
         );
+    }
+
+    #[test]
+    fn an_unprivileged_domain_cannot_give_its_nodes_away_or_grow_their_acls() {
+        // Finding 7: handing nodes to a victim moved them out of the giver's quota and
+        // into the victim's, until the victim's own writes failed.
+        let s = Store::new();
+        let (evil, victim) = (DomId(3), DomId(4));
+        for d in [evil, victim] {
+            let dir = format!("/local/domain/{}", d.0);
+            s.write(DomId::DOM0, &dir, "").expect("toolstack");
+            s.set_perms(DomId::DOM0, &dir, d, &[]).expect("own");
+        }
+        s.write(evil, "/local/domain/3/junk", "x").expect("own node");
+        assert_eq!(
+            s.set_perms(evil, "/local/domain/3/junk", victim, &[]),
+            Err(StoreError::Denied("/local/domain/3/junk".into())),
+            "the owner stays"
+        );
+        let acl: Vec<(DomId, Perm)> = (0..MAX_PERMS_PER_NODE as u16 + 1)
+            .map(|i| (DomId(100 + i), Perm::Read))
+            .collect();
+        assert_eq!(
+            s.set_perms(evil, "/local/domain/3/junk", evil, &acl),
+            Err(StoreError::Quota),
+            "permission lists are bounded"
+        );
+        s.set_perms(evil, "/local/domain/3/junk", evil, &acl[..MAX_PERMS_PER_NODE])
+            .expect("sharing within the bound");
+        // The victim still writes up to its whole quota (it owns its directory).
+        for i in 0..MAX_NODES_PER_DOMAIN - 1 {
+            s.write(victim, &format!("/local/domain/4/n{i}"), "v")
+                .expect("the victim's quota is its own");
+        }
+        // The toolstack may still hand a node to anyone.
+        s.set_perms(DomId::DOM0, "/local/domain/3/junk", victim, &[])
+            .expect("dom0 sets owners");
+    }
+
+    #[test]
+    fn watch_events_and_tokens_are_bounded() {
+        // Finding 8: a watcher that never reads, and tokens of any length.
+        let s = Store::new();
+        let d = DomId(5);
+        s.write(DomId::DOM0, "/w", "").expect("mk");
+        s.set_perms(DomId::DOM0, "/w", d, &[]).expect("own");
+        assert_eq!(
+            s.watch(d, "/w", &"t".repeat(MAX_VALUE)).err(),
+            Some(StoreError::Invalid),
+            "a token that cannot fit a watch event is refused"
+        );
+        let w = s.watch(d, "/w", "tok").expect("watch");
+        for i in 0..10 * MAX_WATCH_EVENTS {
+            s.write(d, "/w/x", &i.to_string()).expect("write");
+        }
+        assert_eq!(w.try_iter().count(), MAX_WATCH_EVENTS, "queued events bounded");
+        assert!(s.watch_events_dropped() >= (9 * MAX_WATCH_EVENTS) as u64);
+        // Read, the watch works again.
+        s.write(d, "/w/x", "again").expect("write");
+        assert_eq!(w.try_recv().map(|e| e.path), Ok("/w/x".to_string()));
     }
 
     #[test]

@@ -84,6 +84,9 @@ pub enum MemError {
     /// The slot is still being accessed; it cannot be unmapped now.
     #[error("window slot {0} is in use")]
     InUse(u32),
+    /// Access to the page was withdrawn: the domain it belongs to is being destroyed.
+    #[error("access revoked: the page's domain is being destroyed")]
+    Revoked,
     /// The kernel refused an mmap/munmap; the errno is kept.
     #[error("operating system error {0}")]
     Os(i32),

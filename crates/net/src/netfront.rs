@@ -24,7 +24,7 @@ use std::sync::Arc;
 use hv::profile::{enter, Class};
 use hv::store::XenbusState;
 use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
-use mem::FramePage;
+use hv::OwnPage;
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{
@@ -50,7 +50,7 @@ pub enum RxBuffers {
     Linear,
 }
 
-type Front<P> = FrontRing<P, PageRing<FramePage>>;
+type Front<P> = FrontRing<P, PageRing<OwnPage>>;
 
 /// Counters of one interface.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use hv::*;
-use mem::FramePage;
+use hv::OwnPage;
 use ring::{BackRing, FrontRing, PageRing, RingError, RingProtocol};
 
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -56,7 +56,7 @@ fn setup() -> Setup {
     }
 }
 
-type Front = FrontRing<Proto, PageRing<FramePage>>;
+type Front = FrontRing<Proto, PageRing<OwnPage>>;
 type Back = BackRing<Proto, PageRing<mem::MappedPage>>;
 
 /// Front end initialises a ring in its page and grants it; back end maps it at `slot`.
