@@ -609,7 +609,7 @@ impl Running {
                     NicDriver::probe(&hv, &drv_dom, nic.regs(), &mut dpool, DmaApi::Swiotlb)
                         .map_err(other)?;
                 let mut bridge = Bridge::new(2, opts.netfilter);
-                bridge.learn(f.dst_mac, 1);
+                bridge.attach_vif(1, f.dst_mac);
 
                 let (stop_d, ready_d) = (Arc::clone(&stop), Arc::clone(&ready));
                 let vif_port = vif.port();

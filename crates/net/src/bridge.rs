@@ -46,16 +46,21 @@ pub enum BridgeDrop {
     BadIp,
     /// A rule said drop.
     Filtered,
+    /// A source address the port may not use: a vif sending from any address but the
+    /// one the toolstack configured for it, or any port sending from an address that
+    /// belongs to a vif elsewhere (Xen's vif scripts add the same ebtables rule).
+    Spoofed,
 }
 
 impl BridgeDrop {
     /// Every reason, in counter order.
-    pub const ALL: [BridgeDrop; 5] = [
+    pub const ALL: [BridgeDrop; 6] = [
         BridgeDrop::Runt,
         BridgeDrop::BadSource,
         BridgeDrop::SamePort,
         BridgeDrop::BadIp,
         BridgeDrop::Filtered,
+        BridgeDrop::Spoofed,
     ];
 }
 
@@ -232,6 +237,8 @@ struct FdbEntry {
     mac: [u8; 6],
     port: u16,
     valid: bool,
+    /// Set by the toolstack for a vif's address: never relearned from traffic.
+    fixed: bool,
 }
 
 /// Counters.
@@ -242,7 +249,7 @@ pub struct BridgeStats {
     /// Frames flooded.
     pub flooded: u64,
     /// Drops per [`BridgeDrop`] (in `BridgeDrop::ALL` order).
-    pub drops: [u64; 5],
+    pub drops: [u64; BridgeDrop::ALL.len()],
 }
 
 /// The bridge.
@@ -250,6 +257,9 @@ pub struct BridgeStats {
 pub struct Bridge {
     fdb: Box<[FdbEntry]>,
     ports: u16,
+    /// The address each vif port was configured with; `None` for a port that may send
+    /// from any address not fixed elsewhere (the NIC's).
+    port_mac: [Option<[u8; 6]>; MAX_PORTS],
     /// The hooks, when filtering is on.
     pub netfilter: Option<Netfilter>,
     stats: BridgeStats,
@@ -268,6 +278,7 @@ impl Bridge {
         Self {
             fdb: vec![FdbEntry::default(); FDB_SIZE].into_boxed_slice(),
             ports: ports.min(MAX_PORTS as u16),
+            port_mac: [None; MAX_PORTS],
             netfilter: filter.then(Netfilter::default),
             stats: BridgeStats::default(),
         }
@@ -282,32 +293,55 @@ impl Bridge {
         &self.stats
     }
 
-    /// Records that `mac` lives behind `port` (also how a vif's guest address is known
-    /// before it sends anything).
+    /// Records that `mac` lives behind `port`, as the bridge learns from traffic. An
+    /// address fixed for a vif ([`Self::attach_vif`]) is not moved.
     pub fn learn(&mut self, mac: [u8; 6], port: u16) {
-        let mut i = fdb_hash(&mac);
-        // Open addressing: the entry for `mac`, or the first free one; a full probe
-        // overwrites the home slot.
+        self.insert(FdbEntry {
+            mac,
+            port,
+            valid: true,
+            fixed: false,
+        });
+    }
+
+    /// The toolstack attaches a vif: `port` carries the guest whose address is `mac`.
+    /// The address is fixed there (frames to it go to `port` before the guest sends
+    /// anything, and no frame from elsewhere moves it), and the port may send from no
+    /// other address.
+    pub fn attach_vif(&mut self, port: u16, mac: [u8; 6]) {
+        if let Some(m) = self.port_mac.get_mut(port as usize) {
+            *m = Some(mac);
+        }
+        self.insert(FdbEntry {
+            mac,
+            port,
+            valid: true,
+            fixed: true,
+        });
+    }
+
+    fn insert(&mut self, new: FdbEntry) {
+        let mut i = fdb_hash(&new.mac);
+        // Open addressing: the entry for the address, or the first free one; a full
+        // probe overwrites the home slot unless it is fixed.
         for _ in 0..FDB_SIZE {
             let e = &mut self.fdb[i];
-            if !e.valid || e.mac == mac {
-                *e = FdbEntry {
-                    mac,
-                    port,
-                    valid: true,
-                };
+            if e.valid && e.mac == new.mac && e.fixed && !new.fixed {
+                return;
+            }
+            if !e.valid || e.mac == new.mac {
+                *e = new;
                 return;
             }
             i = (i + 1) & (FDB_SIZE - 1);
         }
-        self.fdb[fdb_hash(&mac)] = FdbEntry {
-            mac,
-            port,
-            valid: true,
-        };
+        let home = &mut self.fdb[fdb_hash(&new.mac)];
+        if !home.fixed || new.fixed {
+            *home = new;
+        }
     }
 
-    fn lookup(&self, mac: &[u8; 6]) -> Option<u16> {
+    fn entry(&self, mac: &[u8; 6]) -> Option<&FdbEntry> {
         let mut i = fdb_hash(mac);
         for _ in 0..FDB_SIZE {
             let e = &self.fdb[i];
@@ -315,14 +349,18 @@ impl Bridge {
                 return None;
             }
             if e.mac == *mac {
-                return Some(e.port);
+                return Some(e);
             }
             i = (i + 1) & (FDB_SIZE - 1);
         }
         None
     }
 
-    /// Forgets every address behind `port` (its vif went away).
+    fn lookup(&self, mac: &[u8; 6]) -> Option<u16> {
+        self.entry(mac).map(|e| e.port)
+    }
+
+    /// Forgets every address behind `port`, fixed ones too (its vif went away).
     pub fn forget_port(&mut self, port: u16) {
         let keep: Vec<FdbEntry> = self
             .fdb
@@ -332,7 +370,10 @@ impl Bridge {
             .collect();
         self.fdb.iter_mut().for_each(|e| e.valid = false);
         for e in keep {
-            self.learn(e.mac, e.port);
+            self.insert(e);
+        }
+        if let Some(m) = self.port_mac.get_mut(port as usize) {
+            *m = None;
         }
     }
 
@@ -356,8 +397,17 @@ impl Bridge {
         if src[0] & 1 != 0 {
             return self.count_drop(BridgeDrop::BadSource);
         }
-        if self.lookup(&src) != Some(in_port) {
-            self.learn(src, in_port);
+        // Anti-spoofing before learning: a vif sends only from its own address, and
+        // nobody sends from an address fixed on another port. Learning from such a
+        // frame would redirect the owner's unicast traffic to the sender.
+        let own = self.port_mac.get(in_port as usize).copied().flatten();
+        match (own, self.entry(&src)) {
+            (Some(mac), _) if mac != src => return self.count_drop(BridgeDrop::Spoofed),
+            (_, Some(e)) if e.fixed && e.port != in_port => {
+                return self.count_drop(BridgeDrop::Spoofed)
+            }
+            (_, Some(e)) if e.port == in_port => {}
+            _ => self.learn(src, in_port),
         }
         let out = if dst[0] & 1 != 0 {
             None
@@ -537,5 +587,46 @@ mod tests {
         let id = skb(&mut p, &f);
         assert_eq!(br.input(&p, id, 0), Forward::Drop(BridgeDrop::BadSource));
         assert_eq!(br.stats().drops[..2], [1, 1]);
+    }
+
+    #[test]
+    fn a_vif_cannot_send_from_another_guests_address_or_redirect_its_traffic() {
+        // Finding 10 of issue 15: one spoofed frame used to relearn the victim's
+        // address on the attacker's port.
+        let (_hv, mut p) = pool();
+        let (victim, attacker) = ([2, 0, 0, 0, 0, 0xb], [2, 0, 0, 0, 0, 0xa]);
+        let mut br = Bridge::new(3, false);
+        br.attach_vif(1, attacker);
+        br.attach_vif(2, victim);
+        let frame = |src: [u8; 6], dst: [u8; 6]| {
+            let mut f = frames_of(100, 1).remove(0);
+            f[0..6].copy_from_slice(&dst);
+            f[6..12].copy_from_slice(&src);
+            f
+        };
+        let outside = flow().src_mac;
+        // The attacker sends from the victim's address, and from a made-up one.
+        for src in [victim, [2, 0, 0, 0, 0, 0xc]] {
+            let id = skb(&mut p, &frame(src, outside));
+            assert_eq!(br.input(&p, id, 1), Forward::Drop(BridgeDrop::Spoofed));
+        }
+        // The wire claims the victim's address too.
+        let id = skb(&mut p, &frame(victim, attacker));
+        assert_eq!(br.input(&p, id, 0), Forward::Drop(BridgeDrop::Spoofed));
+        assert_eq!(br.stats().drops[BridgeDrop::Spoofed as usize], 3);
+        // The victim's traffic still goes to the victim.
+        let id = skb(&mut p, &frame(outside, victim));
+        assert_eq!(br.input(&p, id, 0), Forward::Port(2));
+        // Honest frames from each vif are forwarded.
+        let id = skb(&mut p, &frame(attacker, victim));
+        assert_eq!(br.input(&p, id, 1), Forward::Port(2));
+        let id = skb(&mut p, &frame(victim, outside));
+        assert_eq!(br.input(&p, id, 2), Forward::Port(0));
+        // Detached, the port's address is free to move again.
+        br.forget_port(2);
+        let id = skb(&mut p, &frame(victim, attacker));
+        assert_eq!(br.input(&p, id, 0), Forward::Port(1));
+        let id = skb(&mut p, &frame(attacker, victim));
+        assert_eq!(br.input(&p, id, 1), Forward::Port(0));
     }
 }

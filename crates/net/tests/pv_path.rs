@@ -291,7 +291,8 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         front_b.refill_rx(&mut bpool);
         let bfree = (bpool.free_buffers(), bpool.free_pages());
         let mut bridge = Bridge::new(2, false);
-        bridge.learn(MAC_B, 1);
+        bridge.attach_vif(0, MAC_A);
+        bridge.attach_vif(1, MAC_B);
 
         // A sends a minimum frame (copied whole by netback), a full-size one and one
         // spanning three pages (mapped past the first bytes).
