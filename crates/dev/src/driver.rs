@@ -18,7 +18,9 @@ use hv::profile::{enter, Class};
 use hv::{Domain, Gfn, Hypervisor, Iova, PAGE_SIZE};
 use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 
-use crate::nic::{Desc, NicRegs, DESC_DD, DESC_EOP, DESC_L4_OK, DESC_SIZE, RING_DESCS, RING_PAGES};
+use crate::nic::{
+    Desc, NicRegs, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_SIZE, RING_DESCS, RING_PAGES,
+};
 
 /// Where the rings appear to the device: I/O-virtually contiguous, whatever frames hold
 /// them.
@@ -56,6 +58,9 @@ pub struct DriverStats {
     pub rx_packets: u64,
     /// Packets dropped for want of a replacement buffer.
     pub rx_no_buffer: u64,
+    /// Descriptors the device completed with an error (its DMA faulted): dropped, the
+    /// buffer posted again.
+    pub rx_errors: u64,
     /// Packets transmitted (completed).
     pub tx_packets: u64,
     /// Transmit refusals: ring full.
@@ -241,6 +246,14 @@ impl NicDriver {
             let Some(skb) = self.rx_skbs[i as usize].take() else {
                 break;
             };
+            if d.status & DESC_ERR != 0 {
+                // No data arrived: nothing to hand up, and the buffer goes back as is.
+                self.stats.rx_errors += 1;
+                self.post_rx(pool, i, skb);
+                self.rx_next = (i + 1) % RING_DESCS;
+                n += 1;
+                continue;
+            }
             let fresh = {
                 let _m = enter(Class::Mem);
                 pool.alloc(NET_SKB_PAD + NET_IP_ALIGN)

@@ -46,6 +46,10 @@ pub const DESC_DD: u16 = 1 << 0;
 pub const DESC_EOP: u16 = 1 << 1;
 /// RX status: the device verified the UDP checksum.
 pub const DESC_L4_OK: u16 = 1 << 2;
+/// RX status: the frame could not be written to the descriptor's buffer (the DMA
+/// faulted); the descriptor is given back with no data, and the driver must drop it
+/// (a NIC's RX error bit, as the `RXD_STAT`/`RDESC.ERRORS` fields of real devices).
+pub const DESC_ERR: u16 = 1 << 3;
 
 /// One descriptor, as it lies in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -112,6 +116,9 @@ pub struct NicRegs {
     pub rx_oversize: AtomicU64,
     /// DMA faults (a descriptor naming memory the device may not touch).
     pub dma_faults: AtomicU64,
+    /// Frames lost because their data could not be written (their descriptor is
+    /// completed with [`DESC_ERR`]).
+    pub rx_dma_errors: AtomicU64,
     /// Frames sent.
     pub tx_frames: AtomicU64,
     /// Interrupts raised.
@@ -137,6 +144,7 @@ impl NicRegs {
             rx_missed: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
+            rx_dma_errors: AtomicU64::new(0),
             tx_frames: AtomicU64::new(0),
             irqs: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -405,19 +413,22 @@ impl Device {
             return;
         }
         let d: Desc = bytemuck::pod_read_unaligned(&raw);
-        // Data first (non-temporal, fenced), then the descriptor that announces it.
-        if self.dma.dma_write(Iova(d.addr), frame).is_err() {
+        // Data first (non-temporal, fenced), then the descriptor that announces it. A
+        // write that faults (part of it may have landed) completes the descriptor with
+        // the error bit and no length, so the driver drops it and recycles the buffer
+        // instead of handing up whatever the buffer held before.
+        let (status, len) = if self.dma.dma_write(Iova(d.addr), frame).is_err() {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
-            // The descriptor is consumed with an error-free zero length: the driver
-            // sees DD and recycles the buffer.
-        }
-        let mut status = DESC_DD | DESC_EOP;
-        if l4_checksum_ok(frame) {
-            status |= DESC_L4_OK;
-        }
+            regs.rx_dma_errors.fetch_add(1, Ordering::Relaxed);
+            (DESC_DD | DESC_EOP | DESC_ERR, 0)
+        } else if l4_checksum_ok(frame) {
+            (DESC_DD | DESC_EOP | DESC_L4_OK, frame.len() as u16)
+        } else {
+            (DESC_DD | DESC_EOP, frame.len() as u16)
+        };
         let wb = Desc {
             addr: d.addr,
-            len: frame.len() as u16,
+            len,
             status,
             flags: 0,
             pad: 0,
@@ -473,5 +484,78 @@ impl Device {
                 self.complete(Instant::now());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hv::{DomainConfig, Gfn, HvConfig, Hypervisor};
+
+    #[test]
+    fn a_frame_whose_dma_faults_completes_its_descriptor_with_an_error_and_no_data() {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 512,
+            ..Default::default()
+        })
+        .expect("hv");
+        let d = hv
+            .create_domain(&DomainConfig {
+                pages: 64,
+                driver_domain: true,
+                ..Default::default()
+            })
+            .expect("dom");
+        let (ring, buf): (Gfn, Gfn) = (d.alloc_page().expect("p"), d.alloc_page().expect("p"));
+        let (ring_iova, buf_iova) = (0x10_000u64, 0x20_000u64);
+        hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
+        hv.iommu_map(&d, Iova(buf_iova), buf, true).expect("map");
+        hv.iommu_attach(DeviceId(7), &d).expect("attach");
+        // Descriptor 0 names a buffer the IOMMU does not map; descriptor 1 a good one.
+        d.fill(buf, 0, 4096, 0xee).expect("stale bytes");
+        for (i, addr) in [(0usize, 0x90_000u64), (1, buf_iova)] {
+            let desc = Desc {
+                addr,
+                ..Default::default()
+            };
+            d.write(ring, i * DESC_SIZE, bytemuck::bytes_of(&desc))
+                .expect("desc");
+        }
+        let regs = Arc::new(NicRegs::new());
+        regs.rx_base.store(ring_iova, Ordering::Relaxed);
+        regs.rx_tail.store(2, Ordering::Relaxed);
+        let mut dev = Device {
+            regs: Arc::clone(&regs),
+            dma: hv.iommu().device(DeviceId(7)),
+            irq: IrqLine::Native(Arc::default()),
+            coalesce: Coalesce::default(),
+            rx_head: 0,
+            tx_head: 0,
+            pending: 0,
+            first_pending: None,
+            frame: vec![0; 65536],
+        };
+        let frame = [0x5au8; 200];
+        dev.receive(&frame);
+        dev.receive(&frame);
+        let desc = |i: usize| -> Desc {
+            let mut b = [0u8; DESC_SIZE];
+            d.read(ring, i * DESC_SIZE, &mut b).expect("desc");
+            bytemuck::pod_read_unaligned(&b)
+        };
+        let bad = desc(0);
+        assert_eq!(bad.status & (DESC_DD | DESC_ERR), DESC_DD | DESC_ERR);
+        assert_eq!(bad.len, 0, "no length the driver could hand up");
+        let good = desc(1);
+        assert_eq!((good.status & DESC_ERR, good.len), (0, 200));
+        let mut got = [0u8; 200];
+        d.read(buf, 0, &mut got).expect("data");
+        assert_eq!(got, frame);
+        assert_eq!(regs.rx_dma_errors.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            regs.rx_frames.load(Ordering::Relaxed),
+            2,
+            "both descriptors used"
+        );
     }
 }

@@ -587,7 +587,8 @@ mod tests {
             s.write(DomId::DOM0, &dir, "").expect("toolstack");
             s.set_perms(DomId::DOM0, &dir, d, &[]).expect("own");
         }
-        s.write(evil, "/local/domain/3/junk", "x").expect("own node");
+        s.write(evil, "/local/domain/3/junk", "x")
+            .expect("own node");
         assert_eq!(
             s.set_perms(evil, "/local/domain/3/junk", victim, &[]),
             Err(StoreError::Denied("/local/domain/3/junk".into())),
@@ -601,8 +602,13 @@ mod tests {
             Err(StoreError::Quota),
             "permission lists are bounded"
         );
-        s.set_perms(evil, "/local/domain/3/junk", evil, &acl[..MAX_PERMS_PER_NODE])
-            .expect("sharing within the bound");
+        s.set_perms(
+            evil,
+            "/local/domain/3/junk",
+            evil,
+            &acl[..MAX_PERMS_PER_NODE],
+        )
+        .expect("sharing within the bound");
         // The victim still writes up to its whole quota (it owns its directory).
         for i in 0..MAX_NODES_PER_DOMAIN - 1 {
             s.write(victim, &format!("/local/domain/4/n{i}"), "v")
@@ -629,7 +635,11 @@ mod tests {
         for i in 0..10 * MAX_WATCH_EVENTS {
             s.write(d, "/w/x", &i.to_string()).expect("write");
         }
-        assert_eq!(w.try_iter().count(), MAX_WATCH_EVENTS, "queued events bounded");
+        assert_eq!(
+            w.try_iter().count(),
+            MAX_WATCH_EVENTS,
+            "queued events bounded"
+        );
         assert!(s.watch_events_dropped() >= (9 * MAX_WATCH_EVENTS) as u64);
         // Read, the watch works again.
         s.write(d, "/w/x", "again").expect("write");

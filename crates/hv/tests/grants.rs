@@ -766,7 +766,11 @@ fn destroying_a_domain_releases_its_mappings_and_scrubs_its_frames() {
     drop(m.a);
     m.hv.destroy_domain(a_id).expect("destroy a");
     // B's frames wait while this test still holds a handle of B.
-    assert_eq!(m.hv.reap(), m.b.pages() as usize, "only B's frames held back");
+    assert_eq!(
+        m.hv.reap(),
+        m.b.pages() as usize,
+        "only B's frames held back"
+    );
     drop(m.b);
     assert_eq!(m.hv.reap(), 0, "no frame still held");
     let d =

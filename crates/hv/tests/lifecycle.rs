@@ -39,7 +39,10 @@ fn a_destroyed_domains_handles_reach_no_memory_and_its_frames_wait_for_them() {
     assert_eq!(dead.fill(g, 0, 8, 0xee), Err(DomainError::Dying));
     assert!(dead.atomic_u32(g, 0).is_err());
     assert!(dead.page(g).is_err());
-    assert!(ring.write(0, b"evil").is_err(), "a page taken before death is revoked");
+    assert!(
+        ring.write(0, b"evil").is_err(),
+        "a page taken before death is revoked"
+    );
     assert!(ring.atomic_u32(0).is_err());
     // Its frames are not handed to a new domain while its handles exist.
     assert!(hv.reap() >= 200, "held back: {}", hv.reap());

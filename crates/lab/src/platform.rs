@@ -818,6 +818,11 @@ impl Running {
         counters.add("nic", "rx_frames", regs.rx_frames.load(Ordering::Relaxed));
         counters.add("nic", "rx_missed", regs.rx_missed.load(Ordering::Relaxed));
         counters.add("nic", "dma_faults", regs.dma_faults.load(Ordering::Relaxed));
+        counters.add(
+            "nic",
+            "rx_dma_errors",
+            regs.rx_dma_errors.load(Ordering::Relaxed),
+        );
         counters.add("nic", "irqs", regs.irqs.load(Ordering::Relaxed));
         counters.add(
             "sender",
@@ -884,5 +889,6 @@ fn driver_counters(c: &mut Counters, d: &NicDriver) {
     let s = d.stats();
     c.add("driver", "rx_packets", s.rx_packets);
     c.add("driver", "rx_no_buffer", s.rx_no_buffer);
+    c.add("driver", "rx_errors", s.rx_errors);
     c.add("driver", "irqs", s.irqs);
 }

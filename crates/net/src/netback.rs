@@ -33,9 +33,7 @@ use crate::netif::{
     FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
     XEN_NETIF_RSP_OKAY,
 };
-use crate::skb::{
-    Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD,
-};
+use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
 
 /// Bytes of each transmitted packet copied into the back end's buffer (Linux's
@@ -895,7 +893,12 @@ impl Vif {
             .chain(self.ring_handles)
             .collect();
         let Vif {
-            hv, dom, port, tx, rx, ..
+            hv,
+            dom,
+            port,
+            tx,
+            rx,
+            ..
         } = self;
         drop((tx, rx));
         let mut st = vec![Ok(()); held.len()];

@@ -23,8 +23,8 @@ use std::sync::Arc;
 
 use hv::profile::{enter, Class};
 use hv::store::XenbusState;
-use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
 use hv::OwnPage;
+use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{

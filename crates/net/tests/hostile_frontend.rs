@@ -83,7 +83,11 @@ impl Raw {
     /// Posts RX buffer `i` (a writable grant) and publishes `prod`.
     fn post_rx(&self, i: u32, r: RxRequest, prod: u32) {
         self.dom
-            .write(self.rx, HDR + (i as usize % 256) * 8, bytemuck::bytes_of(&r))
+            .write(
+                self.rx,
+                HDR + (i as usize % 256) * 8,
+                bytemuck::bytes_of(&r),
+            )
             .expect("slot");
         self.dom
             .write(self.rx, 0, &prod.to_le_bytes())
@@ -338,7 +342,15 @@ fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
     let mut w = w;
     assert!(bad.can_sg());
     let b0 = raw.rx_buffer(&w.drv);
-    raw.post_rx(0, RxRequest { id: 10, pad: 0, gref: b0 }, 1);
+    raw.post_rx(
+        0,
+        RxRequest {
+            id: 10,
+            pad: 0,
+            gref: b0,
+        },
+        1,
+    );
     let s = w.pool.alloc(NET_SKB_PAD).expect("skb");
     w.pool.put(s, &[0x11; 1500]).expect("put");
     let frag = w.pool.alloc_page().expect("page");
@@ -369,12 +381,26 @@ fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
     );
     // A second buffer lets the packet through, over two responses.
     let b1 = raw.rx_buffer(&w.drv);
-    raw.post_rx(1, RxRequest { id: 11, pad: 0, gref: b1 }, 2);
+    raw.post_rx(
+        1,
+        RxRequest {
+            id: 11,
+            pad: 0,
+            gref: b1,
+        },
+        2,
+    );
     assert_eq!(bad.rx_action(&mut w.pool), 1);
     assert_eq!(bad.stats().rx_packets, 1);
     let (r0, r1) = (raw.rx_response(0), raw.rx_response(1));
-    assert_eq!((r0.id, r0.status, r0.flags & NETRXF_MORE_DATA), (10, 4096, NETRXF_MORE_DATA));
-    assert_eq!((r1.id, r1.status, r1.flags & NETRXF_MORE_DATA), (11, 904, 0));
+    assert_eq!(
+        (r0.id, r0.status, r0.flags & NETRXF_MORE_DATA),
+        (10, 4096, NETRXF_MORE_DATA)
+    );
+    assert_eq!(
+        (r1.id, r1.status, r1.flags & NETRXF_MORE_DATA),
+        (11, 904, 0)
+    );
     good_still_works(&mut w, (&mut front, &mut vif, &good));
 }
 
@@ -391,7 +417,11 @@ fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
     raw.publish(1);
     let mut held = Vec::new();
     assert_eq!(bad.tx_action(&mut w.pool, 64, |_, s| held.push(s)), 1);
-    assert_eq!(raw.word(raw.tx, 8), 0, "the mapped slot is not answered yet");
+    assert_eq!(
+        raw.word(raw.tx, 8),
+        0,
+        "the mapped slot is not answered yet"
+    );
     raw.publish(0);
     let (mut w, mut bad, n) = within("tx_action", move || {
         let n = bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
@@ -405,7 +435,11 @@ fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
     release(&mut w.pool, &mut bad);
     bad.disconnect(&mut w.pool);
     assert_eq!(w.pool.free_buffers(), free, "nothing leaked");
-    assert_eq!(w.hv.mappings_held(&w.drv), 2, "only the good vif's rings stay mapped");
+    assert_eq!(
+        w.hv.mappings_held(&w.drv),
+        2,
+        "only the good vif's rings stay mapped"
+    );
     good_still_works(&mut w, (&mut front, &mut vif, &good));
 }
 
@@ -421,7 +455,11 @@ fn dropped_chains_count_against_the_tx_budget() {
     }
     raw.publish(200);
     assert_eq!(bad.tx_action(&mut w.pool, 64, |p, s| p.free(s)), 0);
-    assert_eq!(raw.word(raw.tx, 8), 64, "one budget's worth of chains consumed");
+    assert_eq!(
+        raw.word(raw.tx, 8),
+        64,
+        "one budget's worth of chains consumed"
+    );
     while bad.tx_pending() {
         bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
     }
@@ -446,7 +484,10 @@ fn a_fatal_chain_after_good_packets_leaks_nothing_and_answers_them() {
         p.free(s)
     });
     assert_eq!(bad.disabled(), Some(Disabled::Fatal(TxFatal::Unterminated)));
-    assert_eq!(delivered, 1, "the packet before the fatal chain still goes on");
+    assert_eq!(
+        delivered, 1,
+        "the packet before the fatal chain still goes on"
+    );
     let r = raw.tx_response(0);
     assert_eq!((r.id, r.status), (1, XEN_NETIF_RSP_OKAY), "and is answered");
     bad.disconnect(&mut w.pool);
@@ -495,7 +536,11 @@ fn a_packet_of_the_most_slots_with_a_long_first_slot_is_carried_whole_and_answer
         assert_eq!(bytes, want, "round {round}: every byte in order");
         w.pool.free(s);
         release(&mut w.pool, &mut bad);
-        assert_eq!(raw.word(raw.tx, 8), base + 18, "round {round}: all 18 answered");
+        assert_eq!(
+            raw.word(raw.tx, 8),
+            base + 18,
+            "round {round}: all 18 answered"
+        );
         for i in 0..18 {
             assert_eq!(raw.tx_response(base + i).status, XEN_NETIF_RSP_OKAY);
         }
@@ -512,11 +557,19 @@ fn disconnect_unmaps_the_rings_so_the_guest_leaves_no_frame_behind() {
     let (raw, bad, _front, _vif, _good) = pair(&w);
     assert_eq!(w.hv.mappings_held(&w.drv), 4, "two vifs, two rings each");
     bad.disconnect(&mut w.pool);
-    assert_eq!(w.hv.mappings_held(&w.drv), 2, "the evil vif's rings are unmapped");
+    assert_eq!(
+        w.hv.mappings_held(&w.drv),
+        2,
+        "the evil vif's rings are unmapped"
+    );
     let evil = raw.dom.id();
     drop(raw);
     w.hv.destroy_domain(evil).expect("destroy");
-    assert_eq!(w.hv.reap(), 0, "no frame of the destroyed guest is still referenced");
+    assert_eq!(
+        w.hv.reap(),
+        0,
+        "no frame of the destroyed guest is still referenced"
+    );
 }
 
 #[test]
@@ -535,7 +588,11 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
         .write(evil.id(), &format!("{fdir}/event-channel"), "9999")
         .expect("write");
     assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
-    assert_eq!(w.hv.mappings_held(&w.drv), 0, "bad port: rings unmapped again");
+    assert_eq!(
+        w.hv.mappings_held(&w.drv),
+        0,
+        "bad port: rings unmapped again"
+    );
     store
         .write(evil.id(), &format!("{fdir}/event-channel"), &good_port)
         .expect("write");
@@ -548,7 +605,11 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
         .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Closed)
         .expect("closed");
     assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
-    assert_eq!(w.hv.mappings_held(&w.drv), 0, "failed switch: rings unmapped again");
+    assert_eq!(
+        w.hv.mappings_held(&w.drv),
+        0,
+        "failed switch: rings unmapped again"
+    );
     assert_eq!(
         w.hv.evtchn_open_ports(&w.drv),
         0,

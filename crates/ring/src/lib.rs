@@ -712,13 +712,28 @@ mod tests {
     #[test]
     fn waiting_for_several_requests_arms_the_event_at_the_next_one() {
         let (mut f, mut b, mem) = pair();
-        f.push_request(&Req { id: 0, pad: 0, val: 0 }).expect("push");
+        f.push_request(&Req {
+            id: 0,
+            pad: 0,
+            val: 0,
+        })
+        .expect("push");
         f.push_requests_and_check_notify();
         assert_eq!(b.requests_available(), Ok(1));
         // Three are needed, one is there: wait, and be told at the second.
         assert_eq!(b.final_check_for_at_least(3), Ok(false));
-        assert_eq!(mem.atomic_u32(Mfn(0), REQ_EVENT).expect("idx").load(Ordering::Relaxed), 2);
-        f.push_request(&Req { id: 1, pad: 0, val: 0 }).expect("push");
+        assert_eq!(
+            mem.atomic_u32(Mfn(0), REQ_EVENT)
+                .expect("idx")
+                .load(Ordering::Relaxed),
+            2
+        );
+        f.push_request(&Req {
+            id: 1,
+            pad: 0,
+            val: 0,
+        })
+        .expect("push");
         assert!(f.push_requests_and_check_notify(), "the front end notifies");
         // Seen although one request was still unconsumed (no cached index).
         assert_eq!(b.final_check_for_at_least(2), Ok(true));

@@ -5,8 +5,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use hv::*;
 use hv::OwnPage;
+use hv::*;
 use ring::{BackRing, FrontRing, PageRing, RingError, RingProtocol};
 
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
