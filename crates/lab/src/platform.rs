@@ -33,7 +33,7 @@ use hv::{
 use net::bridge::{Bridge, Forward};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers};
-use net::skb::{SkbPool, NET_SKB_PAD};
+use net::skb::SkbPool;
 use net::stack::{SocketId, Stack, UserBuf, DEFAULT_RCVBUF};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -300,7 +300,9 @@ fn guest_on_tap(
             // A frame netfront cannot take yet (its ring or the pool is full) waits in
             // the TAP's queue: the stack behind it is held back, not dropped on.
             work += tap.recv(|frame| {
-                let Ok(skb) = gpool.alloc(NET_SKB_PAD) else {
+                // A head of its own page, which netfront grants as it is (a shared
+                // 2 KiB head would be copied to one first).
+                let Ok(skb) = gpool.alloc_page_linear() else {
                     return false;
                 };
                 if gpool.put(skb, frame).is_err() {

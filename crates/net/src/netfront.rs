@@ -69,6 +69,9 @@ pub struct FrontStats {
     pub tx_packets: u64,
     /// Packets whose buffer stays out of use because a slot's grant was still mapped.
     pub tx_pinned: u64,
+    /// Bytes of transmitted packets moved off a shared head page before granting
+    /// (see [`crate::skb::SkbPool::own_head_pages`]).
+    pub tx_bounced_bytes: u64,
     /// Transmit completions with an error status.
     pub tx_errors: u64,
     /// Transmit responses with a bad id.
@@ -523,6 +526,17 @@ impl Netfront {
         if self.broken {
             pool.free(skb);
             return Ok(());
+        }
+        // A grant opens a whole page: data in a head that shares its page with
+        // another buffer moves to a page of its own first, so the back end can read
+        // this packet and nothing else (XSA-403). Without a page to move to, the
+        // buffer is given back as for a full ring.
+        {
+            let _m = enter(Class::Mem);
+            match pool.own_head_pages(skb) {
+                Ok(n) => self.stats.tx_bounced_bytes += n as u64,
+                Err(_) => return Err(skb),
+            }
         }
         let len = pool.len(skb);
         let mut segs = 0usize;

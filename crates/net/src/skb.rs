@@ -272,6 +272,43 @@ impl SkbPool {
         Ok(id)
     }
 
+    /// Gives the linear data of the buffer, and of each buffer on its fragment list, a
+    /// whole page of its own: data in a 2 KiB head that shares its page with another
+    /// buffer is copied to the same offset of a fresh pool page, which becomes the head
+    /// (returned to the pool when the buffer is freed). A grant covers a whole page, so
+    /// this is what a front end does before granting a packet to a back end it does not
+    /// trust with its other buffers (Linux netfront's bounce, XSA-403). Heads that are
+    /// already whole pages, and empty ones, are left as they are. Returns the bytes
+    /// copied; on `Exhausted` the buffers already moved stay valid.
+    pub fn own_head_pages(&mut self, id: SkbId) -> Result<usize, SkbError> {
+        let mut copied = 0;
+        let mut cur = id.0;
+        while cur != NONE {
+            let s = &self.skbs[cur as usize];
+            let next = s.frag_list;
+            if s.home.is_none() && s.linear > 0 {
+                let (head, head_off, data, linear) = (s.head, s.head_off, s.data, s.linear);
+                let page = self.alloc_page()?;
+                let at = data as usize;
+                // Cannot cross the page: data + linear <= SKB_HEAD_SIZE < PAGE_SIZE.
+                if let Err(e) =
+                    self.dom
+                        .copy(head, head_off as usize + at, page, at, linear as usize)
+                {
+                    self.free_page(page);
+                    return Err(e.into());
+                }
+                let s = &mut self.skbs[cur as usize];
+                s.home = Some((head, head_off));
+                s.head = page;
+                s.head_off = 0;
+                copied += linear as usize;
+            }
+            cur = next;
+        }
+        Ok(copied)
+    }
+
     /// A whole page for a fragment (or an RX buffer to post).
     #[inline]
     pub fn alloc_page(&mut self) -> Result<Gfn, SkbError> {

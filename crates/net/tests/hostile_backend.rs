@@ -597,7 +597,8 @@ fn a_tx_packet_is_freed_only_when_every_slot_is_answered() {
     w.raw.publish();
     w.front.poll_tx(&mut w.pool);
     assert_eq!(w.pool.free_buffers(), buffers - 1, "still in flight");
-    assert_eq!(w.pool.free_pages(), pages - 2);
+    // Two fragment pages, and the page the head was moved to before granting.
+    assert_eq!(w.pool.free_pages(), pages - 3);
     // Another packet meanwhile must not take over the first one's state.
     let s = xmit(&mut w, &[64]);
     assert_ne!(s[0].id, r[0].id, "the head's id is not reused early");
@@ -627,7 +628,8 @@ fn a_tx_page_the_back_end_keeps_mapped_is_never_freed() {
     assert_eq!((st.grants_busy, st.tx_pinned, st.tx_packets), (1, 1, 0));
     // Neither the buffer nor its fragment page returns while a peer can read it.
     assert_eq!(w.pool.free_buffers(), buffers - 1);
-    assert_eq!(w.pool.free_pages(), pages - 1);
+    // The fragment page, and the page the head was moved to before granting.
+    assert_eq!(w.pool.free_pages(), pages - 2);
     w.raw.unmap(h);
     // The interface goes on.
     let s = xmit(&mut w, &[80]);
@@ -646,4 +648,54 @@ fn a_broken_tx_index_stops_the_interface() {
     assert_eq!(w.front.poll_tx(&mut w.pool), 0);
     assert!(w.front.is_broken());
     assert!(w.poll().is_empty());
+}
+
+#[test]
+fn a_back_end_reads_only_the_packet_it_was_granted_never_a_neighbouring_buffer() {
+    // Issue 11: two 2 KiB heads share a page, and netfront granted the whole page of a
+    // packet's head, so a back end could read the buffer beside it (the XSA-403 class
+    // that the RX side already avoids).
+    let mut w = world();
+    let secret = [0x5e_u8; 1500];
+    // Find a buffer whose head page also holds another buffer's head.
+    let mut spare = Vec::new();
+    let (pkt, neighbour) = loop {
+        let a = w.pool.alloc(NET_SKB_PAD).expect("skb");
+        let b = w.pool.alloc(NET_SKB_PAD).expect("skb");
+        if w.pool.data_location(a).0 == w.pool.data_location(b).0 {
+            break (a, b);
+        }
+        spare.extend([a, b]);
+    };
+    w.pool.put(neighbour, &secret).expect("secret");
+    w.pool.put(pkt, &message(300, 3)).expect("packet");
+    w.front.xmit(&mut w.pool, pkt).expect("room");
+    let reqs = w.raw.take_tx_requests();
+    assert_eq!(reqs.len(), 1);
+    // The back end maps the grant and reads the whole page.
+    let h = w.raw.map(reqs[0].gref, true);
+    let mut page = vec![0u8; 4096];
+    w.drv.window().read(BUF_SLOT, 0, &mut page).expect("read");
+    w.raw.unmap(h);
+    let at = reqs[0].offset as usize;
+    assert_eq!(
+        &page[at..at + 300],
+        &message(300, 3)[..],
+        "the packet is there"
+    );
+    assert!(
+        !page.windows(64).any(|win| win == &secret[..64]),
+        "the neighbouring buffer is not readable through the grant"
+    );
+    // Answered, the packet's buffer and page go back to the pool.
+    let free = (w.pool.free_buffers(), w.pool.free_pages());
+    w.raw.tx_respond(reqs[0].id, XEN_NETIF_RSP_OKAY);
+    w.raw.publish();
+    w.front.poll_tx(&mut w.pool);
+    assert_eq!(w.front.stats().tx_packets, 1);
+    assert!(w.pool.free_buffers() > free.0);
+    w.pool.free(neighbour);
+    for s in spare {
+        w.pool.free(s);
+    }
 }

@@ -139,7 +139,8 @@ fn run_once(
     let mut front = Netfront::connect_with(&hv, &guest, 0, rx_buffers).map_err(other)?;
     let mut vif = Vif::connect(&hv, &drv, guest.id(), 0, 0, 0).map_err(other)?;
     let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 1024, 320).map_err(other)?;
+    // Pages for the 256 posted RX buffers and for TX heads of a page each.
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(other)?;
     let bytes = frame(len)?;
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -222,7 +223,9 @@ fn run_once(
                             let mut n = front.poll_tx(&mut gpool);
                             // A frame of either size lies in at most two pages.
                             while n < BUDGET && front.tx_room() >= 2 {
-                                let Ok(s) = gpool.alloc(NET_SKB_PAD) else {
+                                // A head of its own page: granted as it is, no
+                                // bounce (see `Netfront::xmit`).
+                                let Ok(s) = gpool.alloc_page_linear() else {
                                     break;
                                 };
                                 if gpool.put(s, &bytes).is_err() {
