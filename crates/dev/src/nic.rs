@@ -38,7 +38,7 @@ pub const RING_PAGES: usize = RING_DESCS as usize * DESC_SIZE / 4096;
 /// Bytes per descriptor.
 pub const DESC_SIZE: usize = 16;
 /// Largest frame the device accepts (no jumbo frames, as in the paper's setup).
-pub const MAX_FRAME: usize = 1518;
+pub use net::wire::MAX_TAGGED_FRAME as MAX_FRAME;
 
 /// Descriptor status: done (written back by the device).
 pub const DESC_DD: u16 = 1 << 0;

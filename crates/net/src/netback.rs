@@ -34,6 +34,7 @@ use crate::netif::{
     XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
+use crate::wire::MAX_TAGGED_FRAME;
 use crate::xenbus::{self, XenbusError};
 
 /// Bytes of each transmitted packet copied into the back end's buffer (Linux's
@@ -45,10 +46,6 @@ pub const RX_BATCH: usize = 64;
 pub const MAX_PENDING: usize = 256;
 /// Window slots a vif needs: its two rings and its pending TX maps.
 pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
-/// The longest frame a front end without `feature-sg` is sent: a full Ethernet frame
-/// with a VLAN tag. Without scatter-gather the vif's MTU is 1500 (Linux's
-/// `xenvif_change_mtu`), and longer frames are dropped before the RX queue.
-pub const NO_SG_MAX_FRAME: usize = 1518;
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
 
@@ -88,7 +85,7 @@ pub struct VifStats {
     /// TX packets dropped for want of a buffer.
     pub tx_no_buffer: u64,
     /// Packets dropped because they were longer than the front end can take (over
-    /// [`NO_SG_MAX_FRAME`] to a front end without `feature-sg`).
+    /// [`MAX_TAGGED_FRAME`] to a front end without `feature-sg`).
     pub rx_oversize: u64,
     /// Packets dropped because the vif was disabled.
     pub dropped_disabled: u64,
@@ -373,7 +370,7 @@ impl Vif {
             pool.free(skb);
             return;
         }
-        if !self.can_sg && pool.len(skb) > NO_SG_MAX_FRAME {
+        if !self.can_sg && pool.len(skb) > MAX_TAGGED_FRAME {
             self.stats.rx_oversize += 1;
             pool.free(skb);
             return;

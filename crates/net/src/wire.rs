@@ -22,6 +22,13 @@ pub const UDP_HEADER: usize = 8;
 pub const DEFAULT_MTU: u16 = 1500;
 /// Largest frame pvio builds: MTU plus the Ethernet header.
 pub const MAX_FRAME: usize = DEFAULT_MTU as usize + ETH_HEADER;
+/// An 802.1Q tag's bytes.
+pub const VLAN_HEADER: usize = 4;
+/// The longest frame a 1500-byte MTU allows with a VLAN tag: what a NIC without jumbo
+/// frames accepts, and what a vif sends a front end without scatter-gather (Linux's
+/// `xenvif_change_mtu` keeps such a vif at MTU 1500). Every such bound in pvio is this
+/// one constant.
+pub const MAX_TAGGED_FRAME: usize = MAX_FRAME + VLAN_HEADER;
 /// Largest UDP payload an IPv4 datagram can carry.
 pub const MAX_UDP_PAYLOAD: usize = 65535 - IPV4_HEADER - UDP_HEADER;
 

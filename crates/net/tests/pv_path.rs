@@ -7,10 +7,11 @@ use std::time::Duration;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
-use net::netback::{self, Vif, NO_SG_MAX_FRAME, VIF_WINDOW_SLOTS};
+use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers};
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
+use net::wire::MAX_TAGGED_FRAME;
 use net::wire::{UdpFlow, UdpFramer, DEFAULT_MTU};
 use net::xenbus;
 use smoltcp::wire::Ipv4Address;
@@ -213,7 +214,7 @@ fn a_front_end_without_fragments_receives_every_size_in_linear_buffers() {
     assert_eq!(p.front.stats().rx_packets, 1 + 1 + 33);
     // A frame longer than the vif's MTU without scatter-gather stops at netback.
     let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
-    p.dpool.put(s, &[0u8; NO_SG_MAX_FRAME + 1]).expect("put");
+    p.dpool.put(s, &[0u8; MAX_TAGGED_FRAME + 1]).expect("put");
     p.vif.start_xmit(&mut p.dpool, s);
     assert_eq!(p.vif.stats().rx_oversize, 1);
     assert_eq!(p.vif.rx_queued(), 0);
