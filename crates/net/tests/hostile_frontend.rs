@@ -200,9 +200,15 @@ fn pair(w: &World) -> (Raw, Vif, Netfront, Vif, Arc<Domain>) {
 /// The good vif still carries a packet both ways after the evil one misbehaved.
 fn good_still_works(w: &mut World, (front, vif, dom): (&mut Netfront, &mut Vif, &Arc<Domain>)) {
     let mut gpool = SkbPool::new(Arc::clone(dom), 16, 16).expect("pool");
+    good_sends(w, front, vif, &mut gpool);
+}
+
+/// The good guest sends a packet from `gpool` and it crosses.
+fn good_sends(w: &mut World, front: &mut Netfront, vif: &mut Vif, gpool: &mut SkbPool) {
+    front.poll_tx(gpool);
     let s = gpool.alloc(NET_SKB_PAD).expect("skb");
     gpool.put(s, &[0x5a; 100]).expect("put");
-    front.xmit(&mut gpool, s).expect("room");
+    front.xmit(gpool, s).expect("room");
     let mut got = 0;
     vif.tx_action(&mut w.pool, 64, |p, s| {
         got += 1;
@@ -622,4 +628,206 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
     let vif = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("a retry connects");
     assert_eq!(vif.disabled(), None);
     let _ = raw;
+}
+
+// --- Fuzzing netback with an oracle (issue 15) ------------------------------------
+
+/// A small seeded generator (xorshift64*): each case is reproducible from its seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+/// Cases run by the test suite; `PVIO_FUZZ_CASES` sets more for a long run.
+fn fuzz_cases() -> u64 {
+    std::env::var("PVIO_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150)
+}
+
+/// One hostile guest's case: raw TX slots with structure (chains, extras, every kind of
+/// grant, a revoked one among them), producer indices moved forward, back and at
+/// random, RX buffers of every kind and packets of every size queued to it. After the
+/// case the vif is torn down and the guest destroyed, and the oracle checks that every
+/// packet buffer is back in the pool, no mapping or port of the guest is left in the
+/// driver domain, no frame of the guest is still held, and the well-behaved guest
+/// beside it still sends. Each step runs under a watchdog, so a hang fails the case.
+type Good = (Netfront, Vif, SkbPool);
+
+fn fuzz_case(w: World, good: Good, seed: u64) -> (World, Good) {
+    let mut rng = Rng(seed | 1);
+    let (mut w, mut good) = (w, good);
+    let baseline = (
+        w.pool.free_buffers(),
+        w.pool.free_pages(),
+        w.hv.mappings_held(&w.drv),
+        w.hv.evtchn_open_ports(&w.drv),
+    );
+    let evil = guest(&w.hv, "fuzz");
+    let raw = Raw::connect(&w.hv, &evil, &w.drv);
+    let gt = evil.grant_table();
+    // Grants of every kind: read-only data, writable, revoked, never issued.
+    let rw = raw.rx_buffer(&w.drv);
+    let revoked = raw.rx_buffer(&w.drv);
+    gt.end_access(hv::GrantRef(revoked)).expect("revoke");
+    let grefs = [raw.data_ref, raw.data_ref, rw, revoked, 9999, u32::MAX];
+    let mut bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("vif");
+    let mut held = Vec::new();
+    let (mut tx_prod, mut rx_prod) = (0u32, 0u32);
+    for _round in 0..rng.below(4) + 1 {
+        // TX: a few chains of structured slots.
+        let mut i = tx_prod;
+        for _ in 0..rng.below(24) {
+            let slots = rng.pick(&[1u64, 1, 2, 3, 17, 18, 19, 21]);
+            for k in 0..slots {
+                let last = k + 1 == slots;
+                let mut flags = if last { 0 } else { NETTXF_MORE_DATA };
+                if rng.below(16) == 0 {
+                    flags ^= 1 << rng.below(4);
+                }
+                let size = rng.pick(&[0u16, 10, 14, 60, 128, 129, 200, 1500, 4096, 9000, 65535]);
+                let any = rng.below(65536) as u16;
+                let offset = rng.pick(&[0u16, 1, 64, 2000, 3900, 4095, any]);
+                raw.put(
+                    i,
+                    req(rng.pick(&grefs), offset, flags, rng.below(300) as u16, size),
+                );
+                i = i.wrapping_add(1);
+            }
+        }
+        tx_prod = match rng.below(10) {
+            0 => tx_prod.wrapping_sub(rng.below(3) as u32),
+            1 => tx_prod.wrapping_add(rng.below(600) as u32),
+            2 => rng.next() as u32,
+            _ => i,
+        };
+        raw.publish(tx_prod);
+        // RX: buffers posted (some bogus) and packets queued.
+        for _ in 0..rng.below(8) {
+            let r = RxRequest {
+                id: rng.below(300) as u16,
+                pad: 0,
+                gref: rng.pick(&[rw, rw, raw.data_ref, revoked, 9999]),
+            };
+            rx_prod = rx_prod.wrapping_add(1);
+            raw.post_rx(rx_prod.wrapping_sub(1), r, rx_prod);
+        }
+        if rng.below(12) == 0 {
+            raw.post_rx(0, RxRequest::default(), rng.next() as u32);
+        }
+        for _ in 0..rng.below(4) {
+            let Ok(s) = w.pool.alloc(NET_SKB_PAD) else {
+                break;
+            };
+            let n = rng.pick(&[14usize, 60, 1514, 1900]);
+            w.pool.put(s, &vec![0x33; n]).expect("put");
+            if rng.below(3) == 0 {
+                if let Ok(g) = w.pool.alloc_page() {
+                    let _ = w.pool.add_frag(
+                        s,
+                        net::skb::Frag {
+                            page: net::skb::FragPage::Local(g),
+                            offset: 0,
+                            len: rng.pick(&[1u16, 2000, 4096]),
+                        },
+                    );
+                }
+            }
+            bad.start_xmit(&mut w.pool, s);
+        }
+        let keep = rng.below(2) == 0;
+        let (w2, bad2, got) = within("fuzzed netback", move || {
+            let mut got = Vec::new();
+            bad.tx_action(
+                &mut w.pool,
+                64,
+                |p, s| {
+                    if keep {
+                        got.push(s)
+                    } else {
+                        p.free(s)
+                    }
+                },
+            );
+            bad.rx_action(&mut w.pool);
+            (w, bad, got)
+        });
+        (w, bad) = (w2, bad2);
+        held.extend(got);
+        if rng.below(3) == 0 {
+            // The guest revokes (or tries to) its data grant in the middle of use.
+            let _ = gt.end_access(hv::GrantRef(raw.data_ref));
+        }
+        if rng.below(2) == 0 {
+            for s in held.drain(..) {
+                w.pool.free(s);
+            }
+            release(&mut w.pool, &mut bad);
+        }
+    }
+    for s in held.drain(..) {
+        w.pool.free(s);
+    }
+    release(&mut w.pool, &mut bad);
+    bad.disconnect(&mut w.pool);
+    let id = evil.id();
+    drop((raw, evil));
+    w.hv.destroy_domain(id).expect("destroy");
+    let store = w.hv.store();
+    let _ = store.rm(hv::DomId::DOM0, &format!("/local/domain/{}", id.0));
+    let _ = store.rm(
+        hv::DomId::DOM0,
+        &format!("/local/domain/{}/backend/vif/{}", w.drv.id().0, id.0),
+    );
+    // The oracle.
+    assert_eq!(
+        (
+            w.pool.free_buffers(),
+            w.pool.free_pages(),
+            w.hv.mappings_held(&w.drv),
+            w.hv.evtchn_open_ports(&w.drv),
+        ),
+        baseline,
+        "seed {seed:#x}: buffers, pages, maps and ports of the driver domain are back"
+    );
+    assert_eq!(
+        w.hv.reap(),
+        0,
+        "seed {seed:#x}: no frame of the guest is held"
+    );
+    good_sends(&mut w, &mut good.0, &mut good.1, &mut good.2);
+    (w, good)
+}
+
+#[test]
+fn fuzzed_front_ends_leave_the_driver_domain_whole() {
+    let mut w = world();
+    let good = guest(&w.hv, "good");
+    xenbus::create_vif(w.hv.store(), w.drv.id(), good.id(), 0, [2, 0, 0, 0, 0, 7]).expect("ts");
+    netback::probe(w.hv.store(), w.drv.id(), good.id(), 0).expect("probe");
+    let front = Netfront::connect(&w.hv, &good, 0).expect("front");
+    let vif = Vif::connect(&w.hv, &w.drv, good.id(), 0, 1, VIF_WINDOW_SLOTS).expect("good vif");
+    let gpool = SkbPool::new(Arc::clone(&good), 16, 16).expect("pool");
+    let mut g = (front, vif, gpool);
+    // The good vif's own buffer use settles after its first packet.
+    good_sends(&mut w, &mut g.0, &mut g.1, &mut g.2);
+    let base = std::env::var("PVIO_FUZZ_SEED")
+        .ok()
+        .and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok())
+        .unwrap_or(0x9e37_79b9_7f4a_7c15);
+    for case in 0..fuzz_cases() {
+        (w, g) = fuzz_case(w, g, base.wrapping_add(case.wrapping_mul(0x1000_0000_01b3)));
+    }
 }
