@@ -343,9 +343,8 @@ fn a_guest_that_stops_posting_rx_buffers_only_fills_its_own_bounded_queue() {
 fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
     // Finding 1: one buffer posted, a packet that needs two (the front end offers
     // feature-sg). The RX action must stop, ask to be told of more buffers, and return.
-    let w = world();
+    let mut w = world();
     let (raw, mut bad, mut front, mut vif, good) = pair(&w);
-    let mut w = w;
     assert!(bad.can_sg());
     let b0 = raw.rx_buffer(&w.drv);
     raw.post_rx(
@@ -415,9 +414,8 @@ fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
     // Finding 2: with one request consumed and still unanswered (its page is mapped
     // and the packet not yet freed), the front end moves req_prod back by one. The
     // ring used to see ~2^32 requests.
-    let w = world();
+    let mut w = world();
     let (raw, mut bad, mut front, mut vif, good) = pair(&w);
-    let mut w = w;
     let free = w.pool.free_buffers();
     raw.put(0, req(raw.data_ref, 0, 0, 1, 200));
     raw.publish(1);
@@ -476,9 +474,8 @@ fn dropped_chains_count_against_the_tx_budget() {
 #[test]
 fn a_fatal_chain_after_good_packets_leaks_nothing_and_answers_them() {
     // Finding 3: a good packet, then an unterminated chain, in one batch.
-    let w = world();
+    let mut w = world();
     let (raw, mut bad, mut front, mut vif, good) = pair(&w);
-    let mut w = w;
     let free = w.pool.free_buffers();
     raw.put(0, req(raw.data_ref, 0, 0, 1, 100));
     raw.put(1, req(raw.data_ref, 0, NETTXF_MORE_DATA, 2, 200));
