@@ -170,6 +170,13 @@ impl EventChannels {
             .ok_or(EvtchnError::PortOutOfRange(port.0))
     }
 
+    /// Ports that are not free (bound, or allocated unbound); port 0 is never used.
+    pub(crate) fn open_ports(&self) -> impl Iterator<Item = Port> + '_ {
+        (1..NR_EVENT_CHANNELS)
+            .map(Port)
+            .filter(|&p| !matches!(self.state(p), Ok(ChannelState::Free)))
+    }
+
     /// State of a port.
     pub fn state(&self, port: Port) -> Result<ChannelState, EvtchnError> {
         Ok(ChannelState::decode(self.word(port)?.load(Ordering::Acquire)).0)
@@ -448,9 +455,7 @@ impl Hypervisor {
     /// Ports of `dom` that are not free (any binding, or allocated unbound): what a
     /// teardown must bring back to zero.
     pub fn evtchn_open_ports(&self, dom: &Domain) -> usize {
-        (1..NR_EVENT_CHANNELS)
-            .filter(|&p| !matches!(dom.evtchn.state(Port(p)), Ok(ChannelState::Free)))
-            .count()
+        dom.evtchn.open_ports().count()
     }
 
     /// `EVTCHNOP_bind_vcpu`: which vCPU a port notifies.

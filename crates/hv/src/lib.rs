@@ -210,10 +210,9 @@ impl Hypervisor {
         for h in handles {
             let _ = self.unmap_one(&d, h);
         }
-        for p in 1..event::NR_EVENT_CHANNELS {
-            if !matches!(d.evtchn.state(Port(p)), Ok(ChannelState::Free)) {
-                let _ = self.evtchn_close(&d, Port(p));
-            }
+        let open: Vec<Port> = d.evtchn.open_ports().collect();
+        for p in open {
+            let _ = self.evtchn_close(&d, p);
         }
         self.iommu.detach_domain(id);
         self.iommu_teardown(id);

@@ -633,14 +633,6 @@ impl Vif {
                 }
                 TxVerdict::Packet(chain) => chain,
             };
-            let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
-                self.stats.tx_no_buffer += 1;
-                for r in chain.responses(XEN_NETIF_RSP_ERROR) {
-                    let _ = self.tx.push_response(&r);
-                }
-                responses = true;
-                continue;
-            };
             let slots = chain.slots();
             let s0 = slots[0];
             let copy_len = (s0.len as usize).min(TX_COPY_LEN);
@@ -649,21 +641,24 @@ impl Vif {
             // buffer's fragments; the rest go on a second buffer on the fragment list,
             // as Linux netback's `frag_overflow` does.
             let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
-            let overflow = if maps > MAX_SKB_FRAGS {
-                match pool.alloc(0) {
-                    Ok(o) => Some(o),
+            let bufs = match pool.alloc(NET_SKB_PAD) {
+                Ok(skb) if maps > MAX_SKB_FRAGS => match pool.alloc(0) {
+                    Ok(o) => Some((skb, Some(o))),
                     Err(_) => {
                         pool.free(skb);
-                        self.stats.tx_no_buffer += 1;
-                        for r in chain.responses(XEN_NETIF_RSP_ERROR) {
-                            let _ = self.tx.push_response(&r);
-                        }
-                        responses = true;
-                        continue;
+                        None
                     }
+                },
+                Ok(skb) => Some((skb, None)),
+                Err(_) => None,
+            };
+            let Some((skb, overflow)) = bufs else {
+                self.stats.tx_no_buffer += 1;
+                for r in chain.responses(XEN_NETIF_RSP_ERROR) {
+                    let _ = self.tx.push_response(&r);
                 }
-            } else {
-                None
+                responses = true;
+                continue;
             };
             let (hg, hoff) = pool.data_location(skb);
             let copy_op = self.copy_ops.len();

@@ -265,11 +265,18 @@ impl SkbPool {
                 return Err(e);
             }
         };
-        let s = self.get_mut(id);
+        self.borrow_head_page(id.0, page);
+        Ok(id)
+    }
+
+    /// Makes a pool page the head of buffer `idx`, keeping its own head buffer to
+    /// return to when it is freed.
+    #[inline]
+    fn borrow_head_page(&mut self, idx: u32, page: Gfn) {
+        let s = &mut self.skbs[idx as usize];
         s.home = Some((s.head, s.head_off));
         s.head = page;
         s.head_off = 0;
-        Ok(id)
     }
 
     /// Gives the linear data of the buffer, and of each buffer on its fragment list, a
@@ -298,10 +305,7 @@ impl SkbPool {
                     self.free_page(page);
                     return Err(e.into());
                 }
-                let s = &mut self.skbs[cur as usize];
-                s.home = Some((head, head_off));
-                s.head = page;
-                s.head_off = 0;
+                self.borrow_head_page(cur, page);
                 copied += linear as usize;
             }
             cur = next;
