@@ -115,7 +115,7 @@ impl PacedSender {
         let mut fpm = 0;
         for m in 0..PREBUILT {
             let payload: Vec<u8> = (0..message)
-                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(m as u8))
+                .map(|i| net::wire::payload_byte(m as u8, i))
                 .collect();
             fpm = framer.frames(m as u16, &payload, |f| {
                 spans.push((frames.len(), f.len()));
@@ -157,11 +157,7 @@ impl PacedSender {
     /// The payload of prebuilt message `m` (what a receiver should get).
     pub fn payload_of(message: usize, m: usize) -> Vec<u8> {
         (0..message)
-            .map(|i| {
-                (i as u8)
-                    .wrapping_mul(31)
-                    .wrapping_add((m % PREBUILT) as u8)
-            })
+            .map(|i| net::wire::payload_byte((m % PREBUILT) as u8, i))
             .collect()
     }
 }

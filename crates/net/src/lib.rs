@@ -19,5 +19,6 @@ pub mod netif;
 pub mod reasm;
 pub mod skb;
 pub mod stack;
+pub mod toolstack;
 pub mod wire;
 pub mod xenbus;

@@ -58,6 +58,45 @@ pub enum WireError {
     TooLarge,
 }
 
+/// The payload the lab's senders put in message `seq`: byte `i` is `31·i + seq`
+/// (mod 256). Every byte depends on its position and the message, so a byte copied to
+/// the wrong place, a stale buffer or a message delivered twice in one is caught by
+/// [`PayloadCheck`], which needs nothing from the sender but the message itself.
+pub fn payload_byte(seq: u8, i: usize) -> u8 {
+    (i as u8).wrapping_mul(PAYLOAD_STEP).wrapping_add(seq)
+}
+
+const PAYLOAD_STEP: u8 = 31;
+/// The inverse of 31 modulo 256 (31 · 223 = 6913 = 27 · 256 + 1).
+const PAYLOAD_STEP_INV: u8 = 223;
+
+/// Checks a whole received payload against [`payload_byte`]'s pattern with one
+/// comparison of memory: the pattern for message `seq` is the periodic sequence `31·j`
+/// read from `j = 223·seq`, so a table of 256 + the longest message covers every `seq`.
+#[derive(Debug, Clone)]
+pub struct PayloadCheck {
+    table: Vec<u8>,
+}
+
+impl PayloadCheck {
+    /// A checker for payloads up to `max` bytes.
+    pub fn new(max: usize) -> Self {
+        Self {
+            table: (0..max + 256).map(|j| payload_byte(0, j)).collect(),
+        }
+    }
+    /// Whether `data` is one whole message of the pattern (its first byte names it).
+    pub fn verify(&self, data: &[u8]) -> bool {
+        let Some(&seq) = data.first() else {
+            return true;
+        };
+        let from = usize::from(seq.wrapping_mul(PAYLOAD_STEP_INV));
+        self.table
+            .get(from..from + data.len())
+            .is_some_and(|want| want == data)
+    }
+}
+
 /// One direction of a UDP flow between two hosts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UdpFlow {
@@ -400,6 +439,33 @@ pub(crate) mod tests {
         assert_eq!(
             UdpFramer::new(flow()).frames(1, &vec![0; MAX_UDP_PAYLOAD + 1], |_| {}),
             Err(WireError::TooLarge)
+        );
+    }
+
+    #[test]
+    fn the_payload_check_takes_every_message_whole_and_catches_any_wrong_byte() {
+        let check = PayloadCheck::new(65507);
+        for seq in 0..=255u8 {
+            for len in [0usize, 1, 2, 52, 1472, 48000, 65507] {
+                let mut m: Vec<u8> = (0..len).map(|i| payload_byte(seq, i)).collect();
+                assert!(check.verify(&m), "seq {seq} len {len}");
+                if len > 1 {
+                    // Any one byte wrong, first, middle or last.
+                    for at in [0, len / 2, len - 1] {
+                        m[at] ^= 0x40;
+                        assert!(!check.verify(&m), "seq {seq} len {len} byte {at}");
+                        m[at] ^= 0x40;
+                    }
+                    // Another message's bytes in place of this one's tail.
+                    let other = seq.wrapping_add(1);
+                    m[len - 1] = payload_byte(other, len - 1);
+                    assert!(!check.verify(&m));
+                }
+            }
+        }
+        assert!(
+            !PayloadCheck::new(100).verify(&[0; 101]),
+            "longer than the table"
         );
     }
 }

@@ -1,0 +1,258 @@
+//! The driver domain's kernel (paper 000 Figure 1): the NIC's driver, the software
+//! bridge, and one netback vif per guest.
+//!
+//! One poll step, in the order Linux runs its softirqs:
+//! 1. the NIC's NAPI poll: each received frame goes to [`Bridge::input`] on port 0 and
+//!    from there to the vif it is addressed to ([`Vif::start_xmit`] queues it);
+//! 2. each vif's RX action copies its queue into the guest's posted buffers;
+//! 3. each vif whose guest signalled (or left requests) runs its TX action; each packet
+//!    goes to the bridge on the vif's port and out through the NIC, or to another vif;
+//! 4. transmit completions: the NIC's TX ring is cleaned, and the guest pages it had
+//!    mapped are unmapped and answered ([`Vif::tx_release`]).
+//!
+//! Bridge port 0 is the NIC; vif `i` is port `i + 1` and names itself `i` in its
+//! release tokens.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dev::driver::{DmaApi, NicDriver};
+use dev::nic::NicRegs;
+use hv::{Domain, Hypervisor, Port, Vcpu};
+use net::bridge::{Bridge, Forward};
+use net::netback::Vif;
+use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
+
+use crate::vcpu::{xen_pirq, Kernel, Work};
+use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+
+/// Packet buffers of the driver domain's pool.
+pub const POOL_BUFFERS: usize = 3072;
+/// Pages of its pool (it posts 2 KiB heads to the NIC; pages only for copies).
+pub const POOL_PAGES: usize = 64;
+/// The bridge port of the NIC.
+pub const NIC_PORT: u16 = 0;
+
+/// The bridge port of vif `i`.
+pub fn vif_port(i: usize) -> u16 {
+    i as u16 + 1
+}
+
+/// NIC driver, bridge and vifs.
+#[derive(Debug)]
+pub struct DriverDomain {
+    nic: NicDriver,
+    pool: SkbPool,
+    bridge: Bridge,
+    vifs: Vec<Vif>,
+    /// The NIC's interrupt port.
+    pirq: Port,
+    /// Vif `i`'s guest signalled since its last TX action.
+    signalled: Vec<bool>,
+    /// Release tokens of freed foreign fragments, for the vifs to answer.
+    tokens: Vec<u32>,
+    /// Frames a vif's TX action sent to another vif, delivered after it.
+    between_vifs: Vec<(SkbId, Forward)>,
+    /// Frames flooded to more than one port that could not be copied.
+    flood_copy_failures: u64,
+}
+
+impl DriverDomain {
+    /// Probes the NIC behind `regs` (its interrupt on `pirq`) and puts `vifs` on a bridge
+    /// with the NIC, each vif with the MAC the toolstack gave it (the only one it may
+    /// send from). `netfilter`: the bridge's netfilter hooks.
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        regs: &Arc<NicRegs>,
+        pirq: Port,
+        netfilter: bool,
+        vifs: Vec<(Vif, [u8; 6])>,
+    ) -> Result<Self, BuildError> {
+        let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        let nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
+        let mut bridge = Bridge::new(vifs.len() as u16 + 1, netfilter);
+        for (i, (_, mac)) in vifs.iter().enumerate() {
+            bridge.attach_vif(vif_port(i), *mac);
+        }
+        let n = vifs.len();
+        Ok(Self {
+            nic,
+            pool,
+            bridge,
+            vifs: vifs.into_iter().map(|v| v.0).collect(),
+            pirq,
+            signalled: vec![false; n],
+            tokens: Vec::with_capacity(POOL_BUFFERS),
+            between_vifs: Vec::with_capacity(NAPI_BUDGET),
+            flood_copy_failures: 0,
+        })
+    }
+
+    /// The vifs, in port order.
+    pub fn vifs(&self) -> &[Vif] {
+        &self.vifs
+    }
+}
+
+/// A copy of `skb` in a fresh buffer of the pool (for a flood to more than one port).
+fn copy_frame(pool: &mut SkbPool, skb: SkbId) -> Option<SkbId> {
+    let mut frame = [0u8; net::wire::MAX_TAGGED_FRAME];
+    let len = pool.len(skb);
+    if len > frame.len() || pool.read(skb, 0, &mut frame[..len]).is_err() {
+        return None;
+    }
+    let c = pool.alloc(NET_SKB_PAD).ok()?;
+    if pool.put(c, &frame[..len]).is_err() {
+        pool.free(c);
+        return None;
+    }
+    pool.set_csum_valid(c, pool.csum_valid(skb));
+    Some(c)
+}
+
+/// Hands a frame to the NIC (a full TX ring drops it).
+fn to_nic(nic: &mut NicDriver, pool: &mut SkbPool, skb: SkbId) {
+    if let Err(s) = nic.xmit(pool, skb) {
+        pool.free(s);
+    }
+}
+
+/// Delivers a frame the bridge decided on to the vifs: to one, or (a flood) to every
+/// vif but the one it came from, copied for all but the last. Frames for the NIC are
+/// the caller's. Returns false if some copy failed.
+fn to_vifs(pool: &mut SkbPool, vifs: &mut [Vif], skb: SkbId, fwd: Forward, from: u16) -> bool {
+    match fwd {
+        Forward::Port(p) if p != NIC_PORT && usize::from(p) <= vifs.len() => {
+            vifs[usize::from(p) - 1].start_xmit(pool, skb);
+            true
+        }
+        Forward::Flood => {
+            let mut ok = true;
+            let mut last = None;
+            for i in (0..vifs.len()).filter(|&i| vif_port(i) != from) {
+                if let Some(prev) = last.replace(i) {
+                    match copy_frame(pool, skb) {
+                        Some(c) => vifs[prev].start_xmit(pool, c),
+                        None => ok = false,
+                    }
+                }
+            }
+            match last {
+                Some(i) => vifs[i].start_xmit(pool, skb),
+                None => pool.free(skb),
+            }
+            ok
+        }
+        _ => {
+            pool.free(skb);
+            true
+        }
+    }
+}
+
+impl Kernel for DriverDomain {
+    const CLOCK: bool = false;
+
+    fn event(&mut self, v: &Vcpu, port: Port) {
+        if port == self.pirq {
+            xen_pirq(v, port, || self.nic.interrupt());
+        } else if let Some(i) = self.vifs.iter().position(|x| x.port() == port) {
+            self.signalled[i] = true;
+        }
+    }
+
+    fn poll(&mut self, _now: Duration) -> Work {
+        let Self {
+            nic,
+            pool,
+            bridge,
+            vifs,
+            signalled,
+            tokens,
+            between_vifs,
+            flood_copy_failures,
+            ..
+        } = self;
+        let mut w = Work::default();
+        // 1. The NIC's NAPI poll, through the bridge to the vifs' queues.
+        if nic.napi_scheduled() {
+            w.rx += nic.poll(pool, NAPI_BUDGET, |pool, skb| {
+                let fwd = bridge.input(pool, skb, NIC_PORT);
+                if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
+                    *flood_copy_failures += 1;
+                }
+            });
+        }
+        // 2. Guest RX: each vif's queue into its guest's buffers.
+        for vif in vifs.iter_mut() {
+            if vif.rx_pending() {
+                w.tx += vif.rx_action(pool);
+            }
+        }
+        // 3. Guest TX: through the bridge to the NIC, or to another vif.
+        for i in 0..vifs.len() {
+            if !(std::mem::take(&mut signalled[i]) || vifs[i].tx_pending()) {
+                continue;
+            }
+            let from = vif_port(i);
+            w.rx += vifs[i].tx_action(pool, NAPI_BUDGET, |pool, skb| {
+                match bridge.input(pool, skb, from) {
+                    Forward::Port(NIC_PORT) => to_nic(nic, pool, skb),
+                    Forward::Drop(_) => pool.free(skb),
+                    fwd => between_vifs.push((skb, fwd)),
+                }
+            });
+            for (skb, fwd) in between_vifs.drain(..) {
+                if fwd == Forward::Flood {
+                    // The NIC takes a flooded frame too: itself when no other vif
+                    // does, else a copy.
+                    if vifs.len() == 1 {
+                        to_nic(nic, pool, skb);
+                        continue;
+                    }
+                    match copy_frame(pool, skb) {
+                        Some(c) => to_nic(nic, pool, c),
+                        None => *flood_copy_failures += 1,
+                    }
+                }
+                if !to_vifs(pool, vifs, skb, fwd, from) {
+                    *flood_copy_failures += 1;
+                }
+            }
+        }
+        // 4. Completions: the NIC's TX ring, then the guests' mapped pages.
+        nic.clean_tx(pool);
+        pool.take_released(|r| tokens.push(r.token));
+        if !tokens.is_empty() {
+            for vif in vifs.iter_mut() {
+                vif.tx_release(tokens.iter().copied());
+            }
+            tokens.clear();
+        }
+        w.more = nic.napi_scheduled();
+        w
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let mut c = Counters::default();
+        counters::driver(&mut c, &self.nic);
+        for vif in &self.vifs {
+            let s = vif.stats();
+            c.add("netback", "rx_packets", s.rx_packets);
+            c.add("netback", "rx_queue_full", s.rx_queue_full);
+            c.add("netback", "rx_copy_errors", s.rx_copy_errors);
+            c.add("netback", "rx_stalls", s.rx_stalls);
+            c.add("netback", "rx_oversize", s.rx_oversize);
+        }
+        let b = self.bridge.stats();
+        c.add("bridge", "forwarded", b.forwarded);
+        c.add("bridge", "dropped", b.drops.iter().sum());
+        c.add("bridge", "flood_copy_failures", self.flood_copy_failures);
+        self.nic.shutdown(&mut self.pool);
+        for vif in self.vifs.drain(..) {
+            vif.disconnect(&mut self.pool);
+        }
+        c
+    }
+}

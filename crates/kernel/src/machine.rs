@@ -1,0 +1,398 @@
+//! The machine builder: a [`MachineSpec`] (domains, cores, the NIC and its cable, the
+//! switches) becomes a running [`Machine`], each domain's kernel looping on a vCPU
+//! pinned to its core.
+//!
+//! Layouts:
+//! * [`Layout::Native`]: one domain drives the NIC (`pci-nommu` DMA through an identity
+//!   IOMMU context) and runs the stack and application; the NIC's interrupt wakes its
+//!   CPU directly, and it halts when idle, so no hypervisor code is on its path;
+//! * [`Layout::Direct`]: the NIC is assigned to a guest: its DMA goes through the
+//!   guest's IOMMU context, its interrupt arrives as an event, the guest kernel's DMA
+//!   interface is `swiotlb` and it blocks in the hypervisor when idle;
+//! * [`Layout::DriverDomain`]: a driver domain runs the NIC driver, the bridge and one
+//!   netback vif per guest; each guest runs netfront and above it pvio's stack and the
+//!   application, or a TAP. The driver domain is on core 0, guests from core 1 on.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dev::driver::DmaApi;
+use dev::irq::{IrqLine, NativeIrq};
+use dev::nic::{Coalesce, Nic, NicRegs};
+use dev::tap::TapPort;
+use dev::wire::{WireSink, WireSource};
+use hv::{
+    DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, VcpuStart,
+    Vector, WaitMode,
+};
+use net::netfront::RxBuffers;
+use net::toolstack::{self, VifSpec};
+
+use crate::app::AppSpec;
+use crate::driver_domain::DriverDomain;
+use crate::native::NicKernel;
+use crate::pv_guest::{guest_pool, PvGuest, TapGuest};
+use crate::vcpu::{self, Kernel, Platform};
+use crate::{other, BuildError, Counters};
+
+/// The NIC's device id.
+pub const NIC: DeviceId = DeviceId(1);
+/// The NIC's interrupt vector.
+pub const NIC_VECTOR: Vector = Vector(40);
+/// Pages of memory each domain gets.
+pub const DOMAIN_PAGES: u32 = 8192;
+
+/// The NIC and what is at the far end of its cable.
+#[allow(missing_debug_implementations)]
+pub struct NicSpec {
+    /// Its interrupt coalescing.
+    pub coalesce: Coalesce,
+    /// What it receives.
+    pub source: Box<dyn WireSource>,
+    /// Where what it sends goes.
+    pub sink: Box<dyn WireSink>,
+}
+
+/// What runs above a PV guest's netfront.
+#[derive(Debug)]
+pub enum Above {
+    /// pvio's stack and the receiving application.
+    App(AppSpec),
+    /// A TAP: the guest's stack is its network namespace's.
+    Tap(TapPort),
+}
+
+/// One PV guest.
+#[derive(Debug)]
+pub struct GuestSpec {
+    /// Its domain's name.
+    pub name: String,
+    /// Its vif's MAC.
+    pub mac: [u8; 6],
+    /// What its netfront posts.
+    pub rx_buffers: RxBuffers,
+    /// What runs above netfront.
+    pub above: Above,
+}
+
+/// Which domains, and what each runs.
+#[derive(Debug)]
+pub enum Layout {
+    /// Linux on the bare machine.
+    Native(AppSpec),
+    /// A guest with the NIC assigned.
+    Direct(AppSpec),
+    /// A driver domain and paravirtual guests.
+    DriverDomain {
+        /// The bridge's netfilter hooks.
+        netfilter: bool,
+        /// The guests, one vif each.
+        guests: Vec<GuestSpec>,
+    },
+}
+
+/// A whole machine.
+#[allow(missing_debug_implementations)]
+pub struct MachineSpec {
+    /// Grant-table layout of every domain.
+    pub grant_version: GrantVersion,
+    /// The hypervisor's grant implementation.
+    pub grant_path: GrantPath,
+    /// Profiler sampling interval (none: no sampling).
+    pub sample: Option<Duration>,
+    /// The NIC.
+    pub nic: NicSpec,
+    /// The domains.
+    pub layout: Layout,
+}
+
+/// What a domain is, for accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The only domain of a native machine.
+    Native,
+    /// A driver domain (its CPU is the I/O's cost, not the application's).
+    DriverDomain,
+    /// A guest.
+    Guest,
+}
+
+/// A running machine. Dropping it stops it.
+#[derive(Debug)]
+pub struct Machine {
+    hv: Arc<Hypervisor>,
+    domains: Vec<(Arc<Domain>, Role)>,
+    nic: Option<Nic>,
+    stop: Arc<AtomicBool>,
+    kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
+    native_irq: Option<Arc<NativeIrq>>,
+}
+
+/// Core `i` if the machine has it (else the vCPU floats).
+fn core(i: usize) -> Option<usize> {
+    (mem::cpu::online_cores() > i).then_some(i)
+}
+
+impl Machine {
+    /// Builds the machine and starts it: hypervisor, domains, NIC, the toolstack's vifs
+    /// and their handshakes, drivers, vCPUs; the cable is plugged in once every kernel
+    /// runs.
+    pub fn start(spec: MachineSpec) -> Result<Self, BuildError> {
+        let ndomains = match &spec.layout {
+            Layout::DriverDomain { guests, .. } => guests.len() + 1,
+            _ => 1,
+        };
+        let hv = Hypervisor::new(HvConfig {
+            frames: DOMAIN_PAGES * (ndomains.max(2) as u32 + 1) + 1024,
+            grant_path: spec.grant_path,
+        })?;
+        let mut m = Machine {
+            hv,
+            domains: Vec::new(),
+            nic: None,
+            stop: Arc::new(AtomicBool::new(false)),
+            kernels: Vec::new(),
+            native_irq: None,
+        };
+        let ready = Arc::new(AtomicUsize::new(0));
+        let mk = |hv: &Arc<Hypervisor>, name: &str, driver: bool, slots: u32| {
+            hv.create_domain(&DomainConfig {
+                name: name.into(),
+                pages: DOMAIN_PAGES,
+                grant_frames: 4,
+                grant_version: spec.grant_version,
+                vcpus: 1,
+                map_slots: slots,
+                driver_domain: driver,
+            })
+        };
+        let start = |core: Option<usize>| VcpuStart {
+            vcpu: 0,
+            core,
+            mode: WaitMode::Blocking,
+            sample: spec.sample,
+        };
+        let n = spec.nic;
+        let hv = Arc::clone(&m.hv);
+        match spec.layout {
+            Layout::Native(app) => {
+                let dom = mk(&hv, "native", true, 4)?;
+                hv.iommu_attach(NIC, &dom).map_err(other)?;
+                let irq = Arc::new(NativeIrq::default());
+                m.native_irq = Some(Arc::clone(&irq));
+                let nic = Nic::start(
+                    &hv,
+                    NIC,
+                    IrqLine::Native(Arc::clone(&irq)),
+                    n.coalesce,
+                    n.source,
+                    n.sink,
+                )
+                .map_err(other)?;
+                let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
+                m.nic = Some(nic);
+                m.boot(
+                    &dom,
+                    Role::Native,
+                    start(core(1)),
+                    Platform::Native(irq),
+                    k,
+                    &ready,
+                )?;
+            }
+            Layout::Direct(app) => {
+                let dom = mk(&hv, "guest", false, 4)?;
+                hv.iommu_attach(NIC, &dom).map_err(other)?;
+                let pirq = hv.bind_irq(&dom, NIC_VECTOR).map_err(other)?;
+                let nic = Nic::start(
+                    &hv,
+                    NIC,
+                    IrqLine::Hypervisor {
+                        hv: Arc::clone(&hv),
+                        vector: NIC_VECTOR,
+                    },
+                    n.coalesce,
+                    n.source,
+                    n.sink,
+                )
+                .map_err(other)?;
+                let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+                m.nic = Some(nic);
+                m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
+            }
+            Layout::DriverDomain { netfilter, guests } => {
+                let slots = toolstack::window_slots(guests.len()) + 4;
+                let drv = mk(&hv, "driver", true, slots)?;
+                let doms = guests
+                    .iter()
+                    .map(|g| mk(&hv, &g.name, false, 4))
+                    .collect::<Result<Vec<_>, _>>()?;
+                hv.iommu_attach(NIC, &drv).map_err(other)?;
+                let pirq = hv.bind_irq(&drv, NIC_VECTOR).map_err(other)?;
+                let nic = Nic::start(
+                    &hv,
+                    NIC,
+                    IrqLine::Hypervisor {
+                        hv: Arc::clone(&hv),
+                        vector: NIC_VECTOR,
+                    },
+                    n.coalesce,
+                    n.source,
+                    n.sink,
+                )
+                .map_err(other)?;
+                // The toolstack and each vif's handshake, then each guest's pool with
+                // netfront's RX ring filled.
+                let mut vifs = Vec::with_capacity(guests.len());
+                let mut fronts = Vec::with_capacity(guests.len());
+                for (i, (g, dom)) in guests.iter().zip(&doms).enumerate() {
+                    let vs = VifSpec {
+                        handle: 0,
+                        mac: g.mac,
+                        rx_buffers: g.rx_buffers,
+                        index: i as u16,
+                    };
+                    let (front, vif) = toolstack::plug_vif(&hv, &drv, dom, vs).map_err(other)?;
+                    vifs.push((vif, g.mac));
+                    fronts.push(front);
+                }
+                let mut pools = Vec::with_capacity(guests.len());
+                for (front, dom) in fronts.iter_mut().zip(&doms) {
+                    pools.push(guest_pool(dom, front)?);
+                }
+                let k = DriverDomain::new(&hv, &drv, nic.regs(), pirq, netfilter, vifs)?;
+                m.nic = Some(nic);
+                m.boot(
+                    &drv,
+                    Role::DriverDomain,
+                    start(core(0)),
+                    Platform::Xen,
+                    k,
+                    &ready,
+                )?;
+                let each = guests
+                    .into_iter()
+                    .zip(doms)
+                    .zip(fronts.into_iter().zip(pools));
+                for (i, ((g, dom), (front, pool))) in each.enumerate() {
+                    let at = start(core(1 + i));
+                    match g.above {
+                        Above::App(app) => {
+                            let k = PvGuest::new(&dom, front, pool, &app)?;
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                        Above::Tap(tap) => {
+                            let k = TapGuest::new(&hv, &dom, front, pool, tap);
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                    }
+                }
+            }
+        }
+        // Plug the cable in once every kernel runs.
+        let t = Instant::now();
+        while ready.load(Ordering::Acquire) < m.kernels.len()
+            && t.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if let Some(nic) = &m.nic {
+            nic.regs().link_up.store(true, Ordering::Release);
+        }
+        Ok(m)
+    }
+
+    /// Starts `kernel` on `dom`'s vCPU.
+    fn boot<K: Kernel>(
+        &mut self,
+        dom: &Arc<Domain>,
+        role: Role,
+        at: VcpuStart,
+        platform: Platform,
+        kernel: K,
+        ready: &Arc<AtomicUsize>,
+    ) -> Result<(), BuildError> {
+        let (stop, ready) = (Arc::clone(&self.stop), Arc::clone(ready));
+        let h = self
+            .hv
+            .start_vcpu(dom, at, move |v| {
+                vcpu::run(v, platform, kernel, &stop, &ready)
+            })
+            .map_err(other)?;
+        self.kernels.push((Arc::clone(dom), h));
+        self.domains.push((Arc::clone(dom), role));
+        Ok(())
+    }
+
+    /// The hypervisor.
+    pub fn hv(&self) -> &Arc<Hypervisor> {
+        &self.hv
+    }
+
+    /// The domains, in the order they were started.
+    pub fn domains(&self) -> &[(Arc<Domain>, Role)] {
+        &self.domains
+    }
+
+    /// The NIC's registers and counters (none once stopped).
+    pub fn nic_regs(&self) -> Option<&Arc<NicRegs>> {
+        self.nic.as_ref().map(|n| n.regs())
+    }
+
+    /// Pulls the cable: the NIC takes nothing more from its source.
+    pub fn unplug(&self) {
+        if let Some(n) = &self.nic {
+            n.regs().unplug();
+        }
+    }
+
+    /// Stops the NIC and every kernel, and returns every component's counters, the
+    /// NIC's last.
+    pub fn stop(mut self) -> Result<Counters, BuildError> {
+        let regs = self.nic.take().map(|n| {
+            let r = Arc::clone(n.regs());
+            drop(n);
+            r
+        });
+        let mut c = self.halt()?;
+        if let Some(r) = regs {
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            c.add("nic", "rx_frames", l(&r.rx_frames));
+            c.add("nic", "rx_missed", l(&r.rx_missed));
+            c.add("nic", "dma_faults", l(&r.dma_faults));
+            c.add("nic", "rx_dma_errors", l(&r.rx_dma_errors));
+            c.add("nic", "irqs", l(&r.irqs));
+        }
+        Ok(c)
+    }
+
+    /// Stops every kernel and collects their counters.
+    fn halt(&mut self) -> Result<Counters, BuildError> {
+        self.stop.store(true, Ordering::Release);
+        if let Some(n) = &self.native_irq {
+            n.raise();
+        }
+        let mut c = Counters::default();
+        let mut panicked = false;
+        for (d, h) in self.kernels.drain(..) {
+            self.hv.kick_vcpu(&d, 0);
+            match h.join() {
+                Ok(k) => c.extend(k),
+                Err(_) => panicked = true,
+            }
+        }
+        if panicked {
+            return Err(other("a vCPU panicked"));
+        }
+        Ok(c)
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        drop(self.nic.take());
+        let _ = self.halt();
+    }
+}

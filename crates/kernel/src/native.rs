@@ -1,0 +1,106 @@
+//! The kernel that drives the NIC itself and runs the stack and the application in the
+//! same domain: Linux on the bare machine (`native`: `pci-nommu` DMA, the interrupt
+//! line wakes its CPU, it halts when idle) or a guest with the NIC assigned (`direct`:
+//! DMA through its IOMMU context with a `swiotlb` DMA interface, the interrupt an event
+//! it acknowledges as a physical IRQ, it blocks in the hypervisor when idle).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dev::driver::{DmaApi, NicDriver};
+use dev::nic::NicRegs;
+use hv::{Domain, Hypervisor, Port, Vcpu};
+use net::skb::SkbPool;
+use net::stack::Stack;
+
+use crate::app::{AppSpec, UdpReceiver};
+use crate::vcpu::{xen_pirq, Kernel, Work};
+use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+
+/// Packet buffers and pages of the kernel's pool.
+pub const POOL_BUFFERS: usize = 3072;
+/// Pages of the pool (page fragments and page-sized heads).
+pub const POOL_PAGES: usize = 640;
+
+/// The NIC driver, the stack and the receiving application of one domain.
+#[derive(Debug)]
+pub struct NicKernel {
+    drv: NicDriver,
+    pool: SkbPool,
+    stack: Stack,
+    app: UdpReceiver,
+    /// The NIC's interrupt as an event (a guest with the NIC assigned); none natively.
+    pirq: Option<Port>,
+}
+
+impl NicKernel {
+    /// Probes the NIC behind `regs` with `dma` and binds the application. `pirq` is the
+    /// port the NIC's interrupt arrives on under the hypervisor.
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        regs: &Arc<NicRegs>,
+        dma: DmaApi,
+        pirq: Option<Port>,
+        app: &AppSpec,
+    ) -> Result<Self, BuildError> {
+        let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        let drv = NicDriver::probe(hv, dom, regs, &mut pool, dma).map_err(other)?;
+        let (stack, app) = UdpReceiver::bind(dom, app)?;
+        Ok(Self {
+            drv,
+            pool,
+            stack,
+            app,
+            pirq,
+        })
+    }
+}
+
+impl Kernel for NicKernel {
+    const CLOCK: bool = true;
+
+    fn event(&mut self, v: &Vcpu, port: Port) {
+        if Some(port) == self.pirq {
+            xen_pirq(v, port, || self.drv.interrupt());
+        }
+    }
+
+    fn interrupt(&mut self) {
+        self.drv.interrupt();
+    }
+
+    fn tick(&mut self, now: Duration) {
+        self.stack.tick(&mut self.pool, now);
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        let Self {
+            drv,
+            pool,
+            stack,
+            app,
+            ..
+        } = self;
+        let mut w = Work::default();
+        if drv.napi_scheduled() {
+            w.rx = drv.poll(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now));
+        }
+        w.app = app.run(stack, pool);
+        w.more = drv.napi_scheduled();
+        w
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        self.stack.next_timer()
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let mut c = Counters::default();
+        counters::stack(&mut c, &self.stack);
+        counters::driver(&mut c, &self.drv);
+        self.drv.shutdown(&mut self.pool);
+        self.stack.shutdown(&mut self.pool);
+        c
+    }
+}

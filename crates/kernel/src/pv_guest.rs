@@ -1,0 +1,198 @@
+//! The paravirtual guest's kernel: netfront, and above it either pvio's stack with the
+//! receiving application ([`PvGuest`]) or a TAP whose network namespace's Linux stack is
+//! the guest's stack ([`TapGuest`], `pvio up`).
+//!
+//! netfront is polled, not driven by its event: the event only wakes the vCPU (as the
+//! interrupt that schedules netfront's NAPI poll does), and the poll step then takes
+//! what the back end answered on both rings.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dev::tap::TapPort;
+use hv::{Domain, Hypervisor, Port, Vcpu};
+use net::netfront::Netfront;
+use net::skb::SkbPool;
+use net::stack::Stack;
+
+use crate::app::{AppSpec, UdpReceiver};
+use crate::vcpu::{Kernel, Work};
+use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+
+/// Packet buffers of a guest's pool.
+pub const POOL_BUFFERS: usize = 3072;
+/// Pages of a guest's pool: the 256 pages netfront posts, and TX heads of a page each.
+pub const POOL_PAGES: usize = 640;
+
+/// A guest's pool, with netfront's RX ring filled from it.
+pub fn guest_pool(dom: &Arc<Domain>, front: &mut Netfront) -> Result<SkbPool, BuildError> {
+    let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+    front.refill_rx(&mut pool);
+    Ok(pool)
+}
+
+/// netfront, the stack and the receiving application.
+#[derive(Debug)]
+pub struct PvGuest {
+    front: Netfront,
+    pool: SkbPool,
+    stack: Stack,
+    app: UdpReceiver,
+}
+
+impl PvGuest {
+    /// The guest's kernel over a connected front end and its pool.
+    pub fn new(
+        dom: &Arc<Domain>,
+        front: Netfront,
+        pool: SkbPool,
+        app: &AppSpec,
+    ) -> Result<Self, BuildError> {
+        let (stack, app) = UdpReceiver::bind(dom, app)?;
+        Ok(Self {
+            front,
+            pool,
+            stack,
+            app,
+        })
+    }
+}
+
+impl Kernel for PvGuest {
+    const CLOCK: bool = true;
+
+    fn event(&mut self, _v: &Vcpu, _port: Port) {}
+
+    fn tick(&mut self, now: Duration) {
+        self.stack.tick(&mut self.pool, now);
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        let Self {
+            front,
+            pool,
+            stack,
+            app,
+        } = self;
+        let mut w = Work {
+            rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now)),
+            ..Work::default()
+        };
+        // Completions free buffers but are not work that keeps the vCPU awake: a TX
+        // response comes with an event of its own.
+        front.poll_tx(pool);
+        w.app = app.run(stack, pool);
+        w
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        self.stack.next_timer()
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let mut c = Counters::default();
+        counters::stack(&mut c, &self.stack);
+        counters::netfront(&mut c, &self.front);
+        self.stack.shutdown(&mut self.pool);
+        c
+    }
+}
+
+/// netfront with a TAP above it: received frames are written to the TAP, frames the
+/// TAP's stack sends go out through netfront.
+#[derive(Debug)]
+pub struct TapGuest {
+    front: Netfront,
+    pool: SkbPool,
+    tap: TapPort,
+    /// One frame's bytes on their way to the TAP: netfront's buffers are a head and
+    /// page fragments, a write wants one slice.
+    scratch: Vec<u8>,
+    /// Frames from the TAP that did not fit a buffer.
+    tx_dropped: u64,
+}
+
+impl TapGuest {
+    /// The guest's kernel over a connected front end, its pool and `tap`; a frame
+    /// arriving on the TAP wakes the guest's vCPU.
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        front: Netfront,
+        pool: SkbPool,
+        tap: TapPort,
+    ) -> Self {
+        let (h, g) = (Arc::clone(hv), Arc::clone(dom));
+        tap.set_wake(move || h.kick_vcpu(&g, 0));
+        Self {
+            front,
+            pool,
+            tap,
+            scratch: vec![0; 65536],
+            tx_dropped: 0,
+        }
+    }
+}
+
+impl Kernel for TapGuest {
+    const CLOCK: bool = false;
+
+    fn event(&mut self, _v: &Vcpu, _port: Port) {}
+
+    fn poll(&mut self, _now: Duration) -> Work {
+        let Self {
+            front,
+            pool,
+            tap,
+            scratch,
+            tx_dropped,
+        } = self;
+        let mut w = Work {
+            rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| {
+                let len = pool.len(skb).min(scratch.len());
+                if pool.read(skb, 0, &mut scratch[..len]).is_ok() {
+                    tap.send(&scratch[..len]);
+                }
+                pool.free(skb);
+            }),
+            ..Work::default()
+        };
+        // A frame netfront cannot take yet (its ring or the pool is full) waits in the
+        // TAP's queue: the stack behind it is held back, not dropped on.
+        w.tx = tap.recv(|frame| {
+            // A head of its own page, which netfront grants as it is (a shared 2 KiB
+            // head would be copied to one first).
+            let Ok(skb) = pool.alloc_page_linear() else {
+                return false;
+            };
+            if pool.put(skb, frame).is_err() {
+                pool.free(skb);
+                *tx_dropped += 1;
+                return true;
+            }
+            match front.xmit(pool, skb) {
+                Ok(()) => true,
+                Err(s) => {
+                    pool.free(s);
+                    false
+                }
+            }
+        });
+        w.tx += front.poll_tx(pool);
+        w
+    }
+
+    fn shutdown(self) -> Counters {
+        let mut c = Counters::default();
+        let s = self.front.stats();
+        c.add("netfront", "rx_packets", s.rx_packets);
+        c.add("netfront", "rx_errors", s.rx_errors.iter().sum());
+        c.add("guest", "tx_dropped", self.tx_dropped);
+        let t = self.tap.counters();
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        c.add("guest tap", "frames_in", l(&t.frames_in));
+        c.add("guest tap", "frames_out", l(&t.frames_out));
+        c.add("guest tap", "oversize_in", l(&t.oversize_in));
+        c
+    }
+}

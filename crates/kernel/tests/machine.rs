@@ -1,0 +1,184 @@
+//! Machines the builder assembles: several guests behind one driver domain each get
+//! their own traffic whole, and the application's check catches a single wrong byte.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dev::nic::Coalesce;
+use dev::wire::{CountingSink, WireSource};
+use hv::{GrantPath, GrantVersion};
+use kernel::app::{AppCounters, AppSpec};
+use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
+use net::netfront::RxBuffers;
+use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
+use smoltcp::wire::Ipv4Address;
+
+/// Frames given once, all due at the start.
+struct Frames(Vec<Vec<u8>>);
+
+impl WireSource for Frames {
+    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize {
+        let n = self.0.len();
+        for f in self.0.drain(..) {
+            emit(&f);
+        }
+        n
+    }
+    fn next_due(&self) -> Option<Instant> {
+        (!self.0.is_empty()).then(Instant::now)
+    }
+}
+
+fn flow_to(host: u8) -> UdpFlow {
+    UdpFlow {
+        src_mac: [2, 0, 0, 0, 0, 1],
+        dst_mac: [2, 0, 0, 0, 0, host],
+        src_ip: Ipv4Address::new(10, 0, 0, 1),
+        dst_ip: Ipv4Address::new(10, 0, 0, host),
+        src_port: 5001,
+        dst_port: 5002,
+        mtu: DEFAULT_MTU,
+    }
+}
+
+/// `count` messages of `len` bytes on `flow`, message `m` with the pattern of `m`;
+/// `spoil` changes one byte of one message before it is framed (the UDP checksum
+/// covers the spoiled byte, so only the application can tell).
+fn messages(
+    flow: UdpFlow,
+    len: usize,
+    count: usize,
+    spoil: Option<(usize, usize)>,
+) -> Vec<Vec<u8>> {
+    let mut framer = UdpFramer::new(flow);
+    let mut out = Vec::new();
+    for m in 0..count {
+        let mut p: Vec<u8> = (0..len).map(|i| payload_byte(m as u8, i)).collect();
+        if let Some((sm, at)) = spoil {
+            if sm == m {
+                p[at] ^= 0x01;
+            }
+        }
+        framer
+            .frames(m as u16, &p, |f| out.push(f.to_vec()))
+            .expect("frames");
+    }
+    out
+}
+
+fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
+    MachineSpec {
+        grant_version: GrantVersion::V1,
+        grant_path: GrantPath::Original,
+        sample: None,
+        nic: NicSpec {
+            coalesce: Coalesce::default(),
+            source: Box::new(Frames(frames)),
+            sink: Box::new(CountingSink::default()),
+        },
+        layout,
+    }
+}
+
+fn app(flow: UdpFlow, len: usize) -> (AppSpec, Arc<AppCounters>) {
+    let c = Arc::new(AppCounters::default());
+    let s = AppSpec {
+        flow,
+        message: len,
+        counters: Arc::clone(&c),
+    };
+    (s, c)
+}
+
+fn wait_for(c: &AppCounters, n: u64) {
+    let t = Instant::now();
+    while c.messages.load(Ordering::Relaxed) < n && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
+    let (len, count) = (3000, 40);
+    let mut frames = Vec::new();
+    let mut apps = Vec::new();
+    let mut guests = Vec::new();
+    for host in [2u8, 3, 4] {
+        let f = flow_to(host);
+        frames.push(messages(f, len, count, None));
+        let (a, c) = app(f, len);
+        apps.push(c);
+        guests.push(GuestSpec {
+            name: format!("guest{host}"),
+            mac: f.dst_mac,
+            rx_buffers: RxBuffers::Fragments,
+            above: Above::App(a),
+        });
+    }
+    // Interleaved, so the bridge switches between vifs frame by frame.
+    let mut wire = Vec::new();
+    for i in 0..frames[0].len() {
+        for g in &frames {
+            wire.push(g[i].clone());
+        }
+    }
+    let m = Machine::start(spec(
+        wire,
+        Layout::DriverDomain {
+            netfilter: true,
+            guests,
+        },
+    ))
+    .expect("machine");
+    assert_eq!(m.domains().len(), 4);
+    assert_eq!(
+        m.domains()
+            .iter()
+            .filter(|d| d.1 == Role::DriverDomain)
+            .count(),
+        1
+    );
+    for c in &apps {
+        wait_for(c, count as u64);
+    }
+    let counters = m.stop().expect("stop");
+    for (i, c) in apps.iter().enumerate() {
+        assert_eq!(
+            c.messages.load(Ordering::Relaxed),
+            count as u64,
+            "guest {i}: {counters:?}"
+        );
+        assert_eq!(c.corrupt.load(Ordering::Relaxed), 0, "guest {i}");
+    }
+    assert_eq!(counters.get("netback", "rx_packets"), 3 * 3 * count as u64);
+}
+
+#[test]
+fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
+    for layout in ["native", "direct", "pv"] {
+        // 3000 bytes: three frames; the wrong byte is in the last one.
+        let (len, count) = (3000, 10);
+        let f = flow_to(2);
+        let (a, c) = app(f, len);
+        let frames = messages(f, len, count, Some((6, 2999)));
+        let l = match layout {
+            "native" => Layout::Native(a),
+            "direct" => Layout::Direct(a),
+            _ => Layout::DriverDomain {
+                netfilter: false,
+                guests: vec![GuestSpec {
+                    name: "guest".into(),
+                    mac: f.dst_mac,
+                    rx_buffers: RxBuffers::Fragments,
+                    above: Above::App(a),
+                }],
+            },
+        };
+        let m = Machine::start(spec(frames, l)).expect("machine");
+        wait_for(&c, count as u64);
+        drop(m);
+        assert_eq!(c.messages.load(Ordering::Relaxed), count as u64, "{layout}");
+        assert_eq!(c.corrupt.load(Ordering::Relaxed), 1, "{layout}");
+    }
+}
