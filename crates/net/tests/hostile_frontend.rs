@@ -7,12 +7,13 @@ use std::sync::Arc;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, Gfn, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::Netfront;
+use net::netfront::{Netfront, RxBuffers};
 use net::netif::{
     RxRequest, RxResponse, TxFatal, TxRequest, TxResponse, NETRXF_MORE_DATA, NETTXF_MORE_DATA,
     XEN_NETIF_RSP_OKAY,
 };
 use net::skb::{SkbPool, NET_SKB_PAD};
+use net::toolstack::{self, VifSpec};
 use net::xenbus;
 
 /// A front end that does the handshake by hand and then writes raw ring bytes.
@@ -184,16 +185,24 @@ fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
     .expect("guest")
 }
 
+/// A well-behaved guest's vif, index 1 (window slots from VIF_WINDOW_SLOTS on).
+fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
+    let spec = VifSpec {
+        handle: 0,
+        mac: [2, 0, 0, 0, 0, 7],
+        rx_buffers: RxBuffers::Fragments,
+        index: 1,
+    };
+    toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
+}
+
 /// The evil vif at window slots 0.., a good one beside it at VIF_WINDOW_SLOTS.. .
 fn pair(w: &World) -> (Raw, Vif, Netfront, Vif, Arc<Domain>) {
     let evil = guest(&w.hv, "evil");
     let raw = Raw::connect(&w.hv, &evil, &w.drv);
     let bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("evil vif");
     let good = guest(&w.hv, "good");
-    xenbus::create_vif(w.hv.store(), w.drv.id(), good.id(), 0, [2, 0, 0, 0, 0, 7]).expect("ts");
-    netback::probe(w.hv.store(), w.drv.id(), good.id(), 0).expect("probe");
-    let front = Netfront::connect(&w.hv, &good, 0).expect("front");
-    let vif = Vif::connect(&w.hv, &w.drv, good.id(), 0, 1, VIF_WINDOW_SLOTS).expect("good vif");
+    let (front, vif) = plug_good(w, &good);
     (raw, bad, front, vif, good)
 }
 
@@ -812,10 +821,7 @@ fn fuzz_case(w: World, good: Good, seed: u64) -> (World, Good) {
 fn fuzzed_front_ends_leave_the_driver_domain_whole() {
     let mut w = world();
     let good = guest(&w.hv, "good");
-    xenbus::create_vif(w.hv.store(), w.drv.id(), good.id(), 0, [2, 0, 0, 0, 0, 7]).expect("ts");
-    netback::probe(w.hv.store(), w.drv.id(), good.id(), 0).expect("probe");
-    let front = Netfront::connect(&w.hv, &good, 0).expect("front");
-    let vif = Vif::connect(&w.hv, &w.drv, good.id(), 0, 1, VIF_WINDOW_SLOTS).expect("good vif");
+    let (front, vif) = plug_good(&w, &good);
     let gpool = SkbPool::new(Arc::clone(&good), 16, 16).expect("pool");
     let mut g = (front, vif, gpool);
     // The good vif's own buffer use settles after its first packet.

@@ -7,10 +7,11 @@ use std::time::Duration;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
-use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
+use net::netback::{Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers};
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
+use net::toolstack::{self, VifSpec};
 use net::wire::MAX_TAGGED_FRAME;
 use net::wire::{UdpFlow, UdpFramer, DEFAULT_MTU};
 use net::xenbus;
@@ -63,10 +64,13 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
     };
     let drv = dom("drv", true, VIF_WINDOW_SLOTS);
     let guest = dom("guest", false, 4);
-    xenbus::create_vif(hv.store(), drv.id(), guest.id(), 0, flow().dst_mac).expect("toolstack");
-    netback::probe(hv.store(), drv.id(), guest.id(), 0).expect("probe");
-    let front = Netfront::connect_with(&hv, &guest, 0, rx_buffers).expect("front end");
-    let vif = Vif::connect(&hv, &drv, guest.id(), 0, 0, 0).expect("back end");
+    let spec = VifSpec {
+        handle: 0,
+        mac: flow().dst_mac,
+        rx_buffers,
+        index: 0,
+    };
+    let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
         hv.store()
             .xenbus_state(drv.id(), &xenbus::backend_dir(drv.id(), guest.id(), 0)),
@@ -278,14 +282,17 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         };
         let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
         let (a, b) = (dom("a", false, 4), dom("b", false, 4));
-        for (g, mac) in [(&a, MAC_A), (&b, MAC_B)] {
-            xenbus::create_vif(hv.store(), drv.id(), g.id(), 0, mac).expect("toolstack");
-            netback::probe(hv.store(), drv.id(), g.id(), 0).expect("probe");
-        }
-        let mut front_a = Netfront::connect(&hv, &a, 0).expect("front a");
-        let mut front_b = Netfront::connect_with(&hv, &b, 0, rx_b).expect("front b");
-        let mut vif_a = Vif::connect(&hv, &drv, a.id(), 0, 0, 0).expect("vif a");
-        let mut vif_b = Vif::connect(&hv, &drv, b.id(), 0, 1, VIF_WINDOW_SLOTS).expect("vif b");
+        let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
+            let spec = VifSpec {
+                handle: 0,
+                mac,
+                rx_buffers,
+                index,
+            };
+            toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
+        };
+        let (mut front_a, mut vif_a) = plug(&a, MAC_A, RxBuffers::Fragments, 0);
+        let (mut front_b, mut vif_b) = plug(&b, MAC_B, rx_b, 1);
         let mut dpool = SkbPool::new(Arc::clone(&drv), 64, 16).expect("pool");
         let mut apool = SkbPool::new(Arc::clone(&a), 64, 64).expect("pool");
         let mut bpool = SkbPool::new(Arc::clone(&b), 512, 512).expect("pool");

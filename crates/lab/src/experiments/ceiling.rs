@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 
 use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use mem::cpu::pin_current_thread;
-use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers};
+use net::netback::{self, VIF_WINDOW_SLOTS};
+use net::netfront::RxBuffers;
 use net::skb::{SkbPool, NET_SKB_PAD};
+use net::toolstack::{self, VifSpec};
 use net::wire::UdpFramer;
-use net::xenbus;
 
 use crate::platform::flow;
 use crate::{Experiment, LabError, Mode, Report};
@@ -134,10 +134,13 @@ fn run_once(
     };
     let drv = dom("drv", true, VIF_WINDOW_SLOTS)?;
     let guest = dom("guest", false, 4)?;
-    xenbus::create_vif(hv.store(), drv.id(), guest.id(), 0, flow().dst_mac).map_err(other)?;
-    netback::probe(hv.store(), drv.id(), guest.id(), 0).map_err(other)?;
-    let mut front = Netfront::connect_with(&hv, &guest, 0, rx_buffers).map_err(other)?;
-    let mut vif = Vif::connect(&hv, &drv, guest.id(), 0, 0, 0).map_err(other)?;
+    let spec = VifSpec {
+        handle: 0,
+        mac: flow().dst_mac,
+        rx_buffers,
+        index: 0,
+    };
+    let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
     let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
     // Pages for the 256 posted RX buffers and for TX heads of a page each.
     let mut gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(other)?;
