@@ -106,11 +106,16 @@ impl Domain {
         cfg: &DomainConfig,
         mem: Arc<MachineMemory>,
         p2m: Box<[Mfn]>,
+        map_backend: mem::MapBackend,
     ) -> std::io::Result<Self> {
         let grant = GrantTable::new(cfg.grant_version, cfg.grant_frames);
         let reserved = GRANT_FRAMES_START + grant.entry_frames() + grant.status_frames();
         let free_pages = (reserved..p2m.len() as u32).rev().map(Gfn).collect();
-        let window = Arc::new(MapWindow::new(Arc::clone(&mem), cfg.map_slots)?);
+        let window = Arc::new(MapWindow::with_backend(
+            Arc::clone(&mem),
+            cfg.map_slots,
+            map_backend,
+        )?);
         Ok(Self {
             id,
             name: cfg.name.clone(),

@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, RwLock};
 pub use domain::{Domain, DomainConfig, DomainError, OwnPage};
 pub use event::{ChannelState, EvtchnError, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
-pub use mem::{MachineMemory, PageAccess, PAGE_SIZE};
+pub use mem::{MachineMemory, MapBackend, PageAccess, PAGE_SIZE};
 pub use types::*;
 pub use vcpu::{Vcpu, VcpuStart, WaitMode};
 
@@ -48,6 +48,9 @@ pub struct HvConfig {
     pub frames: u32,
     /// Grant implementation.
     pub grant_path: GrantPath,
+    /// How domains' foreign-map windows are implemented (the software page table by
+    /// default; see [`mem::MapBackend`]).
+    pub map_backend: MapBackend,
 }
 
 impl Default for HvConfig {
@@ -55,6 +58,7 @@ impl Default for HvConfig {
         Self {
             frames: 16 * 1024,
             grant_path: GrantPath::Optimised,
+            map_backend: MapBackend::Table,
         }
     }
 }
@@ -102,6 +106,8 @@ pub struct Hypervisor {
     dead: Mutex<Vec<Arc<Domain>>>,
     /// Time zero of the hypervisor's clock (`NOW()`).
     boot: std::time::Instant,
+    /// How new domains' foreign-map windows are implemented.
+    map_backend: MapBackend,
 }
 
 impl Hypervisor {
@@ -115,6 +121,7 @@ impl Hypervisor {
             frames,
             domains: RwLock::new(vec![None; MAX_DOMAINS]),
             grant_optimised: AtomicBool::new(cfg.grant_path == GrantPath::Optimised),
+            map_backend: cfg.map_backend,
             irqs: (0..NR_VECTORS).map(|_| AtomicU64::new(0)).collect(),
             irq_lines: (0..NR_VECTORS).map(|_| AtomicU8::new(0)).collect(),
             irq_unbound: AtomicU64::new(0),
@@ -191,6 +198,7 @@ impl Hypervisor {
             cfg,
             Arc::clone(&self.mem),
             p2m.into_boxed_slice(),
+            self.map_backend,
         )?);
         doms[id.0 as usize] = Some(Arc::clone(&d));
         Ok(d)
@@ -207,9 +215,8 @@ impl Hypervisor {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .handles();
-        for h in handles {
-            let _ = self.unmap_one(&d, h);
-        }
+        let mut st = vec![Ok(()); handles.len()];
+        self.grant_unmap(&d, &handles, &mut st);
         let open: Vec<Port> = d.evtchn.open_ports().collect();
         for p in open {
             let _ = self.evtchn_close(&d, p);

@@ -22,6 +22,7 @@ fn machine(version: GrantVersion, path: GrantPath) -> Machine {
     let hv = Hypervisor::new(HvConfig {
         frames: 2048,
         grant_path: path,
+        ..HvConfig::default()
     })
     .expect("machine");
     let cfg = |name: &str| DomainConfig {

@@ -11,6 +11,7 @@ fn machine() -> Arc<Hypervisor> {
     Hypervisor::new(HvConfig {
         frames: 512,
         grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
     })
     .expect("machine")
 }

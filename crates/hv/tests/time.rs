@@ -10,6 +10,7 @@ fn domain() -> (std::sync::Arc<Hypervisor>, std::sync::Arc<Domain>) {
     let hv = Hypervisor::new(HvConfig {
         frames: 512,
         grant_path: GrantPath::Original,
+        ..HvConfig::default()
     })
     .expect("hv");
     let d = hv

@@ -147,6 +147,7 @@ impl Machine {
         let hv = Hypervisor::new(HvConfig {
             frames: DOMAIN_PAGES * (ndomains.max(2) as u32 + 1) + 1024,
             grant_path: spec.grant_path,
+            ..HvConfig::default()
         })?;
         let mut m = Machine {
             hv,

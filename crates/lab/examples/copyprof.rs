@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let hv = Hypervisor::new(HvConfig {
         frames: 4096,
         grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
     })?;
     let drv = hv.create_domain(&DomainConfig {
         pages: 256,

@@ -23,7 +23,7 @@ pub mod tap;
 mod window;
 
 pub use machine::{FramePage, MachineMemory};
-pub use window::{MapWindow, MappedPage, SlotState};
+pub use window::{MapBackend, MapWindow, MappedPage, SlotState};
 
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 

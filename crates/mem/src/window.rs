@@ -1,50 +1,86 @@
-//! Foreign-map windows: virtual address ranges in which machine frames are really
-//! mapped and unmapped, page by page, as Xen's grant map edits the mapping domain's page
-//! tables.
+//! Foreign-map windows: the slots at which a domain maps other domains' frames (grant
+//! maps), with two implementations chosen per window ([`MapBackend`]).
+//!
+//! * [`MapBackend::Table`] (the default) is a software page table, as a hypervisor keeps
+//!   one: a map validates the slot and writes one entry (the frame and its rights), an
+//!   access translates through the entry and reaches the frame in machine memory, and an
+//!   unmap clears the entry and then waits until no access that translated through it
+//!   is still running (the TLB shoot-down: in Xen, the flush IPI to every CPU that may
+//!   hold the translation, and the wait for their acknowledgement). A batch of unmaps
+//!   clears every entry first and waits once, as `gnttab_unmap_refs` flushes once per
+//!   batch.
+//! * [`MapBackend::Mmap`] puts the frame at a reserved address with
+//!   `mmap(MAP_FIXED | MAP_SHARED)` of the machine-memory file and takes it away with
+//!   `mmap(PROT_NONE)`. What that costs is Linux's: a VMA split and merge under the
+//!   process's mmap lock per call, 15–20× a full-size grant copy; it is kept to measure
+//!   beside the table, not as a model of what a hypervisor does.
 
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::{check_in_page, MachineMemory, MemError, Mfn, PageAccess, PAGE_SIZE};
+use crate::{check_in_page, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SIZE};
 
-// Slot state word: the low bits count live accessors (`MappedPage`s and in-flight
-// copies); the flags say whether a frame is mapped and how.
-const USERS_MASK: u32 = (1 << 24) - 1;
+// Slot entry word: accesses in flight (a copy through the slot) in the low 12 bits,
+// holders (a `MappedPage`, a mapped ring say) in the next 12; the flags say whether a
+// frame is mapped and how.
+const INFLIGHT_ONE: u32 = 1;
+const INFLIGHT_MASK: u32 = (1 << 12) - 1;
+const HOLD_ONE: u32 = 1 << 12;
+const HOLDS_MASK: u32 = ((1 << 12) - 1) << 12;
 const MAPPED: u32 = 1 << 28;
 const WRITABLE: u32 = 1 << 29;
-/// A map or unmap is changing the page tables of this slot.
+/// A map or unmap is changing this slot's entry: no new access may translate through it.
 const CHANGING: u32 = 1 << 30;
+
+/// How a window implements its mappings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MapBackend {
+    /// A software page table: entry writes, checked translation, shoot-down by waiting.
+    #[default]
+    Table,
+    /// Real `mmap(MAP_FIXED)` / `mmap(PROT_NONE)` of a reserved address range.
+    Mmap,
+}
+
+impl MapBackend {
+    /// Its name, as configurations and reports give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MapBackend::Table => "table",
+            MapBackend::Mmap => "mmap",
+        }
+    }
+}
 
 /// What a slot holds, as seen at one instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotState {
-    /// No frame is mapped; the address range is `PROT_NONE`.
+    /// No frame is mapped.
     Unmapped,
-    /// A frame is mapped read-only (`PROT_READ`).
+    /// A frame is mapped read-only.
     ReadOnly,
     /// A frame is mapped read-write.
     ReadWrite,
 }
 
-/// A window of `slots` page-sized slots of virtual address space, reserved `PROT_NONE`.
+/// A window of `slots` page-sized slots.
 ///
-/// `map` puts a machine frame at a slot with `mmap(MAP_FIXED | MAP_SHARED)` of the
-/// machine-memory file, with `PROT_READ` for a read-only mapping; `unmap` replaces it by
-/// a `PROT_NONE` reservation again. Both are real page-table updates, and an unmap in a
-/// process whose threads run on other cores costs the kernel's TLB shoot-down, as in Xen.
-///
-/// Access is refused unless the slot is mapped (and writable, for a write), and a slot
-/// cannot be unmapped while an access or a [`MappedPage`] holds it: the slot word counts
-/// its users, so no safe call can ever touch an unmapped page.
+/// Access is refused unless the slot is mapped (and writable, for a write). An unmap is
+/// refused while a [`MappedPage`] holds the slot ([`MemError::InUse`]); accesses in
+/// flight are waited for. So no safe call can ever reach a frame through a slot after
+/// its unmap returned.
 #[derive(Debug)]
 pub struct MapWindow {
-    base: NonNull<u8>,
+    backend: MapBackend,
+    /// The reserved address range (the `Mmap` backend only).
+    base: Option<NonNull<u8>>,
     slots: u32,
     state: Box<[AtomicU32]>,
     mfns: Box<[AtomicU32]>,
     mem: Arc<MachineMemory>,
+    shootdowns: AtomicU64,
 }
 
 // SAFETY: the window's memory is only reached through the slot protocol below (users
@@ -54,37 +90,68 @@ unsafe impl Send for MapWindow {}
 unsafe impl Sync for MapWindow {}
 
 impl MapWindow {
-    /// Reserves a window of `slots` pages of address space over `mem`.
+    /// A window of `slots` slots over `mem`, a software page table.
     pub fn new(mem: Arc<MachineMemory>, slots: u32) -> std::io::Result<Self> {
-        let bytes = (slots.max(1) as usize) * PAGE_SIZE;
-        // SAFETY: a fresh anonymous PROT_NONE reservation at a kernel-chosen address.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+        Self::with_backend(mem, slots, MapBackend::Table)
+    }
+
+    /// A window of `slots` slots over `mem` implemented by `backend` (the `Mmap` backend
+    /// reserves `slots` pages of address space, `PROT_NONE`).
+    pub fn with_backend(
+        mem: Arc<MachineMemory>,
+        slots: u32,
+        backend: MapBackend,
+    ) -> std::io::Result<Self> {
+        let base = match backend {
+            MapBackend::Table => None,
+            MapBackend::Mmap => {
+                let bytes = (slots.max(1) as usize) * PAGE_SIZE;
+                // SAFETY: a fresh anonymous PROT_NONE reservation at a kernel-chosen
+                // address.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        bytes,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Some(
+                    NonNull::new(p.cast::<u8>())
+                        .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?,
+                )
+            }
         };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let base = NonNull::new(p.cast::<u8>())
-            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
         Ok(Self {
+            backend,
             base,
             slots,
             state: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             mfns: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             mem,
+            shootdowns: AtomicU64::new(0),
         })
+    }
+
+    /// Its implementation.
+    pub fn backend(&self) -> MapBackend {
+        self.backend
     }
 
     /// Number of slots.
     pub fn slots(&self) -> u32 {
         self.slots
+    }
+
+    /// Shoot-downs done so far: one per unmap call that cleared any entry, however many
+    /// it cleared.
+    pub fn shootdowns(&self) -> u64 {
+        self.shootdowns.load(Ordering::Relaxed)
     }
 
     fn word(&self, slot: u32) -> Result<&AtomicU32, MemError> {
@@ -93,10 +160,12 @@ impl MapWindow {
             .ok_or(MemError::NoSuchSlot(slot))
     }
 
-    fn addr(&self, slot: u32) -> *mut u8 {
+    /// The address of `slot` in the `Mmap` backend's reservation.
+    fn addr(&self, slot: u32) -> Option<*mut u8> {
         // SAFETY: callers pass `slot < self.slots` (checked by `word`), so the offset is
-        // inside the reservation made in `new`.
-        unsafe { self.base.as_ptr().add(slot as usize * PAGE_SIZE) }
+        // inside the reservation made in `with_backend`.
+        self.base
+            .map(|b| unsafe { b.as_ptr().add(slot as usize * PAGE_SIZE) })
     }
 
     /// What the slot holds now.
@@ -119,7 +188,8 @@ impl MapWindow {
         })
     }
 
-    /// Maps machine frame `mfn` at `slot` with a real `mmap(MAP_FIXED)`.
+    /// Maps machine frame `mfn` at `slot`: writes its entry (the `Mmap` backend: a real
+    /// `mmap(MAP_FIXED)` first).
     pub fn map(&self, slot: u32, mfn: Mfn, writable: bool) -> Result<(), MemError> {
         let word = self.word(slot)?;
         if mfn.0 >= self.mem.frames() {
@@ -132,30 +202,33 @@ impl MapWindow {
         {
             return Err(MemError::AlreadyMapped(slot));
         }
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
-        // SAFETY: replaces exactly one page of our own reservation, which no Rust object
-        // refers to (the slot was unmapped and is claimed CHANGING, so no accessor holds it).
-        let p = unsafe {
-            libc::mmap(
-                self.addr(slot).cast(),
-                PAGE_SIZE,
-                prot,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                self.mem.fd().as_raw_fd(),
-                mfn.byte_offset() as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            word.store(0, Ordering::Release);
-            return Err(MemError::Os(e));
+        if let Some(addr) = self.addr(slot) {
+            let prot = if writable {
+                libc::PROT_READ | libc::PROT_WRITE
+            } else {
+                libc::PROT_READ
+            };
+            // SAFETY: replaces exactly one page of our own reservation, which no Rust
+            // object refers to (the slot was unmapped and is claimed CHANGING, so no
+            // accessor holds it).
+            let p = unsafe {
+                libc::mmap(
+                    addr.cast(),
+                    PAGE_SIZE,
+                    prot,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    self.mem.fd().as_raw_fd(),
+                    mfn.byte_offset() as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+                word.store(0, Ordering::Release);
+                return Err(MemError::Os(e));
+            }
         }
         self.mfns[slot as usize].store(mfn.0, Ordering::Relaxed);
-        // Release: an accessor that sees MAPPED also sees the new page-table entry.
+        // Release: an accessor that sees MAPPED also sees the frame.
         word.store(
             MAPPED | if writable { WRITABLE } else { 0 },
             Ordering::Release,
@@ -163,50 +236,107 @@ impl MapWindow {
         Ok(())
     }
 
-    /// Unmaps the frame at `slot` (a real page-table update and TLB flush), leaving a
-    /// `PROT_NONE` reservation. Refused with [`MemError::InUse`] while accessed.
+    /// Unmaps the frame at `slot`; see [`MapWindow::unmap_batch`].
     pub fn unmap(&self, slot: u32) -> Result<Mfn, MemError> {
-        let word = self.word(slot)?;
-        let s = word.load(Ordering::Acquire);
-        if s & MAPPED == 0 || s & CHANGING != 0 {
-            return Err(MemError::NotMapped(slot));
-        }
-        if s & USERS_MASK != 0 {
-            return Err(MemError::InUse(slot));
-        }
-        // Only succeeds with zero users; from here no accessor can get in.
-        if word
-            .compare_exchange(s, s | CHANGING, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            return Err(MemError::InUse(slot));
-        }
-        let mfn = Mfn(self.mfns[slot as usize].load(Ordering::Relaxed));
-        // SAFETY: replaces one page of our own reservation; the slot has no users and is
-        // marked CHANGING, so no reference into it exists.
-        let p = unsafe {
-            libc::mmap(
-                self.addr(slot).cast(),
-                PAGE_SIZE,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
-            word.store(s, Ordering::Release);
-            return Err(MemError::Os(e));
-        }
-        word.store(0, Ordering::Release);
-        Ok(mfn)
+        let mut out = [Err(MemError::NotMapped(slot))];
+        self.unmap_batch(&[slot], &mut out);
+        out[0]
     }
 
-    /// Registers one more user of a mapped slot; fails if the slot is not mapped (or is
-    /// read-only and `write` is asked).
-    fn enter(&self, slot: u32, write: bool) -> Result<(), MemError> {
+    /// Unmaps the frames at `slots`, one result each: every entry is closed to new
+    /// accesses first, then one shoot-down waits for the accesses in flight through any
+    /// of them, then the entries are cleared (the `Mmap` backend: each range goes back
+    /// to `PROT_NONE`). A slot held by a [`MappedPage`] is refused with
+    /// [`MemError::InUse`] and left mapped.
+    pub fn unmap_batch(&self, slots: &[u32], out: &mut [Result<Mfn, MemError>]) {
+        let n = slots.len().min(out.len());
+        let mut closed = 0;
+        for (&slot, o) in slots[..n].iter().zip(out.iter_mut()) {
+            *o = self.close(slot);
+            closed += usize::from(o.is_ok());
+        }
+        if closed == 0 {
+            return;
+        }
+        // The shoot-down: every access that translated through a closed entry ends.
+        self.shootdowns.fetch_add(1, Ordering::Relaxed);
+        for (&slot, o) in slots[..n].iter().zip(out.iter()) {
+            if o.is_ok() {
+                let word = &self.state[slot as usize];
+                let mut spins = 0u32;
+                while word.load(Ordering::Acquire) & INFLIGHT_MASK != 0 {
+                    spins += 1;
+                    if spins < 128 {
+                        std::hint::spin_loop();
+                    } else {
+                        // The access's thread is descheduled: let it finish.
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+        for (&slot, o) in slots[..n].iter().zip(out.iter_mut()) {
+            if o.is_err() {
+                continue;
+            }
+            let word = &self.state[slot as usize];
+            if let Some(addr) = self.addr(slot) {
+                // SAFETY: replaces one page of our own reservation; the slot is CHANGING
+                // with no accesses in flight and no holders, so no reference into it
+                // exists.
+                let p = unsafe {
+                    libc::mmap(
+                        addr.cast(),
+                        PAGE_SIZE,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_FIXED
+                            | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+                    // Still mapped: open the entry again.
+                    word.fetch_and(!CHANGING, Ordering::Release);
+                    *o = Err(MemError::Os(e));
+                    continue;
+                }
+            }
+            word.store(0, Ordering::Release);
+        }
+    }
+
+    /// Closes a mapped, unheld slot's entry to new accesses; its frame.
+    fn close(&self, slot: u32) -> Result<Mfn, MemError> {
         let word = self.word(slot)?;
+        let mut s = word.load(Ordering::Acquire);
+        loop {
+            if s & MAPPED == 0 || s & CHANGING != 0 {
+                return Err(MemError::NotMapped(slot));
+            }
+            if s & HOLDS_MASK != 0 {
+                return Err(MemError::InUse(slot));
+            }
+            match word.compare_exchange_weak(s, s | CHANGING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(Mfn(self.mfns[slot as usize].load(Ordering::Relaxed))),
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Translates through a mapped slot's entry and registers one more user (`one`: an
+    /// access in flight or a holder); fails if the slot is not mapped (or is read-only
+    /// and `write` is asked).
+    fn enter(&self, slot: u32, write: bool, one: u32) -> Result<Mfn, MemError> {
+        let word = self.word(slot)?;
+        let mask = if one == HOLD_ONE {
+            HOLDS_MASK
+        } else {
+            INFLIGHT_MASK
+        };
         let mut s = word.load(Ordering::Acquire);
         loop {
             if s & MAPPED == 0 || s & CHANGING != 0 {
@@ -215,79 +345,104 @@ impl MapWindow {
             if write && s & WRITABLE == 0 {
                 return Err(MemError::ReadOnly(slot));
             }
-            if s & USERS_MASK == USERS_MASK {
+            if s & mask == mask {
                 return Err(MemError::InUse(slot));
             }
-            // Cannot overflow into the flags: checked against USERS_MASK above.
-            match word.compare_exchange_weak(s, s + 1, Ordering::Acquire, Ordering::Acquire) {
-                Ok(_) => return Ok(()),
+            // Cannot overflow into the next field: checked against its mask above.
+            match word.compare_exchange_weak(s, s + one, Ordering::Acquire, Ordering::Acquire) {
+                Ok(_) => return Ok(Mfn(self.mfns[slot as usize].load(Ordering::Relaxed))),
                 Err(now) => s = now,
             }
         }
     }
 
-    fn leave(&self, slot: u32) {
-        // Release: our accesses happen before an unmapper sees zero users.
-        self.state[slot as usize].fetch_sub(1, Ordering::Release);
+    fn leave(&self, slot: u32, one: u32) {
+        // Release: our accesses happen before an unmapper sees the count drop.
+        self.state[slot as usize].fetch_sub(one, Ordering::Release);
     }
 
-    /// Copies bytes out of the frame mapped at `slot`, through the window's own mapping.
+    /// Copies bytes out of the frame mapped at `slot`.
     pub fn read(&self, slot: u32, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
         check_in_page(offset, buf.len())?;
-        self.enter(slot, false)?;
-        // SAFETY: the slot is mapped and counted as in use, so it cannot be unmapped
-        // during the copy; the range is inside the page (checked above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.addr(slot).add(offset), buf.as_mut_ptr(), buf.len())
+        let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
+        let r = match self.addr(slot) {
+            Some(addr) => {
+                // SAFETY: the slot is mapped and counted as in use, so it cannot be
+                // unmapped during the copy; the range is inside the page (checked above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(addr.add(offset), buf.as_mut_ptr(), buf.len())
+                };
+                Ok(())
+            }
+            None => self.mem.read(mfn, offset, buf),
         };
-        self.leave(slot);
-        Ok(())
+        self.leave(slot, INFLIGHT_ONE);
+        r
     }
 
     /// Copies bytes into the frame mapped at `slot`; refused for a read-only mapping.
     pub fn write(&self, slot: u32, offset: usize, data: &[u8]) -> Result<(), MemError> {
         check_in_page(offset, data.len())?;
-        self.enter(slot, true)?;
-        // SAFETY: as in `read`; the mapping is writable (checked by `enter`).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.addr(slot).add(offset), data.len())
+        let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
+        let r = match self.addr(slot) {
+            Some(addr) => {
+                // SAFETY: as in `read`; the mapping is writable (checked by `enter`).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), addr.add(offset), data.len())
+                };
+                Ok(())
+            }
+            None => self.mem.write(mfn, offset, data),
         };
-        self.leave(slot);
-        Ok(())
+        self.leave(slot, INFLIGHT_ONE);
+        r
     }
 
     /// Holds the page at `slot` for repeated access (a mapped ring, say) until dropped;
     /// the slot cannot be unmapped meanwhile.
     pub fn page(self: &Arc<Self>, slot: u32) -> Result<MappedPage, MemError> {
-        self.enter(slot, false)?;
+        let mfn = self.enter(slot, false, HOLD_ONE)?;
         let writable = self.state(slot)? == SlotState::ReadWrite;
+        let frame = match self.backend {
+            MapBackend::Table => match FramePage::new(Arc::clone(&self.mem), mfn) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    self.leave(slot, HOLD_ONE);
+                    return Err(e);
+                }
+            },
+            MapBackend::Mmap => None,
+        };
         Ok(MappedPage {
             window: Arc::clone(self),
             slot,
             writable,
+            frame,
         })
     }
 }
 
 impl Drop for MapWindow {
     fn drop(&mut self) {
-        // SAFETY: unmaps the whole reservation (with any frames still mapped in it);
-        // `&mut self` means no accessor or `MappedPage` (which holds an Arc) is alive.
-        unsafe {
-            libc::munmap(
-                self.base.as_ptr().cast(),
-                self.slots.max(1) as usize * PAGE_SIZE,
-            )
-        };
+        if let Some(base) = self.base {
+            // SAFETY: unmaps the whole reservation (with any frames still mapped in it);
+            // `&mut self` means no accessor or `MappedPage` (which holds an Arc) is alive.
+            unsafe { libc::munmap(base.as_ptr().cast(), self.slots.max(1) as usize * PAGE_SIZE) };
+        }
     }
 }
 
-/// A mapped window slot held open for access; see [`MapWindow::page`].
+/// A mapped window slot held open for access; see [`MapWindow::page`]. Holding it keeps
+/// the translation, as a kernel keeps a pointer into a page it mapped: the slot cannot
+/// be unmapped while it lives.
 #[derive(Debug)]
 pub struct MappedPage {
     window: Arc<MapWindow>,
     slot: u32,
     writable: bool,
+    /// The frame, translated once (the `Table` backend); `None`: through the reserved
+    /// address (the `Mmap` backend).
+    frame: Option<FramePage>,
 }
 
 impl MappedPage {
@@ -302,16 +457,27 @@ impl MappedPage {
             return Err(MemError::Misaligned(offset));
         }
         check_in_page(offset, len)?;
+        let addr = self
+            .window
+            .addr(self.slot)
+            .ok_or(MemError::NotMapped(self.slot))?;
         // SAFETY: in bounds of the page (checked), which stays mapped while `self` lives.
-        Ok(unsafe { self.window.addr(self.slot).add(offset) })
+        Ok(unsafe { addr.add(offset) })
+    }
+
+    #[inline]
+    fn writable(&self) -> Result<(), MemError> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(MemError::ReadOnly(self.slot))
+        }
     }
 
     #[inline]
     fn atomic_at(&self, offset: usize, size: usize) -> Result<*mut u8, MemError> {
         // Atomics are read-modify-write capable: refuse them on a read-only mapping.
-        if !self.writable {
-            return Err(MemError::ReadOnly(self.slot));
-        }
+        self.writable()?;
         self.at(offset, size, size)
     }
 }
@@ -319,6 +485,9 @@ impl MappedPage {
 impl PageAccess for MappedPage {
     #[inline]
     fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
+        if let Some(f) = &self.frame {
+            return f.read(offset, buf);
+        }
         let p = self.at(offset, buf.len(), 1)?;
         // SAFETY: `p..p+len` is in the held, mapped page; `buf` is separate memory.
         unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
@@ -326,14 +495,18 @@ impl PageAccess for MappedPage {
     }
     #[inline]
     fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
+        if let Some(f) = &self.frame {
+            return f.read_obj(offset);
+        }
         let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
         // SAFETY: in the held, mapped page; `T` is Pod; unaligned-tolerant load.
         Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
     }
     #[inline]
     fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
-        if !self.writable {
-            return Err(MemError::ReadOnly(self.slot));
+        self.writable()?;
+        if let Some(f) = &self.frame {
+            return f.write_obj(offset, v);
         }
         let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
         // SAFETY: in the held, writable mapped page; `T` is Pod.
@@ -342,8 +515,9 @@ impl PageAccess for MappedPage {
     }
     #[inline]
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
-        if !self.writable {
-            return Err(MemError::ReadOnly(self.slot));
+        self.writable()?;
+        if let Some(f) = &self.frame {
+            return f.write(offset, data);
         }
         let p = self.at(offset, data.len(), 1)?;
         // SAFETY: as in `read`; the mapping is writable.
@@ -352,18 +526,30 @@ impl PageAccess for MappedPage {
     }
     #[inline]
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
+        if let Some(f) = &self.frame {
+            self.writable()?;
+            return f.atomic_u16(offset);
+        }
         let p = self.atomic_at(offset, 2)?;
         // SAFETY: aligned, in a writable mapped page that outlives the borrow of `self`.
         Ok(unsafe { AtomicU16::from_ptr(p.cast()) })
     }
     #[inline]
     fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, MemError> {
+        if let Some(f) = &self.frame {
+            self.writable()?;
+            return f.atomic_u32(offset);
+        }
         let p = self.atomic_at(offset, 4)?;
         // SAFETY: as in `atomic_u16`.
         Ok(unsafe { AtomicU32::from_ptr(p.cast()) })
     }
     #[inline]
     fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
+        if let Some(f) = &self.frame {
+            self.writable()?;
+            return f.atomic_u64(offset);
+        }
         let p = self.atomic_at(offset, 8)?;
         // SAFETY: as in `atomic_u16`.
         Ok(unsafe { AtomicU64::from_ptr(p.cast()) })
@@ -372,7 +558,7 @@ impl PageAccess for MappedPage {
 
 impl Drop for MappedPage {
     fn drop(&mut self) {
-        self.window.leave(self.slot);
+        self.window.leave(self.slot, HOLD_ONE);
     }
 }
 
@@ -380,31 +566,114 @@ impl Drop for MappedPage {
 mod tests {
     use super::*;
 
+    const BACKENDS: [MapBackend; 2] = [MapBackend::Table, MapBackend::Mmap];
+
     #[test]
     fn a_mapping_shows_the_frame_and_unmap_removes_it() {
-        let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
-        mem.write(Mfn(5), 10, b"hello").expect("write");
-        let w = Arc::new(MapWindow::new(Arc::clone(&mem), 4).expect("window"));
-        let mut b = [0u8; 5];
-        assert_eq!(w.read(1, 10, &mut b), Err(MemError::NotMapped(1)));
-        w.map(1, Mfn(5), false).expect("map");
-        w.read(1, 10, &mut b).expect("read");
-        assert_eq!(&b, b"hello");
-        assert_eq!(w.write(1, 0, b"x"), Err(MemError::ReadOnly(1)));
-        assert_eq!(w.map(1, Mfn(6), true), Err(MemError::AlreadyMapped(1)));
-        {
-            let held = w.page(1).expect("held");
-            assert_eq!(w.unmap(1), Err(MemError::InUse(1)));
-            assert_eq!(held.read_obj::<u8>(10), Ok(b'h'));
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
+            mem.write(Mfn(5), 10, b"hello").expect("write");
+            let w =
+                Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("window"));
+            let mut b = [0u8; 5];
+            assert_eq!(w.read(1, 10, &mut b), Err(MemError::NotMapped(1)));
+            w.map(1, Mfn(5), false).expect("map");
+            w.read(1, 10, &mut b).expect("read");
+            assert_eq!(&b, b"hello");
+            assert_eq!(w.write(1, 0, b"x"), Err(MemError::ReadOnly(1)));
+            assert_eq!(w.map(1, Mfn(6), true), Err(MemError::AlreadyMapped(1)));
+            {
+                let held = w.page(1).expect("held");
+                assert_eq!(w.unmap(1), Err(MemError::InUse(1)), "{backend:?}");
+                assert_eq!(held.read_obj::<u8>(10), Ok(b'h'));
+                assert_eq!(held.write(0, b"x"), Err(MemError::ReadOnly(1)));
+                assert!(held.atomic_u32(0).is_err(), "no atomics on a read-only map");
+            }
+            assert_eq!(w.unmap(1), Ok(Mfn(5)));
+            assert_eq!(w.read(1, 10, &mut b), Err(MemError::NotMapped(1)));
+            assert_eq!(w.unmap(1), Err(MemError::NotMapped(1)));
+            // Writable mapping: writes land in machine memory, held or not.
+            w.map(2, Mfn(6), true).expect("map rw");
+            w.write(2, 0, b"abc").expect("write");
+            w.page(2).expect("held").write(3, b"d").expect("held write");
+            let mut c = [0u8; 4];
+            mem.read(Mfn(6), 0, &mut c).expect("read");
+            assert_eq!(&c, b"abcd");
+            assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
+            assert_eq!(w.map(3, Mfn(8), true), Err(MemError::NoSuchFrame(8)));
         }
-        assert_eq!(w.unmap(1), Ok(Mfn(5)));
-        assert_eq!(w.read(1, 10, &mut b), Err(MemError::NotMapped(1)));
-        // Writable mapping: writes land in machine memory.
-        w.map(2, Mfn(6), true).expect("map rw");
-        w.write(2, 0, b"abc").expect("write");
-        let mut c = [0u8; 3];
-        mem.read(Mfn(6), 0, &mut c).expect("read");
-        assert_eq!(&c, b"abc");
-        assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
+    }
+
+    #[test]
+    fn a_batch_of_unmaps_shoots_down_once_and_refuses_only_held_slots() {
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(64).expect("memfd"));
+            let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 40, backend).expect("w"));
+            for s in 0..32 {
+                w.map(s, Mfn(s), s % 2 == 0).expect("map");
+            }
+            let held = w.page(7).expect("held");
+            let slots: Vec<u32> = (0..32).chain([35]).collect();
+            let mut out = vec![Ok(Mfn(0)); slots.len()];
+            let before = w.shootdowns();
+            w.unmap_batch(&slots, &mut out);
+            assert_eq!(
+                w.shootdowns(),
+                before + 1,
+                "{backend:?}: one shoot-down per batch"
+            );
+            for (i, r) in out.iter().enumerate() {
+                match i {
+                    7 => assert_eq!(*r, Err(MemError::InUse(7))),
+                    32 => assert_eq!(*r, Err(MemError::NotMapped(35))),
+                    _ => assert_eq!(*r, Ok(Mfn(i as u32))),
+                }
+            }
+            assert_eq!(w.state(7), Ok(SlotState::ReadOnly), "the held slot stays");
+            assert_eq!(w.state(6), Ok(SlotState::Unmapped));
+            drop(held);
+            assert_eq!(w.unmap(7), Ok(Mfn(7)));
+            // Nothing closed, nothing to shoot down.
+            let n = w.shootdowns();
+            w.unmap(7).expect_err("gone");
+            assert_eq!(w.shootdowns(), n);
+        }
+    }
+
+    #[test]
+    fn once_an_unmap_returns_no_access_reaches_the_frame() {
+        use std::sync::atomic::AtomicU32;
+        const N: u32 = 2000;
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(4).expect("memfd"));
+            let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), N, backend).expect("w"));
+            // Slots below `done` were mapped once and unmapped, never to be mapped again.
+            let done = Arc::new(AtomicU32::new(0));
+            let reader = {
+                let (w, done) = (Arc::clone(&w), Arc::clone(&done));
+                std::thread::spawn(move || {
+                    let (mut late, mut raced) = (0u64, 0u64);
+                    let mut page = [0u8; PAGE_SIZE];
+                    loop {
+                        let d = done.load(Ordering::Acquire);
+                        if d > 0 && w.read(d - 1, 0, &mut page).is_ok() {
+                            late += 1;
+                        }
+                        if d == N {
+                            return (late, raced);
+                        }
+                        // Racing the map and unmap of slot `d`: whole pages in flight.
+                        raced += u64::from(w.read(d, 0, &mut page).is_ok());
+                    }
+                })
+            };
+            for s in 0..N {
+                w.map(s, Mfn(1), true).expect("map");
+                w.unmap(s).expect("unmap");
+                done.store(s + 1, Ordering::Release);
+            }
+            let (late, _raced) = reader.join().expect("reader");
+            assert_eq!(late, 0, "{backend:?}");
+        }
     }
 }

@@ -486,6 +486,7 @@ mod tests {
         let hv = Hypervisor::new(HvConfig {
             frames: 1024,
             grant_path: GrantPath::Optimised,
+            ..HvConfig::default()
         })
         .expect("hv");
         let d = hv

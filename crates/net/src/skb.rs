@@ -789,6 +789,7 @@ mod tests {
         let hv = Hypervisor::new(HvConfig {
             frames: 2048,
             grant_path: GrantPath::Optimised,
+            ..HvConfig::default()
         })
         .expect("hv");
         let d = hv

@@ -451,6 +451,7 @@ mod tests {
         let hv = Hypervisor::new(HvConfig {
             frames: 4096,
             grant_path: GrantPath::Optimised,
+            ..HvConfig::default()
         })
         .expect("hv");
         let d = hv

@@ -222,6 +222,7 @@ fn world_with(rx_buffers: RxBuffers) -> World {
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
     })
     .expect("hv");
     let drv = hv

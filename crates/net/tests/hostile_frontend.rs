@@ -155,6 +155,7 @@ fn world() -> World {
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
     })
     .expect("hv");
     let drv = hv

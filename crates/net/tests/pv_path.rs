@@ -48,6 +48,7 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
     let hv = Hypervisor::new(HvConfig {
         frames: 8192,
         grant_path: path,
+        ..HvConfig::default()
     })
     .expect("hv");
     let dom = |name: &str, driver: bool, slots| {
@@ -266,6 +267,7 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         let hv = Hypervisor::new(HvConfig {
             frames: 16384,
             grant_path: GrantPath::Original,
+            ..HvConfig::default()
         })
         .expect("hv");
         let dom = |name: &str, driver: bool, slots| {

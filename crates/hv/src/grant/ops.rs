@@ -784,8 +784,9 @@ impl Hypervisor {
         r
     }
 
-    /// `GNTTABOP_map_grant_ref`: maps each grant into the caller's window with a real
-    /// `mmap(MAP_FIXED)`; one result (a handle or an error) per operation.
+    /// `GNTTABOP_map_grant_ref`: validates and pins each grant and writes its entry in
+    /// the caller's foreign-map table (and its IOMMU context); one result (a handle or an
+    /// error) per operation.
     pub fn grant_map(
         &self,
         caller: &Domain,
@@ -857,8 +858,11 @@ impl Hypervisor {
         }
     }
 
-    /// `GNTTABOP_unmap_grant_ref`: unmaps each mapping (a real page-table update and TLB
-    /// flush) and releases its grant; one status per handle.
+    /// `GNTTABOP_unmap_grant_ref`: clears each mapping's entry, waits once for every
+    /// access still translating through any of them (the shoot-down, one per call as
+    /// `gnttab_unmap_refs` flushes once per batch), and releases the grants; one status
+    /// per handle. A mapping the caller still holds open (a mapped ring) is refused with
+    /// `MappingInUse` and stays.
     pub fn grant_unmap(
         &self,
         caller: &Domain,
@@ -867,26 +871,48 @@ impl Hypervisor {
     ) -> usize {
         let _c = enter(Class::XenGrant);
         let n = handles.len().min(out.len());
-        for (h, o) in handles[..n].iter().zip(out.iter_mut()) {
-            *o = self.unmap_one(caller, *h);
-        }
-        count_errors(caller, out[..n].iter().copied())
-    }
-
-    pub(crate) fn unmap_one(&self, caller: &Domain, h: GrantHandle) -> GrantStatus {
         let mut mt = caller.maptrack.lock().unwrap_or_else(|p| p.into_inner());
-        let e = mt.get(h).ok_or(GrantError::BadHandle(h.0))?;
-        caller.window.unmap(e.slot).map_err(|err| match err {
-            mem::MemError::InUse(_) => GrantError::MappingInUse,
-            mem::MemError::Os(n) => GrantError::Os(n),
-            _ => GrantError::BadHandle(h.0),
-        })?;
-        let e = mt.remove(h).ok_or(GrantError::BadHandle(h.0))?;
+        // The slots of the valid handles, in order (a handle named twice finds its slot
+        // already closed the second time: `BadHandle`).
+        let mut slots = [0u32; UNMAP_BATCH];
+        let mut done = 0;
+        while done < n {
+            let chunk = (n - done).min(UNMAP_BATCH);
+            let mut which = [usize::MAX; UNMAP_BATCH];
+            let mut k = 0;
+            for i in done..done + chunk {
+                out[i] = match mt.get(handles[i]) {
+                    Some(e) => {
+                        slots[k] = e.slot;
+                        which[k] = i;
+                        k += 1;
+                        Ok(())
+                    }
+                    _ => Err(GrantError::BadHandle(handles[i].0)),
+                };
+            }
+            let mut res = [Ok(Mfn(0)); UNMAP_BATCH];
+            caller.window.unmap_batch(&slots[..k], &mut res[..k]);
+            for j in 0..k {
+                let i = which[j];
+                if let Err(err) = res[j] {
+                    out[i] = Err(match err {
+                        mem::MemError::InUse(_) => GrantError::MappingInUse,
+                        mem::MemError::Os(n) => GrantError::Os(n),
+                        _ => GrantError::BadHandle(handles[i].0),
+                    });
+                    continue;
+                }
+                if let Some(e) = mt.remove(handles[i]) {
+                    self.iommu_unmap_grant(caller, e.slot);
+                    self.put_ref(e.mfn, e.writable);
+                    self.unpin(&e.granter, e.gref, e.writable);
+                }
+            }
+            done += chunk;
+        }
         drop(mt);
-        self.iommu_unmap_grant(caller, e.slot);
-        self.put_ref(e.mfn, e.writable);
-        self.unpin(&e.granter, e.gref, e.writable);
-        Ok(())
+        count_errors(caller, out[..n].iter().copied())
     }
 
     /// How many grant mappings `caller` holds (its live maptrack entries): what a
@@ -986,6 +1012,10 @@ fn pin_pair_locked(
 }
 
 /// Counts the failures of a batch against the caller; returns the successes.
+/// Unmaps cleared under one shoot-down (Linux's netback unmaps up to `MAX_PENDING_REQS`
+/// at once; a larger batch is taken in chunks).
+const UNMAP_BATCH: usize = 64;
+
 fn count_errors(caller: &Domain, statuses: impl Iterator<Item = GrantStatus>) -> usize {
     let mut ok = 0;
     for s in statuses {

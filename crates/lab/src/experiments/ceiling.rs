@@ -120,6 +120,7 @@ fn run_once(
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
     })?;
     let dom = |name: &str, driver: bool, slots| {
         hv.create_domain(&DomainConfig {
