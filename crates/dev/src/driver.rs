@@ -71,6 +71,16 @@ pub struct DriverStats {
     pub dma_bounces: u64,
 }
 
+net::counter_set!(DriverStats {
+    rx_packets,
+    rx_no_buffer,
+    rx_errors,
+    tx_packets,
+    tx_ring_full,
+    irqs,
+    dma_bounces
+});
+
 /// The driver of one NIC.
 #[derive(Debug)]
 pub struct NicDriver {

@@ -1,5 +1,7 @@
 //! A machine's final counters: every component's, by name, for the loss account.
 
+use net::counters::CounterSet;
+
 /// (component, counter, value) triples.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Counters {
@@ -20,39 +22,17 @@ impl Counters {
             .map(|e| e.2)
             .sum()
     }
+    /// Adds every nonzero counter of a component's set (a per-reason counter gives one
+    /// entry per reason, `<field> <Reason>`).
+    pub fn add_set(&mut self, comp: &str, set: &impl CounterSet) {
+        set.visit(&mut |name, v| {
+            if v > 0 {
+                self.add(comp, name, v);
+            }
+        });
+    }
     /// Takes in another set.
     pub fn extend(&mut self, other: Counters) {
         self.entries.extend(other.entries);
     }
-}
-
-/// The stack's counters.
-pub fn stack(c: &mut Counters, s: &net::stack::Stack) {
-    let st = s.stats();
-    c.add("stack", "frames", st.frames);
-    c.add("stack", "datagrams", st.datagrams);
-    for r in net::stack::RxDrop::ALL {
-        let n = st.drop_count(r);
-        if n > 0 {
-            c.add("stack", &format!("drop {r:?}"), n);
-        }
-    }
-    c.add("stack", "soft_csums", st.soft_csums);
-}
-
-/// The NIC driver's counters.
-pub fn driver(c: &mut Counters, d: &dev::driver::NicDriver) {
-    let s = d.stats();
-    c.add("driver", "rx_packets", s.rx_packets);
-    c.add("driver", "rx_no_buffer", s.rx_no_buffer);
-    c.add("driver", "rx_errors", s.rx_errors);
-    c.add("driver", "irqs", s.irqs);
-}
-
-/// netfront's counters.
-pub fn netfront(c: &mut Counters, f: &net::netfront::Netfront) {
-    let s = f.stats();
-    c.add("netfront", "rx_packets", s.rx_packets);
-    c.add("netfront", "rx_errors", s.rx_errors.iter().sum());
-    c.add("netfront", "rx_no_buffer", s.rx_no_buffer);
 }

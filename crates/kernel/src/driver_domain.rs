@@ -24,7 +24,7 @@ use net::netback::Vif;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 
 use crate::vcpu::{xen_pirq, Kernel, Work};
-use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET};
 
 /// Packet buffers of the driver domain's pool.
 pub const POOL_BUFFERS: usize = 3072;
@@ -236,18 +236,12 @@ impl Kernel for DriverDomain {
 
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
-        counters::driver(&mut c, &self.nic);
+        c.add_set("driver", self.nic.stats());
         for vif in &self.vifs {
-            let s = vif.stats();
-            c.add("netback", "rx_packets", s.rx_packets);
-            c.add("netback", "rx_queue_full", s.rx_queue_full);
-            c.add("netback", "rx_copy_errors", s.rx_copy_errors);
-            c.add("netback", "rx_stalls", s.rx_stalls);
-            c.add("netback", "rx_oversize", s.rx_oversize);
+            c.add_set("netback", vif.stats());
+            c.add_set("netback tx checks", vif.tx_check_stats());
         }
-        let b = self.bridge.stats();
-        c.add("bridge", "forwarded", b.forwarded);
-        c.add("bridge", "dropped", b.drops.iter().sum());
+        c.add_set("bridge", self.bridge.stats());
         c.add("bridge", "flood_copy_failures", self.flood_copy_failures);
         self.nic.shutdown(&mut self.pool);
         for vif in self.vifs.drain(..) {

@@ -15,7 +15,7 @@ use net::stack::Stack;
 
 use crate::app::{AppSpec, UdpReceiver};
 use crate::vcpu::{xen_pirq, Kernel, Work};
-use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET};
 
 /// Packet buffers and pages of the kernel's pool.
 pub const POOL_BUFFERS: usize = 3072;
@@ -97,8 +97,9 @@ impl Kernel for NicKernel {
 
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
-        counters::stack(&mut c, &self.stack);
-        counters::driver(&mut c, &self.drv);
+        c.add_set("stack", self.stack.stats());
+        c.add_set("reassembly", self.stack.reasm_stats());
+        c.add_set("driver", self.drv.stats());
         self.drv.shutdown(&mut self.pool);
         self.stack.shutdown(&mut self.pool);
         c

@@ -17,7 +17,7 @@ use net::stack::Stack;
 
 use crate::app::{AppSpec, UdpReceiver};
 use crate::vcpu::{Kernel, Work};
-use crate::{counters, other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET};
 
 /// Packet buffers of a guest's pool.
 pub const POOL_BUFFERS: usize = 3072;
@@ -91,8 +91,9 @@ impl Kernel for PvGuest {
 
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
-        counters::stack(&mut c, &self.stack);
-        counters::netfront(&mut c, &self.front);
+        c.add_set("stack", self.stack.stats());
+        c.add_set("reassembly", self.stack.reasm_stats());
+        c.add_set("netfront", self.front.stats());
         self.stack.shutdown(&mut self.pool);
         c
     }
@@ -184,9 +185,7 @@ impl Kernel for TapGuest {
 
     fn shutdown(self) -> Counters {
         let mut c = Counters::default();
-        let s = self.front.stats();
-        c.add("netfront", "rx_packets", s.rx_packets);
-        c.add("netfront", "rx_errors", s.rx_errors.iter().sum());
+        c.add_set("netfront", self.front.stats());
         c.add("guest", "tx_dropped", self.tx_dropped);
         let t = self.tap.counters();
         let l = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);

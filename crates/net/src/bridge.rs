@@ -11,6 +11,7 @@
 //! is all it does — which is the cost the paper measured with netfilter compiled in and
 //! no rule configured. Switched off, frames skip the hooks entirely.
 
+use crate::counters::PerReason;
 use hv::profile::{enter, Class};
 use smoltcp::wire::{EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Address, Ipv4Packet};
 
@@ -63,6 +64,8 @@ impl BridgeDrop {
         BridgeDrop::Spoofed,
     ];
 }
+
+crate::reason!(BridgeDrop);
 
 /// A hook point of bridge netfilter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,9 +251,15 @@ pub struct BridgeStats {
     pub forwarded: u64,
     /// Frames flooded.
     pub flooded: u64,
-    /// Drops per [`BridgeDrop`] (in `BridgeDrop::ALL` order).
-    pub drops: [u64; BridgeDrop::ALL.len()],
+    /// Drops per [`BridgeDrop`].
+    pub drops: PerReason<BridgeDrop>,
 }
+
+crate::counter_set!(BridgeStats {
+    forwarded,
+    flooded,
+    drops
+});
 
 /// The bridge.
 #[derive(Debug)]
@@ -378,7 +387,7 @@ impl Bridge {
     }
 
     fn count_drop(&mut self, why: BridgeDrop) -> Forward {
-        self.stats.drops[why as usize] += 1;
+        self.stats.drops.add(why);
         Forward::Drop(why)
     }
 
@@ -587,7 +596,13 @@ mod tests {
         f[6] |= 1;
         let id = skb(&mut p, &f);
         assert_eq!(br.input(&p, id, 0), Forward::Drop(BridgeDrop::BadSource));
-        assert_eq!(br.stats().drops[..2], [1, 1]);
+        assert_eq!(
+            (
+                br.stats().drops.get(BridgeDrop::Runt),
+                br.stats().drops.get(BridgeDrop::BadSource)
+            ),
+            (1, 1)
+        );
     }
 
     #[test]
@@ -614,7 +629,7 @@ mod tests {
         // The wire claims the victim's address too.
         let id = skb(&mut p, &frame(victim, attacker));
         assert_eq!(br.input(&p, id, 0), Forward::Drop(BridgeDrop::Spoofed));
-        assert_eq!(br.stats().drops[BridgeDrop::Spoofed as usize], 3);
+        assert_eq!(br.stats().drops.get(BridgeDrop::Spoofed), 3);
         // The victim's traffic still goes to the victim.
         let id = skb(&mut p, &frame(outside, victim));
         assert_eq!(br.input(&p, id, 0), Forward::Port(2));

@@ -13,6 +13,7 @@
 //! acted on.
 
 pub mod bridge;
+pub mod counters;
 pub mod netback;
 pub mod netfront;
 pub mod netif;

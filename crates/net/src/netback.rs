@@ -93,6 +93,21 @@ pub struct VifStats {
     pub notifies: u64,
 }
 
+crate::counter_set!(VifStats {
+    rx_packets,
+    rx_bytes,
+    rx_queue_full,
+    rx_copy_errors,
+    rx_from_grants,
+    rx_stalls,
+    tx_packets,
+    tx_grant_errors,
+    tx_no_buffer,
+    rx_oversize,
+    dropped_disabled,
+    notifies
+});
+
 #[derive(Debug, Clone, Copy, Default)]
 struct Pending {
     handle: Option<GrantHandle>,

@@ -19,6 +19,7 @@
 //! **Transmit.** Each page a packet's bytes lie in is granted read-only and described by
 //! one request; the completion revokes the grants and frees the buffer.
 
+use crate::counters::PerReason;
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
@@ -57,8 +58,8 @@ type Front<P> = FrontRing<P, PageRing<OwnPage>>;
 pub struct FrontStats {
     /// Packets received and handed to the stack.
     pub rx_packets: u64,
-    /// Responses refused, per [`RxError`] (BadId, NotInFlight, CrossesPage, ErrorStatus).
-    pub rx_errors: [u64; 4],
+    /// Responses refused, per [`RxError`].
+    pub rx_errors: PerReason<RxError>,
     /// Packets dropped for want of a packet buffer.
     pub rx_no_buffer: u64,
     /// Packets dropped for a malformed chain (extras not negotiated, too many slots).
@@ -79,6 +80,20 @@ pub struct FrontStats {
     /// Notifications sent to the back end.
     pub notifies: u64,
 }
+
+crate::counter_set!(FrontStats {
+    rx_packets,
+    rx_errors,
+    rx_no_buffer,
+    rx_bad_chain,
+    grants_busy,
+    tx_packets,
+    tx_pinned,
+    tx_bounced_bytes,
+    tx_errors,
+    tx_bad_response,
+    notifies
+});
 
 #[derive(Debug, Clone, Copy)]
 struct RxBuf {
@@ -149,15 +164,6 @@ fn free_buf(pool: &mut SkbPool, gfn: Gfn, skb: Option<SkbId>) {
     match skb {
         Some(s) => pool.free(s),
         None => pool.free_page(gfn),
-    }
-}
-
-fn rx_error_index(e: RxError) -> usize {
-    match e {
-        RxError::BadId => 0,
-        RxError::NotInFlight => 1,
-        RxError::CrossesPage => 2,
-        RxError::ErrorStatus => 3,
     }
 }
 
@@ -393,7 +399,7 @@ impl Netfront {
             let len = match check_rx_response(&rsp, &mut self.inflight) {
                 Ok(l) => l,
                 Err(e) => {
-                    self.stats.rx_errors[rx_error_index(e)] += 1;
+                    self.stats.rx_errors.add(e);
                     if matches!(e, RxError::CrossesPage | RxError::ErrorStatus) {
                         // The id was ours: take the buffer back.
                         if let Some((g, s)) = self.reclaim(rsp.id) {

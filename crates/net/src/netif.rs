@@ -3,6 +3,7 @@
 //! Names are netif.h's, TX and RX from the front end's point of view: TX carries packets
 //! from the guest to the back end, RX from the back end into buffers the guest posted.
 
+use crate::counters::PerReason;
 use ring::RingProtocol;
 
 // --- Layouts ----------------------------------------------------------------------
@@ -242,9 +243,6 @@ impl TxDrop {
         TxDrop::ZeroLengthSlot,
         TxDrop::PacketTooShort,
     ];
-    fn index(self) -> usize {
-        self as usize
-    }
 }
 
 impl TxFatal {
@@ -257,9 +255,6 @@ impl TxFatal {
         TxFatal::GsoSizeZero,
         TxFatal::BadGsoType,
     ];
-    fn index(self) -> usize {
-        self as usize
-    }
 }
 
 /// One data slot of a packet, as validated.
@@ -342,34 +337,53 @@ pub enum TxVerdict {
     Fatal(TxFatal),
 }
 
+crate::reason!(TxDrop);
+crate::reason!(TxFatal);
+
+impl RxError {
+    /// Every reason, in counter order.
+    pub const ALL: [RxError; 4] = [
+        RxError::BadId,
+        RxError::NotInFlight,
+        RxError::CrossesPage,
+        RxError::ErrorStatus,
+    ];
+}
+crate::reason!(RxError);
+
 /// Per-interface counters of the TX checks; each reason has one. Invariant:
-/// `packets + sum(drops) + sum(fatals) == chains examined`.
+/// `packets + drops.total() + fatals.total() == chains examined`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TxCheckStats {
     /// Valid packets.
     pub packets: u64,
-    /// Dropped packets, per [`TxDrop`] (in `TxDrop::ALL` order).
-    pub drops: [u64; 4],
-    /// Fatal errors, per [`TxFatal`] (in `TxFatal::ALL` order).
-    pub fatals: [u64; 6],
+    /// Dropped packets, per [`TxDrop`].
+    pub drops: PerReason<TxDrop>,
+    /// Fatal errors, per [`TxFatal`].
+    pub fatals: PerReason<TxFatal>,
 }
+crate::counter_set!(TxCheckStats {
+    packets,
+    drops,
+    fatals
+});
 
 impl TxCheckStats {
     /// Counts a verdict.
     pub fn count(&mut self, v: &TxVerdict) {
         match v {
             TxVerdict::Packet(_) => self.packets += 1,
-            TxVerdict::Drop(r, _) => self.drops[r.index()] += 1,
-            TxVerdict::Fatal(r) => self.fatals[r.index()] += 1,
+            TxVerdict::Drop(r, _) => self.drops.add(*r),
+            TxVerdict::Fatal(r) => self.fatals.add(*r),
         }
     }
     /// Drops for one reason.
     pub fn drop_count(&self, r: TxDrop) -> u64 {
-        self.drops[r.index()]
+        self.drops.get(r)
     }
     /// Fatal errors for one reason.
     pub fn fatal_count(&self, r: TxFatal) -> u64 {
-        self.fatals[r.index()]
+        self.fatals.get(r)
     }
 }
 
@@ -767,10 +781,7 @@ mod tests {
         assert_eq!(st.packets, 1);
         assert_eq!(st.drop_count(TxDrop::PacketTooShort), 1);
         assert_eq!(st.fatal_count(TxFatal::CrossesPage), 1);
-        assert_eq!(
-            st.packets + st.drops.iter().sum::<u64>() + st.fatals.iter().sum::<u64>(),
-            3
-        );
+        assert_eq!(st.packets + st.drops.total() + st.fatals.total(), 3);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! every context is busy the oldest is evicted. Each outcome has a counter. Time is an
 //! input (`now`), so tests are deterministic.
 
+use crate::counters::PerReason;
 use std::time::Duration;
 
 use smoltcp::wire::{IpProtocol, Ipv4Address};
@@ -65,6 +66,8 @@ impl ReasmDrop {
     ];
 }
 
+crate::reason!(ReasmDrop);
+
 /// Counters. `datagrams` counts completed reassemblies (and whole datagrams passed
 /// through); `drops` counts dropped datagrams per reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -73,14 +76,20 @@ pub struct ReasmStats {
     pub fragments: u64,
     /// Datagrams delivered.
     pub datagrams: u64,
-    /// Datagrams dropped, per [`ReasmDrop`] (in `ReasmDrop::ALL` order).
-    pub drops: [u64; 7],
+    /// Datagrams dropped, per [`ReasmDrop`].
+    pub drops: PerReason<ReasmDrop>,
 }
+
+crate::counter_set!(ReasmStats {
+    fragments,
+    datagrams,
+    drops
+});
 
 impl ReasmStats {
     /// Drops for one reason.
     pub fn drop_count(&self, r: ReasmDrop) -> u64 {
-        self.drops[r as usize]
+        self.drops.get(r)
     }
 }
 
@@ -244,7 +253,7 @@ impl<T: Copy + Default> Reassembler<T> {
                 n += 1;
             }
         }
-        self.stats.drops[ReasmDrop::Timeout as usize] += n as u64;
+        self.stats.drops.add_n(ReasmDrop::Timeout, n as u64);
         n
     }
 
@@ -264,7 +273,7 @@ impl<T: Copy + Default> Reassembler<T> {
         if let Some(i) = i {
             self.contexts[i].reset(release);
         }
-        self.stats.drops[why as usize] += 1;
+        self.stats.drops.add(why);
         why
     }
 

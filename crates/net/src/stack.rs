@@ -10,6 +10,7 @@
 //! and each socket queue has a byte budget (`SO_RCVBUF`), past which datagrams are
 //! dropped and counted.
 
+use crate::counters::PerReason;
 use std::time::Duration;
 
 use hv::profile::{enter, Class};
@@ -69,6 +70,8 @@ impl RxDrop {
     ];
 }
 
+crate::reason!(RxDrop);
+
 /// Counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StackStats {
@@ -76,20 +79,27 @@ pub struct StackStats {
     pub frames: u64,
     /// Datagrams queued to sockets.
     pub datagrams: u64,
-    /// Drops per [`RxDrop`] (in `RxDrop::ALL` order).
-    pub drops: [u64; 12],
+    /// Drops per [`RxDrop`].
+    pub drops: PerReason<RxDrop>,
     /// Checksums verified in software (not by the device or the back end).
     pub soft_csums: u64,
 }
 
+crate::counter_set!(StackStats {
+    frames,
+    datagrams,
+    drops,
+    soft_csums
+});
+
 impl StackStats {
     /// Drops for one reason.
     pub fn drop_count(&self, r: RxDrop) -> u64 {
-        self.drops[r as usize]
+        self.drops.get(r)
     }
     /// All drops.
     pub fn drops_total(&self) -> u64 {
-        self.drops.iter().sum()
+        self.drops.total()
     }
 }
 
@@ -207,7 +217,7 @@ impl Stack {
     }
 
     fn drop(&mut self, pool: &mut SkbPool, skb: SkbId, why: RxDrop) {
-        self.stats.drops[why as usize] += 1;
+        self.stats.drops.add(why);
         pool.free(skb);
     }
 
@@ -280,7 +290,7 @@ impl Stack {
             pool.free(id);
         }
         if r.is_err() {
-            self.stats.drops[RxDrop::Reassembly as usize] += 1;
+            self.stats.drops.add(RxDrop::Reassembly);
             return;
         }
         let Some((&head, rest)) = self.pieces.split_first() else {

@@ -12,7 +12,7 @@ use hv::{
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{
-    RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
+    RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
     NETTXF_MORE_DATA, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
 use net::skb::{Frag, FragPage, SkbPool, NET_SKB_PAD};
@@ -321,8 +321,8 @@ fn rx_ids_out_of_range_or_not_in_flight_are_counted_and_dropped() {
     w.raw.publish();
     assert_eq!(w.poll(), vec![data], "only the real answer is delivered");
     let st = w.front.stats();
-    assert_eq!(st.rx_errors[0], 1, "bad id");
-    assert_eq!(st.rx_errors[1], 1, "not in flight");
+    assert_eq!(st.rx_errors.get(RxError::BadId), 1, "bad id");
+    assert_eq!(st.rx_errors.get(RxError::NotInFlight), 1, "not in flight");
     assert_eq!(st.rx_packets, 1);
     w.still_receives(pages);
 }
@@ -343,8 +343,12 @@ fn rx_data_crossing_its_page_or_an_error_status_gives_the_buffer_back() {
     w.raw.publish();
     assert!(w.poll().is_empty());
     let st = w.front.stats();
-    assert_eq!(st.rx_errors[2], 3, "crosses its page");
-    assert_eq!(st.rx_errors[3], 1, "error status");
+    assert_eq!(
+        st.rx_errors.get(RxError::CrossesPage),
+        3,
+        "crosses its page"
+    );
+    assert_eq!(st.rx_errors.get(RxError::ErrorStatus), 1, "error status");
     w.still_receives(pages);
 }
 
@@ -378,7 +382,7 @@ fn rx_extras_never_negotiated_and_overlong_chains_are_dropped() {
     );
     let st = w.front.stats().clone();
     assert!(st.rx_bad_chain >= 3, "{st:?}");
-    assert_eq!(st.rx_errors[0], 1);
+    assert_eq!(st.rx_errors.get(RxError::BadId), 1);
     w.still_receives(pages);
 }
 
@@ -475,7 +479,14 @@ fn a_linear_front_end_takes_data_where_the_back_end_put_it_and_refuses_chains_wh
     assert!(w.poll().is_empty());
     let st = w.front.stats().clone();
     assert_eq!(st.rx_bad_chain, 2, "{st:?}");
-    assert_eq!((st.rx_errors[0], st.rx_errors[2]), (1, 1), "{st:?}");
+    assert_eq!(
+        (
+            st.rx_errors.get(RxError::BadId),
+            st.rx_errors.get(RxError::CrossesPage)
+        ),
+        (1, 1),
+        "{st:?}"
+    );
     assert_eq!(st.rx_packets, 1);
     w.still_receives(pages);
 }
