@@ -182,3 +182,43 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
         assert_eq!(c.corrupt.load(Ordering::Relaxed), 1, "{layout}");
     }
 }
+
+#[test]
+fn a_broadcast_from_the_wire_reaches_every_guest_once() {
+    let count = 20;
+    let mut bcast = flow_to(2);
+    bcast.dst_mac = [0xff; 6];
+    let frames = messages(bcast, 100, count, None);
+    let (spec2, seen2) = app(flow_to(2), 100);
+    let mut guests = vec![GuestSpec {
+        name: "guest2".into(),
+        mac: flow_to(2).dst_mac,
+        rx_buffers: RxBuffers::Fragments,
+        above: Above::App(spec2),
+    }];
+    for h in [3u8, 4] {
+        guests.push(GuestSpec {
+            name: format!("guest{h}"),
+            mac: flow_to(h).dst_mac,
+            rx_buffers: RxBuffers::Fragments,
+            above: Above::App(app(flow_to(h), 100).0),
+        });
+    }
+    let m = Machine::start(spec(
+        frames,
+        Layout::DriverDomain {
+            netfilter: false,
+            guests,
+        },
+    ))
+    .expect("machine");
+    // The frames carry guest 2's IP address: its application takes them; the other
+    // guests' stacks drop them as not theirs, after netfront took them in.
+    wait_for(&seen2, count as u64);
+    std::thread::sleep(Duration::from_millis(200));
+    let c = m.stop().expect("stop");
+    assert_eq!(c.get("bridge", "flooded"), count as u64, "{c:?}");
+    assert_eq!(c.get("netback", "rx_packets"), 3 * count as u64, "{c:?}");
+    assert_eq!(c.get("netfront", "rx_packets"), 3 * count as u64, "{c:?}");
+    assert_eq!(c.get("bridge", "flood_copy_failures"), 0);
+}
