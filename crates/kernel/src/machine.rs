@@ -130,6 +130,11 @@ pub struct Machine {
     native_irq: Option<Arc<NativeIrq>>,
 }
 
+/// Starts the NIC of `spec` with its interrupt on `irq`.
+fn start_nic(hv: &Arc<Hypervisor>, irq: IrqLine, spec: NicSpec) -> Result<Nic, BuildError> {
+    Nic::start(hv, NIC, irq, spec.coalesce, spec.source, spec.sink).map_err(other)
+}
+
 /// Core `i` if the machine has it (else the vCPU floats).
 fn core(i: usize) -> Option<usize> {
     (mem::cpu::online_cores() > i).then_some(i)
@@ -183,15 +188,7 @@ impl Machine {
                 hv.iommu_attach(NIC, &dom).map_err(other)?;
                 let irq = Arc::new(NativeIrq::default());
                 m.native_irq = Some(Arc::clone(&irq));
-                let nic = Nic::start(
-                    &hv,
-                    NIC,
-                    IrqLine::Native(Arc::clone(&irq)),
-                    n.coalesce,
-                    n.source,
-                    n.sink,
-                )
-                .map_err(other)?;
+                let nic = start_nic(&hv, IrqLine::Native(Arc::clone(&irq)), n)?;
                 let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
                 m.nic = Some(nic);
                 m.boot(
@@ -207,18 +204,14 @@ impl Machine {
                 let dom = mk(&hv, "guest", false, 4)?;
                 hv.iommu_attach(NIC, &dom).map_err(other)?;
                 let pirq = hv.bind_irq(&dom, NIC_VECTOR).map_err(other)?;
-                let nic = Nic::start(
+                let nic = start_nic(
                     &hv,
-                    NIC,
                     IrqLine::Hypervisor {
                         hv: Arc::clone(&hv),
                         vector: NIC_VECTOR,
                     },
-                    n.coalesce,
-                    n.source,
-                    n.sink,
-                )
-                .map_err(other)?;
+                    n,
+                )?;
                 let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
                 m.nic = Some(nic);
                 m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
@@ -232,18 +225,14 @@ impl Machine {
                     .collect::<Result<Vec<_>, _>>()?;
                 hv.iommu_attach(NIC, &drv).map_err(other)?;
                 let pirq = hv.bind_irq(&drv, NIC_VECTOR).map_err(other)?;
-                let nic = Nic::start(
+                let nic = start_nic(
                     &hv,
-                    NIC,
                     IrqLine::Hypervisor {
                         hv: Arc::clone(&hv),
                         vector: NIC_VECTOR,
                     },
-                    n.coalesce,
-                    n.source,
-                    n.sink,
-                )
-                .map_err(other)?;
+                    n,
+                )?;
                 // The toolstack and each vif's handshake, then each guest's pool with
                 // netfront's RX ring filled.
                 let mut vifs = Vec::with_capacity(guests.len());

@@ -348,6 +348,20 @@ fn machine_with(
     Ok(Machine { hv, drv, guest })
 }
 
+/// A fresh page of `guest`, granted writable to `to`.
+fn grant_fresh_page(guest: &Domain, to: &Domain) -> Result<GrantRef, LabError> {
+    let g = guest.alloc_page().map_err(other)?;
+    let r = guest
+        .grant_table()
+        .alloc_ref()
+        .ok_or_else(|| LabError::Other("no grant ref".into()))?;
+    guest
+        .grant_table()
+        .grant_access(r, to.id(), g, false)
+        .map_err(other)?;
+    Ok(r)
+}
+
 /// Any displayable failure as a lab error.
 fn other(e: impl std::fmt::Display) -> LabError {
     LabError::Other(e.to_string())
@@ -559,16 +573,7 @@ impl CopyBench {
                 let l = drv.alloc_page().map_err(other)?;
                 drv.fill(l, 0, PAGE_SIZE, i as u8).map_err(other)?;
                 locals.push(l);
-                let g = guest.alloc_page().map_err(other)?;
-                let r = guest
-                    .grant_table()
-                    .alloc_ref()
-                    .ok_or_else(|| LabError::Other("no grant ref".into()))?;
-                guest
-                    .grant_table()
-                    .grant_access(r, drv.id(), g, false)
-                    .map_err(other)?;
-                refs.push(r);
+                refs.push(grant_fresh_page(&guest, &drv)?);
             }
             let gid = guest.id();
             Ok((hv, drv, locals, refs, gid))
@@ -641,18 +646,9 @@ fn map_unmap_ns(
         machine_with(1024, 64, GrantVersion::V1, GrantPath::Optimised, backend)?;
     let mut ops = Vec::with_capacity(batch);
     for slot in 0..batch as u32 {
-        let g = guest.alloc_page().map_err(other)?;
-        let r = guest
-            .grant_table()
-            .alloc_ref()
-            .ok_or_else(|| LabError::Other("no ref".into()))?;
-        guest
-            .grant_table()
-            .grant_access(r, drv.id(), g, false)
-            .map_err(other)?;
         ops.push(MapOp {
             dom: guest.id(),
-            gref: r,
+            gref: grant_fresh_page(&guest, &drv)?,
             readonly: false,
             slot,
         });
