@@ -24,7 +24,7 @@ use dev::nic::{Coalesce, Nic, NicRegs};
 use dev::tap::TapPort;
 use dev::wire::{WireSink, WireSource};
 use hv::{
-    DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, VcpuStart,
+    DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port, VcpuStart,
     Vector, WaitMode,
 };
 use net::netfront::RxBuffers;
@@ -135,6 +135,22 @@ fn start_nic(hv: &Arc<Hypervisor>, irq: IrqLine, spec: NicSpec) -> Result<Nic, B
     Nic::start(hv, NIC, irq, spec.coalesce, spec.source, spec.sink).map_err(other)
 }
 
+/// Assigns the NIC of `spec` to `dom` under the hypervisor: its DMA through `dom`'s IOMMU
+/// context, its interrupt a physical IRQ bound to one of `dom`'s ports (returned).
+fn assign_nic(
+    hv: &Arc<Hypervisor>,
+    dom: &Arc<Domain>,
+    spec: NicSpec,
+) -> Result<(Nic, Port), BuildError> {
+    hv.iommu_attach(NIC, dom).map_err(other)?;
+    let pirq = hv.bind_irq(dom, NIC_VECTOR).map_err(other)?;
+    let line = IrqLine::Hypervisor {
+        hv: Arc::clone(hv),
+        vector: NIC_VECTOR,
+    };
+    Ok((start_nic(hv, line, spec)?, pirq))
+}
+
 /// Core `i` if the machine has it (else the vCPU floats).
 fn core(i: usize) -> Option<usize> {
     (mem::cpu::online_cores() > i).then_some(i)
@@ -202,16 +218,7 @@ impl Machine {
             }
             Layout::Direct(app) => {
                 let dom = mk(&hv, "guest", false, 4)?;
-                hv.iommu_attach(NIC, &dom).map_err(other)?;
-                let pirq = hv.bind_irq(&dom, NIC_VECTOR).map_err(other)?;
-                let nic = start_nic(
-                    &hv,
-                    IrqLine::Hypervisor {
-                        hv: Arc::clone(&hv),
-                        vector: NIC_VECTOR,
-                    },
-                    n,
-                )?;
+                let (nic, pirq) = assign_nic(&hv, &dom, n)?;
                 let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
                 m.nic = Some(nic);
                 m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
@@ -223,16 +230,7 @@ impl Machine {
                     .iter()
                     .map(|g| mk(&hv, &g.name, false, 4))
                     .collect::<Result<Vec<_>, _>>()?;
-                hv.iommu_attach(NIC, &drv).map_err(other)?;
-                let pirq = hv.bind_irq(&drv, NIC_VECTOR).map_err(other)?;
-                let nic = start_nic(
-                    &hv,
-                    IrqLine::Hypervisor {
-                        hv: Arc::clone(&hv),
-                        vector: NIC_VECTOR,
-                    },
-                    n,
-                )?;
+                let (nic, pirq) = assign_nic(&hv, &drv, n)?;
                 // The toolstack and each vif's handshake, then each guest's pool with
                 // netfront's RX ring filled.
                 let mut vifs = Vec::with_capacity(guests.len());
