@@ -154,12 +154,6 @@ impl PacedSender {
     pub fn counters(&self) -> &Arc<SenderCounters> {
         &self.counters
     }
-    /// The payload of prebuilt message `m` (what a receiver should get).
-    pub fn payload_of(message: usize, m: usize) -> Vec<u8> {
-        (0..message)
-            .map(|i| net::wire::payload_byte((m % PREBUILT) as u8, i))
-            .collect()
-    }
 }
 
 impl WireSource for PacedSender {

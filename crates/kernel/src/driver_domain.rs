@@ -24,10 +24,8 @@ use net::netback::Vif;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 
 use crate::vcpu::{xen_pirq, Kernel, Work};
-use crate::{other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
-/// Packet buffers of the driver domain's pool.
-pub const POOL_BUFFERS: usize = 3072;
 /// Pages of its pool (it posts 2 KiB heads to the NIC; pages only for copies).
 pub const POOL_PAGES: usize = 64;
 /// The bridge port of the NIC.

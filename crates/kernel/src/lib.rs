@@ -28,6 +28,9 @@ pub mod vcpu;
 pub use counters::Counters;
 pub use vcpu::{Kernel, Platform, Work};
 
+/// Packet buffers of each kernel's pool (its pages differ by kernel).
+pub const POOL_BUFFERS: usize = 3072;
+
 /// Packets one NAPI poll may take (Linux's default weight).
 pub const NAPI_BUDGET: usize = 64;
 

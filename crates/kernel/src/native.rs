@@ -15,10 +15,8 @@ use net::stack::Stack;
 
 use crate::app::{AppSpec, UdpReceiver};
 use crate::vcpu::{xen_pirq, Kernel, Work};
-use crate::{other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
-/// Packet buffers and pages of the kernel's pool.
-pub const POOL_BUFFERS: usize = 3072;
 /// Pages of the pool (page fragments and page-sized heads).
 pub const POOL_PAGES: usize = 640;
 

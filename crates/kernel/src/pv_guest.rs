@@ -17,10 +17,8 @@ use net::stack::Stack;
 
 use crate::app::{AppSpec, UdpReceiver};
 use crate::vcpu::{Kernel, Work};
-use crate::{other, BuildError, Counters, NAPI_BUDGET};
+use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
-/// Packet buffers of a guest's pool.
-pub const POOL_BUFFERS: usize = 3072;
 /// Pages of a guest's pool: the 256 pages netfront posts, and TX heads of a page each.
 pub const POOL_PAGES: usize = 640;
 
