@@ -29,8 +29,8 @@ use mem::MappedPage;
 use ring::{BackRing, PageRing};
 
 use crate::netif::{
-    read_tx_packet, RxResponse, RxRing, TxCheckStats, TxFatal, TxResponse, TxRing, TxVerdict,
-    FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
+    read_tx_packet, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse, TxRing,
+    TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
     XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
@@ -114,12 +114,15 @@ struct Pending {
     id: u16,
 }
 
+/// One request a guest-RX batch took, and the bytes its buffer receives.
 #[derive(Debug, Clone, Copy)]
 struct RxMeta {
     id: u16,
     size: u16,
 }
 
+/// One packet of a guest-RX batch: its copies and its requests, as ranges of the
+/// batch's vectors.
 #[derive(Debug, Clone, Copy)]
 struct RxPkt {
     skb: SkbId,
@@ -130,6 +133,132 @@ struct RxPkt {
     csum: bool,
 }
 
+impl RxPkt {
+    fn ops_at(&self) -> std::ops::Range<usize> {
+        self.first_op..self.first_op + self.ops
+    }
+    fn metas_at(&self) -> std::ops::Range<usize> {
+        self.first_meta..self.first_meta + self.metas
+    }
+}
+
+/// What adding one packet to a guest-RX batch found.
+#[derive(Debug, Clone, Copy, Default)]
+struct RxBuilt {
+    /// Some of its bytes are in a page another guest granted.
+    foreign: bool,
+    /// The ring ran dry under a request the check had promised: a protocol break.
+    broken: bool,
+}
+
+/// A guest-RX batch: the grant copies of up to [`RX_BATCH`] packets and the requests
+/// they fill, built before the one hypercall that performs them. Allocated once.
+#[derive(Debug)]
+struct RxBatch {
+    copies: Vec<GrantCopy>,
+    status: Vec<GrantStatus>,
+    meta: Vec<RxMeta>,
+    pkts: Vec<RxPkt>,
+}
+
+impl RxBatch {
+    fn new() -> Self {
+        let max_ops = RX_BATCH * (65536 / PAGE_SIZE + 2);
+        Self {
+            copies: Vec::with_capacity(max_ops),
+            status: vec![Ok(()); max_ops],
+            meta: Vec::with_capacity(max_ops),
+            pkts: Vec::with_capacity(RX_BATCH),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.copies.clear();
+        self.meta.clear();
+        self.pkts.clear();
+    }
+
+    /// Adds a packet: takes one request per page of it from `rx` and fills each
+    /// guest page from offset 0. A packet whose bytes cannot all be walked keeps the
+    /// requests it took, to be answered with errors (no copies).
+    fn add(&mut self, rx: &mut Back<RxRing>, pool: &SkbPool, skb: SkbId, fe: DomId) -> RxBuilt {
+        let (first_meta, first_op) = (self.meta.len(), self.copies.len());
+        let len = pool.len(skb);
+        let mut built = RxBuilt::default();
+        let mut page_off = PAGE_SIZE;
+        let mut gref = 0u32;
+        let (ops, meta) = (&mut self.copies, &mut self.meta);
+        let r = pool.walk(skb, 0, len, |seg, _| {
+            // A page of our own is copied from; a page another guest granted (a packet
+            // it sent, forwarded by the bridge) is copied from through its grant, as
+            // Linux netback does for foreign pages: the driver domain's mapping is not
+            // a frame it owns.
+            let source = |offset: usize| match seg.page {
+                SegPage::Own(gfn) => CopyPtr::Local {
+                    gfn,
+                    offset: offset as u16,
+                },
+                SegPage::Window {
+                    grant: (dom, gref), ..
+                } => CopyPtr::Gref {
+                    dom,
+                    gref,
+                    offset: offset as u16,
+                },
+            };
+            built.foreign |= matches!(seg.page, SegPage::Window { .. });
+            let mut done = 0;
+            while done < seg.len {
+                if page_off == PAGE_SIZE {
+                    let Ok(Some(req)) = rx.take_request() else {
+                        built.broken = true;
+                        return Ok(());
+                    };
+                    meta.push(RxMeta {
+                        id: req.id,
+                        size: 0,
+                    });
+                    gref = req.gref;
+                    page_off = 0;
+                }
+                let n = (seg.len - done).min(PAGE_SIZE - page_off);
+                ops.push(GrantCopy {
+                    source: source(seg.offset + done),
+                    dest: CopyPtr::Gref {
+                        dom: fe,
+                        gref: GrantRef(gref),
+                        offset: page_off as u16,
+                    },
+                    len: n as u16,
+                });
+                if let Some(m) = meta.last_mut() {
+                    m.size += n as u16;
+                }
+                page_off += n;
+                done += n;
+            }
+            Ok(())
+        });
+        if r.is_err() {
+            // Requests already taken still need answers: error ones.
+            self.copies.truncate(first_op);
+            for m in &mut self.meta[first_meta..] {
+                m.size = 0;
+            }
+        }
+        self.pkts.push(RxPkt {
+            skb,
+            first_meta,
+            metas: self.meta.len() - first_meta,
+            first_op,
+            ops: self.copies.len() - first_op,
+            csum: pool.csum_valid(skb) && r.is_ok(),
+        });
+        built
+    }
+}
+
+/// One packet of a guest-TX batch, as ranges of the batch's vectors.
 #[derive(Debug, Clone, Copy)]
 struct TxPkt {
     skb: SkbId,
@@ -138,13 +267,73 @@ struct TxPkt {
     overflow: Option<SkbId>,
     copy_op: usize,
     copy_len: usize,
-    /// Index into `map_ops` of its first map, and how many.
+    /// Index into the batch's maps of its first map, and how many.
     first_map: usize,
     maps: usize,
     /// Request id of the first slot when it was copied whole (answered now).
     copied_id: Option<u16>,
     /// Extras to answer with `RSP_NULL`.
     extras: usize,
+}
+
+impl TxPkt {
+    fn maps_at(&self) -> std::ops::Range<usize> {
+        self.first_map..self.first_map + self.maps
+    }
+}
+
+/// A mapped TX slot: the pending entry that holds its mapping until the packet has
+/// left, and the bytes of the page it contributes.
+#[derive(Debug, Clone, Copy)]
+struct TxMapped {
+    pending: u16,
+    offset: u16,
+    len: u16,
+}
+
+/// A guest-TX batch: the header copies and page maps of the packets built, before the
+/// two hypercalls that perform them, and their results. Allocated once.
+#[derive(Debug)]
+struct TxBatch {
+    copies: Vec<GrantCopy>,
+    copy_status: Vec<GrantStatus>,
+    maps: Vec<MapOp>,
+    map_results: Vec<Result<GrantHandle, GrantError>>,
+    /// One per entry of `maps`.
+    mapped: Vec<TxMapped>,
+    pkts: Vec<TxPkt>,
+    /// Responses were pushed and must be published.
+    responses: bool,
+}
+
+impl TxBatch {
+    fn new() -> Self {
+        Self {
+            copies: Vec::with_capacity(MAX_PENDING),
+            copy_status: vec![Ok(()); MAX_PENDING],
+            maps: Vec::with_capacity(MAX_PENDING),
+            map_results: vec![Err(GrantError::BadHandle(0)); MAX_PENDING],
+            mapped: Vec::with_capacity(MAX_PENDING),
+            pkts: Vec::with_capacity(MAX_PENDING),
+            responses: false,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.copies.clear();
+        self.maps.clear();
+        self.mapped.clear();
+        self.pkts.clear();
+        self.responses = false;
+    }
+}
+
+/// The unmaps of one release: handles, the pending entries they free, their status.
+#[derive(Debug)]
+struct Unmaps {
+    handles: Vec<GrantHandle>,
+    pending: Vec<u16>,
+    status: Vec<GrantStatus>,
 }
 
 /// One virtual interface's back end.
@@ -163,19 +352,9 @@ pub struct Vif {
     rx_queue: SkbQueue,
     /// The front end takes packets over several slots (`feature-sg`).
     can_sg: bool,
-    // Scratch, allocated once.
-    copy_ops: Vec<GrantCopy>,
-    copy_status: Vec<GrantStatus>,
-    rx_meta: Vec<RxMeta>,
-    rx_pkts: Vec<RxPkt>,
-    map_ops: Vec<MapOp>,
-    map_pending: Vec<u16>,
-    map_results: Vec<Result<GrantHandle, GrantError>>,
-    tx_pkts: Vec<TxPkt>,
-    tx_frags: Vec<(u16, u16)>,
-    unmap_handles: Vec<GrantHandle>,
-    unmap_pending: Vec<u16>,
-    unmap_status: Vec<GrantStatus>,
+    rxb: RxBatch,
+    txb: TxBatch,
+    unmaps: Unmaps,
     pending: Box<[Pending]>,
     pending_free: Vec<u16>,
     tx_check: TxCheckStats,
@@ -292,7 +471,6 @@ impl Vif {
             let _ = hv.evtchn_close(dom, port);
             return Err(e.into());
         }
-        let max_ops = RX_BATCH * (65536 / PAGE_SIZE + 2);
         Ok(Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
@@ -306,18 +484,13 @@ impl Vif {
             slot_base,
             rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
             can_sg,
-            copy_ops: Vec::with_capacity(max_ops),
-            copy_status: vec![Ok(()); max_ops],
-            rx_meta: Vec::with_capacity(max_ops),
-            rx_pkts: Vec::with_capacity(RX_BATCH),
-            map_ops: Vec::with_capacity(MAX_PENDING),
-            map_pending: Vec::with_capacity(MAX_PENDING),
-            map_results: vec![Err(GrantError::BadHandle(0)); MAX_PENDING],
-            tx_pkts: Vec::with_capacity(MAX_PENDING),
-            tx_frags: Vec::with_capacity(MAX_PENDING),
-            unmap_handles: Vec::with_capacity(MAX_PENDING),
-            unmap_pending: Vec::with_capacity(MAX_PENDING),
-            unmap_status: vec![Ok(()); MAX_PENDING],
+            rxb: RxBatch::new(),
+            txb: TxBatch::new(),
+            unmaps: Unmaps {
+                handles: Vec::with_capacity(MAX_PENDING),
+                pending: Vec::with_capacity(MAX_PENDING),
+                status: vec![Ok(()); MAX_PENDING],
+            },
             pending: vec![Pending::default(); MAX_PENDING].into_boxed_slice(),
             pending_free: (0..MAX_PENDING as u16).rev().collect(),
             tx_check: TxCheckStats::default(),
@@ -404,30 +577,35 @@ impl Vif {
     /// Copies queued packets into buffers the guest posted, in batches of
     /// [`RX_BATCH`]. Returns the packets taken off the queue (delivered, or answered
     /// with an error and counted).
+    ///
+    /// Each batch goes through four stages, as Linux's `xenvif_rx_action`: **build**
+    /// the grant copies of up to [`RX_BATCH`] packets into the requests they take;
+    /// **flush** them as one `GNTTABOP_copy`; **check** each packet's copies and
+    /// **respond** to its requests (a length, or an error); then notify once and free.
     pub fn rx_action(&mut self, pool: &mut SkbPool) -> usize {
         let _c = enter(Class::Netback);
         let mut total = 0;
         while self.disabled.is_none() && !self.rx_queue.is_empty() {
-            let n = self.rx_batch(pool);
-            total += n;
-            if n == 0 {
+            self.rxb.clear();
+            self.rx_build(pool);
+            if self.rxb.pkts.is_empty() {
                 break;
             }
+            self.rx_flush();
+            self.rx_respond(pool);
+            total += self.rxb.pkts.len();
         }
         total
     }
 
-    fn rx_batch(&mut self, pool: &mut SkbPool) -> usize {
-        self.copy_ops.clear();
-        self.rx_meta.clear();
-        self.rx_pkts.clear();
-        let fe = self.fe;
-        while self.rx_pkts.len() < RX_BATCH {
+    /// Build: takes packets off the queue while the guest has posted enough buffers
+    /// for each, and adds their copies to the batch.
+    fn rx_build(&mut self, pool: &mut SkbPool) {
+        while self.rxb.pkts.len() < RX_BATCH {
             let Some(skb) = self.rx_queue.peek() else {
                 break;
             };
-            let len = pool.len(skb);
-            let need = len.div_ceil(PAGE_SIZE).max(1) as u32;
+            let need = pool.len(skb).div_ceil(PAGE_SIZE).max(1) as u32;
             // All the buffers the packet needs, or wait for the guest's next post (the
             // check arms `req_event`). Asking again without an event would get the
             // same answer, so a short ring ends the batch: looping on it was a hang.
@@ -443,110 +621,39 @@ impl Vif {
                 }
             }
             let _ = self.rx_queue.pop(pool);
-            let (first_meta, first_op) = (self.rx_meta.len(), self.copy_ops.len());
-            let mut foreign = false;
-            let mut broken = false;
-            // Fill guest pages from offset 0, one request per page.
-            let mut page_off = PAGE_SIZE;
-            let mut gref = 0u32;
-            let (ops, meta, rx) = (&mut self.copy_ops, &mut self.rx_meta, &mut self.rx);
-            let r = pool.walk(skb, 0, len, |seg, _| {
-                // A page of our own is copied from; a page another guest granted (a
-                // packet it sent, forwarded by the bridge) is copied from through its
-                // grant, as Linux netback does for foreign pages: the driver domain's
-                // mapping is not a frame it owns.
-                let source = |offset: usize| match seg.page {
-                    SegPage::Own(gfn) => CopyPtr::Local {
-                        gfn,
-                        offset: offset as u16,
-                    },
-                    SegPage::Window {
-                        grant: (dom, gref), ..
-                    } => CopyPtr::Gref {
-                        dom,
-                        gref,
-                        offset: offset as u16,
-                    },
-                };
-                foreign |= matches!(seg.page, SegPage::Window { .. });
-                let mut done = 0;
-                while done < seg.len {
-                    if page_off == PAGE_SIZE {
-                        let Ok(Some(req)) = rx.take_request() else {
-                            broken = true;
-                            return Ok(());
-                        };
-                        meta.push(RxMeta {
-                            id: req.id,
-                            size: 0,
-                        });
-                        gref = req.gref;
-                        page_off = 0;
-                    }
-                    let n = (seg.len - done).min(PAGE_SIZE - page_off);
-                    ops.push(GrantCopy {
-                        source: source(seg.offset + done),
-                        dest: CopyPtr::Gref {
-                            dom: fe,
-                            gref: GrantRef(gref),
-                            offset: page_off as u16,
-                        },
-                        len: n as u16,
-                    });
-                    if let Some(m) = meta.last_mut() {
-                        m.size += n as u16;
-                    }
-                    page_off += n;
-                    done += n;
-                }
-                Ok(())
-            });
-            if broken {
+            let built = self.rxb.add(&mut self.rx, pool, skb, self.fe);
+            self.stats.rx_from_grants += u64::from(built.foreign);
+            if built.broken {
                 self.disable(Disabled::RingBroken);
-            }
-            self.stats.rx_from_grants += u64::from(foreign);
-            if r.is_err() {
-                // Requests already taken still need answers: error ones.
-                self.copy_ops.truncate(first_op);
-                for m in &mut self.rx_meta[first_meta..] {
-                    m.size = 0;
-                }
-            }
-            self.rx_pkts.push(RxPkt {
-                skb,
-                first_meta,
-                metas: self.rx_meta.len() - first_meta,
-                first_op,
-                ops: self.copy_ops.len() - first_op,
-                csum: pool.csum_valid(skb) && r.is_ok(),
-            });
-            if broken {
                 break;
             }
         }
-        if self.rx_pkts.is_empty() {
-            return 0;
-        }
-        let nops = self.copy_ops.len();
-        if nops > 0 {
+    }
+
+    /// Flush: one hypercall performs every copy of the batch.
+    fn rx_flush(&mut self) {
+        let n = self.rxb.copies.len();
+        if n > 0 {
             let _h = enter(Class::Hypercall);
             self.hv
-                .grant_copy(&self.dom, &self.copy_ops, &mut self.copy_status[..nops]);
+                .grant_copy(&self.dom, &self.rxb.copies, &mut self.rxb.status[..n]);
         }
-        for k in 0..self.rx_pkts.len() {
-            let p = self.rx_pkts[k];
-            let ok = p.ops > 0
-                && self.copy_status[p.first_op..p.first_op + p.ops]
-                    .iter()
-                    .all(|s| s.is_ok());
+    }
+
+    /// Check and respond: a packet whose copies all succeeded is answered with the
+    /// bytes each request's buffer holds; any other with an error on every request it
+    /// took. Then one notification, and the buffers go back to the pool.
+    fn rx_respond(&mut self, pool: &mut SkbPool) {
+        let b = &self.rxb;
+        for p in &b.pkts {
+            let ok = p.ops > 0 && b.status[p.ops_at()].iter().all(|s| s.is_ok());
             if ok {
                 self.stats.rx_packets += 1;
                 self.stats.rx_bytes += pool.len(p.skb) as u64;
             } else if p.ops > 0 {
                 self.stats.rx_copy_errors += 1;
             }
-            for j in 0..p.metas {
-                let m = self.rx_meta[p.first_meta + j];
+            for (j, m) in b.meta[p.metas_at()].iter().enumerate() {
                 let mut flags = 0;
                 if j == 0 && p.csum {
                     flags |= NETRXF_DATA_VALIDATED;
@@ -571,17 +678,20 @@ impl Vif {
         if self.rx.push_responses_and_check_notify() {
             self.notify();
         }
-        {
-            let _m = enter(Class::Mem);
-            for k in 0..self.rx_pkts.len() {
-                pool.free(self.rx_pkts[k].skb);
-            }
+        let _m = enter(Class::Mem);
+        for p in &self.rxb.pkts {
+            pool.free(p.skb);
         }
-        self.rx_pkts.len()
     }
 
-    /// Takes the guest's transmitted packets (at most `budget`), builds them and hands
-    /// each valid one to `deliver` (the bridge). Returns the packets delivered.
+    /// Takes the guest's transmitted packets (at most `budget` chains), builds them and
+    /// hands each valid one to `deliver` (the bridge). Returns the packets delivered.
+    ///
+    /// Four stages, as Linux's `xenvif_tx_action`: **build** reads and checks each
+    /// chain and lays out its header copy and page maps; **flush** issues them as one
+    /// `GNTTABOP_copy` and one `GNTTABOP_map_grant_ref`; **check** each packet's
+    /// results; **respond**: a packet whose grants all worked is assembled and
+    /// delivered, any other answered with errors and its buffers freed.
     pub fn tx_action(
         &mut self,
         pool: &mut SkbPool,
@@ -592,270 +702,300 @@ impl Vif {
         if self.disabled.is_some() {
             return 0;
         }
-        self.copy_ops.clear();
-        self.map_ops.clear();
-        self.map_pending.clear();
-        self.tx_pkts.clear();
-        self.tx_frags.clear();
-        let fe = self.fe;
-        let mut responses = false;
-        // Every chain consumed counts against the budget, dropped ones too: answering
-        // a bad chain costs the back end as much as building a packet, and a front end
-        // that keeps its ring full of them must not hold this vCPU.
-        let mut chains = 0;
-        // A ring or fatal error ends the build here, but the packets already built go on
-        // through the flush and respond stages below: their buffers and maps are then
-        // released and their requests answered as usual (returning early leaked them).
-        while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
-            let avail = match self.tx.requests_available() {
-                Ok(a) => a,
-                Err(_) => {
-                    self.disable(Disabled::RingBroken);
-                    break;
-                }
-            };
-            if avail == 0 {
-                match self.tx.final_check_for_requests() {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(_) => {
-                        self.disable(Disabled::RingBroken);
-                        break;
-                    }
-                }
+        self.txb.clear();
+        // A ring or fatal error ends the build, but the packets already built go on
+        // through the later stages: their buffers and maps are then released and their
+        // requests answered as usual (returning early leaked them).
+        self.tx_build(pool, budget);
+        self.tx_flush();
+        let mut delivered = 0;
+        for k in 0..self.txb.pkts.len() {
+            if let Some(skb) = self.tx_complete(pool, k) {
+                self.stats.tx_packets += 1;
+                delivered += 1;
+                deliver(pool, skb);
             }
-            let Ok(Some(first)) = self.tx.take_request() else {
-                self.disable(Disabled::RingBroken);
+        }
+        if self.txb.responses && self.tx.push_responses_and_check_notify() {
+            self.notify();
+        }
+        delivered
+    }
+
+    /// Build: reads chains while the budget lasts and a chain's worth of pending
+    /// entries is free. Every chain consumed counts against the budget, dropped ones
+    /// too: answering a bad chain costs as much as building a packet, and a front end
+    /// that keeps its ring full of them must not hold this vCPU.
+    fn tx_build(&mut self, pool: &mut SkbPool, budget: usize) {
+        let mut chains = 0;
+        while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
+            let Some(verdict) = self.tx_take_chain() else {
                 break;
             };
             chains += 1;
-            let tx = &mut self.tx;
-            let v = read_tx_packet(first, avail as usize - 1, || {
-                tx.take_request().ok().flatten()
-            });
-            self.tx_check.count(&v);
-            let chain = match v {
+            self.tx_check.count(&verdict);
+            match verdict {
                 TxVerdict::Fatal(r) => {
                     self.disable(Disabled::Fatal(r));
                     break;
                 }
-                TxVerdict::Drop(_, chain) => {
-                    for r in chain.responses(XEN_NETIF_RSP_ERROR) {
-                        let _ = self.tx.push_response(&r);
-                    }
-                    responses = true;
-                    continue;
-                }
-                TxVerdict::Packet(chain) => chain,
-            };
-            let slots = chain.slots();
-            let s0 = slots[0];
-            let copy_len = (s0.len as usize).min(TX_COPY_LEN);
-            // Pages to map: every slot after the first, and the first one's tail. The
-            // legal maximum (LEGACY_SLOTS_MAX) with a long first slot is one more than a
-            // buffer's fragments; the rest go on a second buffer on the fragment list,
-            // as Linux netback's `frag_overflow` does.
-            let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
-            let bufs = match pool.alloc(NET_SKB_PAD) {
-                Ok(skb) if maps > MAX_SKB_FRAGS => match pool.alloc(0) {
-                    Ok(o) => Some((skb, Some(o))),
-                    Err(_) => {
-                        pool.free(skb);
-                        None
-                    }
-                },
-                Ok(skb) => Some((skb, None)),
-                Err(_) => None,
-            };
-            let Some((skb, overflow)) = bufs else {
-                self.stats.tx_no_buffer += 1;
-                for r in chain.responses(XEN_NETIF_RSP_ERROR) {
-                    let _ = self.tx.push_response(&r);
-                }
-                responses = true;
-                continue;
-            };
-            let (hg, hoff) = pool.data_location(skb);
-            let copy_op = self.copy_ops.len();
-            self.copy_ops.push(GrantCopy {
-                source: CopyPtr::Gref {
-                    dom: fe,
-                    gref: GrantRef(s0.gref),
-                    offset: s0.offset,
-                },
-                dest: CopyPtr::Local {
-                    gfn: hg,
-                    offset: hoff as u16,
-                },
-                len: copy_len as u16,
-            });
-            let first_map = self.map_ops.len();
-            // Each mapped slot: a pending entry, a map op, and the bytes of the page it
-            // contributes (in map order).
-            let map_slot = |gref: u32, id: u16, offset: u16, len: u16, me: &mut Self| {
-                let p = me
-                    .pending_free
-                    .pop()
-                    .expect("checked: a chain's worth is free");
-                me.pending[p as usize] = Pending { handle: None, id };
-                me.map_ops.push(MapOp {
-                    dom: fe,
-                    gref: GrantRef(gref),
-                    readonly: true,
-                    slot: me.slot_base + 2 + p as u32,
-                });
-                me.map_pending.push(p);
-                me.tx_frags.push((offset, len));
-            };
-            let copied_id = if s0.len as usize > copy_len {
-                let c = copy_len as u16;
-                map_slot(s0.gref, s0.id, s0.offset + c, s0.len - c, self);
-                None
-            } else {
-                Some(s0.id)
-            };
-            for s in &slots[1..] {
-                map_slot(s.gref, s.id, s.offset, s.len, self);
+                TxVerdict::Drop(_, chain) => self.tx_answer(&chain, XEN_NETIF_RSP_ERROR),
+                TxVerdict::Packet(chain) => self.tx_build_packet(pool, &chain),
             }
-            self.tx_pkts.push(TxPkt {
-                skb,
-                overflow,
-                copy_op,
-                copy_len,
-                first_map,
-                maps: self.map_ops.len() - first_map,
-                copied_id,
-                extras: chain.extras,
-            });
         }
+    }
 
-        let nc = self.copy_ops.len();
-        let nm = self.map_ops.len();
+    /// The next chain on the ring, copied out and checked; `None` when the ring is
+    /// empty (with `req_event` armed) or broken (the vif disabled).
+    fn tx_take_chain(&mut self) -> Option<TxVerdict> {
+        let avail = loop {
+            match self.tx.requests_available() {
+                Ok(0) => match self.tx.final_check_for_requests() {
+                    Ok(true) => continue,
+                    Ok(false) => return None,
+                    Err(_) => break None,
+                },
+                Ok(a) => break Some(a),
+                Err(_) => break None,
+            }
+        };
+        let first = avail.and_then(|_| self.tx.take_request().ok().flatten());
+        let (Some(avail), Some(first)) = (avail, first) else {
+            self.disable(Disabled::RingBroken);
+            return None;
+        };
+        let tx = &mut self.tx;
+        Some(read_tx_packet(first, avail as usize - 1, || {
+            tx.take_request().ok().flatten()
+        }))
+    }
+
+    /// Answers every slot of a chain not built into a packet.
+    fn tx_answer(&mut self, chain: &TxChain, status: i16) {
+        for r in chain.responses(status) {
+            let _ = self.tx.push_response(&r);
+        }
+        self.txb.responses = true;
+    }
+
+    /// Lays out one valid chain: a buffer (two when the maps overflow one buffer's
+    /// fragments), the copy of its first [`TX_COPY_LEN`] bytes, and a map per page
+    /// beyond them, each with a pending entry.
+    fn tx_build_packet(&mut self, pool: &mut SkbPool, chain: &TxChain) {
+        let slots = chain.slots();
+        let s0 = slots[0];
+        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+        // Pages to map: every slot after the first, and the first one's tail. The
+        // legal maximum (LEGACY_SLOTS_MAX) with a long first slot is one more than a
+        // buffer's fragments; the rest go on a second buffer on the fragment list, as
+        // Linux netback's `frag_overflow` does.
+        let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
+        let bufs = match pool.alloc(NET_SKB_PAD) {
+            Ok(skb) if maps > MAX_SKB_FRAGS => match pool.alloc(0) {
+                Ok(o) => Some((skb, Some(o))),
+                Err(_) => {
+                    pool.free(skb);
+                    None
+                }
+            },
+            Ok(skb) => Some((skb, None)),
+            Err(_) => None,
+        };
+        let Some((skb, overflow)) = bufs else {
+            self.stats.tx_no_buffer += 1;
+            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+            return;
+        };
+        let (hg, hoff) = pool.data_location(skb);
+        let b = &mut self.txb;
+        let copy_op = b.copies.len();
+        b.copies.push(GrantCopy {
+            source: CopyPtr::Gref {
+                dom: self.fe,
+                gref: GrantRef(s0.gref),
+                offset: s0.offset,
+            },
+            dest: CopyPtr::Local {
+                gfn: hg,
+                offset: hoff as u16,
+            },
+            len: copy_len as u16,
+        });
+        let first_map = b.maps.len();
+        let copied_id = if s0.len as usize > copy_len {
+            let c = copy_len as u16;
+            self.tx_map_slot(s0.gref, s0.id, s0.offset + c, s0.len - c);
+            None
+        } else {
+            Some(s0.id)
+        };
+        for s in &slots[1..] {
+            self.tx_map_slot(s.gref, s.id, s.offset, s.len);
+        }
+        let b = &mut self.txb;
+        b.pkts.push(TxPkt {
+            skb,
+            overflow,
+            copy_op,
+            copy_len,
+            first_map,
+            maps: b.maps.len() - first_map,
+            copied_id,
+            extras: chain.extras,
+        });
+    }
+
+    /// One mapped slot: a pending entry, a map op, and the bytes of the page it
+    /// contributes.
+    fn tx_map_slot(&mut self, gref: u32, id: u16, offset: u16, len: u16) {
+        let p = self
+            .pending_free
+            .pop()
+            .expect("checked: a chain's worth is free");
+        self.pending[p as usize] = Pending { handle: None, id };
+        self.txb.maps.push(MapOp {
+            dom: self.fe,
+            gref: GrantRef(gref),
+            readonly: true,
+            slot: self.slot_base + 2 + p as u32,
+        });
+        self.txb.mapped.push(TxMapped {
+            pending: p,
+            offset,
+            len,
+        });
+    }
+
+    /// Flush: one copy hypercall for every header, one map hypercall for every page.
+    fn tx_flush(&mut self) {
+        let b = &mut self.txb;
+        let (nc, nm) = (b.copies.len(), b.maps.len());
         if nc > 0 {
             let _h = enter(Class::Hypercall);
             self.hv
-                .grant_copy(&self.dom, &self.copy_ops, &mut self.copy_status[..nc]);
+                .grant_copy(&self.dom, &b.copies, &mut b.copy_status[..nc]);
         }
         if nm > 0 {
             let _h = enter(Class::Hypercall);
             self.hv
-                .grant_map(&self.dom, &self.map_ops, &mut self.map_results[..nm]);
+                .grant_map(&self.dom, &b.maps, &mut b.map_results[..nm]);
         }
-        let mut delivered = 0;
-        for k in 0..self.tx_pkts.len() {
-            let p = self.tx_pkts[k];
-            let copy_ok = self.copy_status[p.copy_op].is_ok();
-            let maps_ok = self.map_results[p.first_map..p.first_map + p.maps]
-                .iter()
-                .all(|r| r.is_ok());
-            for j in 0..p.maps {
-                let pi = self.map_pending[p.first_map + j] as usize;
-                self.pending[pi].handle = self.map_results[p.first_map + j].ok();
+    }
+
+    /// Check and respond for packet `k` of the batch: records its map handles and
+    /// answers its extras; then either assembles it (header in the linear area, each
+    /// mapped page a foreign fragment) and returns it for delivery, or, if a grant
+    /// failed, answers every slot with an error and frees its buffers.
+    fn tx_complete(&mut self, pool: &mut SkbPool, k: usize) -> Option<SkbId> {
+        let p = self.txb.pkts[k];
+        let b = &self.txb;
+        let copy_ok = b.copy_status[p.copy_op].is_ok();
+        let maps_ok = b.map_results[p.maps_at()].iter().all(|r| r.is_ok());
+        for (m, r) in b.mapped[p.maps_at()]
+            .iter()
+            .zip(&b.map_results[p.maps_at()])
+        {
+            self.pending[m.pending as usize].handle = r.ok();
+        }
+        // Extras are answered now, whatever happens to the packet.
+        for _ in 0..p.extras {
+            let _ = self.tx.push_response(&TxResponse {
+                id: 0,
+                status: crate::netif::XEN_NETIF_RSP_NULL,
+            });
+        }
+        self.txb.responses |= p.extras > 0 || p.copied_id.is_some();
+        let status = if copy_ok && maps_ok {
+            XEN_NETIF_RSP_OKAY
+        } else {
+            XEN_NETIF_RSP_ERROR
+        };
+        if let Some(id) = p.copied_id {
+            let _ = self.tx.push_response(&TxResponse { id, status });
+        }
+        if !(copy_ok && maps_ok) {
+            self.stats.tx_grant_errors += 1;
+            for j in p.maps_at() {
+                self.release_pending(self.txb.mapped[j].pending, XEN_NETIF_RSP_ERROR);
             }
-            // Extras are answered now, whatever happens to the packet.
-            for _ in 0..p.extras {
-                let _ = self.tx.push_response(&TxResponse {
-                    id: 0,
-                    status: crate::netif::XEN_NETIF_RSP_NULL,
-                });
-            }
-            if !(copy_ok && maps_ok) {
-                self.stats.tx_grant_errors += 1;
-                if let Some(id) = p.copied_id {
-                    let _ = self.tx.push_response(&TxResponse {
-                        id,
-                        status: XEN_NETIF_RSP_ERROR,
-                    });
-                }
-                for j in 0..p.maps {
-                    let pi = self.map_pending[p.first_map + j];
-                    self.release_pending(pi, XEN_NETIF_RSP_ERROR);
-                }
-                pool.free(p.skb);
-                if let Some(o) = p.overflow {
-                    pool.free(o);
-                }
-                responses = true;
-                continue;
-            }
-            let _ = pool.extend_linear(p.skb, p.copy_len);
-            let mut ok = true;
-            for j in 0..p.maps {
-                let pi = self.map_pending[p.first_map + j];
-                let (off, len) = self.tx_frags[p.first_map + j];
-                let to = match p.overflow {
-                    Some(o) if j >= MAX_SKB_FRAGS => o,
-                    _ => p.skb,
-                };
-                let frag = Frag {
-                    page: FragPage::Foreign {
-                        slot: self.slot_base + 2 + pi as u32,
-                        token: (self.index as u32) << 16 | pi as u32,
-                        grant: (fe, self.map_ops[p.first_map + j].gref),
-                    },
-                    offset: off,
-                    len,
-                };
-                // Cannot fail for a chain read_tx_packet passed (each slot within its
-                // page, and room counted above); if it did, the slot is answered now
-                // rather than leaked, and the packet dropped.
-                if pool.add_frag(to, frag).is_err() {
-                    self.release_pending(pi, XEN_NETIF_RSP_ERROR);
-                    ok = false;
-                }
-            }
+            self.txb.responses = true;
+            pool.free(p.skb);
             if let Some(o) = p.overflow {
-                pool.append_frag_list(p.skb, o);
+                pool.free(o);
             }
-            if let Some(id) = p.copied_id {
-                let _ = self.tx.push_response(&TxResponse {
-                    id,
-                    status: XEN_NETIF_RSP_OKAY,
-                });
-                responses = true;
-            }
-            if !ok {
-                pool.free(p.skb);
-                continue;
-            }
-            self.stats.tx_packets += 1;
-            delivered += 1;
-            deliver(pool, p.skb);
+            return None;
         }
-        if responses && self.tx.push_responses_and_check_notify() {
-            self.notify();
+        let _ = pool.extend_linear(p.skb, p.copy_len);
+        let mut ok = true;
+        for (j, at) in p.maps_at().enumerate() {
+            let m = self.txb.mapped[at];
+            let to = match p.overflow {
+                Some(o) if j >= MAX_SKB_FRAGS => o,
+                _ => p.skb,
+            };
+            let frag = Frag {
+                page: FragPage::Foreign {
+                    slot: self.slot_base + 2 + m.pending as u32,
+                    token: (self.index as u32) << 16 | m.pending as u32,
+                    grant: (self.fe, self.txb.maps[at].gref),
+                },
+                offset: m.offset,
+                len: m.len,
+            };
+            // Cannot fail for a chain read_tx_packet passed (each slot within its
+            // page, and room counted above); if it did, the slot is answered now
+            // rather than leaked, and the packet dropped.
+            if pool.add_frag(to, frag).is_err() {
+                self.release_pending(m.pending, XEN_NETIF_RSP_ERROR);
+                self.txb.responses = true;
+                ok = false;
+            }
         }
-        delivered
+        if let Some(o) = p.overflow {
+            pool.append_frag_list(p.skb, o);
+        }
+        if !ok {
+            pool.free(p.skb);
+            return None;
+        }
+        Some(p.skb)
     }
 
     /// Answers the requests of mapped slots whose buffers were freed (`token`s from the
     /// pool's release queue that belong to this vif), unmapping them in one batch.
     pub fn tx_release(&mut self, tokens: impl IntoIterator<Item = u32>) {
         let _c = enter(Class::Netback);
-        self.unmap_handles.clear();
-        self.unmap_pending.clear();
+        self.unmaps.handles.clear();
+        self.unmaps.pending.clear();
         for t in tokens {
             if t >> 16 != self.index as u32 {
                 continue;
             }
             let pi = (t & 0xffff) as u16;
-            if let Some(h) = self.pending.get(pi as usize).and_then(|p| p.handle) {
-                self.unmap_handles.push(h);
-                self.unmap_pending.push(pi);
+            // Taken, not read: a token seen twice must not free its entry twice.
+            if let Some(h) = self
+                .pending
+                .get_mut(pi as usize)
+                .and_then(|p| p.handle.take())
+            {
+                self.unmaps.handles.push(h);
+                self.unmaps.pending.push(pi);
             }
         }
-        let n = self.unmap_handles.len();
+        let n = self.unmaps.handles.len();
         if n == 0 {
             return;
         }
         {
             let _h = enter(Class::Hypercall);
-            self.hv
-                .grant_unmap(&self.dom, &self.unmap_handles, &mut self.unmap_status[..n]);
+            self.hv.grant_unmap(
+                &self.dom,
+                &self.unmaps.handles,
+                &mut self.unmaps.status[..n],
+            );
         }
         for k in 0..n {
-            let pi = self.unmap_pending[k];
-            self.pending[pi as usize].handle = None;
+            let pi = self.unmaps.pending[k];
             let id = self.pending[pi as usize].id;
             self.pending_free.push(pi);
             if self.disabled.is_none() {
