@@ -19,6 +19,7 @@
 
 pub mod cpu;
 mod machine;
+mod shared;
 pub mod tap;
 mod window;
 

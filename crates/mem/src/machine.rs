@@ -5,7 +5,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 use std::sync::Arc;
 
-use crate::{check_in_page, MemError, Mfn, PageAccess, PAGE_SIZE};
+use crate::{check_in_page, shared, MemError, Mfn, PageAccess, PAGE_SIZE};
 
 /// The machine's memory: `frames` 4 KiB frames in one memfd, mapped read-write once.
 ///
@@ -90,9 +90,9 @@ impl MachineMemory {
     #[inline]
     pub fn read(&self, mfn: Mfn, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, buf.len())?;
-        // SAFETY: `p..p+len` is inside the mapping (checked by `ptr`) and cannot overlap
-        // `buf`, which is ordinary Rust memory outside the machine memory mapping.
-        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        // SAFETY: `p..p+len` is inside the mapping (checked by `ptr`); `buf` is ordinary
+        // Rust memory outside it.
+        unsafe { shared::copy(p, buf.as_mut_ptr(), buf.len()) };
         Ok(())
     }
 
@@ -100,24 +100,24 @@ impl MachineMemory {
     /// as big-endian 16-bit words from the first byte (an odd last byte is padded with
     /// zero), folded to 16 bits. Reads the frame in place, as a kernel's `csum_partial`.
     pub fn csum_partial(&self, mfn: Mfn, offset: usize, len: usize) -> Result<u16, MemError> {
-        let p = self.ptr(mfn, offset, len)?;
+        self.ptr(mfn, offset, len)?;
+        // Through a small private buffer: the frame may be changing under the sum, and
+        // shared bytes are only ever moved by the copies of [`crate::shared`].
+        let mut chunk = [0u8; 256];
         let mut sum: u64 = 0;
-        let mut i = 0;
-        while i + 8 <= len {
-            // SAFETY: `p + i .. p + i + 8` is inside the checked range; unaligned load.
-            let w = u64::from_be(unsafe { std::ptr::read_unaligned(p.add(i).cast::<u64>()) });
-            sum += (w >> 32) + (w & 0xffff_ffff);
-            i += 8;
-        }
-        while i + 2 <= len {
-            // SAFETY: as above, two bytes inside the checked range.
-            let w = u16::from_be(unsafe { std::ptr::read_unaligned(p.add(i).cast::<u16>()) });
-            sum += w as u64;
-            i += 2;
-        }
-        if i < len {
-            // SAFETY: the last byte of the checked range.
-            sum += (unsafe { *p.add(i) } as u64) << 8;
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(chunk.len());
+            self.read(mfn, offset + at, &mut chunk[..n])?;
+            let mut words = chunk[..n].chunks_exact(2);
+            for w in &mut words {
+                sum += u16::from_be_bytes([w[0], w[1]]) as u64;
+            }
+            // Only the last chunk can be odd (the others are 256 bytes).
+            if let [b] = words.remainder() {
+                sum += (*b as u64) << 8;
+            }
+            at += n;
         }
         while sum >> 16 != 0 {
             sum = (sum & 0xffff) + (sum >> 16);
@@ -125,17 +125,16 @@ impl MachineMemory {
         Ok(sum as u16)
     }
 
-    /// Reads a plain-old-data value with one unaligned load (no `memcpy` call for small
-    /// entries such as ring slots).
+    /// Reads a plain-old-data value (a ring slot, say).
     #[inline]
     pub fn read_obj<T: bytemuck::Pod>(&self, mfn: Mfn, offset: usize) -> Result<T, MemError> {
         let p = self.ptr(mfn, offset, std::mem::size_of::<T>())?;
         // SAFETY: `p..p+size_of::<T>()` is inside the mapping (checked by `ptr`); `T` is
-        // Pod, so any bit pattern is a valid value; the load is unaligned-tolerant.
-        Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
+        // Pod, so any bytes make a valid value.
+        Ok(unsafe { shared::read_obj(p) })
     }
 
-    /// Writes a plain-old-data value with one unaligned store.
+    /// Writes a plain-old-data value.
     #[inline]
     pub fn write_obj<T: bytemuck::Pod>(
         &self,
@@ -145,7 +144,7 @@ impl MachineMemory {
     ) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, std::mem::size_of::<T>())?;
         // SAFETY: in bounds as in `read_obj`; `T` is Pod, so its bytes are all initialised.
-        unsafe { std::ptr::write_unaligned(p.cast::<T>(), *v) };
+        unsafe { shared::write_obj(p, v) };
         Ok(())
     }
 
@@ -154,7 +153,7 @@ impl MachineMemory {
     pub fn write(&self, mfn: Mfn, offset: usize, data: &[u8]) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, data.len())?;
         // SAFETY: as in `read`, with the direction reversed.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        unsafe { shared::copy(data.as_ptr(), p, data.len()) };
         Ok(())
     }
 
@@ -163,7 +162,7 @@ impl MachineMemory {
     pub fn write_nt(&self, mfn: Mfn, offset: usize, data: &[u8]) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, data.len())?;
         // SAFETY: `p..p+len` is inside the mapping, checked by `ptr`.
-        unsafe { stream_copy(p, data) };
+        unsafe { shared::stream(p, data) };
         Ok(())
     }
 
@@ -171,7 +170,7 @@ impl MachineMemory {
     pub fn fill(&self, mfn: Mfn, offset: usize, len: usize, byte: u8) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, len)?;
         // SAFETY: `p..p+len` is inside the mapping, checked by `ptr`.
-        unsafe { std::ptr::write_bytes(p, byte, len) };
+        unsafe { shared::fill(p, byte, len) };
         Ok(())
     }
 
@@ -188,9 +187,9 @@ impl MachineMemory {
     ) -> Result<(), MemError> {
         let s = self.ptr(src, src_off, len)?;
         let d = self.ptr(dst, dst_off, len)?;
-        // SAFETY: both ranges are inside the mapping (checked above); `copy` (memmove)
-        // tolerates overlap when source and destination are the same frame.
-        unsafe { std::ptr::copy(s, d, len) };
+        // SAFETY: both ranges are inside the mapping (checked above); overlap (the same
+        // frame) is copied as `memmove` does.
+        unsafe { shared::copy(s, d, len) };
         Ok(())
     }
 
@@ -234,40 +233,6 @@ impl Drop for MachineMemory {
         // SAFETY: unmaps exactly the mapping made in `new`; no borrow of it can outlive
         // `self`.
         unsafe { libc::munmap(self.base.as_ptr().cast(), bytes) };
-    }
-}
-
-/// Copies `data` to `dst` with non-temporal stores where the destination is 8-aligned,
-/// ordinary stores for the unaligned head and tail, then a store fence so that the data
-/// is globally visible before whatever the caller publishes next.
-///
-/// # Safety
-/// `dst..dst+data.len()` must be valid for writes.
-unsafe fn stream_copy(dst: *mut u8, data: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_sfence, _mm_stream_si64};
-        let len = data.len();
-        let head = (dst.align_offset(8)).min(len);
-        // SAFETY: `head <= len`, so both ranges are inside the caller's guarantee.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, head) };
-        let mut i = head;
-        while i + 8 <= len {
-            let word = u64::from_le_bytes(data[i..i + 8].try_into().unwrap_or([0; 8]));
-            // SAFETY: `dst + i` is 8-aligned (past the head) and `i + 8 <= len`.
-            unsafe { _mm_stream_si64(dst.add(i).cast::<i64>(), word as i64) };
-            i += 8;
-        }
-        // SAFETY: the tail `i..len` is inside the caller's range.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(i), dst.add(i), len - i) };
-        // SAFETY: sfence has no memory-safety preconditions; it orders the streaming
-        // stores before later stores (the descriptor write-back that publishes them).
-        unsafe { _mm_sfence() };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    // SAFETY: the caller guarantees the destination range.
-    unsafe {
-        std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len())
     }
 }
 

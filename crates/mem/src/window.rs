@@ -20,7 +20,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::{check_in_page, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SIZE};
+use crate::{
+    check_in_page, shared, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SIZE,
+};
 
 // Slot entry word: accesses in flight (a copy through the slot) in the low 12 bits,
 // holders (a `MappedPage`, a mapped ring say) in the next 12; the flags say whether a
@@ -369,9 +371,7 @@ impl MapWindow {
             Some(addr) => {
                 // SAFETY: the slot is mapped and counted as in use, so it cannot be
                 // unmapped during the copy; the range is inside the page (checked above).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(addr.add(offset), buf.as_mut_ptr(), buf.len())
-                };
+                unsafe { shared::copy(addr.add(offset), buf.as_mut_ptr(), buf.len()) };
                 Ok(())
             }
             None => self.mem.read(mfn, offset, buf),
@@ -387,9 +387,7 @@ impl MapWindow {
         let r = match self.addr(slot) {
             Some(addr) => {
                 // SAFETY: as in `read`; the mapping is writable (checked by `enter`).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(data.as_ptr(), addr.add(offset), data.len())
-                };
+                unsafe { shared::copy(data.as_ptr(), addr.add(offset), data.len()) };
                 Ok(())
             }
             None => self.mem.write(mfn, offset, data),
@@ -490,7 +488,7 @@ impl PageAccess for MappedPage {
         }
         let p = self.at(offset, buf.len(), 1)?;
         // SAFETY: `p..p+len` is in the held, mapped page; `buf` is separate memory.
-        unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), buf.len()) };
+        unsafe { shared::copy(p, buf.as_mut_ptr(), buf.len()) };
         Ok(())
     }
     #[inline]
@@ -499,8 +497,8 @@ impl PageAccess for MappedPage {
             return f.read_obj(offset);
         }
         let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
-        // SAFETY: in the held, mapped page; `T` is Pod; unaligned-tolerant load.
-        Ok(unsafe { std::ptr::read_unaligned(p.cast::<T>()) })
+        // SAFETY: in the held, mapped page; `T` is Pod.
+        Ok(unsafe { shared::read_obj(p) })
     }
     #[inline]
     fn write_obj<T: bytemuck::Pod>(&self, offset: usize, v: &T) -> Result<(), MemError> {
@@ -510,7 +508,7 @@ impl PageAccess for MappedPage {
         }
         let p = self.at(offset, std::mem::size_of::<T>(), 1)?;
         // SAFETY: in the held, writable mapped page; `T` is Pod.
-        unsafe { std::ptr::write_unaligned(p.cast::<T>(), *v) };
+        unsafe { shared::write_obj(p, v) };
         Ok(())
     }
     #[inline]
@@ -521,7 +519,7 @@ impl PageAccess for MappedPage {
         }
         let p = self.at(offset, data.len(), 1)?;
         // SAFETY: as in `read`; the mapping is writable.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        unsafe { shared::copy(data.as_ptr(), p, data.len()) };
         Ok(())
     }
     #[inline]

@@ -92,6 +92,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 "ns/op",
                 memcpy_batch_ns(n, mode.scale(2_000_000)),
             );
+            s.push(
+                "shared memory",
+                &shared_copy_name(n),
+                "ns/op",
+                shared_copy_ns(n, mode.scale(2_000_000))?,
+            );
         }
         s.push(
             "baseline",
@@ -215,6 +221,16 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // Ratios against the baselines of the same iteration.
     for row in r.rows.iter_mut() {
         if row.group == "grant copy" {
+            let n: usize = row
+                .name
+                .split_whitespace()
+                .find_map(|w| w.parse().ok())
+                .unwrap_or(0);
+            let base = format!("memcpy {n} B (hot)");
+            row.ratio = ratio_median(s.get(&row.name), s.get(&base)).map(|x| (base, x));
+        }
+        if row.group == "shared memory" {
+            // What race-free access to shared memory costs over a plain memcpy.
             let n: usize = row
                 .name
                 .split_whitespace()
@@ -406,6 +422,28 @@ fn memcpy_ns(n: usize, ops: u64) -> f64 {
         dst.0[..n].copy_from_slice(black_box(&src.0[..n]));
         black_box(&mut dst);
     })
+}
+
+fn shared_copy_name(n: usize) -> String {
+    format!("frame to frame {n} B, byte-wise atomic (every shared-memory copy)")
+}
+
+/// A copy between two frames of machine memory at offset 0, as a grant copy moves its
+/// bytes: the byte-wise atomic copy of `mem::shared` that every access to memory a
+/// peer may write goes through. Its baseline is `memcpy_ns`, same size and alignment.
+fn shared_copy_ns(n: usize, ops: u64) -> Result<f64, LabError> {
+    let m = mem::MachineMemory::new(2).map_err(other)?;
+    m.fill(mem::Mfn(0), 0, PAGE_SIZE, 7).map_err(other)?;
+    let mut failed = false;
+    let ns = cpu_ns_per_op(ops, |_| {
+        failed |= m
+            .copy(mem::Mfn(0), 0, mem::Mfn(1), 0, black_box(n))
+            .is_err();
+    });
+    if failed {
+        return Err(other("a frame-to-frame copy failed"));
+    }
+    Ok(ns)
 }
 
 #[repr(align(64))]
