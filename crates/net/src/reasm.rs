@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use smoltcp::wire::{IpProtocol, Ipv4Address};
 
-use crate::wire::{Ipv4Fragment, IPV4_HEADER};
+use crate::wire::{Ipv4Header, IPV4_HEADER};
 
 /// Largest IPv4 payload: a 65535-byte packet less its header.
 pub const MAX_DATAGRAM: usize = 65535 - IPV4_HEADER;
@@ -123,8 +123,8 @@ impl FragInfo {
     }
 }
 
-impl From<&Ipv4Fragment<'_>> for FragInfo {
-    fn from(f: &Ipv4Fragment<'_>) -> Self {
+impl From<&Ipv4Header> for FragInfo {
+    fn from(f: &Ipv4Header) -> Self {
         Self {
             src: f.src,
             dst: f.dst,
@@ -132,7 +132,7 @@ impl From<&Ipv4Fragment<'_>> for FragInfo {
             ident: f.ident,
             offset: f.offset,
             more: f.more,
-            len: f.payload.len() as u16,
+            len: f.payload_len() as u16,
         }
     }
 }
@@ -412,9 +412,9 @@ mod tests {
     fn join(frames: &[Vec<u8>], pieces: &[Piece<usize>]) -> Vec<u8> {
         let mut out = Vec::new();
         for p in pieces {
-            let f = parse_ipv4(&frames[p.item]).expect("valid");
+            let (_, payload) = parse_ipv4(&frames[p.item]).expect("valid");
             assert_eq!(p.offset as usize, out.len(), "pieces come in offset order");
-            out.extend_from_slice(f.payload);
+            out.extend_from_slice(payload);
         }
         out
     }
@@ -426,7 +426,7 @@ mod tests {
         got: &mut Vec<Vec<u8>>,
     ) {
         for &i in order {
-            let p = parse_ipv4(&frames[i]).expect("valid frame");
+            let (p, _) = parse_ipv4(&frames[i]).expect("valid frame");
             r.push(
                 Duration::ZERO,
                 &FragInfo::from(&p),
@@ -451,8 +451,9 @@ mod tests {
             let mut got = Vec::new();
             push_frames(&mut r, &fr, &order, &mut got);
             assert_eq!(got.len(), 1);
-            let udp = parse_udp(flow().src_ip, flow().dst_ip, &got[0]).expect("checksum holds");
-            assert_eq!(udp.payload, &message(48000, 5)[..]);
+            let (_, payload) =
+                parse_udp(flow().src_ip, flow().dst_ip, &got[0]).expect("checksum holds");
+            assert_eq!(payload, &message(48000, 5)[..]);
             assert_eq!((r.stats().datagrams, r.in_progress()), (1, 0));
         }
     }

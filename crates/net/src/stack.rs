@@ -15,13 +15,11 @@ use std::time::Duration;
 
 use hv::profile::{enter, Class};
 use hv::{Domain, Gfn, PAGE_SIZE};
-use smoltcp::wire::{
-    checksum, EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Address, Ipv4Packet,
-};
+use smoltcp::wire::{checksum, IpProtocol, Ipv4Address};
 
 use crate::reasm::{FragInfo, Reassembler, DEFAULT_CONTEXTS, DEFAULT_TIMEOUT, MAX_PIECES};
 use crate::skb::{SegPage, SkbError, SkbId, SkbPool, SkbQueue};
-use crate::wire::{ETH_HEADER, IPV4_HEADER, UDP_HEADER};
+use crate::wire::{parse_ipv4_header, parse_udp_header, WireError, ETH_HEADER, UDP_HEADER};
 
 /// Why the stack dropped a frame or datagram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,6 +48,19 @@ pub enum RxDrop {
     NoSocket,
     /// The socket's queue was full.
     SocketFull,
+}
+
+impl From<WireError> for RxDrop {
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Truncated | WireError::TooLarge => RxDrop::Truncated,
+            WireError::NotIpv4 => RxDrop::NotIpv4,
+            WireError::BadIpHeader => RxDrop::BadIpHeader,
+            WireError::BadIpChecksum => RxDrop::BadIpChecksum,
+            WireError::BadUdpHeader => RxDrop::BadUdpHeader,
+            WireError::BadUdpChecksum => RxDrop::BadUdpChecksum,
+        }
+    }
 }
 
 impl RxDrop {
@@ -227,43 +238,21 @@ impl Stack {
         self.stats.frames += 1;
         let mut hdr = [0u8; ETH_HEADER + 60];
         let n = pool.len(skb).min(hdr.len());
-        if n < ETH_HEADER + IPV4_HEADER || pool.read(skb, 0, &mut hdr[..n]).is_err() {
+        if pool.read(skb, 0, &mut hdr[..n]).is_err() {
             return self.drop(pool, skb, RxDrop::Truncated);
         }
-        let Ok(eth) = EthernetFrame::new_checked(&hdr[..n]) else {
-            return self.drop(pool, skb, RxDrop::Truncated);
+        let ip = match parse_ipv4_header(&hdr[..n], pool.len(skb)) {
+            Ok(ip) => ip,
+            Err(e) => return self.drop(pool, skb, e.into()),
         };
-        if eth.ethertype() != EthernetProtocol::Ipv4 {
-            return self.drop(pool, skb, RxDrop::NotIpv4);
-        }
-        let ipb = &hdr[ETH_HEADER..n];
-        let ip = Ipv4Packet::new_unchecked(ipb);
-        let hl = ip.header_len() as usize;
-        if ip.version() != 4 || hl < IPV4_HEADER || hl > ipb.len() {
-            return self.drop(pool, skb, RxDrop::BadIpHeader);
-        }
-        let tl = ip.total_len() as usize;
-        if tl < hl || tl > pool.len(skb) - ETH_HEADER {
-            return self.drop(pool, skb, RxDrop::Truncated);
-        }
-        if !Ipv4Packet::new_unchecked(&ipb[..hl]).verify_checksum() {
-            return self.drop(pool, skb, RxDrop::BadIpChecksum);
-        }
-        if ip.dst_addr() != self.ip {
+        if ip.dst != self.ip {
             return self.drop(pool, skb, RxDrop::NotForUs);
         }
-        if ip.next_header() != IpProtocol::Udp {
+        if ip.proto != IpProtocol::Udp {
             return self.drop(pool, skb, RxDrop::NotUdp);
         }
-        let info = FragInfo {
-            src: ip.src_addr(),
-            dst: ip.dst_addr(),
-            proto: ip.next_header(),
-            ident: ip.ident(),
-            offset: ip.frag_offset(),
-            more: ip.more_frags(),
-            len: (tl - hl) as u16,
-        };
+        let info = FragInfo::from(&ip);
+        let (hl, tl) = (ip.header_len, ip.total_len);
         if pool.pull(skb, ETH_HEADER + hl).is_err() {
             return self.drop(pool, skb, RxDrop::NotLinear);
         }
@@ -307,12 +296,11 @@ impl Stack {
         if pool.read(skb, 0, &mut h).is_err() {
             return self.drop(pool, skb, RxDrop::BadUdpHeader);
         }
-        let ulen = u16::from_be_bytes([h[4], h[5]]) as usize;
-        let csum = u16::from_be_bytes([h[6], h[7]]);
-        let dport = u16::from_be_bytes([h[2], h[3]]);
-        if ulen < UDP_HEADER || ulen > pool.len(skb) {
-            return self.drop(pool, skb, RxDrop::BadUdpHeader);
-        }
+        let udp = match parse_udp_header(&h, pool.len(skb)) {
+            Ok(u) => u,
+            Err(e) => return self.drop(pool, skb, e.into()),
+        };
+        let (ulen, csum, dport) = (udp.len, udp.checksum, udp.dst_port);
         if ulen < pool.len(skb) && pool.trim(skb, ulen).is_err() {
             return self.drop(pool, skb, RxDrop::BadUdpHeader);
         }
@@ -530,7 +518,7 @@ mod tests {
         // Another host's address (checksum fixed up so only the address is wrong).
         let mut other = frames_of(10, 2).remove(0);
         other[ETH_HEADER + 19] = 99;
-        let mut ipp = Ipv4Packet::new_unchecked(&mut other[ETH_HEADER..]);
+        let mut ipp = smoltcp::wire::Ipv4Packet::new_unchecked(&mut other[ETH_HEADER..]);
         ipp.fill_checksum();
         // Not IPv4 (an ARP ethertype).
         let mut arp = good.clone();

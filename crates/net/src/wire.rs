@@ -8,8 +8,8 @@
 
 use smoltcp::phy::ChecksumCapabilities;
 use smoltcp::wire::{
-    EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, IpAddress, IpProtocol,
-    Ipv4Address, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr,
+    checksum, EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, IpAddress,
+    IpProtocol, Ipv4Address, Ipv4Packet, Ipv4Repr, UdpPacket, UdpRepr,
 };
 
 /// Ethernet header.
@@ -223,9 +223,11 @@ impl UdpFramer {
     }
 }
 
-/// An IPv4 packet (a whole datagram or one fragment) from a received frame.
+/// The Ethernet and IPv4 headers of a received frame, validated. This is the one IPv4
+/// input parse of pvio: the guest's stack runs it on the header bytes it copied out of
+/// a packet buffer, and [`parse_ipv4`] on a frame held whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ipv4Fragment<'a> {
+pub struct Ipv4Header {
     /// Source MAC of the frame.
     pub src_mac: [u8; 6],
     /// Source address.
@@ -240,78 +242,121 @@ pub struct Ipv4Fragment<'a> {
     pub offset: u16,
     /// More fragments follow.
     pub more: bool,
-    /// This fragment's IP payload (trailing link padding excluded).
-    pub payload: &'a [u8],
+    /// IPv4 header length in bytes (options included).
+    pub header_len: usize,
+    /// IPv4 total length: header and payload, link padding excluded.
+    pub total_len: usize,
 }
 
-impl Ipv4Fragment<'_> {
+impl Ipv4Header {
+    /// Bytes of IP payload in this packet.
+    pub fn payload_len(&self) -> usize {
+        self.total_len - self.header_len
+    }
     /// Whether this is a whole datagram.
     pub fn is_whole(&self) -> bool {
         self.offset == 0 && !self.more
     }
 }
 
-/// Parses and validates an Ethernet frame carrying IPv4: lengths, version, header
-/// checksum. Options are allowed (and skipped); the payload ends where the IP total
-/// length says, so link padding is excluded.
-pub fn parse_ipv4(frame: &[u8]) -> Result<Ipv4Fragment<'_>, WireError> {
-    let eth = EthernetFrame::new_checked(frame).map_err(|_| WireError::Truncated)?;
+/// Parses and validates the Ethernet and IPv4 headers at the start of `head` (the first
+/// bytes of a frame, a copy; options included if present) for a frame of `frame_len`
+/// bytes in all: the ethertype, the version, the header length within `head`, the total
+/// length within the frame, the header checksum. Options are allowed and skipped.
+pub fn parse_ipv4_header(head: &[u8], frame_len: usize) -> Result<Ipv4Header, WireError> {
+    if head.len() < ETH_HEADER + IPV4_HEADER || frame_len < head.len() {
+        return Err(WireError::Truncated);
+    }
+    let eth = EthernetFrame::new_unchecked(head);
     if eth.ethertype() != EthernetProtocol::Ipv4 {
         return Err(WireError::NotIpv4);
     }
-    let src_mac = eth.src_addr().0;
-    let body = &frame[ETH_HEADER..];
-    let ip = Ipv4Packet::new_checked(body).map_err(|_| WireError::Truncated)?;
-    if ip.version() != 4 || (ip.header_len() as usize) < IPV4_HEADER {
+    let ipb = &head[ETH_HEADER..];
+    let ip = Ipv4Packet::new_unchecked(ipb);
+    let hl = ip.header_len() as usize;
+    if ip.version() != 4 || hl < IPV4_HEADER || hl > ipb.len() {
         return Err(WireError::BadIpHeader);
     }
-    if !ip.verify_checksum() {
+    let tl = ip.total_len() as usize;
+    if tl < hl || tl > frame_len - ETH_HEADER {
+        return Err(WireError::Truncated);
+    }
+    if !Ipv4Packet::new_unchecked(&ipb[..hl]).verify_checksum() {
         return Err(WireError::BadIpChecksum);
     }
-    let (hl, tl) = (ip.header_len() as usize, ip.total_len() as usize);
-    Ok(Ipv4Fragment {
-        src_mac,
+    Ok(Ipv4Header {
+        src_mac: eth.src_addr().0,
         src: ip.src_addr(),
         dst: ip.dst_addr(),
         proto: ip.next_header(),
         ident: ip.ident(),
         offset: ip.frag_offset(),
         more: ip.more_frags(),
-        payload: &body[hl..tl],
+        header_len: hl,
+        total_len: tl,
     })
 }
 
-/// A validated UDP datagram.
+/// Parses and validates a whole Ethernet frame carrying IPv4 ([`parse_ipv4_header`]):
+/// its headers, and its IP payload (trailing link padding excluded).
+pub fn parse_ipv4(frame: &[u8]) -> Result<(Ipv4Header, &[u8]), WireError> {
+    let head = &frame[..frame.len().min(ETH_HEADER + 60)];
+    let h = parse_ipv4_header(head, frame.len())?;
+    let body = &frame[ETH_HEADER..];
+    Ok((h, &body[h.header_len..h.total_len]))
+}
+
+/// A UDP header, validated against the datagram it heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UdpDatagram<'a> {
+pub struct UdpHeader {
     /// Source port.
     pub src_port: u16,
     /// Destination port.
     pub dst_port: u16,
-    /// Payload.
-    pub payload: &'a [u8],
+    /// The length field: header and payload.
+    pub len: usize,
+    /// The checksum field (zero: none, allowed in IPv4).
+    pub checksum: u16,
 }
 
-/// Parses a whole UDP datagram (after reassembly) and verifies its checksum (a zero
-/// checksum means "none" in IPv4 and is accepted).
-pub fn parse_udp<'a>(
-    src: Ipv4Address,
-    dst: Ipv4Address,
-    datagram: &'a [u8],
-) -> Result<UdpDatagram<'a>, WireError> {
-    let udp = UdpPacket::new_checked(datagram).map_err(|_| WireError::BadUdpHeader)?;
-    let len = udp.len() as usize;
-    if len < UDP_HEADER || len > datagram.len() {
+/// Parses the UDP header `h` of a datagram that has `datagram_len` bytes of IP payload:
+/// the length field must cover the header and fit in the datagram. The one UDP input
+/// parse of pvio; the checksum is verified by the caller, over wherever the bytes lie.
+pub fn parse_udp_header(h: &[u8; UDP_HEADER], datagram_len: usize) -> Result<UdpHeader, WireError> {
+    let be = |i: usize| u16::from_be_bytes([h[i], h[i + 1]]);
+    let len = be(4) as usize;
+    if len < UDP_HEADER || len > datagram_len {
         return Err(WireError::BadUdpHeader);
     }
-    if udp.checksum() != 0 && !udp.verify_checksum(&IpAddress::Ipv4(src), &IpAddress::Ipv4(dst)) {
+    Ok(UdpHeader {
+        src_port: be(0),
+        dst_port: be(2),
+        len,
+        checksum: be(6),
+    })
+}
+
+/// Parses a whole UDP datagram held in one slice (after reassembly) and verifies its
+/// checksum; returns the header and the payload.
+pub fn parse_udp(
+    src: Ipv4Address,
+    dst: Ipv4Address,
+    datagram: &[u8],
+) -> Result<(UdpHeader, &[u8]), WireError> {
+    let h: &[u8; UDP_HEADER] = datagram
+        .get(..UDP_HEADER)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(WireError::BadUdpHeader)?;
+    let u = parse_udp_header(h, datagram.len())?;
+    let d = &datagram[..u.len];
+    let sum = checksum::combine(&[
+        checksum::pseudo_header_v4(&src, &dst, IpProtocol::Udp, u.len as u32),
+        checksum::data(d),
+    ]);
+    if u.checksum != 0 && sum != 0xffff {
         return Err(WireError::BadUdpChecksum);
     }
-    Ok(UdpDatagram {
-        src_port: udp.src_port(),
-        dst_port: udp.dst_port(),
-        payload: &datagram[UDP_HEADER..len],
-    })
+    Ok((u, &d[UDP_HEADER..]))
 }
 
 #[cfg(test)]
@@ -374,25 +419,23 @@ pub(crate) mod tests {
         let fr = frames_of(48000, 9);
         let mut whole = vec![0u8; UDP_HEADER + 48000];
         for (i, x) in fr.iter().enumerate() {
-            let p = parse_ipv4(x).expect("valid");
+            let (p, payload) = parse_ipv4(x).expect("valid");
             assert_eq!(
                 (p.ident, p.proto, p.more),
                 (9, IpProtocol::Udp, i + 1 < fr.len())
             );
             assert_eq!(p.offset as usize, i * 1480);
-            whole[p.offset as usize..p.offset as usize + p.payload.len()]
-                .copy_from_slice(p.payload);
+            assert_eq!(p.payload_len(), payload.len());
+            whole[p.offset as usize..p.offset as usize + payload.len()].copy_from_slice(payload);
         }
-        let d = parse_udp(flow().src_ip, flow().dst_ip, &whole).expect("udp");
+        let (d, payload) = parse_udp(flow().src_ip, flow().dst_ip, &whole).expect("udp");
         assert_eq!((d.src_port, d.dst_port), (5001, 5002));
-        assert_eq!(d.payload, &message(48000, 9)[..]);
+        assert_eq!(payload, &message(48000, 9)[..]);
         let small = frames_of(52, 3);
-        let one = parse_ipv4(&small[0]).expect("valid");
+        let (one, payload) = parse_ipv4(&small[0]).expect("valid");
         assert!(one.is_whole());
         assert_eq!(
-            parse_udp(one.src, one.dst, one.payload)
-                .expect("udp")
-                .payload,
+            parse_udp(one.src, one.dst, payload).expect("udp").1,
             &message(52, 3)[..]
         );
     }
@@ -410,27 +453,24 @@ pub(crate) mod tests {
         assert_eq!(parse_ipv4(&arp), Err(WireError::NotIpv4));
         let mut v6 = good.clone();
         v6[ETH_HEADER] = 0x65;
-        assert!(matches!(
-            parse_ipv4(&v6),
-            Err(WireError::BadIpHeader | WireError::Truncated)
-        ));
+        assert_eq!(parse_ipv4(&v6), Err(WireError::BadIpHeader));
         let mut csum = good.clone();
         csum[ETH_HEADER + 8] ^= 1; // TTL changes, checksum does not
         assert_eq!(parse_ipv4(&csum), Err(WireError::BadIpChecksum));
         let mut long = good.clone();
         long[ETH_HEADER + 2..ETH_HEADER + 4].copy_from_slice(&2000u16.to_be_bytes()); // total length > frame
-        assert!(matches!(
-            parse_ipv4(&long),
-            Err(WireError::Truncated | WireError::BadIpChecksum)
-        ));
-        let p = parse_ipv4(&good).expect("valid");
-        let mut bad = p.payload.to_vec();
+        assert_eq!(parse_ipv4(&long), Err(WireError::Truncated));
+        let mut hl = good.clone();
+        hl[ETH_HEADER] = 0x44; // header length 16 < 20
+        assert_eq!(parse_ipv4(&hl), Err(WireError::BadIpHeader));
+        let (p, payload) = parse_ipv4(&good).expect("valid");
+        let mut bad = payload.to_vec();
         bad[UDP_HEADER] ^= 0xff;
         assert_eq!(
             parse_udp(p.src, p.dst, &bad),
             Err(WireError::BadUdpChecksum)
         );
-        let mut short = p.payload.to_vec();
+        let mut short = payload.to_vec();
         short[4..6].copy_from_slice(&4u16.to_be_bytes());
         assert!(matches!(
             parse_udp(p.src, p.dst, &short),
