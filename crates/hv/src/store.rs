@@ -226,6 +226,11 @@ impl Store {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Nodes `dom` owns (what its quota counts).
+    pub fn nodes_owned(&self, dom: DomId) -> usize {
+        self.lock().owned_by(dom)
+    }
+
     /// Reads a node.
     pub fn read(&self, caller: DomId, path: &str) -> Result<String, StoreError> {
         if !valid_path(path) {

@@ -1,0 +1,41 @@
+//! Each fuzz target for a bounded number of seeded cases (`PVIO_FUZZ_CASES` for more,
+//! `PVIO_FUZZ_SEED` to start elsewhere). A failure names its seed; rerun with it.
+
+use pvio_fuzz::Input;
+
+fn cases(default: u64) -> u64 {
+    std::env::var("PVIO_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn run(name: &str, default: u64, f: fn(&mut Input<'_>)) {
+    let base = std::env::var("PVIO_FUZZ_SEED")
+        .ok()
+        .and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok())
+        .unwrap_or(0x243f_6a88_85a3_08d3);
+    for case in 0..cases(default) {
+        let seed = base.wrapping_add(case.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let r = std::panic::catch_unwind(|| f(&mut Input::from_seed(seed)));
+        assert!(
+            r.is_ok(),
+            "{name}: case with PVIO_FUZZ_SEED={seed:#x} failed"
+        );
+    }
+}
+
+#[test]
+fn reassembly_gives_every_fragment_back_exactly_once() {
+    run("reasm", 3000, pvio_fuzz::reasm::case);
+}
+
+#[test]
+fn hostile_store_operations_leave_quotas_and_other_domains_whole() {
+    run("store", 300, pvio_fuzz::store::case);
+}
+
+#[test]
+fn hostile_hypercall_arguments_leave_no_mapping_frame_or_channel_behind() {
+    run("hypercalls", 200, pvio_fuzz::hypercalls::case);
+}
