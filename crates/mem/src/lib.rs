@@ -6,7 +6,9 @@
 //!   "direct map"). Every byte any domain, device model or hypervisor path touches lives
 //!   here. Access is by machine frame number ([`Mfn`]) plus an offset, bounds-checked on
 //!   every call; shared structures are reached through atomics with an explicit
-//!   `Ordering`, never through a Rust reference to the frame's bytes.
+//!   `Ordering`, never through a Rust reference to the frame's bytes, and bytes move
+//!   with the byte-wise atomic copies of `shared`, since another thread may be writing
+//!   any frame at the same moment.
 //! * [`MapWindow`]: a reserved range of virtual addresses in which machine frames are
 //!   really mapped with `mmap(MAP_FIXED)` and really unmapped, as a grant map does in Xen.
 //! * [`cpu`]: pinning threads to cores, thread CPU clocks, the time-stamp counter, and the
