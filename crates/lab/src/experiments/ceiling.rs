@@ -587,8 +587,8 @@ mod tests {
         assert!(integrity.iter().all(|c| c.met), "{integrity:?}");
     }
 
-    #[test]
-    fn the_warm_up_check_catches_one_wrong_byte_and_template_packets_are_not_checked() {
+    /// A domain's buffer pool on a small machine (the machine is returned to keep it).
+    fn test_pool() -> (Arc<Hypervisor>, SkbPool) {
         let hv = Hypervisor::new(HvConfig::default()).expect("hv");
         let dom = hv
             .create_domain(&DomainConfig {
@@ -597,7 +597,13 @@ mod tests {
                 ..DomainConfig::default()
             })
             .expect("domain");
-        let mut pool = SkbPool::new(dom, 16, 8).expect("pool");
+        let pool = SkbPool::new(dom, 16, 8).expect("pool");
+        (hv, pool)
+    }
+
+    #[test]
+    fn the_warm_up_check_catches_one_wrong_byte_and_template_packets_are_not_checked() {
+        let (_hv, mut pool) = test_pool();
         let mut sink = Sink::new(1500);
         let good = frame(1500, 3).expect("frame");
         for flip in [None, Some(14 + 20 + 8 + 700), Some(14 + 8)] {
@@ -620,15 +626,7 @@ mod tests {
 
     #[test]
     fn the_source_writes_whole_messages_then_only_the_header_template() {
-        let hv = Hypervisor::new(HvConfig::default()).expect("hv");
-        let dom = hv
-            .create_domain(&DomainConfig {
-                name: "d".into(),
-                pages: 256,
-                ..DomainConfig::default()
-            })
-            .expect("domain");
-        let mut pool = SkbPool::new(dom, 16, 8).expect("pool");
+        let (_hv, mut pool) = test_pool();
         let mut src = Source::new(1500).expect("source");
         let s = pool.alloc(NET_SKB_PAD).expect("buffer");
         src.fill(&mut pool, s).expect("fill");

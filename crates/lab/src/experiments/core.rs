@@ -220,17 +220,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     }
     // Ratios against the baselines of the same iteration.
     for row in r.rows.iter_mut() {
-        if row.group == "grant copy" {
-            let n: usize = row
-                .name
-                .split_whitespace()
-                .find_map(|w| w.parse().ok())
-                .unwrap_or(0);
-            let base = format!("memcpy {n} B (hot)");
-            row.ratio = ratio_median(s.get(&row.name), s.get(&base)).map(|x| (base, x));
-        }
-        if row.group == "shared memory" {
-            // What race-free access to shared memory costs over a plain memcpy.
+        // A grant copy, and a shared-memory copy (what race-free access costs), against
+        // a plain memcpy of the size the row names.
+        if row.group == "grant copy" || row.group == "shared memory" {
             let n: usize = row
                 .name
                 .split_whitespace()
