@@ -9,6 +9,22 @@
 //! case panics with its seed or is saved by libFuzzer; either replays exactly.
 
 pub mod hypercalls;
+#[cfg(test)]
+mod tests {
+    use super::Input;
+
+    #[test]
+    fn fuzzer_bytes_run_out_into_zeros_without_panicking() {
+        let mut i = Input::from_bytes(&[1, 2, 3, 4]);
+        assert_eq!(i.below(10), 1);
+        assert_eq!(i.u64(), u64::from_le_bytes([2, 3, 4, 0, 0, 0, 0, 0]));
+        assert!(i.exhausted());
+        for _ in 0..10 {
+            assert_eq!((i.u64(), i.below(7)), (0, 0));
+        }
+    }
+}
+
 pub mod reasm;
 pub mod store;
 
@@ -54,9 +70,10 @@ impl<'a> Input<'a> {
             return s.wrapping_mul(0x2545_f491_4f6c_dd1d);
         }
         let mut w = [0u8; 8];
-        let n = (self.bytes.len() - self.at.min(self.bytes.len())).min(8);
-        w[..n].copy_from_slice(&self.bytes[self.at..self.at + n]);
-        self.at += n.max(1);
+        let from = self.at.min(self.bytes.len());
+        let n = (self.bytes.len() - from).min(8);
+        w[..n].copy_from_slice(&self.bytes[from..from + n]);
+        self.at = from + n.max(1);
         u64::from_le_bytes(w)
     }
 
