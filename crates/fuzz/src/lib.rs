@@ -9,6 +9,8 @@
 //! case panics with its seed or is saved by libFuzzer; either replays exactly.
 
 pub mod hypercalls;
+pub mod netback;
+pub mod netfront;
 #[cfg(test)]
 mod tests {
     use super::Input;

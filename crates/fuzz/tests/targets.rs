@@ -1,5 +1,7 @@
 //! Each fuzz target for a bounded number of seeded cases (`PVIO_FUZZ_CASES` for more,
-//! `PVIO_FUZZ_SEED` to start elsewhere). A failure names its seed; rerun with it.
+//! `PVIO_FUZZ_SEED` to start elsewhere). A failure names its seed; rerun with it. Each
+//! case runs under a watchdog: one that does not return in 20 s is a hang a hostile
+//! peer caused, and fails.
 
 use pvio_fuzz::Input;
 
@@ -17,11 +19,15 @@ fn run(name: &str, default: u64, f: fn(&mut Input<'_>)) {
         .unwrap_or(0x243f_6a88_85a3_08d3);
     for case in 0..cases(default) {
         let seed = base.wrapping_add(case.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let r = std::panic::catch_unwind(|| f(&mut Input::from_seed(seed)));
-        assert!(
-            r.is_ok(),
-            "{name}: case with PVIO_FUZZ_SEED={seed:#x} failed"
-        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(|| f(&mut Input::from_seed(seed)));
+            let _ = tx.send(r.is_ok());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+            Ok(ok) => assert!(ok, "{name}: case with PVIO_FUZZ_SEED={seed:#x} failed"),
+            Err(_) => panic!("{name}: case with PVIO_FUZZ_SEED={seed:#x} hung"),
+        }
     }
 }
 
@@ -38,4 +44,14 @@ fn hostile_store_operations_leave_quotas_and_other_domains_whole() {
 #[test]
 fn hostile_hypercall_arguments_leave_no_mapping_frame_or_channel_behind() {
     run("hypercalls", 200, pvio_fuzz::hypercalls::case);
+}
+
+#[test]
+fn hostile_front_ends_leave_the_driver_domain_whole() {
+    run("netback", 150, pvio_fuzz::netback::case);
+}
+
+#[test]
+fn hostile_back_ends_leave_the_guest_whole() {
+    run("netfront", 300, pvio_fuzz::netfront::case);
 }

@@ -91,6 +91,10 @@ pub struct Hypervisor {
     pub(crate) mem: Arc<MachineMemory>,
     pub(crate) frames: FrameTable,
     domains: RwLock<Vec<Option<Arc<Domain>>>>,
+    /// Where the search for a free domain id starts: ids rotate, as Xen's do, so a
+    /// destroyed domain's id is not given straight to the next domain (a peer that
+    /// still names the old one must not reach the new one).
+    next_domid: std::sync::atomic::AtomicUsize,
     pub(crate) grant_optimised: AtomicBool,
     pub(crate) irqs: Box<[AtomicU64]>,
     /// Per vector, the line's state at the interrupt controller (`event::IRQ_*`).
@@ -120,6 +124,7 @@ impl Hypervisor {
             mem,
             frames,
             domains: RwLock::new(vec![None; MAX_DOMAINS]),
+            next_domid: std::sync::atomic::AtomicUsize::new(0),
             grant_optimised: AtomicBool::new(cfg.grant_path == GrantPath::Optimised),
             map_backend: cfg.map_backend,
             irqs: (0..NR_VECTORS).map(|_| AtomicU64::new(0)).collect(),
@@ -173,10 +178,12 @@ impl Hypervisor {
     /// owner survives.
     pub fn create_domain(&self, cfg: &DomainConfig) -> Result<Arc<Domain>, HvError> {
         let mut doms = self.domains.write().unwrap_or_else(|p| p.into_inner());
-        let id = doms
-            .iter()
-            .position(Option::is_none)
+        let from = self.next_domid.load(Ordering::Relaxed);
+        let id = (0..MAX_DOMAINS)
+            .map(|k| (from + k) % MAX_DOMAINS)
+            .find(|&i| doms[i].is_none())
             .ok_or(HvError::TooManyDomains)?;
+        self.next_domid.store(id + 1, Ordering::Relaxed);
         let id = DomId(id as u16);
         let mut p2m = Vec::with_capacity(cfg.pages as usize);
         for _ in 0..cfg.pages {

@@ -85,6 +85,20 @@ struct Watch {
     path: String,
     token: String,
     tx: SyncSender<WatchEvent>,
+    /// Run after an event is queued: xenstored's notification on the watcher's store
+    /// event channel, which wakes its vCPU.
+    wake: Option<Wake>,
+}
+
+/// What a watch runs when it queues an event (a vCPU kick, as the store channel's
+/// event does).
+#[derive(Clone)]
+pub struct Wake(pub std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Wake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wake")
+    }
 }
 
 #[derive(Debug, Default)]
@@ -162,7 +176,13 @@ impl Inner {
         Ok(n)
     }
 
+    /// Fires the watches on `changed` and above it, and, for a removal, those below it
+    /// too (their nodes went with it), as xenstored does.
     fn notify(&mut self, changed: &str) {
+        self.notify_change(changed, false);
+    }
+
+    fn notify_change(&mut self, changed: &str, removed: bool) {
         let readable = |dom: DomId, nodes: &BTreeMap<String, Node>| {
             // A removed node: judge by its nearest existing ancestor.
             let mut p = Some(changed);
@@ -176,7 +196,9 @@ impl Inner {
         };
         let (nodes, dropped) = (&self.nodes, &mut self.events_dropped);
         self.watches.retain(|w| {
-            if !is_at_or_below(changed, &w.path) || !readable(w.dom, nodes) {
+            let hit =
+                is_at_or_below(changed, &w.path) || (removed && is_at_or_below(&w.path, changed));
+            if !hit || !readable(w.dom, nodes) {
                 return true;
             }
             let ev = WatchEvent {
@@ -184,7 +206,12 @@ impl Inner {
                 token: w.token.clone(),
             };
             match w.tx.try_send(ev) {
-                Ok(()) => true,
+                Ok(()) => {
+                    if let Some(Wake(f)) = &w.wake {
+                        f();
+                    }
+                    true
+                }
                 // A watcher that does not read loses events, not the store's memory.
                 Err(TrySendError::Full(_)) => {
                     *dropped += 1;
@@ -313,7 +340,7 @@ impl Store {
         for k in &doomed {
             g.nodes.remove(k);
         }
-        g.notify(path);
+        g.notify_change(path, true);
         Ok(())
     }
 
@@ -382,6 +409,18 @@ impl Store {
         path: &str,
         token: &str,
     ) -> Result<Receiver<WatchEvent>, StoreError> {
+        self.watch_waking(caller, path, token, None)
+    }
+
+    /// As [`Store::watch`], running `wake` each time an event is queued (the store's
+    /// event channel to the watcher, so that a blocked vCPU sees the change).
+    pub fn watch_waking(
+        &self,
+        caller: DomId,
+        path: &str,
+        token: &str,
+        wake: Option<Wake>,
+    ) -> Result<Receiver<WatchEvent>, StoreError> {
         // The event message carries both, each NUL-terminated.
         if !valid_path(path) || path.len() + token.len() + 2 > MAX_VALUE {
             return Err(StoreError::Invalid);
@@ -402,6 +441,7 @@ impl Store {
             path: path.to_string(),
             token: token.to_string(),
             tx,
+            wake,
         });
         Ok(rx)
     }

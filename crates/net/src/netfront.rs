@@ -20,10 +20,12 @@
 //! one request; the completion revokes the grants and frees the buffer.
 
 use crate::counters::PerReason;
+use std::collections::VecDeque;
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
-use hv::store::XenbusState;
+use hv::store::{Wake, WatchEvent, XenbusState};
 use hv::OwnPage;
 use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
 use ring::{FrontRing, PageRing};
@@ -79,6 +81,10 @@ pub struct FrontStats {
     pub tx_bad_response: u64,
     /// Notifications sent to the back end.
     pub notifies: u64,
+    /// Times a back end closed or went away.
+    pub disconnects: u64,
+    /// Unanswered packets kept across a disconnection to be sent again.
+    pub tx_requeued: u64,
 }
 
 crate::counter_set!(FrontStats {
@@ -92,7 +98,9 @@ crate::counter_set!(FrontStats {
     tx_bounced_bytes,
     tx_errors,
     tx_bad_response,
-    notifies
+    notifies,
+    disconnects,
+    tx_requeued
 });
 
 #[derive(Debug, Clone, Copy)]
@@ -113,9 +121,36 @@ struct TxBuf {
     held: bool,
     head: u16,
     skb: Option<SkbId>,
+    /// The packet's place in transmission order (its head's entry).
+    seq: u64,
     left: u8,
     failed: bool,
     pinned: bool,
+}
+
+/// One connection to a back end: what a reconnection replaces.
+#[derive(Debug)]
+struct Link {
+    be: DomId,
+    /// The back end's directory, whose `state` is watched.
+    bdir: String,
+    port: Port,
+    tx: Front<TxRing>,
+    rx: Front<RxRing>,
+    /// The ring pages, each with its grant.
+    rings: [(Gfn, GrantRef); 2],
+}
+
+/// A change [`Netfront::check_backend`] made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkChange {
+    /// Nothing to do.
+    None,
+    /// The back end closed or went away: every buffer and grant was taken back, and the
+    /// packets it never answered are kept to be sent again.
+    Disconnected,
+    /// Connected to a (new) back end; kept packets are on their way again.
+    Reconnected,
 }
 
 /// One interface's front end.
@@ -123,15 +158,26 @@ struct TxBuf {
 pub struct Netfront {
     hv: Arc<Hypervisor>,
     dom: Arc<Domain>,
-    be: DomId,
-    port: Port,
-    tx: Front<TxRing>,
-    rx: Front<RxRing>,
+    handle: u32,
+    /// The connection; none between a back end going away and the next one.
+    link: Option<Link>,
+    /// Events on the front end's `backend-id` (the toolstack moving it to a new back end).
+    moved: Receiver<WatchEvent>,
+    /// The back-end directory whose `state` is watched, and its events.
+    otherend: Option<(String, Receiver<WatchEvent>)>,
     rx_bufs: Box<[RxBuf]>,
     rx_free: Vec<u16>,
     inflight: InFlight,
     tx_bufs: Box<[TxBuf]>,
     tx_free: Vec<u16>,
+    /// Packets whose pages a back end still maps: kept out of use until it lets go
+    /// (tried again at disconnection, as Linux retries a deferred grant release).
+    tx_pinned_skbs: Vec<SkbId>,
+    /// Order of transmission, kept in each packet's head entry.
+    tx_seq: u64,
+    /// Packets a back end that went away never answered, oldest first: sent again
+    /// once connected.
+    resend: VecDeque<SkbId>,
     /// A packet being assembled from a multi-slot response chain.
     partial: Option<SkbId>,
     rx_buffers: RxBuffers,
@@ -157,6 +203,22 @@ fn next_response<P: ring::RingProtocol>(ring: &mut Front<P>, broken: &mut bool) 
         }
         return None;
     }
+}
+
+/// What a step that ran out of pages or grant references reports.
+fn oom() -> XenbusError {
+    XenbusError::BadKey("out of pages or grant references".into())
+}
+
+/// Kicks the guest's vCPU 0 when a watch fires (the store's event channel). Holds the
+/// hypervisor and the domain weakly: the store lives in the hypervisor.
+fn waker(hv: &Arc<Hypervisor>, dom: &Arc<Domain>) -> Wake {
+    let (h, d) = (Arc::downgrade(hv), Arc::downgrade(dom));
+    Wake(Arc::new(move || {
+        if let (Some(h), Some(d)) = (h.upgrade(), d.upgrade()) {
+            h.kick_vcpu(&d, 0);
+        }
+    }))
 }
 
 /// Gives back a posted buffer that carries no packet.
@@ -187,36 +249,7 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
-        let store = hv.store();
-        let me = dom.id();
-        let fdir = xenbus::frontend_dir(me, handle);
-        let be = DomId(xenbus::read_u32(store, me, &format!("{fdir}/backend-id"))? as u16);
-        let bdir = store
-            .read(me, &format!("{fdir}/backend"))
-            .map_err(|_| XenbusError::BadKey(format!("{fdir}/backend")))?;
-        let st = store.xenbus_state(me, &bdir);
-        if !matches!(st, XenbusState::InitWait | XenbusState::Connected) {
-            return Err(XenbusError::PeerState(st));
-        }
-        if !xenbus::feature(store, me, &bdir, "feature-rx-copy") {
-            return Err(XenbusError::MissingFeature("feature-rx-copy"));
-        }
         let gt = dom.grant_table();
-        let oom = || XenbusError::BadKey("out of pages or grant references".into());
-        let ring = || -> Result<(Gfn, GrantRef), XenbusError> {
-            let g = dom.alloc_page().map_err(|_| oom())?;
-            let r = gt.alloc_ref().ok_or_else(oom)?;
-            gt.grant_access(r, be, g, false).map_err(|_| oom())?;
-            Ok((g, r))
-        };
-        let (tg, tr) = ring()?;
-        let (rg, rr) = ring()?;
-        let page = |g| dom.page(g).map_err(|_| oom());
-        let tx =
-            FrontRing::init(PageRing::new(page(tg)?).map_err(|_| oom())?).map_err(|_| oom())?;
-        let rx =
-            FrontRing::init(PageRing::new(page(rg)?).map_err(|_| oom())?).map_err(|_| oom())?;
-        let port = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
         let refs = || gt.alloc_ref().ok_or_else(oom);
         let rx_bufs = (0..RING_IDS)
             .map(|_| {
@@ -235,51 +268,360 @@ impl Netfront {
                     held: false,
                     head: 0,
                     skb: None,
+                    seq: 0,
                     left: 0,
                     failed: false,
                     pinned: false,
                 })
             })
             .collect::<Result<Vec<_>, XenbusError>>()?;
-        let sg = if rx_buffers == RxBuffers::Fragments {
-            "1"
-        } else {
-            "0"
-        };
-        for (k, v) in [
-            ("tx-ring-ref", tr.0.to_string()),
-            ("rx-ring-ref", rr.0.to_string()),
-            ("event-channel", port.0.to_string()),
-            ("request-rx-copy", "1".into()),
-            ("feature-rx-notify", "1".into()),
-            ("feature-sg", sg.into()),
-        ] {
-            store.write(me, &format!("{fdir}/{k}"), &v)?;
-        }
-        store.switch_state(me, &fdir, XenbusState::Connected)?;
-        Ok(Self {
+        let fdir = xenbus::frontend_dir(dom.id(), handle);
+        let moved = hv.store().watch_waking(
+            dom.id(),
+            &format!("{fdir}/backend-id"),
+            "netfront-backend-id",
+            Some(waker(hv, dom)),
+        )?;
+        let mut f = Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
-            be,
-            port,
-            tx,
-            rx,
+            handle,
+            link: None,
+            moved,
+            otherend: None,
             rx_bufs: rx_bufs.into_boxed_slice(),
             rx_free: (0..RING_IDS).rev().collect(),
             inflight: InFlight::default(),
             tx_bufs: tx_bufs.into_boxed_slice(),
             tx_free: (0..RING_IDS).rev().collect(),
+            tx_pinned_skbs: Vec::new(),
+            tx_seq: 0,
+            resend: VecDeque::with_capacity(RING_IDS as usize),
             partial: None,
             rx_buffers,
             skipping: false,
             stats: FrontStats::default(),
             broken: false,
-        })
+        };
+        f.link = Some(f.open()?);
+        if let Some(l) = &f.link {
+            let d = l.bdir.clone();
+            f.follow_otherend(&d);
+            // The watch's first event is its registration.
+            if let Some((_, w)) = &f.otherend {
+                let _ = w.try_iter().count();
+            }
+        }
+        let _ = f.moved.try_iter().count();
+        Ok(f)
     }
 
-    /// The guest's end of the event channel.
-    pub fn port(&self) -> Port {
-        self.port
+    /// Watches `<bdir>/state` (the back end's state) instead of whatever was watched.
+    fn follow_otherend(&mut self, bdir: &str) {
+        if self.otherend.as_ref().is_some_and(|(d, _)| d == bdir) {
+            return;
+        }
+        let store = self.hv.store();
+        let me = self.dom.id();
+        if let Some((d, _)) = self.otherend.take() {
+            store.unwatch(me, &format!("{d}/state"), "netfront-otherend");
+        }
+        let w = store.watch_waking(
+            me,
+            &format!("{bdir}/state"),
+            "netfront-otherend",
+            Some(waker(&self.hv, &self.dom)),
+        );
+        self.otherend = w.ok().map(|w| (bdir.to_string(), w));
+    }
+
+    /// The handshake with the back end the store names: checks its state and
+    /// features, sets up both rings (granted to it) and an unbound event channel,
+    /// publishes them, and moves to `Connected`. What it took is given back if a step
+    /// fails.
+    fn open(&self) -> Result<Link, XenbusError> {
+        let (hv, dom) = (&self.hv, &self.dom);
+        let store = hv.store();
+        let me = dom.id();
+        let fdir = xenbus::frontend_dir(me, self.handle);
+        let be = DomId(xenbus::read_u32(store, me, &format!("{fdir}/backend-id"))? as u16);
+        let bdir = store
+            .read(me, &format!("{fdir}/backend"))
+            .map_err(|_| XenbusError::BadKey(format!("{fdir}/backend")))?;
+        let st = store.xenbus_state(me, &bdir);
+        if !matches!(st, XenbusState::InitWait | XenbusState::Connected) {
+            return Err(XenbusError::PeerState(st));
+        }
+        if !xenbus::feature(store, me, &bdir, "feature-rx-copy") {
+            return Err(XenbusError::MissingFeature("feature-rx-copy"));
+        }
+        let gt = dom.grant_table();
+        let mut taken: Vec<(Gfn, GrantRef)> = Vec::with_capacity(2);
+        let mut port = None;
+        let give_back = |taken: &[(Gfn, GrantRef)], port: Option<Port>| {
+            for &(g, r) in taken {
+                let _ = gt.end_access(r);
+                gt.free_ref(r);
+                let _ = dom.free_page(g);
+            }
+            if let Some(p) = port {
+                let _ = hv.evtchn_close(dom, p);
+            }
+        };
+        let r = (|| {
+            for _ in 0..2 {
+                let g = dom.alloc_page().map_err(|_| oom())?;
+                let Some(r) = gt.alloc_ref() else {
+                    let _ = dom.free_page(g);
+                    return Err(oom());
+                };
+                taken.push((g, r));
+                gt.grant_access(r, be, g, false).map_err(|_| oom())?;
+            }
+            let ring = |g| {
+                dom.page(g)
+                    .ok()
+                    .and_then(|p| PageRing::new(p).ok())
+                    .ok_or_else(oom)
+            };
+            let tx = FrontRing::init(ring(taken[0].0)?).map_err(|_| oom())?;
+            let rx = FrontRing::init(ring(taken[1].0)?).map_err(|_| oom())?;
+            let p = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
+            port = Some(p);
+            let sg = if self.rx_buffers == RxBuffers::Fragments {
+                "1"
+            } else {
+                "0"
+            };
+            // A reconnection starts from Closed; a first connection from Initialising.
+            if store.xenbus_state(me, &fdir) == XenbusState::Closed {
+                store.switch_state(me, &fdir, XenbusState::Initialising)?;
+            }
+            for (k, v) in [
+                ("tx-ring-ref", taken[0].1 .0.to_string()),
+                ("rx-ring-ref", taken[1].1 .0.to_string()),
+                ("event-channel", p.0.to_string()),
+                ("request-rx-copy", "1".into()),
+                ("feature-rx-notify", "1".into()),
+                ("feature-sg", sg.into()),
+            ] {
+                store.write(me, &format!("{fdir}/{k}"), &v)?;
+            }
+            store.switch_state(me, &fdir, XenbusState::Connected)?;
+            Ok(Link {
+                be,
+                bdir: bdir.clone(),
+                port: p,
+                tx,
+                rx,
+                rings: [taken[0], taken[1]],
+            })
+        })();
+        if r.is_err() {
+            give_back(&taken, port);
+        }
+        r
+    }
+
+    /// Follows the back end after a store event (`backend_changed`): if it closed, went
+    /// away or the toolstack named another, disconnects; if disconnected and a back end
+    /// waits for this end, reconnects. Cheap when no event is waiting.
+    pub fn check_backend(&mut self, pool: &mut SkbPool) -> LinkChange {
+        let mut any = self.moved.try_iter().count() > 0;
+        if let Some((_, w)) = &self.otherend {
+            any |= w.try_iter().count() > 0;
+        }
+        if !any {
+            return LinkChange::None;
+        }
+        let hv = Arc::clone(&self.hv);
+        let store = hv.store();
+        let me = self.dom.id();
+        let fdir = xenbus::frontend_dir(me, self.handle);
+        let be = xenbus::read_u32(store, me, &format!("{fdir}/backend-id")).ok();
+        // Follow whichever back end the store names now.
+        if let Ok(bdir) = store.read(me, &format!("{fdir}/backend")) {
+            self.follow_otherend(&bdir);
+        }
+        let mut change = LinkChange::None;
+        if let Some(l) = &self.link {
+            let st = store.xenbus_state(me, &l.bdir);
+            // A dead back end's channel is closed at its end.
+            let unbound = !matches!(
+                self.dom.evtchn_state(l.port),
+                Ok(hv::ChannelState::Interdomain { .. })
+            );
+            let gone = unbound
+                || be != Some(u32::from(l.be.0))
+                || matches!(
+                    st,
+                    XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
+                );
+            if gone {
+                self.disconnect(pool);
+                change = LinkChange::Disconnected;
+            }
+        }
+        if self.link.is_none() {
+            if let Ok(l) = self.open() {
+                self.link = Some(l);
+                self.broken = false;
+                self.refill_rx(pool);
+                self.flush_resend(pool);
+                change = LinkChange::Reconnected;
+            }
+        }
+        change
+    }
+
+    /// Whether connected to a back end.
+    pub fn is_connected(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// Packets kept for sending again after a back end went away.
+    pub fn resend_queued(&self) -> usize {
+        self.resend.len()
+    }
+
+    /// Takes everything back from a back end that closed or died
+    /// (`xennet_disconnect_backend`): revokes every grant it was given — a grant it
+    /// still maps is counted and its page kept out of use, as Linux defers such pages —
+    /// frees posted RX buffers, keeps each unanswered TX packet whose pages came back to
+    /// send again, frees the rings, closes the channel and moves to `Closed`. A no-op
+    /// when not connected.
+    pub fn disconnect(&mut self, pool: &mut SkbPool) {
+        let Some(l) = self.link.take() else {
+            return;
+        };
+        let dom = Arc::clone(&self.dom);
+        let gt = dom.grant_table();
+        self.abandon_partial(pool);
+        // RX: buffers in flight, and those parked because the back end held their
+        // grant when answered (tried again now: a dead back end's maps are gone).
+        for id in 0..RING_IDS {
+            let _ = self.inflight.complete(id);
+            let b = self.rx_bufs[id as usize];
+            let Some(g) = b.gfn else { continue };
+            if gt.end_access(b.gref).is_ok() {
+                let b = &mut self.rx_bufs[id as usize];
+                b.gfn = None;
+                let s = b.skb.take();
+                self.rx_free.push(id);
+                free_buf(pool, g, s);
+            }
+        }
+        self.inflight = InFlight::default();
+        // TX: every slot still out is revoked; a packet comes back whole or not at all.
+        let mut kept: Vec<(u64, SkbId)> = Vec::new();
+        // Slots parked because the back end held their grant are tried again first;
+        // the packets they pinned go once none is held any more.
+        for b in self.tx_bufs.iter_mut().filter(|b| b.held && !b.in_flight) {
+            b.held = gt.end_access(b.gref).is_err();
+        }
+        if self.tx_bufs.iter().all(|b| !b.held || b.in_flight) {
+            for s in self.tx_pinned_skbs.drain(..) {
+                pool.free(s);
+            }
+        }
+        for id in 0..RING_IDS as usize {
+            let b = self.tx_bufs[id];
+            if !b.in_flight {
+                continue;
+            }
+            let mapped = gt.end_access(b.gref).is_err();
+            let me = &mut self.tx_bufs[id];
+            me.in_flight = false;
+            me.held = mapped;
+            if mapped {
+                self.stats.grants_busy += 1;
+            }
+            self.tx_bufs[b.head as usize].pinned |= mapped;
+        }
+        for id in 0..RING_IDS as usize {
+            let h = &mut self.tx_bufs[id];
+            let Some(skb) = h.skb.take() else {
+                continue;
+            };
+            if h.pinned {
+                self.stats.tx_pinned += 1;
+                self.tx_pinned_skbs.push(skb);
+            } else {
+                kept.push((h.seq, skb));
+            }
+        }
+        kept.sort_unstable_by_key(|&(seq, _)| seq);
+        self.resend.extend(kept.into_iter().map(|(_, s)| s));
+        self.stats.tx_requeued += self.resend.len() as u64;
+        // Every id whose grant came back is free again.
+        self.tx_free = (0..RING_IDS)
+            .rev()
+            .filter(|&i| !self.tx_bufs[i as usize].held)
+            .collect();
+        for &(g, r) in &l.rings {
+            match gt.end_access(r) {
+                Ok(()) => {
+                    gt.free_ref(r);
+                    let _ = self.dom.free_page(g);
+                }
+                Err(_) => self.stats.grants_busy += 1,
+            }
+        }
+        let Link { port, tx, rx, .. } = l;
+        drop((tx, rx));
+        let _ = self.hv.evtchn_close(&self.dom, port);
+        let store = self.hv.store();
+        let me = self.dom.id();
+        let fdir = xenbus::frontend_dir(me, self.handle);
+        let _ = store.switch_state(me, &fdir, XenbusState::Closing);
+        let _ = store.switch_state(me, &fdir, XenbusState::Closed);
+        self.broken = false;
+        self.stats.disconnects += 1;
+    }
+
+    /// Removes the interface (`xennet_remove`): disconnects, frees the packets kept for
+    /// sending again, and gives back every grant reference it owns. A reference whose
+    /// grant a back end still maps stays allocated, with its page out of use.
+    pub fn close(mut self, pool: &mut SkbPool) {
+        self.disconnect(pool);
+        for s in self.resend.drain(..) {
+            pool.free(s);
+        }
+        let gt = self.dom.grant_table();
+        let tx = self.tx_bufs.iter().filter(|b| !b.held).map(|b| b.gref);
+        let rx = self
+            .rx_bufs
+            .iter()
+            .filter(|b| b.gfn.is_none())
+            .map(|b| b.gref);
+        for r in tx.chain(rx) {
+            gt.free_ref(r);
+        }
+        let store = self.hv.store();
+        let me = self.dom.id();
+        store.unwatch(
+            me,
+            &format!("{}/backend-id", xenbus::frontend_dir(me, self.handle)),
+            "netfront-backend-id",
+        );
+        if let Some((d, _)) = self.otherend.take() {
+            store.unwatch(me, &format!("{d}/state"), "netfront-otherend");
+        }
+    }
+
+    /// Sends kept packets again, oldest first, while the ring has room.
+    fn flush_resend(&mut self, pool: &mut SkbPool) {
+        while let Some(skb) = self.resend.pop_front() {
+            if let Err(s) = self.xmit_now(pool, skb) {
+                self.resend.push_front(s);
+                break;
+            }
+        }
+    }
+
+    /// The guest's end of the event channel (none while disconnected).
+    pub fn port(&self) -> Option<Port> {
+        self.link.as_ref().map(|l| l.port)
     }
     /// Counters.
     pub fn stats(&self) -> &FrontStats {
@@ -292,10 +634,12 @@ impl Netfront {
     /// TX slots free now: a packet of up to this many pages can be queued (a stack
     /// stops its queue below one packet's worth, as `netif_stop_queue`).
     pub fn tx_room(&self) -> usize {
-        if self.broken {
-            return 0;
+        match &self.link {
+            Some(l) if !self.broken && self.resend.is_empty() => {
+                (l.tx.free_requests() as usize).min(self.tx_free.len())
+            }
+            _ => 0,
         }
-        (self.tx.free_requests() as usize).min(self.tx_free.len())
     }
     /// What the RX ring is kept full of.
     pub fn rx_buffers(&self) -> RxBuffers {
@@ -308,18 +652,20 @@ impl Netfront {
 
     fn notify(&mut self) {
         let _c = enter(Class::Hypercall);
-        self.stats.notifies += 1;
-        let _ = self.hv.evtchn_send(&self.dom, self.port);
+        if let Some(l) = &self.link {
+            self.stats.notifies += 1;
+            let _ = self.hv.evtchn_send(&self.dom, l.port);
+        }
     }
 
     /// Posts a granted page for every free RX slot (`xennet_alloc_rx_buffers`).
     pub fn refill_rx(&mut self, pool: &mut SkbPool) {
         let _c = enter(Class::Driver);
-        if self.broken {
+        let Some(l) = self.link.as_mut().filter(|_| !self.broken) else {
             return;
-        }
+        };
         let mut posted = false;
-        while self.rx.free_requests() > 0 {
+        while l.rx.free_requests() > 0 {
             let Some(id) = self.rx_free.pop() else { break };
             let buf = {
                 let _m = enter(Class::Mem);
@@ -338,7 +684,7 @@ impl Netfront {
             if self
                 .dom
                 .grant_table()
-                .grant_access(b.gref, self.be, gfn, false)
+                .grant_access(b.gref, l.be, gfn, false)
                 .is_err()
             {
                 free_buf(pool, gfn, skb);
@@ -348,14 +694,14 @@ impl Netfront {
             b.gfn = Some(gfn);
             b.skb = skb;
             self.inflight.post(id);
-            let _ = self.rx.push_request(&RxRequest {
+            let _ = l.rx.push_request(&RxRequest {
                 id,
                 pad: 0,
                 gref: b.gref.0,
             });
             posted = true;
         }
-        if posted && self.rx.push_requests_and_check_notify() {
+        if posted && l.rx.push_requests_and_check_notify() {
             self.notify();
         }
     }
@@ -393,7 +739,10 @@ impl Netfront {
         let _c = enter(Class::Driver);
         let mut n = 0;
         while n < budget && !self.broken {
-            let Some(rsp) = next_response(&mut self.rx, &mut self.broken) else {
+            let Some(l) = self.link.as_mut() else {
+                break;
+            };
+            let Some(rsp) = next_response(&mut l.rx, &mut self.broken) else {
                 break;
             };
             let len = match check_rx_response(&rsp, &mut self.inflight) {
@@ -527,12 +876,27 @@ impl Netfront {
 
     /// Queues a packet for transmission (`xennet_start_xmit`): one read-only grant and
     /// one request per page its bytes lie in. Gives the buffer back if the ring is full.
+    /// While disconnected, or while packets a dead back end never answered still wait
+    /// to be sent again, the buffer is given back as for a full ring.
     pub fn xmit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
+        if !self.resend.is_empty() {
+            self.flush_resend(pool);
+            if !self.resend.is_empty() {
+                return Err(skb);
+            }
+        }
+        self.xmit_now(pool, skb)
+    }
+
+    fn xmit_now(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
         let _c = enter(Class::Driver);
         if self.broken {
             pool.free(skb);
             return Ok(());
         }
+        let Some(l) = self.link.as_mut() else {
+            return Err(skb);
+        };
         // A grant opens a whole page: data in a head that shares its page with
         // another buffer moves to a page of its own first, so the back end can read
         // this packet and nothing else (XSA-403). Without a page to move to, the
@@ -552,15 +916,15 @@ impl Netfront {
         });
         if segs == 0
             || segs > LEGACY_SLOTS_MAX
-            || segs > self.tx.free_requests() as usize
+            || segs > l.tx.free_requests() as usize
             || segs > self.tx_free.len()
             || len > u16::MAX as usize
         {
             return Err(skb);
         }
-        let (be, dom) = (self.be, &self.dom);
+        let (be, dom) = (l.be, &self.dom);
         let gt = dom.grant_table();
-        let (tx, tx_free, tx_bufs) = (&mut self.tx, &mut self.tx_free, &mut self.tx_bufs);
+        let (tx, tx_free, tx_bufs) = (&mut l.tx, &mut self.tx_free, &mut self.tx_bufs);
         let mut k = 0;
         let mut head = None;
         let r = pool.walk(skb, 0, len, |seg, _| {
@@ -594,10 +958,12 @@ impl Netfront {
         };
         let h = &mut self.tx_bufs[head as usize];
         h.skb = Some(skb);
+        h.seq = self.tx_seq;
+        self.tx_seq += 1;
         h.left = segs as u8;
         h.failed = false;
         h.pinned = false;
-        if self.tx.push_requests_and_check_notify() {
+        if l.tx.push_requests_and_check_notify() {
             self.notify();
         }
         Ok(())
@@ -609,7 +975,10 @@ impl Netfront {
         let _c = enter(Class::Driver);
         let mut n = 0;
         while !self.broken {
-            let Some(rsp) = next_response(&mut self.tx, &mut self.broken) else {
+            let Some(l) = self.link.as_mut() else {
+                break;
+            };
+            let Some(rsp) = next_response(&mut l.tx, &mut self.broken) else {
                 break;
             };
             if rsp.status == XEN_NETIF_RSP_NULL {
@@ -652,6 +1021,7 @@ impl Netfront {
                 if let Some(skb) = skb {
                     if pinned {
                         self.stats.tx_pinned += 1;
+                        self.tx_pinned_skbs.push(skb);
                     } else {
                         if !failed {
                             self.stats.tx_packets += 1;
@@ -663,11 +1033,17 @@ impl Netfront {
             }
             n += 1;
         }
+        if !self.resend.is_empty() {
+            self.flush_resend(pool);
+        }
         n
     }
 
     /// Whether RX responses are waiting.
     pub fn rx_ready(&mut self) -> bool {
-        !self.broken && self.rx.final_check_for_responses().unwrap_or(false)
+        match self.link.as_mut() {
+            Some(l) if !self.broken => l.rx.final_check_for_responses().unwrap_or(false),
+            _ => false,
+        }
     }
 }

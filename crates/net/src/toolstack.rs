@@ -8,7 +8,8 @@
 
 use std::sync::Arc;
 
-use hv::{Domain, Hypervisor};
+use hv::store::XenbusState;
+use hv::{DomId, Domain, Hypervisor};
 
 use crate::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use crate::netfront::{Netfront, RxBuffers};
@@ -41,16 +42,57 @@ pub fn plug_vif(
     guest: &Arc<Domain>,
     spec: VifSpec,
 ) -> Result<(Netfront, Vif), XenbusError> {
-    xenbus::create_vif(hv.store(), driver.id(), guest.id(), spec.handle, spec.mac)?;
-    netback::probe(hv.store(), driver.id(), guest.id(), spec.handle)?;
+    offer_vif(hv, driver, guest, spec)?;
     let front = Netfront::connect_with(hv, guest, spec.handle, spec.rx_buffers)?;
-    let vif = Vif::connect(
+    let vif = connect_backend(hv, driver, guest, spec)?;
+    Ok((front, vif))
+}
+
+/// The toolstack's part of giving `guest` a vif on `driver`: both directories (the
+/// front end's now naming `driver`) and the back end's probe (`InitWait`). A front end
+/// already running follows through its watch and reconnects.
+pub fn offer_vif(
+    hv: &Arc<Hypervisor>,
+    driver: &Arc<Domain>,
+    guest: &Arc<Domain>,
+    spec: VifSpec,
+) -> Result<(), XenbusError> {
+    xenbus::create_vif(hv.store(), driver.id(), guest.id(), spec.handle, spec.mac)?;
+    netback::probe(hv.store(), driver.id(), guest.id(), spec.handle)
+}
+
+/// The back end's last step once the front end has published its rings: maps them and
+/// connects.
+pub fn connect_backend(
+    hv: &Arc<Hypervisor>,
+    driver: &Arc<Domain>,
+    guest: &Arc<Domain>,
+    spec: VifSpec,
+) -> Result<Vif, XenbusError> {
+    Vif::connect(
         hv,
         driver,
         guest.id(),
         spec.handle,
         spec.index,
         u32::from(spec.index) * VIF_WINDOW_SLOTS,
-    )?;
-    Ok((front, vif))
+    )
+}
+
+/// Whether the guest's front end of vif `handle` has published its rings and is
+/// `Connected` (what the back end's watch on it waits for).
+pub fn frontend_connected(hv: &Hypervisor, guest: DomId, handle: u32) -> bool {
+    let dir = xenbus::frontend_dir(guest, handle);
+    hv.store().xenbus_state(DomId::DOM0, &dir) == XenbusState::Connected
+}
+
+/// Retires a back end whose driver domain died or is being replaced (libxl's device
+/// removal): its directory goes to `Closing` and `Closed`, so the front end's watch
+/// fires and it disconnects, and is then removed.
+pub fn close_backend(hv: &Hypervisor, driver: DomId, guest: DomId, handle: u32) {
+    let store = hv.store();
+    let dir = xenbus::backend_dir(driver, guest, handle);
+    let _ = store.switch_state(DomId::DOM0, &dir, XenbusState::Closing);
+    let _ = store.switch_state(DomId::DOM0, &dir, XenbusState::Closed);
+    let _ = store.rm(DomId::DOM0, &dir);
 }

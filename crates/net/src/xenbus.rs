@@ -75,22 +75,12 @@ pub fn create_vif(
     ] {
         store.write(t, &format!("{b}/{k}"), v)?;
     }
-    // Each end owns its directory and may read the other's.
+    // Each end owns its directory and may read the other's: every node in it, so
+    // that keys a front end wrote for an earlier back end are readable by this one.
     for (dir, owner, peer) in [(&f, fe, be), (&b, be, fe)] {
-        for k in [
-            "",
-            "/backend",
-            "/backend-id",
-            "/frontend",
-            "/frontend-id",
-            "/mac",
-            "/handle",
-            "/state",
-        ] {
-            let p = format!("{dir}{k}");
-            if store.read(t, &p).is_ok() {
-                store.set_perms(t, &p, owner, &[(peer, Perm::Read)])?;
-            }
+        store.set_perms(t, dir, owner, &[(peer, Perm::Read)])?;
+        for k in store.directory(t, dir)? {
+            store.set_perms(t, &format!("{dir}/{k}"), owner, &[(peer, Perm::Read)])?;
         }
     }
     Ok(())

@@ -419,6 +419,16 @@ impl<'a> GuestGrants<'a> {
             .unwrap_or_else(|p| p.into_inner())
             .pop()
     }
+    /// References free in the domain's allocator (what an oracle checks a front end
+    /// gave back).
+    pub fn refs_free(&self) -> usize {
+        self.dom
+            .grant
+            .free_refs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
     /// Returns a reference (after a successful [`Self::end_access`]).
     pub fn free_ref(&self, r: GrantRef) {
         if self.dom.grant.check_ref(r).is_ok() {

@@ -1,0 +1,380 @@
+//! netback against a hostile front end (issue 15's oracle).
+//!
+//! A driver domain with a well-behaved guest's vif and a hostile guest's vif. The
+//! hostile guest writes raw TX slots with structure (chains, extras, every kind of
+//! grant, one revoked mid-use), moves its producer index forward, back and at random,
+//! and posts RX buffers of every kind while packets of every size are queued to it; the
+//! driver domain runs its TX and RX actions, keeping or freeing what TX hands it.
+//!
+//! Oracle: after the vif is torn down and the guest destroyed, every packet buffer and
+//! page of the driver domain is back in its pool, no mapping or port of the guest is
+//! left, no frame of the guest is still held, and the well-behaved guest still sends.
+//! A hang shows as a case that never returns (the suite's watchdog, libFuzzer's
+//! `-timeout`).
+
+use std::sync::Arc;
+
+use hv::store::XenbusState;
+use hv::{Domain, DomainConfig, Gfn, GrantPath, GrantVersion, HvConfig, Hypervisor};
+use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
+use net::netfront::{Netfront, RxBuffers};
+use net::netif::{RxRequest, RxResponse, TxRequest, TxResponse, NETTXF_MORE_DATA};
+use net::skb::{SkbPool, NET_SKB_PAD};
+use net::toolstack::{self, VifSpec};
+use net::xenbus;
+
+use crate::Input;
+
+/// A front end that does the handshake by hand (with `feature-sg`) and then writes raw
+/// ring bytes.
+#[derive(Debug)]
+pub struct RawFront {
+    /// The guest.
+    pub dom: Arc<Domain>,
+    /// Its TX ring page.
+    pub tx: Gfn,
+    /// Its RX ring page.
+    pub rx: Gfn,
+    /// A page of data, granted read-only.
+    pub data: Gfn,
+    /// The data page's grant.
+    pub data_ref: u32,
+}
+
+const HDR: usize = 64;
+
+impl RawFront {
+    /// Creates the vif in the store, probes the back end and publishes three fresh
+    /// pages: two rings and a read-only data page, and a channel.
+    pub fn connect(hv: &Arc<Hypervisor>, dom: &Arc<Domain>, be: &Arc<Domain>) -> RawFront {
+        let store = hv.store();
+        xenbus::create_vif(store, be.id(), dom.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
+        netback::probe(store, be.id(), dom.id(), 0).expect("probe");
+        let gt = dom.grant_table();
+        let grant = |ro: bool| {
+            let g = dom.alloc_page().expect("page");
+            let r = gt.alloc_ref().expect("ref");
+            gt.grant_access(r, be.id(), g, ro).expect("grant");
+            (g, r)
+        };
+        let (tx, txr) = grant(false);
+        let (rx, rxr) = grant(false);
+        let (data, dr) = grant(true);
+        let port = hv.evtchn_alloc_unbound(dom, be.id()).expect("port");
+        let dir = xenbus::frontend_dir(dom.id(), 0);
+        for (k, v) in [
+            ("tx-ring-ref", txr.0.to_string()),
+            ("rx-ring-ref", rxr.0.to_string()),
+            ("event-channel", port.0.to_string()),
+            ("request-rx-copy", "1".into()),
+            ("feature-sg", "1".into()),
+        ] {
+            store
+                .write(dom.id(), &format!("{dir}/{k}"), &v)
+                .expect("write");
+        }
+        store
+            .switch_state(dom.id(), &dir, XenbusState::Connected)
+            .expect("state");
+        RawFront {
+            dom: Arc::clone(dom),
+            tx,
+            rx,
+            data,
+            data_ref: dr.0,
+        }
+    }
+    /// Writes request `i` (not yet published).
+    pub fn put(&self, i: u32, r: TxRequest) {
+        self.dom
+            .write(
+                self.tx,
+                HDR + (i as usize % 256) * 12,
+                bytemuck::bytes_of(&r),
+            )
+            .expect("slot");
+    }
+    /// Publishes `prod` as the TX ring's request producer.
+    pub fn publish(&self, prod: u32) {
+        self.dom
+            .write(self.tx, 0, &prod.to_le_bytes())
+            .expect("prod");
+    }
+    /// Posts RX buffer `i` (a writable grant) and publishes `prod`.
+    pub fn post_rx(&self, i: u32, r: RxRequest, prod: u32) {
+        self.dom
+            .write(
+                self.rx,
+                HDR + (i as usize % 256) * 8,
+                bytemuck::bytes_of(&r),
+            )
+            .expect("slot");
+        self.dom
+            .write(self.rx, 0, &prod.to_le_bytes())
+            .expect("prod");
+    }
+    /// A 32-bit word of a ring header (`req_prod` 0, `req_event` 4, `rsp_prod` 8).
+    pub fn word(&self, ring: Gfn, at: usize) -> u32 {
+        let mut b = [0u8; 4];
+        self.dom.read(ring, at, &mut b).expect("index");
+        u32::from_le_bytes(b)
+    }
+    /// TX response `i`.
+    pub fn tx_response(&self, i: u32) -> TxResponse {
+        let mut b = [0u8; 4];
+        self.dom
+            .read(self.tx, HDR + (i as usize % 256) * 12, &mut b)
+            .expect("slot");
+        bytemuck::pod_read_unaligned(&b)
+    }
+    /// RX response `i`.
+    pub fn rx_response(&self, i: u32) -> RxResponse {
+        let mut b = [0u8; 8];
+        self.dom
+            .read(self.rx, HDR + (i as usize % 256) * 8, &mut b)
+            .expect("slot");
+        bytemuck::pod_read_unaligned(&b)
+    }
+    /// A fresh page granted writable to the back end (an RX buffer).
+    pub fn rx_buffer(&self, be: &Domain) -> u32 {
+        let gt = self.dom.grant_table();
+        let g = self.dom.alloc_page().expect("page");
+        let r = gt.alloc_ref().expect("ref");
+        gt.grant_access(r, be.id(), g, false).expect("grant");
+        r.0
+    }
+}
+
+/// The driver domain and its pool.
+struct World {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    pool: SkbPool,
+}
+
+fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
+    hv.create_domain(&DomainConfig {
+        name: name.into(),
+        pages: 256,
+        grant_frames: 4,
+        grant_version: GrantVersion::V2,
+        vcpus: 1,
+        map_slots: 4,
+        driver_domain: false,
+    })
+    .expect("guest")
+}
+
+fn release(pool: &mut SkbPool, vif: &mut Vif) {
+    let mut tokens = Vec::new();
+    pool.take_released(|r| tokens.push(r.token));
+    vif.tx_release(tokens);
+}
+
+fn req(gref: u32, offset: u16, flags: u16, id: u16, size: u16) -> TxRequest {
+    TxRequest {
+        gref,
+        offset,
+        flags,
+        id,
+        size,
+    }
+}
+
+type Good = (Netfront, Vif, SkbPool);
+
+/// The good guest sends a packet and it crosses.
+fn good_sends(w: &mut World, (front, vif, gpool): &mut Good) {
+    front.poll_tx(gpool);
+    let s = gpool.alloc(NET_SKB_PAD).expect("skb");
+    gpool.put(s, &[0x5a; 100]).expect("put");
+    front.xmit(gpool, s).expect("room");
+    let mut got = 0;
+    vif.tx_action(&mut w.pool, 64, |p, s| {
+        got += 1;
+        p.free(s)
+    });
+    release(&mut w.pool, vif);
+    assert_eq!(got, 1, "the good vif is unaffected");
+    assert_eq!(vif.disabled(), None);
+}
+
+/// One case.
+pub fn case(inp: &mut Input<'_>) {
+    WORLD.with_borrow_mut(|slot| {
+        let (w, good) = slot.get_or_insert_with(world);
+        w.hv.set_grant_path(inp.pick(&[GrantPath::Optimised, GrantPath::Original]));
+        hostile(w, inp);
+        good_sends(w, good);
+    });
+}
+
+thread_local! {
+    /// The driver domain and the good guest live for the thread: the oracle brings
+    /// the world back to where it was after every case, which is what keeps cases
+    /// independent (and a case costs what netback's work costs, not a machine's boot).
+    static WORLD: std::cell::RefCell<Option<(World, Good)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn world() -> (World, Good) {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 4096,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let drv = hv
+        .create_domain(&DomainConfig {
+            name: "drv".into(),
+            pages: 512,
+            grant_frames: 4,
+            grant_version: GrantVersion::V2,
+            vcpus: 1,
+            map_slots: 2 * VIF_WINDOW_SLOTS,
+            driver_domain: true,
+        })
+        .expect("drv");
+    let pool = SkbPool::new(Arc::clone(&drv), 192, 16).expect("pool");
+    let mut w = World { hv, drv, pool };
+    let gd = guest(&w.hv, "good");
+    let spec = VifSpec {
+        handle: 0,
+        mac: [2, 0, 0, 0, 0, 7],
+        rx_buffers: RxBuffers::Fragments,
+        index: 1,
+    };
+    let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
+    let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");
+    let mut good = (front, vif, gpool);
+    // The good vif's own buffer use settles after its first packet.
+    good_sends(&mut w, &mut good);
+    (w, good)
+}
+
+/// The hostile guest's part of a case, with the oracle.
+fn hostile(w: &mut World, inp: &mut Input<'_>) {
+    let baseline = (
+        w.pool.free_buffers(),
+        w.pool.free_pages(),
+        w.hv.mappings_held(&w.drv),
+        w.hv.evtchn_open_ports(&w.drv),
+    );
+    let evil = guest(&w.hv, "fuzz");
+    let raw = RawFront::connect(&w.hv, &evil, &w.drv);
+    let gt = evil.grant_table();
+    // Grants of every kind: read-only data, writable, revoked, never issued.
+    let rw = raw.rx_buffer(&w.drv);
+    let revoked = raw.rx_buffer(&w.drv);
+    gt.end_access(hv::GrantRef(revoked)).expect("revoke");
+    let grefs = [raw.data_ref, raw.data_ref, rw, revoked, 9999, u32::MAX];
+    let mut bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("vif");
+    let mut held = Vec::new();
+    let (mut tx_prod, mut rx_prod) = (0u32, 0u32);
+    for _round in 0..inp.below(4) + 1 {
+        // TX: a few chains of structured slots.
+        let mut i = tx_prod;
+        for _ in 0..inp.below(24) {
+            let slots = inp.pick(&[1u64, 1, 2, 3, 17, 18, 19, 21]);
+            for k in 0..slots {
+                let last = k + 1 == slots;
+                let mut flags = if last { 0 } else { NETTXF_MORE_DATA };
+                if inp.below(16) == 0 {
+                    flags ^= 1 << inp.below(4);
+                }
+                let size = inp.pick(&[0u16, 10, 14, 60, 128, 129, 200, 1500, 4096, 9000, 65535]);
+                let any = inp.below(65536) as u16;
+                let offset = inp.pick(&[0u16, 1, 64, 2000, 3900, 4095, any]);
+                raw.put(
+                    i,
+                    req(inp.pick(&grefs), offset, flags, inp.below(300) as u16, size),
+                );
+                i = i.wrapping_add(1);
+            }
+        }
+        tx_prod = match inp.below(10) {
+            0 => tx_prod.wrapping_sub(inp.below(3) as u32),
+            1 => tx_prod.wrapping_add(inp.below(600) as u32),
+            2 => inp.u64() as u32,
+            _ => i,
+        };
+        raw.publish(tx_prod);
+        // RX: buffers posted (some bogus) and packets queued.
+        for _ in 0..inp.below(8) {
+            let r = RxRequest {
+                id: inp.below(300) as u16,
+                pad: 0,
+                gref: inp.pick(&[rw, rw, raw.data_ref, revoked, 9999]),
+            };
+            rx_prod = rx_prod.wrapping_add(1);
+            raw.post_rx(rx_prod.wrapping_sub(1), r, rx_prod);
+        }
+        if inp.below(12) == 0 {
+            raw.post_rx(0, RxRequest::default(), inp.u64() as u32);
+        }
+        for _ in 0..inp.below(4) {
+            let Ok(s) = w.pool.alloc(NET_SKB_PAD) else {
+                break;
+            };
+            let n = inp.pick(&[14usize, 60, 1514, 1900]);
+            w.pool.put(s, &vec![0x33; n]).expect("put");
+            if inp.below(3) == 0 {
+                if let Ok(g) = w.pool.alloc_page() {
+                    let _ = w.pool.add_frag(
+                        s,
+                        net::skb::Frag {
+                            page: net::skb::FragPage::Local(g),
+                            offset: 0,
+                            len: inp.pick(&[1u16, 2000, 4096]),
+                        },
+                    );
+                }
+            }
+            bad.start_xmit(&mut w.pool, s);
+        }
+        let keep = inp.below(2) == 0;
+        let mut got = Vec::new();
+        bad.tx_action(
+            &mut w.pool,
+            64,
+            |p, s| if keep { got.push(s) } else { p.free(s) },
+        );
+        bad.rx_action(&mut w.pool);
+        held.extend(got);
+        if inp.below(3) == 0 {
+            // The guest revokes (or tries to) its data grant in the middle of use.
+            let _ = gt.end_access(hv::GrantRef(raw.data_ref));
+        }
+        if inp.below(2) == 0 {
+            for s in held.drain(..) {
+                w.pool.free(s);
+            }
+            release(&mut w.pool, &mut bad);
+        }
+    }
+    for s in held.drain(..) {
+        w.pool.free(s);
+    }
+    release(&mut w.pool, &mut bad);
+    bad.disconnect(&mut w.pool);
+    let id = evil.id();
+    drop((raw, evil));
+    w.hv.destroy_domain(id).expect("destroy");
+    let store = w.hv.store();
+    let _ = store.rm(hv::DomId::DOM0, &format!("/local/domain/{}", id.0));
+    let _ = store.rm(
+        hv::DomId::DOM0,
+        &format!("/local/domain/{}/backend/vif/{}", w.drv.id().0, id.0),
+    );
+    // The oracle.
+    assert_eq!(
+        (
+            w.pool.free_buffers(),
+            w.pool.free_pages(),
+            w.hv.mappings_held(&w.drv),
+            w.hv.evtchn_open_ports(&w.drv),
+        ),
+        baseline,
+        "buffers, pages, maps and ports of the driver domain are back"
+    );
+    assert_eq!(w.hv.reap(), 0, "no frame of the guest is held");
+}

@@ -1,0 +1,187 @@
+//! A driver domain dies under a guest's traffic: the toolstack retires its back end and
+//! offers the vif on a new driver domain, and the guest's netfront follows through the
+//! store — it takes back every grant, keeps the packets the dead back end never
+//! answered, reconnects and sends them again, in order. Nothing of the guest stays held.
+
+use std::sync::Arc;
+
+use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
+use net::netback::VIF_WINDOW_SLOTS;
+use net::netfront::{LinkChange, RxBuffers};
+use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
+use net::toolstack::{self, VifSpec};
+
+fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
+    hv.create_domain(&DomainConfig {
+        name: name.into(),
+        pages: 2048,
+        grant_frames: 4,
+        grant_version: GrantVersion::V2,
+        vcpus: 1,
+        map_slots: if driver { VIF_WINDOW_SLOTS } else { 4 },
+        driver_domain: driver,
+    })
+    .expect("domain")
+}
+
+const SPEC: VifSpec = VifSpec {
+    handle: 0,
+    mac: [2, 0, 0, 0, 0, 2],
+    rx_buffers: RxBuffers::Fragments,
+    index: 0,
+};
+
+fn packet(i: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|k| (k as u8).wrapping_mul(13) ^ i).collect()
+}
+
+fn bytes(pool: &SkbPool, s: SkbId) -> Vec<u8> {
+    let mut b = vec![0; pool.len(s)];
+    pool.read(s, 0, &mut b).expect("read");
+    b
+}
+
+#[test]
+fn a_guest_follows_its_vif_to_a_new_driver_domain_and_resends_what_was_unanswered() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 256, 300).expect("pool");
+    let old = domain(&hv, "driver", true);
+    let (mut front, mut vif) = toolstack::plug_vif(&hv, &old, &guest, SPEC).expect("plug");
+    front.refill_rx(&mut gpool);
+    let mut dpool = SkbPool::new(Arc::clone(&old), 128, 16).expect("pool");
+
+    // Three packets cross and are answered; five more are taken by netback (their
+    // pages mapped) and never answered.
+    let sent: Vec<Vec<u8>> = (0..8u8)
+        .map(|i| packet(i, if i == 5 { 3000 } else { 100 + usize::from(i) }))
+        .collect();
+    let mut xmit = |gpool: &mut SkbPool, front: &mut net::netfront::Netfront, d: &[u8]| {
+        let s = gpool.alloc_page_linear().expect("skb");
+        gpool.put(s, d).expect("put");
+        front.xmit(gpool, s).expect("room");
+    };
+    for d in &sent[..3] {
+        xmit(&mut gpool, &mut front, d);
+    }
+    vif.tx_action(&mut dpool, 64, |p, s| p.free(s));
+    let mut tokens = Vec::new();
+    dpool.take_released(|r| tokens.push(r.token));
+    vif.tx_release(tokens);
+    assert_eq!(front.poll_tx(&mut gpool), 3);
+    for d in &sent[3..] {
+        xmit(&mut gpool, &mut front, d);
+    }
+    let mut held = Vec::new();
+    vif.tx_action(&mut dpool, 64, |_, s| held.push(s));
+    assert_eq!(held.len(), 5, "netback holds five packets in flight");
+
+    // The driver domain dies: the hypervisor unmaps what it mapped, closes its ports.
+    hv.destroy_domain(old.id()).expect("destroy");
+    // The toolstack retires its back end and offers the vif on a new driver domain.
+    toolstack::close_backend(&hv, old.id(), guest.id(), 0);
+    let new = domain(&hv, "driver", true);
+    toolstack::offer_vif(&hv, &new, &guest, SPEC).expect("offer");
+    assert!(!toolstack::frontend_connected(&hv, guest.id(), 0));
+
+    // The guest's watch fired: it disconnects from the dead back end and reconnects.
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::Reconnected);
+    assert_eq!(front.stats().disconnects, 1);
+    assert_eq!(front.stats().tx_requeued, 5);
+    assert!(toolstack::frontend_connected(&hv, guest.id(), 0));
+    let mut vif = {
+        drop(vif);
+        toolstack::connect_backend(&hv, &new, &guest, SPEC).expect("connect")
+    };
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::None);
+
+    // The five unanswered packets arrive at the new back end, intact and in order.
+    let mut dpool2 = SkbPool::new(Arc::clone(&new), 128, 16).expect("pool");
+    let mut got = Vec::new();
+    vif.tx_action(&mut dpool2, 64, |p, s| {
+        got.push(bytes(p, s));
+        p.free(s)
+    });
+    assert_eq!(got, sent[3..].to_vec());
+    let mut tokens = Vec::new();
+    dpool2.take_released(|r| tokens.push(r.token));
+    vif.tx_release(tokens);
+    assert_eq!(front.poll_tx(&mut gpool), 5);
+    assert_eq!(front.stats().tx_packets, 8);
+
+    // Receive works on the new back end, with a freshly posted ring.
+    assert_eq!(front.rx_posted(), 256);
+    let s = dpool2.alloc(NET_SKB_PAD).expect("skb");
+    let frame = packet(9, 600);
+    dpool2.put(s, &frame).expect("put");
+    vif.start_xmit(&mut dpool2, s);
+    vif.rx_action(&mut dpool2);
+    let mut rx = Vec::new();
+    front.poll_rx(&mut gpool, 64, |p, s| {
+        rx.push(bytes(p, s));
+        p.free(s)
+    });
+    assert_eq!(rx, vec![frame]);
+
+    // Nothing of the guest is held by the dead driver domain once its last handles go.
+    for s in held {
+        dpool.free(s);
+    }
+    drop((dpool, old));
+    assert_eq!(
+        hv.reap(),
+        0,
+        "every frame of the dead driver domain is freed"
+    );
+    vif.disconnect(&mut dpool2);
+    front.disconnect(&mut gpool);
+    assert_eq!(
+        (gpool.free_buffers(), gpool.free_pages()),
+        (256, 300),
+        "every buffer and page of the guest is back"
+    );
+}
+
+#[test]
+fn a_front_end_waits_disconnected_until_a_back_end_is_offered() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 64, 300).expect("pool");
+    let old = domain(&hv, "driver", true);
+    let (mut front, _vif) = toolstack::plug_vif(&hv, &old, &guest, SPEC).expect("plug");
+    front.refill_rx(&mut gpool);
+    hv.destroy_domain(old.id()).expect("destroy");
+    toolstack::close_backend(&hv, old.id(), guest.id(), 0);
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::Disconnected);
+    assert!(!front.is_connected());
+    assert_eq!(front.tx_room(), 0);
+    let s = gpool.alloc(NET_SKB_PAD).expect("skb");
+    gpool.put(s, &[1; 60]).expect("put");
+    let s = front
+        .xmit(&mut gpool, s)
+        .expect_err("no back end: the buffer comes back");
+    gpool.free(s);
+    // Only the first write (backend-id) of the offer has happened yet: the back end
+    // is not waiting, so the front end stays down and follows the new directory.
+    let new = domain(&hv, "driver", true);
+    hv.store()
+        .write(
+            hv::DomId::DOM0,
+            &format!("{}/backend-id", net::xenbus::frontend_dir(guest.id(), 0)),
+            &new.id().0.to_string(),
+        )
+        .expect("write");
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::None);
+    toolstack::offer_vif(&hv, &new, &guest, SPEC).expect("offer");
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::Reconnected);
+    assert!(toolstack::connect_backend(&hv, &new, &guest, SPEC).is_ok());
+}
