@@ -61,7 +61,7 @@ fn a_guest_follows_its_vif_to_a_new_driver_domain_and_resends_what_was_unanswere
     let sent: Vec<Vec<u8>> = (0..8u8)
         .map(|i| packet(i, if i == 5 { 3000 } else { 100 + usize::from(i) }))
         .collect();
-    let mut xmit = |gpool: &mut SkbPool, front: &mut net::netfront::Netfront, d: &[u8]| {
+    let xmit = |gpool: &mut SkbPool, front: &mut net::netfront::Netfront, d: &[u8]| {
         let s = gpool.alloc_page_linear().expect("skb");
         gpool.put(s, d).expect("put");
         front.xmit(gpool, s).expect("room");
