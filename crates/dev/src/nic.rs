@@ -124,6 +124,9 @@ pub struct NicRegs {
     /// Interrupts raised.
     pub irqs: AtomicU64,
 
+    /// Function-level resets requested; the device clears its own state when it sees
+    /// the count move.
+    resets: AtomicU64,
     stop: AtomicBool,
     parked: AtomicBool,
     thread: std::sync::OnceLock<Thread>,
@@ -147,9 +150,33 @@ impl NicRegs {
             rx_dma_errors: AtomicU64::new(0),
             tx_frames: AtomicU64::new(0),
             irqs: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             parked: AtomicBool::new(false),
             thread: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// A PCIe function-level reset, as the toolstack does before giving a device to a
+    /// new owner: the device stops, forgets its rings and pending completions, and
+    /// waits to be programmed again. Returns once the device has seen it.
+    pub fn function_reset(&self) {
+        self.enabled.store(false, Ordering::Release);
+        self.irq_enabled.store(false, Ordering::Release);
+        self.rx_base.store(0, Ordering::Release);
+        self.tx_base.store(0, Ordering::Release);
+        self.rx_tail.store(0, Ordering::Release);
+        self.tx_tail.store(0, Ordering::Release);
+        self.resets.fetch_add(1, Ordering::AcqRel);
+        let seen = self.iterations.load(Ordering::Acquire);
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+        let t0 = Instant::now();
+        while self.iterations.load(Ordering::Acquire) < seen + 2
+            && t0.elapsed() < Duration::from_secs(1)
+        {
+            std::thread::yield_now();
         }
     }
 
@@ -317,8 +344,17 @@ impl Device {
         let _ = mem::cpu::set_timer_slack(1_000);
         let regs = Arc::clone(&self.regs);
         source.attach(&regs);
+        let mut resets = regs.resets.load(Ordering::Acquire);
 
         while !regs.stop.load(Ordering::Acquire) {
+            let r = regs.resets.load(Ordering::Acquire);
+            if r != resets {
+                resets = r;
+                self.rx_head = 0;
+                self.tx_head = 0;
+                self.pending = 0;
+                self.first_pending = None;
+            }
             regs.iterations.fetch_add(1, Ordering::AcqRel);
             let now = Instant::now();
             if regs.enabled.load(Ordering::Acquire) {

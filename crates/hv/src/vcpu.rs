@@ -46,6 +46,9 @@ pub struct VcpuState {
     /// Counters (owner-written, read when reporting).
     blocks: AtomicU64,
     wakes: AtomicU64,
+    /// Times the vCPU looked at its events: what a watchdog sees move while the
+    /// vCPU's kernel makes progress.
+    looks: AtomicU64,
     /// Physical vectors raised at this CPU and not yet taken by the hypervisor (the
     /// local APIC's request register).
     irr: [AtomicU64; 4],
@@ -73,6 +76,7 @@ impl VcpuState {
             clock: Mutex::new(None),
             final_cpu_ns: AtomicU64::new(0),
             blocks: AtomicU64::new(0),
+            looks: AtomicU64::new(0),
             wakes: AtomicU64::new(0),
             irr: std::array::from_fn(|_| AtomicU64::new(0)),
             timer_deadline: AtomicU64::new(0),
@@ -127,6 +131,18 @@ impl VcpuState {
             0 => None,
             p => Some(Port(p - 1)),
         }
+    }
+
+    /// Whether a physical interrupt raised at this CPU waits for the hypervisor to
+    /// turn it into an event (it does so when the vCPU next looks).
+    pub fn irq_pending(&self) -> bool {
+        self.irr_pending()
+    }
+
+    /// Times the vCPU has looked at its events (a kernel that stops looking while one
+    /// is pending has stopped making progress).
+    pub fn event_looks(&self) -> u64 {
+        self.looks.load(Ordering::Relaxed)
     }
 
     /// Times the single-shot timer fired.
@@ -254,6 +270,7 @@ impl Vcpu {
     #[inline]
     pub fn handle_events(&self, f: impl FnMut(Port)) -> usize {
         let s = self.state();
+        s.looks.fetch_add(1, Ordering::Relaxed);
         if s.irr_pending() {
             self.hv.do_irq(&self.dom, self.id);
         }
@@ -323,7 +340,8 @@ impl Vcpu {
         // sender that set the flag after our check sees `blocked` and unparks us.
         fence(Ordering::SeqCst);
         let mut parked = false;
-        while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
+        // A dying domain's vCPU is not scheduled again: it returns to be torn down.
+        while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) && !self.dom.is_dying() {
             if !parked {
                 // Xen's `schedule` on the way out: the vCPU is blocked from now.
                 s.runstate_change(RunstateKind::Blocked, self.hv.now());

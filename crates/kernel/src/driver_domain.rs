@@ -13,6 +13,7 @@
 //! Bridge port 0 is the NIC; vif `i` is port `i + 1` and names itself `i` in its
 //! release tokens.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,9 +37,40 @@ pub fn vif_port(i: usize) -> u16 {
     i as u16 + 1
 }
 
+/// A fault to inject into a running driver domain's kernel (for the watchdog and the
+/// restart, paper 000 §5.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Fault {
+    /// Runs normally.
+    None = 0,
+    /// The kernel panics in its next poll: its vCPU ends.
+    Panic = 1,
+    /// The kernel stops making progress in its next poll (as a deadlocked driver
+    /// does): its vCPU stays in the kernel, takes no event, and leaves only when its
+    /// domain is destroyed.
+    Hang = 2,
+}
+
+/// Where a machine injects a [`Fault`] into its driver domain.
+#[derive(Debug, Clone, Default)]
+pub struct FaultSwitch(Arc<AtomicU8>);
+
+impl FaultSwitch {
+    /// Injects `f`.
+    pub fn inject(&self, f: Fault) {
+        self.0.store(f as u8, Ordering::Release);
+    }
+    fn get(&self) -> u8 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// NIC driver, bridge and vifs.
 #[derive(Debug)]
 pub struct DriverDomain {
+    dom: Arc<Domain>,
+    fault: FaultSwitch,
     nic: NicDriver,
     pool: SkbPool,
     bridge: Bridge,
@@ -66,6 +98,7 @@ impl DriverDomain {
         pirq: Port,
         netfilter: bool,
         vifs: Vec<(Vif, [u8; 6])>,
+        fault: FaultSwitch,
     ) -> Result<Self, BuildError> {
         let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
         let nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
@@ -75,6 +108,8 @@ impl DriverDomain {
         }
         let n = vifs.len();
         Ok(Self {
+            dom: Arc::clone(dom),
+            fault,
             nic,
             pool,
             bridge,
@@ -161,6 +196,18 @@ impl Kernel for DriverDomain {
     }
 
     fn poll(&mut self, _now: Duration) -> Work {
+        match self.fault.get() {
+            0 => {}
+            1 => panic!("driver domain {}: injected fault", self.dom.id().0),
+            _ => {
+                // Hung: no event is taken and nothing moves until the toolstack
+                // destroys the domain.
+                while !self.dom.is_dying() && self.fault.get() == Fault::Hang as u8 {
+                    std::thread::park_timeout(Duration::from_millis(5));
+                }
+                return Work::default();
+            }
+        }
         let Self {
             nic,
             pool,
@@ -234,6 +281,11 @@ impl Kernel for DriverDomain {
 
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
+        if self.dom.is_dying() {
+            // Destroyed under it: the hypervisor took back its mappings and ports, and
+            // the NIC has been reset for its next owner, whose registers these now are.
+            return c;
+        }
         c.add_set("driver", self.nic.stats());
         for vif in &self.vifs {
             c.add_set("netback", vif.stats());

@@ -31,7 +31,7 @@ use net::netfront::RxBuffers;
 use net::toolstack::{self, VifSpec};
 
 use crate::app::AppSpec;
-use crate::driver_domain::DriverDomain;
+use crate::driver_domain::{DriverDomain, Fault, FaultSwitch};
 use crate::native::NicKernel;
 use crate::pv_guest::{guest_pool, PvGuest, TapGuest};
 use crate::vcpu::{self, Kernel, Platform};
@@ -119,10 +119,47 @@ pub enum Role {
     Guest,
 }
 
+/// What the toolstack keeps to rebuild a driver domain (paper 000 §5.1): its
+/// configuration, its guests' vifs, and the watchdog's last look at it.
+#[derive(Debug)]
+struct DriverPlan {
+    dom: Arc<Domain>,
+    netfilter: bool,
+    slots: u32,
+    guests: Vec<(Arc<Domain>, VifSpec)>,
+    fault: FaultSwitch,
+    regs: Arc<NicRegs>,
+    /// The driver domain's event looks when the watchdog last saw them move, the NIC's
+    /// frames (received and missed) then, and when.
+    seen: (u64, u64, Instant),
+}
+
+/// Why the watchdog restarted the driver domain, and what the restart took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Restarted {
+    /// What the watchdog saw.
+    pub cause: DriverFault,
+    /// From the watchdog's decision to the new driver domain running with every vif
+    /// connected.
+    pub took: Duration,
+}
+
+/// A driver domain's failure, as the watchdog tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverFault {
+    /// Its kernel ended (a panic).
+    Crashed,
+    /// An event waited longer than the watchdog's limit and the kernel never looked.
+    Stalled,
+}
+
 /// A running machine. Dropping it stops it.
 #[derive(Debug)]
 pub struct Machine {
     hv: Arc<Hypervisor>,
+    grant_version: GrantVersion,
+    sample: Option<Duration>,
+    driver: Option<DriverPlan>,
     domains: Vec<(Arc<Domain>, Role)>,
     nic: Option<Nic>,
     stop: Arc<AtomicBool>,
@@ -172,6 +209,9 @@ impl Machine {
         })?;
         let mut m = Machine {
             hv,
+            grant_version: spec.grant_version,
+            sample: spec.sample,
+            driver: None,
             domains: Vec::new(),
             nic: None,
             stop: Arc::new(AtomicBool::new(false)),
@@ -235,6 +275,7 @@ impl Machine {
                 // netfront's RX ring filled.
                 let mut vifs = Vec::with_capacity(guests.len());
                 let mut fronts = Vec::with_capacity(guests.len());
+                let mut plan = Vec::with_capacity(guests.len());
                 for (i, (g, dom)) in guests.iter().zip(&doms).enumerate() {
                     let vs = VifSpec {
                         handle: 0,
@@ -245,12 +286,24 @@ impl Machine {
                     let (front, vif) = toolstack::plug_vif(&hv, &drv, dom, vs).map_err(other)?;
                     vifs.push((vif, g.mac));
                     fronts.push(front);
+                    plan.push((Arc::clone(dom), vs));
                 }
                 let mut pools = Vec::with_capacity(guests.len());
                 for (front, dom) in fronts.iter_mut().zip(&doms) {
                     pools.push(guest_pool(dom, front)?);
                 }
-                let k = DriverDomain::new(&hv, &drv, nic.regs(), pirq, netfilter, vifs)?;
+                let fault = FaultSwitch::default();
+                let k =
+                    DriverDomain::new(&hv, &drv, nic.regs(), pirq, netfilter, vifs, fault.clone())?;
+                m.driver = Some(DriverPlan {
+                    dom: Arc::clone(&drv),
+                    netfilter,
+                    slots,
+                    guests: plan,
+                    fault,
+                    regs: Arc::clone(nic.regs()),
+                    seen: (0, 0, Instant::now()),
+                });
                 m.nic = Some(nic);
                 m.boot(
                     &drv,
@@ -314,6 +367,133 @@ impl Machine {
         Ok(())
     }
 
+    /// Injects a fault into the driver domain's kernel (none without one).
+    pub fn inject_fault(&self, f: Fault) {
+        if let Some(d) = &self.driver {
+            d.fault.inject(f);
+        }
+    }
+
+    /// The toolstack's watchdog over the driver domain, run periodically: a kernel
+    /// that ended, or one that left an event pending for `stall` without looking, is
+    /// destroyed and a fresh driver domain started in its place
+    /// ([`Machine::restart_driver_domain`]). Returns what it did.
+    pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, BuildError> {
+        let Some(d) = &mut self.driver else {
+            return Ok(None);
+        };
+        let crashed = self
+            .kernels
+            .iter()
+            .any(|(k, h)| Arc::ptr_eq(k, &d.dom) && h.is_finished());
+        let cause = if crashed {
+            Some(DriverFault::Crashed)
+        } else {
+            // Work waits for the kernel: an event, or frames the NIC took (or had to
+            // drop) since the kernel last looked — a driver that hangs with its
+            // interrupts off leaves no event, only frames.
+            let looks = d.dom.vcpus()[0].event_looks();
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            let frames = l(&d.regs.rx_frames) + l(&d.regs.rx_missed);
+            let now = Instant::now();
+            let waiting =
+                d.dom.upcall_pending(0) || d.dom.vcpus()[0].irq_pending() || frames != d.seen.1;
+            if looks != d.seen.0 {
+                d.seen = (looks, frames, now);
+                None
+            } else if !waiting {
+                d.seen.2 = now;
+                None
+            } else {
+                (now - d.seen.2 >= stall).then_some(DriverFault::Stalled)
+            }
+        };
+        let Some(cause) = cause else {
+            return Ok(None);
+        };
+        let took = self.restart_driver_domain()?;
+        Ok(Some(Restarted { cause, took }))
+    }
+
+    /// Destroys the driver domain and starts a fresh one (paper 000 §5.1): the NIC is
+    /// reset, the old domain destroyed (the hypervisor takes back every mapping of guest
+    /// pages and closes its channels), its back ends are closed in the store — the
+    /// guests' netfronts see it and take back their grants, keeping unanswered packets —
+    /// a new domain gets the NIC and offers each vif again, the guests reconnect, and
+    /// the new kernel starts once every vif is connected. Returns the time it took.
+    pub fn restart_driver_domain(&mut self) -> Result<Duration, BuildError> {
+        let t0 = Instant::now();
+        let Some(mut d) = self.driver.take() else {
+            return Err(other("no driver domain"));
+        };
+        let hv = Arc::clone(&self.hv);
+        d.regs.function_reset();
+        let old = d.dom.id();
+        hv.destroy_domain(old)?;
+        for (g, vs) in &d.guests {
+            toolstack::close_backend(&hv, old, g.id(), vs.handle);
+        }
+        // The old kernel's thread ends once it sees its domain dying; a hung one may
+        // take a moment, and is not waited for beyond that.
+        if let Some(i) = self
+            .kernels
+            .iter()
+            .position(|(k, _)| Arc::ptr_eq(k, &d.dom))
+        {
+            let (_, h) = self.kernels.remove(i);
+            let until = Instant::now() + Duration::from_millis(200);
+            while !h.is_finished() && Instant::now() < until {
+                std::thread::yield_now();
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
+        self.domains.retain(|(k, _)| !Arc::ptr_eq(k, &d.dom));
+        let drv = hv.create_domain(&DomainConfig {
+            name: "driver".into(),
+            pages: DOMAIN_PAGES,
+            grant_frames: 4,
+            grant_version: self.grant_version,
+            vcpus: 1,
+            map_slots: d.slots,
+            driver_domain: true,
+        })?;
+        hv.iommu_attach(NIC, &drv).map_err(other)?;
+        let pirq = hv.bind_irq(&drv, NIC_VECTOR).map_err(other)?;
+        for (g, vs) in &d.guests {
+            toolstack::offer_vif(&hv, &drv, g, *vs).map_err(other)?;
+        }
+        // The guests reconnect on their own vCPUs; the back ends follow once each front
+        // end is Connected (the back end's watch on it).
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut vifs = Vec::with_capacity(d.guests.len());
+        for (g, vs) in &d.guests {
+            while !toolstack::frontend_connected(&hv, g.id(), vs.handle) {
+                if Instant::now() > until {
+                    return Err(other(format!("guest {} did not reconnect", g.id().0)));
+                }
+                std::thread::yield_now();
+            }
+            let vif = toolstack::connect_backend(&hv, &drv, g, *vs).map_err(other)?;
+            vifs.push((vif, vs.mac));
+        }
+        d.fault.inject(Fault::None);
+        let k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.netfilter, vifs, d.fault.clone())?;
+        let at = VcpuStart {
+            vcpu: 0,
+            core: core(0),
+            mode: WaitMode::Blocking,
+            sample: self.sample,
+        };
+        let ready = Arc::new(AtomicUsize::new(0));
+        self.boot(&drv, Role::DriverDomain, at, Platform::Xen, k, &ready)?;
+        d.dom = drv;
+        d.seen = (0, 0, Instant::now());
+        self.driver = Some(d);
+        Ok(t0.elapsed())
+    }
+
     /// The hypervisor.
     pub fn hv(&self) -> &Arc<Hypervisor> {
         &self.hv
@@ -359,6 +539,8 @@ impl Machine {
     /// Stops every kernel and collects their counters.
     fn halt(&mut self) -> Result<Counters, BuildError> {
         self.stop.store(true, Ordering::Release);
+        // A hung driver domain's kernel is let go, so that it can stop.
+        self.inject_fault(Fault::None);
         if let Some(n) = &self.native_irq {
             n.raise();
         }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use dev::tap::TapPort;
 use hv::{Domain, Hypervisor, Port, Vcpu};
-use net::netfront::Netfront;
+use net::netfront::{LinkChange, Netfront};
 use net::skb::SkbPool;
 use net::stack::Stack;
 
@@ -72,8 +72,11 @@ impl Kernel for PvGuest {
             stack,
             app,
         } = self;
+        // The back end may have gone or come back (a store watch woke the vCPU).
+        let link = front.check_backend(pool);
         let mut w = Work {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now)),
+            tx: usize::from(link != LinkChange::None),
             ..Work::default()
         };
         // Completions free buffers but are not work that keeps the vCPU awake: a TX
@@ -146,6 +149,7 @@ impl Kernel for TapGuest {
             scratch,
             tx_dropped,
         } = self;
+        let link = front.check_backend(pool);
         let mut w = Work {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| {
                 let len = pool.len(skb).min(scratch.len());
@@ -177,7 +181,7 @@ impl Kernel for TapGuest {
                 }
             }
         });
-        w.tx += front.poll_tx(pool);
+        w.tx += front.poll_tx(pool) + usize::from(link != LinkChange::None);
         w
     }
 

@@ -102,7 +102,7 @@ pub fn run<K: Kernel>(
     };
     let mut timer = KernelTimer::default();
     ready.fetch_add(1, Ordering::Release);
-    while !stop.load(Ordering::Acquire) {
+    while !stop.load(Ordering::Acquire) && !v.domain().is_dying() {
         let mut expired = false;
         match &platform {
             Platform::Native(n) => {
