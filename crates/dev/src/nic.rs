@@ -168,16 +168,7 @@ impl NicRegs {
         self.rx_tail.store(0, Ordering::Release);
         self.tx_tail.store(0, Ordering::Release);
         self.resets.fetch_add(1, Ordering::AcqRel);
-        let seen = self.iterations.load(Ordering::Acquire);
-        if let Some(t) = self.thread.get() {
-            t.unpark();
-        }
-        let t0 = Instant::now();
-        while self.iterations.load(Ordering::Acquire) < seen + 2
-            && t0.elapsed() < Duration::from_secs(1)
-        {
-            std::thread::yield_now();
-        }
+        self.wait_seen();
     }
 
     /// The TX doorbell: publishes descriptors up to `tail` and wakes an idle device.
@@ -208,18 +199,21 @@ impl NicRegs {
     /// on it (its loop has begun an iteration since).
     pub fn unplug(&self) {
         self.link_up.store(false, Ordering::Release);
+        self.wait_seen();
+    }
+
+    /// Returns once the device loop has begun an iteration after a register change
+    /// (or after a second, for a device that has stopped).
+    fn wait_seen(&self) {
         let seen = self.iterations.load(Ordering::Acquire);
-        if let Some(t) = self.thread.get() {
-            t.unpark();
-        }
         let t0 = Instant::now();
         while self.iterations.load(Ordering::Acquire) < seen + 2
             && t0.elapsed() < Duration::from_secs(1)
         {
-            std::thread::yield_now();
             if let Some(t) = self.thread.get() {
                 t.unpark();
             }
+            std::thread::yield_now();
         }
     }
 

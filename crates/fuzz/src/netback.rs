@@ -165,13 +165,15 @@ fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
     .expect("guest")
 }
 
-fn release(pool: &mut SkbPool, vif: &mut Vif) {
+/// Hands the packets the released fragments of `pool` belong to back to `vif`.
+pub fn release(pool: &mut SkbPool, vif: &mut Vif) {
     let mut tokens = Vec::new();
     pool.take_released(|r| tokens.push(r.token));
     vif.tx_release(tokens);
 }
 
-fn req(gref: u32, offset: u16, flags: u16, id: u16, size: u16) -> TxRequest {
+/// A TX request.
+pub fn req(gref: u32, offset: u16, flags: u16, id: u16, size: u16) -> TxRequest {
     TxRequest {
         gref,
         offset,

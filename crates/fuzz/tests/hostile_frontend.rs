@@ -8,14 +8,12 @@ use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers};
-use net::netif::{
-    RxRequest, TxFatal, TxRequest, NETRXF_MORE_DATA, NETTXF_MORE_DATA, XEN_NETIF_RSP_OKAY,
-};
+use net::netif::{RxRequest, TxFatal, NETRXF_MORE_DATA, NETTXF_MORE_DATA, XEN_NETIF_RSP_OKAY};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
 
-use pvio_fuzz::netback::RawFront as Raw;
+use pvio_fuzz::netback::{release, req, RawFront as Raw};
 
 /// Runs `f` on a thread of its own and fails the test if it does not return within a
 /// few seconds: a guest that can hang the driver domain's loop must show as a failure,
@@ -27,13 +25,6 @@ fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static)
     });
     rx.recv_timeout(std::time::Duration::from_secs(10))
         .unwrap_or_else(|_| panic!("{what} did not return: a guest hung the driver domain"))
-}
-
-/// Hands the packets the released fragments of `pool` belong to back to `vif`.
-fn release(pool: &mut SkbPool, vif: &mut Vif) {
-    let mut tokens = Vec::new();
-    pool.take_released(|r| tokens.push(r.token));
-    vif.tx_release(tokens);
 }
 
 struct World {
@@ -117,16 +108,6 @@ fn good_sends(w: &mut World, front: &mut Netfront, vif: &mut Vif, gpool: &mut Sk
     });
     assert_eq!(got, 1, "the good vif is unaffected");
     assert_eq!(vif.disabled(), None);
-}
-
-fn req(gref: u32, offset: u16, flags: u16, id: u16, size: u16) -> TxRequest {
-    TxRequest {
-        gref,
-        offset,
-        flags,
-        id,
-        size,
-    }
 }
 
 #[test]
