@@ -138,6 +138,29 @@ pub fn case(inp: &mut Input<'_>) {
     });
 }
 
+/// `drv` maps `guest`'s grant `gref` at window slot `slot`.
+fn map_grant(
+    hv: &Hypervisor,
+    drv: &Domain,
+    guest: hv::DomId,
+    gref: u32,
+    readonly: bool,
+    slot: u32,
+) -> Option<GrantHandle> {
+    let mut res = [Err(hv::GrantError::BadPage)];
+    hv.grant_map(
+        drv,
+        &[MapOp {
+            dom: guest,
+            gref: GrantRef(gref),
+            readonly,
+            slot,
+        }],
+        &mut res,
+    );
+    res[0].ok()
+}
+
 /// The hostile back end: the guest's rings mapped at its window, its own indices.
 struct RawBack {
     hv: Arc<Hypervisor>,
@@ -195,18 +218,7 @@ impl RawBack {
         }
     }
     fn map(&self, gref: u32, readonly: bool, slot: u32) -> Option<GrantHandle> {
-        let mut res = [Err(hv::GrantError::BadPage)];
-        self.hv.grant_map(
-            &self.drv,
-            &[MapOp {
-                dom: self.guest,
-                gref: GrantRef(gref),
-                readonly,
-                slot,
-            }],
-            &mut res,
-        );
-        res[0].ok()
+        map_grant(&self.hv, &self.drv, self.guest, gref, readonly, slot)
     }
     fn unmap(&self, hs: &[GrantHandle]) {
         let mut st = vec![Ok(()); hs.len()];
@@ -239,26 +251,23 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         xenbus::read_u32(w.hv.store(), w.drv.id(), &format!("{fdir}/{k}")).expect("ring ref")
     };
     let (tref, rref) = (key("tx-ring-ref"), key("rx-ring-ref"));
-    let mut be = {
-        let probe = RawBack {
-            hv: Arc::clone(&w.hv),
-            drv: Arc::clone(&w.drv),
-            guest: w.guest.id(),
-            rings: [GrantHandle(0); 2],
-            kept: Vec::new(),
-            rx_rsp: 0,
-            tx_rsp: 0,
-            tx_seen: 0,
-            rx_seen: 0,
-            tx_ids: Vec::new(),
-            rx_ids: Vec::new(),
-        };
-        let t = probe.map(tref, false, RING_SLOT).expect("tx ring");
-        let r = probe.map(rref, false, RING_SLOT + 1).expect("rx ring");
-        RawBack {
-            rings: [t, r],
-            ..probe
-        }
+    let ring = |gref, slot| map_grant(&w.hv, &w.drv, w.guest.id(), gref, false, slot);
+    let rings = [
+        ring(tref, RING_SLOT).expect("tx ring"),
+        ring(rref, RING_SLOT + 1).expect("rx ring"),
+    ];
+    let mut be = RawBack {
+        hv: Arc::clone(&w.hv),
+        drv: Arc::clone(&w.drv),
+        guest: w.guest.id(),
+        rings,
+        kept: Vec::new(),
+        rx_rsp: 0,
+        tx_rsp: 0,
+        tx_seen: 0,
+        rx_seen: 0,
+        tx_ids: Vec::new(),
+        rx_ids: Vec::new(),
     };
     let rounds = inp.below(6) + 1;
     for _ in 0..rounds {
