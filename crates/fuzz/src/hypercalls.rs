@@ -28,17 +28,23 @@ fn pattern(i: usize) -> u8 {
     (i as u8).wrapping_mul(37).wrapping_add(11)
 }
 
-/// One case.
-pub fn case(inp: &mut Input<'_>) {
-    let version = inp.pick(&[GrantVersion::V1, GrantVersion::V2]);
-    let path = inp.pick(&[GrantPath::Original, GrantPath::Optimised]);
-    let hv = Hypervisor::new(HvConfig {
-        frames: 1024,
-        grant_path: path,
-        ..HvConfig::default()
-    })
-    .expect("machine");
-    let cfg = |name: &str, driver: bool| DomainConfig {
+/// The machine, the driver domain and the bystander, which live for the thread: the
+/// oracle brings them back to where they were after every case, so a case costs the
+/// hypercalls' work rather than a machine's creation, and state one case leaves behind
+/// fails a later case's oracle.
+struct World {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    calm: Arc<Domain>,
+    calm_page: hv::Gfn,
+    calm_ref: GrantRef,
+    calm_port: Port,
+    drv_port: Port,
+    pat: Vec<u8>,
+}
+
+fn cfg(name: &str, driver: bool, version: GrantVersion) -> DomainConfig {
+    DomainConfig {
         name: name.into(),
         pages: 64,
         grant_frames: GRANT_FRAMES,
@@ -46,23 +52,75 @@ pub fn case(inp: &mut Input<'_>) {
         map_slots: SLOTS,
         driver_domain: driver,
         ..DomainConfig::default()
-    };
-    let drv = hv.create_domain(&cfg("drv", true)).expect("drv");
-    let calm = hv.create_domain(&cfg("calm", false)).expect("calm");
-    let evil = hv.create_domain(&cfg("evil", false)).expect("evil");
+    }
+}
 
-    // The bystander: a page granted read-only to drv, and a channel to it.
-    let calm_page = calm.alloc_page().expect("page");
-    let pat: Vec<u8> = (0..PAGE_SIZE).map(pattern).collect();
-    calm.write(calm_page, 0, &pat).expect("fill");
-    let calm_ref = calm.grant_table().alloc_ref().expect("ref");
-    calm.grant_table()
-        .grant_access(calm_ref, drv.id(), calm_page, true)
-        .expect("grant");
-    let drv_port = hv.evtchn_alloc_unbound(&drv, calm.id()).expect("unbound");
-    let calm_port = hv
-        .evtchn_bind_interdomain(&calm, drv.id(), drv_port)
-        .expect("bind");
+impl World {
+    fn new(version: GrantVersion, path: GrantPath) -> World {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 1024,
+            grant_path: path,
+            ..HvConfig::default()
+        })
+        .expect("machine");
+        let drv = hv.create_domain(&cfg("drv", true, version)).expect("drv");
+        let calm = hv
+            .create_domain(&cfg("calm", false, version))
+            .expect("calm");
+        // The bystander: a page granted read-only to drv, and a channel to it.
+        let calm_page = calm.alloc_page().expect("page");
+        let pat: Vec<u8> = (0..PAGE_SIZE).map(pattern).collect();
+        calm.write(calm_page, 0, &pat).expect("fill");
+        let calm_ref = calm.grant_table().alloc_ref().expect("ref");
+        calm.grant_table()
+            .grant_access(calm_ref, drv.id(), calm_page, true)
+            .expect("grant");
+        let drv_port = hv.evtchn_alloc_unbound(&drv, calm.id()).expect("unbound");
+        let calm_port = hv
+            .evtchn_bind_interdomain(&calm, drv.id(), drv_port)
+            .expect("bind");
+        World {
+            hv,
+            drv,
+            calm,
+            calm_page,
+            calm_ref,
+            calm_port,
+            drv_port,
+            pat,
+        }
+    }
+}
+
+/// One world per grant-table version and grant path.
+type Worlds = Vec<((GrantVersion, GrantPath), Arc<World>)>;
+
+thread_local! {
+    static WORLDS: std::cell::RefCell<Worlds> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn world(version: GrantVersion, path: GrantPath) -> Arc<World> {
+    WORLDS.with(|w| {
+        let mut w = w.borrow_mut();
+        if let Some((_, x)) = w.iter().find(|(k, _)| *k == (version, path)) {
+            return Arc::clone(x);
+        }
+        let x = Arc::new(World::new(version, path));
+        w.push(((version, path), Arc::clone(&x)));
+        x
+    })
+}
+
+/// One case.
+pub fn case(inp: &mut Input<'_>) {
+    let version = inp.pick(&[GrantVersion::V1, GrantVersion::V2]);
+    let path = inp.pick(&[GrantPath::Original, GrantPath::Optimised]);
+    let w = world(version, path);
+    let (hv, drv, calm, calm_ref) = (&w.hv, &w.drv, &w.calm, w.calm_ref);
+    let evil = hv
+        .create_domain(&cfg("evil", false, version))
+        .expect("evil");
 
     // evil's pages and some honest grants of them, to give the fuzzer valid starts.
     let pages: Vec<_> = (0..4).map(|_| evil.alloc_page().expect("page")).collect();
@@ -118,7 +176,7 @@ pub fn case(inp: &mut Input<'_>) {
                     })
                     .collect();
                 let mut out = vec![Ok(GrantHandle(0)); n];
-                hv.grant_map(&drv, &ops, &mut out);
+                hv.grant_map(drv, &ops, &mut out);
                 handles.extend(out.into_iter().flatten());
             }
             6 => {
@@ -133,7 +191,7 @@ pub fn case(inp: &mut Input<'_>) {
                     .collect();
                 hs.dedup();
                 let mut st = vec![Ok(()); hs.len()];
-                hv.grant_unmap(&drv, &hs, &mut st);
+                hv.grant_unmap(drv, &hs, &mut st);
                 for (h, s) in hs.iter().zip(&st) {
                     if s.is_ok() {
                         handles.retain(|x| x != h);
@@ -141,7 +199,7 @@ pub fn case(inp: &mut Input<'_>) {
                 }
             }
             7 => {
-                let caller = if inp.coin() { &drv } else { &evil };
+                let caller = if inp.coin() { drv } else { &evil };
                 let n = 1 + inp.below(4) as usize;
                 let ptr = |inp: &mut Input<'_>| {
                     let offset = inp.pick(&[0u16, 1, 100, 4095, 4096, u16::MAX]);
@@ -168,7 +226,7 @@ pub fn case(inp: &mut Input<'_>) {
                 let mut st = vec![Ok(()); n];
                 hv.grant_copy(caller, &ops, &mut st);
             }
-            8 => evtchn_op(inp, &hv, &evil, &doms),
+            8 => evtchn_op(inp, hv, &evil, &doms),
             _ => {
                 // drv reads through its window, as a back end uses what it maps.
                 let mut b = [0u8; 64];
@@ -178,15 +236,7 @@ pub fn case(inp: &mut Input<'_>) {
             }
         }
     }
-    finish(
-        &hv,
-        &drv,
-        &calm,
-        evil,
-        &handles,
-        (calm_page, calm_port, drv_port),
-        &pat,
-    );
+    finish(&w, evil, &handles);
 }
 
 fn evtchn_op(inp: &mut Input<'_>, hv: &Hypervisor, evil: &Domain, doms: &[DomId]) {
@@ -203,15 +253,8 @@ fn evtchn_op(inp: &mut Input<'_>, hv: &Hypervisor, evil: &Domain, doms: &[DomId]
     };
 }
 
-fn finish(
-    hv: &Arc<Hypervisor>,
-    drv: &Arc<Domain>,
-    calm: &Arc<Domain>,
-    evil: Arc<Domain>,
-    handles: &[GrantHandle],
-    (calm_page, calm_port, drv_port): (hv::Gfn, Port, Port),
-    pat: &[u8],
-) {
+fn finish(w: &World, evil: Arc<Domain>, handles: &[GrantHandle]) {
+    let (hv, drv, calm) = (&w.hv, &w.drv, &w.calm);
     let mut st = vec![Ok(()); handles.len()];
     hv.grant_unmap(drv, handles, &mut st);
     assert_eq!(hv.mappings_held(drv), 0, "drv released every mapping");
@@ -224,12 +267,17 @@ fn finish(
         "no frame of the destroyed guest is still held"
     );
     let mut got = vec![0u8; PAGE_SIZE];
-    calm.read(calm_page, 0, &mut got).expect("read");
-    assert!(got == pat, "the bystander's page is untouched");
-    hv.evtchn_send(calm, calm_port)
+    calm.read(w.calm_page, 0, &mut got).expect("read");
+    assert!(got == w.pat, "the bystander's page is untouched");
+    assert_eq!(hv.evtchn_open_ports(drv), 1, "drv's ports are its own");
+    hv.evtchn_send(calm, w.calm_port)
         .expect("the bystander's channel still works");
     assert!(
-        drv.evtchn_is_pending(drv_port).expect("port"),
+        drv.evtchn_is_pending(w.drv_port).expect("port"),
         "and its event arrives"
     );
+    // drv takes the event, leaving the world as the next case expects it.
+    let mut seen = 0;
+    drv.take_pending(0, |p| seen += usize::from(p == w.drv_port));
+    assert_eq!(seen, 1, "the event is the bystander's alone");
 }

@@ -146,10 +146,10 @@ impl RawFront {
 }
 
 /// The driver domain and its pool.
-struct World {
-    hv: Arc<Hypervisor>,
-    drv: Arc<Domain>,
-    pool: SkbPool,
+pub(crate) struct World {
+    pub(crate) hv: Arc<Hypervisor>,
+    pub(crate) drv: Arc<Domain>,
+    pub(crate) pool: SkbPool,
 }
 
 fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
@@ -183,10 +183,10 @@ pub fn req(gref: u32, offset: u16, flags: u16, id: u16, size: u16) -> TxRequest 
     }
 }
 
-type Good = (Netfront, Vif, SkbPool);
+pub(crate) type Good = (Netfront, Vif, SkbPool);
 
 /// The good guest sends a packet and it crosses.
-fn good_sends(w: &mut World, (front, vif, gpool): &mut Good) {
+pub(crate) fn good_sends(w: &mut World, (front, vif, gpool): &mut Good) {
     front.poll_tx(gpool);
     let s = gpool.alloc(NET_SKB_PAD).expect("skb");
     gpool.put(s, &[0x5a; 100]).expect("put");
@@ -219,7 +219,7 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-fn world() -> (World, Good) {
+pub(crate) fn world() -> (World, Good) {
     let hv = Hypervisor::new(HvConfig {
         frames: 4096,
         ..HvConfig::default()

@@ -55,3 +55,8 @@ fn hostile_front_ends_leave_the_driver_domain_whole() {
 fn hostile_back_ends_leave_the_guest_whole() {
     run("netfront", 300, pvio_fuzz::netfront::case);
 }
+
+#[test]
+fn odd_store_values_in_either_direction_leave_both_ends_whole() {
+    run("connect", 150, pvio_fuzz::connect::case);
+}

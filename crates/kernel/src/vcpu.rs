@@ -137,6 +137,9 @@ pub fn run<K: Kernel>(
                     if K::CLOCK {
                         timer.xen_idle(kernel.next_timer(), &v);
                     }
+                    // Grants a back end held when they were revoked go back once it
+                    // lets go (Linux retries them from a timer).
+                    v.domain().grant_table().retry_deferred();
                     v.wait();
                 }
             }

@@ -249,39 +249,47 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
+        // One reference per ring id and direction, all or none: a front end that
+        // cannot connect gives back what it took, so that a guest can try again.
         let gt = dom.grant_table();
-        let refs = || gt.alloc_ref().ok_or_else(oom);
-        let rx_bufs = (0..RING_IDS)
-            .map(|_| {
-                Ok(RxBuf {
-                    gref: refs()?,
-                    gfn: None,
-                    skb: None,
-                })
-            })
-            .collect::<Result<Vec<_>, XenbusError>>()?;
-        let tx_bufs = (0..RING_IDS)
-            .map(|_| {
-                Ok(TxBuf {
-                    gref: refs()?,
-                    in_flight: false,
-                    held: false,
-                    head: 0,
-                    skb: None,
-                    seq: 0,
-                    left: 0,
-                    failed: false,
-                    pinned: false,
-                })
-            })
-            .collect::<Result<Vec<_>, XenbusError>>()?;
+        let n = 2 * usize::from(RING_IDS);
+        let mut refs = Vec::with_capacity(n);
+        while refs.len() < n {
+            let Some(r) = gt.alloc_ref() else {
+                refs.into_iter().for_each(|r| gt.free_ref(r));
+                return Err(oom());
+            };
+            refs.push(r);
+        }
+        let rx_bufs = refs[..usize::from(RING_IDS)].iter().map(|&gref| RxBuf {
+            gref,
+            gfn: None,
+            skb: None,
+        });
+        let tx_bufs = refs[usize::from(RING_IDS)..].iter().map(|&gref| TxBuf {
+            gref,
+            in_flight: false,
+            held: false,
+            head: 0,
+            skb: None,
+            seq: 0,
+            left: 0,
+            failed: false,
+            pinned: false,
+        });
         let fdir = xenbus::frontend_dir(dom.id(), handle);
-        let moved = hv.store().watch_waking(
+        let moved = match hv.store().watch_waking(
             dom.id(),
             &format!("{fdir}/backend-id"),
             "netfront-backend-id",
             Some(waker(hv, dom)),
-        )?;
+        ) {
+            Ok(w) => w,
+            Err(e) => {
+                refs.into_iter().for_each(|r| gt.free_ref(r));
+                return Err(e.into());
+            }
+        };
         let mut f = Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
@@ -289,10 +297,10 @@ impl Netfront {
             link: None,
             moved,
             otherend: None,
-            rx_bufs: rx_bufs.into_boxed_slice(),
+            rx_bufs: rx_bufs.collect(),
             rx_free: (0..RING_IDS).rev().collect(),
             inflight: InFlight::default(),
-            tx_bufs: tx_bufs.into_boxed_slice(),
+            tx_bufs: tx_bufs.collect(),
             tx_free: (0..RING_IDS).rev().collect(),
             tx_pinned_skbs: Vec::new(),
             tx_seq: 0,
@@ -303,7 +311,13 @@ impl Netfront {
             stats: FrontStats::default(),
             broken: false,
         };
-        f.link = Some(f.open()?);
+        match f.open() {
+            Ok(l) => f.link = Some(l),
+            Err(e) => {
+                f.forget();
+                return Err(e);
+            }
+        }
         if let Some(l) = &f.link {
             let d = l.bdir.clone();
             f.follow_otherend(&d);
@@ -434,6 +448,8 @@ impl Netfront {
         if !any {
             return LinkChange::None;
         }
+        // A back end that went may have let go of grants revoked while it held them.
+        self.dom.grant_table().retry_deferred();
         let hv = Arc::clone(&self.hv);
         let store = hv.store();
         let me = self.dom.id();
@@ -558,13 +574,10 @@ impl Netfront {
             .rev()
             .filter(|&i| !self.tx_bufs[i as usize].held)
             .collect();
+        // A ring the back end still maps goes back once it lets go.
         for &(g, r) in &l.rings {
-            match gt.end_access(r) {
-                Ok(()) => {
-                    gt.free_ref(r);
-                    let _ = self.dom.free_page(g);
-                }
-                Err(_) => self.stats.grants_busy += 1,
+            if !gt.end_access_deferred(r, Some(g)) {
+                self.stats.grants_busy += 1;
             }
         }
         let Link { port, tx, rx, .. } = l;
@@ -587,6 +600,11 @@ impl Netfront {
         for s in self.resend.drain(..) {
             pool.free(s);
         }
+        self.forget();
+    }
+
+    /// Gives back every grant reference no back end still maps, and the watches.
+    fn forget(&mut self) {
         let gt = self.dom.grant_table();
         let tx = self.tx_bufs.iter().filter(|b| !b.held).map(|b| b.gref);
         let rx = self

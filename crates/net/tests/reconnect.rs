@@ -185,3 +185,73 @@ fn a_front_end_waits_disconnected_until_a_back_end_is_offered() {
     assert_eq!(front.check_backend(&mut gpool), LinkChange::Reconnected);
     assert!(toolstack::connect_backend(&hv, &new, &guest, SPEC).is_ok());
 }
+
+/// Found by the connect fuzz target: a front end whose back end is not ready failed
+/// its handshake and kept the 512 grant references it had taken, so a guest retrying
+/// ran out of references.
+#[test]
+fn a_handshake_that_fails_gives_back_its_grant_references() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let free = guest.grant_table().refs_free();
+    // The toolstack wrote both directories, but the back end has not probed.
+    net::xenbus::create_vif(hv.store(), drv.id(), guest.id(), 0, SPEC.mac).expect("vif");
+    for _ in 0..4 {
+        let r = net::netfront::Netfront::connect(&hv, &guest, 0);
+        assert!(r.is_err(), "no back end waits");
+        assert_eq!(
+            guest.grant_table().refs_free(),
+            free,
+            "every reference is back"
+        );
+    }
+    // Once the back end probes, the same guest connects.
+    net::netback::probe(hv.store(), drv.id(), guest.id(), 0).expect("probe");
+    let front = net::netfront::Netfront::connect(&hv, &guest, 0).expect("connects");
+    let vif = toolstack::connect_backend(&hv, &drv, &guest, SPEC).expect("back end");
+    assert!(front.is_connected());
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    vif.disconnect(&mut dpool);
+    front.close(&mut gpool);
+    assert_eq!(guest.grant_table().refs_free(), free);
+}
+
+/// Found by the connect fuzz target: a front end removed while its back end still
+/// mapped the rings abandoned both ring grants and pages for good. They now wait in
+/// the grant table's deferred list and go back once the back end lets go.
+#[test]
+fn rings_a_back_end_still_maps_go_back_when_it_lets_go() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    let (refs, pages) = (guest.grant_table().refs_free(), guest.free_page_count());
+    let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, SPEC).expect("plug");
+    front.close(&mut gpool);
+    let gt = guest.grant_table();
+    assert_eq!(
+        gt.deferred(),
+        2,
+        "both rings are still mapped by the back end"
+    );
+    assert_eq!(
+        gt.retry_deferred(),
+        2,
+        "and stay deferred while it maps them"
+    );
+    vif.disconnect(&mut dpool);
+    assert_eq!(gt.retry_deferred(), 0, "the back end let go");
+    assert_eq!(gt.refs_free(), refs, "every reference is back");
+    assert_eq!(guest.free_page_count(), pages, "and both ring pages");
+}

@@ -278,6 +278,11 @@ pub struct GrantTable {
     /// The table lock: Xen's per-table lock around active entries.
     pub(crate) active: Mutex<Box<[ActiveEntry]>>,
     free_refs: Mutex<Vec<GrantRef>>,
+    /// Grants revoked while a peer still mapped them, with the page each covers: tried
+    /// again later (Linux's `gnttab_end_foreign_access` deferred list).
+    deferred: Mutex<Vec<(GrantRef, Option<Gfn>)>>,
+    /// Its length, read without the lock by the idle path's check.
+    deferred_len: std::sync::atomic::AtomicUsize,
 }
 
 impl GrantTable {
@@ -290,6 +295,8 @@ impl GrantTable {
             active: Mutex::new(vec![ActiveEntry::default(); entries as usize].into_boxed_slice()),
             // Reference 0..7 are reserved in Linux (GNTTAB_NR_RESERVED_ENTRIES); keep that.
             free_refs: Mutex::new((8..entries).rev().map(GrantRef).collect()),
+            deferred: Mutex::new(Vec::new()),
+            deferred_len: std::sync::atomic::AtomicUsize::new(0),
         }
     }
     /// Layout version.
@@ -439,6 +446,77 @@ impl<'a> GuestGrants<'a> {
                 .unwrap_or_else(|p| p.into_inner())
                 .push(r);
         }
+    }
+
+    /// Ends access to `r` and gives back the reference and `page` (one of the domain's
+    /// own pages, freed to it) — now if no peer maps the grant, otherwise later, from
+    /// [`Self::retry_deferred`] (`gnttab_end_foreign_access`: a grant a back end still
+    /// maps must not be reused, nor its page, until the back end lets go). Returns
+    /// whether it was done now.
+    pub fn end_access_deferred(&self, r: GrantRef, page: Option<Gfn>) -> bool {
+        if self.end_access_deferred_now(r, page) {
+            return true;
+        }
+        self.dom
+            .grant
+            .deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((r, page));
+        self.dom.grant.deferred_len.fetch_add(1, Ordering::Release);
+        false
+    }
+
+    /// Tries the deferred grants again (Linux runs this from a timer; pvio's guest
+    /// kernels from their poll loop): each no longer mapped is ended and given back.
+    /// Returns how many are still waiting.
+    pub fn retry_deferred(&self) -> usize {
+        if self.dom.grant.deferred_len.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut d = self
+            .dom
+            .grant
+            .deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if d.is_empty() {
+            return 0;
+        }
+        let waiting = std::mem::take(&mut *d);
+        drop(d);
+        let still: Vec<_> = waiting
+            .into_iter()
+            .filter(|&(r, page)| !self.end_access_deferred_now(r, page))
+            .collect();
+        let mut d = self
+            .dom
+            .grant
+            .deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        d.extend(still);
+        self.dom
+            .grant
+            .deferred_len
+            .store(d.len(), Ordering::Release);
+        d.len()
+    }
+
+    /// Grants waiting in the deferred list.
+    pub fn deferred(&self) -> usize {
+        self.dom.grant.deferred_len.load(Ordering::Acquire)
+    }
+
+    fn end_access_deferred_now(&self, r: GrantRef, page: Option<Gfn>) -> bool {
+        if self.end_access(r).is_err() {
+            return false;
+        }
+        self.free_ref(r);
+        if let Some(g) = page {
+            let _ = self.dom.free_page(g);
+        }
+        true
     }
 
     fn write_entry(&self, r: GrantRef, e: GrantEntryV2) -> Result<(), GrantError> {
