@@ -82,5 +82,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::core::EXPERIMENT,
         experiments::santos08::EXPERIMENT,
         experiments::ceiling::EXPERIMENT,
+        experiments::restart::EXPERIMENT,
     ]
 }

@@ -148,6 +148,8 @@ pub struct Snapshot {
 }
 
 pub use kernel::app::AppCounters;
+pub use kernel::driver_domain::Fault;
+pub use kernel::machine::{DriverFault, Restarted};
 pub use kernel::Counters;
 
 /// A running machine.
@@ -256,6 +258,17 @@ impl Running {
     /// The NIC's registers and counters.
     pub fn nic_regs(&self) -> Option<&Arc<dev::nic::NicRegs>> {
         self.machine.nic_regs()
+    }
+
+    /// Arms a fault in the driver domain's kernel (taken at its next poll).
+    pub fn inject_fault(&self, f: Fault) {
+        self.machine.inject_fault(f);
+    }
+
+    /// The toolstack's watchdog ([`Machine::watchdog`]): restarts a driver domain that
+    /// crashed or left work waiting for `stall`.
+    pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, LabError> {
+        self.machine.watchdog(stall).map_err(other)
     }
 
     /// Frames per message.

@@ -180,6 +180,25 @@ impl Up {
         self.running.as_ref()
     }
 
+    /// Arms a fault in the driver domain (a panic or a hang at its next poll).
+    pub fn inject_fault(&self, f: crate::platform::Fault) {
+        if let Some(r) = &self.running {
+            r.inject_fault(f);
+        }
+    }
+
+    /// The toolstack's watchdog, run periodically: restarts a driver domain that
+    /// crashed or stalled for `stall`; the guest's netfront reconnects to the new one.
+    pub fn watchdog(
+        &mut self,
+        stall: std::time::Duration,
+    ) -> Result<Option<crate::platform::Restarted>, LabError> {
+        match &mut self.running {
+            Some(r) => r.watchdog(stall),
+            None => Ok(None),
+        }
+    }
+
     /// Stops the machine and removes the namespaces made for it.
     pub fn down(mut self) {
         self.stop();

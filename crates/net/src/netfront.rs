@@ -362,8 +362,11 @@ impl Netfront {
         let bdir = store
             .read(me, &format!("{fdir}/backend"))
             .map_err(|_| XenbusError::BadKey(format!("{fdir}/backend")))?;
+        // Only a back end waiting for this end (`InitWait`), as Linux's netfront
+        // talks to its back end only then: one still `Connected` is the dead or
+        // retired end of an earlier connection, whose rings these would not be.
         let st = store.xenbus_state(me, &bdir);
-        if !matches!(st, XenbusState::InitWait | XenbusState::Connected) {
+        if st != XenbusState::InitWait {
             return Err(XenbusError::PeerState(st));
         }
         if !xenbus::feature(store, me, &bdir, "feature-rx-copy") {
@@ -462,11 +465,13 @@ impl Netfront {
         let mut change = LinkChange::None;
         if let Some(l) = &self.link {
             let st = store.xenbus_state(me, &l.bdir);
-            // A dead back end's channel is closed at its end.
-            let unbound = !matches!(
-                self.dom.evtchn_state(l.port),
-                Ok(hv::ChannelState::Interdomain { .. })
-            );
+            // A dead back end's channel is closed at its end; one still connecting
+            // (`InitWait`) has not bound it yet.
+            let unbound = st != XenbusState::InitWait
+                && !matches!(
+                    self.dom.evtchn_state(l.port),
+                    Ok(hv::ChannelState::Interdomain { .. })
+                );
             let gone = unbound
                 || be != Some(u32::from(l.be.0))
                 || matches!(

@@ -255,3 +255,40 @@ fn rings_a_back_end_still_maps_go_back_when_it_lets_go() {
     assert_eq!(gt.refs_free(), refs, "every reference is back");
     assert_eq!(guest.free_page_count(), pages, "and both ring pages");
 }
+
+/// Found by the restart benchmark: a store event reaching a front end that had
+/// published its rings but whose back end had not yet bound the channel made the
+/// front end take the unbound channel for a dead back end; it revoked the rings the
+/// back end was about to map, and the restart failed or stalled.
+#[test]
+fn a_front_end_waits_for_its_back_end_to_bind_before_calling_it_gone() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    toolstack::offer_vif(&hv, &drv, &guest, SPEC).expect("offer");
+    let mut front = net::netfront::Netfront::connect(&hv, &guest, 0).expect("front");
+    // The back end writes to its directory before it connects: the front end's watch
+    // fires.
+    let bdir = net::xenbus::backend_dir(drv.id(), guest.id(), 0);
+    hv.store()
+        .write(drv.id(), &format!("{bdir}/hotplug-status"), "connected")
+        .expect("write");
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::None);
+    assert!(front.is_connected());
+    let vif = toolstack::connect_backend(&hv, &drv, &guest, SPEC).expect("the rings are mapped");
+    // Once bound, a back end that goes is seen going.
+    let port = vif.port();
+    hv.evtchn_close(&drv, port).expect("close");
+    hv.store()
+        .write(drv.id(), &format!("{bdir}/hotplug-status"), "gone")
+        .expect("write");
+    assert_eq!(front.check_backend(&mut gpool), LinkChange::Disconnected);
+    vif.disconnect(&mut dpool);
+    front.close(&mut gpool);
+}

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use lab::{Mode, RunEnv};
 
 #[derive(Parser, Debug)]
@@ -69,6 +69,17 @@ enum Command {
         /// Stop after this many seconds (default: at Ctrl-C).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
+        /// The toolstack's watchdog restarts a driver domain that crashed, or that left
+        /// work waiting this long without looking at it (0: no watchdog).
+        #[arg(long, value_name = "MS", default_value_t = 100)]
+        watchdog_ms: u64,
+        /// Make the driver domain fail (to watch the watchdog restart it and the
+        /// guest's connections carry on).
+        #[arg(long, value_enum)]
+        fault: Option<FaultKind>,
+        /// When to make it fail, in seconds after start.
+        #[arg(long, value_name = "SECS", default_value_t = 5)]
+        fault_after: u64,
     },
     /// Lists the registered experiments.
     List,
@@ -91,6 +102,23 @@ enum Command {
         #[arg(long)]
         port: u16,
     },
+}
+
+/// A driver-domain failure `pvio up` can inject.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FaultKind {
+    /// Its kernel panics.
+    Panic,
+    /// Its kernel stops polling, interrupts off.
+    Hang,
+}
+
+/// What `pvio up` runs besides the machine.
+#[derive(Debug, Clone, Copy)]
+struct UpRun {
+    seconds: Option<u64>,
+    watchdog: Option<std::time::Duration>,
+    fault: Option<(FaultKind, std::time::Duration)>,
 }
 
 /// A stream anyone can regenerate: xorshift64 bytes.
@@ -166,14 +194,15 @@ fn tcp_sink(port: u16) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn up(cfg: &lab::up::UpConfig, seconds: Option<u64>) -> ExitCode {
+fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s = std::sync::Arc::clone(&stop);
-    if let Err(e) = ctrlc::set_handler(move || s.store(true, std::sync::atomic::Ordering::Release))
-    {
+    if let Err(e) = ctrlc::set_handler(move || s.store(true, Ordering::Release)) {
         eprintln!("cannot catch Ctrl-C: {e}");
     }
-    let machine = match lab::up::up(cfg) {
+    let mut machine = match lab::up::up(cfg) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("pvio up: {e}");
@@ -188,19 +217,41 @@ fn up(cfg: &lab::up::UpConfig, seconds: Option<u64>) -> ExitCode {
          Ctrl-C stops it.",
         cfg.outside_addr, cfg.guest_addr
     );
-    let t0 = std::time::Instant::now();
-    let mut last = lab::up::UpCounters::default();
-    while !stop.load(std::sync::atomic::Ordering::Acquire)
-        && seconds.is_none_or(|s| t0.elapsed().as_secs() < s)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(200));
+    let t0 = Instant::now();
+    let mut fault = run.fault;
+    let (mut last, mut shown) = (lab::up::UpCounters::default(), t0);
+    while !stop.load(Ordering::Acquire) && run.seconds.is_none_or(|s| t0.elapsed().as_secs() < s) {
+        std::thread::sleep(Duration::from_millis(10));
+        if let Some((kind, at)) = fault.filter(|&(_, at)| t0.elapsed() >= at) {
+            println!("fault: the driver domain's kernel is made to {kind:?} at {at:?}");
+            machine.inject_fault(match kind {
+                FaultKind::Panic => lab::platform::Fault::Panic,
+                FaultKind::Hang => lab::platform::Fault::Hang,
+            });
+            fault = None;
+        }
+        if let Some(limit) = run.watchdog {
+            match machine.watchdog(limit) {
+                Ok(Some(r)) => println!(
+                    "watchdog: driver domain {:?}; a new one was running with its vifs \
+                     connected {:.1} ms later",
+                    r.cause,
+                    r.took.as_secs_f64() * 1e3
+                ),
+                Ok(None) => {}
+                Err(e) => {
+                    eprintln!("watchdog: the driver domain could not be restarted: {e}");
+                    break;
+                }
+            }
+        }
         let c = machine.counters();
-        if c != last && t0.elapsed().as_millis() % 5000 < 200 {
+        if c != last && shown.elapsed() >= Duration::from_secs(5) {
             println!(
                 "wire in {} out {}, guest in {} out {}, oversize {}",
                 c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
             );
-            last = c;
+            (last, shown) = (c, Instant::now());
         }
     }
     let c = machine.counters();
@@ -275,6 +326,9 @@ fn main() -> ExitCode {
             no_netfilter,
             no_fragments,
             seconds,
+            watchdog_ms,
+            fault,
+            fault_after,
         } => up(
             &lab::up::UpConfig {
                 outside_ns,
@@ -288,7 +342,11 @@ fn main() -> ExitCode {
                     lab::RxBuffers::Fragments
                 },
             },
-            seconds,
+            UpRun {
+                seconds,
+                watchdog: (watchdog_ms > 0).then(|| std::time::Duration::from_millis(watchdog_ms)),
+                fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),
+            },
         ),
         Command::TcpSource { to, bytes } => tcp_source(&to, bytes),
         Command::TcpSink { port } => tcp_sink(port),

@@ -80,9 +80,15 @@ fn json_u64(v: &serde_json::Value, path: &[&str]) -> u64 {
         .unwrap_or_else(|| panic!("no {path:?} in iperf3's report"))
 }
 
-/// `pvio tcp-source` in `source_ns` sends 8 MiB to `pvio tcp-sink` at `to` in `sink_ns`;
-/// both print the length and digest of what they sent and received.
-fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
+/// Starts `pvio tcp-sink` in `sink_ns` and `pvio tcp-source` in `source_ns` sending
+/// `bytes` to it at `to`; each prints the length and digest of what it received or
+/// sent.
+fn start_stream(
+    sink_ns: &str,
+    source_ns: &str,
+    to: &str,
+    bytes: u64,
+) -> (std::process::Child, std::process::Child) {
     let exe = env!("CARGO_BIN_EXE_pvio");
     let port = to.rsplit(':').next().expect("address:port");
     let sink = Command::new("ip")
@@ -91,18 +97,19 @@ fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
         .spawn()
         .expect("tcp-sink");
     std::thread::sleep(Duration::from_millis(300));
-    let sent = run(&[
-        "ip",
-        "netns",
-        "exec",
-        source_ns,
-        exe,
-        "tcp-source",
-        "--to",
-        to,
-        "--bytes",
-        "8388608",
-    ]);
+    let source = Command::new("ip")
+        .args(["netns", "exec", source_ns, exe, "tcp-source", "--to", to])
+        .args(["--bytes", &bytes.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcp-source");
+    (sink, source)
+}
+
+/// Waits for both ends and checks that what arrived is what was sent.
+fn stream_intact(sink: std::process::Child, source: std::process::Child, bytes: u64, to: &str) {
+    let sent = source.wait_with_output().expect("tcp-source");
     assert!(
         sent.status.success(),
         "tcp-source: {}",
@@ -114,8 +121,14 @@ fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
         String::from_utf8_lossy(&sent.stdout).trim().to_string(),
         String::from_utf8_lossy(&got.stdout).trim().to_string(),
     );
-    assert!(sent.starts_with("8388608 "), "{sent}");
+    assert!(sent.starts_with(&format!("{bytes} ")), "{sent}");
     assert_eq!(got, sent, "to {to}: the bytes arrived intact");
+}
+
+/// 8 MiB over TCP from `source_ns` to `to` in `sink_ns`, byte for byte.
+fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
+    let (sink, source) = start_stream(sink_ns, source_ns, to, 8 << 20);
+    stream_intact(sink, source, 8 << 20, to);
 }
 
 fn ping(ns: &str, to: &str) {
@@ -223,5 +236,66 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         stream_arrives_intact(sink_ns, source_ns, to);
     }
     assert_eq!(machine.counters().oversize, 0);
+    machine.down();
+}
+
+/// Paper 000 §5.1's restart under a live TCP stream: the driver domain is killed (a
+/// kernel panic, then a hang) while 48 MiB cross from the outside namespace to the
+/// guest's; the watchdog restarts it, the guest's netfront reconnects, TCP resends
+/// what was lost with the old driver domain, and every byte arrives intact.
+#[test]
+fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_completes_intact() {
+    use lab::platform::{DriverFault, Fault};
+    if let Err(e) = namespaces_possible() {
+        eprintln!("skipped: network namespaces cannot be made here: {e}");
+        return;
+    }
+    let pid = std::process::id();
+    let cfg = UpConfig {
+        outside_ns: format!("pvio-r{pid}-o"),
+        guest_ns: format!("pvio-r{pid}-g"),
+        outside_addr: "10.79.0.1/24".into(),
+        guest_addr: "10.79.0.2/24".into(),
+        netfilter: true,
+        rx_buffers: RxBuffers::Fragments,
+    };
+    let mut machine = up(&cfg).expect("pvio up");
+    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
+    let bytes = 48 << 20;
+    let (sink, mut source) = start_stream(g, o, "10.79.0.2:5301", bytes);
+    let limit = Duration::from_millis(100);
+    let mut faults = vec![Fault::Hang, Fault::Panic];
+    let mut restarts = Vec::new();
+    let t = Instant::now();
+    // The watchdog runs as `pvio up` runs it; a fault is armed once the stream is
+    // under way, and the next one once the stream has recovered from the last.
+    let mut armed_at = None;
+    while source.try_wait().expect("tcp-source").is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the stream never ends"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        let frames = machine.counters().guest_in;
+        if let Some(r) = machine.watchdog(limit).expect("restart") {
+            restarts.push((r, frames));
+            armed_at = None;
+        }
+        let recovered = restarts.last().is_none_or(|(_, at)| frames > at + 2000);
+        if armed_at.is_none() && frames > 2000 && recovered {
+            if let Some(f) = faults.pop() {
+                machine.inject_fault(f);
+                armed_at = Some(frames);
+            }
+        }
+    }
+    stream_intact(sink, source, bytes, "10.79.0.2:5301");
+    assert_eq!(restarts.len(), 2, "both faults were caught: {restarts:?}");
+    assert_eq!(restarts[1].0.cause, DriverFault::Stalled, "the hang");
+    for (r, _) in &restarts {
+        eprintln!("restarted ({:?}) in {:?}", r.cause, r.took);
+    }
+    // After the restarts the path is whole both ways.
+    ping(o, "10.79.0.2");
     machine.down();
 }

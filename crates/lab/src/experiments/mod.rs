@@ -2,4 +2,5 @@
 
 pub mod ceiling;
 pub mod core;
+pub mod restart;
 pub mod santos08;
