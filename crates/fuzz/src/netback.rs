@@ -14,135 +14,26 @@
 
 use std::sync::Arc;
 
-use hv::store::XenbusState;
-use hv::{Domain, DomainConfig, Gfn, GrantPath, GrantVersion, HvConfig, Hypervisor};
+use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers};
-use net::netif::{RxRequest, RxResponse, TxRequest, TxResponse, NETTXF_MORE_DATA};
+use net::netif::{RxRequest, TxRequest, NETTXF_MORE_DATA};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
 
 use crate::Input;
 
-/// A front end that does the handshake by hand (with `feature-sg`) and then writes raw
-/// ring bytes.
-#[derive(Debug)]
-pub struct RawFront {
-    /// The guest.
-    pub dom: Arc<Domain>,
-    /// Its TX ring page.
-    pub tx: Gfn,
-    /// Its RX ring page.
-    pub rx: Gfn,
-    /// A page of data, granted read-only.
-    pub data: Gfn,
-    /// The data page's grant.
-    pub data_ref: u32,
-}
+pub use net::rawfront::RawFront;
 
-const HDR: usize = 64;
-
-impl RawFront {
-    /// Creates the vif in the store, probes the back end and publishes three fresh
-    /// pages: two rings and a read-only data page, and a channel.
-    pub fn connect(hv: &Arc<Hypervisor>, dom: &Arc<Domain>, be: &Arc<Domain>) -> RawFront {
-        let store = hv.store();
-        xenbus::create_vif(store, be.id(), dom.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
-        netback::probe(store, be.id(), dom.id(), 0).expect("probe");
-        let gt = dom.grant_table();
-        let grant = |ro: bool| {
-            let g = dom.alloc_page().expect("page");
-            let r = gt.alloc_ref().expect("ref");
-            gt.grant_access(r, be.id(), g, ro).expect("grant");
-            (g, r)
-        };
-        let (tx, txr) = grant(false);
-        let (rx, rxr) = grant(false);
-        let (data, dr) = grant(true);
-        let port = hv.evtchn_alloc_unbound(dom, be.id()).expect("port");
-        let dir = xenbus::frontend_dir(dom.id(), 0);
-        for (k, v) in [
-            ("tx-ring-ref", txr.0.to_string()),
-            ("rx-ring-ref", rxr.0.to_string()),
-            ("event-channel", port.0.to_string()),
-            ("request-rx-copy", "1".into()),
-            ("feature-sg", "1".into()),
-        ] {
-            store
-                .write(dom.id(), &format!("{dir}/{k}"), &v)
-                .expect("write");
-        }
-        store
-            .switch_state(dom.id(), &dir, XenbusState::Connected)
-            .expect("state");
-        RawFront {
-            dom: Arc::clone(dom),
-            tx,
-            rx,
-            data,
-            data_ref: dr.0,
-        }
-    }
-    /// Writes request `i` (not yet published).
-    pub fn put(&self, i: u32, r: TxRequest) {
-        self.dom
-            .write(
-                self.tx,
-                HDR + (i as usize % 256) * 12,
-                bytemuck::bytes_of(&r),
-            )
-            .expect("slot");
-    }
-    /// Publishes `prod` as the TX ring's request producer.
-    pub fn publish(&self, prod: u32) {
-        self.dom
-            .write(self.tx, 0, &prod.to_le_bytes())
-            .expect("prod");
-    }
-    /// Posts RX buffer `i` (a writable grant) and publishes `prod`.
-    pub fn post_rx(&self, i: u32, r: RxRequest, prod: u32) {
-        self.dom
-            .write(
-                self.rx,
-                HDR + (i as usize % 256) * 8,
-                bytemuck::bytes_of(&r),
-            )
-            .expect("slot");
-        self.dom
-            .write(self.rx, 0, &prod.to_le_bytes())
-            .expect("prod");
-    }
-    /// A 32-bit word of a ring header (`req_prod` 0, `req_event` 4, `rsp_prod` 8).
-    pub fn word(&self, ring: Gfn, at: usize) -> u32 {
-        let mut b = [0u8; 4];
-        self.dom.read(ring, at, &mut b).expect("index");
-        u32::from_le_bytes(b)
-    }
-    /// TX response `i`.
-    pub fn tx_response(&self, i: u32) -> TxResponse {
-        let mut b = [0u8; 4];
-        self.dom
-            .read(self.tx, HDR + (i as usize % 256) * 12, &mut b)
-            .expect("slot");
-        bytemuck::pod_read_unaligned(&b)
-    }
-    /// RX response `i`.
-    pub fn rx_response(&self, i: u32) -> RxResponse {
-        let mut b = [0u8; 8];
-        self.dom
-            .read(self.rx, HDR + (i as usize % 256) * 8, &mut b)
-            .expect("slot");
-        bytemuck::pod_read_unaligned(&b)
-    }
-    /// A fresh page granted writable to the back end (an RX buffer).
-    pub fn rx_buffer(&self, be: &Domain) -> u32 {
-        let gt = self.dom.grant_table();
-        let g = self.dom.alloc_page().expect("page");
-        let r = gt.alloc_ref().expect("ref");
-        gt.grant_access(r, be.id(), g, false).expect("grant");
-        r.0
-    }
+/// Creates the vif in the store, probes the back end and publishes a raw front end
+/// (with `feature-sg`): the toolstack's, the back end's and the guest's parts of the
+/// handshake, up to the back end's connect.
+pub fn connect_raw(hv: &Arc<Hypervisor>, dom: &Arc<Domain>, be: &Arc<Domain>) -> RawFront {
+    let store = hv.store();
+    xenbus::create_vif(store, be.id(), dom.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
+    netback::probe(store, be.id(), dom.id(), 0).expect("probe");
+    RawFront::publish(hv, dom, be.id(), 0).expect("front end")
 }
 
 /// The driver domain and its pool.
@@ -262,11 +153,11 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         w.hv.evtchn_open_ports(&w.drv),
     );
     let evil = guest(&w.hv, "fuzz");
-    let raw = RawFront::connect(&w.hv, &evil, &w.drv);
+    let mut raw = connect_raw(&w.hv, &evil, &w.drv);
     let gt = evil.grant_table();
     // Grants of every kind: read-only data, writable, revoked, never issued.
-    let rw = raw.rx_buffer(&w.drv);
-    let revoked = raw.rx_buffer(&w.drv);
+    let rw = raw.rx_buffer(w.drv.id()).expect("buffer");
+    let revoked = raw.rx_buffer(w.drv.id()).expect("buffer");
     gt.end_access(hv::GrantRef(revoked)).expect("revoke");
     let grefs = [raw.data_ref, raw.data_ref, rw, revoked, 9999, u32::MAX];
     let mut bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("vif");
@@ -299,7 +190,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
             2 => inp.u64() as u32,
             _ => i,
         };
-        raw.publish(tx_prod);
+        raw.publish_tx(tx_prod);
         // RX: buffers posted (some bogus) and packets queued.
         for _ in 0..inp.below(8) {
             let r = RxRequest {

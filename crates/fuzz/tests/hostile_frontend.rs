@@ -13,7 +13,7 @@ use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
 
-use pvio_fuzz::netback::{release, req, RawFront as Raw};
+use pvio_fuzz::netback::{connect_raw, release, req, RawFront as Raw};
 
 /// Runs `f` on a thread of its own and fails the test if it does not return within a
 /// few seconds: a guest that can hang the driver domain's loop must show as a failure,
@@ -82,7 +82,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
 /// The evil vif at window slots 0.., a good one beside it at VIF_WINDOW_SLOTS.. .
 fn pair(w: &World) -> (Raw, Vif, Netfront, Vif, Arc<Domain>) {
     let evil = guest(&w.hv, "evil");
-    let raw = Raw::connect(&w.hv, &evil, &w.drv);
+    let raw = connect_raw(&w.hv, &evil, &w.drv);
     let bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("evil vif");
     let good = guest(&w.hv, "good");
     let (front, vif) = plug_good(w, &good);
@@ -114,7 +114,7 @@ fn good_sends(w: &mut World, front: &mut Netfront, vif: &mut Vif, gpool: &mut Sk
 fn a_producer_index_more_than_a_ring_ahead_disables_that_vif_only() {
     let mut w = world();
     let (raw, mut bad, mut front, mut vif, good) = pair(&w);
-    raw.publish(100_000);
+    raw.publish_tx(100_000);
     assert_eq!(bad.tx_action(&mut w.pool, 64, |p, s| p.free(s)), 0);
     assert_eq!(bad.disabled(), Some(Disabled::RingBroken));
     good_still_works(&mut w, (&mut front, &mut vif, &good));
@@ -151,7 +151,7 @@ fn fatal_chains_disable_and_tolerated_ones_are_answered_with_errors() {
             r.gref = raw.data_ref;
             raw.put(i as u32, r);
         }
-        raw.publish(reqs.len() as u32);
+        raw.publish_tx(reqs.len() as u32);
         bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
         assert_eq!(bad.disabled(), want.map(Disabled::Fatal), "{name}");
         assert_eq!(bad.tx_check_stats().fatal_count(want.expect("fatal")), 1);
@@ -177,7 +177,7 @@ fn bad_grants_short_packets_and_zero_length_slots_are_answered_and_counted() {
     for (i, r) in reqs.iter().enumerate() {
         raw.put(i as u32, *r);
     }
-    raw.publish(reqs.len() as u32);
+    raw.publish_tx(reqs.len() as u32);
     let mut delivered = Vec::new();
     bad.tx_action(&mut w.pool, 64, |_, s| delivered.push(s));
     assert_eq!(bad.disabled(), None, "tolerated errors keep the vif up");
@@ -226,9 +226,9 @@ fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
     // Finding 1: one buffer posted, a packet that needs two (the front end offers
     // feature-sg). The RX action must stop, ask to be told of more buffers, and return.
     let mut w = world();
-    let (raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let (mut raw, mut bad, mut front, mut vif, good) = pair(&w);
     assert!(bad.can_sg());
-    let b0 = raw.rx_buffer(&w.drv);
+    let b0 = raw.rx_buffer(w.drv.id()).expect("buffer");
     raw.post_rx(
         0,
         RxRequest {
@@ -267,7 +267,7 @@ fn a_guest_with_too_few_rx_buffers_for_a_packet_cannot_hang_the_rx_action() {
         "req_event asks for a notification at the next buffer posted"
     );
     // A second buffer lets the packet through, over two responses.
-    let b1 = raw.rx_buffer(&w.drv);
+    let b1 = raw.rx_buffer(w.drv.id()).expect("buffer");
     raw.post_rx(
         1,
         RxRequest {
@@ -300,7 +300,7 @@ fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
     let (raw, mut bad, mut front, mut vif, good) = pair(&w);
     let free = w.pool.free_buffers();
     raw.put(0, req(raw.data_ref, 0, 0, 1, 200));
-    raw.publish(1);
+    raw.publish_tx(1);
     let mut held = Vec::new();
     assert_eq!(bad.tx_action(&mut w.pool, 64, |_, s| held.push(s)), 1);
     assert_eq!(
@@ -308,7 +308,7 @@ fn a_producer_index_moved_behind_the_consumer_disables_that_vif_only() {
         0,
         "the mapped slot is not answered yet"
     );
-    raw.publish(0);
+    raw.publish_tx(0);
     let (mut w, mut bad, n) = within("tx_action", move || {
         let n = bad.tx_action(&mut w.pool, 64, |p, s| p.free(s));
         (w, bad, n)
@@ -339,7 +339,7 @@ fn dropped_chains_count_against_the_tx_budget() {
     for i in 0..200 {
         raw.put(i, req(raw.data_ref, 0, 0, i as u16, 10));
     }
-    raw.publish(200);
+    raw.publish_tx(200);
     assert_eq!(bad.tx_action(&mut w.pool, 64, |p, s| p.free(s)), 0);
     assert_eq!(
         raw.word(raw.tx, 8),
@@ -362,7 +362,7 @@ fn a_fatal_chain_after_good_packets_leaks_nothing_and_answers_them() {
     raw.put(0, req(raw.data_ref, 0, 0, 1, 100));
     raw.put(1, req(raw.data_ref, 0, NETTXF_MORE_DATA, 2, 200));
     raw.put(2, req(raw.data_ref, 0, NETTXF_MORE_DATA, 3, 100));
-    raw.publish(3);
+    raw.publish_tx(3);
     let mut delivered = 0;
     bad.tx_action(&mut w.pool, 64, |p, s| {
         delivered += 1;
@@ -410,7 +410,7 @@ fn a_packet_of_the_most_slots_with_a_long_first_slot_is_carried_whole_and_answer
         for i in 0..18u32 {
             raw.put(base + i, slot(i));
         }
-        raw.publish(base + 18);
+        raw.publish_tx(base + 18);
         let mut got = Vec::new();
         bad.tx_action(&mut w.pool, 64, |_, s| got.push(s));
         assert_eq!(got.len(), 1, "round {round}: the packet goes on");
@@ -463,7 +463,7 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
     // Connected. Each failure must leave nothing mapped and no port open.
     let w = world();
     let evil = guest(&w.hv, "evil");
-    let raw = Raw::connect(&w.hv, &evil, &w.drv);
+    let raw = connect_raw(&w.hv, &evil, &w.drv);
     let store = w.hv.store();
     let fdir = xenbus::frontend_dir(evil.id(), 0);
     let good_port = store

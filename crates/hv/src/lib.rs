@@ -242,7 +242,26 @@ impl Hypervisor {
     /// Frees the frames of destroyed domains once no handle to the domain remains and
     /// nothing references the frame. Returns how many frames of destroyed domains are
     /// still held back.
+    ///
+    /// It first releases what destruction could not: a grant mapping that the dying
+    /// domain's code still held open (a ring it was reading) when it was destroyed is
+    /// unmapped here once that code has let go, so that the granting guest can end its
+    /// grant (Xen's `gnttab_release_mappings`, which a real hypervisor can do at once
+    /// because it need not wait for the dead domain's code).
     pub fn reap(&self) -> usize {
+        let dying: Vec<Arc<Domain>> = self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for d in &dying {
+            let handles = d
+                .maptrack
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .handles();
+            if !handles.is_empty() {
+                let mut st = vec![Ok(()); handles.len()];
+                self.grant_unmap(d, &handles, &mut st);
+            }
+        }
+        drop(dying);
         let mut dead = self.dead.lock().unwrap_or_else(|p| p.into_inner());
         let mut z = self.zombies.lock().unwrap_or_else(|p| p.into_inner());
         // The list holds the last handle: the domain left the table at destruction, so

@@ -10,7 +10,8 @@
 //!   I/O): NIC driver, stack, application;
 //! * [`driver_domain`]: the NIC driver, the bridge and one netback vif per guest;
 //! * [`pv_guest`]: netfront, the stack and the application, or netfront and a TAP whose
-//!   network namespace is the guest's stack (`pvio up`).
+//!   network namespace is the guest's stack (`pvio up`);
+//! * [`hostile`]: a guest that writes garbage into its vif's rings (the soak).
 //!
 //! [`vcpu::run`] is the idle loop every kernel shares: take interrupts or events, run
 //! the timer, poll, and halt or block when a poll found nothing. [`machine`] turns a
@@ -20,6 +21,7 @@
 pub mod app;
 pub mod counters;
 pub mod driver_domain;
+pub mod hostile;
 pub mod machine;
 pub mod native;
 pub mod pv_guest;

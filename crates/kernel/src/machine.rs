@@ -27,11 +27,13 @@ use hv::{
     DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port, VcpuStart,
     Vector, WaitMode,
 };
-use net::netfront::RxBuffers;
+use net::netfront::{Netfront, RxBuffers};
+use net::skb::SkbPool;
 use net::toolstack::{self, VifSpec};
 
 use crate::app::AppSpec;
 use crate::driver_domain::{DriverDomain, Fault, FaultSwitch};
+use crate::hostile::HostileGuest;
 use crate::native::NicKernel;
 use crate::pv_guest::{guest_pool, PvGuest, TapGuest};
 use crate::vcpu::{self, Kernel, Platform};
@@ -62,6 +64,9 @@ pub enum Above {
     App(AppSpec),
     /// A TAP: the guest's stack is its network namespace's.
     Tap(TapPort),
+    /// No netfront: a raw front end writing garbage into the rings
+    /// ([`crate::hostile::HostileGuest`]), seeded.
+    Hostile(u64),
 }
 
 /// One PV guest.
@@ -165,6 +170,14 @@ pub struct Machine {
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
     native_irq: Option<Arc<NativeIrq>>,
+}
+
+/// A guest's front end while the machine is built.
+enum Front {
+    /// netfront and the guest's pool, RX ring filled.
+    Net(Box<(Netfront, SkbPool)>),
+    /// A hostile guest's kernel, its rings published.
+    Hostile(HostileGuest),
 }
 
 /// Starts the NIC of `spec` with its interrupt on `irq`.
@@ -283,14 +296,25 @@ impl Machine {
                         rx_buffers: g.rx_buffers,
                         index: i as u16,
                     };
-                    let (front, vif) = toolstack::plug_vif(&hv, &drv, dom, vs).map_err(other)?;
+                    // A hostile guest does its half of the handshake itself.
+                    let front = match g.above {
+                        Above::Hostile(seed) => {
+                            toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
+                            Front::Hostile(HostileGuest::new(&hv, dom, vs.handle, seed))
+                        }
+                        _ => {
+                            toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
+                            let mut front =
+                                Netfront::connect_with(&hv, dom, vs.handle, vs.rx_buffers)
+                                    .map_err(other)?;
+                            let pool = guest_pool(dom, &mut front)?;
+                            Front::Net(Box::new((front, pool)))
+                        }
+                    };
+                    let vif = toolstack::connect_backend(&hv, &drv, dom, vs).map_err(other)?;
                     vifs.push((vif, g.mac));
                     fronts.push(front);
                     plan.push((Arc::clone(dom), vs));
-                }
-                let mut pools = Vec::with_capacity(guests.len());
-                for (front, dom) in fronts.iter_mut().zip(&doms) {
-                    pools.push(guest_pool(dom, front)?);
                 }
                 let fault = FaultSwitch::default();
                 let k =
@@ -313,21 +337,24 @@ impl Machine {
                     k,
                     &ready,
                 )?;
-                let each = guests
-                    .into_iter()
-                    .zip(doms)
-                    .zip(fronts.into_iter().zip(pools));
-                for (i, ((g, dom), (front, pool))) in each.enumerate() {
+                let each = guests.into_iter().zip(doms).zip(fronts);
+                for (i, ((g, dom), front)) in each.enumerate() {
                     let at = start(core(1 + i));
-                    match g.above {
-                        Above::App(app) => {
+                    match (g.above, front) {
+                        (Above::App(app), Front::Net(b)) => {
+                            let (front, pool) = *b;
                             let k = PvGuest::new(&dom, front, pool, &app)?;
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
-                        Above::Tap(tap) => {
+                        (Above::Tap(tap), Front::Net(b)) => {
+                            let (front, pool) = *b;
                             let k = TapGuest::new(&hv, &dom, front, pool, tap);
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
+                        (_, Front::Hostile(k)) => {
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                        _ => unreachable!("a guest's front end follows what runs above it"),
                     }
                 }
             }
@@ -379,6 +406,8 @@ impl Machine {
     /// destroyed and a fresh driver domain started in its place
     /// ([`Machine::restart_driver_domain`]). Returns what it did.
     pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, BuildError> {
+        // The toolstack's periodic work includes finishing off destroyed domains.
+        self.hv.reap();
         let Some(d) = &mut self.driver else {
             return Ok(None);
         };

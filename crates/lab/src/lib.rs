@@ -83,5 +83,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::santos08::EXPERIMENT,
         experiments::ceiling::EXPERIMENT,
         experiments::restart::EXPERIMENT,
+        experiments::soak::EXPERIMENT,
     ]
 }

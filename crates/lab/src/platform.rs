@@ -83,6 +83,9 @@ pub struct Options {
     /// What netfront posts (pv only): page fragments (the original) or linear buffers
     /// (the paper's netfront without fragments, §3.4.2).
     pub rx_buffers: RxBuffers,
+    /// Hostile guests beside the receiving one (pv only), each writing garbage into its
+    /// vif's rings ([`kernel::hostile::HostileGuest`]); the soak's.
+    pub hostile: usize,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -103,6 +106,7 @@ impl Options {
             grant_path: GrantPath::Original,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
             rx_buffers: RxBuffers::Fragments,
+            hostile: 0,
         }
     }
 }
@@ -229,12 +233,19 @@ impl Running {
             Config::Direct => Layout::Direct(app_spec),
             Config::Pv => Layout::DriverDomain {
                 netfilter: opts.netfilter,
-                guests: vec![GuestSpec {
+                guests: std::iter::once(GuestSpec {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
                     above,
-                }],
+                })
+                .chain((0..opts.hostile).map(|i| GuestSpec {
+                    name: format!("hostile{i}"),
+                    mac: [0x02, 0, 0, 0, 0xee, i as u8],
+                    rx_buffers: RxBuffers::Fragments,
+                    above: Above::Hostile(0x5eed_0000 + i as u64),
+                }))
+                .collect(),
             },
         };
         let machine = Machine::start(MachineSpec {
@@ -269,6 +280,22 @@ impl Running {
     /// crashed or left work waiting for `stall`.
     pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, LabError> {
         self.machine.watchdog(stall).map_err(other)
+    }
+
+    /// The toolstack restarts the driver domain (a planned restart: the watchdog's
+    /// remedy without a fault). Returns how long it took.
+    pub fn restart_driver_domain(&mut self) -> Result<Duration, LabError> {
+        self.machine.restart_driver_domain().map_err(other)
+    }
+
+    /// A domain of the machine, by name (the current driver domain is `driver`).
+    pub fn domain(&self, name: &str) -> Option<Arc<hv::Domain>> {
+        self.machine
+            .domains()
+            .iter()
+            .rev()
+            .find(|(d, _)| d.name() == name)
+            .map(|(d, _)| Arc::clone(d))
     }
 
     /// Frames per message.

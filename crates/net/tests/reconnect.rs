@@ -292,3 +292,41 @@ fn a_front_end_waits_for_its_back_end_to_bind_before_calling_it_gone() {
     vif.disconnect(&mut dpool);
     front.close(&mut gpool);
 }
+
+/// Found by the soak: a driver domain destroyed while its kernel still held its vifs'
+/// rings open kept both ring grants of every guest mapped for good (the destruction's
+/// unmap is refused while a ring reads the page), so each restart cost every guest two
+/// pages. The reaper now unmaps them once the dead kernel lets go.
+#[test]
+fn rings_a_destroyed_driver_domain_held_open_are_unmapped_once_it_lets_go() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let pages = guest.free_page_count();
+    let refs = guest.grant_table().refs_free();
+    let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, SPEC).expect("plug");
+    // The driver domain dies with its kernel still holding the vif.
+    let id = drv.id();
+    drop(drv);
+    hv.destroy_domain(id).expect("destroy");
+    toolstack::close_backend(&hv, id, guest.id(), 0);
+    front.close(&mut gpool);
+    let gt = guest.grant_table();
+    assert_eq!(
+        gt.retry_deferred(),
+        2,
+        "the dead kernel still reads both rings"
+    );
+    // Its kernel ends and drops what it held; the toolstack's reaper runs.
+    drop(vif);
+    hv.reap();
+    assert_eq!(gt.retry_deferred(), 0, "both ring grants are released");
+    assert_eq!(gt.refs_free(), refs);
+    assert_eq!(guest.free_page_count(), pages);
+    assert_eq!(hv.reap(), 0, "and the dead domain's frames are free");
+}

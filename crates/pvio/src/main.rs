@@ -81,6 +81,23 @@ enum Command {
         #[arg(long, value_name = "SECS", default_value_t = 5)]
         fault_after: u64,
     },
+    /// Runs a soak: hostile guests beside a well-behaved one behind one driver domain,
+    /// restarted on a schedule, for a bounded time; prints each period and the checks
+    /// (memory flat, counters consistent, no stall) and writes `soak.json`/`soak.md`.
+    Soak {
+        /// How long, in seconds.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Hostile guests.
+        #[arg(long, default_value_t = 2)]
+        hostile: usize,
+        /// Restart the driver domain every this many seconds (0: never).
+        #[arg(long, value_name = "SECS", default_value_t = 10)]
+        restart_every: u64,
+        /// Output directory.
+        #[arg(long, value_name = "DIR", default_value = "results")]
+        out: PathBuf,
+    },
     /// Lists the registered experiments.
     List,
     /// Sends `bytes` of a seeded pseudo-random stream over TCP to `to` and prints its
@@ -263,6 +280,45 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path) -> ExitCode {
+    use lab::experiments::soak::{soak, SoakPlan};
+    let plan = SoakPlan {
+        duration: std::time::Duration::from_secs(seconds),
+        hostile,
+        restart_every: (restart_every > 0).then(|| std::time::Duration::from_secs(restart_every)),
+        period: std::time::Duration::from_secs(1),
+    };
+    println!("   time  messages   rss KiB  free frames  hostile pages  restarts  watchdog");
+    let report = soak(plan, &mut |p| {
+        println!(
+            "{:6.1}s {:9} {:9} {:12} {:14} {:9} {:9}",
+            p.at_s,
+            p.messages,
+            p.rss_kib,
+            p.free_frames,
+            p.hostile_free_pages,
+            p.restarts,
+            p.watchdog_restarts
+        );
+    });
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("soak: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}", report.table());
+    if let Err(e) = report.write(out, &RunEnv::capture(false)) {
+        eprintln!("could not write the report: {e}");
+    }
+    if report.checks.iter().all(|c| c.met) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode {
     let all = lab::registry();
     let chosen: Vec<_> = all
@@ -348,6 +404,12 @@ fn main() -> ExitCode {
                 fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),
             },
         ),
+        Command::Soak {
+            seconds,
+            hostile,
+            restart_every,
+            out,
+        } => soak(seconds, hostile, restart_every, &out),
         Command::TcpSource { to, bytes } => tcp_source(&to, bytes),
         Command::TcpSink { port } => tcp_sink(port),
         Command::List => {

@@ -4,3 +4,4 @@ pub mod ceiling;
 pub mod core;
 pub mod restart;
 pub mod santos08;
+pub mod soak;

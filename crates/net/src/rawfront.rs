@@ -1,0 +1,190 @@
+//! A front end that writes raw ring bytes: the hostile guest of pvio's fuzz targets,
+//! hostile-front-end tests and soak.
+//!
+//! It does the front end's half of the xenbus handshake honestly (two ring pages and a
+//! read-only data page granted to the back end, an unbound channel, the keys, with
+//! `feature-sg`, then `Connected`), and afterwards writes whatever its user says into
+//! the shared rings: requests with any grant, offset, size, flags and id, producer
+//! indices anywhere. Nothing here checks anything; that is the point.
+
+use std::sync::Arc;
+
+use hv::store::XenbusState;
+use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, Port};
+
+use crate::netif::{RxRequest, RxResponse, TxRequest, TxResponse};
+use crate::xenbus::{self, XenbusError};
+
+/// Bytes before a ring's first slot (the shared ring's indices and padding).
+const HDR: usize = 64;
+/// Slots of a one-page netif ring.
+const SLOTS: usize = 256;
+
+/// A raw front end over one vif.
+#[derive(Debug)]
+pub struct RawFront {
+    /// The guest.
+    pub dom: Arc<Domain>,
+    /// Its TX ring page.
+    pub tx: Gfn,
+    /// Its RX ring page.
+    pub rx: Gfn,
+    /// A page of data, granted read-only.
+    pub data: Gfn,
+    /// The data page's grant.
+    pub data_ref: u32,
+    /// The channel it published.
+    pub port: Port,
+    /// Grants it made (ring and data pages, RX buffers), with their pages.
+    grants: Vec<(GrantRef, Gfn)>,
+}
+
+fn oom() -> XenbusError {
+    XenbusError::BadKey("out of pages, references or ports".into())
+}
+
+impl RawFront {
+    /// Publishes three fresh pages (two rings, a read-only data page) granted to `be`
+    /// and a channel in vif `handle`'s front-end directory, and moves to `Connected`.
+    pub fn publish(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        be: DomId,
+        handle: u32,
+    ) -> Result<RawFront, XenbusError> {
+        let store = hv.store();
+        let gt = dom.grant_table();
+        let mut grants: Vec<(GrantRef, Gfn)> = Vec::with_capacity(3);
+        let mut port = None;
+        let r = (|| {
+            for ro in [false, false, true] {
+                let g = dom.alloc_page().map_err(|_| oom())?;
+                let Some(r) = gt.alloc_ref() else {
+                    let _ = dom.free_page(g);
+                    return Err(oom());
+                };
+                grants.push((r, g));
+                gt.grant_access(r, be, g, ro).map_err(|_| oom())?;
+            }
+            let p = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
+            port = Some(p);
+            let dir = xenbus::frontend_dir(dom.id(), handle);
+            if store.xenbus_state(dom.id(), &dir) == XenbusState::Closed {
+                store.switch_state(dom.id(), &dir, XenbusState::Initialising)?;
+            }
+            for (k, v) in [
+                ("tx-ring-ref", grants[0].0 .0.to_string()),
+                ("rx-ring-ref", grants[1].0 .0.to_string()),
+                ("event-channel", p.0.to_string()),
+                ("request-rx-copy", "1".into()),
+                ("feature-sg", "1".into()),
+            ] {
+                store.write(dom.id(), &format!("{dir}/{k}"), &v)?;
+            }
+            store.switch_state(dom.id(), &dir, XenbusState::Connected)?;
+            Ok(p)
+        })();
+        match r {
+            Ok(port) => Ok(RawFront {
+                dom: Arc::clone(dom),
+                tx: grants[0].1,
+                rx: grants[1].1,
+                data: grants[2].1,
+                data_ref: grants[2].0 .0,
+                port,
+                grants,
+            }),
+            Err(e) => {
+                // Nothing was published: give back what was taken.
+                for (r, g) in grants {
+                    gt.end_access_deferred(r, Some(g));
+                }
+                if let Some(p) = port {
+                    let _ = hv.evtchn_close(dom, p);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives back what it published, as far as the back end lets go: every grant it
+    /// can end (its page freed), the channel closed, the directory `Closed`. Returns
+    /// how many grants a back end still held (their pages stay out of use).
+    pub fn close(self, hv: &Hypervisor, handle: u32) -> usize {
+        let gt = self.dom.grant_table();
+        let mut held = 0;
+        for &(r, g) in &self.grants {
+            if !gt.end_access_deferred(r, Some(g)) {
+                held += 1;
+            }
+        }
+        let _ = hv.evtchn_close(&self.dom, self.port);
+        let dir = xenbus::frontend_dir(self.dom.id(), handle);
+        let store = hv.store();
+        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closing);
+        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closed);
+        held
+    }
+
+    /// Writes TX request `i` (not yet published).
+    pub fn put(&self, i: u32, r: TxRequest) {
+        let _ = self.dom.write(
+            self.tx,
+            HDR + (i as usize % SLOTS) * 12,
+            bytemuck::bytes_of(&r),
+        );
+    }
+
+    /// Publishes `prod` as the TX ring's request producer.
+    pub fn publish_tx(&self, prod: u32) {
+        let _ = self.dom.write(self.tx, 0, &prod.to_le_bytes());
+    }
+
+    /// Writes RX request `i` (a buffer) and publishes `prod`.
+    pub fn post_rx(&self, i: u32, r: RxRequest, prod: u32) {
+        let _ = self.dom.write(
+            self.rx,
+            HDR + (i as usize % SLOTS) * 8,
+            bytemuck::bytes_of(&r),
+        );
+        let _ = self.dom.write(self.rx, 0, &prod.to_le_bytes());
+    }
+
+    /// A 32-bit word of a ring's header (`req_prod` 0, `req_event` 4, `rsp_prod` 8).
+    pub fn word(&self, ring: Gfn, at: usize) -> u32 {
+        let mut b = [0u8; 4];
+        let _ = self.dom.read(ring, at, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    /// TX response `i`.
+    pub fn tx_response(&self, i: u32) -> TxResponse {
+        let mut b = [0u8; 4];
+        let _ = self
+            .dom
+            .read(self.tx, HDR + (i as usize % SLOTS) * 12, &mut b);
+        bytemuck::pod_read_unaligned(&b)
+    }
+
+    /// RX response `i`.
+    pub fn rx_response(&self, i: u32) -> RxResponse {
+        let mut b = [0u8; 8];
+        let _ = self
+            .dom
+            .read(self.rx, HDR + (i as usize % SLOTS) * 8, &mut b);
+        bytemuck::pod_read_unaligned(&b)
+    }
+
+    /// A fresh page granted writable to `be` (an RX buffer); its reference.
+    pub fn rx_buffer(&mut self, be: DomId) -> Option<u32> {
+        let gt = self.dom.grant_table();
+        let g = self.dom.alloc_page().ok()?;
+        let Some(r) = gt.alloc_ref() else {
+            let _ = self.dom.free_page(g);
+            return None;
+        };
+        gt.grant_access(r, be, g, false).ok()?;
+        self.grants.push((r, g));
+        Some(r.0)
+    }
+}
