@@ -1,7 +1,7 @@
 //! A hostile guest's kernel: a raw front end that, every millisecond, writes a burst of
 //! garbage into its vif's rings and kicks the back end — TX chains with grants of every
 //! kind (its own read-only page, a writable one, a revoked one, references it never
-//! issued) and sizes that do not add up, and now and then (one burst in 512) a protocol
+//! issued) and sizes that do not add up, and now and then (one burst in 16384) a protocol
 //! break: bad flags, slots across their page, a producer moved backwards or far ahead
 //! (netback disables the vif); RX buffers with the same grants. It never reads an
 //! answer.
@@ -160,7 +160,7 @@ impl HostileGuest {
         // Mostly garbage netback answers and counts, so that the vif stays up and the
         // garbage keeps coming; now and then a protocol break (netback then disables
         // the vif until the guest reconnects to a new back end).
-        let fatal = self.below(512) == 0;
+        let fatal = self.below(16384) == 0;
         let mut i = c.tx_prod;
         for _ in 0..self.below(8) {
             for r in self.chain(&c, fatal) {

@@ -168,12 +168,13 @@ fn report(
     r.setup = format!(
         "pv machine: one guest receiving {RATE} frames/s of 1000-byte UDP messages (every \
          byte checked) and {} hostile guests writing a burst of garbage into their vifs' \
-         rings every {:?}, for {:?}; the driver domain restarted every {:?}; the watchdog \
+         rings every {:?}, for {:?}; the driver domain restarted {}; the watchdog \
          running with a stall limit of {STALL:?}.",
         plan.hostile,
         kernel::hostile::BURST_EVERY,
         plan.duration,
         plan.restart_every
+            .map_or("only by the watchdog".into(), |d| format!("every {d:?}"))
     );
     r.config = serde_json::json!({
         "seconds": plan.duration.as_secs_f64(), "hostile": plan.hostile,
