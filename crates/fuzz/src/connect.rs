@@ -20,9 +20,9 @@
 //! Oracle: once netfront is closed the guest has every buffer, page, grant reference
 //! and channel back; once the vif is disconnected and the guest destroyed, the driver
 //! domain has every buffer, page, mapping and port back and no frame of the guest is
-//! held; a fresh handshake between a fresh guest and the driver domain succeeds and
-//! carries a packet (so nothing a case left behind blocks the next vif); and the
-//! well-behaved guest still sends.
+//! held; a second well-behaved guest then connects at the same vif index, carries a
+//! packet each way and gives everything back on both sides (so nothing a case left
+//! behind blocks the next vif); and the first well-behaved guest still sends.
 
 use std::sync::Arc;
 
@@ -140,15 +140,24 @@ impl Raw {
 /// One case.
 pub fn case(inp: &mut Input<'_>) {
     WORLD.with_borrow_mut(|slot| {
-        let (w, good) = slot.get_or_insert_with(world);
+        let (w, good, next) = slot.get_or_insert_with(|| {
+            let (w, good) = world();
+            let g = guest(&w.hv);
+            let pool = SkbPool::new(Arc::clone(&g), 32, 48).expect("pool");
+            (w, good, (g, pool))
+        });
         handshakes(w, inp);
-        fresh_vif_works(w);
+        next_vif_works(w, next);
         good_sends(w, good);
     });
 }
 
+/// A second well-behaved guest, which takes the hostile guest's vif index after every
+/// case.
+type Next = (Arc<Domain>, SkbPool);
+
 thread_local! {
-    static WORLD: std::cell::RefCell<Option<(World, Good)>> =
+    static WORLD: std::cell::RefCell<Option<(World, Good, Next)>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -346,28 +355,39 @@ fn handshakes(w: &mut World, inp: &mut Input<'_>) {
     assert_eq!(w.hv.reap(), 0, "no frame of the guest is held");
 }
 
-/// A fresh guest connects at the same vif index and carries a packet each way.
-fn fresh_vif_works(w: &mut World) {
+/// Another guest connects at the same vif index and carries a packet each way, then
+/// disconnects and gives back everything on both sides.
+fn next_vif_works(w: &mut World, (g, gpool): &mut Next) {
     let base = drv_counts(w);
-    let g = guest(&w.hv);
-    let id = g.id();
-    let mut gpool = SkbPool::new(Arc::clone(&g), 32, 48).expect("pool");
-    let (f, v) = toolstack::plug_vif(&w.hv, &w.drv, &g, SPEC).expect("a fresh vif connects");
+    let gbase = (
+        gpool.free_buffers(),
+        gpool.free_pages(),
+        g.grant_table().refs_free(),
+        w.hv.evtchn_open_ports(g),
+    );
+    let (f, v) = toolstack::plug_vif(&w.hv, &w.drv, g, SPEC).expect("the next vif connects");
     let (mut front, mut vif) = (Some(f), Some(v));
     // A packet out before the RX ring takes the small pool's pages, then one in.
-    traffic(w, &mut gpool, &mut front, &mut None);
-    front.as_mut().expect("front").refill_rx(&mut gpool);
-    traffic(w, &mut gpool, &mut None, &mut vif);
-    traffic(w, &mut gpool, &mut front, &mut None);
+    traffic(w, gpool, &mut front, &mut None);
+    front.as_mut().expect("front").refill_rx(gpool);
+    traffic(w, gpool, &mut None, &mut vif);
+    traffic(w, gpool, &mut front, &mut None);
     let vif = vif.expect("vif");
     assert_eq!(vif.stats().tx_packets, 1, "its packet crosses");
     assert_eq!(vif.stats().rx_packets, 1, "and one comes back");
     assert_eq!(front.as_ref().expect("front").stats().rx_packets, 1);
     vif.disconnect(&mut w.pool);
-    front.expect("front").close(&mut gpool);
-    drop((gpool, g));
-    w.hv.destroy_domain(id).expect("destroy");
-    forget(w, id);
-    assert_eq!(drv_counts(w), base, "and gives everything back");
-    assert_eq!(w.hv.reap(), 0);
+    front.expect("front").close(gpool);
+    forget(w, g.id());
+    assert_eq!(drv_counts(w), base, "the driver domain has everything back");
+    assert_eq!(
+        (
+            gpool.free_buffers(),
+            gpool.free_pages(),
+            g.grant_table().refs_free(),
+            w.hv.evtchn_open_ports(g),
+        ),
+        gbase,
+        "and so has the guest"
+    );
 }
