@@ -329,6 +329,7 @@ fn handshakes(w: &mut World, inp: &mut Input<'_>) {
         0,
         "no grant is still held"
     );
+    assert_eq!(gpool.retry_deferred(), 0, "no buffer is still held");
     for p in raw.ports {
         let _ = w.hv.evtchn_close(&g, p);
     }

@@ -12,7 +12,10 @@ fn cases(default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-fn run(name: &str, default: u64, f: fn(&mut Input<'_>)) {
+/// A fuzz target's case function.
+type Case = fn(&mut Input<'_>);
+
+fn run(name: &str, default: u64, f: Case) {
     let base = std::env::var("PVIO_FUZZ_SEED")
         .ok()
         .and_then(|v| u64::from_str_radix(v.trim_start_matches("0x"), 16).ok())
@@ -59,4 +62,32 @@ fn hostile_back_ends_leave_the_guest_whole() {
 #[test]
 fn odd_store_values_in_either_direction_leave_both_ends_whole() {
     run("connect", 150, pvio_fuzz::connect::case);
+}
+
+/// Every input libFuzzer found failing, kept in `regressions/<target>/` under a name
+/// that says what it found, replays clean.
+#[test]
+fn every_saved_finding_replays_clean() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
+    let targets: [(&str, Case); 6] = [
+        ("reasm", pvio_fuzz::reasm::case),
+        ("store", pvio_fuzz::store::case),
+        ("hypercalls", pvio_fuzz::hypercalls::case),
+        ("netback", pvio_fuzz::netback::case),
+        ("netfront", pvio_fuzz::netfront::case),
+        ("connect", pvio_fuzz::connect::case),
+    ];
+    let mut replayed = 0;
+    for (name, f) in targets {
+        let Ok(entries) = std::fs::read_dir(dir.join(name)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let bytes = std::fs::read(e.path()).expect("read");
+            let r = std::panic::catch_unwind(|| f(&mut Input::from_bytes(&bytes)));
+            assert!(r.is_ok(), "{name}: {} fails again", e.path().display());
+            replayed += 1;
+        }
+    }
+    assert!(replayed > 0, "the saved findings are where this test looks");
 }

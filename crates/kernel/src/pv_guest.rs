@@ -74,6 +74,8 @@ impl Kernel for PvGuest {
         } = self;
         // The back end may have gone or come back (a store watch woke the vCPU).
         let link = front.check_backend(pool);
+        // Buffers a back end held when they were revoked come back once it lets go.
+        pool.retry_deferred();
         let mut w = Work {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now)),
             tx: usize::from(link != LinkChange::None),
@@ -150,6 +152,8 @@ impl Kernel for TapGuest {
             tx_dropped,
         } = self;
         let link = front.check_backend(pool);
+        // Buffers a back end held when they were revoked come back once it lets go.
+        pool.retry_deferred();
         let mut w = Work {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| {
                 let len = pool.len(skb).min(scratch.len());

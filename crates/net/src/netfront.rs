@@ -35,7 +35,7 @@ use crate::netif::{
     NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RING_IDS,
     XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
-use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
+use crate::skb::{Frag, FragPage, Held, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
 
 /// Bytes netfront copies from the first fragment into the linear area.
@@ -598,14 +598,35 @@ impl Netfront {
     }
 
     /// Removes the interface (`xennet_remove`): disconnects, frees the packets kept for
-    /// sending again, and gives back every grant reference it owns. A reference whose
-    /// grant a back end still maps stays allocated, with its page out of use.
+    /// sending again, and gives back every grant reference it owns. A buffer whose
+    /// grant a back end still maps is left to the pool's deferred list
+    /// ([`SkbPool::defer_release`]) with its reference, and comes back when the back end
+    /// lets go.
     pub fn close(mut self, pool: &mut SkbPool) {
         self.disconnect(pool);
         for s in self.resend.drain(..) {
             pool.free(s);
         }
+        // Every reference no back end maps goes back now; the rest below.
         self.forget();
+        // RX buffers whose grant is still mapped, one by one.
+        for b in self.rx_bufs.iter_mut() {
+            if let Some(g) = b.gfn.take() {
+                let held = b.skb.take().map_or(Held::Page(g), Held::Skb);
+                pool.defer_release(vec![b.gref], vec![held]);
+            }
+        }
+        // TX slots still mapped, with the packets they pin: together, since a packet
+        // may span several.
+        let held: Vec<GrantRef> = self
+            .tx_bufs
+            .iter_mut()
+            .filter_map(|b| std::mem::take(&mut b.held).then_some(b.gref))
+            .collect();
+        let pinned: Vec<Held> = self.tx_pinned_skbs.drain(..).map(Held::Skb).collect();
+        if !held.is_empty() || !pinned.is_empty() {
+            pool.defer_release(held, pinned);
+        }
     }
 
     /// Gives back every grant reference no back end still maps, and the watches.

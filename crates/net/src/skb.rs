@@ -153,7 +153,25 @@ pub struct SkbPool {
     page_count: usize,
     head_pages: Vec<Gfn>,
     released: Vec<Released>,
+    deferred: Vec<Deferred>,
     stats: PoolStats,
+}
+
+/// What a grant still mapped by a peer keeps out of use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// A fragment page of the pool.
+    Page(Gfn),
+    /// A buffer (with whatever pages it holds).
+    Skb(SkbId),
+}
+
+/// Grants a front end revoked while a peer still mapped them, and what they keep out
+/// of use until every one of them is released.
+#[derive(Debug)]
+struct Deferred {
+    refs: Vec<GrantRef>,
+    held: Vec<Held>,
 }
 
 impl SkbPool {
@@ -196,8 +214,50 @@ impl SkbPool {
             pages: page_list,
             head_pages,
             released: Vec::with_capacity(buffers * MAX_SKB_FRAGS),
+            deferred: Vec::new(),
             stats: PoolStats::default(),
         })
+    }
+
+    /// Keeps `held` out of use until each of `refs` (the domain's grants, revoked
+    /// while a peer mapped them) can be ended; then frees the references and `held`
+    /// ([`Self::retry_deferred`]). A front end removed while its back end still maps its
+    /// buffers leaves them here, as Linux's `gnttab_end_foreign_access` defers the
+    /// page of a grant still in use.
+    pub fn defer_release(&mut self, refs: Vec<GrantRef>, held: Vec<Held>) {
+        self.deferred.push(Deferred { refs, held });
+        self.retry_deferred();
+    }
+
+    /// Tries the deferred grants again; frees each group whose grants all ended.
+    /// Returns how many groups still wait. Cheap when none does.
+    pub fn retry_deferred(&mut self) -> usize {
+        if self.deferred.is_empty() {
+            return 0;
+        }
+        let dom = Arc::clone(&self.dom);
+        let gt = dom.grant_table();
+        let mut done = Vec::new();
+        self.deferred.retain_mut(|d| {
+            d.refs.retain(|&r| {
+                let ended = gt.end_access(r).is_ok();
+                if ended {
+                    gt.free_ref(r);
+                }
+                !ended
+            });
+            if d.refs.is_empty() {
+                done.append(&mut d.held);
+            }
+            !d.refs.is_empty()
+        });
+        for h in done {
+            match h {
+                Held::Page(g) => self.free_page(g),
+                Held::Skb(s) => self.free(s),
+            }
+        }
+        self.deferred.len()
     }
 
     /// The domain whose memory holds the bytes.
