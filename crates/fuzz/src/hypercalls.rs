@@ -41,6 +41,8 @@ struct World {
     calm_port: Port,
     drv_port: Port,
     pat: Vec<u8>,
+    /// Pages of drv's own that it copies to and from, and a frame number it does not have.
+    drv_buffers: [hv::Gfn; 3],
 }
 
 fn cfg(name: &str, driver: bool, version: GrantVersion) -> DomainConfig {
@@ -79,7 +81,13 @@ impl World {
         let calm_port = hv
             .evtchn_bind_interdomain(&calm, drv.id(), drv_port)
             .expect("bind");
+        let drv_buffers = [
+            drv.alloc_page().expect("page"),
+            drv.alloc_page().expect("page"),
+            hv::Gfn(1 << 20),
+        ];
         World {
+            drv_buffers,
             hv,
             drv,
             calm,
@@ -199,7 +207,11 @@ pub fn case(inp: &mut Input<'_>) {
                 }
             }
             7 => {
-                let caller = if inp.coin() { drv } else { &evil };
+                // evil copies to and from any of its own frames (its shared info and
+                // grant table included: it only harms itself); drv, a back end acting
+                // for evil, between evil's grants and its own buffers.
+                let as_drv = inp.coin();
+                let caller = if as_drv { drv } else { &evil };
                 let n = 1 + inp.below(4) as usize;
                 let ptr = |inp: &mut Input<'_>| {
                     let offset = inp.pick(&[0u16, 1, 100, 4095, 4096, u16::MAX]);
@@ -211,7 +223,11 @@ pub fn case(inp: &mut Input<'_>) {
                         }
                     } else {
                         CopyPtr::Local {
-                            gfn: hv::Gfn(inp.below(80) as u32),
+                            gfn: if as_drv {
+                                inp.pick(&w.drv_buffers)
+                            } else {
+                                hv::Gfn(inp.below(80) as u32)
+                            },
                             offset,
                         }
                     }
