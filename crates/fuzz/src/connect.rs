@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use hv::store::Perm;
-use hv::{DomId, Domain, DomainConfig, GrantRef, GrantVersion, Hypervisor, Port};
+use hv::{DomId, Domain, GrantRef, Hypervisor, Port};
 use net::netback::Vif;
 use net::netfront::{Netfront, RxBuffers};
 use net::skb::{SkbPool, NET_SKB_PAD};
@@ -87,18 +87,10 @@ const ODD: [&str; 22] = [
     "1\n",
 ];
 
+/// A guest with enough pages for a pool that posts part of the RX ring (netfront posts
+/// what it has).
 fn guest(hv: &Arc<Hypervisor>) -> Arc<Domain> {
-    hv.create_domain(&DomainConfig {
-        name: "hand".into(),
-        // Enough for a pool that posts part of the RX ring: netfront posts what it has.
-        pages: 128,
-        grant_frames: 4,
-        grant_version: GrantVersion::V2,
-        vcpus: 1,
-        map_slots: 4,
-        driver_domain: false,
-    })
-    .expect("guest")
+    crate::netback::guest(hv, "hand", 128)
 }
 
 /// What the guest published by hand: two ring pages and a data page granted to the

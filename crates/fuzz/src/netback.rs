@@ -43,10 +43,11 @@ pub(crate) struct World {
     pub(crate) pool: SkbPool,
 }
 
-fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
+/// A guest of `pages` pages (v2 grants, four grant frames, one vCPU).
+pub fn guest(hv: &Arc<Hypervisor>, name: &str, pages: u32) -> Arc<Domain> {
     hv.create_domain(&DomainConfig {
         name: name.into(),
-        pages: 256,
+        pages,
         grant_frames: 4,
         grant_version: GrantVersion::V2,
         vcpus: 1,
@@ -129,7 +130,7 @@ pub(crate) fn world() -> (World, Good) {
         .expect("drv");
     let pool = SkbPool::new(Arc::clone(&drv), 192, 16).expect("pool");
     let mut w = World { hv, drv, pool };
-    let gd = guest(&w.hv, "good");
+    let gd = guest(&w.hv, "good", 256);
     let spec = VifSpec {
         handle: 0,
         mac: [2, 0, 0, 0, 0, 7],
@@ -152,7 +153,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         w.hv.mappings_held(&w.drv),
         w.hv.evtchn_open_ports(&w.drv),
     );
-    let evil = guest(&w.hv, "fuzz");
+    let evil = guest(&w.hv, "fuzz", 256);
     let mut raw = connect_raw(&w.hv, &evil, &w.drv);
     let gt = evil.grant_table();
     // Grants of every kind: read-only data, writable, revoked, never issued.

@@ -56,16 +56,7 @@ fn world() -> World {
 }
 
 fn guest(hv: &Arc<Hypervisor>, name: &str) -> Arc<Domain> {
-    hv.create_domain(&DomainConfig {
-        name: name.into(),
-        pages: 1024,
-        grant_frames: 4,
-        grant_version: GrantVersion::V2,
-        vcpus: 1,
-        map_slots: 4,
-        driver_domain: false,
-    })
-    .expect("guest")
+    pvio_fuzz::netback::guest(hv, name, 1024)
 }
 
 /// A well-behaved guest's vif, index 1 (window slots from VIF_WINDOW_SLOTS on).

@@ -119,6 +119,11 @@ impl Report {
         });
     }
 
+    /// Adds a check that a count is zero.
+    pub fn check_none(&mut self, what: &str, count: u64, unit: &str) {
+        self.check(what, count as f64, unit, "= 0", count == 0);
+    }
+
     /// The human table: columns sized to their contents.
     pub fn table(&self) -> String {
         let mut out = String::new();

@@ -31,6 +31,20 @@ const SPEC: VifSpec = VifSpec {
     index: 0,
 };
 
+/// A hypervisor with a guest and a driver domain, and a small pool for each.
+fn pair() -> (Arc<Hypervisor>, Arc<Domain>, Arc<Domain>, SkbPool, SkbPool) {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    (hv, guest, drv, gpool, dpool)
+}
+
 fn packet(i: u8, len: usize) -> Vec<u8> {
     (0..len).map(|k| (k as u8).wrapping_mul(13) ^ i).collect()
 }
@@ -191,13 +205,7 @@ fn a_front_end_waits_disconnected_until_a_back_end_is_offered() {
 /// ran out of references.
 #[test]
 fn a_handshake_that_fails_gives_back_its_grant_references() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
+    let (hv, guest, drv, mut gpool, mut dpool) = pair();
     let free = guest.grant_table().refs_free();
     // The toolstack wrote both directories, but the back end has not probed.
     net::xenbus::create_vif(hv.store(), drv.id(), guest.id(), 0, SPEC.mac).expect("vif");
@@ -215,8 +223,6 @@ fn a_handshake_that_fails_gives_back_its_grant_references() {
     let front = net::netfront::Netfront::connect(&hv, &guest, 0).expect("connects");
     let vif = toolstack::connect_backend(&hv, &drv, &guest, SPEC).expect("back end");
     assert!(front.is_connected());
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
-    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
     vif.disconnect(&mut dpool);
     front.close(&mut gpool);
     assert_eq!(guest.grant_table().refs_free(), free);
@@ -227,15 +233,7 @@ fn a_handshake_that_fails_gives_back_its_grant_references() {
 /// the grant table's deferred list and go back once the back end lets go.
 #[test]
 fn rings_a_back_end_still_maps_go_back_when_it_lets_go() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
-    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    let (hv, guest, drv, mut gpool, mut dpool) = pair();
     let (refs, pages) = (guest.grant_table().refs_free(), guest.free_page_count());
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, SPEC).expect("plug");
     front.close(&mut gpool);
@@ -262,15 +260,7 @@ fn rings_a_back_end_still_maps_go_back_when_it_lets_go() {
 /// back end was about to map, and the restart failed or stalled.
 #[test]
 fn a_front_end_waits_for_its_back_end_to_bind_before_calling_it_gone() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
-    let mut dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
+    let (hv, guest, drv, mut gpool, mut dpool) = pair();
     toolstack::offer_vif(&hv, &drv, &guest, SPEC).expect("offer");
     let mut front = net::netfront::Netfront::connect(&hv, &guest, 0).expect("front");
     // The back end writes to its directory before it connects: the front end's watch
@@ -299,14 +289,7 @@ fn a_front_end_waits_for_its_back_end_to_bind_before_calling_it_gone() {
 /// pages. The reaper now unmaps them once the dead kernel lets go.
 #[test]
 fn rings_a_destroyed_driver_domain_held_open_are_unmapped_once_it_lets_go() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
+    let (hv, guest, drv, mut gpool, _) = pair();
     let pages = guest.free_page_count();
     let refs = guest.grant_table().refs_free();
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, SPEC).expect("plug");

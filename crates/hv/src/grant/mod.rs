@@ -457,12 +457,7 @@ impl<'a> GuestGrants<'a> {
         if self.end_access_deferred_now(r, page) {
             return true;
         }
-        self.dom
-            .grant
-            .deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((r, page));
+        self.deferred_list().push((r, page));
         self.dom.grant.deferred_len.fetch_add(1, Ordering::Release);
         false
     }
@@ -474,12 +469,7 @@ impl<'a> GuestGrants<'a> {
         if self.dom.grant.deferred_len.load(Ordering::Acquire) == 0 {
             return 0;
         }
-        let mut d = self
-            .dom
-            .grant
-            .deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut d = self.deferred_list();
         if d.is_empty() {
             return 0;
         }
@@ -489,12 +479,7 @@ impl<'a> GuestGrants<'a> {
             .into_iter()
             .filter(|&(r, page)| !self.end_access_deferred_now(r, page))
             .collect();
-        let mut d = self
-            .dom
-            .grant
-            .deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut d = self.deferred_list();
         d.extend(still);
         self.dom
             .grant
@@ -506,6 +491,14 @@ impl<'a> GuestGrants<'a> {
     /// Grants waiting in the deferred list.
     pub fn deferred(&self) -> usize {
         self.dom.grant.deferred_len.load(Ordering::Acquire)
+    }
+
+    fn deferred_list(&self) -> std::sync::MutexGuard<'_, Vec<(GrantRef, Option<Gfn>)>> {
+        self.dom
+            .grant
+            .deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     fn end_access_deferred_now(&self, r: GrantRef, page: Option<Gfn>) -> bool {
