@@ -145,6 +145,8 @@ pub enum EvtchnError {
 #[derive(Debug)]
 pub struct EventChannels {
     ports: Box<[AtomicU64]>,
+    /// Ports not free, kept as they change (a teardown check reads it, not a scan).
+    open: std::sync::atomic::AtomicUsize,
     /// Serialises allocation and binding changes (Xen's per-domain event lock); `send`
     /// reads the port words without it.
     lock: Mutex<()>,
@@ -154,6 +156,7 @@ impl EventChannels {
     pub(crate) fn new() -> Self {
         Self {
             ports: (0..NR_EVENT_CHANNELS).map(|_| AtomicU64::new(0)).collect(),
+            open: std::sync::atomic::AtomicUsize::new(0),
             lock: Mutex::new(()),
         }
     }
@@ -184,8 +187,19 @@ impl EventChannels {
 
     fn set(&self, port: Port, s: ChannelState, vcpu: u32) {
         if let Ok(w) = self.word(port) {
-            w.store(s.encode(vcpu), Ordering::Release);
+            let was_free = w.swap(s.encode(vcpu), Ordering::AcqRel) & 7 == ST_FREE;
+            let is_free = matches!(s, ChannelState::Free);
+            match (was_free, is_free) {
+                (true, false) => self.open.fetch_add(1, Ordering::Relaxed),
+                (false, true) => self.open.fetch_sub(1, Ordering::Relaxed),
+                _ => 0,
+            };
         }
+    }
+
+    /// How many ports are not free ([`Self::open_ports`] counted, without the scan).
+    pub(crate) fn open_count(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
     }
 
     /// First free port (port 0 is never used, as in Xen). Caller holds `lock`.
@@ -455,7 +469,7 @@ impl Hypervisor {
     /// Ports of `dom` that are not free (any binding, or allocated unbound): what a
     /// teardown must bring back to zero.
     pub fn evtchn_open_ports(&self, dom: &Domain) -> usize {
-        dom.evtchn.open_ports().count()
+        dom.evtchn.open_count()
     }
 
     /// `EVTCHNOP_bind_vcpu`: which vCPU a port notifies.

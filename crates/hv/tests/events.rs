@@ -388,3 +388,37 @@ fn a_kick_wakes_a_blocked_vcpu_without_an_event() {
     hv.kick_vcpu(&b, 0);
     h.join().expect("stopped");
 }
+
+/// The count of open ports a teardown check reads follows every way a port opens and
+/// closes, on both ends: offered, bound, closed from either side, a virtual interrupt.
+#[test]
+fn the_open_port_count_follows_every_binding_and_close() {
+    let (hv, a, b) = two_domains();
+    let scan = |d: &Domain| {
+        (1..NR_EVENT_CHANNELS)
+            .filter(|&p| !matches!(d.evtchn_state(Port(p)), Ok(ChannelState::Free)))
+            .count()
+    };
+    let check = |what: &str| {
+        for d in [&a, &b] {
+            assert_eq!(hv.evtchn_open_ports(d), scan(d), "{what}");
+        }
+    };
+    check("none");
+    let (pa, pb) = connect(&hv, &a, &b);
+    check("bound");
+    let (qa, _qb) = connect(&hv, &a, &b);
+    let offered = hv.evtchn_alloc_unbound(&a, b.id()).expect("offer");
+    check("offered");
+    hv.evtchn_close(&a, pa).expect("close");
+    check("closed at one end (the other goes unbound)");
+    hv.evtchn_close(&b, pb).expect("close");
+    check("closed at the other");
+    hv.evtchn_close(&b, qa).ok();
+    hv.evtchn_close(&a, qa).expect("close");
+    hv.evtchn_close(&a, offered).expect("close");
+    check("closed");
+    hv.bind_virq(&a, Virq::Timer, 0).expect("virq");
+    check("virq");
+    assert_eq!(hv.evtchn_open_ports(&a), 1);
+}
