@@ -79,16 +79,27 @@ pub(crate) type Good = (Netfront, Vif, SkbPool);
 
 /// The good guest sends a packet and it crosses.
 pub(crate) fn good_sends(w: &mut World, (front, vif, gpool): &mut Good) {
+    good_sends_through(&mut w.pool, front, vif, gpool);
+}
+
+/// A well-behaved guest sends a packet from `gpool` through `vif` (the driver domain's
+/// pool `dpool`): it crosses, and the vif is still up.
+pub fn good_sends_through(
+    dpool: &mut SkbPool,
+    front: &mut Netfront,
+    vif: &mut Vif,
+    gpool: &mut SkbPool,
+) {
     front.poll_tx(gpool);
     let s = gpool.alloc(NET_SKB_PAD).expect("skb");
     gpool.put(s, &[0x5a; 100]).expect("put");
     front.xmit(gpool, s).expect("room");
     let mut got = 0;
-    vif.tx_action(&mut w.pool, 64, |p, s| {
+    vif.tx_action(dpool, 64, |p, s| {
         got += 1;
         p.free(s)
     });
-    release(&mut w.pool, vif);
+    release(dpool, vif);
     assert_eq!(got, 1, "the good vif is unaffected");
     assert_eq!(vif.disabled(), None);
 }
