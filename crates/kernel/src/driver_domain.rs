@@ -87,22 +87,46 @@ pub struct DriverDomain {
     flood_copy_failures: u64,
 }
 
+/// The driver domain's switches: paper 000's original driver domain by default, and
+/// the software optimisations of its §3.4 and §4 one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DriverConfig {
+    /// The bridge's netfilter hooks (§3.4.2: 1550 cycles a packet in the paper).
+    pub netfilter: bool,
+    /// netback's guest-RX copies start at the source's offset in its cache line
+    /// (§3.4.1, Figure 4).
+    pub aligned_copies: bool,
+}
+
+impl Default for DriverConfig {
+    /// The original: netfilter hooks on, copies to the start of the guest's page.
+    fn default() -> Self {
+        Self {
+            netfilter: true,
+            aligned_copies: false,
+        }
+    }
+}
+
 impl DriverDomain {
     /// Probes the NIC behind `regs` (its interrupt on `pirq`) and puts `vifs` on a bridge
     /// with the NIC, each vif with the MAC the toolstack gave it (the only one it may
-    /// send from). `netfilter`: the bridge's netfilter hooks.
+    /// send from), with the bridge and netback set as `config` says.
     pub fn new(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         regs: &Arc<NicRegs>,
         pirq: Port,
-        netfilter: bool,
-        vifs: Vec<(Vif, [u8; 6])>,
+        config: DriverConfig,
+        mut vifs: Vec<(Vif, [u8; 6])>,
         fault: FaultSwitch,
     ) -> Result<Self, BuildError> {
         let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
         let nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
-        let mut bridge = Bridge::new(vifs.len() as u16 + 1, netfilter);
+        let mut bridge = Bridge::new(vifs.len() as u16 + 1, config.netfilter);
+        for (vif, _) in &mut vifs {
+            vif.set_aligned_copies(config.aligned_copies);
+        }
         for (i, (_, mac)) in vifs.iter().enumerate() {
             bridge.attach_vif(vif_port(i), *mac);
         }

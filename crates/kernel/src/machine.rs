@@ -32,7 +32,7 @@ use net::skb::SkbPool;
 use net::toolstack::{self, VifSpec};
 
 use crate::app::AppSpec;
-use crate::driver_domain::{DriverDomain, Fault, FaultSwitch};
+use crate::driver_domain::{DriverConfig, DriverDomain, Fault, FaultSwitch};
 use crate::hostile::HostileGuest;
 use crate::native::NicKernel;
 use crate::pv_guest::{guest_pool, PvGuest, TapGuest};
@@ -91,8 +91,8 @@ pub enum Layout {
     Direct(AppSpec),
     /// A driver domain and paravirtual guests.
     DriverDomain {
-        /// The bridge's netfilter hooks.
-        netfilter: bool,
+        /// The bridge's and netback's switches.
+        driver: DriverConfig,
         /// The guests, one vif each.
         guests: Vec<GuestSpec>,
     },
@@ -129,7 +129,7 @@ pub enum Role {
 #[derive(Debug)]
 struct DriverPlan {
     dom: Arc<Domain>,
-    netfilter: bool,
+    config: DriverConfig,
     slots: u32,
     guests: Vec<(Arc<Domain>, VifSpec)>,
     fault: FaultSwitch,
@@ -276,7 +276,7 @@ impl Machine {
                 m.nic = Some(nic);
                 m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
             }
-            Layout::DriverDomain { netfilter, guests } => {
+            Layout::DriverDomain { driver, guests } => {
                 let slots = toolstack::window_slots(guests.len()) + 4;
                 let drv = mk(&hv, "driver", true, slots)?;
                 let doms = guests
@@ -318,10 +318,10 @@ impl Machine {
                 }
                 let fault = FaultSwitch::default();
                 let k =
-                    DriverDomain::new(&hv, &drv, nic.regs(), pirq, netfilter, vifs, fault.clone())?;
+                    DriverDomain::new(&hv, &drv, nic.regs(), pirq, driver, vifs, fault.clone())?;
                 m.driver = Some(DriverPlan {
                     dom: Arc::clone(&drv),
-                    netfilter,
+                    config: driver,
                     slots,
                     guests: plan,
                     fault,
@@ -508,7 +508,7 @@ impl Machine {
             vifs.push((vif, vs.mac));
         }
         d.fault.inject(Fault::None);
-        let k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.netfilter, vifs, d.fault.clone())?;
+        let k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.config, vifs, d.fault.clone())?;
         let at = VcpuStart {
             vcpu: 0,
             core: core(0),

@@ -9,6 +9,7 @@ use dev::nic::Coalesce;
 use dev::wire::{CountingSink, WireSource};
 use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
+use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
 use net::netfront::RxBuffers;
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
@@ -126,7 +127,7 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
     let m = Machine::start(spec(
         wire,
         Layout::DriverDomain {
-            netfilter: true,
+            driver: DriverConfig::default(),
             guests,
         },
     ))
@@ -166,7 +167,10 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
             "native" => Layout::Native(a),
             "direct" => Layout::Direct(a),
             _ => Layout::DriverDomain {
-                netfilter: false,
+                driver: DriverConfig {
+                    netfilter: false,
+                    ..DriverConfig::default()
+                },
                 guests: vec![GuestSpec {
                     name: "guest".into(),
                     mac: f.dst_mac,
@@ -207,7 +211,10 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
     let m = Machine::start(spec(
         frames,
         Layout::DriverDomain {
-            netfilter: false,
+            driver: DriverConfig {
+                netfilter: false,
+                ..DriverConfig::default()
+            },
             guests,
         },
     ))
@@ -276,7 +283,10 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
         ..spec(
             Vec::new(),
             Layout::DriverDomain {
-                netfilter: false,
+                driver: DriverConfig {
+                    netfilter: false,
+                    ..DriverConfig::default()
+                },
                 guests: vec![GuestSpec {
                     name: "guest".into(),
                     mac: f.dst_mac,

@@ -132,6 +132,40 @@ macro_rules! counter_set {
     };
 }
 
+/// How a copy's source and destination line up, the classes of paper 000's Figure 4:
+/// the same offset within a cache line, the same offset within a 64-bit word only, or
+/// neither. Copies are counted in bytes per class, so a long misaligned copy weighs
+/// more than a short one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyAlign {
+    /// Source and destination at the same offset in a 64-byte cache line.
+    Line,
+    /// At the same offset in an 8-byte word, different ones in a cache line.
+    Word,
+    /// At different offsets in a word.
+    Unaligned,
+}
+
+impl CopyAlign {
+    /// Every class, in counter order.
+    pub const ALL: [CopyAlign; 3] = [CopyAlign::Line, CopyAlign::Word, CopyAlign::Unaligned];
+
+    /// The class of a copy from byte offset `src` to byte offset `dst` (in pages, or any
+    /// frame of reference aligned to a cache line).
+    #[inline]
+    pub fn of(src: usize, dst: usize) -> Self {
+        let rel = dst.wrapping_sub(src) & 63;
+        if rel == 0 {
+            CopyAlign::Line
+        } else if rel & 7 == 0 {
+            CopyAlign::Word
+        } else {
+            CopyAlign::Unaligned
+        }
+    }
+}
+crate::reason!(CopyAlign);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +212,18 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_is_classed_by_its_relative_offset_within_a_cache_line() {
+        // netback's original copy: a frame at 66 (NET_SKB_PAD + NET_IP_ALIGN) to 0.
+        assert_eq!(CopyAlign::of(66, 0), CopyAlign::Unaligned);
+        assert_eq!(CopyAlign::of(66, 2), CopyAlign::Line);
+        assert_eq!(CopyAlign::of(2114, 2), CopyAlign::Line);
+        assert_eq!(CopyAlign::of(64, 8), CopyAlign::Word);
+        assert_eq!(CopyAlign::of(8, 64), CopyAlign::Word);
+        assert_eq!(CopyAlign::of(0, 4096), CopyAlign::Line);
+        assert_eq!(CopyAlign::of(1, 0), CopyAlign::Unaligned);
+    }
+
+    #[test]
     fn every_reason_enum_counts_in_its_declared_order() {
         check_reason_order::<crate::stack::RxDrop>();
         check_reason_order::<crate::reasm::ReasmDrop>();
@@ -185,5 +231,6 @@ mod tests {
         check_reason_order::<crate::netif::TxDrop>();
         check_reason_order::<crate::netif::TxFatal>();
         check_reason_order::<crate::netif::RxError>();
+        check_reason_order::<CopyAlign>();
     }
 }

@@ -28,6 +28,7 @@ use hv::{
 use mem::MappedPage;
 use ring::{BackRing, PageRing};
 
+use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
     read_tx_packet, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse, TxRing,
     TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
@@ -48,6 +49,14 @@ pub const MAX_PENDING: usize = 256;
 pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
+/// Bytes of a cache line: what aligned copies line source and destination up to.
+pub const CACHE_LINE: usize = 64;
+
+/// The guest buffers a packet of `len` bytes fills when the first is filled from
+/// offset `start`: at least one, even for an empty packet.
+pub fn rx_pages(len: usize, start: usize) -> usize {
+    (start + len).div_ceil(PAGE_SIZE).max(1)
+}
 
 type Back<P> = BackRing<P, PageRing<MappedPage>>;
 
@@ -91,6 +100,8 @@ pub struct VifStats {
     pub dropped_disabled: u64,
     /// Notifications sent to the guest.
     pub notifies: u64,
+    /// Bytes of the guest-RX copies built, by how source and destination line up.
+    pub rx_copy_bytes: PerReason<CopyAlign>,
 }
 
 crate::counter_set!(VifStats {
@@ -105,7 +116,8 @@ crate::counter_set!(VifStats {
     tx_no_buffer,
     rx_oversize,
     dropped_disabled,
-    notifies
+    notifies,
+    rx_copy_bytes
 });
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -118,6 +130,8 @@ struct Pending {
 #[derive(Debug, Clone, Copy)]
 struct RxMeta {
     id: u16,
+    /// Where in the buffer's page the bytes start.
+    offset: u16,
     size: u16,
 }
 
@@ -178,14 +192,24 @@ impl RxBatch {
         self.pkts.clear();
     }
 
-    /// Adds a packet: takes one request per page of it from `rx` and fills each
-    /// guest page from offset 0. A packet whose bytes cannot all be walked keeps the
-    /// requests it took, to be answered with errors (no copies).
-    fn add(&mut self, rx: &mut Back<RxRing>, pool: &SkbPool, skb: SkbId, fe: DomId) -> RxBuilt {
+    /// Adds a packet: takes a request from `rx` for each page its bytes fill, the
+    /// first page from offset `start` and each further one from offset 0 (the packet
+    /// needs [`rx_pages`] of them). A packet whose bytes cannot all be walked keeps the
+    /// requests it took, to be answered with errors (no copies). Counts the copies'
+    /// bytes by alignment into `census`.
+    fn add(
+        &mut self,
+        rx: &mut Back<RxRing>,
+        pool: &SkbPool,
+        (skb, start): (SkbId, usize),
+        fe: DomId,
+        census: &mut PerReason<CopyAlign>,
+    ) -> RxBuilt {
         let (first_meta, first_op) = (self.meta.len(), self.copies.len());
         let len = pool.len(skb);
         let mut built = RxBuilt::default();
         let mut page_off = PAGE_SIZE;
+        let mut next_start = start;
         let mut gref = 0u32;
         let (ops, meta) = (&mut self.copies, &mut self.meta);
         let r = pool.walk(skb, 0, len, |seg, _| {
@@ -214,14 +238,16 @@ impl RxBatch {
                         built.broken = true;
                         return Ok(());
                     };
+                    page_off = std::mem::take(&mut next_start);
                     meta.push(RxMeta {
                         id: req.id,
+                        offset: page_off as u16,
                         size: 0,
                     });
                     gref = req.gref;
-                    page_off = 0;
                 }
                 let n = (seg.len - done).min(PAGE_SIZE - page_off);
+                census.add_n(CopyAlign::of(seg.offset + done, page_off), n as u64);
                 ops.push(GrantCopy {
                     source: source(seg.offset + done),
                     dest: CopyPtr::Gref {
@@ -352,6 +378,9 @@ pub struct Vif {
     rx_queue: SkbQueue,
     /// The front end takes packets over several slots (`feature-sg`).
     can_sg: bool,
+    /// Guest-RX copies start at the source's offset in its cache line (paper 000
+    /// §3.4.1) instead of at the start of the guest's page.
+    aligned_copies: bool,
     rxb: RxBatch,
     txb: TxBatch,
     unmaps: Unmaps,
@@ -484,6 +513,7 @@ impl Vif {
             slot_base,
             rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
             can_sg,
+            aligned_copies: false,
             rxb: RxBatch::new(),
             txb: TxBatch::new(),
             unmaps: Unmaps {
@@ -527,6 +557,19 @@ impl Vif {
     pub fn can_sg(&self) -> bool {
         self.can_sg
     }
+
+    /// Turns aligned guest-RX copies on or off (off when connected, the original
+    /// netback): with them on, a packet starts in the guest's buffer at its source's
+    /// offset within a cache line and the response's `offset` says where.
+    pub fn set_aligned_copies(&mut self, on: bool) {
+        self.aligned_copies = on;
+    }
+
+    /// Whether guest-RX copies are aligned.
+    pub fn aligned_copies(&self) -> bool {
+        self.aligned_copies
+    }
+
     /// Packets waiting to be copied to the guest.
     pub fn rx_queued(&self) -> usize {
         self.rx_queue.len()
@@ -605,7 +648,14 @@ impl Vif {
             let Some(skb) = self.rx_queue.peek() else {
                 break;
             };
-            let need = pool.len(skb).div_ceil(PAGE_SIZE).max(1) as u32;
+            // Aligned copies (paper 000 §3.4.1) start the packet in the guest's page at
+            // the source's offset within a cache line, so that both share it.
+            let start = if self.aligned_copies {
+                pool.first_offset(skb) % CACHE_LINE
+            } else {
+                0
+            };
+            let need = rx_pages(pool.len(skb), start) as u32;
             // All the buffers the packet needs, or wait for the guest's next post (the
             // check arms `req_event`). Asking again without an event would get the
             // same answer, so a short ring ends the batch: looping on it was a hang.
@@ -621,7 +671,13 @@ impl Vif {
                 }
             }
             let _ = self.rx_queue.pop(pool);
-            let built = self.rxb.add(&mut self.rx, pool, skb, self.fe);
+            let built = self.rxb.add(
+                &mut self.rx,
+                pool,
+                (skb, start),
+                self.fe,
+                &mut self.stats.rx_copy_bytes,
+            );
             self.stats.rx_from_grants += u64::from(built.foreign);
             if built.broken {
                 self.disable(Disabled::RingBroken);
@@ -669,7 +725,7 @@ impl Vif {
                 // Cannot fail: one response per request taken.
                 let _ = self.rx.push_response(&RxResponse {
                     id: m.id,
-                    offset: 0,
+                    offset: m.offset,
                     flags,
                     status,
                 });

@@ -485,6 +485,16 @@ impl SkbPool {
         let s = self.get(id);
         (s.head, s.head_off as usize + s.data as usize)
     }
+    /// The offset in its page of the packet's first byte: in the head if it has linear
+    /// data, else in the first fragment (0 for a packet with neither, whose bytes, if
+    /// any, are on its fragment list).
+    pub fn first_offset(&self, id: SkbId) -> usize {
+        let s = self.get(id);
+        if s.linear > 0 {
+            return (s.head_off as usize + s.data as usize) % PAGE_SIZE;
+        }
+        self.frags(id).first().map_or(0, |f| f.offset as usize)
+    }
     /// Room left at the end of the head buffer.
     #[inline]
     pub fn tailroom(&self, id: SkbId) -> usize {

@@ -10,7 +10,7 @@
 //! and each socket queue has a byte budget (`SO_RCVBUF`), past which datagrams are
 //! dropped and counted.
 
-use crate::counters::PerReason;
+use crate::counters::{CopyAlign, PerReason};
 use std::time::Duration;
 
 use hv::profile::{enter, Class};
@@ -94,13 +94,16 @@ pub struct StackStats {
     pub drops: PerReason<RxDrop>,
     /// Checksums verified in software (not by the device or the back end).
     pub soft_csums: u64,
+    /// Bytes copied to applications, by how source and destination line up.
+    pub usercopy_bytes: PerReason<CopyAlign>,
 }
 
 crate::counter_set!(StackStats {
     frames,
     datagrams,
     drops,
-    soft_csums
+    soft_csums,
+    usercopy_bytes
 });
 
 impl StackStats {
@@ -339,7 +342,7 @@ impl Stack {
         let len = datagram.min(buf.capacity());
         let r = {
             let _u = enter(Class::UserCopy);
-            copy_to_user(pool, skb, len, buf)
+            copy_to_user(pool, skb, len, buf, &mut self.stats.usercopy_bytes)
         };
         {
             let _m = enter(Class::Mem);
@@ -418,7 +421,13 @@ fn udp_checksum(
 }
 
 /// Copies the first `len` bytes of a buffer into the application's pages.
-fn copy_to_user(pool: &SkbPool, skb: SkbId, len: usize, buf: &UserBuf) -> Result<(), SkbError> {
+fn copy_to_user(
+    pool: &SkbPool,
+    skb: SkbId,
+    len: usize,
+    buf: &UserBuf,
+    census: &mut PerReason<CopyAlign>,
+) -> Result<(), SkbError> {
     let dom = pool.domain();
     pool.walk(skb, 0, len, |seg, at| {
         let SegPage::Own(g) = seg.page else {
@@ -431,6 +440,7 @@ fn copy_to_user(pool: &SkbPool, skb: SkbId, len: usize, buf: &UserBuf) -> Result
             let n = (PAGE_SIZE - o).min(seg.len - done);
             let up = *buf.pages.get(p).ok_or(SkbError::OutOfBounds)?;
             dom.copy(g, seg.offset + done, up, o, n)?;
+            census.add_n(CopyAlign::of(seg.offset + done, o), n as u64);
             done += n;
         }
         Ok(())

@@ -7,9 +7,10 @@ use std::time::Duration;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
+use net::counters::CopyAlign;
 use net::netback::{Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers};
-use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_SKB_PAD};
+use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
+use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
 use net::toolstack::{self, VifSpec};
 use net::wire::MAX_TAGGED_FRAME;
@@ -105,6 +106,17 @@ fn receive_each(
     offload: bool,
     check: impl Fn(&SkbPool, SkbId),
 ) -> (Stack, (usize, usize)) {
+    receive_each_from(p, NET_SKB_PAD, sizes, offload, check)
+}
+
+/// As [`receive_each`], with each frame `headroom` bytes into its driver-domain buffer.
+fn receive_each_from(
+    p: &mut Pair,
+    headroom: usize,
+    sizes: &[usize],
+    offload: bool,
+    check: impl Fn(&SkbPool, SkbId),
+) -> (Stack, (usize, usize)) {
     p.front.refill_rx(&mut p.gpool);
     assert_eq!(p.front.rx_posted(), 256);
     let mut stack = Stack::new(flow().dst_ip, flow().dst_mac);
@@ -121,7 +133,7 @@ fn receive_each(
             .frames(i as u16, &msg, |f| frames.push(f.to_vec()))
             .expect("frames");
         for f in &frames {
-            let s = p.dpool.alloc(NET_SKB_PAD).expect("skb");
+            let s = p.dpool.alloc(headroom).expect("skb");
             p.dpool.put(s, f).expect("put");
             if offload {
                 p.dpool.set_csum_valid(s, frames.len() == 1);
@@ -169,6 +181,48 @@ fn received_messages_cross_intact_for_every_grant_layout() {
         );
         assert_eq!(p.front.stats().rx_packets, 36);
         all_returned(&p, &stack, gfree);
+    }
+}
+
+#[test]
+fn aligned_copies_start_each_frame_at_its_sources_cache_line_offset_and_lose_nothing() {
+    // Frames as the NIC driver receives them: NET_IP_ALIGN bytes past the pad, so the
+    // original copy to the start of the guest's page is misaligned by 62 bytes.
+    let headroom = NET_SKB_PAD + NET_IP_ALIGN;
+    for rx_buffers in [RxBuffers::Fragments, RxBuffers::Linear] {
+        for aligned in [false, true] {
+            let mut p = pair_with(GrantVersion::V2, GrantPath::Optimised, rx_buffers);
+            p.vif.set_aligned_copies(aligned);
+            let sizes: &[usize] = match rx_buffers {
+                RxBuffers::Fragments => &[52, 1472, 48000],
+                RxBuffers::Linear => &[52, 1472, 8000],
+            };
+            let (stack, gfree) = receive_each_from(&mut p, headroom, sizes, true, |pool, skb| {
+                // Where the back end put the frame's first byte: the start of the
+                // linear buffer's data, or in a page fragment the head copy's length
+                // before what stayed there (a frame short enough to be copied whole
+                // shows nothing).
+                let at = match (rx_buffers, pool.frags(skb).first()) {
+                    (RxBuffers::Linear, _) => pool.data_location(skb).1,
+                    (RxBuffers::Fragments, Some(f)) => f.offset as usize - RX_COPY_LEN,
+                    (RxBuffers::Fragments, None) => return,
+                };
+                let want = if aligned { headroom % 64 } else { 0 };
+                assert_eq!(at, want, "{rx_buffers:?}");
+            });
+            let census = &p.vif.stats().rx_copy_bytes;
+            let bytes = p.vif.stats().rx_bytes;
+            let (line, un) = (
+                census.get(CopyAlign::Line),
+                census.get(CopyAlign::Unaligned),
+            );
+            if aligned {
+                assert_eq!((line, un), (bytes, 0), "{rx_buffers:?}");
+            } else {
+                assert_eq!((line, un), (0, bytes), "{rx_buffers:?}");
+            }
+            all_returned(&p, &stack, gfree);
+        }
     }
 }
 
