@@ -1,4 +1,5 @@
-//! Stacked-bar charts of an experiment's breakdowns, written as PNG with plotters.
+//! Charts of an experiment's results, written as PNG with plotters: stacked bars for
+//! breakdowns, lines for a cost against a setting.
 //!
 //! Text needs a TrueType font: the first of [`FONT_PATHS`] that exists (Debian's
 //! `fonts-dejavu-core`) is loaded once. Without one the chart is not drawn and the
@@ -150,6 +151,84 @@ impl StackedBars {
     }
 }
 
+/// One line of a [`Lines`] chart.
+#[derive(Debug, Clone, Serialize)]
+pub struct Series {
+    /// In the legend.
+    pub label: String,
+    /// (x, y) points, drawn in order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A chart of lines over a numeric x axis (a cost against an offset, a rate, a setting).
+#[derive(Debug, Clone, Serialize)]
+pub struct Lines {
+    /// File-name part: the chart is written as `<experiment id>-<name>.png`.
+    pub name: String,
+    /// Caption.
+    pub title: String,
+    /// The x axis' unit.
+    pub x_unit: String,
+    /// The y axis' unit.
+    pub unit: String,
+    /// The lines.
+    pub series: Vec<Series>,
+}
+
+impl Lines {
+    /// Draws the chart into `path` (PNG); the y axis starts at zero.
+    pub fn render(&self, path: &Path) -> Result<(), String> {
+        font()?;
+        let pts = || self.series.iter().flat_map(|s| s.points.iter());
+        let (x0, x1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (x0, x1) = if x0 < x1 { (x0, x1) } else { (0.0, 1.0) };
+        // Headroom above the highest point holds the legend.
+        let top = pts().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.6;
+        let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(&self.title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x0..x1, 0.0..top)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(&self.x_unit)
+            .y_desc(&self.unit)
+            .label_style(("sans-serif", 13))
+            .draw()
+            .map_err(err)?;
+        for (k, s) in self.series.iter().enumerate() {
+            let colour = Palette99::pick(k).mix(0.9);
+            chart
+                .draw_series(LineSeries::new(
+                    s.points.iter().copied(),
+                    colour.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(&s.label)
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 14, y)], colour.stroke_width(2))
+                });
+            chart
+                .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
+                .map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font(("sans-serif", 13))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,6 +260,31 @@ mod tests {
                 assert_eq!(&bytes[1..4], b"PNG");
             }
             // Only a missing font may stop it, and then nothing is written.
+            Err(e) => {
+                assert!(e.contains("font"), "{e}");
+                assert!(!path.exists());
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_line_chart_is_written_as_a_png_when_a_font_exists() {
+        let c = Lines {
+            name: "l".into(),
+            title: "test".into(),
+            x_unit: "offset".into(),
+            unit: "ns".into(),
+            series: vec![Series {
+                label: "copy".into(),
+                points: vec![(0.0, 1.0), (1.0, 2.0), (2.0, 1.5)],
+            }],
+        };
+        let dir = std::env::temp_dir().join(format!("pvio-lines-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("l.png");
+        match c.render(&path) {
+            Ok(()) => assert_eq!(&std::fs::read(&path).expect("written")[1..4], b"PNG"),
             Err(e) => {
                 assert!(e.contains("font"), "{e}");
                 assert!(!path.exists());

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::chart::StackedBars;
+use crate::chart::{Lines, StackedBars};
 use crate::stats::Stats;
 
 /// One measured quantity.
@@ -63,6 +63,8 @@ pub struct Report {
     pub notes: Vec<String>,
     /// Stacked-bar charts of the breakdowns, written beside the report as PNG.
     pub charts: Vec<StackedBars>,
+    /// Line charts, written beside the report as PNG.
+    pub lines: Vec<Lines>,
 }
 
 /// What [`Report::write`] wrote.
@@ -91,6 +93,7 @@ impl Report {
             checks: Vec::new(),
             notes: Vec::new(),
             charts: Vec::new(),
+            lines: Vec::new(),
         }
     }
 
@@ -258,8 +261,8 @@ impl Report {
         md
     }
 
-    fn chart_file(&self, c: &StackedBars) -> String {
-        format!("{}-{}.png", self.id, c.name)
+    fn chart_file(&self, name: &str) -> String {
+        format!("{}-{}.png", self.id, name)
     }
 
     /// Writes `<dir>/<id>.json`, `<dir>/<id>.md` and a PNG per chart.
@@ -274,12 +277,29 @@ impl Report {
         )?;
         let mut text = self.markdown(env);
         let (mut charts, mut chart_errors) = (Vec::new(), Vec::new());
-        for c in &self.charts {
-            let file = self.chart_file(c);
+        let drawers = self
+            .charts
+            .iter()
+            .map(|c| {
+                (
+                    &c.name,
+                    &c.title,
+                    Box::new(|p: &Path| c.render(p)) as Box<dyn Fn(&Path) -> _>,
+                )
+            })
+            .chain(self.lines.iter().map(|c| {
+                (
+                    &c.name,
+                    &c.title,
+                    Box::new(|p: &Path| c.render(p)) as Box<dyn Fn(&Path) -> _>,
+                )
+            }));
+        for (name, title, render) in drawers {
+            let file = self.chart_file(name);
             let path = dir.join(&file);
-            match c.render(&path) {
+            match render(&path) {
                 Ok(()) => {
-                    let _ = writeln!(text, "\n![{}]({file})", c.title);
+                    let _ = writeln!(text, "\n![{title}]({file})");
                     charts.push(path);
                 }
                 Err(e) => chart_errors.push(format!("{file}: {e}")),
