@@ -81,6 +81,8 @@ pub fn registry() -> Vec<Experiment> {
     vec![
         experiments::core::EXPERIMENT,
         experiments::santos08::EXPERIMENT,
+        experiments::fig4::EXPERIMENT,
+        experiments::fig8::EXPERIMENT,
         experiments::ceiling::EXPERIMENT,
         experiments::restart::EXPERIMENT,
         experiments::soak::EXPERIMENT,

@@ -26,6 +26,7 @@ use dev::wire::{CountingSink, PacedSender, SenderCounters};
 use hv::profile::ClassSamples;
 use hv::{GrantPath, GrantVersion, Hypervisor};
 use kernel::app::AppSpec;
+use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
 use net::netfront::RxBuffers;
 use net::wire::{UdpFlow, DEFAULT_MTU};
@@ -74,6 +75,9 @@ pub struct Options {
     pub coalesce: Coalesce,
     /// Bridge netfilter hooks on (pv only).
     pub netfilter: bool,
+    /// netback's guest-RX copies aligned to the source's offset in its cache line (pv
+    /// only; paper 000 §3.4.1).
+    pub aligned_copies: bool,
     /// Grant-table layout.
     pub grant_version: GrantVersion,
     /// Grant implementation.
@@ -102,11 +106,97 @@ impl Options {
             rate: GIGABIT_FULL_FRAME_PPS,
             coalesce: Coalesce::default(),
             netfilter: true,
+            aligned_copies: false,
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
             rx_buffers: RxBuffers::Fragments,
             hostile: 0,
+        }
+    }
+}
+
+/// One of paper 000's software optimisations of the PV path (§3.4, §4): each a switch
+/// of the `pv` machine, together the `pv-soft` configuration (Figure 8's second bar).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SoftOpt {
+    /// The bridge's netfilter hooks off (§3.4.2; the paper: 1550 cycles a packet).
+    NoNetfilter,
+    /// netback's copies aligned to the source's cache-line offset (§3.4.1; 1850 cycles).
+    AlignedCopies,
+    /// netfront posts linear buffers, no fragments (§3.4.2; 900 cycles).
+    NoFragments,
+    /// The grant fast paths: v2 tables and the optimised implementation (§3.4.3; 650
+    /// cycles).
+    GrantFastPaths,
+}
+
+impl SoftOpt {
+    /// Every switch, in the paper's order.
+    pub const ALL: [SoftOpt; 4] = [
+        SoftOpt::NoNetfilter,
+        SoftOpt::AlignedCopies,
+        SoftOpt::NoFragments,
+        SoftOpt::GrantFastPaths,
+    ];
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SoftOpt::NoNetfilter => "no netfilter",
+            SoftOpt::AlignedCopies => "aligned copies",
+            SoftOpt::NoFragments => "no fragments",
+            SoftOpt::GrantFastPaths => "grant fast paths",
+        }
+    }
+    /// The paper's saving, in cycles per packet at 3 GHz (§5, Figure 8).
+    pub fn paper_cycles(self) -> f64 {
+        match self {
+            SoftOpt::NoNetfilter => 1550.0,
+            SoftOpt::AlignedCopies => 1850.0,
+            SoftOpt::NoFragments => 900.0,
+            SoftOpt::GrantFastPaths => 650.0,
+        }
+    }
+    /// Turns it on in `o`.
+    pub fn apply(self, o: &mut Options) {
+        match self {
+            SoftOpt::NoNetfilter => o.netfilter = false,
+            SoftOpt::AlignedCopies => o.aligned_copies = true,
+            SoftOpt::NoFragments => o.rx_buffers = RxBuffers::Linear,
+            SoftOpt::GrantFastPaths => {
+                o.grant_version = GrantVersion::V2;
+                o.grant_path = GrantPath::Optimised;
+            }
+        }
+    }
+}
+
+/// The named configurations, in Figure 8's order after the paper's two references.
+pub const NAMED: [&str; 4] = ["native", "direct", "pv", "pv-soft"];
+
+impl Options {
+    /// `pv` with one software optimisation on.
+    pub fn pv_with(opt: SoftOpt, message: usize) -> Self {
+        let mut o = Self::paper(Config::Pv, message);
+        opt.apply(&mut o);
+        o
+    }
+
+    /// The software-optimised PV configuration (`pv-soft`, paper 000 §4 and Figure 8's
+    /// second bar): every [`SoftOpt`] on.
+    pub fn pv_soft(message: usize) -> Self {
+        let mut o = Self::paper(Config::Pv, message);
+        for opt in SoftOpt::ALL {
+            opt.apply(&mut o);
+        }
+        o
+    }
+
+    /// A configuration by name (one of [`NAMED`]).
+    pub fn named(name: &str, message: usize) -> Option<Self> {
+        match name {
+            "pv-soft" => Some(Self::pv_soft(message)),
+            _ => Config::parse(name).map(|c| Self::paper(c, message)),
         }
     }
 }
@@ -232,7 +322,10 @@ impl Running {
             Config::Native => Layout::Native(app_spec),
             Config::Direct => Layout::Direct(app_spec),
             Config::Pv => Layout::DriverDomain {
-                netfilter: opts.netfilter,
+                driver: DriverConfig {
+                    netfilter: opts.netfilter,
+                    aligned_copies: opts.aligned_copies,
+                },
                 guests: std::iter::once(GuestSpec {
                     name: "guest".into(),
                     mac: f.dst_mac,

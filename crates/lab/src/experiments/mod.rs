@@ -2,6 +2,8 @@
 
 pub mod ceiling;
 pub mod core;
+pub mod fig4;
+pub mod fig8;
 pub mod restart;
 pub mod santos08;
 pub mod soak;

@@ -61,7 +61,7 @@ const PAPER_48000: [(Config, &[(GlobalClass, f64)]); 3] = [
     ),
 ];
 
-const GLOBALS: [GlobalClass; 7] = [
+pub(crate) const GLOBALS: [GlobalClass; 7] = [
     GlobalClass::UserCopy,
     GlobalClass::Kernel,
     GlobalClass::Xen,
@@ -81,14 +81,14 @@ struct DomainCost {
 }
 
 #[derive(Debug, Clone, Default)]
-struct RunCost {
+pub(crate) struct RunCost {
     /// Per domain role: "native", "guest", "driver".
     domains: BTreeMap<&'static str, (bool, DomainCost)>,
-    total_ns: f64,
+    pub(crate) total_ns: f64,
 }
 
 impl RunCost {
-    fn global(&self, g: GlobalClass) -> f64 {
+    pub(crate) fn global(&self, g: GlobalClass) -> f64 {
         self.domains
             .values()
             .flat_map(|(drv, d)| {
@@ -141,13 +141,13 @@ fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
     rc
 }
 
-struct Durations {
-    warmup: Duration,
-    window: Duration,
-    runs: usize,
+pub(crate) struct Durations {
+    pub(crate) warmup: Duration,
+    pub(crate) window: Duration,
+    pub(crate) runs: usize,
 }
 
-fn durations(mode: Mode) -> Durations {
+pub(crate) fn durations(mode: Mode) -> Durations {
     match mode {
         Mode::Full => Durations {
             warmup: Duration::from_millis(500),
@@ -167,7 +167,7 @@ fn durations(mode: Mode) -> Durations {
     }
 }
 
-fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), LabError> {
+pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), LabError> {
     let m = Running::start(opts)?;
     std::thread::sleep(d.warmup);
     let a = m.snapshot();
@@ -543,7 +543,7 @@ fn fig5(r: &mut Report, big: &BTreeMap<Config, Vec<RunCost>>, nofrag: &[RunCost]
 
 /// The median of `f` over a configuration's runs.
 /// P(X ≥ k) for X ~ Binomial(n, ½): the chance of `k` or more wins in `n` fair tosses.
-fn sign_test_p(k: usize, n: usize) -> f64 {
+pub(crate) fn sign_test_p(k: usize, n: usize) -> f64 {
     let mut c = 1.0f64; // C(n, 0)
     let mut tail = 0.0;
     for i in 0..=n {

@@ -1,0 +1,258 @@
+//! Paper 000 §4–5, Figure 8: the PV receive path's CPU per packet as the paper's
+//! optimisations are added, one bar per configuration, each a difference against the bar
+//! before it measured in the same round — and each software optimisation's own saving,
+//! measured alone against the original `pv` (the paper's 1550 / 1850 / 900 / 650 cycles).
+//!
+//! Bars, in the paper's order: `pv` (the original driver domain), `pv-soft` (every
+//! software optimisation: netfilter off, aligned copies, no fragments, the grant fast
+//! paths). `native` runs in every round as the reference the paper divides by.
+
+use std::collections::BTreeMap;
+
+use crate::chart::{Bar, StackedBars};
+use crate::experiments::santos08::{durations, one_run, sign_test_p, RunCost, GLOBALS};
+use crate::platform::{Config, Finish, Options, SoftOpt};
+use crate::{Experiment, LabError, Mode, Report, Stats};
+
+/// The registry entry.
+pub const EXPERIMENT: Experiment = Experiment {
+    id: "santos08-fig8",
+    title: "CPU per received packet as the PV path is optimised, by class",
+    paper: "000 Santos et al. 2008, Fig. 8 (§4, §5.1)",
+    run,
+};
+
+/// Message sizes (UDP payload): one full-size frame, and the paper's 48000 bytes.
+const SIZES: [(usize, &str); 2] = [(1472, "1500"), (48000, "48000")];
+
+/// The paper's Figure 8 totals at 48000 bytes, cycles per packet at 3 GHz (§5.2's
+/// text: 18200 → 13250 → 11000; native 4000).
+const PAPER_CYCLES: [(&str, f64); 4] = [
+    ("native", 4000.0),
+    ("pv", 18200.0),
+    ("pv-soft", 13250.0),
+    ("pv-guestcopy", 11000.0),
+];
+
+/// What runs in each round, in order (the single switches between `pv` and `pv-soft`).
+fn machines(size: usize) -> Vec<(String, Options)> {
+    let mut v = vec![
+        ("native".to_string(), Options::paper(Config::Native, size)),
+        ("pv".to_string(), Options::paper(Config::Pv, size)),
+    ];
+    for opt in SoftOpt::ALL {
+        v.push((format!("pv + {}", opt.name()), Options::pv_with(opt, size)));
+    }
+    v.push(("pv-soft".to_string(), Options::pv_soft(size)));
+    v
+}
+
+/// The configurations that are Figure 8's bars.
+const BARS: [&str; 2] = ["pv", "pv-soft"];
+
+fn paper_cycles(name: &str) -> Option<f64> {
+    PAPER_CYCLES.iter().find(|p| p.0 == name).map(|p| p.1)
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let d = durations(mode);
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    let base = Options::paper(Config::Pv, 0);
+    r.setup = format!(
+        "UDP messages of 1472 (\"1500\") and 48000 bytes at a fixed {:.0} frames/s, as Figure 2. \
+         pv: the original driver domain (netfilter hooks on, copies to the start of the guest's \
+         page, netfront with fragments, v1 grants, original grant path). pv + X: one software \
+         optimisation on. pv-soft: all four (paper §4). native is the reference. In each of {} \
+         rounds every machine runs once, back to back ({} ms after {} ms warm-up); savings and \
+         ratios are taken within a round. Interrupt coalescing {} packets / {} µs. Values are \
+         ns per packet (the paper's cycles at 3 GHz are given as ns beside them).",
+        base.rate,
+        d.runs,
+        d.window.as_millis(),
+        d.warmup.as_millis(),
+        base.coalesce.pkts_per_irq,
+        base.coalesce.max_delay.as_micros(),
+    );
+    r.config = serde_json::json!({
+        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
+        "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
+        "switches": SoftOpt::ALL.map(|o| o.name()),
+    });
+
+    // results[size][machine] = per-round costs.
+    let mut results: BTreeMap<usize, BTreeMap<String, Vec<RunCost>>> = BTreeMap::new();
+    let mut finishes: Vec<(usize, String, Finish)> = Vec::new();
+    for round in 0..d.runs {
+        for (size, _) in SIZES {
+            let mut ms = machines(size);
+            // Every other round runs them in reverse, so that no machine always follows
+            // the same one.
+            if round % 2 == 1 {
+                ms.reverse();
+            }
+            for (name, opts) in ms {
+                let (c, f) = one_run(opts, &d)?;
+                results
+                    .entry(size)
+                    .or_default()
+                    .entry(name.clone())
+                    .or_default()
+                    .push(c);
+                finishes.push((size, name, f));
+            }
+        }
+    }
+
+    let mut bars = Vec::new();
+    for (size, label) in SIZES {
+        let by = &results[&size];
+        let total = |name: &str| -> Vec<f64> { by[name].iter().map(|c| c.total_ns).collect() };
+        let native = total("native");
+        let group = format!("fig8 {label} B");
+        for (name, runs) in machines(size).iter().map(|(n, _)| (n, &by[n])) {
+            let t = total(name);
+            let row = r.row(&group, &format!("{name} total"), "ns/pkt", &t);
+            if name != "native" {
+                row.ratio = crate::stats::ratio_median(&t, &native).map(|x| ("native".into(), x));
+            }
+            if size == 48000 {
+                row.reference = paper_cycles(name).map(|c| {
+                    format!(
+                        "paper {c:.0} cycles = {:.0} ns, {:.2}× native",
+                        c / 3.0,
+                        c / 4000.0
+                    )
+                });
+            }
+            if BARS.contains(&name.as_str()) {
+                for g in GLOBALS {
+                    let v: Vec<f64> = runs.iter().map(|c| c.global(g)).collect();
+                    if v.iter().any(|x| *x > 0.0) {
+                        r.row(&group, &format!("{name} {}", g.name()), "ns/pkt", &v);
+                    }
+                }
+                bars.push(Bar {
+                    label: format!("{name} {label}"),
+                    segments: GLOBALS
+                        .iter()
+                        .map(|&g| {
+                            let v: Vec<f64> = runs.iter().map(|c| c.global(g)).collect();
+                            (g.name().to_string(), Stats::of(&v).median)
+                        })
+                        .filter(|s| s.1 > 0.0)
+                        .collect(),
+                });
+            }
+        }
+        // Each switch alone, and all of them: the saving against pv within each round.
+        let pv = total("pv");
+        let saving =
+            |name: &str| -> Vec<f64> { pv.iter().zip(total(name)).map(|(a, b)| a - b).collect() };
+        let group = format!("fig8 {label} B, savings against pv (same round)");
+        for opt in SoftOpt::ALL {
+            let s = saving(&format!("pv + {}", opt.name()));
+            let row = r.row(&group, opt.name(), "ns/pkt", &s);
+            row.reference = Some(format!(
+                "paper {:.0} cycles = {:.0} ns",
+                opt.paper_cycles(),
+                opt.paper_cycles() / 3.0
+            ));
+        }
+        let soft = saving("pv-soft");
+        let alone: Vec<f64> = (0..pv.len())
+            .map(|i| {
+                SoftOpt::ALL
+                    .iter()
+                    .map(|o| saving(&format!("pv + {}", o.name()))[i])
+                    .sum()
+            })
+            .collect();
+        r.row(&group, "sum of the four alone", "ns/pkt", &alone);
+        let row = r.row(&group, "pv-soft (all four together)", "ns/pkt", &soft);
+        row.reference = Some("paper 4950 cycles = 1650 ns".into());
+
+        // The ordering: each bar cheaper than the one before it, per round.
+        for pair in BARS.windows(2) {
+            let (a, b) = (total(pair[0]), total(pair[1]));
+            let ratio = crate::stats::ratio_median(&b, &a).unwrap_or(f64::NAN);
+            let cheaper = a.iter().zip(&b).filter(|(x, y)| y < x).count();
+            r.check(
+                &format!(
+                    "{label} B: {} cheaper than {} (per-round ratio, median; cheaper in {cheaper} \
+                     of {} rounds, one-sided sign test p = {:.3})",
+                    pair[1],
+                    pair[0],
+                    a.len(),
+                    sign_test_p(cheaper, a.len())
+                ),
+                ratio,
+                &format!("× {}", pair[0]),
+                "< 1",
+                ratio < 1.0,
+            );
+        }
+    }
+    for (name, c) in PAPER_CYCLES.iter().filter(|p| BARS.contains(&p.0)) {
+        bars.push(Bar {
+            label: format!("paper {name} 48000"),
+            segments: vec![("paper total".into(), c / 3.0)],
+        });
+    }
+    r.charts.push(StackedBars {
+        name: "fig8".into(),
+        title: "Figure 8: CPU per packet as the PV path is optimised (message size in bytes)"
+            .into(),
+        unit: "ns per packet".into(),
+        bars,
+    });
+
+    let mut lost_total = 0;
+    for (size, name, f) in &finishes {
+        let lost = f.messages_sent.saturating_sub(f.messages_received);
+        lost_total += lost + f.corrupt;
+        if lost > 0 || f.corrupt > 0 {
+            r.notes.push(format!(
+                "{size} B {name}: {lost} of {} messages lost, {} corrupt; counters {:?}",
+                f.messages_sent, f.corrupt, f.counters.entries
+            ));
+        }
+    }
+    r.check_none(
+        "messages lost or corrupted (all runs)",
+        lost_total,
+        "messages",
+    );
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bar_and_every_switch_alone_is_measured_at_both_sizes() {
+        let rep = run(Mode::Smoke).expect("runs");
+        for (_, label) in SIZES {
+            for (name, _) in machines(1472) {
+                let want = format!("{name} total");
+                assert!(
+                    rep.rows.iter().any(|r| r.group == format!("fig8 {label} B")
+                        && r.name == want
+                        && r.stats.median > 0.0),
+                    "{label}: {want}"
+                );
+            }
+            let group = format!("fig8 {label} B, savings against pv (same round)");
+            for opt in SoftOpt::ALL {
+                assert!(rep
+                    .rows
+                    .iter()
+                    .any(|r| r.group == group && r.name == opt.name()));
+            }
+        }
+        // One ordering check per size and the loss check.
+        assert_eq!(rep.checks.len(), SIZES.len() + 1);
+        // Measured bars at each size, then the paper's at 48000 bytes.
+        assert_eq!(rep.charts[0].bars.len(), (SIZES.len() + 1) * BARS.len());
+    }
+}
