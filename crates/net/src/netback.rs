@@ -30,9 +30,9 @@ use ring::{BackRing, PageRing};
 
 use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
-    read_tx_packet, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse, TxRing,
-    TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
-    XEN_NETIF_RSP_OKAY,
+    read_tx_packet, InFlight, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse,
+    TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, RING_IDS,
+    XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::wire::MAX_TAGGED_FRAME;
@@ -51,6 +51,11 @@ pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
 /// Bytes of a cache line: what aligned copies line source and destination up to.
 pub const CACHE_LINE: usize = 64;
+
+/// Driver-domain buffers one guest-copy vif may have lent to its guest at once; beyond
+/// them netback revokes the oldest (paper 000 §4.1: a guest that never copies must not
+/// hold the driver domain's memory). The pool's 3072 buffers hold a dozen such vifs.
+pub const RX_LENT_MAX: usize = 128;
 
 /// The guest buffers a packet of `len` bytes fills when the first is filled from
 /// offset `start`: at least one, even for an empty packet.
@@ -102,6 +107,21 @@ pub struct VifStats {
     pub notifies: u64,
     /// Bytes of the guest-RX copies built, by how source and destination line up.
     pub rx_copy_bytes: PerReason<CopyAlign>,
+    /// Guest copy: buffers lent to the guest (a sub-page grant each).
+    pub rx_lent: u64,
+    /// Guest copy: lent buffers the guest gave back by posting their slot again.
+    pub rx_returned: u64,
+    /// Guest copy: lent buffers revoked because the guest held [`RX_LENT_MAX`].
+    pub rx_revoked: u64,
+    /// Guest copy: packets dropped because the oldest lent buffer was being copied and
+    /// could not be revoked yet.
+    pub rx_lent_full: u64,
+    /// Guest copy: requests naming a slot out of range or already posted, answered
+    /// with an error.
+    pub rx_bad_requests: u64,
+    /// Guest copy: packets whose bytes were not in one local buffer, copied into one
+    /// first (a frame another guest sent).
+    pub rx_linearized: u64,
 }
 
 crate::counter_set!(VifStats {
@@ -117,8 +137,35 @@ crate::counter_set!(VifStats {
     rx_oversize,
     dropped_disabled,
     notifies,
-    rx_copy_bytes
+    rx_copy_bytes,
+    rx_lent,
+    rx_returned,
+    rx_revoked,
+    rx_lent_full,
+    rx_bad_requests,
+    rx_linearized
 });
+
+/// A guest-copy vif's receive side (paper 000 §4.1–4.2): instead of copying a packet
+/// into a buffer the guest posted, netback lends the guest the driver domain's own
+/// buffer through a read-only sub-page grant covering exactly the packet's bytes, and
+/// the guest copies. The grants are a block of [`RING_IDS`] references, one per ring
+/// slot: the packet answered on slot `id` is readable through `base + id`, and the
+/// guest gives the buffer back by posting slot `id` again. A request is a credit, not
+/// a buffer.
+#[derive(Debug)]
+struct GuestCopy {
+    base: GrantRef,
+    /// The buffer lent through slot `id`'s grant.
+    lent: Box<[Option<SkbId>]>,
+    /// Lent slots, oldest first.
+    order: std::collections::VecDeque<u16>,
+    /// Slots the guest posted and netback has not answered.
+    credits: Vec<u16>,
+    credited: InFlight,
+    /// Lent buffers whose grant was in use when ended: ended and freed later.
+    ending: Vec<(u16, SkbId)>,
+}
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Pending {
@@ -381,6 +428,8 @@ pub struct Vif {
     /// Guest-RX copies start at the source's offset in its cache line (paper 000
     /// §3.4.1) instead of at the start of the guest's page.
     aligned_copies: bool,
+    /// The front end asked to copy received packets itself.
+    guest_copy: Option<GuestCopy>,
     rxb: RxBatch,
     txb: TxBatch,
     unmaps: Unmaps,
@@ -431,6 +480,10 @@ impl Vif {
             return Err(XenbusError::MissingFeature("request-rx-copy"));
         }
         let can_sg = xenbus::feature(store, be, &fdir, "feature-sg");
+        let wants_copy = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GUEST_COPY);
+        if wants_copy && !xenbus::feature(store, be, &bdir, xenbus::FEATURE_GUEST_COPY) {
+            return Err(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY));
+        }
         let tx_ref = xenbus::read_u32(store, be, &format!("{fdir}/tx-ring-ref"))?;
         let rx_ref = xenbus::read_u32(store, be, &format!("{fdir}/rx-ring-ref"))?;
         let evtchn = xenbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
@@ -494,12 +547,38 @@ impl Vif {
                 return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
             }
         };
-        if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
-            drop((tx, rx));
-            unmap(hv);
-            let _ = hv.evtchn_close(dom, port);
-            return Err(e.into());
-        }
+        // A guest-copy front end learns where its slots' grants start before it sees
+        // `Connected`.
+        let gt = dom.grant_table();
+        let guest_copy = wants_copy
+            .then(|| gt.alloc_block(u32::from(RING_IDS)))
+            .map(|b| b.ok_or(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY)));
+        let guest_copy = match guest_copy.transpose().and_then(|b| {
+            if let Some(base) = b {
+                store.write(
+                    be,
+                    &format!("{bdir}/{}", xenbus::RX_GRANT_BASE),
+                    &base.0.to_string(),
+                )?;
+            }
+            store.switch_state(be, &bdir, XenbusState::Connected)?;
+            Ok(b)
+        }) {
+            Ok(b) => b.map(|base| GuestCopy {
+                base,
+                lent: vec![None; RING_IDS as usize].into_boxed_slice(),
+                order: std::collections::VecDeque::with_capacity(RX_LENT_MAX + 1),
+                credits: Vec::with_capacity(RING_IDS as usize),
+                credited: InFlight::default(),
+                ending: Vec::with_capacity(RING_IDS as usize),
+            }),
+            Err(e) => {
+                drop((tx, rx));
+                unmap(hv);
+                let _ = hv.evtchn_close(dom, port);
+                return Err(e);
+            }
+        };
         Ok(Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
@@ -514,6 +593,7 @@ impl Vif {
             rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
             can_sg,
             aligned_copies: false,
+            guest_copy,
             rxb: RxBatch::new(),
             txb: TxBatch::new(),
             unmaps: Unmaps {
@@ -627,6 +707,9 @@ impl Vif {
     /// **respond** to its requests (a length, or an error); then notify once and free.
     pub fn rx_action(&mut self, pool: &mut SkbPool) -> usize {
         let _c = enter(Class::Netback);
+        if self.guest_copy.is_some() {
+            return self.rx_lend(pool);
+        }
         let mut total = 0;
         while self.disabled.is_none() && !self.rx_queue.is_empty() {
             self.rxb.clear();
@@ -639,6 +722,136 @@ impl Vif {
             total += self.rxb.pkts.len();
         }
         total
+    }
+
+    /// The guest-copy RX action: takes the guest's posted slots (each a credit, and the
+    /// return of whatever was lent through it), then lends a buffer per queued packet
+    /// while credits last, answering each slot with the packet's offset and length in
+    /// the lent buffer. Returns the packets taken off the queue.
+    fn rx_lend(&mut self, pool: &mut SkbPool) -> usize {
+        let Some(gc) = self.guest_copy.as_mut() else {
+            return 0;
+        };
+        let gt = self.dom.grant_table();
+        let mut broken = false;
+        // Credits and returns.
+        loop {
+            let req = match self.rx.take_request() {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(_) => {
+                    broken = true;
+                    break;
+                }
+            };
+            take_credit(gc, &gt, pool, req, &mut self.rx, &mut self.stats);
+        }
+        let base = gc.base.0;
+        gc.ending.retain(|&(id, skb)| {
+            let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
+            if done {
+                pool.free(skb);
+            }
+            !done
+        });
+        let mut n = 0;
+        loop {
+            let waiting = gc.credits.is_empty()
+                || (gc.order.len() >= RX_LENT_MAX
+                    && self.rx_queue.bytes() + MAX_TAGGED_FRAME <= RX_QUEUE_BYTES);
+            if waiting && !self.rx_queue.is_empty() {
+                // Out of credits, or the guest holds as much as it may while the queue
+                // behind it has room (the packet waits, as for a guest that posts no
+                // buffers): arm `req_event` and look once more, so that the guest's
+                // next post, a credit or a return, wakes this vif.
+                match self.rx.final_check_for_at_least(1) {
+                    Ok(true) => match self.rx.take_request() {
+                        Ok(Some(req)) => {
+                            take_credit(gc, &gt, pool, req, &mut self.rx, &mut self.stats);
+                            continue;
+                        }
+                        _ => break,
+                    },
+                    Ok(false) => {
+                        if gc.credits.is_empty() {
+                            self.stats.rx_stalls += 1;
+                        } else {
+                            self.stats.rx_lent_full += 1;
+                        }
+                        break;
+                    }
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
+                }
+            }
+            let (Some(_), Some(&id)) = (self.rx_queue.peek(), gc.credits.last()) else {
+                break;
+            };
+            if gc.order.len() >= RX_LENT_MAX {
+                // The guest holds as much as it may and the queue behind it is full:
+                // it is not copying. netback takes back its oldest buffer (that packet
+                // is lost to it, counted), unless the guest is copying from it this
+                // moment: an in-use grant cannot be revoked.
+                let old = gc.order[0];
+                if gt.end_access(GrantRef(gc.base.0 + u32::from(old))).is_err() {
+                    self.stats.rx_lent_full += 1;
+                    break;
+                }
+                gc.order.pop_front();
+                if let Some(s) = gc.lent[old as usize].take() {
+                    pool.free(s);
+                }
+                self.stats.rx_revoked += 1;
+            }
+            let Some(skb) = self.rx_queue.pop(pool) else {
+                break;
+            };
+            n += 1;
+            let Some(skb) = local_linear(pool, skb, &mut self.stats.rx_linearized) else {
+                self.stats.rx_copy_errors += 1;
+                continue;
+            };
+            let (gfn, off) = pool.data_location(skb);
+            let len = pool.len(skb);
+            let r = GrantRef(gc.base.0 + u32::from(id));
+            if gt
+                .grant_access_subpage(r, self.fe, gfn, off as u16, len as u16, true)
+                .is_err()
+            {
+                self.stats.rx_copy_errors += 1;
+                pool.free(skb);
+                continue;
+            }
+            gc.credits.pop();
+            let _ = gc.credited.complete(id);
+            gc.lent[id as usize] = Some(skb);
+            gc.order.push_back(id);
+            self.stats.rx_lent += 1;
+            self.stats.rx_packets += 1;
+            self.stats.rx_bytes += len as u64;
+            let flags = if pool.csum_valid(skb) {
+                NETRXF_DATA_VALIDATED
+            } else {
+                0
+            };
+            // Cannot fail: one response per request taken.
+            let _ = self.rx.push_response(&RxResponse {
+                id,
+                offset: off as u16,
+                flags,
+                status: len as i16,
+            });
+        }
+        if broken {
+            self.disable(Disabled::RingBroken);
+            return n;
+        }
+        if self.rx.push_responses_and_check_notify() {
+            self.notify();
+        }
+        n
     }
 
     /// Build: takes packets off the queue while the guest has posted enough buffers
@@ -1089,6 +1302,35 @@ impl Vif {
     pub fn disconnect(mut self, pool: &mut SkbPool) {
         self.disable(Disabled::Disconnected);
         self.rx_queue.purge(pool);
+        if let Some(gc) = self.guest_copy.as_mut() {
+            let gt = self.dom.grant_table();
+            for id in 0..RING_IDS {
+                if let Some(skb) = gc.lent[id as usize].take() {
+                    end_lent(&gt, gc, pool, id, skb);
+                }
+            }
+            // A copy in flight ends within a hypercall: wait for it, since a buffer
+            // freed under a grant would show the guest the buffer's next packet.
+            let base = gc.base.0;
+            for _ in 0..1000 {
+                gc.ending.retain(|&(id, skb)| {
+                    let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
+                    if done {
+                        pool.free(skb);
+                    }
+                    !done
+                });
+                if gc.ending.is_empty() {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            if gc.ending.is_empty() {
+                for i in 0..u32::from(RING_IDS) {
+                    gt.free_ref(GrantRef(gc.base.0 + i));
+                }
+            }
+        }
         let held: Vec<GrantHandle> = self
             .pending
             .iter()
@@ -1108,4 +1350,74 @@ impl Vif {
         hv.grant_unmap(&dom, &held, &mut st);
         let _ = hv.evtchn_close(&dom, port);
     }
+}
+
+/// One request a guest-copy front end posted: a credit for the slot it names, and the
+/// return of the buffer lent through that slot, if any. A slot out of range or already
+/// credited is answered with an error and counted; nothing of the vif's changes.
+fn take_credit(
+    gc: &mut GuestCopy,
+    gt: &hv::grant::GuestGrants<'_>,
+    pool: &mut SkbPool,
+    req: crate::netif::RxRequest,
+    rx: &mut Back<RxRing>,
+    stats: &mut VifStats,
+) {
+    if req.id >= RING_IDS || !gc.credited.post(req.id) {
+        stats.rx_bad_requests += 1;
+        // Cannot fail: one response per request taken.
+        let _ = rx.push_response(&RxResponse {
+            id: req.id,
+            offset: 0,
+            flags: 0,
+            status: XEN_NETIF_RSP_ERROR,
+        });
+        return;
+    }
+    if let Some(skb) = gc.lent[req.id as usize].take() {
+        stats.rx_returned += 1;
+        gc.order.retain(|&i| i != req.id);
+        end_lent(gt, gc, pool, req.id, skb);
+    }
+    gc.credits.push(req.id);
+}
+
+/// Ends the grant through which `skb` was lent on slot `id` and frees it, or, if the
+/// guest is copying from it this moment, leaves both for later.
+fn end_lent(
+    gt: &hv::grant::GuestGrants<'_>,
+    gc: &mut GuestCopy,
+    pool: &mut SkbPool,
+    id: u16,
+    skb: SkbId,
+) {
+    if gt.end_access(GrantRef(gc.base.0 + u32::from(id))).is_ok() {
+        pool.free(skb);
+    } else {
+        gc.ending.push((id, skb));
+    }
+}
+
+/// `skb` if its bytes are all in its own linear area in one of the driver domain's
+/// pages; otherwise a copy that is (counted in `linearized`), `skb` freed. `None` if
+/// no buffer could be had.
+fn local_linear(pool: &mut SkbPool, skb: SkbId, linearized: &mut u64) -> Option<SkbId> {
+    let len = pool.len(skb);
+    if pool.linear_len(skb) == len && pool.frags(skb).is_empty() && pool.frag_list(skb).is_none() {
+        return Some(skb);
+    }
+    *linearized += 1;
+    let mut frame = [0u8; MAX_TAGGED_FRAME];
+    let copy = (len <= frame.len() && pool.read(skb, 0, &mut frame[..len]).is_ok())
+        .then(|| pool.alloc(NET_SKB_PAD).ok())
+        .flatten();
+    let csum = pool.csum_valid(skb);
+    pool.free(skb);
+    let c = copy?;
+    if pool.put(c, &frame[..len]).is_err() {
+        pool.free(c);
+        return None;
+    }
+    pool.set_csum_valid(c, csum);
+    Some(c)
 }

@@ -27,7 +27,9 @@ use std::sync::Arc;
 use hv::profile::{enter, Class};
 use hv::store::{Wake, WatchEvent, XenbusState};
 use hv::OwnPage;
-use hv::{DomId, Domain, Gfn, GrantError, GrantRef, Hypervisor, Port};
+use hv::{
+    CopyPtr, DomId, Domain, Gfn, GrantCopy, GrantError, GrantRef, GrantStatus, Hypervisor, Port,
+};
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{
@@ -51,6 +53,11 @@ pub enum RxBuffers {
     /// Socket buffers allocated in advance, a page of linear area each, filled in place
     /// (the paper's netfront without fragments). Single-slot packets only.
     Linear,
+    /// No buffers: each posted slot is a credit, the back end lends its own buffer
+    /// through a read-only sub-page grant, and netfront allocates a buffer of the
+    /// packet's size, aligned with it, and copies (paper 000 §4.1). Needs the back
+    /// end's `feature-rx-guest-copy`. Single-slot packets only.
+    GuestCopy,
 }
 
 type Front<P> = FrontRing<P, PageRing<OwnPage>>;
@@ -66,6 +73,9 @@ pub struct FrontStats {
     pub rx_no_buffer: u64,
     /// Packets dropped for a malformed chain (extras not negotiated, too many slots).
     pub rx_bad_chain: u64,
+    /// Guest copy: packets whose copy from the back end's buffer failed (the grant
+    /// was revoked, or never covered those bytes).
+    pub rx_copy_errors: u64,
     /// Grants the back end still held when revoked (pages kept out of use).
     pub grants_busy: u64,
     /// Packets transmitted (every slot answered OK).
@@ -92,6 +102,7 @@ crate::counter_set!(FrontStats {
     rx_errors,
     rx_no_buffer,
     rx_bad_chain,
+    rx_copy_errors,
     grants_busy,
     tx_packets,
     tx_pinned,
@@ -139,6 +150,8 @@ struct Link {
     rx: Front<RxRing>,
     /// The ring pages, each with its grant.
     rings: [(Gfn, GrantRef); 2],
+    /// Guest copy: the back end's grant for slot 0 (`base + id` for slot `id`).
+    rx_grant_base: Option<u32>,
 }
 
 /// A change [`Netfront::check_backend`] made.
@@ -183,8 +196,35 @@ pub struct Netfront {
     rx_buffers: RxBuffers,
     /// The rest of a multi-slot chain a linear front end refused is being skipped.
     skipping: bool,
+    /// The guest-copy path's batch, allocated once.
+    copy_batch: CopyBatch,
     stats: FrontStats,
     broken: bool,
+}
+
+/// Packets per guest-copy batch (one `GNTTABOP_copy`).
+pub const COPY_BATCH: usize = 64;
+
+/// One guest-copy batch: the copies and, per packet, its slot, buffer and length.
+#[derive(Debug)]
+struct CopyBatch {
+    copies: Vec<GrantCopy>,
+    status: Vec<GrantStatus>,
+    pkts: Vec<(u16, SkbId, usize)>,
+}
+
+impl CopyBatch {
+    fn new() -> Self {
+        Self {
+            copies: Vec::with_capacity(COPY_BATCH),
+            status: vec![Ok(()); COPY_BATCH],
+            pkts: Vec::with_capacity(COPY_BATCH),
+        }
+    }
+    fn clear(&mut self) {
+        self.copies.clear();
+        self.pkts.clear();
+    }
 }
 
 /// The next response on a ring, copied out; when none is waiting, arms the ring's
@@ -308,6 +348,7 @@ impl Netfront {
             partial: None,
             rx_buffers,
             skipping: false,
+            copy_batch: CopyBatch::new(),
             stats: FrontStats::default(),
             broken: false,
         };
@@ -372,6 +413,10 @@ impl Netfront {
         if !xenbus::feature(store, me, &bdir, "feature-rx-copy") {
             return Err(XenbusError::MissingFeature("feature-rx-copy"));
         }
+        let guest_copy = self.rx_buffers == RxBuffers::GuestCopy;
+        if guest_copy && !xenbus::feature(store, me, &bdir, xenbus::FEATURE_GUEST_COPY) {
+            return Err(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY));
+        }
         let gt = dom.grant_table();
         let mut taken: Vec<(Gfn, GrantRef)> = Vec::with_capacity(2);
         let mut port = None;
@@ -421,6 +466,10 @@ impl Netfront {
                 ("request-rx-copy", "1".into()),
                 ("feature-rx-notify", "1".into()),
                 ("feature-sg", sg.into()),
+                (
+                    xenbus::REQUEST_GUEST_COPY,
+                    if guest_copy { "1" } else { "0" }.into(),
+                ),
             ] {
                 store.write(me, &format!("{fdir}/{k}"), &v)?;
             }
@@ -432,6 +481,7 @@ impl Netfront {
                 tx,
                 rx,
                 rings: [taken[0], taken[1]],
+                rx_grant_base: None,
             })
         })();
         if r.is_err() {
@@ -521,7 +571,10 @@ impl Netfront {
         // RX: buffers in flight, and those parked because the back end held their
         // grant when answered (tried again now: a dead back end's maps are gone).
         for id in 0..RING_IDS {
-            let _ = self.inflight.complete(id);
+            let was = self.inflight.complete(id).is_ok();
+            if was && self.rx_buffers == RxBuffers::GuestCopy {
+                self.rx_free.push(id);
+            }
             let b = self.rx_bufs[id as usize];
             let Some(g) = b.gfn else { continue };
             if gt.end_access(b.gref).is_ok() {
@@ -711,10 +764,23 @@ impl Netfront {
         let mut posted = false;
         while l.rx.free_requests() > 0 {
             let Some(id) = self.rx_free.pop() else { break };
+            if self.rx_buffers == RxBuffers::GuestCopy {
+                // A credit; posting the slot again gives back what was lent through it.
+                self.inflight.post(id);
+                let _ = l.rx.push_request(&RxRequest {
+                    id,
+                    pad: 0,
+                    gref: 0,
+                });
+                posted = true;
+                continue;
+            }
             let buf = {
                 let _m = enter(Class::Mem);
                 match self.rx_buffers {
-                    RxBuffers::Fragments => pool.alloc_page().map(|g| (g, None)),
+                    RxBuffers::Fragments | RxBuffers::GuestCopy => {
+                        pool.alloc_page().map(|g| (g, None))
+                    }
                     RxBuffers::Linear => pool
                         .alloc_page_linear()
                         .map(|s| (pool.data_location(s).0, Some(s))),
@@ -781,6 +847,18 @@ impl Netfront {
         mut deliver: impl FnMut(&mut SkbPool, SkbId),
     ) -> usize {
         let _c = enter(Class::Driver);
+        if self.rx_buffers == RxBuffers::GuestCopy {
+            let mut n = 0;
+            while n < budget {
+                let (delivered, taken) = self.poll_rx_copy(pool, budget - n, &mut deliver);
+                n += delivered;
+                if taken < COPY_BATCH {
+                    break;
+                }
+            }
+            self.refill_rx(pool);
+            return n;
+        }
         let mut n = 0;
         while n < budget && !self.broken {
             let Some(l) = self.link.as_mut() else {
@@ -908,6 +986,112 @@ impl Netfront {
         }
         self.refill_rx(pool);
         n
+    }
+
+    /// The guest-copy receive path: up to `budget` responses, each a packet in a
+    /// buffer the back end lends; a buffer of the packet's size for each, placed at the
+    /// same offset in its cache line as the source; one `GNTTABOP_copy` for them all,
+    /// issued by this guest (so the copy and the hypervisor's work are the guest's);
+    /// then each packet is delivered and its slot posted again, which gives the back end
+    /// its buffer back. Returns the packets delivered and the responses taken.
+    fn poll_rx_copy(
+        &mut self,
+        pool: &mut SkbPool,
+        budget: usize,
+        deliver: &mut impl FnMut(&mut SkbPool, SkbId),
+    ) -> (usize, usize) {
+        let Some(l) = self.link.as_mut() else {
+            return (0, 0);
+        };
+        let base = match l.rx_grant_base {
+            Some(b) => b,
+            None => {
+                let key = format!("{}/{}", l.bdir, xenbus::RX_GRANT_BASE);
+                match xenbus::read_u32(self.hv.store(), self.dom.id(), &key) {
+                    Ok(b) => *l.rx_grant_base.insert(b),
+                    Err(_) => return (0, 0),
+                }
+            }
+        };
+        let be = l.be;
+        let batch = &mut self.copy_batch;
+        batch.clear();
+        while batch.pkts.len() < budget.min(COPY_BATCH) && !self.broken {
+            let Some(rsp) = next_response(&mut l.rx, &mut self.broken) else {
+                break;
+            };
+            let len = match check_rx_response(&rsp, &mut self.inflight) {
+                Ok(len) => len as usize,
+                Err(e) => {
+                    self.stats.rx_errors.add(e);
+                    // A slot that was ours is posted again.
+                    if !matches!(e, RxError::BadId | RxError::NotInFlight) {
+                        self.rx_free.push(rsp.id);
+                    }
+                    continue;
+                }
+            };
+            if rsp.flags & (NETRXF_MORE_DATA | NETRXF_EXTRA_INFO) != 0 {
+                // Neither multi-slot packets nor extras were negotiated.
+                self.stats.rx_bad_chain += 1;
+                self.rx_free.push(rsp.id);
+                continue;
+            }
+            // A buffer the size of the packet, at the source's offset in its cache
+            // line (the alignment is chosen when the buffer is allocated, §4.1).
+            let off = rsp.offset as usize;
+            let skb = {
+                let _m = enter(Class::Mem);
+                pool.alloc(NET_SKB_PAD + off % 64)
+            };
+            let Ok(skb) = skb else {
+                self.stats.rx_no_buffer += 1;
+                self.rx_free.push(rsp.id);
+                continue;
+            };
+            if pool.tailroom(skb) < len {
+                self.stats.rx_bad_chain += 1;
+                pool.free(skb);
+                self.rx_free.push(rsp.id);
+                continue;
+            }
+            let (gfn, doff) = pool.data_location(skb);
+            pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+            batch.copies.push(GrantCopy {
+                source: CopyPtr::Gref {
+                    dom: be,
+                    gref: GrantRef(base.wrapping_add(u32::from(rsp.id))),
+                    offset: off as u16,
+                },
+                dest: CopyPtr::Local {
+                    gfn,
+                    offset: doff as u16,
+                },
+                len: len as u16,
+            });
+            batch.pkts.push((rsp.id, skb, len));
+        }
+        let k = batch.copies.len();
+        if k > 0 {
+            let _h = enter(Class::Hypercall);
+            self.hv
+                .grant_copy(&self.dom, &batch.copies, &mut batch.status[..k]);
+        }
+        let mut n = 0;
+        let mut taken = 0;
+        for (i, &(id, skb, len)) in batch.pkts.iter().enumerate() {
+            taken += 1;
+            self.rx_free.push(id);
+            if batch.status[i].is_err() || pool.extend_linear(skb, len).is_err() {
+                self.stats.rx_copy_errors += 1;
+                pool.free(skb);
+                continue;
+            }
+            self.stats.rx_packets += 1;
+            n += 1;
+            deliver(pool, skb);
+        }
+        (n, taken)
     }
 
     fn abandon_partial(&mut self, pool: &mut SkbPool) {

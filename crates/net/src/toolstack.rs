@@ -58,6 +58,15 @@ pub fn offer_vif(
     spec: VifSpec,
 ) -> Result<(), XenbusError> {
     xenbus::create_vif(hv.store(), driver.id(), guest.id(), spec.handle, spec.mac)?;
+    // netback lends buffers for the guest to copy where it can grant sub-pages.
+    if driver.grant_table().version() == hv::GrantVersion::V2 {
+        let dir = xenbus::backend_dir(driver.id(), guest.id(), spec.handle);
+        hv.store().write(
+            driver.id(),
+            &format!("{dir}/{}", xenbus::FEATURE_GUEST_COPY),
+            "1",
+        )?;
+    }
     netback::probe(hv.store(), driver.id(), guest.id(), spec.handle)
 }
 

@@ -104,6 +104,15 @@ pub fn feature(store: &Store, caller: DomId, dir: &str, key: &str) -> bool {
         .is_ok_and(|v| v == "1")
 }
 
+/// A back end's offer to lend received packets' buffers for the guest to copy (paper
+/// 000 §4.1; pvio's own key: Xen has no such protocol). Needs grant tables v2, whose
+/// sub-page grants limit the guest to each packet's bytes.
+pub const FEATURE_GUEST_COPY: &str = "feature-rx-guest-copy";
+/// A front end's request for it.
+pub const REQUEST_GUEST_COPY: &str = "request-rx-guest-copy";
+/// Where the back end says its per-slot grants start (`base + id` for slot `id`).
+pub const RX_GRANT_BASE: &str = "rx-grant-base";
+
 /// The back end's features, as pvio's netback offers them.
 pub const BACKEND_FEATURES: [(&str, &str); 5] = [
     ("feature-sg", "1"),

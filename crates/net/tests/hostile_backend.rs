@@ -250,7 +250,7 @@ fn world_with(rx_buffers: RxBuffers) -> World {
     let (raw, mut front) = Raw::connect(&hv, &drv, &guest, rx_buffers);
     // A linear front end keeps a buffer on each posted page.
     let buffers = match rx_buffers {
-        RxBuffers::Fragments => 64,
+        RxBuffers::Fragments | RxBuffers::GuestCopy => 64,
         RxBuffers::Linear => 320,
     };
     let mut pool = SkbPool::new(Arc::clone(&guest), buffers, 320).expect("pool");
@@ -294,7 +294,7 @@ impl World {
         assert_eq!(self.pages_accounted(), pages, "no page lost or duplicated");
         assert_eq!(self.front.rx_posted(), 256, "the ring is full again");
         let on_ring = match self.front.rx_buffers() {
-            RxBuffers::Fragments => 0,
+            RxBuffers::Fragments | RxBuffers::GuestCopy => 0,
             RxBuffers::Linear => 256,
         };
         assert_eq!(self.pool.free_buffers() + on_ring, self.pool.capacity());

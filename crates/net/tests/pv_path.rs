@@ -5,11 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hv::store::XenbusState;
+use hv::{CopyPtr, GrantCopy, GrantRef};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
 use net::counters::CopyAlign;
-use net::netback::{Vif, VIF_WINDOW_SLOTS};
+use net::netback::{Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
+use net::netif::RxRequest;
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
 use net::toolstack::{self, VifSpec};
@@ -64,7 +66,8 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         })
         .expect("domain")
     };
-    let drv = dom("drv", true, VIF_WINDOW_SLOTS);
+    // Window slots for a second vif, for tests that add one.
+    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
     let guest = dom("guest", false, 4);
     let spec = VifSpec {
         handle: 0,
@@ -195,7 +198,7 @@ fn aligned_copies_start_each_frame_at_its_sources_cache_line_offset_and_lose_not
             p.vif.set_aligned_copies(aligned);
             let sizes: &[usize] = match rx_buffers {
                 RxBuffers::Fragments => &[52, 1472, 48000],
-                RxBuffers::Linear => &[52, 1472, 8000],
+                RxBuffers::Linear | RxBuffers::GuestCopy => &[52, 1472, 8000],
             };
             let (stack, gfree) = receive_each_from(&mut p, headroom, sizes, true, |pool, skb| {
                 // Where the back end put the frame's first byte: the start of the
@@ -205,7 +208,7 @@ fn aligned_copies_start_each_frame_at_its_sources_cache_line_offset_and_lose_not
                 let at = match (rx_buffers, pool.frags(skb).first()) {
                     (RxBuffers::Linear, _) => pool.data_location(skb).1,
                     (RxBuffers::Fragments, Some(f)) => f.offset as usize - RX_COPY_LEN,
-                    (RxBuffers::Fragments, None) => return,
+                    (RxBuffers::Fragments, None) | (RxBuffers::GuestCopy, _) => return,
                 };
                 let want = if aligned { headroom % 64 } else { 0 };
                 assert_eq!(at, want, "{rx_buffers:?}");
@@ -317,7 +320,17 @@ fn guest_packet(pool: &mut SkbPool, bytes: &[u8]) -> SkbId {
 
 #[test]
 fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after() {
-    for rx_b in [RxBuffers::Fragments, RxBuffers::Linear] {
+    for rx_b in [
+        RxBuffers::Fragments,
+        RxBuffers::Linear,
+        RxBuffers::GuestCopy,
+    ] {
+        // Guest copy lends through sub-page grants, which need v2 tables.
+        let version = if rx_b == RxBuffers::GuestCopy {
+            GrantVersion::V2
+        } else {
+            GrantVersion::V1
+        };
         let hv = Hypervisor::new(HvConfig {
             frames: 16384,
             grant_path: GrantPath::Original,
@@ -329,7 +342,7 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
                 name: name.into(),
                 pages: 2048,
                 grant_frames: 4,
-                grant_version: GrantVersion::V1,
+                grant_version: version,
                 vcpus: 1,
                 map_slots: slots,
                 driver_domain: driver,
@@ -412,7 +425,16 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
                 assert_eq!(vif_b.stats().rx_oversize, 1);
                 assert_eq!(vif_b.stats().rx_from_grants, 1);
             }
+            RxBuffers::GuestCopy => {
+                assert_eq!(got, sent[..2], "the 3-page frame needs fragments");
+                assert_eq!(vif_b.stats().rx_oversize, 1);
+                // A frame with bytes in A's page is lent from a local copy of it.
+                assert_eq!(vif_b.stats().rx_lent, 2);
+                assert_eq!(vif_b.stats().rx_linearized, 1);
+            }
         }
+        // B's slots, posted again, give the lent buffers back.
+        vif_b.rx_action(&mut dpool);
         // A's packets all left: every grant revoked, every buffer and page back.
         assert_eq!(front_a.stats().tx_packets, 3, "{rx_b:?}");
         assert_eq!(apool.free_buffers(), apool.capacity());
@@ -422,4 +444,271 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         assert_eq!(drv.grant_errors_total(), 0);
         assert_eq!(hv.iommu().fault_count(), 0);
     }
+}
+
+// --- The copy moved to the guest (paper 000 §4.1–4.2) ---------------------------------
+
+fn guest_copy_pair() -> Pair {
+    let mut p = pair_with(GrantVersion::V2, GrantPath::Optimised, RxBuffers::GuestCopy);
+    p.front.refill_rx(&mut p.gpool);
+    p
+}
+
+/// Queues `frame` to the vif as the NIC driver would receive it; returns where its
+/// bytes lie in the driver domain.
+fn queue_frame(p: &mut Pair, frame: &[u8]) -> (hv::Gfn, usize) {
+    let s = p.dpool.alloc(NET_SKB_PAD + NET_IP_ALIGN).expect("skb");
+    p.dpool.put(s, frame).expect("put");
+    let at = p.dpool.data_location(s);
+    p.vif.start_xmit(&mut p.dpool, s);
+    at
+}
+
+/// The back end's grant for slot 0 of its guest-copy vif.
+fn grant_base(p: &Pair) -> u32 {
+    let dir = xenbus::backend_dir(p.drv.id(), p.guest.id(), 0);
+    xenbus::read_u32(
+        p.hv.store(),
+        p.guest.id(),
+        &format!("{dir}/{}", xenbus::RX_GRANT_BASE),
+    )
+    .expect("rx-grant-base")
+}
+
+/// The guest's own grant copy of `len` bytes at `offset` through the back end's grant
+/// `gref`, into a fresh page of its own: the bytes, or the error.
+fn guest_reads(p: &Pair, gref: u32, offset: usize, len: usize) -> Result<Vec<u8>, hv::GrantError> {
+    let page = p.guest.alloc_page().expect("page");
+    let mut st = [Ok(())];
+    p.hv.grant_copy(
+        &p.guest,
+        &[GrantCopy {
+            source: CopyPtr::Gref {
+                dom: p.drv.id(),
+                gref: GrantRef(gref),
+                offset: offset as u16,
+            },
+            dest: CopyPtr::Local {
+                gfn: page,
+                offset: 0,
+            },
+            len: len as u16,
+        }],
+        &mut st,
+    );
+    let mut out = vec![0u8; len];
+    p.guest.read(page, 0, &mut out).expect("read");
+    p.guest.free_page(page).expect("free");
+    st[0].map(|()| out)
+}
+
+#[test]
+fn a_guest_copy_front_end_copies_every_message_itself_aligned_and_gives_every_buffer_back() {
+    let mut p = pair_with(GrantVersion::V2, GrantPath::Optimised, RxBuffers::GuestCopy);
+    let headroom = NET_SKB_PAD + NET_IP_ALIGN;
+    let (stack, gfree) =
+        receive_each_from(&mut p, headroom, &[52, 1472, 8000], true, |pool, skb| {
+            // netfront placed each packet at its source's offset in a cache line.
+            assert_eq!(pool.data_location(skb).1 % 64, headroom % 64);
+        });
+    let s = p.vif.stats().clone();
+    assert_eq!((s.rx_lent, s.rx_packets), (8, 8), "1 + 1 + 6 frames");
+    assert_eq!(s.rx_copy_bytes.total(), 0, "netback copies nothing");
+    assert_eq!(p.front.stats().rx_packets, 8);
+    // The slots the guest posted again give the buffers back.
+    p.vif.rx_action(&mut p.dpool);
+    assert_eq!(p.vif.stats().rx_returned, 8);
+    all_returned(&p, &stack, gfree);
+}
+
+#[test]
+fn a_guest_reads_only_the_lent_packets_bytes_only_while_lent_and_cannot_write_them() {
+    let mut p = guest_copy_pair();
+    // Two frames whose 2 KiB heads share one driver-domain page.
+    let (f1, f2) = (vec![0xa1u8; 300], vec![0xb2u8; 300]);
+    let (g1, o1) = queue_frame(&mut p, &f1);
+    let (g2, o2) = queue_frame(&mut p, &f2);
+    assert_eq!(g1, g2, "both heads in one page");
+    p.vif.rx_action(&mut p.dpool);
+    assert_eq!(p.vif.stats().rx_lent, 2);
+    let base = grant_base(&p);
+    // Which slots carry them: the guest can find out only by reading its own grants.
+    let slot = |off| {
+        (0..u32::from(net::netif::RING_IDS))
+            .find(|i| guest_reads(&p, base + i, off, 300).is_ok())
+            .expect("a lent slot")
+    };
+    let (s1, s2) = (slot(o1), slot(o2));
+    assert_ne!(s1, s2);
+    assert_eq!(guest_reads(&p, base + s1, o1, 300), Ok(f1.clone()));
+    // Not a byte before or after the window, nor the other packet in the same page.
+    assert!(guest_reads(&p, base + s1, o1 - 1, 1).is_err());
+    assert!(guest_reads(&p, base + s1, o1 + 300, 1).is_err());
+    assert!(guest_reads(&p, base + s1, o1, 301).is_err());
+    assert!(guest_reads(&p, base + s1, o2, 300).is_err());
+    assert!(guest_reads(&p, base + s1, 0, 64).is_err());
+    // Read-only: the guest cannot write into the driver domain's buffer.
+    let mine = p.guest.alloc_page().expect("page");
+    let mut st = [Ok(())];
+    p.hv.grant_copy(
+        &p.guest,
+        &[GrantCopy {
+            source: CopyPtr::Local {
+                gfn: mine,
+                offset: 0,
+            },
+            dest: CopyPtr::Gref {
+                dom: p.drv.id(),
+                gref: GrantRef(base + s1),
+                offset: o1 as u16,
+            },
+            len: 16,
+        }],
+        &mut st,
+    );
+    assert!(st[0].is_err());
+    // The guest takes both, posts the slots again, and the back end revokes: the
+    // grants read nothing after.
+    let mut got = Vec::new();
+    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
+        let mut b = vec![0u8; pool.len(s)];
+        pool.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        pool.free(s);
+    });
+    assert_eq!(got, vec![f1, f2]);
+    p.vif.rx_action(&mut p.dpool);
+    assert_eq!(p.vif.stats().rx_returned, 2);
+    assert!(guest_reads(&p, base + s1, o1, 300).is_err());
+    assert!(guest_reads(&p, base + s2, o2, 300).is_err());
+    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
+}
+
+#[test]
+fn a_guest_that_never_copies_holds_at_most_its_bound_of_driver_domain_buffers() {
+    let mut p = guest_copy_pair();
+    let frame = |i: usize| vec![i as u8; 1514];
+    for i in 0..RX_LENT_MAX + 10 {
+        queue_frame(&mut p, &frame(i));
+    }
+    p.vif.rx_action(&mut p.dpool);
+    // The bound lent; the rest wait in the queue, as for a guest that posts nothing.
+    let s = p.vif.stats().clone();
+    assert_eq!(
+        (s.rx_lent, s.rx_revoked, p.vif.rx_queued()),
+        (RX_LENT_MAX as u64, 0, 10)
+    );
+    // Traffic keeps coming and the queue fills: the guest is not copying, and each
+    // packet that would not fit takes back the oldest lent buffer instead.
+    let mut i = RX_LENT_MAX + 10;
+    while p.vif.stats().rx_queue_full == 0 {
+        queue_frame(&mut p, &frame(i));
+        i += 1;
+    }
+    p.vif.rx_action(&mut p.dpool);
+    let s = p.vif.stats().clone();
+    assert!(s.rx_revoked >= 1, "{s:?}");
+    let held = p.dpool.capacity() - p.dpool.free_buffers();
+    assert_eq!(
+        held,
+        RX_LENT_MAX + p.vif.rx_queued(),
+        "lent buffers stay at the bound"
+    );
+    // When the guest does copy, the revoked packets fail, counted, and the rest
+    // arrive; every driver-domain buffer comes back.
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        p.front.poll_rx(&mut p.gpool, 256, |pool, s| {
+            got.push(pool.domain().id());
+            pool.free(s);
+        });
+        p.vif.rx_action(&mut p.dpool);
+        if p.vif.rx_queued() == 0 && p.front.rx_posted() == 256 {
+            break;
+        }
+    }
+    p.front.poll_rx(&mut p.gpool, 256, |pool, s| {
+        got.push(pool.domain().id());
+        pool.free(s);
+    });
+    p.vif.rx_action(&mut p.dpool);
+    let s = p.vif.stats().clone();
+    assert_eq!(p.front.stats().rx_copy_errors, s.rx_revoked);
+    assert_eq!(got.len() as u64 + s.rx_revoked + s.rx_queue_full, i as u64);
+    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
+    assert_eq!(p.front.rx_posted(), 256);
+    assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
+}
+
+#[test]
+fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_and_frees_nothing_of_another_guest(
+) {
+    let mut p = guest_copy_pair();
+    // A second guest on the same driver domain, writing its RX ring by hand.
+    let bad =
+        p.hv.create_domain(&DomainConfig {
+            name: "bad".into(),
+            pages: 256,
+            grant_frames: 4,
+            grant_version: GrantVersion::V2,
+            vcpus: 1,
+            map_slots: 4,
+            driver_domain: false,
+        })
+        .expect("domain");
+    let spec = VifSpec {
+        handle: 0,
+        mac: [2, 0, 0, 0, 0, 9],
+        rx_buffers: RxBuffers::GuestCopy,
+        index: 1,
+    };
+    toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
+    let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");
+    let fdir = xenbus::frontend_dir(bad.id(), 0);
+    p.hv.store()
+        .write(
+            bad.id(),
+            &format!("{fdir}/{}", xenbus::REQUEST_GUEST_COPY),
+            "1",
+        )
+        .expect("write");
+    let mut bad_vif = Vif::connect(&p.hv, &p.drv, bad.id(), 0, 1, VIF_WINDOW_SLOTS)
+        .expect("the hostile front end connects");
+    // The good guest has two packets lent and not yet copied.
+    let (f1, f2) = (vec![0x11u8; 400], vec![0x22u8; 1400]);
+    queue_frame(&mut p, &f1);
+    queue_frame(&mut p, &f2);
+    p.vif.rx_action(&mut p.dpool);
+    assert_eq!(p.vif.stats().rx_lent, 2);
+    // A ring's worth of requests: 254 slots, one of them again, one beyond the ring.
+    for (i, id) in (0..254u16).chain([5, 300]).enumerate() {
+        let i = i as u32;
+        raw.post_rx(
+            i,
+            RxRequest {
+                id,
+                pad: 0,
+                gref: 0,
+            },
+            i + 1,
+        );
+    }
+    bad_vif.rx_action(&mut p.dpool);
+    assert_eq!(bad_vif.stats().rx_bad_requests, 2);
+    assert_eq!(bad_vif.stats().rx_returned, 0);
+    assert!(bad_vif.disabled().is_none());
+    // The good guest's packets are untouched and its buffers come back only by its
+    // own posts.
+    let mut got = Vec::new();
+    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
+        let mut b = vec![0u8; pool.len(s)];
+        pool.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        pool.free(s);
+    });
+    assert_eq!(got, vec![f1, f2]);
+    p.vif.rx_action(&mut p.dpool);
+    assert_eq!(p.vif.stats().rx_returned, 2);
+    bad_vif.disconnect(&mut p.dpool);
+    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
 }

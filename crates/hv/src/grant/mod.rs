@@ -426,6 +426,33 @@ impl<'a> GuestGrants<'a> {
             .unwrap_or_else(|p| p.into_inner())
             .pop()
     }
+    /// Takes `n` free references with consecutive numbers from the domain's allocator
+    /// and returns the first: a block a peer can name by index (a back end's per-slot
+    /// grants, `base + id`). `None` if no such run is free. A control-path call: it
+    /// scans the free list.
+    pub fn alloc_block(&self, n: u32) -> Option<GrantRef> {
+        let mut free = self
+            .dom
+            .grant
+            .free_refs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut sorted: Vec<u32> = free.iter().map(|r| r.0).collect();
+        sorted.sort_unstable();
+        let (mut start, mut run) = (0u32, 0u32);
+        for (i, &r) in sorted.iter().enumerate() {
+            if i > 0 && r == sorted[i - 1] + 1 {
+                run += 1;
+            } else {
+                (start, run) = (r, 1);
+            }
+            if run == n {
+                free.retain(|x| x.0 < start || x.0 >= start + n);
+                return Some(GrantRef(start));
+            }
+        }
+        None
+    }
     /// References free in the domain's allocator (what an oracle checks a front end
     /// gave back).
     pub fn refs_free(&self) -> usize {
