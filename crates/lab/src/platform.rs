@@ -172,7 +172,7 @@ impl SoftOpt {
 }
 
 /// The named configurations, in Figure 8's order after the paper's two references.
-pub const NAMED: [&str; 4] = ["native", "direct", "pv", "pv-soft"];
+pub const NAMED: [&str; 5] = ["native", "direct", "pv", "pv-soft", "pv-guestcopy"];
 
 impl Options {
     /// `pv` with one software optimisation on.
@@ -192,10 +192,21 @@ impl Options {
         o
     }
 
+    /// The copy moved to the guest (`pv-guestcopy`, paper 000 §4.1–4.2 and Figure 8's
+    /// third bar): `pv-soft`, with netback lending its buffers through sub-page grants
+    /// and netfront copying each packet into a buffer it allocates for it.
+    pub fn pv_guestcopy(message: usize) -> Self {
+        Self {
+            rx_buffers: RxBuffers::GuestCopy,
+            ..Self::pv_soft(message)
+        }
+    }
+
     /// A configuration by name (one of [`NAMED`]).
     pub fn named(name: &str, message: usize) -> Option<Self> {
         match name {
             "pv-soft" => Some(Self::pv_soft(message)),
+            "pv-guestcopy" => Some(Self::pv_guestcopy(message)),
             _ => Config::parse(name).map(|c| Self::paper(c, message)),
         }
     }
