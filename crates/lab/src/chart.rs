@@ -59,6 +59,24 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// The series' legend, top right.
+fn legend<'a, X, Y>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
+) -> Result<(), String>
+where
+    X: Ranged,
+    Y: Ranged,
+{
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
+}
+
 impl StackedBars {
     /// The classes in first-seen order (legend and colour order).
     fn classes(&self) -> Vec<&str> {
@@ -138,14 +156,7 @@ impl StackedBars {
                     Rectangle::new([(x, y - 6), (x + 12, y + 6)], colour.filled())
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font(("sans-serif", 13))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart)?;
         root.present().map_err(err)?;
         Ok(())
     }
@@ -216,14 +227,7 @@ impl Lines {
                 .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
                 .map_err(err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font(("sans-serif", 13))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart)?;
         root.present().map_err(err)?;
         Ok(())
     }

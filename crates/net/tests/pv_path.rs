@@ -464,6 +464,18 @@ fn queue_frame(p: &mut Pair, frame: &[u8]) -> (hv::Gfn, usize) {
     at
 }
 
+/// Everything netfront delivers now, each packet's bytes.
+fn take_all(p: &mut Pair) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
+        let mut b = vec![0u8; pool.len(s)];
+        pool.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        pool.free(s);
+    });
+    got
+}
+
 /// The back end's grant for slot 0 of its guest-copy vif.
 fn grant_base(p: &Pair) -> u32 {
     let dir = xenbus::backend_dir(p.drv.id(), p.guest.id(), 0);
@@ -569,14 +581,7 @@ fn a_guest_reads_only_the_lent_packets_bytes_only_while_lent_and_cannot_write_th
     assert!(st[0].is_err());
     // The guest takes both, posts the slots again, and the back end revokes: the
     // grants read nothing after.
-    let mut got = Vec::new();
-    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
-        let mut b = vec![0u8; pool.len(s)];
-        pool.read(s, 0, &mut b).expect("read");
-        got.push(b);
-        pool.free(s);
-    });
-    assert_eq!(got, vec![f1, f2]);
+    assert_eq!(take_all(&mut p), vec![f1, f2]);
     p.vif.rx_action(&mut p.dpool);
     assert_eq!(p.vif.stats().rx_returned, 2);
     assert!(guest_reads(&p, base + s1, o1, 300).is_err());
@@ -699,14 +704,7 @@ fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_a
     assert!(bad_vif.disabled().is_none());
     // The good guest's packets are untouched and its buffers come back only by its
     // own posts.
-    let mut got = Vec::new();
-    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
-        let mut b = vec![0u8; pool.len(s)];
-        pool.read(s, 0, &mut b).expect("read");
-        got.push(b);
-        pool.free(s);
-    });
-    assert_eq!(got, vec![f1, f2]);
+    assert_eq!(take_all(&mut p), vec![f1, f2]);
     p.vif.rx_action(&mut p.dpool);
     assert_eq!(p.vif.stats().rx_returned, 2);
     bad_vif.disconnect(&mut p.dpool);

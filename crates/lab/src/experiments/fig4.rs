@@ -31,7 +31,7 @@ use mem::cpu::thread_cpu_time;
 use net::counters::CopyAlign;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
-use crate::experiments::santos08::{durations, one_run, sign_test_p, RunCost};
+use crate::experiments::santos08::{account_losses, durations, one_run, sign_test_p, RunCost};
 use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -507,17 +507,10 @@ fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
                     }
                 }
             }
-            for r in v {
-                let f = &r.finish;
-                let l = f.messages_sent.saturating_sub(f.messages_received);
-                if l + f.corrupt > 0 {
-                    rep.notes.push(format!(
-                        "{label} B {name}: {l} of {} messages lost, {} corrupt; counters {:?}",
-                        f.messages_sent, f.corrupt, f.counters.entries
-                    ));
-                }
-                lost += l + f.corrupt;
-            }
+            lost += account_losses(
+                rep,
+                v.iter().map(|r| (format!("{label} B {name}"), &r.finish)),
+            );
         }
         all_line &= al
             .iter()

@@ -12,7 +12,9 @@
 use std::collections::BTreeMap;
 
 use crate::chart::{Bar, StackedBars};
-use crate::experiments::santos08::{durations, one_run, sign_test_p, RunCost, GLOBALS};
+use crate::experiments::santos08::{
+    account_losses, durations, one_run, sign_test_p, RunCost, GLOBALS,
+};
 use crate::platform::{Config, Finish, Options, SoftOpt};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -200,7 +202,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     }
     for (name, c) in PAPER_CYCLES.iter().filter(|p| BARS.contains(&p.0)) {
         bars.push(Bar {
-            label: format!("paper {name} 48000"),
+            label: format!("paper {}", name.trim_start_matches("pv-")),
             segments: vec![("paper total".into(), c / 3.0)],
         });
     }
@@ -212,17 +214,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         bars,
     });
 
-    let mut lost_total = 0;
-    for (size, name, f) in &finishes {
-        let lost = f.messages_sent.saturating_sub(f.messages_received);
-        lost_total += lost + f.corrupt;
-        if lost > 0 || f.corrupt > 0 {
-            r.notes.push(format!(
-                "{size} B {name}: {lost} of {} messages lost, {} corrupt; counters {:?}",
-                f.messages_sent, f.corrupt, f.counters.entries
-            ));
-        }
-    }
+    let lost_total = account_losses(
+        &mut r,
+        finishes
+            .iter()
+            .map(|(size, name, f)| (format!("{size} B {name}"), f)),
+    );
     r.check_none(
         "messages lost or corrupted (all runs)",
         lost_total,

@@ -428,17 +428,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     charts(&mut r, &results, &nofrag);
 
     // Loss accounting.
-    let mut lost_total = 0;
-    for (size, config, f) in &losses {
-        let lost = f.messages_sent.saturating_sub(f.messages_received);
-        lost_total += lost + f.corrupt;
-        if lost > 0 || f.corrupt > 0 {
-            r.notes.push(format!(
-                "{} B {}: {lost} of {} messages lost, {} corrupt; counters {:?}",
-                size, config, f.messages_sent, f.corrupt, f.counters.entries
-            ));
-        }
-    }
+    let lost_total = account_losses(
+        &mut r,
+        losses
+            .iter()
+            .map(|(size, config, f)| (format!("{size} B {config}"), f)),
+    );
     let sent: u64 = losses.iter().map(|l| l.2.frames_sent).sum();
     let skipped: u64 = losses
         .iter()
@@ -468,6 +463,26 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         losses.len()
     ));
     Ok(r)
+}
+
+/// Notes every run that lost or corrupted messages, with its counters; returns the
+/// messages lost or corrupted over all of them.
+pub(crate) fn account_losses<'a>(
+    r: &mut Report,
+    runs: impl Iterator<Item = (String, &'a Finish)>,
+) -> u64 {
+    let mut total = 0;
+    for (label, f) in runs {
+        let lost = f.messages_sent.saturating_sub(f.messages_received);
+        total += lost + f.corrupt;
+        if lost > 0 || f.corrupt > 0 {
+            r.notes.push(format!(
+                "{label}: {lost} of {} messages lost, {} corrupt; counters {:?}",
+                f.messages_sent, f.corrupt, f.counters.entries
+            ));
+        }
+    }
+    total
 }
 
 /// A kernel's class: not the hypervisor's, not the copy to the user and not the
