@@ -69,6 +69,8 @@ pub struct DriverStats {
     pub irqs: u64,
     /// Buffers whose pages are not machine-contiguous (would bounce).
     pub dma_bounces: u64,
+    /// Times adaptive moderation changed the packets per interrupt.
+    pub itr_changes: u64,
 }
 
 net::counter_set!(DriverStats {
@@ -78,7 +80,8 @@ net::counter_set!(DriverStats {
     tx_packets,
     tx_ring_full,
     irqs,
-    dma_bounces
+    dma_bounces,
+    itr_changes
 });
 
 /// The driver of one NIC.
@@ -96,8 +99,34 @@ pub struct NicDriver {
     tx_next: u32,
     tx_clean: u32,
     napi: bool,
+    /// Adaptive interrupt moderation, when on.
+    adaptive: Option<Adaptive>,
     stats: DriverStats,
 }
+
+/// Adaptive interrupt moderation (in the spirit of Linux's dynamic interrupt
+/// moderation, `net_dim`, and e1000's dynamic ITR): over each window the driver counts
+/// the packets it received and sets the device's packets per interrupt so that, at
+/// that rate, interrupts come about [`ADAPTIVE_IRQ_RATE`] times a second, from 1 (a
+/// low rate: every packet signalled at once) to [`ADAPTIVE_MAX_PKTS`]. The device's
+/// maximum delay still bounds how long a packet waits.
+#[derive(Debug, Clone, Copy)]
+struct Adaptive {
+    since: std::time::Instant,
+    packets: u64,
+    itr: u32,
+}
+
+/// The interrupt rate adaptive moderation aims at, per second: at most one interrupt a
+/// millisecond once the rate allows, so that a saturated gigabit link (81 000 frames a
+/// second) gets the largest batch, and below 1000 packets a second every packet is
+/// signalled at once. (First set at 2000: at the paper's load it chose 41 packets and
+/// cost 10–14% more than 64.)
+pub const ADAPTIVE_IRQ_RATE: f64 = 1000.0;
+/// The most packets per interrupt it chooses.
+pub const ADAPTIVE_MAX_PKTS: u32 = 64;
+/// How often it looks at the rate.
+pub const ADAPTIVE_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The I/O address of a byte of the owner's memory (its IOMMU context maps every page
 /// the driver gives the device at the page's own frame number).
@@ -143,6 +172,7 @@ impl NicDriver {
             tx_next: 0,
             tx_clean: 0,
             napi: false,
+            adaptive: None,
             stats: DriverStats::default(),
         };
         for i in 0..RING_DESCS {
@@ -225,6 +255,38 @@ impl NicDriver {
         self.rx_skbs[i as usize] = Some(skb);
     }
 
+    /// Turns adaptive interrupt moderation on or off (off: the device keeps the count
+    /// it was started with, or last given).
+    pub fn set_adaptive(&mut self, on: bool) {
+        self.adaptive = on.then(|| Adaptive {
+            since: std::time::Instant::now(),
+            packets: 0,
+            itr: self.regs.itr_pkts.load(Ordering::Relaxed),
+        });
+    }
+
+    /// Counts `n` received packets for adaptive moderation and, once a window has
+    /// passed, sets the device's packets per interrupt for the rate measured.
+    fn moderate(&mut self, n: usize) {
+        let Some(a) = self.adaptive.as_mut() else {
+            return;
+        };
+        a.packets += n as u64;
+        let now = std::time::Instant::now();
+        let took = now.duration_since(a.since);
+        if took < ADAPTIVE_WINDOW {
+            return;
+        }
+        let rate = a.packets as f64 / took.as_secs_f64();
+        let itr = ((rate / ADAPTIVE_IRQ_RATE).ceil() as u32).clamp(1, ADAPTIVE_MAX_PKTS);
+        if itr != a.itr {
+            a.itr = itr;
+            self.regs.itr_pkts.store(itr, Ordering::Relaxed);
+            self.stats.itr_changes += 1;
+        }
+        (a.since, a.packets) = (now, 0);
+    }
+
     /// The interrupt handler: masks the device's interrupt and schedules the poll.
     pub fn interrupt(&mut self) {
         let _c = enter(Class::Interrupt);
@@ -290,6 +352,9 @@ impl NicDriver {
             self.regs
                 .set_rx_tail((self.rx_next + RING_DESCS - 1) % RING_DESCS);
         }
+        // Each poll feeds the moderation, as a Linux driver feeds net_dim from its NAPI
+        // poll.
+        self.moderate(n);
         if n < budget {
             self.napi = false;
             self.regs.irq_enabled.store(true, Ordering::Release);

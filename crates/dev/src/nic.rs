@@ -72,18 +72,40 @@ const _: () = assert!(std::mem::size_of::<Desc>() == DESC_SIZE);
 /// Interrupt coalescing parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Coalesce {
-    /// Completions per interrupt.
+    /// Completions per interrupt (the driver may change it at run time through
+    /// [`NicRegs::itr_pkts`]).
     pub pkts_per_irq: u32,
-    /// Longest a completion waits for its interrupt.
+    /// Longest a completion waits for its interrupt, counted as `delay_from` says.
     pub max_delay: Duration,
+    /// What the delay is counted from.
+    pub delay_from: DelayFrom,
+    /// The driver chooses the packets per interrupt from the rate it measures
+    /// ([`crate::driver::NicDriver::set_adaptive`]; ethtool's `adaptive-rx`), starting
+    /// from `pkts_per_irq`.
+    pub adaptive: bool,
+}
+
+/// What a NIC's coalescing delay is counted from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DelayFrom {
+    /// The oldest completion not yet signalled: no completion waits longer than the
+    /// delay, whatever the rate.
+    #[default]
+    FirstPacket,
+    /// The latest completion (paper 000 §5.2: "a maximum delay after the last received
+    /// packet"): while packets keep arriving closer together than the delay, only the
+    /// packet count raises the interrupt, so batches grow with the count.
+    LastPacket,
 }
 
 impl Default for Coalesce {
-    /// The paper's NIC: 6 packets or 18 µs.
+    /// The paper's NIC: 6 packets or 18 µs, counted from the oldest completion.
     fn default() -> Self {
         Self {
             pkts_per_irq: 6,
             max_delay: Duration::from_micros(18),
+            delay_from: DelayFrom::FirstPacket,
+            adaptive: false,
         }
     }
 }
@@ -97,6 +119,10 @@ pub struct NicRegs {
     pub tx_base: AtomicU64,
     /// RX tail: descriptors before it (mod ring) belong to the device.
     pub rx_tail: AtomicU32,
+    /// Interrupt moderation: completions per interrupt, written by the driver (an
+    /// adaptive driver rewrites it as the rate changes); [`Coalesce::pkts_per_irq`] at
+    /// start.
+    pub itr_pkts: AtomicU32,
     /// TX tail.
     pub tx_tail: AtomicU32,
     /// Interrupts enabled.
@@ -138,6 +164,7 @@ impl NicRegs {
             rx_base: AtomicU64::new(0),
             tx_base: AtomicU64::new(0),
             rx_tail: AtomicU32::new(0),
+            itr_pkts: AtomicU32::new(Coalesce::default().pkts_per_irq),
             tx_tail: AtomicU32::new(0),
             irq_enabled: AtomicBool::new(false),
             enabled: AtomicBool::new(false),
@@ -242,6 +269,7 @@ struct Device {
     tx_head: u32,
     pending: u32,
     first_pending: Option<Instant>,
+    last_pending: Option<Instant>,
     frame: Vec<u8>,
 }
 
@@ -258,6 +286,8 @@ impl Nic {
         sink: Box<dyn WireSink>,
     ) -> std::io::Result<Self> {
         let regs = Arc::new(NicRegs::new());
+        regs.itr_pkts
+            .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
         let mut d = Device {
             regs: Arc::clone(&regs),
             dma: hv.iommu().device(dev),
@@ -267,6 +297,7 @@ impl Nic {
             tx_head: 0,
             pending: 0,
             first_pending: None,
+            last_pending: None,
             frame: vec![0; 65536],
         };
         let thread = std::thread::Builder::new()
@@ -348,6 +379,7 @@ impl Device {
                 self.tx_head = 0;
                 self.pending = 0;
                 self.first_pending = None;
+                self.last_pending = None;
             }
             regs.iterations.fetch_add(1, Ordering::AcqRel);
             let now = Instant::now();
@@ -370,7 +402,7 @@ impl Device {
                 // With interrupts off the driver is polling and will see the
                 // completions anyway; look again after a coalescing period.
                 let from = if regs.irq_enabled.load(Ordering::Acquire) {
-                    self.first_pending.unwrap_or(now)
+                    self.delay_start().unwrap_or(now)
                 } else {
                     now
                 };
@@ -398,12 +430,26 @@ impl Device {
         source
     }
 
+    /// Where the coalescing delay of the pending completions counts from.
+    fn delay_start(&self) -> Option<Instant> {
+        match self.coalesce.delay_from {
+            DelayFrom::FirstPacket => self.first_pending,
+            DelayFrom::LastPacket => self.last_pending,
+        }
+    }
+
+    /// Completions per interrupt, as the driver last set them.
+    fn itr(&self) -> u32 {
+        self.regs.itr_pkts.load(Ordering::Relaxed).max(1)
+    }
+
     fn complete(&mut self, now: Instant) {
         if self.pending == 0 {
             self.first_pending = Some(now);
         }
+        self.last_pending = Some(now);
         self.pending += 1;
-        if self.pending >= self.coalesce.pkts_per_irq {
+        if self.pending >= self.itr() {
             self.maybe_interrupt(now);
         }
     }
@@ -412,13 +458,14 @@ impl Device {
         if self.pending == 0 || !self.regs.irq_enabled.load(Ordering::Acquire) {
             return;
         }
-        let due = self.pending >= self.coalesce.pkts_per_irq
+        let due = self.pending >= self.itr()
             || self
-                .first_pending
+                .delay_start()
                 .is_some_and(|t| now.duration_since(t) >= self.coalesce.max_delay);
         if due {
             self.pending = 0;
             self.first_pending = None;
+            self.last_pending = None;
             self.regs.irqs.fetch_add(1, Ordering::Relaxed);
             self.irq.raise();
         }
@@ -563,6 +610,7 @@ mod tests {
             tx_head: 0,
             pending: 0,
             first_pending: None,
+            last_pending: None,
             frame: vec![0; 65536],
         };
         let frame = [0x5au8; 200];
@@ -587,5 +635,65 @@ mod tests {
             2,
             "both descriptors used"
         );
+    }
+
+    #[test]
+    fn the_coalescing_delay_counts_from_the_first_or_the_last_packet_and_the_driver_sets_the_count()
+    {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 64,
+            ..HvConfig::default()
+        })
+        .expect("hv");
+        let device = |delay_from| {
+            let regs = Arc::new(NicRegs::new());
+            regs.irq_enabled.store(true, Ordering::Relaxed);
+            regs.itr_pkts.store(64, Ordering::Relaxed);
+            Device {
+                regs,
+                dma: hv.iommu().device(DeviceId(8)),
+                irq: IrqLine::Native(Arc::default()),
+                coalesce: Coalesce {
+                    pkts_per_irq: 64,
+                    max_delay: Duration::from_micros(18),
+                    delay_from,
+                    adaptive: false,
+                },
+                rx_head: 0,
+                tx_head: 0,
+                pending: 0,
+                first_pending: None,
+                last_pending: None,
+                frame: Vec::new(),
+            }
+        };
+        let irqs = |d: &Device| d.regs.irqs.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        let us = |n: u64| t0 + Duration::from_micros(n);
+        for from in [DelayFrom::FirstPacket, DelayFrom::LastPacket] {
+            let mut d = device(from);
+            // Ten packets 10 µs apart: closer together than the delay.
+            for k in 0..10 {
+                d.complete(us(10 * k));
+                d.maybe_interrupt(us(10 * k));
+            }
+            match from {
+                // An interrupt once the oldest has waited 18 µs: at 20, 50 and 80.
+                DelayFrom::FirstPacket => assert_eq!(irqs(&d), 3),
+                // Each packet restarted the delay: nothing yet.
+                DelayFrom::LastPacket => assert_eq!(irqs(&d), 0),
+            }
+            d.maybe_interrupt(us(90 + 18));
+            assert_eq!(
+                d.pending, 0,
+                "{from:?}: 18 µs after the last, all signalled"
+            );
+        }
+        // The count is the driver's register, read at each completion.
+        let mut d = device(DelayFrom::LastPacket);
+        d.regs.itr_pkts.store(2, Ordering::Relaxed);
+        d.complete(us(0));
+        d.complete(us(1));
+        assert_eq!(irqs(&d), 1);
     }
 }

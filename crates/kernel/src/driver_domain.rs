@@ -146,6 +146,11 @@ impl DriverDomain {
         })
     }
 
+    /// Adaptive interrupt moderation in the NIC driver, on or off.
+    pub fn set_adaptive_coalescing(&mut self, on: bool) {
+        self.nic.set_adaptive(on);
+    }
+
     /// The vifs, in port order.
     pub fn vifs(&self) -> &[Vif] {
         &self.vifs

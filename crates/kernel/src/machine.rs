@@ -170,6 +170,8 @@ pub struct Machine {
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
     native_irq: Option<Arc<NativeIrq>>,
+    /// The NIC driver chooses its interrupt moderation from the rate.
+    adaptive_coalescing: bool,
 }
 
 /// A guest's front end while the machine is built.
@@ -230,6 +232,7 @@ impl Machine {
             stop: Arc::new(AtomicBool::new(false)),
             kernels: Vec::new(),
             native_irq: None,
+            adaptive_coalescing: spec.nic.coalesce.adaptive,
         };
         let ready = Arc::new(AtomicUsize::new(0));
         let mk = |hv: &Arc<Hypervisor>, name: &str, driver: bool, slots: u32| {
@@ -258,7 +261,8 @@ impl Machine {
                 let irq = Arc::new(NativeIrq::default());
                 m.native_irq = Some(Arc::clone(&irq));
                 let nic = start_nic(&hv, IrqLine::Native(Arc::clone(&irq)), n)?;
-                let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
+                let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
+                k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.nic = Some(nic);
                 m.boot(
                     &dom,
@@ -272,7 +276,9 @@ impl Machine {
             Layout::Direct(app) => {
                 let dom = mk(&hv, "guest", false, 4)?;
                 let (nic, pirq) = assign_nic(&hv, &dom, n)?;
-                let k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+                let mut k =
+                    NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+                k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.nic = Some(nic);
                 m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
             }
@@ -317,8 +323,9 @@ impl Machine {
                     plan.push((Arc::clone(dom), vs));
                 }
                 let fault = FaultSwitch::default();
-                let k =
+                let mut k =
                     DriverDomain::new(&hv, &drv, nic.regs(), pirq, driver, vifs, fault.clone())?;
+                k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.driver = Some(DriverPlan {
                     dom: Arc::clone(&drv),
                     config: driver,
@@ -508,7 +515,8 @@ impl Machine {
             vifs.push((vif, vs.mac));
         }
         d.fault.inject(Fault::None);
-        let k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.config, vifs, d.fault.clone())?;
+        let mut k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.config, vifs, d.fault.clone())?;
+        k.set_adaptive_coalescing(self.adaptive_coalescing);
         let at = VcpuStart {
             vcpu: 0,
             core: core(0),

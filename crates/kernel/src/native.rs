@@ -55,6 +55,13 @@ impl NicKernel {
     }
 }
 
+impl NicKernel {
+    /// Adaptive interrupt moderation in the NIC driver, on or off.
+    pub fn set_adaptive_coalescing(&mut self, on: bool) {
+        self.drv.set_adaptive(on);
+    }
+}
+
 impl Kernel for NicKernel {
     const CLOCK: bool = true;
 

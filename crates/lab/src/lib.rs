@@ -83,6 +83,7 @@ pub fn registry() -> Vec<Experiment> {
         experiments::santos08::EXPERIMENT,
         experiments::fig4::EXPERIMENT,
         experiments::fig8::EXPERIMENT,
+        experiments::fig11::EXPERIMENT,
         experiments::ceiling::EXPERIMENT,
         experiments::restart::EXPERIMENT,
         experiments::soak::EXPERIMENT,

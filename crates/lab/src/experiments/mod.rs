@@ -2,6 +2,7 @@
 
 pub mod ceiling;
 pub mod core;
+pub mod fig11;
 pub mod fig4;
 pub mod fig8;
 pub mod restart;
