@@ -1376,7 +1376,12 @@ fn take_credit(
     }
     if let Some(skb) = gc.lent[req.id as usize].take() {
         stats.rx_returned += 1;
-        gc.order.retain(|&i| i != req.id);
+        // A guest copies in order, so the oldest comes back first: no search then.
+        if gc.order.front() == Some(&req.id) {
+            gc.order.pop_front();
+        } else {
+            gc.order.retain(|&i| i != req.id);
+        }
         end_lent(gt, gc, pool, req.id, skb);
     }
     gc.credits.push(req.id);
