@@ -746,14 +746,7 @@ impl Vif {
             };
             take_credit(gc, &gt, pool, req, &mut self.rx, &mut self.stats);
         }
-        let base = gc.base.0;
-        gc.ending.retain(|&(id, skb)| {
-            let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
-            if done {
-                pool.free(skb);
-            }
-            !done
-        });
+        gc.end_pending(&gt, pool);
         let mut n = 0;
         loop {
             let waiting = gc.credits.is_empty()
@@ -1311,15 +1304,8 @@ impl Vif {
             }
             // A copy in flight ends within a hypercall: wait for it, since a buffer
             // freed under a grant would show the guest the buffer's next packet.
-            let base = gc.base.0;
             for _ in 0..1000 {
-                gc.ending.retain(|&(id, skb)| {
-                    let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
-                    if done {
-                        pool.free(skb);
-                    }
-                    !done
-                });
+                gc.end_pending(&gt, pool);
                 if gc.ending.is_empty() {
                     break;
                 }
@@ -1385,6 +1371,21 @@ fn take_credit(
         end_lent(gt, gc, pool, req.id, skb);
     }
     gc.credits.push(req.id);
+}
+
+impl GuestCopy {
+    /// Tries again the grants that were in use when ended, freeing each buffer whose
+    /// grant ends now.
+    fn end_pending(&mut self, gt: &hv::grant::GuestGrants<'_>, pool: &mut SkbPool) {
+        let base = self.base.0;
+        self.ending.retain(|&(id, skb)| {
+            let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
+            if done {
+                pool.free(skb);
+            }
+            !done
+        });
+    }
 }
 
 /// Ends the grant through which `skb` was lent on slot `id` and frees it, or, if the

@@ -28,8 +28,8 @@ pub const EXPERIMENT: Experiment = Experiment {
 const SIZE: usize = 48000;
 /// Packets per interrupt swept (the paper's range).
 const SETTINGS: [u32; 5] = [6, 8, 16, 32, 64];
-/// The configurations, in the paper's order of cost.
-const CONFIGS: [&str; 5] = ["native", "direct", "pv", "pv-soft", "pv-guestcopy"];
+/// The configurations: every named one, in the paper's order of cost.
+const CONFIGS: [&str; 5] = crate::platform::NAMED;
 /// The PV configurations, whose saving is compared with native's.
 const PV: [&str; 3] = ["pv", "pv-soft", "pv-guestcopy"];
 

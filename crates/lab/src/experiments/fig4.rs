@@ -138,8 +138,8 @@ impl Bench {
             b.refs.push(r);
             b.gdst.push(g);
         }
-        // The guest's own source pages (a received frame's page) reuse the pages the
-        // grants name only for the cold set's other half: separate pages.
+        // Source pages for the guest's own copy (a received frame's page), apart from
+        // the granted pages it copies into.
         for i in 0..COLD_PAGES / 2 {
             let g = b.guest.alloc_page().map_err(other)?;
             b.guest.fill(g, 0, PAGE_SIZE, i as u8 | 3).map_err(other)?;
