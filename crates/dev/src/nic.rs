@@ -149,6 +149,12 @@ pub struct NicRegs {
     pub tx_frames: AtomicU64,
     /// Interrupts raised.
     pub irqs: AtomicU64,
+    /// Of those, raised by the maximum-delay timer rather than the packet count.
+    pub timer_irqs: AtomicU64,
+    /// How late, in total, the timer's interrupts came after their deadline (ns): the
+    /// device thread's timed wait is the host's, which may fire late where a NIC's
+    /// timer would not.
+    pub timer_late_ns: AtomicU64,
 
     /// Function-level resets requested; the device clears its own state when it sees
     /// the count move.
@@ -177,6 +183,8 @@ impl NicRegs {
             rx_dma_errors: AtomicU64::new(0),
             tx_frames: AtomicU64::new(0),
             irqs: AtomicU64::new(0),
+            timer_irqs: AtomicU64::new(0),
+            timer_late_ns: AtomicU64::new(0),
             resets: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             parked: AtomicBool::new(false),
@@ -458,11 +466,15 @@ impl Device {
         if self.pending == 0 || !self.regs.irq_enabled.load(Ordering::Acquire) {
             return;
         }
-        let due = self.pending >= self.itr()
-            || self
-                .delay_start()
-                .is_some_and(|t| now.duration_since(t) >= self.coalesce.max_delay);
-        if due {
+        let count = self.pending >= self.itr();
+        let deadline = self.delay_start().map(|t| t + self.coalesce.max_delay);
+        let timer = !count && deadline.is_some_and(|d| now >= d);
+        if timer {
+            let late = deadline.map_or(0, |d| now.duration_since(d).as_nanos() as u64);
+            self.regs.timer_irqs.fetch_add(1, Ordering::Relaxed);
+            self.regs.timer_late_ns.fetch_add(late, Ordering::Relaxed);
+        }
+        if count || timer {
             self.pending = 0;
             self.first_pending = None;
             self.last_pending = None;
@@ -683,11 +695,21 @@ mod tests {
                 // Each packet restarted the delay: nothing yet.
                 DelayFrom::LastPacket => assert_eq!(irqs(&d), 0),
             }
-            d.maybe_interrupt(us(90 + 18));
+            // The timer is checked 5 µs after the last packet's deadline.
+            d.maybe_interrupt(us(90 + 18 + 5));
             assert_eq!(
                 d.pending, 0,
                 "{from:?}: 18 µs after the last, all signalled"
             );
+            // Every interrupt here was the timer's, and how late each came is kept.
+            let timer = d.regs.timer_irqs.load(Ordering::Relaxed);
+            assert_eq!(timer, irqs(&d));
+            let late = d.regs.timer_late_ns.load(Ordering::Relaxed);
+            match from {
+                // At 20, 50 and 80 µs, 2 µs after each deadline; then 5 µs.
+                DelayFrom::FirstPacket => assert_eq!(late, 3 * 2_000 + 5_000),
+                DelayFrom::LastPacket => assert_eq!(late, 5_000),
+            }
         }
         // The count is the driver's register, read at each completion.
         let mut d = device(DelayFrom::LastPacket);
@@ -695,5 +717,6 @@ mod tests {
         d.complete(us(0));
         d.complete(us(1));
         assert_eq!(irqs(&d), 1);
+        assert_eq!(d.regs.timer_irqs.load(Ordering::Relaxed), 0, "the count's");
     }
 }

@@ -65,6 +65,105 @@ impl WireSink for CountingSink {
     }
 }
 
+/// One-way latency from the wire to the application: the sender stamps the instant each
+/// message's last frame reaches the NIC, the receiving application looks the stamp up
+/// when it has read and checked the whole message, and keeps the difference.
+///
+/// Messages are named by their pattern's sequence number ([`net::wire::payload_byte`]'s
+/// `seq`, the payload's first byte), which the sender reuses every [`PREBUILT`]
+/// messages, so a stamp is the right one while fewer than that many messages are in
+/// flight: the probe is for low rates, where one message has arrived long before the
+/// next is sent. Samples go into a fixed array (no allocation on the receive path); past
+/// its capacity they are counted and dropped.
+#[derive(Debug)]
+pub struct LatencyProbe {
+    epoch: Instant,
+    sent_ns: [AtomicU64; PREBUILT],
+    samples: Box<[AtomicU64]>,
+    len: AtomicU64,
+    overflow: AtomicU64,
+    unmatched: AtomicU64,
+}
+
+impl LatencyProbe {
+    /// A probe that keeps up to `capacity` samples.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            epoch: Instant::now(),
+            sent_ns: std::array::from_fn(|_| AtomicU64::new(0)),
+            samples: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            len: AtomicU64::new(0),
+            overflow: AtomicU64::new(0),
+            unmatched: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ns(&self) -> u64 {
+        // Offset by one so that a stamp is never 0, which means "not sent".
+        self.epoch.elapsed().as_nanos() as u64 + 1
+    }
+
+    /// The sender: message `seq`'s last frame reaches the NIC now.
+    pub fn sent(&self, seq: usize) {
+        if let Some(s) = self.sent_ns.get(seq) {
+            s.store(self.now_ns(), Ordering::Release);
+        }
+    }
+
+    /// The application: message `seq` has been read whole, now. Only one thread
+    /// receives (the application's).
+    pub fn received(&self, seq: u8) {
+        let Some(at) = self
+            .sent_ns
+            .get(usize::from(seq))
+            .map(|s| s.load(Ordering::Acquire))
+            .filter(|&at| at != 0)
+        else {
+            self.unmatched.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let latency = self.now_ns().saturating_sub(at);
+        let i = self.len.load(Ordering::Relaxed);
+        match self.samples.get(i as usize) {
+            Some(slot) => {
+                slot.store(latency, Ordering::Relaxed);
+                self.len.store(i + 1, Ordering::Release);
+            }
+            None => {
+                self.overflow.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Samples kept so far (a mark for [`LatencyProbe::since`]).
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Whether none has been kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The latencies kept after mark `from`, in ns, in arrival order.
+    pub fn since(&self, from: usize) -> Vec<u64> {
+        let n = self.len();
+        self.samples[from.min(n)..n]
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Messages received past the capacity, and messages whose sequence number was
+    /// never stamped (not the sender's).
+    pub fn dropped(&self) -> (u64, u64) {
+        (
+            self.overflow.load(Ordering::Relaxed),
+            self.unmatched.load(Ordering::Relaxed),
+        )
+    }
+}
+
 /// A sender's counters, readable while it runs.
 #[derive(Debug, Default)]
 pub struct SenderCounters {
@@ -95,6 +194,7 @@ pub struct PacedSender {
     limit: Option<u64>,
     stall_horizon: Option<Duration>,
     counters: Arc<SenderCounters>,
+    probe: Option<Arc<LatencyProbe>>,
 }
 
 /// Messages built ahead (distinct IP identifications in flight at once).
@@ -132,6 +232,7 @@ impl PacedSender {
             limit,
             stall_horizon: None,
             counters: Arc::default(),
+            probe: None,
         })
     }
 
@@ -143,6 +244,12 @@ impl PacedSender {
     /// begun is finished, so no partial message is made.
     pub fn skip_after_stall(mut self, horizon: Duration) -> Self {
         self.stall_horizon = Some(horizon);
+        self
+    }
+
+    /// Stamps each message's arrival at the NIC in `probe` (see [`LatencyProbe`]).
+    pub fn with_probe(mut self, probe: Arc<LatencyProbe>) -> Self {
+        self.probe = Some(probe);
         self
     }
 
@@ -180,6 +287,12 @@ impl WireSource for PacedSender {
                 continue;
             }
             let (off, len) = self.spans[self.sent as usize % self.spans.len()];
+            let last = (self.sent + 1).is_multiple_of(fpm);
+            if let Some(p) = self.probe.as_ref().filter(|_| last) {
+                // Stamped before the NIC has the frame, so the receiver never finds the
+                // previous round's stamp for it.
+                p.sent((self.sent / fpm) as usize % PREBUILT);
+            }
             emit(&self.frames[off..off + len]);
             self.sent += 1;
             n += 1;
@@ -244,6 +357,35 @@ mod tests {
         assert_eq!(c.messages.load(Ordering::Relaxed), 4);
         // The schedule is kept: the next frame is due at 11 ms.
         assert_eq!(s.next_due(), Some(t0 + 11 * ms));
+    }
+
+    #[test]
+    fn the_probe_matches_each_message_to_its_own_stamp() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let probe = Arc::new(LatencyProbe::new(2));
+        let mut s = PacedSender::new(flow(), 3000, 1000.0, None)
+            .expect("sender")
+            .with_probe(Arc::clone(&probe));
+        // Two frames of message 0: not yet whole, not stamped.
+        assert_eq!(poll(&mut s, t0), 1);
+        assert_eq!(poll(&mut s, t0 + ms), 1);
+        probe.received(0);
+        assert_eq!((probe.len(), probe.dropped()), (0, (0, 1)));
+        // Its last frame stamps it; message 1's first frame does not.
+        assert_eq!(poll(&mut s, t0 + 3 * ms), 2);
+        probe.received(0);
+        assert_eq!(probe.len(), 1);
+        assert!(probe.since(0)[0] < 3_600_000_000_000, "a latency, not a date");
+        probe.received(1);
+        assert_eq!(probe.dropped(), (0, 2), "message 1 is not whole yet");
+        // A sequence number the sender never uses is not matched; the capacity holds.
+        probe.received(200);
+        assert_eq!(probe.dropped(), (0, 3));
+        probe.received(0);
+        probe.received(0);
+        assert_eq!((probe.len(), probe.dropped()), (2, (1, 3)));
+        assert_eq!(probe.since(1).len(), 1);
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub struct AppSpec {
     pub message: usize,
     /// Where it counts.
     pub counters: Arc<AppCounters>,
+    /// Where it reports each message's one-way latency from the wire, if measured.
+    pub latency: Option<Arc<dev::wire::LatencyProbe>>,
 }
 
 /// The application: its socket, its user buffer, and a scratch copy of each message
@@ -45,6 +47,7 @@ pub struct UdpReceiver {
     check: PayloadCheck,
     scratch: Vec<u8>,
     counters: Arc<AppCounters>,
+    latency: Option<Arc<dev::wire::LatencyProbe>>,
 }
 
 impl UdpReceiver {
@@ -63,6 +66,7 @@ impl UdpReceiver {
             check: PayloadCheck::new(spec.message.min(MAX_UDP_PAYLOAD)),
             scratch: vec![0; 65536],
             counters: Arc::clone(&spec.counters),
+            latency: spec.latency.clone(),
         };
         Ok((stack, app))
     }
@@ -78,6 +82,9 @@ impl UdpReceiver {
                 && self.check.verify(data);
             if !ok {
                 self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+            } else if let Some(p) = &self.latency {
+                // The payload's first byte names the message (its pattern's sequence).
+                p.received(data.first().copied().unwrap_or(0));
             }
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
             self.counters

@@ -569,6 +569,8 @@ impl Machine {
             c.add("nic", "dma_faults", l(&r.dma_faults));
             c.add("nic", "rx_dma_errors", l(&r.rx_dma_errors));
             c.add("nic", "irqs", l(&r.irqs));
+            c.add("nic", "timer_irqs", l(&r.timer_irqs));
+            c.add("nic", "timer_late_ns", l(&r.timer_late_ns));
         }
         Ok(c)
     }

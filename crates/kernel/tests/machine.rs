@@ -88,6 +88,7 @@ fn app(flow: UdpFlow, len: usize) -> (AppSpec, Arc<AppCounters>) {
         flow,
         message: len,
         counters: Arc::clone(&c),
+        latency: None,
     };
     (s, c)
 }

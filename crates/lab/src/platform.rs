@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use dev::nic::Coalesce;
 use dev::tap::TapPort;
-use dev::wire::{CountingSink, PacedSender, SenderCounters};
+use dev::wire::{CountingSink, LatencyProbe, PacedSender, SenderCounters};
 use hv::profile::ClassSamples;
 use hv::{GrantPath, GrantVersion, Hypervisor};
 use kernel::app::AppSpec;
@@ -90,6 +90,9 @@ pub struct Options {
     /// Hostile guests beside the receiving one (pv only), each writing garbage into its
     /// vif's rings ([`kernel::hostile::HostileGuest`]); the soak's.
     pub hostile: usize,
+    /// Measure each message's one-way latency from the wire to the application
+    /// ([`Running::latency`]); meant for low rates.
+    pub latency: bool,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -112,6 +115,7 @@ impl Options {
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
             rx_buffers: RxBuffers::Fragments,
             hostile: 0,
+            latency: false,
         }
     }
 }
@@ -217,6 +221,9 @@ impl Options {
 /// NIC's 1024 descriptors, and far beyond the thread's usual wake-up jitter.
 pub const STALL_HORIZON: Duration = Duration::from_millis(2);
 
+/// Latency samples a run keeps at most (65 s at 1000 messages a second).
+pub const LATENCY_SAMPLES: usize = 1 << 16;
+
 /// The flow the sender sends.
 pub fn flow() -> UdpFlow {
     UdpFlow {
@@ -268,6 +275,7 @@ pub struct Running {
     sender: Arc<SenderCounters>,
     frames_per_message: usize,
     app: Arc<AppCounters>,
+    latency: Option<Arc<LatencyProbe>>,
 }
 
 fn other(e: impl std::fmt::Display) -> LabError {
@@ -299,9 +307,15 @@ impl Running {
             return Err(other("real interfaces need the pv configuration"));
         }
         let f = flow();
-        let sender = PacedSender::new(f, opts.message, opts.rate, None)
+        let latency = opts
+            .latency
+            .then(|| Arc::new(LatencyProbe::new(LATENCY_SAMPLES)));
+        let mut sender = PacedSender::new(f, opts.message, opts.rate, None)
             .map_err(other)?
             .skip_after_stall(STALL_HORIZON);
+        if let Some(p) = &latency {
+            sender = sender.with_probe(Arc::clone(p));
+        }
         let sender_counters = Arc::clone(sender.counters());
         let frames_per_message = sender.frames_per_message();
         let app = Arc::new(AppCounters::default());
@@ -309,6 +323,7 @@ impl Running {
             flow: f,
             message: opts.message,
             counters: Arc::clone(&app),
+            latency: latency.clone(),
         };
         let (nic, above) = match plumbing {
             Some(p) => {
@@ -367,7 +382,13 @@ impl Running {
             sender: sender_counters,
             frames_per_message,
             app,
+            latency,
         })
+    }
+
+    /// The one-way latency probe, if [`Options::latency`] asked for one.
+    pub fn latency(&self) -> Option<&Arc<LatencyProbe>> {
+        self.latency.as_ref()
     }
 
     /// The NIC's registers and counters.
