@@ -42,6 +42,9 @@ const LATENCY_RATE: f64 = 500.0;
 /// The settings at which latency is measured (and adaptive).
 const LATENCY_SETTINGS: [Option<u32>; 3] = [Some(6), Some(64), None];
 
+/// Per configuration, per setting: each round's median and p99 latency, µs.
+type Latencies<'a> = BTreeMap<&'a str, BTreeMap<String, Vec<(f64, f64)>>>;
+
 /// Per configuration, per setting: each round's cost and interrupts per packet.
 type Results<'a> = BTreeMap<&'a str, BTreeMap<String, Vec<(RunCost, f64)>>>;
 
@@ -100,7 +103,7 @@ fn latency(
     finishes: &mut Vec<(String, Finish)>,
 ) -> Result<(), LabError> {
     // lat[config][setting] = per-round (median, p99) in µs.
-    let mut lat: BTreeMap<&str, BTreeMap<String, Vec<(f64, f64)>>> = BTreeMap::new();
+    let mut lat: Latencies<'_> = BTreeMap::new();
     for round in 0..d.runs {
         for config in CONFIGS {
             let mut order = LATENCY_SETTINGS.to_vec();
