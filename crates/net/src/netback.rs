@@ -159,12 +159,91 @@ struct GuestCopy {
     /// The buffer lent through slot `id`'s grant.
     lent: Box<[Option<SkbId>]>,
     /// Lent slots, oldest first.
-    order: std::collections::VecDeque<u16>,
+    order: LentOrder,
     /// Slots the guest posted and netback has not answered.
     credits: Vec<u16>,
     credited: InFlight,
     /// Lent buffers whose grant was in use when ended: ended and freed later.
     ending: Vec<(u16, SkbId)>,
+}
+
+/// The slots lent through, oldest first: a list threaded through two arrays indexed by
+/// slot, so that a return in any order, as a guest chooses it, is taken out in constant
+/// time (a search was 25% of the path when netfront gave a batch back last first).
+#[derive(Debug)]
+struct LentOrder {
+    prev: Box<[u16]>,
+    next: Box<[u16]>,
+    head: u16,
+    tail: u16,
+    len: usize,
+}
+
+/// No slot: the end of the list, or a slot not on it.
+const NIL: u16 = u16::MAX;
+
+impl LentOrder {
+    fn new() -> Self {
+        Self {
+            prev: vec![NIL; RING_IDS as usize].into_boxed_slice(),
+            next: vec![NIL; RING_IDS as usize].into_boxed_slice(),
+            head: NIL,
+            tail: NIL,
+            len: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn front(&self) -> Option<u16> {
+        (self.head != NIL).then_some(self.head)
+    }
+
+    fn contains(&self, id: u16) -> bool {
+        self.head == id || self.prev.get(usize::from(id)).is_some_and(|&p| p != NIL)
+    }
+
+    /// Appends `id` (newest), unless it is on the list or no slot.
+    fn push_back(&mut self, id: u16) {
+        if usize::from(id) >= self.prev.len() || self.contains(id) {
+            return;
+        }
+        self.prev[usize::from(id)] = self.tail;
+        self.next[usize::from(id)] = NIL;
+        match self.tail {
+            NIL => self.head = id,
+            t => self.next[usize::from(t)] = id,
+        }
+        self.tail = id;
+        self.len += 1;
+    }
+
+    /// Takes `id` off the list wherever it is; nothing if it is not on it.
+    fn remove(&mut self, id: u16) {
+        if !self.contains(id) {
+            return;
+        }
+        let i = usize::from(id);
+        let (p, n) = (self.prev[i], self.next[i]);
+        match p {
+            NIL => self.head = n,
+            p => self.next[usize::from(p)] = n,
+        }
+        match n {
+            NIL => self.tail = p,
+            n => self.prev[usize::from(n)] = p,
+        }
+        (self.prev[i], self.next[i]) = (NIL, NIL);
+        self.len -= 1;
+    }
+
+    fn pop_front(&mut self) -> Option<u16> {
+        let h = self.front()?;
+        self.remove(h);
+        Some(h)
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -567,7 +646,7 @@ impl Vif {
             Ok(b) => b.map(|base| GuestCopy {
                 base,
                 lent: vec![None; RING_IDS as usize].into_boxed_slice(),
-                order: std::collections::VecDeque::with_capacity(RX_LENT_MAX + 1),
+                order: LentOrder::new(),
                 credits: Vec::with_capacity(RING_IDS as usize),
                 credited: InFlight::default(),
                 ending: Vec::with_capacity(RING_IDS as usize),
@@ -787,7 +866,9 @@ impl Vif {
                 // it is not copying. netback takes back its oldest buffer (that packet
                 // is lost to it, counted), unless the guest is copying from it this
                 // moment: an in-use grant cannot be revoked.
-                let old = gc.order[0];
+                let Some(old) = gc.order.front() else {
+                    break;
+                };
                 if gt.end_access(GrantRef(gc.base.0 + u32::from(old))).is_err() {
                     self.stats.rx_lent_full += 1;
                     break;
@@ -1362,12 +1443,7 @@ fn take_credit(
     }
     if let Some(skb) = gc.lent[req.id as usize].take() {
         stats.rx_returned += 1;
-        // A guest copies in order, so the oldest comes back first: no search then.
-        if gc.order.front() == Some(&req.id) {
-            gc.order.pop_front();
-        } else {
-            gc.order.retain(|&i| i != req.id);
-        }
+        gc.order.remove(req.id);
         end_lent(gt, gc, pool, req.id, skb);
     }
     gc.credits.push(req.id);
@@ -1426,4 +1502,41 @@ fn local_linear(pool: &mut SkbPool, skb: SkbId, linearized: &mut u64) -> Option<
     }
     pool.set_csum_valid(c, csum);
     Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(o: &mut LentOrder) -> Vec<u16> {
+        std::iter::from_fn(|| o.pop_front()).collect()
+    }
+
+    #[test]
+    fn lent_slots_leave_in_any_order_and_the_oldest_stays_first() {
+        let mut o = LentOrder::new();
+        for id in [7, 3, 200, 0, 255] {
+            o.push_back(id);
+        }
+        // Already on it, or no slot: ignored.
+        o.push_back(3);
+        o.push_back(NIL);
+        o.push_back(RING_IDS);
+        assert_eq!((o.len(), o.front()), (5, Some(7)));
+        // Returned newest first (netfront gives a batch back last first), then from
+        // the middle; a slot not lent is nothing.
+        o.remove(255);
+        o.remove(200);
+        o.remove(200);
+        o.remove(9);
+        assert_eq!(o.len(), 3);
+        o.push_back(200);
+        assert_eq!(drain(&mut o), [7, 3, 0, 200]);
+        assert_eq!((o.len(), o.front()), (0, None));
+        // The oldest alone, then the list again from empty.
+        o.push_back(0);
+        o.remove(0);
+        o.push_back(5);
+        assert_eq!(drain(&mut o), [5]);
+    }
 }

@@ -47,6 +47,14 @@ const DPDK: [(Dir, usize, f64); 4] = [
     (Dir::Tx, 64, 19.7),
     (Dir::Tx, 1500, 10.6),
 ];
+/// Guest RX's other receive forms, each measured beside the original (page fragments).
+const RX_VARIANTS: [(RxBuffers, &str); 2] = [
+    (RxBuffers::Linear, "guest RX, netfront without fragments"),
+    (
+        RxBuffers::GuestCopy,
+        "guest RX, the copy in the guest (netback lends sub-page grants, netfront copies)",
+    ),
+];
 /// Packets the source keeps queued ahead of netback's RX action.
 const RX_AHEAD: usize = 128;
 /// The peers' per-poll budget (NAPI's 64).
@@ -407,7 +415,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          buffer holds), the receiver frees what it gets. Between them, RX: netback queues \
          (≤ {RX_AHEAD} ahead), copies into a posted guest page, netfront checks the response, \
          revokes, builds a buffer and reposts; TX: netfront grants, netback checks, copies \
-         (≤ 128 B) or maps, and answers when the buffer is freed. Each run first sends \
+         (≤ 128 B) or maps, and answers when the buffer is freed. Guest RX is measured \
+         again with netfront posting linear buffers, and with the copy in the guest \
+         (netback lends each packet's bytes through a sub-page grant, netfront copies them \
+         into a buffer of the packet's size in batches and returns the grant). Each run first sends \
          {VERIFIED} whole messages whose every byte the receiver checks (the warm-up), then \
          waits one period; the rate is the median of the receiver's rate over {periods} \
          periods of {} ms after it, as testpmd's median Rx-pps. {iters} runs.",
@@ -445,14 +456,17 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     for dir in [Dir::Rx, Dir::Tx] {
         for len in FRAMES {
             let mut runs = Vec::with_capacity(iters);
-            // Guest RX again with netfront posting linear buffers (no fragments, no
-            // head copy), right after each run of the original.
-            let mut linear = Vec::new();
+            // Guest RX again in the other receive forms, right after each run of the
+            // original: netfront posting linear buffers, and the copy moved to the
+            // guest.
+            let mut variants: Vec<Vec<Run>> = vec![Vec::new(); RX_VARIANTS.len()];
             let mut dpdk_mpps = Vec::new();
             for _ in 0..iters {
                 runs.push(run_once(dir, len, period, periods, RxBuffers::Fragments)?);
                 if dir == Dir::Rx {
-                    linear.push(run_once(dir, len, period, periods, RxBuffers::Linear)?);
+                    for (v, (b, _)) in variants.iter_mut().zip(RX_VARIANTS) {
+                        v.push(run_once(dir, len, period, periods, b)?);
+                    }
                 }
                 if let Ok(p) = &pmd {
                     match p.rate(dir == Dir::Rx, len, pmd_secs) {
@@ -497,30 +511,51 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 "ns",
                 &col(|r| r.busy_guest_ns),
             );
-            if !linear.is_empty() {
-                let group = "guest RX, netfront without fragments";
-                let lcol = |f: fn(&Run) -> f64| linear.iter().map(f).collect::<Vec<_>>();
+            for (v, (_, group)) in variants.iter().zip(RX_VARIANTS) {
+                if v.is_empty() {
+                    continue;
+                }
+                let vcol = |f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<_>>();
+                let against = |f: fn(&Run) -> f64| {
+                    crate::stats::ratio_median(&vcol(f), &col(f))
+                        .map(|x| ("with fragments".to_string(), x))
+                };
                 let row = rep.row(
                     group,
                     &format!("{len} B frames"),
                     "Mpps",
-                    &lcol(|r| r.pps / 1e6),
+                    &vcol(|r| r.pps / 1e6),
                 );
-                row.ratio = crate::stats::ratio_median(&lcol(|r| r.pps), &col(|r| r.pps))
-                    .map(|x| ("with fragments".to_string(), x));
+                row.ratio = against(|r| r.pps);
+                let row = rep.row(
+                    group,
+                    &format!("{len} B: driver-domain side busy per packet"),
+                    "ns",
+                    &vcol(|r| r.busy_drv_ns),
+                );
+                row.ratio = against(|r| r.busy_drv_ns);
                 let row = rep.row(
                     group,
                     &format!("{len} B: guest side busy per packet"),
                     "ns",
-                    &lcol(|r| r.busy_guest_ns),
+                    &vcol(|r| r.busy_guest_ns),
                 );
-                row.ratio = crate::stats::ratio_median(
-                    &lcol(|r| r.busy_guest_ns),
-                    &col(|r| r.busy_guest_ns),
-                )
-                .map(|x| ("with fragments".to_string(), x));
+                row.ratio = against(|r| r.busy_guest_ns);
+                // The side whose busy time is the larger share of the packet's time
+                // limits the rate.
+                let (d, g) = (
+                    crate::Stats::of(&vcol(|r| r.busy_drv_ns)).median,
+                    crate::Stats::of(&vcol(|r| r.busy_guest_ns)).median,
+                );
+                let per_packet = 1e9 / crate::Stats::of(&vcol(|r| r.pps)).median.max(1.0);
+                rep.notes.push(format!(
+                    "{group}, {len} B: {:.0} ns a packet; busy driver domain {d:.0} ns, guest \
+                     {g:.0} ns: the {} side is the bottleneck",
+                    per_packet,
+                    if d >= g { "driver-domain" } else { "guest" }
+                ));
             }
-            let all = runs.iter().chain(&linear);
+            let all = runs.iter().chain(variants.iter().flatten());
             let (verified, corrupt) = all.fold((0, 0), |(v, c), r| (v + r.verified, c + r.corrupt));
             rep.check(
                 &format!(
@@ -576,6 +611,15 @@ mod tests {
             .filter(|r| r.group.contains("without fragments") && r.unit == "Mpps")
             .count();
         assert_eq!(linear, 2, "guest RX without fragments at both sizes");
+        let guest_copy = rep
+            .rows
+            .iter()
+            .filter(|r| r.group.contains("copy in the guest") && r.unit == "Mpps")
+            .count();
+        assert_eq!(
+            guest_copy, 2,
+            "guest RX with the copy in the guest at both sizes"
+        );
         assert!(rates.iter().all(|r| r.stats.median > 0.0), "{rates:?}");
         assert_eq!(rep.checks.len(), 8);
         let integrity: Vec<_> = rep
