@@ -432,6 +432,66 @@ fn a_sub_page_grant_gives_exactly_its_bytes() {
 }
 
 #[test]
+fn a_windowed_transitive_grant_gives_only_its_window_of_the_grant_it_names() {
+    for path in [GrantPath::Original, GrantPath::Optimised] {
+        let m = machine(GrantVersion::V2, path);
+        // C grants A its whole page (as netfront grants a TX page); A passes 200 bytes
+        // of it on to B.
+        let page = page_with(&m.c, 8);
+        let rc = m.c.grant_table().alloc_ref().expect("ref");
+        m.c.grant_table()
+            .grant_access(rc, m.a.id(), page, true)
+            .expect("c->a");
+        let ra = m.a.grant_table().alloc_ref().expect("ref");
+        m.a.grant_table()
+            .grant_access_transitive_window(ra, m.b.id(), (m.c.id(), rc), 1000, 200, true)
+            .expect("a->b");
+        let dst = m.b.alloc_page().expect("page");
+        let read = |off: u16, len: u16| {
+            copy1(
+                &m,
+                &m.b,
+                GrantCopy {
+                    source: from_gref(m.a.id(), ra, off),
+                    dest: local(dst, 0),
+                    len,
+                },
+            )
+        };
+        assert_eq!(read(1000, 200), Ok(()), "{path:?}");
+        assert_eq!(&read_page(&m.b, dst)[..200], &pattern(8)[1000..1200]);
+        // A byte before or after the window, or the whole page C granted: refused.
+        assert_eq!(read(999, 2), Err(GrantError::OutsideSubPage));
+        assert_eq!(read(1199, 2), Err(GrantError::OutsideSubPage));
+        assert_eq!(read(0, 4096), Err(GrantError::OutsideSubPage));
+        // Nor can B write through it.
+        let st = copy1(
+            &m,
+            &m.b,
+            GrantCopy {
+                source: local(dst, 0),
+                dest: from_gref(m.a.id(), ra, 1000),
+                len: 10,
+            },
+        );
+        assert_eq!(st, Err(GrantError::ReadOnly));
+        assert_eq!(m.a.grant_table().in_use(ra), Ok(false));
+        // A window past what the named grant gives is refused on use, and leaves
+        // nothing pinned: C can revoke.
+        let rc2 = m.c.grant_table().alloc_ref().expect("ref");
+        m.c.grant_table()
+            .grant_access_subpage(rc2, m.a.id(), page, 0, 512, true)
+            .expect("c->a sub-page");
+        m.a.grant_table()
+            .grant_access_transitive_window(ra, m.b.id(), (m.c.id(), rc2), 500, 100, true)
+            .expect("a->b");
+        assert_eq!(read(500, 10), Err(GrantError::BadCopyArg));
+        assert_eq!(m.c.grant_table().end_access(rc2), Ok(()));
+        assert_eq!(m.c.grant_table().end_access(rc), Ok(()));
+    }
+}
+
+#[test]
 fn a_transitive_grant_gives_exactly_the_bytes_of_the_grant_it_names() {
     for path in [GrantPath::Original, GrantPath::Optimised] {
         let m = machine(GrantVersion::V2, path);

@@ -646,6 +646,39 @@ impl<'a> GuestGrants<'a> {
         )
     }
 
+    /// As [`GuestGrants::grant_access_transitive`], but `domid` may reach only bytes
+    /// `offset..offset+len` of the page, which must lie inside what `trans_ref` gives
+    /// (checked on use). pvio's extension: Xen's transitive entries pass on the whole
+    /// of the grant they name, which for a page a guest granted whole would show the
+    /// grantee bytes the driver domain never meant to forward. It is the transitive
+    /// form with `GTF_sub_page` set: the length in the entry's `pad0`, the offset in the
+    /// padding after `gref`.
+    pub fn grant_access_transitive_window(
+        &self,
+        r: GrantRef,
+        domid: DomId,
+        trans: (DomId, GrantRef),
+        offset: u16,
+        len: u16,
+        readonly: bool,
+    ) -> Result<(), GrantError> {
+        if self.dom.grant.version != GrantVersion::V2 {
+            return Err(GrantError::WrongVersion);
+        }
+        mem::check_in_page(offset as usize, len as usize).map_err(|_| GrantError::BadCopyArg)?;
+        let flags = GTF_TRANSITIVE | GTF_SUB_PAGE | if readonly { GTF_READONLY } else { 0 };
+        self.write_entry(
+            r,
+            GrantEntryV2 {
+                flags,
+                domid: domid.0,
+                page_off_or_trans_domid: trans.0 .0,
+                length: len,
+                frame_or_gref: u64::from(trans.1 .0) | u64::from(offset) << 32,
+            },
+        )
+    }
+
     /// Revokes a grant (`gnttab_end_foreign_access_ref`). Refuses with
     /// [`GrantError::InUse`] while the grantee holds it.
     ///

@@ -233,6 +233,12 @@ fn clear_status(w: &EntryWords<'_>, act: &ActiveEntry) {
     }
 }
 
+/// A windowed transitive entry's window: the offset in bits 32–47 of the 64-bit word
+/// (padding after `transitive.gref` in Xen's layout), the length in `transitive.pad0`.
+fn transitive_window(e: &super::GrantEntryV2) -> (u16, u16) {
+    ((e.frame_or_gref >> 32) as u16, e.length)
+}
+
 /// Pins grant `r` of `granter` for `user`, with the table lock held (`act`).
 // Inlined: returned through memory, its result is read back wider than it was written
 // (a store-forwarding stall measured at ~40% of the batch loop's own time).
@@ -400,6 +406,9 @@ impl Hypervisor {
         )?;
         let tdom = DomId(e.page_off_or_trans_domid);
         let tref = GrantRef(e.frame_or_gref as u32);
+        // pvio's windowed form: the grantee sees only these bytes of what the grant
+        // it names gives (Xen's transitive entries pass the whole of it on).
+        let window = (e.flags & GTF_SUB_PAGE != 0).then(|| transitive_window(&e));
         if tdom == granter.id {
             return Err(GrantError::TransitiveLoop);
         }
@@ -420,6 +429,20 @@ impl Hypervisor {
                 Err(PinError::Grant(e)) => return Err(e),
             }
         };
+        let (start, len) = match window {
+            None => (inner.start, inner.len),
+            Some((off, n)) => {
+                let inside = mem::check_in_page(off as usize, n as usize).is_ok()
+                    && off >= inner.start
+                    && u32::from(off) + u32::from(n) <= u32::from(inner.start) + u32::from(inner.len);
+                if !inside {
+                    let mut act = lock_active(&inner_dom);
+                    release_locked(&inner_dom, &mut act, tref, write);
+                    return Err(GrantError::BadCopyArg);
+                }
+                (off, n)
+            }
+        };
         let outer = (|| {
             let mut act = lock_active(granter);
             // The entry must not have changed while we resolved it.
@@ -435,11 +458,14 @@ impl Hypervisor {
                     pin_rw: 0,
                     user,
                     mfn: inner.mfn,
-                    start: inner.start,
-                    len: inner.len,
+                    start,
+                    len,
                     trans: Some((tdom, tref)),
                 };
-            } else if a.user != user || a.trans != Some((tdom, tref)) {
+            } else if a.user != user
+                || a.trans != Some((tdom, tref))
+                || (a.start, a.len) != (start, len)
+            {
                 return Err(GrantError::Unstable);
             } else if write && a.pin_rw == 0 {
                 set_status(&w, GTF_TRANSITIVE, user, true, a, Fence::Now)?;
@@ -451,7 +477,7 @@ impl Hypervisor {
             release_locked(&inner_dom, &mut act, tref, write);
             return Err(e);
         }
-        Ok(inner)
+        Ok(Pinned { start, len, ..inner })
     }
 
     /// Drops a pin taken by [`Self::pin_any`], following a transitive entry.
