@@ -376,7 +376,10 @@ mod tests {
         assert_eq!(poll(&mut s, t0 + 3 * ms), 2);
         probe.received(0);
         assert_eq!(probe.len(), 1);
-        assert!(probe.since(0)[0] < 3_600_000_000_000, "a latency, not a date");
+        assert!(
+            probe.since(0)[0] < 3_600_000_000_000,
+            "a latency, not a date"
+        );
         probe.received(1);
         assert_eq!(probe.dropped(), (0, 2), "message 1 is not whole yet");
         // A sequence number the sender never uses is not matched; the capacity holds.

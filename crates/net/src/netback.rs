@@ -32,7 +32,7 @@ use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
     read_tx_packet, InFlight, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse,
     TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, RING_IDS,
-    XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
+    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::wire::MAX_TAGGED_FRAME;
@@ -56,6 +56,11 @@ pub const CACHE_LINE: usize = 64;
 /// them netback revokes the oldest (paper 000 §4.1: a guest that never copies must not
 /// hold the driver domain's memory). The pool's 3072 buffers hold a dozen such vifs.
 pub const RX_LENT_MAX: usize = 128;
+/// Of those, pieces of other guests' pages (passed on through transitive grants) one
+/// guest-copy vif may hold at once; past it, such frames are copied into the driver
+/// domain's own buffer first, so that a guest that never copies holds at most this
+/// many of other guests' TX buffers (a sender has [`MAX_PENDING`]).
+pub const RX_TRANSITIVE_MAX: usize = 32;
 
 /// The guest buffers a packet of `len` bytes fills when the first is filled from
 /// offset `start`: at least one, even for an empty packet.
@@ -119,9 +124,12 @@ pub struct VifStats {
     /// Guest copy: requests naming a slot out of range or already posted, answered
     /// with an error.
     pub rx_bad_requests: u64,
-    /// Guest copy: packets whose bytes were not in one local buffer, copied into one
-    /// first (a frame another guest sent).
+    /// Guest copy: packets whose bytes were in more pieces than a response chain
+    /// carries, copied into one local buffer first.
     pub rx_linearized: u64,
+    /// Guest copy: pieces lent through a windowed transitive grant of the sending
+    /// guest's own grant (bytes of a frame another guest sent, not copied).
+    pub rx_transitive: u64,
 }
 
 crate::counter_set!(VifStats {
@@ -143,7 +151,8 @@ crate::counter_set!(VifStats {
     rx_revoked,
     rx_lent_full,
     rx_bad_requests,
-    rx_linearized
+    rx_linearized,
+    rx_transitive
 });
 
 /// A guest-copy vif's receive side (paper 000 §4.1–4.2): instead of copying a packet
@@ -165,6 +174,14 @@ struct GuestCopy {
     credited: InFlight,
     /// Lent buffers whose grant was in use when ended: ended and freed later.
     ending: Vec<(u16, SkbId)>,
+    /// The slots of one packet lent in pieces, as a ring: slot `id`'s next piece, or
+    /// `id` itself when it is the packet's only one left. The buffer is freed when its
+    /// last piece's grant has ended.
+    piece_next: Box<[u16]>,
+    /// Slots lent through a transitive grant (bytes of another guest's page), and how
+    /// many: each holds the sending guest's TX buffer until the guest copies.
+    transitive: Box<[bool]>,
+    transitive_held: usize,
 }
 
 /// The slots lent through, oldest first: a list threaded through two arrays indexed by
@@ -650,6 +667,9 @@ impl Vif {
                 credits: Vec::with_capacity(RING_IDS as usize),
                 credited: InFlight::default(),
                 ending: Vec::with_capacity(RING_IDS as usize),
+                piece_next: (0..RING_IDS).collect(),
+                transitive: vec![false; RING_IDS as usize].into_boxed_slice(),
+                transitive_held: 0,
             }),
             Err(e) => {
                 drop((tx, rx));
@@ -828,8 +848,17 @@ impl Vif {
         gc.end_pending(&gt, pool);
         let mut n = 0;
         loop {
-            let waiting = gc.credits.is_empty()
-                || (gc.order.len() >= RX_LENT_MAX
+            // The pieces of the packet at the head of the queue. Bytes in another
+            // guest's page are passed on only while this guest holds few of them: each
+            // holds a sender's TX buffer until this guest copies.
+            let foreign_ok = gc.transitive_held + RX_COPY_MAX_SLOTS <= RX_TRANSITIVE_MAX;
+            let pieces = self
+                .rx_queue
+                .peek()
+                .map(|skb| Pieces::of(pool, skb, foreign_ok));
+            let need = pieces.as_ref().map_or(1, Pieces::slots);
+            let waiting = gc.credits.len() < need
+                || (gc.order.len() + need > RX_LENT_MAX
                     && self.rx_queue.bytes() + MAX_TAGGED_FRAME <= RX_QUEUE_BYTES);
             if waiting && !self.rx_queue.is_empty() {
                 // Out of credits, or the guest holds as much as it may while the queue
@@ -845,7 +874,7 @@ impl Vif {
                         _ => break,
                     },
                     Ok(false) => {
-                        if gc.credits.is_empty() {
+                        if gc.credits.len() < need {
                             self.stats.rx_stalls += 1;
                         } else {
                             self.stats.rx_lent_full += 1;
@@ -858,65 +887,131 @@ impl Vif {
                     }
                 }
             }
-            let (Some(_), Some(&id)) = (self.rx_queue.peek(), gc.credits.last()) else {
+            let Some(pieces) = pieces else {
                 break;
             };
-            if gc.order.len() >= RX_LENT_MAX {
-                // The guest holds as much as it may and the queue behind it is full:
-                // it is not copying. netback takes back its oldest buffer (that packet
-                // is lost to it, counted), unless the guest is copying from it this
-                // moment: an in-use grant cannot be revoked.
+            if gc.credits.len() < need {
+                break;
+            }
+            // The guest holds as much as it may and the queue behind it is full: it is
+            // not copying. netback takes back its oldest pieces (their packets are lost
+            // to it, counted), unless the guest is copying from one this moment: an
+            // in-use grant cannot be revoked.
+            let mut room = true;
+            while gc.order.len() + need > RX_LENT_MAX {
                 let Some(old) = gc.order.front() else {
                     break;
                 };
                 if gt.end_access(GrantRef(gc.base.0 + u32::from(old))).is_err() {
                     self.stats.rx_lent_full += 1;
+                    room = false;
                     break;
                 }
                 gc.order.pop_front();
                 if let Some(s) = gc.lent[old as usize].take() {
-                    pool.free(s);
+                    if gc.unlink(old) {
+                        pool.free(s);
+                    }
                 }
                 self.stats.rx_revoked += 1;
+            }
+            if !room {
+                break;
             }
             let Some(skb) = self.rx_queue.pop(pool) else {
                 break;
             };
             n += 1;
-            let Some(skb) = local_linear(pool, skb, &mut self.stats.rx_linearized) else {
-                self.stats.rx_copy_errors += 1;
-                continue;
+            // A packet whose bytes are in more pieces than a response chain carries is
+            // copied into one local buffer first.
+            let (skb, pieces) = match pieces {
+                Pieces::Lend(p) => (skb, p),
+                Pieces::Linearize => {
+                    let Some(c) = local_linear(pool, skb, &mut self.stats.rx_linearized) else {
+                        self.stats.rx_copy_errors += 1;
+                        continue;
+                    };
+                    let (gfn, off) = pool.data_location(c);
+                    let mut p = PieceList::default();
+                    p.push(Piece {
+                        page: SegPage::Own(gfn),
+                        offset: off as u16,
+                        len: pool.len(c) as u16,
+                    });
+                    (c, p)
+                }
             };
-            let (gfn, off) = pool.data_location(skb);
-            let len = pool.len(skb);
-            let r = GrantRef(gc.base.0 + u32::from(id));
-            if gt
-                .grant_access_subpage(r, self.fe, gfn, off as u16, len as u16, true)
-                .is_err()
-            {
+            // One slot and one grant per piece: a sub-page of the driver domain's own
+            // page, or, for bytes in a page another guest granted (a frame it sent),
+            // a windowed transitive grant of that guest's grant: no copy.
+            let ids = &gc.credits[gc.credits.len() - pieces.len..];
+            let mut granted = 0;
+            for (piece, &id) in pieces.iter().zip(ids) {
+                let r = GrantRef(gc.base.0 + u32::from(id));
+                let ok = match piece.page {
+                    SegPage::Own(gfn) => gt
+                        .grant_access_subpage(r, self.fe, gfn, piece.offset, piece.len, true)
+                        .is_ok(),
+                    SegPage::Window { grant, .. } => gt
+                        .grant_access_transitive_window(
+                            r,
+                            self.fe,
+                            grant,
+                            piece.offset,
+                            piece.len,
+                            true,
+                        )
+                        .is_ok(),
+                };
+                if !ok {
+                    break;
+                }
+                granted += 1;
+            }
+            if granted < pieces.len {
+                // Cannot happen for a valid buffer; undo what was granted.
+                for &id in &ids[..granted] {
+                    let _ = gt.end_access(GrantRef(gc.base.0 + u32::from(id)));
+                }
                 self.stats.rx_copy_errors += 1;
                 pool.free(skb);
                 continue;
             }
-            gc.credits.pop();
-            let _ = gc.credited.complete(id);
-            gc.lent[id as usize] = Some(skb);
-            gc.order.push_back(id);
-            self.stats.rx_lent += 1;
-            self.stats.rx_packets += 1;
-            self.stats.rx_bytes += len as u64;
+            let first = gc.credits.len() - pieces.len;
             let flags = if pool.csum_valid(skb) {
                 NETRXF_DATA_VALIDATED
             } else {
                 0
             };
-            // Cannot fail: one response per request taken.
-            let _ = self.rx.push_response(&RxResponse {
-                id,
-                offset: off as u16,
-                flags,
-                status: len as i16,
-            });
+            for (k, piece) in pieces.iter().enumerate() {
+                let id = gc.credits[first + k];
+                let next = gc.credits[first + (k + 1) % pieces.len];
+                let _ = gc.credited.complete(id);
+                gc.lent[id as usize] = Some(skb);
+                gc.piece_next[id as usize] = next;
+                gc.order.push_back(id);
+                if matches!(piece.page, SegPage::Window { .. }) {
+                    gc.transitive[id as usize] = true;
+                    gc.transitive_held += 1;
+                    self.stats.rx_transitive += 1;
+                }
+                let more = if k + 1 < pieces.len {
+                    NETRXF_MORE_DATA
+                } else {
+                    0
+                };
+                // Cannot fail: one response per request taken.
+                let _ = self.rx.push_response(&RxResponse {
+                    id,
+                    offset: piece.offset,
+                    flags: if k == 0 { flags | more } else { more },
+                    status: piece.len as i16,
+                });
+            }
+            gc.credits.truncate(first);
+            self.stats.rx_lent += 1;
+            self.stats.rx_packets += 1;
+            self.stats.rx_bytes += pool.len(skb) as u64;
         }
         if broken {
             self.disable(Disabled::RingBroken);
@@ -1454,13 +1549,36 @@ impl GuestCopy {
     /// grant ends now.
     fn end_pending(&mut self, gt: &hv::grant::GuestGrants<'_>, pool: &mut SkbPool) {
         let base = self.base.0;
-        self.ending.retain(|&(id, skb)| {
+        let mut ending = std::mem::take(&mut self.ending);
+        ending.retain(|&(id, skb)| {
             let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
-            if done {
+            if done && self.unlink(id) {
                 pool.free(skb);
             }
             !done
         });
+        self.ending = ending;
+    }
+
+    /// Slot `id`'s grant has ended: the slot leaves its packet's pieces. Returns
+    /// whether it was the last (the buffer may go).
+    fn unlink(&mut self, id: u16) -> bool {
+        let i = usize::from(id);
+        if std::mem::take(&mut self.transitive[i]) {
+            self.transitive_held -= 1;
+        }
+        let next = self.piece_next[i];
+        if next == id {
+            return true;
+        }
+        // The ring is at most RX_COPY_MAX_SLOTS long.
+        let mut p = next;
+        while self.piece_next[usize::from(p)] != id {
+            p = self.piece_next[usize::from(p)];
+        }
+        self.piece_next[usize::from(p)] = next;
+        self.piece_next[i] = id;
+        false
     }
 }
 
@@ -1474,9 +1592,100 @@ fn end_lent(
     skb: SkbId,
 ) {
     if gt.end_access(GrantRef(gc.base.0 + u32::from(id))).is_ok() {
-        pool.free(skb);
+        if gc.unlink(id) {
+            pool.free(skb);
+        }
     } else {
         gc.ending.push((id, skb));
+    }
+}
+
+/// One run of a packet's bytes in one page, lent through one slot.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    page: SegPage,
+    offset: u16,
+    len: u16,
+}
+
+/// A packet's pieces, at most [`RX_COPY_MAX_SLOTS`], in a fixed array.
+#[derive(Debug, Clone, Copy)]
+struct PieceList {
+    pieces: [Piece; RX_COPY_MAX_SLOTS],
+    len: usize,
+}
+
+impl Default for PieceList {
+    fn default() -> Self {
+        Self {
+            pieces: [Piece {
+                page: SegPage::Own(hv::Gfn(0)),
+                offset: 0,
+                len: 0,
+            }; RX_COPY_MAX_SLOTS],
+            len: 0,
+        }
+    }
+}
+
+impl PieceList {
+    /// Appends a piece; false if full.
+    fn push(&mut self, p: Piece) -> bool {
+        let Some(slot) = self.pieces.get_mut(self.len) else {
+            return false;
+        };
+        *slot = p;
+        self.len += 1;
+        true
+    }
+    fn iter(&self) -> impl Iterator<Item = &Piece> {
+        self.pieces[..self.len].iter()
+    }
+}
+
+/// How a queued packet goes to a guest-copy front end.
+#[derive(Debug, Clone, Copy)]
+enum Pieces {
+    /// Lent as it lies, a slot per piece.
+    Lend(PieceList),
+    /// Copied into one local buffer first.
+    Linearize,
+}
+
+impl Pieces {
+    /// `skb`'s pieces: each run of its bytes in one page (a driver-domain page, or, if
+    /// `foreign_ok`, a page another guest granted).
+    fn of(pool: &SkbPool, skb: SkbId, foreign_ok: bool) -> Self {
+        let mut list = PieceList::default();
+        let fits = pool
+            .walk(skb, 0, pool.len(skb), |seg, _| {
+                let foreign = matches!(seg.page, SegPage::Window { .. });
+                let ok = (foreign_ok || !foreign)
+                    && list.push(Piece {
+                        page: seg.page,
+                        offset: seg.offset as u16,
+                        len: seg.len as u16,
+                    });
+                if ok {
+                    Ok(())
+                } else {
+                    Err(crate::skb::SkbError::OutOfBounds)
+                }
+            })
+            .is_ok();
+        if fits && list.len > 0 {
+            Pieces::Lend(list)
+        } else {
+            Pieces::Linearize
+        }
+    }
+
+    /// Slots it takes.
+    fn slots(&self) -> usize {
+        match self {
+            Pieces::Lend(p) => p.len,
+            Pieces::Linearize => 1,
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use ring::{FrontRing, PageRing};
 use crate::netif::{
     check_rx_response, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing, LEGACY_SLOTS_MAX,
     NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RING_IDS,
-    XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
+    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
 use crate::skb::{Frag, FragPage, Held, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
@@ -205,24 +205,43 @@ pub struct Netfront {
 /// Packets per guest-copy batch (one `GNTTABOP_copy`).
 pub const COPY_BATCH: usize = 64;
 
-/// One guest-copy batch: the copies and, per packet, its slot, buffer and length.
+/// One guest-copy batch: the copies (one per slot), the slots to post again, and per
+/// packet its buffer, its length and its copies.
 #[derive(Debug)]
 struct CopyBatch {
     copies: Vec<GrantCopy>,
     status: Vec<GrantStatus>,
-    pkts: Vec<(u16, SkbId, usize)>,
+    slots: Vec<u16>,
+    pkts: Vec<CopyPkt>,
 }
+
+/// A packet of a guest-copy batch.
+#[derive(Debug, Clone, Copy)]
+struct CopyPkt {
+    skb: SkbId,
+    len: usize,
+    /// Its copies: `copies[first..first + n]`.
+    first: usize,
+    n: usize,
+    /// A chain that broke: the buffer is freed after the copy, nothing delivered.
+    bad: bool,
+}
+
+/// Copies a batch holds: a whole batch of packets, and the rest of the chain under way.
+const COPY_SLOTS: usize = COPY_BATCH + RX_COPY_MAX_SLOTS;
 
 impl CopyBatch {
     fn new() -> Self {
         Self {
-            copies: Vec::with_capacity(COPY_BATCH),
-            status: vec![Ok(()); COPY_BATCH],
+            copies: Vec::with_capacity(COPY_SLOTS),
+            status: vec![Ok(()); COPY_SLOTS],
+            slots: Vec::with_capacity(COPY_SLOTS),
             pkts: Vec::with_capacity(COPY_BATCH),
         }
     }
     fn clear(&mut self) {
         self.copies.clear();
+        self.slots.clear();
         self.pkts.clear();
     }
 }
@@ -1016,7 +1035,13 @@ impl Netfront {
         let be = l.be;
         let batch = &mut self.copy_batch;
         batch.clear();
-        while batch.pkts.len() < budget.min(COPY_BATCH) && !self.broken {
+        // The packet under way, while its chain goes on: its index in `pkts`, or, for
+        // a packet no buffer could be had for, its remaining slots are skipped.
+        let mut open: Option<Option<usize>> = None;
+        while !self.broken
+            && (open.is_some()
+                || (batch.pkts.len() < budget.min(COPY_BATCH) && batch.copies.len() < COPY_BATCH))
+        {
             let Some(rsp) = next_response(&mut l.rx, &mut self.broken) else {
                 break;
             };
@@ -1028,48 +1053,90 @@ impl Netfront {
                     if !matches!(e, RxError::BadId | RxError::NotInFlight) {
                         self.rx_free.push(rsp.id);
                     }
+                    // The chain it belonged to is broken.
+                    if let Some(p) = open.take() {
+                        self.stats.rx_bad_chain += 1;
+                        if let Some(p) = p {
+                            batch.pkts[p].bad = true;
+                        }
+                    }
                     continue;
                 }
             };
-            if rsp.flags & (NETRXF_MORE_DATA | NETRXF_EXTRA_INFO) != 0 {
-                // Neither multi-slot packets nor extras were negotiated.
+            batch.slots.push(rsp.id);
+            let more = rsp.flags & NETRXF_MORE_DATA != 0;
+            if rsp.flags & NETRXF_EXTRA_INFO != 0 {
+                // Extras were not negotiated.
                 self.stats.rx_bad_chain += 1;
-                self.rx_free.push(rsp.id);
+                if let Some(Some(p)) = open.take() {
+                    batch.pkts[p].bad = true;
+                }
                 continue;
             }
-            // A buffer the size of the packet, at the source's offset in its cache
-            // line (the alignment is chosen when the buffer is allocated, §4.1).
             let off = rsp.offset as usize;
-            let skb = {
-                let _m = enter(Class::Mem);
-                pool.alloc(NET_SKB_PAD + off % 64)
+            let p = match open {
+                Some(Some(p)) => p,
+                Some(None) => {
+                    open = more.then_some(None);
+                    continue;
+                }
+                None => {
+                    // A buffer for the packet, at the source's offset in its cache line
+                    // (the alignment is chosen when the buffer is allocated, §4.1): a
+                    // packet in one slot gets one of its own size.
+                    let skb = {
+                        let _m = enter(Class::Mem);
+                        pool.alloc(NET_SKB_PAD + off % 64)
+                    };
+                    let Ok(skb) = skb else {
+                        self.stats.rx_no_buffer += 1;
+                        // The rest of its chain, if any, is skipped.
+                        open = more.then_some(None);
+                        continue;
+                    };
+                    pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+                    batch.pkts.push(CopyPkt {
+                        skb,
+                        len: 0,
+                        first: batch.copies.len(),
+                        n: 0,
+                        bad: false,
+                    });
+                    batch.pkts.len() - 1
+                }
             };
-            let Ok(skb) = skb else {
-                self.stats.rx_no_buffer += 1;
-                self.rx_free.push(rsp.id);
-                continue;
-            };
-            if pool.tailroom(skb) < len {
-                self.stats.rx_bad_chain += 1;
-                pool.free(skb);
-                self.rx_free.push(rsp.id);
-                continue;
+            let pkt = &mut batch.pkts[p];
+            let (gfn, doff) = pool.data_location(pkt.skb);
+            if pkt.bad || pkt.n == RX_COPY_MAX_SLOTS || pool.tailroom(pkt.skb) < pkt.len + len {
+                // Too long a chain, or more bytes than a frame: the packet is dropped.
+                if !pkt.bad {
+                    pkt.bad = true;
+                    self.stats.rx_bad_chain += 1;
+                }
+            } else {
+                batch.copies.push(GrantCopy {
+                    source: CopyPtr::Gref {
+                        dom: be,
+                        gref: GrantRef(base.wrapping_add(u32::from(rsp.id))),
+                        offset: off as u16,
+                    },
+                    dest: CopyPtr::Local {
+                        gfn,
+                        offset: (doff + pkt.len) as u16,
+                    },
+                    len: len as u16,
+                });
+                pkt.len += len;
+                pkt.n += 1;
             }
-            let (gfn, doff) = pool.data_location(skb);
-            pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
-            batch.copies.push(GrantCopy {
-                source: CopyPtr::Gref {
-                    dom: be,
-                    gref: GrantRef(base.wrapping_add(u32::from(rsp.id))),
-                    offset: off as u16,
-                },
-                dest: CopyPtr::Local {
-                    gfn,
-                    offset: doff as u16,
-                },
-                len: len as u16,
-            });
-            batch.pkts.push((rsp.id, skb, len));
+            open = more.then_some(Some(p));
+        }
+        if let Some(p) = open {
+            // The back end stopped in the middle of a chain.
+            self.stats.rx_bad_chain += 1;
+            if let Some(p) = p {
+                batch.pkts[p].bad = true;
+            }
         }
         let k = batch.copies.len();
         if k > 0 {
@@ -1077,19 +1144,26 @@ impl Netfront {
             self.hv
                 .grant_copy(&self.dom, &batch.copies, &mut batch.status[..k]);
         }
+        // Every slot taken goes back to the back end (with it, what it lent).
+        let taken = batch.slots.len();
+        self.rx_free.extend_from_slice(&batch.slots);
         let mut n = 0;
-        let mut taken = 0;
-        for (i, &(id, skb, len)) in batch.pkts.iter().enumerate() {
-            taken += 1;
-            self.rx_free.push(id);
-            if batch.status[i].is_err() || pool.extend_linear(skb, len).is_err() {
+        for pkt in &batch.pkts {
+            let copied = batch.status[pkt.first..pkt.first + pkt.n]
+                .iter()
+                .all(|s| s.is_ok());
+            if pkt.bad {
+                pool.free(pkt.skb);
+                continue;
+            }
+            if !copied || pool.extend_linear(pkt.skb, pkt.len).is_err() {
                 self.stats.rx_copy_errors += 1;
-                pool.free(skb);
+                pool.free(pkt.skb);
                 continue;
             }
             self.stats.rx_packets += 1;
             n += 1;
-            deliver(pool, skb);
+            deliver(pool, pkt.skb);
         }
         (n, taken)
     }

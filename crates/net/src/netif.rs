@@ -536,6 +536,12 @@ pub struct InFlight {
 /// entries on one page).
 pub const RING_IDS: u16 = 256;
 
+/// Slots one packet takes at most on a guest-copy RX ring (pvio's own response form,
+/// [`crate::xenbus::FEATURE_GUEST_COPY`]): one per run of its bytes in one page of the
+/// driver domain's or of the guest that sent it, chained with `NETRXF_more_data`. A
+/// full-size frame another guest sent is a copied head and at most two page pieces.
+pub const RX_COPY_MAX_SLOTS: usize = 4;
+
 impl InFlight {
     /// Marks `id` posted. Returns false if it was already in flight (a front-end bug).
     pub fn post(&mut self, id: u16) -> bool {

@@ -9,7 +9,7 @@ use hv::{CopyPtr, GrantCopy, GrantRef};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
 use net::counters::CopyAlign;
-use net::netback::{Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
+use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::RxRequest;
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
@@ -407,6 +407,54 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         dpool.take_released(|r| tokens.push(r.token));
         vif_a.tx_release(tokens);
 
+        if rx_b == RxBuffers::GuestCopy {
+            // Before B copies: through none of the slots lent to it can B read a whole
+            // page (of the driver domain, or of A through a transitive grant), nor
+            // write; each gives exactly its window.
+            let dir = xenbus::backend_dir(drv.id(), b.id(), 0);
+            let base = xenbus::read_u32(
+                hv.store(),
+                b.id(),
+                &format!("{dir}/{}", xenbus::RX_GRANT_BASE),
+            )
+            .expect("rx-grant-base");
+            let page = b.alloc_page().expect("page");
+            let copy = |gref: u32, offset: u16, len: u16, write: bool| {
+                let theirs = CopyPtr::Gref {
+                    dom: drv.id(),
+                    gref: GrantRef(gref),
+                    offset,
+                };
+                let mine = CopyPtr::Local {
+                    gfn: page,
+                    offset: 0,
+                };
+                let (source, dest) = if write {
+                    (mine, theirs)
+                } else {
+                    (theirs, mine)
+                };
+                let mut st = [Ok(())];
+                hv.grant_copy(&b, &[GrantCopy { source, dest, len }], &mut st);
+                st[0]
+            };
+            let mut windows = 0;
+            for id in 0..256u32 {
+                assert!(
+                    copy(base + id, 0, 4096, false).is_err(),
+                    "slot {id}: a whole page"
+                );
+                for off in (0..4096u16).step_by(16) {
+                    if copy(base + id, off, 1, false).is_ok() {
+                        windows += 1;
+                        assert!(copy(base + id, off, 1, true).is_err(), "slot {id}: written");
+                        break;
+                    }
+                }
+            }
+            assert!(windows >= 3, "the lent pieces are readable: {windows}");
+            b.free_page(page).expect("free");
+        }
         let mut got = Vec::new();
         front_b.poll_rx(&mut bpool, 64, |pool, skb| {
             let mut buf = vec![0u8; pool.len(skb)];
@@ -428,13 +476,21 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
             RxBuffers::GuestCopy => {
                 assert_eq!(got, sent[..2], "the 3-page frame needs fragments");
                 assert_eq!(vif_b.stats().rx_oversize, 1);
-                // A frame with bytes in A's page is lent from a local copy of it.
+                // The full-size frame is lent as it lies: its head copied by netback's
+                // TX, the rest in A's page, passed on through a windowed transitive
+                // grant of A's own grant. Nothing is copied in the driver domain.
                 assert_eq!(vif_b.stats().rx_lent, 2);
-                assert_eq!(vif_b.stats().rx_linearized, 1);
+                assert_eq!(vif_b.stats().rx_linearized, 0);
+                assert!(vif_b.stats().rx_transitive >= 1);
             }
         }
-        // B's slots, posted again, give the lent buffers back.
+        // B's slots, posted again, give the lent buffers back; with the copy in B, the
+        // frame lent from A's page is released to A only now that B has copied it.
         vif_b.rx_action(&mut dpool);
+        let mut tokens = Vec::new();
+        dpool.take_released(|r| tokens.push(r.token));
+        vif_a.tx_release(tokens);
+        front_a.poll_tx(&mut apool);
         // A's packets all left: every grant revoked, every buffer and page back.
         assert_eq!(front_a.stats().tx_packets, 3, "{rx_b:?}");
         assert_eq!(apool.free_buffers(), apool.capacity());
@@ -443,6 +499,108 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         assert_eq!((bpool.free_buffers(), bpool.free_pages()), bfree);
         assert_eq!(drv.grant_errors_total(), 0);
         assert_eq!(hv.iommu().fault_count(), 0);
+    }
+}
+
+#[test]
+fn a_guest_that_never_copies_holds_a_bounded_number_of_another_guests_tx_buffers() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 16384,
+        grant_path: GrantPath::Optimised,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let dom = |name: &str, driver: bool, slots| {
+        hv.create_domain(&DomainConfig {
+            name: name.into(),
+            pages: 2048,
+            grant_frames: 4,
+            grant_version: GrantVersion::V2,
+            vcpus: 1,
+            map_slots: slots,
+            driver_domain: driver,
+        })
+        .expect("domain")
+    };
+    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
+    let (a, b) = (dom("a", false, 4), dom("b", false, 4));
+    let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
+        let spec = VifSpec {
+            handle: 0,
+            mac,
+            rx_buffers,
+            index,
+        };
+        toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
+    };
+    let (mut front_a, mut vif_a) = plug(&a, MAC_A, RxBuffers::Fragments, 0);
+    let (mut front_b, mut vif_b) = plug(&b, MAC_B, RxBuffers::GuestCopy, 1);
+    let mut dpool = SkbPool::new(Arc::clone(&drv), 512, 16).expect("pool");
+    let mut apool = SkbPool::new(Arc::clone(&a), 512, 512).expect("pool");
+    let mut bpool = SkbPool::new(Arc::clone(&b), 64, 64).expect("pool");
+    front_b.refill_rx(&mut bpool);
+    // A sends 100 full-size frames to B, which never copies.
+    let mut sent = 0;
+    for round in 0..10u8 {
+        for i in 0..10u8 {
+            let s = guest_packet(&mut apool, &frame_a_to_b(1514, round * 10 + i));
+            front_a.xmit(&mut apool, s).expect("room");
+        }
+        sent += vif_a.tx_action(&mut dpool, 64, |pool, skb| vif_b.start_xmit(pool, skb));
+        vif_b.rx_action(&mut dpool);
+        let mut tokens = Vec::new();
+        dpool.take_released(|r| tokens.push(r.token));
+        vif_a.tx_release(tokens);
+        front_a.poll_tx(&mut apool);
+    }
+    assert_eq!(sent, 100);
+    let st = vif_b.stats();
+    // B was lent frames up to its bound of driver-domain pieces, the rest wait in its
+    // queue; of A's pages it holds pieces up to the transitive bound, and the frames
+    // past it were copied into the driver domain's buffers and A's given back.
+    assert_eq!(st.rx_lent as usize + vif_b.rx_queued(), 100, "{st:?}");
+    assert!(
+        st.rx_transitive as usize <= netback::RX_TRANSITIVE_MAX,
+        "{st:?}"
+    );
+    assert!(st.rx_linearized > 0, "{st:?}");
+    let held = 100 - front_a.stats().tx_packets as usize - vif_b.rx_queued();
+    assert!(
+        held <= netback::RX_TRANSITIVE_MAX,
+        "A's buffers held for B: {held}"
+    );
+    // B copies at last: every frame arrives intact, in order, and A gets every buffer
+    // back.
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        got.extend(take_all_from(&mut front_b, &mut bpool));
+        vif_b.rx_action(&mut dpool);
+        let mut tokens = Vec::new();
+        dpool.take_released(|r| tokens.push(r.token));
+        vif_a.tx_release(tokens);
+        front_a.poll_tx(&mut apool);
+    }
+    assert_eq!(got.len(), 100);
+    for (k, f) in got.iter().enumerate() {
+        assert_eq!(f, &frame_a_to_b(1514, k as u8), "frame {k}");
+    }
+    assert_eq!(front_a.stats().tx_packets, 100);
+    assert_eq!(dpool.free_buffers(), dpool.capacity());
+}
+
+/// Everything `front` delivers now, each packet's bytes.
+fn take_all_from(front: &mut Netfront, pool: &mut SkbPool) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    loop {
+        let n = front.poll_rx(pool, 64, |pool, s| {
+            let mut b = vec![0u8; pool.len(s)];
+            pool.read(s, 0, &mut b).expect("read");
+            got.push(b);
+            pool.free(s);
+        });
+        if n == 0 {
+            return got;
+        }
     }
 }
 

@@ -434,7 +434,8 @@ impl Hypervisor {
             Some((off, n)) => {
                 let inside = mem::check_in_page(off as usize, n as usize).is_ok()
                     && off >= inner.start
-                    && u32::from(off) + u32::from(n) <= u32::from(inner.start) + u32::from(inner.len);
+                    && u32::from(off) + u32::from(n)
+                        <= u32::from(inner.start) + u32::from(inner.len);
                 if !inside {
                     let mut act = lock_active(&inner_dom);
                     release_locked(&inner_dom, &mut act, tref, write);
@@ -477,7 +478,11 @@ impl Hypervisor {
             release_locked(&inner_dom, &mut act, tref, write);
             return Err(e);
         }
-        Ok(Pinned { start, len, ..inner })
+        Ok(Pinned {
+            start,
+            len,
+            ..inner
+        })
     }
 
     /// Drops a pin taken by [`Self::pin_any`], following a transitive entry.
