@@ -324,6 +324,11 @@ impl World {
         got
     }
 
+    /// Polls `n` times, as a budget would, and returns every packet delivered.
+    fn poll_rounds(&mut self, n: usize) -> Vec<Vec<u8>> {
+        (0..n).flat_map(|_| self.poll()).collect()
+    }
+
     /// Pages either free in the pool or posted to the back end: what netfront owns.
     fn pages_accounted(&self) -> usize {
         self.pool.free_pages() + self.front.rx_posted() as usize
@@ -415,11 +420,7 @@ fn rx_extras_never_negotiated_and_overlong_chains_are_dropped() {
     w.raw.rx_respond(b.id, 0, NETRXF_MORE_DATA, 1000);
     w.raw.rx_respond(999, 0, 0, 10);
     w.raw.publish();
-    // Polled in several rounds, as a budget would.
-    let mut got = Vec::new();
-    for _ in 0..4 {
-        got.extend(w.poll());
-    }
+    let got = w.poll_rounds(4);
     assert!(
         got.is_empty(),
         "no packet from a broken chain: {}",
@@ -837,10 +838,7 @@ fn guest_copy_chains_are_delivered_whole_or_dropped_whole_and_every_slot_is_post
     chain(&mut w, &[1000, 1000], 0);
     chain(&mut w, &[100, 100], NETRXF_MORE_DATA);
     w.raw.publish();
-    let mut got = Vec::new();
-    for _ in 0..4 {
-        got.extend(w.poll());
-    }
+    let got = w.poll_rounds(4);
     assert!(
         got.is_empty(),
         "no packet from a broken chain: {}",

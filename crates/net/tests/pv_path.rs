@@ -318,6 +318,63 @@ fn guest_packet(pool: &mut SkbPool, bytes: &[u8]) -> SkbId {
     s
 }
 
+/// A driver domain and two guests on it, A (posting fragments) and B (receiving as
+/// `rx_b`), each with its vif.
+struct TwoGuests {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+    a: Arc<Domain>,
+    b: Arc<Domain>,
+    front_a: Netfront,
+    vif_a: Vif,
+    front_b: Netfront,
+    vif_b: Vif,
+}
+
+fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGuests {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 16384,
+        grant_path: path,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let dom = |name: &str, driver: bool, slots| {
+        hv.create_domain(&DomainConfig {
+            name: name.into(),
+            pages: 2048,
+            grant_frames: 4,
+            grant_version: version,
+            vcpus: 1,
+            map_slots: slots,
+            driver_domain: driver,
+        })
+        .expect("domain")
+    };
+    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
+    let (a, b) = (dom("a", false, 4), dom("b", false, 4));
+    let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
+        let spec = VifSpec {
+            handle: 0,
+            mac,
+            rx_buffers,
+            index,
+        };
+        toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
+    };
+    let (front_a, vif_a) = plug(&a, MAC_A, RxBuffers::Fragments, 0);
+    let (front_b, vif_b) = plug(&b, MAC_B, rx_b, 1);
+    TwoGuests {
+        hv,
+        drv,
+        a,
+        b,
+        front_a,
+        vif_a,
+        front_b,
+        vif_b,
+    }
+}
+
 #[test]
 fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after() {
     for rx_b in [
@@ -331,37 +388,16 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
         } else {
             GrantVersion::V1
         };
-        let hv = Hypervisor::new(HvConfig {
-            frames: 16384,
-            grant_path: GrantPath::Original,
-            ..HvConfig::default()
-        })
-        .expect("hv");
-        let dom = |name: &str, driver: bool, slots| {
-            hv.create_domain(&DomainConfig {
-                name: name.into(),
-                pages: 2048,
-                grant_frames: 4,
-                grant_version: version,
-                vcpus: 1,
-                map_slots: slots,
-                driver_domain: driver,
-            })
-            .expect("domain")
-        };
-        let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
-        let (a, b) = (dom("a", false, 4), dom("b", false, 4));
-        let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
-            let spec = VifSpec {
-                handle: 0,
-                mac,
-                rx_buffers,
-                index,
-            };
-            toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
-        };
-        let (mut front_a, mut vif_a) = plug(&a, MAC_A, RxBuffers::Fragments, 0);
-        let (mut front_b, mut vif_b) = plug(&b, MAC_B, rx_b, 1);
+        let TwoGuests {
+            hv,
+            drv,
+            a,
+            b,
+            mut front_a,
+            mut vif_a,
+            mut front_b,
+            mut vif_b,
+        } = two_guests(version, GrantPath::Original, rx_b);
         let mut dpool = SkbPool::new(Arc::clone(&drv), 64, 16).expect("pool");
         let mut apool = SkbPool::new(Arc::clone(&a), 64, 64).expect("pool");
         let mut bpool = SkbPool::new(Arc::clone(&b), 512, 512).expect("pool");
@@ -504,37 +540,16 @@ fn frames_between_guests_are_copied_from_the_senders_grants_and_released_after()
 
 #[test]
 fn a_guest_that_never_copies_holds_a_bounded_number_of_another_guests_tx_buffers() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 16384,
-        grant_path: GrantPath::Optimised,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let dom = |name: &str, driver: bool, slots| {
-        hv.create_domain(&DomainConfig {
-            name: name.into(),
-            pages: 2048,
-            grant_frames: 4,
-            grant_version: GrantVersion::V2,
-            vcpus: 1,
-            map_slots: slots,
-            driver_domain: driver,
-        })
-        .expect("domain")
-    };
-    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
-    let (a, b) = (dom("a", false, 4), dom("b", false, 4));
-    let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
-        let spec = VifSpec {
-            handle: 0,
-            mac,
-            rx_buffers,
-            index,
-        };
-        toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
-    };
-    let (mut front_a, mut vif_a) = plug(&a, MAC_A, RxBuffers::Fragments, 0);
-    let (mut front_b, mut vif_b) = plug(&b, MAC_B, RxBuffers::GuestCopy, 1);
+    let TwoGuests {
+        drv,
+        a,
+        b,
+        mut front_a,
+        mut vif_a,
+        mut front_b,
+        mut vif_b,
+        ..
+    } = two_guests(GrantVersion::V2, GrantPath::Optimised, RxBuffers::GuestCopy);
     let mut dpool = SkbPool::new(Arc::clone(&drv), 512, 16).expect("pool");
     let mut apool = SkbPool::new(Arc::clone(&a), 512, 512).expect("pool");
     let mut bpool = SkbPool::new(Arc::clone(&b), 64, 64).expect("pool");
@@ -588,19 +603,27 @@ fn a_guest_that_never_copies_holds_a_bounded_number_of_another_guests_tx_buffers
     assert_eq!(dpool.free_buffers(), dpool.capacity());
 }
 
-/// Everything `front` delivers now, each packet's bytes.
+/// What one poll of `front` delivers, each packet's bytes.
+fn poll_once(front: &mut Netfront, pool: &mut SkbPool) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    front.poll_rx(pool, 64, |pool, s| {
+        let mut b = vec![0u8; pool.len(s)];
+        pool.read(s, 0, &mut b).expect("read");
+        got.push(b);
+        pool.free(s);
+    });
+    got
+}
+
+/// Everything `front` delivers until it has nothing more.
 fn take_all_from(front: &mut Netfront, pool: &mut SkbPool) -> Vec<Vec<u8>> {
     let mut got = Vec::new();
     loop {
-        let n = front.poll_rx(pool, 64, |pool, s| {
-            let mut b = vec![0u8; pool.len(s)];
-            pool.read(s, 0, &mut b).expect("read");
-            got.push(b);
-            pool.free(s);
-        });
-        if n == 0 {
+        let more = poll_once(front, pool);
+        if more.is_empty() {
             return got;
         }
+        got.extend(more);
     }
 }
 
@@ -624,14 +647,7 @@ fn queue_frame(p: &mut Pair, frame: &[u8]) -> (hv::Gfn, usize) {
 
 /// Everything netfront delivers now, each packet's bytes.
 fn take_all(p: &mut Pair) -> Vec<Vec<u8>> {
-    let mut got = Vec::new();
-    p.front.poll_rx(&mut p.gpool, 64, |pool, s| {
-        let mut b = vec![0u8; pool.len(s)];
-        pool.read(s, 0, &mut b).expect("read");
-        got.push(b);
-        pool.free(s);
-    });
-    got
+    poll_once(&mut p.front, &mut p.gpool)
 }
 
 /// The back end's grant for slot 0 of its guest-copy vif.

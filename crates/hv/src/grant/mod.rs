@@ -630,20 +630,7 @@ impl<'a> GuestGrants<'a> {
         trans_ref: GrantRef,
         readonly: bool,
     ) -> Result<(), GrantError> {
-        if self.dom.grant.version != GrantVersion::V2 {
-            return Err(GrantError::WrongVersion);
-        }
-        let flags = GTF_TRANSITIVE | if readonly { GTF_READONLY } else { 0 };
-        self.write_entry(
-            r,
-            GrantEntryV2 {
-                flags,
-                domid: domid.0,
-                page_off_or_trans_domid: trans_dom.0,
-                length: 0,
-                frame_or_gref: trans_ref.0 as u64,
-            },
-        )
+        self.write_transitive(r, domid, (trans_dom, trans_ref), None, readonly)
     }
 
     /// As [`GuestGrants::grant_access_transitive`], but `domid` may reach only bytes
@@ -662,19 +649,33 @@ impl<'a> GuestGrants<'a> {
         len: u16,
         readonly: bool,
     ) -> Result<(), GrantError> {
+        mem::check_in_page(offset as usize, len as usize).map_err(|_| GrantError::BadCopyArg)?;
+        self.write_transitive(r, domid, trans, Some((offset, len)), readonly)
+    }
+
+    fn write_transitive(
+        &self,
+        r: GrantRef,
+        domid: DomId,
+        (trans_dom, trans_ref): (DomId, GrantRef),
+        window: Option<(u16, u16)>,
+        readonly: bool,
+    ) -> Result<(), GrantError> {
         if self.dom.grant.version != GrantVersion::V2 {
             return Err(GrantError::WrongVersion);
         }
-        mem::check_in_page(offset as usize, len as usize).map_err(|_| GrantError::BadCopyArg)?;
-        let flags = GTF_TRANSITIVE | GTF_SUB_PAGE | if readonly { GTF_READONLY } else { 0 };
+        let (offset, len) = window.unwrap_or((0, 0));
+        let flags = GTF_TRANSITIVE
+            | if window.is_some() { GTF_SUB_PAGE } else { 0 }
+            | if readonly { GTF_READONLY } else { 0 };
         self.write_entry(
             r,
             GrantEntryV2 {
                 flags,
                 domid: domid.0,
-                page_off_or_trans_domid: trans.0 .0,
+                page_off_or_trans_domid: trans_dom.0,
                 length: len,
-                frame_or_gref: u64::from(trans.1 .0) | u64::from(offset) << 32,
+                frame_or_gref: u64::from(trans_ref.0) | u64::from(offset) << 32,
             },
         )
     }
