@@ -47,14 +47,20 @@ fn pair(version: GrantVersion, path: GrantPath) -> Pair {
     pair_with(version, path, RxBuffers::Fragments)
 }
 
-fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> Pair {
+/// A hypervisor of `frames` frames and a driver domain on it with window slots for two
+/// vifs, and a maker of 2048-page guests.
+fn machine(
+    frames: u32,
+    version: GrantVersion,
+    path: GrantPath,
+) -> (Arc<Hypervisor>, Arc<Domain>, impl Fn(&str) -> Arc<Domain>) {
     let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
+        frames,
         grant_path: path,
         ..HvConfig::default()
     })
     .expect("hv");
-    let dom = |name: &str, driver: bool, slots| {
+    let dom = move |hv: &Hypervisor, name: &str, driver: bool, slots| {
         hv.create_domain(&DomainConfig {
             name: name.into(),
             pages: 2048,
@@ -66,9 +72,14 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         })
         .expect("domain")
     };
-    // Window slots for a second vif, for tests that add one.
-    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
-    let guest = dom("guest", false, 4);
+    let drv = dom(&hv, "drv", true, 2 * VIF_WINDOW_SLOTS);
+    let h = Arc::clone(&hv);
+    (hv, drv, move |name: &str| dom(&h, name, false, 4))
+}
+
+fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> Pair {
+    let (hv, drv, guest) = machine(8192, version, path);
+    let guest = guest("guest");
     let spec = VifSpec {
         handle: 0,
         mac: flow().dst_mac,
@@ -332,26 +343,8 @@ struct TwoGuests {
 }
 
 fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGuests {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 16384,
-        grant_path: path,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let dom = |name: &str, driver: bool, slots| {
-        hv.create_domain(&DomainConfig {
-            name: name.into(),
-            pages: 2048,
-            grant_frames: 4,
-            grant_version: version,
-            vcpus: 1,
-            map_slots: slots,
-            driver_domain: driver,
-        })
-        .expect("domain")
-    };
-    let drv = dom("drv", true, 2 * VIF_WINDOW_SLOTS);
-    let (a, b) = (dom("a", false, 4), dom("b", false, 4));
+    let (hv, drv, guest) = machine(16384, version, path);
+    let (a, b) = (guest("a"), guest("b"));
     let plug = |g: &Arc<Domain>, mac, rx_buffers, index| {
         let spec = VifSpec {
             handle: 0,
