@@ -181,12 +181,13 @@ impl NicDriver {
                 .map_err(|_| DriverError::NoMemory)?;
             d.post_rx(pool, i, skb);
         }
-        regs.rx_base
+        regs.rxq[0]
+            .base
             .store(RX_RING_IOVA_PFN << mem::PAGE_SHIFT, Ordering::Relaxed);
         regs.tx_base
             .store(TX_RING_IOVA_PFN << mem::PAGE_SHIFT, Ordering::Relaxed);
-        regs.set_rx_tail(RING_DESCS - 1);
-        regs.irq_enabled.store(true, Ordering::Release);
+        regs.set_rx_tail(0, RING_DESCS - 1);
+        regs.rxq[0].irq_enabled.store(true, Ordering::Release);
         regs.enabled.store(true, Ordering::Release);
         Ok(d)
     }
@@ -261,7 +262,7 @@ impl NicDriver {
         self.adaptive = on.then(|| Adaptive {
             since: std::time::Instant::now(),
             packets: 0,
-            itr: self.regs.itr_pkts.load(Ordering::Relaxed),
+            itr: self.regs.rxq[0].itr_pkts.load(Ordering::Relaxed),
         });
     }
 
@@ -281,7 +282,7 @@ impl NicDriver {
         let itr = ((rate / ADAPTIVE_IRQ_RATE).ceil() as u32).clamp(1, ADAPTIVE_MAX_PKTS);
         if itr != a.itr {
             a.itr = itr;
-            self.regs.itr_pkts.store(itr, Ordering::Relaxed);
+            self.regs.rxq[0].itr_pkts.store(itr, Ordering::Relaxed);
             self.stats.itr_changes += 1;
         }
         (a.since, a.packets) = (now, 0);
@@ -291,7 +292,7 @@ impl NicDriver {
     pub fn interrupt(&mut self) {
         let _c = enter(Class::Interrupt);
         self.stats.irqs += 1;
-        self.regs.irq_enabled.store(false, Ordering::Release);
+        self.regs.rxq[0].irq_enabled.store(false, Ordering::Release);
         self.napi = true;
     }
 
@@ -350,19 +351,19 @@ impl NicDriver {
         }
         if n > 0 {
             self.regs
-                .set_rx_tail((self.rx_next + RING_DESCS - 1) % RING_DESCS);
+                .set_rx_tail(0, (self.rx_next + RING_DESCS - 1) % RING_DESCS);
         }
         // Each poll feeds the moderation, as a Linux driver feeds net_dim from its NAPI
         // poll.
         self.moderate(n);
         if n < budget {
             self.napi = false;
-            self.regs.irq_enabled.store(true, Ordering::Release);
+            self.regs.rxq[0].irq_enabled.store(true, Ordering::Release);
             // A completion that arrived between the last check and the re-enable
             // raised no interrupt: look once more.
             fence(Ordering::SeqCst);
             if self.read_desc(&self.rx_ring, self.rx_next).status & DESC_DD != 0 {
-                self.regs.irq_enabled.store(false, Ordering::Release);
+                self.regs.rxq[0].irq_enabled.store(false, Ordering::Release);
                 self.napi = true;
             }
         }
@@ -445,7 +446,7 @@ impl NicDriver {
     /// Stops the device and frees every buffer the rings hold.
     pub fn shutdown(&mut self, pool: &mut SkbPool) {
         self.regs.enabled.store(false, Ordering::Release);
-        self.regs.irq_enabled.store(false, Ordering::Release);
+        self.regs.rxq[0].irq_enabled.store(false, Ordering::Release);
         for s in self.rx_skbs.iter_mut().chain(self.tx_skbs.iter_mut()) {
             if let Some(id) = s.take() {
                 pool.free(id);

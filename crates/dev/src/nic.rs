@@ -13,6 +13,15 @@
 //! `max_delay`, and only while the driver has them enabled (NAPI turns them off while
 //! it polls). A frame arriving with no descriptor free is dropped and counted
 //! (`rx_missed`), as the hardware's missed-packet counter.
+//!
+//! Several receive queues (paper 000 §4.3, Figure 9; Intel's VMDq, the `vmq` of the
+//! paper's driver): [`RX_QUEUES`] descriptor rings, each with its own registers,
+//! interrupt line and coalescing count. A filter table steers a frame by destination
+//! MAC address and VLAN to a queue; what no filter claims (and every broadcast or
+//! multicast frame) goes to queue 0, the default queue, which the driver domain owns.
+//! A frame steered to a queue that is off or has no free descriptor is dropped and
+//! counted on that queue: it never falls through to another queue's buffers. Transmit
+//! completions count towards queue 0's interrupt.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,6 +59,11 @@ pub const DESC_L4_OK: u16 = 1 << 2;
 /// faulted); the descriptor is given back with no data, and the driver must drop it
 /// (a NIC's RX error bit, as the `RXD_STAT`/`RDESC.ERRORS` fields of real devices).
 pub const DESC_ERR: u16 = 1 << 3;
+
+/// Receive queues (queue 0 the default).
+pub const RX_QUEUES: usize = 8;
+/// Entries of the filter table.
+pub const FILTERS: usize = 32;
 
 /// One descriptor, as it lies in memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -110,23 +124,80 @@ impl Default for Coalesce {
     }
 }
 
-/// The device's registers (what the driver's MMIO reaches) and counters.
-#[derive(Debug)]
-pub struct NicRegs {
-    /// RX ring base (I/O address), set before enabling.
-    pub rx_base: AtomicU64,
-    /// TX ring base.
-    pub tx_base: AtomicU64,
-    /// RX tail: descriptors before it (mod ring) belong to the device.
-    pub rx_tail: AtomicU32,
+/// One receive queue's registers and counters.
+#[derive(Debug, Default)]
+pub struct RxQueueRegs {
+    /// Ring base (I/O address), set before enabling.
+    pub base: AtomicU64,
+    /// Tail: descriptors before it (mod ring) belong to the device.
+    pub tail: AtomicU32,
     /// Interrupt moderation: completions per interrupt, written by the driver (an
     /// adaptive driver rewrites it as the rate changes); [`Coalesce::pkts_per_irq`] at
     /// start.
     pub itr_pkts: AtomicU32,
+    /// The queue's interrupt enabled.
+    pub irq_enabled: AtomicBool,
+    /// The queue takes frames (queue 0: whenever the device is enabled).
+    pub enabled: AtomicBool,
+    /// Frames received into its buffers.
+    pub frames: AtomicU64,
+    /// Frames steered to it and dropped: queue off, or no free descriptor.
+    pub missed: AtomicU64,
+    /// Interrupts raised on its line.
+    pub irqs: AtomicU64,
+}
+
+impl RxQueueRegs {
+    fn clear(&self) {
+        self.enabled.store(false, Ordering::Release);
+        self.irq_enabled.store(false, Ordering::Release);
+        self.base.store(0, Ordering::Release);
+        self.tail.store(0, Ordering::Release);
+    }
+}
+
+/// One entry of the filter table: frames to `mac` (on VLAN `vlan`, or untagged)
+/// go to queue `queue`.
+#[derive(Debug, Default)]
+pub struct FilterRegs {
+    /// The MAC address in the low 48 bits; [`FILTER_VALID`] set while in use.
+    pub mac: AtomicU64,
+    /// The VLAN id, or [`FILTER_UNTAGGED`].
+    pub vlan: AtomicU32,
+    /// The queue.
+    pub queue: AtomicU32,
+}
+
+/// Filter entry in use.
+pub const FILTER_VALID: u64 = 1 << 63;
+/// A filter for untagged frames.
+pub const FILTER_UNTAGGED: u32 = u32::MAX;
+
+/// What the driver asked of the filter table that it cannot do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FilterError {
+    /// No such entry.
+    #[error("no filter entry {0}")]
+    NoEntry(usize),
+    /// No such queue.
+    #[error("no receive queue {0}")]
+    NoQueue(usize),
+    /// A multicast or broadcast address: those go to the default queue.
+    #[error("a group address cannot be steered")]
+    GroupAddress,
+}
+
+/// The device's registers (what the driver's MMIO reaches) and counters.
+#[derive(Debug)]
+pub struct NicRegs {
+    /// The receive queues; queue 0 is the default.
+    pub rxq: [RxQueueRegs; RX_QUEUES],
+    /// The filter table.
+    pub filters: [FilterRegs; FILTERS],
+    /// TX ring base.
+    pub tx_base: AtomicU64,
     /// TX tail.
     pub tx_tail: AtomicU32,
-    /// Interrupts enabled.
-    pub irq_enabled: AtomicBool,
     /// Device running.
     pub enabled: AtomicBool,
     /// The cable is plugged in: the far end's frames arrive (set once the machine is
@@ -134,9 +205,9 @@ pub struct NicRegs {
     pub link_up: AtomicBool,
     /// Device loop iterations begun (to know the device has seen a register change).
     pub iterations: AtomicU64,
-    /// Frames received into memory.
+    /// Frames received into memory, all queues.
     pub rx_frames: AtomicU64,
-    /// Frames dropped: no free descriptor.
+    /// Frames dropped for want of a queue or a free descriptor, all queues.
     pub rx_missed: AtomicU64,
     /// Frames dropped: too long.
     pub rx_oversize: AtomicU64,
@@ -147,7 +218,7 @@ pub struct NicRegs {
     pub rx_dma_errors: AtomicU64,
     /// Frames sent.
     pub tx_frames: AtomicU64,
-    /// Interrupts raised.
+    /// Interrupts raised, all lines.
     pub irqs: AtomicU64,
     /// Of those, raised by the maximum-delay timer rather than the packet count.
     pub timer_irqs: AtomicU64,
@@ -166,13 +237,16 @@ pub struct NicRegs {
 
 impl NicRegs {
     fn new() -> Self {
+        let rxq: [RxQueueRegs; RX_QUEUES] = std::array::from_fn(|_| RxQueueRegs::default());
+        for q in &rxq {
+            q.itr_pkts
+                .store(Coalesce::default().pkts_per_irq, Ordering::Relaxed);
+        }
         Self {
-            rx_base: AtomicU64::new(0),
+            rxq,
+            filters: std::array::from_fn(|_| FilterRegs::default()),
             tx_base: AtomicU64::new(0),
-            rx_tail: AtomicU32::new(0),
-            itr_pkts: AtomicU32::new(Coalesce::default().pkts_per_irq),
             tx_tail: AtomicU32::new(0),
-            irq_enabled: AtomicBool::new(false),
             enabled: AtomicBool::new(false),
             link_up: AtomicBool::new(false),
             iterations: AtomicU64::new(0),
@@ -192,15 +266,74 @@ impl NicRegs {
         }
     }
 
+    /// Steers frames to `mac` (tagged with VLAN `vlan`, or untagged if `None`) to
+    /// queue `queue`, in filter entry `entry`.
+    pub fn set_filter(
+        &self,
+        entry: usize,
+        mac: [u8; 6],
+        vlan: Option<u16>,
+        queue: usize,
+    ) -> Result<(), FilterError> {
+        let f = self.filters.get(entry).ok_or(FilterError::NoEntry(entry))?;
+        if queue >= RX_QUEUES {
+            return Err(FilterError::NoQueue(queue));
+        }
+        if mac[0] & 1 != 0 {
+            return Err(FilterError::GroupAddress);
+        }
+        // Invalid while it changes, so the device never matches half an entry.
+        f.mac.store(0, Ordering::Release);
+        f.vlan
+            .store(vlan.map_or(FILTER_UNTAGGED, |v| u32::from(v & 0xfff)), Ordering::Relaxed);
+        f.queue.store(queue as u32, Ordering::Relaxed);
+        f.mac.store(mac_bits(mac) | FILTER_VALID, Ordering::Release);
+        Ok(())
+    }
+
+    /// Takes filter entry `entry` out of use; its frames go to the default queue.
+    pub fn clear_filter(&self, entry: usize) -> Result<(), FilterError> {
+        let f = self.filters.get(entry).ok_or(FilterError::NoEntry(entry))?;
+        f.mac.store(0, Ordering::Release);
+        Ok(())
+    }
+
+    /// The queue a frame goes to: the first valid filter that matches its destination
+    /// and VLAN, else the default queue.
+    fn classify(&self, frame: &[u8]) -> usize {
+        let Some(dst) = frame.get(..6) else {
+            return 0;
+        };
+        if dst[0] & 1 != 0 {
+            return 0;
+        }
+        let mut mac = [0u8; 6];
+        mac.copy_from_slice(dst);
+        let want = mac_bits(mac) | FILTER_VALID;
+        let vlan = match frame.get(12..16) {
+            Some([0x81, 0x00, hi, lo]) => u32::from(u16::from_be_bytes([*hi, *lo]) & 0xfff),
+            _ => FILTER_UNTAGGED,
+        };
+        self.filters
+            .iter()
+            .find(|f| {
+                f.mac.load(Ordering::Acquire) == want && f.vlan.load(Ordering::Relaxed) == vlan
+            })
+            .map_or(0, |f| (f.queue.load(Ordering::Relaxed) as usize).min(RX_QUEUES - 1))
+    }
+
     /// A PCIe function-level reset, as the toolstack does before giving a device to a
     /// new owner: the device stops, forgets its rings and pending completions, and
     /// waits to be programmed again. Returns once the device has seen it.
     pub fn function_reset(&self) {
         self.enabled.store(false, Ordering::Release);
-        self.irq_enabled.store(false, Ordering::Release);
-        self.rx_base.store(0, Ordering::Release);
+        for q in &self.rxq {
+            q.clear();
+        }
+        for f in &self.filters {
+            f.mac.store(0, Ordering::Release);
+        }
         self.tx_base.store(0, Ordering::Release);
-        self.rx_tail.store(0, Ordering::Release);
         self.tx_tail.store(0, Ordering::Release);
         self.resets.fetch_add(1, Ordering::AcqRel);
         self.wait_seen();
@@ -225,9 +358,11 @@ impl NicRegs {
         }
     }
 
-    /// Publishes RX descriptors up to `tail`.
-    pub fn set_rx_tail(&self, tail: u32) {
-        self.rx_tail.store(tail, Ordering::Release);
+    /// Publishes queue `q`'s RX descriptors up to `tail`.
+    pub fn set_rx_tail(&self, q: usize, tail: u32) {
+        if let Some(r) = self.rxq.get(q) {
+            r.tail.store(tail, Ordering::Release);
+        }
     }
 
     /// Unplugs the cable and returns once the device has finished every frame that was
@@ -271,20 +406,43 @@ pub struct Nic {
 struct Device {
     regs: Arc<NicRegs>,
     dma: DmaContext,
-    irq: IrqLine,
     coalesce: Coalesce,
-    rx_head: u32,
+    rxq: Vec<RxQueue>,
     tx_head: u32,
+    frame: Vec<u8>,
+}
+
+/// The device's own state of one receive queue.
+#[derive(Debug, Default)]
+struct RxQueue {
+    /// Its interrupt line (MSI-X vector); a queue without one cannot be enabled.
+    irq: Option<IrqLine>,
+    head: u32,
     pending: u32,
     first_pending: Option<Instant>,
     last_pending: Option<Instant>,
-    frame: Vec<u8>,
+}
+
+impl RxQueue {
+    fn reset(&mut self) {
+        self.head = 0;
+        self.pending = 0;
+        self.first_pending = None;
+        self.last_pending = None;
+    }
+}
+
+fn mac_bits(mac: [u8; 6]) -> u64 {
+    let mut b = [0u8; 8];
+    b[..6].copy_from_slice(&mac);
+    u64::from_le_bytes(b)
 }
 
 impl Nic {
     /// A NIC whose DMA goes through `dev`'s IOMMU context and whose interrupt goes to
     /// `irq`; its wire has `source` on the far end and `sink` for what it sends.
-    /// Starts the device thread (unpinned: it is not a domain's CPU).
+    /// Starts the device thread (unpinned: it is not a domain's CPU). Only the default
+    /// queue has a line.
     pub fn start(
         hv: &Arc<hv::Hypervisor>,
         dev: DeviceId,
@@ -293,21 +451,25 @@ impl Nic {
         source: Box<dyn WireSource>,
         sink: Box<dyn WireSink>,
     ) -> std::io::Result<Self> {
+        Self::start_queues(hv, dev, vec![irq], coalesce, source, sink)
+    }
+
+    /// As [`Nic::start`], with an interrupt line per receive queue: `irqs[q]` is queue
+    /// `q`'s (at most [`RX_QUEUES`]; queues beyond them cannot be enabled).
+    pub fn start_queues(
+        hv: &Arc<hv::Hypervisor>,
+        dev: DeviceId,
+        irqs: Vec<IrqLine>,
+        coalesce: Coalesce,
+        source: Box<dyn WireSource>,
+        sink: Box<dyn WireSink>,
+    ) -> std::io::Result<Self> {
         let regs = Arc::new(NicRegs::new());
-        regs.itr_pkts
-            .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
-        let mut d = Device {
-            regs: Arc::clone(&regs),
-            dma: hv.iommu().device(dev),
-            irq,
-            coalesce,
-            rx_head: 0,
-            tx_head: 0,
-            pending: 0,
-            first_pending: None,
-            last_pending: None,
-            frame: vec![0; 65536],
-        };
+        for q in &regs.rxq {
+            q.itr_pkts
+                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
+        }
+        let mut d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
         let thread = std::thread::Builder::new()
             .name(format!("nic{}", dev.0))
             .spawn(move || d.run(source, sink))?;
@@ -369,6 +531,21 @@ fn l4_checksum_ok(frame: &[u8]) -> bool {
 }
 
 impl Device {
+    fn new(regs: Arc<NicRegs>, dma: DmaContext, coalesce: Coalesce, irqs: Vec<IrqLine>) -> Self {
+        let mut rxq: Vec<RxQueue> = (0..RX_QUEUES).map(|_| RxQueue::default()).collect();
+        for (q, irq) in rxq.iter_mut().zip(irqs) {
+            q.irq = Some(irq);
+        }
+        Self {
+            regs,
+            dma,
+            coalesce,
+            rxq,
+            tx_head: 0,
+            frame: vec![0; 65536],
+        }
+    }
+
     fn run(
         &mut self,
         mut source: Box<dyn WireSource>,
@@ -383,11 +560,8 @@ impl Device {
             let r = regs.resets.load(Ordering::Acquire);
             if r != resets {
                 resets = r;
-                self.rx_head = 0;
+                self.rxq.iter_mut().for_each(RxQueue::reset);
                 self.tx_head = 0;
-                self.pending = 0;
-                self.first_pending = None;
-                self.last_pending = None;
             }
             regs.iterations.fetch_add(1, Ordering::AcqRel);
             let now = Instant::now();
@@ -398,7 +572,6 @@ impl Device {
                 self.transmit(sink.as_mut());
             }
             let now = Instant::now();
-            self.maybe_interrupt(now);
             // Sleep until the next frame is due or the oldest completion's interrupt,
             // or (idle) until a doorbell.
             let mut wake = if regs.link_up.load(Ordering::Acquire) {
@@ -406,16 +579,19 @@ impl Device {
             } else {
                 None
             };
-            if self.pending > 0 {
-                // With interrupts off the driver is polling and will see the
-                // completions anyway; look again after a coalescing period.
-                let from = if regs.irq_enabled.load(Ordering::Acquire) {
-                    self.delay_start().unwrap_or(now)
-                } else {
-                    now
-                };
-                let d = from + self.coalesce.max_delay;
-                wake = Some(wake.map_or(d, |w| w.min(d)));
+            for q in 0..RX_QUEUES {
+                self.maybe_interrupt(q, now);
+                if self.rxq[q].pending > 0 {
+                    // With interrupts off the driver is polling and will see the
+                    // completions anyway; look again after a coalescing period.
+                    let from = if regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
+                        self.delay_start(q).unwrap_or(now)
+                    } else {
+                        now
+                    };
+                    let d = from + self.coalesce.max_delay;
+                    wake = Some(wake.map_or(d, |w| w.min(d)));
+                }
             }
             let now = Instant::now();
             match wake {
@@ -438,36 +614,37 @@ impl Device {
         source
     }
 
-    /// Where the coalescing delay of the pending completions counts from.
-    fn delay_start(&self) -> Option<Instant> {
+    /// Where the coalescing delay of queue `q`'s pending completions counts from.
+    fn delay_start(&self, q: usize) -> Option<Instant> {
         match self.coalesce.delay_from {
-            DelayFrom::FirstPacket => self.first_pending,
-            DelayFrom::LastPacket => self.last_pending,
+            DelayFrom::FirstPacket => self.rxq[q].first_pending,
+            DelayFrom::LastPacket => self.rxq[q].last_pending,
         }
     }
 
-    /// Completions per interrupt, as the driver last set them.
-    fn itr(&self) -> u32 {
-        self.regs.itr_pkts.load(Ordering::Relaxed).max(1)
+    /// Queue `q`'s completions per interrupt, as the driver last set them.
+    fn itr(&self, q: usize) -> u32 {
+        self.regs.rxq[q].itr_pkts.load(Ordering::Relaxed).max(1)
     }
 
-    fn complete(&mut self, now: Instant) {
-        if self.pending == 0 {
-            self.first_pending = Some(now);
+    fn complete(&mut self, q: usize, now: Instant) {
+        let st = &mut self.rxq[q];
+        if st.pending == 0 {
+            st.first_pending = Some(now);
         }
-        self.last_pending = Some(now);
-        self.pending += 1;
-        if self.pending >= self.itr() {
-            self.maybe_interrupt(now);
+        st.last_pending = Some(now);
+        st.pending += 1;
+        if st.pending >= self.itr(q) {
+            self.maybe_interrupt(q, now);
         }
     }
 
-    fn maybe_interrupt(&mut self, now: Instant) {
-        if self.pending == 0 || !self.regs.irq_enabled.load(Ordering::Acquire) {
+    fn maybe_interrupt(&mut self, q: usize, now: Instant) {
+        if self.rxq[q].pending == 0 || !self.regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
             return;
         }
-        let count = self.pending >= self.itr();
-        let deadline = self.delay_start().map(|t| t + self.coalesce.max_delay);
+        let count = self.rxq[q].pending >= self.itr(q);
+        let deadline = self.delay_start(q).map(|t| t + self.coalesce.max_delay);
         let timer = !count && deadline.is_some_and(|d| now >= d);
         if timer {
             let late = deadline.map_or(0, |d| now.duration_since(d).as_nanos() as u64);
@@ -475,27 +652,38 @@ impl Device {
             self.regs.timer_late_ns.fetch_add(late, Ordering::Relaxed);
         }
         if count || timer {
-            self.pending = 0;
-            self.first_pending = None;
-            self.last_pending = None;
+            let st = &mut self.rxq[q];
+            st.pending = 0;
+            st.first_pending = None;
+            st.last_pending = None;
             self.regs.irqs.fetch_add(1, Ordering::Relaxed);
-            self.irq.raise();
+            self.regs.rxq[q].irqs.fetch_add(1, Ordering::Relaxed);
+            if let Some(irq) = &st.irq {
+                irq.raise();
+            }
         }
     }
 
-    /// A frame from the wire: into the next free RX descriptor's buffer.
+    /// A frame from the wire: into the next free descriptor's buffer of the queue its
+    /// destination is steered to.
     fn receive(&mut self, frame: &[u8]) {
-        let regs = &self.regs;
+        let regs = Arc::clone(&self.regs);
         if frame.len() > MAX_FRAME {
             regs.rx_oversize.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        if self.rx_head == regs.rx_tail.load(Ordering::Acquire) {
+        let q = regs.classify(frame);
+        let qr = &regs.rxq[q];
+        // Queue 0 is on whenever the device is; another only once enabled, with a line.
+        let on = q == 0 || (qr.enabled.load(Ordering::Acquire) && self.rxq[q].irq.is_some());
+        let head = self.rxq[q].head;
+        if !on || head == qr.tail.load(Ordering::Acquire) {
+            qr.missed.fetch_add(1, Ordering::Relaxed);
             regs.rx_missed.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let base = regs.rx_base.load(Ordering::Relaxed);
-        let at = desc_iova(base, self.rx_head);
+        let base = qr.base.load(Ordering::Relaxed);
+        let at = desc_iova(base, head);
         let mut raw = [0u8; DESC_SIZE];
         if self.dma.dma_read(at, &mut raw).is_err() {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
@@ -526,9 +714,10 @@ impl Device {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        self.rx_head = self.rx_head.wrapping_add(1) % RING_DESCS;
+        self.rxq[q].head = head.wrapping_add(1) % RING_DESCS;
+        qr.frames.fetch_add(1, Ordering::Relaxed);
         regs.rx_frames.fetch_add(1, Ordering::Relaxed);
-        self.complete(Instant::now());
+        self.complete(q, Instant::now());
     }
 
     /// Sends every packet the driver queued.
@@ -570,7 +759,7 @@ impl Device {
                 }
                 len = 0;
                 bad = false;
-                self.complete(Instant::now());
+                self.complete(0, Instant::now());
             }
         }
     }
@@ -611,20 +800,14 @@ mod tests {
                 .expect("desc");
         }
         let regs = Arc::new(NicRegs::new());
-        regs.rx_base.store(ring_iova, Ordering::Relaxed);
-        regs.rx_tail.store(2, Ordering::Relaxed);
-        let mut dev = Device {
-            regs: Arc::clone(&regs),
-            dma: hv.iommu().device(DeviceId(7)),
-            irq: IrqLine::Native(Arc::default()),
-            coalesce: Coalesce::default(),
-            rx_head: 0,
-            tx_head: 0,
-            pending: 0,
-            first_pending: None,
-            last_pending: None,
-            frame: vec![0; 65536],
-        };
+        regs.rxq[0].base.store(ring_iova, Ordering::Relaxed);
+        regs.rxq[0].tail.store(2, Ordering::Relaxed);
+        let mut dev = Device::new(
+            Arc::clone(&regs),
+            hv.iommu().device(DeviceId(7)),
+            Coalesce::default(),
+            vec![IrqLine::Native(Arc::default())],
+        );
         let frame = [0x5au8; 200];
         dev.receive(&frame);
         dev.receive(&frame);
@@ -659,25 +842,19 @@ mod tests {
         .expect("hv");
         let device = |delay_from| {
             let regs = Arc::new(NicRegs::new());
-            regs.irq_enabled.store(true, Ordering::Relaxed);
-            regs.itr_pkts.store(64, Ordering::Relaxed);
-            Device {
+            regs.rxq[0].irq_enabled.store(true, Ordering::Relaxed);
+            regs.rxq[0].itr_pkts.store(64, Ordering::Relaxed);
+            Device::new(
                 regs,
-                dma: hv.iommu().device(DeviceId(8)),
-                irq: IrqLine::Native(Arc::default()),
-                coalesce: Coalesce {
+                hv.iommu().device(DeviceId(8)),
+                Coalesce {
                     pkts_per_irq: 64,
                     max_delay: Duration::from_micros(18),
                     delay_from,
                     adaptive: false,
                 },
-                rx_head: 0,
-                tx_head: 0,
-                pending: 0,
-                first_pending: None,
-                last_pending: None,
-                frame: Vec::new(),
-            }
+                vec![IrqLine::Native(Arc::default())],
+            )
         };
         let irqs = |d: &Device| d.regs.irqs.load(Ordering::Relaxed);
         let t0 = Instant::now();
@@ -686,8 +863,8 @@ mod tests {
             let mut d = device(from);
             // Ten packets 10 µs apart: closer together than the delay.
             for k in 0..10 {
-                d.complete(us(10 * k));
-                d.maybe_interrupt(us(10 * k));
+                d.complete(0, us(10 * k));
+                d.maybe_interrupt(0, us(10 * k));
             }
             match from {
                 // An interrupt once the oldest has waited 18 µs: at 20, 50 and 80.
@@ -696,9 +873,9 @@ mod tests {
                 DelayFrom::LastPacket => assert_eq!(irqs(&d), 0),
             }
             // The timer is checked 5 µs after the last packet's deadline.
-            d.maybe_interrupt(us(90 + 18 + 5));
+            d.maybe_interrupt(0, us(90 + 18 + 5));
             assert_eq!(
-                d.pending, 0,
+                d.rxq[0].pending, 0,
                 "{from:?}: 18 µs after the last, all signalled"
             );
             // Every interrupt here was the timer's, and how late each came is kept.
@@ -713,10 +890,190 @@ mod tests {
         }
         // The count is the driver's register, read at each completion.
         let mut d = device(DelayFrom::LastPacket);
-        d.regs.itr_pkts.store(2, Ordering::Relaxed);
-        d.complete(us(0));
-        d.complete(us(1));
+        d.regs.rxq[0].itr_pkts.store(2, Ordering::Relaxed);
+        d.complete(0, us(0));
+        d.complete(0, us(1));
         assert_eq!(irqs(&d), 1);
         assert_eq!(d.regs.timer_irqs.load(Ordering::Relaxed), 0, "the count's");
+    }
+
+    /// A device with a ring of four posted buffers on each queue it has a line for, in
+    /// one domain's memory, for the steering tests.
+    struct Rig {
+        dom: Arc<hv::Domain>,
+        regs: Arc<NicRegs>,
+        dev: Device,
+        lines: Vec<Arc<crate::irq::NativeIrq>>,
+        bufs: Vec<Vec<Gfn>>,
+        rings: Vec<Gfn>,
+        _hv: Arc<Hypervisor>,
+    }
+
+    const POSTED: u32 = 4;
+    const MAC_A: [u8; 6] = [2, 0, 0, 0, 0, 0xa];
+    const MAC_B: [u8; 6] = [2, 0, 0, 0, 0, 0xb];
+
+    fn rig(queues: usize) -> Rig {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 1024,
+            ..Default::default()
+        })
+        .expect("hv");
+        let dom = hv
+            .create_domain(&DomainConfig {
+                pages: 256,
+                driver_domain: true,
+                ..Default::default()
+            })
+            .expect("dom");
+        hv.iommu_attach(DeviceId(9), &dom).expect("attach");
+        let regs = Arc::new(NicRegs::new());
+        let lines: Vec<Arc<crate::irq::NativeIrq>> = (0..queues).map(|_| Arc::default()).collect();
+        let (mut rings, mut bufs) = (Vec::new(), Vec::new());
+        for q in 0..queues {
+            let ring = dom.alloc_page().expect("ring");
+            let ring_iova = 0x100_000 + q as u64 * 0x10_000;
+            hv.iommu_map(&dom, Iova(ring_iova), ring, true).expect("map");
+            let mut b = Vec::new();
+            for k in 0..POSTED as usize {
+                let g = dom.alloc_page().expect("buf");
+                let iova = 0x200_000 + q as u64 * 0x10_000 + k as u64 * 0x1000;
+                hv.iommu_map(&dom, Iova(iova), g, true).expect("map");
+                let desc = Desc {
+                    addr: iova,
+                    ..Default::default()
+                };
+                dom.write(ring, k * DESC_SIZE, bytemuck::bytes_of(&desc))
+                    .expect("desc");
+                b.push(g);
+            }
+            let r = &regs.rxq[q];
+            r.base.store(ring_iova, Ordering::Relaxed);
+            r.tail.store(POSTED, Ordering::Relaxed);
+            r.itr_pkts.store(1, Ordering::Relaxed);
+            r.irq_enabled.store(true, Ordering::Relaxed);
+            r.enabled.store(true, Ordering::Relaxed);
+            rings.push(ring);
+            bufs.push(b);
+        }
+        let dev = Device::new(
+            Arc::clone(&regs),
+            hv.iommu().device(DeviceId(9)),
+            Coalesce::default(),
+            lines.iter().map(|l| IrqLine::Native(Arc::clone(l))).collect(),
+        );
+        Rig {
+            dom,
+            regs,
+            dev,
+            lines,
+            bufs,
+            rings,
+            _hv: hv,
+        }
+    }
+
+    /// A frame to `dst`, tagged with `vlan` if given, its payload `seed`.
+    fn frame_to(dst: [u8; 6], vlan: Option<u16>, seed: u8) -> Vec<u8> {
+        let mut f = dst.to_vec();
+        f.extend_from_slice(&[2, 0, 0, 0, 0, 1]);
+        if let Some(v) = vlan {
+            f.extend_from_slice(&[0x81, 0x00]);
+            f.extend_from_slice(&v.to_be_bytes());
+        }
+        f.extend_from_slice(&[0x88, 0xb5]);
+        f.extend((0..100).map(|i: u8| i ^ seed));
+        f
+    }
+
+    impl Rig {
+        fn frames(&self, q: usize) -> u64 {
+            self.regs.rxq[q].frames.load(Ordering::Relaxed)
+        }
+        fn missed(&self, q: usize) -> u64 {
+            self.regs.rxq[q].missed.load(Ordering::Relaxed)
+        }
+        /// The bytes in queue `q`'s `k`th buffer, as its descriptor's length says.
+        fn got(&self, q: usize, k: usize) -> Vec<u8> {
+            let mut raw = [0u8; DESC_SIZE];
+            self.dom
+                .read(self.rings[q], k * DESC_SIZE, &mut raw)
+                .expect("desc");
+            let d: Desc = bytemuck::pod_read_unaligned(&raw);
+            let mut b = vec![0u8; d.len as usize];
+            self.dom.read(self.bufs[q][k], 0, &mut b).expect("data");
+            b
+        }
+    }
+
+    #[test]
+    fn frames_are_steered_by_destination_and_vlan_to_their_queue_and_the_rest_to_the_default() {
+        let mut r = rig(RX_QUEUES);
+        r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+        r.regs.set_filter(1, MAC_B, Some(5), 2).expect("filter");
+        let to_a = frame_to(MAC_A, None, 1);
+        let to_b5 = frame_to(MAC_B, Some(5), 2);
+        let to_b = frame_to(MAC_B, None, 3);
+        let to_b7 = frame_to(MAC_B, Some(7), 4);
+        let bcast = frame_to([0xff; 6], None, 5);
+        let other = frame_to([2, 0, 0, 0, 0, 0xc], None, 6);
+        for f in [&to_a, &to_b5, &to_b, &to_b7, &bcast, &other] {
+            r.dev.receive(f);
+        }
+        assert_eq!((r.frames(1), r.frames(2), r.frames(0)), (1, 1, 4));
+        assert_eq!(r.got(1, 0), to_a);
+        assert_eq!(r.got(2, 0), to_b5, "the tag is the guest's to see");
+        // B untagged or on another VLAN, a broadcast, an unknown address: the default.
+        assert_eq!(
+            (0..4).map(|k| r.got(0, k)).collect::<Vec<_>>(),
+            vec![to_b, to_b7, bcast, other]
+        );
+        // Each queue raised its own line, and only the queues that received.
+        let pending: Vec<bool> = r.lines.iter().map(|l| l.pending()).collect();
+        assert_eq!(pending[..4], [true, true, true, false]);
+        assert!(pending[4..].iter().all(|p| !p));
+        assert_eq!(r.regs.rxq[1].irqs.load(Ordering::Relaxed), 1);
+        // A filter taken out of use sends its frames to the default queue (here full:
+        // dropped and counted there).
+        r.regs.clear_filter(0).expect("clear");
+        r.dev.receive(&to_a);
+        assert_eq!((r.frames(1), r.missed(0)), (1, 1));
+    }
+
+    #[test]
+    fn a_frame_steered_to_a_queue_that_is_off_or_full_is_dropped_on_that_queue_only() {
+        // Lines for queues 0 and 1 only.
+        let mut r = rig(2);
+        r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+        r.regs.set_filter(1, MAC_B, None, 4).expect("filter");
+        let to_a = frame_to(MAC_A, None, 1);
+        // Queue 1 off: dropped on queue 1, the default untouched.
+        r.regs.rxq[1].enabled.store(false, Ordering::Relaxed);
+        r.dev.receive(&to_a);
+        assert_eq!((r.missed(1), r.frames(0), r.frames(1)), (1, 0, 0));
+        // On, with its four buffers: four land, the fifth is dropped on queue 1.
+        r.regs.rxq[1].enabled.store(true, Ordering::Relaxed);
+        for _ in 0..5 {
+            r.dev.receive(&to_a);
+        }
+        assert_eq!((r.frames(1), r.missed(1), r.frames(0)), (4, 2, 0));
+        // Queue 4 has no interrupt line: it cannot take frames even when enabled.
+        r.regs.rxq[4].enabled.store(true, Ordering::Relaxed);
+        r.dev.receive(&frame_to(MAC_B, None, 2));
+        assert_eq!((r.missed(4), r.frames(0)), (1, 0));
+        assert_eq!(r.regs.rx_missed.load(Ordering::Relaxed), 3);
+        // What the table refuses.
+        assert_eq!(
+            r.regs.set_filter(FILTERS, MAC_A, None, 1),
+            Err(FilterError::NoEntry(FILTERS))
+        );
+        assert_eq!(
+            r.regs.set_filter(2, MAC_A, None, RX_QUEUES),
+            Err(FilterError::NoQueue(RX_QUEUES))
+        );
+        assert_eq!(
+            r.regs.set_filter(2, [3, 0, 0, 0, 0, 1], None, 1),
+            Err(FilterError::GroupAddress)
+        );
     }
 }
