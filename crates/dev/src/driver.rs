@@ -19,13 +19,16 @@ use hv::{Domain, Gfn, Hypervisor, Iova, PAGE_SIZE};
 use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 
 use crate::nic::{
-    Desc, NicRegs, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_SIZE, RING_DESCS, RING_PAGES,
+    Desc, FilterError, NicRegs, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_SIZE, RING_DESCS,
+    RING_PAGES, RX_QUEUES,
 };
 
 /// Where the rings appear to the device: I/O-virtually contiguous, whatever frames hold
 /// them.
 const RX_RING_IOVA_PFN: u64 = 1 << 33;
 const TX_RING_IOVA_PFN: u64 = (1 << 33) + 64;
+/// Guest queue `q`'s ring at `VMQ_RING_IOVA_PFN + q * RING_PAGES`.
+const VMQ_RING_IOVA_PFN: u64 = (1 << 33) + 128;
 
 type Ring = [Gfn; RING_PAGES];
 
@@ -49,6 +52,60 @@ pub enum DriverError {
     /// The IOMMU refused a mapping.
     #[error("iommu: {0}")]
     Iommu(#[from] hv::iommu::IommuError),
+}
+
+/// A buffer lent to a guest's receive queue (the paper's `vmq_alloc_skb` /
+/// `vmq_alloc_page`): where the device may write (the I/O address under which the
+/// driver domain's IOMMU context maps it), how much, and its owner's name for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmqBuf {
+    /// Where the device writes.
+    pub iova: Iova,
+    /// How much it may write.
+    pub len: u16,
+    /// The owner's name for it (netback's).
+    pub token: u32,
+}
+
+/// A guest queue's buffer come back from the device (the paper's `vmq_netif_rx`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmqDone {
+    /// The owner's name for the buffer.
+    pub token: u32,
+    /// Bytes the device wrote (0 if `error`).
+    pub len: u16,
+    /// The device verified the frame's UDP checksum.
+    pub csum_ok: bool,
+    /// The device's DMA faulted: no data.
+    pub error: bool,
+}
+
+/// Why a guest queue could not be opened or used.
+#[derive(Debug, thiserror::Error)]
+pub enum VmqError {
+    /// Not a guest queue (queue 0 is the driver domain's), or none left.
+    #[error("no such guest queue: {0}")]
+    NoQueue(usize),
+    /// The queue is open already.
+    #[error("queue {0} is in use")]
+    InUse(usize),
+    /// The filter table refused.
+    #[error("filter: {0}")]
+    Filter(#[from] FilterError),
+    /// No memory, or no IOMMU mapping, for the ring.
+    #[error("ring: {0}")]
+    Ring(#[from] DriverError),
+}
+
+/// A guest receive queue, as the driver keeps it: its ring, the buffers posted in it,
+/// the next descriptor the device completes and the next one free to post.
+#[derive(Debug)]
+struct Vmq {
+    ring: Ring,
+    bufs: Box<[Option<VmqBuf>]>,
+    next: u32,
+    tail: u32,
+    napi: bool,
 }
 
 /// Counters.
@@ -101,6 +158,8 @@ pub struct NicDriver {
     napi: bool,
     /// Adaptive interrupt moderation, when on.
     adaptive: Option<Adaptive>,
+    /// Guest receive queues by queue number (queue 0, the driver domain's, is above).
+    vmq: Vec<Option<Vmq>>,
     stats: DriverStats,
 }
 
@@ -145,17 +204,8 @@ impl NicDriver {
         pool: &mut SkbPool,
         dma: DmaApi,
     ) -> Result<Self, DriverError> {
-        let ring = |base: u64| -> Result<Ring, DriverError> {
-            let mut r = [Gfn(0); RING_PAGES];
-            for (k, g) in r.iter_mut().enumerate() {
-                *g = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
-                let _ = dom.fill(*g, 0, PAGE_SIZE, 0);
-                hv.iommu_map(dom, Iova((base + k as u64) << mem::PAGE_SHIFT), *g, true)?;
-            }
-            Ok(r)
-        };
-        let rx_ring = ring(RX_RING_IOVA_PFN)?;
-        let tx_ring = ring(TX_RING_IOVA_PFN)?;
+        let rx_ring = alloc_ring(hv, dom, RX_RING_IOVA_PFN)?;
+        let tx_ring = alloc_ring(hv, dom, TX_RING_IOVA_PFN)?;
         for g in pool.all_pages() {
             hv.iommu_map(dom, iova_of(g, 0), g, true)?;
         }
@@ -173,6 +223,7 @@ impl NicDriver {
             tx_clean: 0,
             napi: false,
             adaptive: None,
+            vmq: (0..RX_QUEUES).map(|_| None).collect(),
             stats: DriverStats::default(),
         };
         for i in 0..RING_DESCS {
@@ -443,6 +494,190 @@ impl NicDriver {
         Ok(())
     }
 
+    /// Opens guest receive queue `q` for frames to `mac` (on `vlan`, or untagged): its
+    /// ring, its registers, and a filter entry (the queue's own), with the default
+    /// queue's coalescing. No buffer is posted yet ([`NicDriver::vmq_post`]); frames
+    /// that come first are dropped and counted on the queue.
+    pub fn vmq_open(&mut self, q: usize, mac: [u8; 6], vlan: Option<u16>) -> Result<(), VmqError> {
+        if q == 0 || q >= RX_QUEUES {
+            return Err(VmqError::NoQueue(q));
+        }
+        if self.vmq[q].is_some() {
+            return Err(VmqError::InUse(q));
+        }
+        let base = VMQ_RING_IOVA_PFN + (q * RING_PAGES) as u64;
+        let ring = alloc_ring(&self.hv, &self.dom, base)?;
+        let r = &self.regs.rxq[q];
+        r.base.store(base << mem::PAGE_SHIFT, Ordering::Relaxed);
+        r.tail.store(0, Ordering::Relaxed);
+        r.itr_pkts.store(
+            self.regs.rxq[0].itr_pkts.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        r.irq_enabled.store(true, Ordering::Release);
+        r.enabled.store(true, Ordering::Release);
+        if let Err(e) = self.regs.set_filter(q, mac, vlan, q) {
+            self.close_ring(q, &ring);
+            return Err(e.into());
+        }
+        self.vmq[q] = Some(Vmq {
+            ring,
+            bufs: vec![None; RING_DESCS as usize].into_boxed_slice(),
+            next: 0,
+            tail: 0,
+            napi: false,
+        });
+        Ok(())
+    }
+
+    /// Buffers guest queue `q` can still take.
+    pub fn vmq_room(&self, q: usize) -> usize {
+        self.vmq.get(q).and_then(Option::as_ref).map_or(0, |v| {
+            // One slot stays empty, so that a full ring is not an empty one.
+            (RING_DESCS - 1 - (v.tail + RING_DESCS - v.next) % RING_DESCS) as usize
+        })
+    }
+
+    /// Posts `buf` in guest queue `q` for the device to fill; gives it back if the
+    /// queue is not open or is full.
+    pub fn vmq_post(&mut self, q: usize, buf: VmqBuf) -> Result<(), VmqBuf> {
+        if self.vmq_room(q) == 0 {
+            return Err(buf);
+        }
+        let Some(v) = self.vmq.get_mut(q).and_then(Option::as_mut) else {
+            return Err(buf);
+        };
+        let i = v.tail;
+        v.bufs[i as usize] = Some(buf);
+        v.tail = (i + 1) % RING_DESCS;
+        let (ring, tail) = (v.ring, v.tail);
+        self.write_desc(
+            &ring,
+            i,
+            &Desc {
+                addr: buf.iova.0,
+                len: buf.len,
+                ..Default::default()
+            },
+        );
+        // The descriptor before the tail that hands it over.
+        fence(Ordering::Release);
+        self.regs.set_rx_tail(q, tail);
+        Ok(())
+    }
+
+    /// Guest queue `q`'s interrupt handler: masks its interrupt and schedules its poll.
+    pub fn vmq_interrupt(&mut self, q: usize) {
+        let _c = enter(Class::Interrupt);
+        self.stats.irqs += 1;
+        if let Some(v) = self.vmq.get_mut(q).and_then(Option::as_mut) {
+            self.regs.rxq[q].irq_enabled.store(false, Ordering::Release);
+            v.napi = true;
+        }
+    }
+
+    /// Guest queue `q`'s poll: up to `budget` filled buffers handed to `done` (the
+    /// frame is already where the guest will read it), re-enabling the queue's
+    /// interrupt when it runs dry. Returns the buffers handed back.
+    pub fn vmq_poll(&mut self, q: usize, budget: usize, mut done: impl FnMut(VmqDone)) -> usize {
+        let _c = enter(Class::Driver);
+        let Some(ring) = self.vmq.get(q).and_then(Option::as_ref).map(|v| v.ring) else {
+            return 0;
+        };
+        let mut n = 0;
+        while n < budget {
+            let Some(v) = self.vmq[q].as_mut() else {
+                break;
+            };
+            let i = v.next;
+            if i == v.tail {
+                break;
+            }
+            let d = self.read_desc(&ring, i);
+            if d.status & DESC_DD == 0 {
+                break;
+            }
+            // The descriptor is read before the data it announces.
+            fence(Ordering::Acquire);
+            let Some(v) = self.vmq[q].as_mut() else {
+                break;
+            };
+            let Some(buf) = v.bufs[i as usize].take() else {
+                break;
+            };
+            v.next = (i + 1) % RING_DESCS;
+            let error = d.status & DESC_ERR != 0;
+            if error {
+                self.stats.rx_errors += 1;
+            } else {
+                self.stats.rx_packets += 1;
+            }
+            done(VmqDone {
+                token: buf.token,
+                len: if error { 0 } else { d.len.min(buf.len) },
+                csum_ok: d.status & DESC_L4_OK != 0,
+                error,
+            });
+            n += 1;
+        }
+        if n < budget {
+            if let Some(v) = self.vmq[q].as_mut() {
+                v.napi = false;
+                let (next, tail) = (v.next, v.tail);
+                self.regs.rxq[q].irq_enabled.store(true, Ordering::Release);
+                // A completion between the last check and the re-enable raised no
+                // interrupt: look once more.
+                fence(Ordering::SeqCst);
+                if next != tail && self.read_desc(&ring, next).status & DESC_DD != 0 {
+                    self.regs.rxq[q].irq_enabled.store(false, Ordering::Release);
+                    if let Some(v) = self.vmq[q].as_mut() {
+                        v.napi = true;
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    /// Whether guest queue `q`'s poll is scheduled.
+    pub fn vmq_scheduled(&self, q: usize) -> bool {
+        self.vmq
+            .get(q)
+            .and_then(Option::as_ref)
+            .is_some_and(|v| v.napi)
+    }
+
+    /// Closes guest queue `q` (its vif went): the filter and the queue off, and once
+    /// the device has seen that, every buffer still posted given back by its token
+    /// (filled or not: its owner unmaps it and answers the guest), the ring freed.
+    pub fn vmq_close(&mut self, q: usize) -> Vec<u32> {
+        let Some(v) = self.vmq.get_mut(q).and_then(Option::take) else {
+            return Vec::new();
+        };
+        let _ = self.regs.clear_filter(q);
+        let r = &self.regs.rxq[q];
+        r.enabled.store(false, Ordering::Release);
+        r.irq_enabled.store(false, Ordering::Release);
+        self.regs.quiesce();
+        let tokens = v.bufs.iter().flatten().map(|b| b.token).collect();
+        self.close_ring(q, &v.ring);
+        tokens
+    }
+
+    fn close_ring(&mut self, q: usize, ring: &Ring) {
+        let r = &self.regs.rxq[q];
+        r.enabled.store(false, Ordering::Release);
+        r.base.store(0, Ordering::Release);
+        r.tail.store(0, Ordering::Release);
+        let base = VMQ_RING_IOVA_PFN + (q * RING_PAGES) as u64;
+        for (k, g) in ring.iter().enumerate() {
+            let _ = self
+                .hv
+                .iommu_unmap(&self.dom, Iova((base + k as u64) << mem::PAGE_SHIFT));
+            let _ = self.dom.free_page(*g);
+        }
+    }
+
     /// Stops the device and frees every buffer the rings hold.
     pub fn shutdown(&mut self, pool: &mut SkbPool) {
         self.regs.enabled.store(false, Ordering::Release);
@@ -453,6 +688,17 @@ impl NicDriver {
             }
         }
     }
+}
+
+/// A zeroed ring of `RING_PAGES` pages, mapped for the device from I/O page `base` on.
+fn alloc_ring(hv: &Hypervisor, dom: &Domain, base: u64) -> Result<Ring, DriverError> {
+    let mut r = [Gfn(0); RING_PAGES];
+    for (k, g) in r.iter_mut().enumerate() {
+        *g = dom.alloc_page().map_err(|_| DriverError::NoMemory)?;
+        let _ = dom.fill(*g, 0, PAGE_SIZE, 0);
+        hv.iommu_map(dom, Iova((base + k as u64) << mem::PAGE_SHIFT), *g, true)?;
+    }
+    Ok(r)
 }
 
 /// The page of an own-memory I/O address (foreign window pages have none: they were

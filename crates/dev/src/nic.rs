@@ -284,8 +284,10 @@ impl NicRegs {
         }
         // Invalid while it changes, so the device never matches half an entry.
         f.mac.store(0, Ordering::Release);
-        f.vlan
-            .store(vlan.map_or(FILTER_UNTAGGED, |v| u32::from(v & 0xfff)), Ordering::Relaxed);
+        f.vlan.store(
+            vlan.map_or(FILTER_UNTAGGED, |v| u32::from(v & 0xfff)),
+            Ordering::Relaxed,
+        );
         f.queue.store(queue as u32, Ordering::Relaxed);
         f.mac.store(mac_bits(mac) | FILTER_VALID, Ordering::Release);
         Ok(())
@@ -319,7 +321,9 @@ impl NicRegs {
             .find(|f| {
                 f.mac.load(Ordering::Acquire) == want && f.vlan.load(Ordering::Relaxed) == vlan
             })
-            .map_or(0, |f| (f.queue.load(Ordering::Relaxed) as usize).min(RX_QUEUES - 1))
+            .map_or(0, |f| {
+                (f.queue.load(Ordering::Relaxed) as usize).min(RX_QUEUES - 1)
+            })
     }
 
     /// A PCIe function-level reset, as the toolstack does before giving a device to a
@@ -363,6 +367,12 @@ impl NicRegs {
         if let Some(r) = self.rxq.get(q) {
             r.tail.store(tail, Ordering::Release);
         }
+    }
+
+    /// Returns once the device has begun a loop iteration after this call: a queue or
+    /// filter turned off before it is not used again by the device.
+    pub fn quiesce(&self) {
+        self.wait_seen();
     }
 
     /// Unplugs the cable and returns once the device has finished every frame that was
@@ -933,7 +943,8 @@ mod tests {
         for q in 0..queues {
             let ring = dom.alloc_page().expect("ring");
             let ring_iova = 0x100_000 + q as u64 * 0x10_000;
-            hv.iommu_map(&dom, Iova(ring_iova), ring, true).expect("map");
+            hv.iommu_map(&dom, Iova(ring_iova), ring, true)
+                .expect("map");
             let mut b = Vec::new();
             for k in 0..POSTED as usize {
                 let g = dom.alloc_page().expect("buf");
@@ -960,7 +971,10 @@ mod tests {
             Arc::clone(&regs),
             hv.iommu().device(DeviceId(9)),
             Coalesce::default(),
-            lines.iter().map(|l| IrqLine::Native(Arc::clone(l))).collect(),
+            lines
+                .iter()
+                .map(|l| IrqLine::Native(Arc::clone(l)))
+                .collect(),
         );
         Rig {
             dom,
