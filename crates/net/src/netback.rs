@@ -45,8 +45,12 @@ pub const TX_COPY_LEN: usize = 128;
 pub const RX_BATCH: usize = 64;
 /// TX slots that may be mapped at once (`MAX_PENDING_REQS`).
 pub const MAX_PENDING: usize = 256;
-/// Window slots a vif needs: its two rings and its pending TX maps.
-pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32;
+/// Window slots a vif needs: its two rings, its pending TX maps, and its RX buffers
+/// mapped for direct placement.
+pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32 + RX_MAPPED as u32;
+
+mod direct;
+pub use direct::{DirectToken, DIRECT_OFFSET, RX_MAPPED};
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
 /// Bytes of a cache line: what aligned copies line source and destination up to.
@@ -526,6 +530,8 @@ pub struct Vif {
     aligned_copies: bool,
     /// The front end asked to copy received packets itself.
     guest_copy: Option<GuestCopy>,
+    /// The NIC places received frames in the guest's buffers (paper 000 §4.3).
+    direct: Option<Box<direct::Direct>>,
     rxb: RxBatch,
     txb: TxBatch,
     unmaps: Unmaps,
@@ -693,6 +699,7 @@ impl Vif {
             can_sg,
             aligned_copies: false,
             guest_copy,
+            direct: None,
             rxb: RxBatch::new(),
             txb: TxBatch::new(),
             unmaps: Unmaps {
@@ -808,6 +815,9 @@ impl Vif {
         let _c = enter(Class::Netback);
         if self.guest_copy.is_some() {
             return self.rx_lend(pool);
+        }
+        if self.direct.is_some() {
+            return self.rx_direct_copy(pool);
         }
         let mut total = 0;
         while self.disabled.is_none() && !self.rx_queue.is_empty() {
@@ -1471,6 +1481,7 @@ impl Vif {
     pub fn disconnect(mut self, pool: &mut SkbPool) {
         self.disable(Disabled::Disconnected);
         self.rx_queue.purge(pool);
+        self.direct_teardown();
         if let Some(gc) = self.guest_copy.as_mut() {
             let gt = self.dom.grant_table();
             for id in 0..RING_IDS {

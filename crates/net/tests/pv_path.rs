@@ -11,7 +11,7 @@ use net::bridge::{Bridge, Forward};
 use net::counters::CopyAlign;
 use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
-use net::netif::RxRequest;
+use net::netif::{RxRequest, XEN_NETIF_RSP_ERROR};
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
 use net::toolstack::{self, VifSpec};
@@ -812,11 +812,9 @@ fn a_guest_that_never_copies_holds_at_most_its_bound_of_driver_domain_buffers() 
     assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
 }
 
-#[test]
-fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_and_frees_nothing_of_another_guest(
-) {
-    let mut p = guest_copy_pair();
-    // A second guest on the same driver domain, writing its RX ring by hand.
+/// A second guest on `p`'s driver domain, as vif index 1, whose front end writes its
+/// rings by hand (offered as `rx_buffers` would be).
+fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::RawFront) {
     let bad =
         p.hv.create_domain(&DomainConfig {
             name: "bad".into(),
@@ -831,11 +829,20 @@ fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_a
     let spec = VifSpec {
         handle: 0,
         mac: [2, 0, 0, 0, 0, 9],
-        rx_buffers: RxBuffers::GuestCopy,
+        rx_buffers,
         index: 1,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");
+    (bad, raw)
+}
+
+#[test]
+fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_and_frees_nothing_of_another_guest(
+) {
+    let mut p = guest_copy_pair();
+    // A second guest on the same driver domain, writing its RX ring by hand.
+    let (bad, raw) = raw_guest(&p, RxBuffers::GuestCopy);
     let fdir = xenbus::frontend_dir(bad.id(), 0);
     p.hv.store()
         .write(
@@ -876,4 +883,98 @@ fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_a
     assert_eq!(p.vif.stats().rx_returned, 2);
     bad_vif.disconnect(&mut p.dpool);
     assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
+}
+
+// --- Direct placement (paper 000 §4.3) ---------------------------------------------------
+
+#[test]
+fn direct_placement_maps_only_what_a_guest_posted_rightly_and_answers_the_rest_with_errors() {
+    let mut p = pair(GrantVersion::V2, GrantPath::Optimised);
+    let (bad, mut raw) = raw_guest(&p, RxBuffers::Linear);
+    let mut vif = Vif::connect(&p.hv, &p.drv, bad.id(), 0, 1, VIF_WINDOW_SLOTS).expect("vif");
+    vif.enable_direct();
+    let (good, good2) = (
+        raw.rx_buffer(p.drv.id()).expect("buffer"),
+        raw.rx_buffer(p.drv.id()).expect("buffer"),
+    );
+    // A good buffer; its id again; an id beyond the ring; a reference never granted; the
+    // read-only data page (cannot be written); a second good buffer.
+    let reqs = [
+        (7u16, good),
+        (7, good2),
+        (300, good2),
+        (8, 4000),
+        (9, raw.data_ref),
+        (10, good2),
+    ];
+    for (i, &(id, gref)) in reqs.iter().enumerate() {
+        raw.post_rx(i as u32, RxRequest { id, pad: 0, gref }, i as u32 + 1);
+    }
+    assert_eq!(vif.rx_direct_refill(), 2, "the two good buffers mapped");
+    let st = vif.stats().clone();
+    assert_eq!((st.rx_bad_requests, st.rx_copy_errors), (2, 2), "{st:?}");
+    // The four bad ones are answered with errors at once.
+    let rsp: Vec<_> = (0..4).map(|i| raw.rx_response(i)).collect();
+    assert!(
+        rsp.iter().all(|r| r.status == XEN_NETIF_RSP_ERROR),
+        "{rsp:?}"
+    );
+    let mut ids: Vec<u16> = rsp.iter().map(|r| r.id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [7, 8, 9, 300]);
+    // The good buffers go to the NIC; one comes back filled, one from the bridge path
+    // is written by netback into the other.
+    let mut given = Vec::new();
+    vif.rx_direct_give(|iova, len, token| {
+        given.push((iova, len, token));
+        true
+    });
+    assert_eq!(given.len(), 2);
+    assert_eq!(vif.rx_direct_ready(), 0);
+    vif.rx_direct_done(given[0].2, 200, true, false);
+    // A token the NIC never had, or one already handed back: nothing.
+    vif.rx_direct_done(given[0].2, 200, true, false);
+    vif.rx_direct_done(9999, 200, true, false);
+    vif.rx_direct_flush();
+    let r = raw.rx_response(4);
+    assert_eq!(
+        (r.id, r.status, r.offset as usize),
+        (7, 200, netback::DIRECT_OFFSET)
+    );
+    assert_eq!(vif.stats().rx_packets, 1);
+    // Answered means unmapped: the guest can take its grant back.
+    assert_eq!(bad.grant_table().end_access(GrantRef(good)), Ok(()));
+    // The other buffer is still mapped (with the NIC): the guest cannot take it back,
+    // until the vif goes, which unmaps it.
+    assert!(bad.grant_table().end_access(GrantRef(good2)).is_err());
+    vif.disconnect(&mut p.dpool);
+    assert_eq!(bad.grant_table().end_access(GrantRef(good2)), Ok(()));
+    assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
+}
+
+#[test]
+fn a_frame_through_the_bridge_to_a_direct_vif_is_written_into_a_mapped_buffer_not_yet_with_the_nic()
+{
+    let mut p = pair_with(GrantVersion::V2, GrantPath::Optimised, RxBuffers::Linear);
+    p.vif.enable_direct();
+    p.front.refill_rx(&mut p.gpool);
+    assert_eq!(p.vif.rx_direct_refill(), 256);
+    // The NIC takes all but two.
+    let mut k = 0;
+    p.vif.rx_direct_give(|_, _, _| {
+        k += 1;
+        k <= 254
+    });
+    assert_eq!(p.vif.rx_direct_ready(), 2);
+    let frames: Vec<Vec<u8>> = (0..3).map(|s| message(1000 + 100 * s, s as u8)).collect();
+    for f in &frames {
+        queue_frame(&mut p, f);
+    }
+    // Two are written into the two buffers left; the third waits for a post.
+    assert_eq!(p.vif.rx_action(&mut p.dpool), 2);
+    assert_eq!(take_all(&mut p), frames[..2]);
+    assert_eq!(p.vif.rx_queued(), 1);
+    p.vif.rx_direct_refill();
+    assert_eq!(p.vif.rx_action(&mut p.dpool), 1);
+    assert_eq!(take_all(&mut p), frames[2..]);
 }
