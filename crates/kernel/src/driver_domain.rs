@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dev::driver::{DmaApi, NicDriver};
-use dev::nic::NicRegs;
+use dev::driver::{DmaApi, NicDriver, VmqBuf};
+use dev::nic::{NicRegs, RX_QUEUES};
 use hv::{Domain, Hypervisor, Port, Vcpu};
 use net::bridge::{Bridge, Forward};
 use net::netback::Vif;
@@ -75,8 +75,10 @@ pub struct DriverDomain {
     pool: SkbPool,
     bridge: Bridge,
     vifs: Vec<Vif>,
-    /// The NIC's interrupt port.
-    pirq: Port,
+    /// The NIC's interrupt ports, by receive queue (queue 0 the default).
+    pirqs: Vec<Port>,
+    /// Vif `i`'s NIC receive queue, if it has one (direct placement).
+    queues: Vec<Option<usize>>,
     /// Vif `i`'s guest signalled since its last TX action.
     signalled: Vec<bool>,
     /// Release tokens of freed foreign fragments, for the vifs to answer.
@@ -96,33 +98,52 @@ pub struct DriverConfig {
     /// netback's guest-RX copies start at the source's offset in its cache line
     /// (§3.4.1, Figure 4).
     pub aligned_copies: bool,
+    /// A NIC receive queue per vif, as far as they go, with the NIC writing the guest's
+    /// frames into the buffers its netfront posted (§4.3, direct placement).
+    pub queues: bool,
 }
 
 impl Default for DriverConfig {
-    /// The original: netfilter hooks on, copies to the start of the guest's page.
+    /// The original: netfilter hooks on, copies to the start of the guest's page, one
+    /// NIC queue.
     fn default() -> Self {
         Self {
             netfilter: true,
             aligned_copies: false,
+            queues: false,
         }
     }
 }
 
 impl DriverDomain {
-    /// Probes the NIC behind `regs` (its interrupt on `pirq`) and puts `vifs` on a bridge
-    /// with the NIC, each vif with the MAC the toolstack gave it (the only one it may
-    /// send from), with the bridge and netback set as `config` says.
+    /// Probes the NIC behind `regs` (its queues' interrupts on `pirqs`, by queue) and
+    /// puts `vifs` on a bridge with the NIC, each vif with the MAC the toolstack gave it
+    /// (the only one it may send from), with the bridge and netback set as `config`
+    /// says; with `config.queues`, vif `i` gets NIC queue `i + 1` while there are
+    /// queues (and interrupt ports) left, the rest share the default queue.
     pub fn new(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         regs: &Arc<NicRegs>,
-        pirq: Port,
+        pirqs: Vec<Port>,
         config: DriverConfig,
         mut vifs: Vec<(Vif, [u8; 6])>,
         fault: FaultSwitch,
     ) -> Result<Self, BuildError> {
         let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
-        let nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
+        let mut nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
+        let mut queues = vec![None; vifs.len()];
+        if config.queues {
+            for (i, (vif, mac)) in vifs.iter_mut().enumerate() {
+                let q = i + 1;
+                if q >= RX_QUEUES.min(pirqs.len()) {
+                    break;
+                }
+                nic.vmq_open(q, *mac, None).map_err(other)?;
+                vif.enable_direct();
+                queues[i] = Some(q);
+            }
+        }
         let mut bridge = Bridge::new(vifs.len() as u16 + 1, config.netfilter);
         for (vif, _) in &mut vifs {
             vif.set_aligned_copies(config.aligned_copies);
@@ -138,7 +159,8 @@ impl DriverDomain {
             pool,
             bridge,
             vifs: vifs.into_iter().map(|v| v.0).collect(),
-            pirq,
+            pirqs,
+            queues,
             signalled: vec![false; n],
             tokens: Vec::with_capacity(POOL_BUFFERS),
             between_vifs: Vec::with_capacity(NAPI_BUDGET),
@@ -217,8 +239,15 @@ impl Kernel for DriverDomain {
     const CLOCK: bool = false;
 
     fn event(&mut self, v: &Vcpu, port: Port) {
-        if port == self.pirq {
-            xen_pirq(v, port, || self.nic.interrupt());
+        if let Some(q) = self.pirqs.iter().position(|&p| p == port) {
+            let nic = &mut self.nic;
+            xen_pirq(v, port, || {
+                if q == 0 {
+                    nic.interrupt();
+                } else {
+                    nic.vmq_interrupt(q);
+                }
+            });
         } else if let Some(i) = self.vifs.iter().position(|x| x.port() == port) {
             self.signalled[i] = true;
         }
@@ -242,6 +271,7 @@ impl Kernel for DriverDomain {
             pool,
             bridge,
             vifs,
+            queues,
             signalled,
             tokens,
             between_vifs,
@@ -249,6 +279,24 @@ impl Kernel for DriverDomain {
             ..
         } = self;
         let mut w = Work::default();
+        // 0. Guest queues (direct placement): what the NIC placed goes back to netback,
+        // which answers the guest; the guest's new buffers are mapped and given to
+        // the queue.
+        for (vif, q) in vifs.iter_mut().zip(queues.iter()) {
+            let Some(q) = *q else {
+                continue;
+            };
+            if nic.vmq_scheduled(q) {
+                w.rx += nic.vmq_poll(q, NAPI_BUDGET, |d| {
+                    vif.rx_direct_done(d.token, d.len, d.csum_ok, d.error);
+                });
+                vif.rx_direct_flush();
+            }
+            vif.rx_direct_refill();
+            vif.rx_direct_give(|iova, len, token| {
+                nic.vmq_post(q, VmqBuf { iova, len, token }).is_ok()
+            });
+        }
         // 1. The NIC's NAPI poll, through the bridge to the vifs' queues.
         if nic.napi_scheduled() {
             w.rx += nic.poll(pool, NAPI_BUDGET, |pool, skb| {
@@ -304,7 +352,7 @@ impl Kernel for DriverDomain {
             }
             tokens.clear();
         }
-        w.more = nic.napi_scheduled();
+        w.more = nic.napi_scheduled() || queues.iter().flatten().any(|&q| nic.vmq_scheduled(q));
         w
     }
 
@@ -322,6 +370,10 @@ impl Kernel for DriverDomain {
         }
         c.add_set("bridge", self.bridge.stats());
         c.add("bridge", "flood_copy_failures", self.flood_copy_failures);
+        for q in self.queues.iter().flatten() {
+            // The buffers still posted are unmapped with their vif.
+            let _ = self.nic.vmq_close(*q);
+        }
         self.nic.shutdown(&mut self.pool);
         for vif in self.vifs.drain(..) {
             vif.disconnect(&mut self.pool);

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use dev::driver::DmaApi;
 use dev::irq::{IrqLine, NativeIrq};
-use dev::nic::{Coalesce, Nic, NicRegs};
+use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
 use dev::tap::TapPort;
 use dev::wire::{WireSink, WireSource};
 use hv::{
@@ -203,6 +203,38 @@ fn assign_nic(
     Ok((start_nic(hv, line, spec)?, pirq))
 }
 
+/// The vector of receive queue `q`'s interrupt (MSI-X vector `q`).
+fn queue_vector(q: usize) -> Vector {
+    Vector(NIC_VECTOR.0 + q as u8)
+}
+
+/// Binds every receive queue's interrupt to one of `dom`'s ports (index: queue).
+fn bind_queue_irqs(hv: &Arc<Hypervisor>, dom: &Arc<Domain>) -> Result<Vec<Port>, BuildError> {
+    (0..RX_QUEUES)
+        .map(|q| hv.bind_irq(dom, queue_vector(q)).map_err(other))
+        .collect()
+}
+
+/// As [`assign_nic`] for a driver domain: every receive queue's interrupt a physical
+/// IRQ bound to one of `dom`'s ports (returned, by queue).
+fn assign_nic_queues(
+    hv: &Arc<Hypervisor>,
+    dom: &Arc<Domain>,
+    spec: NicSpec,
+) -> Result<(Nic, Vec<Port>), BuildError> {
+    hv.iommu_attach(NIC, dom).map_err(other)?;
+    let pirqs = bind_queue_irqs(hv, dom)?;
+    let lines = (0..RX_QUEUES)
+        .map(|q| IrqLine::Hypervisor {
+            hv: Arc::clone(hv),
+            vector: queue_vector(q),
+        })
+        .collect();
+    let nic =
+        Nic::start_queues(hv, NIC, lines, spec.coalesce, spec.source, spec.sink).map_err(other)?;
+    Ok((nic, pirqs))
+}
+
 /// Core `i` if the machine has it (else the vCPU floats).
 fn core(i: usize) -> Option<usize> {
     (mem::cpu::online_cores() > i).then_some(i)
@@ -289,7 +321,7 @@ impl Machine {
                     .iter()
                     .map(|g| mk(&hv, &g.name, false, 4))
                     .collect::<Result<Vec<_>, _>>()?;
-                let (nic, pirq) = assign_nic(&hv, &drv, n)?;
+                let (nic, pirqs) = assign_nic_queues(&hv, &drv, n)?;
                 // The toolstack and each vif's handshake, then each guest's pool with
                 // netfront's RX ring filled.
                 let mut vifs = Vec::with_capacity(guests.len());
@@ -324,7 +356,7 @@ impl Machine {
                 }
                 let fault = FaultSwitch::default();
                 let mut k =
-                    DriverDomain::new(&hv, &drv, nic.regs(), pirq, driver, vifs, fault.clone())?;
+                    DriverDomain::new(&hv, &drv, nic.regs(), pirqs, driver, vifs, fault.clone())?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.driver = Some(DriverPlan {
                     dom: Arc::clone(&drv),
@@ -496,7 +528,7 @@ impl Machine {
             driver_domain: true,
         })?;
         hv.iommu_attach(NIC, &drv).map_err(other)?;
-        let pirq = hv.bind_irq(&drv, NIC_VECTOR).map_err(other)?;
+        let pirqs = bind_queue_irqs(&hv, &drv)?;
         for (g, vs) in &d.guests {
             toolstack::offer_vif(&hv, &drv, g, *vs).map_err(other)?;
         }
@@ -515,7 +547,7 @@ impl Machine {
             vifs.push((vif, vs.mac));
         }
         d.fault.inject(Fault::None);
-        let mut k = DriverDomain::new(&hv, &drv, &d.regs, pirq, d.config, vifs, d.fault.clone())?;
+        let mut k = DriverDomain::new(&hv, &drv, &d.regs, pirqs, d.config, vifs, d.fault.clone())?;
         k.set_adaptive_coalescing(self.adaptive_coalescing);
         let at = VcpuStart {
             vcpu: 0,
@@ -569,6 +601,7 @@ impl Machine {
             c.add("nic", "dma_faults", l(&r.dma_faults));
             c.add("nic", "rx_dma_errors", l(&r.rx_dma_errors));
             c.add("nic", "irqs", l(&r.irqs));
+            c.add("nic", "default_queue_frames", l(&r.rxq[0].frames));
             c.add("nic", "timer_irqs", l(&r.timer_irqs));
             c.add("nic", "timer_late_ns", l(&r.timer_late_ns));
         }

@@ -93,6 +93,9 @@ pub struct Options {
     /// Measure each message's one-way latency from the wire to the application
     /// ([`Running::latency`]); meant for low rates.
     pub latency: bool,
+    /// A NIC receive queue for the guest, the NIC writing its frames straight into
+    /// the buffers its netfront posted (pv only; paper 000 §4.3).
+    pub queues: bool,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -116,6 +119,7 @@ impl Options {
             rx_buffers: RxBuffers::Fragments,
             hostile: 0,
             latency: false,
+            queues: false,
         }
     }
 }
@@ -176,7 +180,7 @@ impl SoftOpt {
 }
 
 /// The named configurations, in Figure 8's order after the paper's two references.
-pub const NAMED: [&str; 5] = ["native", "direct", "pv", "pv-soft", "pv-guestcopy"];
+pub const NAMED: [&str; 6] = ["native", "direct", "pv", "pv-soft", "pv-guestcopy", "pv-mq"];
 
 impl Options {
     /// `pv` with one software optimisation on.
@@ -206,11 +210,23 @@ impl Options {
         }
     }
 
+    /// The multi-queue NIC with direct placement (`pv-mq`, paper 000 §4.3 and Figure
+    /// 8's fourth bar): `pv-soft`, with the guest's own NIC receive queue, the NIC
+    /// writing each frame into a buffer netfront posted (mapped by netback per packet;
+    /// no copy anywhere).
+    pub fn pv_mq(message: usize) -> Self {
+        Self {
+            queues: true,
+            ..Self::pv_soft(message)
+        }
+    }
+
     /// A configuration by name (one of [`NAMED`]).
     pub fn named(name: &str, message: usize) -> Option<Self> {
         match name {
             "pv-soft" => Some(Self::pv_soft(message)),
             "pv-guestcopy" => Some(Self::pv_guestcopy(message)),
+            "pv-mq" => Some(Self::pv_mq(message)),
             _ => Config::parse(name).map(|c| Self::paper(c, message)),
         }
     }
@@ -351,6 +367,7 @@ impl Running {
                 driver: DriverConfig {
                     netfilter: opts.netfilter,
                     aligned_copies: opts.aligned_copies,
+                    queues: opts.queues,
                 },
                 guests: std::iter::once(GuestSpec {
                     name: "guest".into(),

@@ -36,6 +36,15 @@ fn every_configuration_delivers_every_message_intact() {
                 f.counters
             );
             assert_eq!(f.corrupt, 0);
+            if name == "pv-mq" {
+                // Every frame went to the guest's own queue, none through the default.
+                assert_eq!(
+                    f.counters.get("nic", "default_queue_frames"),
+                    0,
+                    "{message}"
+                );
+                assert!(f.counters.get("nic", "rx_frames") > 0);
+            }
             assert!(s.domains.iter().all(|d| d.2.cpu > Duration::ZERO));
         }
     }

@@ -29,9 +29,9 @@ const SIZE: usize = 48000;
 /// Packets per interrupt swept (the paper's range).
 const SETTINGS: [u32; 5] = [6, 8, 16, 32, 64];
 /// The configurations: every named one, in the paper's order of cost.
-const CONFIGS: [&str; 5] = crate::platform::NAMED;
+const CONFIGS: [&str; 6] = crate::platform::NAMED;
 /// The PV configurations, whose saving is compared with native's.
-const PV: [&str; 3] = ["pv", "pv-soft", "pv-guestcopy"];
+const PV: [&str; 4] = ["pv", "pv-soft", "pv-guestcopy", "pv-mq"];
 
 /// The latency probe's messages: one full-size frame each.
 const LATENCY_SIZE: usize = 1472;

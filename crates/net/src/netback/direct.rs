@@ -110,7 +110,16 @@ impl Vif {
         while d.ops.len() < d.free.len() {
             let req = match self.rx.take_request() {
                 Ok(Some(r)) => r,
-                Ok(None) => break,
+                // None waiting: arm `req_event` and look once more, so that the
+                // guest's next post wakes this vif.
+                Ok(None) => match self.rx.final_check_for_at_least(1) {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(_) => {
+                        broken = true;
+                        break;
+                    }
+                },
                 Err(_) => {
                     broken = true;
                     break;
