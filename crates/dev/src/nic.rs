@@ -387,7 +387,9 @@ impl NicRegs {
     fn wait_seen(&self) {
         let seen = self.iterations.load(Ordering::Acquire);
         let t0 = Instant::now();
+        // A stopped device uses nothing any more.
         while self.iterations.load(Ordering::Acquire) < seen + 2
+            && !self.stop.load(Ordering::Acquire)
             && t0.elapsed() < Duration::from_secs(1)
         {
             if let Some(t) = self.thread.get() {

@@ -30,6 +30,9 @@ use crate::wire::MAX_TAGGED_FRAME;
 
 /// RX buffers one vif may hold mapped at once: a whole ring's worth.
 pub const RX_MAPPED: usize = RING_IDS as usize;
+/// Below this many buffers mapped, netback asks the guest for an event on its next
+/// post.
+pub const DIRECT_LOW_WATER: usize = 64;
 /// Where in a mapped buffer a frame starts: IP-aligned, as NIC drivers post.
 pub const DIRECT_OFFSET: usize = NET_IP_ALIGN;
 
@@ -110,8 +113,11 @@ impl Vif {
         while d.ops.len() < d.free.len() {
             let req = match self.rx.take_request() {
                 Ok(Some(r)) => r,
-                // None waiting: arm `req_event` and look once more, so that the
-                // guest's next post wakes this vif.
+                // None waiting. While the NIC holds plenty of this guest's buffers the
+                // driver domain looks again at its next poll anyway; only when they run
+                // low is `req_event` armed, so that the guest's next post wakes this
+                // vif (an event per post would wake the driver domain per packet).
+                Ok(None) if RX_MAPPED - d.free.len() + d.ops.len() >= DIRECT_LOW_WATER => break,
                 Ok(None) => match self.rx.final_check_for_at_least(1) {
                     Ok(true) => continue,
                     Ok(false) => break,
