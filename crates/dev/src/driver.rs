@@ -156,8 +156,9 @@ pub struct NicDriver {
     tx_next: u32,
     tx_clean: u32,
     napi: bool,
-    /// Adaptive interrupt moderation, when on.
-    adaptive: Option<Adaptive>,
+    /// Adaptive interrupt moderation, when on: each receive queue's own, from its own
+    /// rate.
+    adaptive: [Option<Adaptive>; RX_QUEUES],
     /// Guest receive queues by queue number (queue 0, the driver domain's, is above).
     vmq: Vec<Option<Vmq>>,
     stats: DriverStats,
@@ -222,7 +223,7 @@ impl NicDriver {
             tx_next: 0,
             tx_clean: 0,
             napi: false,
-            adaptive: None,
+            adaptive: [None; RX_QUEUES],
             vmq: (0..RX_QUEUES).map(|_| None).collect(),
             stats: DriverStats::default(),
         };
@@ -310,17 +311,24 @@ impl NicDriver {
     /// Turns adaptive interrupt moderation on or off (off: the device keeps the count
     /// it was started with, or last given).
     pub fn set_adaptive(&mut self, on: bool) {
-        self.adaptive = on.then(|| Adaptive {
-            since: std::time::Instant::now(),
-            packets: 0,
-            itr: self.regs.rxq[0].itr_pkts.load(Ordering::Relaxed),
-        });
+        for q in 0..RX_QUEUES {
+            let open = q == 0 || self.vmq[q].is_some();
+            self.adaptive[q] = (on && open).then(|| self.fresh_adaptive(q));
+        }
     }
 
-    /// Counts `n` received packets for adaptive moderation and, once a window has
-    /// passed, sets the device's packets per interrupt for the rate measured.
-    fn moderate(&mut self, n: usize) {
-        let Some(a) = self.adaptive.as_mut() else {
+    fn fresh_adaptive(&self, q: usize) -> Adaptive {
+        Adaptive {
+            since: std::time::Instant::now(),
+            packets: 0,
+            itr: self.regs.rxq[q].itr_pkts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts `n` packets received on queue `q` for adaptive moderation and, once a
+    /// window has passed, sets that queue's packets per interrupt for the rate measured.
+    fn moderate(&mut self, q: usize, n: usize) {
+        let Some(a) = self.adaptive[q].as_mut() else {
             return;
         };
         a.packets += n as u64;
@@ -333,7 +341,7 @@ impl NicDriver {
         let itr = ((rate / ADAPTIVE_IRQ_RATE).ceil() as u32).clamp(1, ADAPTIVE_MAX_PKTS);
         if itr != a.itr {
             a.itr = itr;
-            self.regs.rxq[0].itr_pkts.store(itr, Ordering::Relaxed);
+            self.regs.rxq[q].itr_pkts.store(itr, Ordering::Relaxed);
             self.stats.itr_changes += 1;
         }
         (a.since, a.packets) = (now, 0);
@@ -406,7 +414,7 @@ impl NicDriver {
         }
         // Each poll feeds the moderation, as a Linux driver feeds net_dim from its NAPI
         // poll.
-        self.moderate(n);
+        self.moderate(0, n);
         if n < budget {
             self.napi = false;
             self.regs.rxq[0].irq_enabled.store(true, Ordering::Release);
@@ -527,6 +535,10 @@ impl NicDriver {
             tail: 0,
             napi: false,
         });
+        // Moderated as the default queue is.
+        if self.adaptive[0].is_some() {
+            self.adaptive[q] = Some(self.fresh_adaptive(q));
+        }
         Ok(())
     }
 
@@ -620,6 +632,7 @@ impl NicDriver {
             });
             n += 1;
         }
+        self.moderate(q, n);
         if n < budget {
             if let Some(v) = self.vmq[q].as_mut() {
                 v.napi = false;
@@ -654,6 +667,7 @@ impl NicDriver {
         let Some(v) = self.vmq.get_mut(q).and_then(Option::take) else {
             return Vec::new();
         };
+        self.adaptive[q] = None;
         let _ = self.regs.clear_filter(q);
         let r = &self.regs.rxq[q];
         r.enabled.store(false, Ordering::Release);
