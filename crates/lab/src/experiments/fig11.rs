@@ -227,7 +227,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          at 6, 8, 16, 32 and 64 packets per interrupt with an 18 µs maximum delay counted from the \
          last received packet (the paper's NIC), and adaptive: the NIC driver sets the packets \
          per interrupt each {} ms from the rate it measured, aiming at {:.0} interrupts a second \
-         (1 to {}). Configurations: native, direct, pv (original), pv-soft, pv-guestcopy (see \
+         (1 to {}). Configurations: native, direct, pv (original), pv-soft, pv-guestcopy, pv-mq (see \
          santos08-fig8). In each of {} rounds every configuration runs at every setting once ({} \
          ms after {} ms warm-up); ratios are taken within a round.",
         dev::driver::ADAPTIVE_WINDOW.as_millis(),
