@@ -74,15 +74,16 @@ impl Direct {
     }
 }
 
+/// The window slot of a vif's RX map `k` (the vif's slots from `slot_base`): after its
+/// rings and its TX pending maps.
+fn map_slot(slot_base: u32, k: u16) -> u32 {
+    slot_base + 2 + MAX_PENDING as u32 + u32::from(k)
+}
+
 /// A filled buffer's token back from the NIC driver (the map slot it was given under).
 pub type DirectToken = u32;
 
 impl Vif {
-    /// The window slot of RX map `k`: after the rings and the TX pending maps.
-    fn direct_slot(&self, k: u16) -> u32 {
-        self.slot_base + 2 + MAX_PENDING as u32 + u32::from(k)
-    }
-
     /// Turns direct placement on (before the first RX action): from now on the
     /// guest's posted buffers are mapped for the NIC instead of copied into.
     pub fn enable_direct(&mut self) {
@@ -148,7 +149,7 @@ impl Vif {
                 dom: self.fe,
                 gref: GrantRef(req.gref),
                 readonly: false,
-                slot: self.slot_base + 2 + MAX_PENDING as u32 + u32::from(k),
+                slot: map_slot(self.slot_base, k),
             });
             d.ids.push(req.id);
         }
@@ -201,7 +202,7 @@ impl Vif {
         };
         let mut n = 0;
         while let Some(&k) = d.ready.front() {
-            let slot = self.slot_base + 2 + MAX_PENDING as u32 + u32::from(k);
+            let slot = map_slot(self.slot_base, k);
             let iova = Iova(window_iova(slot).0 + DIRECT_OFFSET as u64);
             let room = (mem::PAGE_SIZE - DIRECT_OFFSET) as u16;
             if !post(iova, room, u32::from(k)) {
@@ -306,7 +307,7 @@ impl Vif {
 
     /// Writes `skb`'s `len` bytes into mapped buffer `k` at the frame offset.
     fn direct_write(&mut self, pool: &SkbPool, skb: SkbId, k: u16, len: usize) -> bool {
-        let slot = self.direct_slot(k);
+        let slot = map_slot(self.slot_base, k);
         let Some(d) = self.direct.as_mut() else {
             return false;
         };
