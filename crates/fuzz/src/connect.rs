@@ -42,6 +42,7 @@ const SPEC: VifSpec = VifSpec {
     mac: [2, 0, 0, 0, 0, 0x0c],
     rx_buffers: RxBuffers::Fragments,
     index: 0,
+    grant_reuse: false,
 };
 
 const FRONT_KEYS: [&str; 9] = [

@@ -147,6 +147,7 @@ pub(crate) fn world() -> (World, Good) {
         mac: [2, 0, 0, 0, 0, 7],
         rx_buffers: RxBuffers::Fragments,
         index: 1,
+        grant_reuse: false,
     };
     let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
     let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");

@@ -75,6 +75,7 @@ fn world() -> World {
         mac: [2, 0, 0, 0, 0, 1],
         rx_buffers: RxBuffers::Fragments,
         index: 0,
+        grant_reuse: false,
     };
     let good = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("good vif");
     let mut gpool = SkbPool::new(Arc::clone(&guest), 128, 600).expect("pool");
@@ -240,6 +241,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers: inp.pick(&[RxBuffers::Fragments, RxBuffers::Linear]),
         index: 1,
+        grant_reuse: false,
     };
     toolstack::offer_vif(&w.hv, &w.drv, &w.guest, spec).expect("offer");
     let mut front =

@@ -66,6 +66,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
         mac: [2, 0, 0, 0, 0, 7],
         rx_buffers: RxBuffers::Fragments,
         index: 1,
+        grant_reuse: false,
     };
     toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
 }

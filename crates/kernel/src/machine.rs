@@ -333,6 +333,7 @@ impl Machine {
                         mac: g.mac,
                         rx_buffers: g.rx_buffers,
                         index: i as u16,
+                        grant_reuse: false,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {

@@ -45,11 +45,22 @@ pub const TX_COPY_LEN: usize = 128;
 pub const RX_BATCH: usize = 64;
 /// TX slots that may be mapped at once (`MAX_PENDING_REQS`).
 pub const MAX_PENDING: usize = 256;
-/// Window slots a vif needs: its two rings, its pending TX maps, and its RX buffers
-/// mapped for direct placement.
-pub const VIF_WINDOW_SLOTS: u32 = 2 + MAX_PENDING as u32 + RX_MAPPED as u32;
+/// Window slots a vif needs: its two rings, its pending TX maps, its RX buffers
+/// mapped for direct placement, its grant cache, its control ring and the page of a
+/// control message's list.
+pub const VIF_WINDOW_SLOTS: u32 = CTRL_LIST_SLOT + 1;
+/// A vif's first grant-cache slot (from its base).
+const CACHE_SLOT0: u32 = 2 + MAX_PENDING as u32 + RX_MAPPED as u32;
+/// A vif's control-ring slot.
+const CTRL_RING_SLOT: u32 = CACHE_SLOT0 + CACHE_SLOTS as u32;
+/// Where a control message's list page is mapped while it is read or answered.
+const CTRL_LIST_SLOT: u32 = CTRL_RING_SLOT + 1;
 
+mod cache;
+mod ctrl;
 mod direct;
+pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
+pub use ctrl::CTRL_WAITING;
 pub use direct::{DirectToken, DIRECT_OFFSET, RX_MAPPED};
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
@@ -134,6 +145,11 @@ pub struct VifStats {
     /// Guest copy: pieces lent through a windowed transitive grant of the sending
     /// guest's own grant (bytes of a frame another guest sent, not copied).
     pub rx_transitive: u64,
+    /// Control-ring requests taken.
+    pub ctrl_requests: u64,
+    /// Control-ring requests answered with an error status (bad queue, length, list
+    /// page or type).
+    pub ctrl_errors: u64,
 }
 
 crate::counter_set!(VifStats {
@@ -156,7 +172,9 @@ crate::counter_set!(VifStats {
     rx_lent_full,
     rx_bad_requests,
     rx_linearized,
-    rx_transitive
+    rx_transitive,
+    ctrl_requests,
+    ctrl_errors
 });
 
 /// A guest-copy vif's receive side (paper 000 §4.1–4.2): instead of copying a packet
@@ -270,6 +288,8 @@ impl LentOrder {
 #[derive(Debug, Clone, Copy, Default)]
 struct Pending {
     handle: Option<GrantHandle>,
+    /// The grant-cache entry the slot is read through, instead of a map of its own.
+    cached: Option<u16>,
     id: u16,
 }
 
@@ -532,6 +552,12 @@ pub struct Vif {
     guest_copy: Option<GuestCopy>,
     /// The NIC places received frames in the guest's buffers (paper 000 §4.3).
     direct: Option<Box<direct::Direct>>,
+    /// Grant reuse (paper 000 §4.4): the mapped grants kept across I/O.
+    cache: Option<Box<GrantCache>>,
+    /// The control ring through which the guest drops cached mappings.
+    ctrl: Option<ctrl::Ctrl>,
+    /// Packets a cached TX build assembled, to be delivered.
+    tx_ready: Vec<SkbId>,
     rxb: RxBatch,
     txb: TxBatch,
     unmaps: Unmaps,
@@ -540,6 +566,45 @@ pub struct Vif {
     tx_check: TxCheckStats,
     stats: VifStats,
     disabled: Option<Disabled>,
+}
+
+/// Maps the front end's control ring (`ctrl-ring-ref`) at `slot`.
+fn map_ctrl_ring(
+    hv: &Hypervisor,
+    dom: &Arc<Domain>,
+    fe: DomId,
+    fdir: &str,
+    slot: u32,
+) -> Result<ctrl::Ctrl, XenbusError> {
+    let store = hv.store();
+    let r = xenbus::read_u32(
+        store,
+        dom.id(),
+        &format!("{fdir}/{}", xenbus::CTRL_RING_REF),
+    )?;
+    let op = [MapOp {
+        dom: fe,
+        gref: GrantRef(r),
+        readonly: false,
+        slot,
+    }];
+    let mut res = [Err(GrantError::BadHandle(0))];
+    hv.grant_map(dom, &op, &mut res);
+    let bad = |e: String| XenbusError::BadKey(format!("{fdir}/{}: {e}", xenbus::CTRL_RING_REF));
+    let h = res[0].map_err(|e| bad(e.to_string()))?;
+    match dom
+        .window()
+        .page(slot)
+        .ok()
+        .and_then(|p| PageRing::new(p).ok())
+        .and_then(|p| BackRing::<crate::netif::CtrlRing, _>::attach(p).ok())
+    {
+        Some(ring) => Ok(ctrl::Ctrl::new(ring, h)),
+        None => {
+            hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+            Err(bad("not a ring".into()))
+        }
+    }
 }
 
 /// Publishes the back end's features and waits for the front end (`InitWait`).
@@ -649,6 +714,21 @@ impl Vif {
                 return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
             }
         };
+        // Grant reuse needs the control ring, through which the guest drops mappings.
+        let reuse = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GRANT_REUSE);
+        let ctrl = if reuse {
+            match map_ctrl_ring(hv, dom, fe, &fdir, slot_base + CTRL_RING_SLOT) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    drop((tx, rx));
+                    unmap(hv);
+                    let _ = hv.evtchn_close(dom, port);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         // A guest-copy front end learns where its slots' grants start before it sees
         // `Connected`.
         let gt = dom.grant_table();
@@ -680,10 +760,16 @@ impl Vif {
             Err(e) => {
                 drop((tx, rx));
                 unmap(hv);
+                if let Some(c) = ctrl {
+                    let h = c.handle;
+                    drop(c);
+                    hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+                }
                 let _ = hv.evtchn_close(dom, port);
                 return Err(e);
             }
         };
+        let cache = reuse.then(|| Box::new(GrantCache::new(fe, slot_base + CACHE_SLOT0)));
         Ok(Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
@@ -700,6 +786,9 @@ impl Vif {
             aligned_copies: false,
             guest_copy,
             direct: None,
+            cache,
+            ctrl,
+            tx_ready: Vec::with_capacity(MAX_PENDING),
             rxb: RxBatch::new(),
             txb: TxBatch::new(),
             unmaps: Unmaps {
@@ -738,6 +827,20 @@ impl Vif {
     /// Why the vif stopped, if it did.
     pub fn disabled(&self) -> Option<Disabled> {
         self.disabled
+    }
+    /// Grant reuse: the cache's counters, if the front end asked for it.
+    pub fn cache_stats(&self) -> Option<&CacheStats> {
+        self.cache.as_deref().map(GrantCache::stats)
+    }
+    /// Grant reuse: grants mapped in the cache now.
+    pub fn cached_grants(&self) -> usize {
+        self.cache.as_deref().map_or(0, GrantCache::len)
+    }
+    /// Grant reuse: the I/O address at which the cache holds `gref` mapped for the
+    /// driver domain's devices, if it does.
+    pub fn cached_at(&self, gref: u32) -> Option<hv::Iova> {
+        let c = self.cache.as_deref()?;
+        c.entry_of(gref).map(|k| hv::iommu::window_iova(c.slot(k)))
     }
     /// Whether the front end takes multi-slot packets (`feature-sg`).
     pub fn can_sg(&self) -> bool {
@@ -1157,6 +1260,11 @@ impl Vif {
         self.tx_build(pool, budget);
         self.tx_flush();
         let mut delivered = 0;
+        for skb in self.tx_ready.drain(..) {
+            self.stats.tx_packets += 1;
+            delivered += 1;
+            deliver(pool, skb);
+        }
         for k in 0..self.txb.pkts.len() {
             if let Some(skb) = self.tx_complete(pool, k) {
                 self.stats.tx_packets += 1;
@@ -1188,6 +1296,9 @@ impl Vif {
                     break;
                 }
                 TxVerdict::Drop(_, chain) => self.tx_answer(&chain, XEN_NETIF_RSP_ERROR),
+                TxVerdict::Packet(chain) if self.cache.is_some() => {
+                    self.tx_build_cached(pool, &chain)
+                }
                 TxVerdict::Packet(chain) => self.tx_build_packet(pool, &chain),
             }
         }
@@ -1238,18 +1349,7 @@ impl Vif {
         // buffer's fragments; the rest go on a second buffer on the fragment list, as
         // Linux netback's `frag_overflow` does.
         let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
-        let bufs = match pool.alloc(NET_SKB_PAD) {
-            Ok(skb) if maps > MAX_SKB_FRAGS => match pool.alloc(0) {
-                Ok(o) => Some((skb, Some(o))),
-                Err(_) => {
-                    pool.free(skb);
-                    None
-                }
-            },
-            Ok(skb) => Some((skb, None)),
-            Err(_) => None,
-        };
-        let Some((skb, overflow)) = bufs else {
+        let Some((skb, overflow)) = Self::tx_buffers(pool, maps) else {
             self.stats.tx_no_buffer += 1;
             self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
             return;
@@ -1293,6 +1393,158 @@ impl Vif {
         });
     }
 
+    /// The buffer for a packet of `maps` mapped pages: one, or two when the maps
+    /// overflow one buffer's fragments.
+    fn tx_buffers(pool: &mut SkbPool, maps: usize) -> Option<(SkbId, Option<SkbId>)> {
+        match pool.alloc(NET_SKB_PAD) {
+            Ok(skb) if maps > MAX_SKB_FRAGS => match pool.alloc(0) {
+                Ok(o) => Some((skb, Some(o))),
+                Err(_) => {
+                    pool.free(skb);
+                    None
+                }
+            },
+            Ok(skb) => Some((skb, None)),
+            Err(_) => None,
+        }
+    }
+
+    /// Grant reuse: builds one valid chain through the grant cache. Every slot's
+    /// grant is looked up (mapped only on a miss); the first [`TX_COPY_LEN`] bytes
+    /// are copied out of the first slot's mapping into a fresh buffer's linear area,
+    /// and every page beyond them is attached as a fragment read through its mapping.
+    /// A slot's entry is released when the packet has left ([`Vif::tx_release`]), and
+    /// stays mapped. When every grant hits, no hypercall at all.
+    fn tx_build_cached(&mut self, pool: &mut SkbPool, chain: &TxChain) {
+        let slots = chain.slots();
+        let s0 = slots[0];
+        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+        let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
+        let Some((skb, overflow)) = Self::tx_buffers(pool, maps) else {
+            self.stats.tx_no_buffer += 1;
+            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+            return;
+        };
+        let free_bufs = |pool: &mut SkbPool| {
+            pool.free(skb);
+            if let Some(o) = overflow {
+                pool.free(o);
+            }
+        };
+        let (hv, dom) = (&self.hv, &self.dom);
+        let Some(cache) = self.cache.as_mut() else {
+            free_bufs(pool);
+            return;
+        };
+        let mut ks = [0u16; FATAL_SKB_SLOTS];
+        let mut got = 0;
+        for s in slots {
+            match cache.acquire(hv, dom, s.gref, false) {
+                Ok(k) => {
+                    ks[got] = k;
+                    got += 1;
+                }
+                Err(_) => break,
+            }
+        }
+        // The header, out of the first slot's mapping.
+        let mut head = [0u8; TX_COPY_LEN];
+        let (hg, hoff) = pool.data_location(skb);
+        let copied = got == slots.len() && {
+            let _c = enter(Class::GrantCopy);
+            dom.window()
+                .read(
+                    cache.slot(ks[0]),
+                    usize::from(s0.offset),
+                    &mut head[..copy_len],
+                )
+                .is_ok()
+                && dom.write(hg, hoff, &head[..copy_len]).is_ok()
+                && pool.extend_linear(skb, copy_len).is_ok()
+        };
+        if !copied {
+            for &k in &ks[..got] {
+                cache.release(hv, dom, k);
+            }
+            self.stats.tx_grant_errors += 1;
+            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+            free_bufs(pool);
+            return;
+        }
+        for _ in 0..chain.extras {
+            let _ = self.tx.push_response(&TxResponse {
+                id: 0,
+                status: crate::netif::XEN_NETIF_RSP_NULL,
+            });
+        }
+        self.txb.responses = true;
+        // The pieces read through their mappings: the first slot's tail, if any, and
+        // every later slot.
+        let first_whole = s0.len as usize <= copy_len;
+        if first_whole {
+            cache.release(hv, dom, ks[0]);
+            let _ = self.tx.push_response(&TxResponse {
+                id: s0.id,
+                status: XEN_NETIF_RSP_OKAY,
+            });
+        }
+        let c = copy_len as u16;
+        let pieces = slots
+            .iter()
+            .zip(&ks[..got])
+            .enumerate()
+            .filter_map(|(j, (s, &k))| match j {
+                0 if first_whole => None,
+                0 => Some((s, k, s.offset + c, s.len - c)),
+                _ => Some((s, k, s.offset, s.len)),
+            });
+        let mut ok = true;
+        for (j, (s, k, offset, len)) in pieces.enumerate() {
+            let p = self
+                .pending_free
+                .pop()
+                .expect("checked: a chain's worth is free");
+            self.pending[p as usize] = Pending {
+                handle: None,
+                cached: Some(k),
+                id: s.id,
+            };
+            let to = match overflow {
+                Some(o) if j >= MAX_SKB_FRAGS => o,
+                _ => skb,
+            };
+            let frag = Frag {
+                page: FragPage::Foreign {
+                    slot: cache.slot(k),
+                    token: u32::from(self.index) << 16 | u32::from(p),
+                    grant: (self.fe, GrantRef(s.gref)),
+                },
+                offset,
+                len,
+            };
+            // Cannot fail for a chain read_tx_packet passed; if it did, the slot is
+            // answered now rather than leaked, and the packet dropped.
+            if pool.add_frag(to, frag).is_err() {
+                self.pending[p as usize].cached = None;
+                cache.release(hv, dom, k);
+                self.pending_free.push(p);
+                let _ = self.tx.push_response(&TxResponse {
+                    id: s.id,
+                    status: XEN_NETIF_RSP_ERROR,
+                });
+                ok = false;
+            }
+        }
+        if let Some(o) = overflow {
+            pool.append_frag_list(skb, o);
+        }
+        if ok {
+            self.tx_ready.push(skb);
+        } else {
+            pool.free(skb);
+        }
+    }
+
     /// One mapped slot: a pending entry, a map op, and the bytes of the page it
     /// contributes.
     fn tx_map_slot(&mut self, gref: u32, id: u16, offset: u16, len: u16) {
@@ -1300,7 +1552,11 @@ impl Vif {
             .pending_free
             .pop()
             .expect("checked: a chain's worth is free");
-        self.pending[p as usize] = Pending { handle: None, id };
+        self.pending[p as usize] = Pending {
+            handle: None,
+            cached: None,
+            id,
+        };
         self.txb.maps.push(MapOp {
             dom: self.fe,
             gref: GrantRef(gref),
@@ -1415,11 +1671,31 @@ impl Vif {
         let _c = enter(Class::Netback);
         self.unmaps.handles.clear();
         self.unmaps.pending.clear();
+        let mut cached_answers = false;
         for t in tokens {
             if t >> 16 != self.index as u32 {
                 continue;
             }
             let pi = (t & 0xffff) as u16;
+            // A slot read through the grant cache: its mapping stays.
+            if let Some(k) = self
+                .pending
+                .get_mut(pi as usize)
+                .and_then(|p| p.cached.take())
+            {
+                if let Some(c) = self.cache.as_mut() {
+                    c.release(&self.hv, &self.dom, k);
+                }
+                self.pending_free.push(pi);
+                if self.disabled.is_none() {
+                    let _ = self.tx.push_response(&TxResponse {
+                        id: self.pending[pi as usize].id,
+                        status: XEN_NETIF_RSP_OKAY,
+                    });
+                    cached_answers = true;
+                }
+                continue;
+            }
             // Taken, not read: a token seen twice must not free its entry twice.
             if let Some(h) = self
                 .pending
@@ -1432,6 +1708,9 @@ impl Vif {
         }
         let n = self.unmaps.handles.len();
         if n == 0 {
+            if cached_answers && self.tx.push_responses_and_check_notify() {
+                self.notify();
+            }
             return;
         }
         {
@@ -1464,7 +1743,11 @@ impl Vif {
             let mut st = [Ok(())];
             self.hv.grant_unmap(&self.dom, &[h], &mut st);
         }
+        if let (Some(k), Some(c)) = (p.cached, self.cache.as_mut()) {
+            c.release(&self.hv, &self.dom, k);
+        }
         self.pending[pi as usize].handle = None;
+        self.pending[pi as usize].cached = None;
         self.pending_free.push(pi);
         let _ = self.tx.push_response(&TxResponse { id: p.id, status });
     }
@@ -1482,6 +1765,7 @@ impl Vif {
         self.disable(Disabled::Disconnected);
         self.rx_queue.purge(pool);
         self.direct_teardown();
+        let ctrl_ring = self.cache_teardown();
         if let Some(gc) = self.guest_copy.as_mut() {
             let gt = self.dom.grant_table();
             for id in 0..RING_IDS {
@@ -1509,6 +1793,7 @@ impl Vif {
             .iter()
             .filter_map(|p| p.handle)
             .chain(self.ring_handles)
+            .chain(ctrl_ring)
             .collect();
         let Vif {
             hv,

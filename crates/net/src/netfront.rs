@@ -40,6 +40,8 @@ use crate::netif::{
 use crate::skb::{Frag, FragPage, Held, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
 
+mod reuse;
+
 /// Bytes netfront copies from the first fragment into the linear area.
 pub const RX_COPY_LEN: usize = 200;
 
@@ -95,6 +97,16 @@ pub struct FrontStats {
     pub disconnects: u64,
     /// Unanswered packets kept across a disconnection to be sent again.
     pub tx_requeued: u64,
+    /// Grant reuse: pages bound to a reference of their own (granted once, kept).
+    pub reuse_bindings: u64,
+    /// Grant reuse: pages whose drop was asked through the control ring.
+    pub unbind_asked: u64,
+    /// Grant reuse: of those, pages whose grant then ended (handed back).
+    pub unbind_done: u64,
+    /// Grant reuse: drops the back end did not confirm.
+    pub unbind_refused: u64,
+    /// Control-ring responses with an id or type not asked for.
+    pub ctrl_bad_responses: u64,
 }
 
 crate::counter_set!(FrontStats {
@@ -111,7 +123,12 @@ crate::counter_set!(FrontStats {
     tx_bad_response,
     notifies,
     disconnects,
-    tx_requeued
+    tx_requeued,
+    reuse_bindings,
+    unbind_asked,
+    unbind_done,
+    unbind_refused,
+    ctrl_bad_responses
 });
 
 #[derive(Debug, Clone, Copy)]
@@ -152,6 +169,8 @@ struct Link {
     rings: [(Gfn, GrantRef); 2],
     /// Guest copy: the back end's grant for slot 0 (`base + id` for slot `id`).
     rx_grant_base: Option<u32>,
+    /// Grant reuse: the control ring and the pages bound to references.
+    reuse: Option<reuse::Reuse>,
 }
 
 /// A change [`Netfront::check_backend`] made.
@@ -194,6 +213,8 @@ pub struct Netfront {
     /// A packet being assembled from a multi-slot response chain.
     partial: Option<SkbId>,
     rx_buffers: RxBuffers,
+    /// Ask the back end for grant reuse at each connection.
+    want_reuse: bool,
     /// The rest of a multi-slot chain a linear front end refused is being skipped.
     skipping: bool,
     /// The guest-copy path's batch, allocated once.
@@ -308,6 +329,20 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
+        Self::connect_config(hv, dom, handle, rx_buffers, false)
+    }
+
+    /// As [`Netfront::connect_with`], asking for grant reuse (paper 000 §4.4) if
+    /// `grant_reuse`: every page is then granted once and keeps its reference, and
+    /// leaves I/O through [`Netfront::unbind`]. A back end that does not offer it gets
+    /// the original protocol. Not with [`RxBuffers::GuestCopy`].
+    pub fn connect_config(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        handle: u32,
+        rx_buffers: RxBuffers,
+        grant_reuse: bool,
+    ) -> Result<Self, XenbusError> {
         // One reference per ring id and direction, all or none: a front end that
         // cannot connect gives back what it took, so that a guest can try again.
         let gt = dom.grant_table();
@@ -366,6 +401,7 @@ impl Netfront {
             resend: VecDeque::with_capacity(RING_IDS as usize),
             partial: None,
             rx_buffers,
+            want_reuse: grant_reuse && rx_buffers != RxBuffers::GuestCopy,
             skipping: false,
             copy_batch: CopyBatch::new(),
             stats: FrontStats::default(),
@@ -449,6 +485,10 @@ impl Netfront {
                 let _ = hv.evtchn_close(dom, p);
             }
         };
+        let reuse_offered = self.want_reuse
+            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_GRANT_REUSE)
+            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_CTRL_RING);
+        let mut reuse = None;
         let r = (|| {
             for _ in 0..2 {
                 let g = dom.alloc_page().map_err(|_| oom())?;
@@ -469,6 +509,9 @@ impl Netfront {
             let rx = FrontRing::init(ring(taken[1].0)?).map_err(|_| oom())?;
             let p = hv.evtchn_alloc_unbound(dom, be).map_err(|_| oom())?;
             port = Some(p);
+            if reuse_offered {
+                reuse = Some(reuse::open_ctrl(dom, be).ok_or_else(oom)?);
+            }
             let sg = if self.rx_buffers == RxBuffers::Fragments {
                 "1"
             } else {
@@ -492,6 +535,22 @@ impl Netfront {
             ] {
                 store.write(me, &format!("{fdir}/{k}"), &v)?;
             }
+            // Grant reuse: the control ring, and the request (a reconnection that
+            // no longer asks takes both away).
+            let (ring_key, req_key) = (
+                format!("{fdir}/{}", xenbus::CTRL_RING_REF),
+                format!("{fdir}/{}", xenbus::REQUEST_GRANT_REUSE),
+            );
+            match &reuse {
+                Some(r) => {
+                    store.write(me, &ring_key, &r.pages[0].1 .0.to_string())?;
+                    store.write(me, &req_key, "1")?;
+                }
+                None => {
+                    let _ = store.rm(me, &ring_key);
+                    let _ = store.rm(me, &req_key);
+                }
+            }
             store.switch_state(me, &fdir, XenbusState::Connected)?;
             Ok(Link {
                 be,
@@ -501,9 +560,14 @@ impl Netfront {
                 rx,
                 rings: [taken[0], taken[1]],
                 rx_grant_base: None,
+                reuse: reuse.take(),
             })
         })();
         if r.is_err() {
+            if let Some(rs) = reuse {
+                let mut st = FrontStats::default();
+                rs.close(dom, &mut st);
+            }
             give_back(&taken, port);
         }
         r
@@ -657,8 +721,17 @@ impl Netfront {
                 self.stats.grants_busy += 1;
             }
         }
-        let Link { port, tx, rx, .. } = l;
+        let Link {
+            port,
+            tx,
+            rx,
+            reuse,
+            ..
+        } = l;
         drop((tx, rx));
+        if let Some(r) = reuse {
+            r.close(&dom, &mut self.stats);
+        }
         let _ = self.hv.evtchn_close(&self.dom, port);
         let store = self.hv.store();
         let me = self.dom.id();
@@ -810,23 +883,29 @@ impl Netfront {
                 break;
             };
             let b = &mut self.rx_bufs[id as usize];
-            if self
-                .dom
-                .grant_table()
-                .grant_access(b.gref, l.be, gfn, false)
-                .is_err()
-            {
+            // With grant reuse, the page's own binding; else this slot's reference,
+            // granted for the page now and ended at its response.
+            let gref = match l.reuse.as_mut() {
+                Some(r) => r.bind(&self.dom, l.be, gfn, &mut self.stats),
+                None => self
+                    .dom
+                    .grant_table()
+                    .grant_access(b.gref, l.be, gfn, false)
+                    .ok()
+                    .map(|()| b.gref),
+            };
+            let Some(gref) = gref else {
                 free_buf(pool, gfn, skb);
                 self.rx_free.push(id);
                 break;
-            }
+            };
             b.gfn = Some(gfn);
             b.skb = skb;
             self.inflight.post(id);
             let _ = l.rx.push_request(&RxRequest {
                 id,
                 pad: 0,
-                gref: b.gref.0,
+                gref: gref.0,
             });
             posted = true;
         }
@@ -840,7 +919,13 @@ impl Netfront {
     fn reclaim(&mut self, id: u16) -> Option<(Gfn, Option<SkbId>)> {
         let b = self.rx_bufs[id as usize];
         let gfn = b.gfn?;
-        match self.dom.grant_table().end_access(b.gref) {
+        // With grant reuse the page keeps its grant (and the back end its mapping).
+        let end = if self.link.as_ref().is_some_and(|l| l.reuse.is_some()) {
+            Ok(())
+        } else {
+            self.dom.grant_table().end_access(b.gref)
+        };
+        match end {
             Ok(()) => {
                 let b = &mut self.rx_bufs[id as usize];
                 b.gfn = None;
@@ -1225,6 +1310,22 @@ impl Netfront {
             return Err(skb);
         }
         let (be, dom) = (l.be, &self.dom);
+        // With grant reuse, each page's binding (found or made before the walk).
+        let mut bound = [None; LEGACY_SLOTS_MAX];
+        if let Some(r) = l.reuse.as_mut() {
+            let mut k = 0;
+            let _ = pool.walk(skb, 0, len, |seg, _| {
+                if let SegPage::Own(gfn) = seg.page {
+                    bound[k] = r.bind(dom, be, gfn, &mut self.stats);
+                }
+                k += 1;
+                Ok(())
+            });
+            if bound[..segs].iter().any(Option::is_none) {
+                return Err(skb);
+            }
+        }
+        let reuse = l.reuse.is_some();
         let gt = dom.grant_table();
         let (tx, tx_free, tx_bufs) = (&mut l.tx, &mut self.tx_free, &mut self.tx_bufs);
         let mut k = 0;
@@ -1235,15 +1336,21 @@ impl Netfront {
             };
             let id = tx_free.pop().ok_or(crate::skb::SkbError::Exhausted)?;
             let b = &mut tx_bufs[id as usize];
-            gt.grant_access(b.gref, be, gfn, true)
-                .map_err(|_| crate::skb::SkbError::Exhausted)?;
+            let gref = match bound[k] {
+                Some(g) if reuse => g,
+                _ => {
+                    gt.grant_access(b.gref, be, gfn, true)
+                        .map_err(|_| crate::skb::SkbError::Exhausted)?;
+                    b.gref
+                }
+            };
             let h = *head.get_or_insert(id);
             b.in_flight = true;
             b.held = false;
             b.head = h;
             k += 1;
             let _ = tx.push_request(&TxRequest {
-                gref: b.gref.0,
+                gref: gref.0,
                 offset: seg.offset as u16,
                 flags: if k < segs { NETTXF_MORE_DATA } else { 0 },
                 id,
@@ -1294,7 +1401,9 @@ impl Netfront {
                 self.stats.tx_bad_response += 1;
                 continue;
             }
-            let mapped = self.dom.grant_table().end_access(b.gref).is_err();
+            // With grant reuse the pages keep their grants.
+            let reuse = self.link.as_ref().is_some_and(|l| l.reuse.is_some());
+            let mapped = !reuse && self.dom.grant_table().end_access(b.gref).is_err();
             let me = &mut self.tx_bufs[rsp.id as usize];
             me.in_flight = false;
             me.held = mapped;

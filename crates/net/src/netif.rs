@@ -126,6 +126,77 @@ impl RingProtocol for RxRing {
     type Rsp = RxResponse;
 }
 
+/// `struct xen_netif_ctrl_request`: a message on the control ring.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct CtrlRequest {
+    /// Echoed in the response.
+    pub id: u16,
+    /// `XEN_NETIF_CTRL_TYPE_*`.
+    pub ty: u16,
+    /// Arguments, by type.
+    pub data: [u32; 3],
+}
+
+/// `struct xen_netif_ctrl_response`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct CtrlResponse {
+    /// The request's id.
+    pub id: u16,
+    /// The request's type.
+    pub ty: u16,
+    /// `XEN_NETIF_CTRL_STATUS_*`.
+    pub status: u32,
+    /// The answer, by type.
+    pub data: u32,
+}
+
+/// `struct xen_netif_gref`: one entry of the list an `ADD`/`DEL_GREF_MAPPING` message
+/// names, in a page the front end grants.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct NetifGref {
+    /// The grant reference.
+    pub gref: u32,
+    /// `XEN_NETIF_CTRLF_GREF_*`.
+    pub flags: u16,
+    /// `XEN_NETIF_CTRL_STATUS_*`, written by the back end (`DEL` only).
+    pub status: u16,
+}
+
+const _: () = assert!(std::mem::size_of::<CtrlRequest>() == 16);
+const _: () = assert!(std::mem::size_of::<CtrlResponse>() == 12);
+const _: () = assert!(std::mem::size_of::<NetifGref>() == 8);
+
+/// The control ring.
+#[derive(Debug)]
+pub struct CtrlRing;
+impl RingProtocol for CtrlRing {
+    type Req = CtrlRequest;
+    type Rsp = CtrlResponse;
+}
+
+/// `XEN_NETIF_CTRL_TYPE_GET_GREF_MAPPING_SIZE`: how many grants the back end keeps
+/// mapped.
+pub const XEN_NETIF_CTRL_TYPE_GET_GREF_MAPPING_SIZE: u16 = 8;
+/// `XEN_NETIF_CTRL_TYPE_ADD_GREF_MAPPING`: map a list of grants ahead of use.
+pub const XEN_NETIF_CTRL_TYPE_ADD_GREF_MAPPING: u16 = 9;
+/// `XEN_NETIF_CTRL_TYPE_DEL_GREF_MAPPING`: unmap a list of grants.
+pub const XEN_NETIF_CTRL_TYPE_DEL_GREF_MAPPING: u16 = 10;
+/// `XEN_NETIF_CTRL_STATUS_SUCCESS`.
+pub const XEN_NETIF_CTRL_STATUS_SUCCESS: u32 = 0;
+/// `XEN_NETIF_CTRL_STATUS_NOT_SUPPORTED`.
+pub const XEN_NETIF_CTRL_STATUS_NOT_SUPPORTED: u32 = 1;
+/// `XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER`.
+pub const XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER: u32 = 2;
+/// `XEN_NETIF_CTRL_STATUS_BUFFER_OVERFLOW`.
+pub const XEN_NETIF_CTRL_STATUS_BUFFER_OVERFLOW: u32 = 3;
+/// `XEN_NETIF_CTRLF_GREF_readonly`: the grant is read-only.
+pub const XEN_NETIF_CTRLF_GREF_READONLY: u16 = 1 << 0;
+/// Entries of a gref list: one page of them.
+pub const GREF_LIST_MAX: usize = PAGE_SIZE / std::mem::size_of::<NetifGref>();
+
 // --- Flags and statuses -------------------------------------------------------------
 
 /// Checksum field blank (offload).

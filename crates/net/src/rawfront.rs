@@ -12,13 +12,17 @@ use std::sync::Arc;
 use hv::store::XenbusState;
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, Port};
 
-use crate::netif::{RxRequest, RxResponse, TxRequest, TxResponse};
+use crate::netif::{
+    CtrlRequest, CtrlResponse, NetifGref, RxRequest, RxResponse, TxRequest, TxResponse,
+};
 use crate::xenbus::{self, XenbusError};
 
 /// Bytes before a ring's first slot (the shared ring's indices and padding).
 const HDR: usize = 64;
 /// Slots of a one-page netif ring.
 const SLOTS: usize = 256;
+/// Slots of a one-page control ring (16-byte slots).
+pub const CTRL_SLOTS: usize = 128;
 
 /// A raw front end over one vif.
 #[derive(Debug)]
@@ -37,6 +41,8 @@ pub struct RawFront {
     pub port: Port,
     /// Grants it made (ring and data pages, RX buffers), with their pages.
     grants: Vec<(GrantRef, Gfn)>,
+    /// The control ring's page and the list page with its grant, once published.
+    pub ctrl: Option<(Gfn, Gfn, u32)>,
 }
 
 fn oom() -> XenbusError {
@@ -93,6 +99,7 @@ impl RawFront {
                 data_ref: grants[2].0 .0,
                 port,
                 grants,
+                ctrl: None,
             }),
             Err(e) => {
                 // Nothing was published: give back what was taken.
@@ -186,5 +193,80 @@ impl RawFront {
         gt.grant_access(r, be, g, false).ok()?;
         self.grants.push((r, g));
         Some(r.0)
+    }
+
+    /// Publishes a control ring and a list page, both granted writable to `be`, and
+    /// asks for grant reuse (before the back end connects).
+    pub fn publish_ctrl(&mut self, hv: &Hypervisor, be: DomId, handle: u32) -> Option<()> {
+        let gt = self.dom.grant_table();
+        let mut pages = [(GrantRef(0), Gfn(0)); 2];
+        for p in &mut pages {
+            let g = self.dom.alloc_page().ok()?;
+            let r = gt.alloc_ref()?;
+            gt.grant_access(r, be, g, false).ok()?;
+            self.grants.push((r, g));
+            *p = (r, g);
+        }
+        // The ring's events start armed, as `FRONT_RING_INIT` leaves them.
+        let _ = self.dom.write(pages[0].1, 4, &1u32.to_le_bytes());
+        let _ = self.dom.write(pages[0].1, 12, &1u32.to_le_bytes());
+        let dir = xenbus::frontend_dir(self.dom.id(), handle);
+        let store = hv.store();
+        store
+            .write(
+                self.dom.id(),
+                &format!("{dir}/{}", xenbus::CTRL_RING_REF),
+                &pages[0].0 .0.to_string(),
+            )
+            .ok()?;
+        store
+            .write(
+                self.dom.id(),
+                &format!("{dir}/{}", xenbus::REQUEST_GRANT_REUSE),
+                "1",
+            )
+            .ok()?;
+        self.ctrl = Some((pages[0].1, pages[1].1, pages[1].0 .0));
+        Some(())
+    }
+
+    /// Writes control request `i` and publishes `prod`.
+    pub fn post_ctrl(&self, i: u32, r: CtrlRequest, prod: u32) {
+        let Some((ring, _, _)) = self.ctrl else {
+            return;
+        };
+        let _ = self.dom.write(
+            ring,
+            HDR + (i as usize % CTRL_SLOTS) * 16,
+            bytemuck::bytes_of(&r),
+        );
+        let _ = self.dom.write(ring, 0, &prod.to_le_bytes());
+    }
+
+    /// Control response `i`.
+    pub fn ctrl_response(&self, i: u32) -> CtrlResponse {
+        let mut b = [0u8; 12];
+        if let Some((ring, _, _)) = self.ctrl {
+            let _ = self
+                .dom
+                .read(ring, HDR + (i as usize % CTRL_SLOTS) * 16, &mut b);
+        }
+        bytemuck::pod_read_unaligned(&b)
+    }
+
+    /// Writes a gref list into the list page.
+    pub fn write_list(&self, list: &[NetifGref]) {
+        if let Some((_, page, _)) = self.ctrl {
+            let _ = self.dom.write(page, 0, bytemuck::cast_slice(list));
+        }
+    }
+
+    /// Reads `n` entries of the list page back (the statuses the back end wrote).
+    pub fn read_list(&self, n: usize) -> Vec<NetifGref> {
+        let mut l = vec![NetifGref::default(); n];
+        if let Some((_, page, _)) = self.ctrl {
+            let _ = self.dom.read(page, 0, bytemuck::cast_slice_mut(&mut l));
+        }
+        l
     }
 }

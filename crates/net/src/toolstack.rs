@@ -27,6 +27,8 @@ pub struct VifSpec {
     /// The vif's index in the driver domain (its release tokens' high half); it maps
     /// at window slots from `index · VIF_WINDOW_SLOTS`.
     pub index: u16,
+    /// netfront asks for grant reuse (paper 000 §4.4).
+    pub grant_reuse: bool,
 }
 
 /// Window slots a driver domain needs for `vifs` vifs.
@@ -43,7 +45,8 @@ pub fn plug_vif(
     spec: VifSpec,
 ) -> Result<(Netfront, Vif), XenbusError> {
     offer_vif(hv, driver, guest, spec)?;
-    let front = Netfront::connect_with(hv, guest, spec.handle, spec.rx_buffers)?;
+    let front =
+        Netfront::connect_config(hv, guest, spec.handle, spec.rx_buffers, spec.grant_reuse)?;
     let vif = connect_backend(hv, driver, guest, spec)?;
     Ok((front, vif))
 }

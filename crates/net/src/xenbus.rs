@@ -113,11 +113,25 @@ pub const REQUEST_GUEST_COPY: &str = "request-rx-guest-copy";
 /// Where the back end says its per-slot grants start (`base + id` for slot `id`).
 pub const RX_GRANT_BASE: &str = "rx-grant-base";
 
+/// netif.h's control ring: the back end offers it; the front end publishes its page.
+pub const FEATURE_CTRL_RING: &str = "feature-ctrl-ring";
+/// The front end's control-ring grant.
+pub const CTRL_RING_REF: &str = "ctrl-ring-ref";
+/// A back end's offer to keep the grants it maps cached across I/O (paper 000 §4.4;
+/// pvio's own key): mappings outlive their requests until evicted or dropped through
+/// the control ring.
+pub const FEATURE_GRANT_REUSE: &str = "feature-grant-reuse";
+/// A front end's request for it (it must also publish a control ring, through which
+/// it drops mappings before it repurposes a page).
+pub const REQUEST_GRANT_REUSE: &str = "request-grant-reuse";
+
 /// The back end's features, as pvio's netback offers them.
-pub const BACKEND_FEATURES: [(&str, &str); 5] = [
+pub const BACKEND_FEATURES: [(&str, &str); 7] = [
     ("feature-sg", "1"),
     ("feature-rx-copy", "1"),
     ("feature-rx-flip", "0"),
     ("feature-gso-tcpv4", "0"),
     ("feature-multicast-control", "0"),
+    (FEATURE_CTRL_RING, "1"),
+    (FEATURE_GRANT_REUSE, "1"),
 ];

@@ -85,6 +85,7 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         mac: flow().dst_mac,
         rx_buffers,
         index: 0,
+        grant_reuse: false,
     };
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
@@ -351,6 +352,7 @@ fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGue
             mac,
             rx_buffers,
             index,
+            grant_reuse: false,
         };
         toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
     };
@@ -831,6 +833,7 @@ fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::Ra
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers,
         index: 1,
+        grant_reuse: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");

@@ -29,6 +29,7 @@ const SPEC: VifSpec = VifSpec {
     mac: [2, 0, 0, 0, 0, 2],
     rx_buffers: RxBuffers::Fragments,
     index: 0,
+    grant_reuse: false,
 };
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.

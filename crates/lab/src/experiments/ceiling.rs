@@ -242,6 +242,7 @@ fn run_once(
         mac: flow().dst_mac,
         rx_buffers,
         index: 0,
+        grant_reuse: false,
     };
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
     let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;

@@ -36,11 +36,17 @@ pub const DIRECT_LOW_WATER: usize = 64;
 /// Where in a mapped buffer a frame starts: IP-aligned, as NIC drivers post.
 pub const DIRECT_OFFSET: usize = NET_IP_ALIGN;
 
-/// A posted buffer, mapped.
+/// A posted buffer, mapped: by a map of its own, or through the vif's grant cache.
 #[derive(Debug, Clone, Copy)]
 struct Mapped {
     id: u16,
-    handle: GrantHandle,
+    at: MappedAt,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum MappedAt {
+    Own(GrantHandle),
+    Cached(u16),
 }
 
 /// The vif's direct-placement state: the mapped buffers by map slot, the free slots,
@@ -80,6 +86,23 @@ fn map_slot(slot_base: u32, k: u16) -> u32 {
     slot_base + 2 + MAX_PENDING as u32 + u32::from(k)
 }
 
+impl Vif {
+    /// The window slot buffer `k` is reached through.
+    fn direct_slot(&self, k: u16) -> Option<u32> {
+        let m = self
+            .direct
+            .as_ref()?
+            .maps
+            .get(usize::from(k))
+            .copied()
+            .flatten()?;
+        Some(match m.at {
+            MappedAt::Own(_) => map_slot(self.slot_base, k),
+            MappedAt::Cached(e) => self.cache.as_ref()?.slot(e),
+        })
+    }
+}
+
 /// A filled buffer's token back from the NIC driver (the map slot it was given under).
 pub type DirectToken = u32;
 
@@ -109,6 +132,7 @@ impl Vif {
             return 0;
         };
         let (mut broken, mut answered) = (false, false);
+        let mut cached = 0;
         d.ops.clear();
         d.ids.clear();
         while d.ops.len() < d.free.len() {
@@ -144,6 +168,34 @@ impl Vif {
                 answered = true;
                 continue;
             }
+            if let Some(cache) = self.cache.as_mut() {
+                // Grant reuse: the buffer's page is looked up in the cache, mapped
+                // only on a miss, and stays mapped after its frame is answered.
+                let k = d.free.pop().expect("one free slot per request taken");
+                match cache.acquire(&self.hv, &self.dom, req.gref, true) {
+                    Ok(e) => {
+                        d.maps[k as usize] = Some(Mapped {
+                            id: req.id,
+                            at: MappedAt::Cached(e),
+                        });
+                        d.ready.push_back(k);
+                        cached += 1;
+                    }
+                    Err(_) => {
+                        d.free.push(k);
+                        let _ = d.taken.complete(req.id);
+                        self.stats.rx_copy_errors += 1;
+                        let _ = self.rx.push_response(&RxResponse {
+                            id: req.id,
+                            offset: 0,
+                            flags: 0,
+                            status: XEN_NETIF_RSP_ERROR,
+                        });
+                        answered = true;
+                    }
+                }
+                continue;
+            }
             let k = d.free[d.free.len() - 1 - d.ops.len()];
             d.ops.push(MapOp {
                 dom: self.fe,
@@ -158,13 +210,16 @@ impl Vif {
             let _h = enter(Class::Hypercall);
             self.hv.grant_map(&self.dom, &d.ops, &mut d.results[..n]);
         }
-        let mut mapped = 0;
+        let mut mapped = cached;
         for j in 0..n {
             let k = d.free.pop().expect("one free slot per op");
             let id = d.ids[j];
             match d.results[j] {
                 Ok(handle) => {
-                    d.maps[k as usize] = Some(Mapped { id, handle });
+                    d.maps[k as usize] = Some(Mapped {
+                        id,
+                        at: MappedAt::Own(handle),
+                    });
                     d.ready.push_back(k);
                     mapped += 1;
                 }
@@ -197,18 +252,19 @@ impl Vif {
         &mut self,
         mut post: impl FnMut(Iova, u16, DirectToken) -> bool,
     ) -> usize {
-        let Some(d) = self.direct.as_mut() else {
-            return 0;
-        };
         let mut n = 0;
-        while let Some(&k) = d.ready.front() {
-            let slot = map_slot(self.slot_base, k);
+        while let Some(k) = self.direct.as_ref().and_then(|d| d.ready.front().copied()) {
+            let Some(slot) = self.direct_slot(k) else {
+                break;
+            };
             let iova = Iova(window_iova(slot).0 + DIRECT_OFFSET as u64);
             let room = (mem::PAGE_SIZE - DIRECT_OFFSET) as u16;
             if !post(iova, room, u32::from(k)) {
                 break;
             }
-            d.ready.pop_front();
+            if let Some(d) = self.direct.as_mut() {
+                d.ready.pop_front();
+            }
             n += 1;
         }
         n
@@ -250,10 +306,17 @@ impl Vif {
             .ok()
             .filter(|&k| usize::from(k) < RX_MAPPED)?;
         let m = d.maps[usize::from(k)].take()?;
-        let mut st = [Ok(())];
-        {
-            let _h = enter(Class::Hypercall);
-            self.hv.grant_unmap(&self.dom, &[m.handle], &mut st);
+        match m.at {
+            MappedAt::Own(h) => {
+                let mut st = [Ok(())];
+                let _h = enter(Class::Hypercall);
+                self.hv.grant_unmap(&self.dom, &[h], &mut st);
+            }
+            MappedAt::Cached(e) => {
+                if let Some(c) = self.cache.as_mut() {
+                    c.release(&self.hv, &self.dom, e);
+                }
+            }
         }
         d.free.push(k);
         let _ = d.taken.complete(m.id);
@@ -307,7 +370,9 @@ impl Vif {
 
     /// Writes `skb`'s `len` bytes into mapped buffer `k` at the frame offset.
     fn direct_write(&mut self, pool: &SkbPool, skb: SkbId, k: u16, len: usize) -> bool {
-        let slot = map_slot(self.slot_base, k);
+        let Some(slot) = self.direct_slot(k) else {
+            return false;
+        };
         let Some(d) = self.direct.as_mut() else {
             return false;
         };
@@ -328,11 +393,15 @@ impl Vif {
         let Some(d) = self.direct.as_mut() else {
             return;
         };
+        // Buffers held through the cache go with it (`cache_teardown`).
         let handles: Vec<GrantHandle> = d
             .maps
             .iter_mut()
             .filter_map(Option::take)
-            .map(|m| m.handle)
+            .filter_map(|m| match m.at {
+                MappedAt::Own(h) => Some(h),
+                MappedAt::Cached(_) => None,
+            })
             .collect();
         d.ready.clear();
         if !handles.is_empty() {

@@ -1,0 +1,416 @@
+//! Grant reuse (paper 000 §4.4, `pv-mq-reuse`): a bounded cache of mapped grants per
+//! guest, keyed by grant reference.
+//!
+//! A posted RX buffer or a TX slot whose grant is cached is reached through the mapping
+//! already there: no map, no unmap, no IOTLB invalidation. A miss maps the grant (one
+//! `GNTTABOP_map_grant_ref`, which also enters it in the driver domain's IOMMU context)
+//! and keeps it. Mappings outlive their I/O: an entry counts its users (RX buffers with
+//! the NIC or being answered, TX slots whose packet has not left), and only an idle
+//! entry may go, either evicted (least recently used first, when every entry is taken)
+//! or dropped because the guest asked through the control ring. A drop of an entry in
+//! use waits for its last user, and the guest hears of it only after the unmap and its
+//! IOTLB invalidation have returned: from then on the driver domain cannot reach the
+//! page by any address, and the guest may end its grant and repurpose it.
+//!
+//! The cache is per vif, so a guest that posts ever-new references churns only its own
+//! entries; its size bounds the driver domain's window slots and IOMMU entries for that
+//! guest.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use hv::profile::{enter, Class};
+use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp};
+
+/// Grants one vif keeps mapped: more than a guest's working set of I/O pages (its
+/// 256 posted RX buffers, its 256 TX slots, and the pages its stack holds), so that a
+/// guest that recycles its pages hits in steady state.
+pub const CACHE_SLOTS: usize = 1024;
+
+const NIL: u16 = u16::MAX;
+
+/// A grant reference is its own hash, spread by a multiplication (the default
+/// SipHash costs as much as the rest of a lookup).
+#[derive(Default)]
+struct GrefHasher(u64);
+
+impl Hasher for GrefHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    gref: u32,
+    handle: GrantHandle,
+    writable: bool,
+    /// I/O under way through the mapping.
+    users: u16,
+    /// The guest asked for it to go while in use: unmapped when the last user lets go.
+    dropping: bool,
+    /// Links of the idle list (least recently used first), while `users` is 0.
+    prev: u16,
+    next: u16,
+}
+
+/// Counters of one vif's cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Lookups that found the grant mapped.
+    pub hits: u64,
+    /// Lookups that mapped it.
+    pub misses: u64,
+    /// Grant map hypercall operations issued (misses, and read-only entries mapped
+    /// again writable).
+    pub maps: u64,
+    /// Unmap operations issued (evictions, drops, upgrades, teardown).
+    pub unmaps: u64,
+    /// Idle entries unmapped to make room.
+    pub evictions: u64,
+    /// Read-only entries mapped again writable for a receive buffer.
+    pub upgrades: u64,
+    /// Lookups refused: the grant could not be mapped (a bad reference), the entry
+    /// was being dropped, or it was read-only and in use where a write was needed.
+    pub refused: u64,
+    /// Drops the guest asked for, completed (unmapped, IOTLB invalidated).
+    pub drops: u64,
+    /// Of those, drops that waited for I/O in flight.
+    pub drops_deferred: u64,
+    /// Drops asked for a reference the cache did not hold.
+    pub drops_unknown: u64,
+}
+
+crate::counter_set!(CacheStats {
+    hits,
+    misses,
+    maps,
+    unmaps,
+    evictions,
+    upgrades,
+    refused,
+    drops,
+    drops_deferred,
+    drops_unknown
+});
+
+/// Why a lookup was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheError {
+    /// The hypervisor refused the map.
+    Map(GrantError),
+    /// Every entry is in use (cannot happen while users are bounded by the rings).
+    Full,
+    /// The guest asked for this grant's mapping to go.
+    Dropping,
+    /// Mapped read-only and in use; a receive buffer needs it writable.
+    ReadOnly,
+}
+
+/// What a drop did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropOutcome {
+    /// Unmapped now.
+    Done,
+    /// In use: unmapped when its I/O completes.
+    Deferred,
+    /// Not in the cache.
+    Unknown,
+}
+
+/// One vif's cache of mapped grants.
+#[derive(Debug)]
+pub struct GrantCache {
+    fe: DomId,
+    /// The window slot of entry 0; entry `k` is at `slot0 + k`.
+    slot0: u32,
+    index: HashMap<u32, u16, BuildHasherDefault<GrefHasher>>,
+    entries: Box<[Option<Entry>]>,
+    free: Vec<u16>,
+    /// The idle list: least recently used at `head`.
+    head: u16,
+    tail: u16,
+    /// References whose deferred drop completed, for the control ring to confirm.
+    dropped: Vec<u32>,
+    stats: CacheStats,
+}
+
+impl GrantCache {
+    /// An empty cache for grants of `fe`, mapping at window slots `slot0..slot0 +`
+    /// [`CACHE_SLOTS`].
+    pub fn new(fe: DomId, slot0: u32) -> Self {
+        Self {
+            fe,
+            slot0,
+            index: HashMap::with_capacity_and_hasher(CACHE_SLOTS, Default::default()),
+            entries: vec![None; CACHE_SLOTS].into_boxed_slice(),
+            free: (0..CACHE_SLOTS as u16).rev().collect(),
+            head: NIL,
+            tail: NIL,
+            dropped: Vec::with_capacity(CACHE_SLOTS),
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &CacheStats {
+        &self.stats
+    }
+
+    /// Grants mapped now.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether nothing is mapped.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The window slot of entry `k`.
+    pub fn slot(&self, k: u16) -> u32 {
+        self.slot0 + u32::from(k)
+    }
+
+    /// The entry mapping `gref`, if any.
+    pub fn entry_of(&self, gref: u32) -> Option<u16> {
+        self.index.get(&gref).copied()
+    }
+
+    /// Whether `gref` is mapped now.
+    pub fn contains(&self, gref: u32) -> bool {
+        self.index.contains_key(&gref)
+    }
+
+    /// The entry mapping `gref` (writable if `write`), mapping it on a miss, with one
+    /// more user: the caller must [`Self::release`] it when its I/O is done.
+    pub fn acquire(
+        &mut self,
+        hv: &Hypervisor,
+        dom: &Domain,
+        gref: u32,
+        write: bool,
+    ) -> Result<u16, CacheError> {
+        if let Some(&k) = self.index.get(&gref) {
+            let e = self.entries[usize::from(k)].expect("indexed entries exist");
+            if e.dropping {
+                self.stats.refused += 1;
+                return Err(CacheError::Dropping);
+            }
+            if write && !e.writable {
+                if e.users > 0 {
+                    self.stats.refused += 1;
+                    return Err(CacheError::ReadOnly);
+                }
+                self.stats.upgrades += 1;
+                self.unlink(k);
+                self.remove(hv, dom, k);
+                return self.insert(hv, dom, gref, write);
+            }
+            self.stats.hits += 1;
+            if e.users == 0 {
+                self.unlink(k);
+            }
+            self.entry(k).users += 1;
+            return Ok(k);
+        }
+        self.insert(hv, dom, gref, write)
+    }
+
+    /// A user of entry `k` is done. The entry stays mapped (idle, most recently used)
+    /// unless a drop was waiting for it.
+    pub fn release(&mut self, hv: &Hypervisor, dom: &Domain, k: u16) {
+        let Some(e) = self
+            .entries
+            .get_mut(usize::from(k))
+            .and_then(Option::as_mut)
+        else {
+            return;
+        };
+        e.users = e.users.saturating_sub(1);
+        if e.users > 0 {
+            return;
+        }
+        if e.dropping {
+            let gref = e.gref;
+            self.remove(hv, dom, k);
+            self.stats.drops += 1;
+            self.dropped.push(gref);
+        } else {
+            self.push_back(k);
+        }
+    }
+
+    /// The guest asks for `gref`'s mapping to go.
+    pub fn drop_gref(&mut self, hv: &Hypervisor, dom: &Domain, gref: u32) -> DropOutcome {
+        let Some(&k) = self.index.get(&gref) else {
+            self.stats.drops_unknown += 1;
+            return DropOutcome::Unknown;
+        };
+        let e = self.entry(k);
+        if e.users > 0 {
+            if !e.dropping {
+                e.dropping = true;
+                self.stats.drops_deferred += 1;
+            }
+            return DropOutcome::Deferred;
+        }
+        self.unlink(k);
+        self.remove(hv, dom, k);
+        self.stats.drops += 1;
+        DropOutcome::Done
+    }
+
+    /// Whether deferred drops completed and wait to be confirmed.
+    pub fn has_dropped(&self) -> bool {
+        !self.dropped.is_empty()
+    }
+
+    /// Takes the references whose deferred drops completed since the last call.
+    pub fn take_dropped(&mut self, mut f: impl FnMut(u32)) {
+        for g in self.dropped.drain(..) {
+            f(g);
+        }
+    }
+
+    /// Unmaps every entry, in use or not (the vif is going).
+    pub fn teardown(&mut self, hv: &Hypervisor, dom: &Domain) {
+        let handles: Vec<GrantHandle> = self
+            .entries
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|e| e.handle)
+            .collect();
+        self.index.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        self.free = (0..CACHE_SLOTS as u16).rev().collect();
+        if !handles.is_empty() {
+            self.stats.unmaps += handles.len() as u64;
+            let mut st = vec![Ok(()); handles.len()];
+            hv.grant_unmap(dom, &handles, &mut st);
+        }
+    }
+
+    fn entry(&mut self, k: u16) -> &mut Entry {
+        self.entries[usize::from(k)]
+            .as_mut()
+            .expect("indexed entries exist")
+    }
+
+    /// A miss: a free entry (evicting the least recently used idle one if none is
+    /// free), the grant mapped into it, one user.
+    fn insert(
+        &mut self,
+        hv: &Hypervisor,
+        dom: &Domain,
+        gref: u32,
+        write: bool,
+    ) -> Result<u16, CacheError> {
+        let k = match self.free.pop() {
+            Some(k) => k,
+            None => {
+                let k = self.head;
+                if k == NIL {
+                    self.stats.refused += 1;
+                    return Err(CacheError::Full);
+                }
+                self.unlink(k);
+                self.remove(hv, dom, k);
+                self.stats.evictions += 1;
+                self.free.pop().expect("just freed")
+            }
+        };
+        let op = [MapOp {
+            dom: self.fe,
+            gref: GrantRef(gref),
+            readonly: !write,
+            slot: self.slot(k),
+        }];
+        let mut res = [Err(GrantError::BadPage)];
+        {
+            let _h = enter(Class::Hypercall);
+            hv.grant_map(dom, &op, &mut res);
+        }
+        self.stats.maps += 1;
+        match res[0] {
+            Ok(handle) => {
+                self.stats.misses += 1;
+                self.entries[usize::from(k)] = Some(Entry {
+                    gref,
+                    handle,
+                    writable: write,
+                    users: 1,
+                    dropping: false,
+                    prev: NIL,
+                    next: NIL,
+                });
+                self.index.insert(gref, k);
+                Ok(k)
+            }
+            Err(e) => {
+                self.free.push(k);
+                self.stats.refused += 1;
+                Err(CacheError::Map(e))
+            }
+        }
+    }
+
+    /// Unmaps entry `k` (not on the idle list) and frees it.
+    fn remove(&mut self, hv: &Hypervisor, dom: &Domain, k: u16) {
+        let Some(e) = self.entries[usize::from(k)].take() else {
+            return;
+        };
+        self.index.remove(&e.gref);
+        let mut st = [Ok(())];
+        {
+            let _h = enter(Class::Hypercall);
+            hv.grant_unmap(dom, &[e.handle], &mut st);
+        }
+        self.stats.unmaps += 1;
+        self.free.push(k);
+    }
+
+    fn push_back(&mut self, k: u16) {
+        let t = self.tail;
+        {
+            let e = self.entry(k);
+            e.prev = t;
+            e.next = NIL;
+        }
+        if t == NIL {
+            self.head = k;
+        } else {
+            self.entry(t).next = k;
+        }
+        self.tail = k;
+    }
+
+    fn unlink(&mut self, k: u16) {
+        let (p, n) = {
+            let e = self.entry(k);
+            let pn = (e.prev, e.next);
+            e.prev = NIL;
+            e.next = NIL;
+            pn
+        };
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.entry(p).next = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.entry(n).prev = p;
+        }
+    }
+}
