@@ -306,6 +306,13 @@ impl Kernel for DriverDomain {
                 }
             });
         }
+        // Control rings (grant reuse): drops the guests asked for, and answers to drops
+        // whose I/O has now completed.
+        for vif in vifs.iter_mut() {
+            if vif.ctrl_pending() {
+                vif.ctrl_action();
+            }
+        }
         // 2. Guest RX: each vif's queue into its guest's buffers.
         for vif in vifs.iter_mut() {
             if vif.rx_pending() {
@@ -367,6 +374,9 @@ impl Kernel for DriverDomain {
         for vif in &self.vifs {
             c.add_set("netback", vif.stats());
             c.add_set("netback tx checks", vif.tx_check_stats());
+            if let Some(cs) = vif.cache_stats() {
+                c.add_set("grant cache", cs);
+            }
         }
         c.add_set("bridge", self.bridge.stats());
         c.add("bridge", "flood_copy_failures", self.flood_copy_failures);

@@ -78,6 +78,9 @@ pub struct GuestSpec {
     pub mac: [u8; 6],
     /// What its netfront posts.
     pub rx_buffers: RxBuffers,
+    /// Its netfront asks for grant reuse (paper 000 §4.4): pages bound to references,
+    /// netback's cache of mappings, the control ring.
+    pub grant_reuse: bool,
     /// What runs above netfront.
     pub above: Above,
 }
@@ -271,7 +274,9 @@ impl Machine {
             hv.create_domain(&DomainConfig {
                 name: name.into(),
                 pages: DOMAIN_PAGES,
-                grant_frames: 4,
+                // Room for netfront's per-slot references and, with grant reuse, a
+                // reference bound to each page of its pool.
+                grant_frames: 8,
                 grant_version: spec.grant_version,
                 vcpus: 1,
                 map_slots: slots,
@@ -333,7 +338,7 @@ impl Machine {
                         mac: g.mac,
                         rx_buffers: g.rx_buffers,
                         index: i as u16,
-                        grant_reuse: false,
+                        grant_reuse: g.grant_reuse,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {
@@ -343,9 +348,14 @@ impl Machine {
                         }
                         _ => {
                             toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
-                            let mut front =
-                                Netfront::connect_with(&hv, dom, vs.handle, vs.rx_buffers)
-                                    .map_err(other)?;
+                            let mut front = Netfront::connect_config(
+                                &hv,
+                                dom,
+                                vs.handle,
+                                vs.rx_buffers,
+                                vs.grant_reuse,
+                            )
+                            .map_err(other)?;
                             let pool = guest_pool(dom, &mut front)?;
                             Front::Net(Box::new((front, pool)))
                         }

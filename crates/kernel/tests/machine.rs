@@ -115,6 +115,7 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
             name: format!("guest{host}"),
             mac: f.dst_mac,
             rx_buffers: RxBuffers::Fragments,
+            grant_reuse: false,
             above: Above::App(a),
         });
     }
@@ -176,6 +177,7 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
+                    grant_reuse: false,
                     above: Above::App(a),
                 }],
             },
@@ -199,6 +201,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
         name: "guest2".into(),
         mac: flow_to(2).dst_mac,
         rx_buffers: RxBuffers::Fragments,
+        grant_reuse: false,
         above: Above::App(spec2),
     }];
     for h in [3u8, 4] {
@@ -206,6 +209,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
             name: format!("guest{h}"),
             mac: flow_to(h).dst_mac,
             rx_buffers: RxBuffers::Fragments,
+            grant_reuse: false,
             above: Above::App(app(flow_to(h), 100).0),
         });
     }
@@ -292,6 +296,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
+                    grant_reuse: false,
                     above: Above::App(a),
                 }],
             },

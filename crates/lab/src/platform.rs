@@ -96,6 +96,9 @@ pub struct Options {
     /// A NIC receive queue for the guest, the NIC writing its frames straight into
     /// the buffers its netfront posted (pv only; paper 000 §4.3).
     pub queues: bool,
+    /// Grant reuse (pv only; paper 000 §4.4): netfront binds its pages to references
+    /// and netback keeps their mappings cached across I/O.
+    pub grant_reuse: bool,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -120,6 +123,7 @@ impl Options {
             hostile: 0,
             latency: false,
             queues: false,
+            grant_reuse: false,
         }
     }
 }
@@ -180,7 +184,15 @@ impl SoftOpt {
 }
 
 /// The named configurations, in Figure 8's order after the paper's two references.
-pub const NAMED: [&str; 6] = ["native", "direct", "pv", "pv-soft", "pv-guestcopy", "pv-mq"];
+pub const NAMED: [&str; 7] = [
+    "native",
+    "direct",
+    "pv",
+    "pv-soft",
+    "pv-guestcopy",
+    "pv-mq",
+    "pv-mq-reuse",
+];
 
 impl Options {
     /// `pv` with one software optimisation on.
@@ -221,12 +233,24 @@ impl Options {
         }
     }
 
+    /// Grant reuse on top of the multi-queue NIC (`pv-mq-reuse`, paper 000 §4.4 and
+    /// Figure 8's fifth bar): `pv-mq`, with every posted buffer and TX slot reached
+    /// through netback's cache of mapped grants (a map only on a miss, no unmap per
+    /// packet).
+    pub fn pv_mq_reuse(message: usize) -> Self {
+        Self {
+            grant_reuse: true,
+            ..Self::pv_mq(message)
+        }
+    }
+
     /// A configuration by name (one of [`NAMED`]).
     pub fn named(name: &str, message: usize) -> Option<Self> {
         match name {
             "pv-soft" => Some(Self::pv_soft(message)),
             "pv-guestcopy" => Some(Self::pv_guestcopy(message)),
             "pv-mq" => Some(Self::pv_mq(message)),
+            "pv-mq-reuse" => Some(Self::pv_mq_reuse(message)),
             _ => Config::parse(name).map(|c| Self::paper(c, message)),
         }
     }
@@ -373,12 +397,14 @@ impl Running {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
+                    grant_reuse: opts.grant_reuse,
                     above,
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
                     name: format!("hostile{i}"),
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
                     rx_buffers: RxBuffers::Fragments,
+                    grant_reuse: false,
                     above: Above::Hostile(0x5eed_0000 + i as u64),
                 }))
                 .collect(),

@@ -36,7 +36,17 @@ fn every_configuration_delivers_every_message_intact() {
                 f.counters
             );
             assert_eq!(f.corrupt, 0);
-            if name == "pv-mq" {
+            if name == "pv-mq-reuse" {
+                // Every buffer and TX slot went through the grant cache; after the
+                // first use of each page, no map.
+                let hits = f.counters.get("grant cache", "hits");
+                let misses = f.counters.get("grant cache", "misses");
+                let cold = f.counters.get("grant cache", "cold_misses");
+                assert!(hits > 0, "{message}: {:?}", f.counters);
+                assert_eq!(misses, cold, "{message}: only compulsory misses");
+                assert_eq!(f.counters.get("grant cache", "unmaps"), 0, "{message}");
+            }
+            if name.starts_with("pv-mq") {
                 // Every frame went to the guest's own queue, none through the default.
                 assert_eq!(
                     f.counters.get("nic", "default_queue_frames"),

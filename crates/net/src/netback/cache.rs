@@ -29,6 +29,10 @@ pub const CACHE_SLOTS: usize = 1024;
 
 const NIL: u16 = u16::MAX;
 
+/// References below this are remembered once seen, to tell compulsory misses (a
+/// bit each: 8 KiB a vif).
+pub const SEEN_REFS: u32 = 1 << 16;
+
 /// A grant reference is its own hash, spread by a multiplication (the default
 /// SipHash costs as much as the rest of a lookup).
 #[derive(Default)]
@@ -69,6 +73,11 @@ pub struct CacheStats {
     pub hits: u64,
     /// Lookups that mapped it.
     pub misses: u64,
+    /// Of those, the first map of a reference the cache had never held (compulsory
+    /// misses: what any cache pays once per page); the rest are what a bigger or
+    /// better cache could have saved. References past [`SEEN_REFS`] always count as
+    /// not cold.
+    pub cold_misses: u64,
     /// Grant map hypercall operations issued (misses, and read-only entries mapped
     /// again writable).
     pub maps: u64,
@@ -92,6 +101,7 @@ pub struct CacheStats {
 crate::counter_set!(CacheStats {
     hits,
     misses,
+    cold_misses,
     maps,
     unmaps,
     evictions,
@@ -140,6 +150,8 @@ pub struct GrantCache {
     tail: u16,
     /// References whose deferred drop completed, for the control ring to confirm.
     dropped: Vec<u32>,
+    /// References ever mapped (below [`SEEN_REFS`]), a bit each.
+    seen: Box<[u64]>,
     stats: CacheStats,
 }
 
@@ -156,6 +168,7 @@ impl GrantCache {
             head: NIL,
             tail: NIL,
             dropped: Vec::with_capacity(CACHE_SLOTS),
+            seen: vec![0; (SEEN_REFS / 64) as usize].into_boxed_slice(),
             stats: CacheStats::default(),
         }
     }
@@ -344,6 +357,13 @@ impl GrantCache {
         match res[0] {
             Ok(handle) => {
                 self.stats.misses += 1;
+                if gref < SEEN_REFS {
+                    let (w, b) = ((gref / 64) as usize, gref % 64);
+                    if self.seen[w] & 1 << b == 0 {
+                        self.seen[w] |= 1 << b;
+                        self.stats.cold_misses += 1;
+                    }
+                }
                 self.entries[usize::from(k)] = Some(Entry {
                     gref,
                     handle,
