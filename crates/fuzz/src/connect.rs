@@ -29,7 +29,7 @@ use std::sync::Arc;
 use hv::store::Perm;
 use hv::{DomId, Domain, GrantRef, Hypervisor, Port};
 use net::netback::Vif;
-use net::netfront::{Netfront, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
@@ -42,7 +42,7 @@ const SPEC: VifSpec = VifSpec {
     mac: [2, 0, 0, 0, 0, 0x0c],
     rx_buffers: RxBuffers::Fragments,
     index: 0,
-    grant_reuse: false,
+    grants: Grants::PerIo,
 };
 
 const FRONT_KEYS: [&str; 9] = [

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::netif::{RxRequest, TxRequest, NETTXF_MORE_DATA};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -147,7 +147,7 @@ pub(crate) fn world() -> (World, Good) {
         mac: [2, 0, 0, 0, 0, 7],
         rx_buffers: RxBuffers::Fragments,
         index: 1,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
     let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");

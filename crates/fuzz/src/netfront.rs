@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantHandle, GrantRef, GrantVersion, HvConfig, Hypervisor, MapOp};
 use net::netback::{Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{LinkChange, Netfront, RxBuffers};
+use net::netfront::{Grants, LinkChange, Netfront, RxBuffers};
 use net::netif::{
     RxResponse, TxRequest, TxResponse, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
     XEN_NETIF_RSP_DROPPED, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
@@ -75,7 +75,7 @@ fn world() -> World {
         mac: [2, 0, 0, 0, 0, 1],
         rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     let good = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("good vif");
     let mut gpool = SkbPool::new(Arc::clone(&guest), 128, 600).expect("pool");
@@ -241,7 +241,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers: inp.pick(&[RxBuffers::Fragments, RxBuffers::Linear]),
         index: 1,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     toolstack::offer_vif(&w.hv, &w.drv, &w.guest, spec).expect("offer");
     let mut front =

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::netif::{RxRequest, TxFatal, NETRXF_MORE_DATA, NETTXF_MORE_DATA, XEN_NETIF_RSP_OKAY};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -66,7 +66,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
         mac: [2, 0, 0, 0, 0, 7],
         rx_buffers: RxBuffers::Fragments,
         index: 1,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
 }

@@ -169,6 +169,13 @@ impl Domain {
             .ok_or(DomainError::BadGfn(gfn.0))
     }
 
+    /// The machine frame behind one of the domain's pages, as a PV guest reads it from
+    /// its own physical-to-machine table (it is not secret from the guest). Only the
+    /// lab's unsafe stand-in puts it on a ring.
+    pub fn pv_machine_frame(&self, gfn: Gfn) -> Option<Mfn> {
+        self.gfn_to_mfn(gfn).ok()
+    }
+
     /// The frame behind one of the domain's own pages, for an access by the domain's
     /// code: refused once destruction has begun, so code of a dead domain that still
     /// runs reaches nothing (its frames are not handed on while it holds this handle

@@ -88,6 +88,11 @@ impl FrameTable {
         }
     }
 
+    /// Machine frames in all.
+    pub fn total(&self) -> u32 {
+        self.owner.len() as u32
+    }
+
     /// Frames not allocated.
     pub fn free_frames(&self) -> usize {
         self.free.lock().map(|f| f.len()).unwrap_or(0)

@@ -51,6 +51,15 @@ pub const IQ_ENTRIES: usize = PAGE_SIZE / 16;
 /// First I/O page of the range where a domain's grant maps appear in its IOMMU context.
 pub const WINDOW_IOVA_PFN: u64 = 1 << 34;
 
+/// First I/O page of the range where [`Hypervisor::iommu_map_machine_unchecked`] puts
+/// every machine frame (the unsafe stand-in's "machine addresses").
+pub const MACHINE_IOVA_PFN: u64 = 1 << 35;
+
+/// The I/O address at which the unsafe stand-in reaches machine frame `mfn`.
+pub fn machine_iova(mfn: Mfn) -> Iova {
+    Iova((MACHINE_IOVA_PFN + u64::from(mfn.0)) << mem::PAGE_SHIFT)
+}
+
 /// The I/O address of window slot `slot`'s page.
 pub fn window_iova(slot: u32) -> Iova {
     Iova((WINDOW_IOVA_PFN + slot as u64) << mem::PAGE_SHIFT)
@@ -548,6 +557,22 @@ impl Hypervisor {
             Some(_) => Ok(()),
             None => Err(IommuError::NotMapped),
         }
+    }
+
+    /// **Unsafe, for measurement only**: paper 000 §4.4's stand-in for grant reuse, in
+    /// which guests put machine addresses on the ring and the driver domain programs
+    /// the device with them. Maps every machine frame writable into `dom`'s IOMMU
+    /// context at [`machine_iova`], once: from then on `dom`'s devices reach any frame
+    /// of any domain, with no grant, no ownership check and no reference held. pvio's
+    /// safe configurations never call it; the lab's `pv-mq-unsafe` does, and says so.
+    pub fn iommu_map_machine_unchecked(&self, dom: &Domain) -> Result<(), IommuError> {
+        for m in 0..self.frames.total() {
+            let mfn = Mfn(m);
+            let leaf = mfn.byte_offset() | PTE_R | PTE_W;
+            self.iommu
+                .set_entry(&self.frames, dom.id, machine_iova(mfn).pfn(), Some(leaf))?;
+        }
+        Ok(())
     }
 
     /// Binds a device to a domain. From now on the domain's grant maps also enter its

@@ -101,6 +101,10 @@ pub struct DriverConfig {
     /// A NIC receive queue per vif, as far as they go, with the NIC writing the guest's
     /// frames into the buffers its netfront posted (§4.3, direct placement).
     pub queues: bool,
+    /// **Unsafe, for measurement only**: the paper's stand-in for grant reuse (§4.4).
+    /// netback offers to take machine frames in RX requests, and the driver domain's
+    /// IOMMU context maps all of machine memory. Never on in `pvio up`.
+    pub unsafe_machine_frames: bool,
 }
 
 impl Default for DriverConfig {
@@ -111,6 +115,7 @@ impl Default for DriverConfig {
             netfilter: true,
             aligned_copies: false,
             queues: false,
+            unsafe_machine_frames: false,
         }
     }
 }

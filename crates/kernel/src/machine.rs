@@ -27,7 +27,7 @@ use hv::{
     DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port, VcpuStart,
     Vector, WaitMode,
 };
-use net::netfront::{Netfront, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::SkbPool;
 use net::toolstack::{self, VifSpec};
 
@@ -78,9 +78,9 @@ pub struct GuestSpec {
     pub mac: [u8; 6],
     /// What its netfront posts.
     pub rx_buffers: RxBuffers,
-    /// Its netfront asks for grant reuse (paper 000 §4.4): pages bound to references,
-    /// netback's cache of mappings, the control ring.
-    pub grant_reuse: bool,
+    /// How its netfront gives pages to netback (grant reuse, paper 000 §4.4, or the
+    /// paper's unsafe stand-in).
+    pub grants: Grants,
     /// What runs above netfront.
     pub above: Above,
 }
@@ -327,6 +327,9 @@ impl Machine {
                     .map(|g| mk(&hv, &g.name, false, 4))
                     .collect::<Result<Vec<_>, _>>()?;
                 let (nic, pirqs) = assign_nic_queues(&hv, &drv, n)?;
+                if driver.unsafe_machine_frames {
+                    hv.iommu_map_machine_unchecked(&drv).map_err(other)?;
+                }
                 // The toolstack and each vif's handshake, then each guest's pool with
                 // netfront's RX ring filled.
                 let mut vifs = Vec::with_capacity(guests.len());
@@ -338,7 +341,7 @@ impl Machine {
                         mac: g.mac,
                         rx_buffers: g.rx_buffers,
                         index: i as u16,
-                        grant_reuse: g.grant_reuse,
+                        grants: g.grants,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {
@@ -348,12 +351,24 @@ impl Machine {
                         }
                         _ => {
                             toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
+                            if driver.unsafe_machine_frames {
+                                // The paper's unsafe stand-in, offered by the toolstack
+                                // only when measuring it.
+                                let dir = net::xenbus::backend_dir(drv.id(), dom.id(), vs.handle);
+                                hv.store()
+                                    .write(
+                                        drv.id(),
+                                        &format!("{dir}/{}", net::xenbus::FEATURE_MACHINE_FRAMES),
+                                        "1",
+                                    )
+                                    .map_err(other)?;
+                            }
                             let mut front = Netfront::connect_config(
                                 &hv,
                                 dom,
                                 vs.handle,
                                 vs.rx_buffers,
-                                vs.grant_reuse,
+                                vs.grants,
                             )
                             .map_err(other)?;
                             let pool = guest_pool(dom, &mut front)?;

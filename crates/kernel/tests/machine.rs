@@ -11,7 +11,7 @@ use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
-use net::netfront::RxBuffers;
+use net::netfront::{Grants, RxBuffers};
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -115,7 +115,7 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
             name: format!("guest{host}"),
             mac: f.dst_mac,
             rx_buffers: RxBuffers::Fragments,
-            grant_reuse: false,
+            grants: Grants::PerIo,
             above: Above::App(a),
         });
     }
@@ -177,7 +177,7 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
-                    grant_reuse: false,
+                    grants: Grants::PerIo,
                     above: Above::App(a),
                 }],
             },
@@ -201,7 +201,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
         name: "guest2".into(),
         mac: flow_to(2).dst_mac,
         rx_buffers: RxBuffers::Fragments,
-        grant_reuse: false,
+        grants: Grants::PerIo,
         above: Above::App(spec2),
     }];
     for h in [3u8, 4] {
@@ -209,7 +209,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
             name: format!("guest{h}"),
             mac: flow_to(h).dst_mac,
             rx_buffers: RxBuffers::Fragments,
-            grant_reuse: false,
+            grants: Grants::PerIo,
             above: Above::App(app(flow_to(h), 100).0),
         });
     }
@@ -296,7 +296,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
-                    grant_reuse: false,
+                    grants: Grants::PerIo,
                     above: Above::App(a),
                 }],
             },

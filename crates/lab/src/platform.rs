@@ -28,7 +28,7 @@ use hv::{GrantPath, GrantVersion, Hypervisor};
 use kernel::app::AppSpec;
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
-use net::netfront::RxBuffers;
+use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -96,9 +96,10 @@ pub struct Options {
     /// A NIC receive queue for the guest, the NIC writing its frames straight into
     /// the buffers its netfront posted (pv only; paper 000 §4.3).
     pub queues: bool,
-    /// Grant reuse (pv only; paper 000 §4.4): netfront binds its pages to references
-    /// and netback keeps their mappings cached across I/O.
-    pub grant_reuse: bool,
+    /// How netfront gives its pages to netback (pv only): a grant per I/O, grant reuse
+    /// (paper 000 §4.4: pages bound to references, netback's cache of mappings), or the
+    /// paper's unsafe stand-in (machine frames on the ring).
+    pub grants: Grants,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -123,7 +124,7 @@ impl Options {
             hostile: 0,
             latency: false,
             queues: false,
-            grant_reuse: false,
+            grants: Grants::PerIo,
         }
     }
 }
@@ -239,7 +240,19 @@ impl Options {
     /// packet).
     pub fn pv_mq_reuse(message: usize) -> Self {
         Self {
-            grant_reuse: true,
+            grants: Grants::Reuse,
+            ..Self::pv_mq(message)
+        }
+    }
+
+    /// **Unsafe, for measurement only** (`pv-mq-unsafe`): the paper's stand-in for
+    /// grant reuse, `pv-mq` with netfront putting each RX buffer's machine frame on the
+    /// ring and netback giving it to the NIC unchecked (nothing validated, mapped or
+    /// pinned; the driver domain's IOMMU context maps all of machine memory). What the
+    /// paper measured as Figure 8's fifth bar; not one of [`NAMED`].
+    pub fn pv_mq_unsafe(message: usize) -> Self {
+        Self {
+            grants: Grants::MachineFramesUnsafe,
             ..Self::pv_mq(message)
         }
     }
@@ -392,19 +405,20 @@ impl Running {
                     netfilter: opts.netfilter,
                     aligned_copies: opts.aligned_copies,
                     queues: opts.queues,
+                    unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
                 },
                 guests: std::iter::once(GuestSpec {
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
-                    grant_reuse: opts.grant_reuse,
+                    grants: opts.grants,
                     above,
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
                     name: format!("hostile{i}"),
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
                     rx_buffers: RxBuffers::Fragments,
-                    grant_reuse: false,
+                    grants: Grants::PerIo,
                     above: Above::Hostile(0x5eed_0000 + i as u64),
                 }))
                 .collect(),

@@ -552,6 +552,9 @@ pub struct Vif {
     guest_copy: Option<GuestCopy>,
     /// The NIC places received frames in the guest's buffers (paper 000 §4.3).
     direct: Option<Box<direct::Direct>>,
+    /// **Unsafe stand-in** (paper 000 §4.4's estimate): the guest's RX requests carry
+    /// machine frames, used for DMA unchecked. Only when the toolstack offered it.
+    machine_frames: bool,
     /// Grant reuse (paper 000 §4.4): the mapped grants kept across I/O.
     cache: Option<Box<GrantCache>>,
     /// The control ring through which the guest drops cached mappings.
@@ -648,6 +651,8 @@ impl Vif {
         }
         let can_sg = xenbus::feature(store, be, &fdir, "feature-sg");
         let wants_copy = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GUEST_COPY);
+        let machine_frames = xenbus::feature(store, be, &fdir, xenbus::REQUEST_MACHINE_FRAMES)
+            && xenbus::feature(store, be, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
         if wants_copy && !xenbus::feature(store, be, &bdir, xenbus::FEATURE_GUEST_COPY) {
             return Err(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY));
         }
@@ -786,6 +791,7 @@ impl Vif {
             aligned_copies: false,
             guest_copy,
             direct: None,
+            machine_frames,
             cache,
             ctrl,
             tx_ready: Vec::with_capacity(MAX_PENDING),

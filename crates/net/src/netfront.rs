@@ -45,6 +45,23 @@ mod reuse;
 /// Bytes netfront copies from the first fragment into the linear area.
 pub const RX_COPY_LEN: usize = 200;
 
+/// How netfront gives its pages to the back end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Grants {
+    /// A grant per I/O, ended at its response (the original protocol).
+    #[default]
+    PerIo,
+    /// Grant reuse (paper 000 §4.4): each page granted once and bound to its
+    /// reference, the back end's cache keeping it mapped, drops through the control
+    /// ring. Falls back to [`Grants::PerIo`] with a back end that does not offer it.
+    Reuse,
+    /// **Unsafe, for measurement only**: the paper's stand-in for grant reuse. RX
+    /// requests carry the buffer's machine frame instead of a grant; the back end
+    /// programs its device with it, unchecked. Needs the back end's explicit offer
+    /// (the lab's `pv-mq-unsafe`); never used by `pvio up`.
+    MachineFramesUnsafe,
+}
+
 /// What netfront posts on the RX ring.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum RxBuffers {
@@ -171,6 +188,8 @@ struct Link {
     rx_grant_base: Option<u32>,
     /// Grant reuse: the control ring and the pages bound to references.
     reuse: Option<reuse::Reuse>,
+    /// The unsafe stand-in: RX requests carry machine frames, not grants.
+    machine_frames: bool,
 }
 
 /// A change [`Netfront::check_backend`] made.
@@ -213,8 +232,8 @@ pub struct Netfront {
     /// A packet being assembled from a multi-slot response chain.
     partial: Option<SkbId>,
     rx_buffers: RxBuffers,
-    /// Ask the back end for grant reuse at each connection.
-    want_reuse: bool,
+    /// What to ask the back end for at each connection.
+    want: Grants,
     /// The rest of a multi-slot chain a linear front end refused is being skipped.
     skipping: bool,
     /// The guest-copy path's batch, allocated once.
@@ -329,19 +348,19 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
-        Self::connect_config(hv, dom, handle, rx_buffers, false)
+        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo)
     }
 
     /// As [`Netfront::connect_with`], asking for grant reuse (paper 000 §4.4) if
-    /// `grant_reuse`: every page is then granted once and keeps its reference, and
-    /// leaves I/O through [`Netfront::unbind`]. A back end that does not offer it gets
-    /// the original protocol. Not with [`RxBuffers::GuestCopy`].
+    /// `grants` is [`Grants::Reuse`]: every page is then granted once and keeps its
+    /// reference, and leaves I/O through [`Netfront::unbind`]. A back end that does not
+    /// offer what is asked gets the original protocol. Not with [`RxBuffers::GuestCopy`].
     pub fn connect_config(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         handle: u32,
         rx_buffers: RxBuffers,
-        grant_reuse: bool,
+        grants: Grants,
     ) -> Result<Self, XenbusError> {
         // One reference per ring id and direction, all or none: a front end that
         // cannot connect gives back what it took, so that a guest can try again.
@@ -401,7 +420,11 @@ impl Netfront {
             resend: VecDeque::with_capacity(RING_IDS as usize),
             partial: None,
             rx_buffers,
-            want_reuse: grant_reuse && rx_buffers != RxBuffers::GuestCopy,
+            want: if rx_buffers == RxBuffers::GuestCopy {
+                Grants::PerIo
+            } else {
+                grants
+            },
             skipping: false,
             copy_batch: CopyBatch::new(),
             stats: FrontStats::default(),
@@ -485,9 +508,11 @@ impl Netfront {
                 let _ = hv.evtchn_close(dom, p);
             }
         };
-        let reuse_offered = self.want_reuse
+        let reuse_offered = self.want == Grants::Reuse
             && xenbus::feature(store, me, &bdir, xenbus::FEATURE_GRANT_REUSE)
             && xenbus::feature(store, me, &bdir, xenbus::FEATURE_CTRL_RING);
+        let machine_frames = self.want == Grants::MachineFramesUnsafe
+            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
         let mut reuse = None;
         let r = (|| {
             for _ in 0..2 {
@@ -541,6 +566,12 @@ impl Netfront {
                 format!("{fdir}/{}", xenbus::CTRL_RING_REF),
                 format!("{fdir}/{}", xenbus::REQUEST_GRANT_REUSE),
             );
+            let mf_key = format!("{fdir}/{}", xenbus::REQUEST_MACHINE_FRAMES);
+            if machine_frames {
+                store.write(me, &mf_key, "1")?;
+            } else {
+                let _ = store.rm(me, &mf_key);
+            }
             match &reuse {
                 Some(r) => {
                     store.write(me, &ring_key, &r.pages[0].1 .0.to_string())?;
@@ -561,6 +592,7 @@ impl Netfront {
                 rings: [taken[0], taken[1]],
                 rx_grant_base: None,
                 reuse: reuse.take(),
+                machine_frames,
             })
         })();
         if r.is_err() {
@@ -887,6 +919,8 @@ impl Netfront {
             // granted for the page now and ended at its response.
             let gref = match l.reuse.as_mut() {
                 Some(r) => r.bind(&self.dom, l.be, gfn, &mut self.stats),
+                // The unsafe stand-in: the page's machine frame, no grant at all.
+                None if l.machine_frames => self.dom.pv_machine_frame(gfn).map(|m| GrantRef(m.0)),
                 None => self
                     .dom
                     .grant_table()
@@ -920,7 +954,11 @@ impl Netfront {
         let b = self.rx_bufs[id as usize];
         let gfn = b.gfn?;
         // With grant reuse the page keeps its grant (and the back end its mapping).
-        let end = if self.link.as_ref().is_some_and(|l| l.reuse.is_some()) {
+        let end = if self
+            .link
+            .as_ref()
+            .is_some_and(|l| l.reuse.is_some() || l.machine_frames)
+        {
             Ok(())
         } else {
             self.dom.grant_table().end_access(b.gref)

@@ -12,7 +12,7 @@ use hv::store::XenbusState;
 use hv::{DomId, Domain, Hypervisor};
 
 use crate::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use crate::netfront::{Netfront, RxBuffers};
+use crate::netfront::{Grants, Netfront, RxBuffers};
 use crate::xenbus::{self, XenbusError};
 
 /// One vif between a driver domain and a guest.
@@ -27,8 +27,8 @@ pub struct VifSpec {
     /// The vif's index in the driver domain (its release tokens' high half); it maps
     /// at window slots from `index · VIF_WINDOW_SLOTS`.
     pub index: u16,
-    /// netfront asks for grant reuse (paper 000 §4.4).
-    pub grant_reuse: bool,
+    /// How netfront gives its pages to the back end.
+    pub grants: Grants,
 }
 
 /// Window slots a driver domain needs for `vifs` vifs.
@@ -45,8 +45,7 @@ pub fn plug_vif(
     spec: VifSpec,
 ) -> Result<(Netfront, Vif), XenbusError> {
     offer_vif(hv, driver, guest, spec)?;
-    let front =
-        Netfront::connect_config(hv, guest, spec.handle, spec.rx_buffers, spec.grant_reuse)?;
+    let front = Netfront::connect_config(hv, guest, spec.handle, spec.rx_buffers, spec.grants)?;
     let vif = connect_backend(hv, driver, guest, spec)?;
     Ok((front, vif))
 }

@@ -125,6 +125,13 @@ pub const FEATURE_GRANT_REUSE: &str = "feature-grant-reuse";
 /// it drops mappings before it repurposes a page).
 pub const REQUEST_GRANT_REUSE: &str = "request-grant-reuse";
 
+/// **Unsafe, for measurement only**: a back end's offer to take machine frames instead
+/// of grants in RX requests (paper 000 §4.4's stand-in for grant reuse). Written only
+/// by a toolstack measuring it, never by default.
+pub const FEATURE_MACHINE_FRAMES: &str = "feature-rx-machine-frames-unsafe";
+/// A front end's request for it.
+pub const REQUEST_MACHINE_FRAMES: &str = "request-rx-machine-frames-unsafe";
+
 /// The back end's features, as pvio's netback offers them.
 pub const BACKEND_FEATURES: [(&str, &str); 7] = [
     ("feature-sg", "1"),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use hv::{DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Iova};
 use net::netback::{Vif, CACHE_SLOTS, CTRL_WAITING, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::netif::{
     CtrlRequest, NetifGref, RxRequest, GREF_LIST_MAX, XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER,
     XEN_NETIF_CTRL_STATUS_NOT_SUPPORTED, XEN_NETIF_CTRL_STATUS_SUCCESS,
@@ -65,7 +65,7 @@ fn pair() -> Pair {
         mac: [0x02, 0, 0, 0, 0, 2],
         rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grant_reuse: true,
+        grants: Grants::Reuse,
     };
     let (front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert!(front.grant_reuse(), "the back end offered it");
@@ -320,7 +320,7 @@ fn raw_with_ctrl(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
         mac: [0x02, 0, 0, 0, 0, 9],
         rx_buffers: RxBuffers::Linear,
         index: 1,
-        grant_reuse: true,
+        grants: Grants::Reuse,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");
@@ -457,4 +457,39 @@ fn a_guest_posting_ever_new_references_churns_only_its_own_cache() {
     assert_eq!(after.misses, before.misses);
     assert_eq!(after.evictions, 0);
     let _ = XEN_NETIF_RSP_ERROR;
+}
+
+#[test]
+fn machine_frames_go_on_the_ring_only_where_the_toolstack_offered_the_unsafe_stand_in() {
+    let (hv, drv) = machine();
+    let guest = domain(&hv, "guest", false, 4);
+    let spec = VifSpec {
+        handle: 0,
+        mac: [0x02, 0, 0, 0, 0, 2],
+        rx_buffers: RxBuffers::Fragments,
+        index: 0,
+        grants: Grants::MachineFramesUnsafe,
+    };
+    // No offer: netfront asks for nothing and grants its buffers as usual.
+    let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
+    vif.enable_direct();
+    let mut gpool = SkbPool::new(Arc::clone(&guest), 512, 600).expect("pool");
+    front.refill_rx(&mut gpool);
+    assert_eq!(vif.rx_direct_refill(), 256);
+    assert_eq!(
+        hv.mappings_held(&drv),
+        2 + 256,
+        "every buffer granted and mapped"
+    );
+    let mut iovas = Vec::new();
+    vif.rx_direct_give(|iova, _, _| {
+        iovas.push(iova);
+        true
+    });
+    assert!(
+        iovas
+            .iter()
+            .all(|i| i.0 >> 12 < hv::iommu::MACHINE_IOVA_PFN),
+        "window addresses only"
+    );
 }

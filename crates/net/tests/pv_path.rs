@@ -10,7 +10,7 @@ use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
 use net::counters::CopyAlign;
 use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
+use net::netfront::{Grants, Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{RxRequest, XEN_NETIF_RSP_ERROR};
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
@@ -85,7 +85,7 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         mac: flow().dst_mac,
         rx_buffers,
         index: 0,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
@@ -352,7 +352,7 @@ fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGue
             mac,
             rx_buffers,
             index,
-            grant_reuse: false,
+            grants: Grants::PerIo,
         };
         toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
     };
@@ -833,7 +833,7 @@ fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::Ra
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers,
         index: 1,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");

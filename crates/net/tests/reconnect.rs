@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::VIF_WINDOW_SLOTS;
-use net::netfront::{LinkChange, RxBuffers};
+use net::netfront::{Grants, LinkChange, RxBuffers};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 
@@ -29,7 +29,7 @@ const SPEC: VifSpec = VifSpec {
     mac: [2, 0, 0, 0, 0, 2],
     rx_buffers: RxBuffers::Fragments,
     index: 0,
-    grant_reuse: false,
+    grants: Grants::PerIo,
 };
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use mem::cpu::pin_current_thread;
 use net::netback::{self, VIF_WINDOW_SLOTS};
-use net::netfront::RxBuffers;
+use net::netfront::{Grants, RxBuffers};
 use net::skb::{SkbError, SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::wire::{parse_ipv4, parse_udp, payload_byte, PayloadCheck, UdpFramer};
@@ -242,7 +242,7 @@ fn run_once(
         mac: flow().dst_mac,
         rx_buffers,
         index: 0,
-        grant_reuse: false,
+        grants: Grants::PerIo,
     };
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
     let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;

@@ -47,6 +47,10 @@ struct Mapped {
 enum MappedAt {
     Own(GrantHandle),
     Cached(u16),
+    /// The unsafe stand-in: a machine frame the guest named, reached by the device
+    /// through the driver domain's unchecked mapping of all machine memory; the driver
+    /// domain's CPU has no mapping of it.
+    Machine(u32),
 }
 
 /// The vif's direct-placement state: the mapped buffers by map slot, the free slots,
@@ -96,10 +100,11 @@ impl Vif {
             .get(usize::from(k))
             .copied()
             .flatten()?;
-        Some(match m.at {
-            MappedAt::Own(_) => map_slot(self.slot_base, k),
-            MappedAt::Cached(e) => self.cache.as_ref()?.slot(e),
-        })
+        match m.at {
+            MappedAt::Own(_) => Some(map_slot(self.slot_base, k)),
+            MappedAt::Cached(e) => Some(self.cache.as_ref()?.slot(e)),
+            MappedAt::Machine(_) => None,
+        }
     }
 }
 
@@ -166,6 +171,18 @@ impl Vif {
                     status: XEN_NETIF_RSP_ERROR,
                 });
                 answered = true;
+                continue;
+            }
+            if self.machine_frames {
+                // The unsafe stand-in, as the paper measured it: the frame is taken
+                // as the guest gave it; nothing is checked, mapped or pinned.
+                let k = d.free.pop().expect("one free slot per request taken");
+                d.maps[k as usize] = Some(Mapped {
+                    id: req.id,
+                    at: MappedAt::Machine(req.gref),
+                });
+                d.ready.push_back(k);
+                cached += 1;
                 continue;
             }
             if let Some(cache) = self.cache.as_mut() {
@@ -254,10 +271,20 @@ impl Vif {
     ) -> usize {
         let mut n = 0;
         while let Some(k) = self.direct.as_ref().and_then(|d| d.ready.front().copied()) {
-            let Some(slot) = self.direct_slot(k) else {
-                break;
+            let machine = self
+                .direct
+                .as_ref()
+                .and_then(|d| d.maps[usize::from(k)])
+                .and_then(|m| match m.at {
+                    MappedAt::Machine(f) => Some(f),
+                    _ => None,
+                });
+            let page = match (machine, self.direct_slot(k)) {
+                (Some(f), _) => hv::iommu::machine_iova(hv::Mfn(f)),
+                (None, Some(slot)) => window_iova(slot),
+                (None, None) => break,
             };
-            let iova = Iova(window_iova(slot).0 + DIRECT_OFFSET as u64);
+            let iova = Iova(page.0 + DIRECT_OFFSET as u64);
             let room = (mem::PAGE_SIZE - DIRECT_OFFSET) as u16;
             if !post(iova, room, u32::from(k)) {
                 break;
@@ -317,6 +344,7 @@ impl Vif {
                     c.release(&self.hv, &self.dom, e);
                 }
             }
+            MappedAt::Machine(_) => {}
         }
         d.free.push(k);
         let _ = d.taken.complete(m.id);
@@ -400,7 +428,7 @@ impl Vif {
             .filter_map(Option::take)
             .filter_map(|m| match m.at {
                 MappedAt::Own(h) => Some(h),
-                MappedAt::Cached(_) => None,
+                MappedAt::Cached(_) | MappedAt::Machine(_) => None,
             })
             .collect();
         d.ready.clear();
