@@ -233,6 +233,34 @@ impl Domain {
         let (s, d) = (self.own(src)?, self.own(dst)?);
         Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
     }
+    /// Copies bytes of one of this domain's pages into the foreign page it maps at
+    /// window `slot` (see [`mem::MapWindow::copy_in`]).
+    pub fn copy_to_window(
+        &self,
+        src: Gfn,
+        src_offset: usize,
+        slot: u32,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), DomainError> {
+        Ok(self
+            .window
+            .copy_in(slot, offset, self.own(src)?, src_offset, len)?)
+    }
+    /// Copies bytes of the foreign page this domain maps at window `slot` into one of
+    /// its own pages (see [`mem::MapWindow::copy_out`]).
+    pub fn copy_from_window(
+        &self,
+        slot: u32,
+        offset: usize,
+        dst: Gfn,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DomainError> {
+        Ok(self
+            .window
+            .copy_out(slot, offset, self.own(dst)?, dst_offset, len)?)
+    }
     /// Ones'-complement sum of bytes of one of this domain's pages (see
     /// [`mem::MachineMemory::csum_partial`]).
     #[inline]

@@ -396,6 +396,41 @@ impl MapWindow {
         r
     }
 
+    /// Copies `len` bytes of frame `src` from `src_offset` into the frame mapped at
+    /// `slot` (a driver domain copying its own buffer into a guest page it maps): one
+    /// copy, frame to frame; refused for a read-only mapping. The caller owns `src`.
+    pub fn copy_in(
+        &self,
+        slot: u32,
+        offset: usize,
+        src: Mfn,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
+        check_in_page(offset, len)?;
+        let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
+        let r = self.mem.copy(src, src_offset, mfn, offset, len);
+        self.leave(slot, INFLIGHT_ONE);
+        r
+    }
+
+    /// Copies `len` bytes of the frame mapped at `slot` from `offset` into frame `dst`
+    /// at `dst_offset` (the caller's own): one copy, frame to frame.
+    pub fn copy_out(
+        &self,
+        slot: u32,
+        offset: usize,
+        dst: Mfn,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
+        check_in_page(offset, len)?;
+        let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
+        let r = self.mem.copy(mfn, offset, dst, dst_offset, len);
+        self.leave(slot, INFLIGHT_ONE);
+        r
+    }
+
     /// Holds the page at `slot` for repeated access (a mapped ring, say) until dropped;
     /// the slot cannot be unmapped meanwhile.
     pub fn page(self: &Arc<Self>, slot: u32) -> Result<MappedPage, MemError> {

@@ -561,6 +561,8 @@ pub struct Vif {
     ctrl: Option<ctrl::Ctrl>,
     /// Packets a cached TX build assembled, to be delivered.
     tx_ready: Vec<SkbId>,
+    /// A page of bounce for copies between two foreign pages.
+    bounce: Box<[u8]>,
     rxb: RxBatch,
     txb: TxBatch,
     unmaps: Unmaps,
@@ -795,6 +797,7 @@ impl Vif {
             cache,
             ctrl,
             tx_ready: Vec::with_capacity(MAX_PENDING),
+            bounce: vec![0; PAGE_SIZE].into_boxed_slice(),
             rxb: RxBatch::new(),
             txb: TxBatch::new(),
             unmaps: Unmaps {
@@ -927,6 +930,9 @@ impl Vif {
         }
         if self.direct.is_some() {
             return self.rx_direct_copy(pool);
+        }
+        if self.cache.is_some() {
+            return self.rx_cached_copy(pool);
         }
         let mut total = 0;
         while self.disabled.is_none() && !self.rx_queue.is_empty() {
@@ -1454,18 +1460,17 @@ impl Vif {
             }
         }
         // The header, out of the first slot's mapping.
-        let mut head = [0u8; TX_COPY_LEN];
         let (hg, hoff) = pool.data_location(skb);
         let copied = got == slots.len() && {
             let _c = enter(Class::GrantCopy);
-            dom.window()
-                .read(
-                    cache.slot(ks[0]),
-                    usize::from(s0.offset),
-                    &mut head[..copy_len],
-                )
-                .is_ok()
-                && dom.write(hg, hoff, &head[..copy_len]).is_ok()
+            dom.copy_from_window(
+                cache.slot(ks[0]),
+                usize::from(s0.offset),
+                hg,
+                hoff,
+                copy_len,
+            )
+            .is_ok()
                 && pool.extend_linear(skb, copy_len).is_ok()
         };
         if !copied {

@@ -493,3 +493,41 @@ fn machine_frames_go_on_the_ring_only_where_the_toolstack_offered_the_unsafe_sta
         "window addresses only"
     );
 }
+
+#[test]
+fn without_direct_placement_netback_copies_into_cached_pages_and_maps_nothing_in_steady_state() {
+    let (hv, drv) = machine();
+    let guest = domain(&hv, "guest", false, 4);
+    let spec = VifSpec {
+        handle: 0,
+        mac: [0x02, 0, 0, 0, 0, 2],
+        rx_buffers: RxBuffers::Fragments,
+        index: 0,
+        grants: Grants::Reuse,
+    };
+    let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
+    let mut p = Pair {
+        dpool: SkbPool::new(Arc::clone(&drv), 512, 64).expect("pool"),
+        gpool: SkbPool::new(Arc::clone(&guest), 512, 600).expect("pool"),
+        hv,
+        drv,
+        guest,
+        front,
+        vif,
+    };
+    for r in 0..3 {
+        rx_round(&mut p, 200, r);
+    }
+    let before = p.vif.cache_stats().expect("cache").clone();
+    for r in 3..13 {
+        rx_round(&mut p, 200, r);
+    }
+    let after = p.vif.cache_stats().expect("cache").clone();
+    assert_eq!(
+        (after.maps, after.unmaps),
+        (before.maps, before.unmaps),
+        "{after:?}"
+    );
+    assert_eq!(after.hits - before.hits, 10 * 200);
+    assert_eq!(p.vif.stats().rx_copy_errors, 0);
+}
