@@ -30,6 +30,12 @@ pub struct UpConfig {
     /// What netfront posts: page fragments (the original) or linear buffers (no
     /// fragments; frames up to 1518 bytes).
     pub rx_buffers: RxBuffers,
+    /// Grant reuse (paper 000 §4.4): netfront binds its pages to references, netback
+    /// reaches them through its cache of mappings, no map or unmap per packet.
+    pub grant_reuse: bool,
+    /// A NIC receive queue for the guest, the NIC writing its frames straight into
+    /// netfront's buffers (paper 000 §4.3).
+    pub multi_queue: bool,
 }
 
 impl Default for UpConfig {
@@ -41,6 +47,8 @@ impl Default for UpConfig {
             guest_addr: "10.77.0.2/24".into(),
             netfilter: true,
             rx_buffers: RxBuffers::Fragments,
+            grant_reuse: false,
+            multi_queue: false,
         }
     }
 }
@@ -155,6 +163,13 @@ fn bring_up(cfg: &UpConfig, made: &mut Vec<String>) -> Result<Brought, LabError>
     let opts = Options {
         netfilter: cfg.netfilter,
         rx_buffers: cfg.rx_buffers,
+        // Never the unsafe stand-in here: only a grant per I/O or the safe cache.
+        grants: if cfg.grant_reuse {
+            net::netfront::Grants::Reuse
+        } else {
+            net::netfront::Grants::PerIo
+        },
+        queues: cfg.multi_queue,
         sample: None,
         ..Options::paper(Config::Pv, 52)
     };
@@ -202,6 +217,16 @@ impl Up {
     /// Stops the machine and removes the namespaces made for it.
     pub fn down(mut self) {
         self.stop();
+    }
+
+    /// Brings the machine down and returns every component's counters.
+    pub fn down_with_counters(mut self) -> Result<kernel::Counters, LabError> {
+        let f = match self.running.take() {
+            Some(r) => r.finish(std::time::Duration::ZERO).map(|f| f.counters),
+            None => Ok(kernel::Counters::default()),
+        };
+        self.stop();
+        f
     }
 
     fn stop(&mut self) {

@@ -61,7 +61,7 @@ mod ctrl;
 mod direct;
 pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
 pub use ctrl::CTRL_WAITING;
-pub use direct::{DirectToken, DIRECT_OFFSET, RX_MAPPED};
+pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
 /// Bytes of a cache line: what aligned copies line source and destination up to.

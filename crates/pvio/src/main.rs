@@ -66,6 +66,15 @@ enum Command {
         /// modification; the guest's MTU stays 1500).
         #[arg(long)]
         no_fragments: bool,
+        /// Grant reuse (paper 000 §4.4): netfront binds its pages to grant references,
+        /// netback keeps them mapped in a per-guest cache; pages leave through the
+        /// control ring.
+        #[arg(long)]
+        grant_reuse: bool,
+        /// A NIC receive queue for the guest, frames placed straight into netfront's
+        /// buffers (paper 000 §4.3).
+        #[arg(long)]
+        multi_queue: bool,
         /// Stop after this many seconds (default: at Ctrl-C).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
@@ -381,6 +390,8 @@ fn main() -> ExitCode {
             guest_addr,
             no_netfilter,
             no_fragments,
+            grant_reuse,
+            multi_queue,
             seconds,
             watchdog_ms,
             fault,
@@ -397,6 +408,8 @@ fn main() -> ExitCode {
                 } else {
                     lab::RxBuffers::Fragments
                 },
+                grant_reuse,
+                multi_queue,
             },
             UpRun {
                 seconds,

@@ -157,6 +157,8 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         guest_addr: "10.78.0.2/24".into(),
         netfilter: true,
         rx_buffers: RxBuffers::Fragments,
+        grant_reuse: false,
+        multi_queue: false,
     };
     let machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
@@ -237,6 +239,54 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     }
     assert_eq!(machine.counters().oversize, 0);
     machine.down();
+    // Again through the grant cache with the guest's own NIC queue (pv-mq-reuse): ping,
+    // the streams and iperf3 cross, every buffer and TX slot reached through netback's
+    // cached mappings, no map after each page's first.
+    let reuse = UpConfig {
+        grant_reuse: true,
+        multi_queue: true,
+        ..cfg.clone()
+    };
+    let machine = up(&reuse).expect("pvio up --grant-reuse --multi-queue");
+    ping(o, "10.78.0.2");
+    for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {
+        stream_arrives_intact(sink_ns, source_ns, to);
+    }
+    for extra in [vec![], vec!["-R"]] {
+        let mut s = iperf_server(g, &[]);
+        let mut args = vec![
+            "ip",
+            "netns",
+            "exec",
+            o,
+            "iperf3",
+            "-c",
+            "10.78.0.2",
+            "-p",
+            "5201",
+            "-t",
+            "2",
+            "-J",
+        ];
+        args.extend_from_slice(&extra);
+        let c = run(&args);
+        let _ = s.wait();
+        assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
+        let v: serde_json::Value = serde_json::from_slice(&c.stdout).expect("iperf3 json");
+        assert!(json_u64(&v, &["end", "sum_received", "bytes"]) > 1 << 20);
+    }
+    let c = machine.down_with_counters().expect("counters");
+    let (hits, misses, cold) = (
+        c.get("grant cache", "hits"),
+        c.get("grant cache", "misses"),
+        c.get("grant cache", "cold_misses"),
+    );
+    assert!(hits > 10_000, "{c:?}");
+    assert_eq!(misses, cold, "only each page's first map: {c:?}");
+    assert!(
+        c.get("nic", "default_queue_frames") > 0,
+        "ARP broadcasts go through the default queue and the bridge"
+    );
 }
 
 /// Paper 000 §5.1's restart under a live TCP stream: the driver domain is killed (a
@@ -258,6 +308,8 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
         guest_addr: "10.79.0.2/24".into(),
         netfilter: true,
         rx_buffers: RxBuffers::Fragments,
+        grant_reuse: false,
+        multi_queue: false,
     };
     let mut machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());

@@ -33,6 +33,11 @@ pub const RX_MAPPED: usize = RING_IDS as usize;
 /// Below this many buffers mapped, netback asks the guest for an event on its next
 /// post.
 pub const DIRECT_LOW_WATER: usize = 64;
+/// Mapped buffers netback keeps back from the NIC for frames that reach the vif
+/// through the bridge (broadcasts such as ARP, frames from other guests): given all to
+/// the NIC, such a frame would wait for a buffer the NIC holds until frames arrive on
+/// its queue, which for a guest that must answer an ARP first may be never.
+pub const DIRECT_BRIDGE_RESERVE: usize = 8;
 /// Where in a mapped buffer a frame starts: IP-aligned, as NIC drivers post.
 pub const DIRECT_OFFSET: usize = NET_IP_ALIGN;
 
@@ -264,13 +269,19 @@ impl Vif {
 
     /// Gives mapped buffers to the NIC's queue for this guest while `post` takes them
     /// (`vmq_alloc_skb`): each as the I/O address the device writes to, the room it
-    /// has, and a token to hand back with it. Returns the buffers given.
+    /// has, and a token to hand back with it; [`DIRECT_BRIDGE_RESERVE`] stay back for
+    /// frames through the bridge. Returns the buffers given.
     pub fn rx_direct_give(
         &mut self,
         mut post: impl FnMut(Iova, u16, DirectToken) -> bool,
     ) -> usize {
         let mut n = 0;
-        while let Some(k) = self.direct.as_ref().and_then(|d| d.ready.front().copied()) {
+        while let Some(k) = self
+            .direct
+            .as_ref()
+            .filter(|d| d.ready.len() > DIRECT_BRIDGE_RESERVE)
+            .and_then(|d| d.ready.front().copied())
+        {
             let machine = self
                 .direct
                 .as_ref()
