@@ -598,7 +598,7 @@ impl Netfront {
         if r.is_err() {
             if let Some(rs) = reuse {
                 let mut st = FrontStats::default();
-                rs.close(dom, &mut st);
+                let _ = rs.close(dom, &mut st);
             }
             give_back(&taken, port);
         }
@@ -677,12 +677,18 @@ impl Netfront {
     /// send again, frees the rings, closes the channel and moves to `Closed`. A no-op
     /// when not connected.
     pub fn disconnect(&mut self, pool: &mut SkbPool) {
-        let Some(l) = self.link.take() else {
+        let Some(mut l) = self.link.take() else {
             return;
         };
         let dom = Arc::clone(&self.dom);
         let gt = dom.grant_table();
         self.abandon_partial(pool);
+        // Grant reuse: every binding ended first (the back end's cache went with it); a
+        // page whose grant will not end is still mapped and stays out of use.
+        let stuck = match l.reuse.take() {
+            Some(r) => r.close(&dom, &mut self.stats),
+            None => Vec::new(),
+        };
         // RX: buffers in flight, and those parked because the back end held their
         // grant when answered (tried again now: a dead back end's maps are gone).
         for id in 0..RING_IDS {
@@ -692,7 +698,7 @@ impl Netfront {
             }
             let b = self.rx_bufs[id as usize];
             let Some(g) = b.gfn else { continue };
-            if gt.end_access(b.gref).is_ok() {
+            if !stuck.contains(&g) && gt.end_access(b.gref).is_ok() {
                 let b = &mut self.rx_bufs[id as usize];
                 b.gfn = None;
                 let s = b.skb.take();
@@ -753,17 +759,8 @@ impl Netfront {
                 self.stats.grants_busy += 1;
             }
         }
-        let Link {
-            port,
-            tx,
-            rx,
-            reuse,
-            ..
-        } = l;
+        let Link { port, tx, rx, .. } = l;
         drop((tx, rx));
-        if let Some(r) = reuse {
-            r.close(&dom, &mut self.stats);
-        }
         let _ = self.hv.evtchn_close(&self.dom, port);
         let store = self.hv.store();
         let me = self.dom.id();

@@ -532,3 +532,41 @@ fn without_direct_placement_netback_copies_into_cached_pages_and_maps_nothing_in
     assert_eq!(after.hits - before.hits, 10 * 200);
     assert_eq!(p.vif.stats().rx_copy_errors, 0);
 }
+
+#[test]
+fn when_the_back_end_goes_every_binding_ends_and_every_page_comes_back() {
+    let mut p = pair();
+    let refs_before = p.guest.grant_table().refs_free();
+    for r in 0..3 {
+        rx_round(&mut p, 200, r);
+        tx_round(&mut p, 100, r);
+    }
+    assert!(p.front.bound_pages() > 256);
+    let Pair {
+        hv,
+        drv,
+        guest,
+        mut dpool,
+        mut gpool,
+        mut front,
+        vif,
+    } = p;
+    vif.disconnect(&mut dpool);
+    toolstack::close_backend(&hv, drv.id(), guest.id(), 0);
+    assert_eq!(
+        front.check_backend(&mut gpool),
+        net::netfront::LinkChange::Disconnected
+    );
+    assert_eq!(front.bound_pages(), 0);
+    assert_eq!(
+        front.stats().grants_busy,
+        0,
+        "the back end's cache went with it"
+    );
+    // Every RX page posted and every page bound is the guest's again.
+    assert_eq!(gpool.free_pages(), gpool.page_capacity());
+    assert_eq!(hv.mappings_held(&drv), 0);
+    // The references of the bindings and of the control ring are free again (the
+    // ring and the data path's per-slot references stay with netfront).
+    assert!(guest.grant_table().refs_free() >= refs_before);
+}

@@ -342,18 +342,29 @@ impl GrantCache {
                 self.free.pop().expect("just freed")
             }
         };
-        let op = [MapOp {
-            dom: self.fe,
-            gref: GrantRef(gref),
-            readonly: !write,
-            slot: self.slot(k),
-        }];
+        // Writable where the grant allows, even for a read: a page a guest sent from
+        // and later posts for receive then needs no second map. A read-only grant is
+        // mapped read-only on a second try (such a miss costs one more pin).
+        let tries: &[bool] = if write { &[true] } else { &[true, false] };
         let mut res = [Err(GrantError::BadPage)];
-        {
-            let _h = enter(Class::Hypercall);
-            hv.grant_map(dom, &op, &mut res);
+        let mut writable = write;
+        for &w in tries {
+            let op = [MapOp {
+                dom: self.fe,
+                gref: GrantRef(gref),
+                readonly: !w,
+                slot: self.slot(k),
+            }];
+            {
+                let _h = enter(Class::Hypercall);
+                hv.grant_map(dom, &op, &mut res);
+            }
+            self.stats.maps += 1;
+            writable = w;
+            if res[0].is_ok() {
+                break;
+            }
         }
-        self.stats.maps += 1;
         match res[0] {
             Ok(handle) => {
                 self.stats.misses += 1;
@@ -367,7 +378,7 @@ impl GrantCache {
                 self.entries[usize::from(k)] = Some(Entry {
                     gref,
                     handle,
-                    writable: write,
+                    writable,
                     users: 1,
                     dropping: false,
                     prev: NIL,

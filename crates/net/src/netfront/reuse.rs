@@ -290,8 +290,9 @@ impl Netfront {
 impl Reuse {
     /// At disconnection: every binding's grant ended (the back end's cache went with
     /// it) and its reference freed; the control ring's pages given back once the back
-    /// end lets go. A grant that will not end is counted and its page left granted.
-    pub(super) fn close(mut self, dom: &Domain, stats: &mut FrontStats) {
+    /// end lets go. A grant that will not end is counted and its page left granted;
+    /// returns those pages, which must stay out of use.
+    pub(super) fn close(mut self, dom: &Domain, stats: &mut FrontStats) -> Vec<Gfn> {
         let gt = dom.grant_table();
         let sent = self.sent.take().map(|s| s.1).unwrap_or_default();
         let bound = self
@@ -304,11 +305,13 @@ impl Reuse {
             .chain(sent)
             .chain(self.stuck.drain(..))
             .collect();
-        for (_, g) in leaving {
+        let mut stuck = Vec::new();
+        for (gfn, g) in leaving {
             if gt.end_access(g).is_ok() {
                 gt.free_ref(g);
             } else {
                 stats.grants_busy += 1;
+                stuck.push(gfn);
             }
         }
         let Reuse { ring, pages, .. } = self;
@@ -318,5 +321,6 @@ impl Reuse {
                 stats.grants_busy += 1;
             }
         }
+        stuck
     }
 }
