@@ -4,7 +4,10 @@
 //! hostile guest writes raw TX slots with structure (chains, extras, every kind of
 //! grant, one revoked mid-use), moves its producer index forward, back and at random,
 //! and posts RX buffers of every kind while packets of every size are queued to it; the
-//! driver domain runs its TX and RX actions, keeping or freeing what TX hands it.
+//! driver domain runs its TX and RX actions, keeping or freeing what TX hands it. Half
+//! the cases the guest asks for grant reuse: netback then serves its control ring
+//! (messages of every type, length and list, at random) and reaches its buffers through
+//! the grant cache, with direct placement or without.
 //!
 //! Oracle: after the vif is torn down and the guest destroyed, every packet buffer and
 //! page of the driver domain is back in its pool, no mapping or port of the guest is
@@ -17,7 +20,7 @@ use std::sync::Arc;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Grants, Netfront, RxBuffers};
-use net::netif::{RxRequest, TxRequest, NETTXF_MORE_DATA};
+use net::netif::{CtrlRequest, NetifGref, RxRequest, TxRequest, NETTXF_MORE_DATA};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
@@ -173,7 +176,14 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
     let revoked = raw.rx_buffer(w.drv.id()).expect("buffer");
     gt.end_access(hv::GrantRef(revoked)).expect("revoke");
     let grefs = [raw.data_ref, raw.data_ref, rw, revoked, 9999, u32::MAX];
+    let reuse = inp.below(2) == 0 && raw.publish_ctrl(&w.hv, w.drv.id(), 0).is_some();
     let mut bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("vif");
+    let direct = reuse && inp.below(2) == 0;
+    if direct {
+        bad.enable_direct();
+    }
+    let list = raw.ctrl.map_or(0, |c| c.2);
+    let mut ctrl_prod = 0u32;
     let mut held = Vec::new();
     let (mut tx_prod, mut rx_prod) = (0u32, 0u32);
     for _round in 0..inp.below(4) + 1 {
@@ -245,6 +255,58 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
             |p, s| if keep { got.push(s) } else { p.free(s) },
         );
         bad.rx_action(&mut w.pool);
+        if reuse {
+            // Control messages of every type, length and list.
+            let entries: Vec<NetifGref> = (0..inp.below(6))
+                .map(|_| NetifGref {
+                    gref: inp.pick(&grefs),
+                    flags: inp.below(3) as u16,
+                    status: 0,
+                })
+                .collect();
+            raw.write_list(&entries);
+            for _ in 0..inp.below(6) {
+                let any = inp.u64() as u32;
+                let r = CtrlRequest {
+                    id: inp.below(65536) as u16,
+                    ty: inp.pick(&[8u16, 9, 9, 10, 10, 0, 77]),
+                    data: [
+                        inp.pick(&[0u32, 0, 0, 1]),
+                        inp.pick(&[list, list, list, rw, 9999]),
+                        inp.pick(&[0u32, 1, 2, 5, 512, 513, any]),
+                    ],
+                };
+                ctrl_prod = ctrl_prod.wrapping_add(1);
+                raw.post_ctrl(ctrl_prod.wrapping_sub(1), r, ctrl_prod);
+            }
+            if inp.below(16) == 0 {
+                raw.post_ctrl(0, CtrlRequest::default(), inp.u64() as u32);
+            }
+            bad.ctrl_action();
+        }
+        if direct {
+            // The NIC's part: take buffers, hand some back filled, some not at all,
+            // and tokens it never had.
+            bad.rx_direct_refill();
+            let mut tokens = Vec::new();
+            bad.rx_direct_give(|_, _, t| {
+                tokens.push(t);
+                true
+            });
+            for t in tokens {
+                if inp.below(4) != 0 {
+                    bad.rx_direct_done(
+                        t,
+                        inp.pick(&[0u16, 60, 1514, 5000]),
+                        true,
+                        inp.below(8) == 0,
+                    );
+                }
+            }
+            bad.rx_direct_done(inp.u64() as u32, 60, false, false);
+            bad.rx_direct_flush();
+            bad.ctrl_action();
+        }
         held.extend(got);
         if inp.below(3) == 0 {
             // The guest revokes (or tries to) its data grant in the middle of use.

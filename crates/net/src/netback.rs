@@ -1353,19 +1353,10 @@ impl Vif {
     /// fragments), the copy of its first [`TX_COPY_LEN`] bytes, and a map per page
     /// beyond them, each with a pending entry.
     fn tx_build_packet(&mut self, pool: &mut SkbPool, chain: &TxChain) {
-        let slots = chain.slots();
-        let s0 = slots[0];
-        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
-        // Pages to map: every slot after the first, and the first one's tail. The
-        // legal maximum (LEGACY_SLOTS_MAX) with a long first slot is one more than a
-        // buffer's fragments; the rest go on a second buffer on the fragment list, as
-        // Linux netback's `frag_overflow` does.
-        let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
-        let Some((skb, overflow)) = Self::tx_buffers(pool, maps) else {
-            self.stats.tx_no_buffer += 1;
-            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+        let Some((s0, copy_len, skb, overflow)) = self.tx_layout(pool, chain) else {
             return;
         };
+        let slots = chain.slots();
         let (hg, hoff) = pool.data_location(skb);
         let b = &mut self.txb;
         let copy_op = b.copies.len();
@@ -1405,6 +1396,29 @@ impl Vif {
         });
     }
 
+    /// A valid chain's layout: its first slot, the bytes of it copied into the linear
+    /// area, and the buffers. Pages beyond the copy: every slot after the first, and
+    /// the first one's tail. The legal maximum (`LEGACY_SLOTS_MAX`) with a long first
+    /// slot is one more than a buffer's fragments; the rest go on a second buffer on the
+    /// fragment list, as Linux netback's `frag_overflow` does. Without a buffer, the
+    /// chain is answered with errors and counted.
+    fn tx_layout(
+        &mut self,
+        pool: &mut SkbPool,
+        chain: &TxChain,
+    ) -> Option<(crate::netif::TxSlot, usize, SkbId, Option<SkbId>)> {
+        let slots = chain.slots();
+        let s0 = slots[0];
+        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
+        let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
+        let Some((skb, overflow)) = Self::tx_buffers(pool, maps) else {
+            self.stats.tx_no_buffer += 1;
+            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+            return None;
+        };
+        Some((s0, copy_len, skb, overflow))
+    }
+
     /// The buffer for a packet of `maps` mapped pages: one, or two when the maps
     /// overflow one buffer's fragments.
     fn tx_buffers(pool: &mut SkbPool, maps: usize) -> Option<(SkbId, Option<SkbId>)> {
@@ -1428,15 +1442,10 @@ impl Vif {
     /// A slot's entry is released when the packet has left ([`Vif::tx_release`]), and
     /// stays mapped. When every grant hits, no hypercall at all.
     fn tx_build_cached(&mut self, pool: &mut SkbPool, chain: &TxChain) {
-        let slots = chain.slots();
-        let s0 = slots[0];
-        let copy_len = (s0.len as usize).min(TX_COPY_LEN);
-        let maps = slots.len() - 1 + usize::from(s0.len as usize > copy_len);
-        let Some((skb, overflow)) = Self::tx_buffers(pool, maps) else {
-            self.stats.tx_no_buffer += 1;
-            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+        let Some((s0, copy_len, skb, overflow)) = self.tx_layout(pool, chain) else {
             return;
         };
+        let slots = chain.slots();
         let free_bufs = |pool: &mut SkbPool| {
             pool.free(skb);
             if let Some(o) = overflow {

@@ -13,7 +13,7 @@ use net::netif::{
     CtrlRequest, NetifGref, RxRequest, GREF_LIST_MAX, XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER,
     XEN_NETIF_CTRL_STATUS_NOT_SUPPORTED, XEN_NETIF_CTRL_STATUS_SUCCESS,
     XEN_NETIF_CTRL_TYPE_ADD_GREF_MAPPING, XEN_NETIF_CTRL_TYPE_DEL_GREF_MAPPING,
-    XEN_NETIF_CTRL_TYPE_GET_GREF_MAPPING_SIZE, XEN_NETIF_RSP_ERROR,
+    XEN_NETIF_CTRL_TYPE_GET_GREF_MAPPING_SIZE,
 };
 use net::rawfront::RawFront;
 use net::skb::{SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
@@ -56,18 +56,28 @@ fn domain(hv: &Hypervisor, name: &str, driver: bool, slots: u32) -> Arc<Domain> 
     .expect("domain")
 }
 
-/// A guest with grant reuse on a direct-placement vif.
-fn pair() -> Pair {
-    let (hv, drv) = machine();
-    let guest = domain(&hv, "guest", false, 4);
+/// The guest's vif 0 (index 0) on `drv`, netfront giving its pages as `grants` says.
+fn plug(
+    hv: &Arc<Hypervisor>,
+    drv: &Arc<Domain>,
+    guest: &Arc<Domain>,
+    grants: Grants,
+) -> (Netfront, Vif) {
     let spec = VifSpec {
         handle: 0,
         mac: [0x02, 0, 0, 0, 0, 2],
         rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grants: Grants::Reuse,
+        grants,
     };
-    let (front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
+    toolstack::plug_vif(hv, drv, guest, spec).expect("vif")
+}
+
+/// A guest with grant reuse on a direct-placement vif.
+fn pair() -> Pair {
+    let (hv, drv) = machine();
+    let guest = domain(&hv, "guest", false, 4);
+    let (front, mut vif) = plug(&hv, &drv, &guest, Grants::Reuse);
     assert!(front.grant_reuse(), "the back end offered it");
     vif.enable_direct();
     let dpool = SkbPool::new(Arc::clone(&drv), 512, 64).expect("pool");
@@ -457,22 +467,14 @@ fn a_guest_posting_ever_new_references_churns_only_its_own_cache() {
     let after = p.vif.cache_stats().expect("cache");
     assert_eq!(after.misses, before.misses);
     assert_eq!(after.evictions, 0);
-    let _ = XEN_NETIF_RSP_ERROR;
 }
 
 #[test]
 fn machine_frames_go_on_the_ring_only_where_the_toolstack_offered_the_unsafe_stand_in() {
     let (hv, drv) = machine();
     let guest = domain(&hv, "guest", false, 4);
-    let spec = VifSpec {
-        handle: 0,
-        mac: [0x02, 0, 0, 0, 0, 2],
-        rx_buffers: RxBuffers::Fragments,
-        index: 0,
-        grants: Grants::MachineFramesUnsafe,
-    };
     // No offer: netfront asks for nothing and grants its buffers as usual.
-    let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
+    let (mut front, mut vif) = plug(&hv, &drv, &guest, Grants::MachineFramesUnsafe);
     vif.enable_direct();
     let mut gpool = SkbPool::new(Arc::clone(&guest), 512, 600).expect("pool");
     front.refill_rx(&mut gpool);
@@ -499,14 +501,7 @@ fn machine_frames_go_on_the_ring_only_where_the_toolstack_offered_the_unsafe_sta
 fn without_direct_placement_netback_copies_into_cached_pages_and_maps_nothing_in_steady_state() {
     let (hv, drv) = machine();
     let guest = domain(&hv, "guest", false, 4);
-    let spec = VifSpec {
-        handle: 0,
-        mac: [0x02, 0, 0, 0, 0, 2],
-        rx_buffers: RxBuffers::Fragments,
-        index: 0,
-        grants: Grants::Reuse,
-    };
-    let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
+    let (front, vif) = plug(&hv, &drv, &guest, Grants::Reuse);
     let mut p = Pair {
         dpool: SkbPool::new(Arc::clone(&drv), 512, 64).expect("pool"),
         gpool: SkbPool::new(Arc::clone(&guest), 512, 600).expect("pool"),

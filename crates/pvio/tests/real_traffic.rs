@@ -177,24 +177,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         ("tcp from the guest", vec!["-R"]),
         ("udp to the guest", vec!["-u", "-b", "20M"]),
     ] {
-        let mut s = iperf_server(g, &[]);
-        let mut args = vec![
-            "ip",
-            "netns",
-            "exec",
-            o,
-            "iperf3",
-            "-c",
-            "10.78.0.2",
-            "-p",
-            "5201",
-            "-t",
-            "2",
-            "-J",
-        ];
-        args.extend_from_slice(&extra);
-        let c = run(&args);
-        let _ = s.wait();
+        let c = iperf_client(o, g, "10.78.0.2", &extra);
         assert!(
             c.status.success(),
             "{name}: {}",
@@ -253,24 +236,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         stream_arrives_intact(sink_ns, source_ns, to);
     }
     for extra in [vec![], vec!["-R"]] {
-        let mut s = iperf_server(g, &[]);
-        let mut args = vec![
-            "ip",
-            "netns",
-            "exec",
-            o,
-            "iperf3",
-            "-c",
-            "10.78.0.2",
-            "-p",
-            "5201",
-            "-t",
-            "2",
-            "-J",
-        ];
-        args.extend_from_slice(&extra);
-        let c = run(&args);
-        let _ = s.wait();
+        let c = iperf_client(o, g, "10.78.0.2", &extra);
         assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
         let v: serde_json::Value = serde_json::from_slice(&c.stdout).expect("iperf3 json");
         assert!(json_u64(&v, &["end", "sum_received", "bytes"]) > 1 << 20);
@@ -287,6 +253,19 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         c.get("nic", "default_queue_frames") > 0,
         "ARP broadcasts go through the default queue and the bridge"
     );
+}
+
+/// A 2-second iperf3 run from namespace `o` to a server in `g` at `to` (JSON out),
+/// with `extra` client options.
+fn iperf_client(o: &str, g: &str, to: &str, extra: &[&str]) -> std::process::Output {
+    let mut s = iperf_server(g, &[]);
+    let mut args = vec![
+        "ip", "netns", "exec", o, "iperf3", "-c", to, "-p", "5201", "-t", "2", "-J",
+    ];
+    args.extend_from_slice(extra);
+    let c = run(&args);
+    let _ = s.wait();
+    c
 }
 
 /// Paper 000 §5.1's restart under a live TCP stream: the driver domain is killed (a

@@ -113,6 +113,16 @@ impl Vif {
     }
 }
 
+/// The answer to a request netback cannot serve.
+fn rx_error(id: u16) -> RxResponse {
+    RxResponse {
+        id,
+        offset: 0,
+        flags: 0,
+        status: XEN_NETIF_RSP_ERROR,
+    }
+}
+
 /// A filled buffer's token back from the NIC driver (the map slot it was given under).
 pub type DirectToken = u32;
 
@@ -169,12 +179,7 @@ impl Vif {
             if !d.taken.post(req.id) {
                 self.stats.rx_bad_requests += 1;
                 // Cannot fail: one response per request taken.
-                let _ = self.rx.push_response(&RxResponse {
-                    id: req.id,
-                    offset: 0,
-                    flags: 0,
-                    status: XEN_NETIF_RSP_ERROR,
-                });
+                let _ = self.rx.push_response(&rx_error(req.id));
                 answered = true;
                 continue;
             }
@@ -207,12 +212,7 @@ impl Vif {
                         d.free.push(k);
                         let _ = d.taken.complete(req.id);
                         self.stats.rx_copy_errors += 1;
-                        let _ = self.rx.push_response(&RxResponse {
-                            id: req.id,
-                            offset: 0,
-                            flags: 0,
-                            status: XEN_NETIF_RSP_ERROR,
-                        });
+                        let _ = self.rx.push_response(&rx_error(req.id));
                         answered = true;
                     }
                 }
