@@ -147,6 +147,9 @@ struct Run {
     /// Direct placement: of the driver domain's core's busy time, the device's (the
     /// DMA writes through the IOMMU that a NIC does in hardware), per packet.
     device_ns: f64,
+    /// Direct placement: buffers the device filled per driver-domain poll that found
+    /// any, over the timed periods.
+    per_poll: f64,
 }
 
 fn other(e: impl std::fmt::Display) -> LabError {
@@ -331,10 +334,11 @@ fn run_once(
             Arc::clone(&start),
         );
         std::thread::spawn(
-            move || -> Result<(Duration, Option<Sink>, u64, Duration), LabError> {
+            move || -> Result<(Duration, Option<Sink>, u64, Duration, f64), LabError> {
                 pin(0);
                 let mut busy = Duration::ZERO;
                 let mut device = Duration::ZERO;
+                let (mut polls, mut filled) = (0u64, 0u64);
                 let mut tokens = Vec::with_capacity(netback::MAX_PENDING);
                 let mut given = Vec::with_capacity(netback::RX_MAPPED);
                 let map_ops =
@@ -366,6 +370,10 @@ fn run_once(
                                     vif.rx_direct_done(token, f.len() as u16, true, !ok);
                                 }
                                 vif.rx_direct_flush();
+                                if n > 0 && timing.load(Ordering::Relaxed) {
+                                    polls += 1;
+                                    filled += n as u64;
+                                }
                                 n
                             });
                         }
@@ -403,7 +411,14 @@ fn run_once(
                     return Err(other(format!("vif disabled: {:?}", vif.disabled())));
                 }
                 let ops = map_ops(&vif) - at_timing.unwrap_or(0);
-                Ok((busy, (dir == Dir::Tx).then_some(sink), ops, device))
+                let per_poll = filled as f64 / polls.max(1) as f64;
+                Ok((
+                    busy,
+                    (dir == Dir::Tx).then_some(sink),
+                    ops,
+                    device,
+                    per_poll,
+                ))
             },
         )
     };
@@ -480,7 +495,7 @@ fn run_once(
     }
     timing.store(false, Ordering::Relaxed);
     stop.store(true, Ordering::Relaxed);
-    let (busy_drv, sink_d, map_ops, device) = drv_side
+    let (busy_drv, sink_d, map_ops, device, per_poll) = drv_side
         .join()
         .map_err(|_| other("driver side panicked"))??;
     let (busy_guest, sink_g) = guest_side
@@ -498,6 +513,7 @@ fn run_once(
         corrupt: sink.corrupt,
         maps_per_packet: map_ops as f64 / timed_packets,
         device_ns: device.as_nanos() as f64 / timed_packets,
+        per_poll,
     })
 }
 
@@ -655,6 +671,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                             &format!("{len} B: of the driver-domain side, the device's DMA"),
                             "ns",
                             &vcol(|r| r.device_ns),
+                        );
+                        rep.row(
+                            group,
+                            &format!("{len} B: buffers filled per driver-domain poll"),
+                            "buffers",
+                            &vcol(|r| r.per_poll),
                         );
                     }
                     let maps = vcol(|r| r.maps_per_packet);
