@@ -223,9 +223,14 @@ const NIL: u16 = u16::MAX;
 
 impl LentOrder {
     fn new() -> Self {
+        Self::with_capacity(RING_IDS as usize)
+    }
+
+    /// A list of indices below `n` (the grant cache's idle entries use one too).
+    fn with_capacity(n: usize) -> Self {
         Self {
-            prev: vec![NIL; RING_IDS as usize].into_boxed_slice(),
-            next: vec![NIL; RING_IDS as usize].into_boxed_slice(),
+            prev: vec![NIL; n].into_boxed_slice(),
+            next: vec![NIL; n].into_boxed_slice(),
             head: NIL,
             tail: NIL,
             len: 0,

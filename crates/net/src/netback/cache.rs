@@ -27,7 +27,7 @@ use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp};
 /// guest that recycles its pages hits in steady state.
 pub const CACHE_SLOTS: usize = 1024;
 
-const NIL: u16 = u16::MAX;
+use super::NIL;
 
 /// References below this are remembered once seen, to tell compulsory misses (a
 /// bit each: 8 KiB a vif).
@@ -61,9 +61,6 @@ struct Entry {
     users: u16,
     /// The guest asked for it to go while in use: unmapped when the last user lets go.
     dropping: bool,
-    /// Links of the idle list (least recently used first), while `users` is 0.
-    prev: u16,
-    next: u16,
 }
 
 /// Counters of one vif's cache.
@@ -145,9 +142,8 @@ pub struct GrantCache {
     index: HashMap<u32, u16, BuildHasherDefault<GrefHasher>>,
     entries: Box<[Option<Entry>]>,
     free: Vec<u16>,
-    /// The idle list: least recently used at `head`.
-    head: u16,
-    tail: u16,
+    /// The idle entries (`users` 0), least recently used first.
+    idle: super::LentOrder,
     /// References whose deferred drop completed, for the control ring to confirm.
     dropped: Vec<u32>,
     /// References ever mapped (below [`SEEN_REFS`]), a bit each.
@@ -165,8 +161,7 @@ impl GrantCache {
             index: HashMap::with_capacity_and_hasher(CACHE_SLOTS, Default::default()),
             entries: vec![None; CACHE_SLOTS].into_boxed_slice(),
             free: (0..CACHE_SLOTS as u16).rev().collect(),
-            head: NIL,
-            tail: NIL,
+            idle: super::LentOrder::with_capacity(CACHE_SLOTS),
             dropped: Vec::with_capacity(CACHE_SLOTS),
             seen: vec![0; (SEEN_REFS / 64) as usize].into_boxed_slice(),
             stats: CacheStats::default(),
@@ -224,13 +219,13 @@ impl GrantCache {
                     return Err(CacheError::ReadOnly);
                 }
                 self.stats.upgrades += 1;
-                self.unlink(k);
+                self.idle.remove(k);
                 self.remove(hv, dom, k);
                 return self.insert(hv, dom, gref, write);
             }
             self.stats.hits += 1;
             if e.users == 0 {
-                self.unlink(k);
+                self.idle.remove(k);
             }
             self.entry(k).users += 1;
             return Ok(k);
@@ -258,7 +253,7 @@ impl GrantCache {
             self.stats.drops += 1;
             self.dropped.push(gref);
         } else {
-            self.push_back(k);
+            self.idle.push_back(k);
         }
     }
 
@@ -276,7 +271,7 @@ impl GrantCache {
             }
             return DropOutcome::Deferred;
         }
-        self.unlink(k);
+        self.idle.remove(k);
         self.remove(hv, dom, k);
         self.stats.drops += 1;
         DropOutcome::Done
@@ -303,8 +298,7 @@ impl GrantCache {
             .map(|e| e.handle)
             .collect();
         self.index.clear();
-        self.head = NIL;
-        self.tail = NIL;
+        self.idle = super::LentOrder::with_capacity(CACHE_SLOTS);
         self.free = (0..CACHE_SLOTS as u16).rev().collect();
         if !handles.is_empty() {
             self.stats.unmaps += handles.len() as u64;
@@ -331,12 +325,10 @@ impl GrantCache {
         let k = match self.free.pop() {
             Some(k) => k,
             None => {
-                let k = self.head;
-                if k == NIL {
+                let Some(k) = self.idle.pop_front() else {
                     self.stats.refused += 1;
                     return Err(CacheError::Full);
-                }
-                self.unlink(k);
+                };
                 self.remove(hv, dom, k);
                 self.stats.evictions += 1;
                 self.free.pop().expect("just freed")
@@ -381,8 +373,6 @@ impl GrantCache {
                     writable,
                     users: 1,
                     dropping: false,
-                    prev: NIL,
-                    next: NIL,
                 });
                 self.index.insert(gref, k);
                 Ok(k)
@@ -408,41 +398,6 @@ impl GrantCache {
         }
         self.stats.unmaps += 1;
         self.free.push(k);
-    }
-
-    fn push_back(&mut self, k: u16) {
-        let t = self.tail;
-        {
-            let e = self.entry(k);
-            e.prev = t;
-            e.next = NIL;
-        }
-        if t == NIL {
-            self.head = k;
-        } else {
-            self.entry(t).next = k;
-        }
-        self.tail = k;
-    }
-
-    fn unlink(&mut self, k: u16) {
-        let (p, n) = {
-            let e = self.entry(k);
-            let pn = (e.prev, e.next);
-            e.prev = NIL;
-            e.next = NIL;
-            pn
-        };
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.entry(p).next = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.entry(n).prev = p;
-        }
     }
 }
 
