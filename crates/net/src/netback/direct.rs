@@ -96,8 +96,10 @@ fn map_slot(slot_base: u32, k: u16) -> u32 {
 }
 
 impl Vif {
-    /// The window slot buffer `k` is reached through.
-    fn direct_slot(&self, k: u16) -> Option<u32> {
+    /// Where buffer `k` is reached: the driver domain's window slot (none for the
+    /// unsafe stand-in's machine frames, which only the device reaches), and the I/O
+    /// address of its page for the device.
+    fn direct_place(&self, k: u16) -> Option<(Option<u32>, Iova)> {
         let m = self
             .direct
             .as_ref()?
@@ -105,11 +107,17 @@ impl Vif {
             .get(usize::from(k))
             .copied()
             .flatten()?;
-        match m.at {
-            MappedAt::Own(_) => Some(map_slot(self.slot_base, k)),
-            MappedAt::Cached(e) => Some(self.cache.as_ref()?.slot(e)),
-            MappedAt::Machine(_) => None,
-        }
+        let slot = match m.at {
+            MappedAt::Own(_) => map_slot(self.slot_base, k),
+            MappedAt::Cached(e) => self.cache.as_ref()?.slot(e),
+            MappedAt::Machine(f) => return Some((None, hv::iommu::machine_iova(hv::Mfn(f)))),
+        };
+        Some((Some(slot), window_iova(slot)))
+    }
+
+    /// The window slot buffer `k` is reached through by the driver domain's CPU.
+    fn direct_slot(&self, k: u16) -> Option<u32> {
+        self.direct_place(k)?.0
     }
 }
 
@@ -282,18 +290,8 @@ impl Vif {
             .filter(|d| d.ready.len() > DIRECT_BRIDGE_RESERVE)
             .and_then(|d| d.ready.front().copied())
         {
-            let machine = self
-                .direct
-                .as_ref()
-                .and_then(|d| d.maps[usize::from(k)])
-                .and_then(|m| match m.at {
-                    MappedAt::Machine(f) => Some(f),
-                    _ => None,
-                });
-            let page = match (machine, self.direct_slot(k)) {
-                (Some(f), _) => hv::iommu::machine_iova(hv::Mfn(f)),
-                (None, Some(slot)) => window_iova(slot),
-                (None, None) => break,
+            let Some((_, page)) = self.direct_place(k) else {
+                break;
             };
             let iova = Iova(page.0 + DIRECT_OFFSET as u64);
             let room = (mem::PAGE_SIZE - DIRECT_OFFSET) as u16;
