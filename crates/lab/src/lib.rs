@@ -13,6 +13,7 @@ pub mod chart;
 pub mod dpdk;
 pub mod experiments;
 pub mod platform;
+pub mod progress;
 pub mod report;
 pub mod stats;
 pub mod up;

@@ -344,9 +344,13 @@ fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode
     let env = RunEnv::capture(quick);
     let mode = if quick { Mode::Quick } else { Mode::Full };
     let mut failed = 0;
-    for e in chosen {
+    let count = chosen.len();
+    for (i, e) in chosen.into_iter().enumerate() {
         eprintln!("running {} ({}) ...", e.id, e.paper);
-        match (e.run)(mode) {
+        let line = lab::progress::experiment(e.id, i + 1, count);
+        let result = (e.run)(mode);
+        drop(line);
+        match result {
             Ok(report) => {
                 println!("{}", report.table());
                 match report.write(out, &env) {

@@ -589,6 +589,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             "DPDK not measured here ({e}): pvio is compared with the issue's figures."
         )),
     }
+    let per_round = |forms: usize| FRAMES.len() * (1 + forms + usize::from(pmd.is_ok()));
+    crate::progress::plan(
+        (iters * (per_round(RX_VARIANTS.len()) + per_round(TX_VARIANTS.len()))) as u64,
+    );
     for dir in [Dir::Rx, Dir::Tx] {
         for len in FRAMES {
             let mut runs = Vec::with_capacity(iters);
@@ -601,12 +605,16 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             };
             let mut variants: Vec<Vec<Run>> = vec![Vec::new(); forms.len()];
             let mut dpdk_mpps = Vec::new();
-            for _ in 0..iters {
+            for round in 0..iters {
+                let at = format!("{} · {len} B", crate::progress::round(round, iters));
+                crate::progress::step(format_args!("{at} · {}", dir.name()));
                 runs.push(run_once(dir, len, period, periods, Variant::ORIGINAL)?);
-                for (v, &(b, _)) in variants.iter_mut().zip(forms) {
+                for (v, &(b, name)) in variants.iter_mut().zip(forms) {
+                    crate::progress::step(format_args!("{at} · {name}"));
                     v.push(run_once(dir, len, period, periods, b)?);
                 }
                 if let Ok(p) = &pmd {
+                    crate::progress::step(format_args!("{at} · DPDK {}", dir.name()));
                     match p.rate(dir == Dir::Rx, len, pmd_secs) {
                         Ok(r) => dpdk_mpps.push(r / 1e6),
                         Err(e) => rep.notes.push(format!("DPDK {dir:?} {len} B: {e}")),

@@ -77,7 +77,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let mut ring_events = (0u64, 0u64);
     let mut ring_events_driven = (0u64, 0u64);
     let mut sampler = mem::cpu::Sampler::None;
-    for _ in 0..iters {
+    crate::progress::plan(iters as u64);
+    for round in 0..iters {
+        crate::progress::step(crate::progress::round(round, iters));
         pin(CORE_A);
         for &n in &SIZES {
             s.push(

@@ -111,6 +111,11 @@ fn latency(
                 order.reverse();
             }
             for s in order {
+                crate::progress::step(format_args!(
+                    "latency · {} · {config} · {}",
+                    crate::progress::round(round, d.runs),
+                    setting(s)
+                ));
                 let (samples, f) = latency_run(config, s, d)?;
                 let us: Vec<f64> = samples.iter().map(|&ns| ns as f64 / 1e3).collect();
                 let st = Stats::of(&us);
@@ -261,6 +266,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // results[config][setting] = per-round (cost, interrupts per packet).
     let mut results: Results<'_> = BTreeMap::new();
     let mut finishes: Vec<(String, Finish)> = Vec::new();
+    crate::progress::plan((d.runs * CONFIGS.len() * (all.len() + LATENCY_SETTINGS.len())) as u64);
     for round in 0..d.runs {
         for config in CONFIGS {
             let mut order = all.clone();
@@ -268,6 +274,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 order.reverse();
             }
             for s in order {
+                crate::progress::step(format_args!(
+                    "{} · {config} · {}",
+                    crate::progress::round(round, d.runs),
+                    setting(s)
+                ));
                 let (c, f) = one_run(options(config, s), &d)?;
                 let ipp = f.counters.get("nic", "irqs") as f64 / f.frames_sent.max(1) as f64;
                 results

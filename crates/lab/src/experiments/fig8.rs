@@ -130,6 +130,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // results[size][machine] = per-round costs.
     let mut results: BTreeMap<usize, BTreeMap<String, Vec<RunCost>>> = BTreeMap::new();
     let mut finishes: Vec<(usize, String, Finish)> = Vec::new();
+    let steps: usize = SIZES.iter().map(|&(size, _)| machines(size).len()).sum();
+    crate::progress::plan((d.runs * steps) as u64);
     for round in 0..d.runs {
         for (size, _) in SIZES {
             let mut ms = machines(size);
@@ -139,6 +141,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 ms.reverse();
             }
             for (name, opts) in ms {
+                crate::progress::step(format_args!(
+                    "{} · {size} B · {name}",
+                    crate::progress::round(round, d.runs)
+                ));
                 let (c, f) = one_run(opts, &d)?;
                 results
                     .entry(size)

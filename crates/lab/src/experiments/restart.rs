@@ -197,9 +197,11 @@ fn measure(opts: Options, faults: usize) -> Result<Measured, LabError> {
     let hv = std::sync::Arc::clone(&running.hv);
     until_more(&running, 200, Duration::from_secs(10))?;
     let mut out = Vec::new();
+    crate::progress::plan(2 * faults as u64);
     for (f, kind) in [(Fault::Panic, "panic"), (Fault::Hang, "hang")] {
         let mut ts = Vec::new();
-        for _ in 0..faults {
+        for i in 0..faults {
+            crate::progress::step(format_args!("{kind} {}/{faults}", i + 1));
             let t = one_fault(&mut running, f)?;
             ts.push(t);
             // Traffic settles before the next fault.

@@ -213,6 +213,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // pv with netfront's linear buffers (Figure 5's third bar), 48000 bytes.
     let mut nofrag: Vec<RunCost> = Vec::new();
     let mut losses: Vec<(usize, &'static str, Finish)> = Vec::new();
+    crate::progress::plan((d.runs * (SIZES.len() * Config::ALL.len() + 1)) as u64);
     for round in 0..d.runs {
         for (size, _) in SIZES {
             // Native and direct swap places every other round, so that neither always
@@ -223,6 +224,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 [Config::Direct, Config::Native, Config::Pv]
             };
             for config in order {
+                crate::progress::step(format_args!(
+                    "{} · {size} B · {}",
+                    crate::progress::round(round, d.runs),
+                    config.name()
+                ));
                 let (c, f) = one_run(Options::paper(config, size), &d)?;
                 results
                     .entry(size)
@@ -237,6 +243,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                     rx_buffers: RxBuffers::Linear,
                     ..Options::paper(Config::Pv, size)
                 };
+                crate::progress::step(format_args!(
+                    "{} · {size} B · {NOFRAG}",
+                    crate::progress::round(round, d.runs)
+                ));
                 let (c, f) = one_run(o, &d)?;
                 nofrag.push(c);
                 losses.push((size, NOFRAG, f));

@@ -80,6 +80,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Quick => (12, 4),
         Mode::Smoke => (3, 1),
     };
+    crate::progress::plan(secs);
     soak(
         SoakPlan {
             duration: Duration::from_secs(secs),
@@ -87,7 +88,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             restart_every: Some(Duration::from_secs(every)),
             period: Duration::from_secs(1),
         },
-        &mut |_| {},
+        &mut |p| crate::progress::step(format_args!("{:.0} s of {secs}", p.at_s)),
     )
 }
 
