@@ -207,6 +207,8 @@ pub struct NicRegs {
     pub iterations: AtomicU64,
     /// Frames received into memory, all queues.
     pub rx_frames: AtomicU64,
+    /// Bytes of those frames.
+    pub rx_bytes: AtomicU64,
     /// Frames dropped for want of a queue or a free descriptor, all queues.
     pub rx_missed: AtomicU64,
     /// Frames dropped: too long.
@@ -218,6 +220,8 @@ pub struct NicRegs {
     pub rx_dma_errors: AtomicU64,
     /// Frames sent.
     pub tx_frames: AtomicU64,
+    /// Bytes of those frames.
+    pub tx_bytes: AtomicU64,
     /// Interrupts raised, all lines.
     pub irqs: AtomicU64,
     /// Of those, raised by the maximum-delay timer rather than the packet count.
@@ -235,7 +239,29 @@ pub struct NicRegs {
     thread: std::sync::OnceLock<Thread>,
 }
 
+/// The device's counters, read as they stand (relaxed loads of the registers).
+impl net::counters::CounterSet for NicRegs {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        f("rx_frames", l(&self.rx_frames));
+        f("rx_bytes", l(&self.rx_bytes));
+        f("rx_missed", l(&self.rx_missed));
+        f("rx_oversize", l(&self.rx_oversize));
+        f("dma_faults", l(&self.dma_faults));
+        f("rx_dma_errors", l(&self.rx_dma_errors));
+        f("tx_frames", l(&self.tx_frames));
+        f("tx_bytes", l(&self.tx_bytes));
+        f("irqs", l(&self.irqs));
+        f("default_queue_frames", l(&self.rxq[0].frames));
+        f("timer_irqs", l(&self.timer_irqs));
+        f("timer_late_ns", l(&self.timer_late_ns));
+    }
+}
+
 impl NicRegs {
+    /// The counters that count frames the device dropped, by reason.
+    pub const DROPS: &'static [&'static str] = &["rx_missed", "rx_oversize", "rx_dma_errors"];
+
     fn new() -> Self {
         let rxq: [RxQueueRegs; RX_QUEUES] = std::array::from_fn(|_| RxQueueRegs::default());
         for q in &rxq {
@@ -251,11 +277,13 @@ impl NicRegs {
             link_up: AtomicBool::new(false),
             iterations: AtomicU64::new(0),
             rx_frames: AtomicU64::new(0),
+            rx_bytes: AtomicU64::new(0),
             rx_missed: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
             rx_dma_errors: AtomicU64::new(0),
             tx_frames: AtomicU64::new(0),
+            tx_bytes: AtomicU64::new(0),
             irqs: AtomicU64::new(0),
             timer_irqs: AtomicU64::new(0),
             timer_late_ns: AtomicU64::new(0),
@@ -729,6 +757,7 @@ impl Device {
         self.rxq[q].head = head.wrapping_add(1) % RING_DESCS;
         qr.frames.fetch_add(1, Ordering::Relaxed);
         regs.rx_frames.fetch_add(1, Ordering::Relaxed);
+        regs.rx_bytes.fetch_add(u64::from(len), Ordering::Relaxed);
         self.complete(q, Instant::now());
     }
 
@@ -768,6 +797,7 @@ impl Device {
                 if !bad {
                     sink.transmit(&self.frame[..len]);
                     regs.tx_frames.fetch_add(1, Ordering::Relaxed);
+                    regs.tx_bytes.fetch_add(len as u64, Ordering::Relaxed);
                 }
                 len = 0;
                 bad = false;

@@ -28,8 +28,12 @@ const FRAME_BUF: usize = 2048;
 pub struct TapCounters {
     /// Frames read from the interface and handed on.
     pub frames_in: AtomicU64,
+    /// Bytes of those frames.
+    pub bytes_in: AtomicU64,
     /// Frames written to the interface.
     pub frames_out: AtomicU64,
+    /// Bytes of those frames.
+    pub bytes_out: AtomicU64,
     /// Frames read but dropped: larger than a buffer (an MTU above 1500).
     pub oversize_in: AtomicU64,
     /// Writes the interface refused (it was down, say).
@@ -42,9 +46,30 @@ type Wake = Box<dyn Fn() + Send + Sync>;
 /// an error like a refused one.
 fn write_frame(out: &mut File, frame: &[u8], c: &TapCounters) {
     match out.write(frame) {
-        Ok(n) if n == frame.len() => c.frames_out.fetch_add(1, Ordering::Relaxed),
+        Ok(n) if n == frame.len() => {
+            c.frames_out.fetch_add(1, Ordering::Relaxed);
+            c.bytes_out.fetch_add(n as u64, Ordering::Relaxed)
+        }
         _ => c.write_errors.fetch_add(1, Ordering::Relaxed),
     };
+}
+
+/// The counters as they stand.
+impl net::counters::CounterSet for TapCounters {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        f("frames_in", l(&self.frames_in));
+        f("bytes_in", l(&self.bytes_in));
+        f("frames_out", l(&self.frames_out));
+        f("bytes_out", l(&self.bytes_out));
+        f("oversize_in", l(&self.oversize_in));
+        f("write_errors", l(&self.write_errors));
+    }
+}
+
+impl TapCounters {
+    /// The counters that count frames lost, by reason.
+    pub const DROPS: &'static [&'static str] = &["oversize_in", "write_errors"];
 }
 
 /// One TAP interface: frames in through a reader thread, frames out by `write`.
@@ -124,6 +149,7 @@ impl TapPort {
                         continue;
                     }
                     buf.truncate(n);
+                    c.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                     // Counted before it is visible: the consumer may see the frame
                     // before `try_send` returns.
                     q.fetch_add(1, Ordering::Release);

@@ -368,6 +368,23 @@ impl Kernel for DriverDomain {
         w
     }
 
+    /// The NIC driver's, each vif's by its name (with its rings' occupancy and its
+    /// grant cache), the bridge's.
+    fn counters(&self) -> Counters {
+        let mut c = Counters::default();
+        c.add_set("driver", self.nic.stats());
+        for vif in &self.vifs {
+            let name = vif.name();
+            c.add_set(&name, vif.stats());
+            c.add_set(&name, &vif.ring_occupancy());
+            if let Some(cs) = vif.cache_stats() {
+                c.add_set(&format!("{name} grant cache"), cs);
+            }
+        }
+        c.add_set("bridge", self.bridge.stats());
+        c
+    }
+
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
         if self.dom.is_dying() {

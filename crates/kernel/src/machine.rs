@@ -172,6 +172,8 @@ pub struct Machine {
     nic: Option<Nic>,
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
+    /// Where each running kernel's counters are asked for.
+    doors: Vec<(Arc<Domain>, Arc<vcpu::CounterDoor>)>,
     native_irq: Option<Arc<NativeIrq>>,
     /// The NIC driver chooses its interrupt moderation from the rate.
     adaptive_coalescing: bool,
@@ -266,6 +268,7 @@ impl Machine {
             nic: None,
             stop: Arc::new(AtomicBool::new(false)),
             kernels: Vec::new(),
+            doors: Vec::new(),
             native_irq: None,
             adaptive_coalescing: spec.nic.coalesce.adaptive,
         };
@@ -448,13 +451,16 @@ impl Machine {
         ready: &Arc<AtomicUsize>,
     ) -> Result<(), BuildError> {
         let (stop, ready) = (Arc::clone(&self.stop), Arc::clone(ready));
+        let door = Arc::new(vcpu::CounterDoor::default());
+        let d = Arc::clone(&door);
         let h = self
             .hv
             .start_vcpu(dom, at, move |v| {
-                vcpu::run(v, platform, kernel, &stop, &ready)
+                vcpu::run(v, platform, kernel, &stop, &ready, &d)
             })
             .map_err(other)?;
         self.kernels.push((Arc::clone(dom), h));
+        self.doors.push((Arc::clone(dom), door));
         self.domains.push((Arc::clone(dom), role));
         Ok(())
     }
@@ -544,6 +550,7 @@ impl Machine {
             }
         }
         self.domains.retain(|(k, _)| !Arc::ptr_eq(k, &d.dom));
+        self.doors.retain(|(k, _)| !Arc::ptr_eq(k, &d.dom));
         let drv = hv.create_domain(&DomainConfig {
             name: "driver".into(),
             pages: DOMAIN_PAGES,
@@ -604,6 +611,36 @@ impl Machine {
         self.nic.as_ref().map(|n| n.regs())
     }
 
+    /// Every running kernel's counters and the NIC's, as they stand: each kernel is
+    /// asked and kicked, and answers between two polls; one that has not answered
+    /// within `wait` (a hung driver domain) is left out.
+    pub fn live_counters(&self, wait: Duration) -> Counters {
+        for (d, door) in &self.doors {
+            door.ask();
+            self.hv.kick_vcpu(d, 0);
+        }
+        let mut c = Counters::default();
+        if let Some(n) = &self.nic {
+            c.add_set("nic", &**n.regs());
+        }
+        let t = Instant::now();
+        let mut waiting: Vec<&vcpu::CounterDoor> = self.doors.iter().map(|(_, d)| &**d).collect();
+        while !waiting.is_empty() {
+            waiting.retain(|door| match door.take() {
+                Some(k) => {
+                    c.extend(k);
+                    false
+                }
+                None => true,
+            });
+            if waiting.is_empty() || t.elapsed() >= wait {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        c
+    }
+
     /// Pulls the cable: the NIC takes nothing more from its source.
     pub fn unplug(&self) {
         if let Some(n) = &self.nic {
@@ -621,15 +658,7 @@ impl Machine {
         });
         let mut c = self.halt()?;
         if let Some(r) = regs {
-            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-            c.add("nic", "rx_frames", l(&r.rx_frames));
-            c.add("nic", "rx_missed", l(&r.rx_missed));
-            c.add("nic", "dma_faults", l(&r.dma_faults));
-            c.add("nic", "rx_dma_errors", l(&r.rx_dma_errors));
-            c.add("nic", "irqs", l(&r.irqs));
-            c.add("nic", "default_queue_frames", l(&r.rxq[0].frames));
-            c.add("nic", "timer_irqs", l(&r.timer_irqs));
-            c.add("nic", "timer_late_ns", l(&r.timer_late_ns));
+            c.add_set("nic", &*r);
         }
         Ok(c)
     }

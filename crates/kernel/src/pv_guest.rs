@@ -92,11 +92,16 @@ impl Kernel for PvGuest {
         self.stack.next_timer()
     }
 
-    fn shutdown(mut self) -> Counters {
+    fn counters(&self) -> Counters {
         let mut c = Counters::default();
         c.add_set("stack", self.stack.stats());
         c.add_set("reassembly", self.stack.reasm_stats());
         c.add_set("netfront", self.front.stats());
+        c
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let c = self.counters();
         self.stack.shutdown(&mut self.pool);
         c
     }
@@ -189,15 +194,15 @@ impl Kernel for TapGuest {
         w
     }
 
-    fn shutdown(self) -> Counters {
+    fn counters(&self) -> Counters {
         let mut c = Counters::default();
         c.add_set("netfront", self.front.stats());
         c.add("guest", "tx_dropped", self.tx_dropped);
-        let t = self.tap.counters();
-        let l = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-        c.add("guest tap", "frames_in", l(&t.frames_in));
-        c.add("guest tap", "frames_out", l(&t.frames_out));
-        c.add("guest tap", "oversize_in", l(&t.oversize_in));
+        c.add_set("guest tap", &**self.tap.counters());
         c
+    }
+
+    fn shutdown(self) -> Counters {
+        self.counters()
     }
 }

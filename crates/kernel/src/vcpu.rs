@@ -7,7 +7,7 @@
 //! `stop_hz_timer` does at every idle entry) and blocks in the hypervisor.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dev::irq::NativeIrq;
@@ -63,9 +63,48 @@ pub trait Kernel: Send + 'static {
     fn next_timer(&self) -> Option<Duration> {
         None
     }
+    /// Its components' counters as they stand, for a live view (none by default).
+    fn counters(&self) -> Counters {
+        Counters::default()
+    }
     /// Stops: gives back every buffer, grant and mapping it holds, and reports its
     /// counters.
     fn shutdown(self) -> Counters;
+}
+
+/// Where a running kernel's counters are asked for and answered, as a statistics
+/// request to a running kernel: the asker raises the request and kicks the vCPU, and
+/// the kernel's loop answers between two polls with [`Kernel::counters`]. Nothing on
+/// the kernel's side runs until it is asked but one relaxed load per loop.
+#[derive(Debug, Default)]
+pub struct CounterDoor {
+    asked: AtomicBool,
+    answer: Mutex<Option<Counters>>,
+}
+
+impl CounterDoor {
+    /// Asks for the counters (the previous answer, if not taken, is dropped).
+    pub fn ask(&self) {
+        if let Ok(mut a) = self.answer.lock() {
+            *a = None;
+        }
+        self.asked.store(true, Ordering::Release);
+    }
+
+    /// The answer, once the kernel has given it.
+    pub fn take(&self) -> Option<Counters> {
+        self.answer.lock().ok().and_then(|mut a| a.take())
+    }
+
+    /// The kernel's side: answers if asked.
+    fn answer<K: Kernel>(&self, kernel: &K) {
+        if self.asked.load(Ordering::Relaxed) && self.asked.swap(false, Ordering::Acquire) {
+            let c = kernel.counters();
+            if let Ok(mut a) = self.answer.lock() {
+                *a = Some(c);
+            }
+        }
+    }
 }
 
 /// What the kernel runs on.
@@ -78,13 +117,15 @@ pub enum Platform {
 }
 
 /// Runs `kernel` on `v` until `stop` is set (and the vCPU kicked, or the native line
-/// raised), then shuts it down. `ready` is counted up once the loop runs.
+/// raised), then shuts it down. `ready` is counted up once the loop runs; `door`'s
+/// requests for counters are answered between polls.
 pub fn run<K: Kernel>(
     v: Vcpu,
     platform: Platform,
     mut kernel: K,
     stop: &AtomicBool,
     ready: &AtomicUsize,
+    door: &CounterDoor,
 ) -> Counters {
     let tport = match platform {
         Platform::Xen if K::CLOCK => v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok(),
@@ -126,7 +167,9 @@ pub fn run<K: Kernel>(
             timer.armed = None;
             kernel.tick(now);
         }
-        if kernel.poll(now).idle() {
+        let idle = kernel.poll(now).idle();
+        door.answer(&kernel);
+        if idle {
             match &platform {
                 Platform::Native(n) => {
                     timer.arm(kernel.next_timer(), |_| {});

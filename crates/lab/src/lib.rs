@@ -12,6 +12,7 @@
 pub mod chart;
 pub mod dpdk;
 pub mod experiments;
+pub mod live;
 pub mod platform;
 pub mod progress;
 pub mod report;

@@ -485,6 +485,21 @@ impl Running {
         self.frames_per_message
     }
 
+    /// Every component's counters as they stand, each kernel answering between two
+    /// polls (see `kernel::vcpu::CounterDoor`); a kernel that does not answer within
+    /// 100 ms (a hung driver domain) is left out.
+    pub fn live_counters(&self) -> Counters {
+        self.machine.live_counters(Duration::from_millis(100))
+    }
+
+    /// [`Running::live_counters`], stamped, for [`crate::live::rates`].
+    pub fn live_sample(&self) -> crate::live::Sample {
+        crate::live::Sample {
+            at: Instant::now(),
+            counters: self.live_counters(),
+        }
+    }
+
     /// The machine's counters now.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {

@@ -190,6 +190,14 @@ impl Up {
         }
     }
 
+    /// Every component's counters as they stand, the outside TAP's (`wire tap`)
+    /// with them, stamped: two of them give [`crate::live::rates`].
+    pub fn live_sample(&self) -> Option<crate::live::Sample> {
+        let mut s = self.running.as_ref()?.live_sample();
+        s.counters.add_set("wire tap", &*self.wire);
+        Some(s)
+    }
+
     /// The running machine.
     pub fn machine(&self) -> Option<&Running> {
         self.running.as_ref()

@@ -114,6 +114,8 @@ pub struct VifStats {
     pub rx_stalls: u64,
     /// TX packets passed to the bridge.
     pub tx_packets: u64,
+    /// Bytes of those packets.
+    pub tx_bytes: u64,
     /// TX packets whose grant copy or map failed, answered with an error.
     pub tx_grant_errors: u64,
     /// TX packets dropped for want of a buffer.
@@ -160,6 +162,7 @@ crate::counter_set!(VifStats {
     rx_from_grants,
     rx_stalls,
     tx_packets,
+    tx_bytes,
     tx_grant_errors,
     tx_no_buffer,
     rx_oversize,
@@ -176,6 +179,40 @@ crate::counter_set!(VifStats {
     ctrl_requests,
     ctrl_errors
 });
+
+impl VifStats {
+    /// The counters that count packets dropped or refused, one per reason.
+    pub const DROPS: &'static [&'static str] = &[
+        "rx_queue_full",
+        "rx_copy_errors",
+        "rx_oversize",
+        "rx_lent_full",
+        "rx_bad_requests",
+        "tx_grant_errors",
+        "tx_no_buffer",
+        "dropped_disabled",
+    ];
+}
+
+/// How full a vif's rings are: requests the front end has published (as netback last
+/// read its index) that netback has not answered yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RingOccupancy {
+    /// TX ring: packets' slots waiting or in flight.
+    pub tx: u32,
+    /// RX ring: buffers (or credits) posted and not used yet.
+    pub rx: u32,
+    /// Slots in each ring.
+    pub size: u32,
+}
+
+impl crate::counters::CounterSet for RingOccupancy {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        f("tx_ring_used", u64::from(self.tx));
+        f("rx_ring_used", u64::from(self.rx));
+        f("ring_size", u64::from(self.size));
+    }
+}
 
 /// A guest-copy vif's receive side (paper 000 §4.1–4.2): instead of copying a packet
 /// into a buffer the guest posted, netback lends the guest the driver domain's own
@@ -842,6 +879,20 @@ impl Vif {
     pub fn disabled(&self) -> Option<Disabled> {
         self.disabled
     }
+    /// The vif's name as Xen's toolstack gives it: `vif<front-end domain>.<handle>`.
+    pub fn name(&self) -> String {
+        format!("vif{}.{}", self.fe.0, self.handle)
+    }
+
+    /// How full its rings are.
+    pub fn ring_occupancy(&self) -> RingOccupancy {
+        RingOccupancy {
+            tx: self.tx.occupancy(),
+            rx: self.rx.occupancy(),
+            size: self.tx.size(),
+        }
+    }
+
     /// Grant reuse: the cache's counters, if the front end asked for it.
     pub fn cache_stats(&self) -> Option<&CacheStats> {
         self.cache.as_deref().map(GrantCache::stats)
@@ -1279,12 +1330,14 @@ impl Vif {
         let mut delivered = 0;
         for skb in self.tx_ready.drain(..) {
             self.stats.tx_packets += 1;
+            self.stats.tx_bytes += pool.len(skb) as u64;
             delivered += 1;
             deliver(pool, skb);
         }
         for k in 0..self.txb.pkts.len() {
             if let Some(skb) = self.tx_complete(pool, k) {
                 self.stats.tx_packets += 1;
+                self.stats.tx_bytes += pool.len(skb) as u64;
                 delivered += 1;
                 deliver(pool, skb);
             }

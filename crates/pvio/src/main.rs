@@ -1,5 +1,6 @@
 //! The `pvio` command: runs the lab's experiments and writes their reports.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -89,6 +90,11 @@ enum Command {
         /// When to make it fail, in seconds after start.
         #[arg(long, value_name = "SECS", default_value_t = 5)]
         fault_after: u64,
+        /// Also write the live counters, once a second, as JSON lines to this file (one
+        /// object per second: the time and, per port, packets and bits per second each
+        /// way, drops by reason, ring occupancy).
+        #[arg(long, value_name = "FILE")]
+        stats_json: Option<PathBuf>,
     },
     /// Runs a soak: hostile guests beside a well-behaved one behind one driver domain,
     /// restarted on a schedule, for a bounded time; prints each period and the checks
@@ -140,11 +146,12 @@ enum FaultKind {
 }
 
 /// What `pvio up` runs besides the machine.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct UpRun {
     seconds: Option<u64>,
     watchdog: Option<std::time::Duration>,
     fault: Option<(FaultKind, std::time::Duration)>,
+    stats_json: Option<PathBuf>,
 }
 
 /// A stream anyone can regenerate: xorshift64 bytes.
@@ -243,6 +250,19 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
          Ctrl-C stops it.",
         cfg.outside_addr, cfg.guest_addr
     );
+    let mut json = match run
+        .stats_json
+        .as_deref()
+        .map(std::fs::File::create)
+        .transpose()
+    {
+        Ok(f) => f.map(std::io::BufWriter::new),
+        Err(e) => {
+            eprintln!("--stats-json: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut live = LiveView::new(std::io::stdout().is_terminal());
     let t0 = Instant::now();
     let mut fault = run.fault;
     let (mut last, mut shown) = (lab::up::UpCounters::default(), t0);
@@ -250,6 +270,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         std::thread::sleep(Duration::from_millis(10));
         if let Some((kind, at)) = fault.filter(|&(_, at)| t0.elapsed() >= at) {
             println!("fault: the driver domain's kernel is made to {kind:?} at {at:?}");
+            live.printed();
             machine.inject_fault(match kind {
                 FaultKind::Panic => lab::platform::Fault::Panic,
                 FaultKind::Hang => lab::platform::Fault::Hang,
@@ -258,12 +279,15 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         }
         if let Some(limit) = run.watchdog {
             match machine.watchdog(limit) {
-                Ok(Some(r)) => println!(
-                    "watchdog: driver domain {:?}; a new one was running with its vifs \
-                     connected {:.1} ms later",
-                    r.cause,
-                    r.took.as_secs_f64() * 1e3
-                ),
+                Ok(Some(r)) => {
+                    println!(
+                        "watchdog: driver domain {:?}; a new one was running with its vifs \
+                         connected {:.1} ms later",
+                        r.cause,
+                        r.took.as_secs_f64() * 1e3
+                    );
+                    live.printed();
+                }
                 Ok(None) => {}
                 Err(e) => {
                     eprintln!("watchdog: the driver domain could not be restarted: {e}");
@@ -271,8 +295,18 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
                 }
             }
         }
+        if let Some(rows) = live.tick(&machine) {
+            if let Some(j) = json.as_mut() {
+                use std::io::Write;
+                let line = lab::live::json_line(t0.elapsed().as_secs_f64(), &rows);
+                if writeln!(j, "{line}").and_then(|()| j.flush()).is_err() {
+                    eprintln!("--stats-json: write failed; no more lines");
+                    json = None;
+                }
+            }
+        }
         let c = machine.counters();
-        if c != last && shown.elapsed() >= Duration::from_secs(5) {
+        if !live.on_terminal && c != last && shown.elapsed() >= Duration::from_secs(5) {
             println!(
                 "wire in {} out {}, guest in {} out {}, oversize {}",
                 c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
@@ -287,6 +321,55 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     );
     machine.down();
     ExitCode::SUCCESS
+}
+
+/// `pvio up`'s live counters: a sample of every component's counters each second,
+/// the rates between the last two as a table redrawn in place on a terminal.
+struct LiveView {
+    on_terminal: bool,
+    last: Option<lab::live::Sample>,
+    drawn_lines: usize,
+}
+
+impl LiveView {
+    fn new(on_terminal: bool) -> Self {
+        Self {
+            on_terminal,
+            last: None,
+            drawn_lines: 0,
+        }
+    }
+
+    /// Once a second: the rates since the last sample (drawn on a terminal).
+    fn tick(&mut self, machine: &lab::up::Up) -> Option<Vec<lab::live::PortRates>> {
+        let due = self
+            .last
+            .as_ref()
+            .is_none_or(|s| s.at.elapsed() >= std::time::Duration::from_secs(1));
+        if !due {
+            return None;
+        }
+        let now = machine.live_sample()?;
+        let rows = self
+            .last
+            .replace(now.clone())
+            .map(|before| lab::live::rates(&before, &now))?;
+        if self.on_terminal {
+            let t = lab::live::table(&rows);
+            // Back over the last table, then the new one over it.
+            if self.drawn_lines > 0 {
+                print!("\x1b[{}A\x1b[J", self.drawn_lines);
+            }
+            print!("{t}");
+            self.drawn_lines = t.lines().count();
+        }
+        Some(rows)
+    }
+
+    /// Something else was printed: the next table goes below it.
+    fn printed(&mut self) {
+        self.drawn_lines = 0;
+    }
 }
 
 fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path) -> ExitCode {
@@ -400,6 +483,7 @@ fn main() -> ExitCode {
             watchdog_ms,
             fault,
             fault_after,
+            stats_json,
         } => up(
             &lab::up::UpConfig {
                 outside_ns,
@@ -419,6 +503,7 @@ fn main() -> ExitCode {
                 seconds,
                 watchdog: (watchdog_ms > 0).then(|| std::time::Duration::from_millis(watchdog_ms)),
                 fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),
+                stats_json,
             },
         ),
         Command::Soak {

@@ -171,7 +171,10 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         stream_arrives_intact(sink_ns, source_ns, to);
     }
 
-    // TCP both ways and UDP, from iperf3's own accounting.
+    // TCP both ways and UDP, from iperf3's own accounting, with the live counters
+    // sampled around them.
+    let before = machine.live_sample().expect("running");
+    let mut datagrams = 0;
     for (name, extra) in [
         ("tcp to the guest", vec![]),
         ("tcp from the guest", vec!["-R"]),
@@ -189,6 +192,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
             let lost = json_u64(&v, &["end", "sum", "lost_packets"]);
             assert!(packets > 1000, "{name}: {packets} datagrams");
             assert!(lost * 100 <= packets, "{name}: {lost} of {packets} lost");
+            datagrams = packets - lost;
         } else {
             let sent = json_u64(&v, &["end", "sum_sent", "bytes"]);
             let received = json_u64(&v, &["end", "sum_received", "bytes"]);
@@ -196,6 +200,26 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
             assert!(received <= sent, "{name}: {received} of {sent}");
         }
     }
+    // The live view counts what iperf3 counted: every datagram that arrived crossed
+    // the NIC, the guest's vif and the guest's TAP; the TCP streams went both ways.
+    let after = machine.live_sample().expect("running");
+    let rates = lab::live::rates(&before, &after);
+    let moved =
+        |port: &str, name: &str| after.counters.get(port, name) - before.counters.get(port, name);
+    let vif = rates
+        .iter()
+        .find(|r| r.port.starts_with("vif"))
+        .expect("a vif port");
+    for (port, name) in [
+        ("nic", "rx_frames"),
+        (vif.port.as_str(), "rx_packets"),
+        ("guest tap", "frames_out"),
+        ("wire tap", "frames_in"),
+    ] {
+        assert!(moved(port, name) >= datagrams, "{port} {name}: {rates:?}");
+    }
+    assert!(vif.rx_bps > 0.0 && vif.tx_bps > 0.0, "{vif:?}");
+    assert!(vif.rings.is_some_and(|r| r.size == 256), "{vif:?}");
     let t = Instant::now();
     let counters = machine.counters();
     assert!(

@@ -363,6 +363,12 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         self.req_cons.since(self.rsp_prod_pvt)
     }
 
+    /// Requests published (as far as this end last read the producer index) and not
+    /// yet answered: how full the ring is, from this side. Reads no shared memory.
+    pub fn occupancy(&self) -> u32 {
+        self.req_prod_seen.since(self.rsp_prod_pvt)
+    }
+
     /// Number of requests published and not yet consumed, validating the peer's index.
     /// The index is re-read only once everything seen before has been consumed.
     pub fn requests_available(&mut self) -> Result<u32, RingError> {
