@@ -7,10 +7,13 @@
 //! * [`driver`]: the NIC's driver in the owning domain: descriptor refill, a NAPI-style
 //!   poll, transmit and completion, and the DMA interface of the owner's kind of kernel;
 //! * [`wire`]: what is at the other end of the NIC's cable — a paced UDP sender (the
-//!   papers' remote host) and sinks.
+//!   papers' remote host) and sinks;
+//! * [`tap`]: TAP interfaces as ports for real traffic, and [`capture`]: the frames
+//!   crossing a port, written to a pcap file.
 //!
 //! Device work runs on device threads, charged to no domain, as hardware is.
 
+pub mod capture;
 pub mod driver;
 pub mod irq;
 pub mod nic;

@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::capture::{CaptureFile, CaptureTap};
 use crate::nic::NicRegs;
 use crate::wire::{WireSink, WireSource};
 
@@ -84,6 +85,17 @@ pub struct TapPort {
     counters: Arc<TapCounters>,
     /// A frame the consumer refused, first in line.
     held: Option<Vec<u8>>,
+    /// Packet capture: of the frames read from the interface as they are handed on,
+    /// of those written to it, and one for the sink (`sink`) to take.
+    capture: Option<Captures>,
+}
+
+/// A port's capture taps.
+#[derive(Debug)]
+struct Captures {
+    taken: CaptureTap,
+    sent: CaptureTap,
+    for_sink: Option<CaptureTap>,
 }
 
 impl std::fmt::Debug for TapPort {
@@ -182,7 +194,18 @@ impl TapPort {
             reader: Some(reader),
             counters,
             held: None,
+            capture: None,
         })
+    }
+
+    /// Captures every frame that crosses this interface from now on, both ways, into
+    /// `file` (a sink made after this captures what it writes too).
+    pub fn capture(&mut self, file: &CaptureFile) {
+        self.capture = Some(Captures {
+            taken: file.tap(),
+            sent: file.tap(),
+            for_sink: Some(file.tap()),
+        });
     }
 
     /// Who the reader wakes when a frame is queued (set once).
@@ -205,6 +228,9 @@ impl TapPort {
                 self.held = Some(buf);
                 break;
             }
+            if let Some(c) = &self.capture {
+                c.taken.frame(&buf);
+            }
             self.queued.fetch_sub(1, Ordering::AcqRel);
             let _ = self.free.try_send(buf);
             n += 1;
@@ -214,14 +240,19 @@ impl TapPort {
 
     /// Writes one frame to the interface.
     pub fn send(&mut self, frame: &[u8]) {
+        if let Some(c) = &self.capture {
+            c.sent.frame(frame);
+        }
         write_frame(&mut self.out, frame, &self.counters);
     }
 
-    /// A second handle for writing (the NIC's sink, while this is its source).
-    pub fn sink(&self) -> std::io::Result<TapSink> {
+    /// A second handle for writing (the NIC's sink, while this is its source); the
+    /// first one made after [`TapPort::capture`] captures what it writes.
+    pub fn sink(&mut self) -> std::io::Result<TapSink> {
         Ok(TapSink {
             out: self.out.try_clone()?,
             counters: Arc::clone(&self.counters),
+            capture: self.capture.as_mut().and_then(|c| c.for_sink.take()),
         })
     }
 
@@ -245,10 +276,14 @@ impl Drop for TapPort {
 pub struct TapSink {
     out: File,
     counters: Arc<TapCounters>,
+    capture: Option<CaptureTap>,
 }
 
 impl WireSink for TapSink {
     fn transmit(&mut self, frame: &[u8]) {
+        if let Some(c) = &self.capture {
+            c.frame(frame);
+        }
         write_frame(&mut self.out, frame, &self.counters);
     }
 }

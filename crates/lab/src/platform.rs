@@ -379,7 +379,7 @@ impl Running {
             latency: latency.clone(),
         };
         let (nic, above) = match plumbing {
-            Some(p) => {
+            Some(mut p) => {
                 let sink = p.wire.sink().map_err(other)?;
                 let nic = NicSpec {
                     coalesce: opts.coalesce,

@@ -36,6 +36,10 @@ pub struct UpConfig {
     /// A NIC receive queue for the guest, the NIC writing its frames straight into
     /// netfront's buffers (paper 000 §4.3).
     pub multi_queue: bool,
+    /// Capture every frame into pcap files in this directory: `wire.pcap` (the NIC's
+    /// cable, both ways) and `<vif>.pcap` (the guest's frames, both ways, named as the
+    /// live counters name the vif).
+    pub pcap: Option<std::path::PathBuf>,
 }
 
 impl Default for UpConfig {
@@ -49,6 +53,7 @@ impl Default for UpConfig {
             rx_buffers: RxBuffers::Fragments,
             grant_reuse: false,
             multi_queue: false,
+            pcap: None,
         }
     }
 }
@@ -57,6 +62,8 @@ impl Default for UpConfig {
 #[derive(Debug)]
 pub struct Up {
     running: Option<Running>,
+    /// The capture files, written until the machine is down.
+    captures: Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
     made: Vec<String>,
     wire: std::sync::Arc<dev::tap::TapCounters>,
     guest: std::sync::Arc<dev::tap::TapCounters>,
@@ -100,18 +107,26 @@ fn netns_exists(name: &str) -> bool {
 /// Makes the namespaces and interfaces and starts the machine.
 pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
     let mut made = Vec::new();
-    let r = bring_up(cfg, &mut made);
-    if r.is_err() {
-        for ns in &made {
-            let _ = ip(&["netns", "del", ns]);
+    let mut captures = Vec::new();
+    let (running, wire, guest) = match bring_up(cfg, &mut made, &mut captures) {
+        Ok(b) => b,
+        Err(e) => {
+            drop(captures);
+            for ns in &made {
+                let _ = ip(&["netns", "del", ns]);
+            }
+            return Err(e);
         }
-    }
-    r.map(|(running, wire, guest)| Up {
+    };
+    let mut up = Up {
         running: Some(running),
+        captures,
         made,
         wire,
         guest,
-    })
+    };
+    up.name_captures()?;
+    Ok(up)
 }
 
 type Brought = (
@@ -120,7 +135,25 @@ type Brought = (
     std::sync::Arc<dev::tap::TapCounters>,
 );
 
-fn bring_up(cfg: &UpConfig, made: &mut Vec<String>) -> Result<Brought, LabError> {
+/// The capture file of the guest's frames, until the vif's name is known.
+const VIF_PCAP: &str = "vif.pcap";
+
+/// Opens `dir/name` for capture.
+fn capture_file(
+    dir: &std::path::Path,
+    name: &str,
+) -> Result<(std::path::PathBuf, dev::capture::CaptureFile), LabError> {
+    let path = dir.join(name);
+    let f = dev::capture::CaptureFile::create(&path)
+        .map_err(|e| LabError::Other(format!("capture {}: {e}", path.display())))?;
+    Ok((path, f))
+}
+
+fn bring_up(
+    cfg: &UpConfig,
+    made: &mut Vec<String>,
+    captures: &mut Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
+) -> Result<Brought, LabError> {
     for ns in [&cfg.outside_ns, &cfg.guest_ns] {
         if !netns_exists(ns) {
             ip(&["netns", "add", ns])?;
@@ -154,8 +187,19 @@ fn bring_up(cfg: &UpConfig, made: &mut Vec<String>) -> Result<Brought, LabError>
         ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
         ip(&["-n", ns, "link", "set", "dev", "lo", "up"])?;
     }
-    let wire = dev::tap::TapPort::start(wire_file).map_err(|e| LabError::Other(e.to_string()))?;
-    let guest = dev::tap::TapPort::start(guest_file).map_err(|e| LabError::Other(e.to_string()))?;
+    let mut wire =
+        dev::tap::TapPort::start(wire_file).map_err(|e| LabError::Other(e.to_string()))?;
+    let mut guest =
+        dev::tap::TapPort::start(guest_file).map_err(|e| LabError::Other(e.to_string()))?;
+    if let Some(dir) = &cfg.pcap {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| LabError::Other(format!("capture directory {}: {e}", dir.display())))?;
+        let w = capture_file(dir, "wire.pcap")?;
+        wire.capture(&w.1);
+        let g = capture_file(dir, VIF_PCAP)?;
+        guest.capture(&g.1);
+        captures.extend([w, g]);
+    }
     let (wc, gc) = (
         std::sync::Arc::clone(wire.counters()),
         std::sync::Arc::clone(guest.counters()),
@@ -188,6 +232,46 @@ impl Up {
             guest_out: l(&self.guest.frames_in),
             oversize: l(&self.wire.oversize_in) + l(&self.guest.oversize_in),
         }
+    }
+
+    /// Renames the guest's capture after its vif, once the machine runs.
+    fn name_captures(&mut self) -> Result<(), LabError> {
+        let Some(vif) = self.live_sample().and_then(|s| {
+            s.counters
+                .entries
+                .iter()
+                .find(|(c, _, _)| c.starts_with("vif") && !c.contains(' '))
+                .map(|(c, _, _)| c.clone())
+        }) else {
+            return Ok(());
+        };
+        for (path, _) in &mut self.captures {
+            if path.file_name().is_some_and(|n| n == VIF_PCAP) {
+                let named = path.with_file_name(format!("{vif}.pcap"));
+                std::fs::rename(&*path, &named)
+                    .map_err(|e| LabError::Other(format!("capture {}: {e}", named.display())))?;
+                *path = named;
+            }
+        }
+        Ok(())
+    }
+
+    /// The capture files (written until the machine is down).
+    pub fn capture_paths(&self) -> Vec<std::path::PathBuf> {
+        self.captures.iter().map(|(p, _)| p.clone()).collect()
+    }
+
+    /// Each capture file's counters (they outlive the machine).
+    pub fn capture_counters(
+        &self,
+    ) -> Vec<(
+        std::path::PathBuf,
+        std::sync::Arc<dev::capture::CaptureCounters>,
+    )> {
+        self.captures
+            .iter()
+            .map(|(p, f)| (p.clone(), std::sync::Arc::clone(f.counters())))
+            .collect()
     }
 
     /// Every component's counters as they stand, the outside TAP's (`wire tap`)
@@ -239,6 +323,8 @@ impl Up {
 
     fn stop(&mut self) {
         drop(self.running.take());
+        // The machine's ports are gone with it: the files get their last frames.
+        self.captures.clear();
         for ns in self.made.drain(..) {
             let _ = ip(&["netns", "del", &ns]);
         }

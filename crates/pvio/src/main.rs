@@ -95,6 +95,11 @@ enum Command {
         /// way, drops by reason, ring occupancy).
         #[arg(long, value_name = "FILE")]
         stats_json: Option<PathBuf>,
+        /// Capture every frame into pcap files in this directory (made if missing):
+        /// `wire.pcap`, the NIC's cable both ways, and `vif<domain>.<handle>.pcap`, the
+        /// guest's frames both ways. Wireshark and tshark read them.
+        #[arg(long, value_name = "DIR")]
+        pcap: Option<PathBuf>,
     },
     /// Runs a soak: hostile guests beside a well-behaved one behind one driver domain,
     /// restarted on a schedule, for a bounded time; prints each period and the checks
@@ -262,6 +267,9 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    for p in machine.capture_paths() {
+        println!("capturing into {}", p.display());
+    }
     let mut live = LiveView::new(std::io::stdout().is_terminal());
     let t0 = Instant::now();
     let mut fault = run.fault;
@@ -319,7 +327,16 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         "down: wire in {} out {}, guest in {} out {}, oversize {}",
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
     );
+    let captures = machine.capture_counters();
     machine.down();
+    for (path, c) in captures {
+        println!(
+            "captured into {}: {} frames, {} not kept (the writer was behind)",
+            path.display(),
+            c.written.load(Ordering::Relaxed),
+            c.dropped.load(Ordering::Relaxed)
+        );
+    }
     ExitCode::SUCCESS
 }
 
@@ -484,6 +501,7 @@ fn main() -> ExitCode {
             fault,
             fault_after,
             stats_json,
+            pcap,
         } => up(
             &lab::up::UpConfig {
                 outside_ns,
@@ -498,6 +516,7 @@ fn main() -> ExitCode {
                 },
                 grant_reuse,
                 multi_queue,
+                pcap,
             },
             UpRun {
                 seconds,

@@ -131,6 +131,73 @@ fn stream_arrives_intact(sink_ns: &str, source_ns: &str, to: &str) {
     stream_intact(sink, source, 8 << 20, to);
 }
 
+/// Each capture file reads back in tshark, every record written, and holds the two
+/// 8 MiB streams to port 5300 (up to the frames it could not keep, counted).
+fn streams_are_in_the_captures(
+    captures: &[(
+        std::path::PathBuf,
+        std::sync::Arc<dev::capture::CaptureCounters>,
+    )],
+) {
+    if !have("tshark") {
+        let o = Command::new("apt-get")
+            .args(["install", "-y", "-q", "tshark"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .output()
+            .expect("apt-get");
+        assert!(
+            have("tshark"),
+            "tshark: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let names: Vec<String> = captures
+        .iter()
+        .filter_map(|(p, _)| p.file_name()?.to_str().map(str::to_string))
+        .collect();
+    assert!(names.contains(&"wire.pcap".to_string()), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("vif")), "{names:?}");
+    for (path, c) in captures {
+        let fields = |filter: &str, field: &str| -> Vec<u64> {
+            let o = run(&[
+                "tshark",
+                "-r",
+                path.to_str().expect("path"),
+                "-Y",
+                filter,
+                "-T",
+                "fields",
+                "-e",
+                field,
+            ]);
+            assert!(
+                o.status.success(),
+                "tshark {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect()
+        };
+        let written = c.written.load(std::sync::atomic::Ordering::Relaxed);
+        let dropped = c.dropped.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            fields("frame", "frame.len").len() as u64,
+            written,
+            "{}: every record read back",
+            path.display()
+        );
+        let payload: u64 = fields("tcp.dstport == 5300", "tcp.len").iter().sum();
+        assert!(
+            payload + dropped * 1500 >= 2 * (8 << 20),
+            "{}: {payload} bytes of the streams, {dropped} frames not kept",
+            path.display()
+        );
+    }
+}
+
 fn ping(ns: &str, to: &str) {
     let p = run(&[
         "ip", "netns", "exec", ns, "ping", "-c", "3", "-i", "0.2", "-W", "2", to,
@@ -159,6 +226,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         rx_buffers: RxBuffers::Fragments,
         grant_reuse: false,
         multi_queue: false,
+        pcap: None,
     };
     let machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
@@ -234,18 +302,24 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     );
 
     // Again with netfront posting linear buffers (no fragments): the guest's MTU of
-    // 1500 fits them, so ping and the stream cross just the same.
+    // 1500 fits them, so ping and the stream cross just the same. This run is captured,
+    // and tshark finds both streams in the wire's file and in the vif's.
+    let pcap = std::env::temp_dir().join(format!("pvio-pcap-{pid}"));
     let linear = UpConfig {
         rx_buffers: RxBuffers::Linear,
+        pcap: Some(pcap.clone()),
         ..cfg.clone()
     };
     let machine = up(&linear).expect("pvio up, no fragments");
+    let captures = machine.capture_counters();
     ping(o, "10.78.0.2");
     for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {
         stream_arrives_intact(sink_ns, source_ns, to);
     }
     assert_eq!(machine.counters().oversize, 0);
     machine.down();
+    streams_are_in_the_captures(&captures);
+    let _ = std::fs::remove_dir_all(&pcap);
     // Again through the grant cache with the guest's own NIC queue (pv-mq-reuse): ping,
     // the streams and iperf3 cross, every buffer and TX slot reached through netback's
     // cached mappings, no map after each page's first.
@@ -313,6 +387,7 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
         rx_buffers: RxBuffers::Fragments,
         grant_reuse: false,
         multi_queue: false,
+        pcap: None,
     };
     let mut machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
