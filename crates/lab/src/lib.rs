@@ -89,5 +89,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::ceiling::EXPERIMENT,
         experiments::restart::EXPERIMENT,
         experiments::soak::EXPERIMENT,
+        experiments::up_bench::EXPERIMENT,
     ]
 }

@@ -8,3 +8,4 @@ pub mod fig8;
 pub mod restart;
 pub mod santos08;
 pub mod soak;
+pub mod up_bench;
