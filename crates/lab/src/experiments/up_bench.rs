@@ -10,7 +10,7 @@
 //! 8 MiB seeded stream crosses pvio each way and is checked byte for byte (`pvio
 //! tcp-source` / `tcp-sink`; iperf3 does not look at its bytes).
 
-use std::path::PathBuf;
+use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -189,12 +189,7 @@ fn pvio_exe() -> Option<PathBuf> {
 
 /// An 8 MiB seeded stream from `source_ns` to `to` in `sink_ns`: whether it arrived
 /// byte for byte (the digests of both ends agree).
-fn stream_intact(
-    exe: &PathBuf,
-    sink_ns: &str,
-    source_ns: &str,
-    to: &str,
-) -> Result<bool, LabError> {
+fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Result<bool, LabError> {
     let exe = exe.to_str().ok_or_else(|| other("exe path"))?;
     let port = to.rsplit(':').next().unwrap_or("5300");
     let sink = Command::new("ip")
@@ -377,7 +372,11 @@ mod tests {
         let r = run(Mode::Smoke).expect("runs");
         if r.rows.is_empty() {
             // Not root, or no iperf3: said in a note, nothing measured.
-            assert!(r.notes.iter().any(|n| n.starts_with("not measured")), "{:?}", r.notes);
+            assert!(
+                r.notes.iter().any(|n| n.starts_with("not measured")),
+                "{:?}",
+                r.notes
+            );
             return;
         }
         assert_eq!(r.rows.len(), Path::ALL.len() * Flow::ALL.len());
