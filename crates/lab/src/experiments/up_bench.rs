@@ -265,11 +265,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let mut intact = None;
     for round in 0..rounds {
         for (pi, path) in Path::ALL.into_iter().enumerate() {
-            let machine;
+            // Up for this path's flows, down at the end of them.
+            let _machine;
             let veth;
             let (o, g, addr) = match path {
                 Path::Pvio => {
-                    machine = up(&cfg)?;
+                    _machine = up(&cfg)?;
                     if intact.is_none() {
                         if let Some(exe) = pvio_exe() {
                             let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
@@ -279,7 +280,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                             );
                         }
                     }
-                    let _keep = &machine;
                     (cfg.outside_ns.clone(), cfg.guest_ns.clone(), "10.80.0.2")
                 }
                 Path::VethOff | Path::VethOn => {
