@@ -13,6 +13,7 @@ pub mod chart;
 pub mod dpdk;
 pub mod experiments;
 pub mod live;
+pub mod machine_file;
 pub mod platform;
 pub mod progress;
 pub mod report;

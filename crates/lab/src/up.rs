@@ -40,6 +40,12 @@ pub struct UpConfig {
     /// cable, both ways) and `<vif>.pcap` (the guest's frames, both ways, named as the
     /// live counters name the vif).
     pub pcap: Option<std::path::PathBuf>,
+    /// The NIC's interrupt coalescing.
+    pub coalesce: dev::nic::Coalesce,
+    /// The hypervisor's grant implementation.
+    pub grant_path: hv::GrantPath,
+    /// Every domain's grant-table layout.
+    pub grant_version: hv::GrantVersion,
 }
 
 impl Default for UpConfig {
@@ -54,8 +60,16 @@ impl Default for UpConfig {
             grant_reuse: false,
             multi_queue: false,
             pcap: None,
+            coalesce: pv().coalesce,
+            grant_path: pv().grant_path,
+            grant_version: pv().grant_version,
         }
     }
+}
+
+/// The `pv` machine of paper 000 that `pvio up` runs unless told otherwise.
+fn pv() -> Options {
+    Options::paper(Config::Pv, 52)
 }
 
 /// A machine that is up; brought down (and its namespaces removed) when dropped.
@@ -215,7 +229,10 @@ fn bring_up(
         },
         queues: cfg.multi_queue,
         sample: None,
-        ..Options::paper(Config::Pv, 52)
+        coalesce: cfg.coalesce,
+        grant_path: cfg.grant_path,
+        grant_version: cfg.grant_version,
+        ..pv()
     };
     let running = Running::start_with(opts, Some(Plumbing { wire, guest }))?;
     Ok((running, wc, gc))

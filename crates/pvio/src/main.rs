@@ -48,6 +48,13 @@ enum Command {
     /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
     /// 10.77.0.2`.
     Up {
+        /// Run the machine this TOML file describes (see `machines/`); the machine
+        /// flags below are then refused, the run's own (`--seconds`, `--pcap`, ...) kept.
+        #[arg(long, value_name = "FILE", conflicts_with_all = [
+            "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
+            "no_fragments", "grant_reuse", "multi_queue",
+        ])]
+        machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
         #[arg(long, default_value = "pvio-outside")]
         outside_ns: String,
@@ -502,29 +509,44 @@ fn main() -> ExitCode {
             fault_after,
             stats_json,
             pcap,
-        } => up(
-            &lab::up::UpConfig {
-                outside_ns,
-                guest_ns,
-                outside_addr,
-                guest_addr,
-                netfilter: !no_netfilter,
-                rx_buffers: if no_fragments {
-                    lab::RxBuffers::Linear
-                } else {
-                    lab::RxBuffers::Fragments
+            machine,
+        } => {
+            let cfg = match machine {
+                Some(file) => match lab::machine_file::load(&file) {
+                    Ok(c) => lab::up::UpConfig { pcap, ..c },
+                    Err(e) => {
+                        eprintln!("pvio up: {e}");
+                        return ExitCode::from(2);
+                    }
                 },
-                grant_reuse,
-                multi_queue,
-                pcap,
-            },
-            UpRun {
-                seconds,
-                watchdog: (watchdog_ms > 0).then(|| std::time::Duration::from_millis(watchdog_ms)),
-                fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),
-                stats_json,
-            },
-        ),
+                None => lab::up::UpConfig {
+                    outside_ns,
+                    guest_ns,
+                    outside_addr,
+                    guest_addr,
+                    netfilter: !no_netfilter,
+                    rx_buffers: if no_fragments {
+                        lab::RxBuffers::Linear
+                    } else {
+                        lab::RxBuffers::Fragments
+                    },
+                    grant_reuse,
+                    multi_queue,
+                    pcap,
+                    ..lab::up::UpConfig::default()
+                },
+            };
+            up(
+                &cfg,
+                UpRun {
+                    seconds,
+                    watchdog: (watchdog_ms > 0)
+                        .then(|| std::time::Duration::from_millis(watchdog_ms)),
+                    fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),
+                    stats_json,
+                },
+            )
+        }
         Command::Soak {
             seconds,
             hostile,

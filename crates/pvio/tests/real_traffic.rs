@@ -224,9 +224,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         guest_addr: "10.78.0.2/24".into(),
         netfilter: true,
         rx_buffers: RxBuffers::Fragments,
-        grant_reuse: false,
-        multi_queue: false,
-        pcap: None,
+        ..UpConfig::default()
     };
     let machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
@@ -385,9 +383,7 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
         guest_addr: "10.79.0.2/24".into(),
         netfilter: true,
         rx_buffers: RxBuffers::Fragments,
-        grant_reuse: false,
-        multi_queue: false,
-        pcap: None,
+        ..UpConfig::default()
     };
     let mut machine = up(&cfg).expect("pvio up");
     let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
