@@ -335,6 +335,19 @@ struct Pending {
     id: u16,
 }
 
+/// A free TX pending slot, taken for request `id`'s page: reached through grant-cache
+/// entry `cached`, or (none) through a map of its own still to be made. The caller has
+/// checked that a chain's worth is free.
+fn take_pending(pending: &mut [Pending], free: &mut Vec<u16>, id: u16, cached: Option<u16>) -> u16 {
+    let p = free.pop().expect("checked: a chain's worth is free");
+    pending[usize::from(p)] = Pending {
+        handle: None,
+        cached,
+        id,
+    };
+    p
+}
+
 /// One request a guest-RX batch took, and the bytes its buffer receives.
 #[derive(Debug, Clone, Copy)]
 struct RxMeta {
@@ -1578,15 +1591,7 @@ impl Vif {
             });
         let mut ok = true;
         for (j, (s, k, offset, len)) in pieces.enumerate() {
-            let p = self
-                .pending_free
-                .pop()
-                .expect("checked: a chain's worth is free");
-            self.pending[p as usize] = Pending {
-                handle: None,
-                cached: Some(k),
-                id: s.id,
-            };
+            let p = take_pending(&mut self.pending, &mut self.pending_free, s.id, Some(k));
             let to = match overflow {
                 Some(o) if j >= MAX_SKB_FRAGS => o,
                 _ => skb,
@@ -1626,15 +1631,7 @@ impl Vif {
     /// One mapped slot: a pending entry, a map op, and the bytes of the page it
     /// contributes.
     fn tx_map_slot(&mut self, gref: u32, id: u16, offset: u16, len: u16) {
-        let p = self
-            .pending_free
-            .pop()
-            .expect("checked: a chain's worth is free");
-        self.pending[p as usize] = Pending {
-            handle: None,
-            cached: None,
-            id,
-        };
+        let p = take_pending(&mut self.pending, &mut self.pending_free, id, None);
         self.txb.maps.push(MapOp {
             dom: self.fe,
             gref: GrantRef(gref),
