@@ -17,6 +17,7 @@ pub mod counters;
 pub mod netback;
 pub mod netfront;
 pub mod netif;
+pub mod offload;
 pub mod rawfront;
 pub mod reasm;
 pub mod skb;
