@@ -43,6 +43,7 @@ const SPEC: VifSpec = VifSpec {
     rx_buffers: RxBuffers::Fragments,
     index: 0,
     grants: Grants::PerIo,
+    offloads: false,
 };
 
 const FRONT_KEYS: [&str; 9] = [

@@ -151,6 +151,7 @@ pub(crate) fn world() -> (World, Good) {
         rx_buffers: RxBuffers::Fragments,
         index: 1,
         grants: Grants::PerIo,
+        offloads: false,
     };
     let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
     let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");

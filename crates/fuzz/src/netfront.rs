@@ -76,6 +76,7 @@ fn world() -> World {
         rx_buffers: RxBuffers::Fragments,
         index: 0,
         grants: Grants::PerIo,
+        offloads: false,
     };
     let good = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("good vif");
     let mut gpool = SkbPool::new(Arc::clone(&guest), 128, 600).expect("pool");
@@ -242,6 +243,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         rx_buffers: inp.pick(&[RxBuffers::Fragments, RxBuffers::Linear]),
         index: 1,
         grants: Grants::PerIo,
+        offloads: false,
     };
     toolstack::offer_vif(&w.hv, &w.drv, &w.guest, spec).expect("offer");
     let mut front =

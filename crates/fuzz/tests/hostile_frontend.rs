@@ -67,6 +67,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
         rx_buffers: RxBuffers::Fragments,
         index: 1,
         grants: Grants::PerIo,
+        offloads: false,
     };
     toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
 }

@@ -81,6 +81,9 @@ pub struct GuestSpec {
     /// How its netfront gives pages to netback (grant reuse, paper 000 §4.4, or the
     /// paper's unsafe stand-in).
     pub grants: Grants,
+    /// Its netfront offers checksum offload and GSO (the TAP above it takes large
+    /// frames).
+    pub offloads: bool,
     /// What runs above netfront.
     pub above: Above,
 }
@@ -345,6 +348,7 @@ impl Machine {
                         rx_buffers: g.rx_buffers,
                         index: i as u16,
                         grants: g.grants,
+                        offloads: g.offloads,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {
@@ -372,6 +376,7 @@ impl Machine {
                                 vs.handle,
                                 vs.rx_buffers,
                                 vs.grants,
+                                vs.offloads,
                             )
                             .map_err(other)?;
                             let pool = guest_pool(dom, &mut front)?;

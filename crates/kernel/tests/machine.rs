@@ -116,6 +116,7 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
             mac: f.dst_mac,
             rx_buffers: RxBuffers::Fragments,
             grants: Grants::PerIo,
+            offloads: false,
             above: Above::App(a),
         });
     }
@@ -178,6 +179,7 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
                     grants: Grants::PerIo,
+                    offloads: false,
                     above: Above::App(a),
                 }],
             },
@@ -202,6 +204,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
         mac: flow_to(2).dst_mac,
         rx_buffers: RxBuffers::Fragments,
         grants: Grants::PerIo,
+        offloads: false,
         above: Above::App(spec2),
     }];
     for h in [3u8, 4] {
@@ -210,6 +213,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
             mac: flow_to(h).dst_mac,
             rx_buffers: RxBuffers::Fragments,
             grants: Grants::PerIo,
+            offloads: false,
             above: Above::App(app(flow_to(h), 100).0),
         });
     }
@@ -297,6 +301,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,
                     grants: Grants::PerIo,
+                    offloads: false,
                     above: Above::App(a),
                 }],
             },

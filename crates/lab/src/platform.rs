@@ -100,6 +100,9 @@ pub struct Options {
     /// (paper 000 §4.4: pages bound to references, netback's cache of mappings), or the
     /// paper's unsafe stand-in (machine frames on the ring).
     pub grants: Grants,
+    /// Checksum offload and GSO between netfront and netback, and on the TAPs of real
+    /// interfaces (`pvio up`; the lab's own stack takes no large frames).
+    pub offloads: bool,
 }
 
 /// The frame rate of a saturated 1 Gbit/s link with 1514-byte frames (plus preamble,
@@ -125,6 +128,7 @@ impl Options {
             latency: false,
             queues: false,
             grants: Grants::PerIo,
+            offloads: false,
         }
     }
 }
@@ -412,6 +416,7 @@ impl Running {
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
                     grants: opts.grants,
+                    offloads: opts.offloads,
                     above,
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
@@ -419,6 +424,7 @@ impl Running {
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
                     rx_buffers: RxBuffers::Fragments,
                     grants: Grants::PerIo,
+                    offloads: false,
                     above: Above::Hostile(0x5eed_0000 + i as u64),
                 }))
                 .collect(),

@@ -33,10 +33,14 @@ use hv::{
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{
-    check_rx_response, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing, LEGACY_SLOTS_MAX,
-    NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RING_IDS,
-    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
+    check_rx_response, ExtraInfo, Gso, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing,
+    LEGACY_SLOTS_MAX, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO,
+    NETRXF_MORE_DATA, NETTXF_CSUM_BLANK, NETTXF_DATA_VALIDATED, NETTXF_EXTRA_INFO,
+    NETTXF_MORE_DATA, RING_IDS, RX_COPY_MAX_SLOTS, XEN_NETIF_EXTRA_FLAG_MORE,
+    XEN_NETIF_EXTRA_TYPE_GSO, XEN_NETIF_EXTRA_TYPE_MAX, XEN_NETIF_EXTRA_TYPE_NONE,
+    XEN_NETIF_GSO_TYPE_TCPV4, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
+use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS, MAX_OFFLOAD_LEN};
 use crate::skb::{Frag, FragPage, Held, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
 
@@ -124,6 +128,16 @@ pub struct FrontStats {
     pub unbind_refused: u64,
     /// Control-ring responses with an id or type not asked for.
     pub ctrl_bad_responses: u64,
+    /// Offloads: large (GSO) packets received.
+    pub rx_gso_packets: u64,
+    /// Offloads: packets dropped for their metadata or the headers it describes, per
+    /// [`OffloadError`] (a GSO extra of size 0 or an unknown type, a partial checksum
+    /// on what is not TCP or UDP over IPv4, more than 64 KiB).
+    pub rx_offload_errors: PerReason<OffloadError>,
+    /// Offloads: large (GSO) packets sent.
+    pub tx_gso_packets: u64,
+    /// Offloads: large packets dropped because the back end takes none.
+    pub tx_gso_refused: u64,
 }
 
 crate::counter_set!(FrontStats {
@@ -145,7 +159,11 @@ crate::counter_set!(FrontStats {
     unbind_asked,
     unbind_done,
     unbind_refused,
-    ctrl_bad_responses
+    ctrl_bad_responses,
+    rx_gso_packets,
+    rx_offload_errors,
+    tx_gso_packets,
+    tx_gso_refused
 });
 
 #[derive(Debug, Clone, Copy)]
@@ -190,6 +208,17 @@ struct Link {
     reuse: Option<reuse::Reuse>,
     /// The unsafe stand-in: RX requests carry machine frames, not grants.
     machine_frames: bool,
+    /// Offloads were offered: the back end may send GSO extras and blank checksums.
+    offload_rx: bool,
+    /// The back end takes large packets (`feature-gso-tcpv4`).
+    gso_tx: bool,
+    /// Requests pushed and responses taken on the RX ring since it was set up, and the
+    /// id each request slot held: an extra-info response names no id, so the buffer
+    /// its slot consumed is found by its place on the ring (netback answers requests
+    /// in order, as Linux netfront's `xennet_get_extras` assumes).
+    rx_req_seq: u32,
+    rx_rsp_seq: u32,
+    rx_pos: Box<[u16]>,
 }
 
 /// A change [`Netfront::check_backend`] made.
@@ -236,6 +265,9 @@ pub struct Netfront {
     want: Grants,
     /// The rest of a multi-slot chain a linear front end refused is being skipped.
     skipping: bool,
+    /// Offer checksum offload and GSO (`feature-gso-tcpv4`, no
+    /// `feature-no-csum-offload`); with page fragments only.
+    offloads: bool,
     /// The guest-copy path's batch, allocated once.
     copy_batch: CopyBatch,
     stats: FrontStats,
@@ -328,6 +360,51 @@ fn free_buf(pool: &mut SkbPool, gfn: Gfn, skb: Option<SkbId>) {
     }
 }
 
+/// Why a packet's extra-info slots were refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExtraFault {
+    /// Missing, too long, or of an unknown type.
+    Chain,
+    /// A GSO extra with bad parameters.
+    Offload(OffloadError),
+}
+
+impl Link {
+    /// Notes the id of the request about to be pushed on the RX ring.
+    fn note_rx_request(&mut self, id: u16) {
+        let pos = self.rx_req_seq;
+        self.rx_pos[(pos % u32::from(RING_IDS)) as usize] = id;
+        self.rx_req_seq = pos.wrapping_add(1);
+    }
+}
+
+/// Checks a received packet's offload against its headers (netfront's
+/// `checksum_setup` and GSO checks): a blank checksum is located in the headers, a GSO
+/// packet must be TCP over IPv4 with segments no longer than a frame, and no offloaded
+/// packet may exceed 64 KiB.
+fn finish_offload(pool: &mut SkbPool, skb: SkbId) -> Result<(), OffloadError> {
+    let off = pool.offload(skb);
+    let partial = matches!(off.csum, Csum::Partial { .. });
+    if off.gso.is_none() && !partial {
+        return Ok(());
+    }
+    let len = pool.len(skb);
+    if len > MAX_OFFLOAD_LEN {
+        return Err(OffloadError::TooLong);
+    }
+    let mut head = [0u8; MAX_HEADERS];
+    let h = len.min(MAX_HEADERS);
+    pool.read(skb, 0, &mut head[..h])
+        .map_err(|_| OffloadError::Truncated)?;
+    let l4 = crate::offload::checksum_setup(&head[..h], len)?;
+    if let Some(g) = off.gso {
+        crate::offload::check_gso(g, &l4)?;
+    }
+    let csum = if partial { l4.partial() } else { off.csum };
+    pool.set_offload(skb, Offload { csum, gso: off.gso });
+    Ok(())
+}
+
 impl Netfront {
     /// Connects to a back end in `InitWait`: sets up both rings (granted to it), an
     /// unbound event channel and the grant references of every buffer, publishes them,
@@ -348,19 +425,22 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
-        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo)
+        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo, false)
     }
 
     /// As [`Netfront::connect_with`], asking for grant reuse (paper 000 §4.4) if
     /// `grants` is [`Grants::Reuse`]: every page is then granted once and keeps its
     /// reference, and leaves I/O through [`Netfront::unbind`]. A back end that does not
     /// offer what is asked gets the original protocol. Not with [`RxBuffers::GuestCopy`].
+    /// With `offloads` (and page fragments), checksum offload and GSO are offered both
+    /// ways.
     pub fn connect_config(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         handle: u32,
         rx_buffers: RxBuffers,
         grants: Grants,
+        offloads: bool,
     ) -> Result<Self, XenbusError> {
         // One reference per ring id and direction, all or none: a front end that
         // cannot connect gives back what it took, so that a guest can try again.
@@ -426,6 +506,7 @@ impl Netfront {
                 grants
             },
             skipping: false,
+            offloads: offloads && rx_buffers == RxBuffers::Fragments,
             copy_batch: CopyBatch::new(),
             stats: FrontStats::default(),
             broken: false,
@@ -546,7 +627,13 @@ impl Netfront {
             if store.xenbus_state(me, &fdir) == XenbusState::Closed {
                 store.switch_state(me, &fdir, XenbusState::Initialising)?;
             }
+            let offload = if self.offloads { "1" } else { "0" };
             for (k, v) in [
+                ("feature-gso-tcpv4", offload.into()),
+                (
+                    "feature-no-csum-offload",
+                    if self.offloads { "0" } else { "1" }.into(),
+                ),
                 ("tx-ring-ref", taken[0].1 .0.to_string()),
                 ("rx-ring-ref", taken[1].1 .0.to_string()),
                 ("event-channel", p.0.to_string()),
@@ -593,6 +680,11 @@ impl Netfront {
                 rx_grant_base: None,
                 reuse: reuse.take(),
                 machine_frames,
+                offload_rx: self.offloads,
+                gso_tx: self.offloads && xenbus::feature(store, me, &bdir, "feature-gso-tcpv4"),
+                rx_req_seq: 0,
+                rx_rsp_seq: 0,
+                rx_pos: vec![0; usize::from(RING_IDS)].into(),
             })
         })();
         if r.is_err() {
@@ -888,6 +980,7 @@ impl Netfront {
             if self.rx_buffers == RxBuffers::GuestCopy {
                 // A credit; posting the slot again gives back what was lent through it.
                 self.inflight.post(id);
+                l.note_rx_request(id);
                 let _ = l.rx.push_request(&RxRequest {
                     id,
                     pad: 0,
@@ -933,6 +1026,7 @@ impl Netfront {
             b.gfn = Some(gfn);
             b.skb = skb;
             self.inflight.post(id);
+            l.note_rx_request(id);
             let _ = l.rx.push_request(&RxRequest {
                 id,
                 pad: 0,
@@ -1006,6 +1100,14 @@ impl Netfront {
             let Some(rsp) = next_response(&mut l.rx, &mut self.broken) else {
                 break;
             };
+            l.rx_rsp_seq = l.rx_rsp_seq.wrapping_add(1);
+            // A packet's extras follow its first slot, whatever that slot's status
+            // (`xennet_get_extras`): their slots are taken now, so that they are not
+            // read as data.
+            let extras = (rsp.flags & NETRXF_EXTRA_INFO != 0
+                && self.partial.is_none()
+                && l.offload_rx)
+                .then(|| self.take_extras(pool));
             let len = match check_rx_response(&rsp, &mut self.inflight) {
                 Ok(l) => l,
                 Err(e) => {
@@ -1024,7 +1126,23 @@ impl Netfront {
                 self.abandon_partial(pool);
                 continue;
             };
-            if rsp.flags & NETRXF_EXTRA_INFO != 0 {
+            let more = rsp.flags & NETRXF_MORE_DATA != 0;
+            let gso = match extras {
+                None => None,
+                Some(Ok(g)) => g,
+                Some(Err(fault)) => {
+                    // A bad extra loses its packet, whole: the rest of its slots are
+                    // skipped.
+                    match fault {
+                        ExtraFault::Chain => self.stats.rx_bad_chain += 1,
+                        ExtraFault::Offload(e) => self.stats.rx_offload_errors.add(e),
+                    }
+                    free_buf(pool, gfn, linear);
+                    self.skipping = more;
+                    continue;
+                }
+            };
+            if rsp.flags & NETRXF_EXTRA_INFO != 0 && extras.is_none() {
                 // No extras were negotiated.
                 self.stats.rx_bad_chain += 1;
                 free_buf(pool, gfn, linear);
@@ -1057,13 +1175,30 @@ impl Netfront {
                 deliver(pool, skb);
                 continue;
             }
+            if self.skipping {
+                // The rest of a packet already lost.
+                self.skipping = more;
+                pool.free_page(gfn);
+                continue;
+            }
             let skb = match self.partial.take() {
                 Some(s) => s,
                 None => {
                     let _m = enter(Class::Mem);
                     match pool.alloc(NET_SKB_PAD) {
                         Ok(s) => {
-                            pool.set_csum_valid(s, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+                            let csum = if rsp.flags & NETRXF_CSUM_BLANK != 0 && self.offloads {
+                                // Where it lies is found from the headers at the end.
+                                Csum::Partial {
+                                    start: 0,
+                                    offset: 0,
+                                }
+                            } else if rsp.flags & NETRXF_DATA_VALIDATED != 0 {
+                                Csum::Valid
+                            } else {
+                                Csum::None
+                            };
+                            pool.set_offload(s, Offload { csum, gso });
                             s
                         }
                         Err(_) => {
@@ -1114,11 +1249,18 @@ impl Netfront {
                 if pool.frags(skb).len() == MAX_SKB_FRAGS {
                     self.stats.rx_bad_chain += 1;
                     pool.free(skb);
+                    self.skipping = true;
                 } else {
                     self.partial = Some(skb);
                 }
                 continue;
             }
+            if let Err(e) = finish_offload(pool, skb) {
+                self.stats.rx_offload_errors.add(e);
+                pool.free(skb);
+                continue;
+            }
+            self.stats.rx_gso_packets += u64::from(pool.offload(skb).gso.is_some());
             self.stats.rx_packets += 1;
             n += 1;
             deliver(pool, skb);
@@ -1165,6 +1307,7 @@ impl Netfront {
             let Some(rsp) = next_response(&mut l.rx, &mut self.broken) else {
                 break;
             };
+            l.rx_rsp_seq = l.rx_rsp_seq.wrapping_add(1);
             let len = match check_rx_response(&rsp, &mut self.inflight) {
                 Ok(len) => len as usize,
                 Err(e) => {
@@ -1288,6 +1431,52 @@ impl Netfront {
         (n, taken)
     }
 
+    /// Takes the extra-info slots after a packet's first response, giving back the
+    /// buffer each one's request slot held. Returns the GSO they carry; a chain that is
+    /// missing, longer than the extra types, of a type 0 or unknown, or a GSO extra of
+    /// size 0 or a type other than TCPv4, is refused.
+    fn take_extras(&mut self, pool: &mut SkbPool) -> Result<Option<Gso>, ExtraFault> {
+        let mut gso = None;
+        let mut fault = None;
+        for _ in 0..XEN_NETIF_EXTRA_TYPE_MAX {
+            let Some(l) = self.link.as_mut() else {
+                return Err(ExtraFault::Chain);
+            };
+            let Some(raw) = next_response(&mut l.rx, &mut self.broken) else {
+                return Err(ExtraFault::Chain);
+            };
+            let pos = l.rx_rsp_seq;
+            l.rx_rsp_seq = pos.wrapping_add(1);
+            let id = l.rx_pos[(pos % u32::from(RING_IDS)) as usize];
+            // The slot's buffer comes back unused, if it is still out (a back end
+            // that answered it by id already gave it back then).
+            if self.inflight.complete(id).is_ok() {
+                if let Some((g, s)) = self.reclaim(id) {
+                    free_buf(pool, g, s);
+                }
+            }
+            let e = ExtraInfo::from_rx_slot(&raw);
+            if e.ty == XEN_NETIF_EXTRA_TYPE_NONE || e.ty >= XEN_NETIF_EXTRA_TYPE_MAX {
+                fault.get_or_insert(ExtraFault::Chain);
+            } else if e.ty == XEN_NETIF_EXTRA_TYPE_GSO {
+                if e.gso_size() == 0 {
+                    fault.get_or_insert(ExtraFault::Offload(OffloadError::GsoSizeZero));
+                } else if e.gso_type() != XEN_NETIF_GSO_TYPE_TCPV4 {
+                    fault.get_or_insert(ExtraFault::Offload(OffloadError::BadGsoType));
+                } else {
+                    gso = Some(Gso {
+                        size: e.gso_size(),
+                        ty: e.gso_type(),
+                    });
+                }
+            }
+            if e.flags & XEN_NETIF_EXTRA_FLAG_MORE == 0 {
+                return fault.map_or(Ok(gso), Err);
+            }
+        }
+        Err(ExtraFault::Chain)
+    }
+
     fn abandon_partial(&mut self, pool: &mut SkbPool) {
         self.skipping = false;
         if let Some(s) = self.partial.take() {
@@ -1336,13 +1525,31 @@ impl Netfront {
             segs += 1;
             Ok(())
         });
-        if segs == 0
-            || segs > LEGACY_SLOTS_MAX
-            || segs > l.tx.free_requests() as usize
-            || segs > self.tx_free.len()
-            || len > u16::MAX as usize
-        {
+        // A large packet goes as one only to a back end that takes it (the guest's
+        // stack offers the TAP large packets only when the interface has GSO).
+        let off = pool.offload(skb);
+        if off.gso.is_some() && !l.gso_tx {
+            self.stats.tx_gso_refused += 1;
+            pool.free(skb);
+            return Ok(());
+        }
+        if segs == 0 || segs > LEGACY_SLOTS_MAX || len > u16::MAX as usize {
+            // No ring will ever take it: dropped, not held.
+            self.stats.tx_errors += 1;
+            pool.free(skb);
+            return Ok(());
+        }
+        let extra = usize::from(off.gso.is_some());
+        if segs + extra > l.tx.free_requests() as usize || segs > self.tx_free.len() {
             return Err(skb);
+        }
+        let mut first_flags = match off.csum {
+            Csum::Partial { .. } => NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED,
+            Csum::Valid => NETTXF_DATA_VALIDATED,
+            Csum::None => 0,
+        };
+        if off.gso.is_some() {
+            first_flags |= NETTXF_EXTRA_INFO;
         }
         let (be, dom) = (l.be, &self.dom);
         // With grant reuse, each page's binding (found or made before the walk).
@@ -1384,13 +1591,18 @@ impl Netfront {
             b.held = false;
             b.head = h;
             k += 1;
+            let more = if k < segs { NETTXF_MORE_DATA } else { 0 };
             let _ = tx.push_request(&TxRequest {
                 gref: gref.0,
                 offset: seg.offset as u16,
-                flags: if k < segs { NETTXF_MORE_DATA } else { 0 },
+                flags: if k == 1 { more | first_flags } else { more },
                 id,
                 size: if k == 1 { len as u16 } else { seg.len as u16 },
             });
+            // The GSO extra follows the first slot.
+            if let (1, Some(g)) = (k, off.gso) {
+                let _ = tx.push_request(&ExtraInfo::gso(g.size, g.ty, false).to_tx_slot());
+            }
             Ok(())
         });
         let Some(head) = head.filter(|_| r.is_ok()) else {
@@ -1400,6 +1612,7 @@ impl Netfront {
             pool.free(skb);
             return Ok(());
         };
+        self.stats.tx_gso_packets += u64::from(off.gso.is_some());
         let h = &mut self.tx_bufs[head as usize];
         h.skb = Some(skb);
         h.seq = self.tx_seq;

@@ -92,6 +92,14 @@ impl ExtraInfo {
         bytemuck::bytes_of_mut(&mut r)[..8].copy_from_slice(bytemuck::bytes_of(self));
         r
     }
+    /// An extra slot arrives in an RX response slot (the same 8 bytes).
+    pub fn from_rx_slot(r: &RxResponse) -> Self {
+        bytemuck::cast(*r)
+    }
+    /// The slot an extra is written into on the RX ring.
+    pub fn to_rx_slot(&self) -> RxResponse {
+        bytemuck::cast(*self)
+    }
     /// `u.gso.size`.
     pub fn gso_size(&self) -> u16 {
         self.data[0]

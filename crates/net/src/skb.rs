@@ -87,7 +87,7 @@ pub struct Skb {
     next: u32,
     /// Bytes in all: linear, fragments and fragment list.
     len: u32,
-    csum_valid: bool,
+    offload: crate::offload::Offload,
     in_port: u16,
     free: bool,
 }
@@ -197,7 +197,7 @@ impl SkbPool {
                 frag_list: NONE,
                 next: NONE,
                 len: 0,
-                csum_valid: false,
+                offload: crate::offload::Offload::NONE,
                 in_port: 0,
                 free: true,
             });
@@ -307,7 +307,7 @@ impl SkbPool {
         s.frag_list = NONE;
         s.next = NONE;
         s.len = 0;
-        s.csum_valid = false;
+        s.offload = crate::offload::Offload::NONE;
         s.in_port = 0;
         s.free = false;
         Ok(SkbId(i))
@@ -457,12 +457,26 @@ impl SkbPool {
     /// Whether the checksums were verified before the stack (by a device or back end).
     #[inline]
     pub fn csum_valid(&self, id: SkbId) -> bool {
-        self.get(id).csum_valid
+        self.get(id).offload.csum == crate::offload::Csum::Valid
     }
     /// Marks the checksums verified (or not).
     #[inline]
     pub fn set_csum_valid(&mut self, id: SkbId, v: bool) {
-        self.get_mut(id).csum_valid = v;
+        self.get_mut(id).offload.csum = if v {
+            crate::offload::Csum::Valid
+        } else {
+            crate::offload::Csum::None
+        };
+    }
+    /// What rides beside the buffer's bytes: checksum state and GSO.
+    #[inline]
+    pub fn offload(&self, id: SkbId) -> crate::offload::Offload {
+        self.get(id).offload
+    }
+    /// Sets the checksum state and GSO.
+    #[inline]
+    pub fn set_offload(&mut self, id: SkbId, o: crate::offload::Offload) {
+        self.get_mut(id).offload = o;
     }
     /// The bridge port the buffer came in on.
     #[inline]
@@ -523,6 +537,52 @@ impl SkbPool {
         let at = off + self.get(id).linear as usize;
         self.dom.write(g, at, data)?;
         self.extend_linear(id, data.len())
+    }
+
+    /// Appends `data`: the head buffer's tailroom first, then whole pages from the pool
+    /// as fragments (a packet of up to 64 KiB from a TAP or a software segmenter). On
+    /// `Exhausted` or `NoRoom` the buffer keeps what was appended, for the caller to
+    /// free.
+    pub fn append(&mut self, id: SkbId, data: &[u8]) -> Result<(), SkbError> {
+        let lin = data.len().min(self.tailroom(id));
+        if self.get(id).nr_frags == 0 {
+            self.put(id, &data[..lin])?;
+        }
+        let rest = if self.get(id).nr_frags == 0 {
+            &data[lin..]
+        } else {
+            data
+        };
+        for chunk in rest.chunks(PAGE_SIZE) {
+            if self.get(id).nr_frags as usize == MAX_SKB_FRAGS {
+                return Err(SkbError::NoRoom);
+            }
+            let g = self.alloc_page()?;
+            if let Err(e) = self.dom.write(g, 0, chunk) {
+                self.free_page(g);
+                return Err(e.into());
+            }
+            self.add_frag(
+                id,
+                Frag {
+                    page: FragPage::Local(g),
+                    offset: 0,
+                    len: chunk.len() as u16,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Overwrites bytes `[offset, offset + data.len())` of the head buffer's data (a
+    /// header fix-up); refused past the linear area.
+    pub fn write_linear(&mut self, id: SkbId, offset: usize, data: &[u8]) -> Result<(), SkbError> {
+        if offset + data.len() > self.linear_len(id) {
+            return Err(SkbError::OutOfBounds);
+        }
+        let (g, off) = self.data_location(id);
+        self.dom.write(g, off + offset, data)?;
+        Ok(())
     }
 
     /// Counts `n` more bytes in the head buffer, already written there (by a device's

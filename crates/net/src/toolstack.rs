@@ -29,6 +29,8 @@ pub struct VifSpec {
     pub index: u16,
     /// How netfront gives its pages to the back end.
     pub grants: Grants,
+    /// netfront offers checksum offload and GSO.
+    pub offloads: bool,
 }
 
 /// Window slots a driver domain needs for `vifs` vifs.
@@ -45,7 +47,14 @@ pub fn plug_vif(
     spec: VifSpec,
 ) -> Result<(Netfront, Vif), XenbusError> {
     offer_vif(hv, driver, guest, spec)?;
-    let front = Netfront::connect_config(hv, guest, spec.handle, spec.rx_buffers, spec.grants)?;
+    let front = Netfront::connect_config(
+        hv,
+        guest,
+        spec.handle,
+        spec.rx_buffers,
+        spec.grants,
+        spec.offloads,
+    )?;
     let vif = connect_backend(hv, driver, guest, spec)?;
     Ok((front, vif))
 }

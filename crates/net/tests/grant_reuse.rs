@@ -69,6 +69,7 @@ fn plug(
         rx_buffers: RxBuffers::Fragments,
         index: 0,
         grants,
+        offloads: false,
     };
     toolstack::plug_vif(hv, drv, guest, spec).expect("vif")
 }
@@ -331,6 +332,7 @@ fn raw_with_ctrl(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
         rx_buffers: RxBuffers::Linear,
         index: 1,
         grants: Grants::Reuse,
+        offloads: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");

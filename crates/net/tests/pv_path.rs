@@ -86,6 +86,7 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         rx_buffers,
         index: 0,
         grants: Grants::PerIo,
+        offloads: false,
     };
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
@@ -353,6 +354,7 @@ fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGue
             rx_buffers,
             index,
             grants: Grants::PerIo,
+            offloads: false,
         };
         toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
     };
@@ -834,6 +836,7 @@ fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::Ra
         rx_buffers,
         index: 1,
         grants: Grants::PerIo,
+        offloads: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");

@@ -30,6 +30,7 @@ const SPEC: VifSpec = VifSpec {
     rx_buffers: RxBuffers::Fragments,
     index: 0,
     grants: Grants::PerIo,
+    offloads: false,
 };
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.

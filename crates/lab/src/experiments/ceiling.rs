@@ -309,6 +309,7 @@ fn run_once(
         rx_buffers: v.rx_buffers,
         index: 0,
         grants: v.grants,
+        offloads: false,
     };
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
     if v.direct {
