@@ -30,10 +30,12 @@ use ring::{BackRing, PageRing};
 
 use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
-    read_tx_packet, InFlight, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal, TxResponse,
-    TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, RING_IDS,
-    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
+    read_tx_packet, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats,
+    TxFatal, TxResponse, TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK,
+    NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_CSUM_BLANK,
+    NETTXF_DATA_VALIDATED, RING_IDS, RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
 };
+use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS, MAX_OFFLOAD_LEN};
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::wire::MAX_TAGGED_FRAME;
 use crate::xenbus::{self, XenbusError};
@@ -152,6 +154,27 @@ pub struct VifStats {
     /// Control-ring requests answered with an error status (bad queue, length, list
     /// page or type).
     pub ctrl_errors: u64,
+    /// Offloads: large (GSO) packets taken from the guest.
+    pub tx_gso_packets: u64,
+    /// Offloads: GSO packets the guest sent without `NETTXF_csum_blank`, made partial
+    /// here (Linux's `rx_gso_checksum_fixup`).
+    pub tx_gso_csum_fixups: u64,
+    /// Offloads: guest packets dropped for their metadata or the headers it describes,
+    /// per [`OffloadError`] (a blank checksum on what is not TCP or UDP over IPv4, GSO
+    /// of what is not TCP, segments longer than a frame).
+    pub tx_offload_errors: PerReason<OffloadError>,
+    /// Offloads: large packets given to the guest whole, with a GSO extra.
+    pub rx_gso_packets: u64,
+    /// Offloads: large packets cut into frames here because the front end (or this
+    /// vif's receive path) takes none whole; and the frames they became.
+    pub rx_gso_segmented: u64,
+    /// Frames those packets were cut into.
+    pub rx_gso_segments: u64,
+    /// Offloads: partial checksums filled in here for a front end that takes none.
+    pub rx_csum_filled: u64,
+    /// Offloads: packets that could not be segmented or checksummed here (bad headers,
+    /// no buffer), dropped.
+    pub rx_offload_drops: u64,
 }
 
 crate::counter_set!(VifStats {
@@ -177,7 +200,15 @@ crate::counter_set!(VifStats {
     rx_linearized,
     rx_transitive,
     ctrl_requests,
-    ctrl_errors
+    ctrl_errors,
+    tx_gso_packets,
+    tx_gso_csum_fixups,
+    tx_offload_errors,
+    rx_gso_packets,
+    rx_gso_segmented,
+    rx_gso_segments,
+    rx_csum_filled,
+    rx_offload_drops
 });
 
 impl VifStats {
@@ -191,6 +222,8 @@ impl VifStats {
         "tx_grant_errors",
         "tx_no_buffer",
         "dropped_disabled",
+        "tx_offload_errors",
+        "rx_offload_drops",
     ];
 }
 
@@ -367,6 +400,10 @@ struct RxPkt {
     first_op: usize,
     ops: usize,
     csum: bool,
+    /// The checksum is left blank (`NETRXF_csum_blank`).
+    blank: bool,
+    /// A large packet given whole: its GSO extra takes the second request.
+    gso: Option<Gso>,
 }
 
 impl RxPkt {
@@ -423,7 +460,7 @@ impl RxBatch {
         &mut self,
         rx: &mut Back<RxRing>,
         pool: &SkbPool,
-        (skb, start): (SkbId, usize),
+        (skb, start, gso, blank): (SkbId, usize, Option<Gso>, bool),
         fe: DomId,
         census: &mut PerReason<CopyAlign>,
     ) -> RxBuilt {
@@ -433,6 +470,10 @@ impl RxBatch {
         let mut page_off = PAGE_SIZE;
         let mut next_start = start;
         let mut gref = 0u32;
+        // The GSO extra's request follows the first one's; the data's meta is tracked
+        // by index, not as the last pushed.
+        let mut extra_due = gso.is_some();
+        let mut cur = 0usize;
         let (ops, meta) = (&mut self.copies, &mut self.meta);
         let r = pool.walk(skb, 0, len, |seg, _| {
             // A page of our own is copied from; a page another guest granted (a packet
@@ -461,12 +502,24 @@ impl RxBatch {
                         return Ok(());
                     };
                     page_off = std::mem::take(&mut next_start);
+                    cur = meta.len();
                     meta.push(RxMeta {
                         id: req.id,
                         offset: page_off as u16,
                         size: 0,
                     });
                     gref = req.gref;
+                    if std::mem::take(&mut extra_due) {
+                        let Ok(Some(x)) = rx.take_request() else {
+                            built.broken = true;
+                            return Ok(());
+                        };
+                        meta.push(RxMeta {
+                            id: x.id,
+                            offset: 0,
+                            size: 0,
+                        });
+                    }
                 }
                 let n = (seg.len - done).min(PAGE_SIZE - page_off);
                 census.add_n(CopyAlign::of(seg.offset + done, page_off), n as u64);
@@ -479,7 +532,7 @@ impl RxBatch {
                     },
                     len: n as u16,
                 });
-                if let Some(m) = meta.last_mut() {
+                if let Some(m) = meta.get_mut(cur) {
                     m.size += n as u16;
                 }
                 page_off += n;
@@ -501,6 +554,8 @@ impl RxBatch {
             first_op,
             ops: self.copies.len() - first_op,
             csum: pool.csum_valid(skb) && r.is_ok(),
+            blank,
+            gso: gso.filter(|_| self.meta.len() - first_meta >= 2),
         });
         built
     }
@@ -584,6 +639,28 @@ struct Unmaps {
     status: Vec<GrantStatus>,
 }
 
+/// Bytes of a vif's offload scratch: a 64 KiB packet and one frame cut from it.
+const OFFLOAD_SCRATCH: usize = MAX_OFFLOAD_LEN + 2048;
+
+/// The offload a guest's TX chain asks for, before its headers are looked at: a blank
+/// checksum's place is found by [`Vif::tx_offload`].
+fn chain_offload(chain: &TxChain) -> Offload {
+    let csum = if chain.csum_flags & NETTXF_CSUM_BLANK != 0 {
+        Csum::Partial {
+            start: 0,
+            offset: 0,
+        }
+    } else if chain.csum_flags & NETTXF_DATA_VALIDATED != 0 {
+        Csum::Valid
+    } else {
+        Csum::None
+    };
+    Offload {
+        csum,
+        gso: chain.gso,
+    }
+}
+
 /// One virtual interface's back end.
 #[derive(Debug)]
 pub struct Vif {
@@ -600,6 +677,13 @@ pub struct Vif {
     rx_queue: SkbQueue,
     /// The front end takes packets over several slots (`feature-sg`).
     can_sg: bool,
+    /// The front end takes large TCP packets whole (`feature-gso-tcpv4`).
+    gso_rx: bool,
+    /// The front end takes blank checksums (no `feature-no-csum-offload`).
+    csum_rx: bool,
+    /// A packet being cut up or checksummed for a front end that cannot take it as it
+    /// is: its bytes, then one frame of the result (allocated at connection).
+    offload_scratch: Box<[u8]>,
     /// Guest-RX copies start at the source's offset in its cache line (paper 000
     /// §3.4.1) instead of at the start of the guest's page.
     aligned_copies: bool,
@@ -707,6 +791,9 @@ impl Vif {
             return Err(XenbusError::MissingFeature("request-rx-copy"));
         }
         let can_sg = xenbus::feature(store, be, &fdir, "feature-sg");
+        // Linux netback: GSO only if asked for; blank checksums unless refused.
+        let gso_rx = can_sg && xenbus::feature(store, be, &fdir, "feature-gso-tcpv4");
+        let csum_rx = !xenbus::feature(store, be, &fdir, "feature-no-csum-offload");
         let wants_copy = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GUEST_COPY);
         let machine_frames = xenbus::feature(store, be, &fdir, xenbus::REQUEST_MACHINE_FRAMES)
             && xenbus::feature(store, be, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
@@ -845,6 +932,9 @@ impl Vif {
             slot_base,
             rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
             can_sg,
+            gso_rx,
+            csum_rx,
+            offload_scratch: vec![0; OFFLOAD_SCRATCH].into_boxed_slice(),
             aligned_copies: false,
             guest_copy,
             direct: None,
@@ -968,6 +1058,21 @@ impl Vif {
             pool.free(skb);
             return;
         }
+        // What the front end (and this vif's receive path) cannot take as it is, is
+        // cut into frames or checksummed here, as Linux's `validate_xmit_skb` does for
+        // a device without the feature.
+        let off = pool.offload(skb);
+        let whole = self.rx_carries_offload();
+        let partial = matches!(off.csum, Csum::Partial { .. });
+        if (off.gso.is_some() && !(whole && self.gso_rx)) || (partial && !(whole && self.csum_rx))
+        {
+            self.rx_software_offload(pool, skb);
+            return;
+        }
+        self.rx_enqueue(pool, skb);
+    }
+
+    fn rx_enqueue(&mut self, pool: &mut SkbPool, skb: SkbId) {
         if !self.can_sg && pool.len(skb) > MAX_TAGGED_FRAME {
             self.stats.rx_oversize += 1;
             pool.free(skb);
@@ -977,6 +1082,72 @@ impl Vif {
             self.stats.rx_queue_full += 1;
             pool.free(skb);
         }
+    }
+
+    /// Whether this vif's receive path passes checksum and GSO metadata to the guest:
+    /// the grant-copy path does; the guest-copy, direct-placement and grant-cache paths
+    /// give frames as they are (their responses carry no extras).
+    fn rx_carries_offload(&self) -> bool {
+        self.guest_copy.is_none() && self.direct.is_none() && self.cache.is_none()
+    }
+
+    /// Software segmentation and checksumming for the guest: the packet is read into
+    /// the scratch, freed, and its frames (with complete checksums) built in fresh
+    /// buffers and queued. A packet whose headers do not bear it out, or that does not
+    /// fit, is dropped and counted.
+    fn rx_software_offload(&mut self, pool: &mut SkbPool, skb: SkbId) {
+        let off = pool.offload(skb);
+        let len = pool.len(skb);
+        let mut scratch = std::mem::take(&mut self.offload_scratch);
+        let (frame, out) = scratch.split_at_mut(MAX_OFFLOAD_LEN);
+        let read = len <= MAX_OFFLOAD_LEN && pool.read(skb, 0, &mut frame[..len]).is_ok();
+        pool.free(skb);
+        let l4 = if read {
+            crate::offload::checksum_setup(&frame[..len.min(MAX_HEADERS)], len).ok()
+        } else {
+            None
+        };
+        let frame = &mut frame[..len];
+        match (l4, off.gso) {
+            (Some(l4), Some(g)) => {
+                let mut segs = 0;
+                let r = crate::offload::segment_tcpv4(frame, &l4, g.size.into(), out, |f| {
+                    segs += 1;
+                    self.rx_enqueue_copy(pool, f);
+                });
+                if r.is_ok() {
+                    self.stats.rx_gso_segmented += 1;
+                    self.stats.rx_gso_segments += segs;
+                } else {
+                    self.stats.rx_offload_drops += 1;
+                }
+            }
+            (Some(l4), None) => {
+                if crate::offload::fill_partial(frame, l4.l4, l4.csum_offset).is_ok() {
+                    self.stats.rx_csum_filled += 1;
+                    self.rx_enqueue_copy(pool, frame);
+                } else {
+                    self.stats.rx_offload_drops += 1;
+                }
+            }
+            (None, _) => self.stats.rx_offload_drops += 1,
+        }
+        self.offload_scratch = scratch;
+    }
+
+    /// Queues a copy of `frame` (complete checksums: marked valid) in a fresh buffer.
+    fn rx_enqueue_copy(&mut self, pool: &mut SkbPool, frame: &[u8]) {
+        let Ok(c) = pool.alloc(NET_SKB_PAD) else {
+            self.stats.rx_offload_drops += 1;
+            return;
+        };
+        if pool.append(c, frame).is_err() {
+            pool.free(c);
+            self.stats.rx_offload_drops += 1;
+            return;
+        }
+        pool.set_csum_valid(c, true);
+        self.rx_enqueue(pool, c);
     }
 
     /// Whether the RX action has work it can do now.
@@ -1231,7 +1402,10 @@ impl Vif {
             } else {
                 0
             };
-            let need = rx_pages(pool.len(skb), start) as u32;
+            let off = pool.offload(skb);
+            let gso = off.gso.filter(|_| self.gso_rx);
+            let blank = matches!(off.csum, Csum::Partial { .. }) && self.csum_rx;
+            let need = (rx_pages(pool.len(skb), start) + usize::from(gso.is_some())) as u32;
             // All the buffers the packet needs, or wait for the guest's next post (the
             // check arms `req_event`). Asking again without an event would get the
             // same answer, so a short ring ends the batch: looping on it was a hang.
@@ -1250,7 +1424,7 @@ impl Vif {
             let built = self.rxb.add(
                 &mut self.rx,
                 pool,
-                (skb, start),
+                (skb, start, gso, blank),
                 self.fe,
                 &mut self.stats.rx_copy_bytes,
             );
@@ -1285,12 +1459,35 @@ impl Vif {
             } else if p.ops > 0 {
                 self.stats.rx_copy_errors += 1;
             }
+            if ok && p.gso.is_some() {
+                self.stats.rx_gso_packets += 1;
+            }
             for (j, m) in b.meta[p.metas_at()].iter().enumerate() {
+                // The GSO extra, in the second slot: only for a packet that went; a
+                // failed one's extra request is answered with an error like the rest.
+                if let (1, Some(g), true) = (j, p.gso, ok) {
+                    let _ = self
+                        .rx
+                        .push_response(&ExtraInfo::gso(g.size, g.ty, false).to_rx_slot());
+                    continue;
+                }
                 let mut flags = 0;
-                if j == 0 && p.csum {
+                if j == 0 && p.blank && ok {
+                    flags |= NETRXF_CSUM_BLANK | NETRXF_DATA_VALIDATED;
+                } else if j == 0 && p.csum {
                     flags |= NETRXF_DATA_VALIDATED;
                 }
-                if j + 1 < p.metas {
+                if j == 0 && ok && p.gso.is_some() {
+                    flags |= NETRXF_EXTRA_INFO;
+                }
+                // More data follows unless this is the last data slot (a packet of one
+                // data slot and an extra has none after it).
+                let data_after = if j == 0 && p.gso.is_some() && ok {
+                    p.metas > 2
+                } else {
+                    j + 1 < p.metas
+                };
+                if data_after {
                     flags |= NETRXF_MORE_DATA;
                 }
                 let status = if ok {
@@ -1341,24 +1538,82 @@ impl Vif {
         self.tx_build(pool, budget);
         self.tx_flush();
         let mut delivered = 0;
-        for skb in self.tx_ready.drain(..) {
-            self.stats.tx_packets += 1;
-            self.stats.tx_bytes += pool.len(skb) as u64;
-            delivered += 1;
-            deliver(pool, skb);
-        }
-        for k in 0..self.txb.pkts.len() {
-            if let Some(skb) = self.tx_complete(pool, k) {
+        let mut ready = std::mem::take(&mut self.tx_ready);
+        for skb in ready.drain(..) {
+            if self.tx_offload(pool, skb) {
                 self.stats.tx_packets += 1;
                 self.stats.tx_bytes += pool.len(skb) as u64;
                 delivered += 1;
                 deliver(pool, skb);
             }
         }
+        self.tx_ready = ready;
+        for k in 0..self.txb.pkts.len() {
+            if let Some(skb) = self.tx_complete(pool, k) {
+                if self.tx_offload(pool, skb) {
+                    self.stats.tx_packets += 1;
+                    self.stats.tx_bytes += pool.len(skb) as u64;
+                    delivered += 1;
+                    deliver(pool, skb);
+                }
+            }
+        }
         if self.txb.responses && self.tx.push_responses_and_check_notify() {
             self.notify();
         }
         delivered
+    }
+
+    /// Checks an assembled guest packet's offload against its headers (netback's
+    /// `xenvif_set_skb_gso` and `checksum_setup`): a blank checksum is located, a GSO
+    /// packet sent without one is made partial (Linux's GSO checksum fix-up), and GSO
+    /// must be TCP over IPv4 with segments no longer than a frame. A packet that fails
+    /// is dropped and counted by reason; its slots are answered as its buffer is freed.
+    fn tx_offload(&mut self, pool: &mut SkbPool, skb: SkbId) -> bool {
+        let off = pool.offload(skb);
+        let partial = matches!(off.csum, Csum::Partial { .. });
+        if off.gso.is_none() && !partial {
+            return true;
+        }
+        let len = pool.len(skb);
+        let mut head = [0u8; MAX_HEADERS];
+        let h = len.min(MAX_HEADERS);
+        let r = pool
+            .read(skb, 0, &mut head[..h])
+            .map_err(|_| OffloadError::Truncated)
+            .and_then(|()| crate::offload::checksum_setup(&head[..h], len))
+            .and_then(|l4| match off.gso {
+                Some(g) => crate::offload::check_gso(g, &l4).map(|()| l4),
+                None => Ok(l4),
+            })
+            .and_then(|l4| {
+                if !partial {
+                    // The pseudo-header sum goes into the field, in the copied head.
+                    let sum = crate::offload::pseudo_sum(&head[..h], &l4);
+                    pool.write_linear(skb, l4.l4 + l4.csum_offset, &sum.to_be_bytes())
+                        .map_err(|_| OffloadError::Truncated)?;
+                    self.stats.tx_gso_csum_fixups += 1;
+                }
+                Ok(l4)
+            });
+        match r {
+            Ok(l4) => {
+                pool.set_offload(
+                    skb,
+                    Offload {
+                        csum: l4.partial(),
+                        gso: off.gso,
+                    },
+                );
+                self.stats.tx_gso_packets += u64::from(off.gso.is_some());
+                true
+            }
+            Err(e) => {
+                self.stats.tx_offload_errors.add(e);
+                pool.free(skb);
+                false
+            }
+        }
     }
 
     /// Build: reads chains while the budget lasts and a chain's worth of pending
@@ -1487,6 +1742,7 @@ impl Vif {
             self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
             return None;
         };
+        pool.set_offload(skb, chain_offload(chain));
         Some((s0, copy_len, skb, overflow))
     }
 

@@ -1433,12 +1433,17 @@ impl Netfront {
 
     /// Takes the extra-info slots after a packet's first response, giving back the
     /// buffer each one's request slot held. Returns the GSO they carry; a chain that is
-    /// missing, longer than the extra types, of a type 0 or unknown, or a GSO extra of
-    /// size 0 or a type other than TCPv4, is refused.
+    /// cut short, longer than there are extra types, with an extra of type 0 or
+    /// unknown, or a GSO extra of size 0 or a type other than TCPv4, is refused.
     fn take_extras(&mut self, pool: &mut SkbPool) -> Result<Option<Gso>, ExtraFault> {
         let mut gso = None;
         let mut fault = None;
-        for _ in 0..XEN_NETIF_EXTRA_TYPE_MAX {
+        // The whole chain is taken, however long (bounded by what the ring holds), so
+        // that no extra is read as data; more extras than there are types is a fault.
+        for taken in 1.. {
+            if taken > usize::from(XEN_NETIF_EXTRA_TYPE_MAX) {
+                fault.get_or_insert(ExtraFault::Chain);
+            }
             let Some(l) = self.link.as_mut() else {
                 return Err(ExtraFault::Chain);
             };
@@ -1471,10 +1476,10 @@ impl Netfront {
                 }
             }
             if e.flags & XEN_NETIF_EXTRA_FLAG_MORE == 0 {
-                return fault.map_or(Ok(gso), Err);
+                break;
             }
         }
-        Err(ExtraFault::Chain)
+        fault.map_or(Ok(gso), Err)
     }
 
     fn abandon_partial(&mut self, pool: &mut SkbPool) {

@@ -137,7 +137,7 @@ pub const BACKEND_FEATURES: [(&str, &str); 7] = [
     ("feature-sg", "1"),
     ("feature-rx-copy", "1"),
     ("feature-rx-flip", "0"),
-    ("feature-gso-tcpv4", "0"),
+    ("feature-gso-tcpv4", "1"),
     ("feature-multicast-control", "0"),
     (FEATURE_CTRL_RING, "1"),
     (FEATURE_GRANT_REUSE, "1"),

@@ -10,13 +10,15 @@ use hv::{
     MapOp,
 };
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
+use net::netfront::{Grants, Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{
-    RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
+    ExtraInfo, NETRXF_CSUM_BLANK, XEN_NETIF_EXTRA_FLAG_MORE, XEN_NETIF_GSO_TYPE_TCPV4, RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
     NETTXF_MORE_DATA, RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL,
     XEN_NETIF_RSP_OKAY,
 };
 use net::skb::{Frag, FragPage, SkbPool, NET_SKB_PAD};
+
+mod common;
 use net::xenbus;
 
 const HDR: usize = 64;
@@ -49,6 +51,7 @@ impl Raw {
         drv: &Arc<Domain>,
         guest: &Arc<Domain>,
         rx_buffers: RxBuffers,
+        offloads: bool,
     ) -> (Raw, Netfront) {
         let store = hv.store();
         xenbus::create_vif(store, drv.id(), guest.id(), 0, [2, 0, 0, 0, 0, 9]).expect("toolstack");
@@ -66,7 +69,8 @@ impl Raw {
             base
         });
         netback::probe(store, drv.id(), guest.id(), 0).expect("probe");
-        let front = Netfront::connect_with(hv, guest, 0, rx_buffers).expect("front end");
+        let front = Netfront::connect_config(hv, guest, 0, rx_buffers, Grants::PerIo, offloads)
+            .expect("front end");
         let dir = xenbus::frontend_dir(guest.id(), 0);
         let key = |k: &str| xenbus::read_u32(store, drv.id(), &format!("{dir}/{k}")).expect(k);
         let ops = [("tx-ring-ref", TX_SLOT), ("rx-ring-ref", RX_SLOT)].map(|(k, slot)| MapOp {
@@ -197,6 +201,12 @@ impl Raw {
         self.rx_rsp_prod += 1;
     }
 
+    /// An extra-info slot, in the next response's place.
+    fn rx_extra(&mut self, e: ExtraInfo) {
+        let r = e.to_rx_slot();
+        self.rx_respond(r.id, r.offset, r.flags, r.status);
+    }
+
     fn tx_respond(&mut self, id: u16, status: i16) {
         let at = HDR + (self.tx_rsp_prod % SLOTS) as usize * 12;
         self.drv
@@ -264,6 +274,10 @@ fn world() -> World {
 }
 
 fn world_with(rx_buffers: RxBuffers) -> World {
+    world_config(rx_buffers, false)
+}
+
+fn world_config(rx_buffers: RxBuffers, offloads: bool) -> World {
     let hv = Hypervisor::new(HvConfig {
         frames: 16384,
         grant_path: GrantPath::Optimised,
@@ -292,7 +306,7 @@ fn world_with(rx_buffers: RxBuffers) -> World {
             driver_domain: false,
         })
         .expect("guest");
-    let (raw, mut front) = Raw::connect(&hv, &drv, &guest, rx_buffers);
+    let (raw, mut front) = Raw::connect(&hv, &drv, &guest, rx_buffers, offloads);
     // A linear front end keeps a buffer on each posted page.
     let buffers = match rx_buffers {
         RxBuffers::Fragments | RxBuffers::GuestCopy => 64,
@@ -850,5 +864,111 @@ fn guest_copy_chains_are_delivered_whole_or_dropped_whole_and_every_slot_is_post
     assert_eq!(st.rx_bad_chain, 5, "{st:?}");
     assert_eq!(st.rx_errors.get(RxError::BadId), 1);
     assert_eq!(st.rx_packets, 1);
+    w.still_receives(pages);
+}
+
+impl World {
+    /// A large packet over data slots of at most a page, its first slot followed by
+    /// `extras` (each taking the place of a posted buffer, which comes back unused).
+    fn deliver_offloaded(&mut self, frame: &[u8], extras: &[ExtraInfo]) {
+        let chunks: Vec<&[u8]> = frame.chunks(4096).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let b = self.raw.buffer();
+            self.raw.fill(&b, 0, c);
+            let mut flags = if i + 1 < chunks.len() {
+                NETRXF_MORE_DATA
+            } else {
+                0
+            };
+            if i == 0 {
+                flags |= NETRXF_CSUM_BLANK;
+                if !extras.is_empty() {
+                    flags |= NETRXF_EXTRA_INFO;
+                }
+            }
+            self.raw.rx_respond(b.id, 0, flags, c.len() as i16);
+            if i == 0 {
+                for e in extras {
+                    let _unused = self.raw.buffer();
+                    self.raw.rx_extra(*e);
+                }
+            }
+        }
+    }
+
+    /// Polls once; each packet's bytes and offload.
+    fn poll_offloaded(&mut self) -> Vec<(Vec<u8>, net::offload::Offload)> {
+        let mut got = Vec::new();
+        self.front.poll_rx(&mut self.pool, 64, |p, s| {
+            let mut b = vec![0u8; p.len(s)];
+            p.read(s, 0, &mut b).expect("read");
+            got.push((b, p.offload(s)));
+            p.free(s);
+        });
+        got
+    }
+}
+
+#[test]
+fn offloaded_rx_is_checked_and_a_bad_extra_loses_only_its_packet() {
+    use net::offload::{Csum, OffloadError};
+    let mut w = world_config(RxBuffers::Fragments, true);
+    let pages = w.pages_accounted();
+    let (frame, _) = common::partial(common::tcp_frame([2; 6], [3; 6], 9000, 77, 1), None);
+    let gso = |size, ty, more| {
+        let mut e = ExtraInfo::gso(size, ty, more);
+        if more {
+            e.flags |= XEN_NETIF_EXTRA_FLAG_MORE;
+        }
+        e
+    };
+    // A good one: one packet, its GSO size, its checksum located from its headers.
+    w.deliver_offloaded(&frame, &[gso(1448, XEN_NETIF_GSO_TYPE_TCPV4, false)]);
+    w.raw.publish();
+    let got = w.poll_offloaded();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, frame, "every byte, in order");
+    assert_eq!(got[0].1.gso.map(|g| g.size), Some(1448));
+    assert_eq!(
+        got[0].1.csum,
+        Csum::Partial {
+            start: 34,
+            offset: 16
+        }
+    );
+    assert_eq!(w.front.stats().rx_gso_packets, 1);
+    // Bad extras: size 0, a GSO type other than TCPv4, an extra of type 0, a chain of
+    // extras longer than there are types. Each loses its packet, whole.
+    let mut none = ExtraInfo::gso(1448, 1, false);
+    none.ty = 0;
+    let mut chain = [gso(1448, 1, true); 6];
+    chain[5] = gso(1448, 1, false);
+    for extras in [
+        &[gso(0, XEN_NETIF_GSO_TYPE_TCPV4, false)][..],
+        &[gso(1448, 7, false)][..],
+        &[none][..],
+        &chain[..],
+    ] {
+        w.deliver_offloaded(&frame, extras);
+    }
+    // More than 64 KiB in one offloaded packet (17 pages).
+    let mut big = frame.clone();
+    big.resize(17 * 4096, 0x5a);
+    w.deliver_offloaded(&big, &[gso(1448, XEN_NETIF_GSO_TYPE_TCPV4, false)]);
+    // A blank checksum on what is no TCP/IPv4 packet.
+    let mut icmp = frame[..600].to_vec();
+    icmp[14 + 9] = 1;
+    icmp[16..18].copy_from_slice(&586u16.to_be_bytes());
+    w.deliver_offloaded(&icmp, &[]);
+    w.raw.publish();
+    let got = w.poll_rounds(4);
+    assert!(got.is_empty(), "{} packets from bad chains", got.len());
+    let st = w.front.stats().clone();
+    assert_eq!(st.rx_offload_errors.get(OffloadError::GsoSizeZero), 1);
+    assert_eq!(st.rx_offload_errors.get(OffloadError::BadGsoType), 1);
+    assert_eq!(st.rx_offload_errors.get(OffloadError::TooLong), 1);
+    assert_eq!(st.rx_offload_errors.get(OffloadError::NotTcpUdp), 1);
+    assert_eq!(st.rx_bad_chain, 2, "{st:?}");
+    // Every buffer, the extras' unused ones too, is back.
     w.still_receives(pages);
 }
