@@ -18,9 +18,11 @@ use hv::profile::{enter, Class};
 use hv::{Domain, Gfn, Hypervisor, Iova, PAGE_SIZE};
 use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 
+use net::offload::{Csum, Offload, MAX_HEADERS};
+
 use crate::nic::{
-    Desc, FilterError, NicRegs, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_SIZE, RING_DESCS,
-    RING_PAGES, RX_QUEUES,
+    Desc, FilterError, NicRegs, DESC_CTX, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_OFFLOAD,
+    DESC_SIZE, RING_DESCS, RING_PAGES, RX_QUEUES,
 };
 
 /// Where the rings appear to the device: I/O-virtually contiguous, whatever frames hold
@@ -128,6 +130,14 @@ pub struct DriverStats {
     pub dma_bounces: u64,
     /// Times adaptive moderation changed the packets per interrupt.
     pub itr_changes: u64,
+    /// Large (GSO) frames received over several descriptors.
+    pub rx_gso: u64,
+    /// Frames whose offload (from the device's write-back) the frame's headers do not
+    /// bear out: dropped.
+    pub rx_bad_offload: u64,
+    /// Packets sent with a context descriptor (a partial checksum or GSO for the
+    /// device to finish).
+    pub tx_offloaded: u64,
 }
 
 net::counter_set!(DriverStats {
@@ -138,7 +148,10 @@ net::counter_set!(DriverStats {
     tx_ring_full,
     irqs,
     dma_bounces,
-    itr_changes
+    itr_changes,
+    rx_gso,
+    rx_bad_offload,
+    tx_offloaded
 });
 
 /// The driver of one NIC.
@@ -161,6 +174,10 @@ pub struct NicDriver {
     adaptive: [Option<Adaptive>; RX_QUEUES],
     /// Guest receive queues by queue number (queue 0, the driver domain's, is above).
     vmq: Vec<Option<Vmq>>,
+    /// A frame arriving over several descriptors, its buffers so far (the first, with
+    /// the rest on its fragment list); or, after one was lost, `Err` while its remaining
+    /// descriptors are skipped.
+    rx_partial: Option<Result<SkbId, ()>>,
     stats: DriverStats,
 }
 
@@ -225,6 +242,7 @@ impl NicDriver {
             napi: false,
             adaptive: [None; RX_QUEUES],
             vmq: (0..RX_QUEUES).map(|_| None).collect(),
+            rx_partial: None,
             stats: DriverStats::default(),
         };
         for i in 0..RING_DESCS {
@@ -242,6 +260,11 @@ impl NicDriver {
         regs.rxq[0].irq_enabled.store(true, Ordering::Release);
         regs.enabled.store(true, Ordering::Release);
         Ok(d)
+    }
+
+    /// TX descriptors posted and not yet cleaned.
+    pub fn tx_ring_used(&self) -> u32 {
+        (self.tx_next + RING_DESCS - self.tx_clean) % RING_DESCS
     }
 
     /// Counters.
@@ -378,9 +401,14 @@ impl NicDriver {
             let Some(skb) = self.rx_skbs[i as usize].take() else {
                 break;
             };
+            let eop = d.status & DESC_EOP != 0;
             if d.status & DESC_ERR != 0 {
-                // No data arrived: nothing to hand up, and the buffer goes back as is.
-                self.stats.rx_errors += 1;
+                // No data arrived: nothing to hand up, and the buffer goes back as is
+                // (with what came of its frame before it).
+                if eop {
+                    self.stats.rx_errors += 1;
+                }
+                self.drop_partial(pool, eop);
                 self.post_rx(pool, i, skb);
                 self.rx_next = (i + 1) % RING_DESCS;
                 n += 1;
@@ -390,19 +418,37 @@ impl NicDriver {
                 let _m = enter(Class::Mem);
                 pool.alloc(NET_SKB_PAD + NET_IP_ALIGN)
             };
-            match fresh {
-                Ok(new) => {
+            match (fresh, self.rx_partial.take()) {
+                (Ok(new), Some(Err(()))) => {
+                    // The rest of a frame already lost.
+                    self.post_rx(pool, i, skb);
+                    pool.free(new);
+                    self.rx_partial = (!eop).then_some(Err(()));
+                }
+                (Ok(new), partial) => {
                     let len = (d.len as usize).min(pool.tailroom(skb));
                     let _ = pool.extend_linear(skb, len);
-                    pool.set_csum_valid(skb, d.status & DESC_L4_OK != 0);
                     self.post_rx(pool, i, new);
-                    self.stats.rx_packets += 1;
-                    deliver(pool, skb);
+                    let pkt = match partial {
+                        Some(Ok(first)) => {
+                            pool.append_frag_list(first, skb);
+                            first
+                        }
+                        _ => skb,
+                    };
+                    if !eop {
+                        self.rx_partial = Some(Ok(pkt));
+                    } else if self.rx_offload(pool, pkt, &d) {
+                        self.stats.rx_packets += 1;
+                        deliver(pool, pkt);
+                    }
                 }
-                Err(_) => {
+                (Err(_), partial) => {
                     // No buffer to replace it: drop the packet, reuse its buffer.
                     self.stats.rx_no_buffer += 1;
                     self.post_rx(pool, i, skb);
+                    self.rx_partial = partial;
+                    self.drop_partial(pool, eop);
                 }
             }
             self.rx_next = (i + 1) % RING_DESCS;
@@ -427,6 +473,45 @@ impl NicDriver {
             }
         }
         n
+    }
+
+    /// Drops the frame under way (its buffers back to the pool); unless `eop`, its
+    /// remaining descriptors are then skipped.
+    fn drop_partial(&mut self, pool: &mut SkbPool, eop: bool) {
+        if let Some(Ok(p)) = self.rx_partial.take() {
+            pool.free(p);
+        }
+        self.rx_partial = (!eop).then_some(Err(()));
+    }
+
+    /// A received frame's offload, from its last descriptor: the device's verified
+    /// UDP checksum, or the metadata its write-back carries, checked against the
+    /// frame's headers (the device is trusted with the IOMMU's leave only). Returns
+    /// false, the frame freed and counted, if the headers do not bear it out.
+    fn rx_offload(&mut self, pool: &mut SkbPool, skb: SkbId, d: &Desc) -> bool {
+        if d.status & DESC_OFFLOAD == 0 {
+            pool.set_csum_valid(skb, d.status & DESC_L4_OK != 0);
+            return true;
+        }
+        let len = pool.len(skb);
+        let mut head = [0u8; MAX_HEADERS];
+        let h = len.min(MAX_HEADERS);
+        let ok = Offload::from_bits(d.addr).filter(|off| {
+            pool.read(skb, 0, &mut head[..h]).is_ok()
+                && net::offload::validate(off, &head[..h], len).is_ok()
+        });
+        match ok {
+            Some(off) => {
+                self.stats.rx_gso += u64::from(off.gso.is_some());
+                pool.set_offload(skb, off);
+                true
+            }
+            None => {
+                self.stats.rx_bad_offload += 1;
+                pool.free(skb);
+                false
+            }
+        }
     }
 
     /// Frees the buffers of transmitted packets.
@@ -458,8 +543,11 @@ impl NicDriver {
             segs += 1;
             Ok(())
         });
+        // A partial checksum or GSO goes to the device in a context descriptor first.
+        let off = pool.offload(skb);
+        let ctx = matches!(off.csum, Csum::Partial { .. }) || off.gso.is_some();
         let used = (self.tx_next + RING_DESCS - self.tx_clean) % RING_DESCS;
-        if segs == 0 || used + segs >= RING_DESCS {
+        if segs == 0 || used + segs + u32::from(ctx) >= RING_DESCS {
             self.stats.tx_ring_full += 1;
             return Err(skb);
         }
@@ -482,6 +570,19 @@ impl NicDriver {
         if k > descs.len() {
             self.stats.tx_ring_full += 1;
             return Err(skb);
+        }
+        if ctx {
+            self.write_desc(
+                &self.tx_ring,
+                self.tx_next,
+                &Desc {
+                    addr: off.to_bits(),
+                    flags: DESC_CTX,
+                    ..Default::default()
+                },
+            );
+            self.tx_next = (self.tx_next + 1) % RING_DESCS;
+            self.stats.tx_offloaded += 1;
         }
         for (j, d) in descs[..k].iter_mut().enumerate() {
             if let Some(g) = pool_page_of(d.addr) {
@@ -700,6 +801,9 @@ impl NicDriver {
             if let Some(id) = s.take() {
                 pool.free(id);
             }
+        }
+        if let Some(Ok(p)) = self.rx_partial.take() {
+            pool.free(p);
         }
     }
 }

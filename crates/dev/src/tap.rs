@@ -8,12 +8,15 @@
 //! set, and wakes whoever consumes it (the device thread, or the guest's vCPU).
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use mem::tap::TapOffload;
+use net::offload::{Offload, VnetHdr, MAX_HEADERS, MAX_OFFLOAD_LEN, VNET_HDR_LEN};
 
 use crate::capture::{CaptureFile, CaptureTap};
 use crate::nic::NicRegs;
@@ -21,8 +24,16 @@ use crate::wire::{WireSink, WireSource};
 
 /// Frames queued between the reader and the consumer; beyond that the reader waits.
 pub const TAP_QUEUE: usize = 256;
+/// Frames queued on a TAP with offloads, whose buffers hold 64 KiB each: as many bytes
+/// as a plain TAP's queue of full frames, four times over.
+pub const TAP_QUEUE_OFFLOAD: usize = 32;
 /// Bytes per frame buffer: a 1500-byte MTU frame and its Ethernet header fit.
 const FRAME_BUF: usize = 2048;
+/// Bytes per frame buffer with offloads: the virtio-net header and a 64 KiB packet.
+const OFFLOAD_BUF: usize = VNET_HDR_LEN + MAX_OFFLOAD_LEN;
+
+/// A frame read from the interface: its buffer, its length, and its offload.
+type Queued = (Vec<u8>, usize, Offload);
 
 /// A TAP port's counters.
 #[derive(Debug, Default)]
@@ -39,14 +50,39 @@ pub struct TapCounters {
     pub oversize_in: AtomicU64,
     /// Writes the interface refused (it was down, say).
     pub write_errors: AtomicU64,
+    /// Frames read whose virtio-net header the frame does not bear out (a GSO type
+    /// other than TCPv4, a checksum offset past the headers), dropped.
+    pub bad_offload_in: AtomicU64,
+    /// Large (GSO) frames read.
+    pub gso_in: AtomicU64,
+    /// Large (GSO) frames written.
+    pub gso_out: AtomicU64,
 }
 
 type Wake = Box<dyn Fn() + Send + Sync>;
 
-/// One frame, one `write`: a TAP takes a frame whole or not at all, so a short write is
-/// an error like a refused one.
-fn write_frame(out: &mut File, frame: &[u8], c: &TapCounters) {
-    match out.write(frame) {
+/// One frame, one `write` (with offloads, one `writev` of the virtio-net header and
+/// the frame): a TAP takes a frame whole or not at all, so a short write is an error
+/// like a refused one. A frame with offload metadata to a TAP without offloads is
+/// refused, counted as a write error: its sender was to finish it.
+fn write_frame(out: &mut File, vnet: bool, frame: &[u8], off: Offload, c: &TapCounters) {
+    let r = if vnet {
+        let l4 = off.gso.and_then(|_| {
+            net::offload::checksum_setup(&frame[..frame.len().min(MAX_HEADERS)], frame.len()).ok()
+        });
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        VnetHdr::from_offload(&off, l4.as_ref()).write(&mut hdr);
+        if off.gso.is_some() && l4.is_some() {
+            c.gso_out.fetch_add(1, Ordering::Relaxed);
+        }
+        out.write_vectored(&[IoSlice::new(&hdr), IoSlice::new(frame)])
+            .map(|n| n.saturating_sub(VNET_HDR_LEN))
+    } else if off != Offload::NONE && off.csum != net::offload::Csum::Valid {
+        Err(std::io::ErrorKind::InvalidInput.into())
+    } else {
+        out.write(frame)
+    };
+    match r {
         Ok(n) if n == frame.len() => {
             c.frames_out.fetch_add(1, Ordering::Relaxed);
             c.bytes_out.fetch_add(n as u64, Ordering::Relaxed)
@@ -65,18 +101,23 @@ impl net::counters::CounterSet for TapCounters {
         f("bytes_out", l(&self.bytes_out));
         f("oversize_in", l(&self.oversize_in));
         f("write_errors", l(&self.write_errors));
+        f("bad_offload_in", l(&self.bad_offload_in));
+        f("gso_in", l(&self.gso_in));
+        f("gso_out", l(&self.gso_out));
     }
 }
 
 impl TapCounters {
     /// The counters that count frames lost, by reason.
-    pub const DROPS: &'static [&'static str] = &["oversize_in", "write_errors"];
+    pub const DROPS: &'static [&'static str] = &["oversize_in", "write_errors", "bad_offload_in"];
 }
 
 /// One TAP interface: frames in through a reader thread, frames out by `write`.
 pub struct TapPort {
     out: File,
-    rx: Receiver<Vec<u8>>,
+    /// Frames carry a virtio-net header.
+    vnet: bool,
+    rx: Receiver<Queued>,
     free: SyncSender<Vec<u8>>,
     queued: Arc<AtomicUsize>,
     wake: Arc<OnceLock<Wake>>,
@@ -84,7 +125,7 @@ pub struct TapPort {
     reader: Option<JoinHandle<()>>,
     counters: Arc<TapCounters>,
     /// A frame the consumer refused, first in line.
-    held: Option<Vec<u8>>,
+    held: Option<Queued>,
     /// Packet capture: of the frames read from the interface as they are handed on,
     /// of those written to it, and one for the sink (`sink`) to take.
     capture: Option<Captures>,
@@ -108,14 +149,28 @@ impl std::fmt::Debug for TapPort {
 }
 
 impl TapPort {
-    /// Starts the reader on `file` (an open TAP). Buffers are allocated here, once.
+    /// Starts the reader on `file` (an open TAP without offloads). Buffers are
+    /// allocated here, once.
     pub fn start(file: File) -> std::io::Result<Self> {
+        Self::start_with(file, TapOffload::None)
+    }
+
+    /// Starts the reader on `file`, a TAP opened with offloads `off`
+    /// ([`mem::tap::open_tap_offload`]): unless `None`, frames are read and written
+    /// behind a virtio-net header, whose metadata is checked against each frame read.
+    pub fn start_with(file: File, off: TapOffload) -> std::io::Result<Self> {
+        let vnet = off != TapOffload::None;
+        let (queue, size) = if vnet {
+            (TAP_QUEUE_OFFLOAD, OFFLOAD_BUF)
+        } else {
+            (TAP_QUEUE, FRAME_BUF)
+        };
         let mut input = file.try_clone()?;
-        let (tx, rx) = sync_channel::<Vec<u8>>(TAP_QUEUE);
-        let (free, free_rx) = sync_channel::<Vec<u8>>(TAP_QUEUE);
+        let (tx, rx) = sync_channel::<Queued>(queue);
+        let (free, free_rx) = sync_channel::<Vec<u8>>(queue);
         let free_again = free.clone();
-        for _ in 0..TAP_QUEUE {
-            let _ = free.try_send(vec![0u8; FRAME_BUF]);
+        for _ in 0..queue {
+            let _ = free.try_send(vec![0u8; size]);
         }
         let queued = Arc::new(AtomicUsize::new(0));
         let wake: Arc<OnceLock<Wake>> = Arc::new(OnceLock::new());
@@ -147,32 +202,54 @@ impl TapPort {
                         }
                         Err(_) => break,
                     }
-                    buf.resize(FRAME_BUF, 0);
                     let n = match input.read(&mut buf) {
                         Ok(n) => n,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
                         Err(_) => break,
                     };
-                    if n == 0 || n >= FRAME_BUF {
-                        if n >= FRAME_BUF {
+                    let hdr = if vnet { VNET_HDR_LEN } else { 0 };
+                    if n <= hdr || n >= size {
+                        if n >= size {
                             c.oversize_in.fetch_add(1, Ordering::Relaxed);
                         }
                         let _ = free_again.try_send(buf);
                         continue;
                     }
-                    buf.truncate(n);
-                    c.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    // The header is the kernel's, but the frame behind it came from
+                    // outside: what it claims is checked against the frame.
+                    let off = if vnet {
+                        let mut h = [0u8; VNET_HDR_LEN];
+                        h.copy_from_slice(&buf[..VNET_HDR_LEN]);
+                        let frame = &buf[hdr..n];
+                        match VnetHdr::parse(&h)
+                            .to_offload(&frame[..frame.len().min(MAX_HEADERS)], frame.len())
+                        {
+                            Ok(o) => o,
+                            Err(_) => {
+                                c.bad_offload_in.fetch_add(1, Ordering::Relaxed);
+                                let _ = free_again.try_send(buf);
+                                continue;
+                            }
+                        }
+                    } else {
+                        Offload::NONE
+                    };
+                    if off.gso.is_some() {
+                        c.gso_in.fetch_add(1, Ordering::Relaxed);
+                    }
+                    c.bytes_in.fetch_add((n - hdr) as u64, Ordering::Relaxed);
                     // Counted before it is visible: the consumer may see the frame
                     // before `try_send` returns.
                     q.fetch_add(1, Ordering::Release);
+                    let mut item = (buf, n, off);
                     loop {
-                        match tx.try_send(buf) {
+                        match tx.try_send(item) {
                             Ok(()) => break,
                             Err(TrySendError::Full(b)) => {
                                 if s.load(Ordering::Acquire) {
                                     break 'frames;
                                 }
-                                buf = b;
+                                item = b;
                                 std::thread::sleep(Duration::from_micros(50));
                             }
                             Err(TrySendError::Disconnected(_)) => break 'frames,
@@ -186,6 +263,7 @@ impl TapPort {
             })?;
         Ok(Self {
             out: file,
+            vnet,
             rx,
             free,
             queued,
@@ -218,18 +296,20 @@ impl TapPort {
         self.queued.load(Ordering::Acquire) > 0
     }
 
-    /// Hands queued frames to `f` in order, recycling each buffer, until `f` refuses
-    /// one (returns false): that frame stays first in line for the next call. Returns
-    /// how many were taken.
-    pub fn recv(&mut self, mut f: impl FnMut(&[u8]) -> bool) -> usize {
+    /// Hands queued frames and their offload to `f` in order, recycling each buffer,
+    /// until `f` refuses one (returns false): that frame stays first in line for the
+    /// next call. Returns how many were taken.
+    pub fn recv(&mut self, mut f: impl FnMut(&[u8], Offload) -> bool) -> usize {
         let mut n = 0;
-        while let Some(buf) = self.held.take().or_else(|| self.rx.try_recv().ok()) {
-            if !f(&buf) {
-                self.held = Some(buf);
+        let hdr = if self.vnet { VNET_HDR_LEN } else { 0 };
+        while let Some(item) = self.held.take().or_else(|| self.rx.try_recv().ok()) {
+            let (buf, len, off) = item;
+            if !f(&buf[hdr..len], off) {
+                self.held = Some((buf, len, off));
                 break;
             }
             if let Some(c) = &self.capture {
-                c.taken.frame(&buf);
+                c.taken.frame(&buf[hdr..len]);
             }
             self.queued.fetch_sub(1, Ordering::AcqRel);
             let _ = self.free.try_send(buf);
@@ -238,12 +318,19 @@ impl TapPort {
         n
     }
 
-    /// Writes one frame to the interface.
-    pub fn send(&mut self, frame: &[u8]) {
+    /// Writes one frame to the interface, with its offload (for a TAP without
+    /// offloads, only [`Offload::NONE`] or a verified checksum).
+    pub fn send(&mut self, frame: &[u8], off: Offload) {
         if let Some(c) = &self.capture {
             c.sent.frame(frame);
         }
-        write_frame(&mut self.out, frame, &self.counters);
+        write_frame(&mut self.out, self.vnet, frame, off, &self.counters);
+    }
+
+    /// Whether frames go with a virtio-net header (partial checksums and large TCP
+    /// segments are taken).
+    pub fn takes_offload(&self) -> bool {
+        self.vnet
     }
 
     /// A second handle for writing (the NIC's sink, while this is its source); the
@@ -251,6 +338,7 @@ impl TapPort {
     pub fn sink(&mut self) -> std::io::Result<TapSink> {
         Ok(TapSink {
             out: self.out.try_clone()?,
+            vnet: self.vnet,
             counters: Arc::clone(&self.counters),
             capture: self.capture.as_mut().and_then(|c| c.for_sink.take()),
         })
@@ -275,23 +363,27 @@ impl Drop for TapPort {
 #[derive(Debug)]
 pub struct TapSink {
     out: File,
+    vnet: bool,
     counters: Arc<TapCounters>,
     capture: Option<CaptureTap>,
 }
 
 impl WireSink for TapSink {
-    fn transmit(&mut self, frame: &[u8]) {
+    fn transmit(&mut self, frame: &[u8], off: Offload) {
         if let Some(c) = &self.capture {
             c.frame(frame);
         }
-        write_frame(&mut self.out, frame, &self.counters);
+        write_frame(&mut self.out, self.vnet, frame, off, &self.counters);
+    }
+    fn takes_offload(&self) -> bool {
+        self.vnet
     }
 }
 
 impl WireSource for TapPort {
-    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize {
-        self.recv(|f| {
-            emit(f);
+    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        self.recv(|f, off| {
+            emit(f, off);
             true
         })
     }

@@ -4,12 +4,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use net::offload::Offload;
 use net::wire::{UdpFlow, UdpFramer};
 
 /// What the NIC receives: frames due by a time.
 pub trait WireSource: Send {
-    /// Calls `emit` with every frame due by `now`. Returns how many.
-    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize;
+    /// Calls `emit` with every frame due by `now`, and what rides beside it (a cable
+    /// to a local stack, a TAP with offloads, may carry partial checksums and large TCP
+    /// segments, as virtio-net's does). Returns how many.
+    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize;
     /// When the next frame is due (`None`: nothing scheduled).
     fn next_due(&self) -> Option<Instant>;
     /// Whether frames already wait (a source fed from outside, which wakes the device
@@ -23,8 +26,14 @@ pub trait WireSource: Send {
 
 /// What the NIC transmits goes here.
 pub trait WireSink: Send {
-    /// One frame left the NIC.
-    fn transmit(&mut self, frame: &[u8]);
+    /// One frame left the NIC, with its offload ([`Offload::NONE`] unless
+    /// [`WireSink::takes_offload`]).
+    fn transmit(&mut self, frame: &[u8], off: Offload);
+    /// Whether the far end takes partial checksums and large TCP segments whole; if
+    /// not, the NIC's segmentation and checksum engines finish them first.
+    fn takes_offload(&self) -> bool {
+        false
+    }
 }
 
 /// No traffic.
@@ -32,7 +41,7 @@ pub trait WireSink: Send {
 pub struct Silence;
 
 impl WireSource for Silence {
-    fn poll(&mut self, _: Instant, _: &mut dyn FnMut(&[u8])) -> usize {
+    fn poll(&mut self, _: Instant, _: &mut dyn FnMut(&[u8], Offload)) -> usize {
         0
     }
     fn next_due(&self) -> Option<Instant> {
@@ -57,7 +66,7 @@ pub struct SinkCounters {
 }
 
 impl WireSink for CountingSink {
-    fn transmit(&mut self, frame: &[u8]) {
+    fn transmit(&mut self, frame: &[u8], _: Offload) {
         self.counters.frames.fetch_add(1, Ordering::Relaxed);
         self.counters
             .bytes
@@ -264,7 +273,7 @@ impl PacedSender {
 }
 
 impl WireSource for PacedSender {
-    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize {
+    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
         let start = *self.start.get_or_insert(now);
         let mut n = 0;
         while self.limit.is_none_or(|l| self.sent < l) {
@@ -293,7 +302,7 @@ impl WireSource for PacedSender {
                 // previous round's stamp for it.
                 p.sent((self.sent / fpm) as usize % PREBUILT);
             }
-            emit(&self.frames[off..off + len]);
+            emit(&self.frames[off..off + len], Offload::NONE);
             self.sent += 1;
             n += 1;
             self.counters.frames.fetch_add(1, Ordering::Relaxed);
@@ -333,7 +342,7 @@ mod tests {
     }
 
     fn poll(s: &mut PacedSender, at: Instant) -> usize {
-        s.poll(at, &mut |_| {})
+        s.poll(at, &mut |_, _| {})
     }
 
     #[test]

@@ -358,13 +358,21 @@ impl Kernel for DriverDomain {
         // 4. Completions: the NIC's TX ring, then the guests' mapped pages.
         nic.clean_tx(pool);
         pool.take_released(|r| tokens.push(r.token));
-        if !tokens.is_empty() {
+        let released = !tokens.is_empty();
+        if released {
             for vif in vifs.iter_mut() {
                 vif.tx_release(tokens.iter().copied());
             }
             tokens.clear();
         }
-        w.more = nic.napi_scheduled() || queues.iter().flatten().any(|&q| nic.vmq_scheduled(q));
+        // A vif whose TX stopped for want of pending entries (large packets hold many)
+        // goes on once some come back, without waiting for an event that may never
+        // come: its front end, its ring full, has nothing new to signal (Linux's
+        // zero-copy callback reschedules the vif's NAPI the same way).
+        let tx_waiting = released && vifs.iter_mut().any(|v| v.tx_pending());
+        w.more = tx_waiting
+            || nic.napi_scheduled()
+            || queues.iter().flatten().any(|&q| nic.vmq_scheduled(q));
         w
     }
 
@@ -373,6 +381,7 @@ impl Kernel for DriverDomain {
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
         c.add_set("driver", self.nic.stats());
+        c.add("driver", "tx_ring_used", u64::from(self.nic.tx_ring_used()));
         for vif in &self.vifs {
             let name = vif.name();
             c.add_set(&name, vif.stats());

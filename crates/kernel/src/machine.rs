@@ -63,7 +63,7 @@ pub enum Above {
     /// pvio's stack and the receiving application.
     App(AppSpec),
     /// A TAP: the guest's stack is its network namespace's.
-    Tap(TapPort),
+    Tap(Box<TapPort>),
     /// No netfront: a raw front end writing garbage into the rings
     /// ([`crate::hostile::HostileGuest`]), seeded.
     Hostile(u64),
@@ -421,7 +421,7 @@ impl Machine {
                         }
                         (Above::Tap(tap), Front::Net(b)) => {
                             let (front, pool) = *b;
-                            let k = TapGuest::new(&hv, &dom, front, pool, tap);
+                            let k = TapGuest::new(&hv, &dom, front, pool, *tap);
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (_, Front::Hostile(k)) => {

@@ -119,6 +119,9 @@ pub struct TapGuest {
     scratch: Vec<u8>,
     /// Frames from the TAP that did not fit a buffer.
     tx_dropped: u64,
+    /// Times a frame from the TAP waited: no page for it, or netfront's ring full.
+    tx_wait_pool: u64,
+    tx_wait_ring: u64,
 }
 
 impl TapGuest {
@@ -139,6 +142,8 @@ impl TapGuest {
             tap,
             scratch: vec![0; 65536],
             tx_dropped: 0,
+            tx_wait_pool: 0,
+            tx_wait_ring: 0,
         }
     }
 }
@@ -155,6 +160,8 @@ impl Kernel for TapGuest {
             tap,
             scratch,
             tx_dropped,
+            tx_wait_pool,
+            tx_wait_ring,
         } = self;
         let link = front.check_backend(pool);
         // Buffers a back end held when they were revoked come back once it lets go.
@@ -163,7 +170,7 @@ impl Kernel for TapGuest {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| {
                 let len = pool.len(skb).min(scratch.len());
                 if pool.read(skb, 0, &mut scratch[..len]).is_ok() {
-                    tap.send(&scratch[..len]);
+                    tap.send(&scratch[..len], pool.offload(skb));
                 }
                 pool.free(skb);
             }),
@@ -171,21 +178,33 @@ impl Kernel for TapGuest {
         };
         // A frame netfront cannot take yet (its ring or the pool is full) waits in the
         // TAP's queue: the stack behind it is held back, not dropped on.
-        w.tx = tap.recv(|frame| {
+        w.tx = tap.recv(|frame, off| {
             // A head of its own page, which netfront grants as it is (a shared 2 KiB
-            // head would be copied to one first).
+            // head would be copied to one first); a large frame goes on in whole pages.
             let Ok(skb) = pool.alloc_page_linear() else {
+                *tx_wait_pool += 1;
                 return false;
             };
-            if pool.put(skb, frame).is_err() {
-                pool.free(skb);
-                *tx_dropped += 1;
-                return true;
+            match pool.append(skb, frame) {
+                Ok(()) => {}
+                Err(net::skb::SkbError::Exhausted) => {
+                    // Out of pages: wait for completions, as for a full ring.
+                    pool.free(skb);
+                    *tx_wait_pool += 1;
+                    return false;
+                }
+                Err(_) => {
+                    pool.free(skb);
+                    *tx_dropped += 1;
+                    return true;
+                }
             }
+            pool.set_offload(skb, off);
             match front.xmit(pool, skb) {
                 Ok(()) => true,
                 Err(s) => {
                     pool.free(s);
+                    *tx_wait_ring += 1;
                     false
                 }
             }
@@ -198,6 +217,15 @@ impl Kernel for TapGuest {
         let mut c = Counters::default();
         c.add_set("netfront", self.front.stats());
         c.add("guest", "tx_dropped", self.tx_dropped);
+        c.add("guest", "tx_wait_pool", self.tx_wait_pool);
+        c.add("guest", "tx_wait_ring", self.tx_wait_ring);
+        c.add_set("guest pool", &self.pool.stats());
+        c.add("guest pool", "free_pages", self.pool.free_pages() as u64);
+        c.add(
+            "guest pool",
+            "free_buffers",
+            self.pool.free_buffers() as u64,
+        );
         c.add_set("guest tap", &**self.tap.counters());
         c
     }

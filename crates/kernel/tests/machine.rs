@@ -19,10 +19,10 @@ use smoltcp::wire::Ipv4Address;
 struct Frames(Vec<Vec<u8>>);
 
 impl WireSource for Frames {
-    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize {
+    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], net::offload::Offload)) -> usize {
         let n = self.0.len();
         for f in self.0.drain(..) {
-            emit(&f);
+            emit(&f, net::offload::Offload::NONE);
         }
         n
     }
@@ -250,10 +250,10 @@ impl Feed {
 }
 
 impl WireSource for Feed {
-    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8])) -> usize {
+    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], net::offload::Offload)) -> usize {
         let frames: Vec<_> = self.0.lock().expect("feed").drain(..).collect();
         for f in &frames {
-            emit(f);
+            emit(f, net::offload::Offload::NONE);
         }
         frames.len()
     }

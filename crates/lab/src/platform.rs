@@ -390,7 +390,7 @@ impl Running {
                     source: Box::new(p.wire),
                     sink: Box::new(sink),
                 };
-                (nic, Above::Tap(p.guest))
+                (nic, Above::Tap(Box::new(p.guest)))
             }
             None => {
                 let nic = NicSpec {

@@ -16,7 +16,10 @@ fn every_configuration_delivers_every_message_intact() {
     for (name, rx) in variants {
         for message in [52usize, 1472, 48000] {
             let mut o = Options::named(&name, message).expect("a named configuration");
-            o.rate = 20_000.0;
+            // Modest for an unoptimised build on a loaded two-core machine: at 20 000
+            // frames a second the 48000-byte messages of the linear front end began to
+            // overrun the NIC ring there (a debug build's driver domain too slow).
+            o.rate = 10_000.0;
             if let Some(rx) = rx {
                 o.rx_buffers = rx;
             }

@@ -23,10 +23,41 @@ struct IfReq {
     _pad: [u8; 22],
 }
 
+/// `IFF_VNET_HDR`: each frame is preceded by a `struct virtio_net_hdr`.
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+/// `_IOW('T', 208, unsigned int)`.
+const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
+/// `TUN_F_CSUM`: the reader takes frames with a partial checksum.
+const TUN_F_CSUM: libc::c_ulong = 0x01;
+/// `TUN_F_TSO4`: the reader takes TCP/IPv4 frames larger than the MTU (GSO).
+const TUN_F_TSO4: libc::c_ulong = 0x02;
+/// `TUN_F_TSO_ECN`: those may carry ECN (CWR is then the segmenter's business).
+const TUN_F_TSO_ECN: libc::c_ulong = 0x08;
+
+/// What a TAP's reader (pvio) can take from the kernel's stack, and so what that stack
+/// may leave undone: nothing, checksums, or checksums and TCP/IPv4 segmentation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TapOffload {
+    /// Plain frames, no header: every checksum complete, nothing above the MTU.
+    None,
+    /// Each frame behind a virtio-net header; partial checksums allowed.
+    Csum,
+    /// As `Csum`, and TCP/IPv4 segments of up to 64 KiB with their segment size.
+    CsumTso,
+}
+
 /// Creates (or attaches to) the TAP interface `name` in the calling thread's network
 /// namespace, without packet-information headers: each `read` returns one Ethernet
 /// frame, each `write` sends one. Returns the file and the name the kernel chose.
 pub fn open_tap(name: &str) -> io::Result<(File, String)> {
+    open_tap_offload(name, TapOffload::None)
+}
+
+/// As [`open_tap`], with the offloads `off` enabled: unless `None`, every frame read
+/// or written is preceded by a 10-byte virtio-net header (`IFF_VNET_HDR`, the
+/// kernel's default header size), and `TUNSETOFFLOAD` tells the kernel what pvio
+/// takes.
+pub fn open_tap_offload(name: &str, off: TapOffload) -> io::Result<(File, String)> {
     if name.len() >= IFNAMSIZ || name.bytes().any(|b| b == 0) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -39,13 +70,29 @@ pub fn open_tap(name: &str) -> io::Result<(File, String)> {
         .open("/dev/net/tun")?;
     let mut req = IfReq {
         name: [0; IFNAMSIZ],
-        flags: IFF_TAP | IFF_NO_PI,
+        flags: IFF_TAP
+            | IFF_NO_PI
+            | if off == TapOffload::None {
+                0
+            } else {
+                IFF_VNET_HDR
+            },
         _pad: [0; 22],
     };
     req.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: TUNSETIFF reads and writes one `struct ifreq`, which `req` is (40 bytes,
     // the name first, the flags at offset 16); `file` is an open /dev/net/tun.
     if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req as *mut IfReq) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let flags = match off {
+        TapOffload::None => 0,
+        TapOffload::Csum => TUN_F_CSUM,
+        TapOffload::CsumTso => TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO_ECN,
+    };
+    // SAFETY: TUNSETOFFLOAD takes its argument by value (an unsigned int of TUN_F_*
+    // flags); `file` is the TAP just attached.
+    if flags != 0 && unsafe { libc::ioctl(file.as_raw_fd(), TUNSETOFFLOAD, flags) } < 0 {
         return Err(io::Error::last_os_error());
     }
     let len = req.name.iter().position(|&b| b == 0).unwrap_or(IFNAMSIZ);

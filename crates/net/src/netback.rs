@@ -30,10 +30,10 @@ use ring::{BackRing, PageRing};
 
 use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
-    read_tx_packet, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats,
-    TxFatal, TxResponse, TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK,
-    NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_CSUM_BLANK,
-    NETTXF_DATA_VALIDATED, RING_IDS, RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
+    read_tx_packet, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal,
+    TxResponse, TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED,
+    NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_CSUM_BLANK, NETTXF_DATA_VALIDATED, RING_IDS,
+    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
 };
 use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS, MAX_OFFLOAD_LEN};
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
@@ -66,6 +66,11 @@ pub use ctrl::CTRL_WAITING;
 pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
 /// Default bound on a vif's receive queue, in bytes (Linux's `rx_queue_max`).
 pub const RX_QUEUE_BYTES: usize = 512 * 1024;
+/// Packets a vif's queue takes beyond [`RX_QUEUE_BYTES`]: the stopped device's queueing
+/// discipline (`XENVIF_QUEUE_LENGTH`, a vif's `tx_queue_len`). With 1500-byte frames
+/// it adds little; with 64 KiB GSO packets it is what keeps a burst of a TCP window
+/// from being dropped.
+pub const RX_QUEUE_BACKLOG: usize = 32;
 /// Bytes of a cache line: what aligned copies line source and destination up to.
 pub const CACHE_LINE: usize = 64;
 
@@ -154,6 +159,9 @@ pub struct VifStats {
     /// Control-ring requests answered with an error status (bad queue, length, list
     /// page or type).
     pub ctrl_errors: u64,
+    /// Times the TX action stopped with requests waiting because a packet's worth of
+    /// pending entries was not free (large packets hold many until sent).
+    pub tx_pending_stalls: u64,
     /// Offloads: large (GSO) packets taken from the guest.
     pub tx_gso_packets: u64,
     /// Offloads: GSO packets the guest sent without `NETTXF_csum_blank`, made partial
@@ -201,6 +209,7 @@ crate::counter_set!(VifStats {
     rx_transitive,
     ctrl_requests,
     ctrl_errors,
+    tx_pending_stalls,
     tx_gso_packets,
     tx_gso_csum_fixups,
     tx_offload_errors,
@@ -930,7 +939,7 @@ impl Vif {
             rx,
             ring_handles: [th, rh],
             slot_base,
-            rx_queue: SkbQueue::new(RX_QUEUE_BYTES),
+            rx_queue: SkbQueue::with_backlog(RX_QUEUE_BYTES, RX_QUEUE_BACKLOG),
             can_sg,
             gso_rx,
             csum_rx,
@@ -1064,8 +1073,7 @@ impl Vif {
         let off = pool.offload(skb);
         let whole = self.rx_carries_offload();
         let partial = matches!(off.csum, Csum::Partial { .. });
-        if (off.gso.is_some() && !(whole && self.gso_rx)) || (partial && !(whole && self.csum_rx))
-        {
+        if (off.gso.is_some() && !(whole && self.gso_rx)) || (partial && !(whole && self.csum_rx)) {
             self.rx_software_offload(pool, skb);
             return;
         }
@@ -1622,6 +1630,9 @@ impl Vif {
     /// that keeps its ring full of them must not hold this vCPU.
     fn tx_build(&mut self, pool: &mut SkbPool, budget: usize) {
         let mut chains = 0;
+        if self.pending_free.len() < FATAL_SKB_SLOTS {
+            self.stats.tx_pending_stalls += 1;
+        }
         while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
             let Some(verdict) = self.tx_take_chain() else {
                 break;

@@ -1104,10 +1104,9 @@ impl Netfront {
             // A packet's extras follow its first slot, whatever that slot's status
             // (`xennet_get_extras`): their slots are taken now, so that they are not
             // read as data.
-            let extras = (rsp.flags & NETRXF_EXTRA_INFO != 0
-                && self.partial.is_none()
-                && l.offload_rx)
-                .then(|| self.take_extras(pool));
+            let extras =
+                (rsp.flags & NETRXF_EXTRA_INFO != 0 && self.partial.is_none() && l.offload_rx)
+                    .then(|| self.take_extras(pool));
             let len = match check_rx_response(&rsp, &mut self.inflight) {
                 Ok(l) => l,
                 Err(e) => {

@@ -386,7 +386,10 @@ pub fn segment_tcpv4(
             fl &= !0x80; // CWR
         }
         f[t + 13] = fl;
-        let seg = L4 { frame_len: n, ..*l4 };
+        let seg = L4 {
+            frame_len: n,
+            ..*l4
+        };
         set_pseudo(f, &seg);
         fill_partial(f, t, seg.csum_offset)?;
         emit(f);
@@ -697,10 +700,7 @@ mod tests {
         let back = VnetHdr::parse(&b);
         assert_eq!(back, h);
         assert_eq!(back.to_offload(&f, f.len()), Ok(off));
-        let udp = VnetHdr {
-            gso_type: 3,
-            ..h
-        };
+        let udp = VnetHdr { gso_type: 3, ..h };
         assert_eq!(udp.to_offload(&f, f.len()), Err(OffloadError::BadGsoType));
         let ecn = VnetHdr {
             gso_type: VNET_GSO_TCPV4 | VNET_GSO_ECN,

@@ -142,6 +142,12 @@ pub struct PoolStats {
     /// Page allocations refused.
     pub page_failures: u64,
 }
+crate::counter_set!(PoolStats {
+    allocs,
+    alloc_failures,
+    page_allocs,
+    page_failures
+});
 
 /// A domain kernel's packet buffers and fragment pages, allocated once.
 #[derive(Debug)]
@@ -846,17 +852,30 @@ pub struct SkbQueue {
     len: usize,
     bytes: usize,
     limit: usize,
+    /// Packets taken beyond the byte limit, and how many may be.
+    over: usize,
+    backlog: usize,
 }
 
 impl SkbQueue {
     /// An empty queue holding at most `limit` bytes.
     pub fn new(limit: usize) -> Self {
+        Self::with_backlog(limit, 0)
+    }
+
+    /// An empty queue that takes packets while it holds less than `limit` bytes, and
+    /// then `backlog` more: Linux's netback queue, which stops its device at the byte
+    /// limit, and the device's queueing discipline in front of it (`tx_queue_len`
+    /// packets), which holds what comes meanwhile. A packet taken off lets one more in.
+    pub fn with_backlog(limit: usize, backlog: usize) -> Self {
         Self {
             head: None,
             tail: None,
             len: 0,
             bytes: 0,
             limit,
+            over: 0,
+            backlog,
         }
     }
     /// Buffers queued.
@@ -875,7 +894,10 @@ impl SkbQueue {
     pub fn push(&mut self, pool: &mut SkbPool, id: SkbId) -> Result<(), SkbId> {
         let n = pool.len(id);
         if self.bytes + n > self.limit && self.len > 0 {
-            return Err(id);
+            if self.over >= self.backlog {
+                return Err(id);
+            }
+            self.over += 1;
         }
         pool.set_next(id, None);
         match self.tail {
@@ -900,6 +922,7 @@ impl SkbQueue {
         }
         self.len -= 1;
         self.bytes -= pool.len(h);
+        self.over = self.over.saturating_sub(1);
         Some(h)
     }
     /// Frees everything queued.

@@ -12,8 +12,9 @@ use hv::{
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::{Grants, Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{
-    ExtraInfo, NETRXF_CSUM_BLANK, XEN_NETIF_EXTRA_FLAG_MORE, XEN_NETIF_GSO_TYPE_TCPV4, RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
-    NETTXF_MORE_DATA, RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL,
+    ExtraInfo, RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_CSUM_BLANK,
+    NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RX_COPY_MAX_SLOTS,
+    XEN_NETIF_EXTRA_FLAG_MORE, XEN_NETIF_GSO_TYPE_TCPV4, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL,
     XEN_NETIF_RSP_OKAY,
 };
 use net::skb::{Frag, FragPage, SkbPool, NET_SKB_PAD};

@@ -145,7 +145,10 @@ fn a_large_segment_crosses_whole_both_ways_with_its_size_and_a_blank_checksum() 
         csum: Csum::Valid,
         gso: None,
     };
-    assert_eq!(p.guest_receives(&plain, valid), vec![(plain.clone(), valid)]);
+    assert_eq!(
+        p.guest_receives(&plain, valid),
+        vec![(plain.clone(), valid)]
+    );
     let (small, soff) = common::partial(plain, None);
     assert_eq!(p.guest_receives(&small, soff), vec![(small, soff)]);
 }
@@ -168,7 +171,10 @@ fn a_front_end_without_offloads_gets_frames_cut_and_checksummed_by_netback() {
     }
     assert_eq!(payload, frame[54..], "every byte, in order");
     let st = p.vif.stats();
-    assert_eq!((st.rx_gso_segmented, st.rx_gso_segments), (1, got.len() as u64));
+    assert_eq!(
+        (st.rx_gso_segmented, st.rx_gso_segments),
+        (1, got.len() as u64)
+    );
     // A blank checksum is filled in.
     let (small, soff) = common::partial(common::tcp_frame(PEER_MAC, GUEST_MAC, 900, 1, 1), None);
     let got = p.guest_receives(&small, soff);

@@ -52,7 +52,7 @@ enum Command {
         /// flags below are then refused, the run's own (`--seconds`, `--pcap`, ...) kept.
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
-            "no_fragments", "grant_reuse", "multi_queue",
+            "no_fragments", "grant_reuse", "multi_queue", "no_offloads",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -83,6 +83,10 @@ enum Command {
         /// buffers (paper 000 §4.3).
         #[arg(long)]
         multi_queue: bool,
+        /// No checksum offload or GSO: both TAPs carry plain MTU-sized frames and
+        /// netfront offers neither (the path as paper 000 measured it).
+        #[arg(long)]
+        no_offloads: bool,
         /// Stop after this many seconds (default: at Ctrl-C).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
@@ -503,6 +507,7 @@ fn main() -> ExitCode {
             no_fragments,
             grant_reuse,
             multi_queue,
+            no_offloads,
             seconds,
             watchdog_ms,
             fault,
@@ -532,6 +537,7 @@ fn main() -> ExitCode {
                     },
                     grant_reuse,
                     multi_queue,
+                    offloads: !no_offloads,
                     pcap,
                     ..lab::up::UpConfig::default()
                 },
