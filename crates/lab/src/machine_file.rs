@@ -22,6 +22,7 @@
 //! name = "guest"
 //! rx_buffers = "fragments"      # or "linear", "guest-copy"
 //! grants = "per-io"             # or "reuse"
+//! offloads = true               # checksum offload and GSO (false: the plain path)
 //! tap = { namespace = "pvio-guest", address = "10.77.0.2/24" }
 //! ```
 //!
@@ -130,6 +131,7 @@ struct Guest {
     name: Option<String>,
     rx_buffers: Option<Buffers>,
     grants: Option<Grants>,
+    offloads: Option<bool>,
     #[serde(default)]
     tap: Endpoint,
 }
@@ -283,6 +285,9 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     if let Some(gr) = g.grants {
         cfg.grant_reuse = matches!(gr, Grants::Reuse);
     }
+    if let Some(o) = g.offloads {
+        cfg.offloads = o;
+    }
     if cfg.outside_ns == cfg.guest_ns {
         let span = g
             .tap
@@ -331,6 +336,7 @@ netfilter = false
 [[guest]]
 rx_buffers = "linear"
 grants = "reuse"
+offloads = false
 tap = { namespace = "g1", address = "10.9.0.2/24" }
 "#)
         .expect("a good file");
@@ -341,6 +347,7 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert!(cfg.coalesce.adaptive);
         assert_eq!(cfg.coalesce.max_delay, d.coalesce.max_delay);
         assert!(cfg.multi_queue && cfg.grant_reuse && !cfg.netfilter);
+        assert!(d.offloads && !cfg.offloads);
         assert_eq!(cfg.rx_buffers, RxBuffers::Linear);
         assert_eq!(
             (cfg.guest_ns.as_str(), cfg.guest_addr.as_str()),

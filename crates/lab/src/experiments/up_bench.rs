@@ -5,8 +5,9 @@
 //! outside namespace and the guest's, three times over: through `pvio up` (the NIC
 //! model's cable on one TAP, netback and netfront, the guest's frames on another TAP),
 //! through a veth pair with its offloads off (checksum, TSO, GSO, GRO: every segment
-//! crosses as a frame of at most the MTU, as through pvio today), and through the same
-//! pair with its offloads on. Ratios are taken per round. Before the iperf3 runs, an
+//! crosses as a frame of at most the MTU), through the same pair with its offloads on,
+//! and through `pvio up --no-offloads` (the path without checksum offload and GSO, to
+//! show what they bring). Ratios are taken per round. Before the iperf3 runs, an
 //! 8 MiB seeded stream crosses pvio each way and is checked byte for byte (`pvio
 //! tcp-source` / `tcp-sink`; iperf3 does not look at its bytes).
 
@@ -31,15 +32,17 @@ enum Path {
     Pvio,
     VethOff,
     VethOn,
+    PvioPlain,
 }
 
 impl Path {
-    const ALL: [Path; 3] = [Path::Pvio, Path::VethOff, Path::VethOn];
+    const ALL: [Path; 4] = [Path::Pvio, Path::VethOff, Path::VethOn, Path::PvioPlain];
     fn name(self) -> &'static str {
         match self {
             Path::Pvio => "pvio up",
             Path::VethOff => "veth, offloads off",
             Path::VethOn => "veth, offloads on",
+            Path::PvioPlain => "pvio up --no-offloads",
         }
     }
 }
@@ -229,8 +232,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "iperf3 (-J, {secs} s a run, one stream) between two network namespaces: through `pvio \
          up` (outside namespace → TAP → NIC model → driver domain's bridge and netback → \
          netfront → TAP in the guest's namespace; its defaults: page fragments, a grant per \
-         I/O, netfilter hooks on), and through a veth pair with ethtool's tx, rx, tso, gso \
-         and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
+         I/O, netfilter hooks on, checksum offload and GSO: TAPs with a virtio-net header, \
+         large TCP segments whole over the rings, cut by the NIC's segmentation engine for \
+         the cable), through the same with --no-offloads, and through a veth pair with \
+         ethtool's tx, rx, tso, gso and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
          flow once and ratios are taken within the round. Before the rounds an 8 MiB seeded \
          stream crosses pvio each way, checked byte for byte."
     );
@@ -269,9 +274,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             let _machine;
             let veth;
             let (o, g, addr) = match path {
-                Path::Pvio => {
-                    _machine = up(&cfg)?;
-                    if intact.is_none() {
+                Path::Pvio | Path::PvioPlain => {
+                    _machine = up(&UpConfig {
+                        offloads: path == Path::Pvio,
+                        ..cfg.clone()
+                    })?;
+                    if intact.is_none() && path == Path::Pvio {
                         if let Some(exe) = pvio_exe() {
                             let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
                             intact = Some(
@@ -311,6 +319,15 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         let x_on = crate::stats::ratio_median(&rates[0][fi], &on).unwrap_or(f64::NAN);
         rep.row(flow.name(), Path::Pvio.name(), "Gbit/s", &rates[0][fi])
             .ratio = Some((Path::VethOff.name().into(), x_off));
+        let x_plain = crate::stats::ratio_median(&rates[0][fi], &rates[3][fi]).unwrap_or(f64::NAN);
+        let x_plain_off = crate::stats::ratio_median(&rates[3][fi], &off).unwrap_or(f64::NAN);
+        rep.row(flow.name(), Path::PvioPlain.name(), "Gbit/s", &rates[3][fi])
+            .ratio = Some((Path::VethOff.name().into(), x_plain_off));
+        rep.notes.push(format!(
+            "{}: offloads take pvio to {x_plain:.2}× its own path without them (median of \
+             per-round ratios).",
+            flow.name()
+        ));
         if flow != Flow::UdpIn {
             rep.check(
                 &format!(
