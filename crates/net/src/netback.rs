@@ -246,6 +246,10 @@ pub struct RingOccupancy {
     pub rx: u32,
     /// Slots in each ring.
     pub size: u32,
+    /// TX requests published and not yet taken.
+    pub tx_waiting: u32,
+    /// Pending entries free (each slot of a packet in flight holds one).
+    pub pending_free: u32,
 }
 
 impl crate::counters::CounterSet for RingOccupancy {
@@ -253,6 +257,8 @@ impl crate::counters::CounterSet for RingOccupancy {
         f("tx_ring_used", u64::from(self.tx));
         f("rx_ring_used", u64::from(self.rx));
         f("ring_size", u64::from(self.size));
+        f("tx_waiting", u64::from(self.tx_waiting));
+        f("pending_free", u64::from(self.pending_free));
     }
 }
 
@@ -1002,6 +1008,8 @@ impl Vif {
             tx: self.tx.occupancy(),
             rx: self.rx.occupancy(),
             size: self.tx.size(),
+            tx_waiting: self.tx.occupancy().saturating_sub(self.tx.unanswered()),
+            pending_free: self.pending_free.len() as u32,
         }
     }
 
