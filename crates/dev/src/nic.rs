@@ -510,6 +510,10 @@ struct Device {
     /// (or from a packet being sent).
     scratch: Vec<u8>,
     seg: Vec<u8>,
+    /// The descriptors one received frame takes and the bytes each gets (reused, not
+    /// zeroed per frame).
+    rx_descs: [(Iova, Desc); MAX_RX_DESCS_PER_FRAME],
+    rx_lens: [u16; MAX_RX_DESCS_PER_FRAME],
 }
 
 /// The device's own state of one receive queue.
@@ -646,6 +650,8 @@ impl Device {
             tx_off: Offload::NONE,
             scratch: vec![0; 65536],
             seg: vec![0; 2048],
+            rx_descs: [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME],
+            rx_lens: [0; MAX_RX_DESCS_PER_FRAME],
         }
     }
 
@@ -846,7 +852,7 @@ impl Device {
             return;
         }
         let base = qr.base.load(Ordering::Relaxed);
-        let mut descs = [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME];
+        let (descs, lens) = (&mut self.rx_descs, &mut self.rx_lens);
         let (mut k, mut room, mut h) = (0, 0usize, head);
         while room < frame.len().max(1) {
             if h == tail || k == MAX_RX_DESCS_PER_FRAME {
@@ -873,7 +879,6 @@ impl Device {
         // Data first. A write that faults (part of it may have landed) completes every
         // descriptor of the frame with the error bit and no length, so the driver
         // drops it and recycles the buffers instead of handing up what they held.
-        let mut lens = [0u16; MAX_RX_DESCS_PER_FRAME];
         let mut done = 0;
         let mut failed = false;
         for (j, (_, d)) in descs[..k].iter().enumerate() {

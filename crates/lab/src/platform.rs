@@ -480,11 +480,6 @@ impl Running {
         self.machine.restart_driver_domain().map_err(other)
     }
 
-    /// The hypervisor the machine runs on.
-    pub fn hypervisor(&self) -> &Arc<hv::Hypervisor> {
-        &self.hv
-    }
-
     /// A domain of the machine, by name (the current driver domain is `driver`).
     pub fn domain(&self, name: &str) -> Option<Arc<hv::Domain>> {
         self.machine

@@ -1591,27 +1591,17 @@ impl Vif {
         if off.gso.is_none() && !partial {
             return true;
         }
-        let len = pool.len(skb);
         let mut head = [0u8; MAX_HEADERS];
-        let h = len.min(MAX_HEADERS);
-        let r = pool
-            .read(skb, 0, &mut head[..h])
-            .map_err(|_| OffloadError::Truncated)
-            .and_then(|()| crate::offload::checksum_setup(&head[..h], len))
-            .and_then(|l4| match off.gso {
-                Some(g) => crate::offload::check_gso(g, &l4).map(|()| l4),
-                None => Ok(l4),
-            })
-            .and_then(|l4| {
-                if !partial {
-                    // The pseudo-header sum goes into the field, in the copied head.
-                    let sum = crate::offload::pseudo_sum(&head[..h], &l4);
-                    pool.write_linear(skb, l4.l4 + l4.csum_offset, &sum.to_be_bytes())
-                        .map_err(|_| OffloadError::Truncated)?;
-                    self.stats.tx_gso_csum_fixups += 1;
-                }
-                Ok(l4)
-            });
+        let r = crate::offload::locate(pool, skb, off.gso, &mut head).and_then(|l4| {
+            if !partial {
+                // The pseudo-header sum goes into the field, in the copied head.
+                let sum = crate::offload::pseudo_sum(&head, &l4);
+                pool.write_linear(skb, l4.l4 + l4.csum_offset, &sum.to_be_bytes())
+                    .map_err(|_| OffloadError::Truncated)?;
+                self.stats.tx_gso_csum_fixups += 1;
+            }
+            Ok(l4)
+        });
         match r {
             Ok(l4) => {
                 pool.set_offload(

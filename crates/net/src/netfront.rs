@@ -40,7 +40,7 @@ use crate::netif::{
     XEN_NETIF_EXTRA_TYPE_GSO, XEN_NETIF_EXTRA_TYPE_MAX, XEN_NETIF_EXTRA_TYPE_NONE,
     XEN_NETIF_GSO_TYPE_TCPV4, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
 };
-use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS, MAX_OFFLOAD_LEN};
+use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS};
 use crate::skb::{Frag, FragPage, Held, SegPage, SkbId, SkbPool, MAX_SKB_FRAGS, NET_SKB_PAD};
 use crate::xenbus::{self, XenbusError};
 
@@ -388,18 +388,8 @@ fn finish_offload(pool: &mut SkbPool, skb: SkbId) -> Result<(), OffloadError> {
     if off.gso.is_none() && !partial {
         return Ok(());
     }
-    let len = pool.len(skb);
-    if len > MAX_OFFLOAD_LEN {
-        return Err(OffloadError::TooLong);
-    }
     let mut head = [0u8; MAX_HEADERS];
-    let h = len.min(MAX_HEADERS);
-    pool.read(skb, 0, &mut head[..h])
-        .map_err(|_| OffloadError::Truncated)?;
-    let l4 = crate::offload::checksum_setup(&head[..h], len)?;
-    if let Some(g) = off.gso {
-        crate::offload::check_gso(g, &l4)?;
-    }
+    let l4 = crate::offload::locate(pool, skb, off.gso, &mut head)?;
     let csum = if partial { l4.partial() } else { off.csum };
     pool.set_offload(skb, Offload { csum, gso: off.gso });
     Ok(())

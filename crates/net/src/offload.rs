@@ -275,6 +275,30 @@ pub fn check_gso(g: Gso, l4: &L4) -> Result<(), OffloadError> {
     Ok(())
 }
 
+/// Reads a packet buffer's headers into `head` and finds its transport header there
+/// ([`checksum_setup`]), checking `gso` against it and the packet's length against
+/// [`MAX_OFFLOAD_LEN`]: what netback and netfront do for a packet that arrived with a
+/// blank checksum or GSO, whose checksum's place the ring does not carry.
+pub fn locate(
+    pool: &crate::skb::SkbPool,
+    skb: crate::skb::SkbId,
+    gso: Option<Gso>,
+    head: &mut [u8; MAX_HEADERS],
+) -> Result<L4, OffloadError> {
+    let len = pool.len(skb);
+    if len > MAX_OFFLOAD_LEN {
+        return Err(OffloadError::TooLong);
+    }
+    let h = len.min(MAX_HEADERS);
+    pool.read(skb, 0, &mut head[..h])
+        .map_err(|_| OffloadError::Truncated)?;
+    let l4 = checksum_setup(&head[..h], len)?;
+    if let Some(g) = gso {
+        check_gso(g, &l4)?;
+    }
+    Ok(l4)
+}
+
 /// The pseudo-header sum a partial checksum's field holds (not complemented), for the
 /// IPv4 header at `frame[l3..]` and a transport length of `l4_len_total` bytes.
 pub fn pseudo_sum(frame: &[u8], l4: &L4) -> u16 {
