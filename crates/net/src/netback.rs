@@ -722,6 +722,11 @@ pub struct Vif {
     unmaps: Unmaps,
     pending: Box<[Pending]>,
     pending_free: Vec<u16>,
+    /// `req_event` on the TX ring is armed for the next request: the last look found
+    /// the ring empty and nothing has been taken since. A build that stops early (its
+    /// budget, or too few pending entries) leaves it stale, and the front end then
+    /// sends no event for what it adds; [`Vif::tx_pending`] arms it again.
+    tx_armed: bool,
     tx_check: TxCheckStats,
     stats: VifStats,
     disabled: Option<Disabled>,
@@ -967,6 +972,7 @@ impl Vif {
             },
             pending: vec![Pending::default(); MAX_PENDING].into_boxed_slice(),
             pending_free: (0..MAX_PENDING as u16).rev().collect(),
+            tx_armed: false,
             tx_check: TxCheckStats::default(),
             stats: VifStats::default(),
             disabled: None,
@@ -1658,13 +1664,17 @@ impl Vif {
             match self.tx.requests_available() {
                 Ok(0) => match self.tx.final_check_for_requests() {
                     Ok(true) => continue,
-                    Ok(false) => return None,
+                    Ok(false) => {
+                        self.tx_armed = true;
+                        return None;
+                    }
                     Err(_) => break None,
                 },
                 Ok(a) => break Some(a),
                 Err(_) => break None,
             }
         };
+        self.tx_armed = false;
         let first = avail.and_then(|_| self.tx.take_request().ok().flatten());
         let (Some(avail), Some(first)) = (avail, first) else {
             self.disable(Disabled::RingBroken);
@@ -2092,9 +2102,27 @@ impl Vif {
         let _ = self.tx.push_response(&TxResponse { id: p.id, status });
     }
 
-    /// Whether the guest has published TX requests not yet taken.
+    /// Whether the guest has published TX requests not yet taken. When there are none
+    /// and `req_event` went stale (a build that stopped early), it is armed and the ring
+    /// looked at once more (`RING_FINAL_CHECK_FOR_REQUESTS`, as Linux's netback does
+    /// before it stops polling): the front end then signals its next request. Without
+    /// it, a vif that ran out of pending entries and then found its ring empty slept
+    /// through every request the front end added after, until some other event came.
     pub fn tx_pending(&mut self) -> bool {
-        self.disabled.is_none() && self.tx.requests_available().is_ok_and(|n| n > 0)
+        if self.disabled.is_some() {
+            return false;
+        }
+        match self.tx.requests_available() {
+            Ok(0) if !self.tx_armed => match self.tx.final_check_for_requests() {
+                Ok(more) => {
+                    self.tx_armed = !more;
+                    more
+                }
+                Err(_) => false,
+            },
+            Ok(n) => n > 0,
+            Err(_) => false,
+        }
     }
 
     /// Tears the vif down: frees its queue, unmaps whatever it still maps (answering

@@ -1006,3 +1006,42 @@ fn a_frame_through_the_bridge_to_a_direct_vif_is_written_into_a_mapped_buffer_no
     assert_eq!(p.vif.rx_action(&mut p.dpool), 2);
     assert_eq!(take_all(&mut p), frames[reserve..]);
 }
+
+/// A back end that stops taking requests before it has seen its ring empty (its budget
+/// ran out, or its pending entries) has not armed `req_event`, so the front end would
+/// send no event for what it adds next. Once it looks and finds the ring empty, as the
+/// driver domain's poll does before it goes idle, the guest's next request signals it.
+#[test]
+fn a_vif_that_stopped_early_is_signalled_by_the_guests_next_request_once_its_ring_is_empty() {
+    let mut p = pair(GrantVersion::V2, GrantPath::Optimised);
+    let send = |p: &mut Pair, seed: u8| {
+        let f: Vec<u8> = (0..1514).map(|i| (i as u8).wrapping_mul(seed)).collect();
+        let s = p.gpool.alloc(NET_SKB_PAD).expect("skb");
+        p.gpool.put(s, &f).expect("put");
+        p.front.xmit(&mut p.gpool, s).expect("ring has room");
+    };
+    for k in 0..4 {
+        send(&mut p, k);
+    }
+    let mut out: Vec<SkbId> = Vec::new();
+    // Exactly the budget: every request taken, the ring never seen empty.
+    assert_eq!(p.vif.tx_action(&mut p.dpool, 4, |_, s| out.push(s)), 4);
+    p.drv.take_pending(0, |_| {});
+    assert!(!p.drv.evtchn_is_pending(p.vif.port()).expect("port"));
+    assert!(!p.vif.tx_pending(), "the ring is empty");
+    send(&mut p, 9);
+    assert!(
+        p.drv.evtchn_is_pending(p.vif.port()).expect("port"),
+        "the request after the back end found its ring empty is signalled"
+    );
+    assert_eq!(p.vif.tx_action(&mut p.dpool, 64, |_, s| out.push(s)), 1);
+    for s in out {
+        p.dpool.free(s);
+    }
+    let mut tokens = Vec::new();
+    p.dpool.take_released(|r| tokens.push(r.token));
+    p.vif.tx_release(tokens);
+    p.front.poll_tx(&mut p.gpool);
+    assert_eq!(p.front.stats().tx_packets, 5);
+    assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
+}
