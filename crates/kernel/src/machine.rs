@@ -86,6 +86,10 @@ pub struct GuestSpec {
     pub offloads: bool,
     /// What runs above netfront.
     pub above: Above,
+    /// The core its vCPU is pinned to; by default the guests take the cores after the
+    /// driver domain's, one each (core 1, 2, ...). A core the machine does not have
+    /// leaves the vCPU floating.
+    pub core: Option<usize>,
 }
 
 /// Which domains, and what each runs.
@@ -412,7 +416,7 @@ impl Machine {
                 )?;
                 let each = guests.into_iter().zip(doms).zip(fronts);
                 for (i, ((g, dom), front)) in each.enumerate() {
-                    let at = start(core(1 + i));
+                    let at = start(core(g.core.unwrap_or(1 + i)));
                     match (g.above, front) {
                         (Above::App(app), Front::Net(b)) => {
                             let (front, pool) = *b;

@@ -111,6 +111,7 @@ impl Kernel for PvGuest {
 /// TAP's stack sends go out through netfront.
 #[derive(Debug)]
 pub struct TapGuest {
+    dom: Arc<Domain>,
     front: Netfront,
     pool: SkbPool,
     tap: TapPort,
@@ -137,6 +138,7 @@ impl TapGuest {
         let (h, g) = (Arc::clone(hv), Arc::clone(dom));
         tap.set_wake(move || h.kick_vcpu(&g, 0));
         Self {
+            dom: Arc::clone(dom),
             front,
             pool,
             tap,
@@ -162,6 +164,7 @@ impl Kernel for TapGuest {
             tx_dropped,
             tx_wait_pool,
             tx_wait_ring,
+            ..
         } = self;
         let link = front.check_backend(pool);
         // Buffers a back end held when they were revoked come back once it lets go.
@@ -213,20 +216,21 @@ impl Kernel for TapGuest {
         w
     }
 
+    /// Named after its domain (`guest`, `guest netfront`, `guest pool`, `guest tap`),
+    /// so that the guests of one machine each have their own.
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
-        c.add_set("netfront", self.front.stats());
-        c.add("guest", "tx_dropped", self.tx_dropped);
-        c.add("guest", "tx_wait_pool", self.tx_wait_pool);
-        c.add("guest", "tx_wait_ring", self.tx_wait_ring);
-        c.add_set("guest pool", &self.pool.stats());
-        c.add("guest pool", "free_pages", self.pool.free_pages() as u64);
-        c.add(
-            "guest pool",
-            "free_buffers",
-            self.pool.free_buffers() as u64,
-        );
-        c.add_set("guest tap", &**self.tap.counters());
+        let name = self.dom.name();
+        let part = |p: &str| format!("{name} {p}");
+        c.add_set(&part("netfront"), self.front.stats());
+        c.add(name, "tx_dropped", self.tx_dropped);
+        c.add(name, "tx_wait_pool", self.tx_wait_pool);
+        c.add(name, "tx_wait_ring", self.tx_wait_ring);
+        let pool = part("pool");
+        c.add_set(&pool, &self.pool.stats());
+        c.add(&pool, "free_pages", self.pool.free_pages() as u64);
+        c.add(&pool, "free_buffers", self.pool.free_buffers() as u64);
+        c.add_set(&part("tap"), &**self.tap.counters());
         c
     }
 

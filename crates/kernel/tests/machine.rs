@@ -118,6 +118,7 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
             grants: Grants::PerIo,
             offloads: false,
             above: Above::App(a),
+            core: None,
         });
     }
     // Interleaved, so the bridge switches between vifs frame by frame.
@@ -181,6 +182,7 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
                     grants: Grants::PerIo,
                     offloads: false,
                     above: Above::App(a),
+                    core: None,
                 }],
             },
         };
@@ -206,6 +208,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
         grants: Grants::PerIo,
         offloads: false,
         above: Above::App(spec2),
+        core: None,
     }];
     for h in [3u8, 4] {
         guests.push(GuestSpec {
@@ -215,6 +218,7 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
             grants: Grants::PerIo,
             offloads: false,
             above: Above::App(app(flow_to(h), 100).0),
+            core: None,
         });
     }
     let m = Machine::start(spec(
@@ -303,6 +307,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
                     grants: Grants::PerIo,
                     offloads: false,
                     above: Above::App(a),
+                    core: None,
                 }],
             },
         )

@@ -18,18 +18,22 @@
 //! namespace = "pvio-outside"
 //! address = "10.77.0.1/24"
 //!
-//! [[guest]]
-//! name = "guest"
+//! [[guest]]                     # one table per guest, in the order they are made
+//! name = "guest"                # its domain's name; "guest", "guest2", ... by default
 //! rx_buffers = "fragments"      # or "linear", "guest-copy"
 //! grants = "per-io"             # or "reuse"
 //! offloads = true               # checksum offload and GSO (false: the plain path)
+//! core = 1                      # its vCPU's core; by default the guests take the cores
+//!                               # after the driver domain's (core 0), one each
 //! tap = { namespace = "pvio-guest", address = "10.77.0.2/24" }
 //! ```
 //!
 //! Every key is optional but `[[guest]]`: what a file leaves out is the built-in
-//! machine's (`pvio up` with no flags). A key the format does not have, a value of the
-//! wrong type or out of range, or a second guest, is refused before anything starts,
-//! with the key and its line.
+//! machine's (`pvio up` with no flags), the nth guest's namespace and address
+//! `pvio-guest<n>` and 10.77.0.<n+1>/24. A key the format does not have, a value of the
+//! wrong type or out of range, or two guests (or a guest and the outside) sharing a
+//! name, namespace or address, is refused before anything starts, with the key and its
+//! line.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -38,7 +42,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::up::UpConfig;
+use crate::up::{UpConfig, UpGuest};
 use crate::RxBuffers;
 
 /// Why a machine file was refused.
@@ -127,11 +131,11 @@ struct Endpoint {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Guest {
-    #[allow(dead_code)]
-    name: Option<String>,
+    name: Option<Spanned<String>>,
     rx_buffers: Option<Buffers>,
     grants: Option<Grants>,
     offloads: Option<bool>,
+    core: Option<Spanned<u32>>,
     #[serde(default)]
     tap: Endpoint,
 }
@@ -263,45 +267,87 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         &mut cfg.outside_addr,
     )?;
     let guests = f.guest.get_ref();
-    match guests.len() {
-        1 => {}
-        n => {
-            return Err(refuse(
-                f.guest.span(),
-                "guest",
-                format!("{n} guests: `pvio up` runs one guest so far"),
-            ))
-        }
-    }
-    let g = &guests[0];
-    endpoint(&g.tap, "guest.tap", &mut cfg.guest_ns, &mut cfg.guest_addr)?;
-    if let Some(b) = g.rx_buffers {
-        cfg.rx_buffers = match b {
-            Buffers::Fragments => RxBuffers::Fragments,
-            Buffers::Linear => RxBuffers::Linear,
-            Buffers::GuestCopy => RxBuffers::GuestCopy,
-        };
-    }
-    if let Some(gr) = g.grants {
-        cfg.grant_reuse = matches!(gr, Grants::Reuse);
-    }
-    if let Some(o) = g.offloads {
-        cfg.offloads = o;
-    }
-    if cfg.outside_ns == cfg.guest_ns {
-        let span = g
-            .tap
-            .namespace
-            .as_ref()
-            .map_or(f.guest.span(), Spanned::span);
+    if guests.is_empty() || guests.len() > MAX_GUESTS {
         return Err(refuse(
-            span,
-            "guest.tap.namespace",
-            format!("{:?} is the outside's namespace too", cfg.guest_ns),
+            f.guest.span(),
+            "guest",
+            format!("{} guests: from 1 to {MAX_GUESTS}", guests.len()),
         ));
+    }
+    cfg.guests.clear();
+    for (i, g) in guests.iter().enumerate() {
+        let mut u = UpGuest::nth(i);
+        if let Some(n) = &g.name {
+            let name = n.get_ref();
+            if name.is_empty()
+                || name.len() > 64
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(refuse(
+                    n.span(),
+                    "guest.name",
+                    format!("{name:?}: letters, digits, '-' and '_', at most 64"),
+                ));
+            }
+            if name == "driver" {
+                return Err(refuse(
+                    n.span(),
+                    "guest.name",
+                    "\"driver\" is the driver domain's name".into(),
+                ));
+            }
+            u.name.clone_from(name);
+        }
+        endpoint(&g.tap, "guest.tap", &mut u.ns, &mut u.addr)?;
+        if let Some(b) = g.rx_buffers {
+            u.rx_buffers = match b {
+                Buffers::Fragments => RxBuffers::Fragments,
+                Buffers::Linear => RxBuffers::Linear,
+                Buffers::GuestCopy => RxBuffers::GuestCopy,
+            };
+        }
+        if let Some(gr) = g.grants {
+            u.grant_reuse = matches!(gr, Grants::Reuse);
+        }
+        if let Some(o) = g.offloads {
+            u.offloads = o;
+        }
+        if let Some(c) = &g.core {
+            if *c.get_ref() as usize >= MAX_CORES {
+                return Err(refuse(
+                    c.span(),
+                    "guest.core",
+                    format!("{}: a core number below {MAX_CORES}", c.get_ref()),
+                ));
+            }
+            u.core = Some(*c.get_ref() as usize);
+        }
+        cfg.guests.push(u);
+        // What two guests, or a guest and the outside, cannot share; refused at this
+        // guest's table, named by the key that clashes.
+        let span = |key: Option<&Spanned<String>>| key.map_or(f.guest.span(), Spanned::span);
+        if let Err(e) = crate::up::check(&cfg) {
+            let key = if e.to_string().contains("namespace") {
+                ("guest.tap.namespace", span(g.tap.namespace.as_ref()))
+            } else if e.to_string().contains("address") {
+                ("guest.tap.address", span(g.tap.address.as_ref()))
+            } else {
+                ("guest.name", span(g.name.as_ref()))
+            };
+            return Err(refuse(key.1, key.0, e.to_string()));
+        }
     }
     Ok(cfg)
 }
+
+/// The most guests a file may have (the driver domain's window has room for this
+/// many vifs' mappings, and no example needs more).
+pub const MAX_GUESTS: usize = 32;
+
+/// Core numbers a file may name (a vCPU on a core the machine lacks floats).
+const MAX_CORES: usize = 1024;
 
 /// `a.b.c.d/n`.
 fn is_cidr(s: &str) -> bool {
@@ -346,14 +392,34 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert_eq!(cfg.coalesce.pkts_per_irq, 32);
         assert!(cfg.coalesce.adaptive);
         assert_eq!(cfg.coalesce.max_delay, d.coalesce.max_delay);
-        assert!(cfg.multi_queue && cfg.grant_reuse && !cfg.netfilter);
-        assert!(d.offloads && !cfg.offloads);
-        assert_eq!(cfg.rx_buffers, RxBuffers::Linear);
+        assert!(cfg.multi_queue && cfg.guest().grant_reuse && !cfg.netfilter);
+        assert!(d.guest().offloads && !cfg.guest().offloads);
+        assert_eq!(cfg.guest().rx_buffers, RxBuffers::Linear);
         assert_eq!(
-            (cfg.guest_ns.as_str(), cfg.guest_addr.as_str()),
+            (cfg.guest().ns.as_str(), cfg.guest().addr.as_str()),
             ("g1", "10.9.0.2/24")
         );
         assert_eq!(cfg.outside_ns, d.outside_ns, "the outside left as built in");
+    }
+
+    #[test]
+    fn each_guest_table_is_a_guest_with_its_own_defaults() {
+        let cfg = p(r#"
+[[guest]]
+[[guest]]
+name = "b"
+grants = "reuse"
+core = 3
+"#)
+        .expect("two guests");
+        assert_eq!(cfg.guests.len(), 2);
+        assert_eq!(cfg.guests[0], UpGuest::nth(0));
+        let b = &cfg.guests[1];
+        assert_eq!(
+            (b.name.as_str(), b.ns.as_str(), b.addr.as_str()),
+            ("b", "pvio-guest2", "10.77.0.3/24")
+        );
+        assert!(b.grant_reuse && b.offloads && b.core == Some(3));
     }
 
     #[test]
@@ -380,7 +446,23 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
                 "guest.tap.address",
                 2,
             ),
-            ("[[guest]]\n[[guest]]\n", "guest", 1),
+            (
+                "[[guest]]\n[[guest]]\ntap = { namespace = \"pvio-guest\" }\n",
+                "guest.tap.namespace",
+                3,
+            ),
+            (
+                "[[guest]]\n[[guest]]\ntap = { address = \"10.77.0.2/16\" }\n",
+                "guest.tap.address",
+                3,
+            ),
+            (
+                "[[guest]]\nname = \"a\"\n[[guest]]\nname = \"a\"\n",
+                "guest.name",
+                4,
+            ),
+            ("[[guest]]\nname = \"driver\"\n", "guest.name", 2),
+            ("[[guest]]\ncore = -1\n", "core", 2),
             ("[driver]\nnetfilter = true\n", "guest", 0),
             ("[[guest]]\ngrants = \"machine-frames\"\n", "grants", 2),
         ] {

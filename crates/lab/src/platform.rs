@@ -344,15 +344,34 @@ fn other(e: impl std::fmt::Display) -> LabError {
 }
 
 /// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on one TAP instead
-/// of the paced sender, and the guest's received frames handed to another TAP (whose
-/// network namespace's Linux stack is the guest's stack) instead of pvio's stack and
-/// application. Frames the guest's stack sends go out through netfront.
+/// of the paced sender, and each guest's received frames handed to a TAP of its own
+/// (whose network namespace's Linux stack is that guest's stack) instead of pvio's
+/// stack and application. Frames a guest's stack sends go out through its netfront.
 #[derive(Debug)]
 pub struct Plumbing {
     /// The NIC's far end.
     pub wire: TapPort,
-    /// The guest's stack.
-    pub guest: TapPort,
+    /// The guests, each on its TAP, in the order their domains are made.
+    pub guests: Vec<TapGuestSpec>,
+}
+
+/// A guest of a machine on real interfaces: its TAP and its netfront's settings.
+#[derive(Debug)]
+pub struct TapGuestSpec {
+    /// Its domain's name (its counters carry it).
+    pub name: String,
+    /// Its vif's MAC (the TAP's address in its namespace).
+    pub mac: [u8; 6],
+    /// The TAP whose namespace's stack is the guest's.
+    pub tap: TapPort,
+    /// What its netfront posts.
+    pub rx_buffers: RxBuffers,
+    /// How its netfront gives pages to netback.
+    pub grants: Grants,
+    /// Checksum offload and GSO on its netfront (its TAP opened for them).
+    pub offloads: bool,
+    /// Its vCPU's core (by default the next after the previous guest's).
+    pub core: Option<usize>,
 }
 
 impl Running {
@@ -386,7 +405,7 @@ impl Running {
             counters: Arc::clone(&app),
             latency: latency.clone(),
         };
-        let (nic, above) = match plumbing {
+        let (nic, guests) = match plumbing {
             Some(mut p) => {
                 let sink = p.wire.sink().map_err(other)?;
                 let nic = NicSpec {
@@ -394,7 +413,20 @@ impl Running {
                     source: Box::new(p.wire),
                     sink: Box::new(sink),
                 };
-                (nic, Above::Tap(Box::new(p.guest)))
+                let guests = p
+                    .guests
+                    .into_iter()
+                    .map(|g| GuestSpec {
+                        name: g.name,
+                        mac: g.mac,
+                        rx_buffers: g.rx_buffers,
+                        grants: g.grants,
+                        offloads: g.offloads,
+                        above: Above::Tap(Box::new(g.tap)),
+                        core: g.core,
+                    })
+                    .collect();
+                (nic, guests)
             }
             None => {
                 let nic = NicSpec {
@@ -402,7 +434,26 @@ impl Running {
                     source: Box::new(sender),
                     sink: Box::new(CountingSink::default()),
                 };
-                (nic, Above::App(app_spec.clone()))
+                let guests = std::iter::once(GuestSpec {
+                    name: "guest".into(),
+                    mac: f.dst_mac,
+                    rx_buffers: opts.rx_buffers,
+                    grants: opts.grants,
+                    offloads: opts.offloads,
+                    above: Above::App(app_spec.clone()),
+                    core: None,
+                })
+                .chain((0..opts.hostile).map(|i| GuestSpec {
+                    name: format!("hostile{i}"),
+                    mac: [0x02, 0, 0, 0, 0xee, i as u8],
+                    rx_buffers: RxBuffers::Fragments,
+                    grants: Grants::PerIo,
+                    offloads: false,
+                    above: Above::Hostile(0x5eed_0000 + i as u64),
+                    core: None,
+                }))
+                .collect();
+                (nic, guests)
             }
         };
         let layout = match opts.config {
@@ -415,23 +466,7 @@ impl Running {
                     queues: opts.queues,
                     unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
                 },
-                guests: std::iter::once(GuestSpec {
-                    name: "guest".into(),
-                    mac: f.dst_mac,
-                    rx_buffers: opts.rx_buffers,
-                    grants: opts.grants,
-                    offloads: opts.offloads,
-                    above,
-                })
-                .chain((0..opts.hostile).map(|i| GuestSpec {
-                    name: format!("hostile{i}"),
-                    mac: [0x02, 0, 0, 0, 0xee, i as u8],
-                    rx_buffers: RxBuffers::Fragments,
-                    grants: Grants::PerIo,
-                    offloads: false,
-                    above: Above::Hostile(0x5eed_0000 + i as u64),
-                }))
-                .collect(),
+                guests,
             },
         };
         let machine = Machine::start(MachineSpec {

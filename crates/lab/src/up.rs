@@ -1,17 +1,20 @@
 //! `pvio up`: a running `pv` machine on real interfaces, for real traffic.
 //!
-//! Two network namespaces are made: the *outside*, holding the TAP that is the far end
-//! of the NIC model's cable, and the *guest*, holding the TAP that netfront's frames
-//! are handed to, so that the guest's network stack is that namespace's Linux stack.
-//! Anything run in the outside namespace (`ping`, `iperf3 -c`) reaches what runs in the
-//! guest namespace (`iperf3 -s`) through NIC model → driver → bridge → netback →
-//! netfront, and the replies come back the other way.
+//! Network namespaces are made: the *outside*, holding the TAP that is the far end of
+//! the NIC model's cable, and one per guest, holding the TAP that the guest's netfront
+//! frames are handed to, so that the guest's network stack is that namespace's Linux
+//! stack. Anything run in the outside namespace (`ping`, `iperf3 -c`) reaches what runs
+//! in a guest's namespace (`iperf3 -s`) through NIC model → driver → bridge → netback
+//! → netfront, and the replies come back the other way; two guests reach each other
+//! through the bridge, netback to netback.
 
 use net::netfront::RxBuffers;
 use std::process::Command;
 use std::sync::atomic::Ordering;
 
-use crate::platform::{flow, Config, Options, Plumbing, Running};
+use std::sync::Arc;
+
+use crate::platform::{flow, Config, Options, Plumbing, Running, TapGuestSpec};
 use crate::LabError;
 
 /// Where and how to bring the machine up.
@@ -19,26 +22,18 @@ use crate::LabError;
 pub struct UpConfig {
     /// The outside namespace (made if missing, removed at the end if made here).
     pub outside_ns: String,
-    /// The guest's namespace.
-    pub guest_ns: String,
     /// The outside interface's address, with its prefix length.
     pub outside_addr: String,
-    /// The guest's address, with its prefix length.
-    pub guest_addr: String,
+    /// The guests, each on a TAP in its own namespace (at least one).
+    pub guests: Vec<UpGuest>,
     /// The bridge's netfilter hooks.
     pub netfilter: bool,
-    /// What netfront posts: page fragments (the original) or linear buffers (no
-    /// fragments; frames up to 1518 bytes).
-    pub rx_buffers: RxBuffers,
-    /// Grant reuse (paper 000 §4.4): netfront binds its pages to references, netback
-    /// reaches them through its cache of mappings, no map or unmap per packet.
-    pub grant_reuse: bool,
-    /// A NIC receive queue for the guest, the NIC writing its frames straight into
+    /// A NIC receive queue for each guest, the NIC writing its frames straight into
     /// netfront's buffers (paper 000 §4.3).
     pub multi_queue: bool,
     /// Capture every frame into pcap files in this directory: `wire.pcap` (the NIC's
-    /// cable, both ways) and `<vif>.pcap` (the guest's frames, both ways, named as the
-    /// live counters name the vif).
+    /// cable, both ways) and `<vif>.pcap` (each guest's frames, both ways, named as the
+    /// live counters name its vif).
     pub pcap: Option<std::path::PathBuf>,
     /// The NIC's interrupt coalescing.
     pub coalesce: dev::nic::Coalesce,
@@ -46,29 +41,92 @@ pub struct UpConfig {
     pub grant_path: hv::GrantPath,
     /// Every domain's grant-table layout.
     pub grant_version: hv::GrantVersion,
-    /// Checksum offload and GSO on the whole path: both TAPs opened with a virtio-net
-    /// header and TCP/IPv4 segmentation taken, netfront offering `feature-gso-tcpv4`
-    /// and blank checksums, so that a large TCP segment crosses as one packet.
+}
+
+/// One guest of `pvio up`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpGuest {
+    /// Its domain's name (its counters carry it).
+    pub name: String,
+    /// Its namespace (made if missing, removed at the end if made here).
+    pub ns: String,
+    /// Its address, with its prefix length.
+    pub addr: String,
+    /// What netfront posts: page fragments (the original) or linear buffers (no
+    /// fragments; frames up to 1518 bytes).
+    pub rx_buffers: RxBuffers,
+    /// Grant reuse (paper 000 §4.4): netfront binds its pages to references, netback
+    /// reaches them through its cache of mappings, no map or unmap per packet.
+    pub grant_reuse: bool,
+    /// Checksum offload and GSO on its whole path: its TAP (and the cable's) opened
+    /// with a virtio-net header and TCP/IPv4 segmentation taken, netfront offering
+    /// `feature-gso-tcpv4` and blank checksums, so that a large TCP segment crosses as
+    /// one packet.
     pub offloads: bool,
+    /// Its vCPU's core (by default, the guests take the cores after the driver
+    /// domain's, one each).
+    pub core: Option<usize>,
+}
+
+impl UpGuest {
+    /// The `i`th guest as the built-in machine would make it: `guest` in `pvio-guest`
+    /// at 10.77.0.2 for the first, `guest2` in `pvio-guest2` at 10.77.0.3 for the
+    /// second, and so on.
+    pub fn nth(i: usize) -> Self {
+        let suffix = if i == 0 {
+            String::new()
+        } else {
+            (i + 1).to_string()
+        };
+        Self {
+            name: format!("guest{suffix}"),
+            ns: format!("pvio-guest{suffix}"),
+            addr: format!("10.77.0.{}/24", i + 2),
+            rx_buffers: RxBuffers::Fragments,
+            grant_reuse: false,
+            offloads: true,
+            core: None,
+        }
+    }
+
+    /// Its MAC: the lab's guest address for the first (as the built-in machine has
+    /// always had), then one more in the last byte for each.
+    pub fn mac(i: usize) -> [u8; 6] {
+        let mut m = flow().dst_mac;
+        m[5] = m[5].wrapping_add(i as u8);
+        m
+    }
+
+    /// Its address without the prefix.
+    pub fn ip(&self) -> &str {
+        self.addr.split('/').next().unwrap_or_default()
+    }
 }
 
 impl Default for UpConfig {
     fn default() -> Self {
         Self {
             outside_ns: "pvio-outside".into(),
-            guest_ns: "pvio-guest".into(),
             outside_addr: "10.77.0.1/24".into(),
-            guest_addr: "10.77.0.2/24".into(),
+            guests: vec![UpGuest::nth(0)],
             netfilter: true,
-            rx_buffers: RxBuffers::Fragments,
-            grant_reuse: false,
             multi_queue: false,
             pcap: None,
             coalesce: pv().coalesce,
             grant_path: pv().grant_path,
             grant_version: pv().grant_version,
-            offloads: true,
         }
+    }
+}
+
+impl UpConfig {
+    /// The first guest (there is always one).
+    pub fn guest(&self) -> &UpGuest {
+        &self.guests[0]
+    }
+    /// The first guest, to change.
+    pub fn guest_mut(&mut self) -> &mut UpGuest {
+        &mut self.guests[0]
     }
 }
 
@@ -84,8 +142,9 @@ pub struct Up {
     /// The capture files, written until the machine is down.
     captures: Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
     made: Vec<String>,
-    wire: std::sync::Arc<dev::tap::TapCounters>,
-    guest: std::sync::Arc<dev::tap::TapCounters>,
+    wire: Arc<dev::tap::TapCounters>,
+    /// Each guest's TAP counters, and the guest's name.
+    guests: Vec<(String, Arc<dev::tap::TapCounters>)>,
 }
 
 /// What has crossed the machine so far.
@@ -95,13 +154,13 @@ pub struct UpCounters {
     pub wire_in: u64,
     /// Frames from the NIC to the outside.
     pub wire_out: u64,
-    /// Frames handed to the guest's stack.
+    /// Frames handed to the guests' stacks.
     pub guest_in: u64,
     /// Bytes of those frames (with offloads, a frame may be a 64 KiB TCP segment).
     pub guest_in_bytes: u64,
-    /// Frames the guest's stack sent.
+    /// Frames the guests' stacks sent.
     pub guest_out: u64,
-    /// Frames either side dropped as too long for a 1500-byte MTU.
+    /// Frames any side dropped as too long for a 1500-byte MTU.
     pub oversize: u64,
 }
 
@@ -125,11 +184,52 @@ fn netns_exists(name: &str) -> bool {
     std::path::Path::new("/run/netns").join(name).exists()
 }
 
+/// Why a machine cannot be brought up as configured, before anything is made: no
+/// guest, or two that would share a namespace, an address or a name.
+pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
+    if cfg.guests.is_empty() {
+        return Err(LabError::Other("a machine needs a guest".into()));
+    }
+    for (i, g) in cfg.guests.iter().enumerate() {
+        if g.ns == cfg.outside_ns {
+            return Err(LabError::Other(format!(
+                "guest {}: namespace {:?} is the outside's too",
+                g.name, g.ns
+            )));
+        }
+        if g.ip() == cfg.outside_addr.split('/').next().unwrap_or_default() {
+            return Err(LabError::Other(format!(
+                "guest {}: address {} is the outside's too",
+                g.name, g.addr
+            )));
+        }
+        for h in &cfg.guests[..i] {
+            let clash = if h.name == g.name {
+                Some("name")
+            } else if h.ns == g.ns {
+                Some("namespace")
+            } else if h.ip() == g.ip() {
+                Some("address")
+            } else {
+                None
+            };
+            if let Some(what) = clash {
+                return Err(LabError::Other(format!(
+                    "guests {} and {} have the same {what}",
+                    h.name, g.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Makes the namespaces and interfaces and starts the machine.
 pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
+    check(cfg)?;
     let mut made = Vec::new();
     let mut captures = Vec::new();
-    let (running, wire, guest) = match bring_up(cfg, &mut made, &mut captures) {
+    let (running, wire, guests) = match bring_up(cfg, &mut made, &mut captures) {
         Ok(b) => b,
         Err(e) => {
             drop(captures);
@@ -144,7 +244,7 @@ pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
         captures,
         made,
         wire,
-        guest,
+        guests,
     };
     up.name_captures()?;
     Ok(up)
@@ -152,12 +252,14 @@ pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
 
 type Brought = (
     Running,
-    std::sync::Arc<dev::tap::TapCounters>,
-    std::sync::Arc<dev::tap::TapCounters>,
+    Arc<dev::tap::TapCounters>,
+    Vec<(String, Arc<dev::tap::TapCounters>)>,
 );
 
-/// The capture file of the guest's frames, until the vif's name is known.
-const VIF_PCAP: &str = "vif.pcap";
+/// The capture file of a guest's frames, until its vif's name is known.
+fn guest_pcap(name: &str) -> String {
+    format!("{name}.pcap")
+}
 
 /// Opens `dir/name` for capture.
 fn capture_file(
@@ -170,120 +272,147 @@ fn capture_file(
     Ok((path, f))
 }
 
+/// `ip`'s spelling of a MAC address.
+fn mac_text(m: [u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// Moves `ifname` into `ns` with `addr` (and `lladdr`), and brings it and the
+/// namespace's loopback up.
+fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(), LabError> {
+    ip(&["link", "set", "dev", ifname, "netns", ns])?;
+    if let Some(a) = lladdr {
+        ip(&["-n", ns, "link", "set", "dev", ifname, "address", a])?;
+    }
+    ip(&["-n", ns, "addr", "add", addr, "dev", ifname])?;
+    ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
+    ip(&["-n", ns, "link", "set", "dev", "lo", "up"])
+}
+
 fn bring_up(
     cfg: &UpConfig,
     made: &mut Vec<String>,
     captures: &mut Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
 ) -> Result<Brought, LabError> {
-    for ns in [&cfg.outside_ns, &cfg.guest_ns] {
+    for ns in std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns)) {
         if !netns_exists(ns) {
             ip(&["netns", "add", ns])?;
             made.push(ns.clone());
         }
     }
-    let pid = std::process::id() % 100_000;
-    // The guest's front end takes large segments only on the page-fragment path.
-    let offloads = cfg.offloads && cfg.rx_buffers == RxBuffers::Fragments;
-    let taps = if offloads {
-        mem::tap::TapOffload::CsumTso
-    } else {
-        mem::tap::TapOffload::None
-    };
-    let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), taps)
-        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
-    let (guest_file, guest_if) = mem::tap::open_tap_offload(&format!("pvg{pid}"), taps)
-        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
-    let mac = flow().dst_mac;
-    let mac = format!(
-        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
-        mac[0], mac[1], mac[2], mac[3], mac[4], mac[5]
-    );
-    for (ifname, ns, addr, lladdr) in [
-        (&wire_if, &cfg.outside_ns, &cfg.outside_addr, None),
-        (
-            &guest_if,
-            &cfg.guest_ns,
-            &cfg.guest_addr,
-            Some(mac.as_str()),
-        ),
-    ] {
-        ip(&["link", "set", "dev", ifname, "netns", ns])?;
-        if let Some(a) = lladdr {
-            ip(&["-n", ns, "link", "set", "dev", ifname, "address", a])?;
-        }
-        ip(&["-n", ns, "addr", "add", addr, "dev", ifname])?;
-        ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
-        ip(&["-n", ns, "link", "set", "dev", "lo", "up"])?;
-    }
-    let mut wire = dev::tap::TapPort::start_with(wire_file, taps)
-        .map_err(|e| LabError::Other(e.to_string()))?;
-    let mut guest = dev::tap::TapPort::start_with(guest_file, taps)
-        .map_err(|e| LabError::Other(e.to_string()))?;
     if let Some(dir) = &cfg.pcap {
         std::fs::create_dir_all(dir)
             .map_err(|e| LabError::Other(format!("capture directory {}: {e}", dir.display())))?;
+    }
+    let pid = std::process::id() % 100_000;
+    // A guest's front end takes large segments only on the page-fragment path; the
+    // cable carries them if any guest does.
+    let offloads = |g: &UpGuest| g.offloads && g.rx_buffers == RxBuffers::Fragments;
+    let tap_offload = |on: bool| {
+        if on {
+            mem::tap::TapOffload::CsumTso
+        } else {
+            mem::tap::TapOffload::None
+        }
+    };
+    let wire_taps = tap_offload(cfg.guests.iter().any(offloads));
+    let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
+        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+    place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
+    let mut wire = dev::tap::TapPort::start_with(wire_file, wire_taps)
+        .map_err(|e| LabError::Other(e.to_string()))?;
+    if let Some(dir) = &cfg.pcap {
         let w = capture_file(dir, "wire.pcap")?;
         wire.capture(&w.1);
-        let g = capture_file(dir, VIF_PCAP)?;
-        guest.capture(&g.1);
-        captures.extend([w, g]);
+        captures.push(w);
     }
-    let (wc, gc) = (
-        std::sync::Arc::clone(wire.counters()),
-        std::sync::Arc::clone(guest.counters()),
-    );
+    let mut guests = Vec::with_capacity(cfg.guests.len());
+    let mut counters = Vec::with_capacity(cfg.guests.len());
+    for (i, g) in cfg.guests.iter().enumerate() {
+        let on = offloads(g);
+        let (file, ifname) = mem::tap::open_tap_offload(&format!("pvg{pid}.{i}"), tap_offload(on))
+            .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+        let mac = UpGuest::mac(i);
+        place(&ifname, &g.ns, &g.addr, Some(&mac_text(mac)))?;
+        let mut tap = dev::tap::TapPort::start_with(file, tap_offload(on))
+            .map_err(|e| LabError::Other(e.to_string()))?;
+        if let Some(dir) = &cfg.pcap {
+            let c = capture_file(dir, &guest_pcap(&g.name))?;
+            tap.capture(&c.1);
+            captures.push(c);
+        }
+        counters.push((g.name.clone(), Arc::clone(tap.counters())));
+        guests.push(TapGuestSpec {
+            name: g.name.clone(),
+            mac,
+            tap,
+            rx_buffers: g.rx_buffers,
+            // Never the unsafe stand-in here: only a grant per I/O or the safe cache.
+            grants: if g.grant_reuse {
+                net::netfront::Grants::Reuse
+            } else {
+                net::netfront::Grants::PerIo
+            },
+            offloads: on,
+            core: g.core,
+        });
+    }
+    let wc = Arc::clone(wire.counters());
+    let first = cfg.guest();
     let opts = Options {
         netfilter: cfg.netfilter,
-        rx_buffers: cfg.rx_buffers,
-        // Never the unsafe stand-in here: only a grant per I/O or the safe cache.
-        grants: if cfg.grant_reuse {
-            net::netfront::Grants::Reuse
-        } else {
-            net::netfront::Grants::PerIo
-        },
+        rx_buffers: first.rx_buffers,
         queues: cfg.multi_queue,
         sample: None,
         coalesce: cfg.coalesce,
         grant_path: cfg.grant_path,
         grant_version: cfg.grant_version,
-        offloads,
+        offloads: offloads(first),
         ..pv()
     };
-    let running = Running::start_with(opts, Some(Plumbing { wire, guest }))?;
-    Ok((running, wc, gc))
+    let running = Running::start_with(opts, Some(Plumbing { wire, guests }))?;
+    Ok((running, wc, counters))
 }
 
 impl Up {
-    /// Traffic so far.
+    /// Traffic so far, every guest's together.
     pub fn counters(&self) -> UpCounters {
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let sum = |f: &dyn Fn(&dev::tap::TapCounters) -> u64| -> u64 {
+            self.guests.iter().map(|(_, c)| f(c)).sum()
+        };
         UpCounters {
             wire_in: l(&self.wire.frames_in),
             wire_out: l(&self.wire.frames_out),
-            guest_in: l(&self.guest.frames_out),
-            guest_in_bytes: l(&self.guest.bytes_out),
-            guest_out: l(&self.guest.frames_in),
-            oversize: l(&self.wire.oversize_in) + l(&self.guest.oversize_in),
+            guest_in: sum(&|c| l(&c.frames_out)),
+            guest_in_bytes: sum(&|c| l(&c.bytes_out)),
+            guest_out: sum(&|c| l(&c.frames_in)),
+            oversize: l(&self.wire.oversize_in) + sum(&|c| l(&c.oversize_in)),
         }
     }
 
-    /// Renames the guest's capture after its vif, once the machine runs.
+    /// Renames each guest's capture after its vif (`vif<domain>.0`), once the machine
+    /// runs.
     fn name_captures(&mut self) -> Result<(), LabError> {
-        let Some(vif) = self.live_sample().and_then(|s| {
-            s.counters
-                .entries
-                .iter()
-                .find(|(c, _, _)| c.starts_with("vif") && !c.contains(' '))
-                .map(|(c, _, _)| c.clone())
-        }) else {
+        let Some(running) = &self.running else {
             return Ok(());
         };
-        for (path, _) in &mut self.captures {
-            if path.file_name().is_some_and(|n| n == VIF_PCAP) {
-                let named = path.with_file_name(format!("{vif}.pcap"));
-                std::fs::rename(&*path, &named)
-                    .map_err(|e| LabError::Other(format!("capture {}: {e}", named.display())))?;
-                *path = named;
+        for (name, _) in &self.guests {
+            let Some(dom) = running.domain(name) else {
+                continue;
+            };
+            let vif = format!("vif{}.0", dom.id().0);
+            for (path, _) in &mut self.captures {
+                if path.file_name().is_some_and(|n| *n == *guest_pcap(name)) {
+                    let named = path.with_file_name(format!("{vif}.pcap"));
+                    std::fs::rename(&*path, &named).map_err(|e| {
+                        LabError::Other(format!("capture {}: {e}", named.display()))
+                    })?;
+                    *path = named;
+                }
             }
         }
         Ok(())

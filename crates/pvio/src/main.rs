@@ -258,13 +258,15 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (o, g) = (&cfg.outside_ns, &cfg.guest_ns);
-    let guest_ip = cfg.guest_addr.split('/').next().unwrap_or_default();
+    let o = &cfg.outside_ns;
+    println!("up: outside namespace {o} ({})", cfg.outside_addr);
+    for g in &cfg.guests {
+        println!("    {} in namespace {} ({})", g.name, g.ns, g.addr);
+    }
+    let (g, guest_ip) = (&cfg.guest().ns, cfg.guest().ip());
     println!(
-        "up: outside namespace {o} ({}), guest namespace {g} ({}).\n  \
-         ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
-         Ctrl-C stops it.",
-        cfg.outside_addr, cfg.guest_addr
+        "  ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
+         Ctrl-C stops it."
     );
     let mut json = match run
         .stats_json
@@ -526,18 +528,21 @@ fn main() -> ExitCode {
                 },
                 None => lab::up::UpConfig {
                     outside_ns,
-                    guest_ns,
                     outside_addr,
-                    guest_addr,
+                    guests: vec![lab::up::UpGuest {
+                        ns: guest_ns,
+                        addr: guest_addr,
+                        rx_buffers: if no_fragments {
+                            lab::RxBuffers::Linear
+                        } else {
+                            lab::RxBuffers::Fragments
+                        },
+                        grant_reuse,
+                        offloads: !no_offloads,
+                        ..lab::up::UpGuest::nth(0)
+                    }],
                     netfilter: !no_netfilter,
-                    rx_buffers: if no_fragments {
-                        lab::RxBuffers::Linear
-                    } else {
-                        lab::RxBuffers::Fragments
-                    },
-                    grant_reuse,
                     multi_queue,
-                    offloads: !no_offloads,
                     pcap,
                     ..lab::up::UpConfig::default()
                 },

@@ -8,7 +8,7 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use lab::up::{up, UpConfig};
+use lab::up::{up, UpConfig, UpGuest};
 use lab::RxBuffers;
 
 fn run(args: &[&str]) -> Output {
@@ -219,15 +219,17 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     let pid = std::process::id();
     let cfg = UpConfig {
         outside_ns: format!("pvio-t{pid}-o"),
-        guest_ns: format!("pvio-t{pid}-g"),
         outside_addr: "10.78.0.1/24".into(),
-        guest_addr: "10.78.0.2/24".into(),
+        guests: vec![UpGuest {
+            ns: format!("pvio-t{pid}-g"),
+            addr: "10.78.0.2/24".into(),
+            ..UpGuest::nth(0)
+        }],
         netfilter: true,
-        rx_buffers: RxBuffers::Fragments,
         ..UpConfig::default()
     };
     let machine = up(&cfg).expect("pvio up");
-    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
+    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest().ns.as_str());
 
     // ping: ARP through the bridge's flood, ICMP both ways.
     ping(o, "10.78.0.2");
@@ -294,10 +296,10 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         ("wire tap", "gso_in"),
         ("nic", "rx_gso"),
         (vif.port.as_str(), "rx_gso_packets"),
-        ("netfront", "rx_gso_packets"),
+        ("guest netfront", "rx_gso_packets"),
         ("guest tap", "gso_out"),
         ("guest tap", "gso_in"),
-        ("netfront", "tx_gso_packets"),
+        ("guest netfront", "tx_gso_packets"),
         (vif.port.as_str(), "tx_gso_packets"),
         ("nic", "tx_gso"),
         ("nic", "tx_tso_segments"),
@@ -329,11 +331,11 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     // 1500 fits them, so ping and the stream cross just the same. This run is captured,
     // and tshark finds both streams in the wire's file and in the vif's.
     let pcap = std::env::temp_dir().join(format!("pvio-pcap-{pid}"));
-    let linear = UpConfig {
-        rx_buffers: RxBuffers::Linear,
+    let mut linear = UpConfig {
         pcap: Some(pcap.clone()),
         ..cfg.clone()
     };
+    linear.guest_mut().rx_buffers = RxBuffers::Linear;
     let machine = up(&linear).expect("pvio up, no fragments");
     let captures = machine.capture_counters();
     ping(o, "10.78.0.2");
@@ -347,11 +349,11 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     // Again through the grant cache with the guest's own NIC queue (pv-mq-reuse): ping,
     // the streams and iperf3 cross, every buffer and TX slot reached through netback's
     // cached mappings, no map after each page's first.
-    let reuse = UpConfig {
-        grant_reuse: true,
+    let mut reuse = UpConfig {
         multi_queue: true,
         ..cfg.clone()
     };
+    reuse.guest_mut().grant_reuse = true;
     let machine = up(&reuse).expect("pvio up --grant-reuse --multi-queue");
     ping(o, "10.78.0.2");
     for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {
@@ -404,15 +406,17 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
     let pid = std::process::id();
     let cfg = UpConfig {
         outside_ns: format!("pvio-r{pid}-o"),
-        guest_ns: format!("pvio-r{pid}-g"),
         outside_addr: "10.79.0.1/24".into(),
-        guest_addr: "10.79.0.2/24".into(),
+        guests: vec![UpGuest {
+            ns: format!("pvio-r{pid}-g"),
+            addr: "10.79.0.2/24".into(),
+            ..UpGuest::nth(0)
+        }],
         netfilter: true,
-        rx_buffers: RxBuffers::Fragments,
         ..UpConfig::default()
     };
     let mut machine = up(&cfg).expect("pvio up");
-    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
+    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest().ns.as_str());
     let bytes = 48 << 20;
     let (sink, mut source) = start_stream(g, o, "10.79.0.2:5301", bytes);
     let limit = Duration::from_millis(100);
@@ -452,4 +456,81 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
     // After the restarts the path is whole both ways.
     ping(o, "10.79.0.2");
     machine.down();
+}
+
+/// Two guests on one machine, each in its own namespace: they reach each other through
+/// the driver domain's bridge (netback to netback, the NIC not involved), and the
+/// outside reaches both. Their frames are told apart by MAC, their counters by name.
+#[test]
+fn two_guests_reach_each_other_through_the_bridge_and_the_outside_reaches_both() {
+    if let Err(e) = namespaces_possible() {
+        eprintln!("skipped: network namespaces cannot be made here: {e}");
+        return;
+    }
+    ensure_tools();
+    let pid = std::process::id();
+    let guest = |i: usize| UpGuest {
+        ns: format!("pvio-w{pid}-g{i}"),
+        addr: format!("10.81.0.{}/24", i + 2),
+        ..UpGuest::nth(i)
+    };
+    let cfg = UpConfig {
+        outside_ns: format!("pvio-w{pid}-o"),
+        outside_addr: "10.81.0.1/24".into(),
+        guests: vec![guest(0), guest(1)],
+        ..UpConfig::default()
+    };
+    let machine = up(&cfg).expect("pvio up, two guests");
+    let (o, a, b) = (
+        cfg.outside_ns.as_str(),
+        cfg.guests[0].ns.as_str(),
+        cfg.guests[1].ns.as_str(),
+    );
+    let before = machine.live_sample().expect("running");
+    ping(a, "10.81.0.3");
+    ping(o, "10.81.0.2");
+    ping(o, "10.81.0.3");
+    // Both ways between the guests, byte for byte.
+    stream_arrives_intact(b, a, "10.81.0.3:5300");
+    stream_arrives_intact(a, b, "10.81.0.2:5300");
+    let after = machine.live_sample().expect("running");
+    let moved =
+        |port: &str, name: &str| after.counters.get(port, name) - before.counters.get(port, name);
+    // Each guest sent and received its stream's worth through its own TAP and vif.
+    for g in ["guest", "guest2"] {
+        let tap = format!("{g} tap");
+        assert!(
+            moved(&tap, "bytes_in") > 8 << 20,
+            "{tap}: {:?}",
+            after.counters
+        );
+        assert!(
+            moved(&tap, "bytes_out") > 8 << 20,
+            "{tap}: {:?}",
+            after.counters
+        );
+    }
+    let vifs: Vec<&String> = after
+        .counters
+        .entries
+        .iter()
+        .map(|(c, _, _)| c)
+        .filter(|c| c.starts_with("vif") && !c.contains(' '))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(vifs.len(), 2, "a vif per guest: {vifs:?}");
+    // The streams went guest to guest: the cable carried only the pings.
+    assert!(
+        moved("wire tap", "bytes_in") + moved("wire tap", "bytes_out") < 1 << 20,
+        "{:?}",
+        after.counters
+    );
+    machine.down();
+    for ns in [o, a, b] {
+        assert!(
+            !std::path::Path::new("/run/netns").join(ns).exists(),
+            "{ns}"
+        );
+    }
 }

@@ -15,7 +15,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::up::{up, UpConfig};
+use crate::up::{up, UpConfig, UpGuest};
 use crate::{Experiment, LabError, Mode, Report};
 
 /// The registry entry.
@@ -258,9 +258,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let _ = run_cmd(&["ip", "netns", "del", &probe]);
     let cfg = UpConfig {
         outside_ns: format!("pvio-b{}-o", std::process::id()),
-        guest_ns: format!("pvio-b{}-g", std::process::id()),
         outside_addr: "10.80.0.1/24".into(),
-        guest_addr: "10.80.0.2/24".into(),
+        guests: vec![UpGuest {
+            ns: format!("pvio-b{}-g", std::process::id()),
+            addr: "10.80.0.2/24".into(),
+            ..UpGuest::nth(0)
+        }],
         ..UpConfig::default()
     };
     // Each path's namespaces and addresses: (outside, guest, the guest's address).
@@ -275,20 +278,19 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             let veth;
             let (o, g, addr) = match path {
                 Path::Pvio | Path::PvioPlain => {
-                    _machine = up(&UpConfig {
-                        offloads: path == Path::Pvio,
-                        ..cfg.clone()
-                    })?;
+                    let mut c = cfg.clone();
+                    c.guest_mut().offloads = path == Path::Pvio;
+                    _machine = up(&c)?;
                     if intact.is_none() && path == Path::Pvio {
                         if let Some(exe) = pvio_exe() {
-                            let (o, g) = (cfg.outside_ns.as_str(), cfg.guest_ns.as_str());
+                            let (o, g) = (cfg.outside_ns.as_str(), cfg.guest().ns.as_str());
                             intact = Some(
                                 stream_intact(&exe, g, o, "10.80.0.2:5300")?
                                     && stream_intact(&exe, o, g, "10.80.0.1:5300")?,
                             );
                         }
                     }
-                    (cfg.outside_ns.clone(), cfg.guest_ns.clone(), "10.80.0.2")
+                    (cfg.outside_ns.clone(), cfg.guest().ns.clone(), "10.80.0.2")
                 }
                 Path::VethOff | Path::VethOn => {
                     veth = Veth::new(path == Path::VethOn)?;
