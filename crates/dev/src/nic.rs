@@ -248,8 +248,8 @@ pub struct NicRegs {
     pub rx_cut: AtomicU64,
     /// Offloads: packets whose context the frame does not bear out, not sent.
     pub tx_bad_offload: AtomicU64,
-    /// Offloads: large (GSO) packets the driver handed over whole, for the
-    /// segmentation engine.
+    /// Offloads: large (GSO) packets the driver handed over whole (to the cable whole
+    /// if it takes them, else to the segmentation engine).
     pub tx_gso: AtomicU64,
     /// Offloads: frames the segmentation engine cut for a cable that takes no large
     /// frames (TSO).
@@ -980,7 +980,13 @@ impl Device {
             regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        if off.gso.is_none() && sink.takes_offload() {
+        // A cable whose far end takes offloads (a TAP with a virtio-net header: the
+        // host's stack, which cuts or re-aggregates as it needs) gets the packet
+        // whole, as a NIC's TSO output is re-aggregated by the receiver's GRO; any
+        // other gets frames the segmentation and checksum engines finish.
+        if sink.takes_offload() {
+            regs.tx_gso
+                .fetch_add(u64::from(off.gso.is_some()), Ordering::Relaxed);
             sink.transmit(frame, off);
             count(len);
             return;
@@ -1426,6 +1432,58 @@ mod tests {
         }
         assert_eq!(r.missed(1), 0);
         assert_eq!(r.regs.rx_cut.load(Ordering::Relaxed), 4);
+    }
+
+    /// What a cable was given: each frame and its offload.
+    #[derive(Default)]
+    struct Cable {
+        takes: bool,
+        got: Vec<(Vec<u8>, Offload)>,
+    }
+    impl WireSink for Cable {
+        fn transmit(&mut self, frame: &[u8], off: Offload) {
+            self.got.push((frame.to_vec(), off));
+        }
+        fn takes_offload(&self) -> bool {
+            self.takes
+        }
+    }
+
+    #[test]
+    fn a_large_packet_goes_whole_to_a_cable_that_takes_it_and_cut_with_checksums_to_one_that_does_not(
+    ) {
+        let mut r = rig(1);
+        let (big, off) = tcp_to([2, 0, 0, 0, 0, 0xc], 4000, 1000);
+        for takes in [true, false] {
+            let mut cable = Cable {
+                takes,
+                ..Cable::default()
+            };
+            r.dev.frame[..big.len()].copy_from_slice(&big);
+            r.dev.send(&mut cable, big.len(), off);
+            if takes {
+                assert_eq!(
+                    cable.got,
+                    vec![(big.clone(), off)],
+                    "whole, with its offload"
+                );
+                assert_eq!(r.regs.tx_tso_segments.load(Ordering::Relaxed), 0);
+            } else {
+                assert_eq!(cable.got.len(), 4);
+                let mut payload = Vec::new();
+                for (k, (f, o)) in cable.got.iter().enumerate() {
+                    assert_eq!(*o, Offload::NONE, "segment {k}");
+                    assert_eq!(f.len(), 54 + 1000, "segment {k}");
+                    let l4 = net::offload::checksum_setup(f, f.len()).expect("a frame");
+                    assert!(net::offload::verify(f, &l4), "segment {k}'s checksum");
+                    payload.extend_from_slice(&f[54..]);
+                }
+                assert_eq!(payload, big[54..], "every byte, in order");
+                assert_eq!(r.regs.tx_tso_segments.load(Ordering::Relaxed), 4);
+            }
+        }
+        assert_eq!(r.regs.tx_gso.load(Ordering::Relaxed), 2);
+        assert_eq!(r.regs.tx_bad_offload.load(Ordering::Relaxed), 0);
     }
 
     #[test]
