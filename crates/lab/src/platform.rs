@@ -344,34 +344,16 @@ fn other(e: impl std::fmt::Display) -> LabError {
 }
 
 /// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on one TAP instead
-/// of the paced sender, and each guest's received frames handed to a TAP of its own
-/// (whose network namespace's Linux stack is that guest's stack) instead of pvio's
-/// stack and application. Frames a guest's stack sends go out through its netfront.
+/// of the paced sender, and the guests the machine builder runs, each (for `pvio up`)
+/// with its received frames handed to a TAP of its own (`Above::Tap`, whose network
+/// namespace's Linux stack is that guest's stack) instead of pvio's stack and
+/// application. Frames a guest's stack sends go out through its netfront.
 #[derive(Debug)]
 pub struct Plumbing {
     /// The NIC's far end.
     pub wire: TapPort,
-    /// The guests, each on its TAP, in the order their domains are made.
-    pub guests: Vec<TapGuestSpec>,
-}
-
-/// A guest of a machine on real interfaces: its TAP and its netfront's settings.
-#[derive(Debug)]
-pub struct TapGuestSpec {
-    /// Its domain's name (its counters carry it).
-    pub name: String,
-    /// Its vif's MAC (the TAP's address in its namespace).
-    pub mac: [u8; 6],
-    /// The TAP whose namespace's stack is the guest's.
-    pub tap: TapPort,
-    /// What its netfront posts.
-    pub rx_buffers: RxBuffers,
-    /// How its netfront gives pages to netback.
-    pub grants: Grants,
-    /// Checksum offload and GSO on its netfront (its TAP opened for them).
-    pub offloads: bool,
-    /// Its vCPU's core (by default the next after the previous guest's).
-    pub core: Option<usize>,
+    /// The guests, in the order their domains are made.
+    pub guests: Vec<GuestSpec>,
 }
 
 impl Running {
@@ -413,20 +395,7 @@ impl Running {
                     source: Box::new(p.wire),
                     sink: Box::new(sink),
                 };
-                let guests = p
-                    .guests
-                    .into_iter()
-                    .map(|g| GuestSpec {
-                        name: g.name,
-                        mac: g.mac,
-                        rx_buffers: g.rx_buffers,
-                        grants: g.grants,
-                        offloads: g.offloads,
-                        above: Above::Tap(Box::new(g.tap)),
-                        core: g.core,
-                    })
-                    .collect();
-                (nic, guests)
+                (nic, p.guests)
             }
             None => {
                 let nic = NicSpec {

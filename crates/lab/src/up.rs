@@ -14,7 +14,9 @@ use std::sync::atomic::Ordering;
 
 use std::sync::Arc;
 
-use crate::platform::{flow, Config, Options, Plumbing, Running, TapGuestSpec};
+use kernel::machine::{Above, GuestSpec};
+
+use crate::platform::{flow, Config, Options, Plumbing, Running};
 use crate::LabError;
 
 /// Where and how to bring the machine up.
@@ -345,10 +347,10 @@ fn bring_up(
             captures.push(c);
         }
         counters.push((g.name.clone(), Arc::clone(tap.counters())));
-        guests.push(TapGuestSpec {
+        guests.push(GuestSpec {
             name: g.name.clone(),
             mac,
-            tap,
+            above: Above::Tap(Box::new(tap)),
             rx_buffers: g.rx_buffers,
             // Never the unsafe stand-in here: only a grant per I/O or the safe cache.
             grants: if g.grant_reuse {
