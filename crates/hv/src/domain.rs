@@ -68,6 +68,11 @@ pub enum DomainError {
     /// The domain is being destroyed.
     #[error("domain is dying")]
     Dying,
+    /// The page is one of the domain's page tables (pinned, or not yet made writable
+    /// again): its own writes are refused, as a PV kernel's mapping of a page table is
+    /// read-only. Changes go through `mmu_update`.
+    #[error("guest frame {0:#x} is a page table")]
+    PageTable(u32),
 }
 
 /// A domain. Code running "inside" a domain holds an `Arc<Domain>` for its own memory
@@ -78,6 +83,8 @@ pub struct Domain {
     pub(crate) name: String,
     pub(crate) driver_domain: bool,
     pub(crate) mem: Arc<MachineMemory>,
+    /// The machine's frame table: the owner's writes look at a frame's type.
+    pub(crate) frames: Arc<crate::frame::FrameTable>,
     /// Guest frame → machine frame. Fixed for the domain's life, so lookups need no lock.
     pub(crate) p2m: Box<[Mfn]>,
     free_pages: Mutex<Vec<Gfn>>,
@@ -93,6 +100,8 @@ pub struct Domain {
     /// Whether a device is assigned to this domain, so that its grant maps must also
     /// appear in its IOMMU context (for the device to reach mapped foreign pages).
     pub(crate) iommu_grants: AtomicBool,
+    /// The PV memory manager's state: pinned tables, base pointers, flush policy.
+    pub(crate) mmu: crate::mmu::PvMmu,
 }
 
 /// The shared-info frame.
@@ -105,12 +114,14 @@ impl Domain {
         id: DomId,
         cfg: &DomainConfig,
         mem: Arc<MachineMemory>,
+        frames: Arc<crate::frame::FrameTable>,
         p2m: Box<[Mfn]>,
         map_backend: mem::MapBackend,
     ) -> std::io::Result<Self> {
         let grant = GrantTable::new(cfg.grant_version, cfg.grant_frames);
         let reserved = GRANT_FRAMES_START + grant.entry_frames() + grant.status_frames();
-        let free_pages = (reserved..p2m.len() as u32).rev().map(Gfn).collect();
+        let pages = p2m.len() as u32;
+        let free_pages = (reserved..pages).rev().map(Gfn).collect();
         let window = Arc::new(MapWindow::with_backend(
             Arc::clone(&mem),
             cfg.map_slots,
@@ -121,6 +132,7 @@ impl Domain {
             name: cfg.name.clone(),
             driver_domain: cfg.driver_domain,
             mem,
+            frames,
             p2m,
             free_pages: Mutex::new(free_pages),
             grant,
@@ -131,6 +143,7 @@ impl Domain {
             dying: AtomicBool::new(false),
             grant_errors: std::array::from_fn(|_| AtomicU64::new(0)),
             iommu_grants: AtomicBool::new(false),
+            mmu: crate::mmu::PvMmu::new(cfg.vcpus.max(1), pages),
         })
     }
 
@@ -188,6 +201,17 @@ impl Domain {
         self.gfn_to_mfn(gfn)
     }
 
+    /// [`Self::own`] for a write: also refused if the page is a page table (one load of
+    /// its type; see [`crate::frame::FrameTable::is_page_table`]).
+    #[inline]
+    fn own_w(&self, gfn: Gfn) -> Result<Mfn, DomainError> {
+        let m = self.own(gfn)?;
+        if self.frames.is_page_table(m) {
+            return Err(DomainError::PageTable(gfn.0));
+        }
+        Ok(m)
+    }
+
     /// Hands out one of the domain's free pages (its kernel's page allocator).
     pub fn alloc_page(&self) -> Result<Gfn, DomainError> {
         self.free_pages
@@ -218,7 +242,7 @@ impl Domain {
     /// Copies bytes into one of this domain's pages.
     #[inline]
     pub fn write(&self, gfn: Gfn, offset: usize, data: &[u8]) -> Result<(), DomainError> {
-        Ok(self.mem.write(self.own(gfn)?, offset, data)?)
+        Ok(self.mem.write(self.own_w(gfn)?, offset, data)?)
     }
     /// Copies bytes between two of this domain's pages (its kernel's `memcpy`).
     #[inline]
@@ -230,7 +254,7 @@ impl Domain {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), DomainError> {
-        let (s, d) = (self.own(src)?, self.own(dst)?);
+        let (s, d) = (self.own(src)?, self.own_w(dst)?);
         Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
     }
     /// Copies bytes of one of this domain's pages into the foreign page it maps at
@@ -259,7 +283,7 @@ impl Domain {
     ) -> Result<(), DomainError> {
         Ok(self
             .window
-            .copy_out(slot, offset, self.own(dst)?, dst_offset, len)?)
+            .copy_out(slot, offset, self.own_w(dst)?, dst_offset, len)?)
     }
     /// Ones'-complement sum of bytes of one of this domain's pages (see
     /// [`mem::MachineMemory::csum_partial`]).
@@ -269,26 +293,26 @@ impl Domain {
     }
     /// Fills part of one of this domain's pages.
     pub fn fill(&self, gfn: Gfn, offset: usize, len: usize, byte: u8) -> Result<(), DomainError> {
-        Ok(self.mem.fill(self.own(gfn)?, offset, len, byte)?)
+        Ok(self.mem.fill(self.own_w(gfn)?, offset, len, byte)?)
     }
     /// A 16-bit word of this domain's memory as an atomic.
     pub fn atomic_u16(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU16, DomainError> {
-        Ok(self.mem.atomic_u16(self.own(gfn)?, offset)?)
+        Ok(self.mem.atomic_u16(self.own_w(gfn)?, offset)?)
     }
     /// A 32-bit word of this domain's memory as an atomic.
     pub fn atomic_u32(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU32, DomainError> {
-        Ok(self.mem.atomic_u32(self.own(gfn)?, offset)?)
+        Ok(self.mem.atomic_u32(self.own_w(gfn)?, offset)?)
     }
     /// A 64-bit word of this domain's memory as an atomic.
     pub fn atomic_u64(&self, gfn: Gfn, offset: usize) -> Result<&AtomicU64, DomainError> {
-        Ok(self.mem.atomic_u64(self.own(gfn)?, offset)?)
+        Ok(self.mem.atomic_u64(self.own_w(gfn)?, offset)?)
     }
     /// One of this domain's pages as a [`mem::PageAccess`] (to host a shared ring, say).
     /// It holds the domain, and every access through it is refused once the domain is
     /// being destroyed.
     pub fn page(self: &Arc<Self>, gfn: Gfn) -> Result<OwnPage, DomainError> {
         Ok(OwnPage {
-            page: FramePage::new(Arc::clone(&self.mem), self.own(gfn)?)?,
+            page: FramePage::new(Arc::clone(&self.mem), self.own_w(gfn)?)?,
             dom: Arc::clone(self),
         })
     }

@@ -73,6 +73,8 @@ pub struct FrameTable {
     owner: Box<[AtomicU32]>,
     count: Box<[AtomicU64]>,
     type_info: Box<[AtomicU64]>,
+    /// Machine frame → the owner's guest frame (Xen's `machine_to_phys_mapping`).
+    m2p: Box<[AtomicU32]>,
     free: Mutex<Vec<Mfn>>,
 }
 
@@ -83,6 +85,7 @@ impl FrameTable {
             owner: (0..frames).map(|_| AtomicU32::new(NO_OWNER)).collect(),
             count: (0..frames).map(|_| AtomicU64::new(0)).collect(),
             type_info: (0..frames).map(|_| AtomicU64::new(0)).collect(),
+            m2p: (0..frames).map(|_| AtomicU32::new(u32::MAX)).collect(),
             // Popped from the end: hand out low frames first.
             free: Mutex::new((0..frames).rev().map(Mfn).collect()),
         }
@@ -120,6 +123,7 @@ impl FrameTable {
         }
         self.owner[i].store(NO_OWNER, Ordering::Release);
         self.type_info[i].store(0, Ordering::Relaxed);
+        self.m2p[i].store(u32::MAX, Ordering::Relaxed);
         self.free
             .lock()
             .map_err(|_| FrameError::OutOfMemory)?
@@ -185,9 +189,44 @@ impl FrameTable {
         }
     }
 
+    /// Records which of its owner's guest frames `mfn` is.
+    pub(crate) fn set_m2p(&self, mfn: Mfn, gfn: crate::types::Gfn) {
+        if let Some(e) = self.m2p.get(mfn.0 as usize) {
+            e.store(gfn.0, Ordering::Relaxed);
+        }
+    }
+
+    /// The owner's guest frame of `mfn` (Xen's `mfn_to_gmfn`).
+    pub fn m2p(&self, mfn: Mfn) -> Option<crate::types::Gfn> {
+        let g = self.m2p.get(mfn.0 as usize)?.load(Ordering::Relaxed);
+        (g != u32::MAX).then_some(crate::types::Gfn(g))
+    }
+
+    /// Whether the frame's recorded type is a page-table level, in use or not: such a
+    /// frame is not writable by its owner's own accesses (in Xen its kernel mapping is
+    /// read-only) until the owner asks for it back
+    /// ([`crate::mmu::MmuExtOp::MakeWritable`]). One load, on the owner's write paths.
+    #[inline]
+    pub fn is_page_table(&self, mfn: Mfn) -> bool {
+        self.type_info
+            .get(mfn.0 as usize)
+            .is_some_and(|t| t.load(Ordering::Acquire) >> TYPE_SHIFT > 1)
+    }
+
     /// Takes a type reference (`get_page_type`): sets the type if the type count is zero,
     /// otherwise requires the same type.
     pub fn get_page_type(&self, mfn: Mfn, ty: PageType) -> Result<(), FrameError> {
+        self.get_page_type_from(mfn, ty).map(|_| ())
+    }
+
+    /// [`Self::get_page_type`], saying what the frame was before when the type changed
+    /// (`Some(old)`: a change the caller may have to act on, as the PV MMU syncs the
+    /// IOMMU); `None` when the frame already had this type.
+    pub fn get_page_type_from(
+        &self,
+        mfn: Mfn,
+        ty: PageType,
+    ) -> Result<Option<PageType>, FrameError> {
         let i = self.index(mfn)?;
         let t = &self.type_info[i];
         let mut cur = t.load(Ordering::Relaxed);
@@ -204,10 +243,29 @@ impl FrameTable {
                 return Err(FrameError::TypeConflict);
             };
             match t.compare_exchange_weak(cur, next, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    return Ok((cur >> TYPE_SHIFT != ty.encode())
+                        .then(|| PageType::decode(cur >> TYPE_SHIFT)))
+                }
                 Err(now) => cur = now,
             }
         }
+    }
+
+    /// Undoes a [`Self::get_page_type_from`] that changed the type, whose caller then
+    /// failed to validate the frame: the type count goes from one back to zero and the
+    /// recorded type back to `old`, as if nothing happened. Refused (false) if someone
+    /// else took a reference in between.
+    pub(crate) fn restore_type(&self, mfn: Mfn, ty: PageType, old: PageType) -> bool {
+        self.type_info.get(mfn.0 as usize).is_some_and(|t| {
+            t.compare_exchange(
+                (ty.encode() << TYPE_SHIFT) | 1,
+                old.encode() << TYPE_SHIFT,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        })
     }
 
     /// Drops a type reference; the type stays recorded (Xen keeps it validated) until

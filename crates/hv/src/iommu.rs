@@ -35,8 +35,8 @@ use crate::frame::FrameTable;
 use crate::types::{DeviceId, DomId, Gfn, Iova};
 use crate::Hypervisor;
 
-const PTE_R: u64 = 1;
-const PTE_W: u64 = 2;
+pub(crate) const PTE_R: u64 = 1;
+pub(crate) const PTE_W: u64 = 2;
 const PTE_ADDR: u64 = 0x000f_ffff_ffff_f000;
 const LEVELS: u32 = 4;
 /// Highest I/O page number a 4-level table maps (48-bit IOVA).
@@ -176,6 +176,9 @@ pub struct Iommu {
     queue: Mutex<Option<InvQueue>>,
     faults: AtomicU64,
     fault_log: Mutex<VecDeque<DmaFault>>,
+    /// Whether page-selective invalidation is supported (VT-d's `PSI` capability);
+    /// without it a page's invalidation covers its whole domain, as Xen falls back.
+    page_selective: std::sync::atomic::AtomicBool,
     /// Invalidation counters.
     pub stats: InvalidationStats,
 }
@@ -210,6 +213,7 @@ impl Iommu {
             queue: Mutex::new(None),
             faults: AtomicU64::new(0),
             fault_log: Mutex::new(VecDeque::new()),
+            page_selective: std::sync::atomic::AtomicBool::new(true),
             stats: InvalidationStats::default(),
         }
     }
@@ -222,6 +226,12 @@ impl Iommu {
             .ok_or(IommuError::BadDevice)?;
         c.store(1 << 63 | (dom.0 as u64) << 32, Ordering::Release);
         Ok(())
+    }
+
+    /// Models a unit with or without page-selective invalidation: without, each page's
+    /// invalidation empties the domain's whole IOTLB share.
+    pub fn set_page_selective(&self, supported: bool) {
+        self.page_selective.store(supported, Ordering::Relaxed);
     }
 
     /// Unbinds a device; its later accesses fault.
@@ -371,6 +381,9 @@ impl Iommu {
                     }
                 }
             }
+            InvScope::Page(d, _) if !self.page_selective.load(Ordering::Relaxed) => {
+                self.apply(InvScope::Domain(d));
+            }
             InvScope::Page(d, iova) => {
                 self.stats.page.fetch_add(1, Ordering::Relaxed);
                 let i = tlb_index(d, iova.pfn());
@@ -451,7 +464,7 @@ impl Iommu {
         }
     }
 
-    fn set_entry(
+    pub(crate) fn set_entry(
         &self,
         frames: &FrameTable,
         dom: DomId,

@@ -23,6 +23,7 @@ pub mod event;
 pub mod frame;
 pub mod grant;
 pub mod iommu;
+pub mod mmu;
 pub mod profile;
 pub mod store;
 pub mod time;
@@ -89,7 +90,7 @@ pub const NR_VECTORS: usize = 256;
 #[derive(Debug)]
 pub struct Hypervisor {
     pub(crate) mem: Arc<MachineMemory>,
-    pub(crate) frames: FrameTable,
+    pub(crate) frames: Arc<FrameTable>,
     domains: RwLock<Vec<Option<Arc<Domain>>>>,
     /// Where the search for a free domain id starts: ids rotate, as Xen's do, so a
     /// destroyed domain's id is not given straight to the next domain (a peer that
@@ -118,7 +119,7 @@ impl Hypervisor {
     /// Builds a machine.
     pub fn new(cfg: HvConfig) -> Result<Arc<Self>, HvError> {
         let mem = Arc::new(MachineMemory::new(cfg.frames)?);
-        let frames = FrameTable::new(cfg.frames);
+        let frames = Arc::new(FrameTable::new(cfg.frames));
         let iommu = Arc::new(iommu::Iommu::new(Arc::clone(&mem)));
         let hv = Arc::new(Self {
             mem,
@@ -190,6 +191,7 @@ impl Hypervisor {
             match self.frames.alloc(id) {
                 Ok(m) => {
                     let _ = self.mem.fill(m, 0, PAGE_SIZE, 0);
+                    self.frames.set_m2p(m, Gfn(p2m.len() as u32));
                     p2m.push(m);
                 }
                 Err(_) => {
@@ -204,6 +206,7 @@ impl Hypervisor {
             id,
             cfg,
             Arc::clone(&self.mem),
+            Arc::clone(&self.frames),
             p2m.into_boxed_slice(),
             self.map_backend,
         )?);
@@ -228,6 +231,7 @@ impl Hypervisor {
         for p in open {
             let _ = self.evtchn_close(&d, p);
         }
+        self.mmu_teardown(&d);
         self.iommu.detach_domain(id);
         self.iommu_teardown(id);
         for v in d.vcpus.iter() {
