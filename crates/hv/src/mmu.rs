@@ -647,7 +647,7 @@ impl Op<'_> {
     }
 
     fn update(&mut self, u: MmuUpdate) -> Result<(), MmuError> {
-        if u.ptr % 8 != 0 {
+        if !u.ptr.is_multiple_of(8) {
             return Err(MmuError::Misaligned);
         }
         if u.ptr >> 12 > u32::MAX as u64 {

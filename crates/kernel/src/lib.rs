@@ -23,6 +23,7 @@ pub mod counters;
 pub mod driver_domain;
 pub mod hostile;
 pub mod machine;
+pub mod mm;
 pub mod native;
 pub mod pv_guest;
 pub mod vcpu;
