@@ -192,6 +192,10 @@ pub struct MmStats {
     pub exits: u64,
     /// Pages touched through the walker.
     pub touched: u64,
+    /// Times the pool was drained because the domain ran out of pages.
+    pub reclaims: u64,
+    /// Longest such drain, ns.
+    pub reclaim_ns: u64,
 }
 
 /// The guest kernel's memory manager.
@@ -310,7 +314,7 @@ impl Mm {
                 return Ok((p, true));
             }
         }
-        let g = self.dom.alloc_page().map_err(|_| MmError::OutOfMemory)?;
+        let g = self.alloc_page()?;
         self.dom.fill(g, 0, PAGE_SIZE, 0)?;
         let m = self.dom.pv_machine_frame(g).ok_or(MmError::OutOfMemory)?;
         self.stats.level[level as usize].alloc_ns += ns(t);
@@ -367,6 +371,24 @@ impl Mm {
             }
         }
         Ok(())
+    }
+
+    /// A page from the domain's allocator. When none is left, the pool is memory the
+    /// kernel can take back at once: it is drained (every pooled page unpinned, made
+    /// writable and freed, counted in [`MmStats::reclaims`]) and the allocation tried
+    /// again, so the pool never holds memory the domain needs (Linux's page-table
+    /// quicklists, which did not, grew unaccounted until they were removed).
+    pub fn alloc_page(&mut self) -> Result<Gfn, MmError> {
+        if let Ok(g) = self.dom.alloc_page() {
+            return Ok(g);
+        }
+        if self.pooled() > 0 {
+            let t = Instant::now();
+            self.drain()?;
+            self.stats.reclaims += 1;
+            self.stats.reclaim_ns = self.stats.reclaim_ns.max(ns(t));
+        }
+        self.dom.alloc_page().map_err(|_| MmError::OutOfMemory)
     }
 
     /// Gives every pooled page back (memory pressure, or the cache turned off).
@@ -487,7 +509,7 @@ impl Mm {
             let seed = (p.pid as u8).wrapping_mul(31).wrapping_add(k as u8) | 1;
             let mut pages = Vec::with_capacity(r.pages);
             for i in 0..r.pages {
-                let g = self.dom.alloc_page().map_err(|_| MmError::OutOfMemory)?;
+                let g = self.alloc_page()?;
                 self.dom.fill(g, 0, PAGE_SIZE, seed)?;
                 self.shares[g.0 as usize] += 1;
                 pages.push(g);
@@ -883,6 +905,41 @@ mod tests {
             assert!(mm.pool_sizes()[0] > 0 && mm.pool_sizes()[1..].iter().all(|&n| n == 0));
             mm.exit(init).expect("exit");
         }
+    }
+
+    #[test]
+    fn a_domain_short_of_memory_takes_the_pool_back_at_once() {
+        let mut mm = guest(1024, true, false);
+        mm.set_pool(
+            PoolMode::PerLevel,
+            FreePolicy {
+                ratio: 1e9,
+                total: usize::MAX,
+            },
+        )
+        .expect("pool");
+        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        let kids: Vec<Process> = (0..8).map(|_| mm.fork(&mut init).expect("fork")).collect();
+        for k in kids {
+            mm.exit(k).expect("exit");
+        }
+        let pooled = mm.pooled();
+        assert_eq!(pooled, 8 * 12);
+        // Everything else the domain has is taken; the pool is what is left.
+        let mut held = Vec::new();
+        while let Ok(g) = mm.dom.alloc_page() {
+            held.push(g);
+        }
+        let g = mm.alloc_page().expect("the pool gives its pages back");
+        assert_eq!(mm.pooled(), 0);
+        assert_eq!(mm.stats.reclaims, 1);
+        assert_eq!(mm.dom.free_page_count(), pooled - 1);
+        mm.dom.write(g, 0, &[1]).expect("an ordinary page again");
+        assert!(mm.stats.reclaim_ns < 100_000_000, "drained within 100 ms");
+        for g in held {
+            mm.dom.free_page(g).expect("free");
+        }
+        mm.exit(init).expect("exit");
     }
 
     #[test]

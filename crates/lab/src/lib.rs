@@ -91,5 +91,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::restart::EXPERIMENT,
         experiments::soak::EXPERIMENT,
         experiments::up_bench::EXPERIMENT,
+        experiments::iosup::EXPERIMENT,
     ]
 }

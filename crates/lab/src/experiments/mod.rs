@@ -5,6 +5,7 @@ pub mod core;
 pub mod fig11;
 pub mod fig4;
 pub mod fig8;
+pub mod iosup;
 pub mod restart;
 pub mod santos08;
 pub mod soak;
