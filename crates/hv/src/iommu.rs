@@ -47,8 +47,9 @@ pub const IOTLB_ENTRIES: usize = 1024;
 pub const FAULT_LOG: usize = 64;
 /// Devices (requester ids) the context table covers.
 pub const MAX_DEVICES: usize = 256;
-/// Invalidation-queue descriptors (one page of 16-byte descriptors).
-pub const IQ_ENTRIES: usize = PAGE_SIZE / 16;
+/// Invalidation-queue descriptors (one page of 16-byte descriptors, less the last
+/// slot, whose bytes hold the wait descriptors' status word).
+pub const IQ_ENTRIES: usize = PAGE_SIZE / 16 - 1;
 
 /// First I/O page of the range where a domain's grant maps appear in its IOMMU context.
 pub const WINDOW_IOVA_PFN: u64 = 1 << 34;
@@ -412,7 +413,9 @@ impl Iommu {
             scopes.iter().for_each(|s| self.invalidate_register(*s));
             return;
         };
-        for chunk in scopes.chunks(IQ_ENTRIES - 1) {
+        // A ring of N slots holds N - 1 entries (head == tail is empty): a chunk and
+        // its wait descriptor must fit in that.
+        for chunk in scopes.chunks(IQ_ENTRIES - 2) {
             let start = q.tail;
             for s in chunk {
                 let (ty, did, addr) = match *s {

@@ -162,3 +162,34 @@ fn domain_and_global_invalidations_drop_exactly_their_entries() {
         Err(FaultReason::NoContext)
     );
 }
+
+#[test]
+fn a_queued_batch_longer_than_the_queue_invalidates_every_page() {
+    let (hv, d) = setup();
+    let g = d.alloc_page().expect("page");
+    hv.iommu_attach(DeviceId(5), &d).expect("attach");
+    let mut dev = hv.iommu().device(DeviceId(5));
+    // More pages than one submission holds, each cached, then all unmapped.
+    let n = 3 * hv::iommu::IQ_ENTRIES + 7;
+    let iova = |i: usize| Iova((i as u64) << 12);
+    for i in 0..n {
+        hv.iommu_map(&d, iova(i), g, true).expect("map");
+        dev.translate(iova(i), false).expect("fill");
+    }
+    let scopes: Vec<InvScope> = (0..n)
+        .map(|i| {
+            hv.iommu_unmap(&d, iova(i)).expect("unmap");
+            InvScope::Page(d.id(), iova(i))
+        })
+        .collect();
+    hv.iommu().invalidate_queued(&scopes);
+    for i in 0..n {
+        assert_eq!(
+            dev.translate(iova(i), false).map_err(|f| f.reason),
+            Err(FaultReason::NotPresent),
+            "page {i} of {n}"
+        );
+    }
+    let waits = hv.iommu().stats.waits.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(waits as usize, n.div_ceil(hv::iommu::IQ_ENTRIES - 2));
+}
