@@ -190,6 +190,10 @@ fn a_queued_batch_longer_than_the_queue_invalidates_every_page() {
             "page {i} of {n}"
         );
     }
-    let waits = hv.iommu().stats.waits.load(std::sync::atomic::Ordering::Relaxed);
+    let waits = hv
+        .iommu()
+        .stats
+        .waits
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(waits as usize, n.div_ceil(hv::iommu::IQ_ENTRIES - 2));
 }

@@ -36,6 +36,12 @@ fn page(d: &Domain) -> (Gfn, Mfn) {
     (g, d.pv_machine_frame(g).expect("mfn"))
 }
 
+/// A pin of one table, its refusal reason if refused.
+fn pin(hv: &Hypervisor, d: &Domain, level: u8, mfn: Mfn) -> Result<(), MmuError> {
+    hv.mmuext(d, &[MmuExtOp::Pin { level, mfn }])
+        .map_err(|e| e.error)
+}
+
 fn set(d: &Domain, table: Gfn, index: usize, e: u64) {
     d.write(table, index * 8, &e.to_le_bytes())
         .expect("guest write");
@@ -221,11 +227,7 @@ fn no_entry_may_map_a_page_table_writable_or_a_frame_that_is_not_the_domains() {
     // A second L1, fresh, whose entry 5 maps the pinned L1 writable.
     let (g, m) = page(&a);
     set(&a, g, 5, pte(l1.1, PTE_P | PTE_RW));
-    assert_eq!(
-        hv.mmuext(&a, &[MmuExtOp::Pin { level: 1, mfn: m }])
-            .map_err(|e| e.error),
-        Err(MmuError::TypeConflict)
-    );
+    assert_eq!(pin(&hv, &a, 1, m), Err(MmuError::TypeConflict));
     // Read-only is allowed: a guest may read its page tables.
     set(&a, g, 5, pte(l1.1, PTE_P));
     hv.mmuext(&a, &[MmuExtOp::Pin { level: 1, mfn: m }])
@@ -265,24 +267,10 @@ fn no_entry_may_map_a_page_table_writable_or_a_frame_that_is_not_the_domains() {
             .map_err(|e| e.error),
         Err(MmuError::NotOwner)
     );
-    assert_eq!(
-        hv.mmuext(&a, &[MmuExtOp::Pin { level: 1, mfn: bm }])
-            .map_err(|e| e.error),
-        Err(MmuError::NotOwner)
-    );
+    assert_eq!(pin(&hv, &a, 1, bm), Err(MmuError::NotOwner));
     // Superpages and reserved bits.
     set(&a, l2.0, 9, pte(l1.1, PTE_P | PTE_PS));
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 2,
-                mfn: l2.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::BadFlags)
-    );
+    assert_eq!(pin(&hv, &a, 2, l2.1), Err(MmuError::BadFlags));
     assert_eq!(
         hv.mmu_update(&a, &[MmuUpdate::new(m, 8, pte(s.data.1, PTE_P | 1 << 52))])
             .map_err(|e| e.error),
@@ -317,73 +305,23 @@ fn a_table_has_one_level_and_cannot_refer_to_itself() {
     )
     .expect("l2 and its l1");
     // The L1 below it has L1's type: not pinnable as L2, and an L2 naming an L2 fails.
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 2,
-                mfn: l1.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::TypeConflict)
-    );
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 2,
-                mfn: l2.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::AlreadyPinned)
-    );
+    assert_eq!(pin(&hv, &a, 2, l1.1), Err(MmuError::TypeConflict));
+    assert_eq!(pin(&hv, &a, 2, l2.1), Err(MmuError::AlreadyPinned));
     assert_eq!(
         hv.mmu_update(&a, &[MmuUpdate::new(l2.1, 3, pte(l2.1, PTE_P))])
             .map_err(|e| e.error),
         Err(MmuError::TypeConflict),
         "an L2 naming itself"
     );
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 5,
-                mfn: l3.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::BadLevel)
-    );
+    assert_eq!(pin(&hv, &a, 5, l3.1), Err(MmuError::BadLevel));
     // A linear page table: the L4 naming itself in one of its slots.
     let l4 = s.tables[0];
     set(&a, l4.0, 10, pte(l4.1, PTE_P));
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 4,
-                mfn: l4.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::TypeConflict)
-    );
+    assert_eq!(pin(&hv, &a, 4, l4.1), Err(MmuError::TypeConflict));
     set(&a, l4.0, 10, 0);
     // The hypervisor's slots.
     set(&a, l4.0, XEN_L4_SLOTS.start, pte(l3.1, PTE_P));
-    assert_eq!(
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 4,
-                mfn: l4.1
-            }]
-        )
-        .map_err(|e| e.error),
-        Err(MmuError::HypervisorSlot)
-    );
+    assert_eq!(pin(&hv, &a, 4, l4.1), Err(MmuError::HypervisorSlot));
     set(&a, l4.0, XEN_L4_SLOTS.start, 0);
     hv.mmuext(
         &a,
@@ -444,11 +382,7 @@ fn a_validation_that_fails_halfway_leaves_every_count_as_it_was() {
     set(&a, l2g, 4, pte(bad_m, PTE_P));
     touched.extend([bad_m, d]);
     let before = types(&hv, &touched);
-    assert_eq!(
-        hv.mmuext(&a, &[MmuExtOp::Pin { level: 2, mfn: l2m }])
-            .map_err(|e| e.error),
-        Err(MmuError::NotOwner)
-    );
+    assert_eq!(pin(&hv, &a, 2, l2m), Err(MmuError::NotOwner));
     let after = types(&hv, &touched);
     for (i, (x, y)) in before.iter().zip(&after).enumerate() {
         assert_eq!(x.1, y.1, "reference count of frame {i}");
