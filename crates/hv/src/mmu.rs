@@ -951,6 +951,28 @@ impl Hypervisor {
         Ok(table)
     }
 
+    /// Splits `len` bytes at `va` into page pieces, translating each: `f(frame,
+    /// offset in the page, offset in the caller's buffer, length)`.
+    fn each_page(
+        &self,
+        dom: &Domain,
+        vcpu: u32,
+        va: u64,
+        len: usize,
+        write: bool,
+        mut f: impl FnMut(Mfn, usize, usize, usize),
+    ) -> Result<(), PageFault> {
+        let mut done = 0;
+        while done < len {
+            let at = va + done as u64;
+            let off = (at & 0xfff) as usize;
+            let n = (mem::PAGE_SIZE - off).min(len - done);
+            f(self.pv_translate(dom, vcpu, at, write)?, off, done, n);
+            done += n;
+        }
+        Ok(())
+    }
+
     /// A process's read through its page tables.
     pub fn pv_read(
         &self,
@@ -959,29 +981,15 @@ impl Hypervisor {
         va: u64,
         buf: &mut [u8],
     ) -> Result<(), PageFault> {
-        let mut done = 0;
-        while done < buf.len() {
-            let at = va + done as u64;
-            let off = (at & 0xfff) as usize;
-            let n = (mem::PAGE_SIZE - off).min(buf.len() - done);
-            let m = self.pv_translate(dom, vcpu, at, false)?;
-            let _ = self.mem.read(m, off, &mut buf[done..done + n]);
-            done += n;
-        }
-        Ok(())
+        self.each_page(dom, vcpu, va, buf.len(), false, |m, off, at, n| {
+            let _ = self.mem.read(m, off, &mut buf[at..at + n]);
+        })
     }
 
     /// A process's write through its page tables.
     pub fn pv_write(&self, dom: &Domain, vcpu: u32, va: u64, data: &[u8]) -> Result<(), PageFault> {
-        let mut done = 0;
-        while done < data.len() {
-            let at = va + done as u64;
-            let off = (at & 0xfff) as usize;
-            let n = (mem::PAGE_SIZE - off).min(data.len() - done);
-            let m = self.pv_translate(dom, vcpu, at, true)?;
-            let _ = self.mem.write(m, off, &data[done..done + n]);
-            done += n;
-        }
-        Ok(())
+        self.each_page(dom, vcpu, va, data.len(), true, |m, off, at, n| {
+            let _ = self.mem.write(m, off, &data[at..at + n]);
+        })
     }
 }

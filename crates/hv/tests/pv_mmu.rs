@@ -42,6 +42,20 @@ fn pin(hv: &Hypervisor, d: &Domain, level: u8, mfn: Mfn) -> Result<(), MmuError>
         .map_err(|e| e.error)
 }
 
+/// Pins a level-4 table and makes it vCPU 0's address space.
+fn pin_as_base(hv: &Hypervisor, d: &Domain, l4: Mfn) -> Result<(), BatchError> {
+    hv.mmuext(
+        d,
+        &[
+            MmuExtOp::Pin { level: 4, mfn: l4 },
+            MmuExtOp::NewBaseptr {
+                vcpu: 0,
+                mfn: Some(l4),
+            },
+        ],
+    )
+}
+
 fn set(d: &Domain, table: Gfn, index: usize, e: u64) {
     d.write(table, index * 8, &e.to_le_bytes())
         .expect("guest write");
@@ -162,17 +176,7 @@ fn teardown_returns_every_count_and_the_pages_become_writable_again() {
     let all: Vec<Mfn> = s.tables.iter().map(|t| t.1).chain([s.data.1]).collect();
     let before = types(&hv, &all);
     let l4 = s.tables[0].1;
-    hv.mmuext(
-        &a,
-        &[
-            MmuExtOp::Pin { level: 4, mfn: l4 },
-            MmuExtOp::NewBaseptr {
-                vcpu: 0,
-                mfn: Some(l4),
-            },
-        ],
-    )
-    .expect("pin and switch");
+    pin_as_base(&hv, &a, l4).expect("pin and switch");
     assert_eq!(
         hv.mmuext(&a, &[MmuExtOp::Unpin(l4)]),
         Err(BatchError {
@@ -549,17 +553,7 @@ fn destroying_a_domain_with_pinned_tables_frees_every_frame() {
     let free = hv.frame_table().free_frames();
     let s = build(&a);
     let l4 = s.tables[0].1;
-    hv.mmuext(
-        &a,
-        &[
-            MmuExtOp::Pin { level: 4, mfn: l4 },
-            MmuExtOp::NewBaseptr {
-                vcpu: 0,
-                mfn: Some(l4),
-            },
-        ],
-    )
-    .expect("pin");
+    pin_as_base(&hv, &a, l4).expect("pin");
     let id = a.id();
     drop(a);
     hv.destroy_domain(id).expect("destroy");

@@ -186,7 +186,7 @@ pub struct MmStats {
     pub level: [LevelStats; 5],
     /// Pool pages given back to the allocator.
     pub released: u64,
-    /// Processes created (fork) and exited.
+    /// Processes created (`spawn` and `fork`).
     pub forks: u64,
     /// Exits.
     pub exits: u64,
@@ -321,18 +321,14 @@ impl Mm {
         Ok(((g, m), false))
     }
 
-    /// Returns `tables` (their entries already dropped, still pinned) to the pool or
-    /// to the allocator.
-    fn free_tables(&mut self, tables: &[Table]) -> Result<(), MmError> {
+    /// Puts `tables` (their entries already cleared, still pinned) in the pool, then
+    /// applies the release rule.
+    fn pool_tables(&mut self, tables: &[Table]) -> Result<(), MmError> {
         for tb in tables {
             let t = Instant::now();
             self.in_use[tb.level as usize] -= 1;
-            if self.mode == PoolMode::Off {
-                self.release(tb.gfn, tb.mfn)?;
-            } else {
-                let i = self.pool_index(tb.level);
-                self.pools[i].push((tb.gfn, tb.mfn, tb.level));
-            }
+            let i = self.pool_index(tb.level);
+            self.pools[i].push((tb.gfn, tb.mfn, tb.level));
             let l = &mut self.stats.level[tb.level as usize];
             l.frees += 1;
             l.free_ns += ns(t);
@@ -430,6 +426,12 @@ impl Mm {
             }
             p.set.push((ti, slot as u16));
         }
+        Ok(())
+    }
+
+    /// Sends the updates gathered in `self.updates` as one `mmu_update` batch.
+    fn send_updates(&mut self) -> Result<(), MmError> {
+        self.hv.mmu_update(&self.dom, &self.updates)?;
         Ok(())
     }
 
@@ -582,10 +584,7 @@ impl Mm {
             })
             .collect();
         self.ext_timed(&pins, true)?;
-        let updates = std::mem::take(&mut self.updates);
-        let r = self.hv.mmu_update(&self.dom, &updates);
-        self.updates = updates;
-        r?;
+        self.send_updates()?;
         Ok(())
     }
 
@@ -618,10 +617,7 @@ impl Mm {
                 ));
             }
         }
-        let updates = std::mem::take(&mut self.updates);
-        let r = self.hv.mmu_update(&self.dom, &updates);
-        self.updates = updates;
-        r?;
+        self.send_updates()?;
         for r in parent.regions.iter_mut() {
             r.spec.writable = false;
         }
@@ -658,7 +654,8 @@ impl Mm {
 
     /// Runs `p` for a moment: its tables become the vCPU's base, and it reads the first
     /// and last word of every page through them (checking the image) and writes its
-    /// pid into the second word of its writable pages; then the vCPU goes back to the kernel's own context.
+    /// pid into the second word of its writable pages; then the vCPU goes back to the
+    /// kernel's own context.
     pub fn run(&mut self, p: &Process) -> Result<(), MmError> {
         let hv = Arc::clone(&self.hv);
         hv.mmuext(
@@ -724,10 +721,7 @@ impl Mm {
                 self.updates
                     .push(MmuUpdate::new(p.tables[ti].mfn, slot as usize, 0));
             }
-            let updates = std::mem::take(&mut self.updates);
-            let r = self.hv.mmu_update(&self.dom, &updates);
-            self.updates = updates;
-            r?;
+            self.send_updates()?;
             // The clearing is part of freeing; spread over the tables by count.
             let per = ns(t) / p.tables.len().max(1) as u64;
             for tb in &p.tables {
@@ -751,7 +745,7 @@ impl Mm {
             }
         } else {
             // Unpinned nothing: every table is still pinned, empty.
-            self.free_tables(&tables)?;
+            self.pool_tables(&tables)?;
         }
         for r in std::mem::take(&mut p.regions) {
             for g in r.pages {

@@ -21,7 +21,7 @@
 //!   and time per DMA with and without the pool, with page-selective invalidation and
 //!   without it (a unit that invalidates the whole domain for each page).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -317,10 +317,7 @@ fn busy(
                 }
             }
         }
-        if group == Group::PreEnabled && i == 1 {
-            tl.steady = g.mm.stats.clone();
-        }
-        if group == Group::Disabled && i == 1 {
+        if group != Group::Dynamic && i == 1 {
             tl.steady = g.mm.stats.clone();
         }
     }
@@ -373,14 +370,8 @@ fn device_under_churn(
         .collect::<Result<_, _>>()
         .map_err(err)?;
     let stop = Arc::new(AtomicBool::new(false));
-    let (ops, cpu) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let dev = {
-        let (hv, stop, ops, cpu) = (
-            Arc::clone(&g.hv),
-            Arc::clone(&stop),
-            Arc::clone(&ops),
-            Arc::clone(&cpu),
-        );
+        let (hv, stop) = (Arc::clone(&g.hv), Arc::clone(&stop));
         let bufs = bufs.clone();
         std::thread::spawn(move || {
             let _ = mem::cpu::pin_current_thread(1);
@@ -394,12 +385,8 @@ fn device_under_churn(
                 }
                 n += bufs.len() as u64;
             }
-            ops.store(n, Ordering::Relaxed);
-            cpu.store(
-                (mem::cpu::thread_cpu_time() - t0).as_nanos() as u64,
-                Ordering::Relaxed,
-            );
-            (dma.hits, dma.misses)
+            let cpu = (mem::cpu::thread_cpu_time() - t0).as_nanos() as f64;
+            (dma.hits, dma.misses, n, cpu)
         })
     };
     let _ = mem::cpu::pin_current_thread(0);
@@ -416,12 +403,11 @@ fn device_under_churn(
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let (hits, misses) = dev.join().map_err(|_| err("device thread"))?;
+    let (hits, misses, n, cpu) = dev.join().map_err(|_| err("device thread"))?;
     g.mm.exit(parent).map_err(err)?;
-    let n = ops.load(Ordering::Relaxed).max(1) as f64;
     Ok((
         misses as f64 / (hits + misses).max(1) as f64 * 100.0,
-        cpu.load(Ordering::Relaxed) as f64 / n,
+        cpu / n.max(1) as f64,
     ))
 }
 
@@ -806,7 +792,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     }
     for psi in [true, false] {
         let (a, b) = (miss[&(psi, "churn, pool")], miss[&(psi, "no churn")]);
-        let ok = (a - b).abs() <= 0.1 * b.max(0.01) || (a - b).abs() < 0.01;
+        // Without churn the misses are the working set's compulsory ones, a few
+        // thousandths of a percent whose count varies with the run's length; 10% of
+        // that is below one miss, so the tolerance has a floor of 0.001 points.
+        let tol = (0.1 * b).max(0.001);
+        let ok = (a - b).abs() <= tol;
         r.check(
             &format!(
                 "device IOTLB miss rate under churn with the pool against no churn ({})",
@@ -818,7 +808,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             ),
             a,
             "%",
-            &format!("within 10% of {b:.3}"),
+            &format!("{b:.4} ± {tol:.4} (10%, at least 0.001 points)"),
             ok,
         );
     }
