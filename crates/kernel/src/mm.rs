@@ -68,6 +68,137 @@ impl Default for FreePolicy {
     }
 }
 
+/// How a pool decides what to give back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sizing {
+    /// The paper's rule, with its two factors set by hand.
+    Fixed(FreePolicy),
+    /// No factors: each pool keeps what its level's demand will want again if it
+    /// returns to its recent peak ([`Demand`]), and learns peaks further apart from
+    /// its own mistakes.
+    Adaptive,
+}
+
+impl From<FreePolicy> for Sizing {
+    fn from(p: FreePolicy) -> Self {
+        Sizing::Fixed(p)
+    }
+}
+
+/// What the adaptive rule knows of one pool's demand.
+///
+/// The rule bounds the pool's *footprint*, the tables in use plus those pooled: the
+/// pool keeps what the level's demand will want again if it returns to its recent
+/// peak. Time is counted in the pool's own allocations, so the rule follows the churn
+/// rate without a clock: an *epoch* lasts until the pool has served as many
+/// allocations as the most tables its level had in use during it (one turnover of the
+/// tables in use, whatever the rate). The footprint may reach the peak in use of this
+/// epoch or the last.
+///
+/// Peaks further apart than that are learned from regret: every page given back is
+/// remembered (a ghost, as ARC keeps them), and an allocation the pool cannot serve
+/// while ghosts remain raises a floor under the footprint to the tables now in use.
+/// Pages that sit unused in the pool through `patience` epochs in a row were not
+/// needed: the floor comes down by that many. A regret after such a decay doubles the
+/// patience (the peaks are further apart than it waited), so a workload whose peaks
+/// are far apart costs a few regrets, not one per peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Demand {
+    /// The most tables in use this epoch.
+    pub hi: usize,
+    /// The last epoch's.
+    pub prev: usize,
+    /// Allocations this epoch.
+    pub allocs: usize,
+    /// The fewest pages the pool held this epoch.
+    pub idle: usize,
+    /// Pages given back and not yet asked for again.
+    pub ghosts: usize,
+    /// A footprint learned from regret.
+    pub floor: usize,
+    /// Epochs of unused pages before the floor comes down.
+    pub patience: u32,
+    /// Epochs in a row with unused pages, and the fewest unused over them.
+    idle_epochs: u32,
+    idle_run: usize,
+    /// The floor came down since the last regret.
+    decayed: bool,
+}
+
+impl Default for Demand {
+    fn default() -> Self {
+        Self {
+            hi: 0,
+            allocs: 0,
+            prev: 0,
+            idle: 0,
+            ghosts: 0,
+            floor: 0,
+            patience: 1,
+            idle_epochs: 0,
+            idle_run: 0,
+            decayed: false,
+        }
+    }
+}
+
+impl Demand {
+    /// Starts counting with `in_use` tables in use.
+    fn new(in_use: usize) -> Self {
+        Self {
+            hi: in_use,
+            ..Default::default()
+        }
+    }
+
+    /// The most pages the pool and the tables in use may come to now.
+    pub fn footprint(&self) -> usize {
+        self.hi.max(self.prev).max(self.floor)
+    }
+
+    /// `n` pages given back; `pooled` left.
+    fn released(&mut self, n: usize, pooled: usize) {
+        self.ghosts += n;
+        self.idle = self.idle.min(pooled);
+    }
+
+    /// An allocation with `in_use` tables now in use (this one counted) and `pooled`
+    /// left in the pool; `miss` if the pool had none.
+    fn alloc(&mut self, in_use: usize, pooled: usize, miss: bool) {
+        if miss && self.ghosts > 0 {
+            self.ghosts -= 1;
+            self.floor = self.floor.max(in_use);
+            if std::mem::take(&mut self.decayed) {
+                self.patience = self.patience.saturating_mul(2);
+            }
+        }
+        self.hi = self.hi.max(in_use);
+        self.idle = self.idle.min(pooled);
+        self.allocs += 1;
+        if self.allocs < self.hi.max(1) {
+            return;
+        }
+        // The epoch ends.
+        self.prev = self.hi;
+        if self.idle > 0 {
+            self.idle_run = if self.idle_epochs == 0 {
+                self.idle
+            } else {
+                self.idle_run.min(self.idle)
+            };
+            self.idle_epochs += 1;
+            if self.idle_epochs >= self.patience && self.floor > 0 {
+                self.floor -= self.idle_run.min(self.floor);
+                self.decayed = true;
+                self.idle_epochs = 0;
+            }
+        } else {
+            self.idle_epochs = 0;
+        }
+        (self.hi, self.allocs, self.idle) = (in_use, 0, pooled);
+    }
+}
+
 /// Why a memory-manager operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MmError {
@@ -205,7 +336,8 @@ pub struct Mm {
     dom: Arc<Domain>,
     vcpu: u32,
     mode: PoolMode,
-    policy: FreePolicy,
+    sizing: Sizing,
+    demand: [Demand; 5],
     /// Pools, per level (index 1–4), or all in index 0 when shared.
     /// Each page with the level it is pinned at.
     pools: [Vec<(Gfn, Mfn, u8)>; 5],
@@ -239,7 +371,8 @@ impl Mm {
             dom,
             vcpu,
             mode: PoolMode::Off,
-            policy: FreePolicy::default(),
+            sizing: Sizing::Fixed(FreePolicy::default()),
+            demand: Default::default(),
             pools: Default::default(),
             in_use: [0; 5],
             kernel_l3: m,
@@ -252,15 +385,32 @@ impl Mm {
         })
     }
 
-    /// Turns the cache on or off (at boot or while running). Turning it off, or
-    /// changing its shape, gives every pooled page back.
-    pub fn set_pool(&mut self, mode: PoolMode, policy: FreePolicy) -> Result<(), MmError> {
+    /// Turns the cache on or off (at boot or while running) and sets how it sizes
+    /// itself. Turning it off, or changing its shape, gives every pooled page back.
+    pub fn set_pool(&mut self, mode: PoolMode, sizing: impl Into<Sizing>) -> Result<(), MmError> {
         if mode != self.mode {
             self.drain()?;
         }
         self.mode = mode;
-        self.policy = policy;
+        self.sizing = sizing.into();
+        for i in 0..5 {
+            self.demand[i] = Demand::new(self.in_use_of(i));
+        }
         Ok(())
+    }
+
+    /// What the adaptive rule knows of each pool (index as [`Mm::pool_sizes`]).
+    pub fn demand(&self) -> [Demand; 5] {
+        self.demand
+    }
+
+    /// Tables in use that draw on pool `i`.
+    fn in_use_of(&self, i: usize) -> usize {
+        if i == 0 {
+            self.in_use.iter().sum()
+        } else {
+            self.in_use[i]
+        }
     }
 
     /// The pool's shape.
@@ -298,7 +448,11 @@ impl Mm {
         l.allocs += 1;
         self.in_use[level as usize] += 1;
         if self.mode != PoolMode::Off {
-            if let Some((g, m, pinned)) = self.pools[self.pool_index(level)].pop() {
+            let i = self.pool_index(level);
+            let popped = self.pools[i].pop();
+            let (u, left) = (self.in_use_of(i), self.pools[i].len());
+            self.demand[i].alloc(u, left, popped.is_none());
+            if let Some((g, m, pinned)) = popped {
                 if pinned != level {
                     // The shared pool: the page changes level, never leaving the
                     // page-table types (no IOMMU work on a hypervisor that skips it).
@@ -347,24 +501,31 @@ impl Mm {
     fn apply_policy(&mut self) -> Result<(), MmError> {
         for i in 0..5 {
             let pooled = self.pools[i].len();
-            let in_use = if i == 0 {
-                self.in_use.iter().sum()
-            } else {
-                self.in_use[i]
-            };
+            let in_use = self.in_use_of(i);
             if pooled == 0 {
                 continue;
             }
-            let over_ratio = pooled as f64 > self.policy.ratio * in_use as f64;
-            if over_ratio && pooled + in_use > self.policy.total {
-                let n = pooled.saturating_sub(in_use).max(1).min(pooled);
-                for _ in 0..n {
-                    if let Some((g, m, _)) = self.pools[i].pop() {
-                        self.release(g, m)?;
-                        self.stats.released += 1;
+            let n = match self.sizing {
+                Sizing::Fixed(p) => {
+                    let over_ratio = pooled as f64 > p.ratio * in_use as f64;
+                    if over_ratio && pooled + in_use > p.total {
+                        pooled.saturating_sub(in_use).max(1).min(pooled)
+                    } else {
+                        0
                     }
                 }
+                Sizing::Adaptive => (pooled + in_use)
+                    .saturating_sub(self.demand[i].footprint())
+                    .min(pooled),
+            };
+            for _ in 0..n {
+                if let Some((g, m, _)) = self.pools[i].pop() {
+                    self.release(g, m)?;
+                    self.stats.released += 1;
+                }
             }
+            let left = self.pools[i].len();
+            self.demand[i].released(n, left);
         }
         Ok(())
     }
@@ -964,6 +1125,87 @@ mod tests {
             );
         }
         assert!(mm.stats.released > 0);
+        mm.exit(init).expect("exit");
+    }
+
+    /// `k` children alive at once, then all exit.
+    fn burst(mm: &mut Mm, parent: &mut Process, k: usize) {
+        let kids: Vec<Process> = (0..k).map(|_| mm.fork(parent).expect("fork")).collect();
+        for c in kids {
+            mm.exit(c).expect("exit");
+        }
+    }
+
+    #[test]
+    fn the_adaptive_pool_keeps_a_recurring_swing_and_nothing_more() {
+        let mut mm = guest(4096, true, false);
+        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
+            .expect("pool");
+        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        burst(&mut mm, &mut init, 8);
+        let f0 = flushes(&mm);
+        assert_eq!(mm.pooled(), 8 * 12, "the whole swing is kept");
+        for _ in 0..10 {
+            burst(&mut mm, &mut init, 8);
+            assert_eq!(mm.pooled(), 8 * 12);
+        }
+        assert_eq!(flushes(&mm), f0, "steady state: not one flush");
+        assert_eq!(mm.stats.released, 0);
+        mm.exit(init).expect("exit");
+    }
+
+    #[test]
+    fn the_adaptive_pool_shrinks_when_demand_falls() {
+        let mut mm = guest(4096, true, false);
+        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
+            .expect("pool");
+        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        for _ in 0..4 {
+            burst(&mut mm, &mut init, 8);
+        }
+        assert_eq!(mm.pooled(), 8 * 12);
+        // Two children at a time now: within a few turnovers the pool holds their
+        // swing, and the flushes stop again.
+        for _ in 0..8 {
+            burst(&mut mm, &mut init, 2);
+        }
+        assert_eq!(mm.pooled(), 2 * 12);
+        let f0 = flushes(&mm);
+        for _ in 0..8 {
+            burst(&mut mm, &mut init, 2);
+        }
+        assert_eq!(flushes(&mm), f0);
+        assert_eq!(mm.stats.released, 6 * 12);
+        mm.exit(init).expect("exit");
+    }
+
+    #[test]
+    fn the_adaptive_pool_learns_a_swing_slower_than_its_epochs() {
+        let mut mm = guest(4096, true, false);
+        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
+            .expect("pool");
+        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        // Eight children at once, then a long quiet stretch of one child at a time
+        // (many epochs), again and again: the pool gives the eight back at first,
+        // regrets it, and after a few rounds of doubling patience keeps them.
+        let mut per_round = Vec::new();
+        for _ in 0..12 {
+            let f0 = flushes(&mm);
+            burst(&mut mm, &mut init, 8);
+            for _ in 0..40 {
+                burst(&mut mm, &mut init, 1);
+            }
+            per_round.push(flushes(&mm) - f0);
+        }
+        assert!(
+            per_round[1] > 0,
+            "it gave the swing back at first: {per_round:?}"
+        );
+        assert!(
+            per_round[8..].iter().all(|&f| f == 0),
+            "then it learned it: {per_round:?}"
+        );
+        assert!(mm.pooled() <= 8 * 12);
         mm.exit(init).expect("exit");
     }
 }

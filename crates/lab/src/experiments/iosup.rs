@@ -32,6 +32,8 @@ use kernel::mm::{FreePolicy, Mm, PoolMode, Process, RegionSpec, SMALL_PROCESS};
 use crate::chart::{Lines, Series};
 use crate::{Experiment, LabError, Mode, Report};
 
+mod sizing;
+
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
     id: "iosup",
@@ -441,7 +443,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     });
 
     // Figures 5, 7, 8 and 6.
-    crate::progress::plan((3 + iters * SETUPS.len() + 6) as u64);
+    crate::progress::plan((3 + iters * SETUPS.len() + 6) as u64 + sizing::steps(mode));
     let mut tls = Vec::new();
     for (grp, name) in [
         (Group::Disabled, "cache disabled"),
@@ -812,6 +814,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             ok,
         );
     }
+    sizing::section(&mut r, mode)?;
     r.notes.push("Every process's pages are read through the hypervisor's walker and checked (first and last word of every page) on every run; a wrong byte fails the experiment.".into());
     Ok(r)
 }
