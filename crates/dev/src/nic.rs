@@ -262,6 +262,11 @@ pub struct NicRegs {
     /// device thread's timed wait is the host's, which may fire late where a NIC's
     /// timer would not.
     pub timer_late_ns: AtomicU64,
+    /// IOTLB lookups of the device's DMA that hit (published once per device-loop
+    /// iteration from its DMA context's counts).
+    pub iotlb_hits: AtomicU64,
+    /// IOTLB lookups that missed and walked the I/O page tables.
+    pub iotlb_misses: AtomicU64,
 
     /// Function-level resets requested; the device clears its own state when it sees
     /// the count move.
@@ -293,6 +298,8 @@ impl net::counters::CounterSet for NicRegs {
         f("default_queue_frames", l(&self.rxq[0].frames));
         f("timer_irqs", l(&self.timer_irqs));
         f("timer_late_ns", l(&self.timer_late_ns));
+        f("iotlb_hits", l(&self.iotlb_hits));
+        f("iotlb_misses", l(&self.iotlb_misses));
     }
 }
 
@@ -338,6 +345,8 @@ impl NicRegs {
             irqs: AtomicU64::new(0),
             timer_irqs: AtomicU64::new(0),
             timer_late_ns: AtomicU64::new(0),
+            iotlb_hits: AtomicU64::new(0),
+            iotlb_misses: AtomicU64::new(0),
             resets: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             parked: AtomicBool::new(false),
@@ -673,6 +682,8 @@ impl Device {
                 self.tx_head = 0;
             }
             regs.iterations.fetch_add(1, Ordering::AcqRel);
+            regs.iotlb_hits.store(self.dma.hits, Ordering::Relaxed);
+            regs.iotlb_misses.store(self.dma.misses, Ordering::Relaxed);
             let now = Instant::now();
             if regs.enabled.load(Ordering::Acquire) {
                 if regs.link_up.load(Ordering::Acquire) {
