@@ -636,8 +636,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Smoke => (2, Duration::from_millis(20)),
     };
     for (label, at) in [
-        ("the paper's rate, 540/min", 9.0),
-        ("2000/s", rate),
+        ("at the paper's rate, 540/min", 9.0),
+        ("at 2000/s", rate),
         ("as fast as it forks", f64::INFINITY),
     ] {
         for (grp, name) in [
@@ -655,7 +655,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 rate_interval,
             )?;
             let secs = rate_intervals as f64 * rate_interval.as_secs_f64();
-            let g = format!("busy workload at {label}");
+            let g = format!("busy workload {label}");
             r.row(
                 &g,
                 &format!("processes created, {name}"),

@@ -282,17 +282,18 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
                 corrupt += x.corrupt;
             }
         }
-        let med = |k: usize| {
+        let stats = |k: usize| {
             crate::stats::Stats::of(&out[ci][k].iter().map(|x| x.miss_pct).collect::<Vec<_>>())
-                .median
         };
-        let (with, without) = (med(3), med(0));
-        // Without churn the NIC's misses are its working set's first touches and the
-        // odd buffer the driver maps afresh: a handful in a window of some 10^5
-        // lookups. 10% of that is below one miss, so the tolerance has a floor of
-        // 0.01 points (about ten misses a window); the pool's absence under
-        // domain-selective invalidation costs tens of points.
-        let tol = (0.1 * without).max(0.01);
+        let (with, without) = (stats(3).median, stats(0));
+        // Without churn the NIC's misses are its own (its buffers cycling through the
+        // IOTLB), a handful in a window of some 10^5 lookups that varies from run to
+        // run. 10% of that is below one miss, so the tolerance is the no-churn runs'
+        // own spread, at least 0.01 points; the pool's absence under domain-selective
+        // invalidation costs tens of points.
+        let tol = (0.1 * without.median)
+            .max(without.max - without.min)
+            .max(0.01);
         r.check(
             &format!(
                 "{} machine: NIC IOTLB miss rate under churn with the pool against no churn",
@@ -300,8 +301,11 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
             ),
             with,
             "%",
-            &format!("{without:.4} ± {tol:.4} (10%, at least 0.01 points)"),
-            (with - without).abs() <= tol,
+            &format!(
+                "{:.4} ± {tol:.4} (10%, or the no-churn runs' spread, at least 0.01 points)",
+                without.median
+            ),
+            (with - without.median).abs() <= tol,
         );
     }
     r.row(
@@ -315,6 +319,11 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
         "messages received",
         "messages",
         &[received as f64],
+    );
+    r.check_none(
+        "machines under churn: messages lost",
+        sent.saturating_sub(received),
+        "messages",
     );
     r.check_none(
         "machines under churn: messages received corrupt",
