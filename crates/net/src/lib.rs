@@ -14,6 +14,7 @@
 
 pub mod bridge;
 pub mod counters;
+pub mod lro;
 pub mod netback;
 pub mod netfront;
 pub mod netif;
