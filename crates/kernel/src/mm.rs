@@ -1128,6 +1128,15 @@ mod tests {
         mm.exit(init).expect("exit");
     }
 
+    /// A strict-IOMMU guest with adaptive per-level pools, and its first process.
+    fn adaptive_guest() -> (Mm, Process) {
+        let mut mm = guest(4096, true, false);
+        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
+            .expect("pool");
+        let init = mm.spawn(&SMALL_PROCESS).expect("init");
+        (mm, init)
+    }
+
     /// `k` children alive at once, then all exit.
     fn burst(mm: &mut Mm, parent: &mut Process, k: usize) {
         let kids: Vec<Process> = (0..k).map(|_| mm.fork(parent).expect("fork")).collect();
@@ -1138,10 +1147,7 @@ mod tests {
 
     #[test]
     fn the_adaptive_pool_keeps_a_recurring_swing_and_nothing_more() {
-        let mut mm = guest(4096, true, false);
-        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
-            .expect("pool");
-        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        let (mut mm, mut init) = adaptive_guest();
         burst(&mut mm, &mut init, 8);
         let f0 = flushes(&mm);
         assert_eq!(mm.pooled(), 8 * 12, "the whole swing is kept");
@@ -1156,10 +1162,7 @@ mod tests {
 
     #[test]
     fn the_adaptive_pool_shrinks_when_demand_falls() {
-        let mut mm = guest(4096, true, false);
-        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
-            .expect("pool");
-        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        let (mut mm, mut init) = adaptive_guest();
         for _ in 0..4 {
             burst(&mut mm, &mut init, 8);
         }
@@ -1181,10 +1184,7 @@ mod tests {
 
     #[test]
     fn the_adaptive_pool_learns_a_swing_slower_than_its_epochs() {
-        let mut mm = guest(4096, true, false);
-        mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
-            .expect("pool");
-        let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
+        let (mut mm, mut init) = adaptive_guest();
         // Eight children at once, then a long quiet stretch of one child at a time
         // (many epochs), again and again: the pool gives the eight back at first,
         // regrets it, and after a few rounds of doubling patience keeps them.
