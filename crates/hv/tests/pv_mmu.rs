@@ -103,8 +103,7 @@ fn a_pinned_space_translates_through_its_tables_and_its_tables_are_read_only_to_
     let (hv, a, _) = machine();
     let s = build(&a);
     let l4 = s.tables[0].1;
-    hv.mmuext(&a, &[MmuExtOp::Pin { level: 4, mfn: l4 }])
-        .expect("pin");
+    pin(&hv, &a, 4, l4).expect("pin");
     // Pinning the top validated every level below it and typed each.
     for (i, &(_, m)) in s.tables.iter().enumerate() {
         assert_eq!(
@@ -219,14 +218,7 @@ fn no_entry_may_map_a_page_table_writable_or_a_frame_that_is_not_the_domains() {
     let s = build(&a);
     let l1 = s.tables[3];
     let l2 = s.tables[2];
-    hv.mmuext(
-        &a,
-        &[MmuExtOp::Pin {
-            level: 1,
-            mfn: l1.1,
-        }],
-    )
-    .expect("pin l1");
+    pin(&hv, &a, 1, l1.1).expect("pin l1");
 
     // A second L1, fresh, whose entry 5 maps the pinned L1 writable.
     let (g, m) = page(&a);
@@ -234,8 +226,7 @@ fn no_entry_may_map_a_page_table_writable_or_a_frame_that_is_not_the_domains() {
     assert_eq!(pin(&hv, &a, 1, m), Err(MmuError::TypeConflict));
     // Read-only is allowed: a guest may read its page tables.
     set(&a, g, 5, pte(l1.1, PTE_P));
-    hv.mmuext(&a, &[MmuExtOp::Pin { level: 1, mfn: m }])
-        .expect("read-only view");
+    pin(&hv, &a, 1, m).expect("read-only view");
     // And the same through mmu_update, including the L1 mapping itself writable.
     for target in [l1.1, m] {
         assert_eq!(
@@ -300,14 +291,7 @@ fn a_table_has_one_level_and_cannot_refer_to_itself() {
     let (hv, a, _) = machine();
     let s = build(&a);
     let (l3, l2, l1) = (s.tables[1], s.tables[2], s.tables[3]);
-    hv.mmuext(
-        &a,
-        &[MmuExtOp::Pin {
-            level: 2,
-            mfn: l2.1,
-        }],
-    )
-    .expect("l2 and its l1");
+    pin(&hv, &a, 2, l2.1).expect("l2 and its l1");
     // The L1 below it has L1's type: not pinnable as L2, and an L2 naming an L2 fails.
     assert_eq!(pin(&hv, &a, 2, l1.1), Err(MmuError::TypeConflict));
     assert_eq!(pin(&hv, &a, 2, l2.1), Err(MmuError::AlreadyPinned));
@@ -327,14 +311,7 @@ fn a_table_has_one_level_and_cannot_refer_to_itself() {
     set(&a, l4.0, XEN_L4_SLOTS.start, pte(l3.1, PTE_P));
     assert_eq!(pin(&hv, &a, 4, l4.1), Err(MmuError::HypervisorSlot));
     set(&a, l4.0, XEN_L4_SLOTS.start, 0);
-    hv.mmuext(
-        &a,
-        &[MmuExtOp::Pin {
-            level: 4,
-            mfn: l4.1,
-        }],
-    )
-    .expect("clean L4");
+    pin(&hv, &a, 4, l4.1).expect("clean L4");
     assert_eq!(
         hv.mmu_update(
             &a,
@@ -432,14 +409,7 @@ fn a_device_cannot_write_a_page_table_live_or_unpinned_and_gets_the_page_back_wh
         .mmu_stats(&a)
         .pt_invalidations
         .load(std::sync::atomic::Ordering::Relaxed);
-    hv.mmuext(
-        &a,
-        &[MmuExtOp::Pin {
-            level: 1,
-            mfn: l1.1,
-        }],
-    )
-    .expect("pin");
+    pin(&hv, &a, 1, l1.1).expect("pin");
     assert_eq!(
         hv.mmu_stats(&a)
             .pt_invalidations
@@ -479,14 +449,7 @@ fn strict_flushes_once_per_table_batched_once_per_hypercall() {
     for (policy, waits) in [(FlushPolicy::Strict, 4), (FlushPolicy::Batched, 1)] {
         let (hv, a) = synced(policy);
         let s = build(&a);
-        hv.mmuext(
-            &a,
-            &[MmuExtOp::Pin {
-                level: 4,
-                mfn: s.tables[0].1,
-            }],
-        )
-        .expect("pin");
+        pin(&hv, &a, 4, s.tables[0].1).expect("pin");
         let st = hv.mmu_stats(&a);
         assert_eq!(
             st.pt_invalidations
@@ -513,14 +476,7 @@ fn lazy_flushing_leaves_a_window_in_which_a_device_writes_a_live_page_table() {
     let mut dma = hv.iommu().device(DEV);
     // The device has used the page: its translation is in the IOTLB.
     dma.dma_write(iova(l1.0), &[0; 8]).expect("ordinary page");
-    hv.mmuext(
-        &a,
-        &[MmuExtOp::Pin {
-            level: 1,
-            mfn: l1.1,
-        }],
-    )
-    .expect("pin");
+    pin(&hv, &a, 1, l1.1).expect("pin");
     assert_eq!(hv.mmu_snapshot(&a).lazy_queued, 1);
     // Unmapped, not yet invalidated: the stale translation still writes the table.
     dma.dma_write(iova(l1.0), &[0xee; 8]).expect("the window");
