@@ -15,7 +15,8 @@
 //! * the next byte the flow expects (anything else flushes and starts anew);
 //! * options as the aggregate's first segment's, apart from a timestamp whose value does
 //!   not go backwards and whose echo is not zero;
-//! * the checksum verified (by the NIC, or here) before a segment joins;
+//! * the IPv4 header checksum verified, and the TCP checksum (by the NIC, or here),
+//!   before a segment joins;
 //! * a payload no longer than the first segment's (the segment size the aggregate
 //!   carries); a shorter one joins and ends the aggregate, so that cutting it at the
 //!   segment size gives back exactly the segments that arrived;
@@ -36,7 +37,9 @@
 use std::ops::Range;
 
 use crate::counters::PerReason;
-use crate::offload::{checksum_setup, verify, MAX_HEADERS, MAX_OFFLOAD_LEN};
+use smoltcp::wire::checksum;
+
+use crate::offload::{checksum_setup, verify, L4, MAX_HEADERS, MAX_OFFLOAD_LEN};
 
 /// The engine's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +77,7 @@ pub enum Pass {
     /// TCP options other than a timestamp, or a timestamp that went backwards or echoes
     /// zero.
     Options,
-    /// The checksum is wrong.
+    /// The IPv4 header's or the TCP checksum is wrong.
     BadChecksum,
 }
 
@@ -212,15 +215,30 @@ struct Parsed {
 const TCP_PSH: u8 = 0x08;
 const TCP_ACK: u8 = 0x10;
 
-/// Reads the headers the rules need, or says why the frame cannot join anything.
-fn parse(frame: &[u8]) -> Result<Parsed, Pass> {
-    let l4 = checksum_setup(frame, frame.len()).map_err(|_| Pass::NotTcp)?;
+/// Where a TCP/IPv4 frame's headers lie, and its flow; `None` for anything else (or
+/// headers truncated or malformed).
+fn locate(frame: &[u8]) -> Option<(L4, [u8; 12])> {
+    let l4 = checksum_setup(frame, frame.len()).ok()?;
     if !l4.tcp {
-        return Err(Pass::NotTcp);
+        return None;
     }
-    let ip = &frame[l4.l3..];
-    if l4.l4 - l4.l3 != 20 {
+    let mut key = [0u8; 12];
+    key[..8].copy_from_slice(&frame[l4.l3 + 12..l4.l3 + 20]);
+    key[8..].copy_from_slice(&frame[l4.l4..l4.l4 + 4]);
+    Some((l4, key))
+}
+
+/// Applies the rules to a located frame: the fields they need, or why it cannot join
+/// anything.
+fn parse(frame: &[u8], l4: &L4, key: [u8; 12]) -> Result<Parsed, Pass> {
+    let ip = &frame[l4.l3..l4.l4];
+    if ip.len() != 20 {
         return Err(Pass::IpOptions);
+    }
+    // The header is rewritten (and its checksum made anew) when an aggregate is handed
+    // back, so a bad one must not get that far.
+    if checksum::data(ip) != !0 {
+        return Err(Pass::BadChecksum);
     }
     if ip[1] & 0x03 == 0x03 {
         return Err(Pass::EcnCe);
@@ -246,12 +264,9 @@ fn parse(frame: &[u8]) -> Result<Parsed, Pass> {
             return Err(Pass::Options);
         }
     }
-    let mut key = [0u8; 12];
-    key[..8].copy_from_slice(&ip[12..20]);
-    key[8..].copy_from_slice(&t[..4]);
     Ok(Parsed {
         key,
-        seq: u32::from_be_bytes([t[4], t[5], t[6], t[7]]),
+        seq: be32(t, 4),
         flags,
         payload,
         l4: l4.l4,
@@ -351,12 +366,24 @@ impl<B> Lro<B> {
         out: &mut impl FnMut(Delivery<'_, B>),
     ) {
         self.tick += 1;
-        let p = match parse(bytes) {
+        let Some((l4, key)) = locate(bytes) else {
+            self.stats.passed.add(Pass::NotTcp);
+            out(Delivery::Alone(buf));
+            return;
+        };
+        let checked = parse(bytes, &l4, key).and_then(|p| {
+            if csum_ok || verify(bytes, &l4) {
+                Ok(p)
+            } else {
+                Err(Pass::BadChecksum)
+            }
+        });
+        let p = match checked {
             Ok(p) => p,
             Err(why) => {
                 // A frame of a held flow that cannot join goes after the flow's
                 // aggregate, so the flow keeps its order.
-                if let Some(i) = flow_key(bytes).and_then(|k| self.find(&k)) {
+                if let Some(i) = self.find(&key) {
                     self.flush(i, Flush::Unmergeable, out);
                 }
                 self.stats.passed.add(why);
@@ -364,19 +391,6 @@ impl<B> Lro<B> {
                 return;
             }
         };
-        if !csum_ok {
-            let ok = checksum_setup(bytes, bytes.len())
-                .map(|l4| verify(bytes, &l4))
-                .unwrap_or(false);
-            if !ok {
-                if let Some(i) = self.find(&p.key) {
-                    self.flush(i, Flush::Unmergeable, out);
-                }
-                self.stats.passed.add(Pass::BadChecksum);
-                out(Delivery::Alone(buf));
-                return;
-            }
-        }
         let len = p.payload.1 - p.payload.0;
         if let Some(i) = self.find(&p.key) {
             match self.joins(i, &p, bytes) {
@@ -527,7 +541,7 @@ impl<B> Lro<B> {
         let total = (f.head_len - ip + f.payload_len) as u16;
         f.head[ip + 2..ip + 4].copy_from_slice(&total.to_be_bytes());
         f.head[ip + 10..ip + 12].copy_from_slice(&[0, 0]);
-        let sum = !smoltcp::wire::checksum::data(&f.head[ip..f.l4]);
+        let sum = !checksum::data(&f.head[ip..f.l4]);
         f.head[ip + 10..ip + 12].copy_from_slice(&sum.to_be_bytes());
         self.stats.aggregates += 1;
         self.stats.segments += f.segs.len() as u64;
@@ -541,17 +555,4 @@ impl<B> Lro<B> {
             segs: f.segs.drain(..),
         }));
     }
-}
-
-/// The flow key of an IPv4 TCP frame that may not parse as mergeable (for keeping a
-/// held flow's order).
-fn flow_key(b: &[u8]) -> Option<[u8; 12]> {
-    let l4 = checksum_setup(b, b.len()).ok()?;
-    if !l4.tcp {
-        return None;
-    }
-    let mut key = [0u8; 12];
-    key[..8].copy_from_slice(b.get(l4.l3 + 12..l4.l3 + 20)?);
-    key[8..].copy_from_slice(b.get(l4.l4..l4.l4 + 4)?);
-    Some(key)
 }

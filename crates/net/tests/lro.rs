@@ -210,6 +210,32 @@ fn a_corrupt_checksum_is_never_merged() {
 }
 
 #[test]
+fn a_corrupt_ipv4_header_checksum_is_never_merged_even_with_the_tcp_checksum_verified() {
+    // The aggregate's IPv4 header is rewritten with a fresh checksum: a bad one must be
+    // caught before, not laundered.
+    let mut bad = seg(1, 100, &bytes(100, 1), ACK, None);
+    bad[24] ^= 0x5a;
+    let frames = [
+        seg(1, 0, &bytes(100, 0), ACK, None),
+        bad,
+        seg(1, 200, &bytes(100, 2), ACK, None),
+    ];
+    let mut lro: Lro<usize> = Lro::new(LroConfig::default());
+    let mut alone = Vec::new();
+    for (i, f) in frames.iter().enumerate() {
+        lro.receive(i, f, true, 0, &mut |d| {
+            if let Delivery::Alone(k) = d {
+                alone.push(k);
+            }
+        });
+    }
+    lro.flush_all(Flush::Poll, &mut |_| {});
+    assert_eq!(alone, vec![1]);
+    assert_eq!(lro.stats.passed.get(Pass::BadChecksum), 1);
+    assert_eq!(lro.stats.flushed.get(Flush::Unmergeable), 1);
+}
+
+#[test]
 fn psh_ends_an_aggregate_and_syn_fin_rst_urg_never_join() {
     for (flags, joins) in [
         (ACK | PSH, true),
@@ -275,6 +301,9 @@ fn ip_fragments_and_options_pass_alone() {
     frag[20] = 0x20; // more fragments
     let mut ce = seg(1, 0, &bytes(100, 0), ACK, None);
     ce[15] |= 0x03;
+    ce[24..26].copy_from_slice(&[0, 0]);
+    let sum = !smoltcp::wire::checksum::data(&ce[14..34]);
+    ce[24..26].copy_from_slice(&sum.to_be_bytes());
     let mut lro: Lro<usize> = Lro::new(LroConfig::default());
     let mut alone = 0;
     for (i, f) in [frag, ce].iter().enumerate() {
