@@ -59,6 +59,14 @@ pub struct FreePolicy {
     pub total: usize,
 }
 
+impl FreePolicy {
+    /// Never gives anything back (but to memory pressure).
+    pub const KEEP_ALL: FreePolicy = FreePolicy {
+        ratio: f64::INFINITY,
+        total: usize::MAX,
+    };
+}
+
 impl Default for FreePolicy {
     fn default() -> Self {
         Self {
@@ -929,6 +937,12 @@ mod tests {
     use hv::{DeviceId, DomainConfig, HvConfig};
     use std::sync::atomic::Ordering;
 
+    /// A release rule that keeps whatever the tests' workloads pool.
+    const ROOMY: FreePolicy = FreePolicy {
+        ratio: 4.0,
+        total: 1000,
+    };
+
     fn guest(pages: u32, sync: bool, remap: bool) -> Mm {
         let hv = Hypervisor::new(HvConfig {
             frames: pages + 512,
@@ -1013,14 +1027,7 @@ mod tests {
     #[test]
     fn with_the_per_level_pool_a_warm_churn_changes_no_type_and_flushes_nothing() {
         let mut mm = guest(2048, true, false);
-        mm.set_pool(
-            PoolMode::PerLevel,
-            FreePolicy {
-                ratio: 4.0,
-                total: 1000,
-            },
-        )
-        .expect("pool");
+        mm.set_pool(PoolMode::PerLevel, ROOMY).expect("pool");
         let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
         churn(&mut mm, &mut init, 2);
         let f0 = flushes(&mm);
@@ -1044,14 +1051,7 @@ mod tests {
     fn a_shared_pool_needs_a_hypervisor_that_leaves_level_changes_alone() {
         for (remap, quiet) in [(false, true), (true, false)] {
             let mut mm = guest(2048, true, remap);
-            mm.set_pool(
-                PoolMode::Shared,
-                FreePolicy {
-                    ratio: 4.0,
-                    total: 1000,
-                },
-            )
-            .expect("pool");
+            mm.set_pool(PoolMode::Shared, ROOMY).expect("pool");
             let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
             churn(&mut mm, &mut init, 2);
             let f0 = flushes(&mm);
@@ -1065,14 +1065,8 @@ mod tests {
     #[test]
     fn a_domain_short_of_memory_takes_the_pool_back_at_once() {
         let mut mm = guest(1024, true, false);
-        mm.set_pool(
-            PoolMode::PerLevel,
-            FreePolicy {
-                ratio: 1e9,
-                total: usize::MAX,
-            },
-        )
-        .expect("pool");
+        mm.set_pool(PoolMode::PerLevel, FreePolicy::KEEP_ALL)
+            .expect("pool");
         let mut init = mm.spawn(&SMALL_PROCESS).expect("init");
         let kids: Vec<Process> = (0..8).map(|_| mm.fork(&mut init).expect("fork")).collect();
         for k in kids {

@@ -69,37 +69,29 @@ struct Setup {
     batch: bool,
 }
 
-/// A tab dense in level-1 tables: eight regions of 16 pages, each in its own 2 MiB
-/// range of one level-2 table (8 L1s, 1 L2, 1 L3, 1 L4).
-const DENSE: [RegionSpec; 8] = {
+/// `N` writable regions of `pages` pages, the first at `base`, each `step` past the
+/// one before.
+const fn spaced<const N: usize>(pages: usize, base: u64, step: u64) -> [RegionSpec; N] {
     let mut r = [RegionSpec {
         va: 0,
-        pages: 16,
+        pages,
         writable: true,
-    }; 8];
+    }; N];
     let mut k = 0;
-    while k < 8 {
-        r[k].va = 0x2000_0000 + (k as u64) * 0x20_0000;
+    while k < N {
+        r[k].va = base + (k as u64) * step;
         k += 1;
     }
     r
-};
+}
+
+/// A tab dense in level-1 tables: eight regions of 16 pages, each in its own 2 MiB
+/// range of one level-2 table (8 L1s, 1 L2, 1 L3, 1 L4).
+const DENSE: [RegionSpec; 8] = spaced(16, 0x2000_0000, 0x20_0000);
 
 /// A tab spread over the address space: four regions of 4 pages, each under its own
 /// level-4 slot (4 L1s, 4 L2s, 4 L3s, 1 L4).
-const SPREAD: [RegionSpec; 4] = {
-    let mut r = [RegionSpec {
-        va: 0,
-        pages: 4,
-        writable: true,
-    }; 4];
-    let mut k = 0;
-    while k < 4 {
-        r[k].va = (k as u64 + 1) << 39;
-        k += 1;
-    }
-    r
-};
+const SPREAD: [RegionSpec; 4] = spaced(4, 1 << 39, 1 << 39);
 
 const LAZY: FlushPolicy = FlushPolicy::Lazy {
     entries: 256,
@@ -744,10 +736,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // in turn, one cycle of each, so the levels' demands trade places; neither pool
     // gives anything back, so both hit whenever a page of the level (or any) is there.
     crate::progress::step(format_args!("pool shapes"));
-    let keep = FreePolicy {
-        ratio: 1e9,
-        total: usize::MAX,
-    };
+    let keep = FreePolicy::KEEP_ALL;
     let mixed: [&[RegionSpec]; 2] = [&DENSE, &SPREAD];
     let shared = busy(
         Group::PreEnabled,

@@ -88,6 +88,11 @@ pub(crate) struct RunCost {
 }
 
 impl RunCost {
+    /// CPU time per packet of the domain in `role` ("native", "guest", "driver").
+    pub(crate) fn cpu_ns(&self, role: &str) -> Option<f64> {
+        self.domains.get(role).map(|(_, d)| d.cpu_ns)
+    }
+
     pub(crate) fn global(&self, g: GlobalClass) -> f64 {
         self.domains
             .values()
@@ -109,7 +114,7 @@ fn role(name: &str) -> &'static str {
     }
 }
 
-fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
+pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
     let packets = (b.frames_sent - a.frames_sent).max(1) as f64;
     let mut rc = RunCost::default();
     for ((name, drv, sa), (_, _, sb)) in a.domains.iter().zip(&b.domains) {

@@ -18,8 +18,8 @@ use hv::mmu::{FlushPolicy, MmuConfig};
 use kernel::mm::{Mm, PoolMode, Sizing, SMALL_PROCESS};
 
 use super::err;
-use crate::experiments::santos08::Durations;
-use crate::platform::{Config, Options, Running, Snapshot};
+use crate::experiments::santos08::{self, Durations};
+use crate::platform::{Config, Options, Running};
 use crate::{LabError, Report};
 
 /// What the domain does beside receiving, and how the IOMMU invalidates.
@@ -71,15 +71,6 @@ pub(super) struct Outcome {
     sent: u64,
     received: u64,
     corrupt: u64,
-}
-
-fn cpu_per_packet(a: &Snapshot, b: &Snapshot, driver: bool) -> Option<f64> {
-    let packets = (b.frames_sent - a.frames_sent).max(1) as f64;
-    a.domains
-        .iter()
-        .zip(&b.domains)
-        .find(|((_, d, _), _)| *d == driver)
-        .map(|((_, _, x), (_, _, y))| y.cpu.saturating_sub(x.cpu).as_nanos() as f64 / packets)
 }
 
 /// Runs `config` at the paper's line rate with `churn` in the NIC's domain, paced at
@@ -180,13 +171,14 @@ pub(super) fn run(
         None => Duration::ZERO,
     };
     let f = m.finish(Duration::from_secs(2))?;
+    let cost = santos08::cost(&a, &b, hv::profile::DEFAULT_SAMPLE_INTERVAL);
     let secs = (b.at - a.at).as_secs_f64();
     let (hits, misses) = (h1 - h0, m1 - m0);
     Ok(Outcome {
         miss_pct: misses as f64 / (hits + misses).max(1) as f64 * 100.0,
-        owner_ns: cpu_per_packet(&a, &b, config == Config::Pv).unwrap_or(f64::NAN),
+        owner_ns: cost.cpu_ns(name).unwrap_or(f64::NAN),
         guest_ns: (config == Config::Pv)
-            .then(|| cpu_per_packet(&a, &b, false))
+            .then(|| cost.cpu_ns("guest"))
             .flatten(),
         churn_ns: churn_cpu.as_nanos() as f64 / created.load(Ordering::Relaxed).max(1) as f64,
         churn_rate: (p1 - p0) as f64 / secs,
@@ -197,7 +189,7 @@ pub(super) fn run(
     })
 }
 
-/// The section of the report: per configuration, the three runs side by side in every
+/// The section of the report: per configuration, the four runs side by side in every
 /// round, ratios within a round.
 pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), LabError> {
     let configs = [Config::Direct, Config::Pv];
@@ -237,17 +229,17 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
                 "%",
                 &col(|x| x.miss_pct),
             );
-            // A row of `f` per round, with its ratio to the no-churn run of the round.
-            let mut row = |what: String, unit: &str, f: fn(&Outcome) -> f64| {
-                let row = r.row(&g, &what, unit, &col(f));
-                if k > 0 {
-                    row.ratio = crate::stats::ratio_median(&col(f), &base(f))
-                        .map(|x| ("no churn".into(), x));
-                }
-            };
-            row(format!("{owner} CPU per packet, {label}"), "ns", |x| {
-                x.owner_ns
-            });
+            let owner_ns = col(|x| x.owner_ns);
+            let row = r.row(
+                &g,
+                &format!("{owner} CPU per packet, {label}"),
+                "ns",
+                &owner_ns,
+            );
+            if k > 0 {
+                row.ratio = crate::stats::ratio_median(&owner_ns, &base(|x| x.owner_ns))
+                    .map(|x| ("no churn".into(), x));
+            }
             if config == Config::Pv {
                 r.row(
                     &g,
@@ -286,11 +278,10 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
             crate::stats::Stats::of(&out[ci][k].iter().map(|x| x.miss_pct).collect::<Vec<_>>())
         };
         let (with, without) = (stats(3).median, stats(0));
-        // Without churn the NIC's misses are its own (its buffers cycling through the
-        // IOTLB), a handful in a window of some 10^5 lookups that varies from run to
-        // run. 10% of that is below one miss, so the tolerance is the no-churn runs'
-        // own spread, at least 0.01 points; the pool's absence under domain-selective
-        // invalidation costs tens of points.
+        // Without churn the NIC still misses now and then, a handful in a window of
+        // some 10^5 lookups, varying from run to run. 10% of that is below one miss,
+        // so the tolerance is the no-churn runs' own spread, at least 0.01 points;
+        // the pool's absence under domain-selective invalidation costs tens of points.
         let tol = (0.1 * without.median)
             .max(without.max - without.min)
             .max(0.01);
