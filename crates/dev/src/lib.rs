@@ -17,5 +17,6 @@ pub mod capture;
 pub mod driver;
 pub mod irq;
 pub mod nic;
+pub mod peer;
 pub mod tap;
 pub mod wire;

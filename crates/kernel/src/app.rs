@@ -1,16 +1,21 @@
 //! The receiving application: a UDP socket read until it is empty, every message checked
-//! whole against the sender's pattern ([`net::wire::payload_byte`]).
+//! whole against the sender's pattern ([`net::wire::payload_byte`]); or a TCP server
+//! over smoltcp ([`net::tcp`]) that takes a stream (netperf's TCP_STREAM, every byte
+//! checked against [`net::tcp::stream_byte`]) or answers requests (TCP_RR).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
 use hv::Domain;
+use net::skb::SkbId;
 use net::skb::SkbPool;
 use net::stack::{SocketId, Stack, UserBuf, DEFAULT_RCVBUF};
+use net::tcp::{Open, StreamCheck, TcpHost};
 use net::wire::{PayloadCheck, UdpFlow, MAX_UDP_PAYLOAD};
 
-use crate::{other, BuildError};
+use crate::{other, BuildError, Counters};
+use std::time::Duration;
 
 /// What the application saw, readable while it runs.
 #[derive(Debug, Default)]
@@ -23,13 +28,29 @@ pub struct AppCounters {
     pub corrupt: AtomicU64,
 }
 
+/// The application's protocol and pattern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Proto {
+    /// UDP messages, each checked whole (paper 000's workload).
+    #[default]
+    Udp,
+    /// A TCP server taking one stream, every byte checked (netperf's TCP_STREAM).
+    TcpStream,
+    /// A TCP server answering each request of `message` bytes with the same bytes
+    /// (netperf's TCP_RR).
+    TcpRr,
+}
+
 /// What the application is told to expect.
 #[derive(Debug, Clone)]
 pub struct AppSpec {
-    /// The flow it receives (its address, MAC and port are the destination's).
+    /// The flow it receives (its address, MAC and port are the destination's: a TCP
+    /// server listens there).
     pub flow: UdpFlow,
-    /// Payload bytes per message.
+    /// Payload bytes per message (TCP_RR: per request).
     pub message: usize,
+    /// UDP or TCP.
+    pub proto: Proto,
     /// Where it counts.
     pub counters: Arc<AppCounters>,
     /// Where it reports each message's one-way latency from the wire, if measured.
@@ -93,5 +114,238 @@ impl UdpReceiver {
             n += 1;
         }
         n
+    }
+}
+
+/// The guest's (or native kernel's) TCP and its server application.
+#[derive(Debug)]
+pub struct TcpServer {
+    host: TcpHost,
+    sock: smoltcp::iface::SocketHandle,
+    proto: Proto,
+    message: usize,
+    port: u16,
+    /// The application's buffer, which each read copies into (`copy_to_user`).
+    buf: UserBuf,
+    dom: Arc<Domain>,
+    /// What arrived so far, checked.
+    check: StreamCheck,
+    scratch: Vec<u8>,
+    counters: Arc<AppCounters>,
+    /// The stack's next timer, as of the last poll.
+    timer: Option<Duration>,
+}
+
+/// Bytes one read takes at most (netperf's receive size is the socket buffer's; a
+/// 64 KiB read is what one large packet brings).
+const READ_SIZE: usize = 65536;
+
+impl TcpServer {
+    /// A host at the flow's destination with a socket listening on its port.
+    pub fn bind(dom: &Arc<Domain>, spec: &AppSpec, now: Duration) -> Result<Self, BuildError> {
+        let f = spec.flow;
+        let mut host = TcpHost::new(
+            f.dst_ip,
+            f.dst_mac,
+            now,
+            u64::from(dom.id().0) << 16 | 0x7c9,
+        );
+        let sock = host.open(Open::Listen(f.dst_port)).map_err(other)?;
+        if spec.proto == Proto::TcpRr {
+            host.socket(sock).set_nagle_enabled(false);
+        }
+        Ok(Self {
+            host,
+            sock,
+            proto: spec.proto,
+            message: spec.message.max(1),
+            port: f.dst_port,
+            buf: UserBuf::new(dom, READ_SIZE).map_err(other)?,
+            dom: Arc::clone(dom),
+            check: StreamCheck::default(),
+            scratch: vec![0; READ_SIZE],
+            counters: Arc::clone(&spec.counters),
+            timer: None,
+        })
+    }
+
+    /// Takes one received frame: copies it to the stack's receive ring, frees the
+    /// buffer.
+    pub fn input(&mut self, pool: &mut SkbPool, skb: SkbId) {
+        let _c = enter(Class::Network);
+        let len = pool.len(skb);
+        let valid = pool.csum_valid(skb);
+        self.host
+            .input(len, valid, |b| pool.read(skb, 0, b).is_ok());
+        pool.free(skb);
+    }
+
+    /// Runs the stack and the application at `now`; `send` puts each frame the stack
+    /// sends on the wire (false: no room, it stays queued). Returns the reads the
+    /// application made and the frames sent.
+    pub fn run(&mut self, now: Duration, mut send: impl FnMut(&[u8]) -> bool) -> (usize, usize) {
+        let c = enter(Class::Network);
+        self.host.poll(now);
+        drop(c);
+        let reads = self.serve();
+        let _c = enter(Class::Network);
+        if reads > 0 {
+            // What the application wrote, and the window its reads opened.
+            self.host.poll(now);
+        }
+        let sent = self.host.output(&mut send);
+        self.timer = self.host.poll_at(now);
+        (reads, sent)
+    }
+
+    /// The application: reads what is there, checks it, answers requests. A closed
+    /// connection is listened for again.
+    fn serve(&mut self) -> usize {
+        let Self {
+            host,
+            sock,
+            proto,
+            message,
+            buf,
+            dom,
+            check,
+            scratch,
+            counters,
+            ..
+        } = self;
+        let s = host.socket(*sock);
+        let mut reads = 0;
+        while s.can_recv() {
+            // TCP_RR answers whole requests: take no more than the room to answer.
+            let room = match proto {
+                Proto::TcpRr => (s.send_capacity() - s.send_queue()) / *message * *message,
+                _ => READ_SIZE,
+            };
+            if room == 0 {
+                break;
+            }
+            let n = {
+                let _c = enter(Class::Network);
+                match s.recv_slice(&mut scratch[..room.min(READ_SIZE)]) {
+                    Ok(n) if n > 0 => n,
+                    _ => break,
+                }
+            };
+            let _u = enter(Class::User);
+            let data = &scratch[..n];
+            // The copy to the application's buffer, then its check of what it read.
+            let _ = write_user(dom, buf, data);
+            check.check(data);
+            if *proto == Proto::TcpRr {
+                let _ = s.send_slice(data);
+            }
+            reads += 1;
+            counters.messages.fetch_add(1, Ordering::Relaxed);
+            counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        counters.corrupt.store(check.corrupt, Ordering::Relaxed);
+        if !s.is_open() {
+            // The peer closed (or reset) the connection: serve the next one.
+            s.abort();
+            let _ = s.listen(self.port);
+            self.check = StreamCheck::default();
+        }
+        reads
+    }
+
+    /// When the stack next needs its timer.
+    pub fn next_timer(&self) -> Option<Duration> {
+        self.timer
+    }
+
+    /// The stack's counters.
+    pub fn stats(&self) -> &net::tcp::TcpStats {
+        self.host.stats()
+    }
+}
+
+/// Copies `data` into the application's buffer (from its start, as a read into one
+/// user buffer does).
+fn write_user(dom: &Domain, buf: &UserBuf, data: &[u8]) -> Result<(), hv::DomainError> {
+    buf.write(dom, 0, &data[..data.len().min(buf.capacity())])
+}
+
+/// What a kernel runs above its network device: pvio's UDP stack with its receiver, or
+/// smoltcp's TCP with a server.
+#[derive(Debug)]
+pub enum AppStack {
+    /// UDP.
+    Udp(Box<(Stack, UdpReceiver)>),
+    /// TCP.
+    Tcp(Box<TcpServer>),
+}
+
+impl AppStack {
+    /// The stack and application `spec` asks for, in `dom`, at `now`.
+    pub fn bind(dom: &Arc<Domain>, spec: &AppSpec, now: Duration) -> Result<Self, BuildError> {
+        Ok(match spec.proto {
+            Proto::Udp => Self::Udp(Box::new(UdpReceiver::bind(dom, spec)?)),
+            Proto::TcpStream | Proto::TcpRr => {
+                Self::Tcp(Box::new(TcpServer::bind(dom, spec, now)?))
+            }
+        })
+    }
+
+    /// One received frame.
+    pub fn input(&mut self, pool: &mut SkbPool, skb: SkbId, now: Duration) {
+        match self {
+            Self::Udp(u) => u.0.input(pool, skb, now),
+            Self::Tcp(t) => t.input(pool, skb),
+        }
+    }
+
+    /// Runs the application (and TCP); `send` puts a frame on the wire. Returns what
+    /// the application took and the frames sent.
+    pub fn run(
+        &mut self,
+        pool: &mut SkbPool,
+        now: Duration,
+        mut send: impl FnMut(&mut SkbPool, &[u8]) -> bool,
+    ) -> (usize, usize) {
+        match self {
+            Self::Udp(u) => {
+                let (stack, app) = &mut **u;
+                (app.run(stack, pool), 0)
+            }
+            Self::Tcp(t) => t.run(now, |f| send(pool, f)),
+        }
+    }
+
+    /// The stack's timer expired.
+    pub fn tick(&mut self, pool: &mut SkbPool, now: Duration) {
+        if let Self::Udp(u) = self {
+            u.0.tick(pool, now);
+        }
+    }
+
+    /// When the stack next needs its timer.
+    pub fn next_timer(&self) -> Option<Duration> {
+        match self {
+            Self::Udp(u) => u.0.next_timer(),
+            Self::Tcp(t) => t.next_timer(),
+        }
+    }
+
+    /// The stack's counters.
+    pub fn counters(&self, c: &mut Counters) {
+        match self {
+            Self::Udp(u) => {
+                c.add_set("stack", u.0.stats());
+                c.add_set("reassembly", u.0.reasm_stats());
+            }
+            Self::Tcp(t) => c.add_set("tcp", t.stats()),
+        }
+    }
+
+    /// Gives back every buffer the stack holds.
+    pub fn shutdown(&mut self, pool: &mut SkbPool) {
+        if let Self::Udp(u) = self {
+            u.0.shutdown(pool);
+        }
     }
 }

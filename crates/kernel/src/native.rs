@@ -11,9 +11,9 @@ use dev::driver::{DmaApi, NicDriver};
 use dev::nic::NicRegs;
 use hv::{Domain, Hypervisor, Port, Vcpu};
 use net::skb::SkbPool;
-use net::stack::Stack;
 
-use crate::app::{AppSpec, UdpReceiver};
+use crate::app::{AppSpec, AppStack};
+use crate::pv_guest::xmit_frame;
 use crate::vcpu::{xen_pirq, Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
@@ -25,8 +25,7 @@ pub const POOL_PAGES: usize = 640;
 pub struct NicKernel {
     drv: NicDriver,
     pool: SkbPool,
-    stack: Stack,
-    app: UdpReceiver,
+    app: AppStack,
     /// The NIC's interrupt as an event (a guest with the NIC assigned); none natively.
     pirq: Option<Port>,
 }
@@ -44,12 +43,10 @@ impl NicKernel {
     ) -> Result<Self, BuildError> {
         let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
         let drv = NicDriver::probe(hv, dom, regs, &mut pool, dma).map_err(other)?;
-        let (stack, app) = UdpReceiver::bind(dom, app)?;
         Ok(Self {
             drv,
             pool,
-            stack,
-            app,
+            app: AppStack::bind(dom, app, Duration::ZERO)?,
             pirq,
         })
     }
@@ -76,37 +73,33 @@ impl Kernel for NicKernel {
     }
 
     fn tick(&mut self, now: Duration) {
-        self.stack.tick(&mut self.pool, now);
+        self.app.tick(&mut self.pool, now);
     }
 
     fn poll(&mut self, now: Duration) -> Work {
-        let Self {
-            drv,
-            pool,
-            stack,
-            app,
-            ..
-        } = self;
+        let Self { drv, pool, app, .. } = self;
         let mut w = Work::default();
         if drv.napi_scheduled() {
-            w.rx = drv.poll(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now));
+            w.rx = drv.poll(pool, NAPI_BUDGET, |pool, skb| app.input(pool, skb, now));
         }
-        w.app = app.run(stack, pool);
+        drv.clean_tx(pool);
+        (w.app, w.tx) = app.run(pool, now, |pool, frame| {
+            xmit_frame(pool, frame, |pool, skb| drv.xmit(pool, skb))
+        });
         w.more = drv.napi_scheduled();
         w
     }
 
     fn next_timer(&self) -> Option<Duration> {
-        self.stack.next_timer()
+        self.app.next_timer()
     }
 
     fn shutdown(mut self) -> Counters {
         let mut c = Counters::default();
-        c.add_set("stack", self.stack.stats());
-        c.add_set("reassembly", self.stack.reasm_stats());
+        self.app.counters(&mut c);
         c.add_set("driver", self.drv.stats());
         self.drv.shutdown(&mut self.pool);
-        self.stack.shutdown(&mut self.pool);
+        self.app.shutdown(&mut self.pool);
         c
     }
 }

@@ -13,9 +13,8 @@ use dev::tap::TapPort;
 use hv::{Domain, Hypervisor, Port, Vcpu};
 use net::netfront::{LinkChange, Netfront};
 use net::skb::SkbPool;
-use net::stack::Stack;
 
-use crate::app::{AppSpec, UdpReceiver};
+use crate::app::{AppSpec, AppStack};
 use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
@@ -34,8 +33,10 @@ pub fn guest_pool(dom: &Arc<Domain>, front: &mut Netfront) -> Result<SkbPool, Bu
 pub struct PvGuest {
     front: Netfront,
     pool: SkbPool,
-    stack: Stack,
-    app: UdpReceiver,
+    app: AppStack,
+    /// Frames the stack sent that found no buffer or no room on the ring (TCP's
+    /// frames stay queued in the stack and go on the next pass).
+    tx_wait: u64,
 }
 
 impl PvGuest {
@@ -46,12 +47,11 @@ impl PvGuest {
         pool: SkbPool,
         app: &AppSpec,
     ) -> Result<Self, BuildError> {
-        let (stack, app) = UdpReceiver::bind(dom, app)?;
         Ok(Self {
             front,
             pool,
-            stack,
-            app,
+            app: AppStack::bind(dom, app, Duration::ZERO)?,
+            tx_wait: 0,
         })
     }
 }
@@ -62,48 +62,78 @@ impl Kernel for PvGuest {
     fn event(&mut self, _v: &Vcpu, _port: Port) {}
 
     fn tick(&mut self, now: Duration) {
-        self.stack.tick(&mut self.pool, now);
+        self.app.tick(&mut self.pool, now);
     }
 
     fn poll(&mut self, now: Duration) -> Work {
         let Self {
             front,
             pool,
-            stack,
             app,
+            tx_wait,
         } = self;
         // The back end may have gone or come back (a store watch woke the vCPU).
         let link = front.check_backend(pool);
         // Buffers a back end held when they were revoked come back once it lets go.
         pool.retry_deferred();
         let mut w = Work {
-            rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| stack.input(pool, skb, now)),
+            rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| app.input(pool, skb, now)),
             tx: usize::from(link != LinkChange::None),
             ..Work::default()
         };
         // Completions free buffers but are not work that keeps the vCPU awake: a TX
         // response comes with an event of its own.
         front.poll_tx(pool);
-        w.app = app.run(stack, pool);
+        let (reads, sent) = app.run(pool, now, |pool, frame| {
+            let ok = xmit_frame(pool, frame, |pool, skb| front.xmit(pool, skb));
+            *tx_wait += u64::from(!ok);
+            ok
+        });
+        w.app = reads;
+        w.tx += sent;
         w
     }
 
     fn next_timer(&self) -> Option<Duration> {
-        self.stack.next_timer()
+        self.app.next_timer()
     }
 
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
-        c.add_set("stack", self.stack.stats());
-        c.add_set("reassembly", self.stack.reasm_stats());
+        self.app.counters(&mut c);
         c.add_set("netfront", self.front.stats());
+        c.add("guest", "tx_wait", self.tx_wait);
         c
     }
 
     fn shutdown(mut self) -> Counters {
         let c = self.counters();
-        self.stack.shutdown(&mut self.pool);
+        self.app.shutdown(&mut self.pool);
         c
+    }
+}
+
+/// Puts a frame the stack built in a buffer of its own page and hands it to `xmit`
+/// (netfront grants a page as it is; a shared 2 KiB head would be copied to one
+/// first). False if there was no buffer or `xmit` had no room.
+pub(crate) fn xmit_frame(
+    pool: &mut SkbPool,
+    frame: &[u8],
+    xmit: impl FnOnce(&mut SkbPool, net::skb::SkbId) -> Result<(), net::skb::SkbId>,
+) -> bool {
+    let Ok(skb) = pool.alloc_page_linear() else {
+        return false;
+    };
+    if pool.append(skb, frame).is_err() {
+        pool.free(skb);
+        return false;
+    }
+    match xmit(pool, skb) {
+        Ok(()) => true,
+        Err(s) => {
+            pool.free(s);
+            false
+        }
     }
 }
 

@@ -87,6 +87,7 @@ fn app(flow: UdpFlow, len: usize) -> (AppSpec, Arc<AppCounters>) {
     let s = AppSpec {
         flow,
         message: len,
+        proto: kernel::app::Proto::Udp,
         counters: Arc::clone(&c),
         latency: None,
     };

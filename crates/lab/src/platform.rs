@@ -384,6 +384,7 @@ impl Running {
         let app_spec = AppSpec {
             flow: f,
             message: opts.message,
+            proto: kernel::app::Proto::Udp,
             counters: Arc::clone(&app),
             latency: latency.clone(),
         };

@@ -23,6 +23,7 @@ pub mod rawfront;
 pub mod reasm;
 pub mod skb;
 pub mod stack;
+pub mod tcp;
 pub mod toolstack;
 pub mod wire;
 pub mod xenbus;

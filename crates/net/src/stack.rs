@@ -150,6 +150,20 @@ impl UserBuf {
     pub fn capacity(&self) -> usize {
         self.pages.len() * PAGE_SIZE
     }
+    /// Copies `data` in at offset `at` (a read's `copy_to_user`).
+    pub fn write(&self, dom: &Domain, at: usize, data: &[u8]) -> Result<(), hv::DomainError> {
+        let mut done = 0;
+        while done < data.len() {
+            let pos = at + done;
+            let (p, o) = (pos / PAGE_SIZE, pos % PAGE_SIZE);
+            let n = (PAGE_SIZE - o).min(data.len() - done);
+            let g = *self.pages.get(p).ok_or(hv::DomainError::BadGfn(u32::MAX))?;
+            dom.write(g, o, &data[done..done + n])?;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// Copies `out.len()` bytes from offset `at` (to check what arrived).
     pub fn read(&self, dom: &Domain, at: usize, out: &mut [u8]) -> Result<(), hv::DomainError> {
         let mut done = 0;

@@ -1,0 +1,577 @@
+//! The remote host at the far end of the NIC's cable, speaking TCP: smoltcp's TCP
+//! ([`net::tcp::TcpHost`]) on a thread of its own, and the cable between it and the NIC,
+//! which carries frames at a settable wire rate.
+//!
+//! The peer is the papers' sending machine: in a stream it is netperf's TCP_STREAM
+//! client writing 1 KiB messages, in a ping-pong netperf's TCP_RR client. It connects
+//! to the machine under test, so its SYN, its data and the ACKs that come back cross the
+//! whole path: wire, NIC, driver domain, netback, netfront, the guest's TCP. Its
+//! congestion control (smoltcp's Reno) and the receiver's window set the pace, as they
+//! do between two real hosts.
+//!
+//! The cable is two lanes, one per direction. A frame put on a lane occupies it for its
+//! serialization time at the wire rate (with Ethernet's preamble, inter-frame gap and
+//! FCS: 24 bytes a frame) and is delivered when its last bit is: at 1 Gbit/s a 1514-byte
+//! frame takes 12.3 µs, so a lane carries at most 81 274 such frames per second, the
+//! paper's link. The unlimited wire delivers at once. A lane holds a bounded number of
+//! frames (a switch port's buffer); the NIC's transmit side drops beyond it, counted,
+//! and the peer's TCP is held back instead (its frames wait in its own ring, as a
+//! qdisc holds a sender).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use net::offload::Offload;
+use net::tcp::{fill_stream, Open, StreamCheck, TcpHost, TcpStats};
+use smoltcp::wire::Ipv4Address;
+
+use crate::nic::NicRegs;
+use crate::wire::{WireSink, WireSource};
+
+/// Frames a lane holds.
+pub const LANE_FRAMES: usize = 256;
+/// Bytes each frame occupies on an Ethernet wire beyond its own: preamble and start
+/// delimiter (8), FCS (4), inter-frame gap (12).
+pub const WIRE_OVERHEAD: usize = 24;
+
+/// A wire's rate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WireRate {
+    /// Bits per second (the papers' links: 1 Gbit/s).
+    Bits(u64),
+    /// No limit: a frame is delivered as soon as it is put on.
+    Unlimited,
+}
+
+impl WireRate {
+    /// The paper's link.
+    pub const GIGABIT: WireRate = WireRate::Bits(1_000_000_000);
+
+    /// How long a `len`-byte frame occupies the wire.
+    pub fn serialization(self, len: usize) -> Duration {
+        match self {
+            WireRate::Bits(b) => {
+                Duration::from_nanos(((len + WIRE_OVERHEAD) as u64 * 8 * 1_000_000_000) / b.max(1))
+            }
+            WireRate::Unlimited => Duration::ZERO,
+        }
+    }
+}
+
+/// One direction of the cable.
+#[derive(Debug)]
+struct Lane {
+    ring: net::tcp::FrameRing,
+    due: VecDeque<Instant>,
+    /// When the wire is free again (the last frame's last bit).
+    free_at: Option<Instant>,
+    rate: WireRate,
+}
+
+impl Lane {
+    fn new(rate: WireRate) -> Self {
+        Self {
+            ring: net::tcp::FrameRing::new(LANE_FRAMES, net::offload::MAX_OFFLOAD_LEN + 14),
+            due: VecDeque::with_capacity(LANE_FRAMES),
+            free_at: None,
+            rate,
+        }
+    }
+
+    /// Puts `frame` on the wire at `now`; false if the lane is full.
+    fn push(&mut self, frame: &[u8], now: Instant) -> bool {
+        if !self.ring.push_with(frame.len(), |b| {
+            b.copy_from_slice(frame);
+            true
+        }) {
+            return false;
+        }
+        let start = self.free_at.map_or(now, |f| f.max(now));
+        let done = start + self.rate.serialization(frame.len());
+        self.free_at = Some(done);
+        self.due.push_back(done);
+        true
+    }
+
+    /// When the oldest frame arrives.
+    fn next_due(&self) -> Option<Instant> {
+        self.due.front().copied()
+    }
+
+    /// Hands every frame that has arrived by `now` to `f`; returns how many.
+    fn deliver(&mut self, now: Instant, mut f: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        while self.due.front().is_some_and(|&d| d <= now) {
+            if let Some(fr) = self.ring.front() {
+                f(fr);
+            }
+            self.ring.pop();
+            self.due.pop_front();
+            n += 1;
+        }
+        n
+    }
+}
+
+/// The cable's counters.
+#[derive(Debug, Default)]
+pub struct CableCounters {
+    /// Frames the NIC sent that the peer's lane had no room for.
+    pub to_peer_dropped: AtomicU64,
+    /// Frames carried to the NIC.
+    pub to_nic: AtomicU64,
+    /// Frames carried to the peer.
+    pub to_peer: AtomicU64,
+}
+
+/// What both ends of the cable share.
+#[derive(Debug)]
+struct CableInner {
+    to_nic: Mutex<Lane>,
+    to_peer: Mutex<Lane>,
+    nic: OnceLock<Arc<NicRegs>>,
+    peer: OnceLock<Thread>,
+    counters: CableCounters,
+}
+
+impl CableInner {
+    fn wake_peer(&self) {
+        if let Some(t) = self.peer.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// The NIC's end of the cable: its source (what the peer sent) and its sink.
+#[derive(Debug)]
+pub struct CableEnd(Arc<CableInner>);
+
+impl WireSource for CableEnd {
+    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        let Ok(mut lane) = self.0.to_nic.lock() else {
+            return 0;
+        };
+        let was_full = lane.ring.is_full();
+        let n = lane.deliver(now, |f| emit(f, Offload::NONE));
+        drop(lane);
+        self.0
+            .counters
+            .to_nic
+            .fetch_add(n as u64, Ordering::Relaxed);
+        if was_full && n > 0 {
+            // The peer may be waiting for room.
+            self.0.wake_peer();
+        }
+        n
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.0.to_nic.lock().ok().and_then(|l| l.next_due())
+    }
+
+    fn ready(&self) -> bool {
+        self.next_due().is_some_and(|d| d <= Instant::now())
+    }
+
+    fn attach(&mut self, regs: &Arc<NicRegs>) {
+        let _ = self.0.nic.set(Arc::clone(regs));
+    }
+}
+
+/// The NIC's transmit end.
+#[derive(Debug)]
+pub struct CableSink(Arc<CableInner>);
+
+impl WireSink for CableSink {
+    fn transmit(&mut self, frame: &[u8], _: Offload) {
+        let ok = self
+            .0
+            .to_peer
+            .lock()
+            .is_ok_and(|mut l| l.push(frame, Instant::now()));
+        if ok {
+            self.0.wake_peer();
+        } else {
+            self.0
+                .counters
+                .to_peer_dropped
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What the peer does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PeerApp {
+    /// netperf's TCP_STREAM: writes of `message` bytes of the stream pattern
+    /// ([`net::tcp::stream_byte`]), at most `rate` bytes per second if given (the
+    /// offered load; otherwise as fast as TCP lets it), until `total` bytes if given.
+    Stream {
+        /// Bytes per write.
+        message: usize,
+        /// Offered load, bytes per second.
+        rate: Option<f64>,
+        /// Bytes to send in all.
+        total: Option<u64>,
+    },
+    /// netperf's TCP_RR: a `size`-byte request, then wait for the `size`-byte answer,
+    /// `count` times if given; each round trip is timed.
+    Rr {
+        /// Bytes per request and per answer.
+        size: usize,
+        /// Transactions to run.
+        count: Option<u64>,
+    },
+}
+
+/// Where the peer is and whom it talks to.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerSpec {
+    /// The peer's address and MAC.
+    pub ip: Ipv4Address,
+    /// Its MAC.
+    pub mac: [u8; 6],
+    /// The host it connects to, and its port.
+    pub to: Ipv4Address,
+    /// The port it connects to.
+    pub port: u16,
+    /// The wire's rate, both directions.
+    pub rate: WireRate,
+    /// The core its thread is pinned to (none: it floats).
+    pub core: Option<usize>,
+    /// What it runs.
+    pub app: PeerApp,
+}
+
+/// Round-trip times, kept in a fixed array readable while the peer runs.
+#[derive(Debug)]
+pub struct Samples {
+    ns: Box<[AtomicU64]>,
+    len: AtomicU64,
+}
+
+impl Samples {
+    fn new(capacity: usize) -> Self {
+        Self {
+            ns: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            len: AtomicU64::new(0),
+        }
+    }
+
+    fn push(&self, ns: u64) {
+        let i = self.len.load(Ordering::Relaxed) as usize;
+        if let Some(s) = self.ns.get(i) {
+            s.store(ns, Ordering::Relaxed);
+            self.len.store(i as u64 + 1, Ordering::Release);
+        }
+    }
+
+    /// Samples kept so far (a mark for [`Samples::since`]).
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Whether none has been kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The samples after mark `from`, in ns.
+    pub fn since(&self, from: usize) -> Vec<u64> {
+        let n = self.len();
+        self.ns[from.min(n)..n]
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// Round trips a peer keeps.
+pub const MAX_SAMPLES: usize = 1 << 20;
+
+/// The peer's counters, readable while it runs.
+#[derive(Debug)]
+pub struct PeerCounters {
+    /// The connection is established.
+    pub connected: AtomicBool,
+    /// Stream bytes written into the socket.
+    pub written: AtomicU64,
+    /// Stream bytes the receiver acknowledged.
+    pub acked: AtomicU64,
+    /// Transactions completed.
+    pub transactions: AtomicU64,
+    /// Answer bytes that were not what was asked for.
+    pub corrupt: AtomicU64,
+    /// Round-trip times of the transactions.
+    pub rtt: Samples,
+}
+
+impl Default for PeerCounters {
+    fn default() -> Self {
+        Self {
+            connected: AtomicBool::new(false),
+            written: AtomicU64::new(0),
+            acked: AtomicU64::new(0),
+            transactions: AtomicU64::new(0),
+            corrupt: AtomicU64::new(0),
+            rtt: Samples::new(MAX_SAMPLES),
+        }
+    }
+}
+
+/// A running peer and its cable. Dropping it stops the peer.
+#[derive(Debug)]
+pub struct TcpPeer {
+    cable: Arc<CableInner>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<TcpStats>>,
+    counters: Arc<PeerCounters>,
+}
+
+/// The longest the peer sleeps with nothing to do.
+const IDLE_NAP: Duration = Duration::from_millis(10);
+/// Its sleep when it can do nothing until the other end acts.
+const STUCK_NAP: Duration = Duration::from_micros(50);
+
+/// The peer's local port.
+const PEER_PORT: u16 = 49152;
+
+impl TcpPeer {
+    /// Starts the peer; returns it and the NIC's two ends of the cable.
+    pub fn start(spec: PeerSpec) -> std::io::Result<(Self, CableEnd, CableSink)> {
+        let cable = Arc::new(CableInner {
+            to_nic: Mutex::new(Lane::new(spec.rate)),
+            to_peer: Mutex::new(Lane::new(spec.rate)),
+            nic: OnceLock::new(),
+            peer: OnceLock::new(),
+            counters: CableCounters::default(),
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(PeerCounters::default());
+        let (c, s, k) = (Arc::clone(&cable), Arc::clone(&stop), Arc::clone(&counters));
+        let thread = std::thread::Builder::new()
+            .name("tcp-peer".into())
+            .spawn(move || {
+                if let Some(core) = spec.core {
+                    let _ = mem::cpu::pin_current_thread(core);
+                }
+                let _ = mem::cpu::set_timer_slack(1_000);
+                run(&spec, &c, &s, &k)
+            })?;
+        let _ = cable.peer.set(thread.thread().clone());
+        let (a, b) = (CableEnd(Arc::clone(&cable)), CableSink(Arc::clone(&cable)));
+        Ok((
+            Self {
+                cable,
+                stop,
+                thread: Some(thread),
+                counters,
+            },
+            a,
+            b,
+        ))
+    }
+
+    /// The peer's counters.
+    pub fn counters(&self) -> &Arc<PeerCounters> {
+        &self.counters
+    }
+
+    /// The cable's counters.
+    pub fn cable(&self) -> &CableCounters {
+        &self.cable.counters
+    }
+
+    /// Stops the peer; returns its TCP's counters.
+    pub fn stop(mut self) -> Option<TcpStats> {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> Option<TcpStats> {
+        self.stop.store(true, Ordering::Release);
+        let t = self.thread.take()?;
+        t.thread().unpark();
+        t.join().ok()
+    }
+}
+
+impl Drop for TcpPeer {
+    fn drop(&mut self) {
+        let _ = self.halt();
+    }
+}
+
+/// The peer's application state.
+struct App {
+    app: PeerApp,
+    /// Stream bytes written so far.
+    written: u64,
+    /// When the peer started sending (for the offered load).
+    start: Option<Instant>,
+    /// A transaction's request went out at this time; its answer is awaited.
+    asked: Option<Instant>,
+    /// Bytes of the awaited answer received.
+    answered: usize,
+    check: StreamCheck,
+    scratch: Vec<u8>,
+}
+
+impl App {
+    /// Writes what is due; returns when it next wants to run, if it is pacing.
+    fn step(
+        &mut self,
+        host: &mut TcpHost,
+        h: smoltcp::iface::SocketHandle,
+        c: &PeerCounters,
+    ) -> Option<Instant> {
+        let s = host.socket(h);
+        if !s.may_send() {
+            return None;
+        }
+        c.connected.store(true, Ordering::Release);
+        let now = Instant::now();
+        match self.app {
+            PeerApp::Stream {
+                message,
+                rate,
+                total,
+            } => {
+                let start = *self.start.get_or_insert(now);
+                let mut next = None;
+                while s.send_capacity() - s.send_queue() >= message {
+                    if total.is_some_and(|t| self.written >= t) {
+                        break;
+                    }
+                    if let Some(r) = rate {
+                        let due = start + Duration::from_secs_f64(self.written as f64 / r);
+                        if due > now {
+                            next = Some(due);
+                            break;
+                        }
+                    }
+                    let m = &mut self.scratch[..message];
+                    fill_stream(self.written, m);
+                    match s.send_slice(m) {
+                        Ok(n) => self.written += n as u64,
+                        Err(_) => break,
+                    }
+                }
+                c.written.store(self.written, Ordering::Relaxed);
+                c.acked
+                    .store(self.written - s.send_queue() as u64, Ordering::Relaxed);
+                next
+            }
+            PeerApp::Rr { size, count } => {
+                // The answer, as much of it as is here.
+                while self.asked.is_some() && s.can_recv() {
+                    let buf = &mut self.scratch[..size - self.answered];
+                    let Ok(n) = s.recv_slice(buf) else { break };
+                    self.check.check(&buf[..n]);
+                    self.answered += n;
+                    if self.answered == size {
+                        if let Some(t) = self.asked.take() {
+                            c.rtt.push(t.elapsed().as_nanos() as u64);
+                        }
+                        self.answered = 0;
+                        c.transactions.fetch_add(1, Ordering::Relaxed);
+                        c.corrupt.store(self.check.corrupt, Ordering::Relaxed);
+                    }
+                }
+                let done = count.is_some_and(|n| c.transactions.load(Ordering::Relaxed) >= n);
+                if self.asked.is_none() && !done && s.send_capacity() - s.send_queue() >= size {
+                    let m = &mut self.scratch[..size];
+                    fill_stream(self.written, m);
+                    if s.send_slice(m) == Ok(size) {
+                        self.written += size as u64;
+                        self.asked = Some(Instant::now());
+                    }
+                }
+                None
+            }
+        }
+    }
+}
+
+fn run(spec: &PeerSpec, cable: &CableInner, stop: &AtomicBool, c: &PeerCounters) -> TcpStats {
+    let epoch = Instant::now();
+    let mut host = TcpHost::new(spec.ip, spec.mac, Duration::ZERO, 0x9e37_79b9_7f4a_7c15);
+    let Ok(h) = host.open(Open::Connect {
+        from: PEER_PORT,
+        to: spec.to,
+        port: spec.port,
+    }) else {
+        return host.stats().clone();
+    };
+    if let PeerApp::Rr { .. } = spec.app {
+        // One request at a time: Nagle would hold none back, and a delayed ACK on an
+        // answer would only delay the ACK, not the next request.
+        host.socket(h).set_nagle_enabled(false);
+    }
+    let mut app = App {
+        app: spec.app,
+        written: 0,
+        start: None,
+        asked: None,
+        answered: 0,
+        check: StreamCheck::default(),
+        scratch: vec![0; 65536],
+    };
+    while !stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        let mut got = 0;
+        if let Ok(mut lane) = cable.to_peer.lock() {
+            got = lane.deliver(now, |f| {
+                host.input(f.len(), true, |b| {
+                    b.copy_from_slice(f);
+                    true
+                });
+            });
+            cable
+                .counters
+                .to_peer
+                .fetch_add(got as u64, Ordering::Relaxed);
+        }
+        let t = now.duration_since(epoch);
+        host.poll(t);
+        let app_due = app.step(&mut host, h, c);
+        host.poll(t);
+        // Onto the wire, as far as the lane has room.
+        let (mut sent, mut held) = (0, false);
+        if let Ok(mut lane) = cable.to_nic.lock() {
+            sent = host.output(|f| lane.push(f, now));
+            held = host.output_queued() > 0;
+        }
+        if sent > 0 {
+            if let Some(r) = cable.nic.get() {
+                r.wire_wake();
+            }
+        }
+        // Sleep until a frame arrives, the stack's timer, or the application's pace;
+        // frames held for want of room wait for the NIC to take some (it wakes us).
+        let mut wake = host.poll_at(t).map(|d| epoch + d);
+        let mut at = |d: Option<Instant>| {
+            if let Some(d) = d {
+                wake = Some(wake.map_or(d, |w| w.min(d)));
+            }
+        };
+        at(cable.to_peer.lock().ok().and_then(|l| l.next_due()));
+        at(app_due);
+        let now = Instant::now();
+        let progress = got + sent > 0;
+        let nap = match wake {
+            Some(w) if w <= now && progress && !held => continue,
+            Some(w) if w > now => (w - now).min(IDLE_NAP),
+            // Due already with nothing done (the stack waits on something only the
+            // other end can change), or only the NIC can make room: a short nap, no
+            // spinning on a core the machine under test may need.
+            Some(_) => STUCK_NAP,
+            None if held => STUCK_NAP,
+            None => IDLE_NAP,
+        };
+        std::thread::park_timeout(nap);
+    }
+    host.stats().clone()
+}
