@@ -178,6 +178,8 @@ pub struct NicDriver {
     /// the rest on its fragment list); or, after one was lost, `Err` while its remaining
     /// descriptors are skipped.
     rx_partial: Option<Result<SkbId, ()>>,
+    /// Large Receive Offload, when on.
+    lro: Option<crate::lro::DriverLro>,
     stats: DriverStats,
 }
 
@@ -243,6 +245,7 @@ impl NicDriver {
             adaptive: [None; RX_QUEUES],
             vmq: (0..RX_QUEUES).map(|_| None).collect(),
             rx_partial: None,
+            lro: None,
             stats: DriverStats::default(),
         };
         for i in 0..RING_DESCS {
@@ -331,6 +334,72 @@ impl NicDriver {
         self.rx_skbs[i as usize] = Some(skb);
     }
 
+    /// Turns LRO on with `setup` (or off), before the device has received anything: in
+    /// page-mode every posted buffer is replaced with a whole page of its own (the pool
+    /// needs a page per descriptor, [`RING_DESCS`], besides its others).
+    pub fn set_lro(
+        &mut self,
+        pool: &mut SkbPool,
+        setup: Option<crate::lro::LroSetup>,
+    ) -> Result<(), DriverError> {
+        if let Some(l) = self.lro.as_mut() {
+            l.discard(pool);
+        }
+        self.lro = setup.map(crate::lro::DriverLro::new);
+        for i in 0..RING_DESCS {
+            if let Some(old) = self.rx_skbs[i as usize].take() {
+                pool.free(old);
+            }
+            let skb = self.rx_alloc(pool).map_err(|_| DriverError::NoMemory)?;
+            self.post_rx(pool, i, skb);
+        }
+        Ok(())
+    }
+
+    /// LRO, if on.
+    pub fn lro(&self) -> Option<&crate::lro::DriverLro> {
+        self.lro.as_ref()
+    }
+
+    /// How long until LRO's oldest held aggregate reaches its limit (`None`: nothing
+    /// held).
+    pub fn lro_due_in(&self) -> Option<std::time::Duration> {
+        let l = self.lro.as_ref()?;
+        let due = l.deadline()?;
+        Some(std::time::Duration::from_nanos(due.saturating_sub(l.now())))
+    }
+
+    /// Hands up the aggregates LRO has held past their limit (the driver's timer).
+    pub fn lro_expire(&mut self, pool: &mut SkbPool, mut deliver: impl FnMut(&mut SkbPool, SkbId)) {
+        if let Some(l) = self.lro.as_mut() {
+            if l.deadline().is_none() {
+                return;
+            }
+            let _c = enter(Class::Driver);
+            let now = l.now();
+            l.expire(pool, now, &mut deliver);
+        }
+    }
+
+    /// A receive buffer: a head with room for a frame, or (page-mode LRO) a whole page.
+    fn rx_alloc(&self, pool: &mut SkbPool) -> Result<SkbId, net::skb::SkbError> {
+        let _m = enter(Class::Mem);
+        if self
+            .lro
+            .as_ref()
+            .is_some_and(|l| l.setup().form == crate::lro::Form::Page)
+        {
+            let skb = pool.alloc_page_linear()?;
+            if let Err(e) = pool.reserve(skb, NET_SKB_PAD + NET_IP_ALIGN) {
+                pool.free(skb);
+                return Err(e);
+            }
+            Ok(skb)
+        } else {
+            pool.alloc(NET_SKB_PAD + NET_IP_ALIGN)
+        }
+    }
+
     /// Turns adaptive interrupt moderation on or off (off: the device keeps the count
     /// it was started with, or last given).
     pub fn set_adaptive(&mut self, on: bool) {
@@ -389,6 +458,7 @@ impl NicDriver {
     ) -> usize {
         let _c = enter(Class::Driver);
         self.clean_tx(pool);
+        let now = self.lro.as_ref().map_or(0, |l| l.now());
         let mut n = 0;
         while n < budget {
             let i = self.rx_next;
@@ -414,10 +484,7 @@ impl NicDriver {
                 n += 1;
                 continue;
             }
-            let fresh = {
-                let _m = enter(Class::Mem);
-                pool.alloc(NET_SKB_PAD + NET_IP_ALIGN)
-            };
+            let fresh = self.rx_alloc(pool);
             match (fresh, self.rx_partial.take()) {
                 (Ok(new), Some(Err(()))) => {
                     // The rest of a frame already lost.
@@ -440,7 +507,10 @@ impl NicDriver {
                         self.rx_partial = Some(Ok(pkt));
                     } else if self.rx_offload(pool, pkt, &d) {
                         self.stats.rx_packets += 1;
-                        deliver(pool, pkt);
+                        match self.lro.as_mut() {
+                            Some(l) => l.receive(pool, pkt, now, &mut deliver),
+                            None => deliver(pool, pkt),
+                        }
                     }
                 }
                 (Err(_), partial) => {
@@ -457,6 +527,9 @@ impl NicDriver {
         if n > 0 {
             self.regs
                 .set_rx_tail(0, (self.rx_next + RING_DESCS - 1) % RING_DESCS);
+        }
+        if let Some(l) = self.lro.as_mut() {
+            l.end_poll(pool, now, &mut deliver);
         }
         // Each poll feeds the moderation, as a Linux driver feeds net_dim from its NAPI
         // poll.
@@ -804,6 +877,9 @@ impl NicDriver {
         }
         if let Some(Ok(p)) = self.rx_partial.take() {
             pool.free(p);
+        }
+        if let Some(l) = self.lro.as_mut() {
+            l.discard(pool);
         }
     }
 }

@@ -16,6 +16,7 @@
 pub mod capture;
 pub mod driver;
 pub mod irq;
+pub mod lro;
 pub mod nic;
 pub mod peer;
 pub mod tap;

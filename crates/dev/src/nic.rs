@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use hv::iommu::DmaContext;
 use hv::{DeviceId, Iova};
 use smoltcp::wire::{
-    EthernetFrame, EthernetProtocol, IpAddress, IpProtocol, Ipv4Packet, UdpPacket,
+    EthernetFrame, EthernetProtocol, IpAddress, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket,
 };
 
 use net::offload::{Csum, Offload, MAX_HEADERS};
@@ -618,8 +618,8 @@ fn desc_iova(base: u64, i: u32) -> Iova {
     Iova(base + (i % RING_DESCS) as u64 * DESC_SIZE as u64)
 }
 
-/// Whether a frame is an unfragmented IPv4/UDP datagram with a correct checksum (the
-/// device's receive checksum offload).
+/// Whether a frame is an unfragmented IPv4 UDP datagram or TCP segment with a correct
+/// checksum (the device's receive checksum offload, as e1000's for both).
 fn l4_checksum_ok(frame: &[u8]) -> bool {
     let Ok(eth) = EthernetFrame::new_checked(frame) else {
         return false;
@@ -630,17 +630,21 @@ fn l4_checksum_ok(frame: &[u8]) -> bool {
     let Ok(ip) = Ipv4Packet::new_checked(eth.payload()) else {
         return false;
     };
-    if ip.more_frags() || ip.frag_offset() != 0 || ip.next_header() != IpProtocol::Udp {
+    if ip.more_frags() || ip.frag_offset() != 0 {
         return false;
     }
-    let Ok(udp) = UdpPacket::new_checked(ip.payload()) else {
-        return false;
-    };
-    udp.checksum() != 0
-        && udp.verify_checksum(
-            &IpAddress::Ipv4(ip.src_addr()),
-            &IpAddress::Ipv4(ip.dst_addr()),
-        )
+    let (src, dst) = (
+        IpAddress::Ipv4(ip.src_addr()),
+        IpAddress::Ipv4(ip.dst_addr()),
+    );
+    match ip.next_header() {
+        IpProtocol::Udp => UdpPacket::new_checked(ip.payload())
+            .is_ok_and(|u| u.checksum() != 0 && u.verify_checksum(&src, &dst)),
+        IpProtocol::Tcp => {
+            TcpPacket::new_checked(ip.payload()).is_ok_and(|t| t.verify_checksum(&src, &dst))
+        }
+        _ => false,
+    }
 }
 
 impl Device {

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dev::driver::{DmaApi, NicDriver, VmqBuf};
-use dev::nic::{NicRegs, RX_QUEUES};
-use hv::{Domain, Hypervisor, Port, Vcpu};
+use dev::nic::{NicRegs, RING_DESCS, RX_QUEUES};
+use hv::{Domain, Hypervisor, Port, Vcpu, PAGE_SIZE};
 use net::bridge::{Bridge, Forward};
 use net::netback::Vif;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
@@ -28,7 +28,7 @@ use crate::vcpu::{xen_pirq, Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of its pool (it posts 2 KiB heads to the NIC; pages only for copies).
-pub const POOL_PAGES: usize = 64;
+pub const POOL_PAGES: usize = 640;
 /// The bridge port of the NIC.
 pub const NIC_PORT: u16 = 0;
 
@@ -87,6 +87,13 @@ pub struct DriverDomain {
     between_vifs: Vec<(SkbId, Forward)>,
     /// Frames flooded to more than one port that could not be copied.
     flood_copy_failures: u64,
+    /// The bridge copies aggregates (LRO without BO).
+    lro_bridge_copy: bool,
+    /// Aggregates the bridge copied, and those it could not (dropped).
+    lro_copied: u64,
+    lro_copy_failures: u64,
+    /// The clock at the last poll (for LRO's hold limit).
+    now: Duration,
 }
 
 /// The driver domain's switches: paper 000's original driver domain by default, and
@@ -105,6 +112,12 @@ pub struct DriverConfig {
     /// netback offers to take machine frames in RX requests, and the driver domain's
     /// IOMMU context maps all of machine memory. Never on in `pvio up`.
     pub unsafe_machine_frames: bool,
+    /// Large Receive Offload in the NIC driver (paper 001), and its form and flush.
+    pub lro: Option<dev::lro::LroSetup>,
+    /// The bridge copies each aggregate into a fresh buffer before it goes on (paper
+    /// 001's original port, its Figure 2b); off, it hands the chain on untouched and
+    /// netback copies each piece into the guest's buffers (the paper's BO).
+    pub lro_bridge_copy: bool,
 }
 
 impl Default for DriverConfig {
@@ -116,6 +129,8 @@ impl Default for DriverConfig {
             aligned_copies: false,
             queues: false,
             unsafe_machine_frames: false,
+            lro: None,
+            lro_bridge_copy: false,
         }
     }
 }
@@ -135,8 +150,14 @@ impl DriverDomain {
         mut vifs: Vec<(Vif, [u8; 6])>,
         fault: FaultSwitch,
     ) -> Result<Self, BuildError> {
-        let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        // Page-mode LRO posts a whole page in every receive descriptor.
+        let page_mode = config.lro.is_some_and(|l| l.form == dev::lro::Form::Page);
+        let pages = POOL_PAGES + if page_mode { RING_DESCS as usize } else { 0 };
+        let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, pages).map_err(other)?;
         let mut nic = NicDriver::probe(hv, dom, regs, &mut pool, DmaApi::Swiotlb).map_err(other)?;
+        if config.lro.is_some() {
+            nic.set_lro(&mut pool, config.lro).map_err(other)?;
+        }
         let mut queues = vec![None; vifs.len()];
         if config.queues {
             for (i, (vif, mac)) in vifs.iter_mut().enumerate() {
@@ -170,12 +191,25 @@ impl DriverDomain {
             tokens: Vec::with_capacity(POOL_BUFFERS),
             between_vifs: Vec::with_capacity(NAPI_BUDGET),
             flood_copy_failures: 0,
+            lro_bridge_copy: config.lro_bridge_copy,
+            lro_copied: 0,
+            lro_copy_failures: 0,
+            now: Duration::ZERO,
         })
     }
 
     /// Adaptive interrupt moderation in the NIC driver, on or off.
     pub fn set_adaptive_coalescing(&mut self, on: bool) {
         self.nic.set_adaptive(on);
+    }
+
+    fn lro_counters(&self, c: &mut Counters) {
+        if let Some(l) = self.nic.lro() {
+            c.add_set("lro", l.stats());
+            c.add_set("lro engine", l.engine_stats());
+            c.add("lro", "bridge_copied", self.lro_copied);
+            c.add("lro", "bridge_copy_failures", self.lro_copy_failures);
+        }
     }
 
     /// The vifs, in port order.
@@ -197,6 +231,76 @@ fn copy_frame(pool: &mut SkbPool, skb: SkbId) -> Option<SkbId> {
         return None;
     }
     pool.set_csum_valid(c, pool.csum_valid(skb));
+    Some(c)
+}
+
+/// A copy of an aggregate (a packet in several buffers) in fresh buffers: a whole page
+/// as its head and further pages as fragments, each byte copied once from page to page
+/// (Linux's `skb_linearize` before the bridge, paper 001's Figure 2b; pvio's pages are
+/// not contiguous with each other, and the copy is what costs). `skb` is freed.
+fn copy_aggregate(pool: &mut SkbPool, skb: SkbId) -> Option<SkbId> {
+    let len = pool.len(skb);
+    let npages = len.div_ceil(PAGE_SIZE).max(1);
+    if npages > net::skb::MAX_SKB_FRAGS + 1 {
+        pool.free(skb);
+        return None;
+    }
+    let mut pages = [hv::Gfn(0); net::skb::MAX_SKB_FRAGS + 1];
+    let Ok(c) = pool.alloc_page_linear() else {
+        pool.free(skb);
+        return None;
+    };
+    pages[0] = pool.data_location(c).0;
+    let mut got = 1;
+    while got < npages {
+        match pool.alloc_page() {
+            Ok(g) => pages[got] = g,
+            Err(_) => break,
+        }
+        got += 1;
+    }
+    let dom = Arc::clone(pool.domain());
+    let copied = got == npages
+        && pool
+            .walk(skb, 0, len, |seg, at| {
+                let net::skb::SegPage::Own(src) = seg.page else {
+                    return Err(net::skb::SkbError::OutOfBounds);
+                };
+                let mut done = 0;
+                while done < seg.len {
+                    let to = at + done;
+                    let n = (seg.len - done).min(PAGE_SIZE - to % PAGE_SIZE);
+                    dom.copy(
+                        src,
+                        seg.offset + done,
+                        pages[to / PAGE_SIZE],
+                        to % PAGE_SIZE,
+                        n,
+                    )?;
+                    done += n;
+                }
+                Ok(())
+            })
+            .is_ok();
+    let off = pool.offload(skb);
+    pool.free(skb);
+    let mut ok = copied && pool.extend_linear(c, len.min(PAGE_SIZE)).is_ok();
+    for (k, &g) in pages.iter().enumerate().take(got).skip(1) {
+        let frag = net::skb::Frag {
+            page: net::skb::FragPage::Local(g),
+            offset: 0,
+            len: (len - k * PAGE_SIZE).min(PAGE_SIZE) as u16,
+        };
+        if !ok || pool.add_frag(c, frag).is_err() {
+            pool.free_page(g);
+            ok = false;
+        }
+    }
+    if !ok {
+        pool.free(c);
+        return None;
+    }
+    pool.set_offload(c, off);
     Some(c)
 }
 
@@ -258,7 +362,16 @@ impl Kernel for DriverDomain {
         }
     }
 
-    fn poll(&mut self, _now: Duration) -> Work {
+    fn wants_clock(&self) -> bool {
+        self.nic.lro().is_some()
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        self.nic.lro_due_in().map(|d| self.now + d)
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        self.now = now;
         match self.fault.get() {
             0 => {}
             1 => panic!("driver domain {}: injected fault", self.dom.id().0),
@@ -281,6 +394,9 @@ impl Kernel for DriverDomain {
             tokens,
             between_vifs,
             flood_copy_failures,
+            lro_bridge_copy,
+            lro_copied,
+            lro_copy_failures,
             ..
         } = self;
         let mut w = Work::default();
@@ -302,15 +418,32 @@ impl Kernel for DriverDomain {
                 nic.vmq_post(q, VmqBuf { iova, len, token }).is_ok()
             });
         }
-        // 1. The NIC's NAPI poll, through the bridge to the vifs' queues.
-        if nic.napi_scheduled() {
-            w.rx += nic.poll(pool, NAPI_BUDGET, |pool, skb| {
-                let fwd = bridge.input(pool, skb, NIC_PORT);
-                if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
-                    *flood_copy_failures += 1;
+        // 1. The NIC's NAPI poll, through the bridge to the vifs' queues (and what
+        // LRO held past its limit).
+        let mut up = |pool: &mut SkbPool, skb: SkbId| {
+            let skb = if *lro_bridge_copy && pool.offload(skb).gso.is_some() {
+                match copy_aggregate(pool, skb) {
+                    Some(c) => {
+                        *lro_copied += 1;
+                        c
+                    }
+                    None => {
+                        *lro_copy_failures += 1;
+                        return;
+                    }
                 }
-            });
+            } else {
+                skb
+            };
+            let fwd = bridge.input(pool, skb, NIC_PORT);
+            if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
+                *flood_copy_failures += 1;
+            }
+        };
+        if nic.napi_scheduled() {
+            w.rx += nic.poll(pool, NAPI_BUDGET, &mut up);
         }
+        nic.lro_expire(pool, &mut up);
         // Control rings (grant reuse): drops the guests asked for, and answers to drops
         // whose I/O has now completed.
         for vif in vifs.iter_mut() {
@@ -391,6 +524,7 @@ impl Kernel for DriverDomain {
             }
         }
         c.add_set("bridge", self.bridge.stats());
+        self.lro_counters(&mut c);
         c
     }
 
@@ -411,6 +545,7 @@ impl Kernel for DriverDomain {
         }
         c.add_set("bridge", self.bridge.stats());
         c.add("bridge", "flood_copy_failures", self.flood_copy_failures);
+        self.lro_counters(&mut c);
         for q in self.queues.iter().flatten() {
             // The buffers still posted are unmapped with their vif.
             let _ = self.nic.vmq_close(*q);

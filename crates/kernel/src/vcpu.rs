@@ -59,6 +59,12 @@ pub trait Kernel: Send + 'static {
     fn tick(&mut self, _now: Duration) {}
     /// One pass of work at `now`.
     fn poll(&mut self, now: Duration) -> Work;
+    /// Whether this instance keeps time although its kind does not ([`Kernel::CLOCK`]):
+    /// a driver domain with LRO holds aggregates for at most a limit. Asked once, at
+    /// start.
+    fn wants_clock(&self) -> bool {
+        Self::CLOCK
+    }
     /// When it next needs its timer.
     fn next_timer(&self) -> Option<Duration> {
         None
@@ -127,8 +133,9 @@ pub fn run<K: Kernel>(
     ready: &AtomicUsize,
     door: &CounterDoor,
 ) -> Counters {
+    let clocked = K::CLOCK || kernel.wants_clock();
     let tport = match platform {
-        Platform::Xen if K::CLOCK => v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok(),
+        Platform::Xen if clocked => v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok(),
         _ => None,
     };
     if let Platform::Native(n) = &platform {
@@ -162,7 +169,7 @@ pub fn run<K: Kernel>(
                 });
             }
         }
-        let now = if K::CLOCK { clock(&v) } else { Duration::ZERO };
+        let now = if clocked { clock(&v) } else { Duration::ZERO };
         if expired {
             timer.armed = None;
             kernel.tick(now);
@@ -177,7 +184,7 @@ pub fn run<K: Kernel>(
                     n.halt_until(stop, timer.armed);
                 }
                 Platform::Xen => {
-                    if K::CLOCK {
+                    if clocked {
                         timer.xen_idle(kernel.next_timer(), &v);
                     }
                     // Grants a back end held when they were revoked go back once it

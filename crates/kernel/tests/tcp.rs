@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use dev::lro::{Flushing, Form, LroSetup};
 use dev::nic::Coalesce;
 use dev::peer::{PeerApp, PeerSpec, TcpPeer, WireRate};
 use hv::{GrantPath, GrantVersion};
@@ -39,6 +40,17 @@ fn start(
     app: PeerApp,
     rate: WireRate,
 ) -> (Machine, TcpPeer, Arc<AppCounters>) {
+    start_with(layout, proto, app, rate, DriverConfig::default(), false)
+}
+
+fn start_with(
+    layout: &str,
+    proto: Proto,
+    app: PeerApp,
+    rate: WireRate,
+    driver: DriverConfig,
+    offloads: bool,
+) -> (Machine, TcpPeer, Arc<AppCounters>) {
     let f = flow();
     let counters = Arc::new(AppCounters::default());
     let spec = AppSpec {
@@ -61,13 +73,13 @@ fn start(
     let layout = match layout {
         "native" => Layout::Native(spec),
         _ => Layout::DriverDomain {
-            driver: DriverConfig::default(),
+            driver,
             guests: vec![GuestSpec {
                 name: "guest".into(),
                 mac: f.dst_mac,
                 rx_buffers: RxBuffers::Fragments,
                 grants: Grants::PerIo,
-                offloads: false,
+                offloads,
                 above: Above::App(spec),
                 core: None,
             }],
@@ -162,5 +174,70 @@ fn request_response_runs_one_byte_transactions_each_checked() {
         let rtt = pc.rtt.since(0);
         assert_eq!(rtt.len(), 300);
         assert!(rtt.iter().all(|&r| r > 0));
+    }
+}
+
+/// Every LRO configuration: skb-mode and page-mode, flushed each poll, every second
+/// poll (DA) and adaptively, with the bridge's copy (the paper's first port) and
+/// without (BO), to a guest that takes GSO packets and to one that does not (netback
+/// cuts the aggregates back into segments). The stream arrives whole in each.
+#[test]
+fn a_stream_crosses_every_lro_configuration_whole() {
+    const TOTAL: u64 = 2 << 20;
+    let configs = [
+        (Form::Skb, Flushing::EveryPoll, true, true),
+        (Form::Skb, Flushing::EveryPoll, false, true),
+        (Form::Page, Flushing::EveryPoll, false, true),
+        (Form::Skb, LroSetup::DELAYED, false, true),
+        (Form::Page, LroSetup::ADAPTIVE, false, true),
+        (Form::Skb, LroSetup::DELAYED, false, false),
+    ];
+    for (form, flushing, copy, gso) in configs {
+        let what = format!("{form:?} {flushing:?} copy {copy} gso {gso}");
+        let driver = DriverConfig {
+            lro: Some(LroSetup {
+                form,
+                flushing,
+                max_flows: 32,
+            }),
+            lro_bridge_copy: copy,
+            ..DriverConfig::default()
+        };
+        let (m, peer, app) = start_with(
+            "pv",
+            Proto::TcpStream,
+            PeerApp::Stream {
+                message: 1024,
+                rate: None,
+                total: Some(TOTAL),
+            },
+            WireRate::Unlimited,
+            driver,
+            gso,
+        );
+        let pc = Arc::clone(peer.counters());
+        let done = wait(|| pc.acked.load(Ordering::Relaxed) >= TOTAL);
+        let c = m.stop().expect("stop");
+        drop(peer);
+        assert!(
+            done,
+            "{what}: acked {}; {c:?}",
+            pc.acked.load(Ordering::Relaxed)
+        );
+        assert_eq!(app.bytes.load(Ordering::Relaxed), TOTAL, "{what}");
+        assert_eq!(app.corrupt.load(Ordering::Relaxed), 0, "{what}");
+        let (aggs, segs) = (c.get("lro", "aggregates"), c.get("lro", "segments"));
+        assert!(aggs > 0 && segs >= aggs, "{what}: {c:?}");
+        assert_eq!(c.get("lro", "build_failures"), 0, "{what}");
+        assert_eq!(c.get("lro", "bridge_copy_failures"), 0, "{what}");
+        if copy {
+            assert!(c.get("lro", "bridge_copied") > 0 || segs == aggs, "{what}");
+        }
+        eprintln!(
+            "{what}: {:.2} segments per aggregate, netback gso {} segmented {}",
+            segs as f64 / aggs as f64,
+            c.get("netback", "rx_gso_packets"),
+            c.get("netback", "rx_gso_segmented")
+        );
     }
 }

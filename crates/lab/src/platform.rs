@@ -435,6 +435,8 @@ impl Running {
                     aligned_copies: opts.aligned_copies,
                     queues: opts.queues,
                     unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
+                    lro: None,
+                    lro_bridge_copy: false,
                 },
                 guests,
             },

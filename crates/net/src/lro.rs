@@ -14,7 +14,8 @@
 //!   never join and flush the flow); some payload;
 //! * the next byte the flow expects (anything else flushes and starts anew);
 //! * options as the aggregate's first segment's, apart from a timestamp whose value does
-//!   not go backwards and whose echo is not zero;
+//!   not go backwards and whose echo is not zero (a timestamp is the only option
+//!   taken, laid out as Linux does, NOP, NOP, TS, or as smoltcp does, TS and padding);
 //! * the IPv4 header checksum verified, and the TCP checksum (by the NIC, or here),
 //!   before a segment joins;
 //! * a payload no longer than the first segment's (the segment size the aggregate
@@ -148,6 +149,13 @@ pub struct LroStats {
     pub flushed: PerReason<Flush>,
 }
 
+crate::counter_set!(LroStats {
+    aggregates,
+    segments,
+    passed,
+    flushed
+});
+
 impl LroStats {
     /// Mean segments per aggregate.
     pub fn segments_per_aggregate(&self) -> f64 {
@@ -198,6 +206,17 @@ pub struct Aggregate<'a, B> {
     pub segs: std::vec::Drain<'a, Seg<B>>,
 }
 
+/// One held aggregate, as a flush policy sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// When its first segment arrived.
+    pub since: u64,
+    /// When its latest did.
+    pub last: u64,
+    /// Segments in it.
+    pub segs: usize,
+}
+
 /// A segment's fields that the rules look at, read from an untrusted frame.
 #[derive(Debug, Clone, Copy)]
 struct Parsed {
@@ -217,8 +236,8 @@ const TCP_ACK: u8 = 0x10;
 
 /// Where a TCP/IPv4 frame's headers lie, and its flow; `None` for anything else (or
 /// headers truncated or malformed).
-fn locate(frame: &[u8]) -> Option<(L4, [u8; 12])> {
-    let l4 = checksum_setup(frame, frame.len()).ok()?;
+fn locate(frame: &[u8], len: usize) -> Option<(L4, [u8; 12])> {
+    let l4 = checksum_setup(frame, len).ok()?;
     if !l4.tcp {
         return None;
     }
@@ -253,10 +272,13 @@ fn parse(frame: &[u8], l4: &L4, key: [u8; 12]) -> Result<Parsed, Pass> {
     if payload.0 >= payload.1 {
         return Err(Pass::NoPayload);
     }
-    // Options: none, or exactly NOP, NOP, timestamp (Linux's aligned form).
+    // Options: none, or a timestamp alone, in Linux's aligned form (NOP, NOP, TS) or
+    // as smoltcp writes it (TS, then two bytes of end-of-list or NOP padding).
+    let pad = |b: u8| b == 0 || b == 1;
     let ts = match l4.l4_len {
         20 => None,
         32 if t[20..24] == [1, 1, 8, 10] => Some(24),
+        32 if t[20..22] == [8, 10] && pad(t[30]) && pad(t[31]) => Some(22),
         _ => return Err(Pass::Options),
     };
     if let Some(o) = ts {
@@ -292,6 +314,8 @@ struct Flow<B> {
     gso_size: usize,
     payload_len: usize,
     since: u64,
+    /// When its latest segment arrived (the caller's clock).
+    last: u64,
     /// When it was last touched (for eviction).
     touched: u64,
     segs: Vec<Seg<B>>,
@@ -329,6 +353,7 @@ impl<B> Lro<B> {
                     gso_size: 0,
                     payload_len: 0,
                     since: 0,
+                    last: 0,
                     touched: 0,
                     segs: Vec::with_capacity(cfg.max_segs),
                 })
@@ -365,14 +390,32 @@ impl<B> Lro<B> {
         now: u64,
         out: &mut impl FnMut(Delivery<'_, B>),
     ) {
+        self.receive_head(buf, bytes, bytes.len(), csum_ok, now, out);
+    }
+
+    /// As [`Lro::receive`], given the frame's first bytes (`head`: at least its
+    /// headers, [`MAX_HEADERS`] will do) and its length: what a driver reads from a
+    /// buffer in domain memory. The rules need only the headers; a checksum the NIC did
+    /// not verify needs the whole frame, so without it (`head` shorter than `len`) such
+    /// a frame is passed as [`Pass::BadChecksum`].
+    pub fn receive_head(
+        &mut self,
+        buf: B,
+        head: &[u8],
+        len: usize,
+        csum_ok: bool,
+        now: u64,
+        out: &mut impl FnMut(Delivery<'_, B>),
+    ) {
+        let bytes = head;
         self.tick += 1;
-        let Some((l4, key)) = locate(bytes) else {
+        let Some((l4, key)) = locate(bytes, len) else {
             self.stats.passed.add(Pass::NotTcp);
             out(Delivery::Alone(buf));
             return;
         };
         let checked = parse(bytes, &l4, key).and_then(|p| {
-            if csum_ok || verify(bytes, &l4) {
+            if csum_ok || (bytes.len() >= len && verify(bytes, &l4)) {
                 Ok(p)
             } else {
                 Err(Pass::BadChecksum)
@@ -396,6 +439,7 @@ impl<B> Lro<B> {
             match self.joins(i, &p, bytes) {
                 Ok(()) => {
                     self.join(i, buf, &p, bytes);
+                    self.flows[i].last = now;
                     let f = &self.flows[i];
                     if p.flags & TCP_PSH != 0 {
                         self.flush(i, Flush::Push, out);
@@ -435,6 +479,38 @@ impl<B> Lro<B> {
                 i += 1;
             }
         }
+    }
+
+    /// Hands back, as [`Flush::Poll`], every aggregate for which `now_due` says so,
+    /// given what is held: the adaptive flush's per-flow decision.
+    pub fn flush_where(
+        &mut self,
+        mut now_due: impl FnMut(Held) -> bool,
+        out: &mut impl FnMut(Delivery<'_, B>),
+    ) {
+        let mut i = 0;
+        while i < self.live {
+            let f = &self.flows[i];
+            let h = Held {
+                since: f.since,
+                last: f.last,
+                segs: f.segs.len(),
+            };
+            if now_due(h) {
+                self.flush(i, Flush::Poll, out);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// What each held aggregate is, for a caller's flush policy.
+    pub fn held(&self) -> impl Iterator<Item = Held> + '_ {
+        self.flows[..self.live].iter().map(|f| Held {
+            since: f.since,
+            last: f.last,
+            segs: f.segs.len(),
+        })
     }
 
     fn find(&self, key: &[u8; 12]) -> Option<usize> {
@@ -520,6 +596,7 @@ impl<B> Lro<B> {
         f.payload_len = len;
         f.next_seq = p.seq.wrapping_add(len as u32);
         f.since = now;
+        f.last = now;
         f.touched = self.tick;
         f.segs.clear();
         f.segs.push(Seg {

@@ -379,6 +379,23 @@ impl SkbPool {
         Ok(copied)
     }
 
+    /// Takes the whole page that is buffer `id`'s head (given by
+    /// [`SkbPool::alloc_page_linear`]) out of it and frees the buffer: the page is the
+    /// caller's, to become a fragment of another buffer (page-mode LRO moves a
+    /// segment's payload so). `None`, the buffer untouched, if its head is not such a
+    /// page or it has fragments or a fragment list.
+    pub fn detach_head_page(&mut self, id: SkbId) -> Option<Gfn> {
+        let s = &mut self.skbs[id.0 as usize];
+        if s.nr_frags != 0 || s.frag_list != NONE {
+            return None;
+        }
+        let (g, off) = s.home.take()?;
+        let page = std::mem::replace(&mut s.head, g);
+        s.head_off = off;
+        self.free(id);
+        Some(page)
+    }
+
     /// A whole page for a fragment (or an RX buffer to post).
     #[inline]
     pub fn alloc_page(&mut self) -> Result<Gfn, SkbError> {
