@@ -241,3 +241,43 @@ fn a_stream_crosses_every_lro_configuration_whole() {
         );
     }
 }
+
+/// Request/response through LRO that holds aggregates: each request carries PSH (its
+/// sender had sent all it had), so it is handed up at once in every schedule, and the
+/// transactions run as without LRO.
+#[test]
+fn requests_are_not_held_by_any_lro_schedule() {
+    for flushing in [Flushing::EveryPoll, LroSetup::DELAYED, LroSetup::ADAPTIVE] {
+        let driver = DriverConfig {
+            lro: Some(LroSetup {
+                flushing,
+                ..LroSetup::PAPER
+            }),
+            ..DriverConfig::default()
+        };
+        let (m, peer, app) = start_with(
+            "pv",
+            Proto::TcpRr,
+            PeerApp::Rr {
+                size: 1,
+                count: Some(200),
+            },
+            WireRate::Unlimited,
+            driver,
+            true,
+        );
+        let pc = Arc::clone(peer.counters());
+        let done = wait(|| pc.transactions.load(Ordering::Relaxed) >= 200);
+        let c = m.stop().expect("stop");
+        drop(peer);
+        assert!(done, "{flushing:?}: {c:?}");
+        assert_eq!(app.bytes.load(Ordering::Relaxed), 200, "{flushing:?}");
+        assert_eq!(pc.corrupt.load(Ordering::Relaxed), 0, "{flushing:?}");
+        // Every request went up alone, flushed by its PSH, never by a timer.
+        assert!(
+            c.get("lro engine", "flushed Push") >= 200,
+            "{flushing:?}: {c:?}"
+        );
+        assert_eq!(c.get("lro", "timer_flushes"), 0, "{flushing:?}");
+    }
+}
