@@ -30,9 +30,6 @@ use std::time::{Duration, Instant};
 
 use hv::iommu::DmaContext;
 use hv::{DeviceId, Iova};
-use smoltcp::wire::{
-    EthernetFrame, EthernetProtocol, IpAddress, IpProtocol, Ipv4Packet, TcpPacket, UdpPacket,
-};
 
 use net::offload::{Csum, Offload, MAX_HEADERS};
 
@@ -618,35 +615,6 @@ fn desc_iova(base: u64, i: u32) -> Iova {
     Iova(base + (i % RING_DESCS) as u64 * DESC_SIZE as u64)
 }
 
-/// Whether a frame is an unfragmented IPv4 UDP datagram or TCP segment with a correct
-/// checksum (the device's receive checksum offload, as e1000's for both).
-fn l4_checksum_ok(frame: &[u8]) -> bool {
-    let Ok(eth) = EthernetFrame::new_checked(frame) else {
-        return false;
-    };
-    if eth.ethertype() != EthernetProtocol::Ipv4 {
-        return false;
-    }
-    let Ok(ip) = Ipv4Packet::new_checked(eth.payload()) else {
-        return false;
-    };
-    if ip.more_frags() || ip.frag_offset() != 0 {
-        return false;
-    }
-    let (src, dst) = (
-        IpAddress::Ipv4(ip.src_addr()),
-        IpAddress::Ipv4(ip.dst_addr()),
-    );
-    match ip.next_header() {
-        IpProtocol::Udp => UdpPacket::new_checked(ip.payload())
-            .is_ok_and(|u| u.checksum() != 0 && u.verify_checksum(&src, &dst)),
-        IpProtocol::Tcp => {
-            TcpPacket::new_checked(ip.payload()).is_ok_and(|t| t.verify_checksum(&src, &dst))
-        }
-        _ => false,
-    }
-}
-
 impl Device {
     fn new(regs: Arc<NicRegs>, dma: DmaContext, coalesce: Coalesce, irqs: Vec<IrqLine>) -> Self {
         let mut rxq: Vec<RxQueue> = (0..RX_QUEUES).map(|_| RxQueue::default()).collect();
@@ -924,7 +892,7 @@ impl Device {
             DESC_DD | DESC_EOP | DESC_ERR
         } else if offloaded {
             DESC_DD | DESC_EOP | DESC_OFFLOAD
-        } else if l4_checksum_ok(frame) {
+        } else if net::wire::l4_checksum(frame) == Some(true) {
             DESC_DD | DESC_EOP | DESC_L4_OK
         } else {
             DESC_DD | DESC_EOP

@@ -29,7 +29,7 @@ use net::tcp::{fill_stream, Open, StreamCheck, TcpHost, TcpStats};
 use smoltcp::wire::Ipv4Address;
 
 use crate::nic::NicRegs;
-use crate::wire::{WireSink, WireSource};
+use crate::wire::{Samples, WireSink, WireSource};
 
 /// Frames a lane holds.
 pub const LANE_FRAMES: usize = 256;
@@ -246,49 +246,6 @@ pub struct PeerSpec {
     pub app: PeerApp,
 }
 
-/// Round-trip times, kept in a fixed array readable while the peer runs.
-#[derive(Debug)]
-pub struct Samples {
-    ns: Box<[AtomicU64]>,
-    len: AtomicU64,
-}
-
-impl Samples {
-    fn new(capacity: usize) -> Self {
-        Self {
-            ns: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            len: AtomicU64::new(0),
-        }
-    }
-
-    fn push(&self, ns: u64) {
-        let i = self.len.load(Ordering::Relaxed) as usize;
-        if let Some(s) = self.ns.get(i) {
-            s.store(ns, Ordering::Relaxed);
-            self.len.store(i as u64 + 1, Ordering::Release);
-        }
-    }
-
-    /// Samples kept so far (a mark for [`Samples::since`]).
-    pub fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire) as usize
-    }
-
-    /// Whether none has been kept.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The samples after mark `from`, in ns.
-    pub fn since(&self, from: usize) -> Vec<u64> {
-        let n = self.len();
-        self.ns[from.min(n)..n]
-            .iter()
-            .map(|s| s.load(Ordering::Relaxed))
-            .collect()
-    }
-}
-
 /// Round trips a peer keeps.
 pub const MAX_SAMPLES: usize = 1 << 20;
 
@@ -473,7 +430,7 @@ impl App {
                     self.answered += n;
                     if self.answered == size {
                         if let Some(t) = self.asked.take() {
-                            c.rtt.push(t.elapsed().as_nanos() as u64);
+                            let _ = c.rtt.push(t.elapsed().as_nanos() as u64);
                         }
                         self.answered = 0;
                         c.transactions.fetch_add(1, Ordering::Relaxed);

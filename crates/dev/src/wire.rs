@@ -88,10 +88,59 @@ impl WireSink for CountingSink {
 pub struct LatencyProbe {
     epoch: Instant,
     sent_ns: [AtomicU64; PREBUILT],
-    samples: Box<[AtomicU64]>,
-    len: AtomicU64,
+    samples: Samples,
     overflow: AtomicU64,
     unmatched: AtomicU64,
+}
+
+/// Latencies in ns, kept in a fixed array (no allocation as they come) by one writer
+/// and readable by others while it runs.
+#[derive(Debug)]
+pub struct Samples {
+    ns: Box<[AtomicU64]>,
+    len: AtomicU64,
+}
+
+impl Samples {
+    /// Room for `capacity` samples.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            ns: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            len: AtomicU64::new(0),
+        }
+    }
+
+    /// Keeps one (the only writer); false if the array is full.
+    pub fn push(&self, ns: u64) -> bool {
+        let i = self.len.load(Ordering::Relaxed);
+        match self.ns.get(i as usize) {
+            Some(slot) => {
+                slot.store(ns, Ordering::Relaxed);
+                self.len.store(i + 1, Ordering::Release);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Samples kept so far (a mark for [`Samples::since`]).
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire) as usize
+    }
+
+    /// Whether none has been kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The samples kept after mark `from`, in ns, in order.
+    pub fn since(&self, from: usize) -> Vec<u64> {
+        let n = self.len();
+        self.ns[from.min(n)..n]
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .collect()
+    }
 }
 
 impl LatencyProbe {
@@ -100,8 +149,7 @@ impl LatencyProbe {
         Self {
             epoch: Instant::now(),
             sent_ns: std::array::from_fn(|_| AtomicU64::new(0)),
-            samples: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
-            len: AtomicU64::new(0),
+            samples: Samples::new(capacity),
             overflow: AtomicU64::new(0),
             unmatched: AtomicU64::new(0),
         }
@@ -131,36 +179,24 @@ impl LatencyProbe {
             self.unmatched.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        let latency = self.now_ns().saturating_sub(at);
-        let i = self.len.load(Ordering::Relaxed);
-        match self.samples.get(i as usize) {
-            Some(slot) => {
-                slot.store(latency, Ordering::Relaxed);
-                self.len.store(i + 1, Ordering::Release);
-            }
-            None => {
-                self.overflow.fetch_add(1, Ordering::Relaxed);
-            }
+        if !self.samples.push(self.now_ns().saturating_sub(at)) {
+            self.overflow.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Samples kept so far (a mark for [`LatencyProbe::since`]).
     pub fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire) as usize
+        self.samples.len()
     }
 
     /// Whether none has been kept.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.samples.is_empty()
     }
 
     /// The latencies kept after mark `from`, in ns, in arrival order.
     pub fn since(&self, from: usize) -> Vec<u64> {
-        let n = self.len();
-        self.samples[from.min(n)..n]
-            .iter()
-            .map(|s| s.load(Ordering::Relaxed))
-            .collect()
+        self.samples.since(from)
     }
 
     /// Messages received past the capacity, and messages whose sequence number was

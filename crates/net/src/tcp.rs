@@ -28,10 +28,7 @@ use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::phy::{self, Checksum, ChecksumCapabilities, DeviceCapabilities, Medium};
 use smoltcp::socket::tcp;
 use smoltcp::time::Instant;
-use smoltcp::wire::{
-    EthernetAddress, EthernetFrame, EthernetProtocol, HardwareAddress, IpAddress, IpCidr,
-    IpProtocol, Ipv4Address, Ipv4Packet, TcpPacket,
-};
+use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, Ipv4Address};
 
 use crate::offload::MAX_OFFLOAD_LEN;
 use crate::wire::{ETH_HEADER, MAX_FRAME};
@@ -237,30 +234,6 @@ fn tsval() -> u32 {
     ms.wrapping_add(1)
 }
 
-/// Whether `frame`, an untagged Ethernet frame, is IPv4 TCP with a wrong checksum.
-/// Anything else (ARP, a frame too short to parse) is smoltcp's to judge.
-fn tcp_checksum_bad(frame: &[u8]) -> bool {
-    let Ok(eth) = EthernetFrame::new_checked(frame) else {
-        return false;
-    };
-    if eth.ethertype() != EthernetProtocol::Ipv4 {
-        return false;
-    }
-    let Ok(ip) = Ipv4Packet::new_checked(eth.payload()) else {
-        return false;
-    };
-    if ip.next_header() != IpProtocol::Tcp || ip.more_frags() || ip.frag_offset() != 0 {
-        return false;
-    }
-    let Ok(tcp) = TcpPacket::new_checked(ip.payload()) else {
-        return false;
-    };
-    !tcp.verify_checksum(
-        &IpAddress::Ipv4(ip.src_addr()),
-        &IpAddress::Ipv4(ip.dst_addr()),
-    )
-}
-
 /// One host's TCP/IP.
 pub struct TcpHost {
     iface: Interface,
@@ -363,7 +336,7 @@ impl TcpHost {
             if !fill(b) {
                 return false;
             }
-            bad = !csum_valid && tcp_checksum_bad(b);
+            bad = !csum_valid && crate::wire::l4_checksum(b) == Some(false);
             !bad
         });
         if bad {

@@ -359,6 +359,36 @@ pub fn parse_udp(
     Ok((u, &d[UDP_HEADER..]))
 }
 
+/// Whether an untagged Ethernet frame's transport checksum is right: `Some` for an
+/// unfragmented IPv4 TCP segment or UDP datagram that carries a checksum, `None` for
+/// anything else (another protocol, a fragment, UDP without a checksum, a frame too
+/// short to parse). A NIC's receive checksum offload and a host's check both ask this.
+pub fn l4_checksum(frame: &[u8]) -> Option<bool> {
+    let eth = EthernetFrame::new_checked(frame).ok()?;
+    if eth.ethertype() != EthernetProtocol::Ipv4 {
+        return None;
+    }
+    let ip = Ipv4Packet::new_checked(eth.payload()).ok()?;
+    if ip.more_frags() || ip.frag_offset() != 0 {
+        return None;
+    }
+    let (src, dst) = (
+        IpAddress::Ipv4(ip.src_addr()),
+        IpAddress::Ipv4(ip.dst_addr()),
+    );
+    match ip.next_header() {
+        IpProtocol::Udp => {
+            let u = UdpPacket::new_checked(ip.payload()).ok()?;
+            (u.checksum() != 0).then(|| u.verify_checksum(&src, &dst))
+        }
+        IpProtocol::Tcp => {
+            let t = smoltcp::wire::TcpPacket::new_checked(ip.payload()).ok()?;
+            Some(t.verify_checksum(&src, &dst))
+        }
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
