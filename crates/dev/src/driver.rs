@@ -372,12 +372,8 @@ impl NicDriver {
     /// Hands up the aggregates LRO has held past their limit (the driver's timer).
     pub fn lro_expire(&mut self, pool: &mut SkbPool, mut deliver: impl FnMut(&mut SkbPool, SkbId)) {
         if let Some(l) = self.lro.as_mut() {
-            if l.deadline().is_none() {
-                return;
-            }
             let _c = enter(Class::Driver);
-            let now = l.now();
-            l.expire(pool, now, &mut deliver);
+            l.expire(pool, &mut deliver);
         }
     }
 

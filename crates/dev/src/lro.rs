@@ -229,11 +229,11 @@ impl DriverLro {
         let mut out = |d: Delivery<'_, SkbId>| hand_up(form, pool, d, now, stats, deliver);
         match setup.flushing {
             Flushing::EveryPoll => {
-                out_poll(engine, &mut out);
+                engine.flush_all(net::lro::Flush::Poll, &mut out);
             }
             Flushing::Delayed { n, max_hold } => {
                 if *polls % n.max(1) == 0 {
-                    out_poll(engine, &mut out);
+                    engine.flush_all(net::lro::Flush::Poll, &mut out);
                 } else {
                     let cut = now.saturating_sub(max_hold.as_nanos() as u64);
                     engine.flush_since(cut, &mut out);
@@ -246,16 +246,13 @@ impl DriverLro {
         }
     }
 
-    /// Flushes what has been held past its limit by `now` (the driver domain's timer).
-    pub fn expire(
-        &mut self,
-        pool: &mut SkbPool,
-        now: u64,
-        deliver: &mut impl FnMut(&mut SkbPool, SkbId),
-    ) {
+    /// Flushes what has been held past its limit by now (the driver domain's timer).
+    /// With nothing held it reads no clock.
+    pub fn expire(&mut self, pool: &mut SkbPool, deliver: &mut impl FnMut(&mut SkbPool, SkbId)) {
         let Some(due) = self.deadline() else {
             return;
         };
+        let now = self.now();
         if due > now {
             return;
         }
@@ -303,11 +300,6 @@ fn hold_limit(f: Flushing) -> u64 {
         Flushing::Delayed { max_hold, .. } => max_hold.as_nanos() as u64,
         Flushing::Adaptive { budget } => budget.as_nanos() as u64,
     }
-}
-
-/// Flushes everything at a poll's end.
-fn out_poll(engine: &mut Lro<SkbId>, out: &mut impl FnMut(Delivery<'_, SkbId>)) {
-    engine.flush_all(net::lro::Flush::Poll, out);
 }
 
 /// The adaptive rule: hold an aggregate while its flow streams (two segments or more,

@@ -26,12 +26,14 @@ use std::time::{Duration, Instant};
 
 use net::offload::Offload;
 use net::tcp::{fill_stream, Open, StreamCheck, TcpHost, TcpStats};
+use net::wire::MAX_TAGGED_FRAME;
 use smoltcp::wire::Ipv4Address;
 
 use crate::nic::NicRegs;
 use crate::wire::{Samples, WireSink, WireSource};
 
-/// Frames a lane holds.
+/// Frames a lane holds, each up to the wire's largest (a frame on a cable is at most
+/// an MTU: the NIC cuts large packets before they leave it).
 pub const LANE_FRAMES: usize = 256;
 /// Bytes each frame occupies on an Ethernet wire beyond its own: preamble and start
 /// delimiter (8), FCS (4), inter-frame gap (12).
@@ -74,7 +76,7 @@ struct Lane {
 impl Lane {
     fn new(rate: WireRate) -> Self {
         Self {
-            ring: net::tcp::FrameRing::new(LANE_FRAMES, net::offload::MAX_OFFLOAD_LEN + 14),
+            ring: net::tcp::FrameRing::new(LANE_FRAMES, MAX_TAGGED_FRAME),
             due: VecDeque::with_capacity(LANE_FRAMES),
             free_at: None,
             rate,

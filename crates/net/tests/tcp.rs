@@ -84,6 +84,14 @@ fn stream(
     (check, a, b)
 }
 
+/// Frame 40 is well into the stream: its last payload byte is flipped.
+fn flip_last_byte_of_frame_40(i: usize, f: &mut [u8]) {
+    if i == 40 {
+        let n = f.len();
+        f[n - 1] ^= 0x20;
+    }
+}
+
 #[test]
 fn a_stream_crosses_whole() {
     let (check, a, b) = stream(1 << 20, |_, _| {}, false);
@@ -100,17 +108,7 @@ fn a_stream_crosses_whole() {
 
 #[test]
 fn a_spoiled_segment_is_dropped_counted_and_retransmitted() {
-    // Frame 40 is well into the stream: flip one payload byte (the last).
-    let (check, _, b) = stream(
-        256 << 10,
-        |i, f| {
-            if i == 40 {
-                let n = f.len();
-                f[n - 1] ^= 0x20;
-            }
-        },
-        false,
-    );
+    let (check, _, b) = stream(256 << 10, flip_last_byte_of_frame_40, false);
     assert_eq!((check.bytes, check.corrupt), (256 << 10, 0));
     assert_eq!(b.stats().rx_bad_checksum, 1);
 }
@@ -120,16 +118,7 @@ fn a_spoiled_segment_a_device_claimed_valid_reaches_the_reader_and_is_caught_the
     // The same flip, but the frames are marked validated (a device that lies): the
     // stack trusts the mark, as Linux trusts CHECKSUM_UNNECESSARY, and the
     // application's check is what sees it.
-    let (check, _, b) = stream(
-        256 << 10,
-        |i, f| {
-            if i == 40 {
-                let n = f.len();
-                f[n - 1] ^= 0x20;
-            }
-        },
-        true,
-    );
+    let (check, _, b) = stream(256 << 10, flip_last_byte_of_frame_40, true);
     assert_eq!(check.corrupt, 1);
     assert_eq!(b.stats().rx_bad_checksum, 0);
 }
