@@ -10,6 +10,7 @@
 
 pub mod connect;
 pub mod hypercalls;
+pub mod lro;
 pub mod netback;
 pub mod netfront;
 #[cfg(test)]

@@ -91,3 +91,8 @@ fn every_saved_finding_replays_clean() {
     }
     assert!(replayed > 0, "the saved findings are where this test looks");
 }
+
+#[test]
+fn a_hostile_wire_through_lro_gives_each_flow_its_segments_as_they_came() {
+    run("lro", 1000, pvio_fuzz::lro::case);
+}

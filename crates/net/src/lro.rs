@@ -173,6 +173,8 @@ pub struct Seg<B> {
     pub payload: Range<usize>,
     /// Its first byte's sequence number.
     pub seq: u32,
+    /// When it arrived (the caller's clock, as given to [`Lro::receive`]).
+    pub at: u64,
 }
 
 /// What the engine hands back.
@@ -245,6 +247,22 @@ fn locate(frame: &[u8], len: usize) -> Option<(L4, [u8; 12])> {
     key[..8].copy_from_slice(&frame[l4.l3 + 12..l4.l3 + 20]);
     key[8..].copy_from_slice(&frame[l4.l4..l4.l4 + 4]);
     Some((l4, key))
+}
+
+/// The source and destination addresses of an IPv4 packet carrying TCP (whole or a
+/// fragment), untagged or with one VLAN tag.
+fn tcp_ip_pair(frame: &[u8]) -> Option<[u8; 8]> {
+    let l3 = match frame.get(12..14)? {
+        [0x08, 0x00] => crate::wire::ETH_HEADER,
+        [0x81, 0x00] if frame.get(16..18)? == [0x08, 0x00] => {
+            crate::wire::ETH_HEADER + crate::wire::VLAN_HEADER
+        }
+        _ => return None,
+    };
+    if *frame.get(l3 + 9)? != 6 {
+        return None;
+    }
+    frame.get(l3 + 12..l3 + 20)?.try_into().ok()
 }
 
 /// Applies the rules to a located frame: the fields they need, or why it cannot join
@@ -410,6 +428,15 @@ impl<B> Lro<B> {
         let bytes = head;
         self.tick += 1;
         let Some((l4, key)) = locate(bytes, len) else {
+            // A TCP packet the rules cannot read (an IP fragment) may belong to a held
+            // flow: what is held between the same two hosts goes first, as Linux's
+            // GRO flushes a held packet whose addresses and protocol a non-mergeable
+            // one shares.
+            if let Some(pair) = tcp_ip_pair(bytes) {
+                while let Some(i) = (0..self.live).find(|&i| self.flows[i].key[..8] == pair) {
+                    self.flush(i, Flush::Unmergeable, out);
+                }
+            }
             self.stats.passed.add(Pass::NotTcp);
             out(Delivery::Alone(buf));
             return;
@@ -438,8 +465,8 @@ impl<B> Lro<B> {
         if let Some(i) = self.find(&p.key) {
             match self.joins(i, &p, bytes) {
                 Ok(()) => {
-                    self.join(i, buf, &p, bytes);
                     self.flows[i].last = now;
+                    self.join(i, buf, &p, bytes);
                     let f = &self.flows[i];
                     if p.flags & TCP_PSH != 0 {
                         self.flush(i, Flush::Push, out);
@@ -560,6 +587,7 @@ impl<B> Lro<B> {
             buf,
             payload: p.payload.0..p.payload.1,
             seq: p.seq,
+            at: f.last,
         });
         f.next_seq = p.seq.wrapping_add(len as u32);
         f.payload_len += len;
@@ -603,6 +631,7 @@ impl<B> Lro<B> {
             buf,
             payload: p.payload.0..p.payload.1,
             seq: p.seq,
+            at: now,
         });
     }
 
