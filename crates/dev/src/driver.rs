@@ -525,7 +525,7 @@ impl NicDriver {
                 .set_rx_tail(0, (self.rx_next + RING_DESCS - 1) % RING_DESCS);
         }
         if let Some(l) = self.lro.as_mut() {
-            l.end_poll(pool, now, &mut deliver);
+            l.end_poll(pool, &mut deliver);
         }
         // Each poll feeds the moderation, as a Linux driver feeds net_dim from its NAPI
         // poll.

@@ -80,10 +80,15 @@ impl LroSetup {
     };
 
     /// The paper's delayed aggregation: every second poll, held at most 1 ms.
-    pub const DELAYED: Flushing = Flushing::Delayed {
-        n: 2,
-        max_hold: Duration::from_millis(1),
-    };
+    pub const DELAYED: Flushing = Self::delayed(2);
+
+    /// A flush every `n`th poll, each aggregate held at most 1 ms.
+    pub const fn delayed(n: u32) -> Flushing {
+        Flushing::Delayed {
+            n,
+            max_hold: Duration::from_millis(1),
+        }
+    }
 
     /// The adaptive flush with a 200 µs budget.
     pub const ADAPTIVE: Flushing = Flushing::Adaptive {
@@ -123,6 +128,42 @@ net::counter_set!(LroDriverStats {
     timer_flushes
 });
 
+/// Buckets of [`SegWait`], one a microsecond; the last takes every longer wait.
+pub const WAIT_BUCKETS: usize = 2048;
+
+/// Aggregation latency per segment: how long each segment that joined an aggregate
+/// waited in LRO, from the poll that received it to its aggregate's hand-up, in 1 µs
+/// buckets (the paper's "latency from the aggregation to the flush", kept for every
+/// segment so that its median and tail can be read, not only a mean).
+#[derive(Debug)]
+pub struct SegWait {
+    buckets: Box<[u64; WAIT_BUCKETS]>,
+}
+
+impl Default for SegWait {
+    fn default() -> Self {
+        Self {
+            buckets: Box::new([0; WAIT_BUCKETS]),
+        }
+    }
+}
+
+impl SegWait {
+    fn record(&mut self, ns: u64) {
+        let us = ((ns / 1000) as usize).min(WAIT_BUCKETS - 1);
+        self.buckets[us] += 1;
+    }
+
+    /// Calls `f(us, segments)` for every bucket that holds any, in order.
+    pub fn visit(&self, mut f: impl FnMut(usize, u64)) {
+        for (us, &n) in self.buckets.iter().enumerate() {
+            if n > 0 {
+                f(us, n);
+            }
+        }
+    }
+}
+
 /// LRO as the driver runs it.
 #[derive(Debug)]
 pub struct DriverLro {
@@ -132,6 +173,7 @@ pub struct DriverLro {
     polls: u32,
     head: Box<[u8; MAX_TAGGED_FRAME]>,
     stats: LroDriverStats,
+    wait: SegWait,
 }
 
 impl DriverLro {
@@ -152,6 +194,7 @@ impl DriverLro {
             polls: 0,
             head: Box::new([0; MAX_TAGGED_FRAME]),
             stats: LroDriverStats::default(),
+            wait: SegWait::default(),
         }
     }
 
@@ -168,6 +211,11 @@ impl DriverLro {
     /// The driver's.
     pub fn stats(&self) -> &LroDriverStats {
         &self.stats
+    }
+
+    /// Each aggregated segment's wait.
+    pub fn seg_wait(&self) -> &SegWait {
+        &self.wait
     }
 
     /// The clock aggregates are stamped with, read once a poll.
@@ -201,32 +249,35 @@ impl DriverLro {
             engine,
             head,
             stats,
+            wait,
             setup,
             ..
         } = self;
         engine.receive_head(skb, &head[..want], len, valid, now, &mut |d| {
-            hand_up(setup.form, pool, d, now, stats, deliver)
+            hand_up(setup.form, pool, d, now, stats, wait, deliver)
         });
     }
 
-    /// The end of a poll at `now`: flushes what the schedule says.
-    pub fn end_poll(
-        &mut self,
-        pool: &mut SkbPool,
-        now: u64,
-        deliver: &mut impl FnMut(&mut SkbPool, SkbId),
-    ) {
+    /// The end of a poll: flushes what the schedule says. The clock is read again
+    /// (the poll's own work is part of a segment's wait), and only if something is
+    /// held.
+    pub fn end_poll(&mut self, pool: &mut SkbPool, deliver: &mut impl FnMut(&mut SkbPool, SkbId)) {
         self.stats.polls += 1;
         self.polls = self.polls.wrapping_add(1);
+        if self.engine.held_flows() == 0 {
+            return;
+        }
+        let now = self.now();
         let Self {
             engine,
             stats,
+            wait,
             setup,
             polls,
             ..
         } = self;
         let form = setup.form;
-        let mut out = |d: Delivery<'_, SkbId>| hand_up(form, pool, d, now, stats, deliver);
+        let mut out = |d: Delivery<'_, SkbId>| hand_up(form, pool, d, now, stats, wait, deliver);
         match setup.flushing {
             Flushing::EveryPoll => {
                 engine.flush_all(net::lro::Flush::Poll, &mut out);
@@ -259,6 +310,7 @@ impl DriverLro {
         let Self {
             engine,
             stats,
+            wait,
             setup,
             ..
         } = self;
@@ -266,7 +318,7 @@ impl DriverLro {
         let limit = hold_limit(setup.flushing);
         let before = stats.aggregates;
         engine.flush_since(now.saturating_sub(limit), &mut |d| {
-            hand_up(form, pool, d, now, stats, deliver)
+            hand_up(form, pool, d, now, stats, wait, deliver)
         });
         stats.timer_flushes += stats.aggregates - before;
     }
@@ -322,6 +374,7 @@ fn hand_up(
     d: Delivery<'_, SkbId>,
     now: u64,
     stats: &mut LroDriverStats,
+    wait: &mut SegWait,
     deliver: &mut impl FnMut(&mut SkbPool, SkbId),
 ) {
     match d {
@@ -335,9 +388,10 @@ fn hand_up(
             stats.held_ns_max = stats.held_ns_max.max(held);
             stats.aggregates += 1;
             stats.segments += a.segs.len() as u64;
+            let mut waited = |at: u64| wait.record(now.saturating_sub(at));
             let built = match form {
-                Form::Skb => build_chain(pool, a),
-                Form::Page => build_pages(pool, a),
+                Form::Skb => build_chain(pool, a, &mut waited),
+                Form::Page => build_pages(pool, a, &mut waited),
             };
             match built {
                 Some(skb) => deliver(pool, skb),
@@ -360,13 +414,18 @@ fn offload_of(segs: usize, gso_size: u16) -> Offload {
 
 /// skb-mode: the first segment's buffer with the aggregate's headers, the rest cut to
 /// their payloads and chained on its fragment list.
-fn build_chain(pool: &mut SkbPool, a: Aggregate<'_, SkbId>) -> Option<SkbId> {
+fn build_chain(
+    pool: &mut SkbPool,
+    a: Aggregate<'_, SkbId>,
+    waited: &mut impl FnMut(u64),
+) -> Option<SkbId> {
     let n = a.segs.len();
     let off = offload_of(n, a.gso_size);
     let head = a.head;
     let mut first: Option<SkbId> = None;
     let mut ok = true;
     for s in a.segs {
+        waited(s.at);
         let skb = s.buf;
         let shaped = match first {
             None => pool
@@ -393,12 +452,17 @@ fn build_chain(pool: &mut SkbPool, a: Aggregate<'_, SkbId>) -> Option<SkbId> {
 
 /// page-mode: a fresh buffer with the headers, each segment's payload a fragment of the
 /// page it was received in.
-fn build_pages(pool: &mut SkbPool, a: Aggregate<'_, SkbId>) -> Option<SkbId> {
+fn build_pages(
+    pool: &mut SkbPool,
+    a: Aggregate<'_, SkbId>,
+    waited: &mut impl FnMut(u64),
+) -> Option<SkbId> {
     let n = a.segs.len();
     let off = offload_of(n, a.gso_size);
     let agg = pool.alloc(NET_SKB_PAD).ok();
     let mut ok = agg.is_some_and(|g| pool.put(g, a.head).is_ok());
     for s in a.segs {
+        waited(s.at);
         let (_, at) = pool.data_location(s.buf);
         let page = if ok {
             pool.detach_head_page(s.buf)

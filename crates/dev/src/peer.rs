@@ -266,6 +266,11 @@ pub struct PeerCounters {
     pub corrupt: AtomicU64,
     /// Round-trip times of the transactions.
     pub rtt: Samples,
+    /// The peer has stopped writing ([`TcpPeer::quiesce`]): `written` is final.
+    pub quiet: AtomicBool,
+    /// A paced stream: bytes it is behind its schedule (TCP's window held it back), as
+    /// of its last step; a measurement of a fixed load starts once this is small.
+    pub lag: AtomicU64,
 }
 
 impl Default for PeerCounters {
@@ -277,6 +282,8 @@ impl Default for PeerCounters {
             transactions: AtomicU64::new(0),
             corrupt: AtomicU64::new(0),
             rtt: Samples::new(MAX_SAMPLES),
+            quiet: AtomicBool::new(false),
+            lag: AtomicU64::new(0),
         }
     }
 }
@@ -286,6 +293,7 @@ impl Default for PeerCounters {
 pub struct TcpPeer {
     cable: Arc<CableInner>,
     stop: Arc<AtomicBool>,
+    quiet: Arc<AtomicBool>,
     thread: Option<JoinHandle<TcpStats>>,
     counters: Arc<PeerCounters>,
 }
@@ -309,8 +317,10 @@ impl TcpPeer {
             counters: CableCounters::default(),
         });
         let stop = Arc::new(AtomicBool::new(false));
+        let quiet = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(PeerCounters::default());
         let (c, s, k) = (Arc::clone(&cable), Arc::clone(&stop), Arc::clone(&counters));
+        let q = Arc::clone(&quiet);
         let thread = std::thread::Builder::new()
             .name("tcp-peer".into())
             .spawn(move || {
@@ -318,7 +328,7 @@ impl TcpPeer {
                     let _ = mem::cpu::pin_current_thread(core);
                 }
                 let _ = mem::cpu::set_timer_slack(1_000);
-                run(&spec, &c, &s, &k)
+                run(&spec, &c, &s, &q, &k)
             })?;
         let _ = cable.peer.set(thread.thread().clone());
         let (a, b) = (CableEnd(Arc::clone(&cable)), CableSink(Arc::clone(&cable)));
@@ -326,6 +336,7 @@ impl TcpPeer {
             Self {
                 cable,
                 stop,
+                quiet,
                 thread: Some(thread),
                 counters,
             },
@@ -337,6 +348,15 @@ impl TcpPeer {
     /// The peer's counters.
     pub fn counters(&self) -> &Arc<PeerCounters> {
         &self.counters
+    }
+
+    /// Stops writing: what was written still goes out (and is retransmitted as TCP
+    /// needs), so a run can end with every byte delivered.
+    pub fn quiesce(&self) {
+        self.quiet.store(true, Ordering::Release);
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
     }
 
     /// The cable's counters.
@@ -384,6 +404,7 @@ impl App {
         &mut self,
         host: &mut TcpHost,
         h: smoltcp::iface::SocketHandle,
+        quiet: bool,
         c: &PeerCounters,
     ) -> Option<Instant> {
         let s = host.socket(h);
@@ -400,7 +421,7 @@ impl App {
             } => {
                 let start = *self.start.get_or_insert(now);
                 let mut next = None;
-                while s.send_capacity() - s.send_queue() >= message {
+                while !quiet && s.send_capacity() - s.send_queue() >= message {
                     if total.is_some_and(|t| self.written >= t) {
                         break;
                     }
@@ -419,6 +440,14 @@ impl App {
                     }
                 }
                 c.written.store(self.written, Ordering::Relaxed);
+                if let Some(r) = rate {
+                    let due = (now - start).as_secs_f64() * r;
+                    c.lag.store(
+                        (due - self.written as f64).max(0.0) as u64,
+                        Ordering::Relaxed,
+                    );
+                }
+                c.quiet.store(quiet, Ordering::Release);
                 c.acked
                     .store(self.written - s.send_queue() as u64, Ordering::Relaxed);
                 next
@@ -440,7 +469,11 @@ impl App {
                     }
                 }
                 let done = count.is_some_and(|n| c.transactions.load(Ordering::Relaxed) >= n);
-                if self.asked.is_none() && !done && s.send_capacity() - s.send_queue() >= size {
+                if !quiet
+                    && self.asked.is_none()
+                    && !done
+                    && s.send_capacity() - s.send_queue() >= size
+                {
                     let m = &mut self.scratch[..size];
                     fill_stream(self.written, m);
                     if s.send_slice(m) == Ok(size) {
@@ -448,13 +481,20 @@ impl App {
                         self.asked = Some(Instant::now());
                     }
                 }
+                c.quiet.store(quiet, Ordering::Release);
                 None
             }
         }
     }
 }
 
-fn run(spec: &PeerSpec, cable: &CableInner, stop: &AtomicBool, c: &PeerCounters) -> TcpStats {
+fn run(
+    spec: &PeerSpec,
+    cable: &CableInner,
+    stop: &AtomicBool,
+    quiet: &AtomicBool,
+    c: &PeerCounters,
+) -> TcpStats {
     let epoch = Instant::now();
     let mut host = TcpHost::new(spec.ip, spec.mac, Duration::ZERO, 0x9e37_79b9_7f4a_7c15);
     let Ok(h) = host.open(Open::Connect {
@@ -495,7 +535,7 @@ fn run(spec: &PeerSpec, cable: &CableInner, stop: &AtomicBool, c: &PeerCounters)
         }
         let t = now.duration_since(epoch);
         host.poll(t);
-        let app_due = app.step(&mut host, h, c);
+        let app_due = app.step(&mut host, h, quiet.load(Ordering::Acquire), c);
         host.poll(t);
         // Onto the wire, as far as the lane has room.
         let (mut sent, mut held) = (0, false);

@@ -18,6 +18,7 @@ pub mod platform;
 pub mod progress;
 pub mod report;
 pub mod stats;
+pub mod tcp;
 pub mod up;
 
 /// What netfront posts on its RX ring, re-exported for `pvio up`.
@@ -92,5 +93,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::soak::EXPERIMENT,
         experiments::up_bench::EXPERIMENT,
         experiments::iosup::EXPERIMENT,
+        experiments::nakajima::EXPERIMENT,
     ]
 }

@@ -8,6 +8,7 @@
 //! arrive closer together than 18 µs, so the packet count decides the batch.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use dev::nic::{Coalesce, DelayFrom};
 
@@ -224,7 +225,13 @@ fn latency(
 }
 
 fn run(mode: Mode) -> Result<Report, LabError> {
-    let d = durations(mode);
+    let mut d = durations(mode);
+    if mode == Mode::Quick {
+        // Seven configurations at nine settings a round: a quick look takes half-second
+        // windows, so that `reproduce --quick` stays inside its ten minutes.
+        d.warmup = Duration::from_millis(200);
+        d.window = Duration::from_millis(500);
+    }
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let rate = Options::named("pv", SIZE).map_or(0.0, |o| o.rate);
     r.setup = format!(

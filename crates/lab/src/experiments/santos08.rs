@@ -15,7 +15,7 @@ use std::time::Duration;
 use hv::profile::{Class, GlobalClass};
 
 use crate::chart::{Bar, StackedBars};
-use crate::platform::{Config, Finish, Options, Running, Snapshot};
+use crate::platform::{Config, DomainSnapshot, Finish, Options, Running, Snapshot};
 use crate::{Experiment, LabError, Mode, Report};
 use net::netfront::RxBuffers;
 
@@ -116,8 +116,20 @@ fn role(name: &str) -> &'static str {
 
 pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
     let packets = (b.frames_sent - a.frames_sent).max(1) as f64;
+    cost_per(&a.domains, &b.domains, packets, interval)
+}
+
+/// Each domain's CPU between two snapshots of its use, per one of `units` (packets,
+/// bytes), apportioned to classes by its profiler samples.
+pub(crate) fn cost_per(
+    a: &[(String, bool, DomainSnapshot)],
+    b: &[(String, bool, DomainSnapshot)],
+    units: f64,
+    interval: Duration,
+) -> RunCost {
+    let packets = units.max(1.0);
     let mut rc = RunCost::default();
-    for ((name, drv, sa), (_, _, sb)) in a.domains.iter().zip(&b.domains) {
+    for ((name, drv, sa), (_, _, sb)) in a.iter().zip(b) {
         let cpu = (sb.cpu.saturating_sub(sa.cpu)).as_nanos() as f64;
         let total: u64 = Class::ALL
             .iter()

@@ -1,0 +1,886 @@
+//! Paper 001 (Nakajima & Oi): TCP receive into a Xen guest with Large Receive Offload
+//! in the driver domain — the original port (the bridge linearizes each aggregate),
+//! the bridge without its copy (BO), delayed aggregation (DA: a flush every other
+//! poll) — and, beyond the paper, a flush that adapts to each flow's arrivals, and
+//! LRO on paper 000's software-optimised path.
+//!
+//! Method: the remote sender (smoltcp's TCP on its own core) runs netperf's
+//! TCP_STREAM with 1 KiB writes, or TCP_RR with 1-byte transactions, across the cable
+//! into the receiving machine. Throughput is what the application read and checked,
+//! over a window, as fast as TCP goes (Table IV) on the paper's gigabit wire and on an
+//! unlimited one where the receiver's CPU is the limit. CPU per byte (Table V) is each
+//! domain's vCPU CPU time over the bytes read at a fixed offered load, apportioned to
+//! classes by the profiler. LRO's counters give segments per aggregate (Table VI) and
+//! each segment's wait in LRO; the sender times each transaction (Table VII).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use dev::lro::{Flushing, LroSetup, WAIT_BUCKETS};
+use dev::peer::{PeerApp, WireRate};
+
+use crate::chart::{Bar, Lines, Series, StackedBars};
+use crate::experiments::santos08::{cost_per, RunCost, GLOBALS};
+use crate::stats::ratio_median;
+use crate::tcp::{Placement, Receiver, TcpFinish, TcpOptions, TcpRunning, TcpSnapshot};
+use crate::{Experiment, LabError, Mode, Report, Stats};
+
+/// The registry entry.
+pub const EXPERIMENT: Experiment = Experiment {
+    id: "nakajima-lro",
+    title: "TCP receive with LRO in the driver domain: LRO, BO, DA and an adaptive flush",
+    paper: "001 Nakajima & Oi, Tables IV–VII",
+    run,
+};
+
+/// One receiving configuration.
+#[derive(Debug, Clone, Copy)]
+struct Cfg {
+    name: &'static str,
+    receiver: Receiver,
+    flushing: Option<Flushing>,
+    bridge_copy: bool,
+    soft: bool,
+}
+
+impl Cfg {
+    const fn pv(name: &'static str, flushing: Option<Flushing>, bridge_copy: bool) -> Self {
+        Self {
+            name,
+            receiver: Receiver::Pv,
+            flushing,
+            bridge_copy,
+            soft: false,
+        }
+    }
+
+    fn options(self, app: PeerApp, wire: WireRate, placement: Placement) -> TcpOptions {
+        TcpOptions {
+            receiver: self.receiver,
+            lro: self.flushing.map(|flushing| LroSetup {
+                flushing,
+                ..LroSetup::PAPER
+            }),
+            bridge_copy: self.bridge_copy,
+            soft: self.soft,
+            wire,
+            app,
+            placement,
+            sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
+        }
+    }
+}
+
+const NATIVE: Cfg = Cfg {
+    name: "native",
+    receiver: Receiver::Native,
+    flushing: None,
+    bridge_copy: false,
+    soft: false,
+};
+const PV: Cfg = Cfg::pv("pv", None, false);
+const LRO: Cfg = Cfg::pv("LRO", Some(Flushing::EveryPoll), true);
+const BO: Cfg = Cfg::pv("BO", Some(Flushing::EveryPoll), false);
+const DA: Cfg = Cfg::pv("DA", Some(LroSetup::DELAYED), false);
+const ADAPTIVE: Cfg = Cfg::pv("adaptive", Some(LroSetup::ADAPTIVE), false);
+/// Item 6: adaptive LRO on paper 000's software-optimised path.
+const SOFT: Cfg = Cfg {
+    name: "pv-soft + adaptive",
+    receiver: Receiver::Pv,
+    flushing: Some(LroSetup::ADAPTIVE),
+    bridge_copy: false,
+    soft: true,
+};
+
+/// The configurations of Tables IV, V and VII, in the paper's order, then ours.
+const CONFIGS: [Cfg; 7] = [NATIVE, PV, LRO, BO, DA, ADAPTIVE, SOFT];
+
+/// The fixed offered load of Table V, Mbit/s of stream bytes: the paper's range
+/// (its configurations carried 536–748 Mbit/s), below what each carries here.
+const LOAD_MBPS: f64 = 600.0;
+/// The sweep's three offered loads, Mbit/s.
+const SWEEP_LOADS: [f64; 3] = [200.0, LOAD_MBPS, 900.0];
+
+/// The paper's numbers (Tables IV–VII), by configuration name.
+fn paper(table: &str, cfg: &str) -> Option<&'static str> {
+    Some(match (table, cfg) {
+        ("iv", "native") => "721.1 Mbit/s",
+        ("iv", "pv") => "535.9 Mbit/s (74.3% of Linux)",
+        ("iv", "LRO") => "577.2 Mbit/s (1.077× Xen)",
+        ("iv", "BO") => "576.5 Mbit/s (1.076× Xen)",
+        ("iv", "DA") => "747.5 Mbit/s (1.395× Xen)",
+        ("v-driver", "pv") => "14.5 cycles/B",
+        ("v-driver", "LRO") => "13.4 cycles/B (0.93× Xen)",
+        ("v-driver", "BO") => "13.0 cycles/B (0.90× Xen)",
+        ("v-driver", "DA") => "3.3 cycles/B (0.23× Xen)",
+        ("v-guest", "pv") => "8.7 cycles/B",
+        ("v-guest", "LRO") => "7.1 cycles/B (0.82× Xen)",
+        ("v-guest", "BO") => "7.7 cycles/B (0.88× Xen)",
+        ("v-guest", "DA") => "5.9 cycles/B (0.68× Xen)",
+        ("v-total", "native") => "17.5 cycles/B",
+        ("v-total", "pv") => "23.2 cycles/B (1.32× Linux)",
+        ("v-total", "LRO") => "20.6 cycles/B (0.89× Xen)",
+        ("v-total", "BO") => "20.6 cycles/B (0.89× Xen)",
+        ("v-total", "DA") => "9.2 cycles/B (0.40× Xen)",
+        ("vi", "LRO") => "2.55 segments",
+        ("vi", "DA") => "4.71 segments",
+        ("vii", "native") => "6090 transactions/s",
+        ("vii", "pv") => "5036 transactions/s",
+        ("vii", "LRO") => "5010 transactions/s",
+        ("vii", "BO") => "4999 transactions/s",
+        ("vii", "DA") => "5015 transactions/s",
+        _ => return None,
+    })
+}
+
+struct Durations {
+    warmup: Duration,
+    window: Duration,
+    rr_window: Duration,
+    runs: usize,
+}
+
+fn durations(mode: Mode) -> Durations {
+    match mode {
+        Mode::Full => Durations {
+            warmup: Duration::from_millis(500),
+            window: Duration::from_millis(2000),
+            rr_window: Duration::from_millis(1500),
+            runs: 5,
+        },
+        Mode::Quick => Durations {
+            warmup: Duration::from_millis(300),
+            window: Duration::from_millis(400),
+            rr_window: Duration::from_millis(300),
+            runs: 1,
+        },
+        Mode::Smoke => Durations {
+            warmup: Duration::from_millis(50),
+            window: Duration::from_millis(150),
+            rr_window: Duration::from_millis(100),
+            runs: 1,
+        },
+    }
+}
+
+/// What one run measured over its window.
+#[derive(Debug, Clone, Default)]
+struct Measure {
+    /// Stream bytes read by the application, as Mbit/s.
+    mbps: f64,
+    /// Per byte read, each domain's CPU and its classes.
+    cost: RunCost,
+    /// Segments per aggregate (LRO only).
+    segs_per_agg: Option<f64>,
+    /// Each aggregated segment's wait in LRO, 1 µs buckets.
+    wait: Vec<u64>,
+    /// Transactions per second, and their round trips (ns).
+    tps: f64,
+    rtt: Vec<u64>,
+    /// A paced stream kept its schedule before the window opened.
+    settled: bool,
+}
+
+/// How long past its warm-up a paced stream may take to catch up with its schedule.
+const SETTLE_WITHIN: Duration = Duration::from_secs(2);
+
+fn wait_hist(s: &TcpSnapshot) -> Vec<u64> {
+    let mut h = vec![0u64; WAIT_BUCKETS];
+    for (comp, name, v) in &s.counters.entries {
+        if comp == "lro wait us" {
+            if let Some(slot) = name.parse::<usize>().ok().and_then(|us| h.get_mut(us)) {
+                *slot += v;
+            }
+        }
+    }
+    h
+}
+
+/// The `q` quantile of a 1 µs histogram, in µs (the bucket's middle).
+fn hist_quantile(h: &[u64], q: f64) -> Option<f64> {
+    let n: u64 = h.iter().sum();
+    if n == 0 {
+        return None;
+    }
+    let rank = ((q * n as f64).ceil() as u64).clamp(1, n);
+    let mut seen = 0;
+    for (us, &c) in h.iter().enumerate() {
+        seen += c;
+        if seen >= rank {
+            return Some(us as f64 + 0.5);
+        }
+    }
+    None
+}
+
+fn quantile(v: &mut [u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1] as f64
+}
+
+/// Runs one machine: warm-up, then a window between two snapshots; the run ends with
+/// every byte written accounted for.
+fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabError> {
+    let m = TcpRunning::start(o)?;
+    std::thread::sleep(d.warmup);
+    let settled = match o.app {
+        PeerApp::Stream { rate: Some(_), .. } => m.settle(SETTLE_WITHIN),
+        _ => true,
+    };
+    let a = m.snapshot();
+    let window = match o.app {
+        PeerApp::Rr { .. } => d.rr_window,
+        PeerApp::Stream { .. } => d.window,
+    };
+    std::thread::sleep(window);
+    let b = m.snapshot();
+    let rtt = m.rtts_since(a.rtt_mark);
+    let f = m.finish()?;
+    let secs = (b.at - a.at).as_secs_f64();
+    let bytes = b.bytes - a.bytes;
+    let lro = |s: &TcpSnapshot, k: &str| s.counters.get("lro", k);
+    let aggs = lro(&b, "aggregates") - lro(&a, "aggregates");
+    let segs = lro(&b, "segments") - lro(&a, "segments");
+    let (wa, wb) = (wait_hist(&a), wait_hist(&b));
+    let interval = o.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
+    Ok((
+        Measure {
+            mbps: bytes as f64 * 8.0 / secs / 1e6,
+            cost: cost_per(&a.domains, &b.domains, bytes as f64, interval),
+            segs_per_agg: (aggs > 0).then(|| segs as f64 / aggs as f64),
+            wait: wb.iter().zip(&wa).map(|(b, a)| b - a).collect(),
+            tps: (b.transactions - a.transactions) as f64 / secs,
+            rtt,
+            settled,
+        },
+        f,
+    ))
+}
+
+/// The stream workload, as fast as TCP goes or at `mbps` of stream bytes.
+fn stream(mbps: Option<f64>) -> PeerApp {
+    PeerApp::Stream {
+        message: crate::tcp::STREAM_MESSAGE,
+        rate: mbps.map(|m| m * 1e6 / 8.0),
+        total: None,
+    }
+}
+
+const RR: PeerApp = PeerApp::Rr {
+    size: 1,
+    count: None,
+};
+
+/// The time-stamp counter's rate, GHz (for cycles per byte).
+fn tsc_ghz() -> f64 {
+    let (t0, c0) = (Instant::now(), mem::cpu::rdtsc());
+    std::thread::sleep(Duration::from_millis(50));
+    let (t1, c1) = (Instant::now(), mem::cpu::rdtsc());
+    c1.wrapping_sub(c0) as f64 / (t1 - t0).as_nanos() as f64
+}
+
+/// Phases of a round, by name: a configuration's runs under each.
+type Results = BTreeMap<(String, &'static str), Vec<Measure>>;
+
+/// The sweep's schedules: a flush every N polls (N = 1 is BO), and the adaptive one.
+const SWEEP: [Cfg; 5] = [
+    Cfg::pv("N=1", Some(LroSetup::delayed(1)), false),
+    Cfg::pv("N=2", Some(LroSetup::delayed(2)), false),
+    Cfg::pv("N=4", Some(LroSetup::delayed(4)), false),
+    Cfg::pv("N=8", Some(LroSetup::delayed(8)), false),
+    Cfg::pv("adaptive", Some(LroSetup::ADAPTIVE), false),
+];
+
+/// Per-round values of `f` over a configuration's runs in `phase`.
+fn series(res: &Results, phase: &str, cfg: &str, f: impl Fn(&Measure) -> f64) -> Vec<f64> {
+    res.iter()
+        .filter(|((p, c), _)| p == phase && *c == cfg)
+        .flat_map(|(_, v)| v.iter().map(&f))
+        .collect()
+}
+
+fn total(m: &Measure) -> f64 {
+    m.cost.total_ns
+}
+fn driver(m: &Measure) -> f64 {
+    m.cost.cpu_ns("driver").unwrap_or(0.0)
+}
+fn guest(m: &Measure) -> f64 {
+    m.cost
+        .cpu_ns("guest")
+        .or_else(|| m.cost.cpu_ns("native"))
+        .unwrap_or(0.0)
+}
+fn segs(m: &Measure) -> f64 {
+    m.segs_per_agg.unwrap_or(0.0)
+}
+
+const TPUT_1G: &str = "throughput 1G";
+const TPUT_FREE: &str = "throughput unlimited";
+const LOAD: &str = "fixed load";
+const RR_PHASE: &str = "rr";
+const TWO_CORE: &str = "two-core";
+
+fn sweep_phase(load: f64) -> String {
+    format!("sweep {load:.0}")
+}
+
+/// A sweep point's runs: at the fixed load, N = 1, N = 2 and the adaptive flush are
+/// Table V's BO, DA and adaptive runs (the same machines), not run twice.
+fn sweep_series(res: &Results, load: f64, cfg: &str, f: impl Fn(&Measure) -> f64) -> Vec<f64> {
+    if load == LOAD_MBPS {
+        if let Some(same) = shared(cfg) {
+            return series(res, LOAD, same, f);
+        }
+    }
+    series(res, &sweep_phase(load), cfg, f)
+}
+
+/// The Table V configuration a sweep schedule is, if any.
+fn shared(cfg: &str) -> Option<&'static str> {
+    match cfg {
+        "N=1" => Some(BO.name),
+        "N=2" => Some(DA.name),
+        "adaptive" => Some(ADAPTIVE.name),
+        _ => None,
+    }
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let d = durations(mode);
+    let ghz = tsc_ghz();
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    r.setup = format!(
+        "netperf's TCP_STREAM (1 KiB writes) and TCP_RR (1-byte transactions) from a remote sender \
+         (smoltcp's TCP, Reno, window scaling and timestamps, on its own thread) across the cable into \
+         the receiver's TCP (smoltcp's too). native: the application in the domain that owns the NIC. \
+         pv: driver domain (NIC driver, bridge with netfilter hooks, netback) and guest (netfront with \
+         checksum offload and GSO, TCP, application), v1 grants, original grant path. LRO: skb-mode LRO \
+         in the NIC driver, flushed at the end of every NAPI poll, each aggregate linearized by the bridge \
+         (the paper's port, its Fig. 2b). BO: the same without the bridge's copy (netback copies each \
+         piece and sends a GSO packet). DA: BO flushed every 2nd poll, no aggregate held over 1 ms. \
+         adaptive: BO flushed per flow while its next segment is due within a 200 µs budget. pv-soft + \
+         adaptive: adaptive on paper 000's software-optimised path (netfilter off, aligned copies, v2 \
+         grants on the optimised path; netfront keeps its fragments, as the no-fragments netfront takes \
+         no GSO packet). One-core placement (the paper's): driver domain and guest share core 0, the \
+         sender has core 1 (native: the receiver on core 1, the sender on core 0). Two-core placement: \
+         driver domain core 0, guest core 1, and the sender, with no core of its own here, floats. \
+         Throughput is the application's checked bytes over {} ms after {} ms of warm-up, as fast as TCP \
+         goes, on the paper's 1 Gbit/s wire (Ethernet's 24 bytes a frame counted) and on an unlimited \
+         wire (the receiver's CPU the limit). CPU per byte is each domain's vCPU CPU time over the bytes \
+         read at a fixed offered load of {LOAD_MBPS} Mbit/s (1 Gbit/s wire), split by the profiler into \
+         Figure 2's classes; cycles are at this machine's TSC rate, {ghz:.2} GHz. Interrupt coalescing \
+         6 packets / 18 µs. {} rounds, every configuration once a round in rotating order; ratios are \
+         taken within a round.",
+        d.window.as_millis(),
+        d.warmup.as_millis(),
+        d.runs
+    );
+    r.config = serde_json::json!({
+        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
+        "rr_window_ms": d.rr_window.as_millis() as u64, "warmup_ms": d.warmup.as_millis() as u64,
+        "fixed_load_mbps": LOAD_MBPS, "sweep_loads_mbps": SWEEP_LOADS, "stream_message": crate::tcp::STREAM_MESSAGE,
+        "tsc_ghz": ghz, "online_cores": mem::cpu::online_cores(),
+        "lro": { "form": "skb", "max_flows": LroSetup::PAPER.max_flows, "da_n": 2, "da_max_hold_us": 1000, "adaptive_budget_us": 200 },
+    });
+
+    let mut res: Results = BTreeMap::new();
+    let (mut lost, mut corrupt, mut unchecked, mut unsettled) = (0u64, 0u64, 0u64, 0u64);
+    // The two-core placement is for the full run; a quick look keeps to the paper's.
+    let two_core: &[Cfg] = if mode == Mode::Full {
+        &[NATIVE, PV, DA, ADAPTIVE]
+    } else {
+        &[]
+    };
+    let swept = |load: f64| {
+        SWEEP
+            .into_iter()
+            .filter(move |c| load != LOAD_MBPS || shared(c.name).is_none())
+    };
+    let per_round = 4 * CONFIGS.len()
+        + SWEEP_LOADS.iter().map(|&l| swept(l).count()).sum::<usize>()
+        + two_core.len();
+    crate::progress::plan((d.runs * per_round) as u64);
+    for round in 0..d.runs {
+        // Each round starts the configurations from a different one, so that none
+        // always runs first or right after the same neighbour.
+        let rot = |cfgs: &[Cfg]| -> Vec<Cfg> {
+            let k = round % cfgs.len().max(1);
+            cfgs[k..].iter().chain(&cfgs[..k]).copied().collect()
+        };
+        let mut plan: Vec<(String, Cfg, TcpOptions)> = Vec::new();
+        for (phase, wire) in [
+            (TPUT_1G, WireRate::GIGABIT),
+            (TPUT_FREE, WireRate::Unlimited),
+        ] {
+            for c in rot(&CONFIGS) {
+                plan.push((
+                    phase.into(),
+                    c,
+                    c.options(stream(None), wire, Placement::OneCore),
+                ));
+            }
+        }
+        for c in rot(&CONFIGS) {
+            let o = c.options(
+                stream(Some(LOAD_MBPS)),
+                WireRate::GIGABIT,
+                Placement::OneCore,
+            );
+            plan.push((LOAD.into(), c, o));
+        }
+        for c in rot(&CONFIGS) {
+            plan.push((
+                RR_PHASE.into(),
+                c,
+                c.options(RR, WireRate::GIGABIT, Placement::OneCore),
+            ));
+        }
+        for load in SWEEP_LOADS {
+            for c in rot(&swept(load).collect::<Vec<_>>()) {
+                let o = c.options(stream(Some(load)), WireRate::GIGABIT, Placement::OneCore);
+                plan.push((sweep_phase(load), c, o));
+            }
+        }
+        for c in rot(two_core) {
+            let o = c.options(stream(None), WireRate::Unlimited, Placement::TwoCore);
+            plan.push((TWO_CORE.into(), c, o));
+        }
+        for (phase, c, o) in plan {
+            crate::progress::step(format_args!(
+                "{} · {phase} · {}",
+                crate::progress::round(round, d.runs),
+                c.name
+            ));
+            let (m, f) = measure(o, &d)?;
+            if let PeerApp::Stream { rate, .. } = o.app {
+                lost += f.written.saturating_sub(f.bytes);
+                unchecked += u64::from(f.bytes == 0);
+                unsettled += u64::from(rate.is_some() && !m.settled);
+            }
+            corrupt += f.corrupt + f.answers_corrupt;
+            res.entry((phase, c.name)).or_default().push(m);
+        }
+    }
+
+    tables(&mut r, &res, ghz);
+    sweep(&mut r, &res);
+    checks(&mut r, &res, mode);
+    r.check_none(
+        "bytes lost or corrupted at the application, every run (each stream drained and every byte \
+         checked against the sender's pattern; every answer checked by the sender)",
+        lost + corrupt,
+        "bytes",
+    );
+    r.check_none("stream runs in which nothing arrived", unchecked, "runs");
+    r.check_none(
+        "fixed-load runs whose sender had not caught up with its schedule when the window opened",
+        unsettled,
+        "runs",
+    );
+    Ok(r)
+}
+
+/// Tables IV–VII and the aggregation latency.
+fn tables(r: &mut Report, res: &Results, ghz: f64) {
+    // Table IV.
+    for (phase, wire) in [(TPUT_1G, "1 Gbit/s wire"), (TPUT_FREE, "unlimited wire")] {
+        let group = format!("table IV: throughput, {wire}");
+        let pv = series(res, phase, PV.name, |m| m.mbps);
+        let native = series(res, phase, NATIVE.name, |m| m.mbps);
+        for c in CONFIGS {
+            let v = series(res, phase, c.name, |m| m.mbps);
+            let row = r.row(&group, c.name, "Mbit/s", &v);
+            row.ratio = ratio_median(&v, &pv).map(|x| ("pv".to_string(), x));
+            if phase == TPUT_1G {
+                row.reference = paper("iv", c.name).map(|p| format!("paper {p}"));
+            }
+            if c.name != NATIVE.name {
+                let rel: Vec<f64> = v.iter().zip(&native).map(|(a, b)| a / b).collect();
+                r.row(
+                    &format!("{group}, against native"),
+                    c.name,
+                    "× native",
+                    &rel,
+                );
+            }
+        }
+    }
+    let two = |c: Cfg| series(res, TWO_CORE, c.name, |m| m.mbps);
+    for c in [NATIVE, PV, DA, ADAPTIVE] {
+        let v = two(c);
+        if v.is_empty() {
+            continue;
+        }
+        let row = r.row(
+            "throughput, unlimited wire, two-core placement",
+            c.name,
+            "Mbit/s",
+            &v,
+        );
+        row.ratio = ratio_median(&v, &two(PV)).map(|x| ("pv".to_string(), x));
+    }
+
+    // Table V at the fixed load.
+    let group = format!("table V: CPU per byte at {LOAD_MBPS} Mbit/s");
+    let pv_total = series(res, LOAD, PV.name, total);
+    let mut bars = Vec::new();
+    for c in CONFIGS {
+        let carried = series(res, LOAD, c.name, |m| m.mbps);
+        r.row(&group, &format!("{} carried", c.name), "Mbit/s", &carried);
+        if c.receiver == Receiver::Pv {
+            let dv = series(res, LOAD, c.name, driver);
+            let row = r.row(&group, &format!("{} driver domain", c.name), "ns/B", &dv);
+            row.ratio = ratio_median(&dv, &series(res, LOAD, PV.name, driver))
+                .map(|x| ("pv".to_string(), x));
+            let gv = series(res, LOAD, c.name, guest);
+            let row = r.row(&group, &format!("{} guest", c.name), "ns/B", &gv);
+            row.ratio = ratio_median(&gv, &series(res, LOAD, PV.name, guest))
+                .map(|x| ("pv".to_string(), x));
+            let cyc: Vec<f64> = dv.iter().map(|x| x * ghz).collect();
+            let row = r.row(
+                &group,
+                &format!("{} driver domain", c.name),
+                "cycles/B",
+                &cyc,
+            );
+            row.reference = paper("v-driver", c.name).map(|p| format!("paper {p}"));
+            let cyc: Vec<f64> = gv.iter().map(|x| x * ghz).collect();
+            let row = r.row(&group, &format!("{} guest", c.name), "cycles/B", &cyc);
+            row.reference = paper("v-guest", c.name).map(|p| format!("paper {p}"));
+        }
+        let tv = series(res, LOAD, c.name, total);
+        let row = r.row(&group, &format!("{} total", c.name), "ns/B", &tv);
+        row.ratio = ratio_median(&tv, &pv_total).map(|x| ("pv".to_string(), x));
+        let cyc: Vec<f64> = tv.iter().map(|x| x * ghz).collect();
+        let row = r.row(&group, &format!("{} total", c.name), "cycles/B", &cyc);
+        row.reference = paper("v-total", c.name).map(|p| format!("paper {p}"));
+        let mut segments = Vec::new();
+        for g in GLOBALS {
+            let v = series(res, LOAD, c.name, |m| m.cost.global(g));
+            if v.iter().all(|x| *x == 0.0) {
+                continue;
+            }
+            let med = Stats::of(&v).median;
+            r.row(
+                &format!("{group}, by class"),
+                &format!("{} {}", c.name, g.name()),
+                "ns/B",
+                &v,
+            );
+            segments.push((g.name().to_string(), med));
+        }
+        bars.push(Bar {
+            label: c.name.into(),
+            segments,
+        });
+    }
+    r.charts.push(StackedBars {
+        name: "table5".into(),
+        title: format!("Table V: CPU per received byte at {LOAD_MBPS} Mbit/s, by class"),
+        unit: "ns per byte".into(),
+        bars,
+    });
+
+    // CPU per byte where the receiver carries all it can (the unlimited wire): the
+    // paper's own condition, its receiver busy throughout.
+    let group = "CPU per byte at the receiver's limit (unlimited wire)";
+    let pv_free = series(res, TPUT_FREE, PV.name, total);
+    for c in CONFIGS {
+        if c.receiver == Receiver::Pv {
+            let dv = series(res, TPUT_FREE, c.name, driver);
+            let row = r.row(group, &format!("{} driver domain", c.name), "ns/B", &dv);
+            row.ratio = ratio_median(&dv, &series(res, TPUT_FREE, PV.name, driver))
+                .map(|x| ("pv".to_string(), x));
+            let gv = series(res, TPUT_FREE, c.name, guest);
+            let row = r.row(group, &format!("{} guest", c.name), "ns/B", &gv);
+            row.ratio = ratio_median(&gv, &series(res, TPUT_FREE, PV.name, guest))
+                .map(|x| ("pv".to_string(), x));
+        }
+        let tv = series(res, TPUT_FREE, c.name, total);
+        let row = r.row(group, &format!("{} total", c.name), "ns/B", &tv);
+        row.ratio = ratio_median(&tv, &pv_free).map(|x| ("pv".to_string(), x));
+    }
+
+    // Table VI, and each segment's wait in LRO, from the gigabit stream.
+    let lros: Vec<Cfg> = CONFIGS
+        .into_iter()
+        .filter(|c| c.flushing.is_some())
+        .collect();
+    for c in &lros {
+        for (phase, what) in [
+            (TPUT_1G, "1 Gbit/s wire, as fast as TCP goes"),
+            (LOAD, "fixed load"),
+        ] {
+            let v = series(res, phase, c.name, segs);
+            let row = r.row(
+                &format!("table VI: segments per aggregate, {what}"),
+                c.name,
+                "segments",
+                &v,
+            );
+            if phase == TPUT_1G {
+                row.reference = paper("vi", c.name).map(|p| format!("paper {p}"));
+            }
+        }
+        let wq = |q: f64| {
+            series(res, TPUT_1G, c.name, |m| {
+                hist_quantile(&m.wait, q).unwrap_or(0.0)
+            })
+        };
+        let group = "aggregation latency per segment, 1 Gbit/s wire";
+        let row = r.row(group, &format!("{} median", c.name), "µs", &wq(0.5));
+        if c.name == DA.name {
+            row.reference = Some("paper 33.17 µs (DA, first group)".into());
+        }
+        r.row(group, &format!("{} p99", c.name), "µs", &wq(0.99));
+    }
+    // The paper's arithmetic: DA holds about (its segments − LRO's) more segments, one
+    // arrival interval apart.
+    let (sd, sl, mbps) = (
+        series(res, TPUT_1G, DA.name, segs),
+        series(res, TPUT_1G, LRO.name, segs),
+        series(res, TPUT_1G, DA.name, |m| m.mbps),
+    );
+    let arith: Vec<f64> = sd
+        .iter()
+        .zip(&sl)
+        .zip(&mbps)
+        .map(|((a, b), t)| (a - b) * SEGMENT_PAYLOAD * 8.0 / t.max(1.0))
+        .collect();
+    let row = r.row(
+        "aggregation latency per segment, 1 Gbit/s wire",
+        "DA arithmetic: (DA − LRO segments) × arrival interval",
+        "µs",
+        &arith,
+    );
+    row.reference = Some("paper (4.71 − 2.55) × 16.7 µs ≈ 36 µs".into());
+
+    // Table VII.
+    for c in CONFIGS {
+        let tps = series(res, RR_PHASE, c.name, |m| m.tps);
+        let row = r.row(
+            "table VII: TCP_RR",
+            &format!("{} transactions", c.name),
+            "/s",
+            &tps,
+        );
+        row.ratio = ratio_median(&tps, &series(res, RR_PHASE, PV.name, |m| m.tps))
+            .map(|x| ("pv".to_string(), x));
+        row.reference = paper("vii", c.name).map(|p| format!("paper {p}"));
+        for (q, what) in [(0.5, "median"), (0.99, "p99")] {
+            let v = series(res, RR_PHASE, c.name, |m| {
+                quantile(&mut m.rtt.clone(), q) / 1000.0
+            });
+            r.row(
+                "table VII: TCP_RR",
+                &format!("{} latency {what}", c.name),
+                "µs",
+                &v,
+            );
+        }
+    }
+}
+
+/// A full segment's payload: a 1500-byte MTU less IPv4, TCP and the timestamp option.
+const SEGMENT_PAYLOAD: f64 = 1448.0;
+
+/// The N sweep and the adaptive flush at three loads.
+fn sweep(r: &mut Report, res: &Results) {
+    let mut lines = Vec::new();
+    for c in SWEEP {
+        let mut points = Vec::new();
+        for load in SWEEP_LOADS {
+            let group = format!("sweep at {load:.0} Mbit/s");
+            let v = sweep_series(res, load, c.name, total);
+            points.push((load, Stats::of(&v).median));
+            let row = r.row(&group, &format!("{} total", c.name), "ns/B", &v);
+            row.ratio = ratio_median(&v, &sweep_series(res, load, "N=1", total))
+                .map(|x| ("N=1".to_string(), x));
+            let sv = sweep_series(res, load, c.name, segs);
+            r.row(
+                &group,
+                &format!("{} segments per aggregate", c.name),
+                "segments",
+                &sv,
+            );
+            let p99 = sweep_series(res, load, c.name, |m| {
+                hist_quantile(&m.wait, 0.99).unwrap_or(0.0)
+            });
+            r.row(&group, &format!("{} wait p99", c.name), "µs", &p99);
+        }
+        lines.push(Series {
+            label: c.name.into(),
+            points,
+        });
+    }
+    r.lines.push(Lines {
+        name: "sweep".into(),
+        title: "CPU per received byte against offered load: a flush every N polls, and adaptive"
+            .into(),
+        x_unit: "offered load (Mbit/s)".into(),
+        unit: "ns per byte (driver domain + guest)".into(),
+        series: lines,
+    });
+}
+
+/// Per-round ratio medians of `a` over `b` in `phase` under `f`.
+fn ratio(res: &Results, phase: &str, a: Cfg, b: Cfg, f: impl Fn(&Measure) -> f64 + Copy) -> f64 {
+    ratio_median(
+        &series(res, phase, a.name, f),
+        &series(res, phase, b.name, f),
+    )
+    .unwrap_or(f64::NAN)
+}
+
+fn checks(r: &mut Report, res: &Results, mode: Mode) {
+    if mode == Mode::Smoke {
+        return;
+    }
+    let pv_native = ratio(res, LOAD, PV, NATIVE, total);
+    r.check(
+        "CPU per byte: pv dearer than native (paper 1.32×)",
+        pv_native,
+        "× native",
+        "> 1",
+        pv_native > 1.0,
+    );
+    let lro_pv = ratio(res, LOAD, LRO, PV, total);
+    r.check(
+        "CPU per byte: LRO cheaper than pv (paper 0.89×)",
+        lro_pv,
+        "× pv",
+        "< 1",
+        lro_pv < 1.0,
+    );
+    let da_lro = ratio(res, LOAD, DA, LRO, total);
+    r.check(
+        "CPU per byte: DA cheaper than LRO (paper 0.45×)",
+        da_lro,
+        "× LRO",
+        "< 1",
+        da_lro < 1.0,
+    );
+    let bo_lro = ratio(res, LOAD, BO, LRO, driver);
+    let bo_lro_guest = ratio(res, LOAD, BO, LRO, guest);
+    r.check(
+        &format!(
+            "driver-domain CPU per byte: BO below LRO (paper 0.97×; the guest's: {bo_lro_guest:.3}× LRO's here, \
+             paper 1.08×)"
+        ),
+        bo_lro,
+        "× LRO",
+        "< 1",
+        bo_lro < 1.0,
+    );
+    let segs_da = ratio(res, TPUT_1G, DA, LRO, segs);
+    r.check(
+        "segments per aggregate, 1 Gbit/s stream: DA at least 1.8× LRO (paper 4.71 / 2.55 = 1.85×)",
+        segs_da,
+        "× LRO",
+        "≥ 1.8",
+        segs_da >= 1.8,
+    );
+    let da_pv = ratio(res, LOAD, DA, PV, total);
+    r.check(
+        "total CPU per byte: DA at most 0.5× pv (paper 0.40×)",
+        da_pv,
+        "× pv",
+        "≤ 0.5",
+        da_pv <= 0.5,
+    );
+    let da_pv_drv = ratio(res, LOAD, DA, PV, driver);
+    r.check(
+        "driver-domain CPU per byte: DA at most 0.35× pv (paper 0.23×)",
+        da_pv_drv,
+        "× pv",
+        "≤ 0.35",
+        da_pv_drv <= 0.35,
+    );
+    let da_tput = ratio(res, TPUT_FREE, DA, PV, |m| m.mbps);
+    r.check(
+        "throughput on the CPU-bound (unlimited) wire: DA at least 1.3× pv (paper 1.395×)",
+        da_tput,
+        "× pv",
+        "≥ 1.3",
+        da_tput >= 1.3,
+    );
+    // TCP_RR across pv, LRO, BO and DA: per round, the spread of the four.
+    let tps: Vec<Vec<f64>> = [PV, LRO, BO, DA]
+        .iter()
+        .map(|c| series(res, RR_PHASE, c.name, |m| m.tps))
+        .collect();
+    let rounds = tps.iter().map(Vec::len).min().unwrap_or(0);
+    let spread: Vec<f64> = (0..rounds)
+        .map(|i| {
+            let v: Vec<f64> = tps.iter().map(|t| t[i]).collect();
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(l, h), x| (l.min(*x), h.max(*x)));
+            hi / lo.max(1e-9) - 1.0
+        })
+        .collect();
+    let spread = Stats::of(&spread).median * 100.0;
+    r.check(
+        "TCP_RR transactions per second within 5% across pv, LRO, BO, DA (per-round spread, max/min − 1; \
+         paper 0.7%)",
+        spread,
+        "%",
+        "≤ 5%",
+        spread <= 5.0,
+    );
+    // The adaptive flush against the best static N at each load.
+    let mut worst: f64 = 0.0;
+    for load in SWEEP_LOADS {
+        let ad = sweep_series(res, load, "adaptive", total);
+        let statics: Vec<Vec<f64>> = SWEEP[..4]
+            .iter()
+            .map(|c| sweep_series(res, load, c.name, total))
+            .collect();
+        let best: Vec<f64> = (0..ad.len())
+            .map(|i| {
+                statics
+                    .iter()
+                    .filter_map(|s| s.get(i))
+                    .copied()
+                    .fold(f64::MAX, f64::min)
+            })
+            .collect();
+        worst = worst.max(ratio_median(&ad, &best).unwrap_or(f64::NAN));
+    }
+    r.check(
+        "adaptive CPU per byte at most 1.05× the best static N, at every load (worst load's per-round median)",
+        worst,
+        "× best N",
+        "≤ 1.05",
+        worst <= 1.05,
+    );
+    for (q, what) in [(0.5, "median"), (0.99, "p99")] {
+        let f = |m: &Measure| quantile(&mut m.rtt.clone(), q);
+        let x = ratio(res, RR_PHASE, ADAPTIVE, BO, f);
+        r.check(
+            &format!("TCP_RR latency {what}: adaptive within 5% of N = 1 (BO)"),
+            x,
+            "× N=1",
+            "within 0.95–1.05",
+            (0.95..=1.05).contains(&x),
+        );
+    }
+    // Every configuration carried the fixed load, or its CPU per byte compares
+    // different work.
+    let short = CONFIGS
+        .iter()
+        .map(|c| Stats::of(&series(res, LOAD, c.name, |m| m.mbps)).median / LOAD_MBPS)
+        .fold(f64::MAX, f64::min);
+    r.check(
+        &format!("every configuration carried the fixed {LOAD_MBPS} Mbit/s (lowest median share)"),
+        short,
+        "× offered",
+        "≥ 0.95",
+        short >= 0.95,
+    );
+}
