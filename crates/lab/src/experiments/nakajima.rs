@@ -179,6 +179,10 @@ struct Measure {
     rtt: Vec<u64>,
     /// A paced stream kept its schedule before the window opened.
     settled: bool,
+    /// Per MB read: the driver domain's interrupts, and netback's notifications to
+    /// the guest (each a wake-up when its domain is idle).
+    irqs_per_mb: f64,
+    notifies_per_mb: f64,
 }
 
 /// How long past its warm-up a paced stream may take to catch up with its schedule.
@@ -246,6 +250,15 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
     let aggs = lro(&b, "aggregates") - lro(&a, "aggregates");
     let segs = lro(&b, "segments") - lro(&a, "segments");
     let (wa, wb) = (wait_hist(&a), wait_hist(&b));
+    let notifies = |s: &TcpSnapshot| -> u64 {
+        s.counters
+            .entries
+            .iter()
+            .filter(|(c, n, _)| c.starts_with("vif") && n == "notifies")
+            .map(|e| e.2)
+            .sum()
+    };
+    let mb = (bytes as f64 / 1e6).max(1e-9);
     let interval = o.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
     Ok((
         Measure {
@@ -256,6 +269,9 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
             tps: (b.transactions - a.transactions) as f64 / secs,
             rtt,
             settled,
+            irqs_per_mb: (b.counters.get("driver", "irqs") - a.counters.get("driver", "irqs")) as f64
+                / mb,
+            notifies_per_mb: (notifies(&b) - notifies(&a)) as f64 / mb,
         },
         f,
     ))
@@ -552,6 +568,13 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
             let cyc: Vec<f64> = gv.iter().map(|x| x * ghz).collect();
             let row = r.row(&group, &format!("{} guest", c.name), "cycles/B", &cyc);
             row.reference = paper("v-guest", c.name).map(|p| format!("paper {p}"));
+        }
+        if c.receiver == Receiver::Pv {
+            let w = format!("{group}, wake-ups");
+            let v = series(res, LOAD, c.name, |m| m.irqs_per_mb);
+            r.row(&w, &format!("{} driver-domain interrupts", c.name), "/MB", &v);
+            let v = series(res, LOAD, c.name, |m| m.notifies_per_mb);
+            r.row(&w, &format!("{} notifications to the guest", c.name), "/MB", &v);
         }
         let tv = series(res, LOAD, c.name, total);
         let row = r.row(&group, &format!("{} total", c.name), "ns/B", &tv);
