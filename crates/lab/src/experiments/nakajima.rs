@@ -269,7 +269,8 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
             tps: (b.transactions - a.transactions) as f64 / secs,
             rtt,
             settled,
-            irqs_per_mb: (b.counters.get("driver", "irqs") - a.counters.get("driver", "irqs")) as f64
+            irqs_per_mb: (b.counters.get("driver", "irqs") - a.counters.get("driver", "irqs"))
+                as f64
                 / mb,
             notifies_per_mb: (notifies(&b) - notifies(&a)) as f64 / mb,
         },
@@ -572,9 +573,19 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
         if c.receiver == Receiver::Pv {
             let w = format!("{group}, wake-ups");
             let v = series(res, LOAD, c.name, |m| m.irqs_per_mb);
-            r.row(&w, &format!("{} driver-domain interrupts", c.name), "/MB", &v);
+            r.row(
+                &w,
+                &format!("{} driver-domain interrupts", c.name),
+                "/MB",
+                &v,
+            );
             let v = series(res, LOAD, c.name, |m| m.notifies_per_mb);
-            r.row(&w, &format!("{} notifications to the guest", c.name), "/MB", &v);
+            r.row(
+                &w,
+                &format!("{} notifications to the guest", c.name),
+                "/MB",
+                &v,
+            );
         }
         let tv = series(res, LOAD, c.name, total);
         let row = r.row(&group, &format!("{} total", c.name), "ns/B", &tv);
