@@ -521,21 +521,7 @@ impl Running {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             at: Instant::now(),
-            domains: self
-                .machine
-                .domains()
-                .iter()
-                .map(|(d, role)| {
-                    (
-                        d.name().to_string(),
-                        *role == Role::DriverDomain,
-                        DomainSnapshot {
-                            cpu: d.cpu_time(),
-                            samples: d.class_samples(),
-                        },
-                    )
-                })
-                .collect(),
+            domains: domain_use(&self.machine),
             frames_sent: self.sender.frames.load(Ordering::Relaxed),
             messages: self.app.messages.load(Ordering::Relaxed),
         }
@@ -578,6 +564,25 @@ impl Running {
             counters,
         })
     }
+}
+
+/// Each domain of `machine` as it stands: (name, driver domain?, CPU time and profiler
+/// samples).
+pub fn domain_use(machine: &Machine) -> Vec<(String, bool, DomainSnapshot)> {
+    machine
+        .domains()
+        .iter()
+        .map(|(d, role)| {
+            (
+                d.name().to_string(),
+                *role == Role::DriverDomain,
+                DomainSnapshot {
+                    cpu: d.cpu_time(),
+                    samples: d.class_samples(),
+                },
+            )
+        })
+        .collect()
 }
 
 /// What a finished run accounts for.

@@ -19,13 +19,13 @@ use dev::peer::{PeerApp, PeerCounters, PeerSpec, TcpPeer, WireRate};
 use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec, Proto};
 use kernel::driver_domain::DriverConfig;
-use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
+use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use kernel::Counters;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
-use crate::platform::DomainSnapshot;
+use crate::platform::{domain_use, DomainSnapshot};
 use crate::LabError;
 
 /// The receiving machine.
@@ -256,21 +256,7 @@ impl TcpRunning {
         let counters = self.machine.live_counters(Duration::from_millis(100));
         TcpSnapshot {
             at: Instant::now(),
-            domains: self
-                .machine
-                .domains()
-                .iter()
-                .map(|(d, role)| {
-                    (
-                        d.name().to_string(),
-                        *role == Role::DriverDomain,
-                        DomainSnapshot {
-                            cpu: d.cpu_time(),
-                            samples: d.class_samples(),
-                        },
-                    )
-                })
-                .collect(),
+            domains: domain_use(&self.machine),
             bytes: self.app.bytes.load(Ordering::Relaxed),
             transactions: self.peer_counters.transactions.load(Ordering::Relaxed),
             rtt_mark: self.peer_counters.rtt.len(),
