@@ -22,8 +22,7 @@ use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use kernel::Counters;
 use net::netfront::{Grants, RxBuffers};
-use net::wire::{UdpFlow, DEFAULT_MTU};
-use smoltcp::wire::Ipv4Address;
+use net::wire::UdpFlow;
 
 use crate::platform::{domain_use, DomainSnapshot};
 use crate::LabError;
@@ -95,16 +94,13 @@ impl TcpOptions {
 /// netperf's TCP_STREAM message, the paper's 1 KiB.
 pub const STREAM_MESSAGE: usize = 1024;
 
-/// The receiver's address and the sender's.
+/// The receiver's address and the sender's: paper 000's machines' ([`crate::platform::flow`]),
+/// with the TCP peer's port and the server's.
 pub fn flow() -> UdpFlow {
     UdpFlow {
-        src_mac: [0x02, 0, 0, 0, 0, 0x01],
-        dst_mac: [0x02, 0, 0, 0, 0, 0x10],
-        src_ip: Ipv4Address::new(10, 0, 0, 1),
-        dst_ip: Ipv4Address::new(10, 0, 0, 2),
         src_port: 49152,
         dst_port: 5001,
-        mtu: DEFAULT_MTU,
+        ..crate::platform::flow()
     }
 }
 
