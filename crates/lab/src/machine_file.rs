@@ -10,6 +10,9 @@
 //! coalesce_delay_us = 18        # longest a completion waits
 //! adaptive = false              # the driver sets the packets per interrupt from the rate
 //! multi_queue = false           # a receive queue per guest, frames placed in its buffers
+//! lro = "off"                   # or "every-poll", "delayed", "adaptive" (paper 001)
+//! lro_flush_every = 2           # with "delayed": flush every this many polls
+//! mtu_wire = false              # the cable carries MTU-sized frames only (so with LRO)
 //!
 //! [driver]
 //! netfilter = true              # the bridge's netfilter hooks
@@ -42,7 +45,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::up::{UpConfig, UpGuest};
+use crate::up::{LroMode, UpConfig, UpGuest};
 use crate::RxBuffers;
 
 /// Why a machine file was refused.
@@ -113,6 +116,18 @@ struct Nic {
     coalesce_delay_us: Option<Spanned<u64>>,
     adaptive: Option<bool>,
     multi_queue: Option<bool>,
+    lro: Option<Spanned<Lro>>,
+    lro_flush_every: Option<Spanned<u32>>,
+    mtu_wire: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Lro {
+    Off,
+    EveryPoll,
+    Delayed,
+    Adaptive,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -225,6 +240,38 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     }
     if let Some(q) = f.nic.multi_queue {
         cfg.multi_queue = q;
+    }
+    if let Some(m) = f.nic.mtu_wire {
+        cfg.mtu_wire = m;
+    }
+    let every = match &f.nic.lro_flush_every {
+        Some(n) if !(1..=64).contains(n.get_ref()) => {
+            return Err(refuse(
+                n.span(),
+                "nic.lro_flush_every",
+                format!("{}: from 1 to 64 polls", n.get_ref()),
+            ))
+        }
+        Some(n) => *n.get_ref(),
+        None => 2,
+    };
+    if let Some(l) = &f.nic.lro {
+        cfg.lro = match *l.get_ref() {
+            Lro::Off => LroMode::Off,
+            Lro::EveryPoll => LroMode::EveryPoll,
+            Lro::Delayed => LroMode::Delayed(every),
+            Lro::Adaptive => LroMode::Adaptive,
+        }
+        .setup();
+        if cfg.lro.is_some() && cfg.multi_queue {
+            return Err(refuse(
+                l.span(),
+                "nic.lro",
+                "LRO aggregates in the driver domain, and with multi_queue the NIC places \
+                 the guests' frames in their buffers past it: choose one"
+                    .into(),
+            ));
+        }
     }
     if let Some(n) = f.driver.netfilter {
         cfg.netfilter = n;
@@ -403,6 +450,26 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
     }
 
     #[test]
+    fn lro_on_the_nic_port_is_set_by_mode_and_the_wire_then_carries_mtu_sized_frames() {
+        let d = p("[[guest]]\n").expect("no lro");
+        assert!(d.lro.is_none() && !d.mtu_wire);
+        let cfg = p("[nic]\nlro = \"delayed\"\nlro_flush_every = 4\n[[guest]]\n").expect("DA");
+        assert_eq!(cfg.lro, LroMode::Delayed(4).setup());
+        assert_eq!(
+            cfg.lro.map(|l| l.flushing),
+            Some(dev::lro::LroSetup::delayed(4))
+        );
+        let cfg = p("[nic]\nlro = \"adaptive\"\nmtu_wire = true\n[[guest]]\n").expect("adaptive");
+        assert_eq!(
+            cfg.lro.map(|l| l.flushing),
+            Some(dev::lro::LroSetup::ADAPTIVE)
+        );
+        assert!(cfg.mtu_wire);
+        let cfg = p("[nic]\nlro = \"off\"\nmulti_queue = true\n[[guest]]\n").expect("off");
+        assert!(cfg.lro.is_none() && cfg.multi_queue);
+    }
+
+    #[test]
     fn each_guest_table_is_a_guest_with_its_own_defaults() {
         let cfg = p(r#"
 [[guest]]
@@ -465,6 +532,17 @@ core = 3
             ("[[guest]]\ncore = -1\n", "core", 2),
             ("[driver]\nnetfilter = true\n", "guest", 0),
             ("[[guest]]\ngrants = \"machine-frames\"\n", "grants", 2),
+            ("[nic]\nlro = \"sometimes\"\n[[guest]]\n", "lro", 2),
+            (
+                "[nic]\nlro = \"delayed\"\nlro_flush_every = 0\n[[guest]]\n",
+                "nic.lro_flush_every",
+                3,
+            ),
+            (
+                "[nic]\nmulti_queue = true\nlro = \"adaptive\"\n[[guest]]\n",
+                "nic.lro",
+                3,
+            ),
         ] {
             let e = p(text).expect_err(text).to_string();
             assert!(e.contains(key), "{text:?}: {e}");

@@ -103,6 +103,11 @@ pub struct Options {
     /// Checksum offload and GSO between netfront and netback, and on the TAPs of real
     /// interfaces (`pvio up`; the lab's own stack takes no large frames).
     pub offloads: bool,
+    /// Large Receive Offload in the driver domain's NIC driver (pv only; paper 001),
+    /// aggregates handed through the bridge whole (its "BO": netback copies each piece
+    /// into the guest's buffers and sends a GSO packet, or re-segments for a front end
+    /// without GSO).
+    pub lro: Option<dev::lro::LroSetup>,
 }
 
 /// How long [`Running::finish`] waits without a message arriving before it takes the
@@ -133,6 +138,7 @@ impl Options {
             queues: false,
             grants: Grants::PerIo,
             offloads: false,
+            lro: None,
         }
     }
 }
@@ -435,7 +441,7 @@ impl Running {
                     aligned_copies: opts.aligned_copies,
                     queues: opts.queues,
                     unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
-                    lro: None,
+                    lro: opts.lro,
                     lro_bridge_copy: false,
                 },
                 guests,

@@ -43,6 +43,56 @@ pub struct UpConfig {
     pub grant_path: hv::GrantPath,
     /// Every domain's grant-table layout.
     pub grant_version: hv::GrantVersion,
+    /// Large Receive Offload on the NIC port (paper 001, with the bridge handing
+    /// aggregates on whole). The cable then takes no large segments: the outside's TCP
+    /// puts MTU-sized frames with complete checksums on it, as a real wire carries them,
+    /// and the driver domain's LRO aggregates them for the guest.
+    pub lro: Option<dev::lro::LroSetup>,
+    /// The cable carries MTU-sized frames only, as a real wire does: the outside's
+    /// kernel segments its TCP before the cable's TAP (always so with LRO; without it,
+    /// the path LRO is measured against). Otherwise the cable takes large segments.
+    pub mtu_wire: bool,
+}
+
+/// When `pvio up`'s LRO flushes (the driver domain's NIC driver; paper 001).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LroMode {
+    /// No LRO: every frame goes up as it came.
+    Off,
+    /// The paper's LRO: aggregates flushed at the end of every poll.
+    EveryPoll,
+    /// The paper's delayed aggregation: flushed every `n`th poll, each held at most
+    /// 1 ms.
+    Delayed(u32),
+    /// Held while the flow's next segment is due within the latency budget, flushed
+    /// at once for a pushed or request/response flow.
+    Adaptive,
+}
+
+impl LroMode {
+    /// The driver's LRO set-up (skb-mode, Linux's 32 flows), none when off.
+    pub fn setup(self) -> Option<dev::lro::LroSetup> {
+        let flushing = match self {
+            LroMode::Off => return None,
+            LroMode::EveryPoll => dev::lro::Flushing::EveryPoll,
+            LroMode::Delayed(n) => dev::lro::LroSetup::delayed(n.max(1)),
+            LroMode::Adaptive => dev::lro::LroSetup::ADAPTIVE,
+        };
+        Some(dev::lro::LroSetup {
+            flushing,
+            ..dev::lro::LroSetup::PAPER
+        })
+    }
+
+    /// Its name in reports.
+    pub fn name(self) -> String {
+        match self {
+            LroMode::Off => "off".into(),
+            LroMode::EveryPoll => "every poll".into(),
+            LroMode::Delayed(n) => format!("every {n} polls (DA)"),
+            LroMode::Adaptive => "adaptive".into(),
+        }
+    }
 }
 
 /// One guest of `pvio up`.
@@ -117,6 +167,8 @@ impl Default for UpConfig {
             coalesce: pv().coalesce,
             grant_path: pv().grant_path,
             grant_version: pv().grant_version,
+            lro: None,
+            mtu_wire: false,
         }
     }
 }
@@ -191,6 +243,13 @@ fn netns_exists(name: &str) -> bool {
 pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
     if cfg.guests.is_empty() {
         return Err(LabError::Other("a machine needs a guest".into()));
+    }
+    if cfg.lro.is_some() && cfg.multi_queue {
+        return Err(LabError::Other(
+            "LRO aggregates in the driver domain, and with a receive queue per guest the NIC \
+             places the guests' frames in their buffers past it: choose one"
+                .into(),
+        ));
     }
     for (i, g) in cfg.guests.iter().enumerate() {
         if g.ns == cfg.outside_ns {
@@ -320,7 +379,8 @@ fn bring_up(
             mem::tap::TapOffload::None
         }
     };
-    let wire_taps = tap_offload(cfg.guests.iter().any(offloads));
+    let mtu_wire = cfg.mtu_wire || cfg.lro.is_some();
+    let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
     let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
         .map_err(|e| LabError::Other(format!("tap: {e}")))?;
     place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
@@ -373,6 +433,7 @@ fn bring_up(
         grant_path: cfg.grant_path,
         grant_version: cfg.grant_version,
         offloads: offloads(first),
+        lro: cfg.lro,
         ..pv()
     };
     let running = Running::start_with(opts, Some(Plumbing { wire, guests }))?;

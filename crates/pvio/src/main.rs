@@ -52,7 +52,7 @@ enum Command {
         /// flags below are then refused, the run's own (`--seconds`, `--pcap`, ...) kept.
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
-            "no_fragments", "grant_reuse", "multi_queue", "no_offloads",
+            "no_fragments", "grant_reuse", "multi_queue", "no_offloads", "lro", "mtu_wire",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -87,6 +87,19 @@ enum Command {
         /// netfront offers neither (the path as paper 000 measured it).
         #[arg(long)]
         no_offloads: bool,
+        /// Large Receive Offload in the driver domain's NIC driver (paper 001): the
+        /// cable then carries MTU-sized frames, as a real wire does, and the guest's
+        /// TAP receives the aggregates as large segments.
+        #[arg(long, value_enum, default_value_t = LroArg::Off)]
+        lro: LroArg,
+        /// The cable carries MTU-sized frames only, as a real wire does (the outside's
+        /// kernel segments its TCP); always so with `--lro`.
+        #[arg(long)]
+        mtu_wire: bool,
+        /// With `--lro delayed`: flush every this many polls (the paper's 2).
+        #[arg(long, value_name = "N", default_value_t = 2,
+              value_parser = clap::value_parser!(u32).range(1..=64))]
+        lro_flush_every: u32,
         /// Stop after this many seconds (default: at Ctrl-C).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
@@ -150,6 +163,19 @@ enum Command {
         #[arg(long)]
         port: u16,
     },
+}
+
+/// When `pvio up`'s LRO flushes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LroArg {
+    /// No LRO.
+    Off,
+    /// At the end of every poll (the paper's LRO).
+    EveryPoll,
+    /// Every `--lro-flush-every` polls, each aggregate held at most 1 ms (the paper's DA).
+    Delayed,
+    /// From each flow's arrival interval and a 200 µs budget.
+    Adaptive,
 }
 
 /// A driver-domain failure `pvio up` can inject.
@@ -340,6 +366,16 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         "down: wire in {} out {}, guest in {} out {}, oversize {}",
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
     );
+    if cfg.lro.is_some() {
+        if let Some(s) = machine.live_sample() {
+            let get = |name: &str| s.counters.get("lro engine", name);
+            let (aggs, segs) = (get("aggregates"), get("segments"));
+            println!(
+                "lro: {segs} segments in {aggs} aggregates ({:.1} a packet up)",
+                segs as f64 / aggs.max(1) as f64
+            );
+        }
+    }
     let captures = machine.capture_counters();
     machine.down();
     for (path, c) in captures {
@@ -510,6 +546,9 @@ fn main() -> ExitCode {
             grant_reuse,
             multi_queue,
             no_offloads,
+            lro,
+            lro_flush_every,
+            mtu_wire,
             seconds,
             watchdog_ms,
             fault,
@@ -544,6 +583,14 @@ fn main() -> ExitCode {
                     netfilter: !no_netfilter,
                     multi_queue,
                     pcap,
+                    lro: match lro {
+                        LroArg::Off => lab::up::LroMode::Off,
+                        LroArg::EveryPoll => lab::up::LroMode::EveryPoll,
+                        LroArg::Delayed => lab::up::LroMode::Delayed(lro_flush_every),
+                        LroArg::Adaptive => lab::up::LroMode::Adaptive,
+                    }
+                    .setup(),
+                    mtu_wire,
                     ..lab::up::UpConfig::default()
                 },
             };

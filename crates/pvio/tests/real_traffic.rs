@@ -534,3 +534,68 @@ fn two_guests_reach_each_other_through_the_bridge_and_the_outside_reaches_both()
         );
     }
 }
+
+#[test]
+fn lro_on_the_nic_port_aggregates_a_real_tcp_stream_and_the_guest_takes_it_intact() {
+    if let Err(e) = namespaces_possible() {
+        eprintln!("skipped: network namespaces cannot be made here: {e}");
+        return;
+    }
+    ensure_tools();
+    let pid = std::process::id();
+    let cfg = UpConfig {
+        outside_ns: format!("pvio-l{pid}-o"),
+        outside_addr: "10.76.0.1/24".into(),
+        guests: vec![UpGuest {
+            ns: format!("pvio-l{pid}-g"),
+            addr: "10.76.0.2/24".into(),
+            ..UpGuest::nth(0)
+        }],
+        lro: lab::up::LroMode::Adaptive.setup(),
+        ..UpConfig::default()
+    };
+    let machine = up(&cfg).expect("pvio up --lro adaptive");
+    let (o, g) = (cfg.outside_ns.as_str(), cfg.guest().ns.as_str());
+    ping(o, "10.76.0.2");
+    let before = machine.live_sample().expect("running");
+    // Byte for byte both ways: into the guest through the aggregation, out of it as
+    // large segments that the NIC cuts for a cable of MTU-sized frames.
+    for (sink_ns, source_ns, to) in [(g, o, "10.76.0.2:5300"), (o, g, "10.76.0.1:5300")] {
+        stream_arrives_intact(sink_ns, source_ns, to);
+    }
+    let c = iperf_client(o, g, "10.76.0.2", &[]);
+    assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
+    let after = machine.live_sample().expect("running");
+    let moved =
+        |port: &str, name: &str| after.counters.get(port, name) - before.counters.get(port, name);
+    // The cable carried MTU-sized frames only, as a wire does, and took none large.
+    assert_eq!(moved("wire tap", "gso_in"), 0);
+    assert!(moved("nic", "tx_tso_segments") > 0, "{:?}", after.counters);
+    // The driver's LRO made aggregates of many segments, which reached the guest's
+    // stack as large segments: far fewer packets up than frames in.
+    let (aggs, segs) = (
+        moved("lro engine", "aggregates"),
+        moved("lro engine", "segments"),
+    );
+    assert!(
+        aggs > 0 && segs > 4 * aggs,
+        "{segs} segments in {aggs} aggregates"
+    );
+    assert!(moved("guest tap", "gso_out") > 0, "{:?}", after.counters);
+    let (frames_in, up_the_stack) = (
+        moved("wire tap", "frames_in"),
+        moved("guest tap", "frames_out"),
+    );
+    assert!(
+        up_the_stack * 4 < frames_in,
+        "{up_the_stack} packets up for {frames_in} frames in"
+    );
+    for (port, name) in [
+        ("nic", "rx_bad_offload"),
+        ("guest tap", "write_errors"),
+        ("guest tap", "bad_offload_in"),
+    ] {
+        assert_eq!(after.counters.get(port, name), 0, "{port} {name}");
+    }
+    machine.down();
+}
