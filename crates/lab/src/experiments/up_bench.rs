@@ -10,12 +10,21 @@
 //! show what they bring). Ratios are taken per round. Before the iperf3 runs, an
 //! 8 MiB seeded stream crosses pvio each way and is checked byte for byte (`pvio
 //! tcp-source` / `tcp-sink`; iperf3 does not look at its bytes).
+//!
+//! Then LRO (issue 18, item 7): with a cable of MTU-sized frames, as a real wire
+//! carries them, iperf3 TCP into the guest and sockperf's TCP ping-pong through `pvio
+//! up` with LRO off, flushed every poll, every second poll (DA) and adaptively, beside
+//! a veth pair whose sender segments (TSO off) and whose receiver has GRO off, on, and
+//! on with a 20 µs `gro_flush_timeout` (`napi_defer_hard_irqs` = 2), in the same
+//! rounds. Segments per packet up the receiving stack come from pvio's cable and guest
+//! TAP counters, and from the veth receiver's IP counters (GRO's packets count their
+//! segments there).
 
 use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::up::{up, UpConfig, UpGuest};
+use crate::up::{up, LroMode, UpConfig, UpGuest};
 use crate::{Experiment, LabError, Mode, Report};
 
 /// The registry entry.
@@ -73,6 +82,51 @@ impl Flow {
     }
 }
 
+/// The veth receiver's GRO in the LRO rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gro {
+    Off,
+    On,
+    /// On, with a 20 µs `gro_flush_timeout` and `napi_defer_hard_irqs` = 2: Linux's
+    /// static form of the paper's delayed aggregation.
+    OnTimeout,
+}
+
+/// A receive path of the LRO rows: MTU-sized frames arrive, and are aggregated (or
+/// not) before the receiving stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rx {
+    Pvio(LroMode),
+    Veth(Gro),
+}
+
+impl Rx {
+    const ALL: [Rx; 7] = [
+        Rx::Pvio(LroMode::Off),
+        Rx::Pvio(LroMode::EveryPoll),
+        Rx::Pvio(LroMode::Delayed(2)),
+        Rx::Pvio(LroMode::Adaptive),
+        Rx::Veth(Gro::Off),
+        Rx::Veth(Gro::On),
+        Rx::Veth(Gro::OnTimeout),
+    ];
+    fn name(self) -> String {
+        match self {
+            Rx::Pvio(m) => format!("pvio up, LRO {}", m.name()),
+            Rx::Veth(Gro::Off) => "veth, GRO off".into(),
+            Rx::Veth(Gro::On) => "veth, GRO on".into(),
+            Rx::Veth(Gro::OnTimeout) => "veth, GRO on, gro_flush_timeout 20 µs".into(),
+        }
+    }
+    /// What its ratios are taken against: the same path without aggregation.
+    fn base(self) -> Rx {
+        match self {
+            Rx::Pvio(_) => Rx::Pvio(LroMode::Off),
+            Rx::Veth(_) => Rx::Veth(Gro::Off),
+        }
+    }
+}
+
 fn other(e: impl std::fmt::Display) -> LabError {
     LabError::Other(e.to_string())
 }
@@ -105,6 +159,34 @@ struct Veth {
 
 impl Veth {
     fn new(offloads: bool) -> Result<Self, LabError> {
+        let on = if offloads { "on" } else { "off" };
+        let all = ["tx", on, "rx", on, "tso", on, "gso", on, "gro", on];
+        Self::with(&all, &all)
+    }
+
+    /// The LRO rows' reference: the sender segments its TCP (TSO off) so MTU-sized
+    /// frames cross, and the receiver aggregates them as `gro` says.
+    fn gro(gro: Gro) -> Result<Self, LabError> {
+        let on = if gro == Gro::Off { "off" } else { "on" };
+        let v = Self::with(&["tso", "off"], &["gro", on])?;
+        if gro == Gro::OnTimeout {
+            // sysfs as the receiver's namespace sees it (`ip netns exec` mounts it).
+            ok(&[
+                "ip",
+                "netns",
+                "exec",
+                &v.b,
+                "sh",
+                "-c",
+                "echo 20000 > /sys/class/net/vb/gro_flush_timeout && \
+                 echo 2 > /sys/class/net/vb/napi_defer_hard_irqs",
+            ])?;
+        }
+        Ok(v)
+    }
+
+    /// `a`'s `va` and `b`'s `vb`, with these ethtool `-K` settings each.
+    fn with(a_features: &[&str], b_features: &[&str]) -> Result<Self, LabError> {
         let pid = std::process::id();
         let v = Self {
             a: format!("pvio-b{pid}-a"),
@@ -116,15 +198,16 @@ impl Veth {
             "ip", "-n", &v.a, "link", "add", "va", "type", "veth", "peer", "name", "vb", "netns",
             &v.b,
         ])?;
-        for (ns, dev, addr) in [(&v.a, "va", "10.79.0.1/24"), (&v.b, "vb", "10.79.0.2/24")] {
+        for (ns, dev, addr, features) in [
+            (&v.a, "va", "10.79.0.1/24", a_features),
+            (&v.b, "vb", "10.79.0.2/24", b_features),
+        ] {
             ok(&["ip", "-n", ns, "addr", "add", addr, "dev", dev])?;
             ok(&["ip", "-n", ns, "link", "set", dev, "up"])?;
             ok(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
-            let on = if offloads { "on" } else { "off" };
-            ok(&[
-                "ip", "netns", "exec", ns, "ethtool", "-K", dev, "tx", on, "rx", on, "tso", on,
-                "gso", on, "gro", on,
-            ])?;
+            let mut args = vec!["ip", "netns", "exec", ns, "ethtool", "-K", dev];
+            args.extend_from_slice(features);
+            ok(&args)?;
         }
         Ok(v)
     }
@@ -183,6 +266,92 @@ fn iperf(
     Ok((bps, udp))
 }
 
+/// IP packets received in namespace `ns`, and the segments they carried (Linux counts
+/// a GRO packet's segments in its ECN counters, one per packet in `InReceives`).
+fn ip_segments(ns: &str) -> Result<(u64, u64), LabError> {
+    let o = run_cmd(&[
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "cat",
+        "/proc/net/snmp",
+        "/proc/net/netstat",
+    ])?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut get = std::collections::HashMap::new();
+    let lines: Vec<&str> = text.lines().collect();
+    for pair in lines.chunks(2) {
+        if let [names, values] = pair {
+            let mut n = names.split_whitespace();
+            let table = n.next().unwrap_or_default();
+            for (k, v) in n.zip(values.split_whitespace().skip(1)) {
+                get.insert(format!("{table}{k}"), v.parse::<u64>().unwrap_or(0));
+            }
+        }
+    }
+    let v = |k: &str| get.get(k).copied();
+    let packets = v("Ip:InReceives").ok_or_else(|| other(format!("{ns}: no Ip InReceives")))?;
+    let segments = ["NoECT", "ECT0", "ECT1", "CE"]
+        .iter()
+        .map(|e| v(&format!("IpExt:In{e}Pkts")))
+        .sum::<Option<u64>>()
+        .ok_or_else(|| other(format!("{ns}: no IpExt ECN counters")))?;
+    Ok((packets, segments))
+}
+
+/// sockperf's TCP ping-pong from `client_ns` to the server in `server_ns` at `addr`
+/// for `secs`: round-trip median and p99, µs.
+fn sockperf(
+    client_ns: &str,
+    server_ns: &str,
+    addr: &str,
+    secs: u64,
+) -> Result<(f64, f64), LabError> {
+    let mut server = Command::new("ip")
+        .args([
+            "netns", "exec", server_ns, "sockperf", "server", "--tcp", "-i", addr, "-p", "11111",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(other)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let secs = secs.to_string();
+    let o = run_cmd(&[
+        "ip",
+        "netns",
+        "exec",
+        client_ns,
+        "sockperf",
+        "ping-pong",
+        "--tcp",
+        "-i",
+        addr,
+        "-p",
+        "11111",
+        "-t",
+        &secs,
+        "--full-rtt",
+    ]);
+    let _ = server.kill();
+    let _ = server.wait();
+    let o = o?;
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    let pct = |p: &str| {
+        text.lines()
+            .find_map(|l| l.split_once(&format!("percentile {p} =")))
+            .and_then(|(_, v)| v.trim().parse::<f64>().ok())
+    };
+    match (pct("50.000"), pct("99.000")) {
+        (Some(m), Some(p)) => Ok((m, p)),
+        _ => Err(other(format!(
+            "sockperf ping-pong to {addr}: no percentiles in its output: {}",
+            text.lines().last().unwrap_or_default()
+        ))),
+    }
+}
+
 /// This program, if it is `pvio` (its `tcp-source` and `tcp-sink` check a stream).
 fn pvio_exe() -> Option<PathBuf> {
     std::env::current_exe()
@@ -228,6 +397,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Quick => (2, 2),
         Mode::Smoke => (1, 1),
     };
+    // The LRO rows: rounds, iperf3 seconds, sockperf seconds.
+    let (lro_rounds, lro_secs, ping_secs) = match mode {
+        Mode::Full => (5, 5, 3),
+        Mode::Quick => (1, 2, 1),
+        Mode::Smoke => (1, 1, 1),
+    };
     rep.setup = format!(
         "iperf3 (-J, {secs} s a run, one stream) between two network namespaces: through `pvio \
          up` (outside namespace → TAP → NIC model → driver domain's bridge and netback → \
@@ -237,15 +412,29 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          which takes them with their segment size), through the same with --no-offloads, and through a veth pair with \
          ethtool's tx, rx, tso, gso and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
          flow once and ratios are taken within the round. Before the rounds an 8 MiB seeded \
-         stream crosses pvio each way, checked byte for byte."
+         stream crosses pvio each way, checked byte for byte. LRO rows ({lro_rounds} rounds of \
+         {lro_secs} s iperf3 and {ping_secs} s sockperf each): the cable takes no large segments \
+         (the outside's kernel segments its TCP, as for a real wire), pvio's driver domain runs \
+         LRO off, every poll, every 2nd poll (DA, held at most 1 ms) and adaptive (200 µs \
+         budget), the bridge handing aggregates to netback whole and the guest's TAP taking \
+         them as large segments; beside them a veth pair whose sender has TSO off and whose \
+         receiver has GRO off, on, and on with gro_flush_timeout 20 µs and \
+         napi_defer_hard_irqs 2. Segments per packet: for pvio, frames in from the cable over \
+         packets handed to the guest's TAP; for veth, the receiver's IpExt In*Pkts (a GRO \
+         packet counts its segments) over Ip InReceives. sockperf: TCP ping-pong, default \
+         message size, --full-rtt. An 8 MiB seeded stream crosses pvio with adaptive LRO each \
+         way, checked byte for byte."
     );
     rep.config = serde_json::json!({
         "mode": format!("{mode:?}"), "rounds": rounds, "seconds": secs,
         "flows": Flow::ALL.map(Flow::name), "paths": Path::ALL.map(Path::name),
+        "lro": {"rounds": lro_rounds, "iperf3_seconds": lro_secs, "sockperf_seconds": ping_secs,
+                "paths": Rx::ALL.map(Rx::name)},
     });
-    if !have("iperf3") || !have("ethtool") {
-        rep.notes
-            .push("not measured: iperf3 and ethtool are needed (Debian's packages)".into());
+    if !ensure("iperf3", "iperf3") || !ensure("ethtool", "ethtool") {
+        rep.notes.push(
+            "not measured: iperf3 and ethtool are needed (Debian's packages; not installed)".into(),
+        );
         return Ok(rep);
     }
     let probe = format!("pvio-b{}-probe", std::process::id());
@@ -267,7 +456,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         ..UpConfig::default()
     };
     // Each path's namespaces and addresses: (outside, guest, the guest's address).
-    crate::progress::plan((rounds * Path::ALL.len() * Flow::ALL.len()) as u64);
+    crate::progress::plan(
+        (rounds * Path::ALL.len() * Flow::ALL.len() + lro_rounds * Rx::ALL.len()) as u64,
+    );
     let mut rates = vec![vec![Vec::new(); Flow::ALL.len()]; Path::ALL.len()];
     let mut udp_loss: Vec<(u64, u64)> = Vec::new();
     let mut intact = None;
@@ -360,6 +551,13 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "UDP through pvio: {lost} of {sent} datagrams lost over all rounds (iperf3's count; \
          offered above what the path carries, so loss measures the excess)."
     ));
+    if ensure("sockperf", "sockperf") {
+        lro_rows(&mut rep, &cfg, lro_rounds, lro_secs, ping_secs)?;
+    } else {
+        rep.notes.push(
+            "LRO rows not measured: sockperf is needed (Debian's package; not installed)".into(),
+        );
+    }
     match intact {
         Some(ok) => rep.check(
             "an 8 MiB seeded stream each way through pvio arrives byte for byte",
@@ -373,6 +571,168 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         ),
     }
     Ok(rep)
+}
+
+/// Per-round samples of one receive path of the LRO rows.
+#[derive(Debug, Clone, Default)]
+struct RxSamples {
+    gbps: Vec<f64>,
+    segs_per_packet: Vec<f64>,
+    rtt_median: Vec<f64>,
+    rtt_p99: Vec<f64>,
+}
+
+/// The LRO rows: every receive path in every round, ratios within the round.
+fn lro_rows(
+    rep: &mut Report,
+    cfg: &UpConfig,
+    rounds: usize,
+    secs: u64,
+    ping_secs: u64,
+) -> Result<(), LabError> {
+    let mut s = vec![RxSamples::default(); Rx::ALL.len()];
+    let mut intact = None;
+    for round in 0..rounds {
+        for (i, rx) in Rx::ALL.into_iter().enumerate() {
+            crate::progress::step(format_args!(
+                "{} · {} · iperf3 and sockperf",
+                crate::progress::round(round, rounds),
+                rx.name()
+            ));
+            let mut machine = None;
+            let mut veth = None;
+            let (o, g, addr) = match rx {
+                Rx::Pvio(m) => {
+                    let c = UpConfig {
+                        lro: m.setup(),
+                        mtu_wire: true,
+                        ..cfg.clone()
+                    };
+                    machine = Some(up(&c)?);
+                    let (o, g) = (cfg.outside_ns.clone(), cfg.guest().ns.clone());
+                    if intact.is_none() && m == LroMode::Adaptive {
+                        if let Some(exe) = pvio_exe() {
+                            intact = Some(
+                                stream_intact(&exe, &g, &o, "10.80.0.2:5300")?
+                                    && stream_intact(&exe, &o, &g, "10.80.0.1:5300")?,
+                            );
+                        }
+                    }
+                    (o, g, "10.80.0.2")
+                }
+                Rx::Veth(gro) => {
+                    let v = Veth::gro(gro)?;
+                    let names = (v.a.clone(), v.b.clone());
+                    veth = Some(v);
+                    (names.0, names.1, "10.79.0.2")
+                }
+            };
+            // Segments arrived and packets handed up: the cable's frames and the guest
+            // TAP's for pvio, the receiver's IP counters for the veth pair.
+            let count = |m: &Option<crate::up::Up>| -> Result<(u64, u64), LabError> {
+                match m {
+                    Some(m) => {
+                        let c = m.counters();
+                        Ok((c.guest_in, c.wire_in))
+                    }
+                    None => ip_segments(&g),
+                }
+            };
+            let before = count(&machine)?;
+            let (bps, _) = iperf(&o, &g, addr, Flow::TcpIn, secs)?;
+            let after = count(&machine)?;
+            let packets = after.0.saturating_sub(before.0).max(1);
+            let segments = after.1.saturating_sub(before.1);
+            let (median, p99) = sockperf(&o, &g, addr, ping_secs)?;
+            s[i].gbps.push(bps / 1e9);
+            s[i].segs_per_packet.push(segments as f64 / packets as f64);
+            s[i].rtt_median.push(median);
+            s[i].rtt_p99.push(p99);
+            drop(machine);
+            drop(veth);
+        }
+    }
+    let at = |rx: Rx| Rx::ALL.iter().position(|&r| r == rx).unwrap_or(0);
+    let group = |what: &str| format!("LRO and GRO, MTU-sized frames on the wire: {what}");
+    for (what, unit, get) in [
+        (
+            "iperf3 TCP into the receiver",
+            "Gbit/s",
+            (|x: &RxSamples| &x.gbps) as fn(&RxSamples) -> &Vec<f64>,
+        ),
+        (
+            "segments per packet up the receiving stack",
+            "segments",
+            |x: &RxSamples| &x.segs_per_packet,
+        ),
+        (
+            "sockperf TCP ping-pong round trip, median",
+            "µs",
+            |x: &RxSamples| &x.rtt_median,
+        ),
+        (
+            "sockperf TCP ping-pong round trip, p99",
+            "µs",
+            |x: &RxSamples| &x.rtt_p99,
+        ),
+    ] {
+        for (i, rx) in Rx::ALL.into_iter().enumerate() {
+            let base = rx.base();
+            let row = rep.row(&group(what), &rx.name(), unit, get(&s[i]));
+            if base != rx {
+                row.ratio = crate::stats::ratio_median(get(&s[i]), get(&s[at(base)]))
+                    .map(|x| (base.name(), x));
+            }
+        }
+    }
+    let adaptive = &s[at(Rx::Pvio(LroMode::Adaptive))];
+    let x = crate::stats::ratio_median(&adaptive.gbps, &s[at(Rx::Pvio(LroMode::Off))].gbps)
+        .unwrap_or(f64::NAN);
+    rep.check(
+        "iperf3 TCP into the guest, MTU-sized frames on the wire: adaptive LRO ≥ 1.3× the same path without LRO",
+        x,
+        "× LRO off",
+        "≥ 1.3",
+        x >= 1.3,
+    );
+    let median = |v: &[f64]| crate::stats::Stats::of(v).median;
+    let (a, v) = (
+        median(&adaptive.segs_per_packet),
+        median(&s[at(Rx::Veth(Gro::On))].segs_per_packet),
+    );
+    rep.check(
+        "segments per packet up the stack: pvio's adaptive LRO ≥ the veth pair's GRO",
+        a,
+        "segments",
+        &format!("≥ {v:.1} (veth, GRO on, same rounds)"),
+        a >= v,
+    );
+    match intact {
+        Some(ok) => rep.check(
+            "an 8 MiB seeded stream each way through pvio with adaptive LRO arrives byte for byte",
+            if ok { 0.0 } else { 1.0 },
+            "streams corrupt",
+            "0",
+            ok,
+        ),
+        None => rep.notes.push(
+            "the byte-for-byte stream check through LRO runs from the `pvio` binary only".into(),
+        ),
+    }
+    Ok(())
+}
+
+/// Installs Debian's `package` if `tool` is missing (as root); whether it is there.
+fn ensure(tool: &str, package: &str) -> bool {
+    if !have(tool) {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "-q", package])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+    have(tool)
 }
 
 fn have(tool: &str) -> bool {
@@ -398,14 +758,55 @@ mod tests {
             );
             return;
         }
-        assert_eq!(r.rows.len(), Path::ALL.len() * Flow::ALL.len());
+        // Every path carried every flow; every LRO path its stream and its ping-pong,
+        // and LRO made packets of more than one segment where it ran.
+        let lro = |row: &crate::report::Row| row.group.starts_with("LRO and GRO");
+        assert_eq!(
+            r.rows.iter().filter(|row| !lro(row)).count(),
+            Path::ALL.len() * Flow::ALL.len()
+        );
+        if have("sockperf") {
+            assert_eq!(
+                r.rows.iter().filter(|row| lro(row)).count(),
+                4 * Rx::ALL.len()
+            );
+            let segs = |name: &str| {
+                r.rows
+                    .iter()
+                    .find(|row| row.group.contains("segments per packet") && row.name == name)
+                    .map(|row| row.stats.median)
+            };
+            assert!(
+                segs("pvio up, LRO adaptive").is_some_and(|x| x > 2.0),
+                "{:?}",
+                r.rows
+            );
+            assert!(
+                segs("pvio up, LRO off").is_some_and(|x| x < 1.1),
+                "{:?}",
+                r.rows
+            );
+        }
         assert!(
             r.rows.iter().all(|row| row.stats.median > 0.0),
             "every path carried every flow: {:?}",
             r.rows
         );
-        let tcp_checks = r.checks.iter().filter(|c| c.what.contains("veth")).count();
+        let tcp_checks = r
+            .checks
+            .iter()
+            .filter(|c| c.what.contains("the veth pair with offloads"))
+            .count();
         assert_eq!(tcp_checks, 4, "{:?}", r.checks);
+        // The streams through pvio, with and without LRO, arrive intact where checked.
+        assert!(
+            r.checks
+                .iter()
+                .filter(|c| c.what.contains("byte for byte"))
+                .all(|c| c.met),
+            "{:?}",
+            r.checks
+        );
         assert!(r.checks.iter().all(|c| c.value.is_finite()));
     }
 }
