@@ -8,6 +8,8 @@
 //!   poll, transmit and completion, and the DMA interface of the owner's kind of kernel;
 //! * [`wire`]: what is at the other end of the NIC's cable — a paced UDP sender (the
 //!   papers' remote host) and sinks;
+//! * [`svnic`]: the self-virtualized NIC of paper 002: virtual interfaces in device
+//!   memory that guests reach directly;
 //! * [`tap`]: TAP interfaces as ports for real traffic, and [`capture`]: the frames
 //!   crossing a port, written to a pcap file.
 //!
@@ -19,5 +21,6 @@ pub mod irq;
 pub mod lro;
 pub mod nic;
 pub mod peer;
+pub mod svnic;
 pub mod tap;
 pub mod wire;

@@ -121,6 +121,13 @@ pub trait PageAccess {
     /// The 64-bit word at `offset` as an atomic (offset must be 8-aligned).
     fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError>;
 
+    /// Loads the 32-bit word at `offset` atomically with `order` (offset 4-aligned): what
+    /// a reader of a read-only mapping uses for an index its peer moves, where a copy
+    /// could tear. The default asks for the atomic itself, so it needs write access.
+    fn load_u32(&self, offset: usize, order: std::sync::atomic::Ordering) -> Result<u32, MemError> {
+        Ok(self.atomic_u32(offset)?.load(order))
+    }
+
     /// Reads a plain-old-data value (a copy; the page may change right after).
     fn read_obj<T: bytemuck::Pod>(&self, offset: usize) -> Result<T, MemError> {
         let mut v = T::zeroed();

@@ -577,6 +577,17 @@ impl PageAccess for MappedPage {
         // SAFETY: as in `atomic_u16`.
         Ok(unsafe { AtomicU32::from_ptr(p.cast()) })
     }
+    /// As the default, but through a read-only mapping too: only a load is made.
+    #[inline]
+    fn load_u32(&self, offset: usize, order: std::sync::atomic::Ordering) -> Result<u32, MemError> {
+        if let Some(f) = &self.frame {
+            return Ok(f.atomic_u32(offset)?.load(order));
+        }
+        let p = self.at(offset, 4, 4)?;
+        // SAFETY: aligned, in a mapped page (readable, if not writable) held for the
+        // call; the atomic is only loaded from and does not outlive the call.
+        Ok(unsafe { AtomicU32::from_ptr(p.cast()) }.load(order))
+    }
     #[inline]
     fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
         if let Some(f) = &self.frame {
@@ -621,6 +632,17 @@ mod tests {
                 assert_eq!(held.read_obj::<u8>(10), Ok(b'h'));
                 assert_eq!(held.write(0, b"x"), Err(MemError::ReadOnly(1)));
                 assert!(held.atomic_u32(0).is_err(), "no atomics on a read-only map");
+                // ...but a load of an index its peer moves, whole.
+                mem.atomic_u32(Mfn(5), 16)
+                    .expect("peer's word")
+                    .store(0xdead_beef, std::sync::atomic::Ordering::Release);
+                assert_eq!(
+                    held.load_u32(16, std::sync::atomic::Ordering::Acquire),
+                    Ok(0xdead_beef)
+                );
+                assert!(held
+                    .load_u32(18, std::sync::atomic::Ordering::Acquire)
+                    .is_err());
             }
             assert_eq!(w.unmap(1), Ok(Mfn(5)));
             assert_eq!(w.read(1, 10, &mut b), Err(MemError::NotMapped(1)));
