@@ -394,7 +394,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let (rounds, secs) = match mode {
         Mode::Full => (5, 5),
-        Mode::Quick => (2, 2),
+        Mode::Quick => (1, 2),
         Mode::Smoke => (1, 1),
     };
     // The LRO rows: rounds, iperf3 seconds, sockperf seconds.
