@@ -5,6 +5,16 @@
 //! * [`vif`]: one virtual interface, its send and receive queues in the device's
 //!   memory, granted to its guest once at creation; the device's side (an egress half
 //!   for its one egress context, a receive half shared by the ingress contexts) and the
-//!   guest's VIF driver.
+//!   guest's VIF driver;
+//! * [`engine`]: the micro-engines: egress contexts serving disjoint sets of send
+//!   queues, ingress contexts placing the wire's frames in order, Figure 8's stage
+//!   times;
+//! * [`signal`]: the signalling designs: the shared 8-bit identifier register and its
+//!   hypervisor demultiplexing, the sidecore's message channel, a vector per VIF.
+//!
+//! The register and the channel live with the device and the hypervisor; no guest
+//! holds a handle to either, so no guest can use them to signal another.
 
+pub mod engine;
+pub mod signal;
 pub mod vif;

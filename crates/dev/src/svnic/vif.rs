@@ -332,20 +332,22 @@ impl<P: PageAccess> VifRx<P> {
     /// length; contexts do this in parallel. A frame too long for a slot is written as
     /// an empty slot of length 0 so that the sequence is kept; it is counted.
     pub fn fill(&self, seq: u32, frame: &[u8]) -> Result<(), VifError> {
-        let len = if frame.len() > SLOT_BYTES {
+        let placed = if frame.len() > SLOT_BYTES {
             self.shared
                 .stats
                 .rx_too_long
                 .fetch_add(1, Ordering::Relaxed);
-            0
+            Ok(0)
         } else {
-            write_slot(&self.bufs, seq, frame)?;
-            frame.len()
+            write_slot(&self.bufs, seq, frame).map(|()| frame.len())
         };
+        // Whatever happened, the slot gets a length that is true of it, so that the
+        // sequence can be published past it.
+        let len = *placed.as_ref().unwrap_or(&0);
         self.shared
             .device
             .write_obj(RX_LEN + 2 * (seq % SLOTS) as usize, &(len as u16))?;
-        Ok(())
+        placed.map(|_| ())
     }
 
     /// Publishes slot `seq` if every earlier one is published: whether it was (a

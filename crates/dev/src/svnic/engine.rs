@@ -1,0 +1,425 @@
+//! The SV-NIC's micro-engines (paper 002 §IV-B): an egress engine whose contexts each
+//! serve a disjoint set of VIFs' send queues, and ingress engines whose contexts share
+//! the wire's frames, find each one's VIF by a hash of its destination MAC and place it
+//! in that VIF's receive queue in arrival order.
+//!
+//! A context is a step function over its own state: it does one packet's worth of work
+//! and returns, which is the voluntary yield of the board's hardware contexts (they are
+//! not preempted either). An engine runs its contexts in turn on one device core; the
+//! device cores are threads pinned by the caller, their time charged to no domain.
+//!
+//! Each stage is timed with the TSC for Figure 8: on egress `msg_rcv` (finding and
+//! copying a frame the guest queued) and `pkt_tx` (handing it to the wire); on ingress
+//! `pkt_rx` (taking a frame from the wire), `chnl_demux` (finding its VIF and a
+//! sequence number) and `msg_send` (placing it, publishing it in order and raising the
+//! guest's signal).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mem::PageAccess;
+
+use super::vif::{VifRx, VifTx, SLOT_BYTES};
+
+/// Figure 8's stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Egress: a frame found in a send queue and copied into the device.
+    MsgRcv,
+    /// Egress: the frame handed to the wire.
+    PktTx,
+    /// Ingress: a frame taken from the wire.
+    PktRx,
+    /// Ingress: its VIF found and a sequence number taken.
+    ChnlDemux,
+    /// Ingress: the frame placed, published in order, the guest signalled.
+    MsgSend,
+}
+
+impl Stage {
+    /// Every stage, in counter order.
+    pub const ALL: [Stage; 5] = [
+        Stage::MsgRcv,
+        Stage::PktTx,
+        Stage::PktRx,
+        Stage::ChnlDemux,
+        Stage::MsgSend,
+    ];
+    /// The paper's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::MsgRcv => "msg_rcv",
+            Stage::PktTx => "pkt_tx",
+            Stage::PktRx => "pkt_rx",
+            Stage::ChnlDemux => "chnl_demux",
+            Stage::MsgSend => "msg_send",
+        }
+    }
+}
+
+/// TSC ticks and counts per stage, shared by the engines and read by the lab.
+#[derive(Debug, Default)]
+pub struct StageTimes {
+    ticks: [AtomicU64; 5],
+    count: [AtomicU64; 5],
+}
+
+impl StageTimes {
+    fn add(&self, s: Stage, ticks: u64) {
+        self.ticks[s as usize].fetch_add(ticks, Ordering::Relaxed);
+        self.count[s as usize].fetch_add(1, Ordering::Relaxed);
+    }
+    /// Ticks and count of stage `s` so far.
+    pub fn get(&self, s: Stage) -> (u64, u64) {
+        (
+            self.ticks[s as usize].load(Ordering::Relaxed),
+            self.count[s as usize].load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Finds a VIF by destination MAC: an open-addressed table of twice the VIFs it may
+/// hold, hashed on the MAC's bytes (the paper's hashing, so the cost stays flat as
+/// VIFs are added).
+#[derive(Debug, Clone)]
+pub struct Demux {
+    slots: Vec<Option<([u8; 6], u16)>>,
+    len: usize,
+}
+
+impl Demux {
+    /// A table for up to `max` VIFs.
+    pub fn new(max: usize) -> Self {
+        Self {
+            slots: vec![None; (2 * max.max(1)).next_power_of_two()],
+            len: 0,
+        }
+    }
+    fn hash(mac: &[u8; 6]) -> usize {
+        // FNV-1a over the six bytes.
+        let mut h: u32 = 0x811c_9dc5;
+        for &b in mac {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+        h as usize
+    }
+    /// Adds (or moves) `mac` to VIF `vif`; false if the table is full.
+    pub fn insert(&mut self, mac: [u8; 6], vif: u16) -> bool {
+        let mask = self.slots.len() - 1;
+        let mut i = Self::hash(&mac) & mask;
+        for _ in 0..self.slots.len() {
+            match self.slots[i] {
+                Some((m, _)) if m == mac => {
+                    self.slots[i] = Some((mac, vif));
+                    return true;
+                }
+                None if self.len * 2 < self.slots.len() => {
+                    self.slots[i] = Some((mac, vif));
+                    self.len += 1;
+                    return true;
+                }
+                None => return false,
+                Some(_) => i = (i + 1) & mask,
+            }
+        }
+        false
+    }
+    /// The VIF for `mac`, if any.
+    pub fn lookup(&self, mac: &[u8; 6]) -> Option<u16> {
+        let mask = self.slots.len() - 1;
+        let mut i = Self::hash(mac) & mask;
+        for _ in 0..self.slots.len() {
+            match self.slots[i] {
+                Some((m, v)) if m == *mac => return Some(v),
+                None => return None,
+                Some(_) => i = (i + 1) & mask,
+            }
+        }
+        None
+    }
+}
+
+/// Counters of an engine.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Frames handed to the wire (egress) or placed in a VIF (ingress).
+    pub frames: AtomicU64,
+    /// Ingress: frames for no VIF's MAC (dropped).
+    pub no_vif: AtomicU64,
+    /// Ingress: frames a VIF had no room for (its `rx_full` counts them too).
+    pub vif_full: AtomicU64,
+    /// Frames a VIF's queue refused (a bad length, or the VIF disconnected).
+    pub vif_errors: AtomicU64,
+    /// Context steps that found nothing to do.
+    pub idle_steps: AtomicU64,
+}
+
+impl net::counters::CounterSet for EngineStats {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        f("frames", l(&self.frames));
+        f("no_vif", l(&self.no_vif));
+        f("vif_full", l(&self.vif_full));
+        f("vif_errors", l(&self.vif_errors));
+        f("idle_steps", l(&self.idle_steps));
+    }
+}
+
+/// One egress context: the VIFs it serves and where it left off.
+#[derive(Debug)]
+struct EgressCtx<P> {
+    vifs: Vec<(u16, VifTx<P>)>,
+    next: usize,
+}
+
+/// The egress engine: each VIF's send queue served by one context, VIFs given to the
+/// contexts round robin (so their sets are disjoint and need no lock), each context
+/// yielding after every packet.
+#[derive(Debug)]
+pub struct Egress<P> {
+    contexts: Vec<EgressCtx<P>>,
+    added: usize,
+    buf: Box<[u8]>,
+    times: Arc<StageTimes>,
+    stats: Arc<EngineStats>,
+}
+
+impl<P: PageAccess> Egress<P> {
+    /// An engine of `contexts` contexts (the board's 8 per micro-engine).
+    pub fn new(contexts: usize, times: Arc<StageTimes>) -> Self {
+        Self {
+            contexts: (0..contexts.max(1))
+                .map(|_| EgressCtx {
+                    vifs: Vec::new(),
+                    next: 0,
+                })
+                .collect(),
+            added: 0,
+            buf: vec![0u8; SLOT_BYTES].into_boxed_slice(),
+            times,
+            stats: Arc::default(),
+        }
+    }
+
+    /// Gives VIF `id`'s send queue to the next context in turn.
+    pub fn add(&mut self, id: u16, tx: VifTx<P>) {
+        let n = self.contexts.len();
+        self.contexts[self.added % n].vifs.push((id, tx));
+        self.added += 1;
+    }
+
+    /// Takes VIF `id`'s send queue back (the VIF is being destroyed); its context
+    /// carries on with the rest.
+    pub fn remove(&mut self, id: u16) -> Option<VifTx<P>> {
+        for c in &mut self.contexts {
+            if let Some(i) = c.vifs.iter().position(|(v, _)| *v == id) {
+                let (_, tx) = c.vifs.remove(i);
+                c.next = 0;
+                return Some(tx);
+            }
+        }
+        None
+    }
+
+    /// Runs every context once: each sends at most one frame from the next of its VIFs
+    /// that has one, through `wire` (with the VIF it came from). Returns the frames sent.
+    pub fn step(&mut self, wire: &mut dyn FnMut(u16, &[u8])) -> usize {
+        let mut sent = 0;
+        for c in &mut self.contexts {
+            let n = c.vifs.len();
+            let t0 = mem::cpu::rdtsc();
+            let mut found = None;
+            for k in 0..n {
+                let i = (c.next + k) % n;
+                let (id, tx) = &mut c.vifs[i];
+                match tx.take(&mut self.buf) {
+                    Ok(Some(len)) => {
+                        found = Some((*id, len));
+                        c.next = (i + 1) % n;
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(_) => {
+                        self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            let Some((id, len)) = found else {
+                self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            let t1 = mem::cpu::rdtsc();
+            wire(id, &self.buf[..len]);
+            let t2 = mem::cpu::rdtsc();
+            self.times.add(Stage::MsgRcv, t1.wrapping_sub(t0));
+            self.times.add(Stage::PktTx, t2.wrapping_sub(t1));
+            self.stats.frames.fetch_add(1, Ordering::Relaxed);
+            sent += 1;
+        }
+        sent
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+}
+
+/// What an ingress context is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InState {
+    /// Ready for a frame from the wire.
+    Idle,
+    /// Its frame is in the VIF's slot; waiting for its turn to publish.
+    Publish {
+        vif: u16,
+        seq: u32,
+        len: usize,
+        t0: u64,
+    },
+}
+
+/// One ingress context and its frame buffer.
+#[derive(Debug)]
+struct IngressCtx {
+    state: InState,
+    buf: Box<[u8]>,
+}
+
+/// An ingress engine: a pool of contexts sharing the wire's frames and every VIF's
+/// receive queue (several engines may share them too, each on its own core).
+#[derive(Debug)]
+pub struct Ingress<P> {
+    contexts: Vec<IngressCtx>,
+    times: Arc<StageTimes>,
+    stats: Arc<EngineStats>,
+    _p: std::marker::PhantomData<P>,
+}
+
+/// The VIFs ingress places frames into: the receive queues by VIF id and the MAC
+/// table, shared by the ingress engines.
+#[derive(Debug)]
+pub struct IngressVifs<P> {
+    /// Receive queues, indexed by VIF id (none for a destroyed VIF).
+    pub rx: Vec<Option<Arc<VifRx<P>>>>,
+    /// Destination MAC → VIF id.
+    pub demux: Demux,
+}
+
+impl<P: PageAccess> Ingress<P> {
+    /// An engine of `contexts` contexts.
+    pub fn new(contexts: usize, times: Arc<StageTimes>) -> Self {
+        Self {
+            contexts: (0..contexts.max(1))
+                .map(|_| IngressCtx {
+                    state: InState::Idle,
+                    buf: vec![0u8; SLOT_BYTES].into_boxed_slice(),
+                })
+                .collect(),
+            times,
+            stats: Arc::default(),
+            _p: std::marker::PhantomData,
+        }
+    }
+
+    /// Runs every context once. An idle context takes a frame with `wire` (which copies
+    /// one into the buffer it is given and returns its length), finds its VIF, takes a
+    /// sequence number, copies the frame into the VIF's slot and publishes it if its
+    /// turn has come; a context waiting to publish tries again. `signal` is called for
+    /// each published frame whose guest wants a receive signal. Returns frames
+    /// published.
+    pub fn step(
+        &mut self,
+        vifs: &IngressVifs<P>,
+        wire: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+        signal: &mut dyn FnMut(u16),
+    ) -> usize {
+        let mut published = 0;
+        for c in &mut self.contexts {
+            if c.state == InState::Idle {
+                let t0 = mem::cpu::rdtsc();
+                let Some(len) = wire(&mut c.buf) else {
+                    self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let t1 = mem::cpu::rdtsc();
+                self.times.add(Stage::PktRx, t1.wrapping_sub(t0));
+                let mut dst = [0u8; 6];
+                if len < super::vif::MIN_FRAME {
+                    self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                dst.copy_from_slice(&c.buf[..6]);
+                let Some((vif, rx)) = vifs
+                    .demux
+                    .lookup(&dst)
+                    .and_then(|v| Some((v, vifs.rx.get(v as usize)?.as_ref()?)))
+                else {
+                    self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let seq = match rx.reserve() {
+                    Ok(Some(seq)) => seq,
+                    Ok(None) => {
+                        self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    Err(_) => {
+                        self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                let t2 = mem::cpu::rdtsc();
+                self.times.add(Stage::ChnlDemux, t2.wrapping_sub(t1));
+                if rx.fill(seq, &c.buf[..len]).is_err() {
+                    self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                c.state = InState::Publish {
+                    vif,
+                    seq,
+                    len,
+                    t0: t2,
+                };
+            }
+            if let InState::Publish { vif, seq, len, t0 } = c.state {
+                let Some(rx) = vifs.rx.get(vif as usize).and_then(|r| r.as_ref()) else {
+                    // Destroyed while this context held a slot: nothing to publish into.
+                    c.state = InState::Idle;
+                    continue;
+                };
+                match rx.publish(seq, len) {
+                    Ok(true) => {
+                        if rx.wants_signal() {
+                            signal(vif);
+                        }
+                        self.times
+                            .add(Stage::MsgSend, mem::cpu::rdtsc().wrapping_sub(t0));
+                        self.stats.frames.fetch_add(1, Ordering::Relaxed);
+                        published += 1;
+                        c.state = InState::Idle;
+                    }
+                    // Not its turn: yield, and try again at its next step.
+                    Ok(false) => {}
+                    Err(_) => {
+                        self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                        c.state = InState::Idle;
+                    }
+                }
+            }
+        }
+        published
+    }
+
+    /// Contexts holding a frame not yet published.
+    pub fn in_flight(&self) -> usize {
+        self.contexts
+            .iter()
+            .filter(|c| c.state != InState::Idle)
+            .count()
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+}
