@@ -36,6 +36,29 @@ pub const EVTCHN_PENDING: usize = VCPU_INFO_SIZE * MAX_VIRT_CPUS as usize;
 pub const EVTCHN_MASK: usize = EVTCHN_PENDING + 64 * 8;
 const UPCALL_PENDING_SEL: usize = 8;
 
+/// A vector's route goes to the hypervisor's own handler, not a port.
+const IRQ_ROUTE_HANDLER: u64 = 1 << 62;
+
+/// A handler of the hypervisor's own for a physical interrupt, run on the CPU the
+/// vector is routed to.
+pub type IrqHandler = Box<dyn Fn(&crate::Hypervisor) + Send + Sync>;
+
+/// The handlers, one slot per vector, each set at most once.
+pub(crate) struct IrqHandlers(pub(crate) Box<[std::sync::OnceLock<IrqHandler>]>);
+
+impl IrqHandlers {
+    pub(crate) fn new(n: usize) -> Self {
+        Self((0..n).map(|_| std::sync::OnceLock::new()).collect())
+    }
+}
+
+impl std::fmt::Debug for IrqHandlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bound = self.0.iter().filter(|h| h.get().is_some()).count();
+        write!(f, "IrqHandlers({bound} bound)")
+    }
+}
+
 /// A line's state at the interrupt controller: masked, because its last interrupt went
 /// to the owner and the owner has not yet signalled the end of it (Xen's level-triggered
 /// `ACKTYPE_UNMASK`: `do_IRQ` masks the pin, the guest's `PHYSDEVOP_eoi` unmasks it).
@@ -496,6 +519,62 @@ impl Hypervisor {
         Ok(p)
     }
 
+    /// Routes `vector` to a handler of the hypervisor's own, which [`Hypervisor::do_irq`]
+    /// runs on `dom`'s first vCPU when the device raises it: the host core that takes a
+    /// device's master interrupt and demultiplexes it (paper 002's identifier register).
+    /// Once per vector, for the machine's life.
+    pub fn bind_irq_handler(
+        &self,
+        dom: &Domain,
+        vector: Vector,
+        handler: IrqHandler,
+    ) -> Result<(), EvtchnError> {
+        let slot = &self.irq_handlers.0[vector.0 as usize];
+        slot.set(handler)
+            .map_err(|_| EvtchnError::VectorInUse(vector.0))?;
+        let route = (1u64 << 63) | IRQ_ROUTE_HANDLER | (dom.id.0 as u64) << 32;
+        self.irqs[vector.0 as usize]
+            .compare_exchange(0, route, Ordering::AcqRel, Ordering::Relaxed)
+            .map_err(|_| EvtchnError::VectorInUse(vector.0))?;
+        Ok(())
+    }
+
+    /// The hypervisor itself sends physical interrupt `vector`'s event to the domain it
+    /// is routed to, on the caller's CPU: a handler forwarding a shared interrupt to each
+    /// guest behind it, or a sidecore forwarding a device's message (paper 002). The work
+    /// is `do_irq`'s for one vector: mask the line until the owner's end-of-interrupt,
+    /// set the port pending and wake its vCPU (on this CPU an upcall, on another an IPI);
+    /// a line already in flight latches the request, as [`Hypervisor::raise_irq`] does.
+    pub fn send_pirq(&self, vector: Vector) -> Result<(), EvtchnError> {
+        let _c = enter(Class::XenInterrupt);
+        let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
+        if route >> 63 == 0 || route & IRQ_ROUTE_HANDLER != 0 {
+            self.irq_unbound.fetch_add(1, Ordering::Relaxed);
+            return Err(EvtchnError::VectorUnbound(vector.0));
+        }
+        let line = &self.irq_lines[vector.0 as usize];
+        let mut cur = line.load(Ordering::Acquire);
+        loop {
+            let (want, done) = if cur & IRQ_IN_FLIGHT != 0 {
+                if cur & IRQ_LATCHED != 0 {
+                    return Ok(());
+                }
+                (cur | IRQ_LATCHED, true)
+            } else {
+                (cur | IRQ_IN_FLIGHT, false)
+            };
+            match line.compare_exchange_weak(cur, want, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) if done => return Ok(()),
+                Ok(_) => break,
+                Err(c) => cur = c,
+            }
+        }
+        let dom = DomId((route >> 32) as u16);
+        let d = self.domain(dom).ok_or(EvtchnError::NoSuchDomain(dom))?;
+        self.set_pending(&d, Port(route as u32));
+        Ok(())
+    }
+
     fn irq_unbind(&self, vector: Vector) {
         self.irqs[vector.0 as usize].store(0, Ordering::Release);
         self.irq_lines[vector.0 as usize].store(0, Ordering::Release);
@@ -542,7 +621,13 @@ impl Hypervisor {
         }
         let dom = DomId((route >> 32) as u16);
         let d = self.domain(dom).ok_or(EvtchnError::NoSuchDomain(dom))?;
-        self.irq_to_cpu(&d, Port(route as u32), vector);
+        if route & IRQ_ROUTE_HANDLER != 0 {
+            if let Some(v) = d.vcpus.first() {
+                v.raise_vector(vector);
+            }
+        } else {
+            self.irq_to_cpu(&d, Port(route as u32), vector);
+        }
         Ok(())
     }
 
@@ -593,6 +678,14 @@ impl Hypervisor {
             let route = self.irqs[vector.0 as usize].load(Ordering::Acquire);
             if route >> 63 == 0 || DomId((route >> 32) as u16) != dom.id {
                 self.irq_unbound.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            // The hypervisor's own handler: no guest port, no mask (the device raises the
+            // vector again only after the handler has cleared what it read).
+            if route & IRQ_ROUTE_HANDLER != 0 {
+                if let Some(h) = self.irq_handlers.0[vector.0 as usize].get() {
+                    h(self);
+                }
                 return;
             }
             // Mask the line until the owner's `PHYSDEVOP_eoi`, then send the event.

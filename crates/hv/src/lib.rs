@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use domain::{Domain, DomainConfig, DomainError, OwnPage};
-pub use event::{ChannelState, EvtchnError, Virq};
+pub use event::{ChannelState, EvtchnError, IrqHandler, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
 pub use mem::{MachineMemory, MapBackend, PageAccess, PAGE_SIZE};
 pub use types::*;
@@ -101,6 +101,9 @@ pub struct Hypervisor {
     /// Per vector, the line's state at the interrupt controller (`event::IRQ_*`).
     pub(crate) irq_lines: Box<[AtomicU8]>,
     pub(crate) irq_unbound: AtomicU64,
+    /// Per vector, the hypervisor's own handler if it is routed to one
+    /// ([`Hypervisor::bind_irq_handler`]) rather than to a domain's port.
+    pub(crate) irq_handlers: event::IrqHandlers,
     store: store::Store,
     iommu: Arc<iommu::Iommu>,
     /// Frames of destroyed domains still referenced by someone; freed by `reap`.
@@ -131,6 +134,7 @@ impl Hypervisor {
             irqs: (0..NR_VECTORS).map(|_| AtomicU64::new(0)).collect(),
             irq_lines: (0..NR_VECTORS).map(|_| AtomicU8::new(0)).collect(),
             irq_unbound: AtomicU64::new(0),
+            irq_handlers: event::IrqHandlers::new(NR_VECTORS),
             store: store::Store::new(),
             iommu,
             zombies: Mutex::new(Vec::new()),

@@ -195,6 +195,57 @@ fn a_device_interrupt_becomes_an_event_on_the_owner_port() {
 }
 
 #[test]
+fn a_master_interrupt_runs_the_hypervisors_handler_which_sends_each_guest_its_event() {
+    let (hv, ctl, guest) = two_domains();
+    let (master, v1, v2) = (Vector(50), Vector(51), Vector(52));
+    let p1 = hv.bind_irq(&guest, v1).expect("bind 1");
+    let p2 = hv.bind_irq(&guest, v2).expect("bind 2");
+    let ran = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&ran);
+    hv.bind_irq_handler(
+        &ctl,
+        master,
+        Box::new(move |hv: &Hypervisor| {
+            r.fetch_add(1, Ordering::Relaxed);
+            hv.send_pirq(Vector(51)).expect("forward 1");
+            hv.send_pirq(Vector(52)).expect("forward 2");
+        }),
+    )
+    .expect("handler");
+    assert!(hv
+        .bind_irq_handler(&ctl, master, Box::new(|_: &Hypervisor| {}))
+        .is_err());
+    assert_eq!(hv.bind_irq(&ctl, master), Err(EvtchnError::VectorInUse(50)));
+    hv.raise_irq(master).expect("raise");
+    assert_eq!(
+        ran.load(Ordering::Relaxed),
+        0,
+        "hardware only marks the vector"
+    );
+    assert_eq!(hv.do_irq(&ctl, 0), 1);
+    assert_eq!(ran.load(Ordering::Relaxed), 1);
+    assert!(
+        drain(&ctl).is_empty(),
+        "the controller gets no event of its own"
+    );
+    let mut got = drain(&guest);
+    got.sort_by_key(|p| p.0);
+    assert_eq!(got, vec![p1, p2]);
+    // Forwarded again before the guest's end-of-interrupt: latched, sent at the EOI.
+    hv.send_pirq(v1).expect("latch");
+    assert!(drain(&guest).is_empty());
+    hv.pirq_eoi(&guest, p1).expect("eoi");
+    assert_eq!(hv.do_irq(&guest, 0), 1);
+    assert_eq!(drain(&guest), vec![p1]);
+    // A handler's vector is nobody's port; an unbound one is nothing.
+    assert_eq!(hv.send_pirq(master), Err(EvtchnError::VectorUnbound(50)));
+    assert_eq!(
+        hv.send_pirq(Vector(53)),
+        Err(EvtchnError::VectorUnbound(53))
+    );
+}
+
+#[test]
 fn a_line_stays_masked_until_its_owner_signals_the_end_of_the_interrupt() {
     let (hv, a, b) = two_domains();
     let v = Vector(35);
