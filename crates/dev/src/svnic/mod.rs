@@ -9,12 +9,15 @@
 //! * [`engine`]: the micro-engines: egress contexts serving disjoint sets of send
 //!   queues, ingress contexts placing the wire's frames in order, Figure 8's stage
 //!   times;
+//! * [`device`]: the running device: its engines on device cores, its cable, its
+//!   signals, VIFs added and removed while it runs;
 //! * [`signal`]: the signalling designs: the shared 8-bit identifier register and its
 //!   hypervisor demultiplexing, the sidecore's message channel, a vector per VIF.
 //!
 //! The register and the channel live with the device and the hypervisor; no guest
 //! holds a handle to either, so no guest can use them to signal another.
 
+pub mod device;
 pub mod engine;
 pub mod signal;
 pub mod vif;

@@ -514,6 +514,40 @@ impl<P: PageAccess> VifFront<P> {
         Ok(Some(len))
     }
 
+    /// Takes the next received frame by handing `copy` the page that holds it, the
+    /// frame's offset in that page and its length, so that the bytes go straight where
+    /// the guest wants them (one copy, the paper's message receive): `copy`'s result, or
+    /// none if the queue is empty. The slot is the guest's again once `copy` returns.
+    pub fn recv_with<T>(
+        &mut self,
+        copy: impl FnOnce(&P, usize, usize) -> Result<T, VifError>,
+    ) -> Result<Option<T>, VifError> {
+        if self.rx_pending()? == 0 {
+            return Ok(None);
+        }
+        let i = self.rx_cons;
+        let len = self
+            .pages
+            .device
+            .read_obj::<u16>(RX_LEN + 2 * (i % SLOTS) as usize)? as usize;
+        if len > SLOT_BYTES {
+            return Err(VifError::BadLength(len));
+        }
+        let (page, offset) = slot_at(i);
+        let p = self
+            .pages
+            .rx
+            .get(page)
+            .ok_or(MemError::NotMapped(page as u32))?;
+        let r = copy(p, offset, len)?;
+        self.rx_cons = i.wrapping_add(1);
+        self.pages
+            .guest
+            .atomic_u32(RX_CONS)?
+            .store(self.rx_cons, Ordering::Release);
+        Ok(Some(r))
+    }
+
     /// Enables or disables the receive signal (NAPI turns it off while it polls).
     pub fn set_rx_signal(&self, on: bool) -> Result<(), VifError> {
         self.pages

@@ -1,0 +1,574 @@
+//! The running SV-NIC: its micro-engines on device cores, its cable, its signalling,
+//! and the device-side management driver that adds and removes VIFs while it runs.
+//!
+//! Threads: an egress engine, and an ingress engine that also plays the board's network
+//! I/O engine (it takes the cable's frames into device buffers, from which its contexts
+//! place them). With the sidecore design, a third thread is the sidecore: a host core of
+//! the hypervisor's, given to taking the device's messages and sending each guest its
+//! event. Each thread is pinned to the core it is given; their time is charged to no
+//! domain (the device's cores are the board's, the sidecore is the hypervisor's).
+//!
+//! Engines poll, as the board's micro-engines do: a step that finds nothing yields the
+//! core to whatever else the host scheduled there (on this 2-core machine device cores
+//! share cores with the guests), and steps again.
+//!
+//! Signals reach the guest as physical interrupts bound to an event-channel port of its
+//! own (one vector per VIF, [`VifSignal::vector`]), whichever design carries them:
+//! * [`SignalMode::PerVif`]: the device raises the VIF's vector (MSI-X);
+//! * [`SignalMode::IdRegister`]: the device sets the VIF's bit and raises the one master
+//!   vector; the hypervisor's handler, on the controller domain's vCPU, reads and clears
+//!   the register and forwards an event to every VIF sharing a set bit
+//!   ([`hv::Hypervisor::send_pirq`]);
+//! * [`SignalMode::Sidecore`]: the device writes the VIF's id into the side channel;
+//!   the sidecore forwards exactly that VIF's event.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use hv::{Hypervisor, Vector};
+use mem::PageAccess;
+use net::offload::Offload;
+
+use super::engine::{Demux, Egress, EngineStats, Ingress, IngressVifs, StageTimes};
+use super::signal::{BitMap, Dir, IdRegister, SideChannel};
+use super::vif::{VifRx, VifTx, SLOT_BYTES};
+use crate::wire::{WireSink, WireSource};
+
+/// How the device signals guests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignalMode {
+    /// The shared 8-bit identifier register and a master interrupt demultiplexed by the
+    /// hypervisor on a host core (the paper's SV-NIC).
+    IdRegister,
+    /// A message channel to a sidecore (the paper's §V).
+    Sidecore,
+    /// A vector per VIF (MSI-X; the paper's suggested fix).
+    PerVif,
+}
+
+/// Where the device's threads run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCores {
+    /// The egress engine's core.
+    pub egress: Option<usize>,
+    /// The ingress engine's core.
+    pub ingress: Option<usize>,
+    /// The sidecore (with [`SignalMode::Sidecore`]).
+    pub sidecore: Option<usize>,
+}
+
+/// How to build the device.
+#[derive(Debug, Clone, Copy)]
+pub struct SvnicConfig {
+    /// Egress contexts (the board's 8 per micro-engine).
+    pub egress_contexts: usize,
+    /// Ingress contexts.
+    pub ingress_contexts: usize,
+    /// The signalling design.
+    pub signal: SignalMode,
+    /// The master interrupt's vector ([`SignalMode::IdRegister`]).
+    pub master: Vector,
+    /// Where the threads run.
+    pub cores: DeviceCores,
+}
+
+impl Default for SvnicConfig {
+    fn default() -> Self {
+        Self {
+            egress_contexts: 8,
+            ingress_contexts: 8,
+            signal: SignalMode::IdRegister,
+            master: Vector(60),
+            cores: DeviceCores::default(),
+        }
+    }
+}
+
+/// How a VIF's guest is told: its vector (bound to the guest's port) and, with the
+/// identifier register, its bit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VifSignal {
+    /// The VIF's own vector.
+    pub vector: Vector,
+    /// Its identifier bit.
+    pub bit: u8,
+}
+
+/// Signals as the hypervisor side counts them.
+#[derive(Debug, Default)]
+pub struct SignalStats {
+    /// Guest events the hypervisor sent (from any design).
+    pub events: AtomicU64,
+    /// Master interrupts handled ([`SignalMode::IdRegister`]).
+    pub master_interrupts: AtomicU64,
+    /// Messages the sidecore took ([`SignalMode::Sidecore`]).
+    pub sidecore_messages: AtomicU64,
+    /// TSC ticks the hypervisor spent forwarding (the handler's or the sidecore's), for
+    /// Figure 8's interrupt virtualization cost.
+    pub forward_ticks: AtomicU64,
+    /// Frames the device signalled for (each may wake several guests with the register).
+    pub device_signals: AtomicU64,
+    /// Identifier bits the handler found set, over all its runs: each is forwarded to
+    /// every VIF sharing it (the paper's ⌊n/8⌋ to ⌈n/8⌉ events a frame).
+    pub bits_handled: AtomicU64,
+    /// Events the hypervisor sent to a VIF with no request of its own outstanding: it
+    /// shared the bit with one that asked, or an earlier run of the handler had already
+    /// told it. The identifier register's redundant wake-ups.
+    pub redundant: AtomicU64,
+}
+
+impl net::counters::CounterSet for SignalStats {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        f("events", l(&self.events));
+        f("master_interrupts", l(&self.master_interrupts));
+        f("sidecore_messages", l(&self.sidecore_messages));
+        f("forward_ticks", l(&self.forward_ticks));
+        f("device_signals", l(&self.device_signals));
+        f("bits_handled", l(&self.bits_handled));
+        f("redundant", l(&self.redundant));
+    }
+}
+
+/// The signalling state shared by the device threads and the hypervisor's forwarders.
+#[derive(Debug)]
+struct Signals<P> {
+    mode: SignalMode,
+    master: Vector,
+    reg: IdRegister,
+    /// By VIF id: its signal, if it exists.
+    vifs: Mutex<Vec<Option<VifSignal>>>,
+    bits: Mutex<BitMap>,
+    channel: SideChannel,
+    /// By VIF id: the device signalled it and the hypervisor has not yet forwarded.
+    asked: Box<[AtomicBool]>,
+    stats: SignalStats,
+    _p: std::marker::PhantomData<P>,
+}
+
+impl<P> Signals<P> {
+    fn vector(&self, vif: u16) -> Option<Vector> {
+        self.vifs
+            .lock()
+            .ok()?
+            .get(vif as usize)
+            .copied()
+            .flatten()
+            .map(|s| s.vector)
+    }
+
+    /// The device side: signal `vif` by the configured design.
+    fn raise(&self, hv: &Hypervisor, vif: u16) {
+        self.stats.device_signals.fetch_add(1, Ordering::Relaxed);
+        match self.mode {
+            SignalMode::PerVif => {
+                if let Some(v) = self.vector(vif) {
+                    let _ = hv.raise_irq(v);
+                }
+            }
+            SignalMode::IdRegister => {
+                let bit = self
+                    .vifs
+                    .lock()
+                    .ok()
+                    .and_then(|v| v.get(vif as usize).copied().flatten())
+                    .map(|s| s.bit);
+                if let Some(b) = bit {
+                    if let Some(a) = self.asked.get(vif as usize) {
+                        a.store(true, Ordering::Release);
+                    }
+                    if self.reg.raise(Dir::Rx, b) {
+                        let _ = hv.raise_irq(self.master);
+                    }
+                }
+            }
+            SignalMode::Sidecore => {
+                // A full channel drops the message: the VIF's queue keeps the frame, and
+                // its next frame's message wakes the guest (counted in `full`).
+                let _ = self.channel.send(vif, Dir::Rx);
+            }
+        }
+    }
+
+    /// The hypervisor's master-interrupt handler: reads and clears the register and
+    /// sends an event to every VIF sharing a set bit.
+    fn handle_master(&self, hv: &Hypervisor) {
+        let t0 = mem::cpu::rdtsc();
+        self.stats.master_interrupts.fetch_add(1, Ordering::Relaxed);
+        let bits = self.reg.take(Dir::Rx);
+        self.stats
+            .bits_handled
+            .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
+        if let (Ok(map), Ok(vifs)) = (self.bits.lock(), self.vifs.lock()) {
+            map.demux(bits, &mut |v| {
+                let asked = self
+                    .asked
+                    .get(v as usize)
+                    .is_some_and(|a| a.swap(false, Ordering::AcqRel));
+                if !asked {
+                    self.stats.redundant.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(s) = vifs.get(v as usize).copied().flatten() {
+                    if hv.send_pirq(s.vector).is_ok() {
+                        self.stats.events.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+        self.stats
+            .forward_ticks
+            .fetch_add(mem::cpu::rdtsc().wrapping_sub(t0), Ordering::Relaxed);
+    }
+
+    /// The sidecore's step: forwards every message waiting; how many.
+    fn sidecore_step(&self, hv: &Hypervisor) -> usize {
+        let mut n = 0;
+        while let Some((vif, _dir)) = self.channel.recv() {
+            let t0 = mem::cpu::rdtsc();
+            self.stats.sidecore_messages.fetch_add(1, Ordering::Relaxed);
+            if let Some(v) = self.vector(vif) {
+                if hv.send_pirq(v).is_ok() {
+                    self.stats.events.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            self.stats
+                .forward_ticks
+                .fetch_add(mem::cpu::rdtsc().wrapping_sub(t0), Ordering::Relaxed);
+            n += 1;
+        }
+        n
+    }
+}
+
+/// VIF ids a device serves (0 to this, exclusive).
+pub const MAX_VIFS: usize = 256;
+
+/// Frames the network I/O engine holds between the cable and the ingress contexts.
+const RX_FIFO: usize = 256;
+
+/// A management request to the egress engine (the device-side driver writes it, the
+/// engine takes it between steps).
+enum EgressReq<P> {
+    Add { id: u16, tx: VifTx<P> },
+    Remove { id: u16 },
+}
+
+/// A management request to the ingress engine.
+enum IngressReq<P> {
+    Add {
+        id: u16,
+        mac: [u8; 6],
+        rx: Arc<VifRx<P>>,
+    },
+    Remove {
+        id: u16,
+    },
+}
+
+/// What the device threads share.
+struct Shared<P> {
+    stop: AtomicBool,
+    /// The cable is plugged in: until then the device takes nothing from it.
+    link_up: AtomicBool,
+    egress_requests: Mutex<Vec<EgressReq<P>>>,
+    ingress_requests: Mutex<Vec<IngressReq<P>>>,
+    signals: Arc<Signals<P>>,
+    times: Arc<StageTimes>,
+    egress_stats: Mutex<Option<Arc<EngineStats>>>,
+    ingress_stats: Mutex<Option<Arc<EngineStats>>>,
+    /// Frames the cable brought that the device had no buffer for.
+    rx_fifo_full: AtomicU64,
+}
+
+/// The running device.
+pub struct Svnic<P: PageAccess + Send + Sync + 'static> {
+    shared: Arc<Shared<P>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl<P: PageAccess + Send + Sync + 'static> std::fmt::Debug for Svnic<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Svnic")
+            .field("threads", &self.threads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn pin(core: Option<usize>) {
+    if let Some(c) = core {
+        let _ = mem::cpu::pin_current_thread(c);
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
+    /// Starts the device on `hv`, its cable `source` and `sink`. With the identifier
+    /// register, the master vector's handler is bound to `controller`'s vCPU.
+    pub fn start(
+        hv: &Arc<Hypervisor>,
+        controller: Option<&hv::Domain>,
+        cfg: SvnicConfig,
+        mut source: Box<dyn WireSource>,
+        mut sink: Box<dyn WireSink>,
+    ) -> Result<Self, hv::EvtchnError> {
+        let signals = Arc::new(Signals {
+            mode: cfg.signal,
+            master: cfg.master,
+            reg: IdRegister::default(),
+            vifs: Mutex::new(Vec::new()),
+            bits: Mutex::new(BitMap::default()),
+            channel: SideChannel::new(1024),
+            asked: (0..MAX_VIFS).map(|_| AtomicBool::new(false)).collect(),
+            stats: SignalStats::default(),
+            _p: std::marker::PhantomData,
+        });
+        if cfg.signal == SignalMode::IdRegister {
+            if let Some(c) = controller {
+                let s = Arc::clone(&signals);
+                hv.bind_irq_handler(c, cfg.master, Box::new(move |hv| s.handle_master(hv)))?;
+            }
+        }
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            link_up: AtomicBool::new(false),
+            egress_requests: Mutex::new(Vec::new()),
+            ingress_requests: Mutex::new(Vec::new()),
+            signals,
+            times: Arc::new(StageTimes::default()),
+            egress_stats: Mutex::new(None),
+            ingress_stats: Mutex::new(None),
+            rx_fifo_full: AtomicU64::new(0),
+        });
+        let mut threads = Vec::new();
+        {
+            let sh = Arc::clone(&shared);
+            let core = cfg.cores.egress;
+            let contexts = cfg.egress_contexts;
+            threads.push(
+                std::thread::Builder::new()
+                    .name("svnic-egress".into())
+                    .spawn(move || {
+                        pin(core);
+                        let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
+                        if let Ok(mut s) = sh.egress_stats.lock() {
+                            *s = Some(Arc::clone(e.stats()));
+                        }
+                        while !sh.stop.load(Ordering::Acquire) {
+                            if let Ok(mut r) = sh.egress_requests.lock() {
+                                for req in r.drain(..) {
+                                    match req {
+                                        EgressReq::Add { id, tx } => e.add(id, tx),
+                                        EgressReq::Remove { id } => {
+                                            e.remove(id);
+                                        }
+                                    }
+                                }
+                            }
+                            let n = e.step(&mut |_, f| sink.transmit(f, Offload::NONE));
+                            if n == 0 {
+                                std::thread::yield_now();
+                            }
+                        }
+                    })
+                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
+            );
+        }
+        {
+            let sh = Arc::clone(&shared);
+            let core = cfg.cores.ingress;
+            let contexts = cfg.ingress_contexts;
+            let hv = Arc::clone(hv);
+            threads.push(
+                std::thread::Builder::new()
+                    .name("svnic-ingress".into())
+                    .spawn(move || {
+                        pin(core);
+                        let mut ing: Ingress<P> = Ingress::new(contexts, Arc::clone(&sh.times));
+                        if let Ok(mut s) = sh.ingress_stats.lock() {
+                            *s = Some(Arc::clone(ing.stats()));
+                        }
+                        let mut vifs = IngressVifs {
+                            rx: Vec::new(),
+                            demux: Demux::new(256),
+                        };
+                        // The network I/O engine's buffers: frames from the cable wait
+                        // here for an ingress context.
+                        let mut fifo: VecDeque<(Box<[u8]>, usize)> =
+                            VecDeque::with_capacity(RX_FIFO);
+                        let mut free: Vec<Box<[u8]>> = (0..RX_FIFO)
+                            .map(|_| vec![0u8; SLOT_BYTES].into_boxed_slice())
+                            .collect();
+                        while !sh.stop.load(Ordering::Acquire) {
+                            if let Ok(mut r) = sh.ingress_requests.lock() {
+                                for req in r.drain(..) {
+                                    match req {
+                                        IngressReq::Add { id, mac, rx } => {
+                                            let i = id as usize;
+                                            if vifs.rx.len() <= i {
+                                                vifs.rx.resize_with(i + 1, || None);
+                                            }
+                                            vifs.rx[i] = Some(rx);
+                                            vifs.demux.insert(mac, id);
+                                        }
+                                        IngressReq::Remove { id } => {
+                                            if let Some(r) = vifs.rx.get_mut(id as usize) {
+                                                *r = None;
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            if sh.link_up.load(Ordering::Acquire) {
+                                source.poll(Instant::now(), &mut |f, _off| match free.pop() {
+                                    Some(mut b) if f.len() <= b.len() => {
+                                        b[..f.len()].copy_from_slice(f);
+                                        fifo.push_back((b, f.len()));
+                                    }
+                                    Some(b) => {
+                                        free.push(b);
+                                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    None => {
+                                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                });
+                            }
+                            let sig = &sh.signals;
+                            let n = ing.step(
+                                &vifs,
+                                &mut |buf: &mut [u8]| {
+                                    let (b, len) = fifo.pop_front()?;
+                                    buf[..len].copy_from_slice(&b[..len]);
+                                    free.push(b);
+                                    Some(len)
+                                },
+                                &mut |vif| sig.raise(&hv, vif),
+                            );
+                            if n == 0 && fifo.is_empty() {
+                                std::thread::yield_now();
+                            }
+                        }
+                    })
+                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
+            );
+        }
+        if cfg.signal == SignalMode::Sidecore {
+            let sh = Arc::clone(&shared);
+            let core = cfg.cores.sidecore;
+            let hv = Arc::clone(hv);
+            threads.push(
+                std::thread::Builder::new()
+                    .name("sidecore".into())
+                    .spawn(move || {
+                        pin(core);
+                        while !sh.stop.load(Ordering::Acquire) {
+                            if sh.signals.sidecore_step(&hv) == 0 {
+                                std::thread::yield_now();
+                            }
+                        }
+                    })
+                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
+            );
+        }
+        Ok(Self { shared, threads })
+    }
+
+    /// The device-side management driver adds VIF `id` (its queues, its MAC, its
+    /// signal); the engines take it at their next step.
+    pub fn add_vif(
+        &self,
+        id: u16,
+        mac: [u8; 6],
+        tx: VifTx<P>,
+        rx: Arc<VifRx<P>>,
+        signal: VifSignal,
+    ) {
+        let s = &self.shared.signals;
+        if let Ok(mut v) = s.vifs.lock() {
+            let i = id as usize;
+            if v.len() <= i {
+                v.resize(i + 1, None);
+            }
+            v[i] = Some(signal);
+        }
+        if let Ok(mut b) = s.bits.lock() {
+            b.add(signal.bit, id);
+        }
+        if let Ok(mut r) = self.shared.ingress_requests.lock() {
+            r.push(IngressReq::Add { id, mac, rx });
+        }
+        if let Ok(mut r) = self.shared.egress_requests.lock() {
+            r.push(EgressReq::Add { id, tx });
+        }
+    }
+
+    /// Plugs the cable in: the device starts taking frames from it.
+    pub fn link_up(&self) {
+        self.shared.link_up.store(true, Ordering::Release);
+    }
+
+    /// Frames the cable brought that found no device buffer.
+    pub fn rx_fifo_full(&self) -> u64 {
+        self.shared.rx_fifo_full.load(Ordering::Relaxed)
+    }
+
+    /// A bit for a new VIF from the identifier register (`next++ mod 8`).
+    pub fn assign_bit(&self) -> u8 {
+        self.shared.signals.reg.assign()
+    }
+
+    /// Removes VIF `id`; the engines let go of its queues at their next step.
+    pub fn remove_vif(&self, id: u16) {
+        if let Ok(mut r) = self.shared.ingress_requests.lock() {
+            r.push(IngressReq::Remove { id });
+        }
+        if let Ok(mut r) = self.shared.egress_requests.lock() {
+            r.push(EgressReq::Remove { id });
+        }
+        let s = &self.shared.signals;
+        if let Ok(mut b) = s.bits.lock() {
+            b.remove(id);
+        }
+        if let Ok(mut v) = s.vifs.lock() {
+            if let Some(x) = v.get_mut(id as usize) {
+                *x = None;
+            }
+        }
+    }
+
+    /// Figure 8's stage times so far.
+    pub fn stage_times(&self) -> &Arc<StageTimes> {
+        &self.shared.times
+    }
+
+    /// The signalling counters.
+    pub fn signal_stats(&self) -> &SignalStats {
+        &self.shared.signals.stats
+    }
+
+    /// The engines' counters (once their threads started).
+    pub fn engine_stats(&self) -> (Option<Arc<EngineStats>>, Option<Arc<EngineStats>>) {
+        let g = |m: &Mutex<Option<Arc<EngineStats>>>| m.lock().ok().and_then(|s| s.clone());
+        (g(&self.shared.egress_stats), g(&self.shared.ingress_stats))
+    }
+
+    /// Stops the device's threads.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> Drop for Svnic<P> {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
