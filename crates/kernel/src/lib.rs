@@ -26,6 +26,7 @@ pub mod machine;
 pub mod mm;
 pub mod native;
 pub mod pv_guest;
+pub mod svnic_guest;
 pub mod vcpu;
 
 pub use counters::Counters;

@@ -92,6 +92,21 @@ pub struct GuestSpec {
     pub core: Option<usize>,
 }
 
+/// A guest of the self-virtualized NIC: a VIF of its own, the stack and the
+/// application above its VIF driver.
+#[derive(Debug)]
+pub struct SvnicGuestSpec {
+    /// Its domain's name.
+    pub name: String,
+    /// Its VIF's MAC.
+    pub mac: [u8; 6],
+    /// What runs above the VIF driver.
+    pub app: AppSpec,
+    /// Its vCPU's core (by default the guests take the cores after the controller
+    /// domain's, one each).
+    pub core: Option<usize>,
+}
+
 /// Which domains, and what each runs.
 #[derive(Debug)]
 pub enum Layout {
@@ -105,6 +120,16 @@ pub enum Layout {
         driver: DriverConfig,
         /// The guests, one vif each.
         guests: Vec<GuestSpec>,
+    },
+    /// The self-virtualized NIC (paper 002): its engines on device cores multiplex the
+    /// cable among the guests' VIFs, which the guests reach directly; a controller
+    /// domain runs the host-side management (and, with the identifier register, takes
+    /// the master interrupt on its core).
+    Svnic {
+        /// The device's engines, signalling and cores.
+        config: dev::svnic::device::SvnicConfig,
+        /// The guests, one VIF each.
+        guests: Vec<SvnicGuestSpec>,
     },
 }
 
@@ -177,6 +202,8 @@ pub struct Machine {
     driver: Option<DriverPlan>,
     domains: Vec<(Arc<Domain>, Role)>,
     nic: Option<Nic>,
+    /// The self-virtualized NIC, in its layout.
+    svnic: Option<dev::svnic::device::Svnic<hv::OwnPage>>,
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
     /// Where each running kernel's counters are asked for.
@@ -184,6 +211,32 @@ pub struct Machine {
     native_irq: Option<Arc<NativeIrq>>,
     /// The NIC driver chooses its interrupt moderation from the rate.
     adaptive_coalescing: bool,
+}
+
+/// How the builder makes a domain: name, whether it drives a device, window slots.
+type MakeDomain<'a> =
+    dyn Fn(&Arc<Hypervisor>, &str, bool, u32) -> Result<Arc<Domain>, hv::HvError> + 'a;
+
+/// VIFs of an SV-NIC machine (its vectors from [`SVNIC_VECTOR_BASE`] on).
+pub const SVNIC_MAX_VIFS: usize = 64;
+/// The first VIF's vector.
+pub const SVNIC_VECTOR_BASE: u8 = 64;
+
+/// The controller domain's kernel in the SV-NIC layout: the host-side management runs
+/// in the toolstack's thread; its vCPU is where the device's master interrupt is taken
+/// (the hypervisor's handler runs on it), and it has nothing else to do.
+#[derive(Debug)]
+struct Controller;
+
+impl Kernel for Controller {
+    const CLOCK: bool = false;
+    fn event(&mut self, _v: &hv::Vcpu, _port: Port) {}
+    fn poll(&mut self, _now: Duration) -> vcpu::Work {
+        vcpu::Work::default()
+    }
+    fn shutdown(self) -> Counters {
+        Counters::default()
+    }
 }
 
 /// A guest's front end while the machine is built.
@@ -259,6 +312,8 @@ impl Machine {
     pub fn start(spec: MachineSpec) -> Result<Self, BuildError> {
         let ndomains = match &spec.layout {
             Layout::DriverDomain { guests, .. } => guests.len() + 1,
+            // The guests, the controller domain, and the device's memory.
+            Layout::Svnic { guests, .. } => guests.len() + 2,
             _ => 1,
         };
         let hv = Hypervisor::new(HvConfig {
@@ -273,6 +328,7 @@ impl Machine {
             driver: None,
             domains: Vec::new(),
             nic: None,
+            svnic: None,
             stop: Arc::new(AtomicBool::new(false)),
             kernels: Vec::new(),
             doors: Vec::new(),
@@ -302,6 +358,9 @@ impl Machine {
         let n = spec.nic;
         let hv = Arc::clone(&m.hv);
         match spec.layout {
+            Layout::Svnic { config, guests } => {
+                m.start_svnic(n, config, guests, &ready, &start, &mk)?;
+            }
             Layout::Native(app) => {
                 let dom = mk(&hv, "native", true, 4)?;
                 hv.iommu_attach(NIC, &dom).map_err(other)?;
@@ -446,6 +505,9 @@ impl Machine {
         if let Some(nic) = &m.nic {
             nic.regs().link_up.store(true, Ordering::Release);
         }
+        if let Some(s) = &m.svnic {
+            s.link_up();
+        }
         Ok(m)
     }
 
@@ -472,6 +534,76 @@ impl Machine {
         self.doors.push((Arc::clone(dom), door));
         self.domains.push((Arc::clone(dom), role));
         Ok(())
+    }
+
+    /// Builds the SV-NIC layout: the device's memory, the controller domain (whose
+    /// vCPU takes the master interrupt), the device, and each guest with its VIF: the
+    /// region made and granted by the host-side management, mapped once by the guest,
+    /// its signal a vector bound to a port of the guest's.
+    fn start_svnic(
+        &mut self,
+        nic: NicSpec,
+        config: dev::svnic::device::SvnicConfig,
+        guests: Vec<SvnicGuestSpec>,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(Option<usize>) -> VcpuStart,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        use dev::svnic::device::{Svnic, VifSignal};
+        use dev::svnic::vif::{VifDevice, VifFront, VifRegion, VIF_PAGES};
+        let hv = Arc::clone(&self.hv);
+        if guests.len() > SVNIC_MAX_VIFS {
+            return Err(other(format!(
+                "{} guests: an SV-NIC here has at most {SVNIC_MAX_VIFS} VIFs",
+                guests.len()
+            )));
+        }
+        let device = hv.create_domain(&DomainConfig {
+            name: "svnic".into(),
+            pages: (VIF_PAGES * guests.len().max(1) + 16) as u32,
+            grant_frames: 8,
+            grant_version: self.grant_version,
+            vcpus: 1,
+            map_slots: 4,
+            driver_domain: false,
+        })?;
+        let ctl = mk(&hv, "controller", false, 4)?;
+        let svnic = Svnic::start(&hv, Some(&ctl), config, nic.source, nic.sink).map_err(other)?;
+        self.boot(
+            &ctl,
+            Role::DriverDomain,
+            start(core(0)),
+            Platform::Xen,
+            Controller,
+            ready,
+        )?;
+        for (i, g) in guests.into_iter().enumerate() {
+            let dom = mk(&hv, &g.name, false, VIF_PAGES as u32 + 4)?;
+            let region = VifRegion::create(&device, dom.id()).map_err(other)?;
+            let dev =
+                VifDevice::new(region.device_pages(&device).map_err(other)?).map_err(other)?;
+            let pages = region
+                .map_in_guest(&hv, &dom, device.id(), 0)
+                .map_err(other)?;
+            let vector = Vector(SVNIC_VECTOR_BASE + i as u8);
+            let port = hv.bind_irq(&dom, vector).map_err(other)?;
+            let signal = VifSignal {
+                vector,
+                bit: svnic.assign_bit(),
+            };
+            svnic.add_vif(i as u16, g.mac, dev.tx, dev.rx, signal);
+            let k =
+                crate::svnic_guest::SvnicGuest::new(&hv, &dom, VifFront::new(pages), port, &g.app)?;
+            let at = start(core(g.core.unwrap_or(1 + i)));
+            self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
+        }
+        self.svnic = Some(svnic);
+        Ok(())
+    }
+
+    /// The SV-NIC, in its layout.
+    pub fn svnic(&self) -> Option<&dev::svnic::device::Svnic<hv::OwnPage>> {
+        self.svnic.as_ref()
     }
 
     /// Injects a fault into the driver domain's kernel (none without one).
@@ -669,6 +801,17 @@ impl Machine {
         if let Some(r) = regs {
             c.add_set("nic", &*r);
         }
+        if let Some(s) = self.svnic.take() {
+            let (e, i) = s.engine_stats();
+            if let Some(e) = e {
+                c.add_set("svnic egress", &*e);
+            }
+            if let Some(i) = i {
+                c.add_set("svnic ingress", &*i);
+            }
+            c.add_set("svnic signals", s.signal_stats());
+            s.stop();
+        }
         Ok(c)
     }
 
@@ -699,6 +842,7 @@ impl Machine {
 impl Drop for Machine {
     fn drop(&mut self) {
         drop(self.nic.take());
+        drop(self.svnic.take());
         let _ = self.halt();
     }
 }

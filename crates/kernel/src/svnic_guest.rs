@@ -1,0 +1,211 @@
+//! A guest whose network interface is a VIF of the self-virtualized NIC (paper 002):
+//! its VIF driver reaches the VIF's queues in device memory directly, and pvio's stack
+//! and the receiving application run above it.
+//!
+//! The VIF's receive signal arrives as a physical interrupt on a port of the guest's
+//! (whichever design carried it: the device's own vector, the hypervisor's
+//! demultiplexing of the shared identifier register, or the sidecore). It schedules the
+//! driver's NAPI poll: the signal is switched off, frames are taken up to the budget,
+//! and when the queue is empty the signal is switched on again and the queue looked at
+//! once more, so a frame that came between the two is not left waiting. A signal that
+//! finds the queue empty woke the guest for nothing (a VIF sharing an identifier bit
+//! with another): counted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dev::svnic::vif::{VifError, VifFront, MAX_FRAME};
+use hv::{Domain, Hypervisor, Port, Vcpu};
+use mem::MappedPage;
+use net::skb::SkbPool;
+
+use crate::app::{AppSpec, AppStack};
+use crate::vcpu::{Kernel, Work};
+use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
+
+/// Pages of an SV-NIC guest's pool (its buffers are 2 KiB heads; frames are copied in).
+pub const POOL_PAGES: usize = 256;
+
+/// The guest's VIF driver's counters.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct VifDriverStats {
+    /// Frames taken from the receive queue and handed to the stack.
+    pub rx_frames: u64,
+    /// Frames the stack sent that went on the send queue.
+    pub tx_frames: u64,
+    /// Frames the stack sent that found the send queue full (TCP keeps them queued).
+    pub tx_full: u64,
+    /// Receive signals.
+    pub signals: u64,
+    /// Receive signals that found nothing new (woken for another VIF's frame).
+    pub empty_signals: u64,
+    /// Frames dropped: no buffer in the guest's pool.
+    pub rx_no_buffer: u64,
+    /// Protocol errors from the device's side (the VIF is then unusable).
+    pub errors: u64,
+}
+
+net::counter_set!(VifDriverStats {
+    rx_frames,
+    tx_frames,
+    tx_full,
+    signals,
+    empty_signals,
+    rx_no_buffer,
+    errors
+});
+
+/// The VIF driver, the stack and the application.
+#[derive(Debug)]
+pub struct SvnicGuest {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    front: VifFront<MappedPage>,
+    port: Port,
+    pool: SkbPool,
+    app: AppStack,
+    /// A signal came and NAPI has not yet found the queue empty.
+    napi: bool,
+    stats: VifDriverStats,
+}
+
+impl SvnicGuest {
+    /// The guest's kernel over its mapped VIF, whose receive signal comes on `port`.
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        front: VifFront<MappedPage>,
+        port: Port,
+        app: &AppSpec,
+    ) -> Result<Self, BuildError> {
+        let pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        front.set_rx_signal(true).map_err(other)?;
+        Ok(Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            front,
+            port,
+            pool,
+            app: AppStack::bind(dom, app, Duration::ZERO)?,
+            napi: true,
+            stats: VifDriverStats::default(),
+        })
+    }
+
+    /// Takes up to the budget of frames into the stack: how many.
+    fn poll_rx(&mut self, now: Duration) -> Result<usize, VifError> {
+        let mut n = 0;
+        while n < NAPI_BUDGET {
+            let Ok(skb) = self.pool.alloc(net::skb::NET_SKB_PAD) else {
+                // No buffer: the frame stays in the queue until one is free.
+                self.stats.rx_no_buffer += 1;
+                break;
+            };
+            let (gfn, off) = self.pool.data_location(skb);
+            let dom = &self.dom;
+            let got = self.front.recv_with(|page: &MappedPage, offset, len| {
+                dom.copy_from_window(page.slot(), offset, gfn, off, len.min(MAX_FRAME))
+                    .map_err(|_| VifError::BadLength(len))?;
+                Ok(len)
+            })?;
+            let Some(len) = got else {
+                self.pool.free(skb);
+                break;
+            };
+            if self.pool.extend_linear(skb, len).is_err() {
+                self.pool.free(skb);
+                continue;
+            }
+            self.app.input(&mut self.pool, skb, now);
+            n += 1;
+        }
+        self.stats.rx_frames += n as u64;
+        Ok(n)
+    }
+}
+
+impl Kernel for SvnicGuest {
+    const CLOCK: bool = true;
+
+    fn event(&mut self, _v: &Vcpu, port: Port) {
+        if port != self.port {
+            return;
+        }
+        self.stats.signals += 1;
+        if self.front.isempty().unwrap_or(true) {
+            self.stats.empty_signals += 1;
+        }
+        // NAPI: the signal off while polling; the line unmasked for the next one.
+        let _ = self.front.set_rx_signal(false);
+        let _ = self.hv.pirq_eoi(&self.dom, port);
+        self.napi = true;
+    }
+
+    fn tick(&mut self, now: Duration) {
+        self.app.tick(&mut self.pool, now);
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        let mut w = Work::default();
+        if self.napi {
+            match self.poll_rx(now) {
+                Ok(n) if n == NAPI_BUDGET => {
+                    w.rx = n;
+                    w.more = true;
+                }
+                Ok(n) => {
+                    w.rx = n;
+                    // Empty: the signal on again, then one more look.
+                    let _ = self.front.set_rx_signal(true);
+                    if self.front.isempty().unwrap_or(true) {
+                        self.napi = false;
+                    } else {
+                        let _ = self.front.set_rx_signal(false);
+                        w.more = true;
+                    }
+                }
+                Err(_) => {
+                    self.stats.errors += 1;
+                    self.napi = false;
+                }
+            }
+        }
+        let Self {
+            front,
+            app,
+            pool,
+            stats,
+            ..
+        } = self;
+        let (reads, sent) = app.run(pool, now, |_pool, frame| match front.send(frame) {
+            Ok(()) => {
+                stats.tx_frames += 1;
+                true
+            }
+            Err(_) => {
+                stats.tx_full += 1;
+                false
+            }
+        });
+        w.app = reads;
+        w.tx += sent;
+        w
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        self.app.next_timer()
+    }
+
+    fn counters(&self) -> Counters {
+        let mut c = Counters::default();
+        self.app.counters(&mut c);
+        c.add_set("vif driver", &self.stats);
+        c
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let c = self.counters();
+        self.app.shutdown(&mut self.pool);
+        c
+    }
+}
