@@ -107,7 +107,7 @@ fn egress_contexts_serve_disjoint_vifs_one_packet_a_step_so_a_flood_starves_no_o
     }
     let mut out: Vec<(u16, u32)> = Vec::new();
     for _ in 0..10 {
-        let n = egress.step(&mut |id, f| out.push((id, number(f))));
+        let n = egress.step(usize::MAX, &mut |id, f| out.push((id, number(f))));
         assert!(n <= 2, "at most one packet per context per step");
     }
     // In ten steps the flooding VIF's context-mate sent all five, alternating.
@@ -116,7 +116,7 @@ fn egress_contexts_serve_disjoint_vifs_one_packet_a_step_so_a_flood_starves_no_o
     let zero = out.iter().filter(|(v, _)| *v == 0).count();
     assert!((5..=6).contains(&zero), "{out:?}");
     // The rest drains in order.
-    while egress.step(&mut |id, f| out.push((id, number(f)))) > 0 {}
+    while egress.step(usize::MAX, &mut |id, f| out.push((id, number(f)))) > 0 {}
     let zero: Vec<u32> = out.iter().filter(|(v, _)| *v == 0).map(|x| x.1).collect();
     assert_eq!(zero, (0..SLOTS).collect::<Vec<_>>());
     let (ticks, n) = times.get(Stage::MsgRcv);
@@ -353,4 +353,85 @@ fn the_side_channel_carries_every_message_from_two_device_cores_once() {
         counts.iter().all(|&c| c == u32::from(EACH) / 16),
         "{counts:?}"
     );
+}
+
+/// Three VIFs keep their send queues full; egress sends `frames` frames one at a time
+/// (a saturated link takes one at a time): the bytes each VIF got.
+fn share(schedule: dev::svnic::engine::Schedule, priorities: [u8; 3], frames: usize) -> [u64; 3] {
+    let s = setup(3);
+    let mut egress = Egress::new(8, Arc::new(StageTimes::default()));
+    egress.set_schedule(schedule);
+    let mut fronts = Vec::new();
+    for (i, &p) in priorities.iter().enumerate() {
+        let (dev, front) = vif(&s, i);
+        egress.add(i as u16, dev.tx);
+        assert!(egress.set_priority(i as u16, p));
+        fronts.push(front);
+    }
+    let mut bytes = [0u64; 3];
+    let mut k = 0u32;
+    for _ in 0..frames {
+        for f in &mut fronts {
+            while !f.isfull().expect("isfull") {
+                f.send(&frame(9, k)).expect("send");
+                k += 1;
+            }
+        }
+        let n = egress.step(1, &mut |id, f| bytes[id as usize] += f.len() as u64);
+        assert_eq!(n, 1);
+    }
+    bytes
+}
+
+#[test]
+fn a_saturated_link_is_shared_by_priority_when_quality_aware_and_evenly_when_not() {
+    use dev::svnic::engine::Schedule;
+    let total = |b: &[u64; 3]| b.iter().sum::<u64>() as f64;
+    // Quality-aware: 100 against 10 and 10 gives the first 100/120 of the bytes.
+    let b = share(Schedule::Priority, [100, 10, 10], 3000);
+    let hp = b[0] as f64 / total(&b);
+    assert!((hp - 100.0 / 120.0).abs() < 0.02, "{b:?}: {hp}");
+    assert!((b[1] as f64 / b[2] as f64 - 1.0).abs() < 0.05, "{b:?}");
+    // Quality-unaware: a third each, whatever the priorities.
+    let b = share(Schedule::RoundRobin, [100, 10, 10], 3000);
+    for x in b {
+        assert!((x as f64 / total(&b) - 1.0 / 3.0).abs() < 0.02, "{b:?}");
+    }
+}
+
+#[test]
+fn an_idle_vif_leaves_its_share_to_the_others_and_saves_no_credit() {
+    use dev::svnic::engine::Schedule;
+    let s = setup(2);
+    let mut egress = Egress::new(8, Arc::new(StageTimes::default()));
+    egress.set_schedule(Schedule::Priority);
+    let (d0, mut f0) = vif(&s, 0);
+    let (d1, mut f1) = vif(&s, 1);
+    egress.add(0, d0.tx);
+    egress.add(1, d1.tx);
+    egress.set_priority(0, 50);
+    egress.set_priority(1, 50);
+    // VIF 1 idle: VIF 0 gets every slot.
+    let mut k = 0;
+    let mut got = [0u32; 2];
+    for _ in 0..500 {
+        while !f0.isfull().expect("isfull") {
+            f0.send(&frame(9, k)).expect("send");
+            k += 1;
+        }
+        egress.step(1, &mut |id, _| got[id as usize] += 1);
+    }
+    assert_eq!(got, [500, 0]);
+    // VIF 1 wakes up: from then on they alternate, VIF 1 with no backlog of credit.
+    got = [0, 0];
+    for _ in 0..100 {
+        for f in [&mut f0, &mut f1] {
+            while !f.isfull().expect("isfull") {
+                f.send(&frame(9, k)).expect("send");
+                k += 1;
+            }
+        }
+        egress.step(1, &mut |id, _| got[id as usize] += 1);
+    }
+    assert!(got[0].abs_diff(got[1]) <= 2, "{got:?}");
 }

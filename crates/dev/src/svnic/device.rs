@@ -73,6 +73,10 @@ pub struct SvnicConfig {
     pub master: Vector,
     /// Where the threads run.
     pub cores: DeviceCores,
+    /// The link's rate: the MAC puts one frame on it at a time.
+    pub link: crate::peer::WireRate,
+    /// How egress shares a saturated link.
+    pub schedule: super::engine::Schedule,
 }
 
 impl Default for SvnicConfig {
@@ -83,6 +87,8 @@ impl Default for SvnicConfig {
             signal: SignalMode::IdRegister,
             master: Vector(60),
             cores: DeviceCores::default(),
+            link: crate::peer::WireRate::Unlimited,
+            schedule: super::engine::Schedule::RoundRobin,
         }
     }
 }
@@ -254,6 +260,8 @@ const RX_FIFO: usize = 256;
 enum EgressReq<P> {
     Add { id: u16, tx: VifTx<P> },
     Remove { id: u16 },
+    Priority { id: u16, priority: u8 },
+    Schedule(super::engine::Schedule),
 }
 
 /// A management request to the ingress engine.
@@ -346,12 +354,16 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             let sh = Arc::clone(&shared);
             let core = cfg.cores.egress;
             let contexts = cfg.egress_contexts;
+            let (link, schedule) = (cfg.link, cfg.schedule);
             threads.push(
                 std::thread::Builder::new()
                     .name("svnic-egress".into())
                     .spawn(move || {
                         pin(core);
                         let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
+                        e.set_schedule(schedule);
+                        // When the link is free again (the last frame's last bit).
+                        let mut free_at = Instant::now();
                         if let Ok(mut s) = sh.egress_stats.lock() {
                             *s = Some(Arc::clone(e.stats()));
                         }
@@ -363,10 +375,28 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                         EgressReq::Remove { id } => {
                                             e.remove(id);
                                         }
+                                        EgressReq::Priority { id, priority } => {
+                                            e.set_priority(id, priority);
+                                        }
+                                        EgressReq::Schedule(s) => e.set_schedule(s),
                                     }
                                 }
                             }
-                            let n = e.step(&mut |_, f| sink.transmit(f, Offload::NONE));
+                            // The MAC takes one frame at a time at the link's rate; with
+                            // no limit, every context may send.
+                            let now = Instant::now();
+                            let budget = match link {
+                                crate::peer::WireRate::Unlimited => usize::MAX,
+                                crate::peer::WireRate::Bits(_) => usize::from(free_at <= now),
+                            };
+                            let n = if budget == 0 {
+                                0
+                            } else {
+                                e.step(budget, &mut |_, f| {
+                                    free_at = free_at.max(now) + link.serialization(f.len());
+                                    sink.transmit(f, Offload::NONE);
+                                })
+                            };
                             if n == 0 {
                                 std::thread::yield_now();
                             }
@@ -501,6 +531,21 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         }
         if let Ok(mut r) = self.shared.egress_requests.lock() {
             r.push(EgressReq::Add { id, tx });
+        }
+    }
+
+    /// The management API: VIF `id`'s priority, 1 (lowest) to 100, for the
+    /// quality-aware egress scheduler.
+    pub fn set_priority(&self, id: u16, priority: u8) {
+        if let Ok(mut r) = self.shared.egress_requests.lock() {
+            r.push(EgressReq::Priority { id, priority });
+        }
+    }
+
+    /// The management API: quality-aware or quality-unaware egress.
+    pub fn set_schedule(&self, s: super::engine::Schedule) {
+        if let Ok(mut r) = self.shared.egress_requests.lock() {
+            r.push(EgressReq::Schedule(s));
         }
     }
 

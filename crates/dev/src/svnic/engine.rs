@@ -165,20 +165,55 @@ impl net::counters::CounterSet for EngineStats {
     }
 }
 
+/// How the egress engine shares the link among VIFs when it is saturated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// Quality-unaware: each context serves its VIFs in turn, one packet a step.
+    #[default]
+    RoundRobin,
+    /// Quality-aware (paper 002 §VI-A): the backlogged VIF that has had the least of the
+    /// link for its priority goes next (stride scheduling on bytes), so each gets a share
+    /// in proportion to its priority, and what an idle VIF leaves goes to the others.
+    Priority,
+}
+
+/// A VIF's priority when none was set (the scale is 1 to 100).
+pub const DEFAULT_PRIORITY: u8 = 50;
+
+/// Bytes-times-priority units per byte sent: a VIF's pass advances by
+/// `len × STRIDE / priority`.
+const STRIDE: u64 = 1 << 20;
+
+/// A VIF as egress serves it.
+#[derive(Debug)]
+struct EgressVif<P> {
+    id: u16,
+    tx: VifTx<P>,
+    priority: u8,
+    /// Stride scheduling's pass: how much of the link it has had, over its priority.
+    pass: u64,
+}
+
 /// One egress context: the VIFs it serves and where it left off.
 #[derive(Debug)]
 struct EgressCtx<P> {
-    vifs: Vec<(u16, VifTx<P>)>,
+    vifs: Vec<EgressVif<P>>,
     next: usize,
 }
 
 /// The egress engine: each VIF's send queue served by one context, VIFs given to the
 /// contexts round robin (so their sets are disjoint and need no lock), each context
-/// yielding after every packet.
+/// yielding after every packet; with [`Schedule::Priority`], the VIF to serve is chosen
+/// over all of them by priority.
 #[derive(Debug)]
 pub struct Egress<P> {
     contexts: Vec<EgressCtx<P>>,
     added: usize,
+    /// The context whose turn it is next.
+    next_ctx: usize,
+    schedule: Schedule,
+    /// The pass of the VIF served last (a VIF that comes back from idle starts here).
+    vtime: u64,
     buf: Box<[u8]>,
     times: Arc<StageTimes>,
     stats: Arc<EngineStats>,
@@ -195,46 +230,96 @@ impl<P: PageAccess> Egress<P> {
                 })
                 .collect(),
             added: 0,
+            next_ctx: 0,
+            schedule: Schedule::RoundRobin,
+            vtime: 0,
             buf: vec![0u8; SLOT_BYTES].into_boxed_slice(),
             times,
             stats: Arc::default(),
         }
     }
 
+    /// Chooses the scheduling policy.
+    pub fn set_schedule(&mut self, s: Schedule) {
+        self.schedule = s;
+    }
+
     /// Gives VIF `id`'s send queue to the next context in turn.
     pub fn add(&mut self, id: u16, tx: VifTx<P>) {
         let n = self.contexts.len();
-        self.contexts[self.added % n].vifs.push((id, tx));
+        self.contexts[self.added % n].vifs.push(EgressVif {
+            id,
+            tx,
+            priority: DEFAULT_PRIORITY,
+            pass: self.vtime,
+        });
         self.added += 1;
+    }
+
+    /// Sets VIF `id`'s priority (1 to 100; clamped): false if it has no such VIF.
+    pub fn set_priority(&mut self, id: u16, priority: u8) -> bool {
+        for c in &mut self.contexts {
+            if let Some(v) = c.vifs.iter_mut().find(|v| v.id == id) {
+                v.priority = priority.clamp(1, 100);
+                return true;
+            }
+        }
+        false
     }
 
     /// Takes VIF `id`'s send queue back (the VIF is being destroyed); its context
     /// carries on with the rest.
     pub fn remove(&mut self, id: u16) -> Option<VifTx<P>> {
         for c in &mut self.contexts {
-            if let Some(i) = c.vifs.iter().position(|(v, _)| *v == id) {
-                let (_, tx) = c.vifs.remove(i);
+            if let Some(i) = c.vifs.iter().position(|v| v.id == id) {
+                let v = c.vifs.remove(i);
                 c.next = 0;
-                return Some(tx);
+                return Some(v.tx);
             }
         }
         None
     }
 
-    /// Runs every context once: each sends at most one frame from the next of its VIFs
-    /// that has one, through `wire` (with the VIF it came from). Returns the frames sent.
-    pub fn step(&mut self, wire: &mut dyn FnMut(u16, &[u8])) -> usize {
+    /// Sends at most `budget` frames (what the link has room for), each context at most
+    /// one, through `wire` (with the VIF each came from). Returns the frames sent.
+    pub fn step(&mut self, budget: usize, wire: &mut dyn FnMut(u16, &[u8])) -> usize {
+        match self.schedule {
+            Schedule::RoundRobin => self.step_round_robin(budget, wire),
+            Schedule::Priority => self.step_priority(budget, wire),
+        }
+    }
+
+    fn sent(&mut self, id: u16, len: usize, t0: u64, wire: &mut dyn FnMut(u16, &[u8])) {
+        let t1 = mem::cpu::rdtsc();
+        wire(id, &self.buf[..len]);
+        let t2 = mem::cpu::rdtsc();
+        self.times.add(Stage::MsgRcv, t1.wrapping_sub(t0));
+        self.times.add(Stage::PktTx, t2.wrapping_sub(t1));
+        self.stats.frames.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn step_round_robin(&mut self, budget: usize, wire: &mut dyn FnMut(u16, &[u8])) -> usize {
         let mut sent = 0;
-        for c in &mut self.contexts {
-            let n = c.vifs.len();
+        let nc = self.contexts.len();
+        let first = self.next_ctx;
+        for k in 0..nc {
+            if sent == budget {
+                break;
+            }
+            // The contexts take the link in turn (a step with room for fewer frames
+            // than contexts starts where the last one stopped).
+            let ci = (first + k) % nc;
+            self.next_ctx = (ci + 1) % nc;
             let t0 = mem::cpu::rdtsc();
+            let c = &mut self.contexts[ci];
+            let n = c.vifs.len();
             let mut found = None;
             for k in 0..n {
                 let i = (c.next + k) % n;
-                let (id, tx) = &mut c.vifs[i];
-                match tx.take(&mut self.buf) {
+                let v = &mut c.vifs[i];
+                match v.tx.take(&mut self.buf) {
                     Ok(Some(len)) => {
-                        found = Some((*id, len));
+                        found = Some((v.id, len));
                         c.next = (i + 1) % n;
                         break;
                     }
@@ -248,13 +333,53 @@ impl<P: PageAccess> Egress<P> {
                 self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            let t1 = mem::cpu::rdtsc();
-            wire(id, &self.buf[..len]);
-            let t2 = mem::cpu::rdtsc();
-            self.times.add(Stage::MsgRcv, t1.wrapping_sub(t0));
-            self.times.add(Stage::PktTx, t2.wrapping_sub(t1));
-            self.stats.frames.fetch_add(1, Ordering::Relaxed);
+            self.sent(id, len, t0, wire);
             sent += 1;
+        }
+        sent
+    }
+
+    fn step_priority(&mut self, budget: usize, wire: &mut dyn FnMut(u16, &[u8])) -> usize {
+        let mut sent = 0;
+        while sent < budget.min(self.contexts.len()) {
+            let t0 = mem::cpu::rdtsc();
+            // The backlogged VIF with the least pass; one that comes back from idle
+            // starts at the current time, with no credit saved.
+            let mut best: Option<(usize, usize, u64)> = None;
+            for (ci, c) in self.contexts.iter_mut().enumerate() {
+                for (vi, v) in c.vifs.iter_mut().enumerate() {
+                    match v.tx.pending() {
+                        Ok(0) => {}
+                        Ok(_) => {
+                            v.pass = v.pass.max(self.vtime);
+                            if best.is_none_or(|b| v.pass < b.2) {
+                                best = Some((ci, vi, v.pass));
+                            }
+                        }
+                        Err(_) => {
+                            self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            let Some((ci, vi, pass)) = best else {
+                self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+                break;
+            };
+            let v = &mut self.contexts[ci].vifs[vi];
+            match v.tx.take(&mut self.buf) {
+                Ok(Some(len)) => {
+                    let id = v.id;
+                    v.pass = pass + len as u64 * STRIDE / u64::from(v.priority.max(1));
+                    self.vtime = pass;
+                    self.sent(id, len, t0, wire);
+                    sent += 1;
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
         sent
     }
