@@ -50,7 +50,8 @@ fn vif(s: &Setup, i: usize) -> (VifDevice<OwnPage>, VifFront<MappedPage>) {
     let front = VifFront::new(
         region
             .map_in_guest(&s.hv, g, s.device.id(), 0)
-            .expect("mapped"),
+            .expect("mapped")
+            .0,
     );
     (dev, front)
 }
@@ -434,4 +435,121 @@ fn an_idle_vif_leaves_its_share_to_the_others_and_saves_no_credit() {
         egress.step(1, &mut |id, _| got[id as usize] += 1);
     }
     assert!(got[0].abs_diff(got[1]) <= 2, "{got:?}");
+}
+
+/// Frames for one MAC, a few every poll, for as long as it is polled.
+struct Stream {
+    to: usize,
+    k: u32,
+}
+
+impl dev::wire::WireSource for Stream {
+    fn poll(
+        &mut self,
+        _now: std::time::Instant,
+        emit: &mut dyn FnMut(&[u8], net::offload::Offload),
+    ) -> usize {
+        for _ in 0..4 {
+            emit(&frame(self.to, self.k), net::offload::Offload::NONE);
+            self.k += 1;
+        }
+        4
+    }
+    fn next_due(&self) -> Option<std::time::Instant> {
+        Some(std::time::Instant::now())
+    }
+}
+
+#[test]
+fn a_vif_destroyed_under_traffic_is_let_go_and_its_memory_taken_back_scrubbed() {
+    use dev::svnic::device::{SignalMode, Svnic, SvnicConfig, VifSignal};
+    use hv::Vector;
+    let s = setup(1);
+    let g = &s.guests[0];
+    let region = VifRegion::create(&s.device, g.id()).expect("region");
+    let dev = VifDevice::new(region.device_pages(&s.device).expect("pages")).expect("dev");
+    let (pages, handles) = region
+        .map_in_guest(&s.hv, g, s.device.id(), 0)
+        .expect("mapped");
+    let mut front = VifFront::new(pages);
+    let svnic: Svnic<OwnPage> = Svnic::start(
+        &s.hv,
+        None,
+        SvnicConfig {
+            signal: SignalMode::PerVif,
+            ..SvnicConfig::default()
+        },
+        Box::new(Stream { to: 0, k: 0 }),
+        Box::new(dev::wire::CountingSink::default()),
+    )
+    .expect("device");
+    let rx = Arc::clone(&dev.rx);
+    svnic.add_vif(
+        0,
+        mac(0),
+        dev.tx,
+        dev.rx,
+        VifSignal {
+            vector: Vector(70),
+            bit: svnic.assign_bit(),
+        },
+    );
+    svnic.link_up();
+    // Traffic flows: the guest takes frames, intact.
+    let mut buf = [0u8; SLOT_BYTES];
+    let mut got = 0;
+    let t = std::time::Instant::now();
+    while got < 200 {
+        assert!(t.elapsed().as_secs() < 30, "{got} frames");
+        if let Some(n) = front.recv(&mut buf).expect("recv") {
+            let k = number(&buf[..n]);
+            assert_eq!(&buf[..n], &frame(0, k)[..]);
+            got += 1;
+        }
+    }
+    // Destroyed with the cable still busy: once remove_vif returns, the device holds
+    // nothing of the VIF.
+    assert!(svnic.remove_vif(0, std::time::Duration::from_secs(10)));
+    assert_eq!(
+        Arc::strong_count(&rx),
+        1,
+        "the device let go of the receive queue"
+    );
+    drop(rx);
+    // The region cannot be taken back while the guest maps it...
+    let region = match region.destroy(&s.device) {
+        Err((r, e)) => {
+            assert!(matches!(
+                e,
+                dev::svnic::vif::RegionError::Map(hv::GrantError::InUse)
+            ));
+            r
+        }
+        Ok(()) => panic!("taken back while mapped"),
+    };
+    // ...and can once the guest's driver is gone and its mappings with it.
+    drop(front);
+    VifRegion::unmap_in_guest(&s.hv, g, &handles).expect("unmap");
+    let gfns = region.gfns.clone();
+    region.destroy(&s.device).expect("destroy");
+    // Scrubbed, and nothing writes into it afterwards, though frames for its MAC
+    // still come (now for no VIF).
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let mut page = vec![0u8; mem::PAGE_SIZE];
+    for &gfn in &gfns {
+        s.device.read(gfn, 0, &mut page).expect("device page");
+        assert!(
+            page.iter().all(|&b| b == 0),
+            "page {gfn:?} written after the VIF was gone"
+        );
+    }
+    let (_, ingress) = svnic.engine_stats();
+    assert!(
+        ingress
+            .expect("ingress")
+            .no_vif
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    svnic.stop();
 }

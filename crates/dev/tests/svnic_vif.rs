@@ -53,7 +53,8 @@ fn vif(s: &Setup, i: usize) -> Vif {
     let front = VifFront::new(
         region
             .map_in_guest(&s.hv, g, s.device.id(), 0)
-            .expect("mapped"),
+            .expect("mapped")
+            .0,
     );
     (dev, front)
 }

@@ -582,7 +582,7 @@ impl Machine {
             let region = VifRegion::create(&device, dom.id()).map_err(other)?;
             let dev =
                 VifDevice::new(region.device_pages(&device).map_err(other)?).map_err(other)?;
-            let pages = region
+            let (pages, _handles) = region
                 .map_in_guest(&hv, &dom, device.id(), 0)
                 .map_err(other)?;
             let vector = Vector(SVNIC_VECTOR_BASE + i as u8);

@@ -289,6 +289,11 @@ struct Shared<P> {
     ingress_stats: Mutex<Option<Arc<EngineStats>>>,
     /// Frames the cable brought that the device had no buffer for.
     rx_fifo_full: AtomicU64,
+    /// Management requests each engine has carried out (egress, ingress): a request
+    /// is done once both passed its number.
+    done: [AtomicU64; 2],
+    /// Requests issued.
+    issued: AtomicU64,
 }
 
 /// The running device.
@@ -348,6 +353,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             egress_stats: Mutex::new(None),
             ingress_stats: Mutex::new(None),
             rx_fifo_full: AtomicU64::new(0),
+            done: [AtomicU64::new(0), AtomicU64::new(0)],
+            issued: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         {
@@ -381,6 +388,9 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                         EgressReq::Schedule(s) => e.set_schedule(s),
                                     }
                                 }
+                                // Everything issued before this lock is carried out.
+                                sh.done[0]
+                                    .store(sh.issued.load(Ordering::Acquire), Ordering::Release);
                             }
                             // The MAC takes one frame at a time at the link's rate; with
                             // no limit, every context may send.
@@ -449,6 +459,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                         }
                                     }
                                 }
+                                sh.done[1]
+                                    .store(sh.issued.load(Ordering::Acquire), Ordering::Release);
                             }
                             if sh.link_up.load(Ordering::Acquire) {
                                 source.poll(Instant::now(), &mut |f, _off| match free.pop() {
@@ -564,14 +576,23 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         self.shared.signals.reg.assign()
     }
 
-    /// Removes VIF `id`; the engines let go of its queues at their next step.
-    pub fn remove_vif(&self, id: u16) {
-        if let Ok(mut r) = self.shared.ingress_requests.lock() {
-            r.push(IngressReq::Remove { id });
-        }
-        if let Ok(mut r) = self.shared.egress_requests.lock() {
-            r.push(EgressReq::Remove { id });
-        }
+    /// Removes VIF `id` and returns once both engines have let go of its queues (a
+    /// context that held one of its frames drops it; nothing is written into the VIF's
+    /// memory after this), so that the region can be taken back. False if the engines
+    /// did not answer within `wait` (stopped, or starved of their cores).
+    pub fn remove_vif(&self, id: u16, wait: std::time::Duration) -> bool {
+        // The issue number is taken under both request locks, so an engine that saw
+        // this request also counts it, and one that counted it has seen it.
+        let (Ok(mut ri), Ok(mut re)) = (
+            self.shared.ingress_requests.lock(),
+            self.shared.egress_requests.lock(),
+        ) else {
+            return false;
+        };
+        ri.push(IngressReq::Remove { id });
+        re.push(EgressReq::Remove { id });
+        let n = self.shared.issued.fetch_add(1, Ordering::AcqRel) + 1;
+        drop((ri, re));
         let s = &self.shared.signals;
         if let Ok(mut b) = s.bits.lock() {
             b.remove(id);
@@ -581,6 +602,19 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                 *x = None;
             }
         }
+        let t = Instant::now();
+        while self
+            .shared
+            .done
+            .iter()
+            .any(|d| d.load(Ordering::Acquire) < n)
+        {
+            if t.elapsed() >= wait {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
     }
 
     /// Figure 8's stage times so far.

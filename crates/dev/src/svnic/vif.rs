@@ -645,14 +645,15 @@ impl VifRegion {
     }
 
     /// The guest maps the region into its window from `first_slot` on (once, for the
-    /// VIF's life), the device page read-only.
+    /// VIF's life), the device page read-only: the pages, and the handles that unmap
+    /// them ([`VifRegion::unmap_in_guest`]).
     pub fn map_in_guest(
         &self,
         hv: &Hypervisor,
         guest: &Arc<Domain>,
         device: DomId,
         first_slot: u32,
-    ) -> Result<VifPages<mem::MappedPage>, RegionError> {
+    ) -> Result<(VifPages<mem::MappedPage>, Vec<hv::GrantHandle>), RegionError> {
         let ops: Vec<MapOp> = self
             .grefs
             .iter()
@@ -666,8 +667,18 @@ impl VifRegion {
             .collect();
         let mut out = vec![Ok(hv::GrantHandle(0)); ops.len()];
         hv.grant_map(guest, &ops, &mut out);
+        let mut handles = Vec::with_capacity(out.len());
+        let mut refused = None;
         for r in &out {
-            r.map_err(RegionError::Map)?;
+            match r {
+                Ok(h) => handles.push(*h),
+                Err(e) => refused = refused.or(Some(*e)),
+            }
+        }
+        if let Some(e) = refused {
+            // Whatever was mapped goes again: nothing half-mapped is left behind.
+            let _ = Self::unmap_in_guest(hv, guest, &handles);
+            return Err(RegionError::Map(e));
         }
         let page = |i: usize| -> Result<mem::MappedPage, RegionError> {
             Ok(guest
@@ -676,11 +687,47 @@ impl VifRegion {
                 .map_err(VifError::from)?)
         };
         let b = BUF_PAGES;
-        Ok(VifPages {
+        let pages = VifPages {
             device: page(0)?,
             guest: page(1)?,
             tx: (2..2 + b).map(page).collect::<Result<_, _>>()?,
             rx: (2 + b..2 + 2 * b).map(page).collect::<Result<_, _>>()?,
-        })
+        };
+        Ok((pages, handles))
+    }
+
+    /// The guest unmaps the region (its VIF driver, which holds the pages, gone first).
+    pub fn unmap_in_guest(
+        hv: &Hypervisor,
+        guest: &Domain,
+        handles: &[hv::GrantHandle],
+    ) -> Result<(), RegionError> {
+        let mut st = vec![Ok(()); handles.len()];
+        hv.grant_unmap(guest, handles, &mut st);
+        st.into_iter()
+            .find_map(Result::err)
+            .map_or(Ok(()), |e| Err(RegionError::Map(e)))
+    }
+
+    /// The host-side management takes the region back once the device has let go of
+    /// the VIF ([`super::device::Svnic::remove_vif`]): each grant is ended, which is
+    /// refused while the guest still maps a page (`InUse`: the region is handed back,
+    /// nothing freed, to try again), then the pages go back to the device's memory.
+    pub fn destroy(self, device: &Domain) -> Result<(), (Self, RegionError)> {
+        let gt = device.grant_table();
+        for &r in &self.grefs {
+            if let Err(e) = gt.end_access(r) {
+                if e == hv::GrantError::InUse {
+                    return Err((self, RegionError::Map(e)));
+                }
+            }
+        }
+        // Scrubbed before reuse: the next VIF's guest must not read this one's frames.
+        for (&r, &g) in self.grefs.iter().zip(&self.gfns) {
+            gt.free_ref(r);
+            let _ = device.fill(g, 0, PAGE_SIZE, 0);
+            let _ = device.free_page(g);
+        }
+        Ok(())
     }
 }
