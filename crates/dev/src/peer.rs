@@ -574,3 +574,94 @@ fn run(
     }
     host.stats().clone()
 }
+
+/// A cable between two devices (two hosts' NICs, paper 002's `n,n:1x1` set-up): a lane
+/// each way at the wire's rate, each end the source of one lane and the sink of the
+/// other.
+#[derive(Debug)]
+struct Crossover {
+    lanes: [Mutex<Lane>; 2],
+    /// Each end's NIC, to wake when a frame is put on its incoming lane.
+    nics: [OnceLock<Arc<NicRegs>>; 2],
+    /// Frames each end sent that its outgoing lane had no room for.
+    dropped: [AtomicU64; 2],
+}
+
+/// One end of a [`crossover`] cable: where its device takes frames from and puts them.
+#[derive(Debug)]
+pub struct CrossEnd {
+    cable: Arc<Crossover>,
+    /// This end's index: it reads lane `me` and writes lane `1 - me`.
+    me: usize,
+}
+
+/// A cable between two devices at `rate`: its two ends.
+pub fn crossover(rate: WireRate) -> (CrossEnd, CrossEnd) {
+    let cable = Arc::new(Crossover {
+        lanes: [Mutex::new(Lane::new(rate)), Mutex::new(Lane::new(rate))],
+        nics: [OnceLock::new(), OnceLock::new()],
+        dropped: [AtomicU64::new(0), AtomicU64::new(0)],
+    });
+    (
+        CrossEnd {
+            cable: Arc::clone(&cable),
+            me: 0,
+        },
+        CrossEnd { cable, me: 1 },
+    )
+}
+
+impl CrossEnd {
+    /// The other half of this end, for the device's transmit side.
+    pub fn sink(&self) -> CrossEnd {
+        CrossEnd {
+            cable: Arc::clone(&self.cable),
+            me: self.me,
+        }
+    }
+
+    /// Frames this end sent that found the lane full.
+    pub fn dropped(&self) -> u64 {
+        self.cable.dropped[self.me].load(Ordering::Relaxed)
+    }
+}
+
+impl WireSource for CrossEnd {
+    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        let Ok(mut lane) = self.cable.lanes[self.me].lock() else {
+            return 0;
+        };
+        lane.deliver(now, |f| emit(f, Offload::NONE))
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.cable.lanes[self.me]
+            .lock()
+            .ok()
+            .and_then(|l| l.next_due())
+    }
+
+    fn ready(&self) -> bool {
+        self.next_due().is_some_and(|d| d <= Instant::now())
+    }
+
+    fn attach(&mut self, regs: &Arc<NicRegs>) {
+        let _ = self.cable.nics[self.me].set(Arc::clone(regs));
+    }
+}
+
+impl WireSink for CrossEnd {
+    fn transmit(&mut self, frame: &[u8], _: Offload) {
+        let to = 1 - self.me;
+        let ok = self.cable.lanes[to]
+            .lock()
+            .is_ok_and(|mut l| l.push(frame, Instant::now()));
+        if ok {
+            if let Some(n) = self.cable.nics[to].get() {
+                n.wire_wake();
+            }
+        } else {
+            self.cable.dropped[self.me].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}

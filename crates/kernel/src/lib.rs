@@ -25,6 +25,7 @@ pub mod hostile;
 pub mod machine;
 pub mod mm;
 pub mod native;
+pub mod probe;
 pub mod pv_guest;
 pub mod svnic_guest;
 pub mod vcpu;

@@ -101,7 +101,7 @@ pub struct SvnicGuestSpec {
     /// Its VIF's MAC.
     pub mac: [u8; 6],
     /// What runs above the VIF driver.
-    pub app: AppSpec,
+    pub app: crate::svnic_guest::SvnicApp,
     /// Its vCPU's core (by default the guests take the cores after the controller
     /// domain's, one each).
     pub core: Option<usize>,

@@ -55,6 +55,31 @@ net::counter_set!(VifDriverStats {
     errors
 });
 
+/// What runs above an SV-NIC guest's VIF driver.
+#[derive(Debug, Clone)]
+pub enum SvnicApp {
+    /// pvio's stack and the receiving application.
+    Stack(AppSpec),
+    /// Raw frames: the probes' echo server or client ([`crate::probe`]).
+    Raw(RawApp),
+}
+
+/// A raw application's set-up.
+#[derive(Debug, Clone)]
+pub enum RawApp {
+    /// Echoes every probe.
+    Echo,
+    /// Sends probes and times their echoes.
+    Ping(crate::probe::ProbeSpec),
+}
+
+/// What runs above the driver, built.
+#[derive(Debug)]
+enum Above {
+    Stack(Box<(SkbPool, AppStack)>),
+    Raw(crate::probe::Raw),
+}
+
 /// The VIF driver, the stack and the application.
 #[derive(Debug)]
 pub struct SvnicGuest {
@@ -62,8 +87,9 @@ pub struct SvnicGuest {
     dom: Arc<Domain>,
     front: VifFront<MappedPage>,
     port: Port,
-    pool: SkbPool,
-    app: AppStack,
+    above: Above,
+    /// A raw application's receive buffer.
+    scratch: Box<[u8]>,
     /// A signal came and NAPI has not yet found the queue empty.
     napi: bool,
     stats: VifDriverStats,
@@ -76,50 +102,92 @@ impl SvnicGuest {
         dom: &Arc<Domain>,
         front: VifFront<MappedPage>,
         port: Port,
-        app: &AppSpec,
+        app: &SvnicApp,
     ) -> Result<Self, BuildError> {
-        let pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        let above = match app {
+            SvnicApp::Stack(spec) => {
+                let pool =
+                    SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+                Above::Stack(Box::new((pool, AppStack::bind(dom, spec, Duration::ZERO)?)))
+            }
+            SvnicApp::Raw(RawApp::Echo) => Above::Raw(crate::probe::Raw::Echo { echoed: 0 }),
+            SvnicApp::Raw(RawApp::Ping(p)) => Above::Raw(crate::probe::Raw::ping(p.clone())),
+        };
         front.set_rx_signal(true).map_err(other)?;
         Ok(Self {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
             front,
             port,
-            pool,
-            app: AppStack::bind(dom, app, Duration::ZERO)?,
+            above,
+            scratch: vec![0u8; dev::svnic::vif::SLOT_BYTES].into_boxed_slice(),
             napi: true,
             stats: VifDriverStats::default(),
         })
     }
 
-    /// Takes up to the budget of frames into the stack: how many.
+    /// Takes up to the budget of frames: how many.
     fn poll_rx(&mut self, now: Duration) -> Result<usize, VifError> {
+        let Self {
+            front,
+            above,
+            scratch,
+            stats,
+            dom,
+            ..
+        } = self;
+        let (pool, app) = match above {
+            Above::Stack(b) => {
+                let (pool, app) = &mut **b;
+                (pool, app)
+            }
+            Above::Raw(raw) => {
+                let mut n = 0;
+                while n < NAPI_BUDGET {
+                    let Some(len) = front.recv(scratch)? else {
+                        break;
+                    };
+                    n += 1;
+                    raw.input(&scratch[..len], now, &mut |f| match front.send(f) {
+                        Ok(()) => {
+                            stats.tx_frames += 1;
+                            true
+                        }
+                        Err(_) => {
+                            stats.tx_full += 1;
+                            false
+                        }
+                    });
+                }
+                stats.rx_frames += n as u64;
+                return Ok(n);
+            }
+        };
         let mut n = 0;
         while n < NAPI_BUDGET {
-            let Ok(skb) = self.pool.alloc(net::skb::NET_SKB_PAD) else {
+            let Ok(skb) = pool.alloc(net::skb::NET_SKB_PAD) else {
                 // No buffer: the frame stays in the queue until one is free.
-                self.stats.rx_no_buffer += 1;
+                stats.rx_no_buffer += 1;
                 break;
             };
-            let (gfn, off) = self.pool.data_location(skb);
-            let dom = &self.dom;
-            let got = self.front.recv_with(|page: &MappedPage, offset, len| {
+            let (gfn, off) = pool.data_location(skb);
+            let got = front.recv_with(|page: &MappedPage, offset, len| {
                 dom.copy_from_window(page.slot(), offset, gfn, off, len.min(MAX_FRAME))
                     .map_err(|_| VifError::BadLength(len))?;
                 Ok(len)
             })?;
             let Some(len) = got else {
-                self.pool.free(skb);
+                pool.free(skb);
                 break;
             };
-            if self.pool.extend_linear(skb, len).is_err() {
-                self.pool.free(skb);
+            if pool.extend_linear(skb, len).is_err() {
+                pool.free(skb);
                 continue;
             }
-            self.app.input(&mut self.pool, skb, now);
+            app.input(pool, skb, now);
             n += 1;
         }
-        self.stats.rx_frames += n as u64;
+        stats.rx_frames += n as u64;
         Ok(n)
     }
 }
@@ -142,7 +210,10 @@ impl Kernel for SvnicGuest {
     }
 
     fn tick(&mut self, now: Duration) {
-        self.app.tick(&mut self.pool, now);
+        if let Above::Stack(b) = &mut self.above {
+            let (pool, app) = &mut **b;
+            app.tick(pool, now);
+        }
     }
 
     fn poll(&mut self, now: Duration) -> Work {
@@ -172,12 +243,11 @@ impl Kernel for SvnicGuest {
         }
         let Self {
             front,
-            app,
-            pool,
+            above,
             stats,
             ..
         } = self;
-        let (reads, sent) = app.run(pool, now, |_pool, frame| match front.send(frame) {
+        let mut send = |frame: &[u8]| match front.send(frame) {
             Ok(()) => {
                 stats.tx_frames += 1;
                 true
@@ -186,26 +256,43 @@ impl Kernel for SvnicGuest {
                 stats.tx_full += 1;
                 false
             }
-        });
-        w.app = reads;
-        w.tx += sent;
+        };
+        match above {
+            Above::Stack(b) => {
+                let (pool, app) = &mut **b;
+                let (reads, sent) = app.run(pool, now, |_pool, frame| send(frame));
+                w.app = reads;
+                w.tx += sent;
+            }
+            Above::Raw(raw) => w.tx += raw.run(now, &mut send),
+        }
         w
     }
 
     fn next_timer(&self) -> Option<Duration> {
-        self.app.next_timer()
+        match &self.above {
+            Above::Stack(b) => b.1.next_timer(),
+            Above::Raw(raw) => raw.next_timer(),
+        }
     }
 
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
-        self.app.counters(&mut c);
+        match &self.above {
+            Above::Stack(b) => b.1.counters(&mut c),
+            Above::Raw(crate::probe::Raw::Echo { echoed }) => c.add("echo", "echoed", *echoed),
+            Above::Raw(_) => {}
+        }
         c.add_set("vif driver", &self.stats);
         c
     }
 
     fn shutdown(mut self) -> Counters {
         let c = self.counters();
-        self.app.shutdown(&mut self.pool);
+        if let Above::Stack(b) = &mut self.above {
+            let (pool, app) = &mut **b;
+            app.shutdown(pool);
+        }
         c
     }
 }

@@ -13,6 +13,7 @@ use dev::wire::{CountingSink, WireSource};
 use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::machine::{Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec};
+use kernel::svnic_guest::SvnicApp;
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -111,13 +112,13 @@ fn run(
         guests.push(SvnicGuestSpec {
             name: format!("guest{g}"),
             mac: f.dst_mac,
-            app: AppSpec {
+            app: SvnicApp::Stack(AppSpec {
                 flow: f,
                 message: len,
                 proto: kernel::app::Proto::Udp,
                 counters: c,
                 latency: None,
-            },
+            }),
             core: None,
         });
     }
@@ -207,4 +208,91 @@ fn past_eight_vifs_the_register_wakes_every_guest_sharing_a_bit_and_the_others_d
     assert_eq!(apps[0].messages.load(Ordering::Relaxed), 40);
     assert_eq!(counters.get("svnic signals", "master_interrupts"), 0);
     assert_eq!(counters.get("svnic signals", "redundant"), 0);
+}
+
+/// An SV-NIC host of `n` guests running `app(i)`, its cable `end`.
+fn host(
+    mode: SignalMode,
+    end: dev::peer::CrossEnd,
+    n: usize,
+    mac: impl Fn(usize) -> [u8; 6],
+    app: impl Fn(usize) -> SvnicApp,
+) -> Machine {
+    let sink = end.sink();
+    Machine::start(MachineSpec {
+        grant_version: GrantVersion::V1,
+        grant_path: GrantPath::Original,
+        sample: None,
+        nic: NicSpec {
+            coalesce: Coalesce::default(),
+            source: Box::new(end),
+            sink: Box::new(sink),
+        },
+        layout: Layout::Svnic {
+            config: SvnicConfig {
+                signal: mode,
+                ..SvnicConfig::default()
+            },
+            guests: (0..n)
+                .map(|i| SvnicGuestSpec {
+                    name: format!("g{i}"),
+                    mac: mac(i),
+                    app: app(i),
+                    core: None,
+                })
+                .collect(),
+        },
+    })
+    .expect("host")
+}
+
+#[test]
+fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
+    use kernel::probe::{ProbeCounters, ProbeSpec};
+    use kernel::svnic_guest::RawApp;
+    const PAIRS: usize = 2;
+    const ECHOES: u64 = 40;
+    let client = |i: usize| [2, 0, 0, 0, 0xc0, i as u8];
+    let server = |i: usize| [2, 0, 0, 0, 0x5e, i as u8];
+    for mode in [SignalMode::IdRegister, SignalMode::Sidecore] {
+        let (a, b) = dev::peer::crossover(dev::peer::WireRate::GIGABIT);
+        let counters: Vec<Arc<ProbeCounters>> = (0..PAIRS)
+            .map(|_| Arc::new(ProbeCounters::default()))
+            .collect();
+        let rtts: Vec<Arc<dev::wire::Samples>> = (0..PAIRS)
+            .map(|_| Arc::new(dev::wire::Samples::new(4096)))
+            .collect();
+        let servers = host(mode, b, PAIRS, server, |_| SvnicApp::Raw(RawApp::Echo));
+        let clients = host(mode, a, PAIRS, client, |i| {
+            SvnicApp::Raw(RawApp::Ping(ProbeSpec {
+                me: client(i),
+                peer: server(i),
+                max_gap: Duration::from_millis(1),
+                seed: 7 + i as u64,
+                rtts: Arc::clone(&rtts[i]),
+                counters: Arc::clone(&counters[i]),
+            }))
+        });
+        let t = Instant::now();
+        while counters
+            .iter()
+            .any(|c| c.echoed.load(Ordering::Relaxed) < ECHOES)
+            && t.elapsed() < Duration::from_secs(20)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let cc = clients.stop().expect("clients");
+        let sc = servers.stop().expect("servers");
+        for (i, c) in counters.iter().enumerate() {
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            assert!(
+                l(&c.echoed) >= ECHOES,
+                "{mode:?}, pair {i}: {c:?} {cc:?} {sc:?}"
+            );
+            assert_eq!(l(&c.corrupt), 0, "{mode:?}, pair {i}");
+            assert_eq!(l(&c.stray), 0, "{mode:?}, pair {i}: another pair's echo");
+            assert!(rtts[i].len() as u64 >= ECHOES);
+        }
+        assert!(sc.get("echo", "echoed") >= PAIRS as u64 * ECHOES);
+    }
 }

@@ -1,0 +1,209 @@
+//! Raw-frame probes above a guest's network driver, paper 002's `psapp`: a client sends
+//! a 64-byte frame to its server, which echoes it back, and the client times the round
+//! trip; then it waits a random time (the paper's 0 to 100 ms) and sends the next. The
+//! frames are handed straight to the driver, with no stack in the way.
+//!
+//! A probe carries its sequence number and a pattern derived from it in every byte; the
+//! client checks every byte of each echo.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dev::wire::Samples;
+
+/// The probes' EtherType (IEEE's local experimental one).
+pub const ETHERTYPE: u16 = 0x88b5;
+/// A probe's length: the paper's 64-byte frames (without the FCS).
+pub const PROBE_LEN: usize = 60;
+/// A probe not echoed within this is counted lost and the next one sent.
+pub const LOST_AFTER: Duration = Duration::from_secs(1);
+
+/// What a client counted.
+#[derive(Debug, Default)]
+pub struct ProbeCounters {
+    /// Probes sent.
+    pub sent: AtomicU64,
+    /// Echoes received and checked.
+    pub echoed: AtomicU64,
+    /// Echoes with a wrong byte.
+    pub corrupt: AtomicU64,
+    /// Probes not echoed within [`LOST_AFTER`].
+    pub lost: AtomicU64,
+    /// Frames that were not an echo of the probe in flight.
+    pub stray: AtomicU64,
+}
+
+/// A client's set-up.
+#[derive(Debug, Clone)]
+pub struct ProbeSpec {
+    /// Its own MAC.
+    pub me: [u8; 6],
+    /// Its server's MAC.
+    pub peer: [u8; 6],
+    /// The longest random wait between an echo and the next probe.
+    pub max_gap: Duration,
+    /// The random waits' seed.
+    pub seed: u64,
+    /// Where each round trip goes, in ns.
+    pub rtts: Arc<Samples>,
+    /// Its counters.
+    pub counters: Arc<ProbeCounters>,
+}
+
+/// Byte `i` of probe `seq`.
+fn pattern(seq: u32, i: usize) -> u8 {
+    (seq as u8)
+        .wrapping_mul(31)
+        .wrapping_add(i as u8)
+        .rotate_left(3)
+}
+
+/// Probe `seq` from `me` to `peer`.
+pub fn probe(me: [u8; 6], peer: [u8; 6], seq: u32) -> [u8; PROBE_LEN] {
+    let mut f = [0u8; PROBE_LEN];
+    f[..6].copy_from_slice(&peer);
+    f[6..12].copy_from_slice(&me);
+    f[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+    f[14..18].copy_from_slice(&seq.to_be_bytes());
+    for (i, b) in f.iter_mut().enumerate().skip(18) {
+        *b = pattern(seq, i);
+    }
+    f
+}
+
+/// A raw application above the driver.
+#[derive(Debug)]
+pub enum Raw {
+    /// The server: every probe goes back to whoever sent it.
+    Echo {
+        /// Probes echoed.
+        echoed: u64,
+    },
+    /// The client.
+    Ping(Box<Ping>),
+}
+
+/// The client's state.
+#[derive(Debug)]
+pub struct Ping {
+    spec: ProbeSpec,
+    seq: u32,
+    /// The probe in flight, when it left, and when (the guest's clock) it is lost.
+    in_flight: Option<(u32, Instant, Duration)>,
+    /// When the next probe is due (the guest's clock).
+    next_at: Duration,
+    rng: u64,
+}
+
+impl Raw {
+    /// A client.
+    pub fn ping(spec: ProbeSpec) -> Self {
+        let rng = spec.seed | 1;
+        Raw::Ping(Box::new(Ping {
+            spec,
+            seq: 0,
+            in_flight: None,
+            next_at: Duration::ZERO,
+            rng,
+        }))
+    }
+
+    /// A frame arrived; `send` puts a frame on the driver (false: no room).
+    pub fn input(&mut self, frame: &[u8], now: Duration, send: &mut dyn FnMut(&[u8]) -> bool) {
+        if frame.len() < 18 || frame[12..14] != ETHERTYPE.to_be_bytes() {
+            if let Raw::Ping(p) = self {
+                p.spec.counters.stray.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        match self {
+            Raw::Echo { echoed } => {
+                let mut f = [0u8; PROBE_LEN];
+                let n = frame.len().min(PROBE_LEN);
+                f[..n].copy_from_slice(&frame[..n]);
+                f.copy_within(6..12, 0);
+                f[6..12].copy_from_slice(&frame[..6]);
+                if send(&f[..n]) {
+                    *echoed += 1;
+                }
+            }
+            Raw::Ping(p) => {
+                let seq = u32::from_be_bytes([frame[14], frame[15], frame[16], frame[17]]);
+                let Some((want, at, _)) = p.in_flight else {
+                    p.spec.counters.stray.fetch_add(1, Ordering::Relaxed);
+                    return;
+                };
+                if seq != want {
+                    p.spec.counters.stray.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let rtt = at.elapsed();
+                let c = &p.spec.counters;
+                let ok = frame.len() == PROBE_LEN
+                    && frame[..6] == p.spec.me
+                    && frame[6..12] == p.spec.peer
+                    && frame[18..]
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &b)| b == pattern(seq, i + 18));
+                if ok {
+                    c.echoed.fetch_add(1, Ordering::Relaxed);
+                    p.spec.rtts.push(rtt.as_nanos() as u64);
+                } else {
+                    c.corrupt.fetch_add(1, Ordering::Relaxed);
+                }
+                p.in_flight = None;
+                p.next_at = now + p.gap();
+            }
+        }
+    }
+
+    /// Sends the next probe if it is due: how many frames went out.
+    pub fn run(&mut self, now: Duration, send: &mut dyn FnMut(&[u8]) -> bool) -> usize {
+        let Raw::Ping(p) = self else { return 0 };
+        if let Some((_, _, lost_at)) = p.in_flight {
+            if now < lost_at {
+                return 0;
+            }
+            p.spec.counters.lost.fetch_add(1, Ordering::Relaxed);
+            p.in_flight = None;
+        }
+        if now < p.next_at {
+            return 0;
+        }
+        let f = probe(p.spec.me, p.spec.peer, p.seq);
+        if !send(&f) {
+            return 0;
+        }
+        p.in_flight = Some((p.seq, Instant::now(), now + LOST_AFTER));
+        p.seq = p.seq.wrapping_add(1);
+        p.spec.counters.sent.fetch_add(1, Ordering::Relaxed);
+        1
+    }
+
+    /// When the client next needs its timer: the next probe, or the one in flight's
+    /// loss.
+    pub fn next_timer(&self) -> Option<Duration> {
+        let Raw::Ping(p) = self else { return None };
+        match p.in_flight {
+            Some((_, _, lost_at)) => Some(lost_at),
+            None => Some(p.next_at),
+        }
+    }
+}
+
+impl Ping {
+    /// A random wait from 0 to the longest (xorshift64).
+    fn gap(&mut self) -> Duration {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let max = self.spec.max_gap.as_nanos() as u64;
+        if max == 0 {
+            Duration::ZERO
+        } else {
+            Duration::from_nanos(self.rng % (max + 1))
+        }
+    }
+}
