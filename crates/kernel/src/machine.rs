@@ -67,6 +67,9 @@ pub enum Above {
     /// No netfront: a raw front end writing garbage into the rings
     /// ([`crate::hostile::HostileGuest`]), seeded.
     Hostile(u64),
+    /// Raw frames handed to netfront: the probes' echo server or client
+    /// ([`crate::probe`]).
+    Raw(crate::svnic_guest::RawApp),
 }
 
 /// One PV guest.
@@ -480,6 +483,11 @@ impl Machine {
                         (Above::App(app), Front::Net(b)) => {
                             let (front, pool) = *b;
                             let k = PvGuest::new(&dom, front, pool, &app)?;
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                        (Above::Raw(raw), Front::Net(b)) => {
+                            let (front, pool) = *b;
+                            let k = crate::pv_guest::RawGuest::new(front, pool, raw.start());
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (Above::Tap(tap), Front::Net(b)) => {

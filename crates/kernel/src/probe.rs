@@ -129,6 +129,12 @@ impl Raw {
                 }
             }
             Raw::Ping(p) => {
+                // An echo comes from the server to this client; anything else (another
+                // client's probe that a bridge flooded here) is not one.
+                if frame[..6] != p.spec.me || frame[6..12] != p.spec.peer {
+                    p.spec.counters.stray.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
                 let seq = u32::from_be_bytes([frame[14], frame[15], frame[16], frame[17]]);
                 let Some((want, at, _)) = p.in_flight else {
                     p.spec.counters.stray.fetch_add(1, Ordering::Relaxed);
@@ -141,8 +147,6 @@ impl Raw {
                 let rtt = at.elapsed();
                 let c = &p.spec.counters;
                 let ok = frame.len() == PROBE_LEN
-                    && frame[..6] == p.spec.me
-                    && frame[6..12] == p.spec.peer
                     && frame[18..]
                         .iter()
                         .enumerate()
@@ -205,5 +209,89 @@ impl Ping {
         } else {
             Duration::from_nanos(self.rng % (max + 1))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client() -> (Raw, Arc<ProbeCounters>, Arc<Samples>) {
+        let (c, r) = (
+            Arc::new(ProbeCounters::default()),
+            Arc::new(Samples::new(16)),
+        );
+        let raw = Raw::ping(ProbeSpec {
+            me: [2, 0, 0, 0, 0, 1],
+            peer: [2, 0, 0, 0, 0, 2],
+            max_gap: Duration::ZERO,
+            seed: 1,
+            rtts: Arc::clone(&r),
+            counters: Arc::clone(&c),
+        });
+        (raw, c, r)
+    }
+
+    /// What `raw` sends at `now`.
+    fn sent(raw: &mut Raw, now: Duration) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        raw.run(now, &mut |f| {
+            out.push(f.to_vec());
+            true
+        });
+        out
+    }
+
+    #[test]
+    fn a_probe_goes_through_the_echo_and_its_round_trip_is_kept() {
+        let (mut ping, c, rtts) = client();
+        let mut echo = Raw::Echo { echoed: 0 };
+        let out = sent(&mut ping, Duration::ZERO);
+        assert_eq!(out.len(), 1);
+        assert!(
+            sent(&mut ping, Duration::ZERO).is_empty(),
+            "one in flight at a time"
+        );
+        let mut back = Vec::new();
+        echo.input(&out[0], Duration::ZERO, &mut |f| {
+            back.push(f.to_vec());
+            true
+        });
+        assert_eq!(back[0][..6], out[0][6..12], "back to its sender");
+        ping.input(&back[0], Duration::ZERO, &mut |_| true);
+        assert_eq!(c.echoed.load(Ordering::Relaxed), 1);
+        assert_eq!(rtts.len(), 1);
+        assert_eq!(
+            sent(&mut ping, Duration::ZERO).len(),
+            1,
+            "the next one goes"
+        );
+    }
+
+    #[test]
+    fn a_wrong_byte_a_strangers_frame_and_a_lost_probe_are_each_counted() {
+        let (mut ping, c, _) = client();
+        let mut echo = Raw::Echo { echoed: 0 };
+        let out = sent(&mut ping, Duration::ZERO);
+        let mut back = Vec::new();
+        echo.input(&out[0], Duration::ZERO, &mut |f| {
+            back.push(f.to_vec());
+            true
+        });
+        // Another client's probe, flooded here.
+        let stranger = probe([2, 0, 0, 0, 0, 9], [2, 0, 0, 0, 0, 2], 0);
+        ping.input(&stranger, Duration::ZERO, &mut |_| true);
+        assert_eq!(c.stray.load(Ordering::Relaxed), 1);
+        let mut bad = back[0].clone();
+        bad[40] ^= 1;
+        ping.input(&bad, Duration::ZERO, &mut |_| true);
+        assert_eq!(c.corrupt.load(Ordering::Relaxed), 1);
+        // The next probe is never echoed: lost once its time is up, then another goes.
+        let out = sent(&mut ping, Duration::ZERO);
+        assert_eq!(out.len(), 1);
+        assert!(sent(&mut ping, LOST_AFTER / 2).is_empty());
+        assert_eq!(ping.next_timer(), Some(LOST_AFTER));
+        assert_eq!(sent(&mut ping, LOST_AFTER).len(), 1);
+        assert_eq!(c.lost.load(Ordering::Relaxed), 1);
     }
 }

@@ -73,6 +73,16 @@ pub enum RawApp {
     Ping(crate::probe::ProbeSpec),
 }
 
+impl RawApp {
+    /// The application, started.
+    pub fn start(&self) -> crate::probe::Raw {
+        match self {
+            RawApp::Echo => crate::probe::Raw::Echo { echoed: 0 },
+            RawApp::Ping(p) => crate::probe::Raw::ping(p.clone()),
+        }
+    }
+}
+
 /// What runs above the driver, built.
 #[derive(Debug)]
 enum Above {
@@ -110,8 +120,7 @@ impl SvnicGuest {
                     SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
                 Above::Stack(Box::new((pool, AppStack::bind(dom, spec, Duration::ZERO)?)))
             }
-            SvnicApp::Raw(RawApp::Echo) => Above::Raw(crate::probe::Raw::Echo { echoed: 0 }),
-            SvnicApp::Raw(RawApp::Ping(p)) => Above::Raw(crate::probe::Raw::ping(p.clone())),
+            SvnicApp::Raw(raw) => Above::Raw(raw.start()),
         };
         front.set_rx_signal(true).map_err(other)?;
         Ok(Self {

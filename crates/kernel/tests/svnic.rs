@@ -246,6 +246,41 @@ fn host(
     .expect("host")
 }
 
+/// A driver-domain host (the HV-NIC) of `n` guests running `app(i)`, its cable `end`.
+fn hv_host(
+    end: dev::peer::CrossEnd,
+    n: usize,
+    mac: impl Fn(usize) -> [u8; 6],
+    app: impl Fn(usize) -> kernel::svnic_guest::RawApp,
+) -> Machine {
+    let sink = end.sink();
+    Machine::start(MachineSpec {
+        grant_version: GrantVersion::V1,
+        grant_path: GrantPath::Original,
+        sample: None,
+        nic: NicSpec {
+            coalesce: Coalesce::default(),
+            source: Box::new(end),
+            sink: Box::new(sink),
+        },
+        layout: Layout::DriverDomain {
+            driver: kernel::driver_domain::DriverConfig::default(),
+            guests: (0..n)
+                .map(|i| kernel::machine::GuestSpec {
+                    name: format!("g{i}"),
+                    mac: mac(i),
+                    rx_buffers: net::netfront::RxBuffers::Fragments,
+                    grants: net::netfront::Grants::PerIo,
+                    offloads: false,
+                    above: kernel::machine::Above::Raw(app(i)),
+                    core: None,
+                })
+                .collect(),
+        },
+    })
+    .expect("host")
+}
+
 #[test]
 fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
     use kernel::probe::{ProbeCounters, ProbeSpec};
@@ -254,7 +289,12 @@ fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
     const ECHOES: u64 = 40;
     let client = |i: usize| [2, 0, 0, 0, 0xc0, i as u8];
     let server = |i: usize| [2, 0, 0, 0, 0x5e, i as u8];
-    for mode in [SignalMode::IdRegister, SignalMode::Sidecore] {
+    // Each SV-NIC design, and the HV-NIC (driver domains with their bridges).
+    for mode in [
+        Some(SignalMode::IdRegister),
+        Some(SignalMode::Sidecore),
+        None,
+    ] {
         let (a, b) = dev::peer::crossover(dev::peer::WireRate::GIGABIT);
         let counters: Vec<Arc<ProbeCounters>> = (0..PAIRS)
             .map(|_| Arc::new(ProbeCounters::default()))
@@ -262,17 +302,26 @@ fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
         let rtts: Vec<Arc<dev::wire::Samples>> = (0..PAIRS)
             .map(|_| Arc::new(dev::wire::Samples::new(4096)))
             .collect();
-        let servers = host(mode, b, PAIRS, server, |_| SvnicApp::Raw(RawApp::Echo));
-        let clients = host(mode, a, PAIRS, client, |i| {
-            SvnicApp::Raw(RawApp::Ping(ProbeSpec {
+        let ping = |i: usize| {
+            RawApp::Ping(ProbeSpec {
                 me: client(i),
                 peer: server(i),
                 max_gap: Duration::from_millis(1),
                 seed: 7 + i as u64,
                 rtts: Arc::clone(&rtts[i]),
                 counters: Arc::clone(&counters[i]),
-            }))
-        });
+            })
+        };
+        let (servers, clients) = match mode {
+            Some(mode) => (
+                host(mode, b, PAIRS, server, |_| SvnicApp::Raw(RawApp::Echo)),
+                host(mode, a, PAIRS, client, |i| SvnicApp::Raw(ping(i))),
+            ),
+            None => (
+                hv_host(b, PAIRS, server, |_| RawApp::Echo),
+                hv_host(a, PAIRS, client, ping),
+            ),
+        };
         let t = Instant::now();
         while counters
             .iter()
@@ -290,7 +339,11 @@ fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
                 "{mode:?}, pair {i}: {c:?} {cc:?} {sc:?}"
             );
             assert_eq!(l(&c.corrupt), 0, "{mode:?}, pair {i}");
-            assert_eq!(l(&c.stray), 0, "{mode:?}, pair {i}: another pair's echo");
+            // The SV-NIC places a frame by its MAC only; the HV-NIC's learning bridge
+            // floods a MAC it has not yet seen, so a client may see another's probe.
+            if mode.is_some() {
+                assert_eq!(l(&c.stray), 0, "{mode:?}, pair {i}: another pair's echo");
+            }
             assert!(rtts[i].len() as u64 >= ECHOES);
         }
         assert!(sc.get("echo", "echoed") >= PAIRS as u64 * ECHOES);
