@@ -75,8 +75,11 @@ pub fn probe(me: [u8; 6], peer: [u8; 6], seq: u32) -> [u8; PROBE_LEN] {
 /// A raw application above the driver.
 #[derive(Debug)]
 pub enum Raw {
-    /// The server: every probe goes back to whoever sent it.
+    /// The server: every probe addressed to it goes back to whoever sent it (one for
+    /// another MAC, which a bridge flooded here, is not its to answer).
     Echo {
+        /// Its MAC.
+        me: [u8; 6],
         /// Probes echoed.
         echoed: u64,
     },
@@ -118,7 +121,10 @@ impl Raw {
             return;
         }
         match self {
-            Raw::Echo { echoed } => {
+            Raw::Echo { me, echoed } => {
+                if frame[..6] != *me {
+                    return;
+                }
                 let mut f = [0u8; PROBE_LEN];
                 let n = frame.len().min(PROBE_LEN);
                 f[..n].copy_from_slice(&frame[..n]);
@@ -177,10 +183,13 @@ impl Raw {
             return 0;
         }
         let f = probe(p.spec.me, p.spec.peer, p.seq);
+        // The clock is read before the send: a client preempted between the two would
+        // otherwise take the echo's time off the round trip.
+        let at = Instant::now();
         if !send(&f) {
             return 0;
         }
-        p.in_flight = Some((p.seq, Instant::now(), now + LOST_AFTER));
+        p.in_flight = Some((p.seq, at, now + LOST_AFTER));
         p.seq = p.seq.wrapping_add(1);
         p.spec.counters.sent.fetch_add(1, Ordering::Relaxed);
         1
@@ -245,7 +254,10 @@ mod tests {
     #[test]
     fn a_probe_goes_through_the_echo_and_its_round_trip_is_kept() {
         let (mut ping, c, rtts) = client();
-        let mut echo = Raw::Echo { echoed: 0 };
+        let mut echo = Raw::Echo {
+            me: [2, 0, 0, 0, 0, 2],
+            echoed: 0,
+        };
         let out = sent(&mut ping, Duration::ZERO);
         assert_eq!(out.len(), 1);
         assert!(
@@ -271,7 +283,10 @@ mod tests {
     #[test]
     fn a_wrong_byte_a_strangers_frame_and_a_lost_probe_are_each_counted() {
         let (mut ping, c, _) = client();
-        let mut echo = Raw::Echo { echoed: 0 };
+        let mut echo = Raw::Echo {
+            me: [2, 0, 0, 0, 0, 2],
+            echoed: 0,
+        };
         let out = sent(&mut ping, Duration::ZERO);
         let mut back = Vec::new();
         echo.input(&out[0], Duration::ZERO, &mut |f| {

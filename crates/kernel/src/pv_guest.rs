@@ -355,7 +355,7 @@ impl Kernel for RawGuest {
         let mut c = Counters::default();
         c.add_set("netfront", self.front.stats());
         c.add("guest", "tx_wait", self.tx_wait);
-        if let crate::probe::Raw::Echo { echoed } = &self.raw {
+        if let crate::probe::Raw::Echo { echoed, .. } = &self.raw {
             c.add("echo", "echoed", *echoed);
         }
         c

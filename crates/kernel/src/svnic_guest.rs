@@ -67,8 +67,8 @@ pub enum SvnicApp {
 /// A raw application's set-up.
 #[derive(Debug, Clone)]
 pub enum RawApp {
-    /// Echoes every probe.
-    Echo,
+    /// Echoes every probe addressed to this MAC.
+    Echo([u8; 6]),
     /// Sends probes and times their echoes.
     Ping(crate::probe::ProbeSpec),
 }
@@ -77,7 +77,7 @@ impl RawApp {
     /// The application, started.
     pub fn start(&self) -> crate::probe::Raw {
         match self {
-            RawApp::Echo => crate::probe::Raw::Echo { echoed: 0 },
+            RawApp::Echo(me) => crate::probe::Raw::Echo { me: *me, echoed: 0 },
             RawApp::Ping(p) => crate::probe::Raw::ping(p.clone()),
         }
     }
@@ -289,7 +289,7 @@ impl Kernel for SvnicGuest {
         let mut c = Counters::default();
         match &self.above {
             Above::Stack(b) => b.1.counters(&mut c),
-            Above::Raw(crate::probe::Raw::Echo { echoed }) => c.add("echo", "echoed", *echoed),
+            Above::Raw(crate::probe::Raw::Echo { echoed, .. }) => c.add("echo", "echoed", *echoed),
             Above::Raw(_) => {}
         }
         c.add_set("vif driver", &self.stats);

@@ -314,11 +314,13 @@ fn probes_cross_two_hosts_cabled_nic_to_nic_and_every_echo_is_checked() {
         };
         let (servers, clients) = match mode {
             Some(mode) => (
-                host(mode, b, PAIRS, server, |_| SvnicApp::Raw(RawApp::Echo)),
+                host(mode, b, PAIRS, server, |i| {
+                    SvnicApp::Raw(RawApp::Echo(server(i)))
+                }),
                 host(mode, a, PAIRS, client, |i| SvnicApp::Raw(ping(i))),
             ),
             None => (
-                hv_host(b, PAIRS, server, |_| RawApp::Echo),
+                hv_host(b, PAIRS, server, |i| RawApp::Echo(server(i))),
                 hv_host(a, PAIRS, client, ping),
             ),
         };

@@ -94,5 +94,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::up_bench::EXPERIMENT,
         experiments::iosup::EXPERIMENT,
         experiments::nakajima::EXPERIMENT,
+        experiments::raj::EXPERIMENT,
     ]
 }

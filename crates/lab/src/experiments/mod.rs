@@ -7,6 +7,7 @@ pub mod fig4;
 pub mod fig8;
 pub mod iosup;
 pub mod nakajima;
+pub mod raj;
 pub mod restart;
 pub mod santos08;
 pub mod soak;
