@@ -699,8 +699,22 @@ impl Device {
                 || regs.stop.load(Ordering::Acquire)
                 || (source.ready() && regs.link_up.load(Ordering::Acquire));
             if !work {
-                // Until the next frame or interrupt is due, or (idle) a doorbell.
-                let d = wake.map_or(Duration::from_millis(1), |w| w - now);
+                // Until the next frame or interrupt is due, or (idle) a doorbell. The
+                // wire is asked again: a frame put on it since the first look (its
+                // wake-up found this thread not yet parked) is due in its serialization
+                // time, not at the idle timeout.
+                let due = if regs.link_up.load(Ordering::Acquire) {
+                    source.next_due()
+                } else {
+                    None
+                };
+                let wake = match (wake, due) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let d = wake.map_or(Duration::from_millis(1), |w| {
+                    w.saturating_duration_since(now)
+                });
                 std::thread::park_timeout(d);
             }
             regs.parked.store(false, Ordering::Release);
