@@ -18,8 +18,12 @@ fn every_configuration_delivers_every_message_intact() {
             let mut o = Options::named(&name, message).expect("a named configuration");
             // Modest for an unoptimised build on a loaded two-core machine: at 20 000
             // frames a second the 48000-byte messages of the linear front end began to
-            // overrun the NIC ring there (a debug build's driver domain too slow).
-            o.rate = 10_000.0;
+            // overrun the NIC ring there (a debug build's driver domain too slow), and at
+            // 10 000 the linear front end still lost a frame or two to the ring in one
+            // full-suite run of three on this machine (the host held the device thread
+            // up to 12 ms). What this asserts is that nothing is lost when the path
+            // keeps up, not how fast it keeps up: the experiments measure that.
+            o.rate = 5_000.0;
             if let Some(rx) = rx {
                 o.rx_buffers = rx;
             }

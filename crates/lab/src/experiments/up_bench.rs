@@ -151,6 +151,28 @@ fn ok(args: &[&str]) -> Result<(), LabError> {
     }
 }
 
+/// Namespaces made for the run, removed when dropped.
+struct Namespaces(Vec<String>);
+
+impl Namespaces {
+    fn make(names: &[String]) -> Result<Self, LabError> {
+        let mut made = Self(Vec::new());
+        for n in names {
+            ok(&["ip", "netns", "add", n])?;
+            made.0.push(n.clone());
+        }
+        Ok(made)
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = run_cmd(&["ip", "netns", "del", n]);
+        }
+    }
+}
+
 /// Two namespaces joined by a veth pair, removed when dropped.
 struct Veth {
     a: String,
@@ -165,24 +187,37 @@ impl Veth {
     }
 
     /// The LRO rows' reference: the sender segments its TCP (TSO off) so MTU-sized
-    /// frames cross, and the receiver aggregates them as `gro` says.
-    fn gro(gro: Gro) -> Result<Self, LabError> {
+    /// frames cross; the receiver's aggregation is set with [`Veth::set_gro`].
+    fn segmenting() -> Result<Self, LabError> {
+        Self::with(&["tso", "off"], &["gro", "off"])
+    }
+
+    /// The receiver's GRO as `gro` says (one pair for every setting: namespaces made
+    /// and removed are work the kernel finishes later, on the cores the next
+    /// measurement wants).
+    fn set_gro(&self, gro: Gro) -> Result<(), LabError> {
         let on = if gro == Gro::Off { "off" } else { "on" };
-        let v = Self::with(&["tso", "off"], &["gro", on])?;
-        if gro == Gro::OnTimeout {
-            // sysfs as the receiver's namespace sees it (`ip netns exec` mounts it).
-            ok(&[
-                "ip",
-                "netns",
-                "exec",
-                &v.b,
-                "sh",
-                "-c",
-                "echo 20000 > /sys/class/net/vb/gro_flush_timeout && \
-                 echo 2 > /sys/class/net/vb/napi_defer_hard_irqs",
-            ])?;
-        }
-        Ok(v)
+        ok(&[
+            "ip", "netns", "exec", &self.b, "ethtool", "-K", "vb", "gro", on,
+        ])?;
+        let (timeout, defer) = if gro == Gro::OnTimeout {
+            (20000, 2)
+        } else {
+            (0, 0)
+        };
+        // sysfs as the receiver's namespace sees it (`ip netns exec` mounts it).
+        ok(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.b,
+            "sh",
+            "-c",
+            &format!(
+                "echo {timeout} > /sys/class/net/vb/gro_flush_timeout && \
+                 echo {defer} > /sys/class/net/vb/napi_defer_hard_irqs"
+            ),
+        ])
     }
 
     /// `a`'s `va` and `b`'s `vb`, with these ethtool `-K` settings each.
@@ -455,6 +490,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }],
         ..UpConfig::default()
     };
+    // pvio's namespaces live for the whole run: `up` finds them and leaves them, so
+    // that each machine brought up does not make and remove namespaces again.
+    let _namespaces = Namespaces::make(&[cfg.outside_ns.clone(), cfg.guest().ns.clone()])?;
     // Each path's namespaces and addresses: (outside, guest, the guest's address).
     crate::progress::plan(
         (rounds * Path::ALL.len() * Flow::ALL.len() + lro_rounds * Rx::ALL.len()) as u64,
@@ -592,6 +630,7 @@ fn lro_rows(
 ) -> Result<(), LabError> {
     let mut s = vec![RxSamples::default(); Rx::ALL.len()];
     let mut intact = None;
+    let pair = Veth::segmenting()?;
     for round in 0..rounds {
         for (i, rx) in Rx::ALL.into_iter().enumerate() {
             crate::progress::step(format_args!(
@@ -600,7 +639,6 @@ fn lro_rows(
                 rx.name()
             ));
             let mut machine = None;
-            let mut veth = None;
             let (o, g, addr) = match rx {
                 Rx::Pvio(m) => {
                     let c = UpConfig {
@@ -621,10 +659,8 @@ fn lro_rows(
                     (o, g, "10.80.0.2")
                 }
                 Rx::Veth(gro) => {
-                    let v = Veth::gro(gro)?;
-                    let names = (v.a.clone(), v.b.clone());
-                    veth = Some(v);
-                    (names.0, names.1, "10.79.0.2")
+                    pair.set_gro(gro)?;
+                    (pair.a.clone(), pair.b.clone(), "10.79.0.2")
                 }
             };
             // Segments arrived and packets handed up: the cable's frames and the guest
@@ -649,7 +685,6 @@ fn lro_rows(
             s[i].rtt_median.push(median);
             s[i].rtt_p99.push(p99);
             drop(machine);
-            drop(veth);
         }
     }
     let at = |rx: Rx| Rx::ALL.iter().position(|&r| r == rx).unwrap_or(0);
