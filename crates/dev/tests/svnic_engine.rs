@@ -484,7 +484,7 @@ fn a_vif_destroyed_under_traffic_is_let_go_and_its_memory_taken_back_scrubbed() 
     )
     .expect("device");
     let rx = Arc::clone(&dev.rx);
-    svnic.add_vif(
+    assert!(svnic.add_vif(
         0,
         mac(0),
         dev.tx,
@@ -493,7 +493,7 @@ fn a_vif_destroyed_under_traffic_is_let_go_and_its_memory_taken_back_scrubbed() 
             vector: Vector(70),
             bit: svnic.assign_bit(),
         },
-    );
+    ));
     svnic.link_up();
     // Traffic flows: the guest takes frames, intact.
     let mut buf = [0u8; SLOT_BYTES];

@@ -599,7 +599,9 @@ impl Machine {
                 vector,
                 bit: svnic.assign_bit(),
             };
-            svnic.add_vif(i as u16, g.mac, dev.tx, dev.rx, signal);
+            if !svnic.add_vif(i as u16, g.mac, dev.tx, dev.rx, signal) {
+                return Err(other(format!("VIF {i}: beyond the device's VIFs")));
+            }
             let k =
                 crate::svnic_guest::SvnicGuest::new(&hv, &dom, VifFront::new(pages), port, &g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));

@@ -23,7 +23,7 @@
 //!   the sidecore forwards exactly that VIF's event.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -145,8 +145,9 @@ struct Signals<P> {
     mode: SignalMode,
     master: Vector,
     reg: IdRegister,
-    /// By VIF id: its signal, if it exists.
-    vifs: Mutex<Vec<Option<VifSignal>>>,
+    /// By VIF id: its signal, if it exists ([`encode`]): read by the device on every
+    /// signal, so a word each, not a lock.
+    vifs: Box<[AtomicU32]>,
     bits: Mutex<BitMap>,
     channel: SideChannel,
     /// By VIF id: the device signalled it and the hypervisor has not yet forwarded.
@@ -155,15 +156,27 @@ struct Signals<P> {
     _p: std::marker::PhantomData<P>,
 }
 
+/// A VIF's signal as one word: valid bit, identifier bit, vector.
+fn encode(s: Option<VifSignal>) -> u32 {
+    s.map_or(0, |s| {
+        1 << 31 | u32::from(s.bit) << 8 | u32::from(s.vector.0)
+    })
+}
+
+fn decode(w: u32) -> Option<VifSignal> {
+    (w >> 31 != 0).then_some(VifSignal {
+        vector: Vector(w as u8),
+        bit: (w >> 8) as u8,
+    })
+}
+
 impl<P> Signals<P> {
+    fn signal(&self, vif: u16) -> Option<VifSignal> {
+        decode(self.vifs.get(vif as usize)?.load(Ordering::Acquire))
+    }
+
     fn vector(&self, vif: u16) -> Option<Vector> {
-        self.vifs
-            .lock()
-            .ok()?
-            .get(vif as usize)
-            .copied()
-            .flatten()
-            .map(|s| s.vector)
+        self.signal(vif).map(|s| s.vector)
     }
 
     /// The device side: signal `vif` by the configured design.
@@ -176,13 +189,7 @@ impl<P> Signals<P> {
                 }
             }
             SignalMode::IdRegister => {
-                let bit = self
-                    .vifs
-                    .lock()
-                    .ok()
-                    .and_then(|v| v.get(vif as usize).copied().flatten())
-                    .map(|s| s.bit);
-                if let Some(b) = bit {
+                if let Some(b) = self.signal(vif).map(|s| s.bit) {
                     if let Some(a) = self.asked.get(vif as usize) {
                         a.store(true, Ordering::Release);
                     }
@@ -208,7 +215,7 @@ impl<P> Signals<P> {
         self.stats
             .bits_handled
             .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
-        if let (Ok(map), Ok(vifs)) = (self.bits.lock(), self.vifs.lock()) {
+        if let Ok(map) = self.bits.lock() {
             map.demux(bits, &mut |v| {
                 let asked = self
                     .asked
@@ -217,8 +224,8 @@ impl<P> Signals<P> {
                 if !asked {
                     self.stats.redundant.fetch_add(1, Ordering::Relaxed);
                 }
-                if let Some(s) = vifs.get(v as usize).copied().flatten() {
-                    if hv.send_pirq(s.vector).is_ok() {
+                if let Some(vector) = self.vector(v) {
+                    if hv.send_pirq(vector).is_ok() {
                         self.stats.events.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -330,7 +337,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             mode: cfg.signal,
             master: cfg.master,
             reg: IdRegister::default(),
-            vifs: Mutex::new(Vec::new()),
+            vifs: (0..MAX_VIFS).map(|_| AtomicU32::new(0)).collect(),
             bits: Mutex::new(BitMap::default()),
             channel: SideChannel::new(1024),
             asked: (0..MAX_VIFS).map(|_| AtomicBool::new(false)).collect(),
@@ -518,7 +525,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
     }
 
     /// The device-side management driver adds VIF `id` (its queues, its MAC, its
-    /// signal); the engines take it at their next step.
+    /// signal); the engines take it at their next step. False (nothing added) for an id
+    /// of [`MAX_VIFS`] or more.
     pub fn add_vif(
         &self,
         id: u16,
@@ -526,15 +534,12 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         tx: VifTx<P>,
         rx: Arc<VifRx<P>>,
         signal: VifSignal,
-    ) {
+    ) -> bool {
         let s = &self.shared.signals;
-        if let Ok(mut v) = s.vifs.lock() {
-            let i = id as usize;
-            if v.len() <= i {
-                v.resize(i + 1, None);
-            }
-            v[i] = Some(signal);
-        }
+        let Some(w) = s.vifs.get(id as usize) else {
+            return false;
+        };
+        w.store(encode(Some(signal)), Ordering::Release);
         if let Ok(mut b) = s.bits.lock() {
             b.add(signal.bit, id);
         }
@@ -544,6 +549,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         if let Ok(mut r) = self.shared.egress_requests.lock() {
             r.push(EgressReq::Add { id, tx });
         }
+        true
     }
 
     /// The management API: VIF `id`'s priority, 1 (lowest) to 100, for the
@@ -597,10 +603,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         if let Ok(mut b) = s.bits.lock() {
             b.remove(id);
         }
-        if let Ok(mut v) = s.vifs.lock() {
-            if let Some(x) = v.get_mut(id as usize) {
-                *x = None;
-            }
+        if let Some(w) = s.vifs.get(id as usize) {
+            w.store(0, Ordering::Release);
         }
         let t = Instant::now();
         while self
