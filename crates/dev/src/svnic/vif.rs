@@ -301,12 +301,15 @@ impl<P: PageAccess> VifRx<P> {
     /// has not drained its queue (the frame is dropped, counted against this VIF only).
     pub fn reserve(&self) -> Result<Option<u32>, VifError> {
         self.shared.check()?;
+        let mut s = self.seq.lock().map_err(|_| VifError::Broken)?;
+        // The guest's consumer is read under the lock: read before it, another
+        // context's newer reading could be recorded first and this one look like the
+        // consumer moving back.
         let cons = self
             .shared
             .guest
             .atomic_u32(RX_CONS)?
             .load(Ordering::Acquire);
-        let mut s = self.seq.lock().map_err(|_| VifError::Broken)?;
         let published = self.published.load(Ordering::Acquire);
         // The consumer may only move forward, and not past what was published.
         if cons.wrapping_sub(s.cons) > published.wrapping_sub(s.cons) {
