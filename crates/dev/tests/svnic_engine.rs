@@ -6,55 +6,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use dev::svnic::engine::{Demux, Egress, Ingress, IngressVifs, Stage, StageTimes};
-use dev::svnic::vif::{VifDevice, VifFront, VifRegion, SLOTS, SLOT_BYTES, VIF_PAGES};
-use hv::{Domain, DomainConfig, HvConfig, Hypervisor, OwnPage};
+use dev::svnic::vif::{VifDevice, VifFront, VifRegion, SLOTS, SLOT_BYTES};
+use hv::OwnPage;
 use mem::MappedPage;
 
-struct Setup {
-    hv: Arc<Hypervisor>,
-    device: Arc<Domain>,
-    guests: Vec<Arc<Domain>>,
-}
-
-fn setup(n: usize) -> Setup {
-    let hv = Hypervisor::new(HvConfig {
-        frames: (VIF_PAGES * n + 256) as u32 * 2,
-        ..HvConfig::default()
-    })
-    .expect("machine");
-    let device = hv
-        .create_domain(&DomainConfig {
-            name: "svnic".into(),
-            pages: (VIF_PAGES * n + 8) as u32,
-            ..Default::default()
-        })
-        .expect("device memory");
-    let guests = (0..n)
-        .map(|i| {
-            hv.create_domain(&DomainConfig {
-                name: format!("guest{i}"),
-                pages: 16,
-                map_slots: VIF_PAGES as u32,
-                ..Default::default()
-            })
-            .expect("guest")
-        })
-        .collect();
-    Setup { hv, device, guests }
-}
-
-fn vif(s: &Setup, i: usize) -> (VifDevice<OwnPage>, VifFront<MappedPage>) {
-    let g = &s.guests[i];
-    let region = VifRegion::create(&s.device, g.id()).expect("region");
-    let dev = VifDevice::new(region.device_pages(&s.device).expect("pages")).expect("dev");
-    let front = VifFront::new(
-        region
-            .map_in_guest(&s.hv, g, s.device.id(), 0)
-            .expect("mapped")
-            .0,
-    );
-    (dev, front)
-}
+mod common;
+use common::{setup, vif};
 
 fn mac(i: usize) -> [u8; 6] {
     [0x02, 0, 0, 0, 0x10, i as u8]

@@ -2,62 +2,12 @@
 //! through the guest's mappings of device memory, and whatever a guest writes into its
 //! own region breaks that VIF only (paper 002's queues; issue 19's bad input).
 
-use std::sync::Arc;
+use dev::svnic::vif::{VifDevice, VifError, VifRegion, MAX_FRAME, SLOTS, SLOT_BYTES, VIF_PAGES};
+use hv::GrantError;
+use mem::{MemError, PageAccess};
 
-use dev::svnic::vif::{
-    VifDevice, VifError, VifFront, VifRegion, MAX_FRAME, SLOTS, SLOT_BYTES, VIF_PAGES,
-};
-use hv::{Domain, DomainConfig, GrantError, HvConfig, Hypervisor};
-use mem::{MappedPage, MemError, PageAccess};
-
-struct Setup {
-    hv: Arc<Hypervisor>,
-    device: Arc<Domain>,
-    guests: Vec<Arc<Domain>>,
-}
-
-fn setup(guests: usize) -> Setup {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 4096,
-        ..HvConfig::default()
-    })
-    .expect("machine");
-    let device = hv
-        .create_domain(&DomainConfig {
-            name: "svnic".into(),
-            pages: (VIF_PAGES * guests + 8) as u32,
-            ..Default::default()
-        })
-        .expect("device memory");
-    let guests = (0..guests)
-        .map(|i| {
-            hv.create_domain(&DomainConfig {
-                name: format!("guest{i}"),
-                pages: 64,
-                map_slots: 2 * VIF_PAGES as u32,
-                ..Default::default()
-            })
-            .expect("guest")
-        })
-        .collect();
-    Setup { hv, device, guests }
-}
-
-type Vif = (VifDevice<hv::OwnPage>, VifFront<MappedPage>);
-
-/// A VIF for guest `i`, made and mapped.
-fn vif(s: &Setup, i: usize) -> Vif {
-    let g = &s.guests[i];
-    let region = VifRegion::create(&s.device, g.id()).expect("region");
-    let dev = VifDevice::new(region.device_pages(&s.device).expect("device pages")).expect("dev");
-    let front = VifFront::new(
-        region
-            .map_in_guest(&s.hv, g, s.device.id(), 0)
-            .expect("mapped")
-            .0,
-    );
-    (dev, front)
-}
+mod common;
+use common::{setup, vif};
 
 fn frame(n: usize, seed: u8) -> Vec<u8> {
     (0..n)

@@ -497,24 +497,11 @@ impl<P: PageAccess> VifFront<P> {
     /// Takes the next received frame into `out`: its length, or none if the queue is
     /// empty. A slot the device left empty (a frame it could not place) gives 0.
     pub fn recv(&mut self, out: &mut [u8]) -> Result<Option<usize>, VifError> {
-        if self.rx_pending()? == 0 {
-            return Ok(None);
-        }
-        let i = self.rx_cons;
-        let len = self
-            .pages
-            .device
-            .read_obj::<u16>(RX_LEN + 2 * (i % SLOTS) as usize)? as usize;
-        if len > SLOT_BYTES || len > out.len() {
-            return Err(VifError::BadLength(len));
-        }
-        read_slot(&self.pages.rx, i, &mut out[..len])?;
-        self.rx_cons = i.wrapping_add(1);
-        self.pages
-            .guest
-            .atomic_u32(RX_CONS)?
-            .store(self.rx_cons, Ordering::Release);
-        Ok(Some(len))
+        self.recv_with(|p, offset, len| {
+            let dst = out.get_mut(..len).ok_or(VifError::BadLength(len))?;
+            p.read(offset, dst)?;
+            Ok(len)
+        })
     }
 
     /// Takes the next received frame by handing `copy` the page that holds it, the
