@@ -24,8 +24,8 @@ use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
 use dev::tap::TapPort;
 use dev::wire::{WireSink, WireSource};
 use hv::{
-    DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port, VcpuStart,
-    Vector, WaitMode,
+    DeviceId, DomId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port,
+    VcpuStart, Vector, WaitMode,
 };
 use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::SkbPool;
@@ -105,6 +105,8 @@ pub struct SvnicGuestSpec {
     pub mac: [u8; 6],
     /// What runs above the VIF driver.
     pub app: crate::svnic_guest::SvnicApp,
+    /// Its VIF's priority, 1 to 100 (the device's default if none).
+    pub priority: Option<u8>,
     /// Its vCPU's core (by default the guests take the cores after the controller
     /// domain's, one each).
     pub core: Option<usize>,
@@ -206,7 +208,8 @@ pub struct Machine {
     domains: Vec<(Arc<Domain>, Role)>,
     nic: Option<Nic>,
     /// The self-virtualized NIC, in its layout.
-    svnic: Option<dev::svnic::device::Svnic<hv::OwnPage>>,
+    /// The SV-NIC and its device domain.
+    svnic: Option<(dev::svnic::device::Svnic<hv::OwnPage>, DomId)>,
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
     /// Where each running kernel's counters are asked for.
@@ -224,6 +227,8 @@ type MakeDomain<'a> =
 pub const SVNIC_MAX_VIFS: usize = 64;
 /// The first VIF's vector.
 pub const SVNIC_VECTOR_BASE: u8 = 64;
+/// How long the toolstack waits for the SV-NIC's management driver to answer.
+pub const MGMT_WAIT: Duration = Duration::from_secs(5);
 
 /// The controller domain's kernel in the SV-NIC layout: the host-side management runs
 /// in the toolstack's thread; its vCPU is where the device's master interrupt is taken
@@ -513,7 +518,7 @@ impl Machine {
         if let Some(nic) = &m.nic {
             nic.regs().link_up.store(true, Ordering::Release);
         }
-        if let Some(s) = &m.svnic {
+        if let Some((s, _)) = &m.svnic {
             s.link_up();
         }
         Ok(m)
@@ -545,9 +550,11 @@ impl Machine {
     }
 
     /// Builds the SV-NIC layout: the device's memory, the controller domain (whose
-    /// vCPU takes the master interrupt), the device, and each guest with its VIF: the
-    /// region made and granted by the host-side management, mapped once by the guest,
-    /// its signal a vector bound to a port of the guest's.
+    /// vCPU takes the master interrupt), the device with its management driver, and
+    /// each guest with its VIF: asked for through the store (the toolstack's side of
+    /// [`dev::svnic::mgmt`]), its region mapped once by the guest from the grant
+    /// references the device answered with, its signal a vector bound to a port of
+    /// the guest's.
     fn start_svnic(
         &mut self,
         nic: NicSpec,
@@ -557,8 +564,9 @@ impl Machine {
         start: &dyn Fn(Option<usize>) -> VcpuStart,
         mk: &MakeDomain<'_>,
     ) -> Result<(), BuildError> {
-        use dev::svnic::device::{Svnic, VifSignal};
-        use dev::svnic::vif::{VifDevice, VifFront, VifRegion, VIF_PAGES};
+        use dev::svnic::device::Svnic;
+        use dev::svnic::mgmt::{self, VifRequest};
+        use dev::svnic::vif::{VifFront, VifRegion, VIF_PAGES};
         let hv = Arc::clone(&self.hv);
         if guests.len() > SVNIC_MAX_VIFS {
             return Err(other(format!(
@@ -576,7 +584,11 @@ impl Machine {
             driver_domain: false,
         })?;
         let ctl = mk(&hv, "controller", false, 4)?;
-        let svnic = Svnic::start(&hv, Some(&ctl), config, nic.source, nic.sink).map_err(other)?;
+        let mut svnic =
+            Svnic::start(&hv, Some(&ctl), config, nic.source, nic.sink).map_err(other)?;
+        mgmt::prepare(&hv, device.id()).map_err(other)?;
+        svnic.manage(&hv, Arc::clone(&device)).map_err(other)?;
+        mgmt::set_schedule(&hv, device.id(), config.schedule).map_err(other)?;
         self.boot(
             &ctl,
             Role::DriverDomain,
@@ -587,33 +599,46 @@ impl Machine {
         )?;
         for (i, g) in guests.into_iter().enumerate() {
             let dom = mk(&hv, &g.name, false, VIF_PAGES as u32 + 4)?;
-            let region = VifRegion::create(&device, dom.id()).map_err(other)?;
-            let dev =
-                VifDevice::new(region.device_pages(&device).map_err(other)?).map_err(other)?;
-            let (pages, _handles) = region
-                .map_in_guest(&hv, &dom, device.id(), 0)
-                .map_err(other)?;
             let vector = Vector(SVNIC_VECTOR_BASE + i as u8);
             let port = hv.bind_irq(&dom, vector).map_err(other)?;
-            let signal = VifSignal {
+            let req = VifRequest {
+                guest: dom.id(),
+                mac: g.mac,
+                priority: g.priority.unwrap_or(dev::svnic::engine::DEFAULT_PRIORITY),
                 vector,
-                bit: svnic.assign_bit(),
             };
-            if !svnic.add_vif(i as u16, g.mac, dev.tx, dev.rx, signal) {
-                return Err(other(format!("VIF {i}: beyond the device's VIFs")));
-            }
+            let grefs = mgmt::create_vif(&hv, device.id(), i as u16, &req, MGMT_WAIT)
+                .map_err(|e| other(format!("VIF {i}: {e}")))?;
+            let (pages, _handles) =
+                VifRegion::map_grefs(&hv, &dom, device.id(), &grefs, 0).map_err(other)?;
             let k =
                 crate::svnic_guest::SvnicGuest::new(&hv, &dom, VifFront::new(pages), port, &g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));
             self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
         }
-        self.svnic = Some(svnic);
+        self.svnic = Some((svnic, device.id()));
         Ok(())
+    }
+
+    /// The toolstack changes guest `i`'s VIF priority (1 to 100) through the store.
+    pub fn set_vif_priority(&self, i: usize, priority: u8) -> Result<(), BuildError> {
+        let Some((_, device)) = &self.svnic else {
+            return Err(other("no SV-NIC in this layout"));
+        };
+        dev::svnic::mgmt::set_priority(&self.hv, *device, i as u16, priority).map_err(other)
+    }
+
+    /// The toolstack chooses the SV-NIC's egress scheduler through the store.
+    pub fn set_vif_schedule(&self, s: dev::svnic::engine::Schedule) -> Result<(), BuildError> {
+        let Some((_, device)) = &self.svnic else {
+            return Err(other("no SV-NIC in this layout"));
+        };
+        dev::svnic::mgmt::set_schedule(&self.hv, *device, s).map_err(other)
     }
 
     /// The SV-NIC, in its layout.
     pub fn svnic(&self) -> Option<&dev::svnic::device::Svnic<hv::OwnPage>> {
-        self.svnic.as_ref()
+        self.svnic.as_ref().map(|(s, _)| s)
     }
 
     /// Injects a fault into the driver domain's kernel (none without one).
@@ -811,7 +836,7 @@ impl Machine {
         if let Some(r) = regs {
             c.add_set("nic", &*r);
         }
-        if let Some(s) = self.svnic.take() {
+        if let Some((s, _)) = self.svnic.take() {
             let (e, i) = s.engine_stats();
             if let Some(e) = e {
                 c.add_set("svnic egress", &*e);
@@ -820,6 +845,7 @@ impl Machine {
                 c.add_set("svnic ingress", &*i);
             }
             c.add_set("svnic signals", s.signal_stats());
+            c.add_set("svnic management", &**s.mgmt_stats());
             s.stop();
         }
         Ok(c)

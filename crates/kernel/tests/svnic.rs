@@ -119,6 +119,7 @@ fn run(
                 counters: c,
                 latency: None,
             }),
+            priority: None,
             core: None,
         });
     }
@@ -238,6 +239,7 @@ fn host(
                     name: format!("g{i}"),
                     mac: mac(i),
                     app: app(i),
+                    priority: None,
                     core: None,
                 })
                 .collect(),

@@ -301,12 +301,42 @@ struct Shared<P> {
     done: [AtomicU64; 2],
     /// Requests issued.
     issued: AtomicU64,
+    /// The device-side management driver's counters.
+    mgmt: Arc<super::mgmt::MgmtStats>,
 }
 
 /// The running device.
 pub struct Svnic<P: PageAccess + Send + Sync + 'static> {
-    shared: Arc<Shared<P>>,
+    ctl: Control<P>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// The device's management interface and counters: what its device-side management
+/// driver ([`super::mgmt`]) calls, and a test standing in for it. Cheap to clone; the
+/// running [`Svnic`] dereferences to it.
+pub struct Control<P> {
+    shared: Arc<Shared<P>>,
+}
+
+impl<P> std::fmt::Debug for Control<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Control").finish_non_exhaustive()
+    }
+}
+
+impl<P> Clone for Control<P> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> std::ops::Deref for Svnic<P> {
+    type Target = Control<P>;
+    fn deref(&self) -> &Control<P> {
+        &self.ctl
+    }
 }
 
 impl<P: PageAccess + Send + Sync + 'static> std::fmt::Debug for Svnic<P> {
@@ -362,6 +392,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             rx_fifo_full: AtomicU64::new(0),
             done: [AtomicU64::new(0), AtomicU64::new(0)],
             issued: AtomicU64::new(0),
+            mgmt: Arc::default(),
         });
         let mut threads = Vec::new();
         {
@@ -521,7 +552,48 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                     .map_err(|_| hv::EvtchnError::NoFreePort)?,
             );
         }
-        Ok(Self { shared, threads })
+        Ok(Self {
+            ctl: Control { shared },
+            threads,
+        })
+    }
+
+    /// Stops the device's threads.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        self.ctl.shared.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Svnic<hv::OwnPage> {
+    /// Starts the device-side management driver: it takes VIF requests from the store
+    /// under `device`'s directory ([`super::mgmt`]) until the device stops.
+    pub fn manage(
+        &mut self,
+        hv: &Arc<Hypervisor>,
+        device: Arc<hv::Domain>,
+    ) -> Result<(), super::mgmt::MgmtError> {
+        let t = super::mgmt::DeviceDriver::start(hv, device, self.ctl.clone())?;
+        self.threads.push(t);
+        Ok(())
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> Control<P> {
+    /// The device was stopped.
+    pub fn stopped(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
+    /// The device-side management driver's counters.
+    pub fn mgmt_stats(&self) -> &Arc<super::mgmt::MgmtStats> {
+        &self.shared.mgmt
     }
 
     /// The device-side management driver adds VIF `id` (its queues, its MAC, its
@@ -635,18 +707,6 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
     pub fn engine_stats(&self) -> (Option<Arc<EngineStats>>, Option<Arc<EngineStats>>) {
         let g = |m: &Mutex<Option<Arc<EngineStats>>>| m.lock().ok().and_then(|s| s.clone());
         (g(&self.shared.egress_stats), g(&self.shared.ingress_stats))
-    }
-
-    /// Stops the device's threads.
-    pub fn stop(mut self) {
-        self.halt();
-    }
-
-    fn halt(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
     }
 }
 

@@ -11,6 +11,9 @@
 //!   times;
 //! * [`device`]: the running device: its engines on device cores, its cable, its
 //!   signals, VIFs added and removed while it runs;
+//! * [`mgmt`]: the management API through the store: the toolstack's requests (create
+//!   and destroy a VIF, its priority, the egress scheduler) and the device-side driver
+//!   that carries them out; no guest can ask;
 //! * [`signal`]: the signalling designs: the shared 8-bit identifier register and its
 //!   hypervisor demultiplexing, the sidecore's message channel, a vector per VIF.
 //!
@@ -19,5 +22,6 @@
 
 pub mod device;
 pub mod engine;
+pub mod mgmt;
 pub mod signal;
 pub mod vif;

@@ -644,8 +644,26 @@ impl VifRegion {
         device: DomId,
         first_slot: u32,
     ) -> Result<(VifPages<mem::MappedPage>, Vec<hv::GrantHandle>), RegionError> {
-        let ops: Vec<MapOp> = self
-            .grefs
+        Self::map_grefs(hv, guest, device, &self.grefs, first_slot)
+    }
+
+    /// As [`VifRegion::map_in_guest`], from the grant references alone (what the guest
+    /// is told: [`super::mgmt::create_vif`]). Anything but [`VIF_PAGES`] of them is
+    /// refused.
+    pub fn map_grefs(
+        hv: &Hypervisor,
+        guest: &Arc<Domain>,
+        device: DomId,
+        grefs: &[GrantRef],
+        first_slot: u32,
+    ) -> Result<(VifPages<mem::MappedPage>, Vec<hv::GrantHandle>), RegionError> {
+        if grefs.len() != VIF_PAGES {
+            return Err(RegionError::Device(format!(
+                "{} grant references for a region of {VIF_PAGES} pages",
+                grefs.len()
+            )));
+        }
+        let ops: Vec<MapOp> = grefs
             .iter()
             .enumerate()
             .map(|(i, &gref)| MapOp {

@@ -125,6 +125,7 @@ fn host(
                     name: format!("g{i}"),
                     mac: mac(i),
                     app: SvnicApp::Raw(app(i)),
+                    priority: None,
                     core: None,
                 })
                 .collect(),
