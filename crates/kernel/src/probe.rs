@@ -5,6 +5,10 @@
 //!
 //! A probe carries its sequence number and a pattern derived from it in every byte; the
 //! client checks every byte of each echo.
+//!
+//! A flood ([`FloodSpec`]) sends frames of the same pattern one way, as fast as the
+//! driver takes them or at an offered rate that may change while it runs (paper 002's
+//! Figure 10 senders); whoever receives them checks every byte ([`verify`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -72,6 +76,86 @@ pub fn probe(me: [u8; 6], peer: [u8; 6], seq: u32) -> [u8; PROBE_LEN] {
     f
 }
 
+/// The sequence number of a probe or flood frame of any length whose every byte is
+/// as sent; `None` for anything else.
+pub fn verify(frame: &[u8]) -> Option<u32> {
+    if frame.len() < 18 || frame[12..14] != ETHERTYPE.to_be_bytes() {
+        return None;
+    }
+    let seq = u32::from_be_bytes([frame[14], frame[15], frame[16], frame[17]]);
+    frame
+        .iter()
+        .enumerate()
+        .skip(18)
+        .all(|(i, &b)| b == pattern(seq, i))
+        .then_some(seq)
+}
+
+/// A flood's set-up.
+#[derive(Debug, Clone)]
+pub struct FloodSpec {
+    /// Its own MAC.
+    pub me: [u8; 6],
+    /// Where its frames go.
+    pub peer: [u8; 6],
+    /// Each frame's length (18 to 1514 bytes).
+    pub len: usize,
+    /// The offered load in bits a second, changeable while it runs; 0: as fast as the
+    /// driver takes frames.
+    pub rate: Arc<AtomicU64>,
+    /// Frames sent.
+    pub sent: Arc<AtomicU64>,
+}
+
+/// A flood's state.
+#[derive(Debug)]
+pub struct Flood {
+    spec: FloodSpec,
+    seq: u32,
+    /// When the next frame is due at the offered rate (the guest's clock).
+    next_at: Duration,
+    frame: Box<[u8]>,
+}
+
+/// Frames a flood sends at most in one poll (then it yields the vCPU's loop).
+const FLOOD_BURST: usize = 64;
+/// A paced flood sends, each time it runs, the frames due within this much of now (as
+/// a pacing qdisc's quantum): a vCPU woken per frame at high rates would spend its
+/// time waking.
+pub const FLOOD_QUANTUM: Duration = Duration::from_micros(200);
+
+impl Flood {
+    fn run(&mut self, now: Duration, send: &mut dyn FnMut(&[u8]) -> bool) -> usize {
+        let mut n = 0;
+        while n < FLOOD_BURST {
+            let rate = self.spec.rate.load(Ordering::Relaxed);
+            if rate != 0 && now + FLOOD_QUANTUM < self.next_at {
+                break;
+            }
+            let f = &mut self.frame;
+            f[14..18].copy_from_slice(&self.seq.to_be_bytes());
+            for (i, b) in f.iter_mut().enumerate().skip(18) {
+                *b = pattern(self.seq, i);
+            }
+            if !send(f) {
+                break;
+            }
+            self.seq = self.seq.wrapping_add(1);
+            self.spec.sent.fetch_add(1, Ordering::Relaxed);
+            n += 1;
+            if rate != 0 {
+                // No more than a millisecond's frames saved up after a stall.
+                let gap = Duration::from_nanos(self.frame.len() as u64 * 8 * 1_000_000_000 / rate);
+                let from = self
+                    .next_at
+                    .max(now.saturating_sub(Duration::from_millis(1)));
+                self.next_at = from + gap;
+            }
+        }
+        n
+    }
+}
+
 /// A raw application above the driver.
 #[derive(Debug)]
 pub enum Raw {
@@ -85,6 +169,8 @@ pub enum Raw {
     },
     /// The client.
     Ping(Box<Ping>),
+    /// A one-way sender.
+    Flood(Box<Flood>),
 }
 
 /// The client's state.
@@ -112,6 +198,20 @@ impl Raw {
         }))
     }
 
+    /// A flood.
+    pub fn flood(spec: FloodSpec) -> Self {
+        let mut frame = vec![0u8; spec.len.clamp(18, 1514)].into_boxed_slice();
+        frame[..6].copy_from_slice(&spec.peer);
+        frame[6..12].copy_from_slice(&spec.me);
+        frame[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+        Raw::Flood(Box::new(Flood {
+            spec,
+            seq: 0,
+            next_at: Duration::ZERO,
+            frame,
+        }))
+    }
+
     /// A frame arrived; `send` puts a frame on the driver (false: no room).
     pub fn input(&mut self, frame: &[u8], now: Duration, send: &mut dyn FnMut(&[u8]) -> bool) {
         if frame.len() < 18 || frame[12..14] != ETHERTYPE.to_be_bytes() {
@@ -134,6 +234,7 @@ impl Raw {
                     *echoed += 1;
                 }
             }
+            Raw::Flood(_) => {}
             Raw::Ping(p) => {
                 // An echo comes from the server to this client; anything else (another
                 // client's probe that a bridge flooded here) is not one.
@@ -171,7 +272,11 @@ impl Raw {
 
     /// Sends the next probe if it is due: how many frames went out.
     pub fn run(&mut self, now: Duration, send: &mut dyn FnMut(&[u8]) -> bool) -> usize {
-        let Raw::Ping(p) = self else { return 0 };
+        let p = match self {
+            Raw::Ping(p) => p,
+            Raw::Flood(f) => return f.run(now, send),
+            Raw::Echo { .. } => return 0,
+        };
         if let Some((_, _, lost_at)) = p.in_flight {
             if now < lost_at {
                 return 0;
@@ -198,7 +303,15 @@ impl Raw {
     /// When the client next needs its timer: the next probe, or the one in flight's
     /// loss.
     pub fn next_timer(&self) -> Option<Duration> {
-        let Raw::Ping(p) = self else { return None };
+        let p = match self {
+            Raw::Ping(p) => p,
+            // At a rate, its next frame; at full speed, the transmit signal wakes it.
+            Raw::Flood(f) => {
+                return (f.spec.rate.load(Ordering::Relaxed) != 0)
+                    .then(|| f.next_at.saturating_sub(FLOOD_QUANTUM))
+            }
+            Raw::Echo { .. } => return None,
+        };
         match p.in_flight {
             Some((_, _, lost_at)) => Some(lost_at),
             None => Some(p.next_at),
@@ -278,6 +391,43 @@ mod tests {
             1,
             "the next one goes"
         );
+    }
+
+    #[test]
+    fn a_flood_keeps_its_rate_stops_when_the_driver_is_full_and_every_frame_verifies() {
+        let rate = Arc::new(AtomicU64::new(8_000_000)); // 1000-byte frames: 1 a ms
+        let sent_c = Arc::new(AtomicU64::new(0));
+        let mut f = Raw::flood(FloodSpec {
+            me: [2, 0, 0, 0, 0, 1],
+            peer: [2, 0, 0, 0, 0, 2],
+            len: 1000,
+            rate: Arc::clone(&rate),
+            sent: Arc::clone(&sent_c),
+        });
+        let ms = Duration::from_millis(1);
+        assert_eq!(sent(&mut f, Duration::ZERO).len(), 1);
+        assert!(sent(&mut f, ms / 2).is_empty(), "not due yet");
+        assert_eq!(f.next_timer(), Some(ms - FLOOD_QUANTUM));
+        // Due within the quantum: sent now.
+        let out = sent(&mut f, ms - FLOOD_QUANTUM);
+        assert_eq!(out.len(), 1);
+        assert_eq!(verify(&out[0]), Some(1));
+        let mut bad = out[0].clone();
+        bad[999] ^= 0x40;
+        assert_eq!(verify(&bad), None);
+        // A long stall saves up at most a millisecond's frames.
+        let stalled = sent(&mut f, 100 * ms).len();
+        assert!((1..=2).contains(&stalled), "{stalled}");
+        // At full speed it sends until the driver is full, then waits to be woken.
+        rate.store(0, Ordering::Relaxed);
+        let mut room = 5;
+        let n = f.run(100 * ms, &mut |_| {
+            room -= 1;
+            room >= 0
+        });
+        assert_eq!(n, 5);
+        assert_eq!(f.next_timer(), None);
+        assert_eq!(sent_c.load(Ordering::Relaxed), 2 + stalled as u64 + 5);
     }
 
     #[test]

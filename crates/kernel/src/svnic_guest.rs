@@ -71,6 +71,8 @@ pub enum RawApp {
     Echo([u8; 6]),
     /// Sends probes and times their echoes.
     Ping(crate::probe::ProbeSpec),
+    /// Sends frames one way, at an offered rate or as fast as the VIF takes them.
+    Flood(crate::probe::FloodSpec),
 }
 
 impl RawApp {
@@ -79,6 +81,7 @@ impl RawApp {
         match self {
             RawApp::Echo(me) => crate::probe::Raw::Echo { me: *me, echoed: 0 },
             RawApp::Ping(p) => crate::probe::Raw::ping(p.clone()),
+            RawApp::Flood(f) => crate::probe::Raw::flood(f.clone()),
         }
     }
 }
@@ -102,6 +105,8 @@ pub struct SvnicGuest {
     scratch: Box<[u8]>,
     /// A signal came and NAPI has not yet found the queue empty.
     napi: bool,
+    /// A send found the queue full: the transmit signal is on until room is made.
+    tx_waiting: bool,
     stats: VifDriverStats,
 }
 
@@ -131,6 +136,7 @@ impl SvnicGuest {
             above,
             scratch: vec![0u8; dev::svnic::vif::SLOT_BYTES].into_boxed_slice(),
             napi: true,
+            tx_waiting: false,
             stats: VifDriverStats::default(),
         })
     }
@@ -212,8 +218,14 @@ impl Kernel for SvnicGuest {
         if self.front.isempty().unwrap_or(true) {
             self.stats.empty_signals += 1;
         }
-        // NAPI: the signal off while polling; the line unmasked for the next one.
+        // NAPI: the signal off while polling; the line unmasked for the next one. A
+        // guest waiting for room in its send queue is woken by the same line: its
+        // transmit signal goes off too, and the poll sends what it can.
         let _ = self.front.set_rx_signal(false);
+        if self.tx_waiting {
+            let _ = self.front.set_tx_signal(false);
+            self.tx_waiting = false;
+        }
         let _ = self.hv.pirq_eoi(&self.dom, port);
         self.napi = true;
     }
@@ -250,6 +262,7 @@ impl Kernel for SvnicGuest {
                 }
             }
         }
+        let full_before = self.stats.tx_full;
         let Self {
             front,
             above,
@@ -274,6 +287,17 @@ impl Kernel for SvnicGuest {
                 w.tx += sent;
             }
             Above::Raw(raw) => w.tx += raw.run(now, &mut send),
+        }
+        if self.stats.tx_full > full_before && !self.tx_waiting {
+            // The send queue filled: ask for a signal when the device makes room, then
+            // look once more, so room made between the two is not missed.
+            let _ = self.front.set_tx_signal(true);
+            self.tx_waiting = true;
+            if !self.front.isfull().unwrap_or(true) {
+                let _ = self.front.set_tx_signal(false);
+                self.tx_waiting = false;
+                w.more = true;
+            }
         }
         w
     }

@@ -303,6 +303,9 @@ struct Shared<P> {
     issued: AtomicU64,
     /// The device-side management driver's counters.
     mgmt: Arc<super::mgmt::MgmtStats>,
+    /// Engine threads still running: the sidecore stops after them, with every
+    /// message they wrote forwarded.
+    engines_running: std::sync::atomic::AtomicUsize,
 }
 
 /// The running device.
@@ -344,6 +347,15 @@ impl<P: PageAccess + Send + Sync + 'static> std::fmt::Debug for Svnic<P> {
         f.debug_struct("Svnic")
             .field("threads", &self.threads.len())
             .finish_non_exhaustive()
+    }
+}
+
+/// An engine thread, counted while it runs (also if it panics).
+struct Running<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -393,6 +405,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             done: [AtomicU64::new(0), AtomicU64::new(0)],
             issued: AtomicU64::new(0),
             mgmt: Arc::default(),
+            engines_running: std::sync::atomic::AtomicUsize::new(2),
         });
         let mut threads = Vec::new();
         {
@@ -400,10 +413,12 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             let core = cfg.cores.egress;
             let contexts = cfg.egress_contexts;
             let (link, schedule) = (cfg.link, cfg.schedule);
+            let hv = Arc::clone(hv);
             threads.push(
                 std::thread::Builder::new()
                     .name("svnic-egress".into())
                     .spawn(move || {
+                        let _running = Running(&sh.engines_running);
                         pin(core);
                         let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
                         e.set_schedule(schedule);
@@ -445,6 +460,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                     sink.transmit(f, Offload::NONE);
                                 })
                             };
+                            e.take_tx_wakes(&mut |vif| sh.signals.raise(&hv, vif));
                             if n == 0 {
                                 std::thread::yield_now();
                             }
@@ -462,6 +478,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                 std::thread::Builder::new()
                     .name("svnic-ingress".into())
                     .spawn(move || {
+                        let _running = Running(&sh.engines_running);
                         pin(core);
                         let mut ing: Ingress<P> = Ingress::new(contexts, Arc::clone(&sh.times));
                         if let Ok(mut s) = sh.ingress_stats.lock() {
@@ -543,10 +560,19 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                     .name("sidecore".into())
                     .spawn(move || {
                         pin(core);
-                        while !sh.stop.load(Ordering::Acquire) {
-                            if sh.signals.sidecore_step(&hv) == 0 {
-                                std::thread::yield_now();
+                        loop {
+                            if sh.signals.sidecore_step(&hv) > 0 {
+                                continue;
                             }
+                            // Stopping: once the engines are gone, whatever they wrote
+                            // last is forwarded and the sidecore goes too.
+                            if sh.stop.load(Ordering::Acquire)
+                                && sh.engines_running.load(Ordering::Acquire) == 0
+                            {
+                                sh.signals.sidecore_step(&hv);
+                                break;
+                            }
+                            std::thread::yield_now();
                         }
                     })
                     .map_err(|_| hv::EvtchnError::NoFreePort)?,

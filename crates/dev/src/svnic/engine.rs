@@ -215,6 +215,10 @@ pub struct Egress<P> {
     /// The pass of the VIF served last (a VIF that comes back from idle starts here).
     vtime: u64,
     buf: Box<[u8]>,
+    /// VIFs whose guest asked to be told when its full send queue has room again,
+    /// and whose frame a context has just taken (drained by [`Egress::take_tx_wakes`]
+    /// after each step; at most one a context a step, so never grown on the data path).
+    tx_wake: Vec<u16>,
     times: Arc<StageTimes>,
     stats: Arc<EngineStats>,
 }
@@ -234,8 +238,17 @@ impl<P: PageAccess> Egress<P> {
             schedule: Schedule::RoundRobin,
             vtime: 0,
             buf: vec![0u8; SLOT_BYTES].into_boxed_slice(),
+            tx_wake: Vec::with_capacity(contexts.max(1)),
             times,
             stats: Arc::default(),
+        }
+    }
+
+    /// Hands each VIF whose guest is waiting for room in its send queue, and that has
+    /// some now, to `f` (the device signals it).
+    pub fn take_tx_wakes(&mut self, f: &mut dyn FnMut(u16)) {
+        for id in self.tx_wake.drain(..) {
+            f(id);
         }
     }
 
@@ -289,7 +302,15 @@ impl<P: PageAccess> Egress<P> {
         }
     }
 
-    fn sent(&mut self, id: u16, len: usize, t0: u64, wire: &mut dyn FnMut(u16, &[u8])) {
+    fn sent(
+        &mut self,
+        (id, len, wake): (u16, usize, bool),
+        t0: u64,
+        wire: &mut dyn FnMut(u16, &[u8]),
+    ) {
+        if wake && self.tx_wake.len() < self.tx_wake.capacity() {
+            self.tx_wake.push(id);
+        }
         let t1 = mem::cpu::rdtsc();
         wire(id, &self.buf[..len]);
         let t2 = mem::cpu::rdtsc();
@@ -319,7 +340,7 @@ impl<P: PageAccess> Egress<P> {
                 let v = &mut c.vifs[i];
                 match v.tx.take(&mut self.buf) {
                     Ok(Some(len)) => {
-                        found = Some((v.id, len));
+                        found = Some((v.id, len, v.tx.wants_signal()));
                         c.next = (i + 1) % n;
                         break;
                     }
@@ -329,11 +350,11 @@ impl<P: PageAccess> Egress<P> {
                     }
                 }
             }
-            let Some((id, len)) = found else {
+            let Some(f) = found else {
                 self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            self.sent(id, len, t0, wire);
+            self.sent(f, t0, wire);
             sent += 1;
         }
         sent
@@ -369,10 +390,10 @@ impl<P: PageAccess> Egress<P> {
             let v = &mut self.contexts[ci].vifs[vi];
             match v.tx.take(&mut self.buf) {
                 Ok(Some(len)) => {
-                    let id = v.id;
+                    let f = (v.id, len, v.tx.wants_signal());
                     v.pass = pass + len as u64 * STRIDE / u64::from(v.priority.max(1));
                     self.vtime = pass;
-                    self.sent(id, len, t0, wire);
+                    self.sent(f, t0, wire);
                     sent += 1;
                 }
                 Ok(None) => break,

@@ -27,11 +27,13 @@ use crate::chart::{Lines, Series};
 use crate::stats::Stats;
 use crate::{Experiment, LabError, Mode, Report};
 
+mod qos;
+
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
     id: "raj-svnic",
     title: "the self-virtualized NIC against the driver domain: round trips and interrupt virtualization as VIFs are added",
-    paper: "002 Raj & Schwan, Fig. 7, 8",
+    paper: "002 Raj & Schwan, Fig. 7, 8, 10",
     run,
 };
 
@@ -237,7 +239,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "mode": format!("{mode:?}"), "vifs": ns, "seconds": secs, "max_gap_ms": gap_ms,
         "designs": Design::ALL.map(Design::name), "cores": cores,
     });
-    crate::progress::plan((ns.len() * Design::ALL.len()) as u64);
+    crate::progress::plan((ns.len() * Design::ALL.len()) as u64 + 1);
     let mut points: Vec<Vec<Point>> = Vec::new();
     for d in Design::ALL {
         let mut row = Vec::new();
@@ -416,11 +418,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         &format!("0 (of {sent} sent)"),
         corrupt + lost == 0,
     );
+    crate::progress::step(format_args!("Fig. 10: priority QoS"));
+    qos::figure10(&mut rep, mode)?;
     rep.notes.push(
-        "Not yet in this experiment: Figure 9 (TCP throughput of the n flows), Figure 10 \
-         (priority QoS on a saturated link; the scheduler is built and tested in \
-         dev::svnic::engine), and the beyond-the-paper rows (dynamic core partitioning, an \
-         IOMMU context per VIF)."
+        "Not yet in this experiment: Figure 9 (TCP throughput of the n flows) and the \
+         beyond-the-paper rows (dynamic core partitioning, an IOMMU context per VIF)."
             .into(),
     );
     Ok(rep)
@@ -457,5 +459,11 @@ mod tests {
             "{:?}",
             r.checks
         );
+        assert!(
+            c("Fig. 10 frames corrupt").is_some_and(|c| c.met),
+            "{:?}",
+            r.checks
+        );
+        assert!(r.rows.iter().any(|row| row.group.starts_with("Fig. 10")));
     }
 }
