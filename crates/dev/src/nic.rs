@@ -25,7 +25,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hv::iommu::DmaContext;
@@ -269,8 +269,8 @@ pub struct NicRegs {
     /// the count move.
     resets: AtomicU64,
     stop: AtomicBool,
-    parked: AtomicBool,
-    thread: std::sync::OnceLock<Thread>,
+    /// The device thread's sleep and its wake-ups.
+    doze: Arc<crate::wire::Doze>,
 }
 
 /// The device's counters, read as they stand (relaxed loads of the registers).
@@ -346,8 +346,7 @@ impl NicRegs {
             iotlb_misses: AtomicU64::new(0),
             resets: AtomicU64::new(0),
             stop: AtomicBool::new(false),
-            parked: AtomicBool::new(false),
-            thread: std::sync::OnceLock::new(),
+            doze: Arc::default(),
         }
     }
 
@@ -432,22 +431,12 @@ impl NicRegs {
     /// The TX doorbell: publishes descriptors up to `tail` and wakes an idle device.
     pub fn ring_tx_doorbell(&self, tail: u32) {
         self.tx_tail.store(tail, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
-        }
+        self.doze.wake();
     }
 
     /// A frame arrived at the far end of the cable: wakes an idle device.
     pub fn wire_wake(&self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
-        }
+        self.doze.wake();
     }
 
     /// Publishes queue `q`'s RX descriptors up to `tail`.
@@ -480,9 +469,7 @@ impl NicRegs {
             && !self.stop.load(Ordering::Acquire)
             && t0.elapsed() < Duration::from_secs(1)
         {
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
+            self.doze.kick();
             std::thread::yield_now();
         }
     }
@@ -490,9 +477,7 @@ impl NicRegs {
     /// Stops the device thread.
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.get() {
-            t.unpark();
-        }
+        self.doze.kick();
     }
 }
 
@@ -583,7 +568,7 @@ impl Nic {
         let thread = std::thread::Builder::new()
             .name(format!("nic{}", dev.0))
             .spawn(move || d.run(source, sink))?;
-        let _ = regs.thread.set(thread.thread().clone());
+        regs.doze.bind(thread.thread().clone());
         Ok(Self {
             regs,
             thread: Some(thread),
@@ -643,7 +628,7 @@ impl Device {
     ) -> Box<dyn WireSource> {
         let _ = mem::cpu::set_timer_slack(1_000);
         let regs = Arc::clone(&self.regs);
-        source.attach(&regs);
+        source.attach(&regs.doze);
         let mut resets = regs.resets.load(Ordering::Acquire);
 
         while !regs.stop.load(Ordering::Acquire) {
@@ -693,8 +678,7 @@ impl Device {
             // before the flag was seen must not be slept through. The fences pair with
             // the doorbell's and the wire's (store, fence, load on each side), so that
             // one of the two always sees the other.
-            regs.parked.store(true, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            regs.doze.announce();
             let work = regs.tx_tail.load(Ordering::SeqCst) % RING_DESCS != self.tx_head
                 || regs.stop.load(Ordering::Acquire)
                 || (source.ready() && regs.link_up.load(Ordering::Acquire));
@@ -717,7 +701,7 @@ impl Device {
                 });
                 std::thread::park_timeout(d);
             }
-            regs.parked.store(false, Ordering::Release);
+            regs.doze.awake();
         }
         source
     }

@@ -29,12 +29,17 @@ use net::tcp::{fill_stream, Open, StreamCheck, TcpHost, TcpStats};
 use net::wire::MAX_TAGGED_FRAME;
 use smoltcp::wire::Ipv4Address;
 
-use crate::nic::NicRegs;
+use crate::wire::Doze;
 use crate::wire::{Samples, WireSink, WireSource};
 
 /// Frames a lane holds, each up to the wire's largest (a frame on a cable is at most
 /// an MTU: the NIC cuts large packets before they leave it).
 pub const LANE_FRAMES: usize = 256;
+/// Frames each direction of a NIC-to-NIC cable ([`crossover`]) holds: with no switch
+/// between them, what waits here is what waits at the sending host, in its transmit
+/// queue (Linux's `txqueuelen` of 1000) and its NIC's ring; a host's devices hand
+/// frames over faster than the wire's rate in bursts, and a host drops only past that.
+pub const CROSSOVER_FRAMES: usize = 1024;
 /// Bytes each frame occupies on an Ethernet wire beyond its own: preamble and start
 /// delimiter (8), FCS (4), inter-frame gap (12).
 pub const WIRE_OVERHEAD: usize = 24;
@@ -75,9 +80,13 @@ struct Lane {
 
 impl Lane {
     fn new(rate: WireRate) -> Self {
+        Self::with_frames(rate, LANE_FRAMES)
+    }
+
+    fn with_frames(rate: WireRate, frames: usize) -> Self {
         Self {
-            ring: net::tcp::FrameRing::new(LANE_FRAMES, MAX_TAGGED_FRAME),
-            due: VecDeque::with_capacity(LANE_FRAMES),
+            ring: net::tcp::FrameRing::new(frames, MAX_TAGGED_FRAME),
+            due: VecDeque::with_capacity(frames),
             free_at: None,
             rate,
         }
@@ -134,7 +143,7 @@ pub struct CableCounters {
 struct CableInner {
     to_nic: Mutex<Lane>,
     to_peer: Mutex<Lane>,
-    nic: OnceLock<Arc<NicRegs>>,
+    nic: OnceLock<Arc<Doze>>,
     peer: OnceLock<Thread>,
     counters: CableCounters,
 }
@@ -178,8 +187,8 @@ impl WireSource for CableEnd {
         self.next_due().is_some_and(|d| d <= Instant::now())
     }
 
-    fn attach(&mut self, regs: &Arc<NicRegs>) {
-        let _ = self.0.nic.set(Arc::clone(regs));
+    fn attach(&mut self, wake: &Arc<Doze>) {
+        let _ = self.0.nic.set(Arc::clone(wake));
     }
 }
 
@@ -545,7 +554,7 @@ fn run(
         }
         if sent > 0 {
             if let Some(r) = cable.nic.get() {
-                r.wire_wake();
+                r.wake();
             }
         }
         // Sleep until a frame arrives, the stack's timer, or the application's pace;
@@ -582,7 +591,7 @@ fn run(
 struct Crossover {
     lanes: [Mutex<Lane>; 2],
     /// Each end's NIC, to wake when a frame is put on its incoming lane.
-    nics: [OnceLock<Arc<NicRegs>>; 2],
+    nics: [OnceLock<Arc<Doze>>; 2],
     /// Frames each end sent that its outgoing lane had no room for.
     dropped: [AtomicU64; 2],
 }
@@ -598,7 +607,10 @@ pub struct CrossEnd {
 /// A cable between two devices at `rate`: its two ends.
 pub fn crossover(rate: WireRate) -> (CrossEnd, CrossEnd) {
     let cable = Arc::new(Crossover {
-        lanes: [Mutex::new(Lane::new(rate)), Mutex::new(Lane::new(rate))],
+        lanes: [
+            Mutex::new(Lane::with_frames(rate, CROSSOVER_FRAMES)),
+            Mutex::new(Lane::with_frames(rate, CROSSOVER_FRAMES)),
+        ],
         nics: [OnceLock::new(), OnceLock::new()],
         dropped: [AtomicU64::new(0), AtomicU64::new(0)],
     });
@@ -645,8 +657,8 @@ impl WireSource for CrossEnd {
         self.next_due().is_some_and(|d| d <= Instant::now())
     }
 
-    fn attach(&mut self, regs: &Arc<NicRegs>) {
-        let _ = self.cable.nics[self.me].set(Arc::clone(regs));
+    fn attach(&mut self, wake: &Arc<Doze>) {
+        let _ = self.cable.nics[self.me].set(Arc::clone(wake));
     }
 }
 
@@ -658,7 +670,7 @@ impl WireSink for CrossEnd {
             .is_ok_and(|mut l| l.push(frame, Instant::now()));
         if ok {
             if let Some(n) = self.cable.nics[to].get() {
-                n.wire_wake();
+                n.wake();
             }
         } else {
             self.cable.dropped[self.me].fetch_add(1, Ordering::Relaxed);

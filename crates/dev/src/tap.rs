@@ -19,7 +19,6 @@ use mem::tap::TapOffload;
 use net::offload::{Offload, VnetHdr, MAX_HEADERS, MAX_OFFLOAD_LEN, VNET_HDR_LEN};
 
 use crate::capture::{CaptureFile, CaptureTap};
-use crate::nic::NicRegs;
 use crate::wire::{WireSink, WireSource};
 
 /// Frames queued between the reader and the consumer; beyond that the reader waits.
@@ -411,9 +410,9 @@ impl WireSource for TapPort {
     fn ready(&self) -> bool {
         TapPort::ready(self)
     }
-    fn attach(&mut self, regs: &Arc<NicRegs>) {
-        let r = Arc::clone(regs);
-        self.set_wake(move || r.wire_wake());
+    fn attach(&mut self, wake: &Arc<crate::wire::Doze>) {
+        let r = Arc::clone(wake);
+        self.set_wake(move || r.wake());
     }
 }
 

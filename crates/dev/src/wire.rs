@@ -7,6 +7,57 @@ use std::time::{Duration, Instant};
 use net::offload::Offload;
 use net::wire::{UdpFlow, UdpFramer};
 
+/// A device thread that sleeps when it has nothing to do, and the wake-up whoever
+/// gives it work sends (a doorbell write, a frame on its cable): the thread announces
+/// its sleep ([`Doze::announce`]), looks for work once more, and only then parks; a
+/// waker publishes its work first and then wakes ([`Doze::wake`]). Both sides store,
+/// fence and load, so one of them always sees the other: no wake-up is slept through.
+#[derive(Debug, Default)]
+pub struct Doze {
+    parked: std::sync::atomic::AtomicBool,
+    thread: std::sync::OnceLock<std::thread::Thread>,
+}
+
+impl Doze {
+    /// The thread to wake is `t` (set once).
+    pub fn bind(&self, t: std::thread::Thread) {
+        let _ = self.thread.set(t);
+    }
+
+    /// Work was published: wakes the thread if it sleeps (a load when it does not).
+    pub fn wake(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            self.kick();
+        }
+    }
+
+    /// Unparks the thread whatever it is doing (to stop it, or to have it look at
+    /// requests).
+    pub fn kick(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// The thread is about to sleep: after this it must look for work once more.
+    pub fn announce(&self) {
+        self.parked.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// The thread sleeps at most `d` (or until woken), then is awake again.
+    pub fn sleep(&self, d: Duration) {
+        std::thread::park_timeout(d);
+        self.awake();
+    }
+
+    /// The thread found work after announcing: it is awake.
+    pub fn awake(&self) {
+        self.parked.store(false, Ordering::Release);
+    }
+}
+
 /// What the NIC receives: frames due by a time.
 pub trait WireSource: Send {
     /// Calls `emit` with every frame due by `now`, and what rides beside it (a cable
@@ -16,12 +67,12 @@ pub trait WireSource: Send {
     /// When the next frame is due (`None`: nothing scheduled).
     fn next_due(&self) -> Option<Instant>;
     /// Whether frames already wait (a source fed from outside, which wakes the device
-    /// through [`crate::nic::NicRegs::wire_wake`]).
+    /// through the [`Doze`] it was attached to).
     fn ready(&self) -> bool {
         false
     }
-    /// Called once by the device thread as it starts, with its registers.
-    fn attach(&mut self, _regs: &Arc<crate::nic::NicRegs>) {}
+    /// Called once by the device thread as it starts, with what wakes it.
+    fn attach(&mut self, _wake: &Arc<Doze>) {}
 }
 
 /// What the NIC transmits goes here.

@@ -1,7 +1,8 @@
 //! The receiving application: a UDP socket read until it is empty, every message checked
 //! whole against the sender's pattern ([`net::wire::payload_byte`]); or a TCP server
 //! over smoltcp ([`net::tcp`]) that takes a stream (netperf's TCP_STREAM, every byte
-//! checked against [`net::tcp::stream_byte`]) or answers requests (TCP_RR).
+//! checked against [`net::tcp::stream_byte`]) or answers requests (TCP_RR); or the
+//! other end of a stream, a TCP client sending one (paper 002's iperf client).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -39,6 +40,10 @@ pub enum Proto {
     /// A TCP server answering each request of `message` bytes with the same bytes
     /// (netperf's TCP_RR).
     TcpRr,
+    /// A TCP client at the flow's source that connects to its destination and sends
+    /// one stream of [`net::tcp::stream_byte`]s as fast as the window allows (netperf's
+    /// TCP_STREAM sender, iperf's client); its counters count what it wrote.
+    TcpSend,
 }
 
 /// What the application is told to expect.
@@ -117,9 +122,10 @@ impl UdpReceiver {
     }
 }
 
-/// The guest's (or native kernel's) TCP and its server application.
+/// The guest's (or native kernel's) TCP and its application: a server, or a client
+/// sending a stream.
 #[derive(Debug)]
-pub struct TcpServer {
+pub struct TcpApp {
     host: TcpHost,
     sock: smoltcp::iface::SocketHandle,
     proto: Proto,
@@ -134,23 +140,36 @@ pub struct TcpServer {
     counters: Arc<AppCounters>,
     /// The stack's next timer, as of the last poll.
     timer: Option<Duration>,
+    /// A client's bytes written so far (the stream's offset).
+    written: u64,
 }
 
 /// Bytes one read takes at most (netperf's receive size is the socket buffer's; a
 /// 64 KiB read is what one large packet brings).
 const READ_SIZE: usize = 65536;
 
-impl TcpServer {
-    /// A host at the flow's destination with a socket listening on its port.
+impl TcpApp {
+    /// A server: a host at the flow's destination with a socket listening on its port;
+    /// a client ([`Proto::TcpSend`]): one at its source connecting to it.
     pub fn bind(dom: &Arc<Domain>, spec: &AppSpec, now: Duration) -> Result<Self, BuildError> {
         let f = spec.flow;
-        let mut host = TcpHost::new(
-            f.dst_ip,
-            f.dst_mac,
-            now,
-            u64::from(dom.id().0) << 16 | 0x7c9,
-        );
-        let sock = host.open(Open::Listen(f.dst_port)).map_err(other)?;
+        let seed = u64::from(dom.id().0) << 16 | 0x7c9;
+        let (mut host, open) = if spec.proto == Proto::TcpSend {
+            (
+                TcpHost::new(f.src_ip, f.src_mac, now, seed),
+                Open::Connect {
+                    from: f.src_port,
+                    to: f.dst_ip,
+                    port: f.dst_port,
+                },
+            )
+        } else {
+            (
+                TcpHost::new(f.dst_ip, f.dst_mac, now, seed),
+                Open::Listen(f.dst_port),
+            )
+        };
+        let sock = host.open(open).map_err(other)?;
         if spec.proto == Proto::TcpRr {
             host.socket(sock).set_nagle_enabled(false);
         }
@@ -166,6 +185,7 @@ impl TcpServer {
             scratch: vec![0; READ_SIZE],
             counters: Arc::clone(&spec.counters),
             timer: None,
+            written: 0,
         })
     }
 
@@ -201,6 +221,9 @@ impl TcpServer {
     /// The application: reads what is there, checks it, answers requests. A closed
     /// connection is listened for again.
     fn serve(&mut self) -> usize {
+        if self.proto == Proto::TcpSend {
+            return self.send_stream();
+        }
         let Self {
             host,
             sock,
@@ -253,6 +276,35 @@ impl TcpServer {
         reads
     }
 
+    /// The client: writes the stream's next bytes while the socket has room (each
+    /// write copied from the application's buffer, as `copy_from_user` does).
+    fn send_stream(&mut self) -> usize {
+        let s = self.host.socket(self.sock);
+        let mut writes = 0;
+        while s.can_send() {
+            let room = (s.send_capacity() - s.send_queue()).min(READ_SIZE);
+            if room == 0 {
+                break;
+            }
+            let _u = enter(Class::User);
+            let data = &mut self.scratch[..room];
+            net::tcp::fill_stream(self.written, data);
+            let _ = write_user(&self.dom, &self.buf, data);
+            let n = {
+                let _c = enter(Class::Network);
+                match s.send_slice(data) {
+                    Ok(n) if n > 0 => n,
+                    _ => break,
+                }
+            };
+            self.written += n as u64;
+            writes += 1;
+            self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        writes
+    }
+
     /// When the stack next needs its timer.
     pub fn next_timer(&self) -> Option<Duration> {
         self.timer
@@ -277,7 +329,7 @@ pub enum AppStack {
     /// UDP.
     Udp(Box<(Stack, UdpReceiver)>),
     /// TCP.
-    Tcp(Box<TcpServer>),
+    Tcp(Box<TcpApp>),
 }
 
 impl AppStack {
@@ -285,8 +337,8 @@ impl AppStack {
     pub fn bind(dom: &Arc<Domain>, spec: &AppSpec, now: Duration) -> Result<Self, BuildError> {
         Ok(match spec.proto {
             Proto::Udp => Self::Udp(Box::new(UdpReceiver::bind(dom, spec)?)),
-            Proto::TcpStream | Proto::TcpRr => {
-                Self::Tcp(Box::new(TcpServer::bind(dom, spec, now)?))
+            Proto::TcpStream | Proto::TcpRr | Proto::TcpSend => {
+                Self::Tcp(Box::new(TcpApp::bind(dom, spec, now)?))
             }
         })
     }

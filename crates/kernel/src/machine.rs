@@ -577,7 +577,8 @@ impl Machine {
         let device = hv.create_domain(&DomainConfig {
             name: "svnic".into(),
             pages: (VIF_PAGES * guests.len().max(1) + 16) as u32,
-            grant_frames: 8,
+            // A grant for each page of each region (512 entries a frame, v1 or v2).
+            grant_frames: (VIF_PAGES * guests.len().max(1)).div_ceil(512) as u32 + 1,
             grant_version: self.grant_version,
             vcpus: 1,
             map_slots: 4,
@@ -611,8 +612,8 @@ impl Machine {
                 .map_err(|e| other(format!("VIF {i}: {e}")))?;
             let (pages, _handles) =
                 VifRegion::map_grefs(&hv, &dom, device.id(), &grefs, 0).map_err(other)?;
-            let k =
-                crate::svnic_guest::SvnicGuest::new(&hv, &dom, VifFront::new(pages), port, &g.app)?;
+            let front = VifFront::new(pages).with_doorbell(svnic.doorbell());
+            let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, &g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));
             self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
         }

@@ -60,6 +60,28 @@ pub struct DeviceCores {
     pub sidecore: Option<usize>,
 }
 
+/// What the device's threads do when they find nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Idle {
+    /// Poll on (the paper's micro-engines and sidecore): each step that finds nothing
+    /// yields its core and steps again.
+    #[default]
+    Poll,
+    /// Poll while there is work, then sleep once `spin` has passed with none (the
+    /// paper's future work, dynamic core partitioning; vhost's busy-poll): the core
+    /// goes to whoever else runs there until a doorbell (a guest's send), a frame on
+    /// the cable, or a message for the sidecore wakes the thread. `spin` zero: sleep at
+    /// once, an interrupt-driven device.
+    Block {
+        /// How long a thread polls on without work before it sleeps.
+        spin: std::time::Duration,
+    },
+}
+
+/// How long a sleeping thread sleeps at most before it looks again (only a safety
+/// net: every source of work wakes it).
+const NAP: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// How to build the device.
 #[derive(Debug, Clone, Copy)]
 pub struct SvnicConfig {
@@ -77,6 +99,8 @@ pub struct SvnicConfig {
     pub link: crate::peer::WireRate,
     /// How egress shares a saturated link.
     pub schedule: super::engine::Schedule,
+    /// Whether the threads poll on or sleep when idle.
+    pub idle: Idle,
 }
 
 impl Default for SvnicConfig {
@@ -89,6 +113,7 @@ impl Default for SvnicConfig {
             cores: DeviceCores::default(),
             link: crate::peer::WireRate::Unlimited,
             schedule: super::engine::Schedule::RoundRobin,
+            idle: Idle::Poll,
         }
     }
 }
@@ -124,6 +149,9 @@ pub struct SignalStats {
     /// shared the bit with one that asked, or an earlier run of the handler had already
     /// told it. The identifier register's redundant wake-ups.
     pub redundant: AtomicU64,
+    /// Events the hypervisor could not send: the VIF or its guest went between the
+    /// device's signal and the forwarding (a machine shutting down).
+    pub undelivered: AtomicU64,
 }
 
 impl net::counters::CounterSet for SignalStats {
@@ -136,6 +164,7 @@ impl net::counters::CounterSet for SignalStats {
         f("device_signals", l(&self.device_signals));
         f("bits_handled", l(&self.bits_handled));
         f("redundant", l(&self.redundant));
+        f("undelivered", l(&self.undelivered));
     }
 }
 
@@ -153,6 +182,8 @@ struct Signals<P> {
     /// By VIF id: the device signalled it and the hypervisor has not yet forwarded.
     asked: Box<[AtomicBool]>,
     stats: SignalStats,
+    /// The sidecore's sleep, when it sleeps ([`Idle::Block`]): a message wakes it.
+    sidecore_wake: Option<Arc<crate::wire::Doze>>,
     _p: std::marker::PhantomData<P>,
 }
 
@@ -202,6 +233,9 @@ impl<P> Signals<P> {
                 // A full channel drops the message: the VIF's queue keeps the frame, and
                 // its next frame's message wakes the guest (counted in `full`).
                 let _ = self.channel.send(vif, Dir::Rx);
+                if let Some(w) = &self.sidecore_wake {
+                    w.wake();
+                }
             }
         }
     }
@@ -224,11 +258,10 @@ impl<P> Signals<P> {
                 if !asked {
                     self.stats.redundant.fetch_add(1, Ordering::Relaxed);
                 }
-                if let Some(vector) = self.vector(v) {
-                    if hv.send_pirq(vector).is_ok() {
-                        self.stats.events.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                match self.vector(v).map(|vector| hv.send_pirq(vector)) {
+                    Some(Ok(_)) => self.stats.events.fetch_add(1, Ordering::Relaxed),
+                    _ => self.stats.undelivered.fetch_add(1, Ordering::Relaxed),
+                };
             });
         }
         self.stats
@@ -242,11 +275,11 @@ impl<P> Signals<P> {
         while let Some((vif, _dir)) = self.channel.recv() {
             let t0 = mem::cpu::rdtsc();
             self.stats.sidecore_messages.fetch_add(1, Ordering::Relaxed);
-            if let Some(v) = self.vector(vif) {
-                if hv.send_pirq(v).is_ok() {
-                    self.stats.events.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+            match self.vector(vif).map(|v| hv.send_pirq(v)) {
+                Some(Ok(_)) => self.stats.events.fetch_add(1, Ordering::Relaxed),
+                // The VIF or its guest went since the device wrote the message.
+                _ => self.stats.undelivered.fetch_add(1, Ordering::Relaxed),
+            };
             self.stats
                 .forward_ticks
                 .fetch_add(mem::cpu::rdtsc().wrapping_sub(t0), Ordering::Relaxed);
@@ -306,6 +339,11 @@ struct Shared<P> {
     /// Engine threads still running: the sidecore stops after them, with every
     /// message they wrote forwarded.
     engines_running: std::sync::atomic::AtomicUsize,
+    /// The idle policy.
+    idle: Idle,
+    /// Each thread's sleep: egress (the guests' doorbell), ingress (the cable's), the
+    /// sidecore (the engines').
+    dozes: [Arc<crate::wire::Doze>; 3],
 }
 
 /// The running device.
@@ -350,12 +388,56 @@ impl<P: PageAccess + Send + Sync + 'static> std::fmt::Debug for Svnic<P> {
     }
 }
 
-/// An engine thread, counted while it runs (also if it panics).
-struct Running<'a>(&'a std::sync::atomic::AtomicUsize);
+/// An engine thread, counted while it runs (also if it panics); the sidecore, which
+/// stops after the engines, is told when one goes.
+struct Running<'a>(&'a std::sync::atomic::AtomicUsize, &'a crate::wire::Doze);
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+        self.1.kick();
+    }
+}
+
+impl<P> Shared<P> {
+    /// Thread `k` (0 egress, 1 ingress, 2 sidecore) found nothing to do; its last work
+    /// was at `last`. Polling, it yields its core. Sleeping when idle, once its spin has
+    /// passed it announces its sleep, looks once more (`work`: anything to do after
+    /// all?), and sleeps until `until`, a wake-up, or [`NAP`].
+    fn idle(&self, k: usize, last: Instant, work: impl FnOnce() -> bool, until: Option<Instant>) {
+        let Idle::Block { spin } = self.idle else {
+            std::thread::yield_now();
+            return;
+        };
+        if last.elapsed() < spin {
+            std::thread::yield_now();
+            return;
+        }
+        let d = &self.dozes[k];
+        d.announce();
+        if work() || self.stop.load(Ordering::Acquire) {
+            d.awake();
+            return;
+        }
+        let nap = until.map_or(NAP, |u| {
+            u.saturating_duration_since(Instant::now()).min(NAP)
+        });
+        d.sleep(nap);
+    }
+
+    /// Management requests wait for engine `k` (0 egress, 1 ingress).
+    fn requests_waiting(&self, k: usize) -> bool {
+        if k == 0 {
+            self.egress_requests.lock().is_ok_and(|r| !r.is_empty())
+        } else {
+            self.ingress_requests.lock().is_ok_and(|r| !r.is_empty())
+        }
+    }
+
+    /// Requests were queued: both engines look at them.
+    fn wake_engines(&self) {
+        self.dozes[0].wake();
+        self.dozes[1].wake();
     }
 }
 
@@ -375,6 +457,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         mut source: Box<dyn WireSource>,
         mut sink: Box<dyn WireSink>,
     ) -> Result<Self, hv::EvtchnError> {
+        let dozes: [Arc<crate::wire::Doze>; 3] = Default::default();
+        let blocking = matches!(cfg.idle, Idle::Block { .. });
         let signals = Arc::new(Signals {
             mode: cfg.signal,
             master: cfg.master,
@@ -384,6 +468,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             channel: SideChannel::new(1024),
             asked: (0..MAX_VIFS).map(|_| AtomicBool::new(false)).collect(),
             stats: SignalStats::default(),
+            sidecore_wake: blocking.then(|| Arc::clone(&dozes[2])),
             _p: std::marker::PhantomData,
         });
         if cfg.signal == SignalMode::IdRegister {
@@ -406,6 +491,8 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             issued: AtomicU64::new(0),
             mgmt: Arc::default(),
             engines_running: std::sync::atomic::AtomicUsize::new(2),
+            idle: cfg.idle,
+            dozes,
         });
         let mut threads = Vec::new();
         {
@@ -418,8 +505,10 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                 std::thread::Builder::new()
                     .name("svnic-egress".into())
                     .spawn(move || {
-                        let _running = Running(&sh.engines_running);
+                        let _running = Running(&sh.engines_running, &sh.dozes[2]);
+                        sh.dozes[0].bind(std::thread::current());
                         pin(core);
+                        let mut last = Instant::now();
                         let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
                         e.set_schedule(schedule);
                         // When the link is free again (the last frame's last bit).
@@ -461,8 +550,19 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                 })
                             };
                             e.take_tx_wakes(&mut |vif| sh.signals.raise(&hv, vif));
-                            if n == 0 {
-                                std::thread::yield_now();
+                            if n > 0 || budget == 0 {
+                                // Sent, or frames wait for the link: busy.
+                                last = now;
+                                if n == 0 {
+                                    std::thread::yield_now();
+                                }
+                            } else {
+                                sh.idle(
+                                    0,
+                                    last,
+                                    || e.has_pending() || sh.requests_waiting(0),
+                                    None,
+                                );
                             }
                         }
                     })
@@ -478,8 +578,11 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                 std::thread::Builder::new()
                     .name("svnic-ingress".into())
                     .spawn(move || {
-                        let _running = Running(&sh.engines_running);
+                        let _running = Running(&sh.engines_running, &sh.dozes[2]);
+                        sh.dozes[1].bind(std::thread::current());
+                        source.attach(&sh.dozes[1]);
                         pin(core);
+                        let mut last = Instant::now();
                         let mut ing: Ingress<P> = Ingress::new(contexts, Arc::clone(&sh.times));
                         if let Ok(mut s) = sh.ingress_stats.lock() {
                             *s = Some(Arc::clone(ing.stats()));
@@ -490,7 +593,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                         };
                         // The network I/O engine's buffers: frames from the cable wait
                         // here for an ingress context.
-                        let mut fifo: VecDeque<(Box<[u8]>, usize)> =
+                        let mut fifo: VecDeque<(Box<[u8]>, usize, Option<u16>)> =
                             VecDeque::with_capacity(RX_FIFO);
                         let mut free: Vec<Box<[u8]>> = (0..RX_FIFO)
                             .map(|_| vec![0u8; SLOT_BYTES].into_boxed_slice())
@@ -518,17 +621,32 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                     .store(sh.issued.load(Ordering::Acquire), Ordering::Release);
                             }
                             if sh.link_up.load(Ordering::Acquire) {
-                                source.poll(Instant::now(), &mut |f, _off| match free.pop() {
-                                    Some(mut b) if f.len() <= b.len() => {
-                                        b[..f.len()].copy_from_slice(f);
-                                        fifo.push_back((b, f.len()));
+                                let st = ing.stats();
+                                source.poll(Instant::now(), &mut |f, _off| {
+                                    // A broadcast or multicast frame goes to every VIF: the
+                                    // network I/O engine makes a copy for each, addressed.
+                                    let group = f.first().is_some_and(|&b| b & 1 == 1);
+                                    let mut each = |to: Option<u16>| match free.pop() {
+                                        Some(mut b) if f.len() <= b.len() => {
+                                            b[..f.len()].copy_from_slice(f);
+                                            fifo.push_back((b, f.len(), to));
+                                        }
+                                        Some(b) => {
+                                            free.push(b);
+                                            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                                        }
+                                        None => {
+                                            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                                        }
+                                    };
+                                    if !group {
+                                        return each(None);
                                     }
-                                    Some(b) => {
-                                        free.push(b);
-                                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
-                                    }
-                                    None => {
-                                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                                    for (id, rx) in vifs.rx.iter().enumerate() {
+                                        if rx.is_some() {
+                                            st.broadcast.fetch_add(1, Ordering::Relaxed);
+                                            each(Some(id as u16));
+                                        }
                                     }
                                 });
                             }
@@ -536,15 +654,26 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                             let n = ing.step(
                                 &vifs,
                                 &mut |buf: &mut [u8]| {
-                                    let (b, len) = fifo.pop_front()?;
+                                    let (b, len, to) = fifo.pop_front()?;
                                     buf[..len].copy_from_slice(&b[..len]);
                                     free.push(b);
-                                    Some(len)
+                                    Some((len, to))
                                 },
                                 &mut |vif| sig.raise(&hv, vif),
                             );
-                            if n == 0 && fifo.is_empty() {
-                                std::thread::yield_now();
+                            if n > 0 || !fifo.is_empty() || ing.in_flight() > 0 {
+                                last = Instant::now();
+                                if n == 0 {
+                                    std::thread::yield_now();
+                                }
+                            } else {
+                                let up = sh.link_up.load(Ordering::Acquire);
+                                sh.idle(
+                                    1,
+                                    last,
+                                    || (up && source.ready()) || sh.requests_waiting(1),
+                                    if up { source.next_due() } else { None },
+                                );
                             }
                         }
                     })
@@ -560,8 +689,11 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                     .name("sidecore".into())
                     .spawn(move || {
                         pin(core);
+                        sh.dozes[2].bind(std::thread::current());
+                        let mut last = Instant::now();
                         loop {
                             if sh.signals.sidecore_step(&hv) > 0 {
+                                last = Instant::now();
                                 continue;
                             }
                             // Stopping: once the engines are gone, whatever they wrote
@@ -572,7 +704,15 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                 sh.signals.sidecore_step(&hv);
                                 break;
                             }
-                            std::thread::yield_now();
+                            sh.idle(
+                                2,
+                                last,
+                                || {
+                                    !sh.signals.channel.is_empty()
+                                        || sh.engines_running.load(Ordering::Acquire) == 0
+                                },
+                                None,
+                            );
                         }
                     })
                     .map_err(|_| hv::EvtchnError::NoFreePort)?,
@@ -591,6 +731,9 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
 
     fn halt(&mut self) {
         self.ctl.shared.stop.store(true, Ordering::Release);
+        for d in &self.ctl.shared.dozes {
+            d.kick();
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -647,6 +790,7 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         if let Ok(mut r) = self.shared.egress_requests.lock() {
             r.push(EgressReq::Add { id, tx });
         }
+        self.shared.wake_engines();
         true
     }
 
@@ -656,6 +800,7 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         if let Ok(mut r) = self.shared.egress_requests.lock() {
             r.push(EgressReq::Priority { id, priority });
         }
+        self.shared.wake_engines();
     }
 
     /// The management API: quality-aware or quality-unaware egress.
@@ -663,11 +808,13 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         if let Ok(mut r) = self.shared.egress_requests.lock() {
             r.push(EgressReq::Schedule(s));
         }
+        self.shared.wake_engines();
     }
 
     /// Plugs the cable in: the device starts taking frames from it.
     pub fn link_up(&self) {
         self.shared.link_up.store(true, Ordering::Release);
+        self.shared.dozes[1].wake();
     }
 
     /// Frames the cable brought that found no device buffer.
@@ -697,6 +844,7 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         re.push(EgressReq::Remove { id });
         let n = self.shared.issued.fetch_add(1, Ordering::AcqRel) + 1;
         drop((ri, re));
+        self.shared.wake_engines();
         let s = &self.shared.signals;
         if let Ok(mut b) = s.bits.lock() {
             b.remove(id);
@@ -717,6 +865,12 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
             std::thread::yield_now();
         }
         true
+    }
+
+    /// The egress engine's doorbell for the guests' VIF drivers
+    /// ([`super::vif::VifFront::with_doorbell`]), when it sleeps when idle.
+    pub fn doorbell(&self) -> Option<Arc<crate::wire::Doze>> {
+        matches!(self.shared.idle, Idle::Block { .. }).then(|| Arc::clone(&self.shared.dozes[0]))
     }
 
     /// Figure 8's stage times so far.

@@ -152,6 +152,8 @@ pub struct EngineStats {
     pub vif_errors: AtomicU64,
     /// Context steps that found nothing to do.
     pub idle_steps: AtomicU64,
+    /// Ingress: copies of broadcast and multicast frames, one for each VIF.
+    pub broadcast: AtomicU64,
 }
 
 impl net::counters::CounterSet for EngineStats {
@@ -162,6 +164,7 @@ impl net::counters::CounterSet for EngineStats {
         f("vif_full", l(&self.vif_full));
         f("vif_errors", l(&self.vif_errors));
         f("idle_steps", l(&self.idle_steps));
+        f("broadcast", l(&self.broadcast));
     }
 }
 
@@ -242,6 +245,14 @@ impl<P: PageAccess> Egress<P> {
             times,
             stats: Arc::default(),
         }
+    }
+
+    /// Whether any send queue holds a frame (the engine's last look before it sleeps).
+    pub fn has_pending(&self) -> bool {
+        self.contexts
+            .iter()
+            .flat_map(|c| &c.vifs)
+            .any(|v| v.tx.pending().is_ok_and(|n| n > 0))
     }
 
     /// Hands each VIF whose guest is waiting for room in its send queue, and that has
@@ -469,7 +480,9 @@ impl<P: PageAccess> Ingress<P> {
     }
 
     /// Runs every context once. An idle context takes a frame with `wire` (which copies
-    /// one into the buffer it is given and returns its length), finds its VIF, takes a
+    /// one into the buffer it is given and returns its length, and the VIF it is for
+    /// when the network I/O engine already chose one: a copy of a broadcast), finds its
+    /// VIF (by the destination MAC's hash otherwise), takes a
     /// sequence number, copies the frame into the VIF's slot and publishes it if its
     /// turn has come; a context waiting to publish tries again. `signal` is called for
     /// each published frame whose guest wants a receive signal. Returns frames
@@ -477,14 +490,14 @@ impl<P: PageAccess> Ingress<P> {
     pub fn step(
         &mut self,
         vifs: &IngressVifs<P>,
-        wire: &mut dyn FnMut(&mut [u8]) -> Option<usize>,
+        wire: &mut dyn FnMut(&mut [u8]) -> Option<(usize, Option<u16>)>,
         signal: &mut dyn FnMut(u16),
     ) -> usize {
         let mut published = 0;
         for c in &mut self.contexts {
             if c.state == InState::Idle {
                 let t0 = mem::cpu::rdtsc();
-                let Some(len) = wire(&mut c.buf) else {
+                let Some((len, to)) = wire(&mut c.buf) else {
                     self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
                     continue;
                 };
@@ -496,9 +509,8 @@ impl<P: PageAccess> Ingress<P> {
                     continue;
                 }
                 dst.copy_from_slice(&c.buf[..6]);
-                let Some((vif, rx)) = vifs
-                    .demux
-                    .lookup(&dst)
+                let Some((vif, rx)) = to
+                    .or_else(|| vifs.demux.lookup(&dst))
                     .and_then(|v| Some((v, vifs.rx.get(v as usize)?.as_ref()?)))
                 else {
                     self.stats.no_vif.fetch_add(1, Ordering::Relaxed);

@@ -320,10 +320,11 @@ impl DeviceDriver {
     }
 
     fn refuse(&self, id: u16, why: &str) {
+        // Counted before the answer: whoever reads the answer sees the count.
+        Self::count(&self.stats.refused);
         let dir = vif_dir(self.device.id(), id);
         self.write(&format!("{dir}/error"), why);
         self.write(&format!("{dir}/state"), "error");
-        Self::count(&self.stats.refused);
     }
 
     /// Brings the device in line with the directory.

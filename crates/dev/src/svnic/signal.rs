@@ -159,6 +159,12 @@ impl SideChannel {
         true
     }
 
+    /// Whether no message is waiting or being written (the sidecore's last look before
+    /// it sleeps).
+    pub fn is_empty(&self) -> bool {
+        self.head.load(Ordering::Acquire) == self.tail.load(Ordering::SeqCst)
+    }
+
     /// The sidecore takes the next message, if one is written: the VIF and direction.
     pub fn recv(&self) -> Option<(u16, Dir)> {
         let h = self.head.load(Ordering::Relaxed);

@@ -39,8 +39,9 @@ use std::sync::{Arc, Mutex};
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, MapOp};
 use mem::{MemError, PageAccess, PAGE_SIZE};
 
-/// Slots per queue (a power of two).
-pub const SLOTS: u32 = 64;
+/// Slots per queue (a power of two; as many as netfront's rings have, so neither design
+/// drops for want of room that the other has).
+pub const SLOTS: u32 = 256;
 /// Bytes per slot: a 1514-byte frame fits.
 pub const SLOT_BYTES: usize = 2048;
 /// The shortest frame: an Ethernet header.
@@ -429,6 +430,8 @@ pub struct VifFront<P> {
     pages: VifPages<P>,
     tx_prod: u32,
     rx_cons: u32,
+    /// The egress engine's doorbell, where it sleeps when idle.
+    doorbell: Option<Arc<crate::wire::Doze>>,
 }
 
 impl<P: PageAccess> VifFront<P> {
@@ -438,7 +441,17 @@ impl<P: PageAccess> VifFront<P> {
             pages,
             tx_prod: 0,
             rx_cons: 0,
+            doorbell: None,
         }
+    }
+
+    /// With the device's doorbell (a device whose egress engine sleeps when idle,
+    /// [`super::device::Idle::Block`]): each send rings it, which wakes the engine if
+    /// it sleeps and costs a load if not. The doorbell does nothing but wake the
+    /// engine, which then polls every send queue as usual.
+    pub fn with_doorbell(mut self, d: Option<Arc<crate::wire::Doze>>) -> Self {
+        self.doorbell = d;
+        self
     }
 
     /// Whether the send queue is full.
@@ -472,6 +485,9 @@ impl<P: PageAccess> VifFront<P> {
             .guest
             .atomic_u32(TX_PROD)?
             .store(self.tx_prod, Ordering::Release);
+        if let Some(d) = &self.doorbell {
+            d.wake();
+        }
         Ok(())
     }
 

@@ -1,0 +1,189 @@
+//! Paper 002's Figure 9: the aggregate TCP throughput of n flows between n client
+//! guests on one host and n server guests on another (the paper's iperf), HV-NIC
+//! against SV-NIC with and without the sidecore.
+//!
+//! Each client's TCP (smoltcp, as the guests' TCP everywhere in pvio) sends one stream
+//! as fast as its window allows; each server reads it and checks every byte. A
+//! repetition is a fresh pair of hosts: connections set up, a warm-up, then the bytes
+//! the servers read over the window. The aggregate is their sum.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dev::peer::{crossover, WireRate};
+use dev::svnic::device::{Idle, SignalMode};
+use kernel::app::{AppCounters, AppSpec, Proto};
+use net::wire::UdpFlow;
+use smoltcp::wire::Ipv4Address;
+
+use super::{client_mac, host, other, server_mac, Design, GuestApp, SPIN};
+use crate::chart::{Lines, Series};
+use crate::{LabError, Mode, Report};
+
+/// The designs Figure 9 compares.
+const DESIGNS: [Design; 4] = [
+    Design::HvNic,
+    Design::SvNic(SignalMode::IdRegister, Idle::Poll),
+    Design::SvNic(SignalMode::Sidecore, Idle::Poll),
+    Design::SvNic(SignalMode::Sidecore, Idle::Block { spin: SPIN }),
+];
+
+/// How long a repetition waits for every connection to carry its first bytes.
+const CONNECT: Duration = Duration::from_secs(5);
+
+/// Flow `i`: client i to server i, both in 10.0.0.0/24.
+fn flow(i: usize) -> UdpFlow {
+    UdpFlow {
+        src_mac: client_mac(i),
+        dst_mac: server_mac(i),
+        src_ip: Ipv4Address::new(10, 0, 0, 1 + i as u8),
+        dst_ip: Ipv4Address::new(10, 0, 0, 101 + i as u8),
+        src_port: 40000 + i as u16,
+        dst_port: 5001,
+        mtu: net::wire::DEFAULT_MTU,
+    }
+}
+
+/// One repetition: Mbit/s the servers read over `window`, after `warm`; and the bytes
+/// found corrupt, and the flows that carried nothing.
+fn once(
+    design: Design,
+    n: usize,
+    warm: Duration,
+    window: Duration,
+) -> Result<(f64, u64, usize), LabError> {
+    let (a, b) = crossover(WireRate::GIGABIT);
+    let recv: Vec<Arc<AppCounters>> = (0..n).map(|_| Arc::default()).collect();
+    let spec = |i: usize, proto: Proto, c: Arc<AppCounters>| {
+        GuestApp::Stack(AppSpec {
+            flow: flow(i),
+            message: 0,
+            proto,
+            counters: c,
+            latency: None,
+        })
+    };
+    let servers = host(design, b, n, server_mac, &|i| {
+        spec(i, Proto::TcpStream, Arc::clone(&recv[i]))
+    })?;
+    let clients = host(design, a, n, client_mac, &|i| {
+        spec(i, Proto::TcpSend, Arc::default())
+    })?;
+    let bytes = || -> Vec<u64> {
+        recv.iter()
+            .map(|c| c.bytes.load(Ordering::Relaxed))
+            .collect()
+    };
+    // Every connection set up (ARP, then a SYN smoltcp retries after a second when
+    // the first went before the address was resolved), then the warm-up.
+    let setup = Instant::now();
+    while bytes().contains(&0) && setup.elapsed() < CONNECT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(warm);
+    let (b0, t0) = (bytes(), Instant::now());
+    std::thread::sleep(window);
+    let (b1, t1) = (bytes(), Instant::now());
+    clients.stop().map_err(other)?;
+    servers.stop().map_err(other)?;
+    let corrupt = recv.iter().map(|c| c.corrupt.load(Ordering::Relaxed)).sum();
+    let idle = b0.iter().zip(&b1).filter(|(x, y)| y <= x).count();
+    let total: u64 = b1.iter().zip(&b0).map(|(y, x)| y - x).sum();
+    Ok((
+        total as f64 * 8.0 / (t1 - t0).as_secs_f64() / 1e6,
+        corrupt,
+        idle,
+    ))
+}
+
+/// Adds Figure 9 to `rep`.
+pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+    let (ns, reps, warm, window): (&[usize], usize, f64, f64) = match mode {
+        Mode::Full => (&[1, 2, 4, 8, 16, 32], 5, 0.5, 2.0),
+        Mode::Quick => (&[1, 4], 2, 0.3, 0.7),
+        Mode::Smoke => (&[2], 1, 0.2, 0.3),
+    };
+    rep.setup.push_str(&format!(
+        " Figure 9: the same two hosts; client guest i's TCP sends one stream to server guest \
+         i as fast as its window allows (smoltcp, Reno, MTU-sized segments, no offloads on \
+         either design), the server reads it and checks every byte; a repetition is a fresh \
+         pair of hosts, {warm} s of warm-up, then the bytes read over {window} s; {reps} \
+         repetitions. The paper used iperf between Linux guests."
+    ));
+    let mut fig9 = Vec::new();
+    let mut means = Vec::new();
+    let (mut corrupt, mut idle) = (0u64, 0usize);
+    for d in DESIGNS {
+        let mut series = Vec::new();
+        let mut row_means = Vec::new();
+        for &n in ns {
+            crate::progress::step(format_args!("Fig. 9: {} · {n} flows", d.name()));
+            let mut xs = Vec::new();
+            for _ in 0..reps {
+                let (x, c, i) = once(
+                    d,
+                    n,
+                    Duration::from_secs_f64(warm),
+                    Duration::from_secs_f64(window),
+                )?;
+                xs.push(x);
+                corrupt += c;
+                idle += i;
+            }
+            let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+            let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>()
+                / (xs.len().max(2) - 1) as f64)
+                .sqrt();
+            rep.row(
+                &format!("Fig. 9: aggregate TCP throughput, {n} flows"),
+                d.name(),
+                "Mbit/s",
+                &xs,
+            )
+            .reference = Some(format!("mean {mean:.0} ± {sd:.0} (sd)"));
+            series.push((n as f64, mean));
+            row_means.push(mean);
+        }
+        fig9.push(Series {
+            label: d.name().into(),
+            points: series,
+        });
+        means.push(row_means);
+    }
+    rep.lines.push(Lines {
+        name: "fig9".into(),
+        title: "Fig. 9: aggregate TCP throughput of n flows".into(),
+        x_unit: "flows".into(),
+        unit: "Mbit/s".into(),
+        series: fig9,
+    });
+    for (k, &n) in ns.iter().enumerate() {
+        let x = means[1][k] / means[0][k];
+        rep.check(
+            &format!("{n} flows: SV-NIC aggregate throughput ≥ 1.5× HV-NIC's (paper 1.77–2×)"),
+            x,
+            "× HV-NIC",
+            "≥ 1.5",
+            x >= 1.5,
+        );
+    }
+    rep.check(
+        "Fig. 9 bytes corrupt at the servers, and flows that carried nothing",
+        (corrupt + idle as u64) as f64,
+        "",
+        "0",
+        corrupt == 0 && idle == 0,
+    );
+    Ok(())
+}
+
+/// Steps Figure 9 adds to the progress plan.
+pub fn steps(mode: Mode) -> u64 {
+    let n = match mode {
+        Mode::Full => 6,
+        Mode::Quick => 2,
+        Mode::Smoke => 1,
+    };
+    (n * DESIGNS.len()) as u64
+}
