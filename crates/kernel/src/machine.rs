@@ -847,6 +847,7 @@ impl Machine {
             }
             c.add_set("svnic signals", s.signal_stats());
             c.add_set("svnic management", &**s.mgmt_stats());
+            c.add("svnic", "rx_fifo_full", s.rx_fifo_full());
             s.stop();
         }
         Ok(c)

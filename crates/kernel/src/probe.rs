@@ -107,6 +107,18 @@ pub struct FloodSpec {
     pub sent: Arc<AtomicU64>,
 }
 
+/// What a sink counted: frames addressed to it that arrived whole, and the rest.
+#[derive(Debug, Default)]
+pub struct SinkCounters {
+    /// Frames received with every byte as sent, and in their sender's sequence.
+    pub received: AtomicU64,
+    /// Frames with a wrong byte.
+    pub corrupt: AtomicU64,
+    /// Frames whose sequence number was not the next one (one lost or reordered
+    /// before it).
+    pub out_of_sequence: AtomicU64,
+}
+
 /// A flood's state.
 #[derive(Debug)]
 pub struct Flood {
@@ -171,6 +183,15 @@ pub enum Raw {
     Ping(Box<Ping>),
     /// A one-way sender.
     Flood(Box<Flood>),
+    /// A flood's receiver: checks every byte of every frame addressed to it.
+    Sink {
+        /// Its MAC.
+        me: [u8; 6],
+        /// The next sequence number expected.
+        next: u32,
+        /// Its counters.
+        counters: Arc<SinkCounters>,
+    },
 }
 
 /// The client's state.
@@ -235,6 +256,23 @@ impl Raw {
                 }
             }
             Raw::Flood(_) => {}
+            Raw::Sink { me, next, counters } => {
+                if frame[..6] != *me {
+                    return;
+                }
+                match verify(frame) {
+                    Some(seq) => {
+                        if seq != *next {
+                            counters.out_of_sequence.fetch_add(1, Ordering::Relaxed);
+                        }
+                        *next = seq.wrapping_add(1);
+                        counters.received.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => {
+                        counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
             Raw::Ping(p) => {
                 // An echo comes from the server to this client; anything else (another
                 // client's probe that a bridge flooded here) is not one.
@@ -275,7 +313,7 @@ impl Raw {
         let p = match self {
             Raw::Ping(p) => p,
             Raw::Flood(f) => return f.run(now, send),
-            Raw::Echo { .. } => return 0,
+            Raw::Echo { .. } | Raw::Sink { .. } => return 0,
         };
         if let Some((_, _, lost_at)) = p.in_flight {
             if now < lost_at {
@@ -310,7 +348,7 @@ impl Raw {
                 return (f.spec.rate.load(Ordering::Relaxed) != 0)
                     .then(|| f.next_at.saturating_sub(FLOOD_QUANTUM))
             }
-            Raw::Echo { .. } => return None,
+            Raw::Echo { .. } | Raw::Sink { .. } => return None,
         };
         match p.in_flight {
             Some((_, _, lost_at)) => Some(lost_at),

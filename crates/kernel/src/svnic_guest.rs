@@ -73,6 +73,8 @@ pub enum RawApp {
     Ping(crate::probe::ProbeSpec),
     /// Sends frames one way, at an offered rate or as fast as the VIF takes them.
     Flood(crate::probe::FloodSpec),
+    /// Receives a flood addressed to this MAC, checking every byte.
+    Sink([u8; 6], Arc<crate::probe::SinkCounters>),
 }
 
 impl RawApp {
@@ -82,6 +84,11 @@ impl RawApp {
             RawApp::Echo(me) => crate::probe::Raw::Echo { me: *me, echoed: 0 },
             RawApp::Ping(p) => crate::probe::Raw::ping(p.clone()),
             RawApp::Flood(f) => crate::probe::Raw::flood(f.clone()),
+            RawApp::Sink(me, c) => crate::probe::Raw::Sink {
+                me: *me,
+                next: 0,
+                counters: Arc::clone(c),
+            },
         }
     }
 }

@@ -72,6 +72,11 @@ pub fn thread_cpu_time() -> Duration {
     clock_read(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or_default()
 }
 
+/// CPU time consumed so far by the whole process, every thread.
+pub fn process_cpu_time() -> Duration {
+    clock_read(libc::CLOCK_PROCESS_CPUTIME_ID).unwrap_or_default()
+}
+
 fn clock_read(id: libc::clockid_t) -> Option<Duration> {
     let mut ts = libc::timespec {
         tv_sec: 0,

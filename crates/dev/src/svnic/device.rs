@@ -388,6 +388,36 @@ impl<P: PageAccess + Send + Sync + 'static> std::fmt::Debug for Svnic<P> {
     }
 }
 
+/// When a thread last had work, and how far apart its work has been coming (a moving
+/// average): work that comes closer together than the spin is polled for.
+#[derive(Debug, Clone, Copy)]
+struct Activity {
+    at: Instant,
+    gap: std::time::Duration,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Self {
+            at: Instant::now(),
+            gap: std::time::Duration::MAX,
+        }
+    }
+}
+
+impl Activity {
+    fn worked(&mut self, now: Instant) {
+        let g = now.saturating_duration_since(self.at);
+        // A quarter of the newest gap, three of the average (saturating at first).
+        self.gap = if self.gap == std::time::Duration::MAX {
+            g
+        } else {
+            (self.gap * 3 + g) / 4
+        };
+        self.at = now;
+    }
+}
+
 /// An engine thread, counted while it runs (also if it panics); the sidecore, which
 /// stops after the engines, is told when one goes.
 struct Running<'a>(&'a std::sync::atomic::AtomicUsize, &'a crate::wire::Doze);
@@ -400,16 +430,23 @@ impl Drop for Running<'_> {
 }
 
 impl<P> Shared<P> {
-    /// Thread `k` (0 egress, 1 ingress, 2 sidecore) found nothing to do; its last work
-    /// was at `last`. Polling, it yields its core. Sleeping when idle, once its spin has
-    /// passed it announces its sleep, looks once more (`work`: anything to do after
-    /// all?), and sleeps until `until`, a wake-up, or [`NAP`].
-    fn idle(&self, k: usize, last: Instant, work: impl FnOnce() -> bool, until: Option<Instant>) {
+    /// Thread `k` (0 egress, 1 ingress, 2 sidecore) found nothing to do. Polling, it
+    /// yields its core. Sleeping when idle, it polls on while work has been coming
+    /// closer together than its spin (and for no longer than the spin); otherwise, or
+    /// once the spin has passed, it announces its sleep, looks once more (`work`:
+    /// anything to do after all?), and sleeps until `until`, a wake-up, or [`NAP`].
+    fn idle(
+        &self,
+        k: usize,
+        last: &mut Activity,
+        work: impl FnOnce() -> bool,
+        until: Option<Instant>,
+    ) {
         let Idle::Block { spin } = self.idle else {
             std::thread::yield_now();
             return;
         };
-        if last.elapsed() < spin {
+        if last.gap < spin && last.at.elapsed() < spin {
             std::thread::yield_now();
             return;
         }
@@ -508,7 +545,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                         let _running = Running(&sh.engines_running, &sh.dozes[2]);
                         sh.dozes[0].bind(std::thread::current());
                         pin(core);
-                        let mut last = Instant::now();
+                        let mut last = Activity::default();
                         let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
                         e.set_schedule(schedule);
                         // When the link is free again (the last frame's last bit).
@@ -552,14 +589,14 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                             e.take_tx_wakes(&mut |vif| sh.signals.raise(&hv, vif));
                             if n > 0 || budget == 0 {
                                 // Sent, or frames wait for the link: busy.
-                                last = now;
+                                last.worked(now);
                                 if n == 0 {
                                     std::thread::yield_now();
                                 }
                             } else {
                                 sh.idle(
                                     0,
-                                    last,
+                                    &mut last,
                                     || e.has_pending() || sh.requests_waiting(0),
                                     None,
                                 );
@@ -582,7 +619,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                         sh.dozes[1].bind(std::thread::current());
                         source.attach(&sh.dozes[1]);
                         pin(core);
-                        let mut last = Instant::now();
+                        let mut last = Activity::default();
                         let mut ing: Ingress<P> = Ingress::new(contexts, Arc::clone(&sh.times));
                         if let Ok(mut s) = sh.ingress_stats.lock() {
                             *s = Some(Arc::clone(ing.stats()));
@@ -662,7 +699,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                 &mut |vif| sig.raise(&hv, vif),
                             );
                             if n > 0 || !fifo.is_empty() || ing.in_flight() > 0 {
-                                last = Instant::now();
+                                last.worked(Instant::now());
                                 if n == 0 {
                                     std::thread::yield_now();
                                 }
@@ -670,7 +707,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                 let up = sh.link_up.load(Ordering::Acquire);
                                 sh.idle(
                                     1,
-                                    last,
+                                    &mut last,
                                     || (up && source.ready()) || sh.requests_waiting(1),
                                     if up { source.next_due() } else { None },
                                 );
@@ -690,10 +727,10 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                     .spawn(move || {
                         pin(core);
                         sh.dozes[2].bind(std::thread::current());
-                        let mut last = Instant::now();
+                        let mut last = Activity::default();
                         loop {
                             if sh.signals.sidecore_step(&hv) > 0 {
-                                last = Instant::now();
+                                last.worked(Instant::now());
                                 continue;
                             }
                             // Stopping: once the engines are gone, whatever they wrote
@@ -706,7 +743,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                             }
                             sh.idle(
                                 2,
-                                last,
+                                &mut last,
                                 || {
                                     !sh.signals.channel.is_empty()
                                         || sh.engines_running.load(Ordering::Acquire) == 0
