@@ -574,11 +574,14 @@ impl Machine {
                 guests.len()
             )));
         }
+        // A grant for each page of each region (512 entries a frame, v1 or v2), the
+        // table's frames out of the device's own memory.
+        let region_pages = VIF_PAGES * guests.len().max(1);
+        let grant_frames = region_pages.div_ceil(512) as u32 + 1;
         let device = hv.create_domain(&DomainConfig {
             name: "svnic".into(),
-            pages: (VIF_PAGES * guests.len().max(1) + 16) as u32,
-            // A grant for each page of each region (512 entries a frame, v1 or v2).
-            grant_frames: (VIF_PAGES * guests.len().max(1)).div_ceil(512) as u32 + 1,
+            pages: region_pages as u32 + 2 * grant_frames + 64,
+            grant_frames,
             grant_version: self.grant_version,
             vcpus: 1,
             map_slots: 4,
@@ -613,7 +616,7 @@ impl Machine {
             let (pages, _handles) =
                 VifRegion::map_grefs(&hv, &dom, device.id(), &grefs, 0).map_err(other)?;
             let front = VifFront::new(pages).with_doorbell(svnic.doorbell());
-            let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, &g.app)?;
+            let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));
             self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
         }

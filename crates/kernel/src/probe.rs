@@ -155,13 +155,12 @@ impl Flood {
             self.seq = self.seq.wrapping_add(1);
             self.spec.sent.fetch_add(1, Ordering::Relaxed);
             n += 1;
-            if rate != 0 {
+            if let Some(ns) = (self.frame.len() as u64 * 8 * 1_000_000_000).checked_div(rate) {
                 // No more than a millisecond's frames saved up after a stall.
-                let gap = Duration::from_nanos(self.frame.len() as u64 * 8 * 1_000_000_000 / rate);
                 let from = self
                     .next_at
                     .max(now.saturating_sub(Duration::from_millis(1)));
-                self.next_at = from + gap;
+                self.next_at = from + Duration::from_nanos(ns);
             }
         }
         n

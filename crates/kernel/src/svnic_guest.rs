@@ -43,6 +43,8 @@ pub struct VifDriverStats {
     pub rx_no_buffer: u64,
     /// Protocol errors from the device's side (the VIF is then unusable).
     pub errors: u64,
+    /// Frames from a TAP too long for the VIF (dropped).
+    pub tx_oversize: u64,
 }
 
 net::counter_set!(VifDriverStats {
@@ -52,16 +54,20 @@ net::counter_set!(VifDriverStats {
     signals,
     empty_signals,
     rx_no_buffer,
-    errors
+    errors,
+    tx_oversize
 });
 
 /// What runs above an SV-NIC guest's VIF driver.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum SvnicApp {
     /// pvio's stack and the receiving application.
     Stack(AppSpec),
     /// Raw frames: the probes' echo server or client ([`crate::probe`]).
     Raw(RawApp),
+    /// A TAP: the guest's stack is its network namespace's (`pvio up`). Frames are at
+    /// most an MTU: the TAP takes no offloads.
+    Tap(Box<dev::tap::TapPort>),
 }
 
 /// A raw application's set-up.
@@ -98,6 +104,7 @@ impl RawApp {
 enum Above {
     Stack(Box<(SkbPool, AppStack)>),
     Raw(crate::probe::Raw),
+    Tap(Box<dev::tap::TapPort>),
 }
 
 /// The VIF driver, the stack and the application.
@@ -124,15 +131,24 @@ impl SvnicGuest {
         dom: &Arc<Domain>,
         front: VifFront<MappedPage>,
         port: Port,
-        app: &SvnicApp,
+        app: SvnicApp,
     ) -> Result<Self, BuildError> {
         let above = match app {
             SvnicApp::Stack(spec) => {
                 let pool =
                     SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
-                Above::Stack(Box::new((pool, AppStack::bind(dom, spec, Duration::ZERO)?)))
+                Above::Stack(Box::new((
+                    pool,
+                    AppStack::bind(dom, &spec, Duration::ZERO)?,
+                )))
             }
             SvnicApp::Raw(raw) => Above::Raw(raw.start()),
+            SvnicApp::Tap(tap) => {
+                // A frame from the namespace's stack wakes the guest.
+                let (h, g) = (Arc::clone(hv), Arc::clone(dom));
+                tap.set_wake(move || h.kick_vcpu(&g, 0));
+                Above::Tap(tap)
+            }
         };
         front.set_rx_signal(true).map_err(other)?;
         Ok(Self {
@@ -162,6 +178,18 @@ impl SvnicGuest {
             Above::Stack(b) => {
                 let (pool, app) = &mut **b;
                 (pool, app)
+            }
+            Above::Tap(tap) => {
+                let mut n = 0;
+                while n < NAPI_BUDGET {
+                    let Some(len) = front.recv(scratch)? else {
+                        break;
+                    };
+                    n += 1;
+                    tap.send(&scratch[..len], net::offload::Offload::NONE);
+                }
+                stats.rx_frames += n as u64;
+                return Ok(n);
             }
             Above::Raw(raw) => {
                 let mut n = 0;
@@ -294,6 +322,18 @@ impl Kernel for SvnicGuest {
                 w.tx += sent;
             }
             Above::Raw(raw) => w.tx += raw.run(now, &mut send),
+            // A frame the send queue has no room for stays in the TAP's queue: the
+            // namespace's stack is held back, not dropped on.
+            Above::Tap(tap) => {
+                w.tx += tap.recv(|frame, _off| {
+                    if frame.len() > MAX_FRAME {
+                        // Cannot be sent whole (the TAP takes no large segments).
+                        stats.tx_oversize += 1;
+                        return true;
+                    }
+                    send(frame)
+                })
+            }
         }
         if self.stats.tx_full > full_before && !self.tx_waiting {
             // The send queue filled: ask for a signal when the device makes room, then
@@ -313,6 +353,7 @@ impl Kernel for SvnicGuest {
         match &self.above {
             Above::Stack(b) => b.1.next_timer(),
             Above::Raw(raw) => raw.next_timer(),
+            Above::Tap(_) => None,
         }
     }
 
@@ -322,6 +363,7 @@ impl Kernel for SvnicGuest {
             Above::Stack(b) => b.1.counters(&mut c),
             Above::Raw(crate::probe::Raw::Echo { echoed, .. }) => c.add("echo", "echoed", *echoed),
             Above::Raw(_) => {}
+            Above::Tap(t) => c.add_set(&format!("{} tap", self.dom.name()), &**t.counters()),
         }
         c.add_set("vif driver", &self.stats);
         c

@@ -17,6 +17,12 @@
 //! [driver]
 //! netfilter = true              # the bridge's netfilter hooks
 //!
+//! [svnic]                       # the self-virtualized NIC (paper 002) instead of the
+//!                               # driver domain; no LRO, multi_queue or offloads with it
+//! signal = "register"           # or "sidecore", "per-vif": how guests are signalled
+//! idle = "poll"                 # or "dynamic", "interrupt": the device threads when idle
+//! schedule = "round-robin"      # or "quality-aware": egress by the VIFs' priorities
+//!
 //! [outside]                     # the far end of the NIC's cable
 //! namespace = "pvio-outside"
 //! address = "10.77.0.1/24"
@@ -28,6 +34,7 @@
 //! offloads = true               # checksum offload and GSO (false: the plain path)
 //! core = 1                      # its vCPU's core; by default the guests take the cores
 //!                               # after the driver domain's (core 0), one each
+//! priority = 50                 # its VIF's priority on an SV-NIC, 1 to 100
 //! tap = { namespace = "pvio-guest", address = "10.77.0.2/24" }
 //! ```
 //!
@@ -90,9 +97,41 @@ struct File {
     nic: Nic,
     #[serde(default)]
     driver: Driver,
+    svnic: Option<Spanned<Svnic>>,
     #[serde(default)]
     outside: Endpoint,
     guest: Spanned<Vec<Guest>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Svnic {
+    signal: Option<Signal>,
+    idle: Option<IdlePolicy>,
+    schedule: Option<Schedule>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Signal {
+    Register,
+    Sidecore,
+    PerVif,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum IdlePolicy {
+    Poll,
+    Dynamic,
+    Interrupt,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Schedule {
+    RoundRobin,
+    QualityAware,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -151,6 +190,7 @@ struct Guest {
     grants: Option<Grants>,
     offloads: Option<bool>,
     core: Option<Spanned<u32>>,
+    priority: Option<Spanned<u8>>,
     #[serde(default)]
     tap: Endpoint,
 }
@@ -276,6 +316,39 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     if let Some(n) = f.driver.netfilter {
         cfg.netfilter = n;
     }
+    if let Some(sv) = &f.svnic {
+        use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
+        let t = sv.get_ref();
+        if cfg.lro.is_some() || cfg.multi_queue {
+            return Err(refuse(
+                sv.span(),
+                "svnic",
+                "LRO and multi_queue are the driver domain's NIC's; an SV-NIC machine has \
+                 neither"
+                    .into(),
+            ));
+        }
+        cfg.svnic = Some(SvnicConfig {
+            signal: match t.signal.unwrap_or(Signal::Register) {
+                Signal::Register => SignalMode::IdRegister,
+                Signal::Sidecore => SignalMode::Sidecore,
+                Signal::PerVif => SignalMode::PerVif,
+            },
+            idle: match t.idle.unwrap_or(IdlePolicy::Poll) {
+                IdlePolicy::Poll => Idle::Poll,
+                IdlePolicy::Dynamic => Idle::Block { spin: SVNIC_SPIN },
+                IdlePolicy::Interrupt => Idle::Block {
+                    spin: Duration::ZERO,
+                },
+            },
+            schedule: match t.schedule.unwrap_or(Schedule::RoundRobin) {
+                Schedule::RoundRobin => dev::svnic::engine::Schedule::RoundRobin,
+                Schedule::QualityAware => dev::svnic::engine::Schedule::Priority,
+            },
+            // The wire is the outside's TAP: the device sends as fast as it takes.
+            ..SvnicConfig::default()
+        });
+    }
     let endpoint = |e: &Endpoint,
                     table: &str,
                     ns: &mut String,
@@ -371,6 +444,19 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             }
             u.core = Some(*c.get_ref() as usize);
         }
+        if let Some(p) = &g.priority {
+            if !(1..=100).contains(p.get_ref()) || f.svnic.is_none() {
+                return Err(refuse(
+                    p.span(),
+                    "guest.priority",
+                    format!(
+                        "{}: a VIF's priority is from 1 to 100, on an SV-NIC ([svnic])",
+                        p.get_ref()
+                    ),
+                ));
+            }
+            u.priority = Some(*p.get_ref());
+        }
         cfg.guests.push(u);
         // What two guests, or a guest and the outside, cannot share; refused at this
         // guest's table, named by the key that clashes.
@@ -392,6 +478,9 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
 /// The most guests a file may have (the driver domain's window has room for this
 /// many vifs' mappings, and no example needs more).
 pub const MAX_GUESTS: usize = 32;
+
+/// How long a dynamic SV-NIC's threads poll without work before they sleep.
+const SVNIC_SPIN: Duration = Duration::from_micros(50);
 
 /// Core numbers a file may name (a vCPU on a core the machine lacks floats).
 const MAX_CORES: usize = 1024;
@@ -470,6 +559,33 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
     }
 
     #[test]
+    fn an_svnic_table_puts_the_self_virtualized_nic_in_the_driver_domains_place() {
+        use dev::svnic::device::{Idle, SignalMode};
+        assert!(p("[[guest]]\n").expect("pv").svnic.is_none());
+        let cfg = p(r#"
+[svnic]
+signal = "sidecore"
+idle = "dynamic"
+schedule = "quality-aware"
+[[guest]]
+priority = 90
+[[guest]]
+"#)
+        .expect("svnic");
+        let sv = cfg.svnic.expect("an SV-NIC");
+        assert_eq!(sv.signal, SignalMode::Sidecore);
+        assert_eq!(sv.idle, Idle::Block { spin: SVNIC_SPIN });
+        assert_eq!(sv.schedule, dev::svnic::engine::Schedule::Priority);
+        assert_eq!(cfg.guests[0].priority, Some(90));
+        assert_eq!(cfg.guests[1].priority, None);
+        let d = p("[svnic]\n[[guest]]\n")
+            .expect("defaults")
+            .svnic
+            .expect("SV-NIC");
+        assert_eq!((d.signal, d.idle), (SignalMode::IdRegister, Idle::Poll));
+    }
+
+    #[test]
     fn each_guest_table_is_a_guest_with_its_own_defaults() {
         let cfg = p(r#"
 [[guest]]
@@ -543,6 +659,14 @@ core = 3
                 "nic.lro",
                 3,
             ),
+            ("[svnic]\nsignal = \"smoke\"\n[[guest]]\n", "signal", 2),
+            (
+                "[nic]\nlro = \"adaptive\"\n[svnic]\n[[guest]]\n",
+                "svnic",
+                3,
+            ),
+            ("[svnic]\n[[guest]]\npriority = 0\n", "guest.priority", 3),
+            ("[[guest]]\npriority = 50\n", "guest.priority", 2),
         ] {
             let e = p(text).expect_err(text).to_string();
             assert!(e.contains(key), "{text:?}: {e}");

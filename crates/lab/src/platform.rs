@@ -27,7 +27,10 @@ use hv::profile::ClassSamples;
 use hv::{GrantPath, GrantVersion, Hypervisor};
 use kernel::app::AppSpec;
 use kernel::driver_domain::DriverConfig;
-use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
+use kernel::machine::{
+    Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role, SvnicGuestSpec,
+};
+use kernel::svnic_guest::SvnicApp;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -360,6 +363,10 @@ pub struct Plumbing {
     pub wire: TapPort,
     /// The guests, in the order their domains are made.
     pub guests: Vec<GuestSpec>,
+    /// The self-virtualized NIC (paper 002) in place of the driver domain: its
+    /// configuration, and each guest's VIF priority. The guests' TAPs go above their VIF
+    /// drivers.
+    pub svnic: Option<(dev::svnic::device::SvnicConfig, Vec<Option<u8>>)>,
 }
 
 impl Running {
@@ -394,6 +401,7 @@ impl Running {
             counters: Arc::clone(&app),
             latency: latency.clone(),
         };
+        let mut svnic = None;
         let (nic, guests) = match plumbing {
             Some(mut p) => {
                 let sink = p.wire.sink().map_err(other)?;
@@ -402,6 +410,7 @@ impl Running {
                     source: Box::new(p.wire),
                     sink: Box::new(sink),
                 };
+                svnic = p.svnic.take();
                 (nic, p.guests)
             }
             None => {
@@ -432,10 +441,30 @@ impl Running {
                 (nic, guests)
             }
         };
-        let layout = match opts.config {
-            Config::Native => Layout::Native(app_spec),
-            Config::Direct => Layout::Direct(app_spec),
-            Config::Pv => Layout::DriverDomain {
+        let layout = match (opts.config, svnic) {
+            (Config::Pv, Some((config, priorities))) => Layout::Svnic {
+                config,
+                guests: guests
+                    .into_iter()
+                    .zip(priorities)
+                    .map(|(g, priority)| {
+                        let app = match g.above {
+                            Above::Tap(t) => Ok(SvnicApp::Tap(t)),
+                            a => Err(other(format!("{}: {a:?} on an SV-NIC", g.name))),
+                        }?;
+                        Ok(SvnicGuestSpec {
+                            name: g.name,
+                            mac: g.mac,
+                            app,
+                            priority,
+                            core: g.core,
+                        })
+                    })
+                    .collect::<Result<_, LabError>>()?,
+            },
+            (Config::Native, _) => Layout::Native(app_spec),
+            (Config::Direct, _) => Layout::Direct(app_spec),
+            (Config::Pv, None) => Layout::DriverDomain {
                 driver: DriverConfig {
                     netfilter: opts.netfilter,
                     aligned_copies: opts.aligned_copies,

@@ -52,6 +52,10 @@ pub struct UpConfig {
     /// kernel segments its TCP before the cable's TAP (always so with LRO; without it,
     /// the path LRO is measured against). Otherwise the cable takes large segments.
     pub mtu_wire: bool,
+    /// The self-virtualized NIC (paper 002) instead of the driver domain: the guests'
+    /// VIF drivers reach their queues in the device directly. Frames are then at most
+    /// an MTU everywhere (no offloads, the cable's frames MTU-sized).
+    pub svnic: Option<dev::svnic::device::SvnicConfig>,
 }
 
 /// When `pvio up`'s LRO flushes (the driver domain's NIC driver; paper 001).
@@ -118,6 +122,8 @@ pub struct UpGuest {
     /// Its vCPU's core (by default, the guests take the cores after the driver
     /// domain's, one each).
     pub core: Option<usize>,
+    /// Its VIF's priority on an SV-NIC (1 to 100; the device's default if none).
+    pub priority: Option<u8>,
 }
 
 impl UpGuest {
@@ -138,6 +144,7 @@ impl UpGuest {
             grant_reuse: false,
             offloads: true,
             core: None,
+            priority: None,
         }
     }
 
@@ -169,6 +176,7 @@ impl Default for UpConfig {
             grant_version: pv().grant_version,
             lro: None,
             mtu_wire: false,
+            svnic: None,
         }
     }
 }
@@ -243,6 +251,13 @@ fn netns_exists(name: &str) -> bool {
 pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
     if cfg.guests.is_empty() {
         return Err(LabError::Other("a machine needs a guest".into()));
+    }
+    if cfg.svnic.is_some() && (cfg.lro.is_some() || cfg.multi_queue) {
+        return Err(LabError::Other(
+            "LRO and a receive queue per guest are the driver domain's NIC's; an SV-NIC \
+             machine has neither"
+                .into(),
+        ));
     }
     if cfg.lro.is_some() && cfg.multi_queue {
         return Err(LabError::Other(
@@ -371,7 +386,8 @@ fn bring_up(
     let pid = std::process::id() % 100_000;
     // A guest's front end takes large segments only on the page-fragment path; the
     // cable carries them if any guest does.
-    let offloads = |g: &UpGuest| g.offloads && g.rx_buffers == RxBuffers::Fragments;
+    let offloads =
+        |g: &UpGuest| g.offloads && g.rx_buffers == RxBuffers::Fragments && cfg.svnic.is_none();
     let tap_offload = |on: bool| {
         if on {
             mem::tap::TapOffload::CsumTso
@@ -379,7 +395,7 @@ fn bring_up(
             mem::tap::TapOffload::None
         }
     };
-    let mtu_wire = cfg.mtu_wire || cfg.lro.is_some();
+    let mtu_wire = cfg.mtu_wire || cfg.lro.is_some() || cfg.svnic.is_some();
     let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
     let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
         .map_err(|e| LabError::Other(format!("tap: {e}")))?;
@@ -436,7 +452,17 @@ fn bring_up(
         lro: cfg.lro,
         ..pv()
     };
-    let running = Running::start_with(opts, Some(Plumbing { wire, guests }))?;
+    let svnic = cfg
+        .svnic
+        .map(|c| (c, cfg.guests.iter().map(|g| g.priority).collect()));
+    let running = Running::start_with(
+        opts,
+        Some(Plumbing {
+            wire,
+            guests,
+            svnic,
+        }),
+    )?;
     Ok((running, wc, counters))
 }
 

@@ -601,3 +601,81 @@ fn lro_on_the_nic_port_aggregates_a_real_tcp_stream_and_the_guest_takes_it_intac
     }
     machine.down();
 }
+
+#[test]
+fn the_self_virtualized_nic_carries_real_traffic_to_two_guests_intact() {
+    use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
+    if let Err(e) = namespaces_possible() {
+        eprintln!("skipped: network namespaces cannot be made here: {e}");
+        return;
+    }
+    ensure_tools();
+    let pid = std::process::id();
+    let guest = |i: usize| UpGuest {
+        ns: format!("pvio-s{pid}-g{i}"),
+        addr: format!("10.82.0.{}/24", i + 2),
+        priority: Some(if i == 0 { 80 } else { 20 }),
+        ..UpGuest::nth(i)
+    };
+    // The sidecore, and threads that sleep when idle: each frame from the outside
+    // wakes the device through its cable, each guest's send rings its doorbell.
+    let cfg = UpConfig {
+        outside_ns: format!("pvio-s{pid}-o"),
+        outside_addr: "10.82.0.1/24".into(),
+        guests: vec![guest(0), guest(1)],
+        svnic: Some(SvnicConfig {
+            signal: SignalMode::Sidecore,
+            idle: Idle::Block {
+                spin: Duration::from_micros(50),
+            },
+            ..SvnicConfig::default()
+        }),
+        ..UpConfig::default()
+    };
+    let machine = up(&cfg).expect("pvio up, an SV-NIC with two guests");
+    let (o, a, b) = (
+        cfg.outside_ns.as_str(),
+        cfg.guests[0].ns.as_str(),
+        cfg.guests[1].ns.as_str(),
+    );
+    let before = machine.live_sample().expect("running");
+    ping(o, "10.82.0.2");
+    ping(o, "10.82.0.3");
+    // Into one guest and out of the other, byte for byte, through the VIFs.
+    stream_arrives_intact(a, o, "10.82.0.2:5300");
+    stream_arrives_intact(o, b, "10.82.0.1:5300");
+    let after = machine.live_sample().expect("running");
+    let moved =
+        |port: &str, name: &str| after.counters.get(port, name) - before.counters.get(port, name);
+    assert!(
+        moved("guest tap", "bytes_out") > 8 << 20,
+        "{:?}",
+        after.counters
+    );
+    assert!(
+        moved("guest2 tap", "bytes_in") > 8 << 20,
+        "{:?}",
+        after.counters
+    );
+    // No driver domain: nothing went through a vif of netback's (`vif<domain>.0`).
+    let netback_vif = |c: &str| {
+        c.strip_prefix("vif")
+            .is_some_and(|r| r.starts_with(|d: char| d.is_ascii_digit()))
+    };
+    assert!(
+        !after
+            .counters
+            .entries
+            .iter()
+            .any(|(c, _, _)| netback_vif(c)),
+        "{:?}",
+        after.counters
+    );
+    machine.down();
+    for ns in [o, a, b] {
+        assert!(
+            !std::path::Path::new("/run/netns").join(ns).exists(),
+            "{ns}"
+        );
+    }
+}

@@ -422,6 +422,10 @@ impl<P: PageAccess> Egress<P> {
     }
 }
 
+/// A frame the network I/O engine hands an ingress context: its length, and the VIF
+/// it is for when the engine already chose one (a copy of a broadcast).
+pub type Delivery = (usize, Option<u16>);
+
 /// What an ingress context is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InState {
@@ -490,7 +494,7 @@ impl<P: PageAccess> Ingress<P> {
     pub fn step(
         &mut self,
         vifs: &IngressVifs<P>,
-        wire: &mut dyn FnMut(&mut [u8]) -> Option<(usize, Option<u16>)>,
+        wire: &mut dyn FnMut(&mut [u8]) -> Option<Delivery>,
         signal: &mut dyn FnMut(u16),
     ) -> usize {
         let mut published = 0;
