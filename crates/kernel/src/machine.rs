@@ -840,7 +840,10 @@ impl Machine {
         if let Some(r) = regs {
             c.add_set("nic", &*r);
         }
-        if let Some((s, _)) = self.svnic.take() {
+        if let Some((dev, _)) = self.svnic.take() {
+            // Stopped first: what its threads did last is in the counters.
+            let s = (*dev).clone();
+            dev.stop();
             let (e, i) = s.engine_stats();
             if let Some(e) = e {
                 c.add_set("svnic egress", &*e);
@@ -851,7 +854,7 @@ impl Machine {
             c.add_set("svnic signals", s.signal_stats());
             c.add_set("svnic management", &**s.mgmt_stats());
             c.add("svnic", "rx_fifo_full", s.rx_fifo_full());
-            s.stop();
+            c.add("svnic signals", "channel_full", s.channel_full());
         }
         Ok(c)
     }

@@ -797,6 +797,12 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         self.shared.stop.load(Ordering::Acquire)
     }
 
+    /// Messages for the sidecore that found its channel full (each VIF's frame waits in
+    /// its queue for the next signal).
+    pub fn channel_full(&self) -> u64 {
+        self.shared.signals.channel.full.load(Ordering::Relaxed)
+    }
+
     /// The device-side management driver's counters.
     pub fn mgmt_stats(&self) -> &Arc<super::mgmt::MgmtStats> {
         &self.shared.mgmt
