@@ -11,6 +11,7 @@ use dev::svnic::engine::Schedule;
 use dev::svnic::mgmt::{self, MgmtError, VifRequest};
 use dev::svnic::vif::{VifFront, VifRegion, SLOTS};
 use dev::wire::{WireSink, WireSource};
+use mem::PageAccess;
 use hv::store::StoreError;
 use hv::{DomId, OwnPage, Vector};
 use net::offload::Offload;
@@ -147,7 +148,7 @@ fn a_guest_can_neither_manage_a_vif_nor_read_another_and_its_attempts_change_not
         Ok("connected")
     );
     // The other guest cannot map VIF 0's region from its grant references.
-    assert!(VifRegion::map_grefs(&s.hv, &s.guests[1], dev_id, &grefs0, 0).is_err());
+    assert!(VifRegion::map_grefs(&s.hv, &s.guests[1], grefs0.backend, &grefs0.grefs, 0).is_err());
     svnic.stop();
 }
 
@@ -173,7 +174,8 @@ fn the_toolstack_refuses_nothing_silently_and_a_destroy_waits_for_the_guest_to_u
     assert_eq!(s.device.free_page_count(), free);
     // A good one; the guest maps it and uses it.
     let grefs = mgmt::create_vif(&s.hv, dev_id, 0, &request(g.id(), 0, 50), WAIT).expect("VIF");
-    let (pages, handles) = VifRegion::map_grefs(&s.hv, g, dev_id, &grefs, 0).expect("mapped");
+    let (pages, handles) =
+        VifRegion::map_grefs(&s.hv, g, grefs.backend, &grefs.grefs, 0).expect("mapped");
     let mut front = VifFront::new(pages);
     front.send(&frame_from(0)).expect("send");
     // Destroyed while the guest still maps it: the device lets go but keeps the memory
@@ -193,7 +195,7 @@ fn the_toolstack_refuses_nothing_silently_and_a_destroy_waits_for_the_guest_to_u
     VifRegion::unmap_in_guest(&s.hv, g, &handles).expect("unmap");
     mgmt::destroy_vif(&s.hv, dev_id, 0, WAIT).expect("destroyed once unmapped");
     assert_eq!(s.device.free_page_count(), free);
-    assert!(VifRegion::map_grefs(&s.hv, g, dev_id, &grefs, 0).is_err());
+    assert!(VifRegion::map_grefs(&s.hv, g, grefs.backend, &grefs.grefs, 0).is_err());
     assert_eq!(svnic.mgmt_stats().destroyed.load(Ordering::Relaxed), 1);
     // The id can be used again.
     mgmt::create_vif(&s.hv, dev_id, 0, &request(g.id(), 0, 50), WAIT).expect("again");
@@ -215,7 +217,7 @@ fn priorities_and_the_scheduler_set_through_the_store_share_a_saturated_link() {
         let grefs =
             mgmt::create_vif(&s.hv, dev_id, i as u16, &request(g.id(), i, 50), WAIT).expect("VIF");
         fronts.push(VifFront::new(
-            VifRegion::map_grefs(&s.hv, g, dev_id, &grefs, 0)
+            VifRegion::map_grefs(&s.hv, g, grefs.backend, &grefs.grefs, 0)
                 .expect("mapped")
                 .0,
         ));
@@ -263,4 +265,114 @@ fn priorities_and_the_scheduler_set_through_the_store_share_a_saturated_link() {
     // 9:1 as asked; well clear of the even split an ignored priority would give.
     let share = sent[0] as f64 / (sent[0] + sent[1]) as f64;
     assert!((0.8..=0.97).contains(&share), "{sent:?}: {share}");
+}
+
+/// Frames to VIF 0's MAC, numbered, as many as asked, from the moment the link is up.
+struct ToVif0 {
+    left: u32,
+    k: u32,
+}
+
+impl WireSource for ToVif0 {
+    fn poll(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        let n = self.left.min(8);
+        for _ in 0..n {
+            let mut f = mac(0).to_vec();
+            f.extend_from_slice(&[0x02, 0, 0, 0, 0x99, 0x98, 0x88, 0xb5]);
+            f.extend_from_slice(&self.k.to_be_bytes());
+            f.resize(200, 0xa5);
+            emit(&f, Offload::NONE);
+            self.k += 1;
+        }
+        self.left -= n;
+        n as usize
+    }
+    fn next_due(&self) -> Option<Instant> {
+        (self.left > 0).then(Instant::now)
+    }
+}
+
+/// Two VIFs; an ingress bug places every 4th frame for VIF 0 at VIF 1's address. What
+/// VIF 0's guest took, what VIF 1's buffers hold afterwards, and the DMA faults.
+fn misplaced(iommu: bool) -> (u32, bool, u64) {
+    const FRAMES: u32 = 64;
+    let s = setup(2);
+    let mut svnic = Svnic::start(
+        &s.hv,
+        None,
+        SvnicConfig {
+            signal: SignalMode::PerVif,
+            iommu,
+            ..SvnicConfig::default()
+        },
+        Box::new(ToVif0 { left: FRAMES, k: 0 }),
+        Box::new(BySource::default()),
+    )
+    .expect("device");
+    mgmt::prepare(&s.hv, s.device.id()).expect("prepare");
+    svnic
+        .manage(&s.hv, Arc::clone(&s.device))
+        .expect("management driver");
+    let mut fronts = Vec::new();
+    for i in 0..2 {
+        let g = &s.guests[i];
+        let v = mgmt::create_vif(&s.hv, s.device.id(), i as u16, &request(g.id(), i, 50), WAIT)
+            .expect("VIF");
+        if iommu {
+            assert_ne!(v.backend, s.device.id(), "a memory domain of its own");
+        }
+        fronts.push(VifFront::new(
+            VifRegion::map_grefs(&s.hv, g, v.backend, &v.grefs, 0)
+                .expect("mapped")
+                .0,
+        ));
+    }
+    svnic.inject_misplacement(4);
+    svnic.link_up();
+    // VIF 0's guest takes all its slots: the misplaced ones come empty.
+    let mut buf = [0u8; 2048];
+    let (mut slots, mut whole) = (0, 0);
+    let t = Instant::now();
+    while slots < FRAMES {
+        assert!(t.elapsed() < WAIT, "{slots} slots");
+        match fronts[0].recv(&mut buf).expect("recv") {
+            Some(0) => slots += 1,
+            Some(n) => {
+                assert_eq!(n, 200);
+                assert!(buf[18..200].iter().all(|&b| b == 0xa5), "intact");
+                slots += 1;
+                whole += 1;
+            }
+            None => std::thread::yield_now(),
+        }
+    }
+    // VIF 1 was sent nothing; its receive buffers are what its guest would read.
+    let mut rx1 = vec![0u8; 2048];
+    let mut touched = false;
+    for i in 0..SLOTS {
+        let p = &fronts[1].pages().rx[(i as usize * 2048) / mem::PAGE_SIZE];
+        p.read((i as usize * 2048) % mem::PAGE_SIZE, &mut rx1)
+            .expect("read");
+        touched |= rx1.iter().any(|&b| b != 0);
+    }
+    let (_, ingress) = svnic.engine_stats();
+    let faults = ingress
+        .expect("ingress")
+        .dma_faults
+        .load(Ordering::Relaxed);
+    svnic.stop();
+    (whole, touched, faults)
+}
+
+#[test]
+fn with_an_iommu_context_per_vif_an_ingress_bug_faults_instead_of_writing_into_another_vif() {
+    // Through each VIF's own context: every misplaced write faults, counted, and VIF
+    // 1's memory is untouched.
+    let (whole, touched, faults) = misplaced(true);
+    assert_eq!((whole, faults), (48, 16));
+    assert!(!touched, "VIF 1's buffers were written");
+    // The same bug with the buffers written directly: the frames land in VIF 1.
+    let (whole, touched, faults) = misplaced(false);
+    assert_eq!((whole, faults), (48, 0));
+    assert!(touched, "the bug is real: without the IOMMU it writes into VIF 1");
 }

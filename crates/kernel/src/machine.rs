@@ -611,10 +611,10 @@ impl Machine {
                 priority: g.priority.unwrap_or(dev::svnic::engine::DEFAULT_PRIORITY),
                 vector,
             };
-            let grefs = mgmt::create_vif(&hv, device.id(), i as u16, &req, MGMT_WAIT)
+            let v = mgmt::create_vif(&hv, device.id(), i as u16, &req, MGMT_WAIT)
                 .map_err(|e| other(format!("VIF {i}: {e}")))?;
             let (pages, _handles) =
-                VifRegion::map_grefs(&hv, &dom, device.id(), &grefs, 0).map_err(other)?;
+                VifRegion::map_grefs(&hv, &dom, v.backend, &v.grefs, 0).map_err(other)?;
             let front = VifFront::new(pages).with_doorbell(svnic.doorbell());
             let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));

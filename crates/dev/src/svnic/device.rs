@@ -101,6 +101,10 @@ pub struct SvnicConfig {
     pub schedule: super::engine::Schedule,
     /// Whether the threads poll on or sleep when idle.
     pub idle: Idle,
+    /// Each VIF in a memory domain of its own, reached through an IOMMU context of its
+    /// own (beyond the paper, c: its "device domain per VIF"); otherwise the VIFs are
+    /// the device's own memory, written directly.
+    pub iommu: bool,
 }
 
 impl Default for SvnicConfig {
@@ -114,6 +118,7 @@ impl Default for SvnicConfig {
             link: crate::peer::WireRate::Unlimited,
             schedule: super::engine::Schedule::RoundRobin,
             idle: Idle::Poll,
+            iommu: false,
         }
     }
 }
@@ -314,6 +319,11 @@ enum IngressReq<P> {
     Remove {
         id: u16,
     },
+    Dma {
+        id: u16,
+        dma: Box<super::engine::VifDma>,
+    },
+    Misplace(u32),
 }
 
 /// What the device threads share.
@@ -341,6 +351,8 @@ struct Shared<P> {
     engines_running: std::sync::atomic::AtomicUsize,
     /// The idle policy.
     idle: Idle,
+    /// VIFs through the IOMMU ([`SvnicConfig::iommu`]).
+    iommu: bool,
     /// Each thread's sleep: egress (the guests' doorbell), ingress (the cable's), the
     /// sidecore (the engines').
     dozes: [Arc<crate::wire::Doze>; 3],
@@ -529,6 +541,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             mgmt: Arc::default(),
             engines_running: std::sync::atomic::AtomicUsize::new(2),
             idle: cfg.idle,
+            iommu: cfg.iommu,
             dozes,
         });
         let mut threads = Vec::new();
@@ -651,6 +664,13 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                                             if let Some(r) = vifs.rx.get_mut(id as usize) {
                                                 *r = None;
                                             }
+                                            ing.set_dma(id, None);
+                                        }
+                                        IngressReq::Dma { id, dma } => {
+                                            ing.set_dma(id, Some(*dma));
+                                        }
+                                        IngressReq::Misplace(every) => {
+                                            ing.inject_misplacement(every);
                                         }
                                     }
                                 }
@@ -792,6 +812,33 @@ impl Svnic<hv::OwnPage> {
 }
 
 impl<P: PageAccess + Send + Sync + 'static> Control<P> {
+    /// Whether each VIF has its own memory domain and IOMMU context
+    /// ([`SvnicConfig::iommu`]).
+    pub fn iommu(&self) -> bool {
+        self.shared.iommu
+    }
+
+    /// The ingress engine reaches VIF `id`'s receive buffers through `dma` (asked before
+    /// the VIF is added, so that no frame of it is written otherwise).
+    pub fn set_vif_dma(&self, id: u16, dma: super::engine::VifDma) {
+        if let Ok(mut r) = self.shared.ingress_requests.lock() {
+            r.push(IngressReq::Dma {
+                id,
+                dma: Box::new(dma),
+            });
+        }
+        self.shared.wake_engines();
+    }
+
+    /// Fault injection: an ingress bug placing every `every`th frame at the next VIF's
+    /// address ([`super::engine::Ingress::inject_misplacement`]); 0 ends it.
+    pub fn inject_misplacement(&self, every: u32) {
+        if let Ok(mut r) = self.shared.ingress_requests.lock() {
+            r.push(IngressReq::Misplace(every));
+        }
+        self.shared.wake_engines();
+    }
+
     /// The device was stopped.
     pub fn stopped(&self) -> bool {
         self.shared.stop.load(Ordering::Acquire)

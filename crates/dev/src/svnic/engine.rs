@@ -154,6 +154,9 @@ pub struct EngineStats {
     pub idle_steps: AtomicU64,
     /// Ingress: copies of broadcast and multicast frames, one for each VIF.
     pub broadcast: AtomicU64,
+    /// Ingress: frames whose placement the IOMMU refused (an address outside the VIF's
+    /// context): not written, the slot left empty.
+    pub dma_faults: AtomicU64,
 }
 
 impl net::counters::CounterSet for EngineStats {
@@ -165,6 +168,7 @@ impl net::counters::CounterSet for EngineStats {
         f("vif_errors", l(&self.vif_errors));
         f("idle_steps", l(&self.idle_steps));
         f("broadcast", l(&self.broadcast));
+        f("dma_faults", l(&self.dma_faults));
     }
 }
 
@@ -422,6 +426,24 @@ impl<P: PageAccess> Egress<P> {
     }
 }
 
+/// A VIF's receive buffers as the device reaches them through the IOMMU (beyond the
+/// paper, c): the device's DMA tagged with the VIF's own requester id, whose context
+/// maps that VIF's receive buffers and nothing else, at [`rx_iova`].
+#[derive(Debug)]
+pub struct VifDma {
+    /// The DMA handle of the VIF's requester id.
+    pub ctx: hv::iommu::DmaContext,
+    /// Where its receive buffers start in its I/O address space.
+    pub base: hv::Iova,
+}
+
+/// Where VIF `id`'s receive buffers are mapped in its IOMMU context: 16 MiB apart, so
+/// that no two VIFs' addresses meet (an address meant for another VIF is outside this
+/// one's mappings).
+pub fn rx_iova(id: u16) -> hv::Iova {
+    hv::Iova((u64::from(id) + 1) << 24)
+}
+
 /// A frame the network I/O engine hands an ingress context: its length, and the VIF
 /// it is for when the engine already chose one (a copy of a broadcast).
 pub type Delivery = (usize, Option<u16>);
@@ -452,6 +474,12 @@ struct IngressCtx {
 #[derive(Debug)]
 pub struct Ingress<P> {
     contexts: Vec<IngressCtx>,
+    /// By VIF id: its DMA handle, when the device reaches its buffers through the IOMMU.
+    dma: Vec<Option<VifDma>>,
+    /// Fault injection: every this many frames (0: never), an ingress bug computes the
+    /// next VIF's address for the frame.
+    misplace_every: u32,
+    placed: u32,
     times: Arc<StageTimes>,
     stats: Arc<EngineStats>,
     _p: std::marker::PhantomData<P>,
@@ -477,10 +505,32 @@ impl<P: PageAccess> Ingress<P> {
                     buf: vec![0u8; SLOT_BYTES].into_boxed_slice(),
                 })
                 .collect(),
+            dma: Vec::new(),
+            misplace_every: 0,
+            placed: 0,
             times,
             stats: Arc::default(),
             _p: std::marker::PhantomData,
         }
+    }
+
+    /// VIF `id`'s receive buffers are reached through the IOMMU with `dma` from now on
+    /// (none: written directly, as the board's own memory).
+    pub fn set_dma(&mut self, id: u16, dma: Option<VifDma>) {
+        let i = id as usize;
+        if self.dma.len() <= i {
+            self.dma.resize_with(i + 1, || None);
+        }
+        self.dma[i] = dma;
+    }
+
+    /// Fault injection: an ingress bug that, every `every` frames (0: never), places a
+    /// frame at the next VIF's address instead of its own VIF's. Through a VIF's IOMMU
+    /// context the write faults and is counted (`dma_faults`); with the buffers written
+    /// directly it lands in the other VIF's buffer, as such a bug would on a device
+    /// without one.
+    pub fn inject_misplacement(&mut self, every: u32) {
+        self.misplace_every = every;
     }
 
     /// Runs every context once. An idle context takes a frame with `wire` (which copies
@@ -533,7 +583,38 @@ impl<P: PageAccess> Ingress<P> {
                 };
                 let t2 = mem::cpu::rdtsc();
                 self.times.add(Stage::ChnlDemux, t2.wrapping_sub(t1));
-                if rx.fill(seq, &c.buf[..len]).is_err() {
+                let frame = &c.buf[..len];
+                self.placed = self.placed.wrapping_add(1);
+                let bug = self.misplace_every != 0 && self.placed % self.misplace_every == 0;
+                let filled = match self.dma.get_mut(vif as usize).and_then(Option::as_mut) {
+                    Some(d) => {
+                        let base = if bug { rx_iova(vif.wrapping_add(1)) } else { d.base };
+                        let iova = hv::Iova(base.0 + VifRx::<P>::slot_offset(seq) as u64);
+                        let faults = &self.stats.dma_faults;
+                        rx.fill_with(seq, len, || {
+                            let ok = d.ctx.dma_write(iova, frame).is_ok();
+                            if !ok {
+                                faults.fetch_add(1, Ordering::Relaxed);
+                            }
+                            ok
+                        })
+                        .map(|_| ())
+                    }
+                    None if bug => {
+                        // The bug, with nothing to stop it: the bytes go into the next
+                        // VIF's buffer, this VIF's slot is left empty.
+                        if let Some(other) = vifs
+                            .rx
+                            .get(vif.wrapping_add(1) as usize)
+                            .and_then(|r| r.as_ref())
+                        {
+                            let _ = other.misplaced_write(seq, frame);
+                        }
+                        rx.fill_with(seq, len, || false).map(|_| ())
+                    }
+                    None => rx.fill(seq, frame),
+                };
+                if filled.is_err() {
                     self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
                 }
                 c.state = InState::Publish {

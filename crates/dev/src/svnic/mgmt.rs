@@ -18,6 +18,7 @@
 //! | `vif/<id>/state` | device | `connected`, `closed`, `busy` (destroy waits for the guest to unmap) or `error` |
 //! | `vif/<id>/error` | device | why a request was refused |
 //! | `vif/<id>/grefs` | device | the region's grant references, in [`VifRegion`] order |
+//! | `vif/<id>/backend` | device | the domain whose memory holds the region (the device's, or the VIF's own with [`super::device::SvnicConfig::iommu`]) |
 //!
 //! A VIF's queue space is fixed at [`super::vif::SLOTS`] slots per queue (the region's
 //! layout); its signalling design is the device's ([`super::device::SignalMode`]).
@@ -144,15 +145,23 @@ fn await_state(
     out
 }
 
-/// Creates VIF `id` and returns the grant references of its region for the guest to
-/// map ([`VifRegion::map_grefs`]).
+/// What the guest is given to map its VIF ([`VifRegion::map_grefs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VifGrant {
+    /// The domain granting the region.
+    pub backend: DomId,
+    /// The region's grant references, in [`VifRegion`] order.
+    pub grefs: Vec<GrantRef>,
+}
+
+/// Creates VIF `id` and returns what its guest maps.
 pub fn create_vif(
     hv: &Hypervisor,
     device: DomId,
     id: u16,
     req: &VifRequest,
     wait: Duration,
-) -> Result<Vec<GrantRef>, MgmtError> {
+) -> Result<VifGrant, MgmtError> {
     let st = hv.store();
     let dir = vif_dir(device, id);
     // A fresh directory: no answer from an earlier VIF of this id is read as this one's.
@@ -176,10 +185,17 @@ pub fn create_vif(
     st.write(DomId::DOM0, &format!("{dir}/request"), "create")?;
     await_state(hv, device, id, &["connected"], wait)?;
     let g = st.read(DomId::DOM0, &format!("{dir}/grefs"))?;
-    g.split(',')
+    let grefs = g
+        .split(',')
         .map(|r| r.parse::<u32>().map(GrantRef))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| MgmtError::Refused(format!("grant references {g:?}")))
+        .map_err(|_| MgmtError::Refused(format!("grant references {g:?}")))?;
+    let b = st.read(DomId::DOM0, &format!("{dir}/backend"))?;
+    let backend = b
+        .parse::<u16>()
+        .map(DomId)
+        .map_err(|_| MgmtError::Refused(format!("backend {b:?}")))?;
+    Ok(VifGrant { backend, grefs })
 }
 
 /// Destroys VIF `id` once its guest has unmapped the region: returns once the device
@@ -248,6 +264,10 @@ impl net::counters::CounterSet for MgmtStats {
 
 struct Live {
     region: VifRegion,
+    /// The domain whose memory holds it: the device's, or the VIF's own.
+    mem: Arc<Domain>,
+    /// Its IOMMU requester id, when it has a context of its own.
+    dev: Option<hv::DeviceId>,
     priority: u8,
     /// Destroy asked and the device let go; the region waits for the guest to unmap.
     closing: bool,
@@ -263,6 +283,11 @@ pub(super) struct DeviceDriver {
     schedule: Option<Schedule>,
     stats: Arc<MgmtStats>,
 }
+
+/// The first IOMMU requester id of the VIFs' contexts (the NICs' come before it).
+pub const VIF_DEVICE_BASE: u16 = 128;
+/// VIFs that can have an IOMMU context of their own.
+pub const MAX_IOMMU_VIFS: u16 = hv::iommu::MAX_DEVICES as u16 - VIF_DEVICE_BASE;
 
 /// How long the driver waits for the engines to let go of a VIF.
 const LET_GO: Duration = Duration::from_secs(2);
@@ -392,26 +417,55 @@ impl DeviceDriver {
         else {
             return self.refuse(id, "priority: not 1 to 100");
         };
-        let made = VifRegion::create(&self.device, guest).and_then(|region| {
-            let pages = region.device_pages(&self.device);
+        let (mem, dev) = match self.vif_memory(id) {
+            Ok(m) => m,
+            Err(e) => return self.refuse(id, &e),
+        };
+        let made = VifRegion::create(&mem, guest).and_then(|region| {
+            let pages = region.device_pages(&mem);
             match pages.and_then(|p| VifDevice::new(p).map_err(RegionError::from)) {
-                Ok(dev) => Ok((region, dev)),
+                Ok(d) => Ok((region, d)),
                 Err(e) => {
-                    let _ = region.destroy(&self.device);
+                    let _ = region.destroy(&mem);
                     Err(e)
                 }
             }
         });
-        let (region, dev) = match made {
+        let (region, vdev) = match made {
             Ok(x) => x,
-            Err(e) => return self.refuse(id, &format!("device memory for {VIF_PAGES} pages: {e}")),
+            Err(e) => {
+                self.release_memory(&mem, dev);
+                return self.refuse(id, &format!("device memory for {VIF_PAGES} pages: {e}"));
+            }
         };
+        if let Some(d) = dev {
+            // Its context maps its receive buffers, writable, and nothing else.
+            let b = super::vif::BUF_PAGES;
+            let mapped = region.gfns[2 + b..].iter().enumerate().try_for_each(|(i, &g)| {
+                let iova = hv::Iova(super::engine::rx_iova(id).0 + (i * mem::PAGE_SIZE) as u64);
+                self.hv.iommu_map(&mem, iova, g, true)
+            });
+            if let Err(e) = mapped.and_then(|()| self.hv.iommu_attach(d, &mem)) {
+                let _ = region.destroy(&mem);
+                self.release_memory(&mem, Some(d));
+                return self.refuse(id, &format!("IOMMU context: {e:?}"));
+            }
+            self.ctl.set_vif_dma(
+                id,
+                super::engine::VifDma {
+                    ctx: self.hv.iommu().device(d),
+                    base: super::engine::rx_iova(id),
+                },
+            );
+        }
+        let dev_side = vdev;
         let signal = VifSignal {
             vector,
             bit: self.ctl.assign_bit(),
         };
-        if !self.ctl.add_vif(id, mac, dev.tx, dev.rx, signal) {
-            let _ = region.destroy(&self.device);
+        if !self.ctl.add_vif(id, mac, dev_side.tx, dev_side.rx, signal) {
+            let _ = region.destroy(&mem);
+            self.release_memory(&mem, dev);
             return self.refuse(id, "id beyond the device's VIFs");
         }
         self.ctl.set_priority(id, priority);
@@ -422,16 +476,51 @@ impl DeviceDriver {
             .collect::<Vec<_>>()
             .join(",");
         self.write(&format!("{dir}/grefs"), &grefs);
+        self.write(&format!("{dir}/backend"), &mem.id().0.to_string());
         self.live.insert(
             id,
             Live {
                 region,
+                mem,
+                dev,
                 priority,
                 closing: false,
             },
         );
         Self::count(&self.stats.created);
         self.answer(id, "connected");
+    }
+
+    /// Where VIF `id`'s region goes: the device's memory, or (with the IOMMU) a memory
+    /// domain of its own, the paper's device domain per VIF, with the VIF's requester
+    /// id.
+    fn vif_memory(&self, id: u16) -> Result<(Arc<Domain>, Option<hv::DeviceId>), String> {
+        if !self.ctl.iommu() {
+            return Ok((Arc::clone(&self.device), None));
+        }
+        if id >= MAX_IOMMU_VIFS {
+            return Err(format!("a VIF of its own IOMMU context has an id below {MAX_IOMMU_VIFS}"));
+        }
+        let mem = self
+            .hv
+            .create_domain(&hv::DomainConfig {
+                name: format!("svnic-vif{id}"),
+                pages: VIF_PAGES as u32 + 8,
+                grant_frames: 1,
+                vcpus: 1,
+                map_slots: 4,
+                ..Default::default()
+            })
+            .map_err(|e| format!("the VIF's memory: {e:?}"))?;
+        Ok((mem, Some(hv::DeviceId(VIF_DEVICE_BASE + id))))
+    }
+
+    /// Gives back a VIF's own memory domain and IOMMU context (nothing for the device's).
+    fn release_memory(&self, mem: &Arc<Domain>, dev: Option<hv::DeviceId>) {
+        if let Some(d) = dev {
+            self.hv.iommu().detach(d);
+            let _ = self.hv.destroy_domain(mem.id());
+        }
     }
 
     fn reprioritise(&mut self, id: u16) {
@@ -477,8 +566,9 @@ impl DeviceDriver {
             let Some(live) = self.live.remove(&id) else {
                 continue;
             };
-            match live.region.destroy(&self.device) {
+            match live.region.destroy(&live.mem) {
                 Ok(()) => {
+                    self.release_memory(&live.mem, live.dev);
                     Self::count(&self.stats.destroyed);
                     self.write(&format!("{}/grefs", vif_dir(self.device.id(), id)), "");
                     self.answer(id, "closed");

@@ -354,6 +354,44 @@ impl<P: PageAccess> VifRx<P> {
         placed.map(|_| ())
     }
 
+    /// Where slot `seq`'s buffer starts, in bytes from the first receive buffer (what
+    /// a device that reaches the buffers by DMA adds to their I/O address).
+    pub fn slot_offset(seq: u32) -> usize {
+        (seq % SLOTS) as usize * SLOT_BYTES
+    }
+
+    /// As [`Self::fill`], the frame's `len` bytes placed by `place` (a DMA through the
+    /// VIF's IOMMU context): false from it leaves the slot empty, length 0, so that the
+    /// sequence can still be published past it. Whether it was placed.
+    pub fn fill_with(
+        &self,
+        seq: u32,
+        len: usize,
+        place: impl FnOnce() -> bool,
+    ) -> Result<bool, VifError> {
+        let placed = if len > SLOT_BYTES {
+            self.shared
+                .stats
+                .rx_too_long
+                .fetch_add(1, Ordering::Relaxed);
+            false
+        } else {
+            place()
+        };
+        let l = if placed { len } else { 0 };
+        self.shared
+            .device
+            .write_obj(RX_LEN + 2 * (seq % SLOTS) as usize, &(l as u16))?;
+        Ok(placed)
+    }
+
+    /// Writes `frame` into slot `seq`'s buffer with no reservation and no length: only
+    /// what [`super::engine::Ingress::inject_misplacement`]'s bug does, to show what an
+    /// ingress bug does to another VIF's memory where no IOMMU stands in the way.
+    pub(crate) fn misplaced_write(&self, seq: u32, frame: &[u8]) -> Result<(), VifError> {
+        write_slot(&self.bufs, seq, &frame[..frame.len().min(SLOT_BYTES)])
+    }
+
     /// Publishes slot `seq` if every earlier one is published: whether it was (a
     /// context whose turn has not come yields and calls again). Counts the frame.
     pub fn publish(&self, seq: u32, len: usize) -> Result<bool, VifError> {
