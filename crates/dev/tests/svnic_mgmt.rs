@@ -11,9 +11,9 @@ use dev::svnic::engine::Schedule;
 use dev::svnic::mgmt::{self, MgmtError, VifRequest};
 use dev::svnic::vif::{VifFront, VifRegion, SLOTS};
 use dev::wire::{WireSink, WireSource};
-use mem::PageAccess;
 use hv::store::StoreError;
 use hv::{DomId, OwnPage, Vector};
+use mem::PageAccess;
 use net::offload::Offload;
 
 mod common;
@@ -316,8 +316,14 @@ fn misplaced(iommu: bool) -> (u32, bool, u64) {
     let mut fronts = Vec::new();
     for i in 0..2 {
         let g = &s.guests[i];
-        let v = mgmt::create_vif(&s.hv, s.device.id(), i as u16, &request(g.id(), i, 50), WAIT)
-            .expect("VIF");
+        let v = mgmt::create_vif(
+            &s.hv,
+            s.device.id(),
+            i as u16,
+            &request(g.id(), i, 50),
+            WAIT,
+        )
+        .expect("VIF");
         if iommu {
             assert_ne!(v.backend, s.device.id(), "a memory domain of its own");
         }
@@ -356,10 +362,7 @@ fn misplaced(iommu: bool) -> (u32, bool, u64) {
         touched |= rx1.iter().any(|&b| b != 0);
     }
     let (_, ingress) = svnic.engine_stats();
-    let faults = ingress
-        .expect("ingress")
-        .dma_faults
-        .load(Ordering::Relaxed);
+    let faults = ingress.expect("ingress").dma_faults.load(Ordering::Relaxed);
     svnic.stop();
     (whole, touched, faults)
 }
@@ -374,5 +377,8 @@ fn with_an_iommu_context_per_vif_an_ingress_bug_faults_instead_of_writing_into_a
     // The same bug with the buffers written directly: the frames land in VIF 1.
     let (whole, touched, faults) = misplaced(false);
     assert_eq!((whole, faults), (48, 0));
-    assert!(touched, "the bug is real: without the IOMMU it writes into VIF 1");
+    assert!(
+        touched,
+        "the bug is real: without the IOMMU it writes into VIF 1"
+    );
 }

@@ -22,6 +22,8 @@
 //! signal = "register"           # or "sidecore", "per-vif": how guests are signalled
 //! idle = "poll"                 # or "dynamic", "interrupt": the device threads when idle
 //! schedule = "round-robin"      # or "quality-aware": egress by the VIFs' priorities
+//! iommu = false                 # each VIF in its own memory, by DMA through its own
+//!                               # IOMMU context
 //!
 //! [outside]                     # the far end of the NIC's cable
 //! namespace = "pvio-outside"
@@ -109,6 +111,7 @@ struct Svnic {
     signal: Option<Signal>,
     idle: Option<IdlePolicy>,
     schedule: Option<Schedule>,
+    iommu: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -345,6 +348,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
                 Schedule::RoundRobin => dev::svnic::engine::Schedule::RoundRobin,
                 Schedule::QualityAware => dev::svnic::engine::Schedule::Priority,
             },
+            iommu: t.iommu.unwrap_or(false),
             // The wire is the outside's TAP: the device sends as fast as it takes.
             ..SvnicConfig::default()
         });
@@ -567,6 +571,7 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
 signal = "sidecore"
 idle = "dynamic"
 schedule = "quality-aware"
+iommu = true
 [[guest]]
 priority = 90
 [[guest]]
@@ -576,6 +581,7 @@ priority = 90
         assert_eq!(sv.signal, SignalMode::Sidecore);
         assert_eq!(sv.idle, Idle::Block { spin: SVNIC_SPIN });
         assert_eq!(sv.schedule, dev::svnic::engine::Schedule::Priority);
+        assert!(sv.iommu);
         assert_eq!(cfg.guests[0].priority, Some(90));
         assert_eq!(cfg.guests[1].priority, None);
         let d = p("[svnic]\n[[guest]]\n")

@@ -617,8 +617,9 @@ fn the_self_virtualized_nic_carries_real_traffic_to_two_guests_intact() {
         priority: Some(if i == 0 { 80 } else { 20 }),
         ..UpGuest::nth(i)
     };
-    // The sidecore, and threads that sleep when idle: each frame from the outside
-    // wakes the device through its cable, each guest's send rings its doorbell.
+    // The sidecore, threads that sleep when idle (each frame from the outside wakes the
+    // device through its cable, each guest's send rings its doorbell), and each VIF in
+    // its own memory, placed by DMA through its own IOMMU context.
     let cfg = UpConfig {
         outside_ns: format!("pvio-s{pid}-o"),
         outside_addr: "10.82.0.1/24".into(),
@@ -628,6 +629,7 @@ fn the_self_virtualized_nic_carries_real_traffic_to_two_guests_intact() {
             idle: Idle::Block {
                 spin: Duration::from_micros(50),
             },
+            iommu: true,
             ..SvnicConfig::default()
         }),
         ..UpConfig::default()

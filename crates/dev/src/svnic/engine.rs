@@ -588,7 +588,11 @@ impl<P: PageAccess> Ingress<P> {
                 let bug = self.misplace_every != 0 && self.placed % self.misplace_every == 0;
                 let filled = match self.dma.get_mut(vif as usize).and_then(Option::as_mut) {
                     Some(d) => {
-                        let base = if bug { rx_iova(vif.wrapping_add(1)) } else { d.base };
+                        let base = if bug {
+                            rx_iova(vif.wrapping_add(1))
+                        } else {
+                            d.base
+                        };
                         let iova = hv::Iova(base.0 + VifRx::<P>::slot_offset(seq) as u64);
                         let faults = &self.stats.dma_faults;
                         rx.fill_with(seq, len, || {

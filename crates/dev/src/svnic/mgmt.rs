@@ -441,10 +441,13 @@ impl DeviceDriver {
         if let Some(d) = dev {
             // Its context maps its receive buffers, writable, and nothing else.
             let b = super::vif::BUF_PAGES;
-            let mapped = region.gfns[2 + b..].iter().enumerate().try_for_each(|(i, &g)| {
-                let iova = hv::Iova(super::engine::rx_iova(id).0 + (i * mem::PAGE_SIZE) as u64);
-                self.hv.iommu_map(&mem, iova, g, true)
-            });
+            let mapped = region.gfns[2 + b..]
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, &g)| {
+                    let iova = hv::Iova(super::engine::rx_iova(id).0 + (i * mem::PAGE_SIZE) as u64);
+                    self.hv.iommu_map(&mem, iova, g, true)
+                });
             if let Err(e) = mapped.and_then(|()| self.hv.iommu_attach(d, &mem)) {
                 let _ = region.destroy(&mem);
                 self.release_memory(&mem, Some(d));
@@ -499,7 +502,9 @@ impl DeviceDriver {
             return Ok((Arc::clone(&self.device), None));
         }
         if id >= MAX_IOMMU_VIFS {
-            return Err(format!("a VIF of its own IOMMU context has an id below {MAX_IOMMU_VIFS}"));
+            return Err(format!(
+                "a VIF of its own IOMMU context has an id below {MAX_IOMMU_VIFS}"
+            ));
         }
         let mem = self
             .hv
