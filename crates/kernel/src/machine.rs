@@ -119,6 +119,16 @@ pub enum Layout {
     Native(AppSpec),
     /// A guest with the NIC assigned.
     Direct(AppSpec),
+    /// The domain with the NIC runs a raw application on it itself, at `mac`, through
+    /// a bridge or not (paper 002's dotted lines: the driver domain using the NIC).
+    DirectRaw {
+        /// The application.
+        app: crate::svnic_guest::RawApp,
+        /// Its MAC.
+        mac: [u8; 6],
+        /// Through the driver domain's software bridge (netfilter hooks on).
+        bridge: bool,
+    },
     /// A driver domain and paravirtual guests.
     DriverDomain {
         /// The bridge's and netback's switches.
@@ -395,6 +405,29 @@ impl Machine {
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.nic = Some(nic);
                 m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
+            }
+            Layout::DirectRaw { app, mac, bridge } => {
+                let dom = mk(&hv, "driver", true, 4)?;
+                let (nic, pirq) = assign_nic(&hv, &dom, n)?;
+                let k = crate::native::RawNicKernel::new(
+                    &hv,
+                    &dom,
+                    nic.regs(),
+                    DmaApi::Swiotlb,
+                    Some(pirq),
+                    &app,
+                    mac,
+                    bridge,
+                )?;
+                m.nic = Some(nic);
+                m.boot(
+                    &dom,
+                    Role::DriverDomain,
+                    start(core(0)),
+                    Platform::Xen,
+                    k,
+                    &ready,
+                )?;
             }
             Layout::DriverDomain { driver, guests } => {
                 let slots = toolstack::window_slots(guests.len()) + 4;

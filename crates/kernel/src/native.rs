@@ -103,3 +103,156 @@ impl Kernel for NicKernel {
         c
     }
 }
+
+/// The domain that drives the NIC runs a raw application on it itself ([`crate::probe`]),
+/// straight on the driver or through a software bridge with its netfilter hooks, as a
+/// driver domain's own address sits on its bridge: paper 002's two dotted lines, the
+/// driver domain using the NIC without and with the bridging that virtualization adds.
+#[derive(Debug)]
+pub struct RawNicKernel {
+    drv: NicDriver,
+    pool: SkbPool,
+    raw: crate::probe::Raw,
+    /// One frame's bytes for the application.
+    scratch: Box<[u8]>,
+    /// The bridge between the NIC (port 0) and the application (port 1), if any.
+    bridge: Option<net::bridge::Bridge>,
+    pirq: Option<Port>,
+    /// Frames the application sent that found no buffer or no room on the ring.
+    tx_wait: u64,
+}
+
+/// The application's bridge port.
+const LOCAL_PORT: u16 = 1;
+
+impl RawNicKernel {
+    /// Probes the NIC behind `regs` with `dma`; the application at `mac` runs `raw`,
+    /// behind a bridge (with its hooks) if `bridge`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        regs: &Arc<NicRegs>,
+        dma: DmaApi,
+        pirq: Option<Port>,
+        raw: &crate::svnic_guest::RawApp,
+        mac: [u8; 6],
+        bridge: bool,
+    ) -> Result<Self, BuildError> {
+        let mut pool = SkbPool::new(Arc::clone(dom), POOL_BUFFERS, POOL_PAGES).map_err(other)?;
+        let drv = NicDriver::probe(hv, dom, regs, &mut pool, dma).map_err(other)?;
+        let bridge = bridge.then(|| {
+            let mut b = net::bridge::Bridge::new(2, true);
+            b.attach_vif(LOCAL_PORT, mac);
+            b
+        });
+        Ok(Self {
+            drv,
+            pool,
+            raw: raw.start(),
+            scratch: vec![0u8; 2048].into_boxed_slice(),
+            bridge,
+            pirq,
+            tx_wait: 0,
+        })
+    }
+}
+
+impl RawNicKernel {
+    /// The application's frame out: through the bridge (if any) to the NIC.
+    fn send(
+        pool: &mut SkbPool,
+        drv: &mut NicDriver,
+        bridge: &mut Option<net::bridge::Bridge>,
+        tx_wait: &mut u64,
+        frame: &[u8],
+    ) -> bool {
+        let ok = xmit_frame(pool, frame, |pool, skb| match bridge.as_mut() {
+            Some(b) => match b.input(pool, skb, LOCAL_PORT) {
+                net::bridge::Forward::Port(0) | net::bridge::Forward::Flood => drv.xmit(pool, skb),
+                _ => {
+                    pool.free(skb);
+                    Ok(())
+                }
+            },
+            None => drv.xmit(pool, skb),
+        });
+        *tx_wait += u64::from(!ok);
+        ok
+    }
+}
+
+impl Kernel for RawNicKernel {
+    const CLOCK: bool = true;
+
+    fn event(&mut self, v: &Vcpu, port: Port) {
+        if Some(port) == self.pirq {
+            xen_pirq(v, port, || self.drv.interrupt());
+        }
+    }
+
+    fn interrupt(&mut self) {
+        self.drv.interrupt();
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        let Self {
+            drv,
+            pool,
+            raw,
+            scratch,
+            bridge,
+            tx_wait,
+            ..
+        } = self;
+        let mut w = Work::default();
+        // One frame at a time out of the driver: the application's answer goes back
+        // through the same driver.
+        while w.rx < NAPI_BUDGET && drv.napi_scheduled() {
+            let mut got = None;
+            if drv.poll(pool, 1, |_, skb| got = Some(skb)) == 0 {
+                break;
+            }
+            w.rx += 1;
+            let Some(skb) = got else { continue };
+            let len = pool.len(skb).min(scratch.len());
+            let read = pool.read(skb, 0, &mut scratch[..len]).is_ok();
+            // Bridged: only what the bridge sends the application's way reaches it.
+            let mine = match bridge.as_mut() {
+                Some(b) => matches!(
+                    b.input(pool, skb, 0),
+                    net::bridge::Forward::Port(LOCAL_PORT) | net::bridge::Forward::Flood
+                ),
+                None => true,
+            };
+            pool.free(skb);
+            if read && mine {
+                raw.input(&scratch[..len], now, &mut |f| {
+                    Self::send(pool, drv, bridge, tx_wait, f)
+                });
+            }
+        }
+        drv.clean_tx(pool);
+        w.tx += raw.run(now, &mut |f| Self::send(pool, drv, bridge, tx_wait, f));
+        w.more = drv.napi_scheduled();
+        w
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        self.raw.next_timer()
+    }
+
+    fn shutdown(mut self) -> Counters {
+        let mut c = Counters::default();
+        c.add_set("driver", self.drv.stats());
+        c.add("raw", "tx_wait", self.tx_wait);
+        if let Some(b) = &self.bridge {
+            c.add_set("bridge", b.stats());
+        }
+        if let crate::probe::Raw::Echo { echoed, .. } = &self.raw {
+            c.add("echo", "echoed", *echoed);
+        }
+        self.drv.shutdown(&mut self.pool);
+        c
+    }
+}

@@ -248,6 +248,55 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
     Ok(p)
 }
 
+/// Paper 002's dotted lines: one client and one server, each the driver domain of its
+/// host running the probe application on its NIC itself, straight on the driver or
+/// through its bridge. Round trips (µs), and probes lost or corrupt.
+fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>, u64), LabError> {
+    let (a, b) = crossover(WireRate::GIGABIT);
+    let counters = Arc::new(ProbeCounters::default());
+    let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
+    let rtts = Arc::new(Samples::new(cap));
+    let machine = |end: CrossEnd, app: RawApp, mac: [u8; 6]| {
+        let sink = end.sink();
+        Machine::start(MachineSpec {
+            grant_version: GrantVersion::V1,
+            grant_path: GrantPath::Original,
+            sample: None,
+            nic: NicSpec {
+                coalesce: Coalesce::default(),
+                source: Box::new(end),
+                sink: Box::new(sink),
+            },
+            layout: Layout::DirectRaw { app, mac, bridge },
+        })
+        .map_err(other)
+    };
+    let server = machine(b, RawApp::Echo(server_mac(0)), server_mac(0))?;
+    let client = machine(
+        a,
+        RawApp::Ping(ProbeSpec {
+            me: client_mac(0),
+            peer: server_mac(0),
+            max_gap,
+            seed: 0x9e37_79b9,
+            rtts: Arc::clone(&rtts),
+            counters: Arc::clone(&counters),
+        }),
+        client_mac(0),
+    )?;
+    std::thread::sleep(run);
+    client.stop().map_err(other)?;
+    server.stop().map_err(other)?;
+    let mut v: Vec<f64> = rtts
+        .since(0)
+        .into_iter()
+        .map(|ns| ns as f64 / 1e3)
+        .collect();
+    v.sort_by(f64::total_cmp);
+    let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    Ok((v, l(&counters.lost) + l(&counters.corrupt)))
+}
+
 /// The `q` quantile of sorted `v`.
 fn quantile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -287,7 +336,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "designs": Design::ALL.map(Design::name), "cores": cores,
     });
     crate::progress::plan(
-        (ns.len() * Design::ALL.len()) as u64 + 1 + tput::steps(mode) + dynamic::steps(mode) + 2,
+        (ns.len() * Design::ALL.len()) as u64 + 3 + tput::steps(mode) + dynamic::steps(mode) + 2,
     );
     let mut points: Vec<Vec<Point>> = Vec::new();
     for d in Design::ALL {
@@ -326,6 +375,29 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         fig7.push(Series {
             label: d.name().into(),
             points: series,
+        });
+    }
+    // The dotted lines: no guest, the driver domains themselves.
+    let mut dom0_bad = 0;
+    for (bridge, name) in [
+        (false, "driver domain on the NIC (dotted)"),
+        (true, "driver domain through its bridge (dotted)"),
+    ] {
+        crate::progress::step(format_args!("Fig. 7: {name}"));
+        let (v, bad) = dom0_line(bridge, run_for, max_gap)?;
+        dom0_bad += bad;
+        let med = quantile(&v, 0.5);
+        rep.row("Fig. 7: round trip, no guest", name, "µs", &v)
+            .reference = Some(format!(
+            "inter-quartile {:.0}–{:.0} µs; {} probes; the paper's dotted lines",
+            quantile(&v, 0.25),
+            quantile(&v, 0.75),
+            v.len()
+        ));
+        let (lo, hi) = (ns[0] as f64, ns[ns.len() - 1] as f64);
+        fig7.push(Series {
+            label: name.into(),
+            points: vec![(lo, med), (hi, med)],
         });
     }
     rep.lines.push(Lines {
@@ -465,6 +537,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let (corrupt, lost, sent): (u64, u64, u64) = points.iter().flatten().fold((0, 0, 0), |a, p| {
         (a.0 + p.corrupt, a.1 + p.lost, a.2 + p.sent)
     });
+    let lost = lost + dom0_bad;
     rep.check(
         "probes corrupt or lost, every design and VIF count",
         (corrupt + lost) as f64,

@@ -45,6 +45,8 @@ struct Point {
     flood_sent: u64,
     flood_received: u64,
     flood_bad: u64,
+    /// Frames the devices dropped: no device buffer, or a VIF's receive queue full.
+    dropped: u64,
 }
 
 fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result<Point, LabError> {
@@ -97,8 +99,11 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     // The flood stops; what it sent drains before the far end is read.
     rate.store(1, Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(100));
-    clients.stop().map_err(other)?;
-    servers.stop().map_err(other)?;
+    let mut dropped = 0;
+    for m in [clients, servers] {
+        let c = m.stop().map_err(other)?;
+        dropped += c.get("svnic", "rx_fifo_full") + c.get("svnic ingress", "vif_full");
+    }
     got.sort_by(f64::total_cmp);
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
     Ok(Point {
@@ -108,6 +113,7 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
         flood_sent: l(&sent),
         flood_received: l(&sink.received),
         flood_bad: l(&sink.corrupt) + l(&sink.out_of_sequence),
+        dropped,
     })
 }
 
@@ -146,6 +152,16 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
             rep.row(&g, &format!("{name}: round trip"), "µs", &p.rtts)
                 .reference = Some(format!("{} probes", p.rtts.len()));
             rep.row(&g, &format!("{name}: total CPU"), "cores", &[p.cpu]);
+            rep.row(
+                &g,
+                &format!("{name}: frames the devices dropped"),
+                "frames",
+                &[p.dropped as f64],
+            )
+            .reference = Some(format!(
+                "of {} flood frames; no device buffer, or the receiving VIF's queue full",
+                p.flood_sent
+            ));
             row.push(p);
         }
         pts.push(row);
