@@ -121,7 +121,7 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
 pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     let (loads, window, gap_ms): (&[f64], f64, u64) = match mode {
         Mode::Full => (&[0.05, 0.3, 0.6, 0.95], 3.0, 5),
-        Mode::Quick => (&[0.05, 0.3, 0.95], 1.0, 2),
+        Mode::Quick => (&[0.05, 0.95], 1.0, 2),
         Mode::Smoke => (&[0.3], 0.3, 1),
     };
     rep.setup.push_str(&format!(
@@ -215,7 +215,7 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
 pub fn steps(mode: Mode) -> u64 {
     let n = match mode {
         Mode::Full => 4,
-        Mode::Quick => 3,
+        Mode::Quick => 2,
         Mode::Smoke => 1,
     };
     (n * POLICIES.len()) as u64

@@ -186,7 +186,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
 pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     let phase = Duration::from_secs_f64(match mode {
         Mode::Full => 3.0,
-        Mode::Quick => 1.0,
+        Mode::Quick => 0.6,
         Mode::Smoke => 0.4,
     });
     // The high-priority VM's offered load, phase by phase; 0: all it can.

@@ -115,7 +115,7 @@ fn once(design: Design, n: usize, warm: Duration, window: Duration) -> Result<Re
 pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     let (ns, reps, warm, window): (&[usize], usize, f64, f64) = match mode {
         Mode::Full => (&[1, 2, 4, 8, 16, 32], 5, 0.5, 2.0),
-        Mode::Quick => (&[1, 4], 2, 0.3, 0.7),
+        Mode::Quick => (&[4], 2, 0.3, 0.7),
         Mode::Smoke => (&[2], 1, 0.2, 0.3),
     };
     rep.setup.push_str(&format!(
@@ -200,8 +200,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
 pub fn steps(mode: Mode) -> u64 {
     let n = match mode {
         Mode::Full => 6,
-        Mode::Quick => 2,
-        Mode::Smoke => 1,
+        Mode::Quick | Mode::Smoke => 1,
     };
     (n * DESIGNS.len()) as u64
 }
