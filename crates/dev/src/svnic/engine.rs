@@ -585,7 +585,8 @@ impl<P: PageAccess> Ingress<P> {
                 self.times.add(Stage::ChnlDemux, t2.wrapping_sub(t1));
                 let frame = &c.buf[..len];
                 self.placed = self.placed.wrapping_add(1);
-                let bug = self.misplace_every != 0 && self.placed % self.misplace_every == 0;
+                let bug =
+                    self.misplace_every != 0 && self.placed.is_multiple_of(self.misplace_every);
                 let filled = match self.dma.get_mut(vif as usize).and_then(Option::as_mut) {
                     Some(d) => {
                         let base = if bug {
