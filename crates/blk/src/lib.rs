@@ -1,0 +1,6 @@
+//! pvio's block layer (issue 20, paper 002 §VI-B): Xen's split block protocol.
+//!
+//! * [`blkif`]: the `io/blkif.h` ABI, its entry layouts, and the validation a back end
+//!   makes of every request it copies off the ring.
+
+pub mod blkif;
