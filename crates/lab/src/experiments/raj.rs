@@ -297,6 +297,12 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
     Ok((v, l(&counters.lost) + l(&counters.corrupt)))
 }
 
+/// Frames a stopped host's devices dropped: no device buffer or a VIF's receive queue
+/// full (SV-NIC), the NIC's receive ring empty (HV-NIC).
+fn device_drops(c: &kernel::Counters) -> u64 {
+    c.get("svnic", "rx_fifo_full") + c.get("svnic ingress", "vif_full") + c.get("nic", "rx_missed")
+}
+
 /// The `q` quantile of sorted `v`.
 fn quantile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -563,32 +569,19 @@ mod tests {
         for row in r.rows.iter().filter(|row| row.group.starts_with("Fig. 7")) {
             assert!(row.stats.n > 0, "no round trips: {row:?}");
         }
-        let c = |what: &str| r.checks.iter().find(|c| c.what.contains(what));
-        assert!(
-            c("corrupt or lost").is_some_and(|c| c.met),
-            "{:?}",
-            r.checks
-        );
-        assert!(
-            c("9 VIFs: events per bit").is_some_and(|c| c.met),
-            "{:?}",
-            r.checks
-        );
-        assert!(
-            c("one event per frame signalled").is_some_and(|c| c.met),
-            "{:?}",
-            r.checks
-        );
-        assert!(
-            c("forwards nothing").is_some_and(|c| c.met),
-            "{:?}",
-            r.checks
-        );
-        assert!(
-            c("Fig. 10 frames corrupt").is_some_and(|c| c.met),
-            "{:?}",
-            r.checks
-        );
+        for what in [
+            "corrupt or lost",
+            "9 VIFs: events per bit",
+            "one event per frame signalled",
+            "forwards nothing",
+            "Fig. 10 frames corrupt",
+        ] {
+            assert!(
+                r.checks.iter().any(|c| c.what.contains(what) && c.met),
+                "{what}: {:?}",
+                r.checks
+            );
+        }
         assert!(r.rows.iter().any(|row| row.group.starts_with("Fig. 10")));
     }
 }

@@ -102,7 +102,7 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     let mut dropped = 0;
     for m in [clients, servers] {
         let c = m.stop().map_err(other)?;
-        dropped += c.get("svnic", "rx_fifo_full") + c.get("svnic ingress", "vif_full");
+        dropped += super::device_drops(&c);
     }
     got.sort_by(f64::total_cmp);
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -96,9 +96,7 @@ fn once(design: Design, n: usize, warm: Duration, window: Duration) -> Result<Re
     let mut dropped = 0;
     for m in [clients, servers] {
         let c = m.stop().map_err(other)?;
-        dropped += c.get("svnic", "rx_fifo_full")
-            + c.get("svnic ingress", "vif_full")
-            + c.get("nic", "rx_missed");
+        dropped += super::device_drops(&c);
     }
     let corrupt = recv.iter().map(|c| c.corrupt.load(Ordering::Relaxed)).sum();
     let idle = b0.iter().zip(&b1).filter(|(x, y)| y <= x).count();
