@@ -7,8 +7,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+
+use mem::{MapWindow, MemError};
 
 use crate::blkif::SECTOR_SIZE;
 
@@ -23,6 +26,17 @@ pub struct FileDisk {
     read_only: bool,
     /// Zeros for discards, allocated once.
     zeros: Box<[u8]>,
+}
+
+fn read_only() -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, "read-only disk")
+}
+
+fn mem_error(e: MemError) -> io::Error {
+    match e {
+        MemError::Os(errno) => io::Error::from_raw_os_error(errno),
+        e => io::Error::other(e),
+    }
 }
 
 fn out_of_range() -> io::Error {
@@ -71,13 +85,44 @@ impl FileDisk {
     /// Writes `data` from `sector` on.
     pub fn write(&self, sector: u64, data: &[u8]) -> io::Result<()> {
         if self.read_only {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "read-only disk",
-            ));
+            return Err(read_only());
         }
         let off = self.at(sector, data.len())?;
         self.file.write_all_at(data, off)
+    }
+
+    /// Reads `len` bytes from `sector` on straight into the page mapped at window `slot`
+    /// from `offset`, as a controller's DMA lands in a mapped guest page: one `pread`
+    /// into the frame, no buffer between.
+    pub fn read_to_window(
+        &self,
+        win: &MapWindow,
+        slot: u32,
+        offset: usize,
+        len: usize,
+        sector: u64,
+    ) -> io::Result<()> {
+        let off = self.at(sector, len)?;
+        win.read_file(slot, offset, len, self.file.as_fd(), off)
+            .map_err(mem_error)
+    }
+
+    /// Writes `len` bytes of the page mapped at window `slot` from `offset` to the disk
+    /// from `sector` on.
+    pub fn write_from_window(
+        &self,
+        win: &MapWindow,
+        slot: u32,
+        offset: usize,
+        len: usize,
+        sector: u64,
+    ) -> io::Result<()> {
+        if self.read_only {
+            return Err(read_only());
+        }
+        let off = self.at(sector, len)?;
+        win.write_file(slot, offset, len, self.file.as_fd(), off)
+            .map_err(mem_error)
     }
 
     /// Writes what the disk holds in its cache out (`BLKIF_OP_FLUSH_DISKCACHE`).
@@ -90,10 +135,7 @@ impl FileDisk {
     /// library, and what a guest reads back is the same.)
     pub fn discard(&self, sector: u64, nr: u64) -> io::Result<()> {
         if self.read_only {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "read-only disk",
-            ));
+            return Err(read_only());
         }
         let len = nr.checked_mul(SECTOR_SIZE).ok_or_else(out_of_range)?;
         let mut off = self.at(sector, usize::try_from(len).map_err(|_| out_of_range())?)?;

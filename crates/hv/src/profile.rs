@@ -45,6 +45,11 @@ pub enum Class {
     Hypercall = 11,
     /// Issuing and revoking grants.
     Grant = 12,
+    /// Block layer and blkfront (the guest's), blkback (the driver domain's).
+    Block = 13,
+    /// Data moved between a disk and memory (a controller's DMA; here the backing
+    /// file's `pread`/`pwrite` into the frame).
+    Disk = 14,
     /// Hypervisor: grant map, unmap or copy (bookkeeping, not the data copy).
     XenGrant = 16,
     /// Hypervisor: domain scheduling (block, wake).
@@ -73,7 +78,7 @@ pub enum Class {
 
 impl Class {
     /// Every class, in table order.
-    pub const ALL: [Class; 25] = [
+    pub const ALL: [Class; 27] = [
         Class::Driver,
         Class::Network,
         Class::Bridge,
@@ -87,6 +92,8 @@ impl Class {
         Class::Dma,
         Class::Hypercall,
         Class::Grant,
+        Class::Block,
+        Class::Disk,
         Class::XenGrant,
         Class::XenSchedule,
         Class::XenHypercall,
@@ -104,6 +111,11 @@ impl Class {
     /// The class with this index, if any.
     pub fn from_index(i: u8) -> Option<Class> {
         Self::ALL.iter().copied().find(|c| *c as u8 == i)
+    }
+
+    /// Whether this is the block path's (no network experiment has it).
+    pub fn is_block(self) -> bool {
+        matches!(self, Class::Block | Class::Disk)
     }
 
     /// Whether this is hypervisor code (Table 2, or the grant copy inside it).
@@ -127,6 +139,8 @@ impl Class {
             Class::Dma => "dma",
             Class::Hypercall => "hypercall",
             Class::Grant => "grant",
+            Class::Block => "block",
+            Class::Disk => "disk",
             Class::XenGrant => "grant",
             Class::XenSchedule => "schedule",
             Class::XenHypercall => "hypercall",

@@ -431,6 +431,41 @@ impl MapWindow {
         r
     }
 
+    /// Reads `len` bytes of file `fd` from byte `pos` into the frame mapped at `slot`
+    /// from `offset` (a block back end's read landing in a guest page it maps); refused
+    /// for a read-only mapping. See [`MachineMemory::read_file`].
+    pub fn read_file(
+        &self,
+        slot: u32,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+    ) -> Result<(), MemError> {
+        check_in_page(offset, len)?;
+        let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
+        let r = self.mem.read_file(mfn, offset, len, fd, pos);
+        self.leave(slot, INFLIGHT_ONE);
+        r
+    }
+
+    /// Writes `len` bytes of the frame mapped at `slot` from `offset` to file `fd` at
+    /// byte `pos` (a block back end's write out of a guest page).
+    pub fn write_file(
+        &self,
+        slot: u32,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+    ) -> Result<(), MemError> {
+        check_in_page(offset, len)?;
+        let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
+        let r = self.mem.write_file(mfn, offset, len, fd, pos);
+        self.leave(slot, INFLIGHT_ONE);
+        r
+    }
+
     /// Holds the page at `slot` for repeated access (a mapped ring, say) until dropped;
     /// the slot cannot be unmapped meanwhile.
     pub fn page(self: &Arc<Self>, slot: u32) -> Result<MappedPage, MemError> {
@@ -656,6 +691,56 @@ mod tests {
             assert_eq!(&c, b"abcd");
             assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
             assert_eq!(w.map(3, Mfn(8), true), Err(MemError::NoSuchFrame(8)));
+        }
+    }
+
+    #[test]
+    fn a_file_is_read_into_and_written_from_a_mapped_frame_and_only_as_mapped() {
+        use std::os::fd::AsFd;
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
+            let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
+            let path = std::env::temp_dir().join(format!(
+                "pvio-window-file-{}-{}",
+                std::process::id(),
+                backend.name()
+            ));
+            let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+            std::fs::write(&path, &data).expect("file");
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .expect("open");
+            assert_eq!(
+                w.read_file(0, 0, 512, f.as_fd(), 0),
+                Err(MemError::NotMapped(0))
+            );
+            w.map(0, Mfn(3), true).expect("map");
+            w.map(1, Mfn(4), false).expect("map");
+            // Sectors 3..5 of the file land at byte 512 of the frame, nowhere else.
+            w.read_file(0, 512, 1024, f.as_fd(), 1536).expect("read");
+            let mut b = vec![0u8; PAGE_SIZE];
+            mem.read(Mfn(3), 0, &mut b).expect("frame");
+            assert!(b[..512].iter().all(|&x| x == 0) && b[1536..].iter().all(|&x| x == 0));
+            assert_eq!(&b[512..1536], &data[1536..2560]);
+            // Into a read-only mapping: refused; past the file's end: an error.
+            assert_eq!(
+                w.read_file(1, 0, 512, f.as_fd(), 0),
+                Err(MemError::ReadOnly(1))
+            );
+            assert_eq!(
+                w.read_file(0, 0, 1024, f.as_fd(), 7680),
+                Err(MemError::Os(libc::EIO))
+            );
+            // Out of a read-only mapping into the file.
+            mem.fill(Mfn(4), 0, PAGE_SIZE, 0xab).expect("fill");
+            w.write_file(1, 0, 512, f.as_fd(), 4096).expect("write");
+            let back = std::fs::read(&path).expect("read back");
+            assert!(back[4096..4608].iter().all(|&x| x == 0xab));
+            assert_eq!(&back[..4096], &data[..4096]);
+            assert_eq!(&back[4608..], &data[4608..]);
+            let _ = std::fs::remove_file(&path);
         }
     }
 

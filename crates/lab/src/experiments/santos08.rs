@@ -515,7 +515,7 @@ pub(crate) fn account_losses<'a>(
 /// A kernel's class: not the hypervisor's, not the copy to the user and not the
 /// application.
 fn is_kernel(c: Class) -> bool {
-    !c.is_xen() && !matches!(c, Class::UserCopy | Class::User | Class::GrantCopy)
+    !c.is_xen() && !c.is_block() && !matches!(c, Class::UserCopy | Class::User | Class::GrantCopy)
 }
 
 /// One domain's kernel time per packet in one run.

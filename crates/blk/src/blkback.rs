@@ -1,0 +1,661 @@
+//! blkback: the driver domain's end of a virtual block device, as Linux's
+//! `xen-blkback`, serving a backing file ([`FileDisk`]).
+//!
+//! Each pass takes every request the ring holds, **copies** each slot, judges the copy
+//! ([`read_request`]) and only then uses it: a refused request is answered with its
+//! status and counted by reason, and the ring goes on. An id already taken in the same
+//! pass and not yet answered is refused too ([`VbdStats::id_in_flight`]): its first
+//! holder keeps its own answer.
+//!
+//! A read or write maps the request's segments into the driver domain's window in one
+//! batch (read-only for a write, whose pages the back end only reads), moves each
+//! segment's sectors between the disk and the mapped page with no buffer between (the
+//! disk's [`FileDisk::read_to_window`], a controller's DMA into the page), and unmaps the
+//! batch (one shoot-down). With `feature-persistent` a front end grants a fixed pool of
+//! pages once; the back end keeps each mapped at a slot of its own after its first use,
+//! up to [`PERSISTENT_MAX`], and maps any beyond that per request, as Linux does. An
+//! indirect request's segment pages are mapped read-only for the request, their
+//! segments copied out and checked ([`check_segments`]) before any is mapped (Linux
+//! keeps those persistently too; pvio's front end grants them read-only, and a
+//! persistent mapping is read-write).
+//!
+//! A grant that does not map (outside the front end's table, not granted to this
+//! domain, granted read-only to a read) fails that request with `BLKIF_RSP_ERROR` and
+//! is counted; the disk's errors likewise. A ring whose indices break the protocol
+//! disconnects this device only: it is marked [`Broken`], its state goes to `Closing`,
+//! and it takes nothing more.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hv::profile::{enter, Class};
+use hv::store::XenbusState;
+use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp, Port};
+use mem::MappedPage;
+use net::xenbus::{self as netbus, XenbusError};
+use ring::{BackRing, PageRing, RingError};
+
+use crate::blkif::{
+    check_segments, indirect_pages, read_request, response, BadRequests, BlkRing, RawRequest,
+    Request, Segment, BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST, BLKIF_RSP_ERROR, BLKIF_RSP_OKAY,
+    SECTOR_SIZE, SEGMENTS_PER_INDIRECT_PAGE,
+};
+use crate::disk::FileDisk;
+use crate::xenbus::{self, Offered};
+
+/// Segments the back end offers in one indirect request
+/// (`feature-max-indirect-segments`, Linux blkback's `MAX_INDIRECT_SEGMENTS`).
+pub const MAX_INDIRECT_SEGMENTS: u16 = 256;
+/// Grants a device keeps mapped persistently (Linux's default `max_persistent_grants`).
+pub const PERSISTENT_MAX: usize = 1056;
+/// Requests on the ring (a one-page blkif ring).
+pub const RING_REQUESTS: usize = 32;
+
+/// A device's window slots from its base: the ring, the indirect pages, the segments
+/// mapped for one request, the persistent grants.
+const RING_SLOT: u32 = 0;
+const INDIRECT_SLOT0: u32 = 1;
+const SEG_SLOT0: u32 = INDIRECT_SLOT0 + BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST as u32;
+const PERSISTENT_SLOT0: u32 = SEG_SLOT0 + MAX_INDIRECT_SEGMENTS as u32;
+/// Window slots one device needs.
+pub const VBD_WINDOW_SLOTS: u32 = PERSISTENT_SLOT0 + PERSISTENT_MAX as u32;
+
+type Back = BackRing<BlkRing, PageRing<MappedPage>>;
+
+/// Why a device stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Broken {
+    /// The front end moved a ring index out of the protocol.
+    Ring(RingError),
+}
+
+/// A device's counters. Every request taken is answered exactly once:
+/// `taken == done + refused.total() + id_in_flight + bad_grants + io_errors`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VbdStats {
+    /// Requests copied off the ring.
+    pub taken: u64,
+    /// Answered `BLKIF_RSP_OKAY`.
+    pub done: u64,
+    /// Reads and writes done, flushes and discards done.
+    pub reads: u64,
+    /// Writes done.
+    pub writes: u64,
+    /// Flushes done.
+    pub flushes: u64,
+    /// Discards done.
+    pub discards: u64,
+    /// Of the reads and writes, those with indirect segments.
+    pub indirect: u64,
+    /// Sectors read and written.
+    pub sectors_read: u64,
+    /// Sectors written.
+    pub sectors_written: u64,
+    /// Refused on judgement, by reason.
+    pub refused: BadRequests,
+    /// Refused: the id was taken earlier in the same pass and not yet answered.
+    pub id_in_flight: u64,
+    /// Failed: a segment's or indirect page's grant did not map.
+    pub bad_grants: u64,
+    /// Failed: the disk returned an error.
+    pub io_errors: u64,
+    /// Segments found mapped already (persistent grants).
+    pub persistent_hits: u64,
+    /// Grants mapped and kept (persistent grants).
+    pub persistent_maps: u64,
+    /// Grants mapped for one request and unmapped after it (segments' pages and
+    /// indirect pages).
+    pub transient_maps: u64,
+    /// Notifications sent to the front end.
+    pub notifies: u64,
+}
+
+net::counter_set!(VbdStats {
+    taken,
+    done,
+    reads,
+    writes,
+    flushes,
+    discards,
+    indirect,
+    sectors_read,
+    sectors_written,
+    refused,
+    id_in_flight,
+    bad_grants,
+    io_errors,
+    persistent_hits,
+    persistent_maps,
+    transient_maps,
+    notifies,
+});
+
+/// The persistent grants of a device: each kept mapped at a slot of its own.
+#[derive(Debug)]
+struct Persistent {
+    /// Grant reference to its window slot and mapping (capacity reserved: no
+    /// allocation on insert).
+    slots: HashMap<u32, (u32, GrantHandle)>,
+    free: Vec<u32>,
+}
+
+/// How a request failed after it was judged.
+#[derive(Debug, Clone, Copy)]
+enum Failed {
+    Grant,
+    Io,
+}
+
+/// One virtual block device's back end.
+#[derive(Debug)]
+pub struct Blkback {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    fe: DomId,
+    devid: u32,
+    port: Port,
+    ring: Option<Back>,
+    ring_handle: GrantHandle,
+    slot_base: u32,
+    disk: FileDisk,
+    offer: Offered,
+    persistent: Option<Persistent>,
+    /// Requests copied off the ring in one pass.
+    batch: Vec<RawRequest>,
+    /// A request's segments (from its slot or its indirect pages).
+    segs: Vec<Segment>,
+    /// The window slot each segment is at.
+    at: Vec<u32>,
+    maps: Vec<MapOp>,
+    map_res: Vec<Result<GrantHandle, GrantError>>,
+    unmaps: Vec<GrantHandle>,
+    unmap_st: Vec<Result<(), GrantError>>,
+    stats: VbdStats,
+    broken: Option<Broken>,
+}
+
+/// Publishes the disk's size and the back end's features and waits for the front end
+/// (`InitWait`). `persistent` offers persistent grants.
+pub fn probe(
+    hv: &Hypervisor,
+    be: DomId,
+    fe: DomId,
+    devid: u32,
+    disk: &FileDisk,
+    persistent: bool,
+) -> Result<(), XenbusError> {
+    let store = hv.store();
+    let dir = xenbus::backend_dir(be, fe, devid);
+    let mode_ro = store
+        .read(be, &format!("{dir}/mode"))
+        .is_ok_and(|m| m == "r");
+    let ro = mode_ro || disk.read_only();
+    let info = if ro { xenbus::VDISK_READONLY } else { 0 };
+    for (k, v) in [
+        ("sectors", disk.sectors().to_string()),
+        ("sector-size", SECTOR_SIZE.to_string()),
+        ("info", info.to_string()),
+        (xenbus::FEATURE_FLUSH, "1".into()),
+        (xenbus::FEATURE_DISCARD, "1".into()),
+        ("discard-granularity", SECTOR_SIZE.to_string()),
+        (
+            xenbus::FEATURE_PERSISTENT,
+            if persistent { "1" } else { "0" }.into(),
+        ),
+        (
+            xenbus::FEATURE_MAX_INDIRECT,
+            MAX_INDIRECT_SEGMENTS.to_string(),
+        ),
+    ] {
+        store.write(be, &format!("{dir}/{k}"), &v)?;
+    }
+    store.switch_state(be, &dir, XenbusState::InitWait)?;
+    Ok(())
+}
+
+impl Blkback {
+    /// Connects to a front end that published its ring: checks its keys, maps the ring
+    /// at window slot `slot_base` (the device uses [`VBD_WINDOW_SLOTS`] slots from
+    /// there), binds the event channel, and moves to `Connected`. Serves `disk`, as
+    /// [`probe`] published it.
+    pub fn connect(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        fe: DomId,
+        devid: u32,
+        slot_base: u32,
+        disk: FileDisk,
+    ) -> Result<Self, XenbusError> {
+        let store = hv.store();
+        let be = dom.id();
+        let fdir = xenbus::frontend_dir(fe, devid);
+        let bdir = xenbus::backend_dir(be, fe, devid);
+        let st = store.xenbus_state(be, &fdir);
+        if !matches!(st, XenbusState::Initialised | XenbusState::Connected) {
+            return Err(XenbusError::PeerState(st));
+        }
+        // Only the native layout: a 32-bit guest's slots would be misread.
+        match store.read(be, &format!("{fdir}/protocol")) {
+            Ok(p) if p == xenbus::PROTOCOL => {}
+            Err(_) => {}
+            Ok(_) => return Err(XenbusError::BadKey(format!("{fdir}/protocol"))),
+        }
+        let ring_ref = netbus::read_u32(store, be, &format!("{fdir}/ring-ref"))?;
+        let evtchn = netbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
+        let offer = Offered::read(store, be, &bdir)?;
+        let persistent =
+            offer.persistent && netbus::feature(store, be, &fdir, xenbus::FEATURE_PERSISTENT);
+
+        let slot = slot_base + RING_SLOT;
+        let mut res = [Err(GrantError::BadHandle(0))];
+        hv.grant_map(
+            dom,
+            &[MapOp {
+                dom: fe,
+                gref: GrantRef(ring_ref),
+                readonly: false,
+                slot,
+            }],
+            &mut res,
+        );
+        let h = res[0].map_err(|e| XenbusError::BadKey(format!("{fdir}/ring-ref: {e}")))?;
+        let unmap = || hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+        let Some(ring) = dom
+            .window()
+            .page(slot)
+            .ok()
+            .and_then(|p| PageRing::new(p).ok())
+            .and_then(|p| BackRing::<BlkRing, _>::attach(p).ok())
+        else {
+            unmap();
+            return Err(XenbusError::BadKey(format!("{fdir}/ring-ref")));
+        };
+        let port = match hv.evtchn_bind_interdomain(dom, fe, Port(evtchn)) {
+            Ok(p) => p,
+            Err(e) => {
+                drop(ring);
+                unmap();
+                return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
+            }
+        };
+        if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
+            drop(ring);
+            unmap();
+            let _ = hv.evtchn_close(dom, port);
+            return Err(e.into());
+        }
+        let max_segs = usize::from(MAX_INDIRECT_SEGMENTS);
+        Ok(Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            fe,
+            devid,
+            port,
+            ring: Some(ring),
+            ring_handle: h,
+            slot_base,
+            disk,
+            offer,
+            persistent: persistent.then(|| Persistent {
+                slots: HashMap::with_capacity(PERSISTENT_MAX),
+                free: (0..PERSISTENT_MAX as u32)
+                    .rev()
+                    .map(|i| slot_base + PERSISTENT_SLOT0 + i)
+                    .collect(),
+            }),
+            batch: Vec::with_capacity(RING_REQUESTS),
+            segs: Vec::with_capacity(max_segs),
+            at: Vec::with_capacity(max_segs),
+            maps: Vec::with_capacity(max_segs),
+            map_res: vec![Err(GrantError::BadHandle(0)); max_segs],
+            unmaps: Vec::with_capacity(max_segs),
+            unmap_st: vec![Ok(()); max_segs],
+            stats: VbdStats::default(),
+            broken: None,
+        })
+    }
+
+    /// The local end of the device's event channel.
+    pub fn port(&self) -> Port {
+        self.port
+    }
+    /// The front end's domain.
+    pub fn frontend(&self) -> DomId {
+        self.fe
+    }
+    /// The device's id (`virtual-device`).
+    pub fn devid(&self) -> u32 {
+        self.devid
+    }
+    /// Counters.
+    pub fn stats(&self) -> &VbdStats {
+        &self.stats
+    }
+    /// Why the device stopped, if it did.
+    pub fn broken(&self) -> Option<Broken> {
+        self.broken
+    }
+    /// Whether the front end's grants are kept mapped.
+    pub fn persistent(&self) -> bool {
+        self.persistent.is_some()
+    }
+    /// Grants mapped persistently now.
+    pub fn persistent_mapped(&self) -> usize {
+        self.persistent.as_ref().map_or(0, |p| p.slots.len())
+    }
+
+    /// Serves every request on the ring until it stays empty (the event handler's
+    /// loop, `do_block_io_op`); returns how many were answered. A protocol break
+    /// disconnects the device.
+    pub fn serve(&mut self) -> usize {
+        let _c = enter(Class::Block);
+        let mut answered = 0;
+        while self.broken.is_none() {
+            match self.pass() {
+                Ok(0) => match self.ring.as_mut().map(|r| r.final_check_for_requests()) {
+                    Some(Ok(true)) => continue,
+                    Some(Ok(false)) | None => break,
+                    Some(Err(e)) => self.protocol_break(e),
+                },
+                Ok(n) => answered += n,
+                Err(e) => self.protocol_break(e),
+            }
+        }
+        answered
+    }
+
+    /// Copies every request the ring holds, serves each, and answers them; one
+    /// notification for the pass.
+    fn pass(&mut self) -> Result<usize, RingError> {
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(0);
+        };
+        let n = ring.requests_available()?;
+        self.batch.clear();
+        for _ in 0..n.min(RING_REQUESTS as u32) {
+            match ring.take_request()? {
+                Some(r) => self.batch.push(r),
+                None => break,
+            }
+        }
+        let n = self.batch.len();
+        for i in 0..n {
+            let raw = self.batch[i];
+            self.stats.taken += 1;
+            let status = if self.batch[..i].iter().any(|r| r.id == raw.id) {
+                self.stats.id_in_flight += 1;
+                BLKIF_RSP_ERROR
+            } else {
+                self.handle(&raw)
+            };
+            let rsp = response(raw.id, raw.operation, status);
+            // Room is certain: each response answers a request taken.
+            if let Some(ring) = self.ring.as_mut() {
+                ring.push_response(&rsp)?;
+            }
+        }
+        if n > 0
+            && self
+                .ring
+                .as_mut()
+                .is_some_and(|r| r.push_responses_and_check_notify())
+        {
+            self.stats.notifies += 1;
+            let _ = self.hv.evtchn_send(&self.dom, self.port);
+        }
+        Ok(n)
+    }
+
+    /// Judges one copied request and carries it out; its status.
+    fn handle(&mut self, raw: &RawRequest) -> i16 {
+        let req = match read_request(raw, &self.offer.offer) {
+            Ok(r) => r,
+            Err(e) => {
+                self.stats.refused.add(e);
+                return e.status();
+            }
+        };
+        let r = match req {
+            Request::Rw {
+                write,
+                sector,
+                seg,
+                nr,
+                ..
+            } => {
+                self.segs.clear();
+                self.segs.extend_from_slice(&seg[..usize::from(nr)]);
+                self.rw(write, sector)
+            }
+            Request::Indirect {
+                write,
+                sector,
+                nr_segments,
+                pages,
+                ..
+            } => match self.read_indirect(nr_segments, &pages) {
+                Ok(()) => match check_segments(&self.segs, sector, &self.offer.offer) {
+                    Ok(_) => {
+                        self.stats.indirect += 1;
+                        self.rw(write, sector)
+                    }
+                    Err(e) => {
+                        self.stats.refused.add(e);
+                        return e.status();
+                    }
+                },
+                Err(f) => Err(f),
+            },
+            Request::Flush { .. } => {
+                let _d = enter(Class::Disk);
+                self.disk.flush().map_err(|_| Failed::Io).map(|()| {
+                    self.stats.flushes += 1;
+                })
+            }
+            Request::Discard {
+                sector, nr_sectors, ..
+            } => {
+                let _d = enter(Class::Disk);
+                self.disk
+                    .discard(sector, nr_sectors)
+                    .map_err(|_| Failed::Io)
+                    .map(|()| {
+                        self.stats.discards += 1;
+                    })
+            }
+        };
+        match r {
+            Ok(()) => {
+                self.stats.done += 1;
+                BLKIF_RSP_OKAY
+            }
+            Err(Failed::Grant) => {
+                self.stats.bad_grants += 1;
+                BLKIF_RSP_ERROR
+            }
+            Err(Failed::Io) => {
+                self.stats.io_errors += 1;
+                BLKIF_RSP_ERROR
+            }
+        }
+    }
+
+    /// Copies an indirect request's segments out of its pages (mapped read-only for
+    /// the copy, unmapped after) into `segs`, unchecked.
+    fn read_indirect(&mut self, nr_segments: u16, pages: &[u32]) -> Result<(), Failed> {
+        let npages = indirect_pages(nr_segments);
+        self.maps.clear();
+        for (i, &g) in pages[..npages].iter().enumerate() {
+            self.maps.push(MapOp {
+                dom: self.fe,
+                gref: GrantRef(g),
+                readonly: true,
+                slot: self.slot_base + INDIRECT_SLOT0 + i as u32,
+            });
+        }
+        let n = self.maps.len();
+        self.hv
+            .grant_map(&self.dom, &self.maps, &mut self.map_res[..n]);
+        self.segs.clear();
+        let mut ok = self.map_res[..n].iter().all(|r| r.is_ok());
+        if ok {
+            let win = self.dom.window();
+            let mut left = usize::from(nr_segments);
+            let mut entry = [0u8; std::mem::size_of::<Segment>()];
+            'pages: for op in &self.maps {
+                for k in 0..SEGMENTS_PER_INDIRECT_PAGE.min(left) {
+                    if win.read(op.slot, k * entry.len(), &mut entry).is_err() {
+                        ok = false;
+                        break 'pages;
+                    }
+                    self.segs.push(bytemuck::pod_read_unaligned(&entry));
+                }
+                left = left.saturating_sub(SEGMENTS_PER_INDIRECT_PAGE);
+            }
+        }
+        self.unmaps.clear();
+        self.unmaps
+            .extend(self.map_res[..n].iter().filter_map(|r| r.ok()));
+        let u = self.unmaps.len();
+        self.stats.transient_maps += u as u64;
+        self.hv
+            .grant_unmap(&self.dom, &self.unmaps, &mut self.unmap_st[..u]);
+        if ok {
+            Ok(())
+        } else {
+            Err(Failed::Grant)
+        }
+    }
+
+    /// A read or write of the checked segments in `segs` from `sector` on.
+    fn rw(&mut self, write: bool, sector: u64) -> Result<(), Failed> {
+        let n = self.map_segments(write);
+        self.unmaps.clear();
+        self.unmaps
+            .extend(self.map_res[..n].iter().filter_map(|r| r.ok()));
+        self.stats.transient_maps += self.unmaps.len() as u64;
+        let mut r = if self.unmaps.len() == n {
+            Ok(())
+        } else {
+            Err(Failed::Grant)
+        };
+        if r.is_ok() {
+            let win = self.dom.window();
+            let _d = enter(Class::Disk);
+            let mut s = sector;
+            for (seg, &slot) in self.segs.iter().zip(&self.at) {
+                let off = usize::from(seg.first_sect) * SECTOR_SIZE as usize;
+                let nsect = u64::from(seg.last_sect - seg.first_sect) + 1;
+                let len = (nsect * SECTOR_SIZE) as usize;
+                let io = if write {
+                    self.disk.write_from_window(win, slot, off, len, s)
+                } else {
+                    self.disk.read_to_window(win, slot, off, len, s)
+                };
+                if io.is_err() {
+                    r = Err(Failed::Io);
+                    break;
+                }
+                s += nsect;
+            }
+            if r.is_ok() {
+                let sectors = s - sector;
+                if write {
+                    self.stats.writes += 1;
+                    self.stats.sectors_written += sectors;
+                } else {
+                    self.stats.reads += 1;
+                    self.stats.sectors_read += sectors;
+                }
+            }
+        }
+        let u = self.unmaps.len();
+        if u > 0 {
+            self.hv
+                .grant_unmap(&self.dom, &self.unmaps, &mut self.unmap_st[..u]);
+        }
+        r
+    }
+
+    /// Finds or maps every segment's page: `at[i]` is its slot. Persistent grants
+    /// already mapped are found; new ones are mapped read-write and kept while slots
+    /// last; the rest go in one batch of transient maps (`maps`, results in `map_res`;
+    /// returns how many), read-only for a write.
+    fn map_segments(&mut self, write: bool) -> usize {
+        self.at.clear();
+        self.maps.clear();
+        let mut transient = self.slot_base + SEG_SLOT0;
+        for seg in &self.segs {
+            if let Some(p) = self.persistent.as_mut() {
+                if let Some(&(slot, _)) = p.slots.get(&seg.gref) {
+                    self.stats.persistent_hits += 1;
+                    self.at.push(slot);
+                    continue;
+                }
+                if let Some(slot) = p.free.pop() {
+                    let mut res = [Err(GrantError::BadHandle(0))];
+                    self.hv.grant_map(
+                        &self.dom,
+                        &[MapOp {
+                            dom: self.fe,
+                            gref: GrantRef(seg.gref),
+                            readonly: false,
+                            slot,
+                        }],
+                        &mut res,
+                    );
+                    if let Ok(h) = res[0] {
+                        p.slots.insert(seg.gref, (slot, h));
+                        self.stats.persistent_maps += 1;
+                        self.at.push(slot);
+                        continue;
+                    }
+                    // Not mappable read-write: the slot goes back and the grant is
+                    // tried as the request needs it (a write needs only reading).
+                    p.free.push(slot);
+                }
+            }
+            self.maps.push(MapOp {
+                dom: self.fe,
+                gref: GrantRef(seg.gref),
+                readonly: write,
+                slot: transient,
+            });
+            self.at.push(transient);
+            transient += 1;
+        }
+        let n = self.maps.len();
+        if n > 0 {
+            self.hv
+                .grant_map(&self.dom, &self.maps, &mut self.map_res[..n]);
+        }
+        n
+    }
+
+    /// Marks the device broken by a protocol break and tells the front end (`Closing`).
+    fn protocol_break(&mut self, e: RingError) {
+        self.broken = Some(Broken::Ring(e));
+        let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.devid);
+        let _ = self
+            .hv
+            .store()
+            .switch_state(self.dom.id(), &dir, XenbusState::Closing);
+    }
+
+    /// Disconnects: gives back every persistent mapping, the ring and the channel.
+    pub fn disconnect(mut self) {
+        if let Some(p) = self.persistent.take() {
+            let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
+            let mut st = vec![Ok(()); handles.len()];
+            self.hv.grant_unmap(&self.dom, &handles, &mut st);
+        }
+        self.ring = None;
+        self.hv
+            .grant_unmap(&self.dom, &[self.ring_handle], &mut [Ok(())]);
+        let _ = self.hv.evtchn_close(&self.dom, self.port);
+        let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.devid);
+        let store = self.hv.store();
+        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closing);
+        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closed);
+    }
+}

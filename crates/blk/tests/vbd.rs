@@ -1,0 +1,755 @@
+//! blkfront and blkback connected through the store, driven from one thread: data
+//! written through the guest's block layer lands in the backing file and reads back
+//! intact, with and without persistent grants, in the slot and indirect; and a hostile
+//! front end's every malformed request is refused, counted and answered, while a ring
+//! index out of the protocol disconnects that device and no other.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use blk::blkback::{self, Blkback, Broken, VbdStats, MAX_INDIRECT_SEGMENTS, VBD_WINDOW_SLOTS};
+use blk::blkfront::{Bio, BioOp, BioSeg, Blkfront, Completion, SubmitError};
+use blk::blkif::{
+    BadRequest, BlkRing, RawIndirect, RawRequest, Response, Segment, BLKIF_OP_INDIRECT,
+    BLKIF_OP_READ, BLKIF_OP_WRITE, BLKIF_RSP_EOPNOTSUPP, BLKIF_RSP_ERROR, BLKIF_RSP_OKAY,
+    SECTOR_SIZE,
+};
+use blk::disk::FileDisk;
+use blk::xenbus;
+use hv::store::XenbusState;
+use hv::{Domain, DomainConfig, Gfn, GrantRef, GrantVersion, HvConfig, Hypervisor, OwnPage, Port};
+use ring::{FrontRing, PageRing};
+
+/// Sectors of the test disks (2 MiB).
+const SECTORS: u64 = 4096;
+
+/// A backing file of `SECTORS` sectors, byte `i` holding `(i * 7 + i / 4096) as u8`.
+fn backing(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("pvio-vbd-{}-{name}", std::process::id()));
+    let data: Vec<u8> = (0..SECTORS * SECTOR_SIZE)
+        .map(|i| (i.wrapping_mul(7) + i / 4096) as u8)
+        .collect();
+    std::fs::write(&p, data).expect("backing file");
+    p
+}
+
+struct Host {
+    hv: Arc<Hypervisor>,
+    drv: Arc<Domain>,
+}
+
+fn host() -> Host {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 16384,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let drv = hv
+        .create_domain(&DomainConfig {
+            name: "drv".into(),
+            pages: 1024,
+            grant_frames: 4,
+            grant_version: GrantVersion::V1,
+            vcpus: 1,
+            map_slots: 2 * VBD_WINDOW_SLOTS,
+            driver_domain: true,
+        })
+        .expect("driver domain");
+    Host { hv, drv }
+}
+
+impl Host {
+    fn guest(&self, name: &str) -> Arc<Domain> {
+        self.hv
+            .create_domain(&DomainConfig {
+                name: name.into(),
+                pages: 4096,
+                grant_frames: 8,
+                grant_version: GrantVersion::V1,
+                vcpus: 1,
+                map_slots: 4,
+                driver_domain: false,
+            })
+            .expect("guest")
+    }
+
+    /// The toolstack's and the back end's part: both directories, the disk opened and
+    /// published (`InitWait`).
+    fn offer(
+        &self,
+        guest: &Domain,
+        devid: u32,
+        path: &Path,
+        ro: bool,
+        persistent: bool,
+    ) -> FileDisk {
+        let disk = FileDisk::open(path, ro).expect("disk");
+        xenbus::create_vbd(self.hv.store(), self.drv.id(), guest.id(), devid, ro).expect("vbd");
+        blkback::probe(
+            &self.hv,
+            self.drv.id(),
+            guest.id(),
+            devid,
+            &disk,
+            persistent,
+        )
+        .expect("probe");
+        disk
+    }
+
+    /// A connected pair on device `devid` (the back end at window slots `index`).
+    fn plug(
+        &self,
+        guest: &Arc<Domain>,
+        devid: u32,
+        index: u32,
+        path: &Path,
+        persistent: bool,
+    ) -> (Blkfront, Blkback) {
+        let disk = self.offer(guest, devid, path, false, persistent);
+        let front = Blkfront::connect(&self.hv, guest, devid, persistent).expect("front");
+        let back = Blkback::connect(
+            &self.hv,
+            &self.drv,
+            guest.id(),
+            devid,
+            index * VBD_WINDOW_SLOTS,
+            disk,
+        )
+        .expect("back");
+        (front, back)
+    }
+}
+
+/// Every request taken was answered exactly once.
+fn answered_once(s: &VbdStats) {
+    assert_eq!(
+        s.taken,
+        s.done + s.refused.total() + s.id_in_flight + s.bad_grants + s.io_errors,
+        "{s:?}"
+    );
+}
+
+/// Submits each bio under its index as tag, serves, and collects every completion.
+fn run(front: &mut Blkfront, back: &mut Blkback, bios: &[Bio<'_>]) -> Vec<Completion> {
+    let mut out = Vec::new();
+    for (i, b) in bios.iter().enumerate() {
+        front.submit(i as u64, b).expect("submit");
+    }
+    front.kick();
+    back.serve();
+    front.complete(|c| out.push(c));
+    out.sort_by_key(|c| c.tag);
+    out
+}
+
+/// Pages of the guest for I/O, one `BioSeg` each of `len` bytes at `offset`.
+fn pages(g: &Domain, n: usize, offset: u16, len: u16) -> Vec<BioSeg> {
+    (0..n)
+        .map(|_| BioSeg {
+            gfn: g.alloc_page().expect("page"),
+            offset,
+            len,
+        })
+        .collect()
+}
+
+fn fill(g: &Domain, segs: &[BioSeg], seed: u8) -> Vec<u8> {
+    let mut all = Vec::new();
+    for (k, s) in segs.iter().enumerate() {
+        let d: Vec<u8> = (0..s.len as usize)
+            .map(|i| (i as u8).wrapping_mul(13) ^ seed ^ k as u8)
+            .collect();
+        g.write(s.gfn, s.offset as usize, &d).expect("write");
+        all.extend(d);
+    }
+    all
+}
+
+fn gather(g: &Domain, segs: &[BioSeg]) -> Vec<u8> {
+    let mut all = Vec::new();
+    for s in segs {
+        let mut d = vec![0u8; s.len as usize];
+        g.read(s.gfn, s.offset as usize, &mut d).expect("read");
+        all.extend(d);
+    }
+    all
+}
+
+fn file_at(path: &Path, sector: u64, len: usize) -> Vec<u8> {
+    let f = std::fs::read(path).expect("file");
+    let at = (sector * SECTOR_SIZE) as usize;
+    f[at..at + len].to_vec()
+}
+
+#[test]
+fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_grants() {
+    for persistent in [false, true] {
+        let h = host();
+        let g = h.guest("guest");
+        let path = backing(&format!("rw-{persistent}"));
+        let refs0 = g.grant_table().refs_free();
+        let (mut front, mut back) = h.plug(&g, 51712, 0, &path, persistent);
+        assert_eq!(front.sectors(), SECTORS);
+        assert_eq!(front.persistent(), persistent);
+        assert_eq!(back.persistent(), persistent);
+        assert_eq!(
+            front.max_segments(),
+            32,
+            "indirect offered: 128 KiB requests"
+        );
+
+        // Shapes: one sector in the middle of a page, 11 whole pages in the slot, 32 whole
+        // pages indirect, 5 pages of mixed pieces.
+        let one = pages(&g, 1, 1024, 512);
+        let slot = pages(&g, 11, 0, 4096);
+        let ind = pages(&g, 32, 0, 4096);
+        let mut mixed = pages(&g, 5, 0, 4096);
+        mixed[0].offset = 3584;
+        mixed[0].len = 512;
+        mixed[4].len = 2048;
+        let shapes: [(&[BioSeg], u64); 4] = [(&one, 7), (&slot, 100), (&ind, 1000), (&mixed, 3001)];
+        for round in 0..2u8 {
+            let data: Vec<Vec<u8>> = shapes.iter().map(|(s, _)| fill(&g, s, round)).collect();
+            let writes: Vec<Bio<'_>> = shapes
+                .iter()
+                .map(|&(segs, sector)| Bio {
+                    op: BioOp::Write,
+                    sector,
+                    segs,
+                })
+                .collect();
+            let c = run(&mut front, &mut back, &writes);
+            assert_eq!(c.len(), 4);
+            assert!(c.iter().all(Completion::ok), "{c:?}");
+            for ((_, sector), d) in shapes.iter().zip(&data) {
+                assert_eq!(
+                    &file_at(&path, *sector, d.len()),
+                    d,
+                    "the file holds what was written"
+                );
+            }
+            // Clobber the guest's pages, read back.
+            for (s, _) in &shapes {
+                for p in s.iter() {
+                    g.fill(p.gfn, 0, 4096, 0xee).expect("fill");
+                }
+            }
+            let reads: Vec<Bio<'_>> = shapes
+                .iter()
+                .map(|&(segs, sector)| Bio {
+                    op: BioOp::Read,
+                    sector,
+                    segs,
+                })
+                .collect();
+            let c = run(&mut front, &mut back, &reads);
+            assert!(c.iter().all(Completion::ok), "{c:?}");
+            for ((s, _), d) in shapes.iter().zip(&data) {
+                assert_eq!(&gather(&g, s), d, "read back intact");
+            }
+        }
+        let s = back.stats().clone();
+        answered_once(&s);
+        assert_eq!((s.reads, s.writes, s.indirect), (8, 8, 4));
+        assert_eq!(s.sectors_read, 2 * (1 + 88 + 256 + 29));
+        if persistent {
+            // Each pool page mapped once and found mapped ever after; only the indirect
+            // pages (granted read-only) are mapped per request.
+            assert_eq!(s.transient_maps, 4);
+            assert_eq!(s.persistent_maps as usize, front.pool_pages());
+            assert!(s.persistent_hits > 0);
+            assert!(front.stats().bounce_bytes > 0);
+        } else {
+            assert_eq!(s.persistent_maps + s.persistent_hits, 0);
+            assert_eq!(s.transient_maps, 2 * 2 * (1 + 11 + 32 + 5) + 2 * 2);
+            assert_eq!(front.stats().bounce_bytes, 0);
+        }
+        // Teardown gives every mapping and grant back.
+        back.disconnect();
+        assert_eq!(h.hv.mappings_held(&h.drv), 0);
+        front.close();
+        assert_eq!(g.grant_table().refs_free(), refs0);
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+#[test]
+fn a_full_queue_of_random_reads_completes_each_with_its_own_sectors() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("qd");
+    let (mut front, mut back) = h.plug(&g, 51712, 0, &path, false);
+    let bufs = pages(&g, 32, 0, 4096);
+    let sectors: Vec<u64> = (0..32u64)
+        .map(|i| (i * 2654435761) % (SECTORS - 8) / 8 * 8)
+        .collect();
+    let one: Vec<[BioSeg; 1]> = bufs.iter().map(|&b| [b]).collect();
+    let bios: Vec<Bio<'_>> = one
+        .iter()
+        .zip(&sectors)
+        .map(|(s, &sector)| Bio {
+            op: BioOp::Read,
+            sector,
+            segs: s,
+        })
+        .collect();
+    for (i, b) in bios.iter().enumerate() {
+        front.submit(i as u64, b).expect("submit");
+    }
+    assert_eq!(front.room(), 0);
+    assert_eq!(
+        front.submit(99, &bios[0]),
+        Err(SubmitError::Busy),
+        "33rd request waits for a completion"
+    );
+    front.kick();
+    assert_eq!(back.serve(), 32);
+    let mut n = 0;
+    front.complete(|c| {
+        assert!(c.ok());
+        n += 1;
+    });
+    assert_eq!(n, 32);
+    for (b, &sector) in bufs.iter().zip(&sectors) {
+        assert_eq!(gather(&g, &[*b]), file_at(&path, sector, 4096));
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn flush_and_discard_are_served_and_a_read_only_device_refuses_writes() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("fd");
+    let (mut front, mut back) = h.plug(&g, 51712, 0, &path, true);
+    let c = run(
+        &mut front,
+        &mut back,
+        &[
+            Bio {
+                op: BioOp::Flush,
+                sector: 0,
+                segs: &[],
+            },
+            Bio {
+                op: BioOp::Discard { nr_sectors: 16 },
+                sector: 64,
+                segs: &[],
+            },
+        ],
+    );
+    assert!(c.iter().all(Completion::ok));
+    assert!(
+        file_at(&path, 64, 16 * 512).iter().all(|&b| b == 0),
+        "discarded sectors read as zeros"
+    );
+    assert_eq!((back.stats().flushes, back.stats().discards), (1, 1));
+    // Past the end is refused before it takes a slot.
+    let b = pages(&g, 1, 0, 4096);
+    assert_eq!(
+        front.submit(
+            0,
+            &Bio {
+                op: BioOp::Read,
+                sector: SECTORS - 4,
+                segs: &b
+            }
+        ),
+        Err(SubmitError::BeyondDevice)
+    );
+
+    // A read-only device: the front end knows, and refuses writes itself.
+    let g2 = h.guest("reader");
+    let disk = h.offer(&g2, 51728, &path, true, false);
+    let mut ro = Blkfront::connect(&h.hv, &g2, 51728, false).expect("front");
+    let _back =
+        Blkback::connect(&h.hv, &h.drv, g2.id(), 51728, VBD_WINDOW_SLOTS, disk).expect("back");
+    assert!(ro.read_only());
+    let b = pages(&g2, 1, 0, 4096);
+    assert_eq!(
+        ro.submit(
+            0,
+            &Bio {
+                op: BioOp::Write,
+                sector: 0,
+                segs: &b
+            }
+        ),
+        Err(SubmitError::NotOffered)
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A front end written by hand, as a hostile guest would: its own ring, raw requests.
+struct Hostile {
+    g: Arc<Domain>,
+    ring: FrontRing<BlkRing, PageRing<OwnPage>>,
+    ring_gfn: Gfn,
+    port: Port,
+}
+
+impl Hostile {
+    fn connect(h: &Host, g: &Arc<Domain>, devid: u32) -> Self {
+        let me = g.id();
+        let gfn = g.alloc_page().expect("page");
+        let gref = g.grant_table().alloc_ref().expect("ref");
+        g.grant_table()
+            .grant_access(gref, h.drv.id(), gfn, false)
+            .expect("grant");
+        let ring = FrontRing::init(PageRing::new(g.page(gfn).expect("page")).expect("ring"))
+            .expect("ring");
+        let port = h.hv.evtchn_alloc_unbound(g, h.drv.id()).expect("port");
+        let dir = xenbus::frontend_dir(me, devid);
+        let store = h.hv.store();
+        store
+            .write(me, &format!("{dir}/ring-ref"), &gref.0.to_string())
+            .expect("key");
+        store
+            .write(me, &format!("{dir}/event-channel"), &port.0.to_string())
+            .expect("key");
+        store
+            .switch_state(me, &dir, XenbusState::Connected)
+            .expect("state");
+        Self {
+            g: Arc::clone(g),
+            ring,
+            ring_gfn: gfn,
+            port,
+        }
+    }
+
+    /// A page granted to the driver domain, read-only or not.
+    fn granted(&self, h: &Host, readonly: bool) -> (Gfn, GrantRef) {
+        let gfn = self.g.alloc_page().expect("page");
+        let r = self.g.grant_table().alloc_ref().expect("ref");
+        self.g
+            .grant_table()
+            .grant_access(r, h.drv.id(), gfn, readonly)
+            .expect("grant");
+        (gfn, r)
+    }
+
+    fn send(&mut self, reqs: &[RawRequest]) {
+        for r in reqs {
+            self.ring.push_request(r).expect("push");
+        }
+        self.ring.push_requests_and_check_notify();
+    }
+
+    fn responses(&mut self) -> Vec<Response> {
+        let mut v = Vec::new();
+        while let Ok(Some(r)) = self.ring.take_response() {
+            v.push(r);
+        }
+        v
+    }
+}
+
+fn rw(op: u8, id: u64, sector: u64, segs: &[Segment]) -> RawRequest {
+    let mut r = RawRequest {
+        operation: op,
+        nr_segments: segs.len() as u8,
+        id,
+        sector_number: sector,
+        ..RawRequest::default()
+    };
+    r.seg[..segs.len()].copy_from_slice(segs);
+    r
+}
+
+fn seg(gref: GrantRef, first: u8, last: u8) -> Segment {
+    Segment {
+        gref: gref.0,
+        first_sect: first,
+        last_sect: last,
+        pad: 0,
+    }
+}
+
+#[test]
+fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
+    let h = host();
+    let g = h.guest("hostile");
+    let path = backing("hostile");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let (page, r) = bad.granted(&h, false);
+    let (ro_page, ro) = bad.granted(&h, true);
+    g.fill(ro_page, 0, 4096, 0x5a).expect("fill");
+    let mut twelve = rw(BLKIF_OP_READ, 1, 0, &[seg(r, 0, 7); 11]);
+    twelve.nr_segments = 12;
+    let reqs = [
+        twelve,
+        // A grant reference far outside the table.
+        rw(BLKIF_OP_READ, 2, 0, &[seg(GrantRef(1 << 20), 0, 7)]),
+        // Sectors past the device, and a range that overflows.
+        rw(BLKIF_OP_READ, 3, SECTORS - 4, &[seg(r, 0, 7)]),
+        rw(BLKIF_OP_READ, 4, u64::MAX - 2, &[seg(r, 0, 7)]),
+        // A segment past its page, and one running backwards.
+        rw(BLKIF_OP_READ, 5, 0, &[seg(r, 0, 8)]),
+        rw(BLKIF_OP_READ, 6, 0, &[seg(r, 5, 4)]),
+        // A read into a page granted read-only: the back end must not write it.
+        rw(BLKIF_OP_READ, 7, 0, &[seg(ro, 0, 7)]),
+        // No segments; an unknown operation.
+        rw(BLKIF_OP_READ, 8, 0, &[]),
+        RawRequest {
+            operation: 9,
+            id: 9,
+            ..RawRequest::default()
+        },
+        // A good read, and then its id again in the same batch.
+        rw(BLKIF_OP_READ, 10, 8, &[seg(r, 0, 7)]),
+        rw(BLKIF_OP_WRITE, 10, 16, &[seg(r, 0, 7)]),
+    ];
+    bad.send(&reqs);
+    assert_eq!(back.serve(), reqs.len());
+    let rsp = bad.responses();
+    let status: Vec<(u64, i16)> = rsp.iter().map(|r| (r.id, r.status)).collect();
+    let e = BLKIF_RSP_ERROR;
+    assert_eq!(
+        status,
+        vec![
+            (1, e),
+            (2, e),
+            (3, e),
+            (4, e),
+            (5, e),
+            (6, e),
+            (7, e),
+            (8, e),
+            (9, BLKIF_RSP_EOPNOTSUPP),
+            (10, BLKIF_RSP_OKAY),
+            (10, e)
+        ]
+    );
+    let s = back.stats();
+    for (reason, n) in [
+        (BadRequest::TooManySegments, 1),
+        (BadRequest::BeyondDevice, 2),
+        (BadRequest::BadSegment, 2),
+        (BadRequest::NoSegments, 1),
+        (BadRequest::NotOffered, 1),
+    ] {
+        assert_eq!(s.refused.get(reason), n, "{reason:?}");
+    }
+    assert_eq!((s.bad_grants, s.id_in_flight, s.done), (2, 1, 1));
+    answered_once(s);
+    let mut b = [0u8; 4096];
+    g.read(ro_page, 0, &mut b).expect("read");
+    assert!(
+        b.iter().all(|&x| x == 0x5a),
+        "a read-only page stays as it was"
+    );
+    g.read(page, 0, &mut b).expect("read");
+    assert_eq!(
+        b.to_vec(),
+        file_at(&path, 8, 4096),
+        "the good read got its sectors"
+    );
+    assert_eq!(h.hv.mappings_held(&h.drv), 1, "only the ring stays mapped");
+    assert!(
+        back.broken().is_none(),
+        "refused requests do not disconnect"
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
+    let h = host();
+    let g = h.guest("hostile");
+    let path = backing("indirect");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let (data, dr) = bad.granted(&h, false);
+    let (ind, ir) = bad.granted(&h, true);
+    let write_segs = |segs: &[Segment]| g.write(ind, 0, bytemuck::cast_slice(segs)).expect("write");
+    let indirect = |id: u64, nr: u16, pages: &[u32]| {
+        let mut r = RawIndirect {
+            operation: BLKIF_OP_INDIRECT,
+            indirect_op: BLKIF_OP_READ,
+            nr_segments: nr,
+            id,
+            sector_number: 0,
+            ..RawIndirect::default()
+        };
+        r.indirect_grefs[..pages.len()].copy_from_slice(pages);
+        r.to_slot()
+    };
+    // A good one: 16 one-sector segments of the data page in its indirect page.
+    let good: Vec<Segment> = (0..16).map(|_| seg(dr, 0, 0)).collect();
+    write_segs(&good);
+    bad.send(&[indirect(1, 16, &[ir.0])]);
+    back.serve();
+    assert_eq!(bad.responses()[0].status, BLKIF_RSP_OKAY);
+    assert_eq!(back.stats().indirect, 1);
+    // Segments pointing past their page; a segment naming an ungranted reference; an
+    // indirect page not granted at all; more segments than offered; more pages than one
+    // request has.
+    let mut past = good.clone();
+    past[9] = seg(dr, 3, 9);
+    write_segs(&past);
+    bad.send(&[indirect(2, 16, &[ir.0])]);
+    back.serve();
+    let mut ungranted = good.clone();
+    ungranted[15] = seg(GrantRef(4000), 0, 0);
+    write_segs(&ungranted);
+    bad.send(&[
+        indirect(3, 16, &[ir.0]),
+        indirect(4, 16, &[4001]),
+        indirect(5, MAX_INDIRECT_SEGMENTS + 1, &[ir.0; 2]),
+    ]);
+    back.serve();
+    let rsp = bad.responses();
+    assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_ERROR), "{rsp:?}");
+    let s = back.stats();
+    assert_eq!(s.refused.get(BadRequest::BadSegment), 1);
+    assert_eq!(s.refused.get(BadRequest::TooManySegments), 1);
+    assert_eq!(s.bad_grants, 2);
+    answered_once(s);
+    assert_eq!(
+        h.hv.mappings_held(&h.drv),
+        1,
+        "nothing stays mapped but the ring"
+    );
+    let _ = data;
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_ring_index_moved_backwards_disconnects_that_device_and_no_other() {
+    let h = host();
+    let path = backing("break");
+    let g = h.guest("hostile");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let good_guest = h.guest("good");
+    let (mut front, mut other) = h.plug(&good_guest, 51712, 1, &path, true);
+
+    let (_, r) = bad.granted(&h, false);
+    bad.send(&[
+        rw(BLKIF_OP_READ, 1, 0, &[seg(r, 0, 7)]),
+        rw(BLKIF_OP_READ, 2, 8, &[seg(r, 0, 7)]),
+    ]);
+    back.serve();
+    assert_eq!(bad.responses().len(), 2);
+    // The front end takes back a request the back end consumed: req_prod 2 → 1.
+    g.atomic_u32(bad.ring_gfn, 0)
+        .expect("req_prod")
+        .store(1, std::sync::atomic::Ordering::Release);
+    let _ = h.hv.evtchn_send(&g, bad.port);
+    back.serve();
+    assert!(matches!(back.broken(), Some(Broken::Ring(_))));
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    assert_eq!(
+        h.hv.store().xenbus_state(h.drv.id(), &bdir),
+        XenbusState::Closing
+    );
+    assert_eq!(back.serve(), 0, "a broken device takes nothing more");
+
+    // The other guest's device goes on.
+    let b = pages(&good_guest, 2, 0, 4096);
+    let c = run(
+        &mut front,
+        &mut other,
+        &[Bio {
+            op: BioOp::Read,
+            sector: 40,
+            segs: &b,
+        }],
+    );
+    assert!(c[0].ok());
+    assert_eq!(gather(&good_guest, &b), file_at(&path, 40, 8192));
+    assert!(other.broken().is_none());
+    back.disconnect();
+    other.disconnect();
+    assert_eq!(h.hv.mappings_held(&h.drv), 0);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_front_end_drops_responses_that_name_no_request_in_flight() {
+    // A hostile back end is played by writing responses on the ring by hand.
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("badrsp");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut front = Blkfront::connect(&h.hv, &g, 51712, false).expect("front");
+    let dom = Arc::clone(&h.drv);
+    let ring_ref =
+        h.hv.store()
+            .read(
+                dom.id(),
+                &format!("{}/ring-ref", xenbus::frontend_dir(g.id(), 51712)),
+            )
+            .expect("ring-ref");
+    drop(disk);
+    let mut res = [Err(hv::GrantError::BadHandle(0))];
+    h.hv.grant_map(
+        &dom,
+        &[hv::MapOp {
+            dom: g.id(),
+            gref: GrantRef(ring_ref.parse().expect("n")),
+            readonly: false,
+            slot: 0,
+        }],
+        &mut res,
+    );
+    res[0].expect("map");
+    let mut ring = ring::BackRing::<BlkRing, _>::attach(
+        PageRing::new(dom.window().page(0).expect("page")).expect("ring"),
+    )
+    .expect("attach");
+    // Four requests; the back end answers four times, but only once rightly.
+    let b = pages(&g, 4, 0, 4096);
+    for (i, p) in b.iter().enumerate() {
+        let one = [*p];
+        front
+            .submit(
+                77 + i as u64,
+                &Bio {
+                    op: BioOp::Read,
+                    sector: 0,
+                    segs: &one,
+                },
+            )
+            .expect("submit");
+    }
+    front.kick();
+    let req = ring.take_request().expect("ring").expect("a request");
+    for _ in 0..3 {
+        ring.take_request().expect("ring").expect("a request");
+    }
+    // An id not in flight, the right id with the wrong operation, the real answer, and
+    // the same again.
+    for (id, op) in [
+        (31, BLKIF_OP_READ),
+        (req.id, BLKIF_OP_WRITE),
+        (req.id, BLKIF_OP_READ),
+        (req.id, BLKIF_OP_READ),
+    ] {
+        ring.push_response(&blk::blkif::response(id, op, BLKIF_RSP_OKAY))
+            .expect("push");
+    }
+    ring.push_responses_and_check_notify();
+    let mut got = Vec::new();
+    front.complete(|c| got.push(c));
+    assert_eq!(
+        got,
+        vec![Completion {
+            tag: 77,
+            status: BLKIF_RSP_OKAY
+        }]
+    );
+    assert_eq!(front.stats().bad_responses, 3);
+    assert_eq!(
+        front.in_flight(),
+        3,
+        "the others still wait for their answers"
+    );
+    let _ = std::fs::remove_file(&path);
+}
