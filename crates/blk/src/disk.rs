@@ -18,6 +18,48 @@ use crate::blkif::SECTOR_SIZE;
 /// Bytes of zeros a discard writes at a time.
 const ZEROS: usize = 64 * 1024;
 
+/// Byte `offset` of a patterned backing file: a function of the offset whose period
+/// (65,521 bytes, a prime) is no multiple of a sector or a page, so that a sector read
+/// from the wrong place, or a page placed at the wrong offset, does not match.
+pub fn pattern_byte(offset: u64) -> u8 {
+    let x = offset % PERIOD as u64;
+    (x ^ (x >> 8) ^ (x >> 13).wrapping_mul(7)) as u8
+}
+
+/// The pattern's period.
+const PERIOD: usize = 65_521;
+
+/// Fills `buf` with the pattern's bytes from `offset` on (a copy out of one period,
+/// computed once).
+pub fn pattern_fill(offset: u64, buf: &mut [u8]) {
+    static PERIOD_BYTES: std::sync::OnceLock<Box<[u8]>> = std::sync::OnceLock::new();
+    let p = PERIOD_BYTES.get_or_init(|| (0..PERIOD as u64).map(pattern_byte).collect());
+    let mut at = (offset % PERIOD as u64) as usize;
+    let mut done = 0;
+    while done < buf.len() {
+        let n = (buf.len() - done).min(PERIOD - at);
+        buf[done..done + n].copy_from_slice(&p[at..at + n]);
+        done += n;
+        at = 0;
+    }
+}
+
+/// Writes a backing file of `sectors` sectors holding [`pattern_byte`] at every offset.
+pub fn write_patterned(path: &Path, sectors: u64) -> io::Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(File::create(path)?);
+    let mut chunk = vec![0u8; 1 << 16];
+    let total = sectors * SECTOR_SIZE;
+    let mut at = 0u64;
+    while at < total {
+        let n = (total - at).min(chunk.len() as u64) as usize;
+        pattern_fill(at, &mut chunk[..n]);
+        f.write_all(&chunk[..n])?;
+        at += n as u64;
+    }
+    f.flush()
+}
+
 /// A backing file as a disk of 512-byte sectors.
 #[derive(Debug)]
 pub struct FileDisk {
@@ -185,6 +227,20 @@ mod tests {
         assert!(d.discard(62, 3).is_err());
         d.flush().expect("flush");
         let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn the_pattern_is_the_same_byte_by_byte_and_in_pieces() {
+        let mut b = vec![0u8; 200_000];
+        pattern_fill(12_345, &mut b);
+        assert!(b
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == pattern_byte(12_345 + i as u64)));
+        // A sector read from one sector off does not match.
+        let mut c = vec![0u8; 512];
+        pattern_fill(12_345 + 512, &mut c);
+        assert_ne!(&b[..512], &c[..]);
     }
 
     #[test]

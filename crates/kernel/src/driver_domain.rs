@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use blk::blkback::Blkback;
 use dev::driver::{DmaApi, NicDriver, VmqBuf};
 use dev::nic::{NicRegs, RING_DESCS, RX_QUEUES};
 use hv::{Domain, Hypervisor, Port, Vcpu, PAGE_SIZE};
@@ -94,6 +95,10 @@ pub struct DriverDomain {
     lro_copy_failures: u64,
     /// The clock at the last poll (for LRO's hold limit).
     now: Duration,
+    /// Virtual block devices served from backing files (blkback).
+    vbds: Vec<Blkback>,
+    /// Vbd `i`'s front end signalled since it was last served.
+    vbd_signalled: Vec<bool>,
 }
 
 /// The driver domain's switches: paper 000's original driver domain by default, and
@@ -195,7 +200,15 @@ impl DriverDomain {
             lro_copied: 0,
             lro_copy_failures: 0,
             now: Duration::ZERO,
+            vbds: Vec::new(),
+            vbd_signalled: Vec::new(),
         })
+    }
+
+    /// Serves these block devices too (each already connected to its guest).
+    pub fn attach_vbds(&mut self, vbds: Vec<Blkback>) {
+        self.vbd_signalled = vec![true; vbds.len()];
+        self.vbds = vbds;
     }
 
     /// Adaptive interrupt moderation in the NIC driver, on or off.
@@ -361,6 +374,8 @@ impl Kernel for DriverDomain {
             });
         } else if let Some(i) = self.vifs.iter().position(|x| x.port() == port) {
             self.signalled[i] = true;
+        } else if let Some(i) = self.vbds.iter().position(|x| x.port() == port) {
+            self.vbd_signalled[i] = true;
         }
     }
 
@@ -505,6 +520,12 @@ impl Kernel for DriverDomain {
         // come: its front end, its ring full, has nothing new to signal (Linux's
         // zero-copy callback reschedules the vif's NAPI the same way).
         let tx_waiting = released && vifs.iter_mut().any(|v| v.tx_pending());
+        // 5. Block devices whose guests signalled: every request on each ring.
+        for (vbd, sig) in self.vbds.iter_mut().zip(self.vbd_signalled.iter_mut()) {
+            if std::mem::take(sig) {
+                w.rx += vbd.serve();
+            }
+        }
         w.more = tx_waiting
             || nic.napi_scheduled()
             || queues.iter().flatten().any(|&q| nic.vmq_scheduled(q));
@@ -527,6 +548,9 @@ impl Kernel for DriverDomain {
         }
         c.add_set("bridge", self.bridge.stats());
         self.lro_counters(&mut c);
+        for vbd in &self.vbds {
+            c.add_set(&format!("vbd{}", vbd.frontend().0), vbd.stats());
+        }
         c
     }
 
@@ -555,6 +579,10 @@ impl Kernel for DriverDomain {
         self.nic.shutdown(&mut self.pool);
         for vif in self.vifs.drain(..) {
             vif.disconnect(&mut self.pool);
+        }
+        for vbd in self.vbds.drain(..) {
+            c.add_set("blkback", vbd.stats());
+            vbd.disconnect();
         }
         c
     }

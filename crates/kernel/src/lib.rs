@@ -19,6 +19,7 @@
 //! [`machine::Machine`]; every experiment, `pvio up` and the tests build machines with it.
 
 pub mod app;
+pub mod block;
 pub mod counters;
 pub mod driver_domain;
 pub mod hostile;

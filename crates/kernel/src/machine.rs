@@ -18,6 +18,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
+use blk::blkfront::Blkfront;
+use blk::disk::FileDisk;
 use dev::driver::DmaApi;
 use dev::irq::{IrqLine, NativeIrq};
 use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
@@ -70,7 +73,27 @@ pub enum Above {
     /// Raw frames handed to netfront: the probes' echo server or client
     /// ([`crate::probe`]).
     Raw(crate::svnic_guest::RawApp),
+    /// No vif: a virtual disk (blkfront, served by the driver domain's blkback from a
+    /// backing file) and a block job above it ([`crate::block`]). The guest's MAC and
+    /// netfront settings are not used.
+    Block(Box<BlockSpec>),
 }
+
+/// A guest's virtual disk and what runs on it.
+#[derive(Debug)]
+pub struct BlockSpec {
+    /// The backing file.
+    pub disk: std::path::PathBuf,
+    /// The device is read-only (`mode = r`).
+    pub read_only: bool,
+    /// Both ends use persistent grants.
+    pub persistent: bool,
+    /// The guest's job on it.
+    pub job: crate::block::BlockJobSpec,
+}
+
+/// The device id of a guest's disk (`xvda`'s `virtual-device`).
+pub const XVDA: u32 = 51712;
 
 /// One PV guest.
 #[derive(Debug)]
@@ -263,6 +286,28 @@ enum Front {
     Net(Box<(Netfront, SkbPool)>),
     /// A hostile guest's kernel, its rings published.
     Hostile(HostileGuest),
+    /// blkfront, connected.
+    Block(Box<Blkfront>),
+}
+
+/// The toolstack's and both ends' steps for a guest's disk: the store directories,
+/// the back end's probe of its backing file, blkfront's connection, blkback's (at
+/// window slot `slot`).
+fn plug_vbd(
+    hv: &Arc<Hypervisor>,
+    drv: &Arc<Domain>,
+    dom: &Arc<Domain>,
+    b: &BlockSpec,
+    slot: u32,
+) -> Result<(Blkfront, Blkback), BuildError> {
+    let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", b.disk.display()));
+    let disk = FileDisk::open(&b.disk, b.read_only).map_err(|e| name(&e))?;
+    blk::xenbus::create_vbd(hv.store(), drv.id(), dom.id(), XVDA, b.read_only)
+        .map_err(|e| name(&e))?;
+    blkback::probe(hv, drv.id(), dom.id(), XVDA, &disk, b.persistent).map_err(|e| name(&e))?;
+    let front = Blkfront::connect(hv, dom, XVDA, b.persistent).map_err(|e| name(&e))?;
+    let back = Blkback::connect(hv, drv, dom.id(), XVDA, slot, disk).map_err(|e| name(&e))?;
+    Ok((front, back))
 }
 
 /// Starts the NIC of `spec` with its interrupt on `irq`.
@@ -430,7 +475,11 @@ impl Machine {
                 )?;
             }
             Layout::DriverDomain { driver, guests } => {
-                let slots = toolstack::window_slots(guests.len()) + 4;
+                // Vifs' window slots first, then each disk's.
+                let is_block = |g: &GuestSpec| matches!(g.above, Above::Block(_));
+                let n_disks = guests.iter().filter(|g| is_block(g)).count() as u32;
+                let vbd_base = toolstack::window_slots(guests.len() - n_disks as usize) + 4;
+                let slots = vbd_base + n_disks * VBD_WINDOW_SLOTS;
                 let drv = mk(&hv, "driver", true, slots)?;
                 let doms = guests
                     .iter()
@@ -445,12 +494,20 @@ impl Machine {
                 let mut vifs = Vec::with_capacity(guests.len());
                 let mut fronts = Vec::with_capacity(guests.len());
                 let mut plan = Vec::with_capacity(guests.len());
-                for (i, (g, dom)) in guests.iter().zip(&doms).enumerate() {
+                let mut vbds = Vec::new();
+                for (g, dom) in guests.iter().zip(&doms) {
+                    if let Above::Block(b) = &g.above {
+                        let slot = vbd_base + vbds.len() as u32 * VBD_WINDOW_SLOTS;
+                        let (front, back) = plug_vbd(&hv, &drv, dom, b, slot)?;
+                        vbds.push(back);
+                        fronts.push(Front::Block(Box::new(front)));
+                        continue;
+                    }
                     let vs = VifSpec {
                         handle: 0,
                         mac: g.mac,
                         rx_buffers: g.rx_buffers,
-                        index: i as u16,
+                        index: vifs.len() as u16,
                         grants: g.grants,
                         offloads: g.offloads,
                     };
@@ -496,6 +553,7 @@ impl Machine {
                 let mut k =
                     DriverDomain::new(&hv, &drv, nic.regs(), pirqs, driver, vifs, fault.clone())?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
+                k.attach_vbds(vbds);
                 m.driver = Some(DriverPlan {
                     dom: Arc::clone(&drv),
                     config: driver,
@@ -531,6 +589,10 @@ impl Machine {
                         (Above::Tap(tap), Front::Net(b)) => {
                             let (front, pool) = *b;
                             let k = TapGuest::new(&hv, &dom, front, pool, *tap);
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                        (Above::Block(b), Front::Block(front)) => {
+                            let k = crate::block::BlockGuest::new(&dom, *front, b.job)?;
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (_, Front::Hostile(k)) => {
