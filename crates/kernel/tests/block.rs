@@ -76,7 +76,7 @@ fn job(
     (spec, counters)
 }
 
-fn guest(name: &str, disk: &PathBuf, persistent: bool, job: BlockJobSpec) -> GuestSpec {
+fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
@@ -84,7 +84,7 @@ fn guest(name: &str, disk: &PathBuf, persistent: bool, job: BlockJobSpec) -> Gue
         grants: Grants::PerIo,
         offloads: false,
         above: Above::Block(Box::new(BlockSpec {
-            disk: disk.clone(),
+            disk: disk.to_path_buf(),
             read_only: false,
             persistent,
             job,
