@@ -4,8 +4,10 @@
 //!   makes of every request it copies off the ring;
 //! * [`disk`]: the disk behind a virtual block device, a backing file of sectors.
 
+pub mod aoe;
 pub mod blkback;
 pub mod blkfront;
 pub mod blkif;
 pub mod disk;
+pub mod initiator;
 pub mod xenbus;

@@ -1,0 +1,309 @@
+//! The AoE initiator against a target played in the test, as `vblade` answers (its
+//! config reply, identify, `READ`/`WRITE SECTORS EXT`, two sectors a frame, sixteen
+//! buffers), on a clock the test moves: requests split into frames and come back whole;
+//! lost frames are sent again; a dead target's requests fail after the bound and later
+//! ones complete once it is back; and no hostile answer puts a byte anywhere but where
+//! a live frame's sectors belong.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use blk::aoe::{
+    self, BadFrame, AOE_HEADER_END, ATA_DATA, CMD_ATA, CMD_CONFIG, FLAG_RESPONSE, SECTOR,
+};
+use blk::initiator::{AoeIo, Initiator, InitiatorConfig, Phase};
+
+const ME: [u8; 6] = [2, 0, 0, 0, 0, 1];
+const TARGET: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
+const SECTORS: u64 = 2048;
+
+fn disk_byte(off: usize) -> u8 {
+    (off.wrapping_mul(31) ^ (off >> 9)) as u8
+}
+
+/// vblade, in memory: shelf 1 slot 2.
+struct Target {
+    disk: Vec<u8>,
+    alive: bool,
+    /// Drop every `n`th request.
+    drop_every: Option<usize>,
+    seen: usize,
+}
+
+impl Target {
+    fn new() -> Self {
+        Self {
+            disk: (0..SECTORS as usize * SECTOR).map(disk_byte).collect(),
+            alive: true,
+            drop_every: None,
+            seen: 0,
+        }
+    }
+
+    /// The answer to `req`, if any.
+    fn answer(&mut self, req: &[u8]) -> Option<Vec<u8>> {
+        if !self.alive || req.len() < AOE_HEADER_END || req[12..14] != [0x88, 0xa2] {
+            return None;
+        }
+        self.seen += 1;
+        if self.drop_every.is_some_and(|n| self.seen.is_multiple_of(n)) {
+            return None;
+        }
+        let mut r = req[..AOE_HEADER_END].to_vec();
+        r[..6].copy_from_slice(&req[6..12]);
+        r[6..12].copy_from_slice(&TARGET);
+        r[14] |= FLAG_RESPONSE;
+        r[16..19].copy_from_slice(&[0, 1, 2]);
+        match req[19] {
+            CMD_CONFIG => {
+                r.extend_from_slice(&[0, 16, 0x40, 0x19, 2, 0x10, 0, 0]);
+                Some(r)
+            }
+            CMD_ATA => {
+                let a = &req[AOE_HEADER_END..ATA_DATA];
+                let mut lba = [0u8; 8];
+                lba[..6].copy_from_slice(&a[4..10]);
+                let lba = u64::from_le_bytes(lba) as usize;
+                let count = usize::from(a[2]);
+                let mut h = a.to_vec();
+                h[3] = 0x40;
+                let mut data = Vec::new();
+                match a[3] {
+                    aoe::ATA_IDENTIFY => {
+                        let mut s = vec![0u8; 512];
+                        s[83 * 2 + 1] = 0x04;
+                        s[200..208].copy_from_slice(&SECTORS.to_le_bytes());
+                        data = s;
+                    }
+                    aoe::ATA_READ_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
+                        data = self.disk[lba * SECTOR..(lba + count) * SECTOR].to_vec();
+                    }
+                    aoe::ATA_WRITE_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
+                        self.disk[lba * SECTOR..(lba + count) * SECTOR]
+                            .copy_from_slice(&req[ATA_DATA..ATA_DATA + count * SECTOR]);
+                    }
+                    _ => {
+                        h[3] = 0x41;
+                        h[1] = 0x04;
+                    }
+                }
+                r.extend_from_slice(&h);
+                r.extend_from_slice(&data);
+                Some(r)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The memory of each request, what was sent, what finished.
+#[derive(Default)]
+struct Io {
+    mem: Vec<Vec<u8>>,
+    wire: VecDeque<Vec<u8>>,
+    done: Vec<(u16, bool)>,
+    /// Every placement: (request, offset, length).
+    placed: Vec<(u16, usize, usize)>,
+    refuse_sends: bool,
+}
+
+impl AoeIo for Io {
+    fn send(&mut self, frame: &[u8]) -> bool {
+        if self.refuse_sends {
+            return false;
+        }
+        self.wire.push_back(frame.to_vec());
+        true
+    }
+    fn fetch(&mut self, req: u16, offset: usize, buf: &mut [u8]) -> bool {
+        let m = &self.mem[usize::from(req)];
+        buf.copy_from_slice(&m[offset..offset + buf.len()]);
+        true
+    }
+    fn place(&mut self, req: u16, offset: usize, data: &[u8]) -> bool {
+        self.placed.push((req, offset, data.len()));
+        self.mem[usize::from(req)][offset..offset + data.len()].copy_from_slice(data);
+        true
+    }
+    fn done(&mut self, req: u16, ok: bool) {
+        self.done.push((req, ok));
+    }
+}
+
+struct Rig {
+    ini: Initiator,
+    io: Io,
+    target: Target,
+    t0: Instant,
+    now: Duration,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let mut r = Self {
+            ini: Initiator::new(InitiatorConfig::new(ME, 1, 2), 32),
+            io: Io {
+                mem: vec![vec![0u8; 128 * 1024]; 32],
+                ..Io::default()
+            },
+            target: Target::new(),
+            t0: Instant::now(),
+            now: Duration::ZERO,
+        };
+        r.run(Duration::from_millis(1));
+        assert_eq!(r.ini.phase(), Phase::Ready);
+        r
+    }
+
+    fn at(&self) -> Instant {
+        self.t0 + self.now
+    }
+
+    /// Polls and delivers every answer, `steps` times `dt` apart.
+    fn run(&mut self, dt: Duration) {
+        for _ in 0..50 {
+            let at = self.at();
+            self.ini.poll(at, &mut self.io);
+            while let Some(f) = self.io.wire.pop_front() {
+                if let Some(a) = self.target.answer(&f) {
+                    let at = self.at();
+                    let _ = self.ini.input(&a, at, &mut self.io);
+                }
+            }
+            self.now += dt;
+        }
+    }
+}
+
+#[test]
+fn discovery_finds_the_target_and_requests_come_back_whole_over_many_frames() {
+    let mut r = Rig::new();
+    assert_eq!(r.ini.target().map(|t| t.mac), Some(TARGET));
+    assert_eq!(
+        (r.ini.sectors(), r.ini.window(), r.ini.sectors_per_frame()),
+        (SECTORS, 16, 2)
+    );
+    assert!(!r.ini.flushes(), "vblade does not say it flushes");
+    // A 74-sector read (the paper's 37,601-byte response, rounded up to sectors) and a
+    // 256-sector write at once.
+    let now = r.at();
+    r.ini.submit(0, false, 100, 74, now).expect("read");
+    for (i, b) in r.io.mem[1].iter_mut().enumerate().take(256 * SECTOR) {
+        *b = (i % 253) as u8;
+    }
+    r.ini.submit(1, true, 1000, 256, now).expect("write");
+    r.run(Duration::from_micros(50));
+    r.io.done.sort();
+    assert_eq!(r.io.done, vec![(0, true), (1, true)]);
+    let want: Vec<u8> = (100 * SECTOR..174 * SECTOR).map(disk_byte).collect();
+    assert_eq!(&r.io.mem[0][..74 * SECTOR], &want[..]);
+    assert_eq!(
+        &r.target.disk[1000 * SECTOR..1256 * SECTOR],
+        &r.io.mem[1][..256 * SECTOR]
+    );
+    let s = r.ini.stats();
+    assert_eq!(s.frames, 37 + 128);
+    assert_eq!((s.retransmits, s.completed, s.errors), (0, 2, 0));
+    assert_eq!(s.dropped.total(), 0);
+}
+
+#[test]
+fn lost_frames_are_sent_again_and_a_dead_target_fails_requests_only_past_the_bound() {
+    let mut r = Rig::new();
+    r.target.drop_every = Some(5);
+    let now = r.at();
+    r.ini.submit(3, false, 0, 64, now).expect("read");
+    r.run(Duration::from_millis(5));
+    assert_eq!(r.io.done, vec![(3, true)]);
+    assert!(r.ini.stats().retransmits > 0);
+    let want: Vec<u8> = (0..64 * SECTOR).map(disk_byte).collect();
+    assert_eq!(&r.io.mem[3][..64 * SECTOR], &want[..]);
+
+    // The target dies: the request is retried, then fails after the bound (5 s).
+    r.target.drop_every = None;
+    r.target.alive = false;
+    let now = r.at();
+    r.ini.submit(4, false, 8, 8, now).expect("read");
+    r.run(Duration::from_millis(50));
+    assert_eq!(r.io.done, vec![(3, true)], "retried, not yet failed, at 2.5 s");
+    r.run(Duration::from_millis(100));
+    assert_eq!(r.io.done.last(), Some(&(4, false)), "failed, not hung");
+    assert_eq!(r.ini.stats().timed_out, 1);
+    assert_eq!(r.ini.outstanding(), 0);
+    // Back again: a new request completes, with the right bytes.
+    r.target.alive = true;
+    let now = r.at();
+    r.ini.submit(4, false, 500, 10, now).expect("read");
+    r.run(Duration::from_millis(5));
+    assert_eq!(r.io.done.last(), Some(&(4, true)));
+    let want: Vec<u8> = (500 * SECTOR..510 * SECTOR).map(disk_byte).collect();
+    assert_eq!(&r.io.mem[4][..10 * SECTOR], &want[..]);
+}
+
+#[test]
+fn hostile_answers_place_nothing_but_a_live_frames_exact_sectors() {
+    let mut r = Rig::new();
+    let now = r.at();
+    r.ini.submit(7, false, 40, 2, now).expect("read");
+    r.ini.poll(now, &mut r.io);
+    let req = r.io.wire.pop_front().expect("a frame");
+    let good = r.target.answer(&req).expect("answer");
+    let mut bad = Vec::new();
+    // Unknown tag (a slot past the window), a stale send of the right slot, from
+    // another MAC, from another slot address, a short answer, the wrong LBA, a
+    // request (not a response), a config reply now, a frame cut short.
+    let mut x = good.clone();
+    x[20] = 0x7f;
+    bad.push((x, BadFrame::UnknownTag));
+    let mut x = good.clone();
+    x[23] ^= 0x55;
+    bad.push((x, BadFrame::Stale));
+    let mut x = good.clone();
+    x[6..12].copy_from_slice(&[2, 9, 9, 9, 9, 9]);
+    bad.push((x, BadFrame::WrongSource));
+    let mut x = good.clone();
+    x[18] = 3;
+    bad.push((x, BadFrame::WrongSource));
+    bad.push((good[..ATA_DATA + 700].to_vec(), BadFrame::Mismatch));
+    let mut x = good.clone();
+    x[AOE_HEADER_END + 4] ^= 1;
+    bad.push((x, BadFrame::Mismatch));
+    bad.push((req.clone(), BadFrame::NotResponse));
+    let mut x = good[..AOE_HEADER_END].to_vec();
+    x[19] = CMD_CONFIG;
+    x.extend_from_slice(&[0, 16, 0, 0, 2, 0x10, 0, 0]);
+    bad.push((x, BadFrame::UnknownTag));
+    bad.push((good[..20].to_vec(), BadFrame::Short));
+    for (f, why) in &bad {
+        assert_eq!(r.ini.input(f, now, &mut r.io), Err(*why));
+    }
+    assert!(r.io.placed.is_empty(), "no hostile answer placed a byte");
+    assert!(r.io.done.is_empty());
+    // The real answer, then it again (a duplicate), then an answer no one asked for.
+    r.ini.input(&good, now, &mut r.io).expect("the answer");
+    assert_eq!(r.ini.input(&good, now, &mut r.io), Err(BadFrame::Stale));
+    assert_eq!(r.io.placed, vec![(7, 0, 2 * SECTOR)]);
+    assert_eq!(r.io.done, vec![(7, true)]);
+    let want: Vec<u8> = (40 * SECTOR..42 * SECTOR).map(disk_byte).collect();
+    assert_eq!(&r.io.mem[7][..2 * SECTOR], &want[..]);
+    assert!(
+        r.io.mem[7][2 * SECTOR..].iter().all(|&b| b == 0),
+        "nothing past its sectors"
+    );
+    assert_eq!(r.ini.stats().dropped.total(), bad.len() as u64 + 1);
+}
+
+#[test]
+fn a_link_that_refuses_frames_delays_them_without_losing_any() {
+    let mut r = Rig::new();
+    r.io.refuse_sends = true;
+    let now = r.at();
+    r.ini.submit(0, false, 0, 20, now).expect("read");
+    r.run(Duration::from_micros(10));
+    assert!(r.io.done.is_empty());
+    assert!(r.ini.stats().send_busy > 0);
+    r.io.refuse_sends = false;
+    r.run(Duration::from_micros(10));
+    assert_eq!(r.io.done, vec![(0, true)]);
+    assert_eq!(r.ini.stats().frames, 10);
+}
