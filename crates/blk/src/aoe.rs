@@ -208,7 +208,10 @@ pub struct AtaReply<'a> {
     pub error: u8,
     /// The LBA as echoed.
     pub lba: u64,
-    /// Everything after the ATA header (a read's sectors, maybe Ethernet padding).
+    /// Bytes after the ATA header in the frame (a read's sectors, maybe Ethernet
+    /// padding), from [`ATA_DATA`] on.
+    pub data_len: usize,
+    /// As many of them as the caller copied out ([`parse_head`]).
     pub data: &'a [u8],
 }
 
@@ -298,9 +301,22 @@ impl BadFrame {
 
 net::reason!(BadFrame);
 
+/// Bytes of a frame a receiver copies out to judge it: the headers and one sector
+/// (an identify's). A read's sectors past them are placed straight from the frame.
+pub const HEAD: usize = ATA_DATA + SECTOR;
+
 /// Parses a frame from the wire as an AoE response.
 pub fn parse(f: &[u8]) -> Result<Reply<'_>, BadFrame> {
-    if f.len() < AOE_HEADER_END {
+    parse_head(f, f.len())
+}
+
+/// Parses a frame of `len` bytes of which the caller copied out `head` (its first
+/// `min(len, HEAD)` bytes, or all of them).
+pub fn parse_head(f: &[u8], len: usize) -> Result<Reply<'_>, BadFrame> {
+    if f.len() < len.min(HEAD) || f.len() > len {
+        return Err(BadFrame::Short);
+    }
+    if len < AOE_HEADER_END {
         return Err(BadFrame::Short);
     }
     if u16::from_be_bytes([f[12], f[13]]) != ETHERTYPE {
@@ -320,7 +336,7 @@ pub fn parse(f: &[u8]) -> Result<Reply<'_>, BadFrame> {
     };
     let body = match f[19] {
         CMD_ATA => {
-            if f.len() < ATA_DATA {
+            if len < ATA_DATA {
                 return Err(BadFrame::Short);
             }
             let a = &f[AOE_HEADER_END..ATA_DATA];
@@ -330,11 +346,12 @@ pub fn parse(f: &[u8]) -> Result<Reply<'_>, BadFrame> {
                 status: a[3],
                 error: a[1],
                 lba: u64::from_le_bytes(lba),
+                data_len: len - ATA_DATA,
                 data: &f[ATA_DATA..],
             })
         }
         CMD_CONFIG => {
-            if f.len() < CONFIG_END {
+            if len < CONFIG_END {
                 return Err(BadFrame::Short);
             }
             let c = &f[AOE_HEADER_END..CONFIG_END];
@@ -434,7 +451,7 @@ mod tests {
         assert_eq!((p.src, p.major, p.minor, p.tag), (T.mac, 1, 2, 7));
         match p.body {
             Body::Ata(a) => {
-                assert_eq!((a.lba, a.data.len(), a.failed()), (3, 512, false));
+                assert_eq!((a.lba, a.data_len, a.failed()), (3, 512, false));
             }
             Body::Config(_) => panic!("an ATA reply"),
         }

@@ -82,9 +82,10 @@ pub trait AoeIo {
     /// Fills `buf` with request `req`'s bytes from `offset` (a write's data); false if
     /// its memory cannot be read (the request then fails).
     fn fetch(&mut self, req: u16, offset: usize, buf: &mut [u8]) -> bool;
-    /// Puts a read's bytes into request `req`'s memory at `offset`; false if it cannot
-    /// (the request then fails).
-    fn place(&mut self, req: u16, offset: usize, data: &[u8]) -> bool;
+    /// Puts `len` bytes of the frame being taken in, from its byte `at` on, into request
+    /// `req`'s memory at `offset` (a read's sectors, straight from the frame); false if
+    /// it cannot (the request then fails).
+    fn place(&mut self, req: u16, offset: usize, at: usize, len: usize) -> bool;
     /// Request `req` finished, well or not.
     fn done(&mut self, req: u16, ok: bool);
 }
@@ -549,23 +550,32 @@ impl Initiator {
         true
     }
 
-    /// Takes a frame from the wire. Anything but a well-formed answer to a live send is
-    /// counted and dropped.
+    /// Takes a frame of `len` bytes from the wire, of which `head` is the first
+    /// `min(len, aoe::HEAD)` bytes, copied out (the rest stays where it arrived, for
+    /// [`AoeIo::place`]). Anything but a well-formed answer to a live send is counted and
+    /// dropped.
     pub fn input(
         &mut self,
-        frame: &[u8],
+        head: &[u8],
+        len: usize,
         now: Instant,
         io: &mut impl AoeIo,
     ) -> Result<(), BadFrame> {
-        let r = self.accept(frame, now, io);
+        let r = self.accept(head, len, now, io);
         if let Err(e) = r {
             self.stats.dropped.add(e);
         }
         r
     }
 
-    fn accept(&mut self, frame: &[u8], now: Instant, io: &mut impl AoeIo) -> Result<(), BadFrame> {
-        let rep = aoe::parse(frame)?;
+    fn accept(
+        &mut self,
+        head: &[u8],
+        len: usize,
+        now: Instant,
+        io: &mut impl AoeIo,
+    ) -> Result<(), BadFrame> {
+        let rep = aoe::parse_head(head, len)?;
         if rep.dst != self.cfg.me {
             return Err(BadFrame::WrongSource);
         }
@@ -650,10 +660,10 @@ impl Initiator {
         }
         let lba = r.lba + u64::from(f.first);
         let bytes = usize::from(f.count) * SECTOR;
-        if r.kind != Kind::Flush && (a.lba != lba || r.kind == Kind::Read && a.data.len() < bytes) {
+        if r.kind != Kind::Flush && (a.lba != lba || r.kind == Kind::Read && a.data_len < bytes) {
             return Err(BadFrame::Mismatch);
         }
-        if r.kind == Kind::Read && !io.place(id, f.first as usize * SECTOR, &a.data[..bytes]) {
+        if r.kind == Kind::Read && !io.place(id, f.first as usize * SECTOR, ATA_DATA, bytes) {
             self.stats.answers += 1;
             self.stats.errors += 1;
             self.finish(id, false, io);

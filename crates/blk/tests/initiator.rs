@@ -105,6 +105,8 @@ struct Io {
     /// Every placement: (request, offset, length).
     placed: Vec<(u16, usize, usize)>,
     refuse_sends: bool,
+    /// The frame being taken in.
+    frame: Vec<u8>,
 }
 
 impl AoeIo for Io {
@@ -120,9 +122,9 @@ impl AoeIo for Io {
         buf.copy_from_slice(&m[offset..offset + buf.len()]);
         true
     }
-    fn place(&mut self, req: u16, offset: usize, data: &[u8]) -> bool {
-        self.placed.push((req, offset, data.len()));
-        self.mem[usize::from(req)][offset..offset + data.len()].copy_from_slice(data);
+    fn place(&mut self, req: u16, offset: usize, at: usize, len: usize) -> bool {
+        self.placed.push((req, offset, len));
+        self.mem[usize::from(req)][offset..offset + len].copy_from_slice(&self.frame[at..at + len]);
         true
     }
     fn done(&mut self, req: u16, ok: bool) {
@@ -167,12 +169,20 @@ impl Rig {
             while let Some(f) = self.io.wire.pop_front() {
                 if let Some(a) = self.target.answer(&f) {
                     let at = self.at();
-                    let _ = self.ini.input(&a, at, &mut self.io);
+                    let _ = input(&mut self.ini, &mut self.io, &a, at);
                 }
             }
             self.now += dt;
         }
     }
+}
+
+/// Hands `f` to the initiator as a receiver does: its head copied out, the rest left in
+/// the frame for placement.
+fn input(ini: &mut Initiator, io: &mut Io, f: &[u8], now: Instant) -> Result<(), BadFrame> {
+    io.frame = f.to_vec();
+    let head = f[..f.len().min(aoe::HEAD)].to_vec();
+    ini.input(&head, f.len(), now, io)
 }
 
 #[test]
@@ -225,7 +235,11 @@ fn lost_frames_are_sent_again_and_a_dead_target_fails_requests_only_past_the_bou
     let now = r.at();
     r.ini.submit(4, false, 8, 8, now).expect("read");
     r.run(Duration::from_millis(50));
-    assert_eq!(r.io.done, vec![(3, true)], "retried, not yet failed, at 2.5 s");
+    assert_eq!(
+        r.io.done,
+        vec![(3, true)],
+        "retried, not yet failed, at 2.5 s"
+    );
     r.run(Duration::from_millis(100));
     assert_eq!(r.io.done.last(), Some(&(4, false)), "failed, not hung");
     assert_eq!(r.ini.stats().timed_out, 1);
@@ -275,13 +289,16 @@ fn hostile_answers_place_nothing_but_a_live_frames_exact_sectors() {
     bad.push((x, BadFrame::UnknownTag));
     bad.push((good[..20].to_vec(), BadFrame::Short));
     for (f, why) in &bad {
-        assert_eq!(r.ini.input(f, now, &mut r.io), Err(*why));
+        assert_eq!(input(&mut r.ini, &mut r.io, f, now), Err(*why));
     }
     assert!(r.io.placed.is_empty(), "no hostile answer placed a byte");
     assert!(r.io.done.is_empty());
     // The real answer, then it again (a duplicate), then an answer no one asked for.
-    r.ini.input(&good, now, &mut r.io).expect("the answer");
-    assert_eq!(r.ini.input(&good, now, &mut r.io), Err(BadFrame::Stale));
+    input(&mut r.ini, &mut r.io, &good, now).expect("the answer");
+    assert_eq!(
+        input(&mut r.ini, &mut r.io, &good, now),
+        Err(BadFrame::Stale)
+    );
     assert_eq!(r.io.placed, vec![(7, 0, 2 * SECTOR)]);
     assert_eq!(r.io.done, vec![(7, true)]);
     let want: Vec<u8> = (40 * SECTOR..42 * SECTOR).map(disk_byte).collect();
