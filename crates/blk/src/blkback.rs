@@ -27,6 +27,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use hv::profile::{enter, Class};
 use hv::store::XenbusState;
@@ -35,12 +36,14 @@ use mem::MappedPage;
 use net::xenbus::{self as netbus, XenbusError};
 use ring::{BackRing, PageRing, RingError};
 
+use crate::aoe::BadFrame;
 use crate::blkif::{
-    check_segments, indirect_pages, read_request, response, BadRequests, BlkRing, RawRequest,
-    Request, Segment, BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST, BLKIF_RSP_ERROR, BLKIF_RSP_OKAY,
-    SECTOR_SIZE, SEGMENTS_PER_INDIRECT_PAGE,
+    check_segments, indirect_pages, read_request, response, BadRequests, BlkRing, Offer,
+    RawRequest, Request, Segment, BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST, BLKIF_RSP_ERROR,
+    BLKIF_RSP_OKAY, SECTOR_SIZE, SEGMENTS_PER_INDIRECT_PAGE,
 };
 use crate::disk::FileDisk;
+use crate::initiator::{AoeIo, Initiator};
 use crate::xenbus::{self, Offered};
 
 /// Segments the back end offers in one indirect request
@@ -51,12 +54,27 @@ pub const PERSISTENT_MAX: usize = 1056;
 /// Requests on the ring (a one-page blkif ring).
 pub const RING_REQUESTS: usize = 32;
 
+/// Segments a remote device offers in one indirect request: each request in flight
+/// keeps its segments mapped until the target answers, at slots of its own.
+pub const REMOTE_MAX_SEGMENTS: u16 = 32;
+/// Slots for segments mapped per request: one request's at a time from a file, every
+/// request's in flight at once from a remote disk.
+const SEG_SLOTS: u32 = {
+    let one = MAX_INDIRECT_SEGMENTS as u32;
+    let all = RING_REQUESTS as u32 * REMOTE_MAX_SEGMENTS as u32;
+    if one > all {
+        one
+    } else {
+        all
+    }
+};
+
 /// A device's window slots from its base: the ring, the indirect pages, the segments
-/// mapped for one request, the persistent grants.
+/// mapped for requests, the persistent grants.
 const RING_SLOT: u32 = 0;
 const INDIRECT_SLOT0: u32 = 1;
 const SEG_SLOT0: u32 = INDIRECT_SLOT0 + BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST as u32;
-const PERSISTENT_SLOT0: u32 = SEG_SLOT0 + MAX_INDIRECT_SEGMENTS as u32;
+const PERSISTENT_SLOT0: u32 = SEG_SLOT0 + SEG_SLOTS;
 /// Window slots one device needs.
 pub const VBD_WINDOW_SLOTS: u32 = PERSISTENT_SLOT0 + PERSISTENT_MAX as u32;
 
@@ -146,6 +164,185 @@ enum Failed {
     Io,
 }
 
+/// Whether a request was answered at once or is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Done,
+    Pending,
+}
+
+/// Hands a judged request to a remote disk's initiator under a free in-flight slot:
+/// its segments (`segs`, mapped at `at`) recorded for the data to go to or come from.
+fn remote_submit(
+    r: &mut Remote,
+    raw: &RawRequest,
+    write: bool,
+    sector: u64,
+    segs: &[Segment],
+    at: &[u32],
+) -> Result<(), Failed> {
+    let Some(k) = r.free.pop() else {
+        return Err(Failed::Io);
+    };
+    let f = &mut r.slots[usize::from(k)];
+    f.id = raw.id;
+    f.operation = raw.operation;
+    f.write = write;
+    f.segs.clear();
+    let mut sectors = 0u64;
+    for (s, &slot) in segs.iter().zip(at) {
+        let n = u16::from(s.last_sect - s.first_sect) + 1;
+        f.segs.push((
+            slot,
+            u16::from(s.first_sect) * SECTOR_SIZE as u16,
+            n * SECTOR_SIZE as u16,
+        ));
+        sectors += u64::from(n);
+    }
+    f.sectors = sectors;
+    let now = Instant::now();
+    let sent = if segs.is_empty() {
+        r.ini.submit_flush(k, now)
+    } else {
+        r.ini.submit(k, write, sector, sectors as u32, now)
+    };
+    if sent.is_err() {
+        r.free.push(k);
+        return Err(Failed::Io);
+    }
+    Ok(())
+}
+
+/// What stands behind a device.
+#[derive(Debug)]
+enum Store {
+    /// A backing file, read and written as each request is taken.
+    File(FileDisk),
+    /// A remote disk over AoE: requests stay in flight until the target answers.
+    Remote(Box<Remote>),
+}
+
+/// A remote disk's initiator and the requests it has in flight.
+#[derive(Debug)]
+struct Remote {
+    ini: Initiator,
+    /// By initiator request id (`0..RING_REQUESTS`).
+    slots: Vec<InFlight>,
+    free: Vec<u16>,
+    /// Requests the initiator finished in the last call.
+    done: Vec<(u16, bool)>,
+}
+
+/// A request in flight to a remote disk.
+#[derive(Debug)]
+struct InFlight {
+    id: u64,
+    operation: u8,
+    write: bool,
+    sectors: u64,
+    /// Each segment's window slot, byte offset and length, in order.
+    segs: Vec<(u32, u16, u16)>,
+    /// Its transient mappings, unmapped when it is answered.
+    unmaps: Vec<GrantHandle>,
+}
+
+/// Where a received frame lies, for a read's sectors to be placed from.
+#[derive(Debug, Clone, Copy)]
+pub enum FrameAt<'a> {
+    /// In the back end's own memory at hand (a device's buffer).
+    Bytes(&'a [u8]),
+    /// In one of the back end's domain's pages (a NIC's receive buffer).
+    Page {
+        /// The page.
+        gfn: hv::Gfn,
+        /// Where the frame starts in it.
+        offset: usize,
+    },
+}
+
+/// The initiator's view of a remote device's memory and link.
+struct RemoteIo<'a, S: FnMut(&[u8]) -> bool> {
+    dom: &'a Domain,
+    slots: &'a [InFlight],
+    done: &'a mut Vec<(u16, bool)>,
+    frame: FrameAt<'a>,
+    send: S,
+}
+
+impl<S: FnMut(&[u8]) -> bool> RemoteIo<'_, S> {
+    /// Calls `f(slot, page offset, piece offset, piece length)` for each piece of
+    /// request `req`'s bytes `[offset, offset + len)`, as its segments lay them out;
+    /// false if one fails or the range runs past them.
+    fn walk(
+        &self,
+        req: u16,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(u32, usize, usize, usize) -> bool,
+    ) -> bool {
+        let Some(r) = self.slots.get(usize::from(req)) else {
+            return false;
+        };
+        let (mut base, mut done) = (0usize, 0usize);
+        for &(slot, off, seg_len) in &r.segs {
+            let seg_len = usize::from(seg_len);
+            let at = offset + done;
+            if at < base + seg_len && done < len {
+                let rel = at - base;
+                let n = (seg_len - rel).min(len - done);
+                if !f(slot, usize::from(off) + rel, done, n) {
+                    return false;
+                }
+                done += n;
+            }
+            base += seg_len;
+        }
+        done == len
+    }
+}
+
+impl<S: FnMut(&[u8]) -> bool> AoeIo for RemoteIo<'_, S> {
+    fn send(&mut self, frame: &[u8]) -> bool {
+        (self.send)(frame)
+    }
+
+    fn fetch(&mut self, req: u16, offset: usize, buf: &mut [u8]) -> bool {
+        let win = self.dom.window();
+        let mut pieces = [(0u32, 0usize, 0usize, 0usize); 4];
+        let mut n = 0;
+        // A frame's sectors span at most a few segments; collected first so that the
+        // buffer is written outside the walk.
+        let ok = self.walk(req, offset, buf.len(), |slot, off, at, len| {
+            if n == pieces.len() {
+                return false;
+            }
+            pieces[n] = (slot, off, at, len);
+            n += 1;
+            true
+        });
+        ok && pieces[..n]
+            .iter()
+            .all(|&(slot, off, at, len)| win.read(slot, off, &mut buf[at..at + len]).is_ok())
+    }
+
+    fn place(&mut self, req: u16, offset: usize, at: usize, len: usize) -> bool {
+        let (dom, frame) = (self.dom, self.frame);
+        let win = dom.window();
+        self.walk(req, offset, len, |slot, off, done, n| match frame {
+            FrameAt::Bytes(b) => b
+                .get(at + done..at + done + n)
+                .is_some_and(|src| win.write(slot, off, src).is_ok()),
+            FrameAt::Page { gfn, offset: fo } => dom
+                .copy_to_window(gfn, fo + at + done, slot, off, n)
+                .is_ok(),
+        })
+    }
+
+    fn done(&mut self, req: u16, ok: bool) {
+        self.done.push((req, ok));
+    }
+}
+
 /// One virtual block device's back end.
 #[derive(Debug)]
 pub struct Blkback {
@@ -157,7 +354,7 @@ pub struct Blkback {
     ring: Option<Back>,
     ring_handle: GrantHandle,
     slot_base: u32,
-    disk: FileDisk,
+    store: Store,
     offer: Offered,
     persistent: Option<Persistent>,
     /// Requests copied off the ring in one pass.
@@ -184,27 +381,80 @@ pub fn probe(
     disk: &FileDisk,
     persistent: bool,
 ) -> Result<(), XenbusError> {
+    publish(
+        hv,
+        be,
+        fe,
+        devid,
+        &Offered {
+            offer: Offer {
+                sectors: disk.sectors(),
+                read_only: disk.read_only(),
+                flush: true,
+                discard: true,
+                max_indirect_segments: MAX_INDIRECT_SEGMENTS,
+            },
+            persistent,
+        },
+    )
+}
+
+/// Publishes a remote disk as its initiator found it (size, whether it flushes; no
+/// discard: ATA over Ethernet has none) and waits for the front end.
+pub fn probe_remote(
+    hv: &Hypervisor,
+    be: DomId,
+    fe: DomId,
+    devid: u32,
+    ini: &Initiator,
+    persistent: bool,
+) -> Result<(), XenbusError> {
+    publish(
+        hv,
+        be,
+        fe,
+        devid,
+        &Offered {
+            offer: Offer {
+                sectors: ini.sectors(),
+                read_only: false,
+                flush: ini.flushes(),
+                discard: false,
+                max_indirect_segments: REMOTE_MAX_SEGMENTS,
+            },
+            persistent,
+        },
+    )
+}
+
+/// Writes what the back end offers into its directory and moves to `InitWait`. The
+/// toolstack's `mode = r` makes the device read-only whatever the disk allows.
+fn publish(
+    hv: &Hypervisor,
+    be: DomId,
+    fe: DomId,
+    devid: u32,
+    o: &Offered,
+) -> Result<(), XenbusError> {
     let store = hv.store();
     let dir = xenbus::backend_dir(be, fe, devid);
     let mode_ro = store
         .read(be, &format!("{dir}/mode"))
         .is_ok_and(|m| m == "r");
-    let ro = mode_ro || disk.read_only();
+    let ro = mode_ro || o.offer.read_only;
     let info = if ro { xenbus::VDISK_READONLY } else { 0 };
+    let flag = |b: bool| if b { "1" } else { "0" }.to_string();
     for (k, v) in [
-        ("sectors", disk.sectors().to_string()),
+        ("sectors", o.offer.sectors.to_string()),
         ("sector-size", SECTOR_SIZE.to_string()),
         ("info", info.to_string()),
-        (xenbus::FEATURE_FLUSH, "1".into()),
-        (xenbus::FEATURE_DISCARD, "1".into()),
+        (xenbus::FEATURE_FLUSH, flag(o.offer.flush)),
+        (xenbus::FEATURE_DISCARD, flag(o.offer.discard)),
         ("discard-granularity", SECTOR_SIZE.to_string()),
-        (
-            xenbus::FEATURE_PERSISTENT,
-            if persistent { "1" } else { "0" }.into(),
-        ),
+        (xenbus::FEATURE_PERSISTENT, flag(o.persistent)),
         (
             xenbus::FEATURE_MAX_INDIRECT,
-            MAX_INDIRECT_SEGMENTS.to_string(),
+            o.offer.max_indirect_segments.to_string(),
         ),
     ] {
         store.write(be, &format!("{dir}/{k}"), &v)?;
@@ -225,6 +475,56 @@ impl Blkback {
         devid: u32,
         slot_base: u32,
         disk: FileDisk,
+    ) -> Result<Self, XenbusError> {
+        Self::connect_store(hv, dom, fe, devid, slot_base, Store::File(disk))
+    }
+
+    /// As [`Blkback::connect`], serving the remote disk `ini` found (and
+    /// [`probe_remote`] published): each request goes to the target as AoE frames
+    /// through the link its owner gives [`Blkback::net_poll`] and
+    /// [`Blkback::net_input`], and is answered when the target has answered every
+    /// frame.
+    pub fn connect_remote(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        fe: DomId,
+        devid: u32,
+        slot_base: u32,
+        ini: Initiator,
+    ) -> Result<Self, XenbusError> {
+        let segs = usize::from(REMOTE_MAX_SEGMENTS);
+        let remote = Remote {
+            ini,
+            slots: (0..RING_REQUESTS)
+                .map(|_| InFlight {
+                    id: 0,
+                    operation: 0,
+                    write: false,
+                    sectors: 0,
+                    segs: Vec::with_capacity(segs),
+                    unmaps: Vec::with_capacity(segs),
+                })
+                .collect(),
+            free: (0..RING_REQUESTS as u16).rev().collect(),
+            done: Vec::with_capacity(RING_REQUESTS),
+        };
+        Self::connect_store(
+            hv,
+            dom,
+            fe,
+            devid,
+            slot_base,
+            Store::Remote(Box::new(remote)),
+        )
+    }
+
+    fn connect_store(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        fe: DomId,
+        devid: u32,
+        slot_base: u32,
+        backing: Store,
     ) -> Result<Self, XenbusError> {
         let store = hv.store();
         let be = dom.id();
@@ -294,7 +594,7 @@ impl Blkback {
             ring: Some(ring),
             ring_handle: h,
             slot_base,
-            disk,
+            store: backing,
             offer,
             persistent: persistent.then(|| Persistent {
                 slots: HashMap::with_capacity(PERSISTENT_MAX),
@@ -382,11 +682,24 @@ impl Blkback {
         for i in 0..n {
             let raw = self.batch[i];
             self.stats.taken += 1;
-            let status = if self.batch[..i].iter().any(|r| r.id == raw.id) {
+            let in_flight = self.batch[..i].iter().any(|r| r.id == raw.id)
+                || match &self.store {
+                    Store::Remote(r) => r
+                        .slots
+                        .iter()
+                        .enumerate()
+                        .any(|(k, f)| f.id == raw.id && !r.free.contains(&(k as u16))),
+                    Store::File(_) => false,
+                };
+            let status = if in_flight {
                 self.stats.id_in_flight += 1;
                 BLKIF_RSP_ERROR
             } else {
-                self.handle(&raw)
+                match self.handle(&raw) {
+                    Some(s) => s,
+                    // In flight to a remote disk: answered when it is done.
+                    None => continue,
+                }
             };
             let rsp = response(raw.id, raw.operation, status);
             // Room is certain: each response answers a request taken.
@@ -406,13 +719,14 @@ impl Blkback {
         Ok(n)
     }
 
-    /// Judges one copied request and carries it out; its status.
-    fn handle(&mut self, raw: &RawRequest) -> i16 {
+    /// Judges one copied request and carries it out; its status, or none if it went
+    /// to a remote disk and is answered later.
+    fn handle(&mut self, raw: &RawRequest) -> Option<i16> {
         let req = match read_request(raw, &self.offer.offer) {
             Ok(r) => r,
             Err(e) => {
                 self.stats.refused.add(e);
-                return e.status();
+                return Some(e.status());
             }
         };
         let r = match req {
@@ -425,7 +739,7 @@ impl Blkback {
             } => {
                 self.segs.clear();
                 self.segs.extend_from_slice(&seg[..usize::from(nr)]);
-                self.rw(write, sector)
+                self.rw(raw, write, sector)
             }
             Request::Indirect {
                 write,
@@ -437,45 +751,57 @@ impl Blkback {
                 Ok(()) => match check_segments(&self.segs, sector, &self.offer.offer) {
                     Ok(_) => {
                         self.stats.indirect += 1;
-                        self.rw(write, sector)
+                        self.rw(raw, write, sector)
                     }
                     Err(e) => {
                         self.stats.refused.add(e);
-                        return e.status();
+                        return Some(e.status());
                     }
                 },
                 Err(f) => Err(f),
             },
-            Request::Flush { .. } => {
-                let _d = enter(Class::Disk);
-                self.disk.flush().map_err(|_| Failed::Io).map(|()| {
-                    self.stats.flushes += 1;
-                })
-            }
+            Request::Flush { .. } => match &mut self.store {
+                Store::File(disk) => {
+                    let _d = enter(Class::Disk);
+                    disk.flush().map_err(|_| Failed::Io).map(|()| {
+                        self.stats.flushes += 1;
+                        Outcome::Done
+                    })
+                }
+                Store::Remote(r) => {
+                    self.segs.clear();
+                    remote_submit(r, raw, false, 0, &[], &[]).map(|()| Outcome::Pending)
+                }
+            },
             Request::Discard {
                 sector, nr_sectors, ..
-            } => {
-                let _d = enter(Class::Disk);
-                self.disk
-                    .discard(sector, nr_sectors)
-                    .map_err(|_| Failed::Io)
-                    .map(|()| {
-                        self.stats.discards += 1;
-                    })
-            }
+            } => match &self.store {
+                Store::File(disk) => {
+                    let _d = enter(Class::Disk);
+                    disk.discard(sector, nr_sectors)
+                        .map_err(|_| Failed::Io)
+                        .map(|()| {
+                            self.stats.discards += 1;
+                            Outcome::Done
+                        })
+                }
+                // Never offered (AoE has no discard): judged away before here.
+                Store::Remote(_) => Err(Failed::Io),
+            },
         };
         match r {
-            Ok(()) => {
+            Ok(Outcome::Pending) => None,
+            Ok(Outcome::Done) => {
                 self.stats.done += 1;
-                BLKIF_RSP_OKAY
+                Some(BLKIF_RSP_OKAY)
             }
             Err(Failed::Grant) => {
                 self.stats.bad_grants += 1;
-                BLKIF_RSP_ERROR
+                Some(BLKIF_RSP_ERROR)
             }
             Err(Failed::Io) => {
                 self.stats.io_errors += 1;
-                BLKIF_RSP_ERROR
+                Some(BLKIF_RSP_ERROR)
             }
         }
     }
@@ -527,48 +853,66 @@ impl Blkback {
         }
     }
 
-    /// A read or write of the checked segments in `segs` from `sector` on.
-    fn rw(&mut self, write: bool, sector: u64) -> Result<(), Failed> {
-        let n = self.map_segments(write);
+    /// A read or write of the checked segments in `segs` from `sector` on: done now
+    /// from a file, or sent to a remote disk with its segments left mapped.
+    fn rw(&mut self, raw: &RawRequest, write: bool, sector: u64) -> Result<Outcome, Failed> {
+        let k = match &self.store {
+            Store::Remote(r) => match r.free.last() {
+                Some(&k) => Some(k),
+                // The ring holds no more requests than there are slots.
+                None => return Err(Failed::Io),
+            },
+            Store::File(_) => None,
+        };
+        let base = self.slot_base
+            + SEG_SLOT0
+            + k.map_or(0, |k| u32::from(k) * u32::from(REMOTE_MAX_SEGMENTS));
+        let n = self.map_segments(write, base);
         self.unmaps.clear();
         self.unmaps
             .extend(self.map_res[..n].iter().filter_map(|r| r.ok()));
         self.stats.transient_maps += self.unmaps.len() as u64;
-        let mut r = if self.unmaps.len() == n {
-            Ok(())
-        } else {
-            Err(Failed::Grant)
+        let mapped = self.unmaps.len() == n;
+        let r = match (&mut self.store, mapped) {
+            (_, false) => Err(Failed::Grant),
+            (Store::File(disk), true) => {
+                let win = self.dom.window();
+                let _d = enter(Class::Disk);
+                let mut s = sector;
+                let mut r = Ok(Outcome::Done);
+                for (seg, &slot) in self.segs.iter().zip(&self.at) {
+                    let off = usize::from(seg.first_sect) * SECTOR_SIZE as usize;
+                    let nsect = u64::from(seg.last_sect - seg.first_sect) + 1;
+                    let len = (nsect * SECTOR_SIZE) as usize;
+                    let io = if write {
+                        disk.write_from_window(win, slot, off, len, s)
+                    } else {
+                        disk.read_to_window(win, slot, off, len, s)
+                    };
+                    if io.is_err() {
+                        r = Err(Failed::Io);
+                        break;
+                    }
+                    s += nsect;
+                }
+                if r.is_ok() {
+                    self.count_rw(write, s - sector);
+                }
+                r
+            }
+            (Store::Remote(rm), true) => {
+                // Its mappings stay until the target has answered.
+                let r = remote_submit(rm, raw, write, sector, &self.segs, &self.at);
+                if r.is_ok() {
+                    if let Some(f) = k.and_then(|k| rm.slots.get_mut(usize::from(k))) {
+                        f.unmaps.clear();
+                        f.unmaps.extend_from_slice(&self.unmaps);
+                    }
+                    self.unmaps.clear();
+                }
+                r.map(|()| Outcome::Pending)
+            }
         };
-        if r.is_ok() {
-            let win = self.dom.window();
-            let _d = enter(Class::Disk);
-            let mut s = sector;
-            for (seg, &slot) in self.segs.iter().zip(&self.at) {
-                let off = usize::from(seg.first_sect) * SECTOR_SIZE as usize;
-                let nsect = u64::from(seg.last_sect - seg.first_sect) + 1;
-                let len = (nsect * SECTOR_SIZE) as usize;
-                let io = if write {
-                    self.disk.write_from_window(win, slot, off, len, s)
-                } else {
-                    self.disk.read_to_window(win, slot, off, len, s)
-                };
-                if io.is_err() {
-                    r = Err(Failed::Io);
-                    break;
-                }
-                s += nsect;
-            }
-            if r.is_ok() {
-                let sectors = s - sector;
-                if write {
-                    self.stats.writes += 1;
-                    self.stats.sectors_written += sectors;
-                } else {
-                    self.stats.reads += 1;
-                    self.stats.sectors_read += sectors;
-                }
-            }
-        }
         let u = self.unmaps.len();
         if u > 0 {
             self.hv
@@ -577,14 +921,24 @@ impl Blkback {
         r
     }
 
+    fn count_rw(&mut self, write: bool, sectors: u64) {
+        if write {
+            self.stats.writes += 1;
+            self.stats.sectors_written += sectors;
+        } else {
+            self.stats.reads += 1;
+            self.stats.sectors_read += sectors;
+        }
+    }
+
     /// Finds or maps every segment's page: `at[i]` is its slot. Persistent grants
     /// already mapped are found; new ones are mapped read-write and kept while slots
     /// last; the rest go in one batch of transient maps (`maps`, results in `map_res`;
     /// returns how many), read-only for a write.
-    fn map_segments(&mut self, write: bool) -> usize {
+    fn map_segments(&mut self, write: bool, transient_base: u32) -> usize {
         self.at.clear();
         self.maps.clear();
-        let mut transient = self.slot_base + SEG_SLOT0;
+        let mut transient = transient_base;
         for seg in &self.segs {
             if let Some(p) = self.persistent.as_mut() {
                 if let Some(&(slot, _)) = p.slots.get(&seg.gref) {
@@ -632,6 +986,133 @@ impl Blkback {
         n
     }
 
+    /// Drives a remote disk's initiator: retransmissions, requests failed past their
+    /// bound, new frames while the target has buffers (sent through `send`); answers
+    /// what finished. Returns the frames sent.
+    pub fn net_poll(&mut self, now: Instant, send: impl FnMut(&[u8]) -> bool) -> usize {
+        let Store::Remote(r) = &mut self.store else {
+            return 0;
+        };
+        let Remote {
+            ini, slots, done, ..
+        } = &mut **r;
+        let mut io = RemoteIo {
+            dom: &self.dom,
+            slots,
+            done,
+            frame: FrameAt::Bytes(&[]),
+            send,
+        };
+        let n = ini.poll(now, &mut io);
+        self.answer_remote();
+        n
+    }
+
+    /// Takes a frame from the link for a remote disk's initiator: `head` its first
+    /// `min(len, aoe::HEAD)` bytes copied out, `at` where the whole lies (a read's
+    /// sectors are placed from there). Answers what finished.
+    pub fn net_input(
+        &mut self,
+        head: &[u8],
+        len: usize,
+        at: FrameAt<'_>,
+        now: Instant,
+        send: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), BadFrame> {
+        let Store::Remote(r) = &mut self.store else {
+            return Err(BadFrame::UnknownTag);
+        };
+        let Remote {
+            ini, slots, done, ..
+        } = &mut **r;
+        let mut io = RemoteIo {
+            dom: &self.dom,
+            slots,
+            done,
+            frame: at,
+            send,
+        };
+        let res = ini.input(head, len, now, &mut io);
+        self.answer_remote();
+        res
+    }
+
+    /// When a remote disk's initiator next needs [`Blkback::net_poll`] (its earliest
+    /// retransmission or request bound), if anything is on the wire.
+    pub fn net_due(&self) -> Option<Instant> {
+        match &self.store {
+            Store::Remote(r) => r.ini.next_due(),
+            Store::File(_) => None,
+        }
+    }
+
+    /// The remote disk's initiator's counters, if the device has one.
+    pub fn aoe_stats(&self) -> Option<&crate::initiator::AoeStats> {
+        match &self.store {
+            Store::Remote(r) => Some(r.ini.stats()),
+            Store::File(_) => None,
+        }
+    }
+
+    /// Answers the requests a remote disk finished: unmaps their segments, pushes each
+    /// response, notifies once.
+    fn answer_remote(&mut self) {
+        let Store::Remote(r) = &mut self.store else {
+            return;
+        };
+        if r.done.is_empty() {
+            return;
+        }
+        let mut n = 0;
+        for i in 0..r.done.len() {
+            let (k, ok) = r.done[i];
+            let Some(f) = r.slots.get_mut(usize::from(k)) else {
+                continue;
+            };
+            let u = f.unmaps.len();
+            if u > 0 {
+                self.hv
+                    .grant_unmap(&self.dom, &f.unmaps, &mut self.unmap_st[..u]);
+                f.unmaps.clear();
+            }
+            let status = if ok {
+                self.stats.done += 1;
+                if f.operation == crate::blkif::BLKIF_OP_FLUSH_DISKCACHE {
+                    self.stats.flushes += 1;
+                } else if f.write {
+                    self.stats.writes += 1;
+                    self.stats.sectors_written += f.sectors;
+                } else {
+                    self.stats.reads += 1;
+                    self.stats.sectors_read += f.sectors;
+                }
+                BLKIF_RSP_OKAY
+            } else {
+                self.stats.io_errors += 1;
+                BLKIF_RSP_ERROR
+            };
+            r.free.push(k);
+            if let Some(ring) = self.ring.as_mut() {
+                if ring
+                    .push_response(&response(f.id, f.operation, status))
+                    .is_ok()
+                {
+                    n += 1;
+                }
+            }
+        }
+        r.done.clear();
+        if n > 0
+            && self
+                .ring
+                .as_mut()
+                .is_some_and(|r| r.push_responses_and_check_notify())
+        {
+            self.stats.notifies += 1;
+            let _ = self.hv.evtchn_send(&self.dom, self.port);
+        }
+    }
+
     /// Marks the device broken by a protocol break and tells the front end (`Closing`).
     fn protocol_break(&mut self, e: RingError) {
         self.broken = Some(Broken::Ring(e));
@@ -644,6 +1125,16 @@ impl Blkback {
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.
     pub fn disconnect(mut self) {
+        if let Store::Remote(r) = &mut self.store {
+            for f in &mut r.slots {
+                let u = f.unmaps.len();
+                if u > 0 {
+                    self.hv
+                        .grant_unmap(&self.dom, &f.unmaps, &mut self.unmap_st[..u]);
+                    f.unmaps.clear();
+                }
+            }
+        }
         if let Some(p) = self.persistent.take() {
             let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
             let mut st = vec![Ok(()); handles.len()];

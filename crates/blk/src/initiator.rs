@@ -306,6 +306,29 @@ impl Initiator {
         self.reqs.iter().filter(|r| r.in_use).count()
     }
 
+    /// When [`Initiator::poll`] next has something to do: a discovery resend, a frame's
+    /// retransmission, a request's bound; none while nothing is outstanding.
+    pub fn next_due(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Discover | Phase::Identify => Some(
+                self.probe_at
+                    .map_or_else(Instant::now, |t| t + self.backoff(self.probe_tries)),
+            ),
+            Phase::Ready => {
+                let frames = self.frames[..self.window]
+                    .iter()
+                    .filter(|f| f.in_use)
+                    .map(|f| f.sent_at + self.backoff(u32::from(f.tries)));
+                let bounds = self
+                    .reqs
+                    .iter()
+                    .filter(|r| r.in_use)
+                    .map(|r| r.started + self.cfg.fail_after);
+                frames.chain(bounds).min()
+            }
+        }
+    }
+
     /// Takes request `id`: `sectors` sectors from `lba`, read or written.
     pub fn submit(
         &mut self,

@@ -10,4 +10,5 @@ pub mod blkfront;
 pub mod blkif;
 pub mod disk;
 pub mod initiator;
+pub mod remote;
 pub mod xenbus;

@@ -8,93 +8,12 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use blk::aoe::{
-    self, BadFrame, AOE_HEADER_END, ATA_DATA, CMD_ATA, CMD_CONFIG, FLAG_RESPONSE, SECTOR,
-};
+use blk::aoe::{self, BadFrame, AOE_HEADER_END, ATA_DATA, CMD_CONFIG, SECTOR};
 use blk::initiator::{AoeIo, Initiator, InitiatorConfig, Phase};
 
-const ME: [u8; 6] = [2, 0, 0, 0, 0, 1];
-const TARGET: [u8; 6] = [2, 0, 0, 0, 0, 0x99];
-const SECTORS: u64 = 2048;
+mod common;
 
-fn disk_byte(off: usize) -> u8 {
-    (off.wrapping_mul(31) ^ (off >> 9)) as u8
-}
-
-/// vblade, in memory: shelf 1 slot 2.
-struct Target {
-    disk: Vec<u8>,
-    alive: bool,
-    /// Drop every `n`th request.
-    drop_every: Option<usize>,
-    seen: usize,
-}
-
-impl Target {
-    fn new() -> Self {
-        Self {
-            disk: (0..SECTORS as usize * SECTOR).map(disk_byte).collect(),
-            alive: true,
-            drop_every: None,
-            seen: 0,
-        }
-    }
-
-    /// The answer to `req`, if any.
-    fn answer(&mut self, req: &[u8]) -> Option<Vec<u8>> {
-        if !self.alive || req.len() < AOE_HEADER_END || req[12..14] != [0x88, 0xa2] {
-            return None;
-        }
-        self.seen += 1;
-        if self.drop_every.is_some_and(|n| self.seen.is_multiple_of(n)) {
-            return None;
-        }
-        let mut r = req[..AOE_HEADER_END].to_vec();
-        r[..6].copy_from_slice(&req[6..12]);
-        r[6..12].copy_from_slice(&TARGET);
-        r[14] |= FLAG_RESPONSE;
-        r[16..19].copy_from_slice(&[0, 1, 2]);
-        match req[19] {
-            CMD_CONFIG => {
-                r.extend_from_slice(&[0, 16, 0x40, 0x19, 2, 0x10, 0, 0]);
-                Some(r)
-            }
-            CMD_ATA => {
-                let a = &req[AOE_HEADER_END..ATA_DATA];
-                let mut lba = [0u8; 8];
-                lba[..6].copy_from_slice(&a[4..10]);
-                let lba = u64::from_le_bytes(lba) as usize;
-                let count = usize::from(a[2]);
-                let mut h = a.to_vec();
-                h[3] = 0x40;
-                let mut data = Vec::new();
-                match a[3] {
-                    aoe::ATA_IDENTIFY => {
-                        let mut s = vec![0u8; 512];
-                        s[83 * 2 + 1] = 0x04;
-                        s[200..208].copy_from_slice(&SECTORS.to_le_bytes());
-                        data = s;
-                    }
-                    aoe::ATA_READ_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
-                        data = self.disk[lba * SECTOR..(lba + count) * SECTOR].to_vec();
-                    }
-                    aoe::ATA_WRITE_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
-                        self.disk[lba * SECTOR..(lba + count) * SECTOR]
-                            .copy_from_slice(&req[ATA_DATA..ATA_DATA + count * SECTOR]);
-                    }
-                    _ => {
-                        h[3] = 0x41;
-                        h[1] = 0x04;
-                    }
-                }
-                r.extend_from_slice(&h);
-                r.extend_from_slice(&data);
-                Some(r)
-            }
-            _ => None,
-        }
-    }
-}
+use common::{disk_byte, Target, ME, SECTORS, TARGET};
 
 /// The memory of each request, what was sent, what finished.
 #[derive(Default)]

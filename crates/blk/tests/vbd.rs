@@ -4,21 +4,23 @@
 //! front end's every malformed request is refused, counted and answered, while a ring
 //! index out of the protocol disconnects that device and no other.
 
+mod common;
+
+use common::{host, rw, seg, Host, Hostile};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use blk::blkback::{self, Blkback, Broken, VbdStats, MAX_INDIRECT_SEGMENTS, VBD_WINDOW_SLOTS};
 use blk::blkfront::{Bio, BioOp, BioSeg, Blkfront, Completion, SubmitError};
 use blk::blkif::{
-    BadRequest, BlkRing, RawIndirect, RawRequest, Response, Segment, BLKIF_OP_INDIRECT,
-    BLKIF_OP_READ, BLKIF_OP_WRITE, BLKIF_RSP_EOPNOTSUPP, BLKIF_RSP_ERROR, BLKIF_RSP_OKAY,
-    SECTOR_SIZE,
+    BadRequest, BlkRing, RawIndirect, RawRequest, Segment, BLKIF_OP_INDIRECT, BLKIF_OP_READ,
+    BLKIF_OP_WRITE, BLKIF_RSP_EOPNOTSUPP, BLKIF_RSP_ERROR, BLKIF_RSP_OKAY, SECTOR_SIZE,
 };
 use blk::disk::FileDisk;
 use blk::xenbus;
 use hv::store::XenbusState;
-use hv::{Domain, DomainConfig, Gfn, GrantRef, GrantVersion, HvConfig, Hypervisor, OwnPage, Port};
-use ring::{FrontRing, PageRing};
+use hv::{Domain, GrantRef};
+use ring::PageRing;
 
 /// Sectors of the test disks (2 MiB).
 const SECTORS: u64 = 4096;
@@ -33,46 +35,7 @@ fn backing(name: &str) -> PathBuf {
     p
 }
 
-struct Host {
-    hv: Arc<Hypervisor>,
-    drv: Arc<Domain>,
-}
-
-fn host() -> Host {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 16384,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let drv = hv
-        .create_domain(&DomainConfig {
-            name: "drv".into(),
-            pages: 1024,
-            grant_frames: 4,
-            grant_version: GrantVersion::V1,
-            vcpus: 1,
-            map_slots: 2 * VBD_WINDOW_SLOTS,
-            driver_domain: true,
-        })
-        .expect("driver domain");
-    Host { hv, drv }
-}
-
 impl Host {
-    fn guest(&self, name: &str) -> Arc<Domain> {
-        self.hv
-            .create_domain(&DomainConfig {
-                name: name.into(),
-                pages: 4096,
-                grant_frames: 8,
-                grant_version: GrantVersion::V1,
-                vcpus: 1,
-                map_slots: 4,
-                driver_domain: false,
-            })
-            .expect("guest")
-    }
-
     /// The toolstack's and the back end's part: both directories, the disk opened and
     /// published (`InitWait`).
     fn offer(
@@ -379,92 +342,6 @@ fn flush_and_discard_are_served_and_a_read_only_device_refuses_writes() {
         Err(SubmitError::NotOffered)
     );
     let _ = std::fs::remove_file(&path);
-}
-
-/// A front end written by hand, as a hostile guest would: its own ring, raw requests.
-struct Hostile {
-    g: Arc<Domain>,
-    ring: FrontRing<BlkRing, PageRing<OwnPage>>,
-    ring_gfn: Gfn,
-    port: Port,
-}
-
-impl Hostile {
-    fn connect(h: &Host, g: &Arc<Domain>, devid: u32) -> Self {
-        let me = g.id();
-        let gfn = g.alloc_page().expect("page");
-        let gref = g.grant_table().alloc_ref().expect("ref");
-        g.grant_table()
-            .grant_access(gref, h.drv.id(), gfn, false)
-            .expect("grant");
-        let ring = FrontRing::init(PageRing::new(g.page(gfn).expect("page")).expect("ring"))
-            .expect("ring");
-        let port = h.hv.evtchn_alloc_unbound(g, h.drv.id()).expect("port");
-        let dir = xenbus::frontend_dir(me, devid);
-        let store = h.hv.store();
-        store
-            .write(me, &format!("{dir}/ring-ref"), &gref.0.to_string())
-            .expect("key");
-        store
-            .write(me, &format!("{dir}/event-channel"), &port.0.to_string())
-            .expect("key");
-        store
-            .switch_state(me, &dir, XenbusState::Connected)
-            .expect("state");
-        Self {
-            g: Arc::clone(g),
-            ring,
-            ring_gfn: gfn,
-            port,
-        }
-    }
-
-    /// A page granted to the driver domain, read-only or not.
-    fn granted(&self, h: &Host, readonly: bool) -> (Gfn, GrantRef) {
-        let gfn = self.g.alloc_page().expect("page");
-        let r = self.g.grant_table().alloc_ref().expect("ref");
-        self.g
-            .grant_table()
-            .grant_access(r, h.drv.id(), gfn, readonly)
-            .expect("grant");
-        (gfn, r)
-    }
-
-    fn send(&mut self, reqs: &[RawRequest]) {
-        for r in reqs {
-            self.ring.push_request(r).expect("push");
-        }
-        self.ring.push_requests_and_check_notify();
-    }
-
-    fn responses(&mut self) -> Vec<Response> {
-        let mut v = Vec::new();
-        while let Ok(Some(r)) = self.ring.take_response() {
-            v.push(r);
-        }
-        v
-    }
-}
-
-fn rw(op: u8, id: u64, sector: u64, segs: &[Segment]) -> RawRequest {
-    let mut r = RawRequest {
-        operation: op,
-        nr_segments: segs.len() as u8,
-        id,
-        sector_number: sector,
-        ..RawRequest::default()
-    };
-    r.seg[..segs.len()].copy_from_slice(segs);
-    r
-}
-
-fn seg(gref: GrantRef, first: u8, last: u8) -> Segment {
-    Segment {
-        gref: gref.0,
-        first_sect: first,
-        last_sect: last,
-        pad: 0,
-    }
 }
 
 #[test]
