@@ -9,8 +9,9 @@
 //!
 //! **Requests.** A request of `n` sectors goes out as frames of up to
 //! [`Initiator::sectors_per_frame`] sectors, as many on the wire as the target's buffers
-//! allow, in submission order. Each frame's tag names its slot in the table of frames
-//! on the wire (high half) and which send it is (low half), so an answer to an earlier
+//! allow, in submission order. Each frame's tag names its initiator (bits 24–30), its
+//! slot in the table of frames on the wire (bits 16–23) and which send it is (low
+//! half), so an answer to an earlier
 //! send of a frame sent again, a duplicate, or one after its request failed names no
 //! live send and is dropped ([`BadFrame::Stale`]). A frame not answered within the
 //! retransmission timeout is sent again with a new tag; the timeout follows the measured
@@ -56,6 +57,9 @@ pub struct InitiatorConfig {
     pub rto_min: Duration,
     /// Its ceiling.
     pub rto_max: Duration,
+    /// Bits 24–30 of every tag it sends (0 to 127): several initiators sharing a MAC
+    /// (one per remote device of a driver domain) tell their answers apart by it.
+    pub tag_prefix: u8,
 }
 
 impl InitiatorConfig {
@@ -71,6 +75,7 @@ impl InitiatorConfig {
             rto_initial: Duration::from_millis(20),
             rto_min: Duration::from_millis(2),
             rto_max: Duration::from_secs(1),
+            tag_prefix: 0,
         }
     }
 }
@@ -411,8 +416,8 @@ impl Initiator {
             return 0;
         }
         self.seq = self.seq.wrapping_add(1);
-        // Discovery's tags have the top bit set: no frame slot has it.
-        self.probe_tag = 0x8000_0000 | u32::from(self.seq);
+        // Discovery's tags have the top bit set: no frame's has it.
+        self.probe_tag = 0x8000_0000 | self.prefix() | u32::from(self.seq);
         let n = match (self.phase, self.target) {
             (Phase::Identify, Some(t)) => aoe::ata_request(
                 &mut self.buf,
@@ -438,6 +443,17 @@ impl Initiator {
         self.probe_tries = self.probe_tries.saturating_add(1);
         self.stats.discovery += 1;
         1
+    }
+
+    /// The tag bits naming this initiator.
+    fn prefix(&self) -> u32 {
+        u32::from(self.cfg.tag_prefix & 0x7f) << 24
+    }
+
+    /// The initiator an answer's tag names (its bits 24–30), for whoever dispatches
+    /// answers among several.
+    pub fn tag_prefix_of(head: &[u8]) -> Option<u8> {
+        head.get(20).map(|b| b & 0x7f)
     }
 
     /// The timeout of a frame sent `tries` times.
@@ -544,7 +560,7 @@ impl Initiator {
             Kind::Flush => AtaCmd::Flush,
         };
         self.seq = self.seq.wrapping_add(1);
-        let tag = (i as u32) << 16 | u32::from(self.seq);
+        let tag = self.prefix() | (i as u32) << 16 | u32::from(self.seq);
         let len = aoe::ata_request(&mut self.buf, self.cfg.me, &t, tag, cmd);
         if r.kind == Kind::Write {
             let bytes = usize::from(f.count) * SECTOR;
@@ -665,8 +681,8 @@ impl Initiator {
         now: Instant,
         io: &mut impl AoeIo,
     ) -> Result<(), BadFrame> {
-        let i = (tag >> 16) as usize;
-        if i >= self.window || tag & 0x8000_0000 != 0 {
+        let i = (tag >> 16 & 0xff) as usize;
+        if i >= self.window || tag & 0xff00_0000 != self.prefix() {
             return Err(BadFrame::UnknownTag);
         }
         let f = self.frames[i];

@@ -173,10 +173,15 @@ impl RemoteVbd {
                     self.slot_base,
                     *ini,
                 ) {
-                    Ok(b) => State::Serving(Box::new(b)),
+                    // Requests the front end put on the ring before the channel was
+                    // bound sent an event no one took: look at the ring once now.
+                    Ok(mut b) => {
+                        b.serve();
+                        State::Serving(Box::new(b))
+                    }
                     Err(e) => State::Failed(e.to_string()),
                 };
-                1
+                1 + self.poll(now, send)
             }
             State::Serving(b) => b.net_poll(now, send),
             State::Failed(_) => 0,

@@ -17,7 +17,10 @@ use blk::blkfront::{Bio, BioOp, BioSeg, Blkfront, Completion};
 use blk::blkif::SECTOR_SIZE;
 use dev::wire::Samples;
 use hv::profile::{enter, Class};
-use hv::{Domain, Gfn, Port, Vcpu, PAGE_SIZE};
+use std::sync::mpsc::Receiver;
+
+use hv::store::{WatchEvent, XenbusState};
+use hv::{Domain, Gfn, Hypervisor, Port, Vcpu, PAGE_SIZE};
 
 use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters};
@@ -266,11 +269,27 @@ impl BlockJob {
     }
 }
 
+/// A front end not yet connected: it connects once its back end waits for it
+/// (`InitWait`), as blkfront's `backend_changed` watch does.
+#[derive(Debug)]
+struct Waiting {
+    hv: Arc<Hypervisor>,
+    dom: Arc<Domain>,
+    devid: u32,
+    persistent: bool,
+    /// The back end's state node's watch (it wakes the vCPU).
+    watch: Receiver<WatchEvent>,
+    bdir: String,
+}
+
 /// A guest whose one device is a virtual disk: blkfront and a job above it.
 #[derive(Debug)]
 pub struct BlockGuest {
     front: Option<Blkfront>,
+    waiting: Option<Waiting>,
     job: BlockJob,
+    /// Why connecting failed, if it did.
+    connect_error: Option<String>,
 }
 
 impl BlockGuest {
@@ -279,7 +298,80 @@ impl BlockGuest {
         Ok(Self {
             job: BlockJob::new(dom, job)?,
             front: Some(front),
+            waiting: None,
+            connect_error: None,
         })
+    }
+
+    /// The guest's kernel before its back end is ready (a remote disk still being
+    /// found): blkfront connects from the guest's own loop once the back end waits.
+    pub fn waiting(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        devid: u32,
+        persistent: bool,
+        job: BlockJobSpec,
+    ) -> Result<Self, BuildError> {
+        let store = hv.store();
+        let fdir = blk::xenbus::frontend_dir(dom.id(), devid);
+        let bdir = store
+            .read(dom.id(), &format!("{fdir}/backend"))
+            .map_err(other)?;
+        let (h, d) = (Arc::downgrade(hv), Arc::downgrade(dom));
+        let wake = hv::store::Wake(Arc::new(move || {
+            if let (Some(h), Some(d)) = (h.upgrade(), d.upgrade()) {
+                h.kick_vcpu(&d, 0);
+            }
+        }));
+        let watch = store
+            .watch_waking(
+                dom.id(),
+                &format!("{bdir}/state"),
+                "blkfront-otherend",
+                Some(wake),
+            )
+            .map_err(other)?;
+        Ok(Self {
+            job: BlockJob::new(dom, job)?,
+            front: None,
+            waiting: Some(Waiting {
+                hv: Arc::clone(hv),
+                dom: Arc::clone(dom),
+                devid,
+                persistent,
+                watch,
+                bdir,
+            }),
+            connect_error: None,
+        })
+    }
+
+    /// Connects a waiting front end if its back end now waits for it.
+    fn try_connect(&mut self) -> bool {
+        let Some(w) = &self.waiting else {
+            return false;
+        };
+        // The events only woke the vCPU; the state is read as it is now.
+        let _ = w.watch.try_iter().count();
+        let st = w.hv.store().xenbus_state(w.dom.id(), &w.bdir);
+        if st != XenbusState::InitWait {
+            return false;
+        }
+        match Blkfront::connect(&w.hv, &w.dom, w.devid, w.persistent) {
+            Ok(f) => {
+                self.front = Some(f);
+                let me = w.dom.id();
+                w.hv.store()
+                    .unwatch(me, &format!("{}/state", w.bdir), "blkfront-otherend");
+                self.waiting = None;
+                true
+            }
+            Err(e) => {
+                self.connect_error = Some(e.to_string());
+                self.waiting = None;
+                false
+            }
+        }
     }
 }
 
@@ -291,6 +383,9 @@ impl Kernel for BlockGuest {
     fn event(&mut self, _v: &Vcpu, _port: Port) {}
 
     fn poll(&mut self, _now: Duration) -> Work {
+        if self.front.is_none() && !self.try_connect() {
+            return Work::default();
+        }
         let Some(front) = self.front.as_mut() else {
             return Work::default();
         };
@@ -312,6 +407,11 @@ impl Kernel for BlockGuest {
         if let Some(f) = &self.front {
             c.add_set("blkfront", f.stats());
         }
+        c.add(
+            "blkfront",
+            "connect_failed",
+            u64::from(self.connect_error.is_some()),
+        );
         c
     }
 

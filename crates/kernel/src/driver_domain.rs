@@ -17,7 +17,11 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::blkback::Blkback;
+use std::time::Instant;
+
+use blk::blkback::{Blkback, FrameAt};
+use blk::initiator::Initiator;
+use blk::remote::RemoteVbd;
 use dev::driver::{DmaApi, NicDriver, VmqBuf};
 use dev::nic::{NicRegs, RING_DESCS, RX_QUEUES};
 use hv::{Domain, Hypervisor, Port, Vcpu, PAGE_SIZE};
@@ -99,6 +103,20 @@ pub struct DriverDomain {
     vbds: Vec<Blkback>,
     /// Vbd `i`'s front end signalled since it was last served.
     vbd_signalled: Vec<bool>,
+    /// Remote virtual block devices (AoE through the NIC; the host-centric RVBD), by
+    /// their initiators' tag prefix.
+    remote: Vec<RemoteVbd>,
+    /// Remote device `i`'s front end signalled.
+    remote_signalled: Vec<bool>,
+    /// The MAC the remote devices' initiators send from.
+    aoe_mac: [u8; 6],
+    /// A received AoE frame's head, copied out to be judged.
+    aoe_head: Box<[u8]>,
+    /// AoE frames taken off the NIC for no remote device, or not whole in their
+    /// buffer.
+    aoe_unclaimed: u64,
+    /// AoE frames the NIC had no room for (the initiator sends them again).
+    aoe_tx_full: u64,
 }
 
 /// The driver domain's switches: paper 000's original driver domain by default, and
@@ -202,7 +220,21 @@ impl DriverDomain {
             now: Duration::ZERO,
             vbds: Vec::new(),
             vbd_signalled: Vec::new(),
+            remote: Vec::new(),
+            remote_signalled: Vec::new(),
+            aoe_mac: [0; 6],
+            aoe_head: vec![0u8; blk::aoe::HEAD].into_boxed_slice(),
+            aoe_unclaimed: 0,
+            aoe_tx_full: 0,
         })
+    }
+
+    /// Serves these remote devices too, their initiators sending from `mac` through
+    /// the NIC; device `i`'s initiator must have tag prefix `i`.
+    pub fn attach_remote(&mut self, remote: Vec<RemoteVbd>, mac: [u8; 6]) {
+        self.remote_signalled = vec![true; remote.len()];
+        self.remote = remote;
+        self.aoe_mac = mac;
     }
 
     /// Serves these block devices too (each already connected to its guest).
@@ -319,6 +351,73 @@ fn copy_aggregate(pool: &mut SkbPool, skb: SkbId) -> Option<SkbId> {
     Some(c)
 }
 
+/// What became of a received frame offered to the remote devices.
+enum AoeFrame {
+    /// Not an AoE frame for their MAC: the bridge's.
+    No,
+    /// Handed to the device its tag names.
+    Taken,
+    /// For their MAC but for no device, or not whole in its buffer: dropped.
+    Unclaimed,
+}
+
+/// Offers `skb` to the remote devices: an AoE frame for their MAC goes to the device
+/// its tag names (its head copied out, its sectors placed from the buffer); the caller
+/// frees it unless it is [`AoeFrame::No`].
+fn aoe_input(
+    pool: &SkbPool,
+    dom: &Domain,
+    skb: SkbId,
+    mac: [u8; 6],
+    head: &mut [u8],
+    remote: &mut [RemoteVbd],
+    now: Instant,
+) -> AoeFrame {
+    let len = pool.len(skb);
+    let (gfn, off) = pool.data_location(skb);
+    let n = len.min(head.len()).min(pool.linear_len(skb));
+    if n < blk::aoe::AOE_HEADER_END || dom.read(gfn, off, &mut head[..n]).is_err() {
+        return AoeFrame::No;
+    }
+    if head[12..14] != blk::aoe::ETHERTYPE.to_be_bytes() || head[..6] != mac {
+        return AoeFrame::No;
+    }
+    // Not whole in its head buffer: not a frame the NIC wrote for us.
+    if pool.linear_len(skb) != len {
+        return AoeFrame::Unclaimed;
+    }
+    let i = Initiator::tag_prefix_of(&head[..n]).map_or(usize::MAX, usize::from);
+    let Some(r) = remote.get_mut(i) else {
+        return AoeFrame::Unclaimed;
+    };
+    let at = FrameAt::Page { gfn, offset: off };
+    // Answers never send; a send asked for now goes with the next poll.
+    let _ = r.input(&head[..n], len, at, now, |_| false);
+    AoeFrame::Taken
+}
+
+/// Sends an initiator's frame through the NIC: a fresh buffer, the frame copied in;
+/// false if there was no buffer or no room on the ring (it is sent again later).
+fn aoe_output(nic: &mut NicDriver, pool: &mut SkbPool, frame: &[u8], full: &mut u64) -> bool {
+    let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
+        *full += 1;
+        return false;
+    };
+    if pool.put(skb, frame).is_err() {
+        pool.free(skb);
+        *full += 1;
+        return false;
+    }
+    match nic.xmit(pool, skb) {
+        Ok(()) => true,
+        Err(s) => {
+            pool.free(s);
+            *full += 1;
+            false
+        }
+    }
+}
+
 /// Hands a frame to the NIC (a full TX ring drops it).
 fn to_nic(nic: &mut NicDriver, pool: &mut SkbPool, skb: SkbId) {
     if let Err(s) = nic.xmit(pool, skb) {
@@ -376,15 +475,26 @@ impl Kernel for DriverDomain {
             self.signalled[i] = true;
         } else if let Some(i) = self.vbds.iter().position(|x| x.port() == port) {
             self.vbd_signalled[i] = true;
+        } else if let Some(i) = self.remote.iter().position(|x| x.port() == Some(port)) {
+            self.remote_signalled[i] = true;
         }
     }
 
     fn wants_clock(&self) -> bool {
-        self.nic.lro().is_some()
+        self.nic.lro().is_some() || !self.remote.is_empty()
     }
 
     fn next_timer(&self) -> Option<Duration> {
-        self.nic.lro_due_in().map(|d| self.now + d)
+        let lro = self.nic.lro_due_in().map(|d| self.now + d);
+        // The initiators keep their own clock; their next deadline in the kernel's.
+        let at = Instant::now();
+        let remote = self
+            .remote
+            .iter()
+            .filter_map(|r| r.next_due())
+            .min()
+            .map(|due| self.now + due.saturating_duration_since(at));
+        lro.into_iter().chain(remote).min()
     }
 
     fn poll(&mut self, now: Duration) -> Work {
@@ -414,9 +524,17 @@ impl Kernel for DriverDomain {
             lro_bridge_copy,
             lro_copied,
             lro_copy_failures,
+            dom,
+            remote,
+            remote_signalled,
+            aoe_mac,
+            aoe_head,
+            aoe_unclaimed,
+            aoe_tx_full,
             ..
         } = self;
         let mut w = Work::default();
+        let at = Instant::now();
         // 0. Guest queues (direct placement): what the NIC placed goes back to netback,
         // which answers the guest; the guest's new buffers are mapped and given to
         // the queue.
@@ -438,6 +556,22 @@ impl Kernel for DriverDomain {
         // 1. The NIC's NAPI poll, through the bridge to the vifs' queues (and what
         // LRO held past its limit).
         let mut up = |pool: &mut SkbPool, skb: SkbId| {
+            // AoE answers to the remote devices' initiators go to them, not the bridge
+            // (Linux's aoe driver takes its EtherType from the device the same way).
+            if !remote.is_empty() {
+                match aoe_input(pool, dom, skb, *aoe_mac, aoe_head, remote, at) {
+                    AoeFrame::No => {}
+                    AoeFrame::Taken => {
+                        pool.free(skb);
+                        return;
+                    }
+                    AoeFrame::Unclaimed => {
+                        *aoe_unclaimed += 1;
+                        pool.free(skb);
+                        return;
+                    }
+                }
+            }
             let skb = if *lro_bridge_copy && pool.offload(skb).gso.is_some() {
                 match copy_aggregate(pool, skb) {
                     Some(c) => {
@@ -520,11 +654,18 @@ impl Kernel for DriverDomain {
         // come: its front end, its ring full, has nothing new to signal (Linux's
         // zero-copy callback reschedules the vif's NAPI the same way).
         let tx_waiting = released && vifs.iter_mut().any(|v| v.tx_pending());
-        // 5. Block devices whose guests signalled: every request on each ring.
+        // 5. Block devices whose guests signalled: every request on each ring; the
+        // remote ones' frames out through the NIC.
         for (vbd, sig) in self.vbds.iter_mut().zip(self.vbd_signalled.iter_mut()) {
             if std::mem::take(sig) {
                 w.rx += vbd.serve();
             }
+        }
+        for (r, sig) in remote.iter_mut().zip(remote_signalled.iter_mut()) {
+            if std::mem::take(sig) {
+                w.rx += r.serve();
+            }
+            w.tx += r.poll(at, |frame| aoe_output(nic, pool, frame, aoe_tx_full));
         }
         w.more = tx_waiting
             || nic.napi_scheduled()
@@ -551,6 +692,18 @@ impl Kernel for DriverDomain {
         for vbd in &self.vbds {
             c.add_set(&format!("vbd{}", vbd.frontend().0), vbd.stats());
         }
+        for r in &self.remote {
+            let name = format!("rvbd{}", r.frontend().0);
+            if let Some(b) = r.backend() {
+                c.add_set(&name, b.stats());
+            }
+            if let Some(a) = r.aoe_stats() {
+                c.add_set(&format!("{name} aoe"), a);
+            }
+            c.add(&name, "connect_failed", u64::from(r.failed().is_some()));
+        }
+        c.add("driver", "aoe_unclaimed", self.aoe_unclaimed);
+        c.add("driver", "aoe_tx_full", self.aoe_tx_full);
         c
     }
 
@@ -583,6 +736,15 @@ impl Kernel for DriverDomain {
         for vbd in self.vbds.drain(..) {
             c.add_set("blkback", vbd.stats());
             vbd.disconnect();
+        }
+        for r in self.remote.drain(..) {
+            if let Some(b) = r.backend() {
+                c.add_set("blkback", b.stats());
+            }
+            if let Some(a) = r.aoe_stats() {
+                c.add_set("aoe", a);
+            }
+            r.disconnect();
         }
         c
     }

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
 use blk::blkfront::Blkfront;
 use blk::disk::FileDisk;
+use blk::initiator::InitiatorConfig;
+use blk::remote::RemoteVbd;
 use dev::driver::DmaApi;
 use dev::irq::{IrqLine, NativeIrq};
 use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
@@ -79,11 +81,30 @@ pub enum Above {
     Block(Box<BlockSpec>),
 }
 
+/// What stands behind a guest's virtual disk.
+#[derive(Debug, Clone)]
+pub enum Disk {
+    /// A backing file the driver domain's blkback reads and writes.
+    File(std::path::PathBuf),
+    /// A remote disk the driver domain reaches over ATA over Ethernet through its NIC
+    /// (the host-centric remote virtual block device): the AoE target at this
+    /// major (shelf) and minor (slot) address.
+    Aoe {
+        /// Its shelf.
+        major: u16,
+        /// Its slot.
+        minor: u8,
+    },
+}
+
+/// The MAC the driver domain's AoE initiators send from.
+pub const DRIVER_AOE_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0xae, 0x01];
+
 /// A guest's virtual disk and what runs on it.
 #[derive(Debug)]
 pub struct BlockSpec {
-    /// The backing file.
-    pub disk: std::path::PathBuf,
+    /// What stands behind it.
+    pub disk: Disk,
     /// The device is read-only (`mode = r`).
     pub read_only: bool,
     /// Both ends use persistent grants.
@@ -288,6 +309,8 @@ enum Front {
     Hostile(HostileGuest),
     /// blkfront, connected.
     Block(Box<Blkfront>),
+    /// blkfront, to connect once its remote back end has found its disk.
+    BlockLater,
 }
 
 /// The toolstack's and both ends' steps for a guest's disk: the store directories,
@@ -297,11 +320,12 @@ fn plug_vbd(
     hv: &Arc<Hypervisor>,
     drv: &Arc<Domain>,
     dom: &Arc<Domain>,
+    path: &std::path::Path,
     b: &BlockSpec,
     slot: u32,
 ) -> Result<(Blkfront, Blkback), BuildError> {
-    let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", b.disk.display()));
-    let disk = FileDisk::open(&b.disk, b.read_only).map_err(|e| name(&e))?;
+    let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", path.display()));
+    let disk = FileDisk::open(path, b.read_only).map_err(|e| name(&e))?;
     blk::xenbus::create_vbd(hv.store(), drv.id(), dom.id(), XVDA, b.read_only)
         .map_err(|e| name(&e))?;
     blkback::probe(hv, drv.id(), dom.id(), XVDA, &disk, b.persistent).map_err(|e| name(&e))?;
@@ -495,12 +519,39 @@ impl Machine {
                 let mut fronts = Vec::with_capacity(guests.len());
                 let mut plan = Vec::with_capacity(guests.len());
                 let mut vbds = Vec::new();
+                let mut remote = Vec::new();
                 for (g, dom) in guests.iter().zip(&doms) {
                     if let Above::Block(b) = &g.above {
-                        let slot = vbd_base + vbds.len() as u32 * VBD_WINDOW_SLOTS;
-                        let (front, back) = plug_vbd(&hv, &drv, dom, b, slot)?;
-                        vbds.push(back);
-                        fronts.push(Front::Block(Box::new(front)));
+                        let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
+                        match &b.disk {
+                            Disk::File(path) => {
+                                let (front, back) = plug_vbd(&hv, &drv, dom, path, b, slot)?;
+                                vbds.push(back);
+                                fronts.push(Front::Block(Box::new(front)));
+                            }
+                            Disk::Aoe { major, minor } => {
+                                blk::xenbus::create_vbd(
+                                    hv.store(),
+                                    drv.id(),
+                                    dom.id(),
+                                    XVDA,
+                                    false,
+                                )
+                                .map_err(other)?;
+                                let mut cfg = InitiatorConfig::new(DRIVER_AOE_MAC, *major, *minor);
+                                cfg.tag_prefix = remote.len() as u8;
+                                remote.push(RemoteVbd::new(
+                                    &hv,
+                                    &drv,
+                                    dom.id(),
+                                    XVDA,
+                                    slot,
+                                    cfg,
+                                    b.persistent,
+                                ));
+                                fronts.push(Front::BlockLater);
+                            }
+                        }
                         continue;
                     }
                     let vs = VifSpec {
@@ -554,6 +605,7 @@ impl Machine {
                     DriverDomain::new(&hv, &drv, nic.regs(), pirqs, driver, vifs, fault.clone())?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
                 k.attach_vbds(vbds);
+                k.attach_remote(remote, DRIVER_AOE_MAC);
                 m.driver = Some(DriverPlan {
                     dom: Arc::clone(&drv),
                     config: driver,
@@ -593,6 +645,16 @@ impl Machine {
                         }
                         (Above::Block(b), Front::Block(front)) => {
                             let k = crate::block::BlockGuest::new(&dom, *front, b.job)?;
+                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
+                        }
+                        (Above::Block(b), Front::BlockLater) => {
+                            let k = crate::block::BlockGuest::waiting(
+                                &hv,
+                                &dom,
+                                XVDA,
+                                b.persistent,
+                                b.job,
+                            )?;
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (_, Front::Hostile(k)) => {

@@ -13,7 +13,7 @@ use dev::wire::{CountingSink, Samples, WireSource};
 use hv::{GrantPath, GrantVersion};
 use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
-use kernel::machine::{Above, BlockSpec, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
+use kernel::machine::{Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use net::netfront::{Grants, RxBuffers};
 
 /// Nothing on the wire.
@@ -84,7 +84,7 @@ fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec
         grants: Grants::PerIo,
         offloads: false,
         above: Above::Block(Box::new(BlockSpec {
-            disk: disk.to_path_buf(),
+            disk: Disk::File(disk.to_path_buf()),
             read_only: false,
             persistent,
             job,

@@ -16,6 +16,7 @@ pub mod live;
 pub mod machine_file;
 pub mod platform;
 pub mod progress;
+pub mod remote_host;
 pub mod report;
 pub mod stats;
 pub mod tcp;

@@ -1,0 +1,256 @@
+//! The remote host of paper 002's block service, real: a network namespace behind a
+//! TAP that becomes the far end of the machine's NIC cable (as `pvio up`'s outside
+//! does), running Debian's servers on one backing file on tmpfs: `vblade` (ATA over
+//! Ethernet, on the TAP's interface), `nbd-server` and `nbdkit` (NBD over TCP, on the
+//! namespace's address). Nothing here is pvio's: these are the servers the remote
+//! virtual block device and its NBD baseline are measured against.
+//!
+//! The servers are installed from Debian's packages if they are missing (as root); a
+//! host that cannot install them says so. Everything started is stopped, and the
+//! namespace removed, when the host is dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Debian's packages the remote host runs, with the program each provides.
+pub const PACKAGES: [(&str, &str); 4] = [
+    ("vblade", "vblade"),
+    ("nbd-server", "nbd-server"),
+    ("nbdkit", "nbdkit"),
+    ("fio", "fio"),
+];
+
+/// The remote host's address on the cable, and its prefix.
+pub const ADDR: &str = "10.78.0.1";
+/// The vblade target's shelf.
+pub const SHELF: u16 = 1;
+/// The vblade target's slot.
+pub const SLOT: u8 = 1;
+/// nbd-server's port.
+pub const NBD_SERVER_PORT: u16 = 10809;
+/// nbdkit's port.
+pub const NBDKIT_PORT: u16 = 10810;
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .chain(["/usr/sbin", "/sbin"])
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+/// Installs each of `pkgs` (package, program) whose program is missing; an error names
+/// what could not be had.
+pub fn ensure_packages(pkgs: &[(&str, &str)]) -> Result<(), String> {
+    let missing: Vec<&str> = pkgs
+        .iter()
+        .filter(|(_, prog)| which(prog).is_none())
+        .map(|(p, _)| *p)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let install = || {
+        Command::new("apt-get")
+            .args(["install", "-y", "-q"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        // A fresh machine's package lists may be empty or old.
+        let _ = Command::new("apt-get")
+            .args(["update", "-q"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        install();
+    }
+    let still: Vec<&str> = pkgs
+        .iter()
+        .filter(|(_, prog)| which(prog).is_none())
+        .map(|(p, _)| *p)
+        .collect();
+    if still.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "Debian packages {} are missing and could not be installed (run as root with the package registry reachable)",
+            still.join(", ")
+        ))
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Which servers to start.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Servers {
+    /// `vblade` on the cable's interface.
+    pub vblade: bool,
+    /// `nbd-server` on [`NBD_SERVER_PORT`].
+    pub nbd_server: bool,
+    /// `nbdkit` on [`NBDKIT_PORT`].
+    pub nbdkit: bool,
+}
+
+/// A running remote host.
+#[derive(Debug)]
+pub struct RemoteHost {
+    ns: String,
+    ifname: String,
+    disk: PathBuf,
+    children: Vec<(&'static str, Child)>,
+}
+
+impl RemoteHost {
+    /// Makes namespace `pvio-rh<pid>` with the cable's TAP (`tap`, already open; its
+    /// interface `ifname`) in it at [`ADDR`], and starts `servers` on `disk`.
+    pub fn start(ifname: &str, disk: &Path, servers: Servers) -> Result<Self, String> {
+        let ns = format!("pvio-rh{}", std::process::id() % 100_000);
+        let _ = ip(&["netns", "del", &ns]);
+        ip(&["netns", "add", &ns])?;
+        let mut h = Self {
+            ns: ns.clone(),
+            ifname: ifname.to_string(),
+            disk: disk.to_path_buf(),
+            children: Vec::new(),
+        };
+        ip(&["link", "set", "dev", ifname, "netns", &ns])?;
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{ADDR}/24"),
+            "dev",
+            ifname,
+        ])?;
+        ip(&["-n", &ns, "link", "set", "dev", ifname, "up"])?;
+        ip(&["-n", &ns, "link", "set", "dev", "lo", "up"])?;
+        if servers.vblade {
+            h.start_vblade()?;
+        }
+        if servers.nbd_server {
+            let conf = std::env::temp_dir().join(format!("pvio-nbd-{}.conf", std::process::id()));
+            std::fs::write(
+                &conf,
+                format!(
+                    "[generic]\nport = {NBD_SERVER_PORT}\nlistenaddr = {ADDR}\nallowlist = true\n\n[disk]\nexportname = {}\n",
+                    disk.display()
+                ),
+            )
+            .map_err(|e| format!("nbd-server config: {e}"))?;
+            let c = h
+                .in_ns("nbd-server")
+                .args(["-d", "-C"])
+                .arg(&conf)
+                .spawn()
+                .map_err(|e| format!("nbd-server: {e}"))?;
+            h.children.push(("nbd-server", c));
+            wait_port(&ns, NBD_SERVER_PORT)?;
+        }
+        if servers.nbdkit {
+            let c = h
+                .in_ns("nbdkit")
+                .args(["-f", "-i", ADDR, "-p", &NBDKIT_PORT.to_string(), "file"])
+                .arg(disk)
+                .spawn()
+                .map_err(|e| format!("nbdkit: {e}"))?;
+            h.children.push(("nbdkit", c));
+            wait_port(&ns, NBDKIT_PORT)?;
+        }
+        Ok(h)
+    }
+
+    fn in_ns(&self, prog: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns, prog])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        c
+    }
+
+    /// Starts (or starts again) `vblade` exporting the disk as [`SHELF`].[`SLOT`].
+    pub fn start_vblade(&mut self) -> Result<(), String> {
+        let c = self
+            .in_ns("vblade")
+            .args([&SHELF.to_string(), &SLOT.to_string(), &self.ifname])
+            .arg(&self.disk)
+            .spawn()
+            .map_err(|e| format!("vblade: {e}"))?;
+        self.children.push(("vblade", c));
+        Ok(())
+    }
+
+    /// Kills `vblade` (the fault test): frames sent meanwhile go unanswered.
+    pub fn kill_vblade(&mut self) {
+        self.children.retain_mut(|(name, c)| {
+            if *name == "vblade" {
+                let _ = c.kill();
+                let _ = c.wait();
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// The namespace's name (to run a client in it).
+    pub fn namespace(&self) -> &str {
+        &self.ns
+    }
+}
+
+/// Waits until something listens on `port` in `ns` (a server's start), 5 s at most.
+fn wait_port(ns: &str, port: u16) -> Result<(), String> {
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "ss",
+                "-Hltn",
+                &format!("sport = :{port}"),
+            ])
+            .output()
+            .map_err(|e| format!("ss: {e}"))?;
+        if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("nothing listens on port {port} in {ns}"))
+}
+
+impl Drop for RemoteHost {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}
