@@ -96,5 +96,6 @@ pub fn registry() -> Vec<Experiment> {
         experiments::iosup::EXPERIMENT,
         experiments::nakajima::EXPERIMENT,
         experiments::raj::EXPERIMENT,
+        experiments::rvbd::EXPERIMENT,
     ]
 }

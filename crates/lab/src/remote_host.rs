@@ -27,6 +27,11 @@ pub const ADDR: &str = "10.78.0.1";
 pub const SHELF: u16 = 1;
 /// The vblade target's slot.
 pub const SLOT: u8 = 1;
+/// The remote host's address on the veth pair to the host's own namespace (where the
+/// floor's clients run, without any virtualization).
+pub const VETH_ADDR: &str = "10.79.0.1";
+/// The host's end of that pair.
+pub const VETH_HOST_ADDR: &str = "10.79.0.2";
 /// nbd-server's port.
 pub const NBD_SERVER_PORT: u16 = 10809;
 /// nbdkit's port.
@@ -117,62 +122,92 @@ pub struct Servers {
 #[derive(Debug)]
 pub struct RemoteHost {
     ns: String,
+    /// The host's end of the veth pair, if made.
+    veth: Option<String>,
     ifname: String,
     disk: PathBuf,
     children: Vec<(&'static str, Child)>,
 }
 
 impl RemoteHost {
-    /// Makes namespace `pvio-rh<pid>` with the cable's TAP (`tap`, already open; its
-    /// interface `ifname`) in it at [`ADDR`], and starts `servers` on `disk`.
-    pub fn start(ifname: &str, disk: &Path, servers: Servers) -> Result<Self, String> {
+    /// Makes namespace `pvio-rh<pid>`, with the cable's TAP interface `cable` (already
+    /// open by the caller) in it at [`ADDR`] if given, and starts `servers` on `disk`.
+    /// `vblade` needs the cable.
+    pub fn start(cable: Option<&str>, disk: &Path, servers: Servers) -> Result<Self, String> {
         let ns = format!("pvio-rh{}", std::process::id() % 100_000);
         let _ = ip(&["netns", "del", &ns]);
         ip(&["netns", "add", &ns])?;
         let mut h = Self {
             ns: ns.clone(),
-            ifname: ifname.to_string(),
+            ifname: cable.unwrap_or_default().to_string(),
             disk: disk.to_path_buf(),
             children: Vec::new(),
+            veth: None,
         };
-        ip(&["link", "set", "dev", ifname, "netns", &ns])?;
-        ip(&[
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            &format!("{ADDR}/24"),
-            "dev",
-            ifname,
-        ])?;
-        ip(&["-n", &ns, "link", "set", "dev", ifname, "up"])?;
+        if let Some(ifname) = cable {
+            ip(&["link", "set", "dev", ifname, "netns", &ns])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{ADDR}/24"),
+                "dev",
+                ifname,
+            ])?;
+            ip(&["-n", &ns, "link", "set", "dev", ifname, "up"])?;
+        }
         ip(&["-n", &ns, "link", "set", "dev", "lo", "up"])?;
         if servers.vblade {
             h.start_vblade()?;
+        }
+        if servers.nbd_server || servers.nbdkit {
+            // The floor's clients reach the NBD servers from the host's namespace.
+            let (a, b) = (format!("{ns}a"), format!("{ns}b"));
+            let _ = ip(&["link", "del", &a]);
+            ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+            h.veth = Some(a.clone());
+            ip(&["link", "set", "dev", &b, "netns", &ns])?;
+            ip(&["addr", "add", &format!("{VETH_HOST_ADDR}/24"), "dev", &a])?;
+            ip(&["link", "set", "dev", &a, "up"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{VETH_ADDR}/24"),
+                "dev",
+                &b,
+            ])?;
+            ip(&["-n", &ns, "link", "set", "dev", &b, "up"])?;
         }
         if servers.nbd_server {
             let conf = std::env::temp_dir().join(format!("pvio-nbd-{}.conf", std::process::id()));
             std::fs::write(
                 &conf,
                 format!(
-                    "[generic]\nport = {NBD_SERVER_PORT}\nlistenaddr = {ADDR}\nallowlist = true\n\n[disk]\nexportname = {}\n",
+                    "[generic]\nport = {NBD_SERVER_PORT}\nallowlist = true\n\n[disk]\nexportname = {}\n",
                     disk.display()
                 ),
             )
             .map_err(|e| format!("nbd-server config: {e}"))?;
-            let c = h
+            // It forks to serve each connection (with -d it would serve one and
+            // exit); the parent returns, and the namespace's teardown ends the rest.
+            let st = h
                 .in_ns("nbd-server")
-                .args(["-d", "-C"])
+                .arg("-C")
                 .arg(&conf)
-                .spawn()
+                .status()
                 .map_err(|e| format!("nbd-server: {e}"))?;
-            h.children.push(("nbd-server", c));
+            if !st.success() {
+                return Err(format!("nbd-server: {st}"));
+            }
             wait_port(&ns, NBD_SERVER_PORT)?;
         }
         if servers.nbdkit {
             let c = h
                 .in_ns("nbdkit")
-                .args(["-f", "-i", ADDR, "-p", &NBDKIT_PORT.to_string(), "file"])
+                .args(["-f", "-p", &NBDKIT_PORT.to_string(), "file"])
                 .arg(disk)
                 .spawn()
                 .map_err(|e| format!("nbdkit: {e}"))?;
@@ -193,6 +228,9 @@ impl RemoteHost {
 
     /// Starts (or starts again) `vblade` exporting the disk as [`SHELF`].[`SLOT`].
     pub fn start_vblade(&mut self) -> Result<(), String> {
+        if self.ifname.is_empty() {
+            return Err("vblade needs the cable's interface".into());
+        }
         let c = self
             .in_ns("vblade")
             .args([&SHELF.to_string(), &SLOT.to_string(), &self.ifname])
@@ -250,6 +288,18 @@ impl Drop for RemoteHost {
         for (_, c) in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // Whatever else runs in the namespace (nbd-server's daemon and its children).
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.ns])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").arg(pid).status();
+            }
+        }
+        if let Some(v) = &self.veth {
+            let _ = ip(&["link", "del", v]);
         }
         let _ = ip(&["netns", "del", &self.ns]);
     }

@@ -82,7 +82,7 @@ fn rig(name: &str, guests: Vec<GuestSpec>) -> (PathBuf, RemoteHost, Machine) {
     let (file, ifname) =
         mem::tap::open_tap(&format!("pvrv{}", std::process::id() % 10_000)).expect("tap");
     let host = RemoteHost::start(
-        &ifname,
+        Some(&ifname),
         &disk,
         Servers {
             vblade: true,

@@ -9,6 +9,7 @@ pub mod iosup;
 pub mod nakajima;
 pub mod raj;
 pub mod restart;
+pub mod rvbd;
 pub mod santos08;
 pub mod soak;
 pub mod up_bench;
