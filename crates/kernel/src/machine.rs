@@ -97,6 +97,9 @@ pub enum Disk {
     },
 }
 
+/// The MAC the SV-NIC's block service sends from.
+pub const SVNIC_AOE_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0xae, 0x02];
+
 /// The MAC the driver domain's AoE initiators send from.
 pub const DRIVER_AOE_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0xae, 0x01];
 
@@ -264,6 +267,8 @@ pub struct Machine {
     /// The self-virtualized NIC, in its layout.
     /// The SV-NIC and its device domain.
     svnic: Option<(dev::svnic::device::Svnic<hv::OwnPage>, DomId)>,
+    /// The SV-NIC's block service, if its guests have remote disks.
+    block_engine: Option<dev::svnic::block::BlockEngine>,
     stop: Arc<AtomicBool>,
     kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
     /// Where each running kernel's counters are asked for.
@@ -416,6 +421,7 @@ impl Machine {
             domains: Vec::new(),
             nic: None,
             svnic: None,
+            block_engine: None,
             stop: Arc::new(AtomicBool::new(false)),
             kernels: Vec::new(),
             doors: Vec::new(),
@@ -733,7 +739,11 @@ impl Machine {
         }
         // A grant for each page of each region (512 entries a frame, v1 or v2), the
         // table's frames out of the device's own memory.
-        let region_pages = VIF_PAGES * guests.len().max(1);
+        // Block guests have no VIF of their own; the block service has one queue pair.
+        let is_block = |g: &SvnicGuestSpec| matches!(g.app, crate::svnic_guest::SvnicApp::Block(_));
+        let n_disks = guests.iter().filter(|g| is_block(g)).count();
+        let n_vifs = guests.len() - n_disks + usize::from(n_disks > 0);
+        let region_pages = VIF_PAGES * n_vifs.max(1);
         let grant_frames = region_pages.div_ceil(512) as u32 + 1;
         let device = hv.create_domain(&DomainConfig {
             name: "svnic".into(),
@@ -741,7 +751,8 @@ impl Machine {
             grant_frames,
             grant_version: self.grant_version,
             vcpus: 1,
-            map_slots: 4,
+            // The block service maps its guests' rings and pages.
+            map_slots: 4 + n_disks as u32 * VBD_WINDOW_SLOTS,
             driver_domain: false,
         })?;
         let ctl = mk(&hv, "controller", false, 4)?;
@@ -758,7 +769,37 @@ impl Machine {
             Controller,
             ready,
         )?;
+        let mut vbds = Vec::new();
+        let mut vif_ids = 0u16;
         for (i, g) in guests.into_iter().enumerate() {
+            if let crate::svnic_guest::SvnicApp::Block(b) = g.app {
+                let Disk::Aoe { major, minor } = b.disk else {
+                    return Err(other(
+                        "an SV-NIC serves remote disks only (ATA over Ethernet)",
+                    ));
+                };
+                let dom = mk(&hv, &g.name, false, 4)?;
+                blk::xenbus::create_vbd(hv.store(), device.id(), dom.id(), XVDA, false)
+                    .map_err(other)?;
+                let mut cfg = InitiatorConfig::new(SVNIC_AOE_MAC, major, minor);
+                cfg.tag_prefix = vbds.len() as u8;
+                let slot = 4 + vbds.len() as u32 * VBD_WINDOW_SLOTS;
+                vbds.push(RemoteVbd::new(
+                    &hv,
+                    &device,
+                    dom.id(),
+                    XVDA,
+                    slot,
+                    cfg,
+                    b.persistent,
+                ));
+                let k = crate::block::BlockGuest::waiting(&hv, &dom, XVDA, b.persistent, b.job)?;
+                let at = start(core(g.core.unwrap_or(1 + i)));
+                self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
+                continue;
+            }
+            let i = usize::from(vif_ids);
+            vif_ids += 1;
             let dom = mk(&hv, &g.name, false, VIF_PAGES as u32 + 4)?;
             let vector = Vector(SVNIC_VECTOR_BASE + i as u8);
             let port = hv.bind_irq(&dom, vector).map_err(other)?;
@@ -776,6 +817,33 @@ impl Machine {
             let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, g.app)?;
             let at = start(core(g.core.unwrap_or(1 + i)));
             self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
+        }
+        if !vbds.is_empty() {
+            // The block service's queue pair: a VIF of the device's own, after the
+            // guests', whose MAC the ingress contexts demultiplex to it.
+            use dev::svnic::vif::{VifDevice, VifRegion, BUF_PAGES};
+            let id = vif_ids;
+            let region = VifRegion::create(&device, device.id()).map_err(other)?;
+            let d = VifDevice::new(region.device_pages(&device).map_err(other)?).map_err(other)?;
+            let signal = dev::svnic::device::VifSignal {
+                vector: Vector(SVNIC_VECTOR_BASE + id as u8),
+                bit: svnic.assign_bit(),
+            };
+            if !svnic.add_vif(id, SVNIC_AOE_MAC, d.tx, d.rx, signal) {
+                return Err(other("no VIF id left for the block service"));
+            }
+            let front = VifFront::new(region.device_pages(&device).map_err(other)?)
+                .with_doorbell(svnic.doorbell());
+            let engine = dev::svnic::block::BlockEngine::start(dev::svnic::block::BlockService {
+                vbds,
+                front,
+                rx_gfns: region.gfns[2 + BUF_PAGES..].to_vec(),
+                device: Arc::clone(&device),
+                core: config.cores.block,
+                idle: config.idle,
+            })
+            .map_err(other)?;
+            self.block_engine = Some(engine);
         }
         self.svnic = Some((svnic, device.id()));
         Ok(())
@@ -996,6 +1064,21 @@ impl Machine {
         let mut c = self.halt()?;
         if let Some(r) = regs {
             c.add_set("nic", &*r);
+        }
+        if let Some(b) = self.block_engine.take() {
+            c.add_set("svnic block engine", &**b.stats());
+            for v in b.stop() {
+                let name = format!("rvbd{}", v.frontend().0);
+                if let Some(bk) = v.backend() {
+                    c.add_set("blkback", bk.stats());
+                    c.add_set(&name, bk.stats());
+                }
+                if let Some(a) = v.aoe_stats() {
+                    c.add_set("aoe", a);
+                }
+                c.add(&name, "connect_failed", u64::from(v.failed().is_some()));
+                v.disconnect();
+            }
         }
         if let Some((dev, _)) = self.svnic.take() {
             // Stopped first: what its threads did last is in the counters.

@@ -68,6 +68,10 @@ pub enum SvnicApp {
     /// A TAP: the guest's stack is its network namespace's (`pvio up`). Frames are at
     /// most an MTU: the TAP takes no offloads.
     Tap(Box<dev::tap::TapPort>),
+    /// No VIF: a remote virtual disk the device serves itself (its block service, the
+    /// device-centric RVBD; the disk must be [`crate::machine::Disk::Aoe`]) and a
+    /// block job above blkfront.
+    Block(Box<crate::machine::BlockSpec>),
 }
 
 /// A raw application's set-up.
@@ -148,6 +152,9 @@ impl SvnicGuest {
                 let (h, g) = (Arc::clone(hv), Arc::clone(dom));
                 tap.set_wake(move || h.kick_vcpu(&g, 0));
                 Above::Tap(tap)
+            }
+            SvnicApp::Block(_) => {
+                return Err(other("a block guest has no VIF: the machine builds it"));
             }
         };
         front.set_rx_signal(true).map_err(other)?;

@@ -58,6 +58,8 @@ pub struct DeviceCores {
     pub ingress: Option<usize>,
     /// The sidecore (with [`SignalMode::Sidecore`]).
     pub sidecore: Option<usize>,
+    /// The block service's engine ([`super::block`]), if the device runs it.
+    pub block: Option<usize>,
 }
 
 /// What the device's threads do when they find nothing to do.

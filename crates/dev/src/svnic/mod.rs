@@ -9,6 +9,8 @@
 //! * [`engine`]: the micro-engines: egress contexts serving disjoint sets of send
 //!   queues, ingress contexts placing the wire's frames in order, Figure 8's stage
 //!   times;
+//! * [`block`]: the block virtualization service: the remote virtual block device's
+//!   local back end on a device core of its own, speaking ATA over Ethernet;
 //! * [`device`]: the running device: its engines on device cores, its cable, its
 //!   signals, VIFs added and removed while it runs;
 //! * [`mgmt`]: the management API through the store: the toolstack's requests (create
@@ -20,6 +22,7 @@
 //! The register and the channel live with the device and the hypervisor; no guest
 //! holds a handle to either, so no guest can use them to signal another.
 
+pub mod block;
 pub mod device;
 pub mod engine;
 pub mod mgmt;

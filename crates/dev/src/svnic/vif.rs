@@ -566,6 +566,16 @@ impl<P: PageAccess> VifFront<P> {
         &mut self,
         copy: impl FnOnce(&P, usize, usize) -> Result<T, VifError>,
     ) -> Result<Option<T>, VifError> {
+        self.recv_at(|p, _page, offset, len| copy(p, offset, len))
+    }
+
+    /// As [`VifFront::recv_with`], also telling `copy` which of the region's receive
+    /// pages holds the frame (its index among them), for a reader that reaches the
+    /// page by its frame rather than through `P` (the device's own block service).
+    pub fn recv_at<T>(
+        &mut self,
+        copy: impl FnOnce(&P, usize, usize, usize) -> Result<T, VifError>,
+    ) -> Result<Option<T>, VifError> {
         if self.rx_pending()? == 0 {
             return Ok(None);
         }
@@ -583,7 +593,7 @@ impl<P: PageAccess> VifFront<P> {
             .rx
             .get(page)
             .ok_or(MemError::NotMapped(page as u32))?;
-        let r = copy(p, offset, len)?;
+        let r = copy(p, page, offset, len)?;
         self.rx_cons = i.wrapping_add(1);
         self.pages
             .guest
