@@ -120,6 +120,8 @@ struct JobRun {
     lat_us: Vec<f64>,
     completed: u64,
     errors: u64,
+    submitted: u64,
+    retransmits: u64,
     corrupt: u64,
     elapsed: Duration,
     guest_cpu_ns: f64,
@@ -157,9 +159,11 @@ fn job(
 }
 
 /// Runs one job on a fresh machine whose guest's disk is on `path`.
+#[allow(clippy::too_many_arguments)]
 fn run_job(
     path: Where,
     disk: &Path,
+    outage: Option<Duration>,
     op: JobOp,
     pattern: Pattern,
     bytes: u32,
@@ -269,7 +273,19 @@ fn run_job(
     );
     let t0 = Instant::now();
     let bound = Duration::from_secs(120);
+    let mut host = host;
+    let mut outage = outage;
     while counters.completed.load(Ordering::Relaxed) < limit && t0.elapsed() < bound {
+        // The fault run: vblade killed a quarter of the way in, started again after
+        // the outage.
+        if let (Some(o), Some(h)) = (outage, host.as_mut()) {
+            if counters.completed.load(Ordering::Relaxed) >= limit / 4 {
+                h.kill_vblade();
+                std::thread::sleep(o);
+                h.start_vblade().map_err(LabError::Other)?;
+                outage = None;
+            }
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
     let elapsed = t0.elapsed();
@@ -278,7 +294,7 @@ fn run_job(
         cpu(&m, Role::DriverDomain),
         device_cpu(),
     );
-    m.stop().map_err(|e| LabError::Other(e.to_string()))?;
+    let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
     drop(host);
     let completed = counters.completed.load(Ordering::Relaxed);
     let per = |a: Duration, b: Duration| {
@@ -288,6 +304,8 @@ fn run_job(
         lat_us: lat.since(0).iter().map(|&ns| ns as f64 / 1000.0).collect(),
         completed,
         errors: counters.errors.load(Ordering::Relaxed),
+        submitted: counters.submitted.load(Ordering::Relaxed),
+        retransmits: c.get("aoe", "retransmits"),
         corrupt: counters.corrupt.load(Ordering::Relaxed),
         elapsed,
         guest_cpu_ns: per(g0, g1),
@@ -388,6 +406,7 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             let j = run_job(
                 path,
                 disk,
+                None,
                 JobOp::Read,
                 Pattern::Sequential,
                 bytes,
@@ -413,7 +432,16 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
     }
     // Random 4 KiB reads: queue depth 1 and 32.
     for path in Where::ALL {
-        let j = run_job(path, disk, JobOp::Read, Pattern::Random(11), 4096, 1, qd1_n)?;
+        let j = run_job(
+            path,
+            disk,
+            None,
+            JobOp::Read,
+            Pattern::Random(11),
+            4096,
+            1,
+            qd1_n,
+        )?;
         corrupt += j.corrupt;
         errors += j.errors + (qd1_n - j.completed);
         let row = r.row(
@@ -448,6 +476,7 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         let j = run_job(
             path,
             disk,
+            None,
             JobOp::Read,
             Pattern::Random(12),
             4096,
@@ -464,6 +493,39 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             &[iops],
         );
     }
+    // The fault: vblade killed a quarter of the way through a run of random reads on
+    // the SV-NIC RVBD and started again 300 ms later.
+    let fault_n = qd1_n.max(400) as u64;
+    let j = run_job(
+        Where::SvnicRvbd,
+        disk,
+        Some(Duration::from_millis(300)),
+        JobOp::Read,
+        Pattern::Random(13),
+        16 * 1024,
+        4,
+        fault_n,
+    )?;
+    corrupt += j.corrupt;
+    r.row(
+        "fault: vblade killed for 300 ms",
+        "SV-NIC RVBD, 16 KiB random reads, 4 in flight: longest response",
+        "ms",
+        &[j.lat_us.iter().copied().fold(0.0, f64::max) / 1000.0],
+    );
+    r.row(
+        "fault: vblade killed for 300 ms",
+        "frames sent again",
+        "frames",
+        &[j.retransmits as f64],
+    );
+    let lost_or_doubled =
+        fault_n.abs_diff(j.completed) + j.submitted.abs_diff(j.completed) + j.errors;
+    r.check_none(
+        "requests lost, doubled or failed across the fault (vblade killed and started again)",
+        lost_or_doubled,
+        "requests",
+    );
     // The floor: the host's own NBD client, no virtualization.
     let host = RemoteHost::start(
         None,
@@ -559,10 +621,19 @@ mod tests {
         }
         for row in &r.rows {
             assert!(
-                row.stats.median.is_finite() && row.stats.median > 0.0,
+                row.stats.median.is_finite() && row.stats.median >= 0.0,
                 "{}",
                 row.name
             );
+            if row.unit == "µs" && !row.group.starts_with("CPU") {
+                assert!(row.stats.median > 0.0, "{}", row.name);
+            }
         }
+        assert!(
+            r.checks
+                .iter()
+                .any(|c| c.what.starts_with("requests lost, doubled") && c.met),
+            "the fault run loses and doubles nothing"
+        );
     }
 }
