@@ -495,7 +495,7 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
     }
     // The fault: vblade killed a quarter of the way through a run of random reads on
     // the SV-NIC RVBD and started again 300 ms later.
-    let fault_n = qd1_n.max(400) as u64;
+    let fault_n = qd1_n.max(400);
     let j = run_job(
         Where::SvnicRvbd,
         disk,
