@@ -370,7 +370,10 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
             }
             settled = n;
         }
-        assert!(settled <= next as u64, "no message twice: {settled} of {next} sent");
+        assert!(
+            settled <= next as u64,
+            "no message twice: {settled} of {next} sent"
+        );
         delivered(&mut next, settled + 40);
     }
     assert_eq!(c.corrupt.load(Ordering::Relaxed), 0);
