@@ -344,13 +344,18 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         Mode::Smoke => (20, 40, 200, 1),
     };
     r.setup = format!(
-        "One guest on core 1 runs the block job above blkfront; the driver domain on core 0 \
-         runs blkback (local VBD, a {} MiB backing file on tmpfs) or the AoE initiator \
-         (host-centric RVBD) with the NIC driver, whose cable is a TAP into a namespace \
-         where Debian's vblade serves the same file (floating). The floor: fio's nbd engine \
-         (libnbd) pinned to core 1 in the host's namespace, against nbd-server and nbdkit \
-         (floating) in the remote namespace over a veth pair. Persistent grants on. Requests \
-         per point: sequential {seq_n}, random QD1 {qd1_n}, random QD32 {qd32_n}; fio {fio_secs} s.",
+        "One guest on core 1 runs the block job above blkfront. Local VBD: the driver \
+         domain on core 0 runs blkback on a {} MiB backing file on tmpfs. Host-centric RVBD: \
+         the driver domain runs the AoE initiator beside the NIC driver, whose cable is a TAP \
+         into a namespace where Debian's vblade serves the same file (floating). SV-NIC RVBD: \
+         the guest has no VIF; the SV-NIC's block engine (a device thread) serves its ring and \
+         speaks AoE through the device's own queue pair on the same cable, the engines and the \
+         sidecore polling and floating, the controller domain on core 0; without the bounce \
+         copy the sectors go straight into the guest's pages (grants mapped per request), with \
+         it through a pool of persistent grants the front end copies out of. The floor: fio's \
+         nbd engine (libnbd) pinned to core 1 in the host's namespace, against nbd-server and \
+         nbdkit (floating) in the remote namespace over a veth pair. Requests per point: \
+         sequential {seq_n}, random QD1 {qd1_n}, random QD32 {qd32_n}; fio {fio_secs} s.",
         SECTORS / 2048
     );
     r.config = serde_json::json!({
