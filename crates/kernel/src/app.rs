@@ -44,6 +44,18 @@ pub enum Proto {
     /// one stream of [`net::tcp::stream_byte`]s as fast as the window allows (netperf's
     /// TCP_STREAM sender, iperf's client); its counters count what it wrote.
     TcpSend,
+    /// The guest's NBD client at the flow's source, connecting to the server at its
+    /// destination, with a block job above it ([`AppSpec::nbd`]).
+    Nbd,
+}
+
+/// An NBD client's export and the block job that uses it.
+#[derive(Debug, Clone)]
+pub struct NbdSpec {
+    /// The export's name (`nbd-server`'s section; `nbdkit`'s is empty).
+    pub export: String,
+    /// The block job above the client.
+    pub job: crate::block::BlockJobSpec,
 }
 
 /// What the application is told to expect.
@@ -60,6 +72,8 @@ pub struct AppSpec {
     pub counters: Arc<AppCounters>,
     /// Where it reports each message's one-way latency from the wire, if measured.
     pub latency: Option<Arc<dev::wire::LatencyProbe>>,
+    /// With [`Proto::Nbd`]: the export and the job.
+    pub nbd: Option<NbdSpec>,
 }
 
 /// The application: its socket, its user buffer, and a scratch copy of each message
@@ -330,6 +344,120 @@ pub enum AppStack {
     Udp(Box<(Stack, UdpReceiver)>),
     /// TCP.
     Tcp(Box<TcpApp>),
+    /// TCP carrying the NBD client under a block job.
+    Nbd(Box<NbdApp>),
+}
+
+/// The guest's TCP, its NBD client and the block job above it.
+#[derive(Debug)]
+pub struct NbdApp {
+    host: TcpHost,
+    sock: smoltcp::iface::SocketHandle,
+    client: crate::nbd::NbdClient,
+    job: crate::block::BlockJob,
+    dom: Arc<Domain>,
+    timer: Option<Duration>,
+    said_goodbye: bool,
+}
+
+/// The client and its socket as the job's queue.
+struct NbdQueue<'a> {
+    client: &'a mut crate::nbd::NbdClient,
+    sock: &'a mut smoltcp::socket::tcp::Socket<'static>,
+    dom: &'a Domain,
+}
+
+impl crate::block::BlockQueue for NbdQueue<'_> {
+    fn submit(
+        &mut self,
+        tag: u64,
+        bio: &blk::blkfront::Bio<'_>,
+    ) -> Result<(), blk::blkfront::SubmitError> {
+        self.client.submit(self.sock, self.dom, tag, bio)
+    }
+}
+
+impl NbdApp {
+    /// A client at the flow's source connecting to the server at its destination.
+    pub fn bind(dom: &Arc<Domain>, spec: &AppSpec, now: Duration) -> Result<Self, BuildError> {
+        let nbd = spec
+            .nbd
+            .as_ref()
+            .ok_or_else(|| other("an NBD application needs its export and job"))?;
+        let f = spec.flow;
+        let seed = u64::from(dom.id().0) << 16 | 0xb0d;
+        let mut host = TcpHost::new(f.src_ip, f.src_mac, now, seed);
+        let sock = host
+            .open(Open::Connect {
+                from: f.src_port,
+                to: f.dst_ip,
+                port: f.dst_port,
+            })
+            .map_err(other)?;
+        // Requests go as they come (each is a whole message).
+        host.socket(sock).set_nagle_enabled(false);
+        Ok(Self {
+            host,
+            sock,
+            client: crate::nbd::NbdClient::new(&nbd.export),
+            job: crate::block::BlockJob::new(dom, nbd.job.clone())?,
+            dom: Arc::clone(dom),
+            timer: None,
+            said_goodbye: false,
+        })
+    }
+
+    /// One received frame into the stack's ring.
+    pub fn input(&mut self, pool: &mut SkbPool, skb: SkbId) {
+        let _c = enter(Class::Network);
+        let len = pool.len(skb);
+        let valid = pool.csum_valid(skb);
+        self.host
+            .input(len, valid, |b| pool.read(skb, 0, b).is_ok());
+        pool.free(skb);
+    }
+
+    /// Runs the stack, the client and the job: replies taken, completions to the job,
+    /// its next requests sent. Returns the completions and the frames sent.
+    pub fn run(&mut self, now: Duration, mut send: impl FnMut(&[u8]) -> bool) -> (usize, usize) {
+        {
+            let _c = enter(Class::Network);
+            self.host.poll(now);
+        }
+        let s = self.host.socket(self.sock);
+        self.client.recv(s, &self.dom);
+        let job = &mut self.job;
+        let done = self.client.take_completions(|c| job.done(c));
+        let mut q = NbdQueue {
+            client: &mut self.client,
+            sock: self.host.socket(self.sock),
+            dom: &self.dom,
+        };
+        let sent = self.job.submit(&mut q);
+        if !self.said_goodbye && !self.job.busy() && self.job.finished() {
+            self.client.disconnect(self.host.socket(self.sock));
+            self.said_goodbye = true;
+        }
+        let _c = enter(Class::Network);
+        if sent > 0 || done > 0 {
+            self.host.poll(now);
+        }
+        let frames = self.host.output(&mut send);
+        self.timer = self.host.poll_at(now);
+        (done + sent, frames)
+    }
+
+    /// When the stack next needs its timer.
+    pub fn next_timer(&self) -> Option<Duration> {
+        self.timer
+    }
+
+    /// The client's and the stack's counters.
+    pub fn counters(&self, c: &mut Counters) {
+        c.add_set("tcp", self.host.stats());
+        c.add_set("nbd", self.client.stats());
+        c.add("nbd", "broken", u64::from(self.client.broken().is_some()));
+    }
 }
 
 impl AppStack {
@@ -340,6 +468,7 @@ impl AppStack {
             Proto::TcpStream | Proto::TcpRr | Proto::TcpSend => {
                 Self::Tcp(Box::new(TcpApp::bind(dom, spec, now)?))
             }
+            Proto::Nbd => Self::Nbd(Box::new(NbdApp::bind(dom, spec, now)?)),
         })
     }
 
@@ -348,6 +477,7 @@ impl AppStack {
         match self {
             Self::Udp(u) => u.0.input(pool, skb, now),
             Self::Tcp(t) => t.input(pool, skb),
+            Self::Nbd(n) => n.input(pool, skb),
         }
     }
 
@@ -365,6 +495,7 @@ impl AppStack {
                 (app.run(stack, pool), 0)
             }
             Self::Tcp(t) => t.run(now, |f| send(pool, f)),
+            Self::Nbd(n) => n.run(now, |f| send(pool, f)),
         }
     }
 
@@ -380,6 +511,7 @@ impl AppStack {
         match self {
             Self::Udp(u) => u.0.next_timer(),
             Self::Tcp(t) => t.next_timer(),
+            Self::Nbd(n) => n.next_timer(),
         }
     }
 
@@ -391,6 +523,7 @@ impl AppStack {
                 c.add_set("reassembly", u.0.reasm_stats());
             }
             Self::Tcp(t) => c.add_set("tcp", t.stats()),
+            Self::Nbd(n) => n.counters(c),
         }
     }
 

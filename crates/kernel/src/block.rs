@@ -25,6 +25,18 @@ use hv::{Domain, Gfn, Hypervisor, Port, Vcpu, PAGE_SIZE};
 use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters};
 
+/// What a job submits its bios to: blkfront, or the guest's NBD client.
+pub trait BlockQueue {
+    /// Takes `bio` under `tag`, or says why not (`Busy`: try after a completion).
+    fn submit(&mut self, tag: u64, bio: &Bio<'_>) -> Result<(), blk::blkfront::SubmitError>;
+}
+
+impl BlockQueue for Blkfront {
+    fn submit(&mut self, tag: u64, bio: &Bio<'_>) -> Result<(), blk::blkfront::SubmitError> {
+        Blkfront::submit(self, tag, bio)
+    }
+}
+
 /// Where a job's requests go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pattern {
@@ -185,9 +197,9 @@ impl BlockJob {
         }
     }
 
-    /// Fills free slots with requests while the job has some left and the ring has
+    /// Fills free slots with requests while the job has some left and the queue has
     /// room; returns how many it submitted (the caller kicks).
-    pub fn submit(&mut self, front: &mut Blkfront) -> usize {
+    pub fn submit(&mut self, front: &mut impl BlockQueue) -> usize {
         let _u = enter(Class::User);
         let mut n = 0;
         for i in 0..self.slots.len() {
@@ -261,6 +273,11 @@ impl BlockJob {
                 k.corrupt.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Whether the job has submitted all it was to.
+    pub fn finished(&self) -> bool {
+        self.spec.limit.is_some_and(|l| self.submitted >= l)
     }
 
     /// Whether requests are in flight.

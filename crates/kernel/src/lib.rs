@@ -26,6 +26,7 @@ pub mod hostile;
 pub mod machine;
 pub mod mm;
 pub mod native;
+pub mod nbd;
 pub mod probe;
 pub mod pv_guest;
 pub mod svnic_guest;

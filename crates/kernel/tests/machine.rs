@@ -90,6 +90,7 @@ fn app(flow: UdpFlow, len: usize) -> (AppSpec, Arc<AppCounters>) {
         proto: kernel::app::Proto::Udp,
         counters: Arc::clone(&c),
         latency: None,
+        nbd: None,
     };
     (s, c)
 }

@@ -118,6 +118,7 @@ fn run(
                 proto: kernel::app::Proto::Udp,
                 counters: c,
                 latency: None,
+                nbd: None,
             }),
             priority: None,
             core: None,
@@ -391,6 +392,7 @@ fn tcp_streams_cross_two_sv_nic_hosts_intact_with_device_threads_that_sleep_when
             proto,
             counters: c,
             latency: None,
+            nbd: None,
         })
     };
     let (a, b) = dev::peer::crossover(dev::peer::WireRate::GIGABIT);

@@ -59,6 +59,7 @@ fn start_with(
         proto,
         counters: Arc::clone(&counters),
         latency: None,
+        nbd: None,
     };
     let (peer, source, sink) = TcpPeer::start(PeerSpec {
         ip: f.src_ip,

@@ -400,6 +400,7 @@ impl Running {
             proto: kernel::app::Proto::Udp,
             counters: Arc::clone(&app),
             latency: latency.clone(),
+            nbd: None,
         };
         let mut svnic = None;
         let (nic, guests) = match plumbing {

@@ -174,6 +174,7 @@ impl TcpRunning {
             proto,
             counters: Arc::clone(&app),
             latency: None,
+            nbd: None,
         };
         let (guest_core, peer_core) = match (o.receiver, o.placement) {
             (Receiver::Native, Placement::OneCore) => (None, core(0)),

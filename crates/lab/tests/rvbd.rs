@@ -297,3 +297,127 @@ fn the_svnic_block_service_serves_a_guests_remote_disk_from_its_own_core() {
     assert!(written > 200, "{written} blocks written");
     let _ = std::fs::remove_file(&disk);
 }
+
+/// A PV guest whose block job runs over its own NBD client and TCP, to `port`.
+fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -> GuestSpec {
+    use kernel::app::{AppCounters, AppSpec, NbdSpec, Proto};
+    let mac = [2, 0, 0, 0, 0, host];
+    GuestSpec {
+        name: name.into(),
+        mac,
+        rx_buffers: RxBuffers::Fragments,
+        grants: Grants::PerIo,
+        offloads: false,
+        above: Above::App(AppSpec {
+            flow: net::wire::UdpFlow {
+                src_mac: mac,
+                dst_mac: [0xff; 6],
+                src_ip: smoltcp::wire::Ipv4Address::new(10, 78, 0, host),
+                dst_ip: smoltcp::wire::Ipv4Address::new(10, 78, 0, 1),
+                src_port: 40_000,
+                dst_port: port,
+                mtu: net::wire::DEFAULT_MTU,
+            },
+            message: 0,
+            proto: Proto::Nbd,
+            counters: Arc::new(AppCounters::default()),
+            latency: None,
+            nbd: Some(NbdSpec {
+                export: export.into(),
+                job,
+            }),
+        }),
+        core: None,
+    }
+}
+
+#[test]
+fn the_guests_own_nbd_client_reads_and_writes_nbdkit_and_nbd_server_intact() {
+    use lab::remote_host::{NBDKIT_PORT, NBD_SERVER_PORT};
+    remote_host::ensure_packages(&remote_host::PACKAGES).expect("servers");
+    for (server, port, export) in [
+        ("nbdkit", NBDKIT_PORT, ""),
+        ("nbd-server", NBD_SERVER_PORT, "disk"),
+    ] {
+        let disk = PathBuf::from(format!("/dev/shm/pvio-nbd-{}-{server}", std::process::id()));
+        write_patterned(&disk, SECTORS).expect("backing file");
+        let (file, ifname) =
+            mem::tap::open_tap(&format!("pvnb{}", std::process::id() % 10_000)).expect("tap");
+        let host = RemoteHost::start(
+            Some(&ifname),
+            &disk,
+            Servers {
+                nbd_server: server == "nbd-server",
+                nbdkit: server == "nbdkit",
+                ..Servers::default()
+            },
+        )
+        .expect("remote host");
+        let mut wire = dev::tap::TapPort::start(file).expect("tap port");
+        let sink = wire.sink().expect("sink");
+        let (rd, rd_c) = job(
+            JobOp::Read,
+            Pattern::Random(9),
+            74 * 512,
+            4,
+            (0, SECTORS / 2),
+            200,
+        );
+        let (wr, wr_c) = job(
+            JobOp::Write,
+            Pattern::Sequential,
+            16384,
+            4,
+            (SECTORS / 2, SECTORS),
+            256,
+        );
+        let m = Machine::start(MachineSpec {
+            grant_version: GrantVersion::V1,
+            grant_path: GrantPath::Original,
+            sample: None,
+            nic: NicSpec {
+                coalesce: Coalesce::default(),
+                source: Box::new(wire),
+                sink: Box::new(sink),
+            },
+            layout: Layout::DriverDomain {
+                driver: DriverConfig::default(),
+                guests: vec![
+                    nbd_guest("reader", 2, port, export, rd),
+                    nbd_guest("writer", 3, port, export, wr),
+                ],
+            },
+        })
+        .expect("machine");
+        wait(&rd_c, 200, Duration::from_secs(30));
+        wait(&wr_c, 256, Duration::from_secs(30));
+        let c = m.stop().expect("stop");
+        drop(host);
+        assert_eq!(
+            rd_c.completed.load(Ordering::Relaxed),
+            200,
+            "{server}: {c:?}"
+        );
+        assert_eq!(rd_c.errors.load(Ordering::Relaxed), 0, "{server}");
+        assert_eq!(
+            rd_c.corrupt.load(Ordering::Relaxed),
+            0,
+            "{server}: every byte read is the file's"
+        );
+        assert_eq!(c.get("nbd", "broken"), 0);
+        assert_eq!(c.get("nbd", "read_bytes"), 200 * 74 * 512);
+        assert_eq!(wr_c.completed.load(Ordering::Relaxed), 256, "{server}");
+        assert_eq!(wr_c.errors.load(Ordering::Relaxed), 0, "{server}");
+        // The writer's 4 MiB are in the file, inverted; the first half as it was.
+        let f = std::fs::read(&disk).expect("file");
+        let half = (SECTORS / 2 * 512) as usize;
+        let mut want = vec![0u8; f.len()];
+        pattern_fill(0, &mut want[..half]);
+        inverted(half as u64, &mut want[half..]);
+        assert!(
+            f == want,
+            "{server}: the file holds exactly what was written"
+        );
+        let _ = std::fs::remove_file(&disk);
+    }
+}

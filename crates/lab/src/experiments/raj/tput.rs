@@ -70,6 +70,7 @@ fn once(design: Design, n: usize, warm: Duration, window: Duration) -> Result<Re
             proto,
             counters: c,
             latency: None,
+            nbd: None,
         })
     };
     let servers = host(design, b, n, server_mac, &|i| {
