@@ -140,6 +140,9 @@ struct JobRun {
     elapsed: Duration,
     guest_cpu_ns: f64,
     driver_cpu_ns: f64,
+    /// CPU per request by class (profiler samples apportioned over the exact CPU
+    /// time), guest and driver domain, classes with any samples.
+    classes: Vec<(&'static str, hv::profile::Class, f64)>,
 }
 
 /// The job's spec and its counters.
@@ -322,7 +325,7 @@ fn run_job(
     let m = Machine::start(MachineSpec {
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
-        sample: None,
+        sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
         nic,
         layout,
     })
@@ -334,6 +337,18 @@ fn run_job(
             .map(|(d, _)| d.cpu_time())
             .sum()
     };
+    let samples = |m: &Machine, role: Role| -> Vec<u64> {
+        let mut v = vec![0u64; 64];
+        for (d, _) in m.domains().iter().filter(|(_, r)| *r == role) {
+            for (i, n) in d.class_samples().counts.iter().enumerate() {
+                if let Some(x) = v.get_mut(i) {
+                    *x += n;
+                }
+            }
+        }
+        v
+    };
+    let (gs0, ds0) = (samples(&m, Role::Guest), samples(&m, Role::DriverDomain));
     let (g0, d0) = (cpu(&m, Role::Guest), cpu(&m, Role::DriverDomain));
     let t0 = Instant::now();
     let bound = Duration::from_secs(120);
@@ -354,12 +369,30 @@ fn run_job(
     }
     let elapsed = t0.elapsed();
     let (g1, d1) = (cpu(&m, Role::Guest), cpu(&m, Role::DriverDomain));
+    let (gs1, ds1) = (samples(&m, Role::Guest), samples(&m, Role::DriverDomain));
     let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
     drop(host);
     let completed = counters.completed.load(Ordering::Relaxed);
     let per = |a: Duration, b: Duration| {
         (b.saturating_sub(a)).as_nanos() as f64 / completed.max(1) as f64
     };
+    let mut classes = Vec::new();
+    for (who, s0, s1, cpu_ns) in [
+        ("guest", &gs0, &gs1, per(g0, g1)),
+        ("driver domain", &ds0, &ds1, per(d0, d1)),
+    ] {
+        let delta: Vec<u64> = s1.iter().zip(s0).map(|(b, a)| b - a).collect();
+        let total: u64 = delta.iter().sum();
+        if total == 0 {
+            continue;
+        }
+        for c in hv::profile::Class::ALL {
+            let n = delta.get(c as usize).copied().unwrap_or(0);
+            if n > 0 {
+                classes.push((who, c, cpu_ns * n as f64 / total as f64));
+            }
+        }
+    }
     Ok(JobRun {
         lat_us: lat.since(0).iter().map(|&ns| ns as f64 / 1000.0).collect(),
         completed,
@@ -370,6 +403,7 @@ fn run_job(
         elapsed,
         guest_cpu_ns: per(g0, g1),
         driver_cpu_ns: per(d0, d1),
+        classes,
     })
 }
 
@@ -528,6 +562,22 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             "µs",
             &[j.driver_cpu_ns / 1000.0],
         );
+        for (who, c, ns) in &j.classes {
+            // The guest's and the driver domain's kernel time by class (the profiler's
+            // samples over each domain's exact CPU time); hypervisor classes show as
+            // `xen`.
+            let class = if c.is_xen() {
+                format!("xen {}", c.name())
+            } else {
+                c.name().to_string()
+            };
+            r.row(
+                "CPU per request by class, QD1",
+                &format!("{} {who}: {class}", path.name()),
+                "µs",
+                &[ns / 1000.0],
+            );
+        }
         if path.aoe() {
             r.row(
                 "frames sent again (retransmissions), QD1",
