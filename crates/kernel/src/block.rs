@@ -86,8 +86,11 @@ pub struct BlockJobSpec {
     /// Requests to submit in all (none: until the machine stops).
     pub limit: Option<u64>,
     /// Fills a buffer with what the disk holds from byte `offset` on (reads are checked
-    /// against it).
+    /// against it when `verify`).
     pub expect: fn(u64, &mut [u8]),
+    /// Check every byte read against `expect` (off for a disk whose contents are not a
+    /// known pattern: a user's file under `pvio up`).
+    pub verify: bool,
     /// Fills a buffer with what a write puts from byte `offset` on.
     pub fill: fn(u64, &mut [u8]),
     /// Each completion's latency, ns.
@@ -255,7 +258,7 @@ impl BlockJob {
         }
         k.bytes
             .fetch_add(u64::from(self.spec.bytes), Ordering::Relaxed);
-        if self.spec.op == JobOp::Read {
+        if self.spec.op == JobOp::Read && self.spec.verify {
             let _u = enter(Class::User);
             let mut at = slot.sector * SECTOR_SIZE;
             let mut good = true;
@@ -429,6 +432,12 @@ impl Kernel for BlockGuest {
             "connect_failed",
             u64::from(self.connect_error.is_some()),
         );
+        let k = &self.job.spec.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        c.add("block job", "completed", l(&k.completed));
+        c.add("block job", "errors", l(&k.errors));
+        c.add("block job", "corrupt", l(&k.corrupt));
+        c.add("block job", "bytes", l(&k.bytes));
         c
     }
 

@@ -34,6 +34,8 @@ struct Kind {
     tx_packets: &'static str,
     tx_bytes: &'static str,
     drops: &'static [&'static str],
+    /// Bytes per unit of the byte counters (a sector's 512 for a block device).
+    unit: f64,
 }
 
 const NIC: Kind = Kind {
@@ -42,6 +44,7 @@ const NIC: Kind = Kind {
     tx_packets: "tx_frames",
     tx_bytes: "tx_bytes",
     drops: NicRegs::DROPS,
+    unit: 1.0,
 };
 const VIF: Kind = Kind {
     rx_packets: "rx_packets",
@@ -49,6 +52,7 @@ const VIF: Kind = Kind {
     tx_packets: "tx_packets",
     tx_bytes: "tx_bytes",
     drops: VifStats::DROPS,
+    unit: 1.0,
 };
 const TAP: Kind = Kind {
     rx_packets: "frames_in",
@@ -56,6 +60,17 @@ const TAP: Kind = Kind {
     tx_packets: "frames_out",
     tx_bytes: "bytes_out",
     drops: TapCounters::DROPS,
+    unit: 1.0,
+};
+/// A virtual block device's back end (`vbd<guest>`, `rvbd<guest>` for a remote disk):
+/// its reads as "rx" (the guest's data in), its writes as "tx", in sectors.
+const VBD: Kind = Kind {
+    rx_packets: "reads",
+    rx_bytes: "sectors_read",
+    tx_packets: "writes",
+    tx_bytes: "sectors_written",
+    drops: &["io_errors", "bad_grants", "id_in_flight"],
+    unit: 512.0,
 };
 
 /// A component's port kind, by its name in the counters.
@@ -66,6 +81,8 @@ fn kind(comp: &str) -> Option<Kind> {
         Some(VIF)
     } else if comp.ends_with(" tap") {
         Some(TAP)
+    } else if (comp.starts_with("vbd") || comp.starts_with("rvbd")) && !comp.contains(' ') {
+        Some(VBD)
     } else {
         None
     }
@@ -140,9 +157,9 @@ pub fn rates(before: &Sample, after: &Sample) -> Vec<PortRates> {
             Some(PortRates {
                 port: port.to_string(),
                 rx_pps: per_s(k.rx_packets),
-                rx_bps: per_s(k.rx_bytes) * 8.0,
+                rx_bps: per_s(k.rx_bytes) * 8.0 * k.unit,
                 tx_pps: per_s(k.tx_packets),
-                tx_bps: per_s(k.tx_bytes) * 8.0,
+                tx_bps: per_s(k.tx_bytes) * 8.0 * k.unit,
                 drops,
                 rings,
             })

@@ -38,6 +38,17 @@
 //!                               # after the driver domain's (core 0), one each
 //! priority = 50                 # its VIF's priority on an SV-NIC, 1 to 100
 //! tap = { namespace = "pvio-guest", address = "10.77.0.2/24" }
+//!
+//! [[disk]]                      # a guest with a virtual disk and no network, running
+//!                               # a block job on it until the machine goes down
+//! name = "disk1"                # its domain's name
+//! file = "/dev/shm/disk.img"    # a backing file the driver domain's blkback serves,
+//! # aoe = { shelf = 1, slot = 1 }   or an ATA-over-Ethernet target on the cable (a
+//!                               # remote disk: the driver domain's, or on an SV-NIC the
+//!                               # device's block service)
+//! read_only = false
+//! persistent = true             # persistent grants on both ends
+//! job = { op = "read", pattern = "random", bytes = 4096, depth = 4 }
 //! ```
 //!
 //! Every key is optional but `[[guest]]`: what a file leaves out is the built-in
@@ -103,6 +114,51 @@ struct File {
     #[serde(default)]
     outside: Endpoint,
     guest: Spanned<Vec<Guest>>,
+    #[serde(default)]
+    disk: Vec<Spanned<DiskTable>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiskTable {
+    name: Option<Spanned<String>>,
+    file: Option<String>,
+    aoe: Option<AoeTarget>,
+    read_only: Option<bool>,
+    persistent: Option<bool>,
+    core: Option<Spanned<u32>>,
+    #[serde(default)]
+    job: JobTable,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AoeTarget {
+    shelf: u16,
+    slot: u8,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobTable {
+    op: Option<JobOpKind>,
+    pattern: Option<PatternKind>,
+    bytes: Option<Spanned<u32>>,
+    depth: Option<Spanned<u32>>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum JobOpKind {
+    Read,
+    Write,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum PatternKind {
+    Sequential,
+    Random,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -476,6 +532,103 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             return Err(refuse(key.1, key.0, e.to_string()));
         }
     }
+    for d in &f.disk {
+        let span = d.span();
+        let d = d.get_ref();
+        let name = match &d.name {
+            Some(n) => {
+                let name = n.get_ref();
+                let taken = cfg.guests.iter().any(|g| g.name == *name)
+                    || cfg.disks.iter().any(|x| x.name == *name);
+                if name.is_empty()
+                    || name.len() > 64
+                    || name == "driver"
+                    || taken
+                    || !name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+                {
+                    return Err(refuse(
+                        n.span(),
+                        "disk.name",
+                        format!("{name:?}: letters, digits, '-' and '_', at most 64, not a name already used"),
+                    ));
+                }
+                name.clone()
+            }
+            None => format!("disk{}", cfg.disks.len() + 1),
+        };
+        let disk = match (&d.file, &d.aoe) {
+            (Some(p), None) => kernel::machine::Disk::File(PathBuf::from(p)),
+            (None, Some(a)) => kernel::machine::Disk::Aoe {
+                major: a.shelf,
+                minor: a.slot,
+            },
+            _ => {
+                return Err(refuse(
+                    span,
+                    "disk",
+                    "a disk is a backing `file` or an `aoe` target on the cable, one of them"
+                        .into(),
+                ))
+            }
+        };
+        if f.svnic.is_some() && matches!(disk, kernel::machine::Disk::File(_)) {
+            return Err(refuse(
+                span,
+                "disk.file",
+                "an SV-NIC serves remote disks only: give an `aoe` target".into(),
+            ));
+        }
+        let bytes = d.job.bytes.as_ref().map_or(4096, |b| *b.get_ref());
+        if bytes == 0 || bytes % 512 != 0 || bytes > 128 * 1024 {
+            let s = d.job.bytes.as_ref().map_or(span.clone(), Spanned::span);
+            return Err(refuse(
+                s,
+                "disk.job.bytes",
+                format!("{bytes}: a multiple of 512 up to 131072"),
+            ));
+        }
+        let depth = d.job.depth.as_ref().map_or(1, |x| *x.get_ref());
+        if !(1..=32).contains(&depth) {
+            let s = d.job.depth.as_ref().map_or(span.clone(), Spanned::span);
+            return Err(refuse(s, "disk.job.depth", format!("{depth}: 1 to 32")));
+        }
+        let op = match d.job.op {
+            Some(JobOpKind::Write) => kernel::block::JobOp::Write,
+            _ => kernel::block::JobOp::Read,
+        };
+        let read_only = d.read_only.unwrap_or(false);
+        if read_only && op == kernel::block::JobOp::Write {
+            return Err(refuse(
+                span,
+                "disk.job.op",
+                "a read-only disk takes no writes".into(),
+            ));
+        }
+        let core = match &d.core {
+            Some(c) if *c.get_ref() as usize >= MAX_CORES => {
+                return Err(refuse(
+                    c.span(),
+                    "disk.core",
+                    format!("{}: a core number below {MAX_CORES}", c.get_ref()),
+                ))
+            }
+            Some(c) => Some(*c.get_ref() as usize),
+            None => None,
+        };
+        cfg.disks.push(crate::up::UpDisk {
+            name,
+            disk,
+            read_only,
+            persistent: d.persistent.unwrap_or(true),
+            op,
+            random: matches!(d.job.pattern, Some(PatternKind::Random)),
+            bytes,
+            depth: depth as usize,
+            core,
+        });
+    }
     Ok(cfg)
 }
 
@@ -682,6 +835,70 @@ core = 3
                     "{text:?}: the line in {e}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_disk_table_gives_a_block_guest_and_a_bad_one_is_refused_at_its_key() {
+        let cfg = p(r#"
+[[guest]]
+
+[[disk]]
+name = "db"
+file = "/dev/shm/x.img"
+persistent = false
+job = { op = "write", pattern = "random", bytes = 8192, depth = 8 }
+
+[[disk]]
+aoe = { shelf = 1, slot = 2 }
+"#)
+        .expect("a good file");
+        assert_eq!(cfg.disks.len(), 2);
+        let (a, b) = (&cfg.disks[0], &cfg.disks[1]);
+        assert_eq!(a.name, "db");
+        assert!(
+            matches!(&a.disk, kernel::machine::Disk::File(p) if p == Path::new("/dev/shm/x.img"))
+        );
+        assert!(!a.persistent && a.random && a.op == kernel::block::JobOp::Write);
+        assert_eq!((a.bytes, a.depth), (8192, 8));
+        assert_eq!(b.name, "disk2");
+        assert!(matches!(
+            b.disk,
+            kernel::machine::Disk::Aoe { major: 1, minor: 2 }
+        ));
+        assert_eq!(
+            (b.bytes, b.depth, b.op),
+            (4096, 1, kernel::block::JobOp::Read)
+        );
+        for (text, key) in [
+            ("[[guest]]\n[[disk]]\n", "`disk`"),
+            (
+                "[[guest]]\n[[disk]]\nfile = \"f\"\naoe = { shelf = 1, slot = 1 }\n",
+                "`disk`",
+            ),
+            (
+                "[[guest]]\n[[disk]]\nfile = \"f\"\njob = { bytes = 1000 }\n",
+                "`disk.job.bytes`",
+            ),
+            (
+                "[[guest]]\n[[disk]]\nfile = \"f\"\njob = { depth = 33 }\n",
+                "`disk.job.depth`",
+            ),
+            (
+                "[[guest]]\n[[disk]]\nname = \"guest\"\nfile = \"f\"\n",
+                "`disk.name`",
+            ),
+            (
+                "[[guest]]\n[[disk]]\nfile = \"f\"\nread_only = true\njob = { op = \"write\" }\n",
+                "`disk.job.op`",
+            ),
+            (
+                "[svnic]\n[[guest]]\n[[disk]]\nfile = \"f\"\n",
+                "`disk.file`",
+            ),
+        ] {
+            let e = p(text).expect_err(text).to_string();
+            assert!(e.contains(key), "{text}: {e}");
         }
     }
 

@@ -451,6 +451,7 @@ impl Running {
                     .map(|(g, priority)| {
                         let app = match g.above {
                             Above::Tap(t) => Ok(SvnicApp::Tap(t)),
+                            Above::Block(b) => Ok(SvnicApp::Block(b)),
                             a => Err(other(format!("{}: {a:?} on an SV-NIC", g.name))),
                         }?;
                         Ok(SvnicGuestSpec {

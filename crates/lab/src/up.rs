@@ -56,6 +56,92 @@ pub struct UpConfig {
     /// VIF drivers reach their queues in the device directly. Frames are then at most
     /// an MTU everywhere (no offloads, the cable's frames MTU-sized).
     pub svnic: Option<dev::svnic::device::SvnicConfig>,
+    /// Guests with a virtual disk and no network: each runs a block job on it.
+    pub disks: Vec<UpDisk>,
+}
+
+/// A guest whose one device is a virtual disk, and the job it runs on it until the
+/// machine goes down.
+#[derive(Debug, Clone)]
+pub struct UpDisk {
+    /// Its domain's name.
+    pub name: String,
+    /// What stands behind the disk: a backing file (served by the driver domain's
+    /// blkback), or an AoE target on the cable (a remote disk, served by the driver
+    /// domain or, on an SV-NIC machine, by the device's block service).
+    pub disk: kernel::machine::Disk,
+    /// The device is read-only.
+    pub read_only: bool,
+    /// Persistent grants on both ends.
+    pub persistent: bool,
+    /// Reads or writes.
+    pub op: kernel::block::JobOp,
+    /// Sequential, or random.
+    pub random: bool,
+    /// Bytes per request.
+    pub bytes: u32,
+    /// Requests in flight.
+    pub depth: usize,
+    /// Its vCPU's core.
+    pub core: Option<usize>,
+}
+
+impl UpDisk {
+    /// A line for people: the guest, its disk and its job.
+    pub fn describe(&self) -> String {
+        let what = match &self.disk {
+            kernel::machine::Disk::File(p) => format!("backing file {}", p.display()),
+            kernel::machine::Disk::Aoe { major, minor } => {
+                format!("AoE target e{major}.{minor} on the cable")
+            }
+        };
+        format!(
+            "{} with a virtual disk on {what}: {} {} {} B, {} in flight",
+            self.name,
+            if self.random { "random" } else { "sequential" },
+            if self.op == kernel::block::JobOp::Write { "writes" } else { "reads" },
+            self.bytes,
+            self.depth
+        )
+    }
+
+    /// The guest's spec: the disk and a job over all of it that runs until the machine
+    /// stops (reads not checked: a user's file holds what it holds; writes fill with
+    /// the pattern of `blk::disk::pattern_fill`).
+    pub fn guest(&self, sectors: u64) -> GuestSpec {
+        use kernel::block::{BlockJobSpec, JobCounters, Pattern};
+        let job = BlockJobSpec {
+            op: self.op,
+            pattern: if self.random {
+                Pattern::Random(0x5eed)
+            } else {
+                Pattern::Sequential
+            },
+            bytes: self.bytes,
+            depth: self.depth,
+            span: (0, sectors),
+            limit: None,
+            expect: blk::disk::pattern_fill,
+            verify: false,
+            fill: blk::disk::pattern_fill,
+            latencies: Arc::new(dev::wire::Samples::new(0)),
+            counters: Arc::new(JobCounters::default()),
+        };
+        GuestSpec {
+            name: self.name.clone(),
+            mac: [0x02, 0, 0, 0, 0xd1, 0],
+            rx_buffers: RxBuffers::Fragments,
+            grants: net::netfront::Grants::PerIo,
+            offloads: false,
+            above: Above::Block(Box::new(kernel::machine::BlockSpec {
+                disk: self.disk.clone(),
+                read_only: self.read_only,
+                persistent: self.persistent,
+                job,
+            })),
+            core: self.core,
+        }
+    }
 }
 
 /// When `pvio up`'s LRO flushes (the driver domain's NIC driver; paper 001).
@@ -177,6 +263,7 @@ impl Default for UpConfig {
             lro: None,
             mtu_wire: false,
             svnic: None,
+            disks: Vec::new(),
         }
     }
 }
@@ -438,6 +525,27 @@ fn bring_up(
             core: g.core,
         });
     }
+    // Guests with disks, after the guests with networks.
+    for d in &cfg.disks {
+        let sectors = match &d.disk {
+            kernel::machine::Disk::File(p) => {
+                std::fs::metadata(p)
+                    .map_err(|e| LabError::Other(format!("disk {}: {e}", p.display())))?
+                    .len()
+                    / blk::blkif::SECTOR_SIZE
+            }
+            // The job learns nothing of a remote disk's size before it is found; it
+            // keeps to its first 64 MiB.
+            kernel::machine::Disk::Aoe { .. } => 131_072,
+        };
+        if sectors < u64::from(d.bytes) / blk::blkif::SECTOR_SIZE {
+            return Err(LabError::Other(format!(
+                "disk {}: smaller than one request",
+                d.name
+            )));
+        }
+        guests.push(d.guest(sectors));
+    }
     let wc = Arc::clone(wire.counters());
     let first = cfg.guest();
     let opts = Options {
@@ -452,9 +560,10 @@ fn bring_up(
         lro: cfg.lro,
         ..pv()
     };
-    let svnic = cfg
-        .svnic
-        .map(|c| (c, cfg.guests.iter().map(|g| g.priority).collect()));
+    let svnic = cfg.svnic.map(|c| {
+        let prio = cfg.guests.iter().map(|g| g.priority);
+        (c, prio.chain(cfg.disks.iter().map(|_| None)).collect())
+    });
     let running = Running::start_with(
         opts,
         Some(Plumbing {

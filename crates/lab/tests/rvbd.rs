@@ -45,6 +45,7 @@ fn job(
             span,
             limit: Some(limit),
             expect: pattern_fill,
+            verify: true,
             fill: inverted,
             latencies: Arc::new(Samples::new(limit as usize)),
             counters: Arc::clone(&counters),

@@ -289,6 +289,9 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     for g in &cfg.guests {
         println!("    {} in namespace {} ({})", g.name, g.ns, g.addr);
     }
+    for d in &cfg.disks {
+        println!("    {}", d.describe());
+    }
     let (g, guest_ip) = (&cfg.guest().ns, cfg.guest().ip());
     println!(
         "  ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
@@ -366,6 +369,17 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         "down: wire in {} out {}, guest in {} out {}, oversize {}",
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
     );
+    if !cfg.disks.is_empty() {
+        if let Some(s) = machine.live_sample() {
+            let get = |name: &str| s.counters.get("block job", name);
+            println!(
+                "disks: {} requests done, {} MB, {} failed",
+                get("completed"),
+                get("bytes") / 1_000_000,
+                get("errors")
+            );
+        }
+    }
     if cfg.lro.is_some() {
         if let Some(s) = machine.live_sample() {
             let get = |name: &str| s.counters.get("lro engine", name);

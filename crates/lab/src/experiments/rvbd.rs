@@ -164,6 +164,7 @@ fn job(
             span: (0, SECTORS),
             limit: Some(limit),
             expect: pattern_fill,
+            verify: true,
             fill: pattern_fill,
             latencies: Arc::clone(&lat),
             counters: Arc::clone(&counters),
