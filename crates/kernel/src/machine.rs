@@ -865,6 +865,11 @@ impl Machine {
         dev::svnic::mgmt::set_schedule(&self.hv, *device, s).map_err(other)
     }
 
+    /// The SV-NIC's block service's counters, if it runs one.
+    pub fn block_engine_stats(&self) -> Option<Arc<dev::svnic::block::BlockEngineStats>> {
+        self.block_engine.as_ref().map(|b| Arc::clone(b.stats()))
+    }
+
     /// The SV-NIC, in its layout.
     pub fn svnic(&self) -> Option<&dev::svnic::device::Svnic<hv::OwnPage>> {
         self.svnic.as_ref().map(|(s, _)| s)

@@ -99,7 +99,11 @@ impl UpDisk {
             "{} with a virtual disk on {what}: {} {} {} B, {} in flight",
             self.name,
             if self.random { "random" } else { "sequential" },
-            if self.op == kernel::block::JobOp::Write { "writes" } else { "reads" },
+            if self.op == kernel::block::JobOp::Write {
+                "writes"
+            } else {
+                "reads"
+            },
             self.bytes,
             self.depth
         )

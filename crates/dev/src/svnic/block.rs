@@ -42,6 +42,8 @@ pub struct BlockEngineStats {
     pub send_full: AtomicU64,
     /// Steps that found work.
     pub busy_steps: AtomicU64,
+    /// Time those steps took, ns: the engine's work, without its polling.
+    pub busy_ns: AtomicU64,
 }
 
 impl net::counters::CounterSet for BlockEngineStats {
@@ -52,6 +54,7 @@ impl net::counters::CounterSet for BlockEngineStats {
         f("unclaimed", l(&self.unclaimed));
         f("send_full", l(&self.send_full));
         f("busy_steps", l(&self.busy_steps));
+        f("busy_ns", l(&self.busy_ns));
     }
 }
 
@@ -185,6 +188,9 @@ fn run(mut svc: BlockService, stop: &AtomicBool, stats: &BlockEngineStats) -> Ve
         }
         if work > 0 {
             stats.busy_steps.fetch_add(1, Ordering::Relaxed);
+            stats
+                .busy_ns
+                .fetch_add(now.elapsed().as_nanos() as u64, Ordering::Relaxed);
             continue;
         }
         match svc.idle {
