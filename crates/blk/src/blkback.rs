@@ -185,6 +185,7 @@ fn remote_submit(
         return Err(Failed::Io);
     };
     let f = &mut r.slots[usize::from(k)];
+    f.busy = true;
     f.id = raw.id;
     f.operation = raw.operation;
     f.write = write;
@@ -207,6 +208,7 @@ fn remote_submit(
         r.ini.submit(k, write, sector, sectors as u32, now)
     };
     if sent.is_err() {
+        r.slots[usize::from(k)].busy = false;
         r.free.push(k);
         return Err(Failed::Io);
     }
@@ -236,6 +238,8 @@ struct Remote {
 /// A request in flight to a remote disk.
 #[derive(Debug)]
 struct InFlight {
+    /// In flight now.
+    busy: bool,
     id: u64,
     operation: u8,
     write: bool,
@@ -308,21 +312,9 @@ impl<S: FnMut(&[u8]) -> bool> AoeIo for RemoteIo<'_, S> {
 
     fn fetch(&mut self, req: u16, offset: usize, buf: &mut [u8]) -> bool {
         let win = self.dom.window();
-        let mut pieces = [(0u32, 0usize, 0usize, 0usize); 4];
-        let mut n = 0;
-        // A frame's sectors span at most a few segments; collected first so that the
-        // buffer is written outside the walk.
-        let ok = self.walk(req, offset, buf.len(), |slot, off, at, len| {
-            if n == pieces.len() {
-                return false;
-            }
-            pieces[n] = (slot, off, at, len);
-            n += 1;
-            true
-        });
-        ok && pieces[..n]
-            .iter()
-            .all(|&(slot, off, at, len)| win.read(slot, off, &mut buf[at..at + len]).is_ok())
+        self.walk(req, offset, buf.len(), |slot, off, at, len| {
+            win.read(slot, off, &mut buf[at..at + len]).is_ok()
+        })
     }
 
     fn place(&mut self, req: u16, offset: usize, at: usize, len: usize) -> bool {
@@ -497,6 +489,7 @@ impl Blkback {
             ini,
             slots: (0..RING_REQUESTS)
                 .map(|_| InFlight {
+                    busy: false,
                     id: 0,
                     operation: 0,
                     write: false,
@@ -684,11 +677,7 @@ impl Blkback {
             self.stats.taken += 1;
             let in_flight = self.batch[..i].iter().any(|r| r.id == raw.id)
                 || match &self.store {
-                    Store::Remote(r) => r
-                        .slots
-                        .iter()
-                        .enumerate()
-                        .any(|(k, f)| f.id == raw.id && !r.free.contains(&(k as u16))),
+                    Store::Remote(r) => r.slots.iter().any(|f| f.busy && f.id == raw.id),
                     Store::File(_) => false,
                 };
             let status = if in_flight {
@@ -1091,6 +1080,7 @@ impl Blkback {
                 self.stats.io_errors += 1;
                 BLKIF_RSP_ERROR
             };
+            f.busy = false;
             r.free.push(k);
             if let Some(ring) = self.ring.as_mut() {
                 if ring

@@ -512,7 +512,13 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
     let mut medians: std::collections::HashMap<(Where, &str), f64> = Default::default();
     // Table I: sequential reads, one in flight, by response size.
     for path in Where::ALL {
-        for bytes in SIZES {
+        // Quick mode: the ends of the sweep and the paper's size.
+        let sizes: &[u32] = if mode == Mode::Full {
+            &SIZES
+        } else {
+            &[4096, PAPER_SIZE, 131_072]
+        };
+        for &bytes in sizes {
             let j = run_job(
                 path,
                 disk,
