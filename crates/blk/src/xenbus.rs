@@ -11,7 +11,7 @@
 //! maps the ring, binds the channel and moves to `Connected`. Every value read from the
 //! peer is untrusted text, parsed strictly ([`net::xenbus::read_u32`]).
 
-use hv::store::{Perm, Store, XenbusState};
+use hv::store::{Store, XenbusState};
 use hv::DomId;
 use net::xenbus::{feature, read_u32, XenbusError};
 
@@ -70,13 +70,7 @@ pub fn create_vbd(
     ] {
         store.write(t, &format!("{b}/{k}"), v)?;
     }
-    for (dir, owner, peer) in [(&f, fe, be), (&b, be, fe)] {
-        store.set_perms(t, dir, owner, &[(peer, Perm::Read)])?;
-        for k in store.directory(t, dir)? {
-            store.set_perms(t, &format!("{dir}/{k}"), owner, &[(peer, Perm::Read)])?;
-        }
-    }
-    Ok(())
+    net::xenbus::share_dirs(store, &f, fe, &b, be)
 }
 
 /// Reads a decimal 64-bit key the peer wrote (`sectors`), refusing anything but a plain

@@ -75,9 +75,21 @@ pub fn create_vif(
     ] {
         store.write(t, &format!("{b}/{k}"), v)?;
     }
-    // Each end owns its directory and may read the other's: every node in it, so
-    // that keys a front end wrote for an earlier back end are readable by this one.
-    for (dir, owner, peer) in [(&f, fe, be), (&b, be, fe)] {
+    share_dirs(store, &f, fe, &b, be)
+}
+
+/// The toolstack's last step for any split device: each end owns its directory and may
+/// read the other's, every node in it, so that keys a front end wrote for an earlier
+/// back end are readable by this one.
+pub fn share_dirs(
+    store: &Store,
+    fdir: &str,
+    fe: DomId,
+    bdir: &str,
+    be: DomId,
+) -> Result<(), XenbusError> {
+    let t = DomId::DOM0;
+    for (dir, owner, peer) in [(fdir, fe, be), (bdir, be, fe)] {
         store.set_perms(t, dir, owner, &[(peer, Perm::Read)])?;
         for k in store.directory(t, dir)? {
             store.set_perms(t, &format!("{dir}/{k}"), owner, &[(peer, Perm::Read)])?;
