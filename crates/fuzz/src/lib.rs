@@ -8,6 +8,7 @@
 //! nightly) gives it libFuzzer's bytes, so coverage guides every choice. A failing
 //! case panics with its seed or is saved by libFuzzer; either replays exactly.
 
+pub mod blkback;
 pub mod connect;
 pub mod hypercalls;
 pub mod lro;

@@ -55,6 +55,11 @@ fn hostile_front_ends_leave_the_driver_domain_whole() {
 }
 
 #[test]
+fn hostile_block_front_ends_leave_the_driver_domain_and_the_other_disk_whole() {
+    run("blkback", 150, pvio_fuzz::blkback::case);
+}
+
+#[test]
 fn hostile_back_ends_leave_the_guest_whole() {
     run("netfront", 300, pvio_fuzz::netfront::case);
 }
