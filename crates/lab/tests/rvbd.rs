@@ -79,6 +79,7 @@ fn guest(name: &str, job: BlockJobSpec) -> GuestSpec {
 fn rig(name: &str, guests: Vec<GuestSpec>) -> (PathBuf, RemoteHost, Machine) {
     rig_with(
         name,
+        VBLADE,
         Layout::DriverDomain {
             driver: DriverConfig::default(),
             guests,
@@ -86,21 +87,21 @@ fn rig(name: &str, guests: Vec<GuestSpec>) -> (PathBuf, RemoteHost, Machine) {
     )
 }
 
-fn rig_with(name: &str, layout: Layout) -> (PathBuf, RemoteHost, Machine) {
-    remote_host::ensure_packages(&[("vblade", "vblade")]).expect("vblade");
+/// The remote host serving with vblade only.
+const VBLADE: Servers = Servers {
+    vblade: true,
+    nbd_server: false,
+    nbdkit: false,
+};
+
+/// As [`rig`], the remote host running `servers`, the machine laid out as `layout`.
+fn rig_with(name: &str, servers: Servers, layout: Layout) -> (PathBuf, RemoteHost, Machine) {
+    remote_host::ensure_packages(&remote_host::PACKAGES).expect("servers");
     let disk = PathBuf::from(format!("/dev/shm/pvio-rvbd-{}-{name}", std::process::id()));
     write_patterned(&disk, SECTORS).expect("backing file");
     let (file, ifname) =
         mem::tap::open_tap(&format!("pvrv{}", std::process::id() % 10_000)).expect("tap");
-    let host = RemoteHost::start(
-        Some(&ifname),
-        &disk,
-        Servers {
-            vblade: true,
-            ..Servers::default()
-        },
-    )
-    .expect("remote host");
+    let host = RemoteHost::start(Some(&ifname), &disk, servers).expect("remote host");
     let mut wire = dev::tap::TapPort::start(file).expect("tap port");
     let sink = wire.sink().expect("sink");
     let m = Machine::start(MachineSpec {
@@ -252,6 +253,7 @@ fn the_svnic_block_service_serves_a_guests_remote_disk_from_its_own_core() {
     };
     let (disk, host, m) = rig_with(
         "svnic",
+        VBLADE,
         Layout::Svnic {
             config: SvnicConfig {
                 signal: SignalMode::Sidecore,
@@ -335,27 +337,10 @@ fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -
 #[test]
 fn the_guests_own_nbd_client_reads_and_writes_nbdkit_and_nbd_server_intact() {
     use lab::remote_host::{NBDKIT_PORT, NBD_SERVER_PORT};
-    remote_host::ensure_packages(&remote_host::PACKAGES).expect("servers");
     for (server, port, export) in [
         ("nbdkit", NBDKIT_PORT, ""),
         ("nbd-server", NBD_SERVER_PORT, "disk"),
     ] {
-        let disk = PathBuf::from(format!("/dev/shm/pvio-nbd-{}-{server}", std::process::id()));
-        write_patterned(&disk, SECTORS).expect("backing file");
-        let (file, ifname) =
-            mem::tap::open_tap(&format!("pvnb{}", std::process::id() % 10_000)).expect("tap");
-        let host = RemoteHost::start(
-            Some(&ifname),
-            &disk,
-            Servers {
-                nbd_server: server == "nbd-server",
-                nbdkit: server == "nbdkit",
-                ..Servers::default()
-            },
-        )
-        .expect("remote host");
-        let mut wire = dev::tap::TapPort::start(file).expect("tap port");
-        let sink = wire.sink().expect("sink");
         let (rd, rd_c) = job(
             JobOp::Read,
             Pattern::Random(9),
@@ -372,24 +357,22 @@ fn the_guests_own_nbd_client_reads_and_writes_nbdkit_and_nbd_server_intact() {
             (SECTORS / 2, SECTORS),
             256,
         );
-        let m = Machine::start(MachineSpec {
-            grant_version: GrantVersion::V1,
-            grant_path: GrantPath::Original,
-            sample: None,
-            nic: NicSpec {
-                coalesce: Coalesce::default(),
-                source: Box::new(wire),
-                sink: Box::new(sink),
-            },
-            layout: Layout::DriverDomain {
+        let servers = Servers {
+            nbd_server: server == "nbd-server",
+            nbdkit: server == "nbdkit",
+            vblade: false,
+        };
+        let (disk, host, m) = rig_with(
+            &format!("nbd-{server}"),
+            servers,
+            Layout::DriverDomain {
                 driver: DriverConfig::default(),
                 guests: vec![
                     nbd_guest("reader", 2, port, export, rd),
                     nbd_guest("writer", 3, port, export, wr),
                 ],
             },
-        })
-        .expect("machine");
+        );
         wait(&rd_c, 200, Duration::from_secs(30));
         wait(&wr_c, 256, Duration::from_secs(30));
         let c = m.stop().expect("stop");

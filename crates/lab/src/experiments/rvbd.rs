@@ -221,66 +221,42 @@ fn run_job(
             job,
         }),
     };
+    // One guest, behind the driver domain or the SV-NIC (whose micro-engines poll, as
+    // the paper's did), running what `path` puts above its device.
+    let driver = |above: Above| Layout::DriverDomain {
+        driver: DriverConfig {
+            netfilter: false,
+            ..DriverConfig::default()
+        },
+        guests: vec![GuestSpec {
+            name: "guest".into(),
+            mac: [2, 0, 0, 0, 0, 2],
+            rx_buffers: RxBuffers::Fragments,
+            grants: Grants::PerIo,
+            offloads: false,
+            above,
+            core: None,
+        }],
+    };
+    let svnic = |app: SvnicApp| Layout::Svnic {
+        config: SvnicConfig {
+            signal: SignalMode::Sidecore,
+            idle: Idle::Poll,
+            ..SvnicConfig::default()
+        },
+        guests: vec![SvnicGuestSpec {
+            name: "guest".into(),
+            mac: [2, 0, 0, 0, 0, 2],
+            app,
+            priority: None,
+            core: None,
+        }],
+    };
     let layout = match path {
-        Where::NbdHv(server) => Layout::DriverDomain {
-            driver: DriverConfig {
-                netfilter: false,
-                ..DriverConfig::default()
-            },
-            guests: vec![GuestSpec {
-                name: "guest".into(),
-                mac: [2, 0, 0, 0, 0, 2],
-                rx_buffers: RxBuffers::Fragments,
-                grants: Grants::PerIo,
-                offloads: false,
-                above: Above::App(nbd_app(server, block.job)),
-                core: None,
-            }],
-        },
-        Where::NbdSv(server) => Layout::Svnic {
-            config: SvnicConfig {
-                signal: SignalMode::Sidecore,
-                idle: Idle::Poll,
-                ..SvnicConfig::default()
-            },
-            guests: vec![SvnicGuestSpec {
-                name: "guest".into(),
-                mac: [2, 0, 0, 0, 0, 2],
-                app: SvnicApp::Stack(nbd_app(server, block.job)),
-                priority: None,
-                core: None,
-            }],
-        },
-        Where::Local | Where::HostRvbd => Layout::DriverDomain {
-            driver: DriverConfig {
-                netfilter: false,
-                ..DriverConfig::default()
-            },
-            guests: vec![GuestSpec {
-                name: "guest".into(),
-                mac: [2, 0, 0, 0, 0, 2],
-                rx_buffers: RxBuffers::Fragments,
-                grants: Grants::PerIo,
-                offloads: false,
-                above: Above::Block(Box::new(block)),
-                core: None,
-            }],
-        },
-        Where::SvnicRvbd | Where::SvnicRvbdBounce => Layout::Svnic {
-            // The paper's micro-engines poll.
-            config: SvnicConfig {
-                signal: SignalMode::Sidecore,
-                idle: Idle::Poll,
-                ..SvnicConfig::default()
-            },
-            guests: vec![SvnicGuestSpec {
-                name: "guest".into(),
-                mac: [2, 0, 0, 0, 0, 2],
-                app: SvnicApp::Block(Box::new(block)),
-                priority: None,
-                core: None,
-            }],
-        },
+        Where::NbdHv(server) => driver(Above::App(nbd_app(server, block.job))),
+        Where::NbdSv(server) => svnic(SvnicApp::Stack(nbd_app(server, block.job))),
+        Where::Local | Where::HostRvbd => driver(Above::Block(Box::new(block))),
+        Where::SvnicRvbd | Where::SvnicRvbdBounce => svnic(SvnicApp::Block(Box::new(block))),
     };
     // The remote host is made per machine: its TAP is the machine's cable.
     let (nic, host) = match path.remote() {
