@@ -35,8 +35,11 @@ use crate::aoe::{self, AtaCmd, BadFrame, Body, Target, ATA_DATA, MAJOR_ANY, MINO
 
 /// Frames on the wire at most, whatever the target's buffer count.
 pub const MAX_WINDOW: usize = 64;
-/// A frame buffer: a 1500-byte MTU frame and its Ethernet header.
-const FRAME_BUF: usize = 1514;
+/// The largest MTU an initiator takes (a jumbo frame); a larger one is clamped, so a
+/// frame's sectors are at most 17.
+pub const MAX_MTU: usize = 9000;
+/// The smallest: one sector a frame. A smaller one is raised to it.
+pub const MIN_MTU: usize = ATA_DATA - aoe::ETH_HEADER + SECTOR;
 
 /// How an initiator is set up.
 #[derive(Debug, Clone, Copy)]
@@ -225,7 +228,8 @@ pub enum AoeSubmitError {
 
 impl Initiator {
     /// An initiator for requests with ids `0..max_requests`.
-    pub fn new(cfg: InitiatorConfig, max_requests: usize) -> Self {
+    pub fn new(mut cfg: InitiatorConfig, max_requests: usize) -> Self {
+        cfg.mtu = cfg.mtu.clamp(MIN_MTU, MAX_MTU);
         let now = Instant::now();
         Self {
             cfg,
@@ -269,7 +273,10 @@ impl Initiator {
             srtt: None,
             rttvar: Duration::ZERO,
             rto: cfg.rto_initial,
-            buf: vec![0u8; FRAME_BUF].into_boxed_slice(),
+            // One frame of the link's MTU and its Ethernet header: sectors per frame
+            // follow the same MTU (`aoe::sectors_per_frame`), so a write's sectors always
+            // fit, whatever the target offers (it is held to the MTU's count).
+            buf: vec![0u8; aoe::ETH_HEADER + cfg.mtu].into_boxed_slice(),
             stats: AoeStats::default(),
         }
     }

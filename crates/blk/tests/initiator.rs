@@ -136,6 +136,46 @@ fn discovery_finds_the_target_and_requests_come_back_whole_over_many_frames() {
     assert_eq!(s.dropped.total(), 0);
 }
 
+/// A jumbo-frame link (MTU 9000) to a target that takes 17 sectors a frame: the
+/// initiator's frame buffer follows the MTU, so a write's 8.5 KiB of sectors fit in it and
+/// a read's come back whole.
+#[test]
+fn a_jumbo_frame_target_gets_frames_of_its_size_whole() {
+    let mut cfg = InitiatorConfig::new(ME, 1, 2);
+    cfg.mtu = 9000;
+    let mut r = Rig {
+        ini: Initiator::new(cfg, 32),
+        io: Io {
+            mem: vec![vec![0u8; 128 * 1024]; 32],
+            ..Io::default()
+        },
+        target: Target::new(),
+        t0: Instant::now(),
+        now: Duration::ZERO,
+    };
+    r.target.per_frame = 17;
+    r.run(Duration::from_millis(1));
+    assert_eq!(r.ini.phase(), Phase::Ready);
+    assert_eq!(r.ini.sectors_per_frame(), 17);
+    let now = r.at();
+    for (i, b) in r.io.mem[1].iter_mut().enumerate().take(74 * SECTOR) {
+        *b = (i % 251) as u8;
+    }
+    r.ini.submit(1, true, 1000, 74, now).expect("write");
+    r.ini.submit(0, false, 100, 74, now).expect("read");
+    r.run(Duration::from_micros(50));
+    r.io.done.sort();
+    assert_eq!(r.io.done, vec![(0, true), (1, true)]);
+    let want: Vec<u8> = (100 * SECTOR..174 * SECTOR).map(disk_byte).collect();
+    assert_eq!(&r.io.mem[0][..74 * SECTOR], &want[..]);
+    assert_eq!(
+        &r.target.disk[1000 * SECTOR..1074 * SECTOR],
+        &r.io.mem[1][..74 * SECTOR]
+    );
+    // 74 sectors in frames of 17: five each way.
+    assert_eq!(r.ini.stats().frames, 10);
+}
+
 #[test]
 fn lost_frames_are_sent_again_and_a_dead_target_fails_requests_only_past_the_bound() {
     let mut r = Rig::new();

@@ -17,10 +17,14 @@ fn mac(i: usize) -> [u8; 6] {
     [0x02, 0, 0, 0, 0x10, i as u8]
 }
 
+/// The source address of [`frame`]'s frames: egress tests give it to every VIF.
+const SRC: [u8; 6] = [0x02, 0, 0, 0, 0x99, 0x99];
+
 /// A frame to VIF `to`, numbered `k`, its payload derived from both.
 fn frame(to: usize, k: u32) -> Vec<u8> {
     let mut f = mac(to).to_vec();
-    f.extend_from_slice(&[0x02, 0, 0, 0, 0x99, 0x99, 0x88, 0xb5]);
+    f.extend_from_slice(&SRC);
+    f.extend_from_slice(&[0x88, 0xb5]);
     f.extend_from_slice(&k.to_be_bytes());
     f.extend((0..64 + (k % 200) as usize).map(|i| (i as u32 ^ k) as u8));
     f
@@ -53,7 +57,7 @@ fn egress_contexts_serve_disjoint_vifs_one_packet_a_step_so_a_flood_starves_no_o
     let mut fronts = Vec::new();
     for i in 0..5 {
         let (dev, front) = vif(&s, i);
-        egress.add(i as u16, dev.tx);
+        egress.add(i as u16, SRC, dev.tx);
         fronts.push(front);
     }
     // Contexts: {0, 2, 4} and {1, 3}. VIF 0 floods its queue; VIF 2 sends 5.
@@ -80,6 +84,44 @@ fn egress_contexts_serve_disjoint_vifs_one_packet_a_step_so_a_flood_starves_no_o
     let (ticks, n) = times.get(Stage::MsgRcv);
     assert_eq!(n, u64::from(SLOTS) + 5);
     assert!(ticks > 0);
+}
+
+/// A guest puts another source address on its frames: egress drops each before the
+/// wire, counted, under either schedule, and the VIF's own frames and the other VIFs'
+/// still go out.
+#[test]
+fn egress_drops_frames_whose_source_is_not_their_vifs_own() {
+    use dev::svnic::engine::Schedule;
+    for schedule in [Schedule::RoundRobin, Schedule::Priority] {
+        let s = setup(2);
+        let mut egress = Egress::new(2, Arc::new(StageTimes::default()));
+        egress.set_schedule(schedule);
+        let (d0, mut f0) = vif(&s, 0);
+        let (d1, mut f1) = vif(&s, 1);
+        egress.add(0, SRC, d0.tx);
+        egress.add(1, mac(1), d1.tx);
+        // VIF 0 sends its own address and the victim's; VIF 1 claims SRC, which is
+        // VIF 0's.
+        let mut victim = frame(9, 2);
+        victim[6..12].copy_from_slice(&mac(1));
+        for f in [frame(9, 1), victim, frame(9, 3)] {
+            f0.send(&f).expect("send");
+        }
+        f1.send(&frame(9, 4)).expect("send");
+        let mut out = Vec::new();
+        while egress.step(usize::MAX, &mut |id, f| out.push((id, number(f)))) > 0
+            || egress.has_pending()
+        {}
+        assert_eq!(out, vec![(0, 1), (0, 3)], "{schedule:?}");
+        assert_eq!(
+            egress
+                .stats()
+                .spoofed
+                .load(std::sync::atomic::Ordering::Relaxed),
+            2,
+            "{schedule:?}"
+        );
+    }
 }
 
 #[test]
@@ -322,7 +364,7 @@ fn share(schedule: dev::svnic::engine::Schedule, priorities: [u8; 3], frames: us
     let mut fronts = Vec::new();
     for (i, &p) in priorities.iter().enumerate() {
         let (dev, front) = vif(&s, i);
-        egress.add(i as u16, dev.tx);
+        egress.add(i as u16, SRC, dev.tx);
         assert!(egress.set_priority(i as u16, p));
         fronts.push(front);
     }
@@ -365,8 +407,8 @@ fn an_idle_vif_leaves_its_share_to_the_others_and_saves_no_credit() {
     egress.set_schedule(Schedule::Priority);
     let (d0, mut f0) = vif(&s, 0);
     let (d1, mut f1) = vif(&s, 1);
-    egress.add(0, d0.tx);
-    egress.add(1, d1.tx);
+    egress.add(0, SRC, d0.tx);
+    egress.add(1, SRC, d1.tx);
     egress.set_priority(0, 50);
     egress.set_priority(1, 50);
     // VIF 1 idle: VIF 0 gets every slot.

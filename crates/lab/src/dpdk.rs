@@ -6,9 +6,11 @@
 //! Needs root (hugepages) and Debian's `dpdk-dev` package, which is installed if
 //! missing; where either fails, the caller falls back to the figures and says so.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::tools;
 
 /// 2 MiB hugepages each testpmd process takes (`-m 512`).
 const MEM_MB: u32 = 512;
@@ -18,14 +20,6 @@ const HUGEPAGE_DIR: &str = "/dev/hugepages";
 #[derive(Debug, Clone)]
 pub struct TestPmd {
     bin: PathBuf,
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
 }
 
 fn meminfo(key: &str) -> Option<u64> {
@@ -88,21 +82,8 @@ impl TestPmd {
     /// Finds `dpdk-testpmd` (installing `dpdk-dev` if it is missing) and reserves the
     /// hugepages both processes need.
     pub fn prepare() -> Result<Self, String> {
-        let bin = match which("dpdk-testpmd") {
-            Some(b) => b,
-            None => {
-                let ok = Command::new("apt-get")
-                    .args(["install", "-y", "-q", "dpdk-dev"])
-                    .env("DEBIAN_FRONTEND", "noninteractive")
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                which("dpdk-testpmd")
-                    .filter(|_| ok)
-                    .ok_or("dpdk-testpmd not found and dpdk-dev could not be installed")?
-            }
-        };
+        tools::ensure(&[tools::TESTPMD])?;
+        let bin = tools::which(tools::TESTPMD.program).ok_or("dpdk-testpmd not found")?;
         // Two processes of MEM_MB each, in 2 MiB pages, and a little slack.
         hugepages(2 * u64::from(MEM_MB / 2) + 16)?;
         Ok(Self { bin })

@@ -20,6 +20,7 @@ pub mod remote_host;
 pub mod report;
 pub mod stats;
 pub mod tcp;
+pub mod tools;
 pub mod up;
 
 /// What netfront posts on its RX ring, re-exported for `pvio up`.

@@ -10,15 +10,19 @@
 //! namespace removed, when the host is dropped.
 
 use std::path::{Path, PathBuf};
+
+use crate::tools::{self, Tool};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Debian's packages the remote host runs, with the program each provides.
-pub const PACKAGES: [(&str, &str); 4] = [
-    ("vblade", "vblade"),
-    ("nbd-server", "nbd-server"),
-    ("nbdkit", "nbdkit"),
-    ("fio", "fio"),
+/// The outside programs the remote host runs, installed through [`tools::ensure`] by
+/// [`RemoteHost`]'s callers before the host starts.
+pub const TOOLS: [Tool; 5] = [
+    tools::IP,
+    tools::VBLADE,
+    tools::NBD_SERVER,
+    tools::NBDKIT,
+    tools::FIO,
 ];
 
 /// The remote host's address on the cable, and its prefix.
@@ -37,58 +41,9 @@ pub const NBD_SERVER_PORT: u16 = 10809;
 /// nbdkit's port.
 pub const NBDKIT_PORT: u16 = 10810;
 
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .chain(["/usr/sbin", "/sbin"])
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
-/// Installs each of `pkgs` (package, program) whose program is missing; an error names
-/// what could not be had.
-pub fn ensure_packages(pkgs: &[(&str, &str)]) -> Result<(), String> {
-    let missing: Vec<&str> = pkgs
-        .iter()
-        .filter(|(_, prog)| which(prog).is_none())
-        .map(|(p, _)| *p)
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let install = || {
-        Command::new("apt-get")
-            .args(["install", "-y", "-q"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        // A fresh machine's package lists may be empty or old.
-        let _ = Command::new("apt-get")
-            .args(["update", "-q"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        install();
-    }
-    let still: Vec<&str> = pkgs
-        .iter()
-        .filter(|(_, prog)| which(prog).is_none())
-        .map(|(p, _)| *p)
-        .collect();
-    if still.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "Debian packages {} are missing and could not be installed (run as root with the package registry reachable)",
-            still.join(", ")
-        ))
-    }
+/// Installs the remote host's programs if they are missing.
+pub fn ensure_tools() -> Result<(), String> {
+    tools::ensure(&TOOLS)
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {

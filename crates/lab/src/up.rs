@@ -394,6 +394,7 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
 /// Makes the namespaces and interfaces and starts the machine.
 pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
     check(cfg)?;
+    crate::tools::ensure(&[crate::tools::IP]).map_err(LabError::Other)?;
     let mut made = Vec::new();
     let mut captures = Vec::new();
     let (running, wire, guests) = match bring_up(cfg, &mut made, &mut captures) {

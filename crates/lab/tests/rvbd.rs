@@ -96,7 +96,7 @@ const VBLADE: Servers = Servers {
 
 /// As [`rig`], the remote host running `servers`, the machine laid out as `layout`.
 fn rig_with(name: &str, servers: Servers, layout: Layout) -> (PathBuf, RemoteHost, Machine) {
-    remote_host::ensure_packages(&remote_host::PACKAGES).expect("servers");
+    remote_host::ensure_tools().expect("servers");
     let disk = PathBuf::from(format!("/dev/shm/pvio-rvbd-{}-{name}", std::process::id()));
     write_patterned(&disk, SECTORS).expect("backing file");
     let (file, ifname) =

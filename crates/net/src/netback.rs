@@ -279,8 +279,12 @@ struct GuestCopy {
     /// Slots the guest posted and netback has not answered.
     credits: Vec<u16>,
     credited: InFlight,
-    /// Lent buffers whose grant was in use when ended: ended and freed later.
-    ending: Vec<(u16, SkbId)>,
+    /// Lent buffers whose grant was in use when ended: ended and freed later. Until
+    /// then the slot is neither free nor lendable: a slot the guest gave back while its
+    /// other vCPU still copied through it is credited only once its grant has ended
+    /// (`credit`), or the next packet's grant would be lent through a slot the guest
+    /// can still read the old one's bytes through.
+    ending: Vec<Ending>,
     /// The slots of one packet lent in pieces, as a ring: slot `id`'s next piece, or
     /// `id` itself when it is the packet's only one left. The buffer is freed when its
     /// last piece's grant has ended.
@@ -289,6 +293,15 @@ struct GuestCopy {
     /// many: each holds the sending guest's TX buffer until the guest copies.
     transitive: Box<[bool]>,
     transitive_held: usize,
+}
+
+/// A lent slot whose grant could not be ended yet.
+#[derive(Debug, Clone, Copy)]
+struct Ending {
+    id: u16,
+    skb: SkbId,
+    /// The guest posted the slot again: it becomes a credit when the grant ends.
+    credit: bool,
 }
 
 /// The slots lent through, oldest first: a list threaded through two arrays indexed by
@@ -2138,7 +2151,7 @@ impl Vif {
             let gt = self.dom.grant_table();
             for id in 0..RING_IDS {
                 if let Some(skb) = gc.lent[id as usize].take() {
-                    end_lent(&gt, gc, pool, id, skb);
+                    end_lent(&gt, gc, pool, id, skb, false);
                 }
             }
             // A copy in flight ends within a hypercall: wait for it, since a buffer
@@ -2203,7 +2216,10 @@ fn take_credit(
     if let Some(skb) = gc.lent[req.id as usize].take() {
         stats.rx_returned += 1;
         gc.order.remove(req.id);
-        end_lent(gt, gc, pool, req.id, skb);
+        if !end_lent(gt, gc, pool, req.id, skb, true) {
+            // Still being copied from: credited when its grant ends (`end_pending`).
+            return;
+        }
     }
     gc.credits.push(req.id);
 }
@@ -2214,10 +2230,15 @@ impl GuestCopy {
     fn end_pending(&mut self, gt: &hv::grant::GuestGrants<'_>, pool: &mut SkbPool) {
         let base = self.base.0;
         let mut ending = std::mem::take(&mut self.ending);
-        ending.retain(|&(id, skb)| {
-            let done = gt.end_access(GrantRef(base + u32::from(id))).is_ok();
-            if done && self.unlink(id) {
-                pool.free(skb);
+        ending.retain(|e| {
+            let done = gt.end_access(GrantRef(base + u32::from(e.id))).is_ok();
+            if done {
+                if self.unlink(e.id) {
+                    pool.free(e.skb);
+                }
+                if e.credit {
+                    self.credits.push(e.id);
+                }
             }
             !done
         });
@@ -2246,21 +2267,26 @@ impl GuestCopy {
     }
 }
 
-/// Ends the grant through which `skb` was lent on slot `id` and frees it, or, if the
-/// guest is copying from it this moment, leaves both for later.
+/// Ends the grant through which `skb` was lent on slot `id` and frees it (once the
+/// packet's last piece has ended), or, if the guest is copying from it this moment,
+/// leaves both for later, with the slot's credit if the guest posted it again
+/// (`credit`). Returns whether the grant ended now.
 fn end_lent(
     gt: &hv::grant::GuestGrants<'_>,
     gc: &mut GuestCopy,
     pool: &mut SkbPool,
     id: u16,
     skb: SkbId,
-) {
+    credit: bool,
+) -> bool {
     if gt.end_access(GrantRef(gc.base.0 + u32::from(id))).is_ok() {
         if gc.unlink(id) {
             pool.free(skb);
         }
+        true
     } else {
-        gc.ending.push((id, skb));
+        gc.ending.push(Ending { id, skb, credit });
+        false
     }
 }
 

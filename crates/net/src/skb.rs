@@ -141,12 +141,16 @@ pub struct PoolStats {
     pub page_allocs: u64,
     /// Page allocations refused.
     pub page_failures: u64,
+    /// Frees of a buffer that was already free, refused (a bug in the caller: the
+    /// buffer would otherwise be handed out twice, a packet's bytes to two owners).
+    pub double_frees: u64,
 }
 crate::counter_set!(PoolStats {
     allocs,
     alloc_failures,
     page_allocs,
-    page_failures
+    page_failures,
+    double_frees
 });
 
 /// A domain kernel's packet buffers and fragment pages, allocated once.
@@ -429,11 +433,24 @@ impl SkbPool {
 
     /// Frees a buffer, its fragments and its fragment list. Local pages go back to the
     /// pool; foreign ones to the release queue.
+    ///
+    /// A buffer that is already free is refused in every build: counted in
+    /// [`PoolStats::double_frees`] and reported on standard error the first time, and
+    /// nothing of the pool changes (putting it on the free list twice would lend one
+    /// buffer to two packets).
     pub fn free(&mut self, id: SkbId) {
         let mut cur = id.0;
         while cur != NONE {
             let s = &mut self.skbs[cur as usize];
-            debug_assert!(!s.free, "double free of a packet buffer");
+            if s.free {
+                if self.stats.double_frees == 0 {
+                    eprintln!(
+                        "pvio: packet buffer {cur} freed twice; refused (a bug: please report it)"
+                    );
+                }
+                self.stats.double_frees += 1;
+                return;
+            }
             s.free = true;
             let (nf, fl) = (s.nr_frags as usize, s.frag_list);
             s.nr_frags = 0;
@@ -1035,6 +1052,23 @@ mod tests {
         assert_ne!(p.data_location(c).0, g);
         assert_eq!(p.alloc_page_linear(), Err(SkbError::Exhausted));
         assert_eq!(p.free_pages(), 2, "a failed allocation keeps no page");
+    }
+
+    /// A buffer freed twice is refused and counted, in release builds too: the free
+    /// list never holds it twice, so two allocations never share it.
+    #[test]
+    fn a_double_free_is_refused_and_counted() {
+        let (_hv, mut p) = pool(4, 2);
+        let a = p.alloc(0).expect("skb");
+        p.free(a);
+        p.free(a);
+        assert_eq!(p.stats().double_frees, 1);
+        assert_eq!(p.free_buffers(), 4, "the buffer is on the free list once");
+        let ids: Vec<_> = (0..4).map(|_| p.alloc(0).expect("skb")).collect();
+        for (i, x) in ids.iter().enumerate() {
+            assert!(!ids[..i].contains(x), "a buffer lent twice");
+        }
+        assert_eq!(p.alloc(0), Err(SkbError::Exhausted));
     }
 
     #[test]

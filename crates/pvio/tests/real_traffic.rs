@@ -8,6 +8,7 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use lab::tools;
 use lab::up::{up, UpConfig, UpGuest};
 use lab::RxBuffers;
 
@@ -18,30 +19,14 @@ fn run(args: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("{}: {e}", args.join(" ")))
 }
 
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
+/// Installs what these tests run (as every test and experiment does, through
+/// `lab::tools`): a fresh Debian 12 has neither `ping` nor iperf3.
 fn ensure_tools() {
-    if have("iperf3") && have("ping") {
-        return;
-    }
-    let o = Command::new("apt-get")
-        .args(["install", "-y", "-q", "iperf3", "iputils-ping"])
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .output()
-        .expect("apt-get");
-    assert!(
-        have("iperf3") && have("ping"),
-        "could not install iperf3 and ping: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    tools::ensure(&[tools::IP, tools::PING, tools::IPERF3]).expect("outside programs");
 }
 
 fn namespaces_possible() -> Result<(), String> {
+    tools::ensure(&[tools::IP])?;
     let probe = format!("pvio-probe-{}", std::process::id());
     let o = Command::new("ip")
         .args(["netns", "add", &probe])
@@ -139,18 +124,7 @@ fn streams_are_in_the_captures(
         std::sync::Arc<dev::capture::CaptureCounters>,
     )],
 ) {
-    if !have("tshark") {
-        let o = Command::new("apt-get")
-            .args(["install", "-y", "-q", "tshark"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .output()
-            .expect("apt-get");
-        assert!(
-            have("tshark"),
-            "tshark: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    tools::ensure(&[tools::TSHARK]).expect("tshark");
     let names: Vec<String> = captures
         .iter()
         .filter_map(|(p, _)| p.file_name()?.to_str().map(str::to_string))
@@ -199,6 +173,7 @@ fn streams_are_in_the_captures(
 }
 
 fn ping(ns: &str, to: &str) {
+    ensure_tools();
     let p = run(&[
         "ip", "netns", "exec", ns, "ping", "-c", "3", "-i", "0.2", "-W", "2", to,
     ]);

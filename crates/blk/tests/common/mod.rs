@@ -23,6 +23,9 @@ pub struct Target {
     pub alive: bool,
     /// Drop every `n`th request.
     pub drop_every: Option<usize>,
+    /// Sectors a frame it offers and takes (vblade's are its MTU's: 2 at 1500 bytes,
+    /// 17 at 9000).
+    pub per_frame: u8,
     seen: usize,
 }
 
@@ -32,6 +35,7 @@ impl Target {
             disk: (0..SECTORS as usize * SECTOR).map(disk_byte).collect(),
             alive: true,
             drop_every: None,
+            per_frame: 2,
             seen: 0,
         }
     }
@@ -52,7 +56,7 @@ impl Target {
         r[16..19].copy_from_slice(&[0, 1, 2]);
         match req[19] {
             CMD_CONFIG => {
-                r.extend_from_slice(&[0, 16, 0x40, 0x19, 2, 0x10, 0, 0]);
+                r.extend_from_slice(&[0, 16, 0x40, 0x19, self.per_frame, 0x10, 0, 0]);
                 Some(r)
             }
             CMD_ATA => {
@@ -71,10 +75,16 @@ impl Target {
                         s[200..208].copy_from_slice(&SECTORS.to_le_bytes());
                         data = s;
                     }
-                    aoe::ATA_READ_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
+                    aoe::ATA_READ_EXT
+                        if (lba + count) as u64 <= SECTORS
+                            && count <= usize::from(self.per_frame) =>
+                    {
                         data = self.disk[lba * SECTOR..(lba + count) * SECTOR].to_vec();
                     }
-                    aoe::ATA_WRITE_EXT if (lba + count) as u64 <= SECTORS && count <= 2 => {
+                    aoe::ATA_WRITE_EXT
+                        if (lba + count) as u64 <= SECTORS
+                            && count <= usize::from(self.per_frame) =>
+                    {
                         self.disk[lba * SECTOR..(lba + count) * SECTOR]
                             .copy_from_slice(&req[ATA_DATA..ATA_DATA + count * SECTOR]);
                     }

@@ -305,7 +305,7 @@ const RX_FIFO: usize = 256;
 /// A management request to the egress engine (the device-side driver writes it, the
 /// engine takes it between steps).
 enum EgressReq<P> {
-    Add { id: u16, tx: VifTx<P> },
+    Add { id: u16, mac: [u8; 6], tx: VifTx<P> },
     Remove { id: u16 },
     Priority { id: u16, priority: u8 },
     Schedule(super::engine::Schedule),
@@ -572,7 +572,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
                             if let Ok(mut r) = sh.egress_requests.lock() {
                                 for req in r.drain(..) {
                                     match req {
-                                        EgressReq::Add { id, tx } => e.add(id, tx),
+                                        EgressReq::Add { id, mac, tx } => e.add(id, mac, tx),
                                         EgressReq::Remove { id } => {
                                             e.remove(id);
                                         }
@@ -880,7 +880,7 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
             r.push(IngressReq::Add { id, mac, rx });
         }
         if let Ok(mut r) = self.shared.egress_requests.lock() {
-            r.push(EgressReq::Add { id, tx });
+            r.push(EgressReq::Add { id, mac, tx });
         }
         self.shared.wake_engines();
         true

@@ -157,6 +157,10 @@ pub struct EngineStats {
     /// Ingress: frames whose placement the IOMMU refused (an address outside the VIF's
     /// context): not written, the slot left empty.
     pub dma_faults: AtomicU64,
+    /// Egress: frames whose source MAC was not their VIF's (or too short to have one),
+    /// dropped before the wire: a guest sends only from the address the toolstack gave
+    /// it, as the driver domain's bridge holds its vifs to theirs.
+    pub spoofed: AtomicU64,
 }
 
 impl net::counters::CounterSet for EngineStats {
@@ -169,6 +173,7 @@ impl net::counters::CounterSet for EngineStats {
         f("idle_steps", l(&self.idle_steps));
         f("broadcast", l(&self.broadcast));
         f("dma_faults", l(&self.dma_faults));
+        f("spoofed", l(&self.spoofed));
     }
 }
 
@@ -195,6 +200,8 @@ const STRIDE: u64 = 1 << 20;
 #[derive(Debug)]
 struct EgressVif<P> {
     id: u16,
+    /// The MAC the toolstack gave it: the only source address its frames may carry.
+    mac: [u8; 6],
     tx: VifTx<P>,
     priority: u8,
     /// Stride scheduling's pass: how much of the link it has had, over its priority.
@@ -272,11 +279,13 @@ impl<P: PageAccess> Egress<P> {
         self.schedule = s;
     }
 
-    /// Gives VIF `id`'s send queue to the next context in turn.
-    pub fn add(&mut self, id: u16, tx: VifTx<P>) {
+    /// Gives VIF `id`'s send queue, whose frames must come from `mac`, to the next
+    /// context in turn.
+    pub fn add(&mut self, id: u16, mac: [u8; 6], tx: VifTx<P>) {
         let n = self.contexts.len();
         self.contexts[self.added % n].vifs.push(EgressVif {
             id,
+            mac,
             tx,
             priority: DEFAULT_PRIORITY,
             pass: self.vtime,
@@ -350,10 +359,17 @@ impl<P: PageAccess> Egress<P> {
             let c = &mut self.contexts[ci];
             let n = c.vifs.len();
             let mut found = None;
+            let mut spoofed = false;
             for k in 0..n {
                 let i = (c.next + k) % n;
                 let v = &mut c.vifs[i];
                 match v.tx.take(&mut self.buf) {
+                    Ok(Some(len)) if !from(&self.buf[..len], &v.mac) => {
+                        self.stats.spoofed.fetch_add(1, Ordering::Relaxed);
+                        spoofed = true;
+                        c.next = (i + 1) % n;
+                        break;
+                    }
                     Ok(Some(len)) => {
                         found = Some((v.id, len, v.tx.wants_signal()));
                         c.next = (i + 1) % n;
@@ -366,7 +382,9 @@ impl<P: PageAccess> Egress<P> {
                 }
             }
             let Some(f) = found else {
-                self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+                if !spoofed {
+                    self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+                }
                 continue;
             };
             self.sent(f, t0, wire);
@@ -406,10 +424,15 @@ impl<P: PageAccess> Egress<P> {
             match v.tx.take(&mut self.buf) {
                 Ok(Some(len)) => {
                     let f = (v.id, len, v.tx.wants_signal());
+                    // A spoofed frame costs its VIF its share of the link all the same.
                     v.pass = pass + len as u64 * STRIDE / u64::from(v.priority.max(1));
                     self.vtime = pass;
-                    self.sent(f, t0, wire);
-                    sent += 1;
+                    if from(&self.buf[..len], &v.mac) {
+                        self.sent(f, t0, wire);
+                        sent += 1;
+                    } else {
+                        self.stats.spoofed.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 Ok(None) => break,
                 Err(_) => {
@@ -424,6 +447,11 @@ impl<P: PageAccess> Egress<P> {
     pub fn stats(&self) -> &Arc<EngineStats> {
         &self.stats
     }
+}
+
+/// Whether `frame` is an Ethernet frame whose source address is `mac`.
+fn from(frame: &[u8], mac: &[u8; 6]) -> bool {
+    frame.get(6..12).is_some_and(|src| src == mac)
 }
 
 /// A VIF's receive buffers as the device reaches them through the IOMMU (beyond the

@@ -448,7 +448,7 @@ fn fio(
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    remote_host::ensure_packages(&remote_host::PACKAGES).map_err(LabError::Other)?;
+    remote_host::ensure_tools().map_err(LabError::Other)?;
     let disk = PathBuf::from(format!("/dev/shm/pvio-rvbd-{}", std::process::id()));
     write_patterned(&disk, SECTORS).map_err(|e| LabError::Other(format!("backing file: {e}")))?;
     let res = measure(mode, &mut r, &disk);

@@ -24,6 +24,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use crate::tools;
 use crate::up::{up, LroMode, UpConfig, UpGuest};
 use crate::{Experiment, LabError, Mode, Report};
 
@@ -466,10 +467,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "lro": {"rounds": lro_rounds, "iperf3_seconds": lro_secs, "sockperf_seconds": ping_secs,
                 "paths": Rx::ALL.map(Rx::name)},
     });
-    if !ensure("iperf3", "iperf3") || !ensure("ethtool", "ethtool") {
-        rep.notes.push(
-            "not measured: iperf3 and ethtool are needed (Debian's packages; not installed)".into(),
-        );
+    if let Err(e) = tools::ensure(&[tools::IP, tools::IPERF3, tools::ETHTOOL]) {
+        rep.notes.push(format!("not measured: {e}"));
         return Ok(rep);
     }
     let probe = format!("pvio-b{}-probe", std::process::id());
@@ -589,12 +588,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "UDP through pvio: {lost} of {sent} datagrams lost over all rounds (iperf3's count; \
          offered above what the path carries, so loss measures the excess)."
     ));
-    if ensure("sockperf", "sockperf") {
-        lro_rows(&mut rep, &cfg, lro_rounds, lro_secs, ping_secs)?;
-    } else {
-        rep.notes.push(
-            "LRO rows not measured: sockperf is needed (Debian's package; not installed)".into(),
-        );
+    match tools::ensure(&[tools::SOCKPERF]) {
+        Ok(()) => lro_rows(&mut rep, &cfg, lro_rounds, lro_secs, ping_secs)?,
+        Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
     }
     match intact {
         Some(ok) => rep.check(
@@ -757,26 +753,6 @@ fn lro_rows(
     Ok(())
 }
 
-/// Installs Debian's `package` if `tool` is missing (as root); whether it is there.
-fn ensure(tool: &str, package: &str) -> bool {
-    if !have(tool) {
-        let _ = Command::new("apt-get")
-            .args(["install", "-y", "-q", package])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-    have(tool)
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -800,7 +776,7 @@ mod tests {
             r.rows.iter().filter(|row| !lro(row)).count(),
             Path::ALL.len() * Flow::ALL.len()
         );
-        if have("sockperf") {
+        if tools::have(&[tools::SOCKPERF]) {
             assert_eq!(
                 r.rows.iter().filter(|row| lro(row)).count(),
                 4 * Rx::ALL.len()
