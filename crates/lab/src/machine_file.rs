@@ -639,7 +639,8 @@ pub const MAX_GUESTS: usize = 32;
 /// How long a dynamic SV-NIC's threads poll without work before they sleep.
 const SVNIC_SPIN: Duration = Duration::from_micros(50);
 
-/// Core numbers a file may name (a vCPU on a core the machine lacks floats).
+/// Core numbers a file may name (it may be written for a larger host; `pvio up` refuses
+/// a core its own host lacks: `up::on_this_host`).
 const MAX_CORES: usize = 1024;
 
 /// `a.b.c.d/n`.

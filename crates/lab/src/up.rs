@@ -7,6 +7,13 @@
 //! in a guest's namespace (`iperf3 -s`) through NIC model → driver → bridge → netback
 //! → netfront, and the replies come back the other way; two guests reach each other
 //! through the bridge, netback to netback.
+//!
+//! Each namespace is claimed for the run by a lock file in [`CLAIM_DIR`]: a second
+//! `pvio up` naming one of them is refused while the first runs, and a namespace that a
+//! run made and could not remove (it was killed) is found by the next one through its
+//! file, removed and made afresh rather than reused half-configured. At the end the
+//! namespaces made (and with them their TAPs and addresses) are removed, unless
+//! [`Up::keep_namespaces`] was asked for.
 
 use net::netfront::RxBuffers;
 use std::process::Command;
@@ -295,6 +302,10 @@ pub struct Up {
     /// The capture files, written until the machine is down.
     captures: Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
     made: Vec<String>,
+    /// Each namespace's claim, held until the machine is down.
+    claims: Vec<Claim>,
+    /// Leave the namespaces made in place at the end.
+    keep: bool,
     wire: Arc<dev::tap::TapCounters>,
     /// Each guest's TAP counters, and the guest's name.
     guests: Vec<(String, Arc<dev::tap::TapCounters>)>,
@@ -335,6 +346,118 @@ fn ip(args: &[&str]) -> Result<(), LabError> {
 
 fn netns_exists(name: &str) -> bool {
     std::path::Path::new("/run/netns").join(name).exists()
+}
+
+/// Where `pvio up` keeps a lock file for each namespace it runs in.
+pub const CLAIM_DIR: &str = "/run/pvio";
+
+/// A namespace held for this run: its lock file, locked while the file is open. The
+/// file says whether this run made the namespace (`made`), so that a run killed before
+/// it could remove it leaves word for the next.
+#[derive(Debug)]
+struct Claim {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl Claim {
+    /// Claims namespace `ns`: refused if another `pvio up` holds it. A namespace an
+    /// earlier run made and left behind is removed here, to be made afresh.
+    fn take(ns: &str) -> Result<Self, LabError> {
+        use std::io::Read;
+        let err = |e: std::io::Error| LabError::Other(format!("claim on namespace {ns}: {e}"));
+        std::fs::create_dir_all(CLAIM_DIR).map_err(err)?;
+        let path = std::path::Path::new(CLAIM_DIR).join(format!("netns-{ns}.lock"));
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(err)?;
+        let mut was = String::new();
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let _ = file.read_to_string(&mut was);
+                return Err(LabError::Other(format!(
+                    "namespace {ns} belongs to a pvio up that is running ({}); stop it first, \
+                     or name other namespaces",
+                    was.trim()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(err(e)),
+        }
+        let _ = file.read_to_string(&mut was);
+        if was.contains("made") && netns_exists(ns) {
+            ip(&["netns", "del", ns])?;
+        }
+        let mut c = Self { path, file };
+        c.record(false)?;
+        Ok(c)
+    }
+
+    /// Writes who holds the namespace and whether this run made it.
+    fn record(&mut self, made: bool) -> Result<(), LabError> {
+        use std::io::{Seek, Write};
+        let line = format!(
+            "pid {}{}\n",
+            std::process::id(),
+            if made { ", made" } else { "" }
+        );
+        let f = &mut self.file;
+        f.set_len(0)
+            .and_then(|()| f.seek(std::io::SeekFrom::Start(0)))
+            .and_then(|_| f.write_all(line.as_bytes()))
+            .map_err(|e| LabError::Other(format!("{}: {e}", self.path.display())))
+    }
+
+    /// The namespace is gone (or kept on purpose): the file goes, the lock with it.
+    fn release(self, kept: bool) {
+        if !kept {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Why a machine that [`check`] allows cannot run on this host: a guest or disk placed on
+/// a core the host does not have (its vCPU would float, unpinned, and say nothing).
+/// Kept apart from `check`, since a machine file may be written for a larger host.
+pub fn on_this_host(cfg: &UpConfig) -> Result<(), LabError> {
+    let cores = mem::cpu::online_cores();
+    let placed = cfg
+        .guests
+        .iter()
+        .map(|g| (&g.name, g.core))
+        .chain(cfg.disks.iter().map(|d| (&d.name, d.core)));
+    for (name, core) in placed {
+        if let Some(c) = core.filter(|&c| c >= cores) {
+            return Err(LabError::Other(format!(
+                "{name}: core {c}, but this host has {cores} (0 to {})",
+                cores.saturating_sub(1)
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+
+    /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
+    #[test]
+    fn a_core_the_host_does_not_have_is_refused() {
+        let mut cfg = UpConfig {
+            guests: vec![UpGuest::nth(0)],
+            ..UpConfig::default()
+        };
+        cfg.guests[0].core = Some(0);
+        assert!(on_this_host(&cfg).is_ok());
+        cfg.guests[0].core = Some(mem::cpu::online_cores());
+        let e = on_this_host(&cfg).expect_err("refused").to_string();
+        assert!(e.contains("guest: core"), "{e}");
+    }
 }
 
 /// Why a machine cannot be brought up as configured, before anything is made: no
@@ -394,15 +517,23 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
 /// Makes the namespaces and interfaces and starts the machine.
 pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
     check(cfg)?;
+    on_this_host(cfg)?;
     crate::tools::ensure(&[crate::tools::IP]).map_err(LabError::Other)?;
+    let mut claims = Vec::new();
+    for ns in std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns)) {
+        claims.push(Claim::take(ns)?);
+    }
     let mut made = Vec::new();
     let mut captures = Vec::new();
-    let (running, wire, guests) = match bring_up(cfg, &mut made, &mut captures) {
+    let (running, wire, guests) = match bring_up(cfg, &mut claims, &mut made, &mut captures) {
         Ok(b) => b,
         Err(e) => {
             drop(captures);
             for ns in &made {
                 let _ = ip(&["netns", "del", ns]);
+            }
+            for c in claims {
+                c.release(false);
             }
             return Err(e);
         }
@@ -411,6 +542,8 @@ pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
         running: Some(running),
         captures,
         made,
+        claims,
+        keep: false,
         wire,
         guests,
     };
@@ -462,11 +595,15 @@ fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(),
 
 fn bring_up(
     cfg: &UpConfig,
+    claims: &mut [Claim],
     made: &mut Vec<String>,
     captures: &mut Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
 ) -> Result<Brought, LabError> {
-    for ns in std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns)) {
+    let names = std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns));
+    for (ns, claim) in names.zip(claims.iter_mut()) {
         if !netns_exists(ns) {
+            // Recorded first: a run killed between the two still leaves word.
+            claim.record(true)?;
             ip(&["netns", "add", ns])?;
             made.push(ns.clone());
         }
@@ -686,12 +823,24 @@ impl Up {
         f
     }
 
+    /// Leaves the namespaces this run made in place when it goes down (their TAPs go
+    /// with the machine); the next `pvio up` naming them removes and makes them afresh.
+    pub fn keep_namespaces(&mut self) {
+        self.keep = true;
+    }
+
     fn stop(&mut self) {
         drop(self.running.take());
         // The machine's ports are gone with it: the files get their last frames.
         self.captures.clear();
+        let kept = self.keep && !self.made.is_empty();
         for ns in self.made.drain(..) {
-            let _ = ip(&["netns", "del", &ns]);
+            if !self.keep {
+                let _ = ip(&["netns", "del", &ns]);
+            }
+        }
+        for c in self.claims.drain(..) {
+            c.release(kept);
         }
     }
 }

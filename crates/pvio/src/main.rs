@@ -100,9 +100,13 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 2,
               value_parser = clap::value_parser!(u32).range(1..=64))]
         lro_flush_every: u32,
-        /// Stop after this many seconds (default: at Ctrl-C).
+        /// Stop after this many seconds (default: at Ctrl-C, SIGTERM or SIGHUP).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
+        /// Leave the namespaces made for the run in place when it stops (their TAPs go
+        /// with the machine); the next `pvio up` naming them makes them afresh.
+        #[arg(long)]
+        keep_namespaces: bool,
         /// The toolstack's watchdog restarts a driver domain that crashed, or that left
         /// work waiting this long without looking at it (0: no watchdog).
         #[arg(long, value_name = "MS", default_value_t = 100)]
@@ -191,6 +195,7 @@ enum FaultKind {
 #[derive(Debug, Clone)]
 struct UpRun {
     seconds: Option<u64>,
+    keep_namespaces: bool,
     watchdog: Option<std::time::Duration>,
     fault: Option<(FaultKind, std::time::Duration)>,
     stats_json: Option<PathBuf>,
@@ -274,6 +279,8 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     use std::time::{Duration, Instant};
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s = std::sync::Arc::clone(&stop);
+    // SIGINT, SIGTERM and SIGHUP alike (ctrlc's `termination`): what `kill`, systemd and
+    // test harnesses send stops the machine and removes what was made for it.
     if let Err(e) = ctrlc::set_handler(move || s.store(true, Ordering::Release)) {
         eprintln!("cannot catch Ctrl-C: {e}");
     }
@@ -284,6 +291,9 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if run.keep_namespaces {
+        machine.keep_namespaces();
+    }
     let o = &cfg.outside_ns;
     println!("up: outside namespace {o} ({})", cfg.outside_addr);
     for g in &cfg.guests {
@@ -295,7 +305,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     let (g, guest_ip) = (&cfg.guest().ns, cfg.guest().ip());
     println!(
         "  ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
-         Ctrl-C stops it."
+         Ctrl-C (or SIGTERM, SIGHUP) stops it."
     );
     let mut json = match run
         .stats_json
@@ -564,6 +574,7 @@ fn main() -> ExitCode {
             lro_flush_every,
             mtu_wire,
             seconds,
+            keep_namespaces,
             watchdog_ms,
             fault,
             fault_after,
@@ -612,6 +623,7 @@ fn main() -> ExitCode {
                 &cfg,
                 UpRun {
                     seconds,
+                    keep_namespaces,
                     watchdog: (watchdog_ms > 0)
                         .then(|| std::time::Duration::from_millis(watchdog_ms)),
                     fault: fault.map(|f| (f, std::time::Duration::from_secs(fault_after))),

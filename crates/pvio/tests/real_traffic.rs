@@ -656,3 +656,90 @@ fn the_self_virtualized_nic_carries_real_traffic_to_two_guests_intact() {
         );
     }
 }
+
+/// `pvio up` with namespaces of its own, until `secs` seconds pass or a signal stops it.
+fn up_process(o: &str, g: &str, net: u8, secs: u64) -> std::process::Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pvio"));
+    c.args(["up", "--outside-ns", o, "--guest-ns", g])
+        .args(["--outside-addr", &format!("10.{net}.0.1/24")])
+        .args(["--guest-addr", &format!("10.{net}.0.2/24")])
+        .args(["--seconds", &secs.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    c
+}
+
+fn netns_exists(ns: &str) -> bool {
+    std::path::Path::new("/run/netns").join(ns).exists()
+}
+
+fn claim_file(ns: &str) -> std::path::PathBuf {
+    std::path::Path::new(lab::up::CLAIM_DIR).join(format!("netns-{ns}.lock"))
+}
+
+/// Issue 39: SIGTERM (what `kill`, systemd and test harnesses send) stops `pvio up` as
+/// Ctrl-C does, and what it made goes with it; a second `pvio up` naming its namespaces
+/// is refused while it runs; and a run that was killed outright leaves word, so the next
+/// one removes its namespace and makes it afresh instead of reusing it half-configured.
+#[test]
+fn pvio_up_cleans_up_on_sigterm_refuses_a_second_run_and_mends_a_killed_ones_leftovers() {
+    if let Err(e) = namespaces_possible() {
+        eprintln!("skipped: network namespaces cannot be made here: {e}");
+        return;
+    }
+    let pid = std::process::id();
+    let (o, g) = (format!("pvio-s{pid}-o"), format!("pvio-s{pid}-g"));
+    let mut first = up_process(&o, &g, 81, 60).spawn().expect("pvio up");
+    let t0 = Instant::now();
+    while !(netns_exists(&o) && netns_exists(&g)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the namespaces were made"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A second run on the same namespaces is refused, and touches nothing of the first.
+    let second = up_process(&o, &g, 82, 1).output().expect("second pvio up");
+    assert!(!second.status.success());
+    let why = String::from_utf8_lossy(&second.stderr);
+    assert!(why.contains("running"), "{why}");
+    assert!(netns_exists(&o) && netns_exists(&g));
+    // SIGTERM: it goes down, and the namespaces and their claims go with it.
+    let k = run(&["kill", "-TERM", &first.id().to_string()]);
+    assert!(k.status.success());
+    let st = first.wait().expect("wait");
+    assert!(st.success(), "pvio up stopped cleanly on SIGTERM: {st:?}");
+    let mut out = String::new();
+    use std::io::Read;
+    let _ = first
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut out);
+    assert!(out.contains("down:"), "{out}");
+    assert!(!netns_exists(&o) && !netns_exists(&g), "namespaces removed");
+    assert!(!claim_file(&o).exists() && !claim_file(&g).exists());
+    // A run killed outright (SIGKILL) cannot clean up: the next one finds its word,
+    // removes the namespace and makes it afresh, and removes it at its end.
+    let mut killed = up_process(&o, &g, 83, 60).spawn().expect("pvio up");
+    let t0 = Instant::now();
+    while !(netns_exists(&o) && netns_exists(&g)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the namespaces were made"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    killed.kill().expect("SIGKILL");
+    let _ = killed.wait();
+    assert!(netns_exists(&o), "a killed run leaves its namespaces");
+    let next = up_process(&o, &g, 84, 1).output().expect("next pvio up");
+    assert!(
+        next.status.success(),
+        "{}",
+        String::from_utf8_lossy(&next.stderr)
+    );
+    assert!(!netns_exists(&o) && !netns_exists(&g), "leftovers removed");
+    assert!(!claim_file(&o).exists() && !claim_file(&g).exists());
+}
