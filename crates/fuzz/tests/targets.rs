@@ -69,21 +69,42 @@ fn odd_store_values_in_either_direction_leave_both_ends_whole() {
     run("connect", 150, pvio_fuzz::connect::case);
 }
 
+/// Every fuzz target, by the name of its folder in `regressions/` and of its cargo-fuzz
+/// binary.
+const TARGETS: [(&str, Case); 8] = [
+    ("reasm", pvio_fuzz::reasm::case),
+    ("store", pvio_fuzz::store::case),
+    ("hypercalls", pvio_fuzz::hypercalls::case),
+    ("netback", pvio_fuzz::netback::case),
+    ("blkback", pvio_fuzz::blkback::case),
+    ("netfront", pvio_fuzz::netfront::case),
+    ("connect", pvio_fuzz::connect::case),
+    ("lro", pvio_fuzz::lro::case),
+];
+
 /// Every input libFuzzer found failing, kept in `regressions/<target>/` under a name
-/// that says what it found, replays clean.
+/// that says what it found, replays clean; so does the empty input, for every target
+/// (libFuzzer tries it first, and an input that ends early must read as zeros).
 #[test]
 fn every_saved_finding_replays_clean() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("regressions");
-    let targets: [(&str, Case); 6] = [
-        ("reasm", pvio_fuzz::reasm::case),
-        ("store", pvio_fuzz::store::case),
-        ("hypercalls", pvio_fuzz::hypercalls::case),
-        ("netback", pvio_fuzz::netback::case),
-        ("netfront", pvio_fuzz::netfront::case),
-        ("connect", pvio_fuzz::connect::case),
-    ];
+    // Every cargo-fuzz target is replayed here.
+    let bins = dir.join("../../../fuzz/fuzz_targets");
+    let mut names: Vec<String> = std::fs::read_dir(&bins)
+        .expect("fuzz/fuzz_targets")
+        .flatten()
+        .filter_map(|e| Some(e.path().file_stem()?.to_str()?.to_string()))
+        .collect();
+    names.sort();
+    let mut ours: Vec<&str> = TARGETS.iter().map(|t| t.0).collect();
+    ours.sort_unstable();
+    assert_eq!(names, ours, "a fuzz target the replay leaves out");
+    for (name, f) in TARGETS {
+        let r = std::panic::catch_unwind(|| f(&mut Input::from_bytes(&[])));
+        assert!(r.is_ok(), "{name}: the empty input fails");
+    }
     let mut replayed = 0;
-    for (name, f) in targets {
+    for (name, f) in TARGETS {
         let Ok(entries) = std::fs::read_dir(dir.join(name)) else {
             continue;
         };
