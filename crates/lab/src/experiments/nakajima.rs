@@ -918,3 +918,38 @@ fn checks(r: &mut Report, res: &Results, mode: Mode) {
         short >= 0.95,
     );
 }
+
+#[cfg(test)]
+mod smoke {
+    use super::*;
+
+    /// Every table of the paper has its rows, every byte the application read was
+    /// checked, and every run carried its stream.
+    #[test]
+    fn a_smoke_run_measures_every_table_and_checks_every_byte() {
+        let rep = run(Mode::Smoke).expect("runs");
+        for group in [
+            "table IV: throughput, 1 Gbit/s wire",
+            "table IV: throughput, unlimited wire",
+            "table V: CPU per byte at 600 Mbit/s",
+            "table VI: segments per aggregate, fixed load",
+            "table VII: TCP_RR",
+            "aggregation latency per segment, 1 Gbit/s wire",
+        ] {
+            assert!(
+                rep.rows
+                    .iter()
+                    .any(|r| r.group == group && r.stats.median > 0.0),
+                "{group}"
+            );
+        }
+        let check = |what: &str| {
+            rep.checks
+                .iter()
+                .find(|c| c.what.starts_with(what))
+                .unwrap_or_else(|| panic!("no check {what:?}"))
+        };
+        assert!(check("bytes lost or corrupted at the application").met);
+        assert!(check("stream runs in which nothing arrived").met);
+    }
+}

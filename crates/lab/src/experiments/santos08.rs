@@ -721,3 +721,46 @@ mod tests {
         assert_eq!(sign_test_p(1, 0), 0.0);
     }
 }
+
+#[cfg(test)]
+mod smoke {
+    use super::*;
+
+    /// Every size's three machines are measured, each with its total and the classes
+    /// it has (the guest's own; the driver domain's for PV only), and each size has its
+    /// ordering check and the run its loss check. Whether they are met is the host's
+    /// to say (a smoke run's numbers mean nothing); that they are there and judge what
+    /// was measured is the test's.
+    #[test]
+    fn a_smoke_run_measures_every_machine_at_every_size() {
+        let rep = run(Mode::Smoke).expect("runs");
+        let median = |group: &str, name: &str| {
+            rep.rows
+                .iter()
+                .find(|r| r.group == group && r.name == name)
+                .map(|r| r.stats.median)
+        };
+        for (_, label) in SIZES {
+            let group = format!("fig2 {label} B");
+            for m in ["native", "direct", "pv"] {
+                let total = median(&group, &format!("{m} total"));
+                assert!(total.is_some_and(|t| t > 0.0), "{group}: {m} total");
+            }
+            assert!(
+                median(&group, "pv kernel0").is_some_and(|t| t > 0.0),
+                "{group}"
+            );
+            assert!(median(&group, "native kernel0").is_none(), "{group}");
+            assert!(
+                rep.checks.iter().any(|c| c
+                    .what
+                    .starts_with(&format!("{label} B: pv > direct > native"))),
+                "{label}: the ordering check"
+            );
+        }
+        assert!(rep
+            .checks
+            .iter()
+            .any(|c| c.what == "messages lost or corrupted (all runs)"));
+    }
+}
