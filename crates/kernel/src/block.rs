@@ -68,6 +68,9 @@ pub struct JobCounters {
     pub corrupt: AtomicU64,
     /// Bytes moved by successful requests.
     pub bytes: AtomicU64,
+    /// Completions for a slot with nothing in flight (a request answered twice, or an
+    /// answer to none): not taken, and counted, so a doubled request shows.
+    pub unexpected: AtomicU64,
 }
 
 /// A job's set-up.
@@ -241,12 +244,13 @@ impl BlockJob {
 
     /// A completion: its latency kept, a read's every byte checked.
     pub fn done(&mut self, c: Completion) {
-        let Some(slot) = self.slots.get_mut(c.tag as usize) else {
+        let Some(slot) = self.slots.get_mut(c.tag as usize).filter(|s| s.busy) else {
+            self.spec
+                .counters
+                .unexpected
+                .fetch_add(1, Ordering::Relaxed);
             return;
         };
-        if !slot.busy {
-            return;
-        }
         slot.busy = false;
         let ns = slot.at.elapsed().as_nanos() as u64;
         self.spec.latencies.push(ns);
@@ -438,6 +442,7 @@ impl Kernel for BlockGuest {
         c.add("block job", "errors", l(&k.errors));
         c.add("block job", "corrupt", l(&k.corrupt));
         c.add("block job", "bytes", l(&k.bytes));
+        c.add("block job", "unexpected", l(&k.unexpected));
         c
     }
 

@@ -137,6 +137,9 @@ struct JobRun {
     submitted: u64,
     retransmits: u64,
     corrupt: u64,
+    /// Completions the job took for a request not in flight (answered twice), and
+    /// responses blkfront refused (an id not in flight, or of another operation).
+    doubled: u64,
     elapsed: Duration,
     guest_cpu_ns: f64,
     driver_cpu_ns: f64,
@@ -387,6 +390,7 @@ fn run_job(
         submitted: counters.submitted.load(Ordering::Relaxed),
         retransmits: c.get("aoe", "retransmits"),
         corrupt: counters.corrupt.load(Ordering::Relaxed),
+        doubled: counters.unexpected.load(Ordering::Relaxed) + c.get("blkfront", "bad_responses"),
         elapsed,
         guest_cpu_ns: per(g0, g1),
         driver_cpu_ns: per(d0, d1),
@@ -634,8 +638,11 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         "frames",
         &[j.retransmits as f64],
     );
+    // Lost: asked for and never answered; doubled: answered twice (the job's and
+    // blkfront's own counts of answers to nothing in flight); failed: answered with an
+    // error.
     let lost_or_doubled =
-        fault_n.abs_diff(j.completed) + j.submitted.abs_diff(j.completed) + j.errors;
+        fault_n.abs_diff(j.completed) + j.submitted.abs_diff(j.completed) + j.doubled + j.errors;
     r.check_none(
         "requests lost, doubled or failed across the fault (vblade killed and started again)",
         lost_or_doubled,
