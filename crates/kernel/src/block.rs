@@ -291,40 +291,121 @@ impl BlockJob {
     pub fn busy(&self) -> bool {
         self.slots.iter().any(|s| s.busy)
     }
+
+    /// Issues again every request in flight, each under its tag with its sector and
+    /// pages as first issued (a write's pages still hold what it writes), to a front end
+    /// that has just reconnected to a new back end: what Linux's blkfront does in
+    /// `blkif_recover`. Its latency still counts from the first issue. Returns how many
+    /// went; one the queue refused waits for [`BlockJob::resubmit`] again.
+    pub fn resubmit(&mut self, front: &mut impl BlockQueue) -> usize {
+        let mut n = 0;
+        for (i, slot) in self.slots.iter().enumerate().filter(|(_, s)| s.busy) {
+            let bio = Bio {
+                op: match self.spec.op {
+                    JobOp::Write => BioOp::Write,
+                    JobOp::Read => BioOp::Read,
+                },
+                sector: slot.sector,
+                segs: &slot.segs,
+            };
+            if front.submit(i as u64, &bio).is_err() {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// Fails every request in flight (its back end is gone past the bound): each
+    /// completes once, with an error.
+    pub fn fail_in_flight(&mut self) -> usize {
+        let busy: Vec<u64> = (0..self.slots.len() as u64)
+            .filter(|&i| self.slots[i as usize].busy)
+            .collect();
+        for &tag in &busy {
+            self.done(Completion {
+                tag,
+                status: blk::blkif::BLKIF_RSP_ERROR,
+            });
+        }
+        busy.len()
+    }
 }
 
-/// A front end not yet connected: it connects once its back end waits for it
-/// (`InitWait`), as blkfront's `backend_changed` watch does.
+/// How long a guest waits for a back end that went away (its driver domain died)
+/// before it fails what was in flight with an error; requests keep waiting for a new
+/// back end after that. Linux's blkfront waits for ever; a bound is what a user of a
+/// disk would rather have, and the AoE initiator's own bound is the same.
+pub const RECONNECT_BOUND: Duration = Duration::from_secs(5);
+
+/// What the guest's block layer counted of its back ends coming and going.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoveryStats {
+    /// Back ends lost (closed, or their directory gone) while connected.
+    pub backend_lost: u64,
+    /// Connections to a back end after one was lost.
+    pub reconnects: u64,
+    /// Requests issued again to a new back end.
+    pub requeued: u64,
+    /// Requests failed because no back end came back within [`RECONNECT_BOUND`].
+    pub failed_unreconnected: u64,
+}
+
+net::counter_set!(RecoveryStats {
+    backend_lost,
+    reconnects,
+    requeued,
+    failed_unreconnected
+});
+
+/// A guest whose one device is a virtual disk: blkfront and a job above it.
+///
+/// It watches its back end as Linux's blkfront does (`backend_changed`): when the back
+/// end closes or vanishes (its driver domain died), blkfront lets go of the ring and
+/// its grants, the requests in flight stay the job's, and when the toolstack points the
+/// device at a new back end that waits for it (`InitWait`), blkfront connects and every
+/// request in flight is issued again. A back end that does not come back within
+/// [`RECONNECT_BOUND`] fails them with an error.
 #[derive(Debug)]
-struct Waiting {
+pub struct BlockGuest {
     hv: Arc<Hypervisor>,
     dom: Arc<Domain>,
     devid: u32,
     persistent: bool,
-    /// The back end's state node's watch (it wakes the vCPU).
-    watch: Receiver<WatchEvent>,
-    bdir: String,
-}
-
-/// A guest whose one device is a virtual disk: blkfront and a job above it.
-#[derive(Debug)]
-pub struct BlockGuest {
     front: Option<Blkfront>,
-    waiting: Option<Waiting>,
+    /// The front end's own directory's watch: the toolstack re-points `backend` there
+    /// when a new driver domain takes the disk. It wakes the vCPU.
+    fwatch: Receiver<WatchEvent>,
+    /// The back end's directory, as the front end's `backend` key last said, and its
+    /// state's watch (it wakes the vCPU).
+    otherend: Option<(String, Receiver<WatchEvent>)>,
+    /// The back end's directory blkfront is connected to.
+    serving: Option<String>,
+    /// When the back end was lost (the kernel's clock), while no new one has taken
+    /// over; and whether what was in flight has been failed since.
+    lost: Option<(Duration, bool)>,
+    recovery: RecoveryStats,
     job: BlockJob,
     /// Why connecting failed, if it did.
     connect_error: Option<String>,
 }
 
+/// The watches' token.
+const OTHEREND: &str = "blkfront-otherend";
+
 impl BlockGuest {
     /// The guest's kernel over a connected front end.
-    pub fn new(dom: &Arc<Domain>, front: Blkfront, job: BlockJobSpec) -> Result<Self, BuildError> {
-        Ok(Self {
-            job: BlockJob::new(dom, job)?,
-            front: Some(front),
-            waiting: None,
-            connect_error: None,
-        })
+    pub fn new(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        front: Blkfront,
+        job: BlockJobSpec,
+    ) -> Result<Self, BuildError> {
+        let (devid, persistent) = (front.devid(), front.persistent());
+        let mut g = Self::waiting(hv, dom, devid, persistent, job)?;
+        g.front = Some(front);
+        g.serving = g.otherend.as_ref().map(|(d, _)| d.clone());
+        Ok(g)
     }
 
     /// The guest's kernel before its back end is ready (a remote disk still being
@@ -336,64 +417,141 @@ impl BlockGuest {
         persistent: bool,
         job: BlockJobSpec,
     ) -> Result<Self, BuildError> {
-        let store = hv.store();
         let fdir = blk::xenbus::frontend_dir(dom.id(), devid);
-        let bdir = store
-            .read(dom.id(), &format!("{fdir}/backend"))
-            .map_err(other)?;
-        let (h, d) = (Arc::downgrade(hv), Arc::downgrade(dom));
-        let wake = hv::store::Wake(Arc::new(move || {
-            if let (Some(h), Some(d)) = (h.upgrade(), d.upgrade()) {
-                h.kick_vcpu(&d, 0);
-            }
-        }));
-        let watch = store
+        let fwatch = hv
+            .store()
             .watch_waking(
                 dom.id(),
-                &format!("{bdir}/state"),
-                "blkfront-otherend",
-                Some(wake),
+                &format!("{fdir}/backend"),
+                OTHEREND,
+                Some(waker(hv, dom)),
             )
             .map_err(other)?;
-        Ok(Self {
-            job: BlockJob::new(dom, job)?,
+        let mut g = Self {
+            hv: Arc::clone(hv),
+            dom: Arc::clone(dom),
+            devid,
+            persistent,
             front: None,
-            waiting: Some(Waiting {
-                hv: Arc::clone(hv),
-                dom: Arc::clone(dom),
-                devid,
-                persistent,
-                watch,
-                bdir,
-            }),
+            fwatch,
+            otherend: None,
+            serving: None,
+            lost: None,
+            recovery: RecoveryStats::default(),
+            job: BlockJob::new(dom, job)?,
             connect_error: None,
-        })
+        };
+        g.follow_backend();
+        Ok(g)
     }
 
-    /// Connects a waiting front end if its back end now waits for it.
-    fn try_connect(&mut self) -> bool {
-        let Some(w) = &self.waiting else {
-            return false;
+    /// Reads where the front end's `backend` key points and watches that directory's
+    /// state (again, if it moved). Returns the back end's state as it is now.
+    fn follow_backend(&mut self) -> XenbusState {
+        let (store, me) = (self.hv.store(), self.dom.id());
+        let fdir = blk::xenbus::frontend_dir(me, self.devid);
+        let Ok(bdir) = store.read(me, &format!("{fdir}/backend")) else {
+            return XenbusState::Unknown;
         };
+        if self.otherend.as_ref().is_none_or(|(d, _)| *d != bdir) {
+            if let Some((old, _)) = self.otherend.take() {
+                store.unwatch(me, &format!("{old}/state"), OTHEREND);
+            }
+            let w = store.watch_waking(
+                me,
+                &format!("{bdir}/state"),
+                OTHEREND,
+                Some(waker(&self.hv, &self.dom)),
+            );
+            match w {
+                Ok(w) => self.otherend = Some((bdir.clone(), w)),
+                Err(e) => {
+                    self.connect_error = Some(e.to_string());
+                    return XenbusState::Unknown;
+                }
+            }
+        }
         // The events only woke the vCPU; the state is read as it is now.
-        let _ = w.watch.try_iter().count();
-        let st = w.hv.store().xenbus_state(w.dom.id(), &w.bdir);
-        if st != XenbusState::InitWait {
+        if let Some((_, w)) = &self.otherend {
+            let _ = w.try_iter().count();
+        }
+        store.xenbus_state(me, &bdir)
+    }
+
+    /// Whether either watch has fired since it was last looked at.
+    fn store_moved(&self) -> bool {
+        let f = self.fwatch.try_iter().count() > 0;
+        let b = self
+            .otherend
+            .as_ref()
+            .is_some_and(|(_, w)| w.try_iter().count() > 0);
+        f || b
+    }
+
+    /// The back end is gone: blkfront lets go of the ring and its grants (the
+    /// hypervisor took back the dead domain's mappings), the requests in flight stay
+    /// the job's, to be issued again.
+    fn lose_backend(&mut self, now: Duration) {
+        if let Some(f) = self.front.take() {
+            f.close();
+        }
+        self.serving = None;
+        self.recovery.backend_lost += 1;
+        self.lost = Some((now, false));
+    }
+
+    /// Connects a waiting front end if its back end now waits for it; after a loss,
+    /// issues again what was in flight.
+    fn try_connect(&mut self) -> bool {
+        if self.follow_backend() != XenbusState::InitWait {
             return false;
         }
-        match Blkfront::connect(&w.hv, &w.dom, w.devid, w.persistent) {
-            Ok(f) => {
+        match Blkfront::connect(&self.hv, &self.dom, self.devid, self.persistent) {
+            Ok(mut f) => {
+                if self.lost.take().is_some() {
+                    self.recovery.reconnects += 1;
+                    let n = self.job.resubmit(&mut f);
+                    self.recovery.requeued += n as u64;
+                    if n > 0 {
+                        f.kick();
+                    }
+                }
                 self.front = Some(f);
-                let me = w.dom.id();
-                w.hv.store()
-                    .unwatch(me, &format!("{}/state", w.bdir), "blkfront-otherend");
-                self.waiting = None;
+                self.serving = self.otherend.as_ref().map(|(d, _)| d.clone());
+                self.connect_error = None;
                 true
             }
             Err(e) => {
                 self.connect_error = Some(e.to_string());
-                self.waiting = None;
                 false
+            }
+        }
+    }
+
+    /// The guest's block layer's counters of back ends lost and found.
+    pub fn recovery(&self) -> RecoveryStats {
+        self.recovery
+    }
+}
+
+/// Kicks `dom`'s vCPU 0 (the store's event channel to a blocked guest).
+fn waker(hv: &Arc<Hypervisor>, dom: &Arc<Domain>) -> hv::store::Wake {
+    let (h, d) = (Arc::downgrade(hv), Arc::downgrade(dom));
+    hv::store::Wake(Arc::new(move || {
+        if let (Some(h), Some(d)) = (h.upgrade(), d.upgrade()) {
+            h.kick_vcpu(&d, 0);
+        }
+    }))
+}
+
+impl BlockGuest {
+    /// Past the bound without a back end: what was in flight fails, once.
+    fn expire(&mut self, now: Duration) {
+        if let Some((at, failed)) = &mut self.lost {
+            if !*failed && now >= *at + RECONNECT_BOUND {
+                *failed = true;
+                let n = self.job.fail_in_flight();
+                self.recovery.failed_unreconnected += n as u64;
             }
         }
     }
@@ -406,9 +564,42 @@ impl Kernel for BlockGuest {
     // completion from the interrupt, folded into the poll step).
     fn event(&mut self, _v: &Vcpu, _port: Port) {}
 
-    fn poll(&mut self, _now: Duration) -> Work {
-        if self.front.is_none() && !self.try_connect() {
-            return Work::default();
+    // A clock for the reconnect bound only: no timer is armed while a back end serves.
+    fn wants_clock(&self) -> bool {
+        true
+    }
+
+    fn next_timer(&self) -> Option<Duration> {
+        match self.lost {
+            Some((at, false)) => Some(at + RECONNECT_BOUND),
+            _ => None,
+        }
+    }
+
+    fn tick(&mut self, now: Duration) {
+        self.expire(now);
+    }
+
+    fn poll(&mut self, now: Duration) -> Work {
+        // One relaxed look at each watch's queue a pass; the store is read only when a
+        // watch fired.
+        if self.front.is_some() && self.store_moved() {
+            let st = self.follow_backend();
+            let moved = self.otherend.as_ref().map(|(d, _)| d) != self.serving.as_ref();
+            if moved
+                || !matches!(
+                    st,
+                    XenbusState::Connected | XenbusState::InitWait | XenbusState::Initialised
+                )
+            {
+                self.lose_backend(now);
+            }
+        }
+        if self.front.is_none() {
+            if !self.try_connect() {
+                self.expire(now);
+                return Work::default();
+            }
         }
         let Some(front) = self.front.as_mut() else {
             return Work::default();
@@ -443,6 +634,7 @@ impl Kernel for BlockGuest {
         c.add("block job", "corrupt", l(&k.corrupt));
         c.add("block job", "bytes", l(&k.bytes));
         c.add("block job", "unexpected", l(&k.unexpected));
+        c.add_set("blkfront recovery", &self.recovery);
         c
     }
 

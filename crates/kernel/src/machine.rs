@@ -229,11 +229,68 @@ struct DriverPlan {
     config: DriverConfig,
     slots: u32,
     guests: Vec<(Arc<Domain>, VifSpec)>,
+    /// Each guest's disk, to be served again by a new driver domain.
+    disks: Vec<DiskPlan>,
     fault: FaultSwitch,
     regs: Arc<NicRegs>,
     /// The driver domain's event looks when the watchdog last saw them move, the NIC's
     /// frames (received and missed) then, and when.
     seen: (u64, u64, Instant),
+}
+
+/// A guest's disk as the toolstack keeps it to hand to a new driver domain.
+#[derive(Debug, Clone)]
+struct DiskPlan {
+    dom: Arc<Domain>,
+    disk: Disk,
+    read_only: bool,
+    persistent: bool,
+    /// Its back end's first window slot.
+    slot: u32,
+    /// A remote disk's initiator's tag prefix (its index among the remote disks).
+    tag: u8,
+}
+
+impl DiskPlan {
+    /// The toolstack's and the new driver domain's part of serving the disk again:
+    /// the device re-pointed at `drv` in the store (the guest's blkfront sees it, and
+    /// connects once the back end waits), the backing file probed again and blkback
+    /// connected once blkfront has; or, for a remote disk, a fresh initiator that finds
+    /// the target again from the new driver domain. Returns the back end made.
+    fn serve(&self, hv: &Arc<Hypervisor>, drv: &Arc<Domain>) -> Result<Served, BuildError> {
+        let fe = self.dom.id();
+        blk::xenbus::create_vbd(hv.store(), drv.id(), fe, XVDA, self.read_only).map_err(other)?;
+        match &self.disk {
+            Disk::File(path) => {
+                let name =
+                    |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", path.display()));
+                let disk = FileDisk::open(path, self.read_only).map_err(|e| name(&e))?;
+                blkback::probe(hv, drv.id(), fe, XVDA, &disk, self.persistent)
+                    .map_err(|e| name(&e))?;
+                Ok(Served::File(disk))
+            }
+            Disk::Aoe { major, minor } => {
+                let mut cfg = InitiatorConfig::new(DRIVER_AOE_MAC, *major, *minor);
+                cfg.tag_prefix = self.tag;
+                Ok(Served::Remote(RemoteVbd::new(
+                    hv,
+                    drv,
+                    fe,
+                    XVDA,
+                    self.slot,
+                    cfg,
+                    self.persistent,
+                )))
+            }
+        }
+    }
+}
+
+/// A disk a new driver domain serves: a file whose back end connects once the guest
+/// has, or a remote disk's device.
+enum Served {
+    File(FileDisk),
+    Remote(RemoteVbd),
 }
 
 /// Why the watchdog restarted the driver domain, and what the restart took.
@@ -242,8 +299,11 @@ pub struct Restarted {
     /// What the watchdog saw.
     pub cause: DriverFault,
     /// From the watchdog's decision to the new driver domain running with every vif
-    /// connected.
+    /// and disk connected.
     pub took: Duration,
+    /// Disks the new driver domain could not serve (their backing file gone, say):
+    /// their guests fail what they had in flight after their bound.
+    pub disks_unserved: u32,
 }
 
 /// A driver domain's failure, as the watchdog tells it.
@@ -526,9 +586,18 @@ impl Machine {
                 let mut plan = Vec::with_capacity(guests.len());
                 let mut vbds = Vec::new();
                 let mut remote = Vec::new();
+                let mut disks = Vec::new();
                 for (g, dom) in guests.iter().zip(&doms) {
                     if let Above::Block(b) = &g.above {
                         let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
+                        disks.push(DiskPlan {
+                            dom: Arc::clone(dom),
+                            disk: b.disk.clone(),
+                            read_only: b.read_only,
+                            persistent: b.persistent,
+                            slot,
+                            tag: remote.len() as u8,
+                        });
                         match &b.disk {
                             Disk::File(path) => {
                                 let (front, back) = plug_vbd(&hv, &drv, dom, path, b, slot)?;
@@ -617,6 +686,7 @@ impl Machine {
                     config: driver,
                     slots,
                     guests: plan,
+                    disks,
                     fault,
                     regs: Arc::clone(nic.regs()),
                     seen: (0, 0, Instant::now()),
@@ -650,7 +720,7 @@ impl Machine {
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (Above::Block(b), Front::Block(front)) => {
-                            let k = crate::block::BlockGuest::new(&dom, *front, b.job)?;
+                            let k = crate::block::BlockGuest::new(&hv, &dom, *front, b.job)?;
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (Above::Block(b), Front::BlockLater) => {
@@ -921,8 +991,12 @@ impl Machine {
         let Some(cause) = cause else {
             return Ok(None);
         };
-        let took = self.restart_driver_domain()?;
-        Ok(Some(Restarted { cause, took }))
+        let (took, disks_unserved) = self.restart()?;
+        Ok(Some(Restarted {
+            cause,
+            took,
+            disks_unserved,
+        }))
     }
 
     /// Destroys the driver domain and starts a fresh one (paper 000 §5.1): the NIC is
@@ -932,6 +1006,12 @@ impl Machine {
     /// a new domain gets the NIC and offers each vif again, the guests reconnect, and
     /// the new kernel starts once every vif is connected. Returns the time it took.
     pub fn restart_driver_domain(&mut self) -> Result<Duration, BuildError> {
+        self.restart().map(|(took, _)| took)
+    }
+
+    /// [`Machine::restart_driver_domain`], and how many disks the new driver domain
+    /// could not serve.
+    fn restart(&mut self) -> Result<(Duration, u32), BuildError> {
         let t0 = Instant::now();
         let Some(mut d) = self.driver.take() else {
             return Err(other("no driver domain"));
@@ -942,6 +1022,9 @@ impl Machine {
         hv.destroy_domain(old)?;
         for (g, vs) in &d.guests {
             toolstack::close_backend(&hv, old, g.id(), vs.handle);
+        }
+        for disk in &d.disks {
+            blk::xenbus::close_backend(hv.store(), old, disk.dom.id(), XVDA);
         }
         // The old kernel's thread ends once it sees its domain dying; a hung one may
         // take a moment, and is not waited for beyond that.
@@ -975,6 +1058,14 @@ impl Machine {
         for (g, vs) in &d.guests {
             toolstack::offer_vif(&hv, &drv, g, *vs).map_err(other)?;
         }
+        // A disk that cannot be served again is left out, not the machine: its guest
+        // fails what it had in flight after its bound.
+        let served: Vec<Option<Served>> = d
+            .disks
+            .iter()
+            .map(|disk| disk.serve(&hv, &drv).ok())
+            .collect();
+        let unserved = served.iter().filter(|s| s.is_none()).count() as u32;
         // The guests reconnect on their own vCPUs; the back ends follow once each front
         // end is Connected (the back end's watch on it).
         let until = Instant::now() + Duration::from_secs(5);
@@ -989,9 +1080,33 @@ impl Machine {
             let vif = toolstack::connect_backend(&hv, &drv, g, *vs).map_err(other)?;
             vifs.push((vif, vs.mac));
         }
+        let (mut vbds, mut remote) = (Vec::new(), Vec::new());
+        for (disk, s) in d.disks.iter().zip(served) {
+            match s {
+                None => {}
+                Some(Served::File(file)) => {
+                    let fe = disk.dom.id();
+                    let fdir = blk::xenbus::frontend_dir(fe, XVDA);
+                    while hv.store().xenbus_state(DomId::DOM0, &fdir)
+                        != hv::store::XenbusState::Connected
+                    {
+                        if Instant::now() > until {
+                            return Err(other(format!("guest {}'s disk did not reconnect", fe.0)));
+                        }
+                        std::thread::yield_now();
+                    }
+                    vbds.push(
+                        Blkback::connect(&hv, &drv, fe, XVDA, disk.slot, file).map_err(other)?,
+                    );
+                }
+                Some(Served::Remote(r)) => remote.push(r),
+            }
+        }
         d.fault.inject(Fault::None);
         let mut k = DriverDomain::new(&hv, &drv, &d.regs, pirqs, d.config, vifs, d.fault.clone())?;
         k.set_adaptive_coalescing(self.adaptive_coalescing);
+        k.attach_vbds(vbds);
+        k.attach_remote(remote, DRIVER_AOE_MAC);
         let at = VcpuStart {
             vcpu: 0,
             core: core(0),
@@ -1003,7 +1118,7 @@ impl Machine {
         d.dom = drv;
         d.seen = (0, 0, Instant::now());
         self.driver = Some(d);
-        Ok(t0.elapsed())
+        Ok((t0.elapsed(), unserved))
     }
 
     /// The hypervisor.

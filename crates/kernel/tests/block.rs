@@ -221,3 +221,125 @@ fn a_completion_for_nothing_in_flight_is_counted_not_taken() {
     assert_eq!(l(&counters.unexpected), 2);
     assert!(!j.busy());
 }
+
+/// Issue 39: the driver domain dies (its kernel panics, or hangs) under a reading and a
+/// writing guest. The watchdog starts a new one, which serves both disks again; each
+/// guest's blkfront sees its back end go, then the new one wait for it, reconnects and
+/// issues again what was in flight. Every request completes once and well, every byte
+/// read is the file's, and the written file holds exactly what the writes put there.
+#[test]
+fn disks_survive_a_driver_domain_that_panics_or_hangs() {
+    use kernel::driver_domain::Fault;
+    for (k, fault) in [Fault::Panic, Fault::Hang].into_iter().enumerate() {
+        let (a, b) = (backing(&format!("ra{k}")), backing(&format!("rb{k}")));
+        let (rd, rd_c) = job(
+            JobOp::Read,
+            Pattern::Random(3),
+            16384,
+            8,
+            (0, SECTORS),
+            3000,
+        );
+        let (wr, wr_c) = job(JobOp::Write, Pattern::Sequential, 4096, 8, (0, 4096), 3000);
+        let mut m = machine(vec![
+            guest("reader", &a, true, rd),
+            guest("writer", &b, false, wr),
+        ]);
+        wait(&rd_c, 300);
+        wait(&wr_c, 300);
+        m.inject_fault(fault);
+        let t = Instant::now();
+        let r = loop {
+            if let Some(r) = m.watchdog(Duration::from_millis(50)).expect("restart") {
+                break r;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{fault:?}: no restart"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        wait(&rd_c, 3000);
+        wait(&wr_c, 3000);
+        let c = m.stop().expect("stop");
+        for (what, j) in [("reader", &rd_c), ("writer", &wr_c)] {
+            let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            assert_eq!(l(&j.completed), 3000, "{fault:?} {what}: {c:?}");
+            assert_eq!(l(&j.submitted), 3000, "{fault:?} {what}");
+            assert_eq!(l(&j.errors), 0, "{fault:?} {what}");
+            assert_eq!(l(&j.unexpected), 0, "{fault:?} {what}: none answered twice");
+            assert_eq!(l(&j.corrupt), 0, "{fault:?} {what}: every byte read right");
+        }
+        assert_eq!(
+            c.get("blkfront recovery", "backend_lost"),
+            2,
+            "{fault:?}: {r:?}"
+        );
+        assert_eq!(c.get("blkfront recovery", "reconnects"), 2, "{fault:?}");
+        assert_eq!(c.get("blkfront recovery", "failed_unreconnected"), 0);
+        assert!(
+            c.get("blkfront recovery", "requeued") > 0,
+            "{fault:?}: what was in flight at the fault went again"
+        );
+        let f = std::fs::read(&b).expect("file");
+        let mut want = vec![0u8; f.len()];
+        pattern_fill(0, &mut want);
+        inverted(0, &mut want[..4096 * 512]);
+        assert!(
+            f == want,
+            "{fault:?}: the file holds exactly what was written"
+        );
+        for p in [a, b] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Issue 39: a disk the new driver domain cannot serve (its backing file is gone) does
+/// not stop the restart, and its guest fails what it had in flight, each request once
+/// with an error, within the bound, instead of waiting for ever.
+#[test]
+fn a_disk_whose_back_end_cannot_come_back_fails_its_requests_within_the_bound() {
+    use kernel::block::RECONNECT_BOUND;
+    use kernel::driver_domain::Fault;
+    let a = backing("gone");
+    let (rd, rd_c) = job(
+        JobOp::Read,
+        Pattern::Random(5),
+        4096,
+        8,
+        (0, SECTORS),
+        1_000_000,
+    );
+    let mut m = machine(vec![guest("reader", &a, false, rd)]);
+    wait(&rd_c, 100);
+    std::fs::remove_file(&a).expect("remove");
+    m.inject_fault(Fault::Panic);
+    let t = Instant::now();
+    let r = loop {
+        if let Some(r) = m.watchdog(Duration::from_millis(50)).expect("restart") {
+            break r;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no restart");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(r.disks_unserved, 1);
+    let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let lost = Instant::now();
+    while l(&rd_c.completed) < l(&rd_c.submitted) {
+        assert!(
+            lost.elapsed() < RECONNECT_BOUND + Duration::from_secs(5),
+            "requests still waiting past the bound"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = m.stop().expect("stop");
+    assert!(l(&rd_c.errors) > 0 && l(&rd_c.errors) <= 8, "{c:?}");
+    assert_eq!(l(&rd_c.completed), l(&rd_c.submitted), "each request once");
+    assert_eq!(l(&rd_c.unexpected), 0);
+    assert_eq!(l(&rd_c.corrupt), 0);
+    assert_eq!(
+        c.get("blkfront recovery", "failed_unreconnected"),
+        l(&rd_c.errors)
+    );
+}

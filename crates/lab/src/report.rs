@@ -40,6 +40,20 @@ pub struct Check {
     pub target: String,
     /// Whether the measurement meets it.
     pub met: bool,
+    /// A target of the paper's (or the issue's), or a check that the run was set up as
+    /// it says: listed apart, so that neither stands for the other.
+    pub kind: CheckKind,
+}
+
+/// What a [`Check`] judges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckKind {
+    /// A target: the paper's figure, or what an issue asks of pvio.
+    Target,
+    /// The run's set-up did what it says (a workload outran a rate, a sender kept up):
+    /// no claim about the mechanism.
+    Setup,
 }
 
 /// An experiment's result.
@@ -111,7 +125,7 @@ impl Report {
         &mut self.rows[last]
     }
 
-    /// Adds a check.
+    /// Adds a check of a target.
     pub fn check(&mut self, what: &str, value: f64, unit: &str, target: &str, met: bool) {
         self.checks.push(Check {
             what: what.into(),
@@ -119,7 +133,21 @@ impl Report {
             unit: unit.into(),
             target: target.into(),
             met,
+            kind: CheckKind::Target,
         });
+    }
+
+    /// Adds a check of the run's set-up, listed apart from the targets.
+    pub fn setup_check(&mut self, what: &str, value: f64, unit: &str, target: &str, met: bool) {
+        self.check(what, value, unit, target, met);
+        if let Some(c) = self.checks.last_mut() {
+            c.kind = CheckKind::Setup;
+        }
+    }
+
+    /// The checks of one kind.
+    fn checks_of(&self, kind: CheckKind) -> impl Iterator<Item = &Check> {
+        self.checks.iter().filter(move |c| c.kind == kind)
     }
 
     /// Adds a check that a count is zero.
@@ -186,9 +214,15 @@ impl Report {
                 .collect();
             let _ = writeln!(out, "{}", cells.join("  ").trim_end());
         }
-        if !self.checks.is_empty() {
-            let _ = writeln!(out, "targets:");
-            for c in &self.checks {
+        for (kind, title) in [
+            (CheckKind::Target, "targets:"),
+            (CheckKind::Setup, "set-up checks:"),
+        ] {
+            if self.checks_of(kind).next().is_none() {
+                continue;
+            }
+            let _ = writeln!(out, "{title}");
+            for c in self.checks_of(kind) {
                 let _ = writeln!(
                     out,
                     "  [{}] {}: {} {} (target {})",
@@ -238,9 +272,15 @@ impl Report {
                 r.reference.clone().unwrap_or_default()
             );
         }
-        if !self.checks.is_empty() {
-            let _ = writeln!(md, "\n## Targets\n");
-            for c in &self.checks {
+        for (kind, title) in [
+            (CheckKind::Target, "Targets"),
+            (CheckKind::Setup, "Set-up checks"),
+        ] {
+            if self.checks_of(kind).next().is_none() {
+                continue;
+            }
+            let _ = writeln!(md, "\n## {title}\n");
+            for c in self.checks_of(kind) {
                 let _ = writeln!(
                     md,
                     "- {} **{}**: {} {} (target {})",

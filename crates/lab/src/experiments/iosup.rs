@@ -98,7 +98,7 @@ const LAZY: FlushPolicy = FlushPolicy::Lazy {
     timeout: Duration::from_millis(10),
 };
 
-const SETUPS: [Setup; 6] = [
+const SETUPS: [Setup; 7] = [
     Setup {
         name: "strict (Xen)",
         iommu: true,
@@ -139,6 +139,16 @@ const SETUPS: [Setup; 6] = [
         iommu: false,
         flush: FlushPolicy::Strict,
         pool: PoolMode::Off,
+        batch: false,
+    },
+    // IOSUP per level's own pool without an IOMMU: what IOSUP is judged against, so that
+    // the two differ in the IOMMU alone (the pool also saves page-table allocation,
+    // which "no IOMMU" above does not have).
+    Setup {
+        name: "no IOMMU, per-level pool",
+        iommu: false,
+        flush: FlushPolicy::Strict,
+        pool: PoolMode::PerLevel,
         batch: false,
     },
 ];
@@ -685,7 +695,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             );
             if at.is_infinite() && grp == Group::PreEnabled {
                 let per_min = t.created as f64 / secs * 60.0;
-                r.check(
+                r.setup_check(
                     "process creations, unpaced, with the pool, against the paper's busy rate",
                     per_min / 540.0,
                     "× 540/min",
@@ -732,7 +742,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         );
     }
     let vs_strict = crate::stats::ratio_median(&exit_us[3], &exit_us[0]).unwrap_or(f64::NAN);
-    let vs_none = crate::stats::ratio_median(&exit_us[3], &exit_us[5]).unwrap_or(f64::NAN);
+    // Like for like: the same pool, with and without the IOMMU.
+    let vs_none = crate::stats::ratio_median(&exit_us[3], &exit_us[6]).unwrap_or(f64::NAN);
     r.check(
         "fork+exit with IOSUP, saved against strict",
         (1.0 - vs_strict) * 100.0,
@@ -741,7 +752,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         vs_strict <= 0.89,
     );
     r.check(
-        "fork+exit with IOSUP against no IOMMU",
+        "fork+exit with IOSUP per level against the same pool without an IOMMU",
         vs_none,
         "×",
         "≤ 1.05",
