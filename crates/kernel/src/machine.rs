@@ -976,8 +976,15 @@ impl Machine {
             let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             let frames = l(&d.regs.rx_frames) + l(&d.regs.rx_missed);
             let now = Instant::now();
-            let waiting =
-                d.dom.upcall_pending(0) || d.dom.vcpus()[0].irq_pending() || frames != d.seen.1;
+            // A kernel whose vCPU stays running without looking at its events is stuck
+            // in one pass (a soft lockup): work may wait for it that no new event
+            // announces (a guest's block requests, taken from their event before the
+            // hang, whose front end kicks no more).
+            let stuck = d.dom.vcpus()[0].runstate().state == hv::time::RunstateKind::Running;
+            let waiting = d.dom.upcall_pending(0)
+                || d.dom.vcpus()[0].irq_pending()
+                || frames != d.seen.1
+                || stuck;
             if looks != d.seen.0 {
                 d.seen = (looks, frames, now);
                 None
