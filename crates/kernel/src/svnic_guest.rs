@@ -359,6 +359,11 @@ impl Kernel for SvnicGuest {
     fn next_timer(&self) -> Option<Duration> {
         match &self.above {
             Above::Stack(b) => b.1.next_timer(),
+            // A paced flood whose send queue is full waits for the transmit signal, not
+            // its pacing timer: the timer of a sender behind its schedule is always due,
+            // and its vCPU would spin on a full queue, taking the cores the device and
+            // the other guests need (Fig. 10's link carried 1% of its rate so).
+            Above::Raw(crate::probe::Raw::Flood(_)) if self.tx_waiting => None,
             Above::Raw(raw) => raw.next_timer(),
             Above::Tap(_) => None,
         }

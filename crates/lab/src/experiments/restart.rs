@@ -16,6 +16,13 @@
 //! itself (decision to the new driver domain running with its vifs connected), and
 //! fault to traffic flowing again (the first message the application receives after
 //! the restart). The goal the issue sets is under 100 ms from fault to traffic.
+//!
+//! Disks too (issue 39): a second machine's guest reads its virtual disk at random, 4 KiB
+//! at queue depth 8, every byte checked, while its driver domain fails the same ways. The
+//! restart serves the disk again from a new driver domain; the guest's blkfront sees its
+//! back end go, reconnects and issues again what was in flight. Measured: fault to I/O
+//! flowing again (the first request completed after the restart), and that every
+//! request completes once and well.
 
 use std::time::{Duration, Instant};
 
@@ -118,6 +125,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let result = measure(opts, faults);
     let _ = std::panic::take_hook();
     let (timings, finish, held) = result?;
+    let disk = measure_disk(faults);
 
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = format!(
@@ -177,6 +185,43 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          `pvio up`'s test shows TCP resending them).",
         finish.messages_received, finish.messages_sent
     ));
+    let (disk_timings, disk) = disk?;
+    for (kind, ts) in &disk_timings {
+        let g = format!("{kind} in the driver domain, a guest's disk");
+        let col = |f: fn(&Timing) -> f64| ts.iter().map(f).collect::<Vec<_>>();
+        r.row(
+            &g,
+            "detection (fault → watchdog decides)",
+            "ms",
+            &col(|t| t.detect),
+        );
+        r.row(
+            &g,
+            "restart (decision → new driver domain, disk connected)",
+            "ms",
+            &col(|t| t.restart),
+        );
+        let flowing = col(|t| t.flowing);
+        let med = crate::Stats::of(&flowing).median;
+        r.row(&g, "fault → I/O flowing again", "ms", &flowing);
+        r.check(
+            &format!("{g}: fault to I/O flowing again, median"),
+            med,
+            "ms",
+            &format!("< {GOAL_MS}"),
+            med < GOAL_MS,
+        );
+    }
+    r.check_none(
+        "disk requests lost, doubled, failed or read wrong across the faults",
+        disk.lost + disk.doubled + disk.failed + disk.corrupt,
+        "requests",
+    );
+    r.notes.push(format!(
+        "The disk: {} requests completed, {} issued again to a new back end after a \
+         fault, every byte read checked against the file.",
+        disk.completed, disk.requeued
+    ));
     r.notes.push(
         "A hang's detection is bounded below by the stall limit: the watchdog cannot \
          tell a hung driver domain from a slow one sooner. A panic is seen at the next \
@@ -213,6 +258,142 @@ fn measure(opts: Options, faults: usize) -> Result<Measured, LabError> {
     }
     let finish = running.finish(Duration::from_secs(1))?;
     Ok((out, finish, hv.reap()))
+}
+
+/// What the disk's guest counted over all its faults.
+#[derive(Debug, Default)]
+struct DiskTally {
+    completed: u64,
+    lost: u64,
+    doubled: u64,
+    failed: u64,
+    corrupt: u64,
+    requeued: u64,
+}
+
+/// 64 MiB.
+const DISK_SECTORS: u64 = 131_072;
+
+/// The disk rows: a block guest's random reads across `faults` faults of each kind.
+fn measure_disk(faults: usize) -> Result<(Vec<(&'static str, Vec<Timing>)>, DiskTally), LabError> {
+    use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
+    use kernel::driver_domain::Fault as DriverFault;
+    use kernel::machine::{
+        Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec,
+    };
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let path = dir.join(format!("pvio-restart-disk-{}", std::process::id()));
+    blk::disk::write_patterned(&path, DISK_SECTORS)
+        .map_err(|e| LabError::Other(format!("{}: {e}", path.display())))?;
+    let counters = Arc::new(JobCounters::default());
+    let job = BlockJobSpec {
+        op: JobOp::Read,
+        pattern: Pattern::Random(11),
+        bytes: 4096,
+        depth: 8,
+        span: (0, DISK_SECTORS),
+        limit: None,
+        expect: blk::disk::pattern_fill,
+        verify: true,
+        fill: blk::disk::pattern_fill,
+        latencies: Arc::new(dev::wire::Samples::new(1)),
+        counters: Arc::clone(&counters),
+    };
+    let mut m = Machine::start(MachineSpec {
+        grant_version: hv::GrantVersion::V1,
+        grant_path: hv::GrantPath::Original,
+        sample: None,
+        nic: NicSpec {
+            coalesce: dev::nic::Coalesce::default(),
+            source: Box::new(dev::wire::Silence),
+            sink: Box::new(dev::wire::CountingSink::default()),
+        },
+        layout: Layout::DriverDomain {
+            driver: kernel::driver_domain::DriverConfig::default(),
+            guests: vec![GuestSpec {
+                name: "disk".into(),
+                mac: [2, 0, 0, 0, 0, 0x0d],
+                rx_buffers: net::netfront::RxBuffers::Fragments,
+                grants: net::netfront::Grants::PerIo,
+                offloads: false,
+                above: Above::Block(Box::new(BlockSpec {
+                    disk: Disk::File(path.clone()),
+                    read_only: true,
+                    persistent: false,
+                    job,
+                })),
+                core: None,
+            }],
+        },
+    })
+    .map_err(|e| LabError::Other(e.to_string()))?;
+    let done = || counters.completed.load(Ordering::Relaxed);
+    let more = |past: u64| -> Result<Instant, LabError> {
+        let t = Instant::now();
+        while done() <= past {
+            if t.elapsed() > Duration::from_secs(10) {
+                return Err(LabError::Other(format!("the disk's I/O stopped at {past}")));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(Instant::now())
+    };
+    more(500)?;
+    let mut out = Vec::new();
+    for (f, kind) in [(DriverFault::Panic, "panic"), (DriverFault::Hang, "hang")] {
+        let mut ts = Vec::new();
+        for _ in 0..faults {
+            let t_fault = Instant::now();
+            m.inject_fault(f);
+            let (x, decided) = loop {
+                let asked = Instant::now();
+                if let Some(x) = m
+                    .watchdog(STALL)
+                    .map_err(|e| LabError::Other(e.to_string()))?
+                {
+                    break (x, asked);
+                }
+                if t_fault.elapsed() > Duration::from_secs(5) {
+                    return Err(LabError::Other(format!(
+                        "disk, {f:?}: the watchdog saw nothing"
+                    )));
+                }
+                std::thread::sleep(PERIOD);
+            };
+            let back = more(done())?;
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            ts.push(Timing {
+                detect: ms(decided.duration_since(t_fault)),
+                restart: ms(x.took),
+                flowing: ms(back.duration_since(t_fault)),
+            });
+            more(done() + 500)?;
+        }
+        out.push((kind, ts));
+    }
+    let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
+    let _ = std::fs::remove_file(&path);
+    let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    // The job stopped with the machine: what it had in flight then is the only
+    // difference between asked and answered that is not a loss.
+    let in_flight = l(&counters.submitted).saturating_sub(l(&counters.completed));
+    Ok((
+        out,
+        DiskTally {
+            completed: l(&counters.completed),
+            lost: in_flight.saturating_sub(8),
+            doubled: l(&counters.unexpected) + c.get("blkfront", "bad_responses"),
+            failed: l(&counters.errors),
+            corrupt: l(&counters.corrupt),
+            requeued: c.get("blkfront recovery", "requeued"),
+        },
+    ))
 }
 
 #[cfg(test)]

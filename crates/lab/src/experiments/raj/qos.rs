@@ -333,17 +333,3 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     );
     Ok(())
 }
-#[cfg(test)]
-mod tmp_probe {
-    #[test]
-    fn probe_fig10_alone() {
-        let mut rep = crate::Report::new("x", "x", "x");
-        super::figure10(&mut rep, crate::Mode::Quick).expect("runs");
-        for r in &rep.rows {
-            eprintln!("ROW {} | {} | {:.1}", r.group, r.name, r.stats.median);
-        }
-        for c in &rep.checks {
-            eprintln!("CHECK {} {:.3} {}", c.what, c.value, c.met);
-        }
-    }
-}
