@@ -348,6 +348,10 @@ fn netns_exists(name: &str) -> bool {
     std::path::Path::new("/run/netns").join(name).exists()
 }
 
+/// How long a guest whose disk a new driver domain could not serve waits before its
+/// requests in flight fail.
+pub use kernel::block::RECONNECT_BOUND as DISK_RECONNECT_BOUND;
+
 /// Where `pvio up` keeps a lock file for each namespace it runs in.
 pub const CLAIM_DIR: &str = "/run/pvio";
 

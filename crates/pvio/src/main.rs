@@ -342,10 +342,18 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
                 Ok(Some(r)) => {
                     println!(
                         "watchdog: driver domain {:?}; a new one was running with its vifs \
-                         connected {:.1} ms later",
+                         and disks connected {:.1} ms later",
                         r.cause,
                         r.took.as_secs_f64() * 1e3
                     );
+                    if r.disks_unserved > 0 {
+                        println!(
+                            "watchdog: {} disk(s) could not be served again; their guests fail \
+                             what they had in flight after {} s",
+                            r.disks_unserved,
+                            lab::up::DISK_RECONNECT_BOUND.as_secs()
+                        );
+                    }
                     live.printed();
                 }
                 Ok(None) => {}
