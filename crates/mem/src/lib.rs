@@ -20,6 +20,7 @@
 //! method can fault (a window slot that is not mapped is refused, not dereferenced).
 
 pub mod cpu;
+pub mod file;
 mod machine;
 mod shared;
 pub mod tap;
