@@ -240,9 +240,8 @@ impl Blkfront {
         let mut taken: Vec<Granted> = Vec::new();
         let give_back = |taken: &[Granted]| {
             for g in taken {
-                let _ = gt.end_access(g.gref);
-                gt.free_ref(g.gref);
-                let _ = dom.free_page(g.gfn);
+                // Deferred: a back end that mapped it already keeps it until it unmaps.
+                gt.end_access_deferred(g.gref, Some(g.gfn));
             }
         };
         let mut grant_page = |readonly: bool| -> Result<Granted, XenbusError> {
@@ -748,9 +747,10 @@ fn undo(dom: &Domain, sh: &mut Shadow, pool: &mut Vec<Granted>, e: SubmitError) 
     for &(gref, via) in &sh.grants {
         match via {
             Some(gfn) => pool.push(Granted { gfn, gref }),
+            // The reference is not reused while a back end that guessed it still maps
+            // the page (the page is the bio's, not freed here).
             None => {
-                let _ = gt.end_access(gref);
-                gt.free_ref(gref);
+                gt.end_access_deferred(gref, None);
             }
         }
     }

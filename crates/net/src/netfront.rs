@@ -571,9 +571,8 @@ impl Netfront {
         let mut port = None;
         let give_back = |taken: &[(Gfn, GrantRef)], port: Option<Port>| {
             for &(g, r) in taken {
-                let _ = gt.end_access(r);
-                gt.free_ref(r);
-                let _ = dom.free_page(g);
+                // Deferred: a back end that mapped it already keeps it until it unmaps.
+                gt.end_access_deferred(r, Some(g));
             }
             if let Some(p) = port {
                 let _ = hv.evtchn_close(dom, p);

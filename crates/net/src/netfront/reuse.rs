@@ -68,9 +68,8 @@ pub(super) fn open_ctrl(dom: &std::sync::Arc<Domain>, be: DomId) -> Option<Reuse
     let mut taken: Vec<(Gfn, GrantRef)> = Vec::with_capacity(2);
     let give_back = |taken: &[(Gfn, GrantRef)]| {
         for &(g, r) in taken {
-            let _ = gt.end_access(r);
-            gt.free_ref(r);
-            let _ = dom.free_page(g);
+            // Deferred: a back end that mapped it already keeps it until it unmaps.
+            gt.end_access_deferred(r, Some(g));
         }
     };
     for _ in 0..2 {
