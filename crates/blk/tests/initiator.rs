@@ -61,13 +61,21 @@ struct Rig {
 
 impl Rig {
     fn new() -> Self {
+        Self::with(InitiatorConfig::new(ME, 1, 2), 2)
+    }
+
+    /// An initiator set up as `cfg` and a target of `per_frame` sectors a frame, the
+    /// target found.
+    fn with(cfg: InitiatorConfig, per_frame: u8) -> Self {
+        let mut target = Target::new();
+        target.per_frame = per_frame;
         let mut r = Self {
-            ini: Initiator::new(InitiatorConfig::new(ME, 1, 2), 32),
+            ini: Initiator::new(cfg, 32),
             io: Io {
                 mem: vec![vec![0u8; 128 * 1024]; 32],
                 ..Io::default()
             },
-            target: Target::new(),
+            target,
             t0: Instant::now(),
             now: Duration::ZERO,
         };
@@ -143,19 +151,7 @@ fn discovery_finds_the_target_and_requests_come_back_whole_over_many_frames() {
 fn a_jumbo_frame_target_gets_frames_of_its_size_whole() {
     let mut cfg = InitiatorConfig::new(ME, 1, 2);
     cfg.mtu = 9000;
-    let mut r = Rig {
-        ini: Initiator::new(cfg, 32),
-        io: Io {
-            mem: vec![vec![0u8; 128 * 1024]; 32],
-            ..Io::default()
-        },
-        target: Target::new(),
-        t0: Instant::now(),
-        now: Duration::ZERO,
-    };
-    r.target.per_frame = 17;
-    r.run(Duration::from_millis(1));
-    assert_eq!(r.ini.phase(), Phase::Ready);
+    let mut r = Rig::with(cfg, 17);
     assert_eq!(r.ini.sectors_per_frame(), 17);
     let now = r.at();
     for (i, b) in r.io.mem[1].iter_mut().enumerate().take(74 * SECTOR) {

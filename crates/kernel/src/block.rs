@@ -595,11 +595,9 @@ impl Kernel for BlockGuest {
                 self.lose_backend(now);
             }
         }
-        if self.front.is_none() {
-            if !self.try_connect() {
-                self.expire(now);
-                return Work::default();
-            }
+        if self.front.is_none() && !self.try_connect() {
+            self.expire(now);
+            return Work::default();
         }
         let Some(front) = self.front.as_mut() else {
             return Work::default();

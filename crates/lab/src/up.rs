@@ -445,25 +445,6 @@ pub fn on_this_host(cfg: &UpConfig) -> Result<(), LabError> {
     Ok(())
 }
 
-#[cfg(test)]
-mod host_tests {
-    use super::*;
-
-    /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
-    #[test]
-    fn a_core_the_host_does_not_have_is_refused() {
-        let mut cfg = UpConfig {
-            guests: vec![UpGuest::nth(0)],
-            ..UpConfig::default()
-        };
-        cfg.guests[0].core = Some(0);
-        assert!(on_this_host(&cfg).is_ok());
-        cfg.guests[0].core = Some(mem::cpu::online_cores());
-        let e = on_this_host(&cfg).expect_err("refused").to_string();
-        assert!(e.contains("guest: core"), "{e}");
-    }
-}
-
 /// Why a machine cannot be brought up as configured, before anything is made: no
 /// guest, or two that would share a namespace, an address or a name.
 pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
@@ -852,5 +833,24 @@ impl Up {
 impl Drop for Up {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+
+    /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
+    #[test]
+    fn a_core_the_host_does_not_have_is_refused() {
+        let mut cfg = UpConfig {
+            guests: vec![UpGuest::nth(0)],
+            ..UpConfig::default()
+        };
+        cfg.guests[0].core = Some(0);
+        assert!(on_this_host(&cfg).is_ok());
+        cfg.guests[0].core = Some(mem::cpu::online_cores());
+        let e = on_this_host(&cfg).expect_err("refused").to_string();
+        assert!(e.contains("guest: core"), "{e}");
     }
 }

@@ -673,6 +673,18 @@ fn netns_exists(ns: &str) -> bool {
     std::path::Path::new("/run/netns").join(ns).exists()
 }
 
+/// Waits (20 s at most) until `pvio up` has made both namespaces.
+fn wait_for_namespaces(o: &str, g: &str) {
+    let t0 = Instant::now();
+    while !(netns_exists(o) && netns_exists(g)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the namespaces were made"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn claim_file(ns: &str) -> std::path::PathBuf {
     std::path::Path::new(lab::up::CLAIM_DIR).join(format!("netns-{ns}.lock"))
 }
@@ -690,14 +702,7 @@ fn pvio_up_cleans_up_on_sigterm_refuses_a_second_run_and_mends_a_killed_ones_lef
     let pid = std::process::id();
     let (o, g) = (format!("pvio-s{pid}-o"), format!("pvio-s{pid}-g"));
     let mut first = up_process(&o, &g, 81, 60).spawn().expect("pvio up");
-    let t0 = Instant::now();
-    while !(netns_exists(&o) && netns_exists(&g)) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the namespaces were made"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_namespaces(&o, &g);
     // A second run on the same namespaces is refused, and touches nothing of the first.
     let second = up_process(&o, &g, 82, 1).output().expect("second pvio up");
     assert!(!second.status.success());
@@ -722,14 +727,7 @@ fn pvio_up_cleans_up_on_sigterm_refuses_a_second_run_and_mends_a_killed_ones_lef
     // A run killed outright (SIGKILL) cannot clean up: the next one finds its word,
     // removes the namespace and makes it afresh, and removes it at its end.
     let mut killed = up_process(&o, &g, 83, 60).spawn().expect("pvio up");
-    let t0 = Instant::now();
-    while !(netns_exists(&o) && netns_exists(&g)) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the namespaces were made"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_namespaces(&o, &g);
     std::thread::sleep(Duration::from_millis(300));
     killed.kill().expect("SIGKILL");
     let _ = killed.wait();

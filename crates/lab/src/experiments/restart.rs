@@ -123,9 +123,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }
     }));
     let result = measure(opts, faults);
+    let disk = measure_disk(faults);
     let _ = std::panic::take_hook();
     let (timings, finish, held) = result?;
-    let disk = measure_disk(faults);
 
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = format!(
@@ -139,32 +139,13 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "stall_limit_ms": STALL.as_secs_f64() * 1e3,
         "watchdog_period_ms": PERIOD.as_secs_f64() * 1e3,
     });
-    for (kind, ts) in &timings {
-        let g = format!("{kind} in the driver domain");
-        let col = |f: fn(&Timing) -> f64| ts.iter().map(f).collect::<Vec<_>>();
-        r.row(
-            &g,
-            "detection (fault → watchdog decides)",
-            "ms",
-            &col(|t| t.detect),
-        );
-        r.row(
-            &g,
-            "restart (decision → new driver domain, vifs connected)",
-            "ms",
-            &col(|t| t.restart),
-        );
-        let flowing = col(|t| t.flowing);
-        let med = crate::Stats::of(&flowing).median;
-        r.row(&g, "fault → traffic flowing again", "ms", &flowing);
-        r.check(
-            &format!("{g}: fault to traffic flowing, median"),
-            med,
-            "ms",
-            &format!("< {GOAL_MS}"),
-            med < GOAL_MS,
-        );
-    }
+    timing_rows(
+        &mut r,
+        &timings,
+        "",
+        "vifs connected",
+        "traffic flowing again",
+    );
     let caught = timings.iter().map(|(_, t)| t.len()).sum::<usize>();
     r.check(
         "faults caught and restarted",
@@ -186,32 +167,13 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         finish.messages_received, finish.messages_sent
     ));
     let (disk_timings, disk) = disk?;
-    for (kind, ts) in &disk_timings {
-        let g = format!("{kind} in the driver domain, a guest's disk");
-        let col = |f: fn(&Timing) -> f64| ts.iter().map(f).collect::<Vec<_>>();
-        r.row(
-            &g,
-            "detection (fault → watchdog decides)",
-            "ms",
-            &col(|t| t.detect),
-        );
-        r.row(
-            &g,
-            "restart (decision → new driver domain, disk connected)",
-            "ms",
-            &col(|t| t.restart),
-        );
-        let flowing = col(|t| t.flowing);
-        let med = crate::Stats::of(&flowing).median;
-        r.row(&g, "fault → I/O flowing again", "ms", &flowing);
-        r.check(
-            &format!("{g}: fault to I/O flowing again, median"),
-            med,
-            "ms",
-            &format!("< {GOAL_MS}"),
-            med < GOAL_MS,
-        );
-    }
+    timing_rows(
+        &mut r,
+        &disk_timings,
+        ", a guest's disk",
+        "disk connected",
+        "I/O flowing again",
+    );
     r.check_none(
         "disk requests lost, doubled, failed or read wrong across the faults",
         disk.lost + disk.doubled + disk.failed + disk.corrupt,
@@ -229,6 +191,44 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             .into(),
     );
     Ok(r)
+}
+
+/// Each fault kind's rows (detection, restart, fault to `flowing`) and its check of the
+/// median against the goal; `what` follows the group's name, `connected` says what the
+/// restart waits for.
+fn timing_rows(
+    r: &mut Report,
+    timings: &[(&'static str, Vec<Timing>)],
+    what: &str,
+    connected: &str,
+    flowing: &str,
+) {
+    for (kind, ts) in timings {
+        let g = format!("{kind} in the driver domain{what}");
+        let col = |f: fn(&Timing) -> f64| ts.iter().map(f).collect::<Vec<_>>();
+        r.row(
+            &g,
+            "detection (fault → watchdog decides)",
+            "ms",
+            &col(|t| t.detect),
+        );
+        r.row(
+            &g,
+            &format!("restart (decision → new driver domain, {connected})"),
+            "ms",
+            &col(|t| t.restart),
+        );
+        let times = col(|t| t.flowing);
+        let med = crate::Stats::of(&times).median;
+        r.row(&g, &format!("fault → {flowing}"), "ms", &times);
+        r.check(
+            &format!("{g}: fault to {flowing}, median"),
+            med,
+            "ms",
+            &format!("< {GOAL_MS}"),
+            med < GOAL_MS,
+        );
+    }
 }
 
 type Measured = (
@@ -260,6 +260,9 @@ fn measure(opts: Options, faults: usize) -> Result<Measured, LabError> {
     Ok((out, finish, hv.reap()))
 }
 
+/// Each fault kind's timings.
+type Timings = Vec<(&'static str, Vec<Timing>)>;
+
 /// What the disk's guest counted over all its faults.
 #[derive(Debug, Default)]
 struct DiskTally {
@@ -275,7 +278,7 @@ struct DiskTally {
 const DISK_SECTORS: u64 = 131_072;
 
 /// The disk rows: a block guest's random reads across `faults` faults of each kind.
-fn measure_disk(faults: usize) -> Result<(Vec<(&'static str, Vec<Timing>)>, DiskTally), LabError> {
+fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
     use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
     use kernel::driver_domain::Fault as DriverFault;
     use kernel::machine::{
