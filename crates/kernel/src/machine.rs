@@ -1072,7 +1072,7 @@ impl Machine {
             .iter()
             .map(|disk| disk.serve(&hv, &drv).ok())
             .collect();
-        let unserved = served.iter().filter(|s| s.is_none()).count() as u32;
+        let mut unserved = served.iter().filter(|s| s.is_none()).count() as u32;
         // The guests reconnect on their own vCPUs; the back ends follow once each front
         // end is Connected (the back end's watch on it).
         let until = Instant::now() + Duration::from_secs(5);
@@ -1092,19 +1092,28 @@ impl Machine {
             match s {
                 None => {}
                 Some(Served::File(file)) => {
+                    // A guest that does not reconnect its disk (or answers the handshake
+                    // wrongly) loses that disk, not the restart: its requests fail after
+                    // their bound, and every other device is served.
                     let fe = disk.dom.id();
                     let fdir = blk::xenbus::frontend_dir(fe, XVDA);
+                    let mut connected = true;
                     while hv.store().xenbus_state(DomId::DOM0, &fdir)
                         != hv::store::XenbusState::Connected
                     {
                         if Instant::now() > until {
-                            return Err(other(format!("guest {}'s disk did not reconnect", fe.0)));
+                            connected = false;
+                            break;
                         }
                         std::thread::yield_now();
                     }
-                    vbds.push(
-                        Blkback::connect(&hv, &drv, fe, XVDA, disk.slot, file).map_err(other)?,
-                    );
+                    match connected
+                        .then(|| Blkback::connect(&hv, &drv, fe, XVDA, disk.slot, file).ok())
+                        .flatten()
+                    {
+                        Some(b) => vbds.push(b),
+                        None => unserved += 1,
+                    }
                 }
                 Some(Served::Remote(r)) => remote.push(r),
             }
