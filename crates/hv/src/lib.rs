@@ -38,7 +38,7 @@ pub use event::{ChannelState, EvtchnError, IrqHandler, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
 pub use mem::{MachineMemory, MapBackend, PageAccess, PAGE_SIZE};
 pub use types::*;
-pub use vcpu::{Vcpu, VcpuStart, WaitMode};
+pub use vcpu::{Vcpu, VcpuStart, WaitMode, HALT_POLL_DEFAULT};
 
 use frame::FrameTable;
 

@@ -27,7 +27,15 @@ pub enum WaitMode {
     Blocking,
     /// Spin on the upcall flag (a polling vCPU).
     Polling,
+    /// Spin on the upcall flag for up to this long, then park until kicked (KVM's
+    /// `halt_poll_ns`): an event that comes soon after the vCPU went idle costs what
+    /// polling costs, a long idle what blocking costs, and an idle vCPU gives its core
+    /// back after the bound. The spin is the vCPU's own CPU time.
+    HaltPoll(Duration),
 }
+
+/// KVM's default bound for halt polling (`halt_poll_ns`, 200 µs).
+pub const HALT_POLL_DEFAULT: Duration = Duration::from_micros(200);
 
 /// Per-vCPU state kept in the domain.
 #[derive(Debug)]
@@ -38,7 +46,9 @@ pub struct VcpuState {
     blocked: AtomicBool,
     /// A wake-up that is not an event (a stop request, say).
     kicked: AtomicBool,
+    /// 0: blocking, 1: polling, 2: halt-polling for `halt_poll_ns`.
     mode: AtomicU8,
+    halt_poll_ns: AtomicU64,
     pub(crate) slot: Arc<SampleSlot>,
     clock: Mutex<Option<ThreadClock>>,
     /// CPU time at exit, in ns, once the thread has ended.
@@ -72,6 +82,7 @@ impl VcpuState {
             blocked: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
             mode: AtomicU8::new(0),
+            halt_poll_ns: AtomicU64::new(0),
             slot: Arc::new(SampleSlot::default()),
             clock: Mutex::new(None),
             final_cpu_ns: AtomicU64::new(0),
@@ -250,10 +261,11 @@ impl Vcpu {
     }
     /// How this vCPU waits.
     pub fn mode(&self) -> WaitMode {
-        if self.state().mode.load(Ordering::Relaxed) == 1 {
-            WaitMode::Polling
-        } else {
-            WaitMode::Blocking
+        let s = self.state();
+        match s.mode.load(Ordering::Relaxed) {
+            1 => WaitMode::Polling,
+            2 => WaitMode::HaltPoll(Duration::from_nanos(s.halt_poll_ns.load(Ordering::Relaxed))),
+            _ => WaitMode::Blocking,
         }
     }
 
@@ -319,16 +331,37 @@ impl Vcpu {
         match self.mode() {
             WaitMode::Blocking => self.block(),
             WaitMode::Polling => {
-                let s = self.state();
-                while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
-                    if s.timer_deadline.load(Ordering::Relaxed) != 0 {
-                        self.check_timer();
-                    }
-                    std::hint::spin_loop();
+                self.poll_for(None);
+            }
+            WaitMode::HaltPoll(bound) => {
+                if !self.poll_for(Some(bound)) {
+                    self.block();
                 }
-                s.kicked.store(false, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Spins until an event upcall is pending or the vCPU is kicked (true), or, with a
+    /// bound, until that long has passed without either (false). The clock is read
+    /// once every 64 spins, not on every one.
+    fn poll_for(&self, bound: Option<Duration>) -> bool {
+        let s = self.state();
+        let start = bound.map(|_| std::time::Instant::now());
+        let mut spins = 0u32;
+        while !self.upcall_pending() && !s.kicked.load(Ordering::Acquire) {
+            if s.timer_deadline.load(Ordering::Relaxed) != 0 {
+                self.check_timer();
+            }
+            spins = spins.wrapping_add(1);
+            if let (Some(b), Some(t)) = (bound, start) {
+                if spins.is_multiple_of(64) && t.elapsed() >= b {
+                    return false;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        s.kicked.store(false, Ordering::Relaxed);
+        true
     }
 
     /// `SCHEDOP_block`: parks until an event or a kick.
@@ -406,8 +439,16 @@ impl Hypervisor {
             .vcpus
             .get(start.vcpu as usize)
             .ok_or_else(|| std::io::Error::from_raw_os_error(libc_einval()))?;
-        st.mode
-            .store(u8::from(start.mode == WaitMode::Polling), Ordering::Relaxed);
+        let (mode, bound) = match start.mode {
+            WaitMode::Blocking => (0, Duration::ZERO),
+            WaitMode::Polling => (1, Duration::ZERO),
+            WaitMode::HaltPoll(b) => (2, b),
+        };
+        st.halt_poll_ns.store(
+            u64::try_from(bound.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        st.mode.store(mode, Ordering::Relaxed);
         let v = Vcpu {
             hv: Arc::clone(self),
             dom: Arc::clone(dom),

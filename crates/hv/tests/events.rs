@@ -386,7 +386,8 @@ fn run_receiver(
 
 #[test]
 fn blocked_and_polling_vcpus_wake_on_events() {
-    for mode in [WaitMode::Blocking, WaitMode::Polling] {
+    let halt_poll = WaitMode::HaltPoll(Duration::from_millis(1));
+    for mode in [WaitMode::Blocking, WaitMode::Polling, halt_poll] {
         let (hv, a, b) = two_domains();
         let (pa, _pb) = connect(&hv, &a, &b);
         let (h, seen) = run_receiver(&hv, &b, mode, 5);
@@ -411,6 +412,38 @@ fn blocked_and_polling_vcpus_wake_on_events() {
         }
         assert!(b.vcpus()[0].cpu_time() > Duration::ZERO);
     }
+}
+
+/// A halt-polling vCPU left idle past its bound parks (it gives its core back), and an
+/// event then wakes it as it wakes a blocked one.
+#[test]
+fn a_halt_polling_vcpu_parks_past_its_bound_and_an_event_wakes_it() {
+    let (hv, a, b) = two_domains();
+    let (pa, _pb) = connect(&hv, &a, &b);
+    let (h, seen) = run_receiver(&hv, &b, WaitMode::HaltPoll(Duration::from_millis(1)), 2);
+    for i in 1..=2u32 {
+        // Idle past its bound, the vCPU parks: its run state says blocked.
+        let t0 = Instant::now();
+        while b.vcpus()[0].runstate().state != hv::time::RunstateKind::Blocked {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never parked");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        hv.evtchn_send(&a, pa).expect("send");
+        let t0 = Instant::now();
+        while seen.load(Ordering::Relaxed) < i {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "event {i} never handled"
+            );
+            std::thread::yield_now();
+        }
+    }
+    assert_eq!(h.join().expect("vcpu"), 2);
+    let (blocks, wakes) = b.vcpus()[0].block_wake_counts();
+    assert!(
+        blocks >= 2 && wakes >= 2,
+        "it parked each time: {blocks} {wakes}"
+    );
 }
 
 #[test]

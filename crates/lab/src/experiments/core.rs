@@ -140,7 +140,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             "Mreq/s",
             rate,
         );
-        for wm in [WaitMode::Polling, WaitMode::Blocking] {
+        for wm in [
+            WaitMode::Polling,
+            WaitMode::Blocking,
+            WaitMode::HaltPoll(hv::HALT_POLL_DEFAULT),
+        ] {
             let n = if wm == WaitMode::Polling {
                 mode.scale(200_000)
             } else {
@@ -984,8 +988,9 @@ fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
                     while ack3.load(Ordering::Acquire) < i {
                         std::hint::spin_loop();
                     }
-                    // Let a blocking receiver really block between events.
-                    if mode == WaitMode::Blocking {
+                    // Let a blocking receiver really block between events; a
+                    // halt-polling one gets the same gap, within its bound.
+                    if mode != WaitMode::Polling {
                         let t = Instant::now();
                         while t.elapsed() < Duration::from_micros(20) {
                             std::hint::spin_loop();
