@@ -70,6 +70,8 @@ pub struct HostileGuest {
     hv: Arc<Hypervisor>,
     dom: Arc<Domain>,
     handle: u32,
+    /// It never follows the store after connecting (it never reconnects).
+    deaf: bool,
     conn: Option<Conn>,
     rng: u64,
     next: Duration,
@@ -84,12 +86,21 @@ impl HostileGuest {
             hv: Arc::clone(hv),
             dom: Arc::clone(dom),
             handle,
+            deaf: false,
             conn: None,
             rng: seed | 1,
             next: Duration::ZERO,
             stats: HostileStats::default(),
         };
         g.follow_store();
+        g
+    }
+
+    /// The same guest, deaf to its back end: it connects now and never follows the
+    /// store again (after a driver-domain restart it never reconnects).
+    pub fn deaf(hv: &Arc<Hypervisor>, dom: &Arc<Domain>, handle: u32, seed: u64) -> Self {
+        let mut g = Self::new(hv, dom, handle, seed);
+        g.deaf = true;
         g
     }
 
@@ -243,7 +254,9 @@ impl Kernel for HostileGuest {
             return Work::default();
         }
         self.next = now + BURST_EVERY;
-        self.follow_store();
+        if !self.deaf {
+            self.follow_store();
+        }
         self.burst();
         Work::default()
     }

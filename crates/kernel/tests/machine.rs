@@ -382,3 +382,68 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
     assert_eq!(m.hv().reap(), 0, "no frame of a dead driver domain is held");
     m.stop().expect("stop");
 }
+
+/// A guest that never reconnects after a driver-domain restart (deaf to its back end)
+/// loses its own vif, not the restart: the new driver domain serves the other guest,
+/// whose traffic flows again intact, and the restart says which vif it left out.
+#[test]
+fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
+    use kernel::driver_domain::Fault;
+    let f = flow_to(2);
+    let len = 1000;
+    let (a, c) = app(f, len);
+    let feed = Feed::default();
+    let guest = |name: &str, mac: [u8; 6], above: Above| GuestSpec {
+        name: name.into(),
+        mac,
+        rx_buffers: RxBuffers::Fragments,
+        grants: Grants::PerIo,
+        offloads: false,
+        above,
+        core: None,
+    };
+    let mut m = Machine::start(MachineSpec {
+        nic: NicSpec {
+            coalesce: Coalesce::default(),
+            source: Box::new(feed.clone()),
+            sink: Box::new(CountingSink::default()),
+        },
+        ..spec(
+            Vec::new(),
+            Layout::DriverDomain {
+                driver: DriverConfig {
+                    netfilter: false,
+                    ..DriverConfig::default()
+                },
+                guests: vec![
+                    guest("deaf", [2, 0, 0, 0, 0, 0x0e], Above::Deaf(7)),
+                    guest("guest", f.dst_mac, Above::App(a)),
+                ],
+            },
+        )
+    })
+    .expect("machine");
+    feed.push(batch(f, len, 0, 40));
+    wait_for(&c, 40);
+    m.inject_fault(Fault::Panic);
+    feed.push(batch(f, len, 40, 1));
+    let t = Instant::now();
+    let r = loop {
+        if let Some(r) = m
+            .watchdog(Duration::from_millis(200))
+            .expect("the restart goes on")
+        {
+            break r;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no restart");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!(r.vifs_unserved, 1, "{r:?}");
+    // The good guest's traffic flows again through the new driver domain.
+    let settled = c.messages.load(Ordering::Relaxed);
+    feed.push(batch(f, len, 41, 40));
+    wait_for(&c, settled + 40);
+    assert!(c.messages.load(Ordering::Relaxed) >= settled + 40);
+    assert_eq!(c.corrupt.load(Ordering::Relaxed), 0);
+    m.stop().expect("stop");
+}

@@ -346,6 +346,12 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
                         r.cause,
                         r.took.as_secs_f64() * 1e3
                     );
+                    if r.vifs_unserved > 0 {
+                        println!(
+                            "watchdog: {} vif(s) left out: their guests did not reconnect in time",
+                            r.vifs_unserved
+                        );
+                    }
                     if r.disks_unserved > 0 {
                         println!(
                             "watchdog: {} disk(s) could not be served again; their guests fail \
