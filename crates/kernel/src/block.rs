@@ -319,16 +319,17 @@ impl BlockJob {
     /// Fails every request in flight (its back end is gone past the bound): each
     /// completes once, with an error.
     pub fn fail_in_flight(&mut self) -> usize {
-        let busy: Vec<u64> = (0..self.slots.len() as u64)
-            .filter(|&i| self.slots[i as usize].busy)
-            .collect();
-        for &tag in &busy {
-            self.done(Completion {
-                tag,
-                status: blk::blkif::BLKIF_RSP_ERROR,
-            });
+        let mut n = 0;
+        for tag in 0..self.slots.len() {
+            if self.slots[tag].busy {
+                self.done(Completion {
+                    tag: tag as u64,
+                    status: blk::blkif::BLKIF_RSP_ERROR,
+                });
+                n += 1;
+            }
         }
-        busy.len()
+        n
     }
 }
 
@@ -528,6 +529,17 @@ impl BlockGuest {
         }
     }
 
+    /// Past the bound without a back end: what was in flight fails, once.
+    fn expire(&mut self, now: Duration) {
+        if let Some((at, failed)) = &mut self.lost {
+            if !*failed && now >= *at + RECONNECT_BOUND {
+                *failed = true;
+                let n = self.job.fail_in_flight();
+                self.recovery.failed_unreconnected += n as u64;
+            }
+        }
+    }
+
     /// The guest's block layer's counters of back ends lost and found.
     pub fn recovery(&self) -> RecoveryStats {
         self.recovery
@@ -542,19 +554,6 @@ fn waker(hv: &Arc<Hypervisor>, dom: &Arc<Domain>) -> hv::store::Wake {
             h.kick_vcpu(&d, 0);
         }
     }))
-}
-
-impl BlockGuest {
-    /// Past the bound without a back end: what was in flight fails, once.
-    fn expire(&mut self, now: Duration) {
-        if let Some((at, failed)) = &mut self.lost {
-            if !*failed && now >= *at + RECONNECT_BOUND {
-                *failed = true;
-                let n = self.job.fail_in_flight();
-                self.recovery.failed_unreconnected += n as u64;
-            }
-        }
-    }
 }
 
 impl Kernel for BlockGuest {

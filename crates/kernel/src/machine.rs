@@ -255,6 +255,14 @@ struct DiskPlan {
 }
 
 impl DiskPlan {
+    /// The disk, for messages: its file, or its AoE target.
+    fn name(&self) -> String {
+        match &self.disk {
+            Disk::File(path) => path.display().to_string(),
+            Disk::Aoe { major, minor } => format!("e{major}.{minor}"),
+        }
+    }
+
     /// The toolstack's and the new driver domain's part of serving the disk again:
     /// the device re-pointed at `drv` in the store (the guest's blkfront sees it, and
     /// connects once the back end waits), the backing file probed again and blkback
@@ -265,8 +273,7 @@ impl DiskPlan {
         blk::xenbus::create_vbd(hv.store(), drv.id(), fe, XVDA, self.read_only).map_err(other)?;
         match &self.disk {
             Disk::File(path) => {
-                let name =
-                    |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", path.display()));
+                let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", self.name()));
                 let disk = FileDisk::open(path, self.read_only).map_err(|e| name(&e))?;
                 blkback::probe(hv, drv.id(), fe, XVDA, &disk, self.persistent)
                     .map_err(|e| name(&e))?;
@@ -381,27 +388,6 @@ enum Front {
     Block(Box<Blkfront>),
     /// blkfront, to connect once its remote back end has found its disk.
     BlockLater,
-}
-
-/// The toolstack's and both ends' steps for a guest's disk: the store directories,
-/// the back end's probe of its backing file, blkfront's connection, blkback's (at
-/// window slot `slot`).
-fn plug_vbd(
-    hv: &Arc<Hypervisor>,
-    drv: &Arc<Domain>,
-    dom: &Arc<Domain>,
-    path: &std::path::Path,
-    b: &BlockSpec,
-    slot: u32,
-) -> Result<(Blkfront, Blkback), BuildError> {
-    let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", path.display()));
-    let disk = FileDisk::open(path, b.read_only).map_err(|e| name(&e))?;
-    blk::xenbus::create_vbd(hv.store(), drv.id(), dom.id(), XVDA, b.read_only)
-        .map_err(|e| name(&e))?;
-    blkback::probe(hv, drv.id(), dom.id(), XVDA, &disk, b.persistent).map_err(|e| name(&e))?;
-    let front = Blkfront::connect(hv, dom, XVDA, b.persistent).map_err(|e| name(&e))?;
-    let back = Blkback::connect(hv, drv, dom.id(), XVDA, slot, disk).map_err(|e| name(&e))?;
-    Ok((front, back))
 }
 
 /// Starts the NIC of `spec` with its interrupt on `irq`.
@@ -595,43 +581,35 @@ impl Machine {
                 for (g, dom) in guests.iter().zip(&doms) {
                     if let Above::Block(b) = &g.above {
                         let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
-                        disks.push(DiskPlan {
+                        let plan = DiskPlan {
                             dom: Arc::clone(dom),
                             disk: b.disk.clone(),
                             read_only: b.read_only,
                             persistent: b.persistent,
                             slot,
                             tag: remote.len() as u8,
-                        });
-                        match &b.disk {
-                            Disk::File(path) => {
-                                let (front, back) = plug_vbd(&hv, &drv, dom, path, b, slot)?;
+                        };
+                        // The toolstack's part, as a restart does it; then, for a file,
+                        // both ends connect now (a remote disk's blkfront waits for its
+                        // back end to find the target).
+                        match plan.serve(&hv, &drv)? {
+                            Served::File(file) => {
+                                let name = |e: &dyn std::fmt::Display| {
+                                    other(format!("disk {}: {e}", plan.name()))
+                                };
+                                let front = Blkfront::connect(&hv, dom, XVDA, b.persistent)
+                                    .map_err(|e| name(&e))?;
+                                let back = Blkback::connect(&hv, &drv, dom.id(), XVDA, slot, file)
+                                    .map_err(|e| name(&e))?;
                                 vbds.push(back);
                                 fronts.push(Front::Block(Box::new(front)));
                             }
-                            Disk::Aoe { major, minor } => {
-                                blk::xenbus::create_vbd(
-                                    hv.store(),
-                                    drv.id(),
-                                    dom.id(),
-                                    XVDA,
-                                    false,
-                                )
-                                .map_err(other)?;
-                                let mut cfg = InitiatorConfig::new(DRIVER_AOE_MAC, *major, *minor);
-                                cfg.tag_prefix = remote.len() as u8;
-                                remote.push(RemoteVbd::new(
-                                    &hv,
-                                    &drv,
-                                    dom.id(),
-                                    XVDA,
-                                    slot,
-                                    cfg,
-                                    b.persistent,
-                                ));
+                            Served::Remote(r) => {
+                                remote.push(r);
                                 fronts.push(Front::BlockLater);
                             }
                         }
+                        disks.push(plan);
                         continue;
                     }
                     let vs = VifSpec {
@@ -1082,7 +1060,7 @@ impl Machine {
             .iter()
             .map(|disk| disk.serve(&hv, &drv).ok())
             .collect();
-        let mut unserved = served.iter().filter(|s| s.is_none()).count() as u32;
+        let mut disks_unserved = served.iter().filter(|s| s.is_none()).count() as u32;
         // The guests reconnect on their own vCPUs; the back ends follow once each front
         // end is Connected (the back end's watch on it).
         let until = Instant::now() + Duration::from_secs(5);
@@ -1129,7 +1107,7 @@ impl Machine {
                         .flatten()
                     {
                         Some(b) => vbds.push(b),
-                        None => unserved += 1,
+                        None => disks_unserved += 1,
                     }
                 }
                 Some(Served::Remote(r)) => remote.push(r),
@@ -1151,7 +1129,7 @@ impl Machine {
         d.dom = drv;
         d.seen = (0, 0, Instant::now());
         self.driver = Some(d);
-        Ok((t0.elapsed(), unserved, vifs_unserved))
+        Ok((t0.elapsed(), disks_unserved, vifs_unserved))
     }
 
     /// The hypervisor.
