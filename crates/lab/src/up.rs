@@ -280,6 +280,11 @@ impl Default for UpConfig {
 }
 
 impl UpConfig {
+    /// The namespaces the machine runs in: the outside's, then each guest's.
+    fn namespaces(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.outside_ns).chain(self.guests.iter().map(|g| &g.ns))
+    }
+
     /// The first guest (there is always one).
     pub fn guest(&self) -> &UpGuest {
         &self.guests[0]
@@ -505,7 +510,7 @@ pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
     on_this_host(cfg)?;
     crate::tools::ensure(&[crate::tools::IP]).map_err(LabError::Other)?;
     let mut claims = Vec::new();
-    for ns in std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns)) {
+    for ns in cfg.namespaces() {
         claims.push(Claim::take(ns)?);
     }
     let mut made = Vec::new();
@@ -584,8 +589,7 @@ fn bring_up(
     made: &mut Vec<String>,
     captures: &mut Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
 ) -> Result<Brought, LabError> {
-    let names = std::iter::once(&cfg.outside_ns).chain(cfg.guests.iter().map(|g| &g.ns));
-    for (ns, claim) in names.zip(claims.iter_mut()) {
+    for (ns, claim) in cfg.namespaces().zip(claims.iter_mut()) {
         if !netns_exists(ns) {
             // Recorded first: a run killed between the two still leaves word.
             claim.record(true)?;
@@ -819,10 +823,8 @@ impl Up {
         // The machine's ports are gone with it: the files get their last frames.
         self.captures.clear();
         let kept = self.keep && !self.made.is_empty();
-        for ns in self.made.drain(..) {
-            if !self.keep {
-                let _ = ip(&["netns", "del", &ns]);
-            }
+        for ns in self.made.drain(..).filter(|_| !self.keep) {
+            let _ = ip(&["netns", "del", &ns]);
         }
         for c in self.claims.drain(..) {
             c.release(kept);
