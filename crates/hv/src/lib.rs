@@ -25,6 +25,7 @@ pub mod grant;
 pub mod iommu;
 pub mod mmu;
 pub mod profile;
+pub mod sched;
 pub mod store;
 pub mod time;
 pub mod types;

@@ -34,8 +34,7 @@ pub enum WaitMode {
     HaltPoll(Duration),
 }
 
-/// KVM's default bound for halt polling (`halt_poll_ns`, 200 µs).
-pub const HALT_POLL_DEFAULT: Duration = Duration::from_micros(200);
+pub use crate::sched::HALT_POLL_DEFAULT;
 
 /// Per-vCPU state kept in the domain.
 #[derive(Debug)]

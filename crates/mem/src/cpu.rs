@@ -485,6 +485,16 @@ impl SlotBinding {
     pub fn slot(&self) -> &Arc<SampleSlot> {
         &self.slot
     }
+    /// Binds `slot` in place of the bound one, which it returns; the sampler keeps
+    /// running and counts into `slot` from now on. A scheduler does this when it switches
+    /// the unit a thread runs, so that samples are charged to the unit running.
+    pub fn switch(&mut self, slot: Arc<SampleSlot>) -> Arc<SampleSlot> {
+        // The binding owns the new slot before the thread-local points at it, and the old
+        // one is released only once it no longer does.
+        let old = std::mem::replace(&mut self.slot, slot);
+        SLOT.with(|s| s.set(Arc::as_ptr(&self.slot)));
+        old
+    }
     /// Which sampler runs.
     pub fn sampler(&self) -> Sampler {
         self.sampler

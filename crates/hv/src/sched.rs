@@ -1,0 +1,1086 @@
+//! pvio's scheduler: the physical CPUs pvio owns, and the units it runs on them.
+//!
+//! A machine is given cores. On each, pvio runs one pinned thread, a *pCPU*, which owns
+//! the core as Xen owns its physical CPUs. Every activity of the machine is a *unit* on
+//! a pCPU: a vCPU's kernel, a device model's engine. A unit is a state machine with one
+//! entry point, [`Unit::step`]: it does one bounded pass of work (a poll with a
+//! NAPI-style budget) and says whether it has more, is idle until an event (or a
+//! deadline), or is done. The pCPU runs its runnable units round-robin, each for its
+//! weight in steps a turn; preemption happens only between steps, so a step's length is
+//! the scheduling latency a unit can impose on its neighbours, and it is counted.
+//!
+//! A wake-up is Xen's `vcpu_wake` followed by an IPI: whoever gives a unit work (an
+//! event channel's sender, a doorbell, a frame on a cable) sets the unit's bit in its
+//! pCPU's *IPI word*. An idle pCPU is waiting on that word in its idle loop, in one of
+//! three [`IdlePolicy`]s: it spins on it (`poll`), spins up to a bound and then sleeps
+//! (`halt-poll`, KVM's `halt_poll_ns`), or sleeps at once (`block`, which is what a
+//! vCPU thread parking on a futex costs). Only a sleeping pCPU needs the host to wake
+//! it, and only then is a wake-up a system call.
+//!
+//! What it accounts, as a hypervisor would: each unit's time running, waiting to run
+//! (woken, while another unit holds the pCPU) and idle, from the clock at every switch;
+//! each pCPU's idle time; and the time the host took the pCPU away (the thread's CPU
+//! clock against the wall clock over a window, less the time it slept on purpose), so
+//! that no domain is charged for the host's other work.
+//!
+//! A step that never returns (a hung kernel) holds its pCPU's thread but not its other
+//! units: [`Scheduler::rescue`] retires the thread and starts a fresh one on the same
+//! core, which takes the pCPU's other units over; the hung unit goes back to the pCPU
+//! when its step returns.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
+
+/// Units a pCPU can hold.
+pub const MAX_UNITS: usize = 256;
+const WORDS: usize = MAX_UNITS / 64;
+
+/// How an idle pCPU waits for its IPI word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdlePolicy {
+    /// Spin on the IPI word: a wake-up costs a cache line's transfer. For a lab whose
+    /// load is all pvio's own, on cores nobody else needs.
+    Poll,
+    /// Spin up to the bound, then sleep until an IPI or a deadline (KVM's
+    /// `halt_poll_ns`): a wake-up soon after going idle costs what polling costs, one
+    /// after a long idle a host wake-up, and an idle pCPU gives its core back to the
+    /// host's other processes (iperf3, a test runner) after the bound.
+    HaltPoll(Duration),
+    /// Sleep at once: every wake-up of an idle pCPU is a host wake-up (a futex), as a
+    /// vCPU thread's was before pvio had a scheduler. Kept as the comparison row.
+    Block,
+}
+
+/// KVM's default halt-polling bound (`halt_poll_ns`, 200 µs).
+pub const HALT_POLL_DEFAULT: Duration = Duration::from_micros(200);
+
+impl IdlePolicy {
+    /// The default halt-poll policy.
+    pub const HALT_POLL: IdlePolicy = IdlePolicy::HaltPoll(HALT_POLL_DEFAULT);
+
+    /// The policy's name as records and machine files spell it: `poll`,
+    /// `halt-poll` (the default bound) or `halt-poll:<µs>us`, `block`.
+    pub fn name(&self) -> String {
+        match self {
+            IdlePolicy::Poll => "poll".into(),
+            IdlePolicy::HaltPoll(b) if *b == HALT_POLL_DEFAULT => "halt-poll".into(),
+            IdlePolicy::HaltPoll(b) => format!("halt-poll:{}us", b.as_micros()),
+            IdlePolicy::Block => "block".into(),
+        }
+    }
+
+    /// Parses [`IdlePolicy::name`]'s spellings.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "poll" => Ok(IdlePolicy::Poll),
+            "block" => Ok(IdlePolicy::Block),
+            "halt-poll" => Ok(IdlePolicy::HALT_POLL),
+            _ => {
+                let us = s
+                    .strip_prefix("halt-poll:")
+                    .and_then(|r| r.strip_suffix("us"))
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        format!("idle policy {s:?}: poll, halt-poll, halt-poll:<n>us or block")
+                    })?;
+                Ok(IdlePolicy::HaltPoll(Duration::from_micros(us)))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for IdlePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// What one step of a unit did.
+#[derive(Debug)]
+pub enum Step<O> {
+    /// It has more work that needs no wake-up to be found: run it again next turn.
+    More,
+    /// It has nothing to do until woken, or until the deadline, if any.
+    Idle(Option<Instant>),
+    /// It has ended, with its result.
+    Done(O),
+}
+
+/// What a step is told.
+#[derive(Debug, Clone, Copy)]
+pub struct Cx {
+    /// When the step began.
+    pub now: Instant,
+    /// When the unit was last woken (its IPI seen, or its deadline passed) after it
+    /// went idle; `None` when its previous step had more work.
+    pub woken: Option<Instant>,
+}
+
+/// A schedulable unit: a vCPU's kernel, a device's engine.
+pub trait Unit: Send + 'static {
+    /// What it gives back when done.
+    type Output: Send + 'static;
+    /// Called once on its pCPU before the first step, with what wakes it.
+    fn attach(&mut self, _waker: &Waker) {}
+    /// Where the profiler's samples are charged while it runs (none: the pCPU's own).
+    fn samples(&self) -> Option<Arc<SampleSlot>> {
+        None
+    }
+    /// One bounded pass of work.
+    fn step(&mut self, cx: &Cx) -> Step<Self::Output>;
+}
+
+/// How a unit is scheduled.
+#[derive(Debug, Clone)]
+pub struct UnitSpec {
+    /// Its name, for stats and threads.
+    pub name: String,
+    /// Steps it may take a turn while it has more work (Xen's credit weight, scaled:
+    /// 1 is the least). Units of weights 1 and 3 that both always have work get one and
+    /// three steps of each round.
+    pub weight: u32,
+    /// The share of its pCPU's time it may take, in percent per accounting period (Xen's
+    /// cap); 0 or 100 is no cap. A unit past its cap is not run until the next period.
+    pub cap_percent: u32,
+}
+
+impl UnitSpec {
+    /// A unit of weight 1 without a cap.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            weight: 1,
+            cap_percent: 0,
+        }
+    }
+}
+
+/// The accounting period for caps (Xen's credit scheduler accounts every 30 ms; a
+/// shorter period keeps a capped unit's bursts short on a lab's time scale).
+pub const CAP_PERIOD: Duration = Duration::from_millis(10);
+
+/// A unit's accounting, readable while it runs.
+#[derive(Debug, Default)]
+pub struct UnitStats {
+    name: String,
+    running_ns: AtomicU64,
+    runnable_ns: AtomicU64,
+    steps: AtomicU64,
+    wakeups: AtomicU64,
+    longest_step_ns: AtomicU64,
+    capped: AtomicU64,
+}
+
+/// A snapshot of [`UnitStats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UnitReport {
+    /// The unit's name.
+    pub name: String,
+    /// Time it ran (its steps' wall time).
+    pub running: Duration,
+    /// Time it waited to run, woken, while other units held the pCPU.
+    pub runnable: Duration,
+    /// Steps taken.
+    pub steps: u64,
+    /// Times it was woken from idle.
+    pub wakeups: u64,
+    /// Its longest step: how long it held its pCPU at once.
+    pub longest_step: Duration,
+    /// Turns it was passed over for being past its cap.
+    pub capped: u64,
+}
+
+impl UnitStats {
+    /// Time the unit has run.
+    pub fn running(&self) -> Duration {
+        Duration::from_nanos(self.running_ns.load(Ordering::Relaxed))
+    }
+    /// A snapshot.
+    pub fn report(&self) -> UnitReport {
+        let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        UnitReport {
+            name: self.name.clone(),
+            running: d(&self.running_ns),
+            runnable: d(&self.runnable_ns),
+            steps: self.steps.load(Ordering::Relaxed),
+            wakeups: self.wakeups.load(Ordering::Relaxed),
+            longest_step: d(&self.longest_step_ns),
+            capped: self.capped.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A pCPU's accounting, readable while it runs.
+#[derive(Debug, Default)]
+struct PcpuStats {
+    busy_ns: AtomicU64,
+    idle_ns: AtomicU64,
+    slept_ns: AtomicU64,
+    sleeps: AtomicU64,
+    /// Wake-ups that found it asleep (the host had to wake it).
+    host_wakes: AtomicU64,
+    /// Wake-ups sent to it (IPI word writes).
+    ipis: AtomicU64,
+    /// The thread's CPU time, as it last read its clock (on its way into the idle loop).
+    cpu_ns: AtomicU64,
+    longest_step_ns: AtomicU64,
+    rescues: AtomicU64,
+}
+
+/// A snapshot of one pCPU's accounting.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PcpuReport {
+    /// Its index in the scheduler.
+    pub index: usize,
+    /// The core it is pinned to (none: it floats, on a host without that core).
+    pub core: Option<usize>,
+    /// Time running units.
+    pub busy: Duration,
+    /// Time in the idle loop (spinning or asleep).
+    pub idle: Duration,
+    /// Of the idle time, asleep in the host.
+    pub slept: Duration,
+    /// Times it went to sleep.
+    pub sleeps: u64,
+    /// Wake-ups that had to wake it in the host.
+    pub host_wakes: u64,
+    /// Wake-ups sent to it.
+    pub ipis: u64,
+    /// Time the host kept its thread off the core while it meant to run: the wall time
+    /// since the stats were reset, less its thread's CPU time and its sleeps.
+    pub stolen: Duration,
+    /// The wall time the report covers.
+    pub window: Duration,
+    /// The longest step any unit took on it.
+    pub longest_step: Duration,
+    /// Times a hung step's thread was replaced.
+    pub rescues: u64,
+}
+
+type Slot = Option<Box<dyn Erased>>;
+
+/// The units of one pCPU, with the state its thread keeps between steps.
+struct Table {
+    /// Bumped when a rescue retires the thread that runs the pCPU.
+    generation: u64,
+    units: Vec<Slot>,
+    /// Slots of units placed and not yet ended (whether in the table or out in a step).
+    held: [u64; WORDS],
+    /// Units placed and not yet ended.
+    live: usize,
+    /// Runnable units the thread has taken from the IPI word.
+    runnable: [u64; WORDS],
+    /// Units idle until woken (or their deadline).
+    idle: [u64; WORDS],
+    /// Deadlines of idle units (index: slot).
+    deadline: Vec<Option<Instant>>,
+    /// When each runnable unit was woken (index: slot).
+    woken: Vec<Option<Instant>>,
+    /// Time each capped unit ran in the current period, and when the period began.
+    period_ns: Vec<u64>,
+    period_start: Instant,
+    /// Units passed over until the next period.
+    over_cap: [u64; WORDS],
+}
+
+/// A pCPU: its IPI word and the state its thread and wakers share.
+pub(crate) struct PcpuShared {
+    index: usize,
+    core: Option<usize>,
+    policy: IdlePolicy,
+    sample: Option<Duration>,
+    name: String,
+    /// The IPI word: one bit per unit woken since the thread last looked.
+    ipi: [AtomicU64; WORDS],
+    sleeping: AtomicBool,
+    thread: Mutex<Option<Thread>>,
+    stop: AtomicBool,
+    /// When the step now running began, in ns since `epoch`; 0 when none runs.
+    step_since: AtomicU64,
+    epoch: Instant,
+    table: Mutex<Table>,
+    stats: PcpuStats,
+    window_start: Mutex<(Instant, Duration)>,
+}
+
+impl std::fmt::Debug for PcpuShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pcpu")
+            .field("index", &self.index)
+            .field("core", &self.core)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What wakes one unit: its bit in its pCPU's IPI word.
+#[derive(Debug, Clone)]
+pub struct Waker {
+    pcpu: Arc<PcpuShared>,
+    slot: u16,
+}
+
+impl Waker {
+    /// `vcpu_wake` and the IPI: marks the unit runnable and, if its pCPU sleeps in the
+    /// host, wakes it. Call after publishing the work (the store that the unit will read
+    /// must come first): the pCPU takes the word before it runs the unit.
+    #[inline]
+    pub fn wake(&self) {
+        let p = &*self.pcpu;
+        let (w, b) = (self.slot as usize / 64, self.slot % 64);
+        p.ipi[w].fetch_or(1 << b, Ordering::SeqCst);
+        p.stats.ipis.fetch_add(1, Ordering::Relaxed);
+        // Pairs with the idle loop's store of `sleeping` and its look at the word.
+        if p.sleeping.load(Ordering::SeqCst) {
+            p.stats.host_wakes.fetch_add(1, Ordering::Relaxed);
+            if let Ok(t) = p.thread.lock() {
+                if let Some(t) = t.as_ref() {
+                    t.unpark();
+                }
+            }
+        }
+    }
+
+    /// The pCPU the unit runs on.
+    pub fn pcpu(&self) -> usize {
+        self.pcpu.index
+    }
+}
+
+/// What one step of a placed unit came to.
+enum StepOut {
+    More,
+    Idle(Option<Instant>),
+    Ended,
+}
+
+/// The object-safe side of a placed unit and its result slot.
+trait Erased: Send {
+    fn samples(&self) -> Option<Arc<SampleSlot>>;
+    fn step(&mut self, cx: &Cx) -> StepOut;
+    fn fail(&mut self, why: String);
+    /// Answers the join with the result the last step gave (after the pCPU has let the
+    /// unit go, so that a joiner finds its slot free).
+    fn finish(&mut self);
+    fn stats(&self) -> &Arc<UnitStats>;
+    fn spec(&self) -> &UnitSpec;
+}
+
+struct Placed<U: Unit> {
+    unit: U,
+    spec: UnitSpec,
+    stats: Arc<UnitStats>,
+    done: Arc<Done<U::Output>>,
+    output: Option<U::Output>,
+}
+
+impl<U: Unit> Erased for Placed<U> {
+    fn samples(&self) -> Option<Arc<SampleSlot>> {
+        self.unit.samples()
+    }
+    fn step(&mut self, cx: &Cx) -> StepOut {
+        match self.unit.step(cx) {
+            Step::More => StepOut::More,
+            Step::Idle(d) => StepOut::Idle(d),
+            Step::Done(o) => {
+                self.output = Some(o);
+                StepOut::Ended
+            }
+        }
+    }
+    fn fail(&mut self, why: String) {
+        self.done.put(Err(why));
+    }
+    fn finish(&mut self) {
+        if let Some(o) = self.output.take() {
+            self.done.put(Ok(o));
+        }
+    }
+    fn stats(&self) -> &Arc<UnitStats> {
+        &self.stats
+    }
+    fn spec(&self) -> &UnitSpec {
+        &self.spec
+    }
+}
+
+/// A unit's result, once it ends.
+struct Done<O> {
+    result: Mutex<Option<Result<O, String>>>,
+    finished: AtomicBool,
+    cv: Condvar,
+}
+
+impl<O> Done<O> {
+    fn put(&self, r: Result<O, String>) {
+        if let Ok(mut g) = self.result.lock() {
+            if g.is_none() && !self.finished.load(Ordering::Acquire) {
+                *g = Some(r);
+            }
+        }
+        self.finished.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+}
+
+/// A placed unit: its wake-up, its accounting, and its result once it ends.
+pub struct UnitJoin<O> {
+    done: Arc<Done<O>>,
+    stats: Arc<UnitStats>,
+    waker: Waker,
+}
+
+impl<O> std::fmt::Debug for UnitJoin<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitJoin")
+            .field("unit", &self.stats.name)
+            .field("pcpu", &self.waker.pcpu.index)
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl<O> UnitJoin<O> {
+    /// Whether the unit has ended (done, panicked or abandoned).
+    pub fn is_finished(&self) -> bool {
+        self.done.finished.load(Ordering::Acquire)
+    }
+    /// Waits for the unit to end: its result, or why it has none (it panicked, or its
+    /// scheduler stopped first).
+    pub fn join(self) -> Result<O, String> {
+        let mut g = self
+            .done
+            .result
+            .lock()
+            .map_err(|_| "result lock poisoned".to_string())?;
+        while g.is_none() {
+            g = self
+                .done
+                .cv
+                .wait(g)
+                .map_err(|_| "result lock poisoned".to_string())?;
+        }
+        g.take().unwrap_or_else(|| Err("no result".into()))
+    }
+    /// Wakes the unit (to have it notice a stop flag, say).
+    pub fn wake(&self) {
+        self.waker.wake();
+    }
+    /// What wakes it.
+    pub fn waker(&self) -> &Waker {
+        &self.waker
+    }
+    /// Its accounting.
+    pub fn stats(&self) -> &Arc<UnitStats> {
+        &self.stats
+    }
+}
+
+/// Why a unit cannot be placed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    /// No such pCPU.
+    #[error("no pCPU {0}")]
+    NoPcpu(usize),
+    /// The pCPU holds [`MAX_UNITS`] units already.
+    #[error("pCPU {0} is full")]
+    Full(usize),
+    /// The scheduler is stopping.
+    #[error("the scheduler has stopped")]
+    Stopped,
+}
+
+/// Where a machine's pCPUs are and how they idle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuPlan {
+    /// The host core of each pCPU (none: the pCPU floats).
+    pub cores: Vec<Option<usize>>,
+    /// How idle pCPUs wait.
+    pub policy: IdlePolicy,
+}
+
+impl CpuPlan {
+    /// `n` pCPUs on cores 0..n, each pinned if the host has the core.
+    pub fn first(n: usize, policy: IdlePolicy) -> Self {
+        let online = mem::cpu::online_cores();
+        Self {
+            cores: (0..n).map(|c| (c < online).then_some(c)).collect(),
+            policy,
+        }
+    }
+}
+
+/// A set of pCPUs and the units on them.
+#[derive(Debug)]
+pub struct Scheduler {
+    pcpus: Vec<Arc<PcpuShared>>,
+    threads: Mutex<Vec<(usize, JoinHandle<()>)>>,
+    policy: IdlePolicy,
+}
+
+/// A pCPU's samples when no unit runs (its idle loop and the scheduler itself).
+fn idle_slot() -> Arc<SampleSlot> {
+    Arc::new(SampleSlot::default())
+}
+
+impl Scheduler {
+    /// Starts one pinned pCPU thread per core of `plan`; with `sample`, each samples
+    /// its CPU time at that interval for the profiler (charged to the unit running).
+    pub fn new(plan: &CpuPlan, sample: Option<Duration>) -> std::io::Result<Arc<Self>> {
+        let now = Instant::now();
+        let pcpus: Vec<Arc<PcpuShared>> = plan
+            .cores
+            .iter()
+            .enumerate()
+            .map(|(index, &core)| {
+                Arc::new(PcpuShared {
+                    index,
+                    core,
+                    policy: plan.policy,
+                    sample,
+                    name: format!("pcpu{index}"),
+                    ipi: std::array::from_fn(|_| AtomicU64::new(0)),
+                    sleeping: AtomicBool::new(false),
+                    thread: Mutex::new(None),
+                    stop: AtomicBool::new(false),
+                    step_since: AtomicU64::new(0),
+                    epoch: now,
+                    table: Mutex::new(Table {
+                        generation: 0,
+                        units: (0..MAX_UNITS).map(|_| None).collect(),
+                        held: [0; WORDS],
+                        live: 0,
+                        runnable: [0; WORDS],
+                        idle: [0; WORDS],
+                        deadline: vec![None; MAX_UNITS],
+                        woken: vec![None; MAX_UNITS],
+                        period_ns: vec![0; MAX_UNITS],
+                        period_start: now,
+                        over_cap: [0; WORDS],
+                    }),
+                    stats: PcpuStats::default(),
+                    window_start: Mutex::new((now, Duration::ZERO)),
+                })
+            })
+            .collect();
+        let s = Arc::new(Self {
+            pcpus,
+            threads: Mutex::new(Vec::new()),
+            policy: plan.policy,
+        });
+        for p in &s.pcpus {
+            s.spawn(p, 0)?;
+        }
+        Ok(s)
+    }
+
+    fn spawn(&self, p: &Arc<PcpuShared>, generation: u64) -> std::io::Result<()> {
+        let q = Arc::clone(p);
+        let h = std::thread::Builder::new()
+            .name(p.name.clone())
+            .spawn(move || pcpu_main(&q, generation))?;
+        if let Ok(mut t) = self.threads.lock() {
+            t.push((p.index, h));
+        }
+        Ok(())
+    }
+
+    /// Number of pCPUs.
+    pub fn pcpus(&self) -> usize {
+        self.pcpus.len()
+    }
+
+    /// How its pCPUs idle.
+    pub fn policy(&self) -> IdlePolicy {
+        self.policy
+    }
+
+    /// The core pCPU `i` is pinned to.
+    pub fn core(&self, i: usize) -> Option<usize> {
+        self.pcpus.get(i).and_then(|p| p.core)
+    }
+
+    /// Places `unit` on pCPU `pcpu` (an index past the last wraps around, so that a
+    /// layout written for more pCPUs still runs, sharing them). It is attached at once
+    /// and runs its first step on its pCPU.
+    pub fn place<U: Unit>(
+        &self,
+        pcpu: usize,
+        spec: UnitSpec,
+        mut unit: U,
+    ) -> Result<UnitJoin<U::Output>, SchedError> {
+        if self.pcpus.is_empty() {
+            return Err(SchedError::NoPcpu(pcpu));
+        }
+        let p = &self.pcpus[pcpu % self.pcpus.len()];
+        if p.stop.load(Ordering::Acquire) {
+            return Err(SchedError::Stopped);
+        }
+        let mut t = lock(&p.table);
+        let slot = (0..MAX_UNITS)
+            .find(|&i| t.held[i / 64] & (1 << (i % 64)) == 0)
+            .ok_or(SchedError::Full(p.index))?;
+        let waker = Waker {
+            pcpu: Arc::clone(p),
+            slot: slot as u16,
+        };
+        unit.attach(&waker);
+        let stats = Arc::new(UnitStats {
+            name: spec.name.clone(),
+            ..UnitStats::default()
+        });
+        let done = Arc::new(Done {
+            result: Mutex::new(None),
+            finished: AtomicBool::new(false),
+            cv: Condvar::new(),
+        });
+        t.units[slot] = Some(Box::new(Placed {
+            unit,
+            spec,
+            stats: Arc::clone(&stats),
+            done: Arc::clone(&done),
+            output: None,
+        }));
+        t.held[slot / 64] |= 1 << (slot % 64);
+        t.live += 1;
+        drop(t);
+        waker.wake();
+        Ok(UnitJoin { done, stats, waker })
+    }
+}
+
+impl Scheduler {
+    /// Replaces the thread of every pCPU whose current step has run longer than `limit`
+    /// (a hung kernel): the retired thread finishes its step whenever it returns and
+    /// hands the unit back; a fresh thread on the same core runs the pCPU's other units
+    /// from now on. Returns how many pCPUs were rescued.
+    pub fn rescue(&self, limit: Duration) -> usize {
+        let mut n = 0;
+        for p in &self.pcpus {
+            let since = p.step_since.load(Ordering::Acquire);
+            if since == 0 || p.stop.load(Ordering::Acquire) {
+                continue;
+            }
+            let now = p.epoch.elapsed().as_nanos() as u64;
+            if now.saturating_sub(since) < limit.as_nanos() as u64 {
+                continue;
+            }
+            let generation = {
+                let mut t = lock(&p.table);
+                t.generation += 1;
+                t.generation
+            };
+            p.step_since.store(0, Ordering::Release);
+            p.stats.rescues.fetch_add(1, Ordering::Relaxed);
+            if self.spawn(p, generation).is_ok() {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Zeroes every pCPU's and starts a new accounting window (units keep theirs).
+    pub fn reset_stats(&self) {
+        for p in &self.pcpus {
+            let s = &p.stats;
+            for a in [
+                &s.busy_ns,
+                &s.idle_ns,
+                &s.slept_ns,
+                &s.sleeps,
+                &s.host_wakes,
+                &s.ipis,
+                &s.longest_step_ns,
+            ] {
+                a.store(0, Ordering::Relaxed);
+            }
+            let cpu = Duration::from_nanos(s.cpu_ns.load(Ordering::Relaxed));
+            if let Ok(mut w) = p.window_start.lock() {
+                *w = (Instant::now(), cpu);
+            }
+        }
+    }
+
+    /// Each pCPU's accounting since the last reset.
+    pub fn reports(&self) -> Vec<PcpuReport> {
+        self.pcpus
+            .iter()
+            .map(|p| {
+                let s = &p.stats;
+                let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+                let (t0, cpu0) = p.window_start.lock().map(|w| *w).unwrap_or_default_pair();
+                let window = t0.elapsed();
+                // The thread's CPU clock as the thread last published it (it reads its
+                // own clock when it goes idle: a clock read is a system call, kept off
+                // the step path).
+                let cpu = d(&s.cpu_ns).saturating_sub(cpu0);
+                let slept = d(&s.slept_ns);
+                PcpuReport {
+                    index: p.index,
+                    core: p.core,
+                    busy: d(&s.busy_ns),
+                    idle: d(&s.idle_ns),
+                    slept,
+                    sleeps: s.sleeps.load(Ordering::Relaxed),
+                    host_wakes: s.host_wakes.load(Ordering::Relaxed),
+                    ipis: s.ipis.load(Ordering::Relaxed),
+                    stolen: window.saturating_sub(cpu + slept),
+                    window,
+                    longest_step: d(&s.longest_step_ns),
+                    rescues: s.rescues.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+
+    /// Stops every pCPU: each runs its units until they end (their owners stop them
+    /// first), for at most `grace`; units left then are dropped, their joins answered
+    /// with an error. A thread held by a hung step is left to end on its own.
+    pub fn stop(&self, grace: Duration) {
+        for p in &self.pcpus {
+            p.stop.store(true, Ordering::Release);
+            wake_thread(p);
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < grace && self.pcpus.iter().any(|p| lock(&p.table).live > 0) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for p in &self.pcpus {
+            let mut t = lock(&p.table);
+            for u in t.units.iter_mut().filter_map(Option::take) {
+                let mut u = u;
+                u.fail("the scheduler stopped before the unit ended".into());
+            }
+            t.live = 0;
+            t.generation += 1;
+            drop(t);
+            wake_thread(p);
+        }
+        let threads = self
+            .threads
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default();
+        for (i, h) in threads {
+            let p = &self.pcpus[i];
+            // A thread out in a hung step cannot be joined; it exits when the step ends.
+            if h.is_finished() || p.step_since.load(Ordering::Acquire) == 0 {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(2));
+    }
+}
+
+trait PairDefault {
+    fn unwrap_or_default_pair(self) -> (Instant, Duration);
+}
+
+impl<E> PairDefault for Result<(Instant, Duration), E> {
+    fn unwrap_or_default_pair(self) -> (Instant, Duration) {
+        self.unwrap_or_else(|_| (Instant::now(), Duration::ZERO))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn wake_thread(p: &PcpuShared) {
+    if let Ok(t) = p.thread.lock() {
+        if let Some(t) = t.as_ref() {
+            t.unpark();
+        }
+    }
+}
+
+fn any_ipi(p: &PcpuShared, order: Ordering) -> bool {
+    p.ipi.iter().any(|w| w.load(order) != 0)
+}
+
+impl Table {
+    /// The first runnable unit at or after `from` (wrapping), not past its cap.
+    fn next_runnable(&self, from: usize) -> Option<usize> {
+        (0..MAX_UNITS).map(|k| (from + k) % MAX_UNITS).find(|&i| {
+            let (w, b) = (i / 64, i % 64);
+            (self.runnable[w] & !self.over_cap[w]) & (1 << b) != 0
+        })
+    }
+
+    fn earliest_deadline(&self) -> Option<Instant> {
+        self.deadline.iter().flatten().min().copied()
+    }
+}
+
+/// The pCPU's thread: pin, then run units until stopped (or retired by a rescue).
+fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
+    if let Some(c) = p.core {
+        // Best effort: a core the host lacks leaves the pCPU floating, as the
+        // machine's record says.
+        let _ = pin_current_thread(c);
+    }
+    let _ = mem::cpu::set_timer_slack(1_000);
+    if let Ok(mut t) = p.thread.lock() {
+        *t = Some(std::thread::current());
+    }
+    let clock = ThreadClock::current().ok();
+    let cpu_base = Duration::from_nanos(p.stats.cpu_ns.load(Ordering::Relaxed));
+    // The clock is read at most once a millisecond (a read is a system call, which the
+    // way into the idle loop, and so a wake-up's latency, must not pay each time).
+    let mut published = Instant::now();
+    let mut publish_cpu = |p: &PcpuShared, now: Instant, force: bool| {
+        if !force && now.saturating_duration_since(published) < Duration::from_millis(1) {
+            return;
+        }
+        published = now;
+        if let Some(c) = clock.as_ref().and_then(ThreadClock::read) {
+            p.stats
+                .cpu_ns
+                .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
+        }
+    };
+    let own = idle_slot();
+    let mut binding = SlotBinding::bind(Arc::clone(&own), p.sample).ok();
+    let mut cursor = 0usize;
+    let mut t = lock(&p.table);
+    loop {
+        if t.generation != generation {
+            return;
+        }
+        let now = Instant::now();
+        // The IPI word: units woken since the last look.
+        for w in 0..WORDS {
+            if p.ipi[w].load(Ordering::Relaxed) != 0 {
+                let mut bits = p.ipi[w].swap(0, Ordering::SeqCst);
+                t.runnable[w] |= bits;
+                while bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if t.idle[w] & (1 << (i % 64)) != 0 {
+                        t.idle[w] &= !(1 << (i % 64));
+                        t.deadline[i] = None;
+                        t.woken[i] = Some(now);
+                    }
+                }
+            }
+        }
+        // Deadlines that passed.
+        if t.earliest_deadline().is_some_and(|d| d <= now) {
+            for i in 0..MAX_UNITS {
+                if let Some(d) = t.deadline[i].filter(|&d| d <= now) {
+                    t.deadline[i] = None;
+                    t.idle[i / 64] &= !(1 << (i % 64));
+                    t.runnable[i / 64] |= 1 << (i % 64);
+                    t.woken[i] = Some(d);
+                }
+            }
+        }
+        // A new cap period lets every unit run again.
+        if now.duration_since(t.period_start) >= CAP_PERIOD {
+            t.period_start = now;
+            t.period_ns.iter_mut().for_each(|n| *n = 0);
+            t.over_cap = [0; WORDS];
+        }
+        let pick = t.next_runnable(cursor).filter(|&i| t.units[i].is_some());
+        let Some(i) = pick else {
+            // A runnable bit whose unit is away (in a retired thread's step) waits.
+            if let Some(i) = t.next_runnable(cursor) {
+                if t.units[i].is_none() {
+                    t.runnable[i / 64] &= !(1 << (i % 64));
+                }
+                continue;
+            }
+            if p.stop.load(Ordering::Acquire) && t.live == 0 {
+                publish_cpu(p, now, true);
+                return;
+            }
+            let until = if t.over_cap.iter().any(|&w| w != 0) {
+                let end = t.period_start + CAP_PERIOD;
+                Some(t.earliest_deadline().map_or(end, |d| d.min(end)))
+            } else {
+                t.earliest_deadline()
+            };
+            drop(t);
+            publish_cpu(p, now, false);
+            idle(p, until);
+            t = lock(&p.table);
+            continue;
+        };
+        t.runnable[i / 64] &= !(1 << (i % 64));
+        let mut woken = t.woken[i].take();
+        let Some(mut e) = t.units[i].take() else {
+            continue;
+        };
+        drop(t);
+        let weight = e.spec().weight.max(1);
+        let cap = e.spec().cap_percent;
+        let samples = e.samples();
+        let prev = match (binding.as_mut(), samples) {
+            (Some(b), Some(s)) => Some(b.switch(s)),
+            _ => None,
+        };
+        let mut start = now;
+        let mut out = StepOut::More;
+        let mut ran = 0u64;
+        for _ in 0..weight {
+            p.step_since.store(
+                start.duration_since(p.epoch).as_nanos() as u64 | 1,
+                Ordering::Release,
+            );
+            let cx = Cx { now: start, woken };
+            let r = catch_unwind(AssertUnwindSafe(|| e.step(&cx)));
+            let end = Instant::now();
+            let ns = end.duration_since(start).as_nanos() as u64;
+            ran += ns;
+            let st = e.stats();
+            st.running_ns.fetch_add(ns, Ordering::Relaxed);
+            st.steps.fetch_add(1, Ordering::Relaxed);
+            st.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
+            p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
+            if let Some(w) = woken.take() {
+                st.wakeups.fetch_add(1, Ordering::Relaxed);
+                st.runnable_ns.fetch_add(
+                    start.saturating_duration_since(w).as_nanos() as u64,
+                    Ordering::Relaxed,
+                );
+            }
+            start = end;
+            match r {
+                Ok(StepOut::More) => continue,
+                Ok(o) => out = o,
+                Err(panic) => {
+                    e.fail(panic_text(&panic));
+                    out = StepOut::Ended;
+                }
+            }
+            break;
+        }
+        p.step_since.store(0, Ordering::Release);
+        p.stats.busy_ns.fetch_add(ran, Ordering::Relaxed);
+        publish_cpu(p, start, false);
+        if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
+            b.switch(prev);
+        }
+        t = lock(&p.table);
+        if t.generation != generation {
+            // Retired while in the step: hand the unit back to the pCPU's new thread
+            // (or, when the scheduler is stopping, answer its join).
+            if p.stop.load(Ordering::Acquire) && !matches!(out, StepOut::Ended) {
+                e.fail("the scheduler stopped before the unit ended".into());
+            } else if !matches!(out, StepOut::Ended) {
+                t.units[i] = Some(e);
+                drop(t);
+                p.ipi[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
+                wake_thread(p);
+            } else {
+                t.held[i / 64] &= !(1 << (i % 64));
+                t.live -= 1;
+                drop(t);
+                e.finish();
+            }
+            return;
+        }
+        if cap > 0 && cap < 100 {
+            t.period_ns[i] += ran;
+            let allowed = CAP_PERIOD.as_nanos() as u64 * cap as u64 / 100;
+            if t.period_ns[i] >= allowed {
+                t.over_cap[i / 64] |= 1 << (i % 64);
+                e.stats().capped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        match out {
+            StepOut::More => {
+                t.runnable[i / 64] |= 1 << (i % 64);
+                t.units[i] = Some(e);
+            }
+            StepOut::Idle(d) => {
+                t.idle[i / 64] |= 1 << (i % 64);
+                t.deadline[i] = d;
+                t.units[i] = Some(e);
+            }
+            StepOut::Ended => {
+                t.held[i / 64] &= !(1 << (i % 64));
+                t.live -= 1;
+                t.deadline[i] = None;
+                t.idle[i / 64] &= !(1 << (i % 64));
+                drop(t);
+                e.finish();
+                drop(e);
+                t = lock(&p.table);
+            }
+        }
+        cursor = i + 1;
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panicked".into())
+}
+
+/// The idle loop: waits for the IPI word, a deadline or a stop, as the policy says.
+fn idle(p: &PcpuShared, until: Option<Instant>) {
+    let start = Instant::now();
+    let spin_end = match p.policy {
+        IdlePolicy::Poll => None,
+        IdlePolicy::HaltPoll(b) => Some(start + b),
+        IdlePolicy::Block => Some(start),
+    };
+    let mut spins = 0u32;
+    let mut sleep = false;
+    loop {
+        if any_ipi(p, Ordering::Acquire) || p.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if spins.is_multiple_of(32) {
+            let now = Instant::now();
+            if until.is_some_and(|u| now >= u) {
+                break;
+            }
+            if spin_end.is_some_and(|e| now >= e) {
+                sleep = true;
+                break;
+            }
+        }
+        spins = spins.wrapping_add(1);
+        std::hint::spin_loop();
+    }
+    if sleep {
+        // Announce the sleep, then look once more: a waker that set a bit before it
+        // could see the flag must not be slept through (both sides store, then load).
+        p.sleeping.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if !any_ipi(p, Ordering::SeqCst) && !p.stop.load(Ordering::SeqCst) {
+            let t0 = Instant::now();
+            match until {
+                None => std::thread::park(),
+                Some(u) => std::thread::park_timeout(u.saturating_duration_since(t0)),
+            }
+            p.stats
+                .slept_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        }
+        p.sleeping.store(false, Ordering::Relaxed);
+    }
+    p.stats
+        .idle_ns
+        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// Live units on a pCPU (for tests and reports).
+pub fn live_units(s: &Scheduler, pcpu: usize) -> usize {
+    s.pcpus.get(pcpu).map_or(0, |p| lock(&p.table).live)
+}

@@ -1,0 +1,284 @@
+//! pvio's scheduler: units on pCPUs, wake-ups through the IPI word, weights, caps,
+//! deadlines, a panicking unit, a hung step rescued, and a clean stop.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hv::sched::{live_units, CpuPlan, Cx, IdlePolicy, Scheduler, Step, Unit, UnitSpec, Waker};
+
+/// Counts its steps; has `work` to do when woken, and ends when told.
+struct Counter {
+    work: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+    end: Arc<AtomicBool>,
+    busy: bool,
+}
+
+impl Unit for Counter {
+    type Output = u64;
+    fn step(&mut self, _cx: &Cx) -> Step<u64> {
+        if self.end.load(Ordering::Acquire) {
+            return Step::Done(self.done.load(Ordering::Relaxed));
+        }
+        if self.busy {
+            self.done.fetch_add(1, Ordering::Relaxed);
+            return Step::More;
+        }
+        let w = self.work.swap(0, Ordering::Acquire);
+        self.done.fetch_add(w, Ordering::Relaxed);
+        Step::Idle(None)
+    }
+}
+
+fn counter(busy: bool) -> (Counter, Arc<AtomicU64>, Arc<AtomicU64>, Arc<AtomicBool>) {
+    let (work, done, end) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let c = Counter {
+        work: Arc::clone(&work),
+        done: Arc::clone(&done),
+        end: Arc::clone(&end),
+        busy,
+    };
+    (c, work, done, end)
+}
+
+fn one_pcpu(policy: IdlePolicy) -> Arc<Scheduler> {
+    Scheduler::new(
+        &CpuPlan {
+            cores: vec![None],
+            policy,
+        },
+        None,
+    )
+    .expect("scheduler")
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+#[test]
+fn a_woken_unit_runs_and_sees_the_work_published_before_the_wake_in_every_policy() {
+    for policy in [IdlePolicy::Poll, IdlePolicy::HALT_POLL, IdlePolicy::Block] {
+        let s = one_pcpu(policy);
+        let (c, work, done, end) = counter(false);
+        let j = s.place(0, UnitSpec::named("counter"), c).expect("place");
+        for k in 1..=1000u64 {
+            work.fetch_add(1, Ordering::Release);
+            j.wake();
+            wait_for("the unit to take its work", || {
+                done.load(Ordering::Acquire) == k
+            });
+        }
+        end.store(true, Ordering::Release);
+        j.wake();
+        let stats = Arc::clone(j.stats());
+        assert_eq!(j.join(), Ok(1000), "{policy}");
+        assert!(
+            stats.report().wakeups >= 999,
+            "{policy}: {:?}",
+            stats.report()
+        );
+        assert_eq!(live_units(&s, 0), 0);
+    }
+}
+
+#[test]
+fn units_with_more_work_share_their_pcpu_by_weight() {
+    let s = one_pcpu(IdlePolicy::Poll);
+    let (a, _, da, ea) = counter(true);
+    let (b, _, db, eb) = counter(true);
+    let ja = s.place(0, UnitSpec::named("a"), a).expect("a");
+    let mut heavy = UnitSpec::named("b");
+    heavy.weight = 3;
+    let jb = s.place(0, heavy, b).expect("b");
+    wait_for("both to run a while", || {
+        da.load(Ordering::Relaxed) > 30_000
+    });
+    ea.store(true, Ordering::Release);
+    eb.store(true, Ordering::Release);
+    let (na, nb) = (ja.join().expect("a"), jb.join().expect("b"));
+    // Round-robin with weights is exact per round: b takes three steps to a's one.
+    let ratio = nb as f64 / na as f64;
+    assert!((2.9..3.1).contains(&ratio), "a {na}, b {nb}: {ratio}");
+}
+
+#[test]
+fn a_capped_unit_takes_no_more_than_its_share_of_the_pcpu() {
+    let s = one_pcpu(IdlePolicy::Poll);
+    // A unit that burns its whole step (a guest flooding its pCPU).
+    struct Burn(Arc<AtomicBool>);
+    impl Unit for Burn {
+        type Output = ();
+        fn step(&mut self, _cx: &Cx) -> Step<()> {
+            if self.0.load(Ordering::Acquire) {
+                return Step::Done(());
+            }
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            }
+            Step::More
+        }
+    }
+    let end = Arc::new(AtomicBool::new(false));
+    let mut spec = UnitSpec::named("burn");
+    spec.cap_percent = 25;
+    let j = s.place(0, spec, Burn(Arc::clone(&end))).expect("burn");
+    let stats = Arc::clone(j.stats());
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    let ran = stats.running();
+    let wall = t0.elapsed();
+    end.store(true, Ordering::Release);
+    j.join().expect("join");
+    let share = ran.as_secs_f64() / wall.as_secs_f64();
+    // 25% of each 10 ms period, plus at most one step past the cap per period.
+    assert!(share < 0.35, "capped at 25% it took {:.0}%", share * 100.0);
+    assert!(share > 0.05, "it ran at all: {:.0}%", share * 100.0);
+    assert!(stats.report().capped > 0);
+}
+
+#[test]
+fn an_idle_unit_runs_again_at_its_deadline() {
+    struct Timer {
+        at: Option<Instant>,
+        fired: u32,
+    }
+    impl Unit for Timer {
+        type Output = Vec<Duration>;
+        fn step(&mut self, cx: &Cx) -> Step<Vec<Duration>> {
+            match self.at {
+                None => {
+                    self.at = Some(cx.now + Duration::from_millis(2));
+                    Step::Idle(self.at)
+                }
+                Some(at) if cx.now >= at => {
+                    self.fired += 1;
+                    if self.fired == 5 {
+                        return Step::Done(vec![cx.now - at]);
+                    }
+                    self.at = Some(cx.now + Duration::from_millis(2));
+                    Step::Idle(self.at)
+                }
+                Some(at) => Step::Idle(Some(at)),
+            }
+        }
+    }
+    for policy in [IdlePolicy::Poll, IdlePolicy::Block] {
+        let s = one_pcpu(policy);
+        let t0 = Instant::now();
+        let j = s
+            .place(0, UnitSpec::named("timer"), Timer { at: None, fired: 0 })
+            .expect("timer");
+        let late = j.join().expect("join");
+        assert!(t0.elapsed() >= Duration::from_millis(10), "{policy}");
+        assert!(
+            late[0] < Duration::from_millis(50),
+            "{policy}: late by {late:?}"
+        );
+    }
+}
+
+#[test]
+fn a_unit_that_panics_fails_its_join_and_its_neighbours_run_on() {
+    struct Bomb;
+    impl Unit for Bomb {
+        type Output = ();
+        fn step(&mut self, _cx: &Cx) -> Step<()> {
+            panic!("injected");
+        }
+    }
+    let s = one_pcpu(IdlePolicy::HALT_POLL);
+    let (c, work, done, end) = counter(false);
+    let jc = s.place(0, UnitSpec::named("counter"), c).expect("counter");
+    let jb = s.place(0, UnitSpec::named("bomb"), Bomb).expect("bomb");
+    let e = jb.join().expect_err("a panicking unit has no result");
+    assert!(e.contains("injected"), "{e}");
+    work.store(7, Ordering::Release);
+    jc.wake();
+    wait_for("the neighbour to run", || done.load(Ordering::Acquire) == 7);
+    end.store(true, Ordering::Release);
+    jc.wake();
+    assert_eq!(jc.join(), Ok(7));
+}
+
+#[test]
+fn a_hung_step_keeps_only_its_own_unit_once_the_pcpu_is_rescued() {
+    struct Hang(Arc<AtomicBool>);
+    impl Unit for Hang {
+        type Output = &'static str;
+        fn step(&mut self, _cx: &Cx) -> Step<&'static str> {
+            while !self.0.load(Ordering::Acquire) {
+                std::thread::park_timeout(Duration::from_millis(1));
+            }
+            Step::Done("released")
+        }
+    }
+    let s = one_pcpu(IdlePolicy::HALT_POLL);
+    let (c, work, done, end) = counter(false);
+    let jc = s.place(0, UnitSpec::named("counter"), c).expect("counter");
+    let release = Arc::new(AtomicBool::new(false));
+    let jh = s
+        .place(0, UnitSpec::named("hang"), Hang(Arc::clone(&release)))
+        .expect("hang");
+    std::thread::sleep(Duration::from_millis(30));
+    work.store(3, Ordering::Release);
+    jc.wake();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        done.load(Ordering::Acquire),
+        0,
+        "the hung step holds the pCPU's thread"
+    );
+    assert_eq!(s.rescue(Duration::from_millis(10)), 1);
+    wait_for("the neighbour to run on the new thread", || {
+        done.load(Ordering::Acquire) == 3
+    });
+    release.store(true, Ordering::Release);
+    assert_eq!(jh.join(), Ok("released"));
+    end.store(true, Ordering::Release);
+    jc.wake();
+    assert_eq!(jc.join(), Ok(3));
+    assert_eq!(s.reports()[0].rescues, 1);
+}
+
+#[test]
+fn stopping_ends_every_pcpu_thread_and_answers_units_left_behind() {
+    let s = one_pcpu(IdlePolicy::Poll);
+    let (c, _, _, _) = counter(true);
+    let j = s.place(0, UnitSpec::named("forever"), c).expect("place");
+    let w: Waker = j.waker().clone();
+    s.stop(Duration::from_millis(20));
+    assert!(
+        j.join().is_err(),
+        "a unit the scheduler dropped has no result"
+    );
+    // The pCPU's thread has ended: its IPI word is never looked at again, and waking is
+    // harmless.
+    w.wake();
+    assert!(s
+        .place(0, UnitSpec::named("late"), counter(false).0)
+        .is_err());
+}
+
+#[test]
+fn idle_policies_are_named_and_parsed_alike() {
+    for p in [
+        IdlePolicy::Poll,
+        IdlePolicy::HALT_POLL,
+        IdlePolicy::HaltPoll(Duration::from_micros(50)),
+        IdlePolicy::Block,
+    ] {
+        assert_eq!(IdlePolicy::parse(&p.name()), Ok(p));
+    }
+    assert!(IdlePolicy::parse("spin").is_err());
+}
