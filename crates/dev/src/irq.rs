@@ -18,6 +18,8 @@ use hv::{Hypervisor, Vector};
 pub struct NativeIrq {
     pending: AtomicBool,
     cpu: OnceLock<Thread>,
+    /// The CPU's unit, when the kernel runs on one of pvio's pCPUs.
+    unit: OnceLock<hv::sched::Waker>,
     epoch: OnceLock<Instant>,
 }
 
@@ -27,6 +29,16 @@ impl NativeIrq {
     pub fn route_here(&self) {
         let _ = self.cpu.set(std::thread::current());
         let _ = self.epoch.set(Instant::now());
+    }
+    /// The line is routed to a kernel running as a unit on a pCPU: raising it wakes
+    /// `waker`; the CPU's clock starts now.
+    pub fn route_to(&self, waker: &hv::sched::Waker) {
+        let _ = self.unit.set(waker.clone());
+        let _ = self.epoch.set(Instant::now());
+    }
+    /// The instant a deadline on [`NativeIrq::now`]'s clock falls at.
+    pub fn instant_at(&self, deadline: Duration) -> Option<Instant> {
+        self.epoch.get().map(|e| *e + deadline)
     }
     /// The CPU's clock: time since the line was routed.
     pub fn now(&self) -> Duration {
@@ -46,7 +58,9 @@ impl NativeIrq {
     /// Raises the interrupt and wakes the CPU.
     pub fn raise(&self) {
         self.pending.store(true, Ordering::Release);
-        if let Some(t) = self.cpu.get() {
+        if let Some(w) = self.unit.get() {
+            w.wake();
+        } else if let Some(t) = self.cpu.get() {
             t.unpark();
         }
     }

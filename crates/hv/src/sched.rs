@@ -125,8 +125,9 @@ pub struct Cx {
 pub trait Unit: Send + 'static {
     /// What it gives back when done.
     type Output: Send + 'static;
-    /// Called once on its pCPU before the first step, with what wakes it.
-    fn attach(&mut self, _waker: &Waker) {}
+    /// Called once as it is placed, before its first step, with what wakes it and
+    /// where its time is accounted.
+    fn attach(&mut self, _waker: &Waker, _stats: &Arc<UnitStats>) {}
     /// Where the profiler's samples are charged while it runs (none: the pCPU's own).
     fn samples(&self) -> Option<Arc<SampleSlot>> {
         None
@@ -629,11 +630,11 @@ impl Scheduler {
             pcpu: Arc::clone(p),
             slot: slot as u16,
         };
-        unit.attach(&waker);
         let stats = Arc::new(UnitStats {
             name: spec.name.clone(),
             ..UnitStats::default()
         });
+        unit.attach(&waker, &stats);
         let done = Arc::new(Done {
             result: Mutex::new(None),
             finished: AtomicBool::new(false),

@@ -1,6 +1,14 @@
-//! vCPUs: OS threads pinned to cores that run a domain's kernel loop.
+//! vCPUs: a domain's kernel loop, run as a unit on one of pvio's pCPUs
+//! ([`crate::sched`]) or, for the hypervisor's own tests and micro-benchmarks, on an OS
+//! thread of its own.
 //!
-//! A vCPU waits for events in one of two modes. *Blocking* is Xen's `SCHEDOP_block`: the
+//! On a pCPU, a vCPU with nothing to do is *blocked* (`SCHEDOP_block`): [`Vcpu::idle`]
+//! announces it, re-checks its events after a full fence, and the pCPU runs its other
+//! units or idles; an event for it sets its bit in its pCPU's IPI word
+//! ([`crate::sched::Waker`]), and [`Vcpu::resume`] accounts the wake-up as Xen's
+//! context switch does.
+//!
+//! On a thread of its own, a vCPU waits for events in one of three modes. *Blocking* is Xen's `SCHEDOP_block`: the
 //! thread announces it is blocked, re-checks `upcall_pending` after a full fence, and
 //! parks (a futex) until a sender's kick unparks it — a real cross-core wake-up, several
 //! microseconds. *Polling* spins on `upcall_pending` without a syscall — tens of
@@ -16,6 +24,7 @@ use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
 
 use crate::domain::Domain;
 use crate::profile::{enter, Class};
+use crate::sched::{UnitStats, Waker};
 use crate::time::{read_system_time, update_vcpu_system_time, Runstate, RunstateKind};
 use crate::types::{Port, Vector};
 use crate::Hypervisor;
@@ -41,6 +50,10 @@ pub use crate::sched::HALT_POLL_DEFAULT;
 pub struct VcpuState {
     id: u32,
     thread: OnceLock<Thread>,
+    /// What wakes it, when it runs as a unit on a pCPU.
+    waker: OnceLock<Waker>,
+    /// Its pCPU's accounting of it, when it runs as a unit.
+    unit: OnceLock<Arc<UnitStats>>,
     /// Set while the vCPU is (about to be) parked.
     blocked: AtomicBool,
     /// A wake-up that is not an event (a stop request, say).
@@ -78,6 +91,8 @@ impl VcpuState {
         Self {
             id,
             thread: OnceLock::new(),
+            waker: OnceLock::new(),
+            unit: OnceLock::new(),
             blocked: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
             mode: AtomicU8::new(0),
@@ -167,7 +182,10 @@ impl VcpuState {
         // read `blocked`, pairing with the fence in `block`; otherwise both could miss.
         fence(Ordering::SeqCst);
         if self.blocked.load(Ordering::Relaxed) {
-            if let Some(t) = self.thread.get() {
+            if let Some(w) = self.waker.get() {
+                self.wakes.fetch_add(1, Ordering::Relaxed);
+                w.wake();
+            } else if let Some(t) = self.thread.get() {
                 self.wakes.fetch_add(1, Ordering::Relaxed);
                 t.unpark();
             }
@@ -179,8 +197,13 @@ impl VcpuState {
         self.id
     }
 
-    /// CPU time the vCPU's thread has used (running, or final once it ended).
+    /// CPU time the vCPU has used: on a pCPU, its time running as the scheduler
+    /// accounts it (from the clock at every switch, as Xen's runstate); on a thread of
+    /// its own, the thread's CPU clock (or its final value once it ended).
     pub fn cpu_time(&self) -> Duration {
+        if let Some(u) = self.unit.get() {
+            return u.running();
+        }
         if let Some(c) = self.clock.lock().ok().and_then(|c| *c) {
             if let Some(t) = c.read() {
                 return t;
@@ -393,6 +416,72 @@ impl Vcpu {
         }
     }
 
+    /// Where the profiler's samples of this vCPU are counted.
+    pub fn samples(&self) -> &Arc<SampleSlot> {
+        &self.state().slot
+    }
+
+    /// Binds the vCPU to the unit that runs it on a pCPU: events and kicks wake it
+    /// through `waker`, and its CPU time is the pCPU's accounting of it.
+    pub fn bind_unit(&self, waker: &Waker, stats: &Arc<UnitStats>) {
+        let s = self.state();
+        let _ = s.waker.set(waker.clone());
+        let _ = s.unit.set(Arc::clone(stats));
+    }
+
+    /// The vCPU starts running on its pCPU (its first step).
+    pub fn start_unit(&self) {
+        self.schedule_in();
+    }
+
+    /// The vCPU ended: it is offline from now.
+    pub fn stop_unit(&self) {
+        self.state()
+            .runstate_change(RunstateKind::Offline, self.hv.now());
+    }
+
+    /// `SCHEDOP_block` on a pCPU: announces the vCPU blocked and looks once more at its
+    /// events. `None`: an event (or a kick) is pending, so it runs on. Otherwise it is
+    /// blocked from now, and the answer is when its single-shot timer is due (the pCPU
+    /// runs it again then, or when an event's wake-up comes first).
+    pub fn idle(&self) -> Option<Option<std::time::Instant>> {
+        let _c = enter(Class::XenSchedule);
+        let s = self.state();
+        s.blocked.store(true, Ordering::Relaxed);
+        // Full fence: `blocked` must be visible before we re-check upcall_pending, so a
+        // sender that set the flag after our check sees `blocked` and wakes us.
+        fence(Ordering::SeqCst);
+        let mut left = None;
+        let pending = self.upcall_pending()
+            || s.kicked.load(Ordering::Acquire)
+            || self.dom.is_dying()
+            || (s.timer_deadline.load(Ordering::Relaxed) != 0 && {
+                left = self.check_timer();
+                left.is_none()
+            });
+        if pending {
+            s.blocked.store(false, Ordering::Relaxed);
+            s.kicked.store(false, Ordering::Relaxed);
+            return None;
+        }
+        s.runstate_change(RunstateKind::Blocked, self.hv.now());
+        Some(left.map(|l| std::time::Instant::now() + l))
+    }
+
+    /// The vCPU runs again after [`Vcpu::idle`] blocked it, woken at `woken` (its IPI
+    /// seen, or its timer due): it was runnable from then, and runs from now.
+    pub fn resume(&self, woken: Option<std::time::Instant>) {
+        let s = self.state();
+        s.blocked.store(false, Ordering::Relaxed);
+        s.kicked.store(false, Ordering::Relaxed);
+        s.blocks.fetch_add(1, Ordering::Relaxed);
+        if let Some(w) = woken {
+            let waited = w.elapsed();
+            s.runstate_change(RunstateKind::Runnable, self.hv.now().saturating_sub(waited));
+        }
+        self.schedule_in();
+    }
+
     /// What Xen's context switch does for a vCPU it runs again: the run-state change,
     /// and a fresh stamp in the vCPU's time-info block (`update_vcpu_system_time`).
     fn schedule_in(&self) {
@@ -482,6 +571,17 @@ impl Hypervisor {
                 drop(binding);
                 r
             })
+    }
+
+    /// vCPU `id` of `dom`, to run as a unit on a pCPU ([`crate::sched`]); none if the
+    /// domain has no such vCPU.
+    pub fn vcpu(self: &Arc<Self>, dom: &Arc<Domain>, id: u32) -> Option<Vcpu> {
+        dom.vcpus.get(id as usize)?;
+        Some(Vcpu {
+            hv: Arc::clone(self),
+            dom: Arc::clone(dom),
+            id,
+        })
     }
 
     /// Wakes a vCPU without an event (so that its loop can notice a stop flag, say).

@@ -95,7 +95,7 @@ fn a_woken_unit_runs_and_sees_the_work_published_before_the_wake_in_every_policy
 fn units_with_more_work_share_their_pcpu_by_weight() {
     let s = one_pcpu(IdlePolicy::Poll);
     let (a, _, da, ea) = counter(true);
-    let (b, _, db, eb) = counter(true);
+    let (b, _, _, eb) = counter(true);
     let ja = s.place(0, UnitSpec::named("a"), a).expect("a");
     let mut heavy = UnitSpec::named("b");
     heavy.weight = 3;

@@ -15,7 +15,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
@@ -28,9 +27,10 @@ use dev::irq::{IrqLine, NativeIrq};
 use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
 use dev::tap::TapPort;
 use dev::wire::{WireSink, WireSource};
+use hv::sched::{CpuPlan, IdlePolicy, Scheduler, UnitJoin, UnitSpec};
 use hv::{
     DeviceId, DomId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port,
-    VcpuStart, Vector, WaitMode,
+    Vector,
 };
 use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::SkbPool;
@@ -207,6 +207,10 @@ pub struct MachineSpec {
     pub grant_path: GrantPath,
     /// Profiler sampling interval (none: no sampling).
     pub sample: Option<Duration>,
+    /// How the machine's idle pCPUs wait ([`IdlePolicy`]): `poll` when all the load on
+    /// its cores is pvio's own, `halt-poll` when other processes share them (a test
+    /// runner, iperf3), `block` as the comparison with a host wake-up per interrupt.
+    pub idle: IdlePolicy,
     /// The NIC.
     pub nic: NicSpec,
     /// The domains.
@@ -331,8 +335,11 @@ pub enum DriverFault {
 #[derive(Debug)]
 pub struct Machine {
     hv: Arc<Hypervisor>,
+    /// The pCPUs every vCPU runs on.
+    sched: Arc<Scheduler>,
+    /// The host core of each pCPU, by index.
+    pcpu_cores: Vec<usize>,
     grant_version: GrantVersion,
-    sample: Option<Duration>,
     driver: Option<DriverPlan>,
     domains: Vec<(Arc<Domain>, Role)>,
     nic: Option<Nic>,
@@ -342,7 +349,7 @@ pub struct Machine {
     /// The SV-NIC's block service, if its guests have remote disks.
     block_engine: Option<dev::svnic::block::BlockEngine>,
     stop: Arc<AtomicBool>,
-    kernels: Vec<(Arc<Domain>, JoinHandle<Counters>)>,
+    kernels: Vec<(Arc<Domain>, UnitJoin<Counters>)>,
     /// Where each running kernel's counters are asked for.
     doors: Vec<(Arc<Domain>, Arc<vcpu::CounterDoor>)>,
     native_irq: Option<Arc<NativeIrq>>,
@@ -443,9 +450,34 @@ fn assign_nic_queues(
     Ok((nic, pirqs))
 }
 
-/// Core `i` if the machine has it (else the vCPU floats).
-fn core(i: usize) -> Option<usize> {
-    (mem::cpu::online_cores() > i).then_some(i)
+/// The host core a placement on core `i` gets: core `i` itself if the host has it,
+/// else one of the host's cores in turn (the layout shares them).
+fn core(i: usize) -> usize {
+    i % mem::cpu::online_cores().max(1)
+}
+
+/// The cores a layout places its vCPUs on (by the papers' pinning: the driver domain
+/// or the only domain's on core 0 or 1, guests from core 1 on), as host cores.
+fn layout_cores(layout: &Layout) -> Vec<usize> {
+    let guests = |cores: Vec<Option<usize>>| {
+        let mut v = vec![core(0)];
+        v.extend(
+            cores
+                .iter()
+                .enumerate()
+                .map(|(i, c)| core(c.unwrap_or(1 + i))),
+        );
+        v
+    };
+    let mut v = match layout {
+        Layout::Native(_) | Layout::Direct(_) => vec![core(1)],
+        Layout::DirectRaw { .. } => vec![core(0)],
+        Layout::DriverDomain { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
+        Layout::Svnic { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
+    };
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 impl Machine {
@@ -464,10 +496,18 @@ impl Machine {
             grant_path: spec.grant_path,
             ..HvConfig::default()
         })?;
+        // One pCPU on each core the layout uses.
+        let pcpu_cores = layout_cores(&spec.layout);
+        let plan = CpuPlan {
+            cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
+            policy: spec.idle,
+        };
+        let sched = Scheduler::new(&plan, spec.sample).map_err(other)?;
         let mut m = Machine {
             hv,
+            sched,
+            pcpu_cores,
             grant_version: spec.grant_version,
-            sample: spec.sample,
             driver: None,
             domains: Vec::new(),
             nic: None,
@@ -493,12 +533,7 @@ impl Machine {
                 driver_domain: driver,
             })
         };
-        let start = |core: Option<usize>| VcpuStart {
-            vcpu: 0,
-            core,
-            mode: WaitMode::Blocking,
-            sample: spec.sample,
-        };
+        let start = core;
         let n = spec.nic;
         let hv = Arc::clone(&m.hv);
         match spec.layout {
@@ -749,19 +784,22 @@ impl Machine {
         &mut self,
         dom: &Arc<Domain>,
         role: Role,
-        at: VcpuStart,
+        at: usize,
         platform: Platform,
         kernel: K,
         ready: &Arc<AtomicUsize>,
     ) -> Result<(), BuildError> {
         let (stop, ready) = (Arc::clone(&self.stop), Arc::clone(ready));
         let door = Arc::new(vcpu::CounterDoor::default());
-        let d = Arc::clone(&door);
-        let h = self
+        let v = self
             .hv
-            .start_vcpu(dom, at, move |v| {
-                vcpu::run(v, platform, kernel, &stop, &ready, &d)
-            })
+            .vcpu(dom, 0)
+            .ok_or_else(|| other(format!("{}: no vCPU 0", dom.name())))?;
+        let unit = vcpu::KernelUnit::new(v, platform, kernel, stop, ready, Arc::clone(&door));
+        let pcpu = self.pcpu_cores.iter().position(|&c| c == at).unwrap_or(0);
+        let h = self
+            .sched
+            .place(pcpu, UnitSpec::named(format!("{}-v0", dom.name())), unit)
             .map_err(other)?;
         self.kernels.push((Arc::clone(dom), h));
         self.doors.push((Arc::clone(dom), door));
@@ -781,7 +819,7 @@ impl Machine {
         config: dev::svnic::device::SvnicConfig,
         guests: Vec<SvnicGuestSpec>,
         ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(Option<usize>) -> VcpuStart,
+        start: &dyn Fn(usize) -> usize,
         mk: &MakeDomain<'_>,
     ) -> Result<(), BuildError> {
         use dev::svnic::device::Svnic;
@@ -946,6 +984,9 @@ impl Machine {
     pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, BuildError> {
         // The toolstack's periodic work includes finishing off destroyed domains.
         self.hv.reap();
+        // A step that holds its pCPU past the limit (a hung kernel) keeps only itself:
+        // the pCPU's other units move to a fresh thread on the same core.
+        self.sched.rescue(stall);
         let Some(d) = &mut self.driver else {
             return Ok(None);
         };
@@ -1118,18 +1159,18 @@ impl Machine {
         k.set_adaptive_coalescing(self.adaptive_coalescing);
         k.attach_vbds(vbds);
         k.attach_remote(remote, DRIVER_AOE_MAC);
-        let at = VcpuStart {
-            vcpu: 0,
-            core: core(0),
-            mode: WaitMode::Blocking,
-            sample: self.sample,
-        };
+        let at = core(0);
         let ready = Arc::new(AtomicUsize::new(0));
         self.boot(&drv, Role::DriverDomain, at, Platform::Xen, k, &ready)?;
         d.dom = drv;
         d.seen = (0, 0, Instant::now());
         self.driver = Some(d);
         Ok((t0.elapsed(), disks_unserved, vifs_unserved))
+    }
+
+    /// The pCPUs the machine's vCPUs run on.
+    pub fn scheduler(&self) -> &Arc<Scheduler> {
+        &self.sched
     }
 
     /// The hypervisor.
@@ -1240,8 +1281,10 @@ impl Machine {
         }
         let mut c = Counters::default();
         let mut panicked = false;
-        for (d, h) in self.kernels.drain(..) {
-            self.hv.kick_vcpu(&d, 0);
+        for (d, _) in &self.kernels {
+            self.hv.kick_vcpu(d, 0);
+        }
+        for (_, h) in self.kernels.drain(..) {
             match h.join() {
                 Ok(k) => c.extend(k),
                 Err(_) => panicked = true,

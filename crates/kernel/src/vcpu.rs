@@ -1,6 +1,6 @@
 //! The loop every kernel runs on its vCPU, and the interface a kernel offers it.
 //!
-//! A kernel's vCPU takes what woke it (a native interrupt line, or the events the
+//! A kernel's vCPU (a unit on one of pvio's pCPUs, [`KernelUnit`]) takes what woke it (a native interrupt line, or the events the
 //! hypervisor set pending), runs its timer if it expired, polls, and when a poll found
 //! nothing it goes idle: a native kernel halts with its local timer armed; a Xen kernel
 //! programs its one-shot timer (`VCPUOP_set_singleshot_timer`, as 2.6.18-xen's
@@ -122,80 +122,184 @@ pub enum Platform {
     Native(Arc<NativeIrq>),
 }
 
-/// Runs `kernel` on `v` until `stop` is set (and the vCPU kicked, or the native line
-/// raised), then shuts it down. `ready` is counted up once the loop runs; `door`'s
-/// requests for counters are answered between polls.
-pub fn run<K: Kernel>(
+/// A kernel on its vCPU, as a unit on one of pvio's pCPUs: each step takes what woke it
+/// (a native interrupt line, or the events the hypervisor set pending), runs its timer
+/// if it expired, and polls once; a poll that found nothing makes it idle (a native
+/// kernel halts with its local timer armed; a Xen kernel programs its one-shot timer
+/// and blocks in the hypervisor), and the pCPU runs it again when an interrupt or event
+/// wakes it or its timer is due. It ends once `stop` is set (and the vCPU kicked, or
+/// the native line raised), shutting the kernel down; `ready` is counted up at its
+/// first step; `door`'s requests for counters are answered between polls.
+pub struct KernelUnit<K: Kernel> {
     v: Vcpu,
     platform: Platform,
-    mut kernel: K,
-    stop: &AtomicBool,
-    ready: &AtomicUsize,
-    door: &CounterDoor,
-) -> Counters {
-    let clocked = K::CLOCK || kernel.wants_clock();
-    let tport = match platform {
-        Platform::Xen if clocked => v.hv().bind_virq(v.domain(), Virq::Timer, v.id()).ok(),
-        _ => None,
-    };
-    if let Platform::Native(n) = &platform {
-        n.route_here();
+    kernel: Option<K>,
+    stop: Arc<AtomicBool>,
+    ready: Arc<AtomicUsize>,
+    door: Arc<CounterDoor>,
+    clocked: bool,
+    tport: Option<Port>,
+    timer: KernelTimer,
+    started: bool,
+    blocked: bool,
+}
+
+impl<K: Kernel> std::fmt::Debug for KernelUnit<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelUnit")
+            .field("domain", &self.v.domain().id())
+            .field("vcpu", &self.v.id())
+            .finish_non_exhaustive()
     }
-    let clock = |v: &Vcpu| {
-        let _t = enter(Class::Time);
-        match &platform {
-            Platform::Native(n) => n.now(),
-            Platform::Xen => v.system_time(),
+}
+
+impl<K: Kernel> KernelUnit<K> {
+    /// `kernel` on `v`.
+    pub fn new(
+        v: Vcpu,
+        platform: Platform,
+        kernel: K,
+        stop: Arc<AtomicBool>,
+        ready: Arc<AtomicUsize>,
+        door: Arc<CounterDoor>,
+    ) -> Self {
+        let clocked = K::CLOCK || kernel.wants_clock();
+        Self {
+            v,
+            platform,
+            kernel: Some(kernel),
+            stop,
+            ready,
+            door,
+            clocked,
+            tport: None,
+            timer: KernelTimer::default(),
+            started: false,
+            blocked: false,
         }
-    };
-    let mut timer = KernelTimer::default();
-    ready.fetch_add(1, Ordering::Release);
-    while !stop.load(Ordering::Acquire) && !v.domain().is_dying() {
+    }
+
+    fn clock(&self) -> Duration {
+        let _t = enter(Class::Time);
+        match &self.platform {
+            Platform::Native(n) => n.now(),
+            Platform::Xen => self.v.system_time(),
+        }
+    }
+
+    fn finish(&mut self) -> Counters {
+        self.v.stop_unit();
+        self.kernel.take().map(K::shutdown).unwrap_or_default()
+    }
+}
+
+impl<K: Kernel> hv::sched::Unit for KernelUnit<K> {
+    type Output = Counters;
+
+    fn attach(&mut self, waker: &hv::sched::Waker, stats: &Arc<hv::sched::UnitStats>) {
+        self.v.bind_unit(waker, stats);
+        if let Platform::Native(n) = &self.platform {
+            n.route_to(waker);
+        }
+    }
+
+    fn samples(&self) -> Option<Arc<mem::cpu::SampleSlot>> {
+        Some(Arc::clone(self.v.samples()))
+    }
+
+    fn step(&mut self, cx: &hv::sched::Cx) -> hv::sched::Step<Counters> {
+        use hv::sched::Step;
+        if !self.started {
+            self.started = true;
+            self.v.start_unit();
+            if matches!(self.platform, Platform::Xen) && self.clocked {
+                self.tport = self
+                    .v
+                    .hv()
+                    .bind_virq(self.v.domain(), Virq::Timer, self.v.id())
+                    .ok();
+            }
+            self.ready.fetch_add(1, Ordering::Release);
+        }
+        if self.blocked {
+            self.blocked = false;
+            if matches!(self.platform, Platform::Xen) {
+                self.v.resume(cx.woken);
+            }
+        }
+        if self.stop.load(Ordering::Acquire) || self.v.domain().is_dying() {
+            return Step::Done(self.finish());
+        }
+        let Some(kernel) = self.kernel.as_mut() else {
+            return Step::Done(Counters::default());
+        };
         let mut expired = false;
-        match &platform {
+        match &self.platform {
             Platform::Native(n) => {
                 if n.ack() {
                     kernel.interrupt();
                 }
-                expired = timer.native_expired(|| clock(&v));
+                expired = self.timer.native_expired(|| n.now());
             }
             Platform::Xen => {
+                let (v, tport) = (&self.v, self.tport);
                 v.handle_events(|q| {
                     if Some(q) == tport {
                         expired = true;
                     } else {
-                        kernel.event(&v, q);
+                        kernel.event(v, q);
                     }
                 });
             }
         }
-        let now = if clocked { clock(&v) } else { Duration::ZERO };
+        let now = if self.clocked {
+            self.clock()
+        } else {
+            Duration::ZERO
+        };
+        let Some(kernel) = self.kernel.as_mut() else {
+            return Step::Done(Counters::default());
+        };
         if expired {
-            timer.armed = None;
+            self.timer.armed = None;
             kernel.tick(now);
         }
         let idle = kernel.poll(now).idle();
-        door.answer(&kernel);
-        if idle {
-            match &platform {
-                Platform::Native(n) => {
-                    timer.arm(kernel.next_timer(), |_| {});
-                    let _s = enter(Class::Schedule);
-                    n.halt_until(stop, timer.armed);
+        self.door.answer(kernel);
+        if !idle {
+            return Step::More;
+        }
+        let next = kernel.next_timer();
+        match &self.platform {
+            Platform::Native(n) => {
+                self.timer.arm(next, |_| {});
+                let _s = enter(Class::Schedule);
+                if n.pending() || self.stop.load(Ordering::Acquire) {
+                    return Step::More;
                 }
-                Platform::Xen => {
-                    if clocked {
-                        timer.xen_idle(kernel.next_timer(), &v);
+                if self.timer.armed.is_some_and(|d| n.now() >= d) {
+                    return Step::More;
+                }
+                self.blocked = true;
+                Step::Idle(self.timer.armed.and_then(|d| n.instant_at(d)))
+            }
+            Platform::Xen => {
+                if self.clocked {
+                    self.timer.xen_idle(next, &self.v);
+                }
+                // Grants a back end held when they were revoked go back once it lets
+                // go (Linux retries them from a timer).
+                self.v.domain().grant_table().retry_deferred();
+                match self.v.idle() {
+                    None => Step::More,
+                    Some(due) => {
+                        self.blocked = true;
+                        Step::Idle(due)
                     }
-                    // Grants a back end held when they were revoked go back once it
-                    // lets go (Linux retries them from a timer).
-                    v.domain().grant_table().retry_deferred();
-                    v.wait();
                 }
             }
         }
     }
-    kernel.shutdown()
 }
 
 /// A Xen kernel's handling of a physical interrupt's event, as 2.6.18-xen's `ack_pirq`

@@ -99,6 +99,7 @@ fn machine(guests: Vec<GuestSpec>) -> Machine {
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(Quiet),

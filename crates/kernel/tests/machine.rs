@@ -73,6 +73,7 @@ fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(Frames(frames)),

@@ -128,6 +128,7 @@ fn run(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(source),
@@ -232,6 +233,7 @@ fn host(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),
@@ -265,6 +267,7 @@ fn hv_host(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),

@@ -90,6 +90,7 @@ fn start_with(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(source),

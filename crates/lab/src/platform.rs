@@ -482,6 +482,7 @@ impl Running {
             grant_version: opts.grant_version,
             grant_path: opts.grant_path,
             sample: opts.sample,
+            idle: hv::sched::IdlePolicy::HALT_POLL,
             nic,
             layout,
         })

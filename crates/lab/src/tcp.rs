@@ -224,6 +224,7 @@ impl TcpRunning {
             grant_version,
             grant_path,
             sample: o.sample,
+            idle: hv::sched::IdlePolicy::HALT_POLL,
             nic: NicSpec {
                 coalesce: Coalesce::default(),
                 source: Box::new(source),

@@ -108,6 +108,7 @@ fn rig_with(name: &str, servers: Servers, layout: Layout) -> (PathBuf, RemoteHos
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(wire),
