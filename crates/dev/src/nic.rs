@@ -485,7 +485,23 @@ impl NicRegs {
 #[derive(Debug)]
 pub struct Nic {
     regs: Arc<NicRegs>,
-    thread: Option<JoinHandle<Box<dyn WireSource>>>,
+    engine: Option<Engine>,
+}
+
+/// Where the device's engine runs.
+#[derive(Debug)]
+enum Engine {
+    Thread(JoinHandle<Box<dyn WireSource>>),
+    Unit(hv::sched::UnitJoin<Box<dyn WireSource>>),
+}
+
+impl Engine {
+    fn join(self) -> Option<Box<dyn WireSource>> {
+        match self {
+            Engine::Thread(t) => t.join().ok(),
+            Engine::Unit(u) => u.join().ok(),
+        }
+    }
 }
 
 struct Device {
@@ -564,14 +580,51 @@ impl Nic {
             q.itr_pkts
                 .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
         }
-        let mut d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
         let thread = std::thread::Builder::new()
             .name(format!("nic{}", dev.0))
             .spawn(move || d.run(source, sink))?;
         regs.doze.bind(thread.thread().clone());
         Ok(Self {
             regs,
-            thread: Some(thread),
+            engine: Some(Engine::Thread(thread)),
+        })
+    }
+
+    /// As [`Nic::start_queues`], with the device's engine a unit on pCPU `pcpu` of
+    /// `sched` instead of a thread of its own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_on(
+        sched: &hv::sched::Scheduler,
+        pcpu: usize,
+        hv: &Arc<hv::Hypervisor>,
+        dev: DeviceId,
+        irqs: Vec<IrqLine>,
+        coalesce: Coalesce,
+        source: Box<dyn WireSource>,
+        sink: Box<dyn WireSink>,
+    ) -> Result<Self, hv::sched::SchedError> {
+        let regs = Arc::new(NicRegs::new());
+        for q in &regs.rxq {
+            q.itr_pkts
+                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
+        }
+        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        let resets = regs.resets.load(Ordering::Acquire);
+        let unit = NicUnit {
+            dev: d,
+            source: Some(source),
+            sink,
+            resets,
+        };
+        let j = sched.place(
+            pcpu,
+            hv::sched::UnitSpec::named(format!("nic{}", dev.0)),
+            unit,
+        )?;
+        Ok(Self {
+            regs,
+            engine: Some(Engine::Unit(j)),
         })
     }
 
@@ -583,15 +636,55 @@ impl Nic {
     /// Stops the device and gives back its wire source (to read what it sent).
     pub fn stop(mut self) -> Option<Box<dyn WireSource>> {
         self.regs.stop();
-        self.thread.take().and_then(|t| t.join().ok())
+        self.engine.take().and_then(Engine::join)
     }
 }
 
 impl Drop for Nic {
     fn drop(&mut self) {
         self.regs.stop();
-        if let Some(t) = self.thread.take() {
+        if let Some(t) = self.engine.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// The NIC's engine as a unit on one of pvio's pCPUs: a step is one pass of the device.
+struct NicUnit {
+    dev: Device,
+    source: Option<Box<dyn WireSource>>,
+    sink: Box<dyn WireSink>,
+    resets: u64,
+}
+
+impl hv::sched::Unit for NicUnit {
+    type Output = Box<dyn WireSource>;
+    fn attach(&mut self, waker: &hv::sched::Waker, _stats: &Arc<hv::sched::UnitStats>) {
+        self.dev.regs.doze.bind_unit(waker);
+        if let Some(s) = self.source.as_mut() {
+            s.attach(&self.dev.regs.doze);
+        }
+    }
+    fn step(&mut self, _cx: &hv::sched::Cx) -> hv::sched::Step<Box<dyn WireSource>> {
+        use hv::sched::Step;
+        let regs = &self.dev.regs;
+        regs.doze.awake();
+        let Some(source) = self.source.as_mut() else {
+            return Step::Done(Box::new(crate::wire::Silence));
+        };
+        if regs.stop.load(Ordering::Acquire) {
+            let s = self
+                .source
+                .take()
+                .unwrap_or_else(|| Box::new(crate::wire::Silence));
+            return Step::Done(s);
+        }
+        match self
+            .dev
+            .pass(source.as_mut(), self.sink.as_mut(), &mut self.resets)
+        {
+            None => Step::More,
+            Some(until) => Step::Idle(Some(until)),
         }
     }
 }
@@ -621,8 +714,89 @@ impl Device {
         }
     }
 
-    fn run(
+    /// One pass of the device: a reset taken, frames due from the wire received,
+    /// descriptors the driver posted sent, interrupts raised; then what it waits for:
+    /// `None` to run again at once, or the instant the next frame or interrupt is due
+    /// (a millisecond from now when nothing is, or a doorbell comes first).
+    fn pass(
         &mut self,
+        source: &mut dyn WireSource,
+        sink: &mut dyn WireSink,
+        resets: &mut u64,
+    ) -> Option<Instant> {
+        let regs = Arc::clone(&self.regs);
+        let r = regs.resets.load(Ordering::Acquire);
+        if r != *resets {
+            *resets = r;
+            self.rxq.iter_mut().for_each(RxQueue::reset);
+            self.tx_head = 0;
+        }
+        regs.iterations.fetch_add(1, Ordering::AcqRel);
+        regs.iotlb_hits.store(self.dma.hits, Ordering::Relaxed);
+        regs.iotlb_misses.store(self.dma.misses, Ordering::Relaxed);
+        let now = Instant::now();
+        if regs.enabled.load(Ordering::Acquire) {
+            if regs.link_up.load(Ordering::Acquire) {
+                source.poll(now, &mut |f, off| self.receive(f, off));
+            }
+            self.transmit(sink);
+        }
+        let now = Instant::now();
+        // Until the next frame is due or the oldest completion's interrupt, or (idle)
+        // until a doorbell.
+        let mut wake = if regs.link_up.load(Ordering::Acquire) {
+            source.next_due()
+        } else {
+            None
+        };
+        for q in 0..RX_QUEUES {
+            self.maybe_interrupt(q, now);
+            if self.rxq[q].pending > 0 {
+                // With interrupts off the driver is polling and will see the
+                // completions anyway; look again after a coalescing period.
+                let from = if regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
+                    self.delay_start(q).unwrap_or(now)
+                } else {
+                    now
+                };
+                let d = from + self.coalesce.max_delay;
+                wake = Some(wake.map_or(d, |w| w.min(d)));
+            }
+        }
+        let now = Instant::now();
+        if wake.is_some_and(|w| w <= now) {
+            return None;
+        }
+        // Announce the sleep, then look once more: a doorbell or a frame that came
+        // before the flag was seen must not be slept through. The fences pair with the
+        // doorbell's and the wire's (store, fence, load on each side), so that one of
+        // the two always sees the other.
+        regs.doze.announce();
+        let work = regs.tx_tail.load(Ordering::SeqCst) % RING_DESCS != self.tx_head
+            || regs.stop.load(Ordering::Acquire)
+            || (source.ready() && regs.link_up.load(Ordering::Acquire));
+        if work {
+            regs.doze.awake();
+            return None;
+        }
+        // The wire is asked again: a frame put on it since the first look (its wake-up
+        // found the device not yet asleep) is due in its serialization time, not at the
+        // idle timeout.
+        let due = if regs.link_up.load(Ordering::Acquire) {
+            source.next_due()
+        } else {
+            None
+        };
+        let wake = match (wake, due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Some(wake.unwrap_or(now + Duration::from_millis(1)))
+    }
+
+    /// The device on a thread of its own: passes, parked between them.
+    fn run(
+        mut self,
         mut source: Box<dyn WireSource>,
         mut sink: Box<dyn WireSink>,
     ) -> Box<dyn WireSource> {
@@ -630,78 +804,11 @@ impl Device {
         let regs = Arc::clone(&self.regs);
         source.attach(&regs.doze);
         let mut resets = regs.resets.load(Ordering::Acquire);
-
         while !regs.stop.load(Ordering::Acquire) {
-            let r = regs.resets.load(Ordering::Acquire);
-            if r != resets {
-                resets = r;
-                self.rxq.iter_mut().for_each(RxQueue::reset);
-                self.tx_head = 0;
+            if let Some(until) = self.pass(source.as_mut(), sink.as_mut(), &mut resets) {
+                std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+                regs.doze.awake();
             }
-            regs.iterations.fetch_add(1, Ordering::AcqRel);
-            regs.iotlb_hits.store(self.dma.hits, Ordering::Relaxed);
-            regs.iotlb_misses.store(self.dma.misses, Ordering::Relaxed);
-            let now = Instant::now();
-            if regs.enabled.load(Ordering::Acquire) {
-                if regs.link_up.load(Ordering::Acquire) {
-                    source.poll(now, &mut |f, off| self.receive(f, off));
-                }
-                self.transmit(sink.as_mut());
-            }
-            let now = Instant::now();
-            // Sleep until the next frame is due or the oldest completion's interrupt,
-            // or (idle) until a doorbell.
-            let mut wake = if regs.link_up.load(Ordering::Acquire) {
-                source.next_due()
-            } else {
-                None
-            };
-            for q in 0..RX_QUEUES {
-                self.maybe_interrupt(q, now);
-                if self.rxq[q].pending > 0 {
-                    // With interrupts off the driver is polling and will see the
-                    // completions anyway; look again after a coalescing period.
-                    let from = if regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
-                        self.delay_start(q).unwrap_or(now)
-                    } else {
-                        now
-                    };
-                    let d = from + self.coalesce.max_delay;
-                    wake = Some(wake.map_or(d, |w| w.min(d)));
-                }
-            }
-            let now = Instant::now();
-            if wake.is_some_and(|w| w <= now) {
-                continue;
-            }
-            // Announce the sleep, then look once more: a doorbell or a frame that came
-            // before the flag was seen must not be slept through. The fences pair with
-            // the doorbell's and the wire's (store, fence, load on each side), so that
-            // one of the two always sees the other.
-            regs.doze.announce();
-            let work = regs.tx_tail.load(Ordering::SeqCst) % RING_DESCS != self.tx_head
-                || regs.stop.load(Ordering::Acquire)
-                || (source.ready() && regs.link_up.load(Ordering::Acquire));
-            if !work {
-                // Until the next frame or interrupt is due, or (idle) a doorbell. The
-                // wire is asked again: a frame put on it since the first look (its
-                // wake-up found this thread not yet parked) is due in its serialization
-                // time, not at the idle timeout.
-                let due = if regs.link_up.load(Ordering::Acquire) {
-                    source.next_due()
-                } else {
-                    None
-                };
-                let wake = match (wake, due) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                let d = wake.map_or(Duration::from_millis(1), |w| {
-                    w.saturating_duration_since(now)
-                });
-                std::thread::park_timeout(d);
-            }
-            regs.doze.awake();
         }
         source
     }

@@ -16,6 +16,8 @@ use net::wire::{UdpFlow, UdpFramer};
 pub struct Doze {
     parked: std::sync::atomic::AtomicBool,
     thread: std::sync::OnceLock<std::thread::Thread>,
+    /// The engine's unit, when it runs on one of pvio's pCPUs: a wake-up is its IPI.
+    unit: std::sync::OnceLock<hv::sched::Waker>,
 }
 
 impl Doze {
@@ -32,10 +34,17 @@ impl Doze {
         }
     }
 
-    /// Unparks the thread whatever it is doing (to stop it, or to have it look at
+    /// The engine to wake is a unit on a pCPU (set once).
+    pub fn bind_unit(&self, w: &hv::sched::Waker) {
+        let _ = self.unit.set(w.clone());
+    }
+
+    /// Wakes the engine whatever it is doing (to stop it, or to have it look at
     /// requests).
     pub fn kick(&self) {
-        if let Some(t) = self.thread.get() {
+        if let Some(w) = self.unit.get() {
+            w.wake();
+        } else if let Some(t) = self.thread.get() {
             t.unpark();
         }
     }

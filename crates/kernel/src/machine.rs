@@ -339,6 +339,8 @@ pub struct Machine {
     sched: Arc<Scheduler>,
     /// The host core of each pCPU, by index.
     pcpu_cores: Vec<usize>,
+    /// The pCPU the device engines run on.
+    device_pcpu: usize,
     grant_version: GrantVersion,
     driver: Option<DriverPlan>,
     domains: Vec<(Arc<Domain>, Role)>,
@@ -398,14 +400,47 @@ enum Front {
 }
 
 /// Starts the NIC of `spec` with its interrupt on `irq`.
-fn start_nic(hv: &Arc<Hypervisor>, irq: IrqLine, spec: NicSpec) -> Result<Nic, BuildError> {
-    Nic::start(hv, NIC, irq, spec.coalesce, spec.source, spec.sink).map_err(other)
+fn start_nic(
+    hv: &Arc<Hypervisor>,
+    at: Device<'_>,
+    irq: IrqLine,
+    spec: NicSpec,
+) -> Result<Nic, BuildError> {
+    start_nic_queues(hv, at, vec![irq], spec)
+}
+
+/// Where the machine's device engines run: a pCPU of its scheduler.
+#[derive(Clone, Copy)]
+struct Device<'a> {
+    sched: &'a Scheduler,
+    pcpu: usize,
+}
+
+/// Starts the NIC with an interrupt line per receive queue, its engine a unit on `at`.
+fn start_nic_queues(
+    hv: &Arc<Hypervisor>,
+    at: Device<'_>,
+    lines: Vec<IrqLine>,
+    spec: NicSpec,
+) -> Result<Nic, BuildError> {
+    Nic::start_on(
+        at.sched,
+        at.pcpu,
+        hv,
+        NIC,
+        lines,
+        spec.coalesce,
+        spec.source,
+        spec.sink,
+    )
+    .map_err(other)
 }
 
 /// Assigns the NIC of `spec` to `dom` under the hypervisor: its DMA through `dom`'s IOMMU
 /// context, its interrupt a physical IRQ bound to one of `dom`'s ports (returned).
 fn assign_nic(
     hv: &Arc<Hypervisor>,
+    at: Device<'_>,
     dom: &Arc<Domain>,
     spec: NicSpec,
 ) -> Result<(Nic, Port), BuildError> {
@@ -415,7 +450,7 @@ fn assign_nic(
         hv: Arc::clone(hv),
         vector: NIC_VECTOR,
     };
-    Ok((start_nic(hv, line, spec)?, pirq))
+    Ok((start_nic(hv, at, line, spec)?, pirq))
 }
 
 /// The vector of receive queue `q`'s interrupt (MSI-X vector `q`).
@@ -434,6 +469,7 @@ fn bind_queue_irqs(hv: &Arc<Hypervisor>, dom: &Arc<Domain>) -> Result<Vec<Port>,
 /// IRQ bound to one of `dom`'s ports (returned, by queue).
 fn assign_nic_queues(
     hv: &Arc<Hypervisor>,
+    at: Device<'_>,
     dom: &Arc<Domain>,
     spec: NicSpec,
 ) -> Result<(Nic, Vec<Port>), BuildError> {
@@ -445,15 +481,29 @@ fn assign_nic_queues(
             vector: queue_vector(q),
         })
         .collect();
-    let nic =
-        Nic::start_queues(hv, NIC, lines, spec.coalesce, spec.source, spec.sink).map_err(other)?;
-    Ok((nic, pirqs))
+    Ok((start_nic_queues(hv, at, lines, spec)?, pirqs))
 }
 
 /// The host core a placement on core `i` gets: core `i` itself if the host has it,
 /// else one of the host's cores in turn (the layout shares them).
 fn core(i: usize) -> usize {
     i % mem::cpu::online_cores().max(1)
+}
+
+/// The core a layout's device engines (the NIC and what is at the far end of its
+/// cable) run on: a core of their own if the host has one the domains leave free, as a
+/// NIC is hardware beside the CPUs; otherwise the core of the domain that does not
+/// drive the device (a native or direct-I/O kernel is on core 1, so the NIC takes core
+/// 0; a driver domain is on core 0, so the NIC shares core 1 with the first guest).
+fn device_core(layout: &Layout, used: &[usize]) -> usize {
+    let online = mem::cpu::online_cores().max(1);
+    if let Some(free) = (0..online).find(|c| !used.contains(c)) {
+        return free;
+    }
+    match layout {
+        Layout::Native(_) | Layout::Direct(_) => core(0),
+        _ => core(1),
+    }
 }
 
 /// The cores a layout places its vCPUs on (by the papers' pinning: the driver domain
@@ -496,8 +546,15 @@ impl Machine {
             grant_path: spec.grant_path,
             ..HvConfig::default()
         })?;
-        // One pCPU on each core the layout uses.
-        let pcpu_cores = layout_cores(&spec.layout);
+        // One pCPU on each core the layout uses, its device engines' included.
+        let mut pcpu_cores = layout_cores(&spec.layout);
+        // (The SV-NIC's engines are its own, on its device cores.)
+        let dev_core = device_core(&spec.layout, &pcpu_cores);
+        if !matches!(spec.layout, Layout::Svnic { .. }) && !pcpu_cores.contains(&dev_core) {
+            pcpu_cores.push(dev_core);
+            pcpu_cores.sort_unstable();
+        }
+        let device_pcpu = pcpu_cores.iter().position(|&c| c == dev_core).unwrap_or(0);
         let plan = CpuPlan {
             cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
             policy: spec.idle,
@@ -507,6 +564,7 @@ impl Machine {
             hv,
             sched,
             pcpu_cores,
+            device_pcpu,
             grant_version: spec.grant_version,
             driver: None,
             domains: Vec::new(),
@@ -545,7 +603,7 @@ impl Machine {
                 hv.iommu_attach(NIC, &dom).map_err(other)?;
                 let irq = Arc::new(NativeIrq::default());
                 m.native_irq = Some(Arc::clone(&irq));
-                let nic = start_nic(&hv, IrqLine::Native(Arc::clone(&irq)), n)?;
+                let nic = start_nic(&hv, m.device(), IrqLine::Native(Arc::clone(&irq)), n)?;
                 let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.nic = Some(nic);
@@ -560,7 +618,7 @@ impl Machine {
             }
             Layout::Direct(app) => {
                 let dom = mk(&hv, "guest", false, 4)?;
-                let (nic, pirq) = assign_nic(&hv, &dom, n)?;
+                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
                 let mut k =
                     NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
@@ -569,7 +627,7 @@ impl Machine {
             }
             Layout::DirectRaw { app, mac, bridge } => {
                 let dom = mk(&hv, "driver", true, 4)?;
-                let (nic, pirq) = assign_nic(&hv, &dom, n)?;
+                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
                 let k = crate::native::RawNicKernel::new(
                     &hv,
                     &dom,
@@ -601,7 +659,7 @@ impl Machine {
                     .iter()
                     .map(|g| mk(&hv, &g.name, false, 4))
                     .collect::<Result<Vec<_>, _>>()?;
-                let (nic, pirqs) = assign_nic_queues(&hv, &drv, n)?;
+                let (nic, pirqs) = assign_nic_queues(&hv, m.device(), &drv, n)?;
                 if driver.unsafe_machine_frames {
                     hv.iommu_map_machine_unchecked(&drv).map_err(other)?;
                 }
@@ -777,6 +835,14 @@ impl Machine {
             s.link_up();
         }
         Ok(m)
+    }
+
+    /// Where the device engines run.
+    fn device(&self) -> Device<'_> {
+        Device {
+            sched: &self.sched,
+            pcpu: self.device_pcpu,
+        }
     }
 
     /// Starts `kernel` on `dom`'s vCPU.
