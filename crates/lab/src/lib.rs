@@ -23,10 +23,33 @@ pub mod tcp;
 pub mod tools;
 pub mod up;
 
+/// How idle pCPUs wait, re-exported for the command line.
+pub use hv::sched::IdlePolicy;
 /// What netfront posts on its RX ring, re-exported for `pvio up`.
 pub use net::netfront::RxBuffers;
 pub use report::{Report, Row, RunEnv, Written};
 pub use stats::Stats;
+
+/// How the lab's machines' idle pCPUs wait, as `reproduce --idle` set it: `poll` when
+/// all the load on the cores is pvio's own (the command's default), `halt-poll` where
+/// other processes share the cores (the default here, so that tests that run machines
+/// side by side do not starve each other or the test runner), `block` for the
+/// comparison with a host wake-up per interrupt. Named in every record.
+pub fn idle_policy() -> hv::sched::IdlePolicy {
+    *IDLE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Sets [`idle_policy`] for the machines started from now on.
+pub fn set_idle_policy(p: hv::sched::IdlePolicy) {
+    *IDLE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = p;
+}
+
+static IDLE: std::sync::Mutex<hv::sched::IdlePolicy> =
+    std::sync::Mutex::new(hv::sched::IdlePolicy::HALT_POLL);
 
 /// How a run is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -111,6 +111,8 @@ pub struct Options {
     /// into the guest's buffers and sends a GSO packet, or re-segments for a front end
     /// without GSO).
     pub lro: Option<dev::lro::LroSetup>,
+    /// How the machine's idle pCPUs wait.
+    pub idle: hv::sched::IdlePolicy,
 }
 
 /// How long [`Running::finish`] waits without a message arriving before it takes the
@@ -142,6 +144,7 @@ impl Options {
             grants: Grants::PerIo,
             offloads: false,
             lro: None,
+            idle: crate::idle_policy(),
         }
     }
 }
@@ -482,7 +485,7 @@ impl Running {
             grant_version: opts.grant_version,
             grant_path: opts.grant_path,
             sample: opts.sample,
-            idle: hv::sched::IdlePolicy::HALT_POLL,
+            idle: opts.idle,
             nic,
             layout,
         })

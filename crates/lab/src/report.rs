@@ -372,6 +372,8 @@ pub struct RunEnv {
     pub kernel: String,
     /// Quick mode.
     pub quick: bool,
+    /// How the machines' idle pCPUs waited ([`crate::idle_policy`]).
+    pub idle: String,
 }
 
 impl RunEnv {
@@ -406,6 +408,7 @@ impl RunEnv {
             cores: mem::cpu::online_cores(),
             kernel: read("/proc/sys/kernel/osrelease"),
             quick,
+            idle: crate::idle_policy().name(),
         }
     }
 }

@@ -224,7 +224,7 @@ impl TcpRunning {
             grant_version,
             grant_path,
             sample: o.sample,
-            idle: hv::sched::IdlePolicy::HALT_POLL,
+            idle: crate::idle_policy(),
             nic: NicSpec {
                 coalesce: Coalesce::default(),
                 source: Box::new(source),

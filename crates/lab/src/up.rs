@@ -689,6 +689,8 @@ fn bring_up(
         grant_version: cfg.grant_version,
         offloads: offloads(first),
         lro: cfg.lro,
+        // Outside processes (iperf3, ping, the TAPs' readers) share the cores.
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         ..pv()
     };
     let svnic = cfg.svnic.map(|c| {

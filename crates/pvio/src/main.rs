@@ -31,6 +31,11 @@ enum Command {
         /// Where to write `<id>.json` and `<id>.md`.
         #[arg(long, value_name = "DIR", default_value = "results")]
         out: PathBuf,
+        /// How the machines' idle pCPUs wait: poll (all the load on the cores is
+        /// pvio's), halt-poll or halt-poll:<n>us (other processes share them), block (a
+        /// host wake-up per interrupt, the comparison).
+        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
+        idle: lab::IdlePolicy,
     },
     /// Runs one benchmark experiment (same as `reproduce --only ID`).
     Bench {
@@ -42,6 +47,9 @@ enum Command {
         /// Output directory.
         #[arg(long, value_name = "DIR", default_value = "results")]
         out: PathBuf,
+        /// How the machines' idle pCPUs wait (as for `reproduce`).
+        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
+        idle: lab::IdlePolicy,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -572,8 +580,24 @@ fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode
 
 fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Reproduce { quick, only, out } => reproduce(quick, only.as_deref(), &out),
-        Command::Bench { id, quick, out } => reproduce(quick, Some(&id), &out),
+        Command::Reproduce {
+            quick,
+            only,
+            out,
+            idle,
+        } => {
+            lab::set_idle_policy(idle);
+            reproduce(quick, only.as_deref(), &out)
+        }
+        Command::Bench {
+            id,
+            quick,
+            out,
+            idle,
+        } => {
+            lab::set_idle_policy(idle);
+            reproduce(quick, Some(&id), &out)
+        }
         Command::Up {
             outside_ns,
             guest_ns,

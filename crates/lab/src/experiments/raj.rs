@@ -180,7 +180,7 @@ fn host(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
+        idle: crate::idle_policy(),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),
@@ -263,7 +263,7 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: None,
-            idle: hv::sched::IdlePolicy::HALT_POLL,
+            idle: crate::idle_policy(),
             nic: NicSpec {
                 coalesce: Coalesce::default(),
                 source: Box::new(end),

@@ -312,7 +312,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
         grant_version: hv::GrantVersion::V1,
         grant_path: hv::GrantPath::Original,
         sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
+        idle: crate::idle_policy(),
         nic: NicSpec {
             coalesce: dev::nic::Coalesce::default(),
             source: Box::new(dev::wire::Silence),

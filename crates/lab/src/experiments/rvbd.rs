@@ -308,7 +308,7 @@ fn run_job(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
-        idle: hv::sched::IdlePolicy::HALT_POLL,
+        idle: crate::idle_policy(),
         nic,
         layout,
     })

@@ -96,7 +96,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
+        idle: crate::idle_policy(),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(dev::wire::Silence),
