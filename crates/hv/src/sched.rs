@@ -261,6 +261,12 @@ pub struct PcpuReport {
     pub longest_step: Duration,
     /// Times a hung step's thread was replaced.
     pub rescues: u64,
+    /// Its thread's CPU time over the window (as the thread last read its clock, at
+    /// most a millisecond ago while it runs).
+    pub cpu: Duration,
+    /// Profiler samples taken while no unit with samples of its own ran (the idle loop,
+    /// the scheduler, device engines).
+    pub samples: u64,
 }
 
 type Slot = Option<Box<dyn Erased>>;
@@ -278,6 +284,8 @@ struct Table {
     runnable: [u64; WORDS],
     /// Units idle until woken (or their deadline).
     idle: [u64; WORDS],
+    /// Units with a deadline.
+    timed: [u64; WORDS],
     /// Deadlines of idle units (index: slot).
     deadline: Vec<Option<Instant>>,
     /// When each runnable unit was woken (index: slot).
@@ -306,6 +314,8 @@ pub(crate) struct PcpuShared {
     epoch: Instant,
     table: Mutex<Table>,
     stats: PcpuStats,
+    /// Where samples go while no unit with a slot of its own runs.
+    own: Arc<SampleSlot>,
     window_start: Mutex<(Instant, Duration)>,
 }
 
@@ -558,6 +568,7 @@ impl Scheduler {
                         live: 0,
                         runnable: [0; WORDS],
                         idle: [0; WORDS],
+                        timed: [0; WORDS],
                         deadline: vec![None; MAX_UNITS],
                         woken: vec![None; MAX_UNITS],
                         period_ns: vec![0; MAX_UNITS],
@@ -565,6 +576,7 @@ impl Scheduler {
                         over_cap: [0; WORDS],
                     }),
                     stats: PcpuStats::default(),
+                    own: idle_slot(),
                     window_start: Mutex::new((now, Duration::ZERO)),
                 })
             })
@@ -734,6 +746,8 @@ impl Scheduler {
                     window,
                     longest_step: d(&s.longest_step_ns),
                     rescues: s.rescues.load(Ordering::Relaxed),
+                    cpu,
+                    samples: p.own.counts().iter().sum(),
                 }
             })
             .collect()
@@ -810,16 +824,51 @@ fn any_ipi(p: &PcpuShared, order: Ordering) -> bool {
 }
 
 impl Table {
-    /// The first runnable unit at or after `from` (wrapping), not past its cap.
+    /// The first runnable unit at or after `from` (wrapping), not past its cap: a few
+    /// word operations, whatever the number of slots.
     fn next_runnable(&self, from: usize) -> Option<usize> {
-        (0..MAX_UNITS).map(|k| (from + k) % MAX_UNITS).find(|&i| {
-            let (w, b) = (i / 64, i % 64);
-            (self.runnable[w] & !self.over_cap[w]) & (1 << b) != 0
+        let from = from % MAX_UNITS;
+        let (w0, b0) = (from / 64, from % 64);
+        for k in 0..=WORDS {
+            let w = (w0 + k) % WORDS;
+            let mut bits = self.runnable[w] & !self.over_cap[w];
+            if k == 0 {
+                bits &= !0u64 << b0;
+            } else if k == WORDS {
+                bits &= (1u64 << b0) - 1;
+            }
+            if bits != 0 {
+                return Some(w * 64 + bits.trailing_zeros() as usize);
+            }
+        }
+        None
+    }
+
+    /// Sets (or clears) unit `i`'s deadline.
+    fn set_deadline(&mut self, i: usize, d: Option<Instant>) {
+        self.deadline[i] = d;
+        match d {
+            Some(_) => self.timed[i / 64] |= 1 << (i % 64),
+            None => self.timed[i / 64] &= !(1 << (i % 64)),
+        }
+    }
+
+    /// The units with a deadline.
+    fn timed_units(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..WORDS).flat_map(move |w| {
+            let mut bits = self.timed[w];
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let b = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    w * 64 + b
+                })
+            })
         })
     }
 
     fn earliest_deadline(&self) -> Option<Instant> {
-        self.deadline.iter().flatten().min().copied()
+        self.timed_units().filter_map(|i| self.deadline[i]).min()
     }
 }
 
@@ -850,8 +899,13 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
                 .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
         }
     };
-    let own = idle_slot();
-    let mut binding = SlotBinding::bind(Arc::clone(&own), p.sample).ok();
+    let own = Arc::clone(&p.own);
+    // The perf task clock's precise timer (where the kernel offers it) samples each
+    // period as it ends; the POSIX CPU timer is checked on scheduler ticks and charges
+    // several periods at once to whichever unit runs at the tick, which on a pCPU shared
+    // by units is a strong bias. Its cost per host context switch falls only on sleeps.
+    let sampler = mem::cpu::Sampler::PerfTaskClock;
+    let mut binding = SlotBinding::bind_with(Arc::clone(&own), p.sample, sampler).ok();
     let mut cursor = 0usize;
     let mut t = lock(&p.table);
     loop {
@@ -869,7 +923,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
                     bits &= bits - 1;
                     if t.idle[w] & (1 << (i % 64)) != 0 {
                         t.idle[w] &= !(1 << (i % 64));
-                        t.deadline[i] = None;
+                        t.set_deadline(i, None);
                         t.woken[i] = Some(now);
                     }
                 }
@@ -877,12 +931,17 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
         }
         // Deadlines that passed.
         if t.earliest_deadline().is_some_and(|d| d <= now) {
-            for i in 0..MAX_UNITS {
-                if let Some(d) = t.deadline[i].filter(|&d| d <= now) {
-                    t.deadline[i] = None;
-                    t.idle[i / 64] &= !(1 << (i % 64));
-                    t.runnable[i / 64] |= 1 << (i % 64);
-                    t.woken[i] = Some(d);
+            let timed = t.timed;
+            for (w, mut bits) in timed.into_iter().enumerate() {
+                while bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    if let Some(d) = t.deadline[i].filter(|&d| d <= now) {
+                        t.set_deadline(i, None);
+                        t.idle[i / 64] &= !(1 << (i % 64));
+                        t.runnable[i / 64] |= 1 << (i % 64);
+                        t.woken[i] = Some(d);
+                    }
                 }
             }
         }
@@ -913,7 +972,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             };
             drop(t);
             publish_cpu(p, now, false);
-            idle(p, until);
+            idle(p, until, clock, cpu_base);
             t = lock(&p.table);
             continue;
         };
@@ -930,7 +989,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             (Some(b), Some(s)) => Some(b.switch(s)),
             _ => None,
         };
-        let mut start = now;
+        // The unit's time starts here: picking it was the scheduler's (the pCPU's own).
+        let mut start = Instant::now();
         let mut out = StepOut::More;
         let mut ran = 0u64;
         for _ in 0..weight {
@@ -1006,13 +1066,13 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             }
             StepOut::Idle(d) => {
                 t.idle[i / 64] |= 1 << (i % 64);
-                t.deadline[i] = d;
+                t.set_deadline(i, d);
                 t.units[i] = Some(e);
             }
             StepOut::Ended => {
                 t.held[i / 64] &= !(1 << (i % 64));
                 t.live -= 1;
-                t.deadline[i] = None;
+                t.set_deadline(i, None);
                 t.idle[i / 64] &= !(1 << (i % 64));
                 drop(t);
                 e.finish();
@@ -1032,8 +1092,9 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The idle loop: waits for the IPI word, a deadline or a stop, as the policy says.
-fn idle(p: &PcpuShared, until: Option<Instant>) {
+fn idle(p: &PcpuShared, until: Option<Instant>, clock: Option<ThreadClock>, cpu_base: Duration) {
     let start = Instant::now();
+    let mut counted = start;
     let spin_end = match p.policy {
         IdlePolicy::Poll => None,
         IdlePolicy::HaltPoll(b) => Some(start + b),
@@ -1049,6 +1110,19 @@ fn idle(p: &PcpuShared, until: Option<Instant>) {
             let now = Instant::now();
             if until.is_some_and(|u| now >= u) {
                 break;
+            }
+            // A long spin shows in the accounting as it goes, not only once it ends.
+            if now.duration_since(counted) >= Duration::from_millis(1) {
+                p.stats.idle_ns.fetch_add(
+                    now.duration_since(counted).as_nanos() as u64,
+                    Ordering::Relaxed,
+                );
+                counted = now;
+                if let Some(c) = clock.and_then(|c| c.read()) {
+                    p.stats
+                        .cpu_ns
+                        .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
+                }
             }
             if spin_end.is_some_and(|e| now >= e) {
                 sleep = true;
@@ -1078,7 +1152,7 @@ fn idle(p: &PcpuShared, until: Option<Instant>) {
     }
     p.stats
         .idle_ns
-        .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        .fetch_add(counted.elapsed().as_nanos() as u64, Ordering::Relaxed);
 }
 
 /// Live units on a pCPU (for tests and reports).

@@ -330,6 +330,8 @@ pub struct Snapshot {
     pub frames_sent: u64,
     /// Messages the application received.
     pub messages: u64,
+    /// The machine's pCPUs as they stand (their accounting since the machine started).
+    pub pcpus: Vec<hv::sched::PcpuReport>,
 }
 
 pub use kernel::app::AppCounters;
@@ -565,6 +567,7 @@ impl Running {
             domains: domain_use(&self.machine),
             frames_sent: self.sender.frames.load(Ordering::Relaxed),
             messages: self.app.messages.load(Ordering::Relaxed),
+            pcpus: self.machine.scheduler().reports(),
         }
     }
 
