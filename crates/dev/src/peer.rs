@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use net::offload::Offload;
@@ -144,15 +144,14 @@ struct CableInner {
     to_nic: Mutex<Lane>,
     to_peer: Mutex<Lane>,
     nic: OnceLock<Arc<Doze>>,
-    peer: OnceLock<Thread>,
+    /// What wakes the peer's engine (its thread, or its unit on a pCPU).
+    peer: Arc<Doze>,
     counters: CableCounters,
 }
 
 impl CableInner {
     fn wake_peer(&self) {
-        if let Some(t) = self.peer.get() {
-            t.unpark();
-        }
+        self.peer.wake();
     }
 }
 
@@ -303,8 +302,17 @@ pub struct TcpPeer {
     cable: Arc<CableInner>,
     stop: Arc<AtomicBool>,
     quiet: Arc<AtomicBool>,
-    thread: Option<JoinHandle<TcpStats>>,
+    /// The engine until it is started.
+    engine: Option<PeerEngine>,
+    runner: Option<Runner>,
     counters: Arc<PeerCounters>,
+}
+
+/// Where the peer's engine runs.
+#[derive(Debug)]
+enum Runner {
+    Thread(JoinHandle<TcpStats>),
+    Unit(hv::sched::UnitJoin<TcpStats>),
 }
 
 /// The longest the peer sleeps with nothing to do.
@@ -316,42 +324,93 @@ const STUCK_NAP: Duration = Duration::from_micros(50);
 const PEER_PORT: u16 = 49152;
 
 impl TcpPeer {
-    /// Starts the peer; returns it and the NIC's two ends of the cable.
+    /// Starts the peer on a thread of its own (pinned to `spec.core`, if given);
+    /// returns it and the NIC's two ends of the cable.
     pub fn start(spec: PeerSpec) -> std::io::Result<(Self, CableEnd, CableSink)> {
+        let (mut p, a, b) = Self::new(spec);
+        p.run_thread()?;
+        Ok((p, a, b))
+    }
+
+    /// The peer and its cable, not yet running: the machine under test takes the
+    /// cable's ends, then the peer runs on one of its pCPUs ([`TcpPeer::run_on`]) or on
+    /// a thread ([`TcpPeer::run_thread`]).
+    pub fn new(spec: PeerSpec) -> (Self, CableEnd, CableSink) {
         let cable = Arc::new(CableInner {
             to_nic: Mutex::new(Lane::new(spec.rate)),
             to_peer: Mutex::new(Lane::new(spec.rate)),
             nic: OnceLock::new(),
-            peer: OnceLock::new(),
+            peer: Arc::default(),
             counters: CableCounters::default(),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let quiet = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(PeerCounters::default());
-        let (c, s, k) = (Arc::clone(&cable), Arc::clone(&stop), Arc::clone(&counters));
-        let q = Arc::clone(&quiet);
-        let thread = std::thread::Builder::new()
-            .name("tcp-peer".into())
-            .spawn(move || {
-                if let Some(core) = spec.core {
-                    let _ = mem::cpu::pin_current_thread(core);
-                }
-                let _ = mem::cpu::set_timer_slack(1_000);
-                run(&spec, &c, &s, &q, &k)
-            })?;
-        let _ = cable.peer.set(thread.thread().clone());
+        let engine = PeerEngine::new(
+            spec,
+            Arc::clone(&cable),
+            Arc::clone(&stop),
+            Arc::clone(&quiet),
+            Arc::clone(&counters),
+        );
         let (a, b) = (CableEnd(Arc::clone(&cable)), CableSink(Arc::clone(&cable)));
-        Ok((
+        (
             Self {
                 cable,
                 stop,
                 quiet,
-                thread: Some(thread),
+                engine: Some(engine),
+                runner: None,
                 counters,
             },
             a,
             b,
-        ))
+        )
+    }
+
+    /// Runs the peer's engine as a unit on pCPU `pcpu` of `sched`.
+    pub fn run_on(
+        &mut self,
+        sched: &hv::sched::Scheduler,
+        pcpu: usize,
+    ) -> Result<(), hv::sched::SchedError> {
+        if let Some(e) = self.engine.take() {
+            let j = sched.place(pcpu, hv::sched::UnitSpec::named("tcp-peer"), e)?;
+            self.runner = Some(Runner::Unit(j));
+        }
+        Ok(())
+    }
+
+    /// Runs the peer's engine on a thread of its own.
+    pub fn run_thread(&mut self) -> std::io::Result<()> {
+        let Some(mut e) = self.engine.take() else {
+            return Ok(());
+        };
+        let core = e.spec.core;
+        let doze = Arc::clone(&self.cable.peer);
+        let thread = std::thread::Builder::new()
+            .name("tcp-peer".into())
+            .spawn(move || {
+                if let Some(core) = core {
+                    let _ = mem::cpu::pin_current_thread(core);
+                }
+                let _ = mem::cpu::set_timer_slack(1_000);
+                loop {
+                    match e.step() {
+                        PeerStep::More => {}
+                        PeerStep::Idle(until) => {
+                            std::thread::park_timeout(
+                                until.saturating_duration_since(Instant::now()),
+                            );
+                            doze.awake();
+                        }
+                        PeerStep::Done(stats) => return stats,
+                    }
+                }
+            })?;
+        self.cable.peer.bind(thread.thread().clone());
+        self.runner = Some(Runner::Thread(thread));
+        Ok(())
     }
 
     /// The peer's counters.
@@ -363,9 +422,7 @@ impl TcpPeer {
     /// needs), so a run can end with every byte delivered.
     pub fn quiesce(&self) {
         self.quiet.store(true, Ordering::Release);
-        if let Some(t) = &self.thread {
-            t.thread().unpark();
-        }
+        self.cable.peer.kick();
     }
 
     /// The cable's counters.
@@ -380,9 +437,11 @@ impl TcpPeer {
 
     fn halt(&mut self) -> Option<TcpStats> {
         self.stop.store(true, Ordering::Release);
-        let t = self.thread.take()?;
-        t.thread().unpark();
-        t.join().ok()
+        self.cable.peer.kick();
+        match self.runner.take()? {
+            Runner::Thread(t) => t.join().ok(),
+            Runner::Unit(u) => u.join().ok(),
+        }
     }
 }
 
@@ -497,37 +556,88 @@ impl App {
     }
 }
 
-fn run(
-    spec: &PeerSpec,
-    cable: &CableInner,
-    stop: &AtomicBool,
-    quiet: &AtomicBool,
-    c: &PeerCounters,
-) -> TcpStats {
-    let epoch = Instant::now();
-    let mut host = TcpHost::new(spec.ip, spec.mac, Duration::ZERO, 0x9e37_79b9_7f4a_7c15);
-    let Ok(h) = host.open(Open::Connect {
-        from: PEER_PORT,
-        to: spec.to,
-        port: spec.port,
-    }) else {
-        return host.stats().clone();
-    };
-    if let PeerApp::Rr { .. } = spec.app {
-        // One request at a time: Nagle would hold none back, and a delayed ACK on an
-        // answer would only delay the ACK, not the next request.
-        host.socket(h).set_nagle_enabled(false);
+/// What one step of the peer's engine came to.
+enum PeerStep {
+    More,
+    Idle(Instant),
+    Done(TcpStats),
+}
+
+/// The peer's host: its TCP stack, its application, and its end of the cable; a step
+/// takes the frames due from the cable, runs the stack and the application, and puts
+/// what it sends on the wire.
+struct PeerEngine {
+    spec: PeerSpec,
+    cable: Arc<CableInner>,
+    stop: Arc<AtomicBool>,
+    quiet: Arc<AtomicBool>,
+    counters: Arc<PeerCounters>,
+    epoch: Instant,
+    host: TcpHost,
+    handle: Option<smoltcp::iface::SocketHandle>,
+    app: App,
+}
+
+impl std::fmt::Debug for PeerEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerEngine")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
     }
-    let mut app = App {
-        app: spec.app,
-        written: 0,
-        start: None,
-        asked: None,
-        answered: 0,
-        check: StreamCheck::default(),
-        scratch: vec![0; 65536],
-    };
-    while !stop.load(Ordering::Acquire) {
+}
+
+impl PeerEngine {
+    fn new(
+        spec: PeerSpec,
+        cable: Arc<CableInner>,
+        stop: Arc<AtomicBool>,
+        quiet: Arc<AtomicBool>,
+        counters: Arc<PeerCounters>,
+    ) -> Self {
+        let mut host = TcpHost::new(spec.ip, spec.mac, Duration::ZERO, 0x9e37_79b9_7f4a_7c15);
+        let handle = host
+            .open(Open::Connect {
+                from: PEER_PORT,
+                to: spec.to,
+                port: spec.port,
+            })
+            .ok();
+        if let (Some(h), PeerApp::Rr { .. }) = (handle, spec.app) {
+            // One request at a time: Nagle would hold none back, and a delayed ACK on
+            // an answer would only delay the ACK, not the next request.
+            host.socket(h).set_nagle_enabled(false);
+        }
+        Self {
+            app: App {
+                app: spec.app,
+                written: 0,
+                start: None,
+                asked: None,
+                answered: 0,
+                check: StreamCheck::default(),
+                scratch: vec![0; 65536],
+            },
+            spec,
+            cable,
+            stop,
+            quiet,
+            counters,
+            epoch: Instant::now(),
+            host,
+            handle,
+        }
+    }
+
+    fn step(&mut self) -> PeerStep {
+        let cable = Arc::clone(&self.cable);
+        cable.peer.awake();
+        let Some(h) = self.handle else {
+            return PeerStep::Done(self.host.stats().clone());
+        };
+        if self.stop.load(Ordering::Acquire) {
+            return PeerStep::Done(self.host.stats().clone());
+        }
+        let host = &mut self.host;
         let now = Instant::now();
         let mut got = 0;
         if let Ok(mut lane) = cable.to_peer.lock() {
@@ -542,9 +652,11 @@ fn run(
                 .to_peer
                 .fetch_add(got as u64, Ordering::Relaxed);
         }
-        let t = now.duration_since(epoch);
+        let t = now.duration_since(self.epoch);
         host.poll(t);
-        let app_due = app.step(&mut host, h, quiet.load(Ordering::Acquire), c);
+        let app_due = self
+            .app
+            .step(host, h, self.quiet.load(Ordering::Acquire), &self.counters);
         host.poll(t);
         // Onto the wire, as far as the lane has room.
         let (mut sent, mut held) = (0, false);
@@ -557,8 +669,9 @@ fn run(
                 r.wake();
             }
         }
-        // Sleep until a frame arrives, the stack's timer, or the application's pace;
+        // Idle until a frame arrives, the stack's timer, or the application's pace;
         // frames held for want of room wait for the NIC to take some (it wakes us).
+        let epoch = self.epoch;
         let mut wake = host.poll_at(t).map(|d| epoch + d);
         let mut at = |d: Option<Instant>| {
             if let Some(d) = d {
@@ -570,7 +683,7 @@ fn run(
         let now = Instant::now();
         let progress = got + sent > 0;
         let nap = match wake {
-            Some(w) if w <= now && progress && !held => continue,
+            Some(w) if w <= now && progress && !held => return PeerStep::More,
             Some(w) if w > now => (w - now).min(IDLE_NAP),
             // Due already with nothing done (the stack waits on something only the
             // other end can change), or only the NIC can make room: a short nap, no
@@ -579,9 +692,35 @@ fn run(
             None if held => STUCK_NAP,
             None => IDLE_NAP,
         };
-        std::thread::park_timeout(nap);
+        // Announce the sleep, then look once more: a frame put on the lane, a stop or a
+        // quiesce since the first look must not be slept through.
+        cable.peer.announce();
+        let arrived = cable
+            .to_peer
+            .lock()
+            .ok()
+            .and_then(|l| l.next_due())
+            .is_some_and(|d| d <= Instant::now());
+        if arrived || self.stop.load(Ordering::Acquire) {
+            cable.peer.awake();
+            return PeerStep::More;
+        }
+        PeerStep::Idle(now + nap)
     }
-    host.stats().clone()
+}
+
+impl hv::sched::Unit for PeerEngine {
+    type Output = TcpStats;
+    fn attach(&mut self, waker: &hv::sched::Waker, _stats: &Arc<hv::sched::UnitStats>) {
+        self.cable.peer.bind_unit(waker);
+    }
+    fn step(&mut self, _cx: &hv::sched::Cx) -> hv::sched::Step<TcpStats> {
+        match PeerEngine::step(self) {
+            PeerStep::More => hv::sched::Step::More,
+            PeerStep::Idle(t) => hv::sched::Step::Idle(Some(t)),
+            PeerStep::Done(s) => hv::sched::Step::Done(s),
+        }
+    }
 }
 
 /// A cable between two devices (two hosts' NICs, paper 002's `n,n:1x1` set-up): a lane

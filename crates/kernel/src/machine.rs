@@ -555,9 +555,15 @@ impl Machine {
             pcpu_cores.sort_unstable();
         }
         let device_pcpu = pcpu_cores.iter().position(|&c| c == dev_core).unwrap_or(0);
+        // The SV-NIC's engines and sidecore still run on threads of their own, on the
+        // same cores: pCPUs that spin would starve them, so its machines halt-poll.
+        let policy = match (&spec.layout, spec.idle) {
+            (Layout::Svnic { .. }, IdlePolicy::Poll) => IdlePolicy::HALT_POLL,
+            (_, p) => p,
+        };
         let plan = CpuPlan {
             cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
-            policy: spec.idle,
+            policy,
         };
         let sched = Scheduler::new(&plan, spec.sample).map_err(other)?;
         let mut m = Machine {
@@ -1232,6 +1238,12 @@ impl Machine {
         d.seen = (0, 0, Instant::now());
         self.driver = Some(d);
         Ok((t0.elapsed(), disks_unserved, vifs_unserved))
+    }
+
+    /// The pCPU its device engines run on (the NIC's, and whatever is at the far end of
+    /// its cable).
+    pub fn device_pcpu(&self) -> usize {
+        self.device_pcpu
     }
 
     /// The pCPUs the machine's vCPUs run on.

@@ -181,7 +181,9 @@ impl TcpRunning {
             (Receiver::Pv, Placement::OneCore) => (Some(0), core(1)),
             (_, Placement::TwoCore) => (Some(1), core(2)),
         };
-        let (peer, source, sink) = TcpPeer::start(PeerSpec {
+        // The peer runs as a device engine on the machine's pCPUs once it has started
+        // (on its device pCPU: a core of its own where the host has one free).
+        let (mut peer, source, sink) = TcpPeer::new(PeerSpec {
             ip: f.src_ip,
             mac: f.src_mac,
             to: f.dst_ip,
@@ -189,8 +191,7 @@ impl TcpRunning {
             rate: o.wire,
             core: peer_core,
             app: o.app,
-        })
-        .map_err(other)?;
+        });
         let peer_counters = Arc::clone(peer.counters());
         let layout = match o.receiver {
             Receiver::Native => Layout::Native(spec),
@@ -233,6 +234,8 @@ impl TcpRunning {
             layout,
         })
         .map_err(other)?;
+        peer.run_on(machine.scheduler(), machine.device_pcpu())
+            .map_err(other)?;
         let t = Instant::now();
         while !peer_counters.connected.load(Ordering::Acquire) {
             if t.elapsed() > CONNECT_WITHIN {

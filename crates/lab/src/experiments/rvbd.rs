@@ -308,7 +308,8 @@ fn run_job(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
-        idle: crate::idle_policy(),
+        // vblade and nbd-server share the cores: idle pCPUs give them back.
+        idle: hv::sched::IdlePolicy::HALT_POLL,
         nic,
         layout,
     })
