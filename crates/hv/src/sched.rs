@@ -753,6 +753,22 @@ impl Scheduler {
             .collect()
     }
 
+    /// Every unit placed and not yet ended, with its pCPU's index: its accounting as it
+    /// stands (a unit out in a step at the moment is left out).
+    pub fn unit_reports(&self) -> Vec<(usize, UnitReport)> {
+        let mut v = Vec::new();
+        for p in &self.pcpus {
+            let t = lock(&p.table);
+            v.extend(
+                t.units
+                    .iter()
+                    .flatten()
+                    .map(|u| (p.index, u.stats().report())),
+            );
+        }
+        v
+    }
+
     /// Stops every pCPU: each runs its units until they end (their owners stop them
     /// first), for at most `grace`; units left then are dropped, their joins answered
     /// with an error. A thread held by a hung step is left to end on its own.

@@ -282,3 +282,66 @@ fn idle_policies_are_named_and_parsed_alike() {
     }
     assert!(IdlePolicy::parse("spin").is_err());
 }
+
+#[test]
+fn a_unit_that_floods_its_neighbour_with_wake_ups_takes_no_more_than_its_turns() {
+    // A hostile guest's vCPU that never idles and wakes its neighbour on every step (an
+    // event flood), and the neighbour that has a fixed piece of work per wake-up: they
+    // alternate, so the flood costs the neighbour's pCPU one step of the neighbour's own
+    // per step of its own, and the neighbour is never starved.
+    struct Flood {
+        victim: Option<Waker>,
+        end: Arc<AtomicBool>,
+        steps: u64,
+    }
+    impl Unit for Flood {
+        type Output = u64;
+        fn step(&mut self, _cx: &Cx) -> Step<u64> {
+            if self.end.load(Ordering::Acquire) {
+                return Step::Done(self.steps);
+            }
+            self.steps += 1;
+            if let Some(v) = &self.victim {
+                v.wake();
+            }
+            Step::More
+        }
+    }
+    let s = one_pcpu(IdlePolicy::Poll);
+    let (victim, work, done, vend) = counter(false);
+    let jv = s
+        .place(0, UnitSpec::named("victim"), victim)
+        .expect("victim");
+    let end = Arc::new(AtomicBool::new(false));
+    let jf = s
+        .place(
+            0,
+            UnitSpec::named("flood"),
+            Flood {
+                victim: Some(jv.waker().clone()),
+                end: Arc::clone(&end),
+                steps: 0,
+            },
+        )
+        .expect("flood");
+    // The victim's own work arrives meanwhile, and is done.
+    for k in 1..=200u64 {
+        work.fetch_add(1, Ordering::Release);
+        jv.wake();
+        wait_for("the victim to do its work", || {
+            done.load(Ordering::Acquire) == k
+        });
+    }
+    end.store(true, Ordering::Release);
+    let flood_steps = jf.join().expect("flood");
+    vend.store(true, Ordering::Release);
+    jv.wake();
+    let vstats = Arc::clone(jv.stats());
+    assert_eq!(jv.join(), Ok(200));
+    // Round-robin: the victim took at most one step per flood step (plus its last).
+    let vsteps = vstats.report().steps;
+    assert!(
+        vsteps <= flood_steps + 2,
+        "victim {vsteps} steps, flood {flood_steps}"
+    );
+}

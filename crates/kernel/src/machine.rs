@@ -523,7 +523,18 @@ fn layout_cores(layout: &Layout) -> Vec<usize> {
         Layout::Native(_) | Layout::Direct(_) => vec![core(1)],
         Layout::DirectRaw { .. } => vec![core(0)],
         Layout::DriverDomain { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
-        Layout::Svnic { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
+        Layout::Svnic { guests: g, config } => {
+            // The device's engines and sidecore on the cores its configuration names.
+            let c = config.cores;
+            let mut v = guests(g.iter().map(|g| g.core).collect());
+            v.extend(
+                [c.egress, c.ingress, c.sidecore]
+                    .into_iter()
+                    .flatten()
+                    .map(core),
+            );
+            v
+        }
     };
     v.sort_unstable();
     v.dedup();
@@ -548,18 +559,23 @@ impl Machine {
         })?;
         // One pCPU on each core the layout uses, its device engines' included.
         let mut pcpu_cores = layout_cores(&spec.layout);
-        // (The SV-NIC's engines are its own, on its device cores.)
         let dev_core = device_core(&spec.layout, &pcpu_cores);
-        if !matches!(spec.layout, Layout::Svnic { .. }) && !pcpu_cores.contains(&dev_core) {
+        if !pcpu_cores.contains(&dev_core) {
             pcpu_cores.push(dev_core);
             pcpu_cores.sort_unstable();
         }
         let device_pcpu = pcpu_cores.iter().position(|&c| c == dev_core).unwrap_or(0);
-        // The SV-NIC's engines and sidecore still run on threads of their own, on the
-        // same cores: pCPUs that spin would starve them, so its machines halt-poll.
-        let policy = match (&spec.layout, spec.idle) {
-            (Layout::Svnic { .. }, IdlePolicy::Poll) => IdlePolicy::HALT_POLL,
-            (_, p) => p,
+        // The SV-NIC's block service still runs on a thread of its own, on the same
+        // cores: pCPUs that spin would starve it, so a machine with one halt-polls.
+        let svnic_block = match &spec.layout {
+            Layout::Svnic { guests, .. } => guests
+                .iter()
+                .any(|g| matches!(g.app, crate::svnic_guest::SvnicApp::Block(_))),
+            _ => false,
+        };
+        let policy = match spec.idle {
+            IdlePolicy::Poll if svnic_block => IdlePolicy::HALT_POLL,
+            p => p,
         };
         let plan = CpuPlan {
             cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
@@ -923,8 +939,24 @@ impl Machine {
             driver_domain: false,
         })?;
         let ctl = mk(&hv, "controller", false, 4)?;
-        let mut svnic =
-            Svnic::start(&hv, Some(&ctl), config, nic.source, nic.sink).map_err(other)?;
+        // The engines and the sidecore are units on the pCPUs of their cores (those it
+        // leaves unnamed on the device pCPU).
+        let cores = self.pcpu_cores.clone();
+        let device_pcpu = self.device_pcpu;
+        let pcpu_of = move |c: Option<usize>| {
+            c.and_then(|c| cores.iter().position(|&x| x == core(c)))
+                .unwrap_or(device_pcpu)
+        };
+        let mut svnic = Svnic::start_on(
+            &hv,
+            Some(&ctl),
+            config,
+            nic.source,
+            nic.sink,
+            &self.sched,
+            &pcpu_of,
+        )
+        .map_err(other)?;
         mgmt::prepare(&hv, device.id()).map_err(other)?;
         svnic.manage(&hv, Arc::clone(&device)).map_err(other)?;
         mgmt::set_schedule(&hv, device.id(), config.schedule).map_err(other)?;
@@ -1304,8 +1336,10 @@ impl Machine {
     }
 
     /// Stops the NIC and every kernel, and returns every component's counters, the
-    /// NIC's last.
+    /// NIC's last, and the scheduler's account of each unit and pCPU (as it stood just
+    /// before the stop).
     pub fn stop(mut self) -> Result<Counters, BuildError> {
+        let sched = self.sched_counters();
         let regs = self.nic.take().map(|n| {
             let r = Arc::clone(n.regs());
             drop(n);
@@ -1346,7 +1380,33 @@ impl Machine {
             c.add("svnic", "rx_fifo_full", s.rx_fifo_full());
             c.add("svnic signals", "channel_full", s.channel_full());
         }
+        c.extend(sched);
         Ok(c)
+    }
+
+    /// The scheduler's account of each unit (its running time, steps, longest step,
+    /// wake-ups, time waiting for its pCPU) and each pCPU (idle, slept, host wakes, time
+    /// the host took).
+    pub fn sched_counters(&self) -> Counters {
+        let mut c = Counters::default();
+        let us = |d: Duration| d.as_micros() as u64;
+        for (p, u) in self.sched.unit_reports() {
+            let k = format!("pcpu{p} {}", u.name);
+            c.add(&k, "running_us", us(u.running));
+            c.add(&k, "runnable_us", us(u.runnable));
+            c.add(&k, "steps", u.steps);
+            c.add(&k, "wakeups", u.wakeups);
+            c.add(&k, "longest_step_us", us(u.longest_step));
+        }
+        for r in self.sched.reports() {
+            let k = format!("pcpu{}", r.index);
+            c.add(&k, "idle_us", us(r.idle));
+            c.add(&k, "slept_us", us(r.slept));
+            c.add(&k, "host_wakes", r.host_wakes);
+            c.add(&k, "stolen_us", us(r.stolen));
+            c.add(&k, "longest_step_us", us(r.longest_step));
+        }
+        c
     }
 
     /// Stops every kernel and collects their counters.

@@ -448,3 +448,42 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
     assert_eq!(c.corrupt.load(Ordering::Relaxed), 0);
     m.stop().expect("stop");
 }
+
+/// The threads of this process whose name starts with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim_end().starts_with(prefix))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn stopping_a_machine_whose_pcpus_poll_leaves_no_pcpu_thread_behind() {
+    let (len, count) = (3000, 20);
+    let f = flow_to(2);
+    let (a, c) = app(f, len);
+    let mut s = spec(messages(f, len, count, None), Layout::Native(a));
+    s.idle = hv::sched::IdlePolicy::Poll;
+    let m = Machine::start(s).expect("start");
+    assert!(threads_named("pcpu") > 0, "the machine runs on pCPUs");
+    wait_for(&c, count as u64);
+    m.stop().expect("stop");
+    assert_eq!(c.messages.load(Ordering::Relaxed), count as u64);
+    // (nextest runs each test in a process of its own; under `cargo test` another
+    // test's machine may still be stopping.)
+    let t = std::time::Instant::now();
+    while threads_named("pcpu") > 0 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        threads_named("pcpu"),
+        0,
+        "a pCPU thread outlived its machine"
+    );
+}

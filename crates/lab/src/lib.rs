@@ -41,6 +41,16 @@ pub fn idle_policy() -> hv::sched::IdlePolicy {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The idle policy for a machine that shares its cores with another machine of the same
+/// run (paper 002's two hosts on one cable): `poll` becomes `halt-poll`, so that the two
+/// machines' pCPUs on one core take turns instead of spinning against each other.
+pub fn shared_idle_policy() -> hv::sched::IdlePolicy {
+    match idle_policy() {
+        hv::sched::IdlePolicy::Poll => hv::sched::IdlePolicy::HALT_POLL,
+        p => p,
+    }
+}
+
 /// Sets [`idle_policy`] for the machines started from now on.
 pub fn set_idle_policy(p: hv::sched::IdlePolicy) {
     *IDLE

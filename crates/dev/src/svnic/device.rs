@@ -364,6 +364,8 @@ struct Shared<P> {
 pub struct Svnic<P: PageAccess + Send + Sync + 'static> {
     ctl: Control<P>,
     threads: Vec<JoinHandle<()>>,
+    /// The engines and sidecore, when they run as units on pCPUs.
+    units: Vec<hv::sched::UnitJoin<()>>,
 }
 
 /// The device's management interface and counters: what its device-side management
@@ -432,48 +434,392 @@ impl Activity {
     }
 }
 
-/// An engine thread, counted while it runs (also if it panics); the sidecore, which
-/// stops after the engines, is told when one goes.
-struct Running<'a>(&'a std::sync::atomic::AtomicUsize, &'a crate::wire::Doze);
+/// An engine, counted while it runs (also if it panics: the guard goes with it); the
+/// sidecore, which stops after the engines, is told when one goes.
+struct Running<P>(Arc<Shared<P>>);
 
-impl Drop for Running<'_> {
+impl<P> Drop for Running<P> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-        self.1.kick();
+        self.0.engines_running.fetch_sub(1, Ordering::AcqRel);
+        self.0.dozes[2].kick();
+    }
+}
+
+/// What one step of an engine came to.
+enum EngineStep {
+    /// It did work (or found some after announcing its sleep): step again.
+    Busy,
+    /// Nothing to do, but it polls: give the core to whatever else runs there.
+    Yield,
+    /// Nothing to do: asleep until woken or this instant.
+    Sleep(Instant),
+    /// Stopped.
+    Done,
+}
+
+/// One of the device's engines (egress, ingress, the sidecore): a step is one pass.
+trait DeviceEngine: Send {
+    fn name(&self) -> &'static str;
+    /// What wakes it.
+    fn doze(&self) -> &Arc<crate::wire::Doze>;
+    fn step(&mut self) -> EngineStep;
+}
+
+/// An engine on a thread of its own, pinned to `core` if given.
+fn run_engine_thread(mut e: Box<dyn DeviceEngine>, core: Option<usize>) {
+    pin(core);
+    e.doze().bind(std::thread::current());
+    loop {
+        match e.step() {
+            EngineStep::Busy => {}
+            EngineStep::Yield => std::thread::yield_now(),
+            EngineStep::Sleep(until) => {
+                let d = Arc::clone(e.doze());
+                d.sleep(until.saturating_duration_since(Instant::now()));
+            }
+            EngineStep::Done => return,
+        }
+    }
+}
+
+/// An engine as a unit on a pCPU.
+struct EngineUnit(Box<dyn DeviceEngine>);
+
+impl hv::sched::Unit for EngineUnit {
+    type Output = ();
+    fn attach(&mut self, waker: &hv::sched::Waker, _stats: &Arc<hv::sched::UnitStats>) {
+        self.0.doze().bind_unit(waker);
+    }
+    fn step(&mut self, _cx: &hv::sched::Cx) -> hv::sched::Step<()> {
+        self.0.doze().awake();
+        match self.0.step() {
+            EngineStep::Busy | EngineStep::Yield => hv::sched::Step::More,
+            EngineStep::Sleep(until) => hv::sched::Step::Idle(Some(until)),
+            EngineStep::Done => hv::sched::Step::Done(()),
+        }
+    }
+}
+
+/// The egress engine: management requests, then what the link lets the contexts send.
+struct EgressEngine<P: PageAccess + Send + Sync + 'static> {
+    sh: Arc<Shared<P>>,
+    hv: Arc<Hypervisor>,
+    e: Egress<P>,
+    link: crate::peer::WireRate,
+    /// When the link is free again (the last frame's last bit).
+    free_at: Instant,
+    last: Activity,
+    sink: Box<dyn WireSink>,
+    _running: Running<P>,
+}
+
+impl<P: PageAccess + Send + Sync + 'static> EgressEngine<P> {
+    fn new(
+        sh: Arc<Shared<P>>,
+        hv: &Arc<Hypervisor>,
+        cfg: &SvnicConfig,
+        sink: Box<dyn WireSink>,
+    ) -> Self {
+        let mut e: Egress<P> = Egress::new(cfg.egress_contexts, Arc::clone(&sh.times));
+        e.set_schedule(cfg.schedule);
+        if let Ok(mut s) = sh.egress_stats.lock() {
+            *s = Some(Arc::clone(e.stats()));
+        }
+        Self {
+            _running: Running(Arc::clone(&sh)),
+            sh,
+            hv: Arc::clone(hv),
+            e,
+            link: cfg.link,
+            free_at: Instant::now(),
+            last: Activity::default(),
+            sink,
+        }
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for EgressEngine<P> {
+    fn name(&self) -> &'static str {
+        "svnic-egress"
+    }
+    fn doze(&self) -> &Arc<crate::wire::Doze> {
+        &self.sh.dozes[0]
+    }
+    fn step(&mut self) -> EngineStep {
+        let sh = &self.sh;
+        if sh.stop.load(Ordering::Acquire) {
+            return EngineStep::Done;
+        }
+        let e = &mut self.e;
+        if let Ok(mut r) = sh.egress_requests.lock() {
+            for req in r.drain(..) {
+                match req {
+                    EgressReq::Add { id, mac, tx } => e.add(id, mac, tx),
+                    EgressReq::Remove { id } => {
+                        e.remove(id);
+                    }
+                    EgressReq::Priority { id, priority } => {
+                        e.set_priority(id, priority);
+                    }
+                    EgressReq::Schedule(s) => e.set_schedule(s),
+                }
+            }
+            // Everything issued before this lock is carried out.
+            sh.done[0].store(sh.issued.load(Ordering::Acquire), Ordering::Release);
+        }
+        // The MAC takes one frame at a time at the link's rate; with no limit, every
+        // context may send.
+        let now = Instant::now();
+        let link = self.link;
+        let budget = match link {
+            crate::peer::WireRate::Unlimited => usize::MAX,
+            crate::peer::WireRate::Bits(_) => usize::from(self.free_at <= now),
+        };
+        let (free_at, sink) = (&mut self.free_at, &mut self.sink);
+        let n = if budget == 0 {
+            0
+        } else {
+            e.step(budget, &mut |_, f| {
+                *free_at = (*free_at).max(now) + link.serialization(f.len());
+                sink.transmit(f, Offload::NONE);
+            })
+        };
+        let hv = &self.hv;
+        e.take_tx_wakes(&mut |vif| sh.signals.raise(hv, vif));
+        if n > 0 || budget == 0 {
+            // Sent, or frames wait for the link: busy.
+            self.last.worked(now);
+            return if n == 0 {
+                EngineStep::Yield
+            } else {
+                EngineStep::Busy
+            };
+        }
+        let e = &self.e;
+        sh.idle(
+            0,
+            &mut self.last,
+            || e.has_pending() || sh.requests_waiting(0),
+            None,
+        )
+    }
+}
+
+/// The ingress engine: management requests, frames from the cable into the network
+/// I/O engine's FIFO, then the contexts place them in the VIFs' buffers.
+struct IngressEngine<P: PageAccess + Send + Sync + 'static> {
+    sh: Arc<Shared<P>>,
+    hv: Arc<Hypervisor>,
+    ing: Ingress<P>,
+    vifs: IngressVifs<P>,
+    /// The network I/O engine's buffers: frames from the cable wait here for an
+    /// ingress context.
+    fifo: VecDeque<(Box<[u8]>, usize, Option<u16>)>,
+    free: Vec<Box<[u8]>>,
+    last: Activity,
+    source: Box<dyn WireSource>,
+    _running: Running<P>,
+}
+
+impl<P: PageAccess + Send + Sync + 'static> IngressEngine<P> {
+    fn new(
+        sh: Arc<Shared<P>>,
+        hv: &Arc<Hypervisor>,
+        cfg: &SvnicConfig,
+        mut source: Box<dyn WireSource>,
+    ) -> Self {
+        source.attach(&sh.dozes[1]);
+        let ing: Ingress<P> = Ingress::new(cfg.ingress_contexts, Arc::clone(&sh.times));
+        if let Ok(mut s) = sh.ingress_stats.lock() {
+            *s = Some(Arc::clone(ing.stats()));
+        }
+        Self {
+            _running: Running(Arc::clone(&sh)),
+            sh,
+            hv: Arc::clone(hv),
+            ing,
+            vifs: IngressVifs {
+                rx: Vec::new(),
+                demux: Demux::new(256),
+            },
+            fifo: VecDeque::with_capacity(RX_FIFO),
+            free: (0..RX_FIFO)
+                .map(|_| vec![0u8; SLOT_BYTES].into_boxed_slice())
+                .collect(),
+            last: Activity::default(),
+            source,
+        }
+    }
+}
+
+impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for IngressEngine<P> {
+    fn name(&self) -> &'static str {
+        "svnic-ingress"
+    }
+    fn doze(&self) -> &Arc<crate::wire::Doze> {
+        &self.sh.dozes[1]
+    }
+    fn step(&mut self) -> EngineStep {
+        let Self {
+            sh,
+            hv,
+            ing,
+            vifs,
+            fifo,
+            free,
+            last,
+            source,
+            ..
+        } = self;
+        if sh.stop.load(Ordering::Acquire) {
+            return EngineStep::Done;
+        }
+        if let Ok(mut r) = sh.ingress_requests.lock() {
+            for req in r.drain(..) {
+                match req {
+                    IngressReq::Add { id, mac, rx } => {
+                        let i = id as usize;
+                        if vifs.rx.len() <= i {
+                            vifs.rx.resize_with(i + 1, || None);
+                        }
+                        vifs.rx[i] = Some(rx);
+                        vifs.demux.insert(mac, id);
+                    }
+                    IngressReq::Remove { id } => {
+                        if let Some(r) = vifs.rx.get_mut(id as usize) {
+                            *r = None;
+                        }
+                        ing.set_dma(id, None);
+                    }
+                    IngressReq::Dma { id, dma } => ing.set_dma(id, Some(*dma)),
+                    IngressReq::Misplace(every) => ing.inject_misplacement(every),
+                }
+            }
+            sh.done[1].store(sh.issued.load(Ordering::Acquire), Ordering::Release);
+        }
+        if sh.link_up.load(Ordering::Acquire) {
+            let st = ing.stats();
+            source.poll(Instant::now(), &mut |f, _off| {
+                // A broadcast or multicast frame goes to every VIF: the network I/O
+                // engine makes a copy for each, addressed.
+                let group = f.first().is_some_and(|&b| b & 1 == 1);
+                let mut each = |to: Option<u16>| match free.pop() {
+                    Some(mut b) if f.len() <= b.len() => {
+                        b[..f.len()].copy_from_slice(f);
+                        fifo.push_back((b, f.len(), to));
+                    }
+                    Some(b) => {
+                        free.push(b);
+                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => {
+                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+                    }
+                };
+                if !group {
+                    return each(None);
+                }
+                for (id, rx) in vifs.rx.iter().enumerate() {
+                    if rx.is_some() {
+                        st.broadcast.fetch_add(1, Ordering::Relaxed);
+                        each(Some(id as u16));
+                    }
+                }
+            });
+        }
+        let sig = &sh.signals;
+        let n = ing.step(
+            vifs,
+            &mut |buf: &mut [u8]| {
+                let (b, len, to) = fifo.pop_front()?;
+                buf[..len].copy_from_slice(&b[..len]);
+                free.push(b);
+                Some((len, to))
+            },
+            &mut |vif| sig.raise(hv, vif),
+        );
+        if n > 0 || !fifo.is_empty() || ing.in_flight() > 0 {
+            last.worked(Instant::now());
+            return if n == 0 {
+                EngineStep::Yield
+            } else {
+                EngineStep::Busy
+            };
+        }
+        let up = sh.link_up.load(Ordering::Acquire);
+        let next = if up { source.next_due() } else { None };
+        sh.idle(
+            1,
+            last,
+            || (up && source.ready()) || sh.requests_waiting(1),
+            next,
+        )
+    }
+}
+
+/// The sidecore: forwards the engines' signals (paper 002's interrupt virtualization);
+/// it stops after the engines, forwarding whatever they wrote last.
+struct Sidecore<P> {
+    sh: Arc<Shared<P>>,
+    hv: Arc<Hypervisor>,
+    last: Activity,
+}
+
+impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for Sidecore<P> {
+    fn name(&self) -> &'static str {
+        "sidecore"
+    }
+    fn doze(&self) -> &Arc<crate::wire::Doze> {
+        &self.sh.dozes[2]
+    }
+    fn step(&mut self) -> EngineStep {
+        let sh = &self.sh;
+        if sh.signals.sidecore_step(&self.hv) > 0 {
+            self.last.worked(Instant::now());
+            return EngineStep::Busy;
+        }
+        if sh.stop.load(Ordering::Acquire) && sh.engines_running.load(Ordering::Acquire) == 0 {
+            sh.signals.sidecore_step(&self.hv);
+            return EngineStep::Done;
+        }
+        sh.idle(
+            2,
+            &mut self.last,
+            || !sh.signals.channel.is_empty() || sh.engines_running.load(Ordering::Acquire) == 0,
+            None,
+        )
     }
 }
 
 impl<P> Shared<P> {
-    /// Thread `k` (0 egress, 1 ingress, 2 sidecore) found nothing to do. Polling, it
-    /// yields its core. Sleeping when idle, it polls on while work has been coming
-    /// closer together than its spin (and for no longer than the spin); otherwise, or
-    /// once the spin has passed, it announces its sleep, looks once more (`work`:
-    /// anything to do after all?), and sleeps until `until`, a wake-up, or [`NAP`].
+    /// Engine `k` (0 egress, 1 ingress, 2 sidecore) found nothing to do. Polling, it
+    /// yields its core (on a pCPU: lets the pCPU's other units run). Sleeping when idle,
+    /// it polls on while work has been coming closer together than its spin (and for no
+    /// longer than the spin); otherwise, or once the spin has passed, it announces its
+    /// sleep, looks once more (`work`: anything to do after all?), and sleeps until
+    /// `until`, a wake-up, or [`NAP`].
     fn idle(
         &self,
         k: usize,
         last: &mut Activity,
         work: impl FnOnce() -> bool,
         until: Option<Instant>,
-    ) {
+    ) -> EngineStep {
         let Idle::Block { spin } = self.idle else {
-            std::thread::yield_now();
-            return;
+            return EngineStep::Yield;
         };
         if last.gap < spin && last.at.elapsed() < spin {
-            std::thread::yield_now();
-            return;
+            return EngineStep::Yield;
         }
         let d = &self.dozes[k];
         d.announce();
         if work() || self.stop.load(Ordering::Acquire) {
             d.awake();
-            return;
+            return EngineStep::Busy;
         }
-        let nap = until.map_or(NAP, |u| {
-            u.saturating_duration_since(Instant::now()).min(NAP)
-        });
-        d.sleep(nap);
+        let now = Instant::now();
+        let nap = until.map_or(NAP, |u| u.saturating_duration_since(now).min(NAP));
+        EngineStep::Sleep(now + nap)
     }
 
     /// Management requests wait for engine `k` (0 egress, 1 ingress).
@@ -505,8 +851,34 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         hv: &Arc<Hypervisor>,
         controller: Option<&hv::Domain>,
         cfg: SvnicConfig,
-        mut source: Box<dyn WireSource>,
-        mut sink: Box<dyn WireSink>,
+        source: Box<dyn WireSource>,
+        sink: Box<dyn WireSink>,
+    ) -> Result<Self, hv::EvtchnError> {
+        Self::start_with(hv, controller, cfg, source, sink, None)
+    }
+
+    /// As [`Svnic::start`], its engines and sidecore units on pCPUs of `sched`
+    /// (`pcpu_of` maps the core [`SvnicConfig::cores`] names to a pCPU) instead of
+    /// threads of their own.
+    pub fn start_on(
+        hv: &Arc<Hypervisor>,
+        controller: Option<&hv::Domain>,
+        cfg: SvnicConfig,
+        source: Box<dyn WireSource>,
+        sink: Box<dyn WireSink>,
+        sched: &hv::sched::Scheduler,
+        pcpu_of: &dyn Fn(Option<usize>) -> usize,
+    ) -> Result<Self, hv::EvtchnError> {
+        Self::start_with(hv, controller, cfg, source, sink, Some((sched, pcpu_of)))
+    }
+
+    fn start_with(
+        hv: &Arc<Hypervisor>,
+        controller: Option<&hv::Domain>,
+        cfg: SvnicConfig,
+        source: Box<dyn WireSource>,
+        sink: Box<dyn WireSink>,
+        place: Option<(&hv::sched::Scheduler, &dyn Fn(Option<usize>) -> usize)>,
     ) -> Result<Self, hv::EvtchnError> {
         let dozes: [Arc<crate::wire::Doze>; 3] = Default::default();
         let blocking = matches!(cfg.idle, Idle::Block { .. });
@@ -546,240 +918,53 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             iommu: cfg.iommu,
             dozes,
         });
-        let mut threads = Vec::new();
-        {
-            let sh = Arc::clone(&shared);
-            let core = cfg.cores.egress;
-            let contexts = cfg.egress_contexts;
-            let (link, schedule) = (cfg.link, cfg.schedule);
-            let hv = Arc::clone(hv);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("svnic-egress".into())
-                    .spawn(move || {
-                        let _running = Running(&sh.engines_running, &sh.dozes[2]);
-                        sh.dozes[0].bind(std::thread::current());
-                        pin(core);
-                        let mut last = Activity::default();
-                        let mut e: Egress<P> = Egress::new(contexts, Arc::clone(&sh.times));
-                        e.set_schedule(schedule);
-                        // When the link is free again (the last frame's last bit).
-                        let mut free_at = Instant::now();
-                        if let Ok(mut s) = sh.egress_stats.lock() {
-                            *s = Some(Arc::clone(e.stats()));
-                        }
-                        while !sh.stop.load(Ordering::Acquire) {
-                            if let Ok(mut r) = sh.egress_requests.lock() {
-                                for req in r.drain(..) {
-                                    match req {
-                                        EgressReq::Add { id, mac, tx } => e.add(id, mac, tx),
-                                        EgressReq::Remove { id } => {
-                                            e.remove(id);
-                                        }
-                                        EgressReq::Priority { id, priority } => {
-                                            e.set_priority(id, priority);
-                                        }
-                                        EgressReq::Schedule(s) => e.set_schedule(s),
-                                    }
-                                }
-                                // Everything issued before this lock is carried out.
-                                sh.done[0]
-                                    .store(sh.issued.load(Ordering::Acquire), Ordering::Release);
-                            }
-                            // The MAC takes one frame at a time at the link's rate; with
-                            // no limit, every context may send.
-                            let now = Instant::now();
-                            let budget = match link {
-                                crate::peer::WireRate::Unlimited => usize::MAX,
-                                crate::peer::WireRate::Bits(_) => usize::from(free_at <= now),
-                            };
-                            let n = if budget == 0 {
-                                0
-                            } else {
-                                e.step(budget, &mut |_, f| {
-                                    free_at = free_at.max(now) + link.serialization(f.len());
-                                    sink.transmit(f, Offload::NONE);
-                                })
-                            };
-                            e.take_tx_wakes(&mut |vif| sh.signals.raise(&hv, vif));
-                            if n > 0 || budget == 0 {
-                                // Sent, or frames wait for the link: busy.
-                                last.worked(now);
-                                if n == 0 {
-                                    std::thread::yield_now();
-                                }
-                            } else {
-                                sh.idle(
-                                    0,
-                                    &mut last,
-                                    || e.has_pending() || sh.requests_waiting(0),
-                                    None,
-                                );
-                            }
-                        }
-                    })
-                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
-            );
-        }
-        {
-            let sh = Arc::clone(&shared);
-            let core = cfg.cores.ingress;
-            let contexts = cfg.ingress_contexts;
-            let hv = Arc::clone(hv);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("svnic-ingress".into())
-                    .spawn(move || {
-                        let _running = Running(&sh.engines_running, &sh.dozes[2]);
-                        sh.dozes[1].bind(std::thread::current());
-                        source.attach(&sh.dozes[1]);
-                        pin(core);
-                        let mut last = Activity::default();
-                        let mut ing: Ingress<P> = Ingress::new(contexts, Arc::clone(&sh.times));
-                        if let Ok(mut s) = sh.ingress_stats.lock() {
-                            *s = Some(Arc::clone(ing.stats()));
-                        }
-                        let mut vifs = IngressVifs {
-                            rx: Vec::new(),
-                            demux: Demux::new(256),
-                        };
-                        // The network I/O engine's buffers: frames from the cable wait
-                        // here for an ingress context.
-                        let mut fifo: VecDeque<(Box<[u8]>, usize, Option<u16>)> =
-                            VecDeque::with_capacity(RX_FIFO);
-                        let mut free: Vec<Box<[u8]>> = (0..RX_FIFO)
-                            .map(|_| vec![0u8; SLOT_BYTES].into_boxed_slice())
-                            .collect();
-                        while !sh.stop.load(Ordering::Acquire) {
-                            if let Ok(mut r) = sh.ingress_requests.lock() {
-                                for req in r.drain(..) {
-                                    match req {
-                                        IngressReq::Add { id, mac, rx } => {
-                                            let i = id as usize;
-                                            if vifs.rx.len() <= i {
-                                                vifs.rx.resize_with(i + 1, || None);
-                                            }
-                                            vifs.rx[i] = Some(rx);
-                                            vifs.demux.insert(mac, id);
-                                        }
-                                        IngressReq::Remove { id } => {
-                                            if let Some(r) = vifs.rx.get_mut(id as usize) {
-                                                *r = None;
-                                            }
-                                            ing.set_dma(id, None);
-                                        }
-                                        IngressReq::Dma { id, dma } => {
-                                            ing.set_dma(id, Some(*dma));
-                                        }
-                                        IngressReq::Misplace(every) => {
-                                            ing.inject_misplacement(every);
-                                        }
-                                    }
-                                }
-                                sh.done[1]
-                                    .store(sh.issued.load(Ordering::Acquire), Ordering::Release);
-                            }
-                            if sh.link_up.load(Ordering::Acquire) {
-                                let st = ing.stats();
-                                source.poll(Instant::now(), &mut |f, _off| {
-                                    // A broadcast or multicast frame goes to every VIF: the
-                                    // network I/O engine makes a copy for each, addressed.
-                                    let group = f.first().is_some_and(|&b| b & 1 == 1);
-                                    let mut each = |to: Option<u16>| match free.pop() {
-                                        Some(mut b) if f.len() <= b.len() => {
-                                            b[..f.len()].copy_from_slice(f);
-                                            fifo.push_back((b, f.len(), to));
-                                        }
-                                        Some(b) => {
-                                            free.push(b);
-                                            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
-                                        }
-                                        None => {
-                                            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
-                                        }
-                                    };
-                                    if !group {
-                                        return each(None);
-                                    }
-                                    for (id, rx) in vifs.rx.iter().enumerate() {
-                                        if rx.is_some() {
-                                            st.broadcast.fetch_add(1, Ordering::Relaxed);
-                                            each(Some(id as u16));
-                                        }
-                                    }
-                                });
-                            }
-                            let sig = &sh.signals;
-                            let n = ing.step(
-                                &vifs,
-                                &mut |buf: &mut [u8]| {
-                                    let (b, len, to) = fifo.pop_front()?;
-                                    buf[..len].copy_from_slice(&b[..len]);
-                                    free.push(b);
-                                    Some((len, to))
-                                },
-                                &mut |vif| sig.raise(&hv, vif),
-                            );
-                            if n > 0 || !fifo.is_empty() || ing.in_flight() > 0 {
-                                last.worked(Instant::now());
-                                if n == 0 {
-                                    std::thread::yield_now();
-                                }
-                            } else {
-                                let up = sh.link_up.load(Ordering::Acquire);
-                                sh.idle(
-                                    1,
-                                    &mut last,
-                                    || (up && source.ready()) || sh.requests_waiting(1),
-                                    if up { source.next_due() } else { None },
-                                );
-                            }
-                        }
-                    })
-                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
-            );
-        }
+        let mut engines: Vec<(Box<dyn DeviceEngine>, Option<usize>)> = vec![
+            (
+                Box::new(EgressEngine::new(Arc::clone(&shared), hv, &cfg, sink)),
+                cfg.cores.egress,
+            ),
+            (
+                Box::new(IngressEngine::new(Arc::clone(&shared), hv, &cfg, source)),
+                cfg.cores.ingress,
+            ),
+        ];
         if cfg.signal == SignalMode::Sidecore {
-            let sh = Arc::clone(&shared);
-            let core = cfg.cores.sidecore;
-            let hv = Arc::clone(hv);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("sidecore".into())
-                    .spawn(move || {
-                        pin(core);
-                        sh.dozes[2].bind(std::thread::current());
-                        let mut last = Activity::default();
-                        loop {
-                            if sh.signals.sidecore_step(&hv) > 0 {
-                                last.worked(Instant::now());
-                                continue;
-                            }
-                            // Stopping: once the engines are gone, whatever they wrote
-                            // last is forwarded and the sidecore goes too.
-                            if sh.stop.load(Ordering::Acquire)
-                                && sh.engines_running.load(Ordering::Acquire) == 0
-                            {
-                                sh.signals.sidecore_step(&hv);
-                                break;
-                            }
-                            sh.idle(
-                                2,
-                                &mut last,
-                                || {
-                                    !sh.signals.channel.is_empty()
-                                        || sh.engines_running.load(Ordering::Acquire) == 0
-                                },
-                                None,
-                            );
-                        }
-                    })
-                    .map_err(|_| hv::EvtchnError::NoFreePort)?,
-            );
+            engines.push((
+                Box::new(Sidecore {
+                    sh: Arc::clone(&shared),
+                    hv: Arc::clone(hv),
+                    last: Activity::default(),
+                }),
+                cfg.cores.sidecore,
+            ));
+        }
+        let mut threads = Vec::new();
+        let mut units = Vec::new();
+        for (e, core) in engines {
+            match place {
+                Some((sched, pcpu_of)) => {
+                    let name = e.name();
+                    let j = sched
+                        .place(
+                            pcpu_of(core),
+                            hv::sched::UnitSpec::named(name),
+                            EngineUnit(e),
+                        )
+                        .map_err(|_| hv::EvtchnError::NoFreePort)?;
+                    units.push(j);
+                }
+                None => threads.push(
+                    std::thread::Builder::new()
+                        .name(e.name().into())
+                        .spawn(move || run_engine_thread(e, core))
+                        .map_err(|_| hv::EvtchnError::NoFreePort)?,
+                ),
+            }
         }
         Ok(Self {
             ctl: Control { shared },
             threads,
+            units,
         })
     }
 
@@ -795,6 +980,9 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        for u in self.units.drain(..) {
+            let _ = u.join();
         }
     }
 }

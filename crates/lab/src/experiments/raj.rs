@@ -180,7 +180,8 @@ fn host(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: crate::idle_policy(),
+        // Both hosts' pCPUs are on the same cores.
+        idle: crate::shared_idle_policy(),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),
@@ -263,7 +264,8 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: None,
-            idle: crate::idle_policy(),
+            // Both hosts' pCPUs are on the same cores.
+            idle: crate::shared_idle_policy(),
             nic: NicSpec {
                 coalesce: Coalesce::default(),
                 source: Box::new(end),
