@@ -445,6 +445,9 @@ impl<P> Drop for Running<P> {
     }
 }
 
+/// Where the engines go: a scheduler, and the pCPU for each configured core.
+type Placement<'a> = (&'a hv::sched::Scheduler, &'a dyn Fn(Option<usize>) -> usize);
+
 /// What one step of an engine came to.
 enum EngineStep {
     /// It did work (or found some after announcing its sleep): step again.
@@ -878,7 +881,7 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
         cfg: SvnicConfig,
         source: Box<dyn WireSource>,
         sink: Box<dyn WireSink>,
-        place: Option<(&hv::sched::Scheduler, &dyn Fn(Option<usize>) -> usize)>,
+        place: Option<Placement<'_>>,
     ) -> Result<Self, hv::EvtchnError> {
         let dozes: [Arc<crate::wire::Doze>; 3] = Default::default();
         let blocking = matches!(cfg.idle, Idle::Block { .. });
