@@ -105,6 +105,11 @@ impl std::fmt::Display for IdlePolicy {
 pub enum Step<O> {
     /// It has more work that needs no wake-up to be found: run it again next turn.
     More,
+    /// It found nothing to do but keeps polling (a device's micro-engine that owns its
+    /// core): run it again next turn. When a whole round of a pCPU's units only yields,
+    /// a pCPU that shares its core with other threads (`halt-poll`, `block`) gives the
+    /// host a turn, as a polling thread's `sched_yield` does; a `poll` pCPU spins on.
+    Yield,
     /// It has nothing to do until woken, or until the deadline, if any.
     Idle(Option<Instant>),
     /// It has ended, with its result.
@@ -366,6 +371,7 @@ impl Waker {
 /// What one step of a placed unit came to.
 enum StepOut {
     More,
+    Yield,
     Idle(Option<Instant>),
     Ended,
 }
@@ -397,6 +403,7 @@ impl<U: Unit> Erased for Placed<U> {
     fn step(&mut self, cx: &Cx) -> StepOut {
         match self.unit.step(cx) {
             Step::More => StepOut::More,
+            Step::Yield => StepOut::Yield,
             Step::Idle(d) => StepOut::Idle(d),
             Step::Done(o) => {
                 self.output = Some(o);
@@ -923,6 +930,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
     let sampler = mem::cpu::Sampler::PerfTaskClock;
     let mut binding = SlotBinding::bind_with(Arc::clone(&own), p.sample, sampler).ok();
     let mut cursor = 0usize;
+    // Steps in a row that only yielded.
+    let mut yields = 0usize;
     let mut t = lock(&p.table);
     loop {
         if t.generation != generation {
@@ -1034,6 +1043,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             start = end;
             match r {
                 Ok(StepOut::More) => continue,
+                Ok(StepOut::Yield) => out = StepOut::Yield,
                 Ok(o) => out = o,
                 Err(panic) => {
                     e.fail(panic_text(&panic));
@@ -1079,8 +1089,23 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             StepOut::More => {
                 t.runnable[i / 64] |= 1 << (i % 64);
                 t.units[i] = Some(e);
+                yields = 0;
+            }
+            StepOut::Yield => {
+                t.runnable[i / 64] |= 1 << (i % 64);
+                t.units[i] = Some(e);
+                yields += 1;
+                if yields >= t.live && p.policy != IdlePolicy::Poll {
+                    // A round of nothing but polling: the host's other threads get the
+                    // core for a moment.
+                    yields = 0;
+                    drop(t);
+                    std::thread::yield_now();
+                    t = lock(&p.table);
+                }
             }
             StepOut::Idle(d) => {
+                yields = 0;
                 t.idle[i / 64] |= 1 << (i % 64);
                 t.set_deadline(i, d);
                 t.units[i] = Some(e);

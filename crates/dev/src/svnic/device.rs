@@ -496,7 +496,8 @@ impl hv::sched::Unit for EngineUnit {
     fn step(&mut self, _cx: &hv::sched::Cx) -> hv::sched::Step<()> {
         self.0.doze().awake();
         match self.0.step() {
-            EngineStep::Busy | EngineStep::Yield => hv::sched::Step::More,
+            EngineStep::Busy => hv::sched::Step::More,
+            EngineStep::Yield => hv::sched::Step::Yield,
             EngineStep::Sleep(until) => hv::sched::Step::Idle(Some(until)),
             EngineStep::Done => hv::sched::Step::Done(()),
         }
