@@ -247,8 +247,8 @@ impl Report {
         let _ = writeln!(md, "Paper: {}  ", self.paper);
         let _ = writeln!(
             md,
-            "Revision `{}`, {} on {} ({}, {} cores).\n",
-            env.revision, env.date, env.host, env.cpu, env.cores
+            "Revision `{}`, {} on {} ({}, {} cores; idle pCPUs: {}).\n",
+            env.revision, env.date, env.host, env.cpu, env.cores, env.idle
         );
         if !self.setup.is_empty() {
             let _ = writeln!(md, "{}\n", self.setup);
