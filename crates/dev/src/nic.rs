@@ -575,12 +575,7 @@ impl Nic {
         source: Box<dyn WireSource>,
         sink: Box<dyn WireSink>,
     ) -> std::io::Result<Self> {
-        let regs = Arc::new(NicRegs::new());
-        for q in &regs.rxq {
-            q.itr_pkts
-                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
-        }
-        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        let (regs, d) = Device::with_regs(hv, dev, coalesce, irqs);
         let thread = std::thread::Builder::new()
             .name(format!("nic{}", dev.0))
             .spawn(move || d.run(source, sink))?;
@@ -604,12 +599,7 @@ impl Nic {
         source: Box<dyn WireSource>,
         sink: Box<dyn WireSink>,
     ) -> Result<Self, hv::sched::SchedError> {
-        let regs = Arc::new(NicRegs::new());
-        for q in &regs.rxq {
-            q.itr_pkts
-                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
-        }
-        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        let (regs, d) = Device::with_regs(hv, dev, coalesce, irqs);
         let resets = regs.resets.load(Ordering::Acquire);
         let unit = NicUnit {
             dev: d,
@@ -694,6 +684,22 @@ fn desc_iova(base: u64, i: u32) -> Iova {
 }
 
 impl Device {
+    /// Fresh registers (interrupt moderation as `coalesce` says) and the device on them.
+    fn with_regs(
+        hv: &Arc<hv::Hypervisor>,
+        dev: DeviceId,
+        coalesce: Coalesce,
+        irqs: Vec<IrqLine>,
+    ) -> (Arc<NicRegs>, Self) {
+        let regs = Arc::new(NicRegs::new());
+        for q in &regs.rxq {
+            q.itr_pkts
+                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
+        }
+        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        (regs, d)
+    }
+
     fn new(regs: Arc<NicRegs>, dma: DmaContext, coalesce: Coalesce, irqs: Vec<IrqLine>) -> Self {
         let mut rxq: Vec<RxQueue> = (0..RX_QUEUES).map(|_| RxQueue::default()).collect();
         for (q, irq) in rxq.iter_mut().zip(irqs) {

@@ -47,14 +47,7 @@ fn main() {
     let (a, b) = (arg(1, 3), arg(2, 1));
     idle_only();
     for policy in [IdlePolicy::Poll, IdlePolicy::HALT_POLL] {
-        let s = Scheduler::new(
-            &CpuPlan {
-                cores: vec![Some(1)],
-                policy,
-            },
-            Some(Duration::from_millis(1)),
-        )
-        .expect("scheduler");
+        let s = sampled_pcpu(policy);
         let stop = Arc::new(AtomicBool::new(false));
         let mk = |us| Burn {
             us,
@@ -87,14 +80,7 @@ fn main() {
 /// An idle pCPU: its thread's CPU time, all in the idle loop, and the samples that see it.
 fn idle_only() {
     for policy in [IdlePolicy::Poll, IdlePolicy::HALT_POLL] {
-        let s = Scheduler::new(
-            &CpuPlan {
-                cores: vec![Some(1)],
-                policy,
-            },
-            Some(Duration::from_millis(1)),
-        )
-        .expect("scheduler");
+        let s = sampled_pcpu(policy);
         std::thread::sleep(Duration::from_secs(1));
         let r = &s.reports()[0];
         println!(
@@ -102,4 +88,16 @@ fn idle_only() {
             r.cpu, r.samples, r.idle
         );
     }
+}
+
+/// One pCPU on core 1 that samples every millisecond.
+fn sampled_pcpu(policy: IdlePolicy) -> Arc<Scheduler> {
+    Scheduler::new(
+        &CpuPlan {
+            cores: vec![Some(1)],
+            policy,
+        },
+        Some(Duration::from_millis(1)),
+    )
+    .expect("scheduler")
 }

@@ -230,7 +230,8 @@ struct PcpuStats {
     sleeps: AtomicU64,
     /// Wake-ups that found it asleep (the host had to wake it).
     host_wakes: AtomicU64,
-    /// Wake-ups sent to it (IPI word writes).
+    /// Units it found woken in its IPI word (wake-ups of one unit before the pCPU looked
+    /// count once).
     ipis: AtomicU64,
     /// The thread's CPU time, as it last read its clock (on its way into the idle loop).
     cpu_ns: AtomicU64,
@@ -255,7 +256,8 @@ pub struct PcpuReport {
     pub sleeps: u64,
     /// Wake-ups that had to wake it in the host.
     pub host_wakes: u64,
-    /// Wake-ups sent to it.
+    /// Units it found woken in its IPI word (several wake-ups of a unit before it looked
+    /// count once).
     pub ipis: u64,
     /// Time the host kept its thread off the core while it meant to run: the wall time
     /// since the stats were reset, less its thread's CPU time and its sleeps.
@@ -350,7 +352,6 @@ impl Waker {
         let p = &*self.pcpu;
         let (w, b) = (self.slot as usize / 64, self.slot % 64);
         p.ipi[w].fetch_or(1 << b, Ordering::SeqCst);
-        p.stats.ipis.fetch_add(1, Ordering::Relaxed);
         // Pairs with the idle loop's store of `sleeping` and its look at the word.
         if p.sleeping.load(Ordering::SeqCst) {
             p.stats.host_wakes.fetch_add(1, Ordering::Relaxed);
@@ -943,6 +944,10 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             if p.ipi[w].load(Ordering::Relaxed) != 0 {
                 let mut bits = p.ipi[w].swap(0, Ordering::SeqCst);
                 t.runnable[w] |= bits;
+                // Counted here, by the pCPU, not by each waker on a line they share.
+                p.stats
+                    .ipis
+                    .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
                 while bits != 0 {
                     let i = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
