@@ -1184,6 +1184,14 @@ fn idle(p: &PcpuShared, until: Option<Instant>, clock: Option<ThreadClock>, cpu_
         p.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         if !any_ipi(p, Ordering::SeqCst) && !p.stop.load(Ordering::SeqCst) {
+            // The thread's CPU clock as it goes to sleep (one more system call beside the
+            // sleep's own): the time it then sleeps is not the host's, and a report taken
+            // meanwhile sees the CPU it used up to here.
+            if let Some(c) = clock.and_then(|c| c.read()) {
+                p.stats
+                    .cpu_ns
+                    .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
+            }
             let t0 = Instant::now();
             match until {
                 None => std::thread::park(),

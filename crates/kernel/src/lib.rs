@@ -13,8 +13,9 @@
 //!   network namespace is the guest's stack (`pvio up`);
 //! * [`hostile`]: a guest that writes garbage into its vif's rings (the soak).
 //!
-//! [`vcpu::run`] is the idle loop every kernel shares: take interrupts or events, run
-//! the timer, poll, and halt or block when a poll found nothing. [`machine`] turns a
+//! [`vcpu::KernelUnit`] is the loop every kernel shares, one pass a step on its pCPU:
+//! take interrupts or events, run the timer, poll, and halt or block when a poll found
+//! nothing. [`machine`] turns a
 //! [`machine::MachineSpec`] (domains, cores, the NIC, switches) into a running
 //! [`machine::Machine`]; every experiment, `pvio up` and the tests build machines with it.
 
