@@ -528,7 +528,7 @@ fn layout_cores(layout: &Layout) -> Vec<usize> {
             let c = config.cores;
             let mut v = guests(g.iter().map(|g| g.core).collect());
             v.extend(
-                [c.egress, c.ingress, c.sidecore]
+                [c.egress, c.ingress, c.sidecore, c.block]
                     .into_iter()
                     .flatten()
                     .map(core),
@@ -565,21 +565,9 @@ impl Machine {
             pcpu_cores.sort_unstable();
         }
         let device_pcpu = pcpu_cores.iter().position(|&c| c == dev_core).unwrap_or(0);
-        // The SV-NIC's block service still runs on a thread of its own, on the same
-        // cores: pCPUs that spin would starve it, so a machine with one halt-polls.
-        let svnic_block = match &spec.layout {
-            Layout::Svnic { guests, .. } => guests
-                .iter()
-                .any(|g| matches!(g.app, crate::svnic_guest::SvnicApp::Block(_))),
-            _ => false,
-        };
-        let policy = match spec.idle {
-            IdlePolicy::Poll if svnic_block => IdlePolicy::HALT_POLL,
-            p => p,
-        };
         let plan = CpuPlan {
             cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
-            policy,
+            policy: spec.idle,
         };
         let sched = Scheduler::new(&plan, spec.sample).map_err(other)?;
         let mut m = Machine {
@@ -941,12 +929,7 @@ impl Machine {
         let ctl = mk(&hv, "controller", false, 4)?;
         // The engines and the sidecore are units on the pCPUs of their cores (those it
         // leaves unnamed on the device pCPU).
-        let cores = self.pcpu_cores.clone();
-        let device_pcpu = self.device_pcpu;
-        let pcpu_of = move |c: Option<usize>| {
-            c.and_then(|c| cores.iter().position(|&x| x == core(c)))
-                .unwrap_or(device_pcpu)
-        };
+        let pcpu_of = |c: Option<usize>| self.pcpu_of_core(c);
         let mut svnic = Svnic::start_on(
             &hv,
             Some(&ctl),
@@ -1033,15 +1016,16 @@ impl Machine {
             }
             let front = VifFront::new(region.device_pages(&device).map_err(other)?)
                 .with_doorbell(svnic.doorbell());
-            let engine = dev::svnic::block::BlockEngine::start(dev::svnic::block::BlockService {
+            let svc = dev::svnic::block::BlockService {
                 vbds,
                 front,
                 rx_gfns: region.gfns[2 + BUF_PAGES..].to_vec(),
                 device: Arc::clone(&device),
-                core: config.cores.block,
                 idle: config.idle,
-            })
-            .map_err(other)?;
+            };
+            let pcpu = self.pcpu_of_core(config.cores.block);
+            let engine = dev::svnic::block::BlockEngine::start_on(svc, &self.sched, pcpu)
+                .map_err(other)?;
             self.block_engine = Some(engine);
         }
         self.svnic = Some((svnic, device.id()));
@@ -1278,6 +1262,13 @@ impl Machine {
         self.device_pcpu
     }
 
+    /// The pCPU on core `c` (as the layout names it), or the device pCPU when it names
+    /// none.
+    fn pcpu_of_core(&self, c: Option<usize>) -> usize {
+        c.and_then(|c| self.pcpu_cores.iter().position(|&x| x == core(c)))
+            .unwrap_or(self.device_pcpu)
+    }
+
     /// The pCPUs the machine's vCPUs run on.
     pub fn scheduler(&self) -> &Arc<Scheduler> {
         &self.sched
@@ -1438,6 +1429,7 @@ impl Machine {
 impl Drop for Machine {
     fn drop(&mut self) {
         drop(self.nic.take());
+        drop(self.block_engine.take());
         drop(self.svnic.take());
         let _ = self.halt();
     }

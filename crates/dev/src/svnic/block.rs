@@ -2,7 +2,7 @@
 //! block device's local back end running on the device's own cores, the paper's
 //! device-centric design.
 //!
-//! A block engine (one more device thread) serves each guest's blkif ring and turns
+//! A block engine (one more device engine, a unit on the device's pCPU) serves each guest's blkif ring and turns
 //! its requests into ATA-over-Ethernet frames ([`blk::remote::RemoteVbd`]), with the
 //! device's memory domain as the one that maps the guests' grants (the hypervisor puts
 //! each mapping in the device's IOMMU context, so the device reaches exactly the pages
@@ -16,13 +16,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use blk::aoe::HEAD;
 use blk::blkback::FrameAt;
 use blk::initiator::Initiator;
 use blk::remote::RemoteVbd;
+use hv::sched::{Cx, SchedError, Scheduler, Step, Unit, UnitJoin, UnitSpec};
 use hv::{Domain, Gfn, OwnPage};
 use mem::PageAccess;
 
@@ -69,32 +69,35 @@ pub struct BlockService {
     pub rx_gfns: Vec<Gfn>,
     /// The device's memory domain (the receive pages are its own).
     pub device: Arc<Domain>,
-    /// The engine's core.
-    pub core: Option<usize>,
     /// Whether it polls on or sleeps when idle.
     pub idle: Idle,
 }
 
-/// The running block engine.
+/// The running block engine: a unit on one of the machine's pCPUs.
 #[derive(Debug)]
 pub struct BlockEngine {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Vec<RemoteVbd>>>,
+    unit: Option<UnitJoin<Vec<RemoteVbd>>>,
     stats: Arc<BlockEngineStats>,
 }
 
 impl BlockEngine {
-    /// Starts the engine's thread.
-    pub fn start(svc: BlockService) -> std::io::Result<Self> {
+    /// Places the engine on pCPU `pcpu` of `sched`.
+    pub fn start_on(svc: BlockService, sched: &Scheduler, pcpu: usize) -> Result<Self, SchedError> {
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(BlockEngineStats::default());
-        let (st, sp) = (Arc::clone(&stats), Arc::clone(&stop));
-        let thread = std::thread::Builder::new()
-            .name("svnic-block".into())
-            .spawn(move || run(svc, &sp, &st))?;
+        // No signals: the engine polls its queue pair.
+        let _ = svc.front.set_rx_signal(false);
+        let engine = Engine {
+            svc,
+            stop: Arc::clone(&stop),
+            stats: Arc::clone(&stats),
+            head: vec![0u8; HEAD].into_boxed_slice(),
+        };
+        let unit = sched.place(pcpu, UnitSpec::named("svnic-block"), engine)?;
         Ok(Self {
             stop,
-            thread: Some(thread),
+            unit: Some(unit),
             stats,
         })
     }
@@ -104,47 +107,78 @@ impl BlockEngine {
         &self.stats
     }
 
-    /// Stops the thread and gives back its devices (for their counters and teardown).
+    /// Stops the engine and gives back its devices (for their counters and teardown).
     pub fn stop(mut self) -> Vec<RemoteVbd> {
+        self.finish().unwrap_or_default()
+    }
+
+    fn finish(&mut self) -> Option<Vec<RemoteVbd>> {
         self.stop.store(true, Ordering::Release);
-        self.thread
-            .take()
-            .and_then(|t| t.join().ok())
-            .unwrap_or_default()
+        let u = self.unit.take()?;
+        u.wake();
+        u.join().ok()
     }
 }
 
 impl Drop for BlockEngine {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let _ = self.finish();
+    }
+}
+
+/// The engine as a unit.
+struct Engine {
+    svc: BlockService,
+    stop: Arc<AtomicBool>,
+    stats: Arc<BlockEngineStats>,
+    /// Room for a frame's headers, copied out of device memory before they are judged.
+    head: Box<[u8]>,
+}
+
+impl Unit for Engine {
+    type Output = Vec<RemoteVbd>;
+
+    /// Frames from the wire to their devices, each device's ring served and its frames
+    /// sent. A step that finds nothing yields (polling, as the device's other engines
+    /// do) or, when the device sleeps, idles until the next deadline of its
+    /// initiators, a millisecond at most: no doorbell reaches this engine yet.
+    fn step(&mut self, cx: &Cx) -> Step<Vec<RemoteVbd>> {
+        if self.stop.load(Ordering::Acquire) {
+            return Step::Done(std::mem::take(&mut self.svc.vbds));
+        }
+        let now = cx.now;
+        let work = self.receive(now) + self.serve(now);
+        if work > 0 {
+            self.stats.busy_steps.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .busy_ns
+                .fetch_add(now.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            return Step::More;
+        }
+        match self.svc.idle {
+            Idle::Poll => Step::Yield,
+            Idle::Block { .. } => {
+                let nap = now + Duration::from_millis(1);
+                let due = self.svc.vbds.iter().filter_map(|v| v.next_due()).min();
+                Step::Idle(Some(due.map_or(nap, |d| d.min(nap))))
+            }
         }
     }
 }
 
-/// The engine's loop: frames from the wire to their devices, each device's ring
-/// served and its frames sent; when a step finds nothing, yield (polling) or nap until
-/// the next deadline (sleeping).
-fn run(mut svc: BlockService, stop: &AtomicBool, stats: &BlockEngineStats) -> Vec<RemoteVbd> {
-    if let Some(c) = svc.core {
-        let _ = mem::cpu::pin_current_thread(c);
-    }
-    // No signals: the engine polls its queue pair.
-    let _ = svc.front.set_rx_signal(false);
-    let mut head = vec![0u8; HEAD].into_boxed_slice();
-    while !stop.load(Ordering::Acquire) {
-        let now = Instant::now();
-        let mut work = 0usize;
-        // Answers from the wire, each judged and placed while its slot is still the
-        // engine's (it goes back to the ingress contexts when `recv_at` returns).
+impl Engine {
+    /// Answers from the wire, each judged and placed while its slot is still the
+    /// engine's (it goes back to the ingress contexts when `recv_at` returns).
+    fn receive(&mut self, now: Instant) -> usize {
+        let mut work = 0;
+        let (stats, head) = (&self.stats, &mut self.head);
+        let BlockService {
+            vbds,
+            front,
+            rx_gfns,
+            ..
+        } = &mut self.svc;
         loop {
-            let BlockService {
-                vbds,
-                front,
-                rx_gfns,
-                ..
-            } = &mut svc;
             let got = front.recv_at(|p: &OwnPage, page, offset, len| {
                 let n = len.min(head.len());
                 p.read(offset, &mut head[..n])?;
@@ -166,16 +200,22 @@ fn run(mut svc: BlockService, stop: &AtomicBool, stats: &BlockEngineStats) -> Ve
                         stats.unclaimed.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                Ok(None) => break,
+                Ok(None) => return work,
                 Err(_) => {
                     stats.unclaimed.fetch_add(1, Ordering::Relaxed);
-                    break;
+                    return work;
                 }
             }
         }
-        for v in svc.vbds.iter_mut() {
+    }
+
+    /// Each device's ring served and its frames (requests, retransmissions) sent.
+    fn serve(&mut self, now: Instant) -> usize {
+        let mut work = 0;
+        let stats = &self.stats;
+        for v in self.svc.vbds.iter_mut() {
             work += v.serve();
-            let front = &mut svc.front;
+            let front = &mut self.svc.front;
             work += v.poll(now, |f| {
                 if front.send(f).is_ok() {
                     stats.frames_out.fetch_add(1, Ordering::Relaxed);
@@ -186,28 +226,6 @@ fn run(mut svc: BlockService, stop: &AtomicBool, stats: &BlockEngineStats) -> Ve
                 }
             });
         }
-        if work > 0 {
-            stats.busy_steps.fetch_add(1, Ordering::Relaxed);
-            stats
-                .busy_ns
-                .fetch_add(now.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            continue;
-        }
-        match svc.idle {
-            Idle::Poll => std::thread::yield_now(),
-            Idle::Block { .. } => {
-                // No doorbell reaches this engine yet: it naps to the next deadline,
-                // a millisecond at most.
-                let nap = svc.vbds.iter().filter_map(|v| v.next_due()).min().map_or(
-                    std::time::Duration::from_millis(1),
-                    |d| {
-                        d.saturating_duration_since(Instant::now())
-                            .min(std::time::Duration::from_millis(1))
-                    },
-                );
-                std::thread::park_timeout(nap);
-            }
-        }
+        work
     }
-    std::mem::take(&mut svc.vbds)
 }
