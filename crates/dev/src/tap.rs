@@ -1,19 +1,25 @@
-//! Real interfaces on either end of the platform: a Linux TAP device whose frames a
-//! reader thread takes in, and which frames are written out to.
+//! Real interfaces on either end of the platform: a Linux TAP device whose frames are
+//! read in, and which frames are written out to.
 //!
 //! `pvio up` puts the NIC model's cable on one TAP (its far end in the "outside"
 //! network namespace) and hands a guest's received frames to another (in the guest's
-//! namespace, whose Linux stack plays the guest's network stack). The reader thread is
-//! the outside world: it blocks in `read`, queues the frame in a buffer from a fixed
-//! set, and wakes whoever consumes it (the device thread, or the guest's vCPU).
+//! namespace, whose Linux stack plays the guest's network stack). The frames' consumer
+//! (the NIC's engine, or the guest's vCPU) reads them itself, without waiting, in its
+//! step on its pCPU, and the interface is its interrupt line ([`IrqLine`]): the pCPU
+//! looks at it while it spins and sleeps on it, and wakes the consumer when input
+//! waits, one host wake-up at most where a reader thread cost one for itself and one for
+//! the consumer. A consumer that takes no more leaves the frames in the interface's own
+//! queue, and the sender's stack (its qdisc, TCP) slows down, as with a real NIC's full
+//! ring.
 
 use std::fs::File;
 use std::io::{IoSlice, Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, OnceLock};
-use std::thread::JoinHandle;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use hv::sched::IrqLine;
 
 use mem::tap::TapOffload;
 use net::offload::{Offload, VnetHdr, MAX_HEADERS, MAX_OFFLOAD_LEN, VNET_HDR_LEN};
@@ -21,18 +27,10 @@ use net::offload::{Offload, VnetHdr, MAX_HEADERS, MAX_OFFLOAD_LEN, VNET_HDR_LEN}
 use crate::capture::{CaptureFile, CaptureTap};
 use crate::wire::{WireSink, WireSource};
 
-/// Frames queued between the reader and the consumer; beyond that the reader waits.
-pub const TAP_QUEUE: usize = 256;
-/// Frames queued on a TAP with offloads, whose buffers hold 64 KiB each: as many bytes
-/// as a plain TAP's queue of full frames, four times over.
-pub const TAP_QUEUE_OFFLOAD: usize = 32;
 /// Bytes per frame buffer: a 1500-byte MTU frame and its Ethernet header fit.
 const FRAME_BUF: usize = 2048;
 /// Bytes per frame buffer with offloads: the virtio-net header and a 64 KiB packet.
 const OFFLOAD_BUF: usize = VNET_HDR_LEN + MAX_OFFLOAD_LEN;
-
-/// A frame read from the interface: its buffer, its length, and its offload.
-type Queued = (Vec<u8>, usize, Offload);
 
 /// A TAP port's counters.
 #[derive(Debug, Default)]
@@ -57,8 +55,6 @@ pub struct TapCounters {
     /// Large (GSO) frames written.
     pub gso_out: AtomicU64,
 }
-
-type Wake = Box<dyn Fn() + Send + Sync>;
 
 /// One frame, one `write` (with offloads, one `writev` of the virtio-net header and
 /// the frame): a TAP takes a frame whole or not at all, so a short write is an error
@@ -129,23 +125,41 @@ impl TapCounters {
     pub const DROPS: &'static [&'static str] = &["oversize_in", "write_errors", "bad_offload_in"];
 }
 
-/// One TAP interface: frames in through a reader thread, frames out by `write`.
+/// One TAP interface: frames in by non-blocking `read`s in its consumer's step, frames
+/// out by `write`.
 pub struct TapPort {
+    /// The interface as the consumer's interrupt line: dropped before the file, so
+    /// that it is off its pCPU before the descriptor closes.
+    line: Option<IrqLine>,
     out: File,
     /// Frames carry a virtio-net header.
     vnet: bool,
-    rx: Receiver<Queued>,
-    free: SyncSender<Vec<u8>>,
-    queued: Arc<AtomicUsize>,
-    wake: Arc<OnceLock<Wake>>,
-    stop: Arc<AtomicBool>,
-    reader: Option<JoinHandle<()>>,
+    /// The one frame buffer: a frame is read into it and handed on from it.
+    buf: Box<[u8]>,
+    /// A frame the consumer refused, still in `buf`: its length and offload.
+    held: Option<(usize, Offload)>,
+    /// The last `recv` stopped at its budget with input perhaps still waiting.
+    more: bool,
+    /// What wakes the device whose wire source this is, once it runs as a unit.
+    doze: Option<Arc<crate::wire::Doze>>,
     counters: Arc<TapCounters>,
-    /// A frame the consumer refused, first in line.
-    held: Option<Queued>,
     /// Packet capture: of the frames read from the interface as they are handed on,
     /// of those written to it, and one for the sink (`sink`) to take.
     capture: Option<Captures>,
+}
+
+/// Frames one `recv` reads at most before it lets its consumer's step end (NAPI's
+/// budget): a flood on the interface cannot hold the pCPU.
+pub const RECV_BUDGET: usize = 64;
+
+/// What one `read` of the interface gave.
+enum Got {
+    /// A frame of this length (header included) with this offload, in the buffer.
+    Frame(usize, Offload),
+    /// Something read and dropped (counted), or an interrupted read: read on.
+    Skip,
+    /// Nothing waits.
+    Empty,
 }
 
 /// A port's capture taps.
@@ -159,138 +173,91 @@ struct Captures {
 impl std::fmt::Debug for TapPort {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TapPort")
-            .field("queued", &self.queued.load(Ordering::Relaxed))
+            .field("held", &self.held.is_some())
             .field("counters", &self.counters)
             .finish()
     }
 }
 
 impl TapPort {
-    /// Starts the reader on `file` (an open TAP without offloads). Buffers are
-    /// allocated here, once.
+    /// Takes `file` (an open TAP without offloads) as a port. Its buffer is allocated
+    /// here, once.
     pub fn start(file: File) -> std::io::Result<Self> {
         Self::start_with(file, TapOffload::None)
     }
 
-    /// Starts the reader on `file`, a TAP opened with offloads `off`
-    /// ([`mem::tap::open_tap_offload`]): unless `None`, frames are read and written
-    /// behind a virtio-net header, whose metadata is checked against each frame read.
+    /// Takes `file`, a TAP opened with offloads `off` ([`mem::tap::open_tap_offload`]),
+    /// as a port: unless `None`, frames are read and written behind a virtio-net
+    /// header, whose metadata is checked against each frame read. Reads no longer wait
+    /// (for every handle of the file): its consumer reads in its own step, and the
+    /// interface is its interrupt line ([`TapPort::bind_unit`]).
     pub fn start_with(file: File, off: TapOffload) -> std::io::Result<Self> {
         let vnet = off != TapOffload::None;
-        let (queue, size) = if vnet {
-            (TAP_QUEUE_OFFLOAD, OFFLOAD_BUF)
-        } else {
-            (TAP_QUEUE, FRAME_BUF)
-        };
-        let mut input = file.try_clone()?;
-        let (tx, rx) = sync_channel::<Queued>(queue);
-        let (free, free_rx) = sync_channel::<Vec<u8>>(queue);
-        let free_again = free.clone();
-        for _ in 0..queue {
-            let _ = free.try_send(vec![0u8; size]);
-        }
-        let queued = Arc::new(AtomicUsize::new(0));
-        let wake: Arc<OnceLock<Wake>> = Arc::new(OnceLock::new());
-        let stop = Arc::new(AtomicBool::new(false));
-        let counters = Arc::new(TapCounters::default());
-        let (q, w, s, c) = (
-            Arc::clone(&queued),
-            Arc::clone(&wake),
-            Arc::clone(&stop),
-            Arc::clone(&counters),
-        );
-        let reader = std::thread::Builder::new()
-            .name("tap-reader".into())
-            .spawn(move || {
-                // Back-pressure, not loss: with every buffer queued the reader stops
-                // reading, the interface's own queue fills, and the sender's stack
-                // (its qdisc, TCP) slows down, as with a real NIC's full TX ring.
-                'frames: while !s.load(Ordering::Acquire) {
-                    let mut buf = match free_rx.recv_timeout(Duration::from_millis(50)) {
-                        Ok(b) => b,
-                        Err(RecvTimeoutError::Timeout) => continue,
-                        Err(RecvTimeoutError::Disconnected) => break,
-                    };
-                    match mem::tap::wait_readable(&input, Duration::from_millis(50)) {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            let _ = free_again.try_send(buf);
-                            continue;
-                        }
-                        Err(_) => break,
-                    }
-                    let n = match input.read(&mut buf) {
-                        Ok(n) => n,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
-                        Err(_) => break,
-                    };
-                    let hdr = if vnet { VNET_HDR_LEN } else { 0 };
-                    if n <= hdr || n >= size {
-                        if n >= size {
-                            c.oversize_in.fetch_add(1, Ordering::Relaxed);
-                        }
-                        let _ = free_again.try_send(buf);
-                        continue;
-                    }
-                    // The header is the kernel's, but the frame behind it came from
-                    // outside: what it claims is checked against the frame.
-                    let off = if vnet {
-                        let mut h = [0u8; VNET_HDR_LEN];
-                        h.copy_from_slice(&buf[..VNET_HDR_LEN]);
-                        let frame = &buf[hdr..n];
-                        match VnetHdr::parse(&h)
-                            .to_offload(&frame[..frame.len().min(MAX_HEADERS)], frame.len())
-                        {
-                            Ok(o) => o,
-                            Err(_) => {
-                                c.bad_offload_in.fetch_add(1, Ordering::Relaxed);
-                                let _ = free_again.try_send(buf);
-                                continue;
-                            }
-                        }
-                    } else {
-                        Offload::NONE
-                    };
-                    if off.gso.is_some() {
-                        c.gso_in.fetch_add(1, Ordering::Relaxed);
-                    }
-                    c.bytes_in.fetch_add((n - hdr) as u64, Ordering::Relaxed);
-                    // Counted before it is visible: the consumer may see the frame
-                    // before `try_send` returns.
-                    q.fetch_add(1, Ordering::Release);
-                    let mut item = (buf, n, off);
-                    loop {
-                        match tx.try_send(item) {
-                            Ok(()) => break,
-                            Err(TrySendError::Full(b)) => {
-                                if s.load(Ordering::Acquire) {
-                                    break 'frames;
-                                }
-                                item = b;
-                                std::thread::sleep(Duration::from_micros(50));
-                            }
-                            Err(TrySendError::Disconnected(_)) => break 'frames,
-                        }
-                    }
-                    c.frames_in.fetch_add(1, Ordering::Relaxed);
-                    if let Some(w) = w.get() {
-                        w();
-                    }
-                }
-            })?;
+        let size = if vnet { OFFLOAD_BUF } else { FRAME_BUF };
+        mem::poll::set_nonblocking(&file)?;
         Ok(Self {
+            line: None,
             out: file,
             vnet,
-            rx,
-            free,
-            queued,
-            wake,
-            stop,
-            reader: Some(reader),
-            counters,
+            buf: vec![0u8; size].into_boxed_slice(),
             held: None,
+            more: false,
+            doze: None,
+            counters: Arc::new(TapCounters::default()),
             capture: None,
         })
+    }
+
+    /// The unit that consumes the port's frames: input on the interface wakes it.
+    pub fn bind_unit(&mut self, waker: &hv::sched::Waker) {
+        if self.line.is_none() {
+            self.line = waker.irq_line(self.out.as_raw_fd()).ok();
+            if let Some(l) = &self.line {
+                l.arm();
+            }
+        }
+    }
+
+    /// Reads one frame into the buffer and judges it: the header is the kernel's, but
+    /// the frame behind it came from outside, so what it claims is checked against the
+    /// frame.
+    fn read_one(&mut self) -> Got {
+        let c = &self.counters;
+        let n = match (&self.out).read(&mut self.buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Got::Skip,
+            // Would block, or the interface went away: nothing to read either way.
+            Err(_) => return Got::Empty,
+        };
+        let size = self.buf.len();
+        let hdr = if self.vnet { VNET_HDR_LEN } else { 0 };
+        if n <= hdr || n >= size {
+            if n >= size {
+                c.oversize_in.fetch_add(1, Ordering::Relaxed);
+            }
+            return Got::Skip;
+        }
+        let off = if self.vnet {
+            let mut h = [0u8; VNET_HDR_LEN];
+            h.copy_from_slice(&self.buf[..VNET_HDR_LEN]);
+            let frame = &self.buf[hdr..n];
+            match VnetHdr::parse(&h).to_offload(&frame[..frame.len().min(MAX_HEADERS)], frame.len())
+            {
+                Ok(o) => o,
+                Err(_) => {
+                    c.bad_offload_in.fetch_add(1, Ordering::Relaxed);
+                    return Got::Skip;
+                }
+            }
+        } else {
+            Offload::NONE
+        };
+        if off.gso.is_some() {
+            c.gso_in.fetch_add(1, Ordering::Relaxed);
+        }
+        c.bytes_in.fetch_add((n - hdr) as u64, Ordering::Relaxed);
+        c.frames_in.fetch_add(1, Ordering::Relaxed);
+        Got::Frame(n, off)
     }
 
     /// Captures every frame that crosses this interface from now on, both ways, into
@@ -303,35 +270,52 @@ impl TapPort {
         });
     }
 
-    /// Who the reader wakes when a frame is queued (set once).
-    pub fn set_wake(&self, wake: impl Fn() + Send + Sync + 'static) {
-        let _ = self.wake.set(Box::new(wake));
-    }
-
-    /// Whether frames wait.
+    /// Whether a frame waits that the last `recv` did not hand on (a port not yet
+    /// bound to a unit looks at the interface itself).
     pub fn ready(&self) -> bool {
-        self.queued.load(Ordering::Acquire) > 0
+        self.held.is_some()
+            || self.more
+            || (self.line.is_none()
+                && mem::tap::wait_readable(&self.out, Duration::ZERO).unwrap_or(false))
     }
 
-    /// Hands queued frames and their offload to `f` in order, recycling each buffer,
-    /// until `f` refuses one (returns false): that frame stays first in line for the
-    /// next call. Returns how many were taken.
+    /// Hands frames read from the interface, with their offload, to `f` in order,
+    /// until `f` refuses one (returns false: that frame stays first in line for the
+    /// next call), nothing waits (the line is armed), or [`RECV_BUDGET`] frames went.
+    /// Returns how many were taken.
     pub fn recv(&mut self, mut f: impl FnMut(&[u8], Offload) -> bool) -> usize {
-        let mut n = 0;
+        if self.line.is_none() {
+            if let Some(w) = self.doze.as_ref().and_then(|d| d.unit()) {
+                self.bind_unit(&w);
+            }
+        }
         let hdr = if self.vnet { VNET_HDR_LEN } else { 0 };
-        while let Some(item) = self.held.take().or_else(|| self.rx.try_recv().ok()) {
-            let (buf, len, off) = item;
-            if !f(&buf[hdr..len], off) {
-                self.held = Some((buf, len, off));
-                break;
+        let mut n = 0;
+        self.more = false;
+        while n < RECV_BUDGET {
+            let (len, off) = match self.held.take() {
+                Some(h) => h,
+                None => match self.read_one() {
+                    Got::Frame(len, off) => (len, off),
+                    Got::Skip => continue,
+                    Got::Empty => {
+                        if let Some(l) = &self.line {
+                            l.arm();
+                        }
+                        return n;
+                    }
+                },
+            };
+            if !f(&self.buf[hdr..len], off) {
+                self.held = Some((len, off));
+                return n;
             }
             if let Some(c) = &self.capture {
-                c.taken.frame(&buf[hdr..len]);
+                c.taken.frame(&self.buf[hdr..len]);
             }
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            let _ = self.free.try_send(buf);
             n += 1;
         }
+        self.more = true;
         n
     }
 
@@ -364,15 +348,6 @@ impl TapPort {
     /// The counters.
     pub fn counters(&self) -> &Arc<TapCounters> {
         &self.counters
-    }
-}
-
-impl Drop for TapPort {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
     }
 }
 
@@ -411,8 +386,7 @@ impl WireSource for TapPort {
         TapPort::ready(self)
     }
     fn attach(&mut self, wake: &Arc<crate::wire::Doze>) {
-        let r = Arc::clone(wake);
-        self.set_wake(move || r.wake());
+        self.doze = Some(Arc::clone(wake));
     }
 }
 

@@ -39,6 +39,11 @@ impl Doze {
         let _ = self.unit.set(w.clone());
     }
 
+    /// The engine's unit, once it runs as one.
+    pub fn unit(&self) -> Option<hv::sched::Waker> {
+        self.unit.get().cloned()
+    }
+
     /// Wakes the engine whatever it is doing (to stop it, or to have it look at
     /// requests).
     pub fn kick(&self) {

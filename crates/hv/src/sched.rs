@@ -28,9 +28,10 @@
 //! core, which takes the pCPU's other units over; the hung unit goes back to the pCPU
 //! when its step returns.
 
+use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -237,6 +238,12 @@ struct PcpuStats {
     cpu_ns: AtomicU64,
     longest_step_ns: AtomicU64,
     rescues: AtomicU64,
+    /// Interrupt lines it saw input on and fired.
+    line_fires: AtomicU64,
+    /// The longest gap between two looks of its spinning idle loop (a few ns apart when
+    /// the thread has its core): the longest time the host took the core from it while
+    /// it was idle.
+    longest_away_ns: AtomicU64,
 }
 
 /// A snapshot of one pCPU's accounting.
@@ -274,6 +281,11 @@ pub struct PcpuReport {
     /// Profiler samples taken while no unit with samples of its own ran (the idle loop,
     /// the scheduler, device engines).
     pub samples: u64,
+    /// Interrupt lines from the host ([`IrqLine`]) it saw input on and fired.
+    pub line_fires: u64,
+    /// The longest the host kept its idle loop off the core at one time (a step's
+    /// such gaps show in `longest_step`).
+    pub longest_away: Duration,
 }
 
 type Slot = Option<Box<dyn Erased>>;
@@ -324,6 +336,150 @@ pub(crate) struct PcpuShared {
     /// Where samples go while no unit with a slot of its own runs.
     own: Arc<SampleSlot>,
     window_start: Mutex<(Instant, Duration)>,
+    /// The host descriptors its units wait on ([`Waker::irq_line`]); bumped `lines_at`
+    /// tells the thread to take a fresh copy.
+    lines: Mutex<Vec<Arc<LineInner>>>,
+    lines_at: AtomicU64,
+    /// What a waker signals while the thread sleeps in `ppoll` on its lines.
+    doorbell: OnceLock<mem::poll::EventFd>,
+}
+
+/// A host descriptor a unit waits on: when it has input and the unit armed it, the
+/// pCPU wakes the unit as an IPI would.
+#[derive(Debug)]
+struct LineInner {
+    fd: RawFd,
+    slot: u16,
+    armed: AtomicBool,
+}
+
+/// A unit's interrupt line from the host (a TAP's queue): the pCPU looks at it while
+/// it spins (at most every [`LINE_LOOK_IDLE`]; [`LINE_LOOK_BUSY`] while its units run)
+/// and sleeps on it, and wakes the unit once input waits, if the unit armed it. A line
+/// fires once per arming (as `EPOLLONESHOT`): a unit that stops reading (its consumer
+/// is full) leaves it unarmed and is not woken over and over by input it will not take.
+/// Dropping the line takes it off the pCPU; drop it before closing the descriptor.
+#[derive(Debug)]
+pub struct IrqLine {
+    inner: Arc<LineInner>,
+    pcpu: Arc<PcpuShared>,
+}
+
+impl IrqLine {
+    /// The unit found the descriptor empty: wake it when input comes.
+    pub fn arm(&self) {
+        self.inner.armed.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for IrqLine {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.pcpu.lines.lock() {
+            l.retain(|x| !Arc::ptr_eq(x, &self.inner));
+        }
+        self.pcpu.lines_at.fetch_add(1, Ordering::SeqCst);
+        self.pcpu.ring_doorbell();
+    }
+}
+
+/// How often a spinning pCPU looks at its armed lines (a `ppoll` with no timeout):
+/// the most an input waits to be seen while the pCPU is idle.
+pub const LINE_LOOK_IDLE: Duration = Duration::from_micros(5);
+/// How often it looks between its units' steps while they have work.
+pub const LINE_LOOK_BUSY: Duration = Duration::from_micros(20);
+
+impl PcpuShared {
+    /// Wakes the thread if it sleeps in `ppoll` on its lines.
+    fn ring_doorbell(&self) {
+        if let Some(d) = self.doorbell.get() {
+            d.signal();
+        }
+    }
+}
+
+/// The pCPU thread's copy of its lines, and when it last looked at them.
+struct Lines {
+    at: u64,
+    lines: Vec<Arc<LineInner>>,
+    fds: Vec<mem::poll::PollFd>,
+    /// Index into `fds` of each line polled (the doorbell, when present, is first).
+    polled: Vec<usize>,
+    last_look: Instant,
+}
+
+impl Lines {
+    fn new() -> Self {
+        Self {
+            at: u64::MAX,
+            lines: Vec::new(),
+            fds: Vec::new(),
+            polled: Vec::new(),
+            last_look: Instant::now(),
+        }
+    }
+
+    /// Takes a fresh copy of the pCPU's lines if they changed.
+    fn refresh(&mut self, p: &PcpuShared) {
+        let at = p.lines_at.load(Ordering::Acquire);
+        if at != self.at {
+            self.at = at;
+            self.lines = p.lines.lock().map(|l| l.clone()).unwrap_or_default();
+        }
+    }
+
+    /// Whether the pCPU has lines at all (then it sleeps in `ppoll`).
+    fn any(&self) -> bool {
+        !self.lines.is_empty()
+    }
+
+    /// Builds the poll set: the doorbell (if `doorbell`) and every armed line.
+    fn build(&mut self, doorbell: Option<RawFd>) {
+        self.fds.clear();
+        self.polled.clear();
+        if let Some(d) = doorbell {
+            self.fds.push(mem::poll::PollFd::readable(d));
+        }
+        for (i, l) in self.lines.iter().enumerate() {
+            if l.armed.load(Ordering::Acquire) {
+                self.polled.push(i);
+                self.fds.push(mem::poll::PollFd::readable(l.fd));
+            }
+        }
+    }
+
+    /// Fires every polled line that is ready: disarmed, its unit's IPI bit set.
+    /// Returns how many fired.
+    fn fire(&mut self, p: &PcpuShared, first: usize) -> usize {
+        let mut n = 0;
+        for (k, &i) in self.polled.iter().enumerate() {
+            if self.fds[first + k].ready() {
+                let l = &self.lines[i];
+                if l.armed.swap(false, Ordering::AcqRel) {
+                    let s = l.slot as usize;
+                    p.ipi[s / 64].fetch_or(1 << (s % 64), Ordering::SeqCst);
+                    p.stats.line_fires.fetch_add(1, Ordering::Relaxed);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// Looks at the armed lines without waiting, at most every `every`.
+    fn look(&mut self, p: &PcpuShared, now: Instant, every: Duration) -> usize {
+        if self.lines.is_empty() || now.duration_since(self.last_look) < every {
+            return 0;
+        }
+        self.last_look = now;
+        self.build(None);
+        if self.fds.is_empty() {
+            return 0;
+        }
+        match mem::poll::wait(&mut self.fds, Some(Duration::ZERO)) {
+            Ok(n) if n > 0 => self.fire(p, 0),
+            _ => 0,
+        }
+    }
 }
 
 impl std::fmt::Debug for PcpuShared {
@@ -355,6 +511,9 @@ impl Waker {
         // Pairs with the idle loop's store of `sleeping` and its look at the word.
         if p.sleeping.load(Ordering::SeqCst) {
             p.stats.host_wakes.fetch_add(1, Ordering::Relaxed);
+            // A pCPU with lines sleeps in `ppoll` on its doorbell, one without in
+            // `park`; which one is decided as it goes to sleep, so both are rung.
+            p.ring_doorbell();
             if let Ok(t) = p.thread.lock() {
                 if let Some(t) = t.as_ref() {
                     t.unpark();
@@ -366,6 +525,27 @@ impl Waker {
     /// The pCPU the unit runs on.
     pub fn pcpu(&self) -> usize {
         self.pcpu.index
+    }
+
+    /// Makes host descriptor `fd` an interrupt line of this unit ([`IrqLine`]), not
+    /// yet armed.
+    pub fn irq_line(&self, fd: RawFd) -> std::io::Result<IrqLine> {
+        let p = &self.pcpu;
+        if p.doorbell.get().is_none() {
+            let _ = p.doorbell.set(mem::poll::EventFd::new()?);
+        }
+        let inner = Arc::new(LineInner {
+            fd,
+            slot: self.slot,
+            armed: AtomicBool::new(false),
+        });
+        lock(&p.lines).push(Arc::clone(&inner));
+        p.lines_at.fetch_add(1, Ordering::SeqCst);
+        p.ring_doorbell();
+        Ok(IrqLine {
+            inner,
+            pcpu: Arc::clone(p),
+        })
     }
 }
 
@@ -586,6 +766,9 @@ impl Scheduler {
                     stats: PcpuStats::default(),
                     own: idle_slot(),
                     window_start: Mutex::new((now, Duration::ZERO)),
+                    lines: Mutex::new(Vec::new()),
+                    lines_at: AtomicU64::new(0),
+                    doorbell: OnceLock::new(),
                 })
             })
             .collect();
@@ -717,6 +900,8 @@ impl Scheduler {
                 &s.host_wakes,
                 &s.ipis,
                 &s.longest_step_ns,
+                &s.line_fires,
+                &s.longest_away_ns,
             ] {
                 a.store(0, Ordering::Relaxed);
             }
@@ -754,6 +939,8 @@ impl Scheduler {
                     window,
                     longest_step: d(&s.longest_step_ns),
                     rescues: s.rescues.load(Ordering::Relaxed),
+                    line_fires: s.line_fires.load(Ordering::Relaxed),
+                    longest_away: d(&s.longest_away_ns),
                     cpu,
                     samples: p.own.counts().iter().sum(),
                 }
@@ -836,6 +1023,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn wake_thread(p: &PcpuShared) {
+    p.ring_doorbell();
     if let Ok(t) = p.thread.lock() {
         if let Some(t) = t.as_ref() {
             t.unpark();
@@ -933,12 +1121,16 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
     let mut cursor = 0usize;
     // Steps in a row that only yielded.
     let mut yields = 0usize;
+    let mut lines = Lines::new();
     let mut t = lock(&p.table);
     loop {
         if t.generation != generation {
             return;
         }
         let now = Instant::now();
+        // Input on the host's lines, looked at now and then between steps.
+        lines.refresh(p);
+        lines.look(p, now, LINE_LOOK_BUSY);
         // The IPI word: units woken since the last look.
         for w in 0..WORDS {
             if p.ipi[w].load(Ordering::Relaxed) != 0 {
@@ -1002,7 +1194,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             };
             drop(t);
             publish_cpu(p, now, false);
-            idle(p, until, clock, cpu_base);
+            idle(p, until, clock, cpu_base, &mut lines);
             t = lock(&p.table);
             continue;
         };
@@ -1138,7 +1330,13 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The idle loop: waits for the IPI word, a deadline or a stop, as the policy says.
-fn idle(p: &PcpuShared, until: Option<Instant>, clock: Option<ThreadClock>, cpu_base: Duration) {
+fn idle(
+    p: &PcpuShared,
+    until: Option<Instant>,
+    clock: Option<ThreadClock>,
+    cpu_base: Duration,
+    lines: &mut Lines,
+) {
     let start = Instant::now();
     let mut counted = start;
     let spin_end = match p.policy {
@@ -1148,13 +1346,24 @@ fn idle(p: &PcpuShared, until: Option<Instant>, clock: Option<ThreadClock>, cpu_
     };
     let mut spins = 0u32;
     let mut sleep = false;
+    let mut last = start;
     loop {
         if any_ipi(p, Ordering::Acquire) || p.stop.load(Ordering::Relaxed) {
             break;
         }
         if spins.is_multiple_of(32) {
             let now = Instant::now();
+            // 32 turns of the loop take well under a µs on a core of its own: a longer
+            // gap is the host's.
+            p.stats.longest_away_ns.fetch_max(
+                now.duration_since(last).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            last = now;
             if until.is_some_and(|u| now >= u) {
+                break;
+            }
+            if lines.look(p, now, LINE_LOOK_IDLE) > 0 {
                 break;
             }
             // A long spin shows in the accounting as it goes, not only once it ends.
@@ -1193,9 +1402,25 @@ fn idle(p: &PcpuShared, until: Option<Instant>, clock: Option<ThreadClock>, cpu_
                     .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
             }
             let t0 = Instant::now();
-            match until {
-                None => std::thread::park(),
-                Some(u) => std::thread::park_timeout(u.saturating_duration_since(t0)),
+            let timeout = until.map(|u| u.saturating_duration_since(t0));
+            lines.refresh(p);
+            match p.doorbell.get().filter(|_| lines.any()) {
+                // With lines, the host wakes it for their input too.
+                Some(bell) => {
+                    lines.build(Some(bell.as_raw_fd()));
+                    if let Ok(n) = mem::poll::wait(&mut lines.fds, timeout) {
+                        if n > 0 {
+                            if lines.fds[0].ready() {
+                                bell.drain();
+                            }
+                            lines.fire(p, 1);
+                        }
+                    }
+                }
+                None => match timeout {
+                    None => std::thread::park(),
+                    Some(d) => std::thread::park_timeout(d),
+                },
             }
             p.stats
                 .slept_ns

@@ -345,3 +345,104 @@ fn a_unit_that_floods_its_neighbour_with_wake_ups_takes_no_more_than_its_turns()
         "victim {vsteps} steps, flood {flood_steps}"
     );
 }
+
+/// Reads datagrams from a socket that is its interrupt line, until told to stop
+/// taking them; then it leaves the line unarmed.
+struct Reader {
+    sock: std::os::unix::net::UnixDatagram,
+    line: Option<hv::sched::IrqLine>,
+    got: Arc<AtomicU64>,
+    steps: Arc<AtomicU64>,
+    take: Arc<AtomicBool>,
+    end: Arc<AtomicBool>,
+}
+
+impl Unit for Reader {
+    type Output = ();
+    fn attach(&mut self, waker: &Waker, _stats: &Arc<hv::sched::UnitStats>) {
+        use std::os::fd::AsRawFd;
+        self.line = Some(waker.irq_line(self.sock.as_raw_fd()).expect("line"));
+    }
+    fn step(&mut self, _cx: &Cx) -> Step<()> {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        if self.end.load(Ordering::Acquire) {
+            return Step::Done(());
+        }
+        if !self.take.load(Ordering::Acquire) {
+            return Step::Idle(None);
+        }
+        let mut b = [0u8; 16];
+        loop {
+            match self.sock.recv(&mut b) {
+                Ok(_) => {
+                    self.got.fetch_add(1, Ordering::Release);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("recv: {e}"),
+            }
+        }
+        if let Some(l) = &self.line {
+            l.arm();
+        }
+        Step::Idle(None)
+    }
+}
+
+#[test]
+fn input_on_a_units_host_line_wakes_it_in_every_policy_and_an_unarmed_line_does_not() {
+    for policy in [
+        IdlePolicy::Poll,
+        IdlePolicy::HaltPoll(Duration::from_micros(50)),
+        IdlePolicy::Block,
+    ] {
+        let s = one_pcpu(policy);
+        let (tx, rx) = std::os::unix::net::UnixDatagram::pair().expect("pair");
+        rx.set_nonblocking(true).expect("nonblocking");
+        let (got, steps) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (take, end) = (
+            Arc::new(AtomicBool::new(true)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let r = Reader {
+            sock: rx,
+            line: None,
+            got: Arc::clone(&got),
+            steps: Arc::clone(&steps),
+            take: Arc::clone(&take),
+            end: Arc::clone(&end),
+        };
+        let j = s.place(0, UnitSpec::named("reader"), r).expect("place");
+        for k in 1..=200u64 {
+            // Now and then the pCPU has gone to sleep before the datagram comes.
+            if k % 50 == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            tx.send(&[k as u8]).expect("send");
+            wait_for("the datagram to be read", || {
+                got.load(Ordering::Acquire) == k
+            });
+        }
+        // The unit stops taking input: its line stays unarmed after the next wake-up,
+        // and input waiting on it does not run the unit again and again.
+        take.store(false, Ordering::Release);
+        tx.send(&[1]).expect("send");
+        std::thread::sleep(Duration::from_millis(5));
+        let before = steps.load(Ordering::Acquire);
+        std::thread::sleep(Duration::from_millis(20));
+        let after = steps.load(Ordering::Acquire);
+        assert!(
+            after - before <= 1,
+            "{policy}: an unarmed line woke its unit {} times",
+            after - before
+        );
+        assert!(
+            s.reports()[0].line_fires >= 200,
+            "{policy}: {:?}",
+            s.reports()[0]
+        );
+        end.store(true, Ordering::Release);
+        j.wake();
+        j.join().expect("reader");
+        s.stop(Duration::from_secs(1));
+    }
+}

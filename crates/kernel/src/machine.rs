@@ -1024,8 +1024,8 @@ impl Machine {
                 idle: config.idle,
             };
             let pcpu = self.pcpu_of_core(config.cores.block);
-            let engine = dev::svnic::block::BlockEngine::start_on(svc, &self.sched, pcpu)
-                .map_err(other)?;
+            let engine =
+                dev::svnic::block::BlockEngine::start_on(svc, &self.sched, pcpu).map_err(other)?;
             self.block_engine = Some(engine);
         }
         self.svnic = Some((svnic, device.id()));
@@ -1396,6 +1396,8 @@ impl Machine {
             c.add(&k, "host_wakes", r.host_wakes);
             c.add(&k, "stolen_us", us(r.stolen));
             c.add(&k, "longest_step_us", us(r.longest_step));
+            c.add(&k, "longest_away_us", us(r.longest_away));
+            c.add(&k, "line_fires", r.line_fires);
         }
         c
     }

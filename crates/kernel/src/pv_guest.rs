@@ -157,16 +157,14 @@ pub struct TapGuest {
 
 impl TapGuest {
     /// The guest's kernel over a connected front end, its pool and `tap`; a frame
-    /// arriving on the TAP wakes the guest's vCPU.
+    /// arriving on the TAP wakes the guest's vCPU (the TAP is its interrupt line).
     pub fn new(
-        hv: &Arc<Hypervisor>,
+        _hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         front: Netfront,
         pool: SkbPool,
         tap: TapPort,
     ) -> Self {
-        let (h, g) = (Arc::clone(hv), Arc::clone(dom));
-        tap.set_wake(move || h.kick_vcpu(&g, 0));
         Self {
             dom: Arc::clone(dom),
             front,
@@ -182,6 +180,10 @@ impl TapGuest {
 
 impl Kernel for TapGuest {
     const CLOCK: bool = false;
+
+    fn attach(&mut self, waker: &hv::sched::Waker) {
+        self.tap.bind_unit(waker);
+    }
 
     fn event(&mut self, _v: &Vcpu, _port: Port) {}
 

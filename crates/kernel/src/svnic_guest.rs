@@ -147,12 +147,9 @@ impl SvnicGuest {
                 )))
             }
             SvnicApp::Raw(raw) => Above::Raw(raw.start()),
-            SvnicApp::Tap(tap) => {
-                // A frame from the namespace's stack wakes the guest.
-                let (h, g) = (Arc::clone(hv), Arc::clone(dom));
-                tap.set_wake(move || h.kick_vcpu(&g, 0));
-                Above::Tap(tap)
-            }
+            // A frame from the namespace's stack wakes the guest: the TAP is its
+            // vCPU's interrupt line once the vCPU is placed (`attach`).
+            SvnicApp::Tap(tap) => Above::Tap(tap),
             SvnicApp::Block(_) => {
                 return Err(other("a block guest has no VIF: the machine builds it"));
             }
@@ -251,6 +248,12 @@ impl SvnicGuest {
 
 impl Kernel for SvnicGuest {
     const CLOCK: bool = true;
+
+    fn attach(&mut self, waker: &hv::sched::Waker) {
+        if let Above::Tap(tap) = &mut self.above {
+            tap.bind_unit(waker);
+        }
+    }
 
     fn event(&mut self, _v: &Vcpu, port: Port) {
         if port != self.port {

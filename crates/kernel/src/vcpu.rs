@@ -57,6 +57,9 @@ pub trait Kernel: Send + 'static {
     fn interrupt(&mut self) {}
     /// Its timer expired; `now` is its clock.
     fn tick(&mut self, _now: Duration) {}
+    /// Its vCPU is placed on a pCPU, woken by `waker` (a kernel with a host interface
+    /// above it makes the interface its interrupt line).
+    fn attach(&mut self, _waker: &hv::sched::Waker) {}
     /// One pass of work at `now`.
     fn poll(&mut self, now: Duration) -> Work;
     /// Whether this instance keeps time although its kind does not ([`Kernel::CLOCK`]):
@@ -198,6 +201,9 @@ impl<K: Kernel> hv::sched::Unit for KernelUnit<K> {
 
     fn attach(&mut self, waker: &hv::sched::Waker, stats: &Arc<hv::sched::UnitStats>) {
         self.v.bind_unit(waker, stats);
+        if let Some(k) = self.kernel.as_mut() {
+            k.attach(waker);
+        }
         if let Platform::Native(n) = &self.platform {
             n.route_to(waker);
         }

@@ -726,6 +726,20 @@ fn lro_rows(
         "≥ 1.3",
         x >= 1.3,
     );
+    // Issue 40's target: a round trip through the platform within 3× the veth pair's,
+    // now that a wake-up is an IPI's order rather than a host wake-up per hop.
+    let rtt = crate::stats::ratio_median(
+        &s[at(Rx::Pvio(LroMode::Off))].rtt_median,
+        &s[at(Rx::Veth(Gro::Off))].rtt_median,
+    )
+    .unwrap_or(f64::NAN);
+    rep.check(
+        "sockperf TCP ping-pong round trip through pvio up (LRO off) ≤ 3× the veth pair's (GRO off)",
+        rtt,
+        "× veth, GRO off",
+        "≤ 3",
+        rtt <= 3.0,
+    );
     let median = |v: &[f64]| crate::stats::Stats::of(v).median;
     let (a, v) = (
         median(&adaptive.segs_per_packet),
