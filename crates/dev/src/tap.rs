@@ -47,6 +47,9 @@ pub struct TapCounters {
     pub oversize_in: AtomicU64,
     /// Writes the interface refused (it was down, say).
     pub write_errors: AtomicU64,
+    /// Reads that failed other than for want of input (the interface went away): the
+    /// port then stops listening on its line.
+    pub read_errors: AtomicU64,
     /// Frames read whose virtio-net header the frame does not bear out (a GSO type
     /// other than TCPv4, a checksum offset past the headers), dropped.
     pub bad_offload_in: AtomicU64,
@@ -114,6 +117,7 @@ impl net::counters::CounterSet for TapCounters {
         f("bytes_out", l(&self.bytes_out));
         f("oversize_in", l(&self.oversize_in));
         f("write_errors", l(&self.write_errors));
+        f("read_errors", l(&self.read_errors));
         f("bad_offload_in", l(&self.bad_offload_in));
         f("gso_in", l(&self.gso_in));
         f("gso_out", l(&self.gso_out));
@@ -160,6 +164,8 @@ enum Got {
     Skip,
     /// Nothing waits.
     Empty,
+    /// The interface failed (it went away): nothing more will come.
+    Failed,
 }
 
 /// A port's capture taps.
@@ -226,8 +232,11 @@ impl TapPort {
         let n = match (&self.out).read(&mut self.buf) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Got::Skip,
-            // Would block, or the interface went away: nothing to read either way.
-            Err(_) => return Got::Empty,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Got::Empty,
+            Err(_) => {
+                c.read_errors.fetch_add(1, Ordering::Relaxed);
+                return Got::Failed;
+            }
         };
         let size = self.buf.len();
         let hdr = if self.vnet { VNET_HDR_LEN } else { 0 };
@@ -304,6 +313,9 @@ impl TapPort {
                         }
                         return n;
                     }
+                    // Not armed: a descriptor in error is always "ready", and would
+                    // wake its consumer at every look.
+                    Got::Failed => return n,
                 },
             };
             if !f(&self.buf[hdr..len], off) {
@@ -433,6 +445,77 @@ mod tests {
         let at = 14 + 20 + 16;
         f[at..at + 2].copy_from_slice(&[0x12, 0x34]);
         f
+    }
+
+    /// A port over one end of a datagram socket pair, which reads as a TAP does (a
+    /// frame a read), and the other end to write hostile frames into it.
+    fn port(off: TapOffload) -> (TapPort, std::os::unix::net::UnixDatagram) {
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().expect("pair");
+        let f = File::from(std::os::fd::OwnedFd::from(a));
+        (TapPort::start_with(f, off).expect("port"), b)
+    }
+
+    #[test]
+    fn frames_whose_header_lies_or_that_overrun_the_buffer_are_dropped_and_counted_and_the_next_one_arrives(
+    ) {
+        let (mut p, peer) = port(TapOffload::CsumTso);
+        let frame = aggregate();
+        // A GSO type Linux never sends, then a checksum offset past the frame.
+        let mut bad_type = [0u8; VNET_HDR_LEN];
+        bad_type[1] = 0x7f;
+        let mut past = [0u8; VNET_HDR_LEN];
+        past[0] = net::offload::VNET_F_NEEDS_CSUM;
+        past[6..8].copy_from_slice(&(frame.len() as u16).to_ne_bytes());
+        past[8..10].copy_from_slice(&16u16.to_ne_bytes());
+        for h in [bad_type, past] {
+            peer.send(&[&h[..], &frame[..]].concat()).expect("send");
+        }
+        // Only a header, and a frame larger than any buffer.
+        peer.send(&[0u8; VNET_HDR_LEN]).expect("send");
+        peer.send(&vec![0u8; OFFLOAD_BUF + 100]).expect("send");
+        // Then a frame as Linux sends it: no offload.
+        let good = [0u8; VNET_HDR_LEN];
+        peer.send(&[&good[..], &frame[..]].concat()).expect("send");
+        let mut got = Vec::new();
+        assert_eq!(
+            p.recv(|f, off| {
+                got.push((f.to_vec(), off));
+                true
+            }),
+            1
+        );
+        assert_eq!(got, vec![(frame.clone(), Offload::NONE)]);
+        let c = p.counters();
+        assert_eq!(c.bad_offload_in.load(Ordering::Relaxed), 2);
+        assert_eq!(c.oversize_in.load(Ordering::Relaxed), 1);
+        assert_eq!(c.frames_in.load(Ordering::Relaxed), 1);
+        // Nothing waits now: the read did not block.
+        assert!(!p.ready());
+    }
+
+    #[test]
+    fn a_refused_frame_is_first_in_line_next_time_and_a_recv_stops_at_its_budget() {
+        let (mut p, peer) = port(TapOffload::None);
+        for i in 0..(RECV_BUDGET + 3) {
+            peer.send(&[i as u8; 60]).expect("send");
+        }
+        // Refused: held, and handed on first by the next call.
+        assert_eq!(p.recv(|_, _| false), 0);
+        assert!(p.ready());
+        let mut firsts = Vec::new();
+        assert_eq!(
+            p.recv(|f, _| {
+                firsts.push(f[0]);
+                true
+            }),
+            RECV_BUDGET
+        );
+        assert_eq!(firsts[..2], [0, 1]);
+        // The budget ran out with frames still waiting: the consumer is told to look
+        // again rather than wait for the line.
+        assert!(p.ready());
+        assert_eq!(p.recv(|_, _| true), 3);
+        assert!(!p.ready());
     }
 
     #[test]
