@@ -30,7 +30,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
@@ -286,6 +286,10 @@ pub struct PcpuReport {
     /// The longest the host kept its idle loop off the core at one time (a step's
     /// such gaps show in `longest_step`).
     pub longest_away: Duration,
+    /// Of `stolen`, the time its thread waited on the host's run queue while other host
+    /// threads had the core; the rest is time the VM itself was off the host's CPU (its
+    /// hypervisor's), which the host kernel cannot see.
+    pub host_queued: Duration,
 }
 
 type Slot = Option<Box<dyn Erased>>;
@@ -335,7 +339,11 @@ pub(crate) struct PcpuShared {
     stats: PcpuStats,
     /// Where samples go while no unit with a slot of its own runs.
     own: Arc<SampleSlot>,
-    window_start: Mutex<(Instant, Duration)>,
+    /// When the report window began, the thread's CPU clock and its host run-queue wait
+    /// then.
+    window_start: Mutex<(Instant, Duration, Duration)>,
+    /// Its thread's host id (0 before it runs), for its `schedstat`.
+    tid: AtomicI32,
     /// The host descriptors its units wait on ([`Waker::irq_line`]); bumped `lines_at`
     /// tells the thread to take a fresh copy.
     lines: Mutex<Vec<Arc<LineInner>>>,
@@ -765,7 +773,8 @@ impl Scheduler {
                     }),
                     stats: PcpuStats::default(),
                     own: idle_slot(),
-                    window_start: Mutex::new((now, Duration::ZERO)),
+                    window_start: Mutex::new((now, Duration::ZERO, Duration::ZERO)),
+                    tid: AtomicI32::new(0),
                     lines: Mutex::new(Vec::new()),
                     lines_at: AtomicU64::new(0),
                     doorbell: OnceLock::new(),
@@ -906,8 +915,9 @@ impl Scheduler {
                 a.store(0, Ordering::Relaxed);
             }
             let cpu = Duration::from_nanos(s.cpu_ns.load(Ordering::Relaxed));
+            let queued = run_delay(p);
             if let Ok(mut w) = p.window_start.lock() {
-                *w = (Instant::now(), cpu);
+                *w = (Instant::now(), cpu, queued);
             }
         }
     }
@@ -919,7 +929,11 @@ impl Scheduler {
             .map(|p| {
                 let s = &p.stats;
                 let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
-                let (t0, cpu0) = p.window_start.lock().map(|w| *w).unwrap_or_default_pair();
+                let (t0, cpu0, queued0) = p.window_start.lock().map(|w| *w).unwrap_or((
+                    Instant::now(),
+                    Duration::ZERO,
+                    Duration::ZERO,
+                ));
                 let window = t0.elapsed();
                 // The thread's CPU clock as the thread last published it (it reads its
                 // own clock when it goes idle: a clock read is a system call, kept off
@@ -941,6 +955,7 @@ impl Scheduler {
                     rescues: s.rescues.load(Ordering::Relaxed),
                     line_fires: s.line_fires.load(Ordering::Relaxed),
                     longest_away: d(&s.longest_away_ns),
+                    host_queued: run_delay(p).saturating_sub(queued0),
                     cpu,
                     samples: p.own.counts().iter().sum(),
                 }
@@ -1008,18 +1023,17 @@ impl Drop for Scheduler {
     }
 }
 
-trait PairDefault {
-    fn unwrap_or_default_pair(self) -> (Instant, Duration);
-}
-
-impl<E> PairDefault for Result<(Instant, Duration), E> {
-    fn unwrap_or_default_pair(self) -> (Instant, Duration) {
-        self.unwrap_or_else(|_| (Instant::now(), Duration::ZERO))
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A pCPU thread's host run-queue wait so far (zero before it runs, or where the host
+/// does not say).
+fn run_delay(p: &PcpuShared) -> Duration {
+    match p.tid.load(Ordering::Acquire) {
+        0 => Duration::ZERO,
+        tid => mem::cpu::thread_run_delay(tid).unwrap_or_default(),
+    }
 }
 
 fn wake_thread(p: &PcpuShared) {
@@ -1092,6 +1106,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
         let _ = pin_current_thread(c);
     }
     let _ = mem::cpu::set_timer_slack(1_000);
+    p.tid.store(mem::cpu::current_tid(), Ordering::Release);
     if let Ok(mut t) = p.thread.lock() {
         *t = Some(std::thread::current());
     }

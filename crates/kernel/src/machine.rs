@@ -1397,6 +1397,7 @@ impl Machine {
             c.add(&k, "stolen_us", us(r.stolen));
             c.add(&k, "longest_step_us", us(r.longest_step));
             c.add(&k, "longest_away_us", us(r.longest_away));
+            c.add(&k, "host_queued_us", us(r.host_queued));
             c.add(&k, "line_fires", r.line_fires);
         }
         c

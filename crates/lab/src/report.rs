@@ -79,6 +79,10 @@ pub struct Report {
     pub charts: Vec<StackedBars>,
     /// Line charts, written beside the report as PNG.
     pub lines: Vec<Lines>,
+    /// The idle policy its machines used, where the experiment chose its own rather
+    /// than the run's (`pvio up` halt-polls, as do two hosts on one pair of cores);
+    /// the records name it instead of the run's.
+    pub idle: Option<String>,
 }
 
 /// What [`Report::write`] wrote.
@@ -108,6 +112,7 @@ impl Report {
             notes: Vec::new(),
             charts: Vec::new(),
             lines: Vec::new(),
+            idle: None,
         }
     }
 
@@ -248,7 +253,12 @@ impl Report {
         let _ = writeln!(
             md,
             "Revision `{}`, {} on {} ({}, {} cores; idle pCPUs: {}).\n",
-            env.revision, env.date, env.host, env.cpu, env.cores, env.idle
+            env.revision,
+            env.date,
+            env.host,
+            env.cpu,
+            env.cores,
+            self.idle.as_deref().unwrap_or(&env.idle)
         );
         if !self.setup.is_empty() {
             let _ = writeln!(md, "{}\n", self.setup);

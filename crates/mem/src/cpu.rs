@@ -67,6 +67,24 @@ pub fn set_timer_slack(ns: u64) -> std::io::Result<()> {
     }
 }
 
+/// The calling thread's id in the host.
+pub fn current_tid() -> i32 {
+    // SAFETY: gettid takes nothing and returns the caller's thread id.
+    unsafe { libc::gettid() }
+}
+
+/// How long thread `tid` of this process has waited, runnable, on the host's run queue
+/// for a core that other host threads held (`run_delay` of its `schedstat`). Time the
+/// host's own hypervisor took the core away from the whole VM does not show here.
+pub fn thread_run_delay(tid: i32) -> Option<Duration> {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    s.split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+        .map(Duration::from_nanos)
+}
+
 /// CPU time consumed so far by the calling thread.
 pub fn thread_cpu_time() -> Duration {
     clock_read(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or_default()

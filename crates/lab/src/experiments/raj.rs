@@ -317,6 +317,12 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    // The two hosts share the cores: their machines halt-poll where the run polls.
+    rep.idle = Some(format!(
+        "{} (two hosts on the same cores; {} for one host's QoS runs)",
+        crate::shared_idle_policy().name(),
+        crate::idle_policy().name()
+    ));
     let (ns, secs, gap_ms): (&[usize], f64, u64) = match mode {
         Mode::Full => (&[1, 2, 4, 8, 16, 32], 10.0, 100),
         Mode::Quick => (&[1, 9], 1.0, 2),

@@ -454,6 +454,8 @@ fn fio(
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    // vblade and nbd-server share the cores: every machine here halt-polls.
+    r.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
     remote_host::ensure_tools().map_err(LabError::Other)?;
     let disk = PathBuf::from(format!("/dev/shm/pvio-rvbd-{}", std::process::id()));
     write_patterned(&disk, SECTORS).map_err(|e| LabError::Other(format!("backing file: {e}")))?;

@@ -92,6 +92,9 @@ pub(crate) struct RunCost {
     pub(crate) machine_coverage: f64,
     /// Time the host took the machine's pCPUs away, over the window (all pCPUs).
     pub(crate) stolen: Duration,
+    /// Of it, the time other host threads had their cores (the pCPUs' threads waited
+    /// on the host's run queue); the rest was the VM's own absence.
+    pub(crate) host_queued: Duration,
 }
 
 impl RunCost {
@@ -135,11 +138,13 @@ pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
                 .sum::<u64>()
         })
         .sum();
-    let (mut own, mut cpu, mut stolen) = (0u64, Duration::ZERO, Duration::ZERO);
+    let (mut own, mut cpu, mut stolen, mut queued) =
+        (0u64, Duration::ZERO, Duration::ZERO, Duration::ZERO);
     for (pa, pb) in a.pcpus.iter().zip(&b.pcpus) {
         own += pb.samples.saturating_sub(pa.samples);
         cpu += pb.cpu.saturating_sub(pa.cpu);
         stolen += pb.stolen.saturating_sub(pa.stolen);
+        queued += pb.host_queued.saturating_sub(pa.host_queued);
     }
     rc.machine_coverage = if cpu > Duration::ZERO {
         (domain_samples + own) as f64 * interval.as_nanos() as f64 / cpu.as_nanos() as f64
@@ -147,6 +152,7 @@ pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
         1.0
     };
     rc.stolen = stolen;
+    rc.host_queued = queued;
     rc
 }
 
@@ -423,6 +429,19 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 &format!("{label} B {}: pCPU time the host took", config.name()),
                 "ms per run",
                 &stolen,
+            );
+            let queued: Vec<f64> = results[&size][&config]
+                .iter()
+                .map(|rc| rc.host_queued.as_secs_f64() * 1e3)
+                .collect();
+            r.row(
+                "host",
+                &format!(
+                    "{label} B {}: of it, other host threads on the cores",
+                    config.name()
+                ),
+                "ms per run",
+                &queued,
             );
         }
     }

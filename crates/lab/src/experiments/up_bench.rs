@@ -428,6 +428,8 @@ fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Resu
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
+    rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
     let (rounds, secs) = match mode {
         Mode::Full => (5, 5),
         Mode::Quick => (1, 2),
