@@ -420,29 +420,20 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 "% of CPU",
                 &v,
             );
-            let stolen: Vec<f64> = results[&size][&config]
-                .iter()
-                .map(|rc| rc.stolen.as_secs_f64() * 1e3)
-                .collect();
-            r.row(
-                "host",
-                &format!("{label} B {}: pCPU time the host took", config.name()),
-                "ms per run",
-                &stolen,
-            );
-            let queued: Vec<f64> = results[&size][&config]
-                .iter()
-                .map(|rc| rc.host_queued.as_secs_f64() * 1e3)
-                .collect();
-            r.row(
-                "host",
-                &format!(
-                    "{label} B {}: of it, other host threads on the cores",
-                    config.name()
-                ),
-                "ms per run",
-                &queued,
-            );
+            let host: [(&str, fn(&RunCost) -> Duration); 2] = [
+                ("pCPU time the host took", |rc| rc.stolen),
+                ("of it, other host threads on the cores", |rc| {
+                    rc.host_queued
+                }),
+            ];
+            for (what, get) in host {
+                let ms: Vec<f64> = results[&size][&config]
+                    .iter()
+                    .map(|rc| get(rc).as_secs_f64() * 1e3)
+                    .collect();
+                let name = format!("{label} B {}: {what}", config.name());
+                r.row("host", &name, "ms per run", &ms);
+            }
         }
     }
     r.notes.push(format!(
