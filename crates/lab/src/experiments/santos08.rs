@@ -420,16 +420,15 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 "% of CPU",
                 &v,
             );
-            let host: [(&str, fn(&RunCost) -> Duration); 2] = [
-                ("pCPU time the host took", |rc| rc.stolen),
-                ("of it, other host threads on the cores", |rc| {
-                    rc.host_queued
-                }),
+            let host = [
+                ("pCPU time the host took", false),
+                ("of it, other host threads on the cores", true),
             ];
-            for (what, get) in host {
+            for (what, queued) in host {
                 let ms: Vec<f64> = results[&size][&config]
                     .iter()
-                    .map(|rc| get(rc).as_secs_f64() * 1e3)
+                    .map(|rc| if queued { rc.host_queued } else { rc.stolen })
+                    .map(|d| d.as_secs_f64() * 1e3)
                     .collect();
                 let name = format!("{label} B {}: {what}", config.name());
                 r.row("host", &name, "ms per run", &ms);
