@@ -410,7 +410,8 @@ struct Lines {
     at: u64,
     lines: Vec<Arc<LineInner>>,
     fds: Vec<mem::poll::PollFd>,
-    /// Index into `fds` of each line polled (the doorbell, when present, is first).
+    /// Index into `lines` of each line in `fds`, in order (after the doorbell, when
+    /// the poll set has it first).
     polled: Vec<usize>,
     last_look: Instant,
 }

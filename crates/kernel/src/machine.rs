@@ -806,7 +806,7 @@ impl Machine {
                         }
                         (Above::Tap(tap), Front::Net(b)) => {
                             let (front, pool) = *b;
-                            let k = TapGuest::new(&hv, &dom, front, pool, *tap);
+                            let k = TapGuest::new(&dom, front, pool, *tap);
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
                         (Above::Block(b), Front::Block(front)) => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dev::tap::TapPort;
-use hv::{Domain, Hypervisor, Port, Vcpu};
+use hv::{Domain, Port, Vcpu};
 use net::netfront::{LinkChange, Netfront};
 use net::skb::SkbPool;
 
@@ -158,13 +158,7 @@ pub struct TapGuest {
 impl TapGuest {
     /// The guest's kernel over a connected front end, its pool and `tap`; a frame
     /// arriving on the TAP wakes the guest's vCPU (the TAP is its interrupt line).
-    pub fn new(
-        _hv: &Arc<Hypervisor>,
-        dom: &Arc<Domain>,
-        front: Netfront,
-        pool: SkbPool,
-        tap: TapPort,
-    ) -> Self {
+    pub fn new(dom: &Arc<Domain>, front: Netfront, pool: SkbPool, tap: TapPort) -> Self {
         Self {
             dom: Arc::clone(dom),
             front,
