@@ -96,6 +96,7 @@ fn sampled_pcpu(policy: IdlePolicy) -> Arc<Scheduler> {
         &CpuPlan {
             cores: vec![Some(1)],
             policy,
+            own_policy: Vec::new(),
         },
         Some(Duration::from_millis(1)),
     )

@@ -710,6 +710,10 @@ pub struct CpuPlan {
     pub cores: Vec<Option<usize>>,
     /// How idle pCPUs wait.
     pub policy: IdlePolicy,
+    /// pCPUs that wait their own way, by index, in place of `policy`: a device's cores
+    /// that poll while the guests' cores halt-poll, or sleep at once where the rest poll
+    /// (dynamic core partitioning).
+    pub own_policy: Vec<(usize, IdlePolicy)>,
 }
 
 impl CpuPlan {
@@ -719,7 +723,17 @@ impl CpuPlan {
         Self {
             cores: (0..n).map(|c| (c < online).then_some(c)).collect(),
             policy,
+            own_policy: Vec::new(),
         }
+    }
+
+    /// How pCPU `i` waits.
+    pub fn policy_of(&self, i: usize) -> IdlePolicy {
+        self.own_policy
+            .iter()
+            .rev()
+            .find(|(p, _)| *p == i)
+            .map_or(self.policy, |(_, policy)| *policy)
     }
 }
 
@@ -749,7 +763,7 @@ impl Scheduler {
                 Arc::new(PcpuShared {
                     index,
                     core,
-                    policy: plan.policy,
+                    policy: plan.policy_of(index),
                     sample,
                     name: format!("pcpu{index}"),
                     ipi: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -809,9 +823,14 @@ impl Scheduler {
         self.pcpus.len()
     }
 
-    /// How its pCPUs idle.
+    /// How its pCPUs idle (those with a policy of their own aside: [`Self::policy_of`]).
     pub fn policy(&self) -> IdlePolicy {
         self.policy
+    }
+
+    /// How pCPU `i` idles.
+    pub fn policy_of(&self, i: usize) -> IdlePolicy {
+        self.pcpus.get(i).map_or(self.policy, |p| p.policy)
     }
 
     /// The core pCPU `i` is pinned to.

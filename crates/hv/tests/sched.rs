@@ -51,6 +51,7 @@ fn one_pcpu(policy: IdlePolicy) -> Arc<Scheduler> {
         &CpuPlan {
             cores: vec![None],
             policy,
+            own_policy: Vec::new(),
         },
         None,
     )
@@ -445,4 +446,41 @@ fn input_on_a_units_host_line_wakes_it_in_every_policy_and_an_unarmed_line_does_
         j.join().expect("reader");
         s.stop(Duration::from_secs(1));
     }
+}
+
+#[test]
+fn a_pcpu_with_a_policy_of_its_own_sleeps_while_its_polling_neighbour_spins() {
+    let s = Scheduler::new(
+        &CpuPlan {
+            cores: vec![None, None],
+            policy: IdlePolicy::Poll,
+            own_policy: vec![(1, IdlePolicy::Block)],
+        },
+        None,
+    )
+    .expect("scheduler");
+    assert_eq!(
+        (s.policy_of(0), s.policy_of(1)),
+        (IdlePolicy::Poll, IdlePolicy::Block)
+    );
+    // A woken unit on the sleeping pCPU still runs: the wake is a host wake-up there.
+    let (c, work, done, end) = counter(false);
+    let j = s.place(1, UnitSpec::named("counter"), c).expect("place");
+    for k in 1..=50u64 {
+        work.fetch_add(1, Ordering::Release);
+        j.wake();
+        wait_for("the unit to take its work", || {
+            done.load(Ordering::Acquire) == k
+        });
+    }
+    let r = s.reports();
+    assert_eq!(r[0].sleeps, 0, "the polling pCPU slept: {:?}", r[0]);
+    assert!(
+        r[1].sleeps >= 49,
+        "the blocking pCPU did not sleep: {:?}",
+        r[1]
+    );
+    end.store(true, Ordering::Release);
+    j.wake();
+    assert_eq!(j.join(), Ok(50));
 }

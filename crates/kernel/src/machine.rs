@@ -215,6 +215,9 @@ pub struct MachineSpec {
     pub nic: NicSpec,
     /// The domains.
     pub layout: Layout,
+    /// The host cores the machine owns (its cpupool), in the order the layout's core
+    /// numbers take them; `None`: every online core, shared with any other machine.
+    pub cpus: Option<Vec<usize>>,
 }
 
 /// What a domain is, for accounting.
@@ -339,6 +342,8 @@ pub struct Machine {
     sched: Arc<Scheduler>,
     /// The host core of each pCPU, by index.
     pcpu_cores: Vec<usize>,
+    /// The host cores the machine owns.
+    pool: CpuPool,
     /// The pCPU the device engines run on.
     device_pcpu: usize,
     grant_version: GrantVersion,
@@ -484,10 +489,50 @@ fn assign_nic_queues(
     Ok((start_nic_queues(hv, at, lines, spec)?, pirqs))
 }
 
-/// The host core a placement on core `i` gets: core `i` itself if the host has it,
-/// else one of the host's cores in turn (the layout shares them).
-fn core(i: usize) -> usize {
-    i % mem::cpu::online_cores().max(1)
+/// The host cores a machine owns, Xen's cpupool: a layout names cores `0, 1, 2, ...`
+/// (the papers' pinning) and core `i` is the `i`-th host core of the pool, the pool's
+/// cores taken in turn when the layout names more than it has. By default the pool is
+/// every online core, so two machines in one process share them; a machine given a pool
+/// of its own shares no core with a machine given another.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuPool(Vec<usize>);
+
+impl CpuPool {
+    /// Every online core of the host.
+    pub fn all() -> Self {
+        Self((0..mem::cpu::online_cores().max(1)).collect())
+    }
+
+    /// The host cores `cores`, in their order; an empty list, a core the host does not
+    /// have, or a core named twice is an error.
+    pub fn of(cores: &[usize]) -> Result<Self, BuildError> {
+        let online = mem::cpu::online_cores().max(1);
+        if cores.is_empty() {
+            return Err(other("a CPU pool needs at least one core"));
+        }
+        if let Some(c) = cores.iter().find(|&&c| c >= online) {
+            return Err(other(format!(
+                "core {c} is not online (the host has {online})"
+            )));
+        }
+        let mut seen = cores.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != cores.len() {
+            return Err(other("a CPU pool names a core twice"));
+        }
+        Ok(Self(cores.to_vec()))
+    }
+
+    /// The host core a placement on the layout's core `i` gets.
+    pub fn core(&self, i: usize) -> usize {
+        self.0[i % self.0.len()]
+    }
+
+    /// The pool's host cores.
+    pub fn cores(&self) -> &[usize] {
+        &self.0
+    }
 }
 
 /// The core a layout's device engines (the NIC and what is at the far end of its
@@ -495,20 +540,32 @@ fn core(i: usize) -> usize {
 /// NIC is hardware beside the CPUs; otherwise the core of the domain that does not
 /// drive the device (a native or direct-I/O kernel is on core 1, so the NIC takes core
 /// 0; a driver domain is on core 0, so the NIC shares core 1 with the first guest).
-fn device_core(layout: &Layout, used: &[usize]) -> usize {
-    let online = mem::cpu::online_cores().max(1);
-    if let Some(free) = (0..online).find(|c| !used.contains(c)) {
+fn device_core(layout: &Layout, used: &[usize], pool: &CpuPool) -> usize {
+    if let Some(&free) = pool.cores().iter().find(|c| !used.contains(c)) {
         return free;
     }
     match layout {
-        Layout::Native(_) | Layout::Direct(_) => core(0),
-        _ => core(1),
+        Layout::Native(_) | Layout::Direct(_) => pool.core(0),
+        _ => pool.core(1),
     }
 }
 
 /// The cores a layout places its vCPUs on (by the papers' pinning: the driver domain
 /// or the only domain's on core 0 or 1, guests from core 1 on), as host cores.
-fn layout_cores(layout: &Layout) -> Vec<usize> {
+fn layout_cores(layout: &Layout, pool: &CpuPool) -> Vec<usize> {
+    let mut v = domain_cores(layout, pool);
+    if let Layout::Svnic { config, .. } = layout {
+        // The device's engines and sidecore on the cores its configuration names.
+        v.extend(svnic_cores(config, pool));
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The host cores of a layout's domains' vCPUs.
+fn domain_cores(layout: &Layout, pool: &CpuPool) -> Vec<usize> {
+    let core = |i: usize| pool.core(i);
     let guests = |cores: Vec<Option<usize>>| {
         let mut v = vec![core(0)];
         v.extend(
@@ -519,25 +576,54 @@ fn layout_cores(layout: &Layout) -> Vec<usize> {
         );
         v
     };
-    let mut v = match layout {
+    match layout {
         Layout::Native(_) | Layout::Direct(_) => vec![core(1)],
         Layout::DirectRaw { .. } => vec![core(0)],
         Layout::DriverDomain { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
-        Layout::Svnic { guests: g, config } => {
-            // The device's engines and sidecore on the cores its configuration names.
-            let c = config.cores;
-            let mut v = guests(g.iter().map(|g| g.core).collect());
-            v.extend(
-                [c.egress, c.ingress, c.sidecore, c.block]
-                    .into_iter()
-                    .flatten()
-                    .map(core),
-            );
-            v
-        }
+        Layout::Svnic { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
+    }
+}
+
+/// The host cores an SV-NIC's configuration names for its engines and sidecore.
+fn svnic_cores(config: &dev::svnic::device::SvnicConfig, pool: &CpuPool) -> Vec<usize> {
+    let c = config.cores;
+    [c.egress, c.ingress, c.sidecore, c.block]
+        .into_iter()
+        .flatten()
+        .map(|i| pool.core(i))
+        .collect()
+}
+
+/// The pCPUs that idle their own way: an SV-NIC's engines' and sidecore's, where they
+/// have cores no domain shares and the device sleeps when idle (dynamic core
+/// partitioning, its future work): a halt-poll of the device's spin, or sleeping at
+/// once. A device that polls on never idles, and a core a domain shares idles as the
+/// machine says.
+fn device_policies(
+    layout: &Layout,
+    pool: &CpuPool,
+    pcpu_cores: &[usize],
+) -> Vec<(usize, IdlePolicy)> {
+    let Layout::Svnic { config, .. } = layout else {
+        return Vec::new();
     };
-    v.sort_unstable();
-    v.dedup();
+    let dev::svnic::device::Idle::Block { spin } = config.idle else {
+        return Vec::new();
+    };
+    let policy = if spin.is_zero() {
+        IdlePolicy::Block
+    } else {
+        IdlePolicy::HaltPoll(spin)
+    };
+    let domains = domain_cores(layout, pool);
+    let mut v: Vec<(usize, IdlePolicy)> = svnic_cores(config, pool)
+        .into_iter()
+        .filter(|c| !domains.contains(c))
+        .filter_map(|c| pcpu_cores.iter().position(|&x| x == c))
+        .map(|p| (p, policy))
+        .collect();
+    v.sort_unstable_by_key(|&(p, _)| p);
+    v.dedup_by_key(|&mut (p, _)| p);
     v
 }
 
@@ -558,8 +644,12 @@ impl Machine {
             ..HvConfig::default()
         })?;
         // One pCPU on each core the layout uses, its device engines' included.
-        let mut pcpu_cores = layout_cores(&spec.layout);
-        let dev_core = device_core(&spec.layout, &pcpu_cores);
+        let pool = match &spec.cpus {
+            Some(cores) => CpuPool::of(cores)?,
+            None => CpuPool::all(),
+        };
+        let mut pcpu_cores = layout_cores(&spec.layout, &pool);
+        let dev_core = device_core(&spec.layout, &pcpu_cores, &pool);
         if !pcpu_cores.contains(&dev_core) {
             pcpu_cores.push(dev_core);
             pcpu_cores.sort_unstable();
@@ -568,12 +658,14 @@ impl Machine {
         let plan = CpuPlan {
             cores: pcpu_cores.iter().map(|&c| Some(c)).collect(),
             policy: spec.idle,
+            own_policy: device_policies(&spec.layout, &pool, &pcpu_cores),
         };
         let sched = Scheduler::new(&plan, spec.sample).map_err(other)?;
         let mut m = Machine {
             hv,
             sched,
             pcpu_cores,
+            pool,
             device_pcpu,
             grant_version: spec.grant_version,
             driver: None,
@@ -601,7 +693,8 @@ impl Machine {
                 driver_domain: driver,
             })
         };
-        let start = core;
+        let pool = m.pool.clone();
+        let start = move |i: usize| pool.core(i);
         let n = spec.nic;
         let hv = Arc::clone(&m.hv);
         match spec.layout {
@@ -620,7 +713,7 @@ impl Machine {
                 m.boot(
                     &dom,
                     Role::Native,
-                    start(core(1)),
+                    start(1),
                     Platform::Native(irq),
                     k,
                     &ready,
@@ -633,7 +726,7 @@ impl Machine {
                     NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
                 k.set_adaptive_coalescing(m.adaptive_coalescing);
                 m.nic = Some(nic);
-                m.boot(&dom, Role::Guest, start(core(1)), Platform::Xen, k, &ready)?;
+                m.boot(&dom, Role::Guest, start(1), Platform::Xen, k, &ready)?;
             }
             Layout::DirectRaw { app, mac, bridge } => {
                 let dom = mk(&hv, "driver", true, 4)?;
@@ -649,14 +742,7 @@ impl Machine {
                     bridge,
                 )?;
                 m.nic = Some(nic);
-                m.boot(
-                    &dom,
-                    Role::DriverDomain,
-                    start(core(0)),
-                    Platform::Xen,
-                    k,
-                    &ready,
-                )?;
+                m.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
             }
             Layout::DriverDomain { driver, guests } => {
                 // Vifs' window slots first, then each disk's.
@@ -782,17 +868,10 @@ impl Machine {
                     seen: (0, 0, Instant::now()),
                 });
                 m.nic = Some(nic);
-                m.boot(
-                    &drv,
-                    Role::DriverDomain,
-                    start(core(0)),
-                    Platform::Xen,
-                    k,
-                    &ready,
-                )?;
+                m.boot(&drv, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
                 let each = guests.into_iter().zip(doms).zip(fronts);
                 for (i, ((g, dom), front)) in each.enumerate() {
-                    let at = start(core(g.core.unwrap_or(1 + i)));
+                    let at = start(g.core.unwrap_or(1 + i));
                     match (g.above, front) {
                         (Above::App(app), Front::Net(b)) => {
                             let (front, pool) = *b;
@@ -946,7 +1025,7 @@ impl Machine {
         self.boot(
             &ctl,
             Role::DriverDomain,
-            start(core(0)),
+            start(0),
             Platform::Xen,
             Controller,
             ready,
@@ -976,7 +1055,7 @@ impl Machine {
                     b.persistent,
                 ));
                 let k = crate::block::BlockGuest::waiting(&hv, &dom, XVDA, b.persistent, b.job)?;
-                let at = start(core(g.core.unwrap_or(1 + i)));
+                let at = start(g.core.unwrap_or(1 + i));
                 self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
                 continue;
             }
@@ -997,7 +1076,7 @@ impl Machine {
                 VifRegion::map_grefs(&hv, &dom, v.backend, &v.grefs, 0).map_err(other)?;
             let front = VifFront::new(pages).with_doorbell(svnic.doorbell());
             let k = crate::svnic_guest::SvnicGuest::new(&hv, &dom, front, port, g.app)?;
-            let at = start(core(g.core.unwrap_or(1 + i)));
+            let at = start(g.core.unwrap_or(1 + i));
             self.boot(&dom, Role::Guest, at, Platform::Xen, k, ready)?;
         }
         if !vbds.is_empty() {
@@ -1247,7 +1326,7 @@ impl Machine {
         k.set_adaptive_coalescing(self.adaptive_coalescing);
         k.attach_vbds(vbds);
         k.attach_remote(remote, DRIVER_AOE_MAC);
-        let at = core(0);
+        let at = self.pool.core(0);
         let ready = Arc::new(AtomicUsize::new(0));
         self.boot(&drv, Role::DriverDomain, at, Platform::Xen, k, &ready)?;
         d.dom = drv;
@@ -1265,8 +1344,13 @@ impl Machine {
     /// The pCPU on core `c` (as the layout names it), or the device pCPU when it names
     /// none.
     fn pcpu_of_core(&self, c: Option<usize>) -> usize {
-        c.and_then(|c| self.pcpu_cores.iter().position(|&x| x == core(c)))
+        c.and_then(|c| self.pcpu_cores.iter().position(|&x| x == self.pool.core(c)))
             .unwrap_or(self.device_pcpu)
+    }
+
+    /// The host core of each of the machine's pCPUs, by pCPU index.
+    pub fn pcpu_cores(&self) -> &[usize] {
+        &self.pcpu_cores
     }
 
     /// The pCPUs the machine's vCPUs run on.
@@ -1435,5 +1519,72 @@ impl Drop for Machine {
         drop(self.block_engine.take());
         drop(self.svnic.take());
         let _ = self.halt();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dev::svnic::device::{DeviceCores, Idle, SvnicConfig};
+
+    fn svnic(idle: Idle, guest_core: Option<usize>) -> Layout {
+        Layout::Svnic {
+            config: SvnicConfig {
+                idle,
+                cores: DeviceCores {
+                    egress: Some(2),
+                    ingress: Some(3),
+                    sidecore: Some(3),
+                    block: None,
+                },
+                ..SvnicConfig::default()
+            },
+            guests: vec![SvnicGuestSpec {
+                name: "g".into(),
+                mac: [2, 0, 0, 0, 0, 1],
+                app: crate::svnic_guest::SvnicApp::Raw(crate::svnic_guest::RawApp::Echo([
+                    2, 0, 0, 0, 0, 1,
+                ])),
+                priority: None,
+                core: guest_core,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_sleeping_devices_own_cores_idle_its_way_and_a_core_a_domain_shares_the_machines() {
+        // A pool of five host cores: layout core i is host core 10 + i.
+        let pool = CpuPool((10..15).collect());
+        let spin = Duration::from_micros(50);
+        let own = |layout: &Layout| {
+            let cores = layout_cores(layout, &pool);
+            device_policies(layout, &pool, &cores)
+                .into_iter()
+                .map(|(p, policy)| (cores[p], policy))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            own(&svnic(Idle::Block { spin }, None)),
+            vec![
+                (12, IdlePolicy::HaltPoll(spin)),
+                (13, IdlePolicy::HaltPoll(spin))
+            ]
+        );
+        assert_eq!(
+            own(&svnic(
+                Idle::Block {
+                    spin: Duration::ZERO
+                },
+                None
+            )),
+            vec![(12, IdlePolicy::Block), (13, IdlePolicy::Block)]
+        );
+        // The guest on the egress engine's core: that pCPU idles as the machine says.
+        assert_eq!(
+            own(&svnic(Idle::Block { spin }, Some(2))),
+            vec![(13, IdlePolicy::HaltPoll(spin))]
+        );
+        // A device that polls on never idles: nothing of its own.
+        assert!(own(&svnic(Idle::Poll, None)).is_empty());
     }
 }

@@ -70,6 +70,7 @@ fn messages(
 
 fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
     MachineSpec {
+        cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
@@ -270,6 +271,46 @@ impl WireSource for Feed {
 }
 
 /// Messages `from..from + n` on `flow`, each with its own pattern.
+#[test]
+fn a_machine_given_one_core_runs_every_unit_there_and_a_pool_the_host_lacks_is_refused() {
+    let last = mem::cpu::online_cores() - 1;
+    let f = flow_to(2);
+    let layout = |a: AppSpec| Layout::DriverDomain {
+        driver: DriverConfig::default(),
+        guests: vec![GuestSpec {
+            name: "guest".into(),
+            mac: f.dst_mac,
+            rx_buffers: RxBuffers::Fragments,
+            grants: Grants::PerIo,
+            offloads: false,
+            above: Above::App(a),
+            core: None,
+        }],
+    };
+    let (a, c) = app(f, 1000);
+    let mut s = spec(messages(f, 1000, 20, None), layout(a));
+    s.cpus = Some(vec![last]);
+    let m = Machine::start(s).expect("machine");
+    // The driver domain, the guest and the NIC's engine: one pCPU, on the pool's core.
+    assert_eq!(m.pcpu_cores(), &[last]);
+    wait_for(&c, 20);
+    m.stop().expect("stop");
+    assert_eq!(c.corrupt.load(Ordering::Relaxed), 0);
+    for (cpus, why) in [
+        (vec![], "at least one core"),
+        (vec![last + 1], "not online"),
+        (vec![last, last], "twice"),
+    ] {
+        let mut s = spec(Vec::new(), layout(app(f, 1000).0));
+        s.cpus = Some(cpus);
+        let Err(e) = Machine::start(s) else {
+            panic!("a pool of {why:?} was taken");
+        };
+        let e = e.to_string();
+        assert!(e.contains(why), "{e}");
+    }
+}
+
 fn batch(flow: UdpFlow, len: usize, from: usize, n: usize) -> Vec<Vec<u8>> {
     let mut framer = UdpFramer::new(flow);
     let mut out = Vec::new();
@@ -291,6 +332,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
     let (a, c) = app(f, len);
     let feed = Feed::default();
     let mut m = Machine::start(MachineSpec {
+        cpus: None,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(feed.clone()),
@@ -404,6 +446,7 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
         core: None,
     };
     let mut m = Machine::start(MachineSpec {
+        cpus: None,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(feed.clone()),

@@ -125,6 +125,7 @@ fn run(
         });
     }
     let m = Machine::start(MachineSpec {
+        cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
@@ -230,6 +231,7 @@ fn host(
 ) -> Machine {
     let sink = end.sink();
     Machine::start(MachineSpec {
+        cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
@@ -264,6 +266,7 @@ fn hv_host(
 ) -> Machine {
     let sink = end.sink();
     Machine::start(MachineSpec {
+        cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,

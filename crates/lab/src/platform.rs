@@ -484,6 +484,7 @@ impl Running {
             },
         };
         let machine = Machine::start(MachineSpec {
+            cpus: None,
             grant_version: opts.grant_version,
             grant_path: opts.grant_path,
             sample: opts.sample,

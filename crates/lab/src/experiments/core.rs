@@ -1124,6 +1124,7 @@ fn event_latency_on_pcpu(
         &hv::sched::CpuPlan {
             cores: vec![Some(CORE_B)],
             policy,
+            own_policy: Vec::new(),
         },
         None,
     )

@@ -305,6 +305,7 @@ fn run_job(
         }
     };
     let m = Machine::start(MachineSpec {
+        cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),

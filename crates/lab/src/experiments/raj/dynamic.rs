@@ -15,7 +15,9 @@ use dev::wire::Samples;
 use kernel::probe::{FloodSpec, ProbeCounters, ProbeSpec, SinkCounters};
 use kernel::svnic_guest::RawApp;
 
-use super::{client_mac, host, other, quantile, server_mac, Design, GuestApp, SPIN};
+use super::{
+    client_mac, host, other, quantile, server_mac, Design, GuestApp, Placement, Side, SPIN,
+};
 use crate::{LabError, Mode, Report};
 
 /// The three idle policies, all with the sidecore.
@@ -59,14 +61,14 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     let sent = Arc::new(AtomicU64::new(0));
     // Rate 0 means flat out: a tiny load still paces.
     let rate = Arc::new(AtomicU64::new(((LINK_BPS as f64 * load) as u64).max(1)));
-    let servers = host(design, b, 2, server_mac, &|i| {
+    let servers = host(design, Side::Server, b, 2, &|i| {
         GuestApp::Raw(if i == 0 {
             RawApp::Echo(server_mac(0))
         } else {
             RawApp::Sink(server_mac(1), Arc::clone(&sink))
         })
     })?;
-    let clients = host(design, a, 2, client_mac, &|i| {
+    let clients = host(design, Side::Client, a, 2, &|i| {
         GuestApp::Raw(if i == 0 {
             RawApp::Ping(ProbeSpec {
                 me: client_mac(0),
@@ -88,9 +90,28 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     })?;
     // Settled, then the window.
     std::thread::sleep(Duration::from_millis(200));
-    let (from, c0, t0) = (rtts.len(), mem::cpu::process_cpu_time(), Instant::now());
+    let place = Placement::of_host();
+    // The CPU the devices' cores used: where each host has cores of its own, its
+    // engines' and sidecore's pCPUs (the guests' poll alike in every design); where the
+    // hosts share the cores, the whole process.
+    let cpu = || match place {
+        Placement::Own(_) => [(&clients, Side::Client), (&servers, Side::Server)]
+            .into_iter()
+            .map(|(m, side)| {
+                let own = place.device_pcpus(m, side);
+                m.scheduler()
+                    .reports()
+                    .iter()
+                    .filter(|r| own.contains(&r.index))
+                    .map(|r| r.cpu)
+                    .sum::<Duration>()
+            })
+            .sum(),
+        Placement::Shared => mem::cpu::process_cpu_time(),
+    };
+    let (from, c0, t0) = (rtts.len(), cpu(), Instant::now());
     std::thread::sleep(window);
-    let (c1, t1) = (mem::cpu::process_cpu_time(), Instant::now());
+    let (c1, t1) = (cpu(), Instant::now());
     let mut got: Vec<f64> = rtts
         .since(from)
         .into_iter()
@@ -130,9 +151,17 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
          1 floods server 1 with 1514-byte frames at a fraction of the 1 Gbit/s link that server \
          1 checks byte for byte; the engines and the sidecore always polling, sleeping at once \
          when idle (interrupt-driven), or polling while there is work and sleeping after \
-         {} µs without (dynamic); {window} s per point; total CPU is the whole process's (both \
-         hosts), per second.",
-        SPIN.as_micros()
+         {} µs without (dynamic); {window} s per point; CPU per second is {}.",
+        SPIN.as_micros(),
+        match Placement::of_host() {
+            Placement::Own(_) =>
+                "that of the devices' own cores (both hosts' engines and \
+                                  sidecores, their pCPUs' thread CPU clocks; the guests' cores \
+                                  idle alike in every design)",
+            Placement::Shared =>
+                "the whole process's (both hosts: the devices share the \
+                                  cores with the guests)",
+        }
     ));
     let mut pts: Vec<Vec<Point>> = Vec::new();
     for (name, idle) in POLICIES {
@@ -151,7 +180,7 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
             let g = format!("dynamic cores: {:.0}% of the link", load * 100.0);
             rep.row(&g, &format!("{name}: round trip"), "µs", &p.rtts)
                 .reference = Some(format!("{} probes", p.rtts.len()));
-            rep.row(&g, &format!("{name}: total CPU"), "cores", &[p.cpu]);
+            rep.row(&g, &format!("{name}: CPU"), "cores", &[p.cpu]);
             rep.row(
                 &g,
                 &format!("{name}: frames the devices dropped"),
@@ -183,7 +212,7 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
             let y = dynm.cpu / intr.cpu;
             rep.check(
                 &format!(
-                    "{:.0}% load: dynamic total CPU ≤ 1.2× the interrupt-driven design's",
+                    "{:.0}% load: dynamic CPU ≤ 1.2× the interrupt-driven design's",
                     load * 100.0
                 ),
                 y,

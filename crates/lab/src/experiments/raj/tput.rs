@@ -17,7 +17,7 @@ use kernel::app::{AppCounters, AppSpec, Proto};
 use net::wire::UdpFlow;
 use smoltcp::wire::Ipv4Address;
 
-use super::{client_mac, host, other, server_mac, Design, GuestApp, SPIN};
+use super::{client_mac, host, other, server_mac, Design, GuestApp, Side, SPIN};
 use crate::chart::{Lines, Series};
 use crate::{LabError, Mode, Report};
 
@@ -73,10 +73,10 @@ fn once(design: Design, n: usize, warm: Duration, window: Duration) -> Result<Re
             nbd: None,
         })
     };
-    let servers = host(design, b, n, server_mac, &|i| {
+    let servers = host(design, Side::Server, b, n, &|i| {
         spec(i, Proto::TcpStream, Arc::clone(&recv[i]))
     })?;
-    let clients = host(design, a, n, client_mac, &|i| {
+    let clients = host(design, Side::Client, a, n, &|i| {
         spec(i, Proto::TcpSend, Arc::default())
     })?;
     let bytes = || -> Vec<u64> {
