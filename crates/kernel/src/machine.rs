@@ -215,9 +215,9 @@ pub struct MachineSpec {
     pub nic: NicSpec,
     /// The domains.
     pub layout: Layout,
-    /// The host cores the machine owns (its cpupool), in the order the layout's core
-    /// numbers take them; `None`: every online core, shared with any other machine.
-    pub cpus: Option<Vec<usize>>,
+    /// The host cores the machine owns (its cpupool), which the layout's core numbers
+    /// take in ascending order; `None`: every online core, shared with any other machine.
+    pub cpus: Option<CpuSet>,
 }
 
 /// What a domain is, for accounting.
@@ -489,6 +489,52 @@ fn assign_nic_queues(
     Ok((start_nic_queues(hv, at, lines, spec)?, pirqs))
 }
 
+/// A set of host cores by number (below [`CpuSet::LIMIT`]), as a machine file or an
+/// experiment names the cores a machine owns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuSet(u128);
+
+impl CpuSet {
+    /// Core numbers a set can hold: 0 to this, exclusive.
+    pub const LIMIT: usize = 128;
+
+    /// The cores `cores`; a core past [`Self::LIMIT`] or named twice is an error.
+    pub fn of(cores: impl IntoIterator<Item = usize>) -> Result<Self, BuildError> {
+        let mut bits = 0u128;
+        for c in cores {
+            if c >= Self::LIMIT {
+                return Err(other(format!(
+                    "core {c}: a CPU set holds cores 0 to {}",
+                    Self::LIMIT - 1
+                )));
+            }
+            if bits & 1 << c != 0 {
+                return Err(other(format!("a CPU set names core {c} twice")));
+            }
+            bits |= 1 << c;
+        }
+        Ok(Self(bits))
+    }
+
+    /// The cores `from..to` (those past [`Self::LIMIT`] left out).
+    pub fn range(r: std::ops::Range<usize>) -> Self {
+        Self(
+            r.filter(|&c| c < Self::LIMIT)
+                .fold(0u128, |bits, c| bits | 1 << c),
+        )
+    }
+
+    /// The cores, ascending.
+    pub fn cores(&self) -> Vec<usize> {
+        (0..Self::LIMIT).filter(|&c| self.0 & 1 << c != 0).collect()
+    }
+
+    /// Whether it names no core.
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+}
+
 /// The host cores a machine owns, Xen's cpupool: a layout names cores `0, 1, 2, ...`
 /// (the papers' pinning) and core `i` is the `i`-th host core of the pool, the pool's
 /// cores taken in turn when the layout names more than it has. By default the pool is
@@ -503,10 +549,11 @@ impl CpuPool {
         Self((0..mem::cpu::online_cores().max(1)).collect())
     }
 
-    /// The host cores `cores`, in their order; an empty list, a core the host does not
-    /// have, or a core named twice is an error.
-    pub fn of(cores: &[usize]) -> Result<Self, BuildError> {
+    /// The host cores of `set`, ascending; an empty set or a core the host does not
+    /// have is an error.
+    pub fn of(set: CpuSet) -> Result<Self, BuildError> {
         let online = mem::cpu::online_cores().max(1);
+        let cores = set.cores();
         if cores.is_empty() {
             return Err(other("a CPU pool needs at least one core"));
         }
@@ -515,13 +562,7 @@ impl CpuPool {
                 "core {c} is not online (the host has {online})"
             )));
         }
-        let mut seen = cores.to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        if seen.len() != cores.len() {
-            return Err(other("a CPU pool names a core twice"));
-        }
-        Ok(Self(cores.to_vec()))
+        Ok(Self(cores))
     }
 
     /// The host core a placement on the layout's core `i` gets.
@@ -644,8 +685,8 @@ impl Machine {
             ..HvConfig::default()
         })?;
         // One pCPU on each core the layout uses, its device engines' included.
-        let pool = match &spec.cpus {
-            Some(cores) => CpuPool::of(cores)?,
+        let pool = match spec.cpus {
+            Some(set) => CpuPool::of(set)?,
             None => CpuPool::all(),
         };
         let mut pcpu_cores = layout_cores(&spec.layout, &pool);

@@ -10,7 +10,7 @@ use dev::wire::{CountingSink, WireSource};
 use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::driver_domain::DriverConfig;
-use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
+use kernel::machine::{Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
 use net::netfront::{Grants, RxBuffers};
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -289,17 +289,19 @@ fn a_machine_given_one_core_runs_every_unit_there_and_a_pool_the_host_lacks_is_r
     };
     let (a, c) = app(f, 1000);
     let mut s = spec(messages(f, 1000, 20, None), layout(a));
-    s.cpus = Some(vec![last]);
+    s.cpus = Some(CpuSet::of([last]).expect("a set"));
     let m = Machine::start(s).expect("machine");
     // The driver domain, the guest and the NIC's engine: one pCPU, on the pool's core.
     assert_eq!(m.pcpu_cores(), &[last]);
     wait_for(&c, 20);
     m.stop().expect("stop");
     assert_eq!(c.corrupt.load(Ordering::Relaxed), 0);
+    let twice = CpuSet::of([last, last]).expect_err("a core named twice");
+    assert!(twice.to_string().contains("twice"), "{twice}");
+    assert!(CpuSet::of([CpuSet::LIMIT]).is_err());
     for (cpus, why) in [
-        (vec![], "at least one core"),
-        (vec![last + 1], "not online"),
-        (vec![last, last], "twice"),
+        (CpuSet::default(), "at least one core"),
+        (CpuSet::range(last + 1..last + 2), "not online"),
     ] {
         let mut s = spec(Vec::new(), layout(app(f, 1000).0));
         s.cpus = Some(cpus);

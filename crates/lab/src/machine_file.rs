@@ -4,6 +4,8 @@
 //! [hypervisor]
 //! grant_path = "optimised"      # or "original" (paper 000's)
 //! grant_version = 2             # or 1
+//! cpus = [2, 3]                 # the host cores the machine owns (its CPU pool), its
+//!                               # layout's cores taken from them in turn; all by default
 //!
 //! [nic]
 //! coalesce_packets = 6          # completions per interrupt
@@ -198,6 +200,7 @@ enum Schedule {
 struct Hypervisor {
     grant_path: Option<GrantPath>,
     grant_version: Option<Spanned<u8>>,
+    cpus: Option<Spanned<Vec<usize>>>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -296,6 +299,17 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             GrantPath::Original => hv::GrantPath::Original,
             GrantPath::Optimised => hv::GrantPath::Optimised,
         };
+    }
+    if let Some(c) = &f.hypervisor.cpus {
+        let online = mem::cpu::online_cores();
+        let set = match c.get_ref().iter().find(|&&n| n >= online) {
+            Some(n) => Err(format!("core {n}: this host has cores 0 to {}", online - 1)),
+            None if c.get_ref().is_empty() => Err("a machine needs at least one core".into()),
+            None => {
+                kernel::machine::CpuSet::of(c.get_ref().iter().copied()).map_err(|e| e.to_string())
+            }
+        };
+        cfg.cpus = Some(set.map_err(|why| refuse(c.span(), "hypervisor.cpus", why))?);
     }
     if let Some(v) = f.hypervisor.grant_version {
         cfg.grant_version = match *v.get_ref() {
@@ -664,6 +678,7 @@ mod tests {
 [hypervisor]
 grant_path = "optimised"
 grant_version = 2
+cpus = [0]
 
 [nic]
 coalesce_packets = 32
@@ -683,6 +698,8 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         let d = UpConfig::default();
         assert_eq!(cfg.grant_path, hv::GrantPath::Optimised);
         assert_eq!(cfg.grant_version, hv::GrantVersion::V2);
+        assert_eq!(cfg.cpus.map(|c| c.cores()), Some(vec![0]));
+        assert_eq!(d.cpus, None);
         assert_eq!(cfg.coalesce.pkts_per_irq, 32);
         assert!(cfg.coalesce.adaptive);
         assert_eq!(cfg.coalesce.max_delay, d.coalesce.max_delay);
@@ -782,6 +799,17 @@ core = 3
             (
                 "[hypervisor]\ngrant_version = 3\n[[guest]]\n",
                 "hypervisor.grant_version",
+                2,
+            ),
+            (
+                "[hypervisor]\n\ncpus = [0, 0]\n[[guest]]\n",
+                "hypervisor.cpus",
+                3,
+            ),
+            ("[hypervisor]\ncpus = []\n[[guest]]\n", "hypervisor.cpus", 2),
+            (
+                "[hypervisor]\ncpus = [100000]\n[[guest]]\n",
+                "hypervisor.cpus",
                 2,
             ),
             (

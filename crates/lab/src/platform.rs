@@ -113,6 +113,8 @@ pub struct Options {
     pub lro: Option<dev::lro::LroSetup>,
     /// How the machine's idle pCPUs wait.
     pub idle: hv::sched::IdlePolicy,
+    /// The host cores the machine owns (its CPU pool; none: every online core).
+    pub cpus: Option<kernel::machine::CpuSet>,
 }
 
 /// How long [`Running::finish`] waits without a message arriving before it takes the
@@ -145,6 +147,7 @@ impl Options {
             offloads: false,
             lro: None,
             idle: crate::idle_policy(),
+            cpus: None,
         }
     }
 }
@@ -484,7 +487,7 @@ impl Running {
             },
         };
         let machine = Machine::start(MachineSpec {
-            cpus: None,
+            cpus: opts.cpus,
             grant_version: opts.grant_version,
             grant_path: opts.grant_path,
             sample: opts.sample,

@@ -65,6 +65,9 @@ pub struct UpConfig {
     pub svnic: Option<dev::svnic::device::SvnicConfig>,
     /// Guests with a virtual disk and no network: each runs a block job on it.
     pub disks: Vec<UpDisk>,
+    /// The host cores the machine owns (its CPU pool), its layout's cores taken from
+    /// them in turn; none: every online core.
+    pub cpus: Option<kernel::machine::CpuSet>,
 }
 
 /// A guest whose one device is a virtual disk, and the job it runs on it until the
@@ -275,6 +278,7 @@ impl Default for UpConfig {
             mtu_wire: false,
             svnic: None,
             disks: Vec::new(),
+            cpus: None,
         }
     }
 }
@@ -691,6 +695,7 @@ fn bring_up(
         lro: cfg.lro,
         // Outside processes (iperf3, ping, the TAPs' readers) share the cores.
         idle: hv::sched::IdlePolicy::HALT_POLL,
+        cpus: cfg.cpus,
         ..pv()
     };
     let svnic = cfg.svnic.map(|c| {

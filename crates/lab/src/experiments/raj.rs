@@ -20,7 +20,9 @@ use dev::svnic::engine::Stage;
 use dev::wire::Samples;
 use hv::sched::IdlePolicy;
 use hv::{GrantPath, GrantVersion};
-use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec};
+use kernel::machine::{
+    Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec,
+};
 use kernel::probe::{ProbeCounters, ProbeSpec};
 use kernel::svnic_guest::{RawApp, SvnicApp};
 
@@ -204,11 +206,11 @@ impl Placement {
     }
 
     /// The host cores `side`'s machine owns, `None` when it shares them all.
-    fn cpus(&self, side: Side) -> Option<Vec<usize>> {
+    fn cpus(&self, side: Side) -> Option<CpuSet> {
         match *self {
             Placement::Own(h) => {
                 let first = if side == Side::Client { 0 } else { h };
-                Some((first..first + h).collect())
+                Some(CpuSet::range(first..first + h))
             }
             Placement::Shared => None,
         }
@@ -247,9 +249,10 @@ impl Placement {
     /// The pCPUs of `m`, `side`'s host placed so, that run the device's engines and
     /// sidecore alone (none when the hosts share the cores).
     fn device_pcpus(&self, m: &Machine, side: Side) -> Vec<usize> {
-        let (Placement::Own(h), Some(cpus)) = (self, self.cpus(side)) else {
+        let (Placement::Own(h), Some(set)) = (self, self.cpus(side)) else {
             return Vec::new();
         };
+        let cpus = set.cores();
         (h - 3..*h)
             .filter_map(|i| m.pcpu_cores().iter().position(|&c| c == cpus[i]))
             .collect()
@@ -753,8 +756,8 @@ mod tests {
     fn hosts_with_cores_of_their_own_share_none_and_keep_the_engines_off_the_guests_cores() {
         let p = Placement::Own(8);
         let (c, s) = (
-            p.cpus(Side::Client).expect("client cores"),
-            p.cpus(Side::Server).expect("server cores"),
+            p.cpus(Side::Client).expect("client cores").cores(),
+            p.cpus(Side::Server).expect("server cores").cores(),
         );
         assert_eq!((c.len(), s.len()), (8, 8));
         assert!(c.iter().all(|x| !s.contains(x)), "{c:?} against {s:?}");
