@@ -68,6 +68,19 @@ fn messages(
     out
 }
 
+/// A guest with the original netfront (page fragments, a grant per I/O, no offloads).
+fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec {
+    GuestSpec {
+        name: name.into(),
+        mac,
+        rx_buffers: RxBuffers::Fragments,
+        grants: Grants::PerIo,
+        offloads: false,
+        above,
+        core: None,
+    }
+}
+
 fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
     MachineSpec {
         cpus: None,
@@ -115,15 +128,11 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
         frames.push(messages(f, len, count, None));
         let (a, c) = app(f, len);
         apps.push(c);
-        guests.push(GuestSpec {
-            name: format!("guest{host}"),
-            mac: f.dst_mac,
-            rx_buffers: RxBuffers::Fragments,
-            grants: Grants::PerIo,
-            offloads: false,
-            above: Above::App(a),
-            core: None,
-        });
+        guests.push(plain_guest(
+            format!("guest{host}"),
+            f.dst_mac,
+            Above::App(a),
+        ));
     }
     // Interleaved, so the bridge switches between vifs frame by frame.
     let mut wire = Vec::new();
@@ -179,15 +188,7 @@ fn one_wrong_byte_anywhere_in_a_message_is_counted_in_every_layout() {
                     netfilter: false,
                     ..DriverConfig::default()
                 },
-                guests: vec![GuestSpec {
-                    name: "guest".into(),
-                    mac: f.dst_mac,
-                    rx_buffers: RxBuffers::Fragments,
-                    grants: Grants::PerIo,
-                    offloads: false,
-                    above: Above::App(a),
-                    core: None,
-                }],
+                guests: vec![plain_guest("guest", f.dst_mac, Above::App(a))],
             },
         };
         let m = Machine::start(spec(frames, l)).expect("machine");
@@ -205,25 +206,13 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
     bcast.dst_mac = [0xff; 6];
     let frames = messages(bcast, 100, count, None);
     let (spec2, seen2) = app(flow_to(2), 100);
-    let mut guests = vec![GuestSpec {
-        name: "guest2".into(),
-        mac: flow_to(2).dst_mac,
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
-        above: Above::App(spec2),
-        core: None,
-    }];
+    let mut guests = vec![plain_guest("guest2", flow_to(2).dst_mac, Above::App(spec2))];
     for h in [3u8, 4] {
-        guests.push(GuestSpec {
-            name: format!("guest{h}"),
-            mac: flow_to(h).dst_mac,
-            rx_buffers: RxBuffers::Fragments,
-            grants: Grants::PerIo,
-            offloads: false,
-            above: Above::App(app(flow_to(h), 100).0),
-            core: None,
-        });
+        guests.push(plain_guest(
+            format!("guest{h}"),
+            flow_to(h).dst_mac,
+            Above::App(app(flow_to(h), 100).0),
+        ));
     }
     let m = Machine::start(spec(
         frames,
@@ -277,15 +266,7 @@ fn a_machine_given_one_core_runs_every_unit_there_and_a_pool_the_host_lacks_is_r
     let f = flow_to(2);
     let layout = |a: AppSpec| Layout::DriverDomain {
         driver: DriverConfig::default(),
-        guests: vec![GuestSpec {
-            name: "guest".into(),
-            mac: f.dst_mac,
-            rx_buffers: RxBuffers::Fragments,
-            grants: Grants::PerIo,
-            offloads: false,
-            above: Above::App(a),
-            core: None,
-        }],
+        guests: vec![plain_guest("guest", f.dst_mac, Above::App(a))],
     };
     let (a, c) = app(f, 1000);
     let mut s = spec(messages(f, 1000, 20, None), layout(a));
@@ -347,15 +328,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
                     netfilter: false,
                     ..DriverConfig::default()
                 },
-                guests: vec![GuestSpec {
-                    name: "guest".into(),
-                    mac: f.dst_mac,
-                    rx_buffers: RxBuffers::Fragments,
-                    grants: Grants::PerIo,
-                    offloads: false,
-                    above: Above::App(a),
-                    core: None,
-                }],
+                guests: vec![plain_guest("guest", f.dst_mac, Above::App(a))],
             },
         )
     })
