@@ -208,8 +208,8 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
          throughout, HP at {} in turn, {} s a phase; throughput sampled every 100 ms, a \
          phase's figure its second half. Stride scheduling gives each backlogged VIF its \
          priority's share of what the link carries, so HP is due what it offers up to 80% of \
-         it. Each guest's vCPU floats over the cores beside the controller domain and the \
-         device threads.",
+         it. The guests' vCPUs take the cores after the controller domain's in turn, beside \
+         the device's engines.",
         offered.map(label).join(", "),
         phase.as_secs_f64()
     ));
