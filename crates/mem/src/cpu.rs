@@ -213,8 +213,13 @@ pub fn set_class(class: u8) -> u8 {
         // `SlotBinding`, which clears SLOT before releasing it.
         let slot = unsafe { &*p };
         // Relaxed: the only reader that matters is this thread's own signal handler,
-        // which runs on this thread and so sees program order.
-        slot.current.swap(class, Ordering::Relaxed)
+        // which runs on this thread and so sees program order. A load and a store, not a
+        // swap: only this thread writes the class, and a swap is a locked instruction
+        // (`xchg`), which on a data path that declares a class per operation (a grant
+        // copy enters and leaves one for each) cost more than the work it labelled.
+        let old = slot.current.load(Ordering::Relaxed);
+        slot.current.store(class, Ordering::Relaxed);
+        old
     })
 }
 
