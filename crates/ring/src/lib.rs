@@ -30,6 +30,63 @@ const REQ_EVENT: usize = 4;
 const RSP_PROD: usize = 8;
 const RSP_EVENT: usize = 12;
 
+/// Where a ring's four index words and its first slot lie in its region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// The front end's producer index.
+    pub req_prod: usize,
+    /// Where the back end asks to be notified of requests.
+    pub req_event: usize,
+    /// The back end's producer index.
+    pub rsp_prod: usize,
+    /// Where the front end asks to be notified of responses.
+    pub rsp_event: usize,
+    /// Bytes before the first slot.
+    pub header: usize,
+}
+
+impl Layout {
+    /// ring.h's: the four indices in the first 16 bytes, one cache line that both ends
+    /// write (the front end `req_prod` and `rsp_event`, the back end the other two), the
+    /// slots from byte 64. What a Xen peer expects, and the default.
+    pub const XEN: Layout = Layout {
+        req_prod: REQ_PROD,
+        req_event: REQ_EVENT,
+        rsp_prod: RSP_PROD,
+        rsp_event: RSP_EVENT,
+        header: HEADER_SIZE,
+    };
+
+    /// pvio's, beyond Xen, for two pvio ends that agree on it: the words each end writes
+    /// on a 64-byte line of their own (the front end's `req_prod` and `rsp_event` on the
+    /// first, the back end's `rsp_prod` and `req_event` on the second), so that an end
+    /// polling its peer's producer index never takes from the peer the line the peer
+    /// writes its own event index in, and the slots from byte 128. The ring holds as
+    /// many slots as ring.h's for every protocol of pvio's (the 64 bytes come out of
+    /// the rounding down).
+    pub const SPLIT: Layout = Layout {
+        req_prod: 0,
+        rsp_event: 4,
+        rsp_prod: 64,
+        req_event: 68,
+        header: 128,
+    };
+
+    /// Number of slots a region of `region` bytes holds for slots of `slot` bytes: the
+    /// largest power of two that fits after the header.
+    pub const fn ring_size(&self, region: usize, slot: usize) -> u32 {
+        if slot == 0 || region <= self.header {
+            return 0;
+        }
+        let n = (region - self.header) / slot;
+        if n == 0 {
+            0
+        } else {
+            1 << (usize::BITS - 1 - n.leading_zeros())
+        }
+    }
+}
+
 /// One ring protocol: the request and response entry types. Both are plain old data with
 /// their ABI layout; a slot holds either.
 pub trait RingProtocol {
@@ -49,15 +106,7 @@ pub trait RingProtocol {
 /// Number of slots a region of `region` bytes holds for slots of `slot` bytes: the
 /// largest power of two that fits after the header (ring.h's `__RD32`).
 pub const fn ring_size(region: usize, slot: usize) -> u32 {
-    if slot == 0 || region <= HEADER_SIZE {
-        return 0;
-    }
-    let n = (region - HEADER_SIZE) / slot;
-    if n == 0 {
-        0
-    } else {
-        1 << (usize::BITS - 1 - n.leading_zeros())
-    }
+    Layout::XEN.ring_size(region, slot)
 }
 
 /// The shared region a ring lives in: four index words and the slot array. Implemented
@@ -65,6 +114,10 @@ pub const fn ring_size(region: usize, slot: usize) -> u32 {
 pub trait RingMemory {
     /// Bytes in the region (a page for real rings).
     fn region_size(&self) -> usize;
+    /// Where the indices and slots are: ring.h's unless the region says otherwise.
+    fn layout(&self) -> Layout {
+        Layout::XEN
+    }
     /// Loads the index word at byte offset `at` (0, 4, 8 or 12).
     fn load(&self, at: usize, order: Ordering) -> u32;
     /// Stores the index word at byte offset `at`.
@@ -80,15 +133,25 @@ pub trait RingMemory {
 /// A shared page as ring memory. Construction checks that the index words are reachable
 /// as atomics (the page is mapped writable), so later accesses cannot fail.
 #[derive(Debug)]
-pub struct PageRing<P: PageAccess>(P);
+pub struct PageRing<P: PageAccess>(P, Layout);
 
 impl<P: PageAccess> PageRing<P> {
-    /// Wraps a page; fails if it cannot host a ring (read-only mapping, say).
+    /// Wraps a page as a ring.h ring; fails if it cannot host a ring (read-only
+    /// mapping, say).
     pub fn new(page: P) -> Result<Self, MemError> {
-        for at in [REQ_PROD, REQ_EVENT, RSP_PROD, RSP_EVENT] {
+        Self::with_layout(page, Layout::XEN)
+    }
+    /// Wraps a page as a ring laid out as `layout` (both ends must agree on it).
+    pub fn with_layout(page: P, layout: Layout) -> Result<Self, MemError> {
+        for at in [
+            layout.req_prod,
+            layout.req_event,
+            layout.rsp_prod,
+            layout.rsp_event,
+        ] {
             page.atomic_u32(at)?;
         }
-        Ok(Self(page))
+        Ok(Self(page, layout))
     }
     /// The page.
     pub fn page(&self) -> &P {
@@ -99,6 +162,9 @@ impl<P: PageAccess> PageRing<P> {
 impl<P: PageAccess> RingMemory for PageRing<P> {
     fn region_size(&self) -> usize {
         PAGE_SIZE
+    }
+    fn layout(&self) -> Layout {
+        self.1
     }
     #[inline]
     fn load(&self, at: usize, order: Ordering) -> u32 {
@@ -120,12 +186,14 @@ impl<P: PageAccess> RingMemory for PageRing<P> {
         // In bounds: slot < ring_size(PAGE_SIZE, slot_size), so the slot ends inside the
         // page; the accessor checks again and a failure reads as zeroes.
         self.0
-            .read_obj(HEADER_SIZE + slot as usize * slot_size)
+            .read_obj(self.1.header + slot as usize * slot_size)
             .unwrap_or_else(|_| T::zeroed())
     }
     #[inline]
     fn write_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize, v: &T) {
-        let _ = self.0.write_obj(HEADER_SIZE + slot as usize * slot_size, v);
+        let _ = self
+            .0
+            .write_obj(self.1.header + slot as usize * slot_size, v);
     }
 }
 
@@ -177,6 +245,8 @@ pub enum RingError {
 #[derive(Debug)]
 pub struct FrontRing<P: RingProtocol, M: RingMemory> {
     mem: M,
+    /// Where the indices are (the region's layout, read once).
+    at: Layout,
     size: u32,
     req_prod_pvt: RingIdx,
     rsp_cons: RingIdx,
@@ -190,17 +260,19 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
     /// Initialises the shared header (`SHARED_RING_INIT`) and the front end's private
     /// state (`FRONT_RING_INIT`). Done by the front end before granting the page.
     pub fn init(mem: M) -> Result<Self, RingError> {
-        let size = ring_size(mem.region_size(), P::SLOT_SIZE);
+        let at = mem.layout();
+        let size = at.ring_size(mem.region_size(), P::SLOT_SIZE);
         if size == 0 {
             return Err(RingError::TooSmall);
         }
-        mem.store(REQ_PROD, 0, Ordering::Relaxed);
-        mem.store(RSP_PROD, 0, Ordering::Relaxed);
-        mem.store(REQ_EVENT, 1, Ordering::Relaxed);
-        mem.store(RSP_EVENT, 1, Ordering::Relaxed);
+        mem.store(at.req_prod, 0, Ordering::Relaxed);
+        mem.store(at.rsp_prod, 0, Ordering::Relaxed);
+        mem.store(at.req_event, 1, Ordering::Relaxed);
+        mem.store(at.rsp_event, 1, Ordering::Relaxed);
         mem.fence(Ordering::Release);
         Ok(Self {
             mem,
+            at,
             size,
             req_prod_pvt: RingIdx(0),
             rsp_cons: RingIdx(0),
@@ -251,14 +323,14 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
     pub fn push_requests_and_check_notify(&mut self) -> bool {
         let new = self.req_prod_pvt.0;
         // We are the only writer of req_prod, so a relaxed load gives our last value.
-        let old = self.mem.load(REQ_PROD, Ordering::Relaxed);
+        let old = self.mem.load(self.at.req_prod, Ordering::Relaxed);
         // Release: the back end that sees the new req_prod also sees the slots.
-        self.mem.store(REQ_PROD, new, Ordering::Release);
+        self.mem.store(self.at.req_prod, new, Ordering::Release);
         // Full fence: our req_prod store must be visible before we read req_event, or we
         // could miss the back end arming req_event just after checking req_prod (and
         // both sides would wait).
         self.mem.fence(Ordering::SeqCst);
-        let event = self.mem.load(REQ_EVENT, Ordering::Relaxed);
+        let event = self.mem.load(self.at.req_event, Ordering::Relaxed);
         new.wrapping_sub(event) < new.wrapping_sub(old)
     }
 
@@ -270,7 +342,7 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
             return Ok(self.rsp_prod_seen.since(self.rsp_cons));
         }
         // Acquire: pairs with the back end's Release store; slots up to prod are written.
-        let prod = RingIdx(self.mem.load(RSP_PROD, Ordering::Acquire));
+        let prod = RingIdx(self.mem.load(self.at.rsp_prod, Ordering::Acquire));
         // The back end may answer only what we asked: anything beyond our outstanding
         // requests is a protocol break.
         if prod.since(self.rsp_cons) > self.outstanding() {
@@ -304,7 +376,7 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
             return Ok(true);
         }
         self.mem.store(
-            RSP_EVENT,
+            self.at.rsp_event,
             self.rsp_cons.0.wrapping_add(1),
             Ordering::Relaxed,
         );
@@ -319,6 +391,8 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
 #[derive(Debug)]
 pub struct BackRing<P: RingProtocol, M: RingMemory> {
     mem: M,
+    /// Where the indices are (the region's layout, read once).
+    at: Layout,
     size: u32,
     rsp_prod_pvt: RingIdx,
     req_cons: RingIdx,
@@ -331,12 +405,14 @@ pub struct BackRing<P: RingProtocol, M: RingMemory> {
 impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
     /// Attaches to a ring the front end initialised (`BACK_RING_INIT`).
     pub fn attach(mem: M) -> Result<Self, RingError> {
-        let size = ring_size(mem.region_size(), P::SLOT_SIZE);
+        let at = mem.layout();
+        let size = at.ring_size(mem.region_size(), P::SLOT_SIZE);
         if size == 0 {
             return Err(RingError::TooSmall);
         }
         Ok(Self {
             mem,
+            at,
             size,
             rsp_prod_pvt: RingIdx(0),
             req_cons: RingIdx(0),
@@ -388,7 +464,7 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             return Err(RingError::Broken);
         }
         // Acquire: pairs with the front end's Release store of req_prod.
-        let prod = RingIdx(self.mem.load(REQ_PROD, Ordering::Acquire));
+        let prod = RingIdx(self.mem.load(self.at.req_prod, Ordering::Acquire));
         // Measured from rsp_prod_pvt, the producer must lie between what we consumed
         // and one ring further. Beyond a ring means a bogus index (netback's
         // RING_REQUEST_PROD_OVERFLOW); behind req_cons means the front end took back
@@ -449,12 +525,12 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             return false;
         }
         let new = self.rsp_prod_pvt.0;
-        let old = self.mem.load(RSP_PROD, Ordering::Relaxed);
+        let old = self.mem.load(self.at.rsp_prod, Ordering::Relaxed);
         // Release: slots before index.
-        self.mem.store(RSP_PROD, new, Ordering::Release);
+        self.mem.store(self.at.rsp_prod, new, Ordering::Release);
         // Full fence: rsp_prod before reading rsp_event (see the front end's twin).
         self.mem.fence(Ordering::SeqCst);
-        let event = self.mem.load(RSP_EVENT, Ordering::Relaxed);
+        let event = self.mem.load(self.at.rsp_event, Ordering::Relaxed);
         new.wrapping_sub(event) < new.wrapping_sub(old)
     }
 
@@ -473,7 +549,7 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             return Ok(true);
         }
         self.mem.store(
-            REQ_EVENT,
+            self.at.req_event,
             self.req_prod_seen.0.wrapping_add(1),
             Ordering::Relaxed,
         );
@@ -489,7 +565,7 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             return Ok(true);
         }
         self.mem.store(
-            REQ_EVENT,
+            self.at.req_event,
             self.req_cons.0.wrapping_add(1),
             Ordering::Relaxed,
         );
@@ -528,9 +604,14 @@ mod tests {
     type Back = BackRing<Proto, PageRing<FramePage>>;
 
     fn pair() -> (Front, Back, Arc<MachineMemory>) {
+        pair_with(Layout::XEN)
+    }
+
+    fn pair_with(layout: Layout) -> (Front, Back, Arc<MachineMemory>) {
         let mem = Arc::new(MachineMemory::new(1).expect("memfd"));
         let page = || {
-            PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame")).expect("ring")
+            let frame = FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame");
+            PageRing::with_layout(frame, layout).expect("ring")
         };
         (
             FrontRing::init(page()).expect("init"),
@@ -549,8 +630,57 @@ mod tests {
     }
 
     #[test]
+    fn the_split_layout_keeps_each_ends_words_on_its_own_line_and_as_many_slots() {
+        let l = Layout::SPLIT;
+        let line = |at: usize| at / 64;
+        assert_eq!(line(l.req_prod), line(l.rsp_event));
+        assert_eq!(line(l.rsp_prod), line(l.req_event));
+        assert_ne!(line(l.req_prod), line(l.rsp_prod));
+        assert!(l.header >= 64 * (line(l.rsp_prod) + 1));
+        // Every protocol's slot size: netif TX and RX, blkif, the benchmarks'.
+        for slot in [12, 8, 112, 4, 16] {
+            assert_eq!(l.ring_size(4096, slot), Layout::XEN.ring_size(4096, slot));
+        }
+        // The back end's words are where the split puts them, not where ring.h does.
+        let (mut f, mut b, m) = pair_with(l);
+        f.push_request(&Req {
+            id: 7,
+            pad: 0,
+            val: 1,
+        })
+        .expect("push");
+        f.push_requests_and_check_notify();
+        assert_eq!(b.take_request().expect("ok").map(|r| r.id), Some(7));
+        b.push_response(&Rsp { id: 7, status: 0 }).expect("rsp");
+        b.push_responses_and_check_notify();
+        let word = |at| {
+            m.atomic_u32(Mfn(0), at)
+                .expect("word")
+                .load(Ordering::Relaxed)
+        };
+        assert_eq!((word(l.req_prod), word(l.rsp_prod)), (1, 1));
+        assert_eq!(word(RSP_PROD), 0, "nothing writes ring.h's rsp_prod word");
+        assert_eq!(f.take_response().expect("ok").map(|r| r.id), Some(7));
+        // A hostile back end's producer index, at the split's place: the ring breaks.
+        m.atomic_u32(Mfn(0), l.rsp_prod)
+            .expect("word")
+            .store(1000, Ordering::Release);
+        assert!(matches!(
+            f.take_response(),
+            Err(RingError::ProducerOverrun { prod: 1000, .. })
+        ));
+        assert_eq!(f.take_response(), Err(RingError::Broken));
+    }
+
+    #[test]
     fn requests_and_responses_round_trip_with_notifications() {
-        let (mut f, mut b, _m) = pair();
+        for layout in [Layout::XEN, Layout::SPLIT] {
+            round_trip_with_notifications(layout);
+        }
+    }
+
+    fn round_trip_with_notifications(layout: Layout) {
+        let (mut f, mut b, _m) = pair_with(layout);
         assert_eq!(f.size(), 256);
         // Back end idle and armed (req_event = 1): the first push notifies.
         f.push_request(&Req {
