@@ -411,15 +411,6 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
     let len = 1000;
     let (a, c) = app(f, len);
     let feed = Feed::default();
-    let guest = |name: &str, mac: [u8; 6], above: Above| GuestSpec {
-        name: name.into(),
-        mac,
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
-        above,
-        core: None,
-    };
     let mut m = Machine::start(MachineSpec {
         cpus: None,
         nic: NicSpec {
@@ -435,8 +426,8 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
                     ..DriverConfig::default()
                 },
                 guests: vec![
-                    guest("deaf", [2, 0, 0, 0, 0, 0x0e], Above::Deaf(7)),
-                    guest("guest", f.dst_mac, Above::App(a)),
+                    plain_guest("deaf", [2, 0, 0, 0, 0, 0x0e], Above::Deaf(7)),
+                    plain_guest("guest", f.dst_mac, Above::App(a)),
                 ],
             },
         )
