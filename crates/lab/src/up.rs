@@ -335,6 +335,8 @@ pub struct UpCounters {
     pub guest_out: u64,
     /// Frames any side dropped as too long for a 1500-byte MTU.
     pub oversize: u64,
+    /// Frames the NIC had no posted buffer for (its missed-packet counter).
+    pub rx_missed: u64,
 }
 
 fn ip(args: &[&str]) -> Result<(), LabError> {
@@ -727,6 +729,11 @@ impl Up {
             guest_in_bytes: sum(&|c| l(&c.bytes_out)),
             guest_out: sum(&|c| l(&c.frames_in)),
             oversize: l(&self.wire.oversize_in) + sum(&|c| l(&c.oversize_in)),
+            rx_missed: self
+                .running
+                .as_ref()
+                .and_then(|r| r.nic_regs())
+                .map_or(0, |n| l(&n.rx_missed)),
         }
     }
 
