@@ -224,6 +224,12 @@ pub struct NicRegs {
     pub rx_bytes: AtomicU64,
     /// Frames dropped for want of a queue or a free descriptor, all queues.
     pub rx_missed: AtomicU64,
+    /// Set by the device when it left frames with a source that holds them (a TAP) for
+    /// want of a free descriptor, as a link with flow control pauses its sender; the
+    /// driver's next RX tail write clears it and wakes the device.
+    pub rx_paused: AtomicBool,
+    /// Times the device paused its source so.
+    pub rx_pauses: AtomicU64,
     /// Frames dropped: too long.
     pub rx_oversize: AtomicU64,
     /// DMA faults (a descriptor naming memory the device may not touch).
@@ -280,6 +286,7 @@ impl net::counters::CounterSet for NicRegs {
         f("rx_frames", l(&self.rx_frames));
         f("rx_bytes", l(&self.rx_bytes));
         f("rx_missed", l(&self.rx_missed));
+        f("rx_pauses", l(&self.rx_pauses));
         f("rx_oversize", l(&self.rx_oversize));
         f("dma_faults", l(&self.dma_faults));
         f("rx_dma_errors", l(&self.rx_dma_errors));
@@ -328,6 +335,8 @@ impl NicRegs {
             rx_frames: AtomicU64::new(0),
             rx_bytes: AtomicU64::new(0),
             rx_missed: AtomicU64::new(0),
+            rx_paused: AtomicBool::new(false),
+            rx_pauses: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
             rx_dma_errors: AtomicU64::new(0),
@@ -439,10 +448,18 @@ impl NicRegs {
         self.doze.wake();
     }
 
-    /// Publishes queue `q`'s RX descriptors up to `tail`.
+    /// Publishes queue `q`'s RX descriptors up to `tail`, and wakes the device if it
+    /// paused its source for want of them.
     pub fn set_rx_tail(&self, q: usize, tail: u32) {
         if let Some(r) = self.rxq.get(q) {
-            r.tail.store(tail, Ordering::Release);
+            // SeqCst, as the flag's: the tail before the flag is read here, the flag
+            // before the tail is read again by the device, so one of the two sees the
+            // other (a refill never sleeps through a pause).
+            r.tail.store(tail, Ordering::SeqCst);
+            if self.rx_paused.load(Ordering::SeqCst) && self.rx_paused.swap(false, Ordering::SeqCst)
+            {
+                self.doze.wake();
+            }
         }
     }
 
@@ -504,6 +521,13 @@ impl Engine {
     }
 }
 
+/// No free descriptor on queue `q` for a frame (its tail as the device read it).
+#[derive(Debug, Clone, Copy)]
+struct NoRoom {
+    q: usize,
+    tail: u32,
+}
+
 struct Device {
     regs: Arc<NicRegs>,
     dma: DmaContext,
@@ -521,6 +545,9 @@ struct Device {
     /// zeroed per frame).
     rx_descs: [(Iova, Desc); MAX_RX_DESCS_PER_FRAME],
     rx_lens: [u16; MAX_RX_DESCS_PER_FRAME],
+    /// Frames wait with a holding source for want of a descriptor: its readiness is
+    /// not work until the driver refills (which wakes the device).
+    holding: bool,
 }
 
 /// The device's own state of one receive queue.
@@ -717,6 +744,7 @@ impl Device {
             seg: vec![0; 2048],
             rx_descs: [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME],
             rx_lens: [0; MAX_RX_DESCS_PER_FRAME],
+            holding: false,
         }
     }
 
@@ -743,7 +771,11 @@ impl Device {
         let now = Instant::now();
         if regs.enabled.load(Ordering::Acquire) {
             if regs.link_up.load(Ordering::Acquire) {
-                source.poll(now, &mut |f, off| self.receive(f, off));
+                if source.holds() {
+                    self.receive_held(source, now);
+                } else {
+                    source.poll(now, &mut |f, off| self.receive(f, off));
+                }
             }
             self.transmit(sink);
         }
@@ -780,7 +812,7 @@ impl Device {
         regs.doze.announce();
         let work = regs.tx_tail.load(Ordering::SeqCst) % RING_DESCS != self.tx_head
             || regs.stop.load(Ordering::Acquire)
-            || (source.ready() && regs.link_up.load(Ordering::Acquire));
+            || (source.ready() && !self.holding && regs.link_up.load(Ordering::Acquire));
         if work {
             regs.doze.awake();
             return None;
@@ -870,10 +902,47 @@ impl Device {
         }
     }
 
+    /// Frames from a source that holds them (a TAP), as long as their queues have
+    /// room: the first refused stays with the source, and the device pauses it until
+    /// the driver's next RX tail write (link-level flow control: what cannot be
+    /// received is not read, rather than read and dropped).
+    fn receive_held(&mut self, source: &mut dyn WireSource, now: Instant) {
+        let mut refused = None;
+        source.poll_held(now, &mut |f, off| match self.take(f, off) {
+            Ok(()) => true,
+            Err(e) => {
+                refused = Some(e);
+                false
+            }
+        });
+        self.holding = false;
+        let Some(e) = refused else {
+            return;
+        };
+        // Pause, then look at the tail again: a refill that came before the flag was
+        // up did not see it (SeqCst on both sides; see `NicRegs::set_rx_tail`).
+        self.regs.rx_paused.store(true, Ordering::SeqCst);
+        if self.regs.rxq[e.q].tail.load(Ordering::SeqCst) == e.tail {
+            self.holding = true;
+            self.regs.rx_pauses.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.regs.rx_paused.store(false, Ordering::Relaxed);
+        }
+    }
+
     /// A frame from the wire, with what rides beside it: into the free descriptors'
     /// buffers of the queue its destination is steered to. Metadata from the cable is
     /// checked against the frame first, like anything from outside.
     fn receive(&mut self, frame: &[u8], off: Offload) {
+        if let Err(e) = self.take(frame, off) {
+            self.missed(e);
+        }
+    }
+
+    /// A frame from a source that holds what the device refuses (a TAP): taken
+    /// (received, or dropped for a reason no refill cures), or refused for want of a
+    /// free descriptor, to stay first in the source's line.
+    fn take(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
         let regs = Arc::clone(&self.regs);
         let partial = matches!(off.csum, Csum::Partial { .. });
         if (partial || off.gso.is_some())
@@ -881,20 +950,33 @@ impl Device {
                 .is_err()
         {
             regs.rx_bad_offload.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Ok(());
         }
         if frame.len() > MAX_FRAME && off.gso.is_none() {
             regs.rx_oversize.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Ok(());
         }
-        let q = regs.classify(frame);
+        self.receive_or_refuse(frame, off)
+    }
+
+    /// A checked frame into its queue, or its queue's lack of room.
+    fn receive_or_refuse(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
+        let q = self.regs.classify(frame);
+        let partial = matches!(off.csum, Csum::Partial { .. });
         if q != 0 && (partial || off.gso.is_some()) {
             // A guest queue's completions carry no offload: it gets what a cable of
-            // MTU-sized frames would have brought, checksums complete.
+            // MTU-sized frames would have brought, checksums complete. (Cut frames
+            // that find no room are dropped as a cable's: their first parts are in.)
             self.receive_cut(q, frame, off);
-            return;
+            return Ok(());
         }
-        self.receive_one(q, frame, off);
+        self.receive_one(q, frame, off)
+    }
+
+    /// Counts a frame dropped for want of a descriptor on its queue.
+    fn missed(&self, e: NoRoom) {
+        self.regs.rxq[e.q].missed.fetch_add(1, Ordering::Relaxed);
+        self.regs.rx_missed.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Cuts a large or partially checksummed frame into complete frames for queue `q`.
@@ -909,14 +991,18 @@ impl Device {
             let done = match off.gso {
                 Some(g) => net::offload::segment_tcpv4(f, &l4, g.size.into(), &mut seg, |s| {
                     self.regs.rx_cut.fetch_add(1, Ordering::Relaxed);
-                    self.receive_one(q, s, Offload::NONE);
+                    if let Err(e) = self.receive_one(q, s, Offload::NONE) {
+                        self.missed(e);
+                    }
                 })
                 .is_ok(),
                 None => {
                     let ok = net::offload::fill_partial(f, l4.l4, l4.csum_offset).is_ok();
                     if ok {
                         self.regs.rx_cut.fetch_add(1, Ordering::Relaxed);
-                        self.receive_one(q, f, Offload::NONE);
+                        if let Err(e) = self.receive_one(q, f, Offload::NONE) {
+                            self.missed(e);
+                        }
                     }
                     ok
                 }
@@ -934,32 +1020,39 @@ impl Device {
     /// first, so that the driver never sees the first done before the rest. The last
     /// carries end-of-packet and the offload. A frame without enough free descriptors
     /// is dropped whole, nothing written.
-    fn receive_one(&mut self, q: usize, frame: &[u8], off: Offload) {
+    fn receive_one(&mut self, q: usize, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
         let regs = Arc::clone(&self.regs);
         let qr = &regs.rxq[q];
         // Queue 0 is on whenever the device is; another only once enabled, with a line.
         let on = q == 0 || (qr.enabled.load(Ordering::Acquire) && self.rxq[q].irq.is_some());
         let head = self.rxq[q].head;
         let tail = qr.tail.load(Ordering::Acquire);
-        if !on || head == tail {
+        if !on {
             qr.missed.fetch_add(1, Ordering::Relaxed);
             regs.rx_missed.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Ok(());
+        }
+        if head == tail {
+            return Err(NoRoom { q, tail });
         }
         let base = qr.base.load(Ordering::Relaxed);
         let (descs, lens) = (&mut self.rx_descs, &mut self.rx_lens);
         let (mut k, mut room, mut h) = (0, 0usize, head);
         while room < frame.len().max(1) {
-            if h == tail || k == MAX_RX_DESCS_PER_FRAME {
+            if h == tail {
+                return Err(NoRoom { q, tail });
+            }
+            if k == MAX_RX_DESCS_PER_FRAME {
+                // Descriptors too short for the frame: no refill makes room for it.
                 qr.missed.fetch_add(1, Ordering::Relaxed);
                 regs.rx_missed.fetch_add(1, Ordering::Relaxed);
-                return;
+                return Ok(());
             }
             let at = desc_iova(base, h);
             let mut raw = [0u8; DESC_SIZE];
             if self.dma.dma_read(at, &mut raw).is_err() {
                 regs.dma_faults.fetch_add(1, Ordering::Relaxed);
-                return;
+                return Ok(());
             }
             let d: Desc = bytemuck::pod_read_unaligned(&raw);
             room += if d.len == 0 {
@@ -1030,7 +1123,7 @@ impl Device {
             };
             if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
                 regs.dma_faults.fetch_add(1, Ordering::Relaxed);
-                return;
+                return Ok(());
             }
         }
         self.rxq[q].head = h;
@@ -1044,6 +1137,7 @@ impl Device {
             }
         }
         self.complete(q, Instant::now());
+        Ok(())
     }
 
     /// Puts one packet on the cable. A large one is cut into MTU-sized frames by the
@@ -1175,6 +1269,112 @@ impl Device {
 mod tests {
     use super::*;
     use hv::{DomainConfig, Gfn, HvConfig, Hypervisor};
+
+    /// Frames that wait outside until the device takes them (a TAP's queue).
+    struct Holding(std::collections::VecDeque<Vec<u8>>);
+
+    impl WireSource for Holding {
+        fn poll(&mut self, _now: Instant, _emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+            unreachable!("a holding source is polled with poll_held")
+        }
+        fn next_due(&self) -> Option<Instant> {
+            None
+        }
+        fn ready(&self) -> bool {
+            !self.0.is_empty()
+        }
+        fn holds(&self) -> bool {
+            true
+        }
+        fn poll_held(
+            &mut self,
+            _now: Instant,
+            emit: &mut dyn FnMut(&[u8], Offload) -> bool,
+        ) -> usize {
+            let mut n = 0;
+            while let Some(f) = self.0.front() {
+                if !emit(f, Offload::NONE) {
+                    break;
+                }
+                self.0.pop_front();
+                n += 1;
+            }
+            n
+        }
+    }
+
+    #[test]
+    fn a_source_that_holds_keeps_what_the_ring_has_no_room_for_until_the_driver_refills() {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 512,
+            ..Default::default()
+        })
+        .expect("hv");
+        let d = hv
+            .create_domain(&DomainConfig {
+                pages: 64,
+                driver_domain: true,
+                ..Default::default()
+            })
+            .expect("dom");
+        let ring = d.alloc_page().expect("p");
+        let ring_iova = 0x10_000u64;
+        hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
+        let mut bufs = Vec::new();
+        for i in 0..4u64 {
+            let b = d.alloc_page().expect("p");
+            let at = 0x20_000 + i * 0x1000;
+            hv.iommu_map(&d, Iova(at), b, true).expect("map");
+            let desc = Desc {
+                addr: at,
+                ..Default::default()
+            };
+            d.write(ring, i as usize * DESC_SIZE, bytemuck::bytes_of(&desc))
+                .expect("desc");
+            bufs.push(b);
+        }
+        hv.iommu_attach(DeviceId(9), &d).expect("attach");
+        let regs = Arc::new(NicRegs::new());
+        regs.rxq[0].base.store(ring_iova, Ordering::Relaxed);
+        regs.enabled.store(true, Ordering::Relaxed);
+        regs.link_up.store(true, Ordering::Relaxed);
+        let mut dev = Device::new(
+            Arc::clone(&regs),
+            hv.iommu().device(DeviceId(9)),
+            Coalesce::default(),
+            vec![IrqLine::Native(Arc::default())],
+        );
+        let frames: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 100]).collect();
+        let mut src = Holding(frames.iter().cloned().collect());
+        let mut sink = crate::wire::CountingSink::default();
+        let mut resets = 0;
+        // No descriptor posted: nothing is read, nothing is lost, the device pauses.
+        dev.pass(&mut src, &mut sink, &mut resets);
+        assert_eq!(src.0.len(), 6);
+        assert_eq!(regs.rx_missed.load(Ordering::Relaxed), 0);
+        assert!(regs.rx_paused.load(Ordering::Relaxed));
+        assert_eq!(regs.rx_pauses.load(Ordering::Relaxed), 1);
+        // Two buffers: two frames in, the rest wait; the refill lifted the pause.
+        regs.set_rx_tail(0, 2);
+        assert!(
+            !regs.rx_paused.load(Ordering::Relaxed),
+            "a refill lifts the pause"
+        );
+        dev.pass(&mut src, &mut sink, &mut resets);
+        assert_eq!(src.0.len(), 4);
+        assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 2);
+        // Two more: two more in, in order, and still nothing missed.
+        regs.set_rx_tail(0, 4);
+        dev.pass(&mut src, &mut sink, &mut resets);
+        assert_eq!(src.0.len(), 2);
+        assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 4);
+        assert_eq!(regs.rx_missed.load(Ordering::Relaxed), 0);
+        for (b, f) in bufs.iter().zip(&frames) {
+            let mut got = vec![0u8; f.len()];
+            d.read(*b, 0, &mut got).expect("data");
+            assert_eq!(&got, f);
+        }
+    }
 
     #[test]
     fn a_frame_whose_dma_faults_completes_its_descriptor_with_an_error_and_no_data() {

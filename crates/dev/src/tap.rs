@@ -400,6 +400,12 @@ impl WireSource for TapPort {
     fn attach(&mut self, wake: &Arc<crate::wire::Doze>) {
         self.doze = Some(Arc::clone(wake));
     }
+    fn holds(&self) -> bool {
+        true
+    }
+    fn poll_held(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        self.recv(|f, off| emit(f, off))
+    }
 }
 
 #[cfg(test)]

@@ -87,6 +87,19 @@ pub trait WireSource: Send {
     }
     /// Called once by the device thread as it starts, with what wakes it.
     fn attach(&mut self, _wake: &Arc<Doze>) {}
+    /// Whether a frame the device has no room for can stay with the source, first in
+    /// its line, rather than be lost: a TAP keeps it in the interface's queue, as a
+    /// link with flow control pauses its sender. A cable's frames cannot wait.
+    fn holds(&self) -> bool {
+        false
+    }
+    /// As [`Self::poll`], for a source that [`Self::holds`]: `emit` returns false for
+    /// a frame the device refuses, which stays first in line, and the poll stops there.
+    fn poll_held(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        self.poll(now, &mut |f, off| {
+            emit(f, off);
+        })
+    }
 }
 
 /// What the NIC transmits goes here.
