@@ -5,7 +5,9 @@
 //! `rsp_event` (free-running `u32`s) then padding, followed by a power-of-two number of
 //! slots, each as large as the larger of a request and a response. The front end produces
 //! requests and consumes responses; the back end the reverse. Names follow ring.h
-//! (`req_prod_pvt`, `rsp_cons`, ...) so the code can be read beside it.
+//! (`req_prod_pvt`, `rsp_cons`, ...) so the code can be read beside it. Beyond ring.h,
+//! two pvio ends may agree on [`Layout::SPLIT`], each end's index words on a cache line
+//! of its own ([`PageRing::with_layout`]).
 //!
 //! What it owns: each end's private indices. What it trusts: nothing in the shared page.
 //! Every index read from the peer is loaded once, checked against the ring size, and
