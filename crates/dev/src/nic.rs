@@ -1270,6 +1270,23 @@ mod tests {
     use super::*;
     use hv::{DomainConfig, Gfn, HvConfig, Hypervisor};
 
+    /// A hypervisor and the driver domain whose memory the NIC's rings live in.
+    fn driver_domain() -> (Arc<Hypervisor>, Arc<hv::Domain>) {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 512,
+            ..Default::default()
+        })
+        .expect("hv");
+        let d = hv
+            .create_domain(&DomainConfig {
+                pages: 64,
+                driver_domain: true,
+                ..Default::default()
+            })
+            .expect("dom");
+        (hv, d)
+    }
+
     /// Frames that wait outside until the device takes them (a TAP's queue).
     struct Holding(std::collections::VecDeque<Vec<u8>>);
 
@@ -1305,18 +1322,7 @@ mod tests {
 
     #[test]
     fn a_source_that_holds_keeps_what_the_ring_has_no_room_for_until_the_driver_refills() {
-        let hv = Hypervisor::new(HvConfig {
-            frames: 512,
-            ..Default::default()
-        })
-        .expect("hv");
-        let d = hv
-            .create_domain(&DomainConfig {
-                pages: 64,
-                driver_domain: true,
-                ..Default::default()
-            })
-            .expect("dom");
+        let (hv, d) = driver_domain();
         let ring = d.alloc_page().expect("p");
         let ring_iova = 0x10_000u64;
         hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
@@ -1378,18 +1384,7 @@ mod tests {
 
     #[test]
     fn a_frame_whose_dma_faults_completes_its_descriptor_with_an_error_and_no_data() {
-        let hv = Hypervisor::new(HvConfig {
-            frames: 512,
-            ..Default::default()
-        })
-        .expect("hv");
-        let d = hv
-            .create_domain(&DomainConfig {
-                pages: 64,
-                driver_domain: true,
-                ..Default::default()
-            })
-            .expect("dom");
+        let (hv, d) = driver_domain();
         let (ring, buf): (Gfn, Gfn) = (d.alloc_page().expect("p"), d.alloc_page().expect("p"));
         let (ring_iova, buf_iova) = (0x10_000u64, 0x20_000u64);
         hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
