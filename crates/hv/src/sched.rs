@@ -55,6 +55,35 @@ pub enum IdlePolicy {
     /// Sleep at once: every wake-up of an idle pCPU is a host wake-up (a futex), as a
     /// vCPU thread's was before pvio had a scheduler. Kept as the comparison row.
     Block,
+    /// Halt-poll with a window of each pCPU's own that adapts, as KVM's `halt_poll_ns`
+    /// does (`grow_halt_poll_ns`, `shrink_halt_poll_ns`): it starts at zero, grows
+    /// (to [`ADAPTIVE_GROW_START`], then doubling, up to the bound) when a wake-up came
+    /// after the window but within the bound, where a longer spin would have caught
+    /// it, and drops back to zero when the pCPU slept longer than the bound, where no
+    /// spin would have. A pCPU that wakes often spins; one that idles long gives its
+    /// core back at once. For machines that share their cores with other processes
+    /// (`pvio up` with iperf3).
+    AdaptiveHaltPoll(Duration),
+}
+
+/// The window an adaptive halt-poll starts growing from (KVM's
+/// `halt_poll_ns_grow_start`).
+pub const ADAPTIVE_GROW_START: Duration = Duration::from_micros(10);
+
+/// An adaptive halt-poll window after an idle period of `halted` with window `window`
+/// and bound `max` (KVM's rule: `kvm_vcpu_halt`'s grow and shrink, shrink factor 0).
+pub fn next_poll_window(window: Duration, halted: Duration, max: Duration) -> Duration {
+    if halted <= window {
+        // Woken while spinning: the window did its work.
+        window
+    } else if halted > max {
+        // No window within the bound would have caught it.
+        Duration::ZERO
+    } else if window.is_zero() {
+        ADAPTIVE_GROW_START.min(max)
+    } else {
+        (window * 2).min(max)
+    }
 }
 
 /// KVM's default halt-polling bound (`halt_poll_ns`, 200 µs).
@@ -72,6 +101,8 @@ impl IdlePolicy {
             IdlePolicy::HaltPoll(b) if *b == HALT_POLL_DEFAULT => "halt-poll".into(),
             IdlePolicy::HaltPoll(b) => format!("halt-poll:{}us", b.as_micros()),
             IdlePolicy::Block => "block".into(),
+            IdlePolicy::AdaptiveHaltPoll(b) if *b == HALT_POLL_DEFAULT => "adaptive".into(),
+            IdlePolicy::AdaptiveHaltPoll(b) => format!("adaptive:{}us", b.as_micros()),
         }
     }
 
@@ -81,13 +112,23 @@ impl IdlePolicy {
             "poll" => Ok(IdlePolicy::Poll),
             "block" => Ok(IdlePolicy::Block),
             "halt-poll" => Ok(IdlePolicy::HALT_POLL),
+            "adaptive" => Ok(IdlePolicy::AdaptiveHaltPoll(HALT_POLL_DEFAULT)),
+            _ if s.starts_with("adaptive:") => s
+                .strip_prefix("adaptive:")
+                .and_then(|r| r.strip_suffix("us"))
+                .and_then(|n| n.parse::<u64>().ok())
+                .map(|us| IdlePolicy::AdaptiveHaltPoll(Duration::from_micros(us)))
+                .ok_or_else(|| format!("idle policy {s:?}: adaptive or adaptive:<n>us")),
             _ => {
                 let us = s
                     .strip_prefix("halt-poll:")
                     .and_then(|r| r.strip_suffix("us"))
                     .and_then(|n| n.parse::<u64>().ok())
                     .ok_or_else(|| {
-                        format!("idle policy {s:?}: poll, halt-poll, halt-poll:<n>us or block")
+                        format!(
+                            "idle policy {s:?}: poll, halt-poll, halt-poll:<n>us, adaptive \
+                             or block"
+                        )
                     })?;
                 Ok(IdlePolicy::HaltPoll(Duration::from_micros(us)))
             }
@@ -325,6 +366,8 @@ pub(crate) struct PcpuShared {
     index: usize,
     core: Option<usize>,
     policy: IdlePolicy,
+    /// The adaptive halt-poll's window now, ns (only its own thread writes it).
+    poll_window_ns: AtomicU64,
     sample: Option<Duration>,
     name: String,
     /// The IPI word: one bit per unit woken since the thread last looked.
@@ -764,6 +807,7 @@ impl Scheduler {
                     index,
                     core,
                     policy: plan.policy_of(index),
+                    poll_window_ns: AtomicU64::new(0),
                     sample,
                     name: format!("pcpu{index}"),
                     ipi: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -1374,10 +1418,12 @@ fn idle(
 ) {
     let start = Instant::now();
     let mut counted = start;
+    let window = Duration::from_nanos(p.poll_window_ns.load(Ordering::Relaxed));
     let spin_end = match p.policy {
         IdlePolicy::Poll => None,
         IdlePolicy::HaltPoll(b) => Some(start + b),
         IdlePolicy::Block => Some(start),
+        IdlePolicy::AdaptiveHaltPoll(_) => Some(start + window),
     };
     let mut spins = 0u32;
     let mut sleep = false;
@@ -1463,6 +1509,11 @@ fn idle(
             p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
         }
         p.sleeping.store(false, Ordering::Relaxed);
+    }
+    if let IdlePolicy::AdaptiveHaltPoll(max) = p.policy {
+        let next = next_poll_window(window, start.elapsed(), max);
+        p.poll_window_ns
+            .store(next.as_nanos() as u64, Ordering::Relaxed);
     }
     p.stats
         .idle_ns

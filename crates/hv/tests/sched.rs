@@ -484,3 +484,28 @@ fn a_pcpu_with_a_policy_of_its_own_sleeps_while_its_polling_neighbour_spins() {
     j.wake();
     assert_eq!(j.join(), Ok(50));
 }
+
+#[test]
+fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_sleeps() {
+    use hv::sched::{next_poll_window, ADAPTIVE_GROW_START};
+    let us = Duration::from_micros;
+    let max = us(200);
+    // Woken within the window: it stays.
+    assert_eq!(next_poll_window(us(40), us(30), max), us(40));
+    // Woken after it but within the bound: it grows, from the start value, doubling.
+    assert_eq!(
+        next_poll_window(Duration::ZERO, us(50), max),
+        ADAPTIVE_GROW_START
+    );
+    assert_eq!(next_poll_window(us(40), us(60), max), us(80));
+    assert_eq!(next_poll_window(us(160), us(190), max), max);
+    // Slept past the bound: no spin would have helped, so none next time.
+    assert_eq!(next_poll_window(us(80), us(500), max), Duration::ZERO);
+    // The policy's names read back.
+    for p in [
+        IdlePolicy::AdaptiveHaltPoll(hv::sched::HALT_POLL_DEFAULT),
+        IdlePolicy::AdaptiveHaltPoll(us(50)),
+    ] {
+        assert_eq!(IdlePolicy::parse(&p.name()), Ok(p));
+    }
+}

@@ -32,7 +32,8 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = "results")]
         out: PathBuf,
         /// How the machines' idle pCPUs wait: poll (all the load on the cores is
-        /// pvio's), halt-poll or halt-poll:<n>us (other processes share them), block (a
+        /// pvio's), halt-poll or halt-poll:<n>us (other processes share them), adaptive
+        /// or adaptive:<n>us (KVM's halt-poll window that grows and shrinks), block (a
         /// host wake-up per interrupt, the comparison).
         #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
         idle: lab::IdlePolicy,
