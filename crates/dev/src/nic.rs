@@ -902,7 +902,7 @@ impl Device {
         }
     }
 
-    /// Frames from a source that holds them (a TAP), as long as their queues have
+    /// Frames from a source that holds them (a TAP), as long as the default queue has
     /// room: the first refused stays with the source, and the device pauses it until
     /// the driver's next RX tail write (link-level flow control: what cannot be
     /// received is not read, rather than read and dropped).
@@ -910,6 +910,13 @@ impl Device {
         let mut refused = None;
         source.poll_held(now, &mut |f, off| match self.take(f, off) {
             Ok(()) => true,
+            // A guest's own queue without room drops its frame, as a VMDq NIC's queue
+            // with drop enabled does: one guest that posts no buffers must not pause
+            // the cable for the others. Only the default queue pauses it.
+            Err(e) if e.q != 0 => {
+                self.missed(e);
+                true
+            }
             Err(e) => {
                 refused = Some(e);
                 false
@@ -1380,6 +1387,65 @@ mod tests {
             d.read(*b, 0, &mut got).expect("data");
             assert_eq!(&got, f);
         }
+    }
+
+    #[test]
+    fn a_guest_queue_without_buffers_drops_its_own_frames_and_pauses_nobody() {
+        let (hv, d) = driver_domain();
+        let ring = d.alloc_page().expect("p");
+        hv.iommu_map(&d, Iova(0x10_000), ring, true).expect("map");
+        for i in 0..2u64 {
+            let b = d.alloc_page().expect("p");
+            hv.iommu_map(&d, Iova(0x20_000 + i * 0x1000), b, true)
+                .expect("map");
+            let desc = Desc {
+                addr: 0x20_000 + i * 0x1000,
+                ..Default::default()
+            };
+            d.write(ring, i as usize * DESC_SIZE, bytemuck::bytes_of(&desc))
+                .expect("desc");
+        }
+        hv.iommu_attach(DeviceId(10), &d).expect("attach");
+        let regs = Arc::new(NicRegs::new());
+        regs.rxq[0].base.store(0x10_000, Ordering::Relaxed);
+        regs.rxq[0].tail.store(2, Ordering::Relaxed);
+        // Queue 1 is a guest's, steered to by its MAC, enabled, and given no buffer.
+        let guest = [0x02, 0, 0, 0, 0, 0x42];
+        regs.filters[0]
+            .mac
+            .store(mac_bits(guest) | FILTER_VALID, Ordering::Relaxed);
+        regs.filters[0]
+            .vlan
+            .store(FILTER_UNTAGGED, Ordering::Relaxed);
+        regs.filters[0].queue.store(1, Ordering::Relaxed);
+        regs.rxq[1].enabled.store(true, Ordering::Relaxed);
+        regs.enabled.store(true, Ordering::Relaxed);
+        regs.link_up.store(true, Ordering::Relaxed);
+        let mut dev = Device::new(
+            Arc::clone(&regs),
+            hv.iommu().device(DeviceId(10)),
+            Coalesce::default(),
+            vec![
+                IrqLine::Native(Arc::default()),
+                IrqLine::Native(Arc::default()),
+            ],
+        );
+        let to = |mac: [u8; 6]| {
+            let mut f = vec![0x11u8; 100];
+            f[..6].copy_from_slice(&mac);
+            f
+        };
+        let other = [0x02, 0, 0, 0, 0, 0x43];
+        let mut src = Holding([to(guest), to(other), to(other)].into_iter().collect());
+        let mut sink = crate::wire::CountingSink::default();
+        dev.pass(&mut src, &mut sink, &mut 0);
+        assert!(
+            src.0.is_empty(),
+            "nothing held back behind the guest's queue"
+        );
+        assert_eq!(regs.rxq[1].missed.load(Ordering::Relaxed), 1);
+        assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 2);
+        assert_eq!(regs.rx_pauses.load(Ordering::Relaxed), 0);
     }
 
     #[test]
