@@ -257,6 +257,15 @@ impl Domain {
         let (s, d) = (self.own(src)?, self.own_w(dst)?);
         Ok(self.mem.copy(s, src_offset, d, dst_offset, len)?)
     }
+    /// Hints that byte `offset` of this domain's page `gfn` is about to be read (or
+    /// written, with `write`): see [`mem::MachineMemory::prefetch`]. A page the domain
+    /// does not have is ignored.
+    #[inline]
+    pub fn prefetch(&self, gfn: Gfn, offset: usize, write: bool) {
+        if let Ok(m) = self.gfn_to_mfn(gfn) {
+            self.mem.prefetch(m, offset, write);
+        }
+    }
     /// Copies bytes of one of this domain's pages into the foreign page it maps at
     /// window `slot` (see [`mem::MapWindow::copy_in`]).
     pub fn copy_to_window(
@@ -270,6 +279,32 @@ impl Domain {
         Ok(self
             .window
             .copy_in(slot, offset, self.own(src)?, src_offset, len)?)
+    }
+    /// Copies bytes of one of this domain's pages into a foreign page it maps and holds
+    /// (see [`mem::MappedPage::copy_in`]): no reference taken per copy.
+    #[inline]
+    pub fn copy_to_page(
+        &self,
+        src: Gfn,
+        src_offset: usize,
+        page: &mem::MappedPage,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), DomainError> {
+        Ok(page.copy_in(offset, self.own(src)?, src_offset, len)?)
+    }
+    /// Copies bytes of a foreign page this domain maps and holds into one of its own
+    /// pages (see [`mem::MappedPage::copy_out`]): no reference taken per copy.
+    #[inline]
+    pub fn copy_from_page(
+        &self,
+        page: &mem::MappedPage,
+        offset: usize,
+        dst: Gfn,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DomainError> {
+        Ok(page.copy_out(offset, self.own_w(dst)?, dst_offset, len)?)
     }
     /// Copies bytes of the foreign page this domain maps at window `slot` into one of
     /// its own pages (see [`mem::MapWindow::copy_out`]).

@@ -75,7 +75,7 @@ impl MachineMemory {
 
     /// Pointer to `[offset, offset+len)` of frame `mfn`, after checking both bounds.
     #[inline]
-    fn ptr(&self, mfn: Mfn, offset: usize, len: usize) -> Result<*mut u8, MemError> {
+    pub(crate) fn ptr(&self, mfn: Mfn, offset: usize, len: usize) -> Result<*mut u8, MemError> {
         if mfn.0 >= self.frames {
             return Err(MemError::NoSuchFrame(mfn.0));
         }
@@ -84,6 +84,17 @@ impl MachineMemory {
         let at = mfn.0 as usize * PAGE_SIZE + offset;
         // SAFETY: `at + len <= frames * PAGE_SIZE`, inside the mapping made in `new`.
         Ok(unsafe { self.base.as_ptr().add(at) })
+    }
+
+    /// Hints that the line holding byte `offset` of frame `mfn` is about to be read, or
+    /// written with `write` (see `shared::prefetch`): a batch that prefetches the lines
+    /// of its next items lets their cache misses overlap instead of paying each in
+    /// turn. Changes nothing; a frame or offset out of range is ignored.
+    #[inline]
+    pub fn prefetch(&self, mfn: Mfn, offset: usize, write: bool) {
+        if let Ok(p) = self.ptr(mfn, offset, 1) {
+            shared::prefetch(p, write);
+        }
     }
 
     /// Copies bytes out of a frame.

@@ -28,6 +28,27 @@
 
 use bytemuck::Pod;
 
+/// Asks the processor to start fetching the cache line at `p` into this core's cache,
+/// for reading or, with `write`, for writing (`prefetchw`: the line arrives owned, so
+/// a store to it later does not wait for the other core's copy to be invalidated).
+/// A hint only: it reads and writes nothing and cannot fault, whatever `p` is.
+#[inline]
+pub(crate) fn prefetch(p: *const u8, write: bool) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 and PREFETCHW only hint the cache hierarchy: they access no
+    // memory architecturally, never fault (even on an unmapped address) and change no
+    // register or flag. PREFETCHW executes as a NOP on a processor without it.
+    unsafe {
+        if write {
+            std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+        } else {
+            std::arch::asm!("prefetcht0 [{0}]", in(reg) p, options(nostack, preserves_flags, readonly));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, write);
+}
+
 /// Copies `len` bytes from `src` to `dst` as byte-wise relaxed atomics. Overlapping
 /// ranges (a grant copy inside one frame) are copied as `memmove` does.
 ///

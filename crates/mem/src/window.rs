@@ -396,6 +396,16 @@ impl MapWindow {
         r
     }
 
+    /// Hints that byte `offset` of the page mapped at `slot` is about to be read, or
+    /// written with `write` (see [`MachineMemory::prefetch`]). Takes no reference: a
+    /// slot unmapped meanwhile costs a useless prefetch, never an access.
+    #[inline]
+    pub fn prefetch(&self, slot: u32, offset: usize, write: bool) {
+        if let Ok(Some(mfn)) = self.mfn(slot) {
+            self.mem.prefetch(mfn, offset, write);
+        }
+    }
+
     /// Copies `len` bytes of frame `src` from `src_offset` into the frame mapped at
     /// `slot` (a driver domain copying its own buffer into a guest page it maps): one
     /// copy, frame to frame; refused for a read-only mapping. The caller owns `src`.
@@ -550,6 +560,70 @@ impl MappedPage {
     }
 }
 
+impl MappedPage {
+    /// Copies `len` bytes of frame `src` (the caller's own) from `src_offset` into this
+    /// page at `offset`: one copy, frame to frame, as [`MapWindow::copy_in`] but with no
+    /// reference taken per copy, since the hold keeps the page mapped (a driver
+    /// domain writing through a mapping it keeps, with plain stores, as through a
+    /// page-table entry). Refused for a read-only mapping.
+    #[inline]
+    pub fn copy_in(
+        &self,
+        offset: usize,
+        src: Mfn,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
+        self.writable()?;
+        let mem = &self.window.mem;
+        if let Some(f) = &self.frame {
+            return mem.copy(src, src_offset, f.mfn(), offset, len);
+        }
+        let d = self.at(offset, len, 1)?;
+        let s = mem.ptr(src, src_offset, len)?;
+        // SAFETY: `s..s+len` is inside the machine memory (checked by `ptr`) and
+        // `d..d+len` inside the held, mapped, writable page (checked by `at`); they may
+        // be the same frame through two addresses, which `shared::copy` tolerates as a
+        // byte-wise copy.
+        unsafe { shared::copy(s, d, len) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes of this page from `offset` into frame `dst` (the caller's own)
+    /// at `dst_offset`: the read twin of [`Self::copy_in`], no reference taken.
+    #[inline]
+    pub fn copy_out(
+        &self,
+        offset: usize,
+        dst: Mfn,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), MemError> {
+        let mem = &self.window.mem;
+        if let Some(f) = &self.frame {
+            return mem.copy(f.mfn(), offset, dst, dst_offset, len);
+        }
+        let s = self.at(offset, len, 1)?;
+        let d = mem.ptr(dst, dst_offset, len)?;
+        // SAFETY: `s..s+len` is inside the held, mapped page (checked by `at`) and
+        // `d..d+len` inside the machine memory (checked by `ptr`); the same frame
+        // through two addresses is tolerated as in `copy_in`.
+        unsafe { shared::copy(s, d, len) };
+        Ok(())
+    }
+
+    /// Hints that byte `offset` of this page is about to be read, or written with
+    /// `write` (see [`MachineMemory::prefetch`]).
+    #[inline]
+    pub fn prefetch(&self, offset: usize, write: bool) {
+        if let Some(f) = &self.frame {
+            self.window.mem.prefetch(f.mfn(), offset, write);
+        } else if let Ok(p) = self.at(offset, 1, 1) {
+            shared::prefetch(p, write);
+        }
+    }
+}
+
 impl PageAccess for MappedPage {
     #[inline]
     fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError> {
@@ -691,6 +765,48 @@ mod tests {
             assert_eq!(&c, b"abcd");
             assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
             assert_eq!(w.map(3, Mfn(8), true), Err(MemError::NoSuchFrame(8)));
+        }
+    }
+
+    #[test]
+    fn a_held_page_copies_frame_to_frame_both_ways_and_only_as_mapped() {
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
+            let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
+            let data: Vec<u8> = (0..200u32).map(|i| (i * 7 % 251) as u8).collect();
+            mem.write(Mfn(2), 100, &data).expect("source");
+            w.map(0, Mfn(5), true).expect("map rw");
+            w.map(1, Mfn(6), false).expect("map ro");
+            let (rw, ro) = (w.page(0).expect("held"), w.page(1).expect("held"));
+            // In: the bytes land at the offset asked, in the mapped frame only.
+            rw.copy_in(3000, Mfn(2), 100, 200).expect("copy in");
+            let mut b = vec![0u8; PAGE_SIZE];
+            mem.read(Mfn(5), 0, &mut b).expect("frame");
+            assert_eq!(&b[3000..3200], &data[..], "{backend:?}");
+            assert!(b[..3000].iter().chain(&b[3200..]).all(|&x| x == 0));
+            // A read-only mapping takes no copy in; a copy past the page is refused.
+            assert_eq!(ro.copy_in(0, Mfn(2), 0, 8), Err(MemError::ReadOnly(1)));
+            assert!(rw.copy_in(4000, Mfn(2), 0, 200).is_err());
+            assert!(rw.copy_in(0, Mfn(8), 0, 8).is_err(), "no such source frame");
+            // Out, from either mapping, into a frame of the caller's.
+            mem.write(Mfn(6), 10, b"read-only bytes").expect("peer");
+            ro.copy_out(10, Mfn(3), 50, 15).expect("copy out");
+            rw.copy_out(3000, Mfn(3), 0, 50).expect("copy out");
+            let mut c = [0u8; 65];
+            mem.read(Mfn(3), 0, &mut c).expect("frame");
+            assert_eq!(&c[..50], &data[..50]);
+            assert_eq!(&c[50..], b"read-only bytes");
+            assert!(ro.copy_out(4090, Mfn(3), 0, 10).is_err());
+            // A prefetch changes nothing, anywhere (past the page too).
+            rw.prefetch(3000, true);
+            ro.prefetch(PAGE_SIZE + 5, false);
+            mem.prefetch(Mfn(99), 0, true);
+            mem.read(Mfn(5), 0, &mut b).expect("frame");
+            assert_eq!(&b[3000..3200], &data[..]);
+            // Held, the slots cannot go.
+            assert_eq!(w.unmap(0), Err(MemError::InUse(0)));
+            drop((rw, ro));
+            assert_eq!(w.unmap(0), Ok(Mfn(5)));
         }
     }
 

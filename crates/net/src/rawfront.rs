@@ -182,6 +182,14 @@ impl RawFront {
         bytemuck::pod_read_unaligned(&b)
     }
 
+    /// The page behind a reference this front end granted, if any.
+    pub fn page_of(&self, gref: u32) -> Option<Gfn> {
+        self.grants
+            .iter()
+            .find(|(r, _)| r.0 == gref)
+            .map(|&(_, g)| g)
+    }
+
     /// A fresh page granted writable to `be` (an RX buffer); its reference.
     pub fn rx_buffer(&mut self, be: DomId) -> Option<u32> {
         let gt = self.dom.grant_table();

@@ -371,6 +371,17 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         Ok(Some(rsp))
     }
 
+    /// Copies out the response `ahead` places after the next one, if it is published,
+    /// without taking it: a look ahead (to prefetch what a batch will touch). The copy
+    /// is only a hint; the response taken later is copied again and judged then.
+    pub fn peek_response(&mut self, ahead: u32) -> Result<Option<P::Rsp>, RingError> {
+        if self.responses_available()? <= ahead {
+            return Ok(None);
+        }
+        let at = RingIdx(self.rsp_cons.0.wrapping_add(ahead));
+        Ok(Some(self.mem.read_entry(at.slot(self.size), P::SLOT_SIZE)))
+    }
+
     /// Whether responses are pending; if none, arms `rsp_event` so that the back end
     /// notifies on the next one, then checks again (`RING_FINAL_CHECK_FOR_RESPONSES`).
     pub fn final_check_for_responses(&mut self) -> Result<bool, RingError> {
@@ -503,6 +514,18 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             .read_entry(self.req_cons.slot(self.size), P::SLOT_SIZE);
         self.req_cons.bump();
         Ok(Some(req))
+    }
+
+    /// Copies out the request `ahead` places after the next one, if it is published (as
+    /// far as this end last read the producer index), without taking it: a look ahead
+    /// to prefetch what a batch will touch. The copy is only a hint; the request taken
+    /// later is copied again and judged then. Reads no index.
+    pub fn peek_request(&self, ahead: u32) -> Option<P::Req> {
+        if self.broken || self.req_prod_seen.since(self.req_cons) <= ahead {
+            return None;
+        }
+        let at = RingIdx(self.req_cons.0.wrapping_add(ahead));
+        Some(self.mem.read_entry(at.slot(self.size), P::SLOT_SIZE))
     }
 
     /// Writes a response into the next private slot. There must be a consumed,
@@ -897,6 +920,48 @@ mod tests {
             .store(2, Ordering::Release);
         assert!(matches!(
             f.take_response(),
+            Err(RingError::ProducerOverrun { .. })
+        ));
+        assert_eq!(f.take_response(), Err(RingError::Broken));
+    }
+
+    #[test]
+    fn a_look_ahead_copies_published_entries_without_taking_them_and_judges_the_index() {
+        let (mut f, mut b, mem) = pair();
+        for id in 0..3 {
+            f.push_request(&Req { id, pad: 0, val: 0 }).expect("push");
+        }
+        // Unpublished: nothing to see.
+        assert_eq!(b.peek_request(0), None);
+        f.push_requests_and_check_notify();
+        // The back end sees what it last read of the index: nothing until it reads it.
+        assert_eq!(b.peek_request(0), None);
+        assert_eq!(b.requests_available(), Ok(3));
+        let id = |r: Option<Req>| r.map(|r| r.id);
+        assert_eq!(
+            (id(b.peek_request(0)), id(b.peek_request(2))),
+            (Some(0), Some(2))
+        );
+        assert_eq!(b.peek_request(3), None);
+        assert_eq!(b.take_request().expect("ok").map(|r| r.id), Some(0));
+        assert_eq!(id(b.peek_request(1)), Some(2), "relative to the next one");
+        assert_eq!(id(b.take_request().expect("ok")), Some(1));
+        for id in [0, 1] {
+            b.push_response(&Rsp { id, status: 0 }).expect("rsp");
+        }
+        b.push_responses_and_check_notify();
+        let rid = |r: Result<Option<Rsp>, RingError>| r.expect("ok").map(|r| r.id);
+        assert_eq!(rid(f.peek_response(1)), Some(1));
+        assert_eq!(rid(f.peek_response(2)), None);
+        assert_eq!(rid(f.take_response()), Some(0), "peeking took nothing");
+        assert_eq!(rid(f.peek_response(0)), Some(1));
+        // A look ahead reads the peer's index as a take would, and judges it the same.
+        mem.atomic_u32(Mfn(0), RSP_PROD)
+            .expect("idx")
+            .store(9, Ordering::Release);
+        assert_eq!(rid(f.take_response()), Some(1));
+        assert!(matches!(
+            f.peek_response(0),
             Err(RingError::ProducerOverrun { .. })
         ));
         assert_eq!(f.take_response(), Err(RingError::Broken));

@@ -21,6 +21,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use hv::profile::{enter, Class};
 use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp};
+use mem::MappedPage;
 
 /// Grants one vif keeps mapped: more than a guest's working set of I/O pages (its
 /// 256 posted RX buffers, its 256 TX slots, and the pages its stack holds), so that a
@@ -141,6 +142,9 @@ pub struct GrantCache {
     slot0: u32,
     index: HashMap<u32, u16, BuildHasherDefault<GrefHasher>>,
     entries: Box<[Option<Entry>]>,
+    /// Each mapped entry's page, held while the entry lives, so that copies through it
+    /// take no reference of their own (dropped before the unmap, which a hold refuses).
+    pages: Box<[Option<MappedPage>]>,
     free: Vec<u16>,
     /// The idle entries (`users` 0), least recently used first.
     idle: super::LentOrder,
@@ -160,6 +164,7 @@ impl GrantCache {
             slot0,
             index: HashMap::with_capacity_and_hasher(CACHE_SLOTS, Default::default()),
             entries: vec![None; CACHE_SLOTS].into_boxed_slice(),
+            pages: (0..CACHE_SLOTS).map(|_| None).collect(),
             free: (0..CACHE_SLOTS as u16).rev().collect(),
             idle: super::LentOrder::with_capacity(CACHE_SLOTS),
             dropped: Vec::with_capacity(CACHE_SLOTS),
@@ -186,6 +191,11 @@ impl GrantCache {
     /// The window slot of entry `k`.
     pub fn slot(&self, k: u16) -> u32 {
         self.slot0 + u32::from(k)
+    }
+
+    /// Entry `k`'s page, held while it is mapped.
+    pub fn page(&self, k: u16) -> Option<&MappedPage> {
+        self.pages.get(usize::from(k))?.as_ref()
     }
 
     /// The entry mapping `gref`, if any.
@@ -291,6 +301,7 @@ impl GrantCache {
 
     /// Unmaps every entry, in use or not (the vif is going).
     pub fn teardown(&mut self, hv: &Hypervisor, dom: &Domain) {
+        self.pages.iter_mut().for_each(|p| *p = None);
         let handles: Vec<GrantHandle> = self
             .entries
             .iter_mut()
@@ -375,6 +386,9 @@ impl GrantCache {
                     dropping: false,
                 });
                 self.index.insert(gref, k);
+                // Held for the entry's life. Cannot fail right after the map; without
+                // it, copies go through the slot, each taking a reference.
+                self.pages[usize::from(k)] = dom.window().page(self.slot(k)).ok();
                 Ok(k)
             }
             Err(e) => {
@@ -391,6 +405,7 @@ impl GrantCache {
             return;
         };
         self.index.remove(&e.gref);
+        self.pages[usize::from(k)] = None;
         let mut st = [Ok(())];
         {
             let _h = enter(Class::Hypercall);
@@ -404,6 +419,25 @@ impl GrantCache {
 /// Requests one packet may fill on the copy path through the cache (a frame of up to
 /// 64 KiB over pages, plus one for a start offset).
 const RX_CACHED_SLOTS: usize = 18;
+/// Packets gathered before their copies start, and the requests they may hold (a
+/// batch of 64-byte frames, or three of 64 KiB).
+const RX_CACHED_BATCH: usize = 32;
+const RX_CACHED_BATCH_SLOTS: usize = 64;
+
+/// One packet of a cached-copy batch: where its requests lie in the batch's arrays.
+#[derive(Clone, Copy)]
+struct Gathered {
+    skb: crate::skb::SkbId,
+    /// Offset of the first byte in the first buffer (the source's offset in its cache
+    /// line when copies are aligned).
+    start: usize,
+    len: usize,
+    /// The packet's requests: `first..first + need` of the batch.
+    first: usize,
+    need: usize,
+    /// Every buffer was looked up (mapped on a miss) writable.
+    ok: bool,
+}
 
 impl super::Vif {
     /// Guest RX with grant reuse and no direct placement: each queued packet is copied
@@ -412,15 +446,49 @@ impl super::Vif {
     /// buffer hits; a miss maps and keeps. Requests are copied off the ring and
     /// checked as on the grant-copy path; a buffer that cannot be mapped fails its
     /// packet, answered with errors and counted. Returns the packets taken.
+    ///
+    /// Packets go in batches, as Linux netback's RX action builds its copy operations
+    /// before issuing them: the batch's requests are taken and their buffers looked up
+    /// first, each buffer's first line is prefetched for writing, then the copies run
+    /// and the responses are written, published once at the end. The guest's core read
+    /// those lines last (its stack took the previous packet from them), so each copy
+    /// would otherwise wait for one line transfer after another; prefetched together,
+    /// the transfers overlap.
     pub(super) fn rx_cached_copy(&mut self, pool: &mut crate::skb::SkbPool) -> usize {
-        use crate::netif::{
-            RxResponse, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
-        };
-        use crate::skb::SegPage;
         let mut n = 0;
-        while self.disabled.is_none() {
-            let Some(skb) = self.rx_queue.peek() else {
+        while self.disabled.is_none() && !self.rx_queue.is_empty() {
+            let mut batch = [const { None::<Gathered> }; RX_CACHED_BATCH];
+            let mut ids = [0u16; RX_CACHED_BATCH_SLOTS];
+            let mut ents = [NIL; RX_CACHED_BATCH_SLOTS];
+            let (taken, stalled) = self.rx_cached_gather(pool, &mut batch, &mut ids, &mut ents);
+            for g in batch[..taken].iter().flatten() {
+                self.rx_cached_answer(pool, g, &ids, &ents);
+            }
+            n += taken;
+            if stalled || taken == 0 {
                 break;
+            }
+        }
+        if self.rx.push_responses_and_check_notify() {
+            self.notify();
+        }
+        n
+    }
+
+    /// Takes up to a batch of queued packets with their requests, looking up each
+    /// buffer and prefetching its first line. Returns the packets taken and whether the
+    /// ring ran out of requests (or broke) before the queue did.
+    fn rx_cached_gather(
+        &mut self,
+        pool: &mut crate::skb::SkbPool,
+        batch: &mut [Option<Gathered>; RX_CACHED_BATCH],
+        ids: &mut [u16; RX_CACHED_BATCH_SLOTS],
+        ents: &mut [u16; RX_CACHED_BATCH_SLOTS],
+    ) -> (usize, bool) {
+        let (mut taken, mut used) = (0, 0);
+        while taken < RX_CACHED_BATCH && self.disabled.is_none() {
+            let Some(skb) = self.rx_queue.peek() else {
+                return (taken, false);
             };
             let start = if self.aligned_copies {
                 pool.first_offset(skb) % super::CACHE_LINE
@@ -435,29 +503,38 @@ impl super::Vif {
                 pool.free(skb);
                 continue;
             }
+            if used + need > RX_CACHED_BATCH_SLOTS {
+                break;
+            }
             match self.rx.final_check_for_at_least(need as u32) {
                 Ok(true) => {}
                 Ok(false) => {
                     self.stats.rx_stalls += 1;
-                    break;
+                    return (taken, true);
                 }
                 Err(_) => {
                     self.disable(super::Disabled::RingBroken);
-                    break;
+                    return (taken, true);
                 }
             }
             let _ = self.rx_queue.pop(pool);
-            n += 1;
             // The requests, copied off the ring; each buffer looked up (mapped on a
-            // miss) writable.
-            let mut ids = [0u16; RX_CACHED_SLOTS];
-            let mut ents = [NIL; RX_CACHED_SLOTS];
+            // miss) writable, and the line its bytes start in fetched for writing.
             let mut ok = true;
-            for i in 0..need {
+            for i in used..used + need {
                 let Ok(Some(req)) = self.rx.take_request() else {
-                    // Cannot happen: `need` requests were seen.
+                    // Cannot happen: `need` requests were seen. The packet is dropped;
+                    // what the batch holds is answered (the ring is broken, so nothing
+                    // is published) and released.
                     self.disable(super::Disabled::RingBroken);
-                    return n;
+                    for &k in ents[used..i].iter().filter(|&&k| k != NIL) {
+                        let (hv, dom) = (&self.hv, &self.dom);
+                        if let Some(c) = self.cache.as_mut() {
+                            c.release(hv, dom, k);
+                        }
+                    }
+                    pool.free(skb);
+                    return (taken, true);
                 };
                 ids[i] = req.id;
                 if !ok {
@@ -473,89 +550,130 @@ impl super::Vif {
                     _ => ok = false,
                 }
             }
-            // The bytes, piece by piece: page `p` of the request list from `page_off`.
-            let mut sizes = [0u16; RX_CACHED_SLOTS];
             if ok {
-                let Some(cache) = self.cache.as_deref() else {
-                    return n;
-                };
-                let (dom, bounce) = (&self.dom, &mut self.bounce);
-                let (mut p, mut page_off) = (0usize, start);
-                let _c = enter(Class::GrantCopy);
-                ok = pool
-                    .walk(skb, 0, len, |seg, _| {
-                        let mut done = 0;
-                        while done < seg.len {
-                            if page_off == mem::PAGE_SIZE {
-                                p += 1;
-                                page_off = 0;
-                            }
-                            let slot = cache.slot(ents[p]);
-                            let k = (seg.len - done).min(mem::PAGE_SIZE - page_off);
-                            let from = seg.offset + done;
-                            let r = match seg.page {
-                                SegPage::Own(gfn) => {
-                                    dom.copy_to_window(gfn, from, slot, page_off, k).is_ok()
-                                }
-                                // Another guest's page (a frame it sent): through a
-                                // bounce, window to window.
-                                SegPage::Window {
-                                    slot: from_slot, ..
-                                } => {
-                                    let b = &mut bounce[..k];
-                                    dom.window().read(from_slot, from, b).is_ok()
-                                        && dom.window().write(slot, page_off, b).is_ok()
-                                }
-                            };
-                            if !r {
-                                return Err(crate::skb::SkbError::OutOfBounds);
-                            }
-                            sizes[p] += k as u16;
-                            page_off += k;
-                            done += k;
-                        }
-                        Ok(())
-                    })
-                    .is_ok();
-            }
-            if ok {
-                self.stats.rx_packets += 1;
-                self.stats.rx_bytes += len as u64;
-            } else {
-                self.stats.rx_copy_errors += 1;
-            }
-            let csum = ok && pool.csum_valid(skb);
-            for i in 0..need {
-                let mut flags = 0;
-                if i == 0 && csum {
-                    flags |= NETRXF_DATA_VALIDATED;
-                }
-                if i + 1 < need {
-                    flags |= NETRXF_MORE_DATA;
-                }
-                // Cannot fail: one response per request taken.
-                let _ = self.rx.push_response(&RxResponse {
-                    id: ids[i],
-                    offset: if i == 0 { start as u16 } else { 0 },
-                    flags,
-                    status: if ok {
-                        sizes[i] as i16
-                    } else {
-                        XEN_NETIF_RSP_ERROR
-                    },
-                });
-                if ents[i] != NIL {
-                    let (hv, dom) = (&self.hv, &self.dom);
-                    if let Some(c) = self.cache.as_mut() {
-                        c.release(hv, dom, ents[i]);
+                if let Some(c) = self.cache.as_deref() {
+                    match c.page(ents[used]) {
+                        Some(page) => page.prefetch(start, true),
+                        None => self.dom.window().prefetch(c.slot(ents[used]), start, true),
                     }
                 }
             }
-            pool.free(skb);
+            batch[taken] = Some(Gathered {
+                skb,
+                start,
+                len,
+                first: used,
+                need,
+                ok,
+            });
+            taken += 1;
+            used += need;
         }
-        if self.rx.push_responses_and_check_notify() {
-            self.notify();
+        (taken, false)
+    }
+
+    /// Copies one gathered packet into its buffers, piece by piece, and answers its
+    /// requests; releases its cache entries and frees it.
+    fn rx_cached_answer(
+        &mut self,
+        pool: &mut crate::skb::SkbPool,
+        g: &Gathered,
+        ids: &[u16; RX_CACHED_BATCH_SLOTS],
+        ents: &[u16; RX_CACHED_BATCH_SLOTS],
+    ) {
+        use crate::netif::{
+            RxResponse, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
+        };
+        use crate::skb::SegPage;
+        let (skb, len, need) = (g.skb, g.len, g.need);
+        let ents = &ents[g.first..g.first + need];
+        let ids = &ids[g.first..g.first + need];
+        let mut sizes = [0u16; RX_CACHED_SLOTS];
+        let mut ok = g.ok;
+        if ok {
+            let Some(cache) = self.cache.as_deref() else {
+                pool.free(skb);
+                return;
+            };
+            let (dom, bounce) = (&self.dom, &mut self.bounce);
+            // The bytes, piece by piece: page `p` of the request list from `page_off`.
+            let (mut p, mut page_off) = (0usize, g.start);
+            let _c = enter(Class::GrantCopy);
+            ok = pool
+                .walk(skb, 0, len, |seg, _| {
+                    let mut done = 0;
+                    while done < seg.len {
+                        if page_off == mem::PAGE_SIZE {
+                            p += 1;
+                            page_off = 0;
+                        }
+                        let slot = cache.slot(ents[p]);
+                        let k = (seg.len - done).min(mem::PAGE_SIZE - page_off);
+                        let from = seg.offset + done;
+                        let r = match (seg.page, cache.page(ents[p])) {
+                            (SegPage::Own(gfn), Some(page)) => {
+                                dom.copy_to_page(gfn, from, page, page_off, k).is_ok()
+                            }
+                            (SegPage::Own(gfn), None) => {
+                                dom.copy_to_window(gfn, from, slot, page_off, k).is_ok()
+                            }
+                            // Another guest's page (a frame it sent): through a
+                            // bounce, window to window.
+                            (
+                                SegPage::Window {
+                                    slot: from_slot, ..
+                                },
+                                _,
+                            ) => {
+                                let b = &mut bounce[..k];
+                                dom.window().read(from_slot, from, b).is_ok()
+                                    && dom.window().write(slot, page_off, b).is_ok()
+                            }
+                        };
+                        if !r {
+                            return Err(crate::skb::SkbError::OutOfBounds);
+                        }
+                        sizes[p] += k as u16;
+                        page_off += k;
+                        done += k;
+                    }
+                    Ok(())
+                })
+                .is_ok();
         }
-        n
+        if ok {
+            self.stats.rx_packets += 1;
+            self.stats.rx_bytes += len as u64;
+        } else {
+            self.stats.rx_copy_errors += 1;
+        }
+        let csum = ok && pool.csum_valid(skb);
+        for i in 0..need {
+            let mut flags = 0;
+            if i == 0 && csum {
+                flags |= NETRXF_DATA_VALIDATED;
+            }
+            if i + 1 < need {
+                flags |= NETRXF_MORE_DATA;
+            }
+            // Cannot fail on a sound ring: one response per request taken.
+            let _ = self.rx.push_response(&RxResponse {
+                id: ids[i],
+                offset: if i == 0 { g.start as u16 } else { 0 },
+                flags,
+                status: if ok {
+                    sizes[i] as i16
+                } else {
+                    XEN_NETIF_RSP_ERROR
+                },
+            });
+            if ents[i] != NIL {
+                let (hv, dom) = (&self.hv, &self.dom);
+                if let Some(c) = self.cache.as_mut() {
+                    c.release(hv, dom, ents[i]);
+                }
+            }
+        }
+        pool.free(skb);
     }
 }
