@@ -30,10 +30,10 @@ use ring::{BackRing, PageRing};
 
 use crate::counters::{CopyAlign, PerReason};
 use crate::netif::{
-    read_tx_packet, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats, TxFatal,
-    TxResponse, TxRing, TxVerdict, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED,
-    NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_CSUM_BLANK, NETTXF_DATA_VALIDATED, RING_IDS,
-    RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
+    read_tx_packet_into, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats,
+    TxFatal, TxJudgement, TxResponse, TxRing, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK,
+    NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_CSUM_BLANK,
+    NETTXF_DATA_VALIDATED, RING_IDS, RX_COPY_MAX_SLOTS, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_OKAY,
 };
 use crate::offload::{Csum, Offload, OffloadError, MAX_HEADERS, MAX_OFFLOAD_LEN};
 use crate::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, SkbQueue, MAX_SKB_FRAGS, NET_SKB_PAD};
@@ -1652,23 +1652,24 @@ impl Vif {
         if self.pending_free.len() < FATAL_SKB_SLOTS {
             self.stats.tx_pending_stalls += 1;
         }
+        // One chain for the whole action, read into in place: a chain is a few hundred
+        // bytes, and moving one per packet cost more than reading it.
+        let mut chain = TxChain::empty();
         while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
             self.tx_prefetch(TX_PREFETCH);
-            let Some(verdict) = self.tx_take_chain() else {
+            let Some(verdict) = self.tx_take_chain(&mut chain) else {
                 break;
             };
             chains += 1;
-            self.tx_check.count(&verdict);
+            self.tx_check.count_judgement(verdict);
             match verdict {
-                TxVerdict::Fatal(r) => {
+                TxJudgement::Fatal(r) => {
                     self.disable(Disabled::Fatal(r));
                     break;
                 }
-                TxVerdict::Drop(_, chain) => self.tx_answer(&chain, XEN_NETIF_RSP_ERROR),
-                TxVerdict::Packet(chain) if self.cache.is_some() => {
-                    self.tx_build_cached(pool, &chain)
-                }
-                TxVerdict::Packet(chain) => self.tx_build_packet(pool, &chain),
+                TxJudgement::Drop(_) => self.tx_answer(&chain, XEN_NETIF_RSP_ERROR),
+                TxJudgement::Packet if self.cache.is_some() => self.tx_build_cached(pool, &chain),
+                TxJudgement::Packet => self.tx_build_packet(pool, &chain),
             }
         }
     }
@@ -1691,7 +1692,7 @@ impl Vif {
 
     /// The next chain on the ring, copied out and checked; `None` when the ring is
     /// empty (with `req_event` armed) or broken (the vif disabled).
-    fn tx_take_chain(&mut self) -> Option<TxVerdict> {
+    fn tx_take_chain(&mut self, chain: &mut TxChain) -> Option<TxJudgement> {
         let avail = loop {
             match self.tx.requests_available() {
                 Ok(0) => match self.tx.final_check_for_requests() {
@@ -1713,9 +1714,12 @@ impl Vif {
             return None;
         };
         let tx = &mut self.tx;
-        Some(read_tx_packet(first, avail as usize - 1, || {
-            tx.take_request().ok().flatten()
-        }))
+        Some(read_tx_packet_into(
+            chain,
+            first,
+            avail as usize - 1,
+            || tx.take_request().ok().flatten(),
+        ))
     }
 
     /// Answers every slot of a chain not built into a packet.

@@ -919,6 +919,7 @@ impl Netfront {
                 break;
             }
         }
+        self.xmit_flush();
     }
 
     /// The guest's end of the event channel (none while disconnected).
@@ -1508,6 +1509,16 @@ impl Netfront {
     /// While disconnected, or while packets a dead back end never answered still wait
     /// to be sent again, the buffer is given back as for a full ring.
     pub fn xmit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
+        self.xmit_more(pool, skb)?;
+        self.xmit_flush();
+        Ok(())
+    }
+
+    /// As [`Self::xmit`], but the packet's requests are not published yet: more packets
+    /// follow at once (Linux's `netdev_xmit_more`, a DPDK burst). [`Self::xmit_flush`]
+    /// publishes them all with one index write and one notification check; until then
+    /// the back end does not see them.
+    pub fn xmit_more(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
         if !self.resend.is_empty() {
             self.flush_resend(pool);
             if !self.resend.is_empty() {
@@ -1517,6 +1528,18 @@ impl Netfront {
         self.xmit_now(pool, skb)
     }
 
+    /// Publishes the requests written since the last publication, and notifies the back
+    /// end if it asked (`RING_PUSH_REQUESTS_AND_CHECK_NOTIFY`).
+    pub fn xmit_flush(&mut self) {
+        let Some(l) = self.link.as_mut() else {
+            return;
+        };
+        if !self.broken && l.tx.push_requests_and_check_notify() {
+            self.notify();
+        }
+    }
+
+    /// Writes one packet's requests, unpublished.
     fn xmit_now(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
         let _c = enter(Class::Driver);
         if self.broken {
@@ -1638,9 +1661,6 @@ impl Netfront {
         h.left = segs as u8;
         h.failed = false;
         h.pinned = false;
-        if l.tx.push_requests_and_check_notify() {
-            self.notify();
-        }
         Ok(())
     }
 

@@ -376,6 +376,17 @@ pub struct TxChain {
 }
 
 impl TxChain {
+    /// A chain of no slots, for [`read_tx_packet_into`] to fill.
+    pub fn empty() -> Self {
+        Self {
+            slots: [TxSlot::default(); FATAL_SKB_SLOTS],
+            nr_slots: 0,
+            extras: 0,
+            len: 0,
+            csum_flags: 0,
+            gso: None,
+        }
+    }
     /// The data slots, first one first.
     pub fn slots(&self) -> &[TxSlot] {
         &self.slots[..self.nr_slots]
@@ -416,6 +427,19 @@ pub enum TxVerdict {
     Fatal(TxFatal),
 }
 
+/// The verdict on one packet's slots read into a chain the caller keeps
+/// ([`read_tx_packet_into`]): [`TxVerdict`] without the chain, so that a back end
+/// reading packet after packet moves no chain around.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxJudgement {
+    /// Valid: build the packet from the chain's slots.
+    Packet,
+    /// Answer every consumed slot with `RSP_ERROR` (extras with `RSP_NULL`).
+    Drop(TxDrop),
+    /// Disable the interface; do not touch its ring again. The chain is not valid.
+    Fatal(TxFatal),
+}
+
 crate::reason!(TxDrop);
 crate::reason!(TxFatal);
 
@@ -450,10 +474,18 @@ crate::counter_set!(TxCheckStats {
 impl TxCheckStats {
     /// Counts a verdict.
     pub fn count(&mut self, v: &TxVerdict) {
-        match v {
-            TxVerdict::Packet(_) => self.packets += 1,
-            TxVerdict::Drop(r, _) => self.drops.add(*r),
-            TxVerdict::Fatal(r) => self.fatals.add(*r),
+        self.count_judgement(match v {
+            TxVerdict::Packet(_) => TxJudgement::Packet,
+            TxVerdict::Drop(r, _) => TxJudgement::Drop(*r),
+            TxVerdict::Fatal(r) => TxJudgement::Fatal(*r),
+        });
+    }
+    /// Counts a judgement.
+    pub fn count_judgement(&mut self, j: TxJudgement) {
+        match j {
+            TxJudgement::Packet => self.packets += 1,
+            TxJudgement::Drop(r) => self.drops.add(r),
+            TxJudgement::Fatal(r) => self.fatals.add(r),
         }
     }
     /// Drops for one reason.
@@ -481,8 +513,24 @@ fn crosses_page(offset: u16, len: u16) -> bool {
 pub fn read_tx_packet(
     first: TxRequest,
     available: usize,
-    mut take: impl FnMut() -> Option<TxRequest>,
+    take: impl FnMut() -> Option<TxRequest>,
 ) -> TxVerdict {
+    let mut chain = TxChain::empty();
+    match read_tx_packet_into(&mut chain, first, available, take) {
+        TxJudgement::Packet => TxVerdict::Packet(chain),
+        TxJudgement::Drop(r) => TxVerdict::Drop(r, chain),
+        TxJudgement::Fatal(f) => TxVerdict::Fatal(f),
+    }
+}
+
+/// [`read_tx_packet`] into `chain`, which the caller keeps from packet to packet: the
+/// same reading and checks, with only the slots this packet has written.
+pub fn read_tx_packet_into(
+    chain: &mut TxChain,
+    first: TxRequest,
+    available: usize,
+    mut take: impl FnMut() -> Option<TxRequest>,
+) -> TxJudgement {
     let mut left = available;
     let mut next = || -> Option<TxRequest> {
         if left == 0 {
@@ -491,35 +539,32 @@ pub fn read_tx_packet(
         left -= 1;
         take()
     };
-    let mut chain = TxChain {
-        slots: [TxSlot::default(); FATAL_SKB_SLOTS],
-        nr_slots: 1,
-        extras: 0,
-        len: first.size,
-        csum_flags: first.flags & (NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED),
-        gso: None,
-    };
+    chain.nr_slots = 1;
+    chain.extras = 0;
+    chain.len = first.size;
+    chain.csum_flags = first.flags & (NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED);
+    chain.gso = None;
 
     // Extras follow the first slot.
     if first.flags & NETTXF_EXTRA_INFO != 0 {
         loop {
             let Some(raw) = next() else {
-                return TxVerdict::Fatal(TxFatal::Unterminated);
+                return TxJudgement::Fatal(TxFatal::Unterminated);
             };
             chain.extras += 1;
             let e = ExtraInfo::from_tx_slot(&raw);
             if e.ty == XEN_NETIF_EXTRA_TYPE_NONE || e.ty >= XEN_NETIF_EXTRA_TYPE_MAX {
-                return TxVerdict::Fatal(TxFatal::BadExtraType);
+                return TxJudgement::Fatal(TxFatal::BadExtraType);
             }
             if e.ty == XEN_NETIF_EXTRA_TYPE_GSO {
                 if e.gso_size() == 0 {
-                    return TxVerdict::Fatal(TxFatal::GsoSizeZero);
+                    return TxJudgement::Fatal(TxFatal::GsoSizeZero);
                 }
                 if !matches!(
                     e.gso_type(),
                     XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6
                 ) {
-                    return TxVerdict::Fatal(TxFatal::BadGsoType);
+                    return TxJudgement::Fatal(TxFatal::BadGsoType);
                 }
                 chain.gso = Some(Gso {
                     size: e.gso_size(),
@@ -539,10 +584,10 @@ pub fn read_tx_packet(
     while more {
         let frags = chain.nr_slots - 1;
         if frags >= FATAL_SKB_SLOTS - 1 {
-            return TxVerdict::Fatal(TxFatal::ChainTooLong);
+            return TxJudgement::Fatal(TxFatal::ChainTooLong);
         }
         let Some(txp) = next() else {
-            return TxVerdict::Fatal(TxFatal::Unterminated);
+            return TxJudgement::Fatal(TxFatal::Unterminated);
         };
         if drop.is_none() && frags + 1 >= LEGACY_SLOTS_MAX {
             drop = Some(TxDrop::TooManySlots);
@@ -554,7 +599,7 @@ pub fn read_tx_packet(
             drop = Some(TxDrop::ZeroLengthSlot);
         }
         if crosses_page(txp.offset, txp.size) {
-            return TxVerdict::Fatal(TxFatal::CrossesPage);
+            return TxJudgement::Fatal(TxFatal::CrossesPage);
         }
         remaining = remaining.saturating_sub(txp.size);
         chain.slots[chain.nr_slots] = TxSlot {
@@ -578,11 +623,11 @@ pub fn read_tx_packet(
         drop = Some(TxDrop::PacketTooShort);
     }
     if crosses_page(first.offset, remaining) {
-        return TxVerdict::Fatal(TxFatal::CrossesPage);
+        return TxJudgement::Fatal(TxFatal::CrossesPage);
     }
     match drop {
-        Some(r) => TxVerdict::Drop(r, chain),
-        None => TxVerdict::Packet(chain),
+        Some(r) => TxJudgement::Drop(r),
+        None => TxJudgement::Packet,
     }
 }
 
@@ -688,6 +733,39 @@ mod tests {
             it.next()
         });
         (v, taken)
+    }
+
+    #[test]
+    fn a_chain_read_into_again_holds_only_its_own_packet() {
+        let long = [
+            req(1, 0, NETTXF_MORE_DATA, 1, 3000),
+            req(2, 0, NETTXF_MORE_DATA, 2, 1000),
+            req(3, 0, 0, 3, 1000),
+        ];
+        let short = [req(9, 64, NETTXF_DATA_VALIDATED, 4, 60)];
+        let mut chain = TxChain::empty();
+        let read = |chain: &mut TxChain, slots: &[TxRequest]| {
+            let mut it = slots[1..].iter().copied();
+            read_tx_packet_into(chain, slots[0], slots.len() - 1, || it.next())
+        };
+        assert_eq!(read(&mut chain, &long), TxJudgement::Packet);
+        assert_eq!(chain.slots().len(), 3);
+        assert_eq!(read(&mut chain, &short), TxJudgement::Packet);
+        let TxVerdict::Packet(fresh) = parse(&short).0 else {
+            panic!("valid");
+        };
+        assert_eq!(chain.slots(), fresh.slots());
+        assert_eq!(
+            (chain.len, chain.csum_flags, chain.extras, chain.gso),
+            (60, NETTXF_DATA_VALIDATED, 0, None)
+        );
+        // A bad chain read into it is judged as the by-value reader judges it.
+        let bad = [req(1, 4090, 0, 5, 60)];
+        assert_eq!(
+            read(&mut chain, &bad),
+            TxJudgement::Fatal(TxFatal::CrossesPage)
+        );
+        assert_eq!(parse(&bad).0, TxVerdict::Fatal(TxFatal::CrossesPage));
     }
 
     #[test]

@@ -279,6 +279,39 @@ fn transmitted_packets_cross_intact_and_their_grants_are_released() {
 }
 
 #[test]
+fn a_burst_of_packets_reaches_the_back_end_only_when_published_and_crosses_intact() {
+    let mut p = pair(GrantVersion::V2, GrantPath::Optimised);
+    let mut sent = Vec::new();
+    for (k, len) in [60usize, 1514, 200].into_iter().enumerate() {
+        let f: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
+        let s = p.gpool.alloc(NET_SKB_PAD).expect("skb");
+        p.gpool.put(s, &f).expect("put");
+        p.front.xmit_more(&mut p.gpool, s).expect("ring has room");
+        sent.push(f);
+    }
+    let mut out: Vec<SkbId> = Vec::new();
+    assert_eq!(
+        p.vif.tx_action(&mut p.dpool, 64, |_, s| out.push(s)),
+        0,
+        "written, not yet published"
+    );
+    p.front.xmit_flush();
+    assert_eq!(p.vif.tx_action(&mut p.dpool, 64, |_, s| out.push(s)), 3);
+    for (s, want) in out.iter().zip(&sent) {
+        let mut got = vec![0u8; p.dpool.len(*s)];
+        p.dpool.read(*s, 0, &mut got).expect("read");
+        assert_eq!(&got, want);
+        p.dpool.free(*s);
+    }
+    let mut tokens = Vec::new();
+    p.dpool.take_released(|r| tokens.push(r.token));
+    p.vif.tx_release(tokens);
+    while p.front.poll_tx(&mut p.gpool) > 0 {}
+    assert_eq!(p.front.stats().tx_packets, 3);
+    assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
+}
+
+#[test]
 fn a_front_end_without_fragments_receives_every_size_in_linear_buffers() {
     let mut p = pair_with(GrantVersion::V1, GrantPath::Original, RxBuffers::Linear);
     assert!(!p.vif.can_sg());

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use mem::cpu::pin_current_thread;
 use net::netback::{self, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::{SkbError, SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::wire::{parse_ipv4, parse_udp, payload_byte, PayloadCheck, UdpFramer};
@@ -276,6 +276,246 @@ fn timed(busy: &mut Duration, timing: &AtomicBool, f: impl FnOnce() -> usize) ->
     n
 }
 
+/// One vif between a driver domain and a guest, set up as `v` says, with each side's
+/// buffer pool.
+struct Path {
+    hv: Arc<Hypervisor>,
+    front: Netfront,
+    vif: netback::Vif,
+    /// The device that plays the NIC (direct placement).
+    dma: hv::iommu::DmaContext,
+    dpool: SkbPool,
+    gpool: SkbPool,
+}
+
+impl Path {
+    fn new(v: Variant) -> Result<Self, LabError> {
+        let hv = Hypervisor::new(HvConfig {
+            frames: 16384,
+            grant_path: GrantPath::Optimised,
+            ..HvConfig::default()
+        })?;
+        let dom = |name: &str, driver: bool, slots| {
+            hv.create_domain(&DomainConfig {
+                name: name.into(),
+                pages: 4096,
+                grant_frames: 8,
+                grant_version: GrantVersion::V2,
+                vcpus: 1,
+                map_slots: slots,
+                driver_domain: driver,
+            })
+        };
+        let drv = dom("drv", true, VIF_WINDOW_SLOTS)?;
+        let guest = dom("guest", false, 4)?;
+        let spec = VifSpec {
+            handle: 0,
+            mac: flow().dst_mac,
+            rx_buffers: v.rx_buffers,
+            index: 0,
+            grants: v.grants,
+            offloads: false,
+        };
+        let (front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
+        if v.direct {
+            vif.enable_direct();
+            hv.iommu_attach(DEV, &drv).map_err(other)?;
+        }
+        let mut dma = hv.iommu().device(DEV);
+        // The device shares the driver domain's core here; its writes land in the cache,
+        // as a NIC's do on a processor with Data Direct I/O and as DPDK's vhost copy does
+        // (see `DmaLanding`).
+        dma.land_in(hv::iommu::DmaLanding::Cache);
+        let dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
+        // Pages for the 256 posted RX buffers and for TX heads of a page each.
+        let gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(other)?;
+        Ok(Self {
+            hv,
+            front,
+            vif,
+            dma,
+            dpool,
+            gpool,
+        })
+    }
+}
+
+/// Each stage's cost per packet with both sides on one core, taken in turns: the code's
+/// own cost, with no line crossing between cores. Set against the two-core run's busy
+/// times, the difference is what the crossings cost.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stages {
+    /// The source: a buffer filled with the header template and handed on (RX: queued
+    /// to netback by `start_xmit`; TX: granted and posted by netfront's `xmit`).
+    source_ns: f64,
+    /// netback's action. RX: requests taken and judged, buffers looked up, copies,
+    /// responses. TX: requests taken and judged, headers copied, packets built and
+    /// handed on, buffers released and answered.
+    back_ns: f64,
+    /// netfront's poll. RX: responses judged, buffers built and delivered, the ring
+    /// refilled. TX: completions taken and buffers freed.
+    front_ns: f64,
+}
+
+/// Measures [`Stages`] for one direction and size over `packets` packets after the
+/// same verified warm-up as a two-core run, on a thread of its own on core 0.
+fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Stages, LabError> {
+    std::thread::spawn(move || -> Result<Stages, LabError> {
+        pin(0);
+        let Path {
+            hv: _hv,
+            mut front,
+            mut vif,
+            dma: _,
+            mut dpool,
+            mut gpool,
+        } = Path::new(v)?;
+        let (mut source, mut sink) = (Source::new(len)?, Sink::new(len));
+        let mut tokens = Vec::with_capacity(netback::MAX_PENDING);
+        let timed_from = VERIFIED + 4096;
+        let (mut src, mut back, mut fr) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        let (mut timed, mut idle_rounds) = (0u64, 0u32);
+        front.refill_rx(&mut gpool);
+        while sink.received < timed_from + packets {
+            let before = sink.received;
+            let t0 = Instant::now();
+            match dir {
+                Dir::Rx => {
+                    while vif.rx_queued() < RX_AHEAD {
+                        let Ok(s) = dpool.alloc(NET_SKB_PAD) else {
+                            break;
+                        };
+                        if source.fill(&mut dpool, s).is_err() {
+                            dpool.free(s);
+                            break;
+                        }
+                        vif.start_xmit(&mut dpool, s);
+                    }
+                }
+                Dir::Tx => {
+                    let mut n = 0;
+                    while n < BUDGET && front.tx_room() >= 2 {
+                        let Ok(s) = gpool.alloc_page_linear() else {
+                            break;
+                        };
+                        if source.fill(&mut gpool, s).is_err() {
+                            gpool.free(s);
+                            break;
+                        }
+                        if let Err(s) = front.xmit_more(&mut gpool, s) {
+                            gpool.free(s);
+                            break;
+                        }
+                        n += 1;
+                    }
+                    front.xmit_flush();
+                }
+            }
+            let t1 = Instant::now();
+            match dir {
+                Dir::Rx => {
+                    vif.rx_action(&mut dpool);
+                }
+                Dir::Tx => {
+                    vif.tx_action(&mut dpool, BUDGET, |p, s| sink.take(p, s));
+                    dpool.take_released(|r| tokens.push(r.token));
+                    if !tokens.is_empty() {
+                        vif.tx_release(tokens.drain(..));
+                    }
+                }
+            }
+            let t2 = Instant::now();
+            match dir {
+                Dir::Rx => {
+                    front.poll_rx(&mut gpool, BUDGET, |p, s| sink.take(p, s));
+                }
+                Dir::Tx => {
+                    front.poll_tx(&mut gpool);
+                }
+            }
+            let t3 = Instant::now();
+            if before >= timed_from {
+                src += t1 - t0;
+                back += t2 - t1;
+                fr += t3 - t2;
+                timed += sink.received - before;
+            }
+            idle_rounds = if sink.received == before {
+                idle_rounds + 1
+            } else {
+                0
+            };
+            if idle_rounds > 1000 || vif.disabled().is_some() || front.is_broken() {
+                return Err(other(format!(
+                    "one-core run stalled after {} packets",
+                    sink.received
+                )));
+            }
+        }
+        if sink.corrupt > 0 {
+            return Err(other(format!("{} corrupt warm-up messages", sink.corrupt)));
+        }
+        let per = |d: Duration| d.as_nanos() as f64 / timed.max(1) as f64;
+        Ok(Stages {
+            source_ns: per(src),
+            back_ns: per(back),
+            front_ns: per(fr),
+        })
+    })
+    .join()
+    .map_err(|_| other("one-core run panicked"))?
+}
+
+/// The rows of one grant-cache row's stages: each on one core, their sum, and the
+/// two-core run's busy time per packet (both sides) against that sum: what the lines
+/// crossing between the cores add.
+fn stage_rows(rep: &mut Report, group: &str, len: usize, dir: Dir, st: &[Stages], two: &[Run]) {
+    let col = |f: fn(&Stages) -> f64| st.iter().map(f).collect::<Vec<_>>();
+    let (source, back, front) = match dir {
+        Dir::Rx => (
+            "the source (header template, queued by start_xmit)",
+            "netback RX action (requests, lookups, copies, responses)",
+            "netfront RX poll (responses, buffers, delivery, refill)",
+        ),
+        Dir::Tx => (
+            "the source and netfront's xmit (header template, grant, request)",
+            "netback TX action (requests, header copies, packets, releases)",
+            "netfront TX completions",
+        ),
+    };
+    for (what, f) in [
+        (source, (|s: &Stages| s.source_ns) as fn(&Stages) -> f64),
+        (back, |s| s.back_ns),
+        (front, |s| s.front_ns),
+    ] {
+        rep.row(
+            group,
+            &format!("{len} B, one core in turns: {what} per packet"),
+            "ns",
+            &col(f),
+        );
+    }
+    let sum = col(|s| s.source_ns + s.back_ns + s.front_ns);
+    rep.row(
+        group,
+        &format!("{len} B, one core in turns: every stage per packet"),
+        "ns",
+        &sum,
+    );
+    let busy: Vec<f64> = two
+        .iter()
+        .map(|r| r.busy_drv_ns + r.busy_guest_ns)
+        .collect();
+    let row = rep.row(
+        group,
+        &format!("{len} B, two cores: both sides' busy time per packet"),
+        "ns",
+        &busy,
+    );
+    row.ratio =
+        crate::stats::ratio_median(&busy, &sum).map(|x| ("every stage on one core".to_string(), x));
+}
+
 /// Runs one direction, the driver domain's side on core 0 and the guest's on core 1:
 /// the verified warm-up, then `periods` timed periods of `period` each.
 fn run_once(
@@ -285,45 +525,14 @@ fn run_once(
     periods: usize,
     v: Variant,
 ) -> Result<Run, LabError> {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 16384,
-        grant_path: GrantPath::Optimised,
-        ..HvConfig::default()
-    })?;
-    let dom = |name: &str, driver: bool, slots| {
-        hv.create_domain(&DomainConfig {
-            name: name.into(),
-            pages: 4096,
-            grant_frames: 8,
-            grant_version: GrantVersion::V2,
-            vcpus: 1,
-            map_slots: slots,
-            driver_domain: driver,
-        })
-    };
-    let drv = dom("drv", true, VIF_WINDOW_SLOTS)?;
-    let guest = dom("guest", false, 4)?;
-    let spec = VifSpec {
-        handle: 0,
-        mac: flow().dst_mac,
-        rx_buffers: v.rx_buffers,
-        index: 0,
-        grants: v.grants,
-        offloads: false,
-    };
-    let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
-    if v.direct {
-        vif.enable_direct();
-        hv.iommu_attach(DEV, &drv).map_err(other)?;
-    }
-    let mut dma = hv.iommu().device(DEV);
-    // The device shares the driver domain's core here; its writes land in the cache,
-    // as a NIC's do on a processor with Data Direct I/O and as DPDK's vhost copy does
-    // (see `DmaLanding`).
-    dma.land_in(hv::iommu::DmaLanding::Cache);
-    let mut dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
-    // Pages for the 256 posted RX buffers and for TX heads of a page each.
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(other)?;
+    let Path {
+        hv: _hv,
+        mut front,
+        mut vif,
+        mut dma,
+        mut dpool,
+        mut gpool,
+    } = Path::new(v)?;
     let (mut source, mut sink) = (Source::new(len)?, Sink::new(len));
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -463,12 +672,15 @@ fn run_once(
                                     gpool.free(s);
                                     break;
                                 }
-                                if let Err(s) = front.xmit(&mut gpool, s) {
+                                // The burst is published at its end, as DPDK's
+                                // txonly hands a burst to the driver.
+                                if let Err(s) = front.xmit_more(&mut gpool, s) {
                                     gpool.free(s);
                                     break;
                                 }
                                 n += 1;
                             }
+                            front.xmit_flush();
                             n
                         });
                     }
@@ -530,6 +742,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Full => (Duration::from_millis(250), 8),
         Mode::Quick => (Duration::from_millis(100), 5),
         Mode::Smoke => (Duration::from_millis(10), 2),
+    };
+    // Packets of each one-core stage measurement, after its warm-up.
+    let stage_packets = match mode {
+        Mode::Full => 400_000,
+        Mode::Quick => 200_000,
+        Mode::Smoke => 10_000,
     };
     // A quick run takes two rounds (the full run's five are for quoting), so that every
     // experiment together stays within ten minutes.
@@ -606,14 +824,19 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 Dir::Tx => &TX_VARIANTS,
             };
             let mut variants: Vec<Vec<Run>> = vec![Vec::new(); forms.len()];
+            // The grant-cache copy rows' stages, each side's code on one core in turns.
+            let mut stages: Vec<Vec<Stages>> = vec![Vec::new(); forms.len()];
             let mut dpdk_mpps = Vec::new();
             for round in 0..iters {
                 let at = format!("{} · {len} B", crate::progress::round(round, iters));
                 crate::progress::step(format_args!("{at} · {}", dir.name()));
                 runs.push(run_once(dir, len, period, periods, Variant::ORIGINAL)?);
-                for (v, &(b, name)) in variants.iter_mut().zip(forms) {
+                for ((v, st), &(b, name)) in variants.iter_mut().zip(&mut stages).zip(forms) {
                     crate::progress::step(format_args!("{at} · {name}"));
                     v.push(run_once(dir, len, period, periods, b)?);
+                    if b.grants == Grants::Reuse && !b.direct {
+                        st.push(stages_one_core(dir, len, b, stage_packets)?);
+                    }
                 }
                 if let Ok(p) = &pmd {
                     crate::progress::step(format_args!("{at} · DPDK {}", dir.name()));
@@ -660,9 +883,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 &col(|r| r.busy_guest_ns),
             );
             let mut cache_checks = Vec::new();
-            for (v, &(form, group)) in variants.iter().zip(forms) {
+            for ((v, st), &(form, group)) in variants.iter().zip(&stages).zip(forms) {
                 if v.is_empty() {
                     continue;
+                }
+                if !st.is_empty() {
+                    stage_rows(&mut rep, group, len, dir, st, v);
                 }
                 let vcol = |f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<_>>();
                 let base = match dir {
@@ -857,6 +1083,21 @@ mod tests {
             .collect();
         assert_eq!(cached.len(), 6);
         assert!(cached.iter().all(|r| r.stats.median > 0.0), "{cached:?}");
+        // The grant-cache copy rows (RX and TX, both sizes) give each stage's cost on
+        // one core, and the two cores' busy time against their sum.
+        let stages: Vec<_> = rep
+            .rows
+            .iter()
+            .filter(|r| r.name.contains("one core in turns"))
+            .collect();
+        assert_eq!(stages.len(), 4 * 4);
+        assert!(stages.iter().all(|r| r.stats.median > 0.0), "{stages:?}");
+        let against_one_core = rep
+            .rows
+            .iter()
+            .filter(|r| r.ratio.as_ref().is_some_and(|x| x.0.contains("one core")))
+            .count();
+        assert_eq!(against_one_core, 4);
         // Per direction and size: integrity and DPDK; per grant-cache row and size:
         // DPDK and no map or unmap; per grant-cache row at 64 B: the driver domain's
         // busy time.
