@@ -177,6 +177,7 @@ fn with_direct_placement_the_nic_writes_a_guests_frames_into_the_buffers_its_net
         index: 0,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     vif.enable_direct();

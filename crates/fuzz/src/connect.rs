@@ -44,6 +44,7 @@ const SPEC: VifSpec = VifSpec {
     index: 0,
     grants: Grants::PerIo,
     offloads: false,
+    split_indices: false,
 };
 
 const FRONT_KEYS: [&str; 9] = [

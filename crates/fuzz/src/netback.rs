@@ -152,6 +152,7 @@ pub(crate) fn world() -> (World, Good) {
         index: 1,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
     let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");

@@ -77,6 +77,7 @@ fn world() -> World {
         index: 0,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     let good = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("good vif");
     let mut gpool = SkbPool::new(Arc::clone(&guest), 128, 600).expect("pool");
@@ -244,6 +245,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
         index: 1,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     toolstack::offer_vif(&w.hv, &w.drv, &w.guest, spec).expect("offer");
     let mut front =

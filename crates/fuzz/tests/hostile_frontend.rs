@@ -68,6 +68,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
         index: 1,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
 }

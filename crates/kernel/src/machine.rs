@@ -849,6 +849,7 @@ impl Machine {
                         index: vifs.len() as u16,
                         grants: g.grants,
                         offloads: g.offloads,
+                        split_indices: false,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {
@@ -881,6 +882,7 @@ impl Machine {
                                 vs.rx_buffers,
                                 vs.grants,
                                 vs.offloads,
+                                vs.split_indices,
                             )
                             .map_err(other)?;
                             let pool = guest_pool(dom, &mut front)?;

@@ -835,6 +835,15 @@ impl Vif {
         if wants_copy && !xenbus::feature(store, be, &bdir, xenbus::FEATURE_GUEST_COPY) {
             return Err(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY));
         }
+        // The ring layout: ring.h's unless the front end asked for the split one this
+        // end offered. Both rings use it.
+        let layout = if xenbus::feature(store, be, &fdir, xenbus::REQUEST_SPLIT_INDICES)
+            && xenbus::feature(store, be, &bdir, xenbus::FEATURE_SPLIT_INDICES)
+        {
+            ring::Layout::SPLIT
+        } else {
+            ring::Layout::XEN
+        };
         let tx_ref = xenbus::read_u32(store, be, &format!("{fdir}/tx-ring-ref"))?;
         let rx_ref = xenbus::read_u32(store, be, &format!("{fdir}/rx-ring-ref"))?;
         let evtchn = xenbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
@@ -876,12 +885,12 @@ impl Vif {
         let page = |slot| dom.window().page(slot);
         let rings = page(slot_base)
             .ok()
-            .and_then(|p| PageRing::new(p).ok())
+            .and_then(|p| PageRing::with_layout(p, layout).ok())
             .and_then(|p| BackRing::<TxRing, _>::attach(p).ok())
             .zip(
                 page(slot_base + 1)
                     .ok()
-                    .and_then(|p| PageRing::new(p).ok())
+                    .and_then(|p| PageRing::with_layout(p, layout).ok())
                     .and_then(|p| BackRing::<RxRing, _>::attach(p).ok()),
             );
         let Some((tx, rx)) = rings else {

@@ -271,6 +271,8 @@ pub struct Netfront {
     /// Offer checksum offload and GSO (`feature-gso-tcpv4`, no
     /// `feature-no-csum-offload`); with page fragments only.
     offloads: bool,
+    /// Ask for the split ring layout where the back end offers it.
+    split_indices: bool,
     /// The guest-copy path's batch, allocated once.
     copy_batch: CopyBatch,
     stats: FrontStats,
@@ -418,7 +420,7 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
-        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo, false)
+        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo, false, false)
     }
 
     /// As [`Netfront::connect_with`], asking for grant reuse (paper 000 §4.4) if
@@ -427,6 +429,9 @@ impl Netfront {
     /// offer what is asked gets the original protocol. Not with [`RxBuffers::GuestCopy`].
     /// With `offloads` (and page fragments), checksum offload and GSO are offered both
     /// ways.
+    ///
+    /// With `split_indices`, asks for pvio's split ring layout
+    /// ([`xenbus::FEATURE_SPLIT_INDICES`]) where the back end offers it.
     pub fn connect_config(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
@@ -434,6 +439,7 @@ impl Netfront {
         rx_buffers: RxBuffers,
         grants: Grants,
         offloads: bool,
+        split_indices: bool,
     ) -> Result<Self, XenbusError> {
         // One reference per ring id and direction, all or none: a front end that
         // cannot connect gives back what it took, so that a guest can try again.
@@ -500,6 +506,7 @@ impl Netfront {
             },
             skipping: false,
             offloads: offloads && rx_buffers == RxBuffers::Fragments,
+            split_indices,
             copy_batch: CopyBatch::new(),
             stats: FrontStats::default(),
             broken: false,
@@ -586,6 +593,13 @@ impl Netfront {
             && xenbus::feature(store, me, &bdir, xenbus::FEATURE_CTRL_RING);
         let machine_frames = self.want == Grants::MachineFramesUnsafe
             && xenbus::feature(store, me, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
+        let split =
+            self.split_indices && xenbus::feature(store, me, &bdir, xenbus::FEATURE_SPLIT_INDICES);
+        let layout = if split {
+            ring::Layout::SPLIT
+        } else {
+            ring::Layout::XEN
+        };
         let mut reuse = None;
         let r = (|| {
             for _ in 0..2 {
@@ -600,7 +614,7 @@ impl Netfront {
             let ring = |g| {
                 dom.page(g)
                     .ok()
-                    .and_then(|p| PageRing::new(p).ok())
+                    .and_then(|p| PageRing::with_layout(p, layout).ok())
                     .ok_or_else(oom)
             };
             let tx = FrontRing::init(ring(taken[0].0)?).map_err(|_| oom())?;
@@ -635,6 +649,10 @@ impl Netfront {
                 (
                     xenbus::REQUEST_GUEST_COPY,
                     if guest_copy { "1" } else { "0" }.into(),
+                ),
+                (
+                    xenbus::REQUEST_SPLIT_INDICES,
+                    if split { "1" } else { "0" }.into(),
                 ),
             ] {
                 store.write(me, &format!("{fdir}/{k}"), &v)?;

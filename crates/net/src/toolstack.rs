@@ -31,6 +31,9 @@ pub struct VifSpec {
     pub grants: Grants,
     /// netfront offers checksum offload and GSO.
     pub offloads: bool,
+    /// netfront asks for pvio's split ring layout (each end's indices on a cache line
+    /// of their own), which pvio's netback offers; ring.h's layout otherwise.
+    pub split_indices: bool,
 }
 
 /// Window slots a driver domain needs for `vifs` vifs.
@@ -54,6 +57,7 @@ pub fn plug_vif(
         spec.rx_buffers,
         spec.grants,
         spec.offloads,
+        spec.split_indices,
     )?;
     let vif = connect_backend(hv, driver, guest, spec)?;
     Ok((front, vif))

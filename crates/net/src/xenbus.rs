@@ -144,8 +144,15 @@ pub const FEATURE_MACHINE_FRAMES: &str = "feature-rx-machine-frames-unsafe";
 /// A front end's request for it.
 pub const REQUEST_MACHINE_FRAMES: &str = "request-rx-machine-frames-unsafe";
 
+/// A back end's offer of pvio's split ring layout (`ring::Layout::SPLIT`; pvio's own
+/// key): each end's indices on a cache line of their own, the slots from byte 128. A
+/// front end that does not ask gets ring.h's layout, as a real Xen peer does.
+pub const FEATURE_SPLIT_INDICES: &str = "feature-split-ring-indices";
+/// A front end's request for it, for both its data rings.
+pub const REQUEST_SPLIT_INDICES: &str = "request-split-ring-indices";
+
 /// The back end's features, as pvio's netback offers them.
-pub const BACKEND_FEATURES: [(&str, &str); 7] = [
+pub const BACKEND_FEATURES: [(&str, &str); 8] = [
     ("feature-sg", "1"),
     ("feature-rx-copy", "1"),
     ("feature-rx-flip", "0"),
@@ -153,4 +160,5 @@ pub const BACKEND_FEATURES: [(&str, &str); 7] = [
     ("feature-multicast-control", "0"),
     (FEATURE_CTRL_RING, "1"),
     (FEATURE_GRANT_REUSE, "1"),
+    (FEATURE_SPLIT_INDICES, "1"),
 ];

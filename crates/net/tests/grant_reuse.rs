@@ -70,6 +70,7 @@ fn plug(
         index: 0,
         grants,
         offloads: false,
+        split_indices: false,
     };
     toolstack::plug_vif(hv, drv, guest, spec).expect("vif")
 }
@@ -333,6 +334,7 @@ fn raw_with_ctrl(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
         index: 1,
         grants: Grants::Reuse,
         offloads: false,
+        split_indices: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");
@@ -439,6 +441,7 @@ fn a_bad_reference_in_a_batch_of_copies_fails_its_own_packet_and_no_other() {
         index: 1,
         grants: Grants::Reuse,
         offloads: false,
+        split_indices: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");

@@ -70,8 +70,9 @@ impl Raw {
             base
         });
         netback::probe(store, drv.id(), guest.id(), 0).expect("probe");
-        let front = Netfront::connect_config(hv, guest, 0, rx_buffers, Grants::PerIo, offloads)
-            .expect("front end");
+        let front =
+            Netfront::connect_config(hv, guest, 0, rx_buffers, Grants::PerIo, offloads, false)
+                .expect("front end");
         let dir = xenbus::frontend_dir(guest.id(), 0);
         let key = |k: &str| xenbus::read_u32(store, drv.id(), &format!("{dir}/{k}")).expect(k);
         let ops = [("tx-ring-ref", TX_SLOT), ("rx-ring-ref", RX_SLOT)].map(|(k, slot)| MapOp {

@@ -54,6 +54,7 @@ fn pair(offloads: bool) -> Pair {
         index: 0,
         grants: Grants::PerIo,
         offloads,
+        split_indices: false,
     };
     let (mut front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     let dpool = SkbPool::new(Arc::clone(&drv), 512, 512).expect("pool");

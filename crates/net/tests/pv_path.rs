@@ -87,6 +87,7 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
         index: 0,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
@@ -388,6 +389,7 @@ fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGue
             index,
             grants: Grants::PerIo,
             offloads: false,
+            split_indices: false,
         };
         toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
     };
@@ -966,6 +968,7 @@ fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::Ra
         index: 1,
         grants: Grants::PerIo,
         offloads: false,
+        split_indices: false,
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");
@@ -1173,4 +1176,170 @@ fn a_vif_that_stopped_early_is_signalled_by_the_guests_next_request_once_its_rin
     p.front.poll_tx(&mut p.gpool);
     assert_eq!(p.front.stats().tx_packets, 5);
     assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
+}
+
+/// Four packets out of the guest, each checked at netback and answered; returns the
+/// driver domain's view of the TX ring's words at `at` (through the vif's mapping).
+fn tx_four_and_read_ring_words(p: &mut Pair, at: &[usize]) -> Vec<u32> {
+    for (k, len) in [60usize, 129, 1514, 300].into_iter().enumerate() {
+        let f: Vec<u8> = (0..len).map(|i| (i * 5 + k) as u8).collect();
+        let s = p.gpool.alloc(NET_SKB_PAD).expect("skb");
+        p.gpool.put(s, &f).expect("put");
+        p.front.xmit(&mut p.gpool, s).expect("room");
+        let mut out = Vec::new();
+        assert_eq!(p.vif.tx_action(&mut p.dpool, 64, |_, s| out.push(s)), 1);
+        let mut got = vec![0u8; len];
+        p.dpool.read(out[0], 0, &mut got).expect("read");
+        assert_eq!(got, f);
+        p.dpool.free(out[0]);
+        let mut tokens = Vec::new();
+        p.dpool.take_released(|r| tokens.push(r.token));
+        p.vif.tx_release(tokens);
+        while p.front.poll_tx(&mut p.gpool) > 0 {}
+    }
+    // The TX ring is the first page the vif maps (vif index 0: window slot 0).
+    let ring = p.drv.window().page(0).expect("tx ring mapped");
+    at.iter()
+        .map(|&o| mem::PageAccess::read_obj::<u32>(&ring, o).expect("word"))
+        .collect()
+}
+
+#[test]
+fn the_split_ring_layout_is_used_only_where_both_ends_agree_and_carries_traffic_either_way() {
+    // ring.h's words: rsp_prod at byte 8. The split layout's: rsp_prod at byte 64.
+    let (ring_h_rsp_prod, split_rsp_prod) = (8, 64);
+    for (offered, asked, split) in [
+        (true, true, true),
+        (false, true, false),
+        (true, false, false),
+    ] {
+        let (hv, drv, guest) = machine(8192, GrantVersion::V2, GrantPath::Optimised);
+        let guest = guest("guest");
+        let spec = VifSpec {
+            handle: 0,
+            mac: flow().dst_mac,
+            rx_buffers: RxBuffers::Fragments,
+            index: 0,
+            grants: Grants::PerIo,
+            offloads: false,
+            split_indices: asked,
+        };
+        toolstack::offer_vif(&hv, &drv, &guest, spec).expect("offer");
+        let bdir = xenbus::backend_dir(drv.id(), guest.id(), 0);
+        if !offered {
+            hv.store()
+                .write(
+                    drv.id(),
+                    &format!("{bdir}/{}", xenbus::FEATURE_SPLIT_INDICES),
+                    "0",
+                )
+                .expect("withdraw the offer");
+        }
+        let front = Netfront::connect_config(
+            &hv,
+            &guest,
+            0,
+            RxBuffers::Fragments,
+            Grants::PerIo,
+            false,
+            asked,
+        )
+        .expect("front");
+        let vif = toolstack::connect_backend(&hv, &drv, &guest, spec).expect("back");
+        let fdir = xenbus::frontend_dir(guest.id(), 0);
+        assert_eq!(
+            hv.store()
+                .read(
+                    guest.id(),
+                    &format!("{fdir}/{}", xenbus::REQUEST_SPLIT_INDICES)
+                )
+                .as_deref(),
+            Ok(if split { "1" } else { "0" })
+        );
+        let mut p = Pair {
+            dpool: SkbPool::new(Arc::clone(&drv), 512, 64).expect("pool"),
+            gpool: SkbPool::new(Arc::clone(&guest), 512, 512).expect("pool"),
+            hv,
+            drv,
+            guest,
+            front,
+            vif,
+        };
+        let words = tx_four_and_read_ring_words(&mut p, &[ring_h_rsp_prod, split_rsp_prod]);
+        let want = if split { [0, 4] } else { [4, 0] };
+        assert_eq!(words, want, "offered {offered}, asked {asked}");
+        let (stack, gfree) = receive_each(&mut p, &[60, 1400, 3000], false, |_, _| {});
+        all_returned(&p, &stack, gfree);
+    }
+}
+
+#[test]
+fn a_front_end_that_asks_for_the_split_layout_and_lays_out_ring_h_harms_only_its_own_vif() {
+    let (hv, drv, guest) = machine(16384, GrantVersion::V2, GrantPath::Optimised);
+    let bad = guest("bad");
+    let spec = VifSpec {
+        handle: 0,
+        mac: MAC_B,
+        rx_buffers: RxBuffers::Fragments,
+        index: 1,
+        grants: Grants::PerIo,
+        offloads: false,
+        split_indices: false,
+    };
+    toolstack::offer_vif(&hv, &drv, &bad, spec).expect("offer");
+    let raw = net::rawfront::RawFront::publish(&hv, &bad, drv.id(), 0).expect("raw");
+    let fdir = xenbus::frontend_dir(bad.id(), 0);
+    hv.store()
+        .write(
+            bad.id(),
+            &format!("{fdir}/{}", xenbus::REQUEST_SPLIT_INDICES),
+            "1",
+        )
+        .expect("ask");
+    let mut vif = toolstack::connect_backend(&hv, &drv, &bad, spec).expect("back");
+    // A request where ring.h puts slot 0, published where both layouts put req_prod:
+    // netback reads the split layout's slot 0 (zeroes), a packet too short, dropped.
+    raw.put(
+        0,
+        net::netif::TxRequest {
+            gref: raw.data_ref,
+            offset: 0,
+            flags: 0,
+            id: 0,
+            size: 60,
+        },
+    );
+    raw.publish_tx(1);
+    let mut dpool = SkbPool::new(Arc::clone(&drv), 512, 64).expect("pool");
+    let mut out = Vec::new();
+    assert_eq!(vif.tx_action(&mut dpool, 64, |_, s| out.push(s)), 0);
+    assert!(out.is_empty());
+    assert_eq!(
+        vif.tx_check_stats()
+            .drop_count(net::netif::TxDrop::PacketTooShort),
+        1
+    );
+    // A well-behaved guest on the same driver domain, with the split layout, is not
+    // touched.
+    let good = guest("good");
+    let spec = VifSpec {
+        handle: 0,
+        mac: flow().dst_mac,
+        rx_buffers: RxBuffers::Fragments,
+        index: 0,
+        grants: Grants::PerIo,
+        offloads: false,
+        split_indices: true,
+    };
+    let (front, vif) = toolstack::plug_vif(&hv, &drv, &good, spec).expect("good");
+    let mut p = Pair {
+        dpool,
+        gpool: SkbPool::new(Arc::clone(&good), 512, 512).expect("pool"),
+        hv,
+        drv,
+        guest: good,
+        front,
+        vif,
+    };
+    assert_eq!(tx_four_and_read_ring_words(&mut p, &[64]), [4]);
 }

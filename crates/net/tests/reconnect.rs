@@ -31,6 +31,7 @@ const SPEC: VifSpec = VifSpec {
     index: 0,
     grants: Grants::PerIo,
     offloads: false,
+    split_indices: false,
 };
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.

@@ -55,6 +55,9 @@ struct Variant {
     /// Direct placement: the driver domain's side plays the NIC, writing each frame
     /// by DMA through the IOMMU into a buffer netback mapped (paper 000 §4.3).
     direct: bool,
+    /// Both rings in pvio's split layout (each end's indices on a line of its own),
+    /// negotiated through the store; ring.h's otherwise.
+    split: bool,
 }
 
 impl Variant {
@@ -62,6 +65,7 @@ impl Variant {
         rx_buffers: RxBuffers::Fragments,
         grants: Grants::PerIo,
         direct: false,
+        split: false,
     };
     const fn rx(rx_buffers: RxBuffers) -> Self {
         Self {
@@ -77,11 +81,15 @@ impl Variant {
         direct: true,
         ..Self::REUSE
     };
+    const REUSE_SPLIT: Self = Self {
+        split: true,
+        ..Self::REUSE
+    };
 }
 
 /// Guest RX's other receive forms, each measured beside the original (page fragments).
 /// The grant-cache rows are also checked against DPDK.
-const RX_VARIANTS: [(Variant, &str); 4] = [
+const RX_VARIANTS: [(Variant, &str); 5] = [
     (
         Variant::rx(RxBuffers::Linear),
         "guest RX, netfront without fragments",
@@ -98,12 +106,22 @@ const RX_VARIANTS: [(Variant, &str); 4] = [
         Variant::REUSE_DIRECT,
         "guest RX through the grant cache, direct placement (the device writes into cached pages)",
     ),
+    (
+        Variant::REUSE_SPLIT,
+        "guest RX through the grant cache, split ring indices (each end's on a line of its own)",
+    ),
 ];
 /// Guest TX's other forms.
-const TX_VARIANTS: [(Variant, &str); 1] = [(
-    Variant::REUSE,
-    "guest TX through the grant cache (headers copied and pages read through cached mappings)",
-)];
+const TX_VARIANTS: [(Variant, &str); 2] = [
+    (
+        Variant::REUSE,
+        "guest TX through the grant cache (headers copied and pages read through cached mappings)",
+    ),
+    (
+        Variant::REUSE_SPLIT,
+        "guest TX through the grant cache, split ring indices (each end's on a line of its own)",
+    ),
+];
 /// The device that plays the NIC for direct placement.
 const DEV: hv::DeviceId = hv::DeviceId(1);
 /// Packets the source keeps queued ahead of netback's RX action.
@@ -315,6 +333,7 @@ impl Path {
             index: 0,
             grants: v.grants,
             offloads: false,
+            split_indices: v.split,
         };
         let (front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
         if v.direct {
@@ -809,10 +828,17 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             "DPDK not measured here ({e}): pvio is compared with the issue's figures."
         )),
     }
+    // The split ring layout is measured in full runs only: a quick run of everything
+    // stays within ten minutes.
+    let measured_in = |list: &[(Variant, &'static str)]| -> Vec<(Variant, &'static str)> {
+        list.iter()
+            .copied()
+            .filter(|(v, _)| mode == Mode::Full || !v.split)
+            .collect()
+    };
+    let (rx_forms, tx_forms) = (measured_in(&RX_VARIANTS), measured_in(&TX_VARIANTS));
     let per_round = |forms: usize| FRAMES.len() * (1 + forms + usize::from(pmd.is_ok()));
-    crate::progress::plan(
-        (iters * (per_round(RX_VARIANTS.len()) + per_round(TX_VARIANTS.len()))) as u64,
-    );
+    crate::progress::plan((iters * (per_round(rx_forms.len()) + per_round(tx_forms.len()))) as u64);
     for dir in [Dir::Rx, Dir::Tx] {
         for len in FRAMES {
             let mut runs = Vec::with_capacity(iters);
@@ -820,8 +846,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             // original: netfront posting linear buffers, and the copy moved to the
             // guest.
             let forms: &[(Variant, &str)] = match dir {
-                Dir::Rx => &RX_VARIANTS,
-                Dir::Tx => &TX_VARIANTS,
+                Dir::Rx => &rx_forms,
+                Dir::Tx => &tx_forms,
             };
             let mut variants: Vec<Vec<Run>> = vec![Vec::new(); forms.len()];
             // The grant-cache copy rows' stages, each side's code on one core in turns.
@@ -834,7 +860,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 for ((v, st), &(b, name)) in variants.iter_mut().zip(&mut stages).zip(forms) {
                     crate::progress::step(format_args!("{at} · {name}"));
                     v.push(run_once(dir, len, period, periods, b)?);
-                    if b.grants == Grants::Reuse && !b.direct {
+                    if b.grants == Grants::Reuse && !b.direct && !b.split {
                         st.push(stages_one_core(dir, len, b, stage_packets)?);
                     }
                 }
@@ -965,6 +991,22 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                     per_packet,
                     if d >= g { "driver-domain" } else { "guest" }
                 ));
+            }
+            // The split layout against ring.h's, both through the grant cache, same run.
+            let of = |want: Variant| {
+                forms
+                    .iter()
+                    .position(|(v, _)| *v == want)
+                    .map(|i| variants[i].iter().map(|r| r.pps).collect::<Vec<_>>())
+            };
+            if let (Some(split), Some(ring_h)) = (of(Variant::REUSE_SPLIT), of(Variant::REUSE)) {
+                if let Some(x) = crate::stats::ratio_median(&split, &ring_h) {
+                    rep.notes.push(format!(
+                        "{}, {len} B, grant cache: the split ring layout at {x:.2}× ring.h's \
+                         packet rate (medians of per-round ratios)",
+                        dir.name()
+                    ));
+                }
             }
             let all = runs.iter().chain(variants.iter().flatten());
             let (verified, corrupt) = all.fold((0, 0), |(v, c), r| (v + r.verified, c + r.corrupt));
@@ -1167,6 +1209,18 @@ mod tests {
             &got[..HEADERS],
             &src.frames[(VERIFIED % 256) as usize][..HEADERS]
         );
+    }
+
+    #[test]
+    fn the_split_ring_layout_carries_the_verified_warm_up_both_ways() {
+        // Measured in full runs only; here each direction once, every warm-up byte
+        // checked.
+        for dir in [Dir::Rx, Dir::Tx] {
+            let r =
+                run_once(dir, 64, Duration::from_millis(5), 1, Variant::REUSE_SPLIT).expect("runs");
+            assert_eq!((r.verified, r.corrupt), (VERIFIED, 0), "{dir:?}");
+            assert!(r.pps > 0.0);
+        }
     }
 
     #[test]
