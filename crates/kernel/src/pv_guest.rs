@@ -84,11 +84,13 @@ impl Kernel for PvGuest {
         // Completions free buffers but are not work that keeps the vCPU awake: a TX
         // response comes with an event of its own.
         front.poll_tx(pool);
+        // The application's frames go as a burst, published once at its end.
         let (reads, sent) = app.run(pool, now, |pool, frame| {
-            let ok = xmit_frame(pool, frame, |pool, skb| front.xmit(pool, skb));
+            let ok = xmit_frame(pool, frame, |pool, skb| front.xmit_more(pool, skb));
             *tx_wait += u64::from(!ok);
             ok
         });
+        front.xmit_flush();
         w.app = reads;
         w.tx += sent;
         w
@@ -229,7 +231,8 @@ impl Kernel for TapGuest {
                 }
             }
             pool.set_offload(skb, off);
-            match front.xmit(pool, skb) {
+            // Published with the rest of what this read of the TAP found, below.
+            match front.xmit_more(pool, skb) {
                 Ok(()) => true,
                 Err(s) => {
                     pool.free(s);
@@ -238,6 +241,7 @@ impl Kernel for TapGuest {
                 }
             }
         });
+        front.xmit_flush();
         w.tx += front.poll_tx(pool) + usize::from(link != LinkChange::None);
         w
     }
@@ -331,7 +335,7 @@ impl Kernel for RawGuest {
         });
         front.poll_tx(pool);
         let mut send = |f: &[u8]| {
-            let ok = xmit_frame(pool, f, |pool, skb| front.xmit(pool, skb));
+            let ok = xmit_frame(pool, f, |pool, skb| front.xmit_more(pool, skb));
             *tx_wait += u64::from(!ok);
             ok
         };
@@ -339,6 +343,7 @@ impl Kernel for RawGuest {
             raw.input(&f[..*len], now, &mut send);
         }
         w.tx += raw.run(now, &mut send);
+        front.xmit_flush();
         w.more |= w.rx == frames.len();
         w
     }
