@@ -326,6 +326,13 @@ fn a_back_end_that_never_confirms_leaves_the_page_granted_and_out_of_use() {
 
 /// A raw guest with a control ring, on vif index 1.
 fn raw_with_ctrl(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
+    let (bad, raw, mut vif) = raw_with_ctrl_copying(p);
+    vif.enable_direct();
+    (bad, raw, vif)
+}
+
+/// As [`raw_with_ctrl`], netback copying into the cached pages (no direct placement).
+fn raw_with_ctrl_copying(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
     let bad = domain(&p.hv, "bad", false, 4);
     let spec = VifSpec {
         handle: 0,
@@ -339,8 +346,7 @@ fn raw_with_ctrl(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");
     raw.publish_ctrl(&p.hv, p.drv.id(), 0).expect("ctrl");
-    let mut vif = toolstack::connect_backend(&p.hv, &p.drv, &bad, spec).expect("vif");
-    vif.enable_direct();
+    let vif = toolstack::connect_backend(&p.hv, &p.drv, &bad, spec).expect("vif");
     (bad, raw, vif)
 }
 
@@ -433,20 +439,7 @@ fn a_bad_reference_in_a_batch_of_copies_fails_its_own_packet_and_no_other() {
     // guest never granted, anywhere in a batch, fails only the packet it was posted
     // for.
     let p = pair();
-    let bad = domain(&p.hv, "bad", false, 4);
-    let spec = VifSpec {
-        handle: 0,
-        mac: [0x02, 0, 0, 0, 0, 9],
-        rx_buffers: RxBuffers::Fragments,
-        index: 1,
-        grants: Grants::Reuse,
-        offloads: false,
-        split_indices: false,
-    };
-    toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
-    let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");
-    raw.publish_ctrl(&p.hv, p.drv.id(), 0).expect("ctrl");
-    let mut vif = toolstack::connect_backend(&p.hv, &p.drv, &bad, spec).expect("vif");
+    let (bad, mut raw, mut vif) = raw_with_ctrl_copying(&p);
     let mut dpool = SkbPool::new(Arc::clone(&p.drv), 512, 64).expect("pool");
     // 80 buffers (more than two batches); the 6th and the 70th name references never
     // granted.

@@ -1178,6 +1178,20 @@ fn a_vif_that_stopped_early_is_signalled_by_the_guests_next_request_once_its_rin
     assert_eq!(p.gpool.free_buffers(), p.gpool.capacity());
 }
 
+/// A vif with page fragments, a grant per I/O and no offloads, at driver-domain index
+/// `index`, its front end asking for the split ring layout if `split_indices`.
+fn plain_spec(mac: [u8; 6], index: u16, split_indices: bool) -> VifSpec {
+    VifSpec {
+        handle: 0,
+        mac,
+        rx_buffers: RxBuffers::Fragments,
+        index,
+        grants: Grants::PerIo,
+        offloads: false,
+        split_indices,
+    }
+}
+
 /// Four packets out of the guest, each checked at netback and answered; returns the
 /// driver domain's view of the TX ring's words at `at` (through the vif's mapping).
 fn tx_four_and_read_ring_words(p: &mut Pair, at: &[usize]) -> Vec<u32> {
@@ -1215,15 +1229,7 @@ fn the_split_ring_layout_is_used_only_where_both_ends_agree_and_carries_traffic_
     ] {
         let (hv, drv, guest) = machine(8192, GrantVersion::V2, GrantPath::Optimised);
         let guest = guest("guest");
-        let spec = VifSpec {
-            handle: 0,
-            mac: flow().dst_mac,
-            rx_buffers: RxBuffers::Fragments,
-            index: 0,
-            grants: Grants::PerIo,
-            offloads: false,
-            split_indices: asked,
-        };
+        let spec = plain_spec(flow().dst_mac, 0, asked);
         toolstack::offer_vif(&hv, &drv, &guest, spec).expect("offer");
         let bdir = xenbus::backend_dir(drv.id(), guest.id(), 0);
         if !offered {
@@ -1277,15 +1283,7 @@ fn the_split_ring_layout_is_used_only_where_both_ends_agree_and_carries_traffic_
 fn a_front_end_that_asks_for_the_split_layout_and_lays_out_ring_h_harms_only_its_own_vif() {
     let (hv, drv, guest) = machine(16384, GrantVersion::V2, GrantPath::Optimised);
     let bad = guest("bad");
-    let spec = VifSpec {
-        handle: 0,
-        mac: MAC_B,
-        rx_buffers: RxBuffers::Fragments,
-        index: 1,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
-    };
+    let spec = plain_spec(MAC_B, 1, false);
     toolstack::offer_vif(&hv, &drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&hv, &bad, drv.id(), 0).expect("raw");
     let fdir = xenbus::frontend_dir(bad.id(), 0);
@@ -1322,15 +1320,7 @@ fn a_front_end_that_asks_for_the_split_layout_and_lays_out_ring_h_harms_only_its
     // A well-behaved guest on the same driver domain, with the split layout, is not
     // touched.
     let good = guest("good");
-    let spec = VifSpec {
-        handle: 0,
-        mac: flow().dst_mac,
-        rx_buffers: RxBuffers::Fragments,
-        index: 0,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: true,
-    };
+    let spec = plain_spec(flow().dst_mac, 0, true);
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &good, spec).expect("good");
     let mut p = Pair {
         dpool,

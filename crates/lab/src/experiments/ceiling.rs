@@ -359,6 +359,54 @@ impl Path {
     }
 }
 
+/// The source's side of guest RX: fresh driver-domain buffers filled and queued to
+/// netback until it holds [`RX_AHEAD`]. Returns the packets queued.
+fn queue_rx(vif: &mut netback::Vif, dpool: &mut SkbPool, source: &mut Source) -> usize {
+    let mut n = 0;
+    while vif.rx_queued() < RX_AHEAD {
+        let Ok(s) = dpool.alloc(NET_SKB_PAD) else {
+            break;
+        };
+        if source.fill(dpool, s).is_err() {
+            dpool.free(s);
+            break;
+        }
+        vif.start_xmit(dpool, s);
+        n += 1;
+    }
+    n
+}
+
+/// The source's side of guest TX: up to `room` packets, each a head of its own page
+/// (granted as it is, no bounce: see `Netfront::xmit`), handed to netfront as one
+/// burst published at its end, as DPDK's txonly hands a burst to its driver. Returns
+/// the packets sent.
+fn send_burst(
+    front: &mut Netfront,
+    gpool: &mut SkbPool,
+    source: &mut Source,
+    room: usize,
+) -> usize {
+    let mut n = 0;
+    // A frame of either size lies in at most two pages.
+    while n < room && front.tx_room() >= 2 {
+        let Ok(s) = gpool.alloc_page_linear() else {
+            break;
+        };
+        if source.fill(gpool, s).is_err() {
+            gpool.free(s);
+            break;
+        }
+        if let Err(s) = front.xmit_more(gpool, s) {
+            gpool.free(s);
+            break;
+        }
+        n += 1;
+    }
+    front.xmit_flush();
+    n
+}
+
 /// Each stage's cost per packet with both sides on one core, taken in turns: the code's
 /// own cost, with no line crossing between cores. Set against the two-core run's busy
 /// times, the difference is what the crossings cost.
@@ -400,34 +448,10 @@ fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Sta
             let t0 = Instant::now();
             match dir {
                 Dir::Rx => {
-                    while vif.rx_queued() < RX_AHEAD {
-                        let Ok(s) = dpool.alloc(NET_SKB_PAD) else {
-                            break;
-                        };
-                        if source.fill(&mut dpool, s).is_err() {
-                            dpool.free(s);
-                            break;
-                        }
-                        vif.start_xmit(&mut dpool, s);
-                    }
+                    queue_rx(&mut vif, &mut dpool, &mut source);
                 }
                 Dir::Tx => {
-                    let mut n = 0;
-                    while n < BUDGET && front.tx_room() >= 2 {
-                        let Ok(s) = gpool.alloc_page_linear() else {
-                            break;
-                        };
-                        if source.fill(&mut gpool, s).is_err() {
-                            gpool.free(s);
-                            break;
-                        }
-                        if let Err(s) = front.xmit_more(&mut gpool, s) {
-                            gpool.free(s);
-                            break;
-                        }
-                        n += 1;
-                    }
-                    front.xmit_flush();
+                    send_burst(&mut front, &mut gpool, &mut source, BUDGET);
                 }
             }
             let t1 = Instant::now();
@@ -612,19 +636,8 @@ fn run_once(
                         }
                         Dir::Rx => {
                             timed(&mut busy, &timing, || {
-                                let mut n = 0;
-                                while vif.rx_queued() < RX_AHEAD {
-                                    let Ok(s) = dpool.alloc(NET_SKB_PAD) else {
-                                        break;
-                                    };
-                                    if source.fill(&mut dpool, s).is_err() {
-                                        dpool.free(s);
-                                        break;
-                                    }
-                                    vif.start_xmit(&mut dpool, s);
-                                    n += 1;
-                                }
-                                n + vif.rx_action(&mut dpool)
+                                queue_rx(&mut vif, &mut dpool, &mut source)
+                                    + vif.rx_action(&mut dpool)
                             });
                         }
                         Dir::Tx => {
@@ -679,28 +692,13 @@ fn run_once(
                     }
                     Dir::Tx => {
                         timed(&mut busy, &timing, || {
-                            let mut n = front.poll_tx(&mut gpool);
-                            // A frame of either size lies in at most two pages.
-                            while n < BUDGET && front.tx_room() >= 2 {
-                                // A head of its own page: granted as it is, no
-                                // bounce (see `Netfront::xmit`).
-                                let Ok(s) = gpool.alloc_page_linear() else {
-                                    break;
-                                };
-                                if source.fill(&mut gpool, s).is_err() {
-                                    gpool.free(s);
-                                    break;
-                                }
-                                // The burst is published at its end, as DPDK's
-                                // txonly hands a burst to the driver.
-                                if let Err(s) = front.xmit_more(&mut gpool, s) {
-                                    gpool.free(s);
-                                    break;
-                                }
-                                n += 1;
-                            }
-                            front.xmit_flush();
-                            n
+                            let n = front.poll_tx(&mut gpool);
+                            n + send_burst(
+                                &mut front,
+                                &mut gpool,
+                                &mut source,
+                                BUDGET - n.min(BUDGET),
+                            )
                         });
                     }
                 }
