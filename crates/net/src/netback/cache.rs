@@ -134,13 +134,66 @@ pub enum DropOutcome {
     Unknown,
 }
 
+/// Which entry maps each grant reference: a table indexed by the reference for the
+/// references a guest uses in practice (below [`SEEN_REFS`]: one load per lookup, the
+/// hot path's), a hash map for the rest (a guest may name any 32-bit reference).
+#[derive(Debug)]
+struct GrefIndex {
+    direct: Box<[u16]>,
+    spill: HashMap<u32, u16, BuildHasherDefault<GrefHasher>>,
+    len: usize,
+}
+
+impl GrefIndex {
+    fn new() -> Self {
+        Self {
+            direct: vec![NIL; SEEN_REFS as usize].into_boxed_slice(),
+            spill: HashMap::default(),
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn get(&self, gref: u32) -> Option<u16> {
+        match self.direct.get(gref as usize) {
+            Some(&k) => (k != NIL).then_some(k),
+            None => self.spill.get(&gref).copied(),
+        }
+    }
+
+    /// Enters `gref` → `k`; `gref` must not be present.
+    fn insert(&mut self, gref: u32, k: u16) {
+        match self.direct.get_mut(gref as usize) {
+            Some(slot) => *slot = k,
+            None => {
+                self.spill.insert(gref, k);
+            }
+        }
+        self.len += 1;
+    }
+
+    fn remove(&mut self, gref: u32) {
+        let was = match self.direct.get_mut(gref as usize) {
+            Some(slot) => std::mem::replace(slot, NIL) != NIL,
+            None => self.spill.remove(&gref).is_some(),
+        };
+        self.len -= usize::from(was);
+    }
+
+    fn clear(&mut self) {
+        self.direct.fill(NIL);
+        self.spill.clear();
+        self.len = 0;
+    }
+}
+
 /// One vif's cache of mapped grants.
 #[derive(Debug)]
 pub struct GrantCache {
     fe: DomId,
     /// The window slot of entry 0; entry `k` is at `slot0 + k`.
     slot0: u32,
-    index: HashMap<u32, u16, BuildHasherDefault<GrefHasher>>,
+    index: GrefIndex,
     entries: Box<[Option<Entry>]>,
     /// Each mapped entry's page, held while the entry lives, so that copies through it
     /// take no reference of their own (dropped before the unmap, which a hold refuses).
@@ -162,7 +215,7 @@ impl GrantCache {
         Self {
             fe,
             slot0,
-            index: HashMap::with_capacity_and_hasher(CACHE_SLOTS, Default::default()),
+            index: GrefIndex::new(),
             entries: vec![None; CACHE_SLOTS].into_boxed_slice(),
             pages: (0..CACHE_SLOTS).map(|_| None).collect(),
             free: (0..CACHE_SLOTS as u16).rev().collect(),
@@ -180,12 +233,12 @@ impl GrantCache {
 
     /// Grants mapped now.
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.index.len
     }
 
     /// Whether nothing is mapped.
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.index.len == 0
     }
 
     /// The window slot of entry `k`.
@@ -200,12 +253,12 @@ impl GrantCache {
 
     /// The entry mapping `gref`, if any.
     pub fn entry_of(&self, gref: u32) -> Option<u16> {
-        self.index.get(&gref).copied()
+        self.index.get(gref)
     }
 
     /// Whether `gref` is mapped now.
     pub fn contains(&self, gref: u32) -> bool {
-        self.index.contains_key(&gref)
+        self.index.get(gref).is_some()
     }
 
     /// The entry mapping `gref` (writable if `write`), mapping it on a miss, with one
@@ -217,7 +270,7 @@ impl GrantCache {
         gref: u32,
         write: bool,
     ) -> Result<u16, CacheError> {
-        if let Some(&k) = self.index.get(&gref) {
+        if let Some(k) = self.index.get(gref) {
             let e = self.entries[usize::from(k)].expect("indexed entries exist");
             if e.dropping {
                 self.stats.refused += 1;
@@ -269,7 +322,7 @@ impl GrantCache {
 
     /// The guest asks for `gref`'s mapping to go.
     pub fn drop_gref(&mut self, hv: &Hypervisor, dom: &Domain, gref: u32) -> DropOutcome {
-        let Some(&k) = self.index.get(&gref) else {
+        let Some(k) = self.index.get(gref) else {
             self.stats.drops_unknown += 1;
             return DropOutcome::Unknown;
         };
@@ -404,7 +457,7 @@ impl GrantCache {
         let Some(e) = self.entries[usize::from(k)].take() else {
             return;
         };
-        self.index.remove(&e.gref);
+        self.index.remove(e.gref);
         self.pages[usize::from(k)] = None;
         let mut st = [Ok(())];
         {
@@ -675,5 +728,33 @@ impl super::Vif {
             }
         }
         pool.free(skb);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reference_index_holds_any_reference_a_guest_names() {
+        let mut ix = GrefIndex::new();
+        let refs = [8, SEEN_REFS - 1, SEEN_REFS, 0xdead_beef, u32::MAX];
+        for (k, &g) in refs.iter().enumerate() {
+            assert_eq!(ix.get(g), None);
+            ix.insert(g, k as u16);
+        }
+        assert_eq!(ix.len, refs.len());
+        for (k, &g) in refs.iter().enumerate() {
+            assert_eq!(ix.get(g), Some(k as u16), "{g:#x}");
+        }
+        assert_eq!(ix.get(9), None);
+        ix.remove(SEEN_REFS - 1);
+        ix.remove(u32::MAX);
+        assert_eq!((ix.get(SEEN_REFS - 1), ix.get(u32::MAX)), (None, None));
+        assert_eq!(ix.get(SEEN_REFS), Some(2));
+        assert_eq!(ix.len, refs.len() - 2);
+        ix.clear();
+        assert_eq!(ix.len, 0);
+        assert!(refs.iter().all(|&g| ix.get(g).is_none()));
     }
 }
