@@ -20,6 +20,7 @@ pub mod driver;
 pub mod irq;
 pub mod lro;
 pub mod nic;
+pub mod packet;
 pub mod peer;
 pub mod svnic;
 pub mod tap;

@@ -1212,6 +1212,12 @@ impl Device {
 
     /// Sends every packet the driver queued.
     fn transmit(&mut self, sink: &mut dyn WireSink) {
+        self.transmit_ring(sink);
+        sink.flush();
+    }
+
+    /// Hands every packet on the transmit ring to the cable.
+    fn transmit_ring(&mut self, sink: &mut dyn WireSink) {
         let regs = Arc::clone(&self.regs);
         let tail = regs.tx_tail.load(Ordering::Acquire) % RING_DESCS;
         let base = regs.tx_base.load(Ordering::Relaxed);

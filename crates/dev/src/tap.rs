@@ -32,7 +32,8 @@ const FRAME_BUF: usize = 2048;
 /// Bytes per frame buffer with offloads: the virtio-net header and a 64 KiB packet.
 const OFFLOAD_BUF: usize = VNET_HDR_LEN + MAX_OFFLOAD_LEN;
 
-/// A TAP port's counters.
+/// A port's counters: a TAP's, or a packet socket's on a real interface
+/// ([`crate::packet`]).
 #[derive(Debug, Default)]
 pub struct TapCounters {
     /// Frames read from the interface and handed on.
@@ -57,6 +58,14 @@ pub struct TapCounters {
     pub gso_in: AtomicU64,
     /// Large (GSO) frames written.
     pub gso_out: AtomicU64,
+    /// Frames the interface had for the port that found its packet ring full (the
+    /// kernel's count): the cable's FIFO overflowed.
+    pub ring_full_in: AtomicU64,
+    /// Packet-ring slots whose header did not place a whole frame in the slot.
+    pub bad_slot_in: AtomicU64,
+    /// Frames taken from a packet ring with the transport checksum left partial by
+    /// the sender's stack (a veth peer's), handed on with that offload.
+    pub csum_partial_in: AtomicU64,
 }
 
 /// One frame, one `write` (with offloads, one `writev` of the virtio-net header and
@@ -121,12 +130,21 @@ impl net::counters::CounterSet for TapCounters {
         f("bad_offload_in", l(&self.bad_offload_in));
         f("gso_in", l(&self.gso_in));
         f("gso_out", l(&self.gso_out));
+        f("ring_full_in", l(&self.ring_full_in));
+        f("bad_slot_in", l(&self.bad_slot_in));
+        f("csum_partial_in", l(&self.csum_partial_in));
     }
 }
 
 impl TapCounters {
     /// The counters that count frames lost, by reason.
-    pub const DROPS: &'static [&'static str] = &["oversize_in", "write_errors", "bad_offload_in"];
+    pub const DROPS: &'static [&'static str] = &[
+        "oversize_in",
+        "write_errors",
+        "bad_offload_in",
+        "ring_full_in",
+        "bad_slot_in",
+    ];
 }
 
 /// One TAP interface: frames in by non-blocking `read`s in its consumer's step, frames

@@ -112,6 +112,9 @@ pub trait WireSink: Send {
     fn takes_offload(&self) -> bool {
         false
     }
+    /// The NIC has put every frame it had on the cable for now: a sink that sends in
+    /// batches sends what it holds.
+    fn flush(&mut self) {}
 }
 
 /// No traffic.

@@ -15,6 +15,8 @@
 //! lro = "off"                   # or "every-poll", "delayed", "adaptive" (paper 001)
 //! lro_flush_every = 2           # with "delayed": flush every this many polls
 //! mtu_wire = false              # the cable carries MTU-sized frames only (so with LRO)
+//! cable = "veth1"               # the cable on this interface of the host (a packet
+//!                               # socket), not a TAP in [outside]'s namespace
 //!
 //! [driver]
 //! netfilter = true              # the bridge's netfilter hooks
@@ -220,6 +222,7 @@ struct Nic {
     lro: Option<Spanned<Lro>>,
     lro_flush_every: Option<Spanned<u32>>,
     mtu_wire: Option<bool>,
+    cable: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -356,6 +359,25 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     }
     if let Some(m) = f.nic.mtu_wire {
         cfg.mtu_wire = m;
+    }
+    if let Some(c) = &f.nic.cable {
+        let name = c.get_ref();
+        // Linux's rule for an interface name (`dev_valid_name`).
+        let valid = !name.is_empty()
+            && name.len() < 16
+            && name != "."
+            && name != ".."
+            && !name
+                .chars()
+                .any(|ch| ch == '/' || ch == ':' || ch.is_whitespace());
+        if !valid {
+            return Err(refuse(
+                c.span(),
+                "nic.cable",
+                format!("{name:?}: an interface name of 1 to 15 characters, no '/', ':' or space"),
+            ));
+        }
+        cfg.cable = Some(name.clone());
     }
     let every = match &f.nic.lro_flush_every {
         Some(n) if !(1..=64).contains(n.get_ref()) => {
@@ -731,6 +753,18 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert!(cfg.mtu_wire);
         let cfg = p("[nic]\nlro = \"off\"\nmulti_queue = true\n[[guest]]\n").expect("off");
         assert!(cfg.lro.is_none() && cfg.multi_queue);
+    }
+
+    #[test]
+    fn a_cable_key_puts_the_wire_on_a_host_interface_and_a_bad_name_is_refused() {
+        assert_eq!(p("[[guest]]\n").expect("tap").cable, None);
+        let cfg = p("[nic]\ncable = \"veth-pv0\"\n[[guest]]\n").expect("cable");
+        assert_eq!(cfg.cable.as_deref(), Some("veth-pv0"));
+        for bad in ["", "a/b", "has space", "sixteen-chars-xx", ".."] {
+            let e = p(&format!("[nic]\ncable = {bad:?}\n[[guest]]\n"))
+                .expect_err("a bad interface name");
+            assert!(e.to_string().contains("nic.cable"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

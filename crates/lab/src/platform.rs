@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dev::nic::Coalesce;
-use dev::tap::TapPort;
 use dev::wire::{CountingSink, LatencyProbe, PacedSender, SenderCounters};
 use hv::profile::ClassSamples;
 use hv::{GrantPath, GrantVersion, Hypervisor};
@@ -360,15 +359,17 @@ fn other(e: impl std::fmt::Display) -> LabError {
     LabError::Other(e.to_string())
 }
 
-/// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on one TAP instead
-/// of the paced sender, and the guests the machine builder runs, each (for `pvio up`)
+/// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on a TAP or a
+/// packet socket on a host interface instead of the paced sender, and the guests the machine builder runs, each (for `pvio up`)
 /// with its received frames handed to a TAP of its own (`Above::Tap`, whose network
 /// namespace's Linux stack is that guest's stack) instead of pvio's stack and
 /// application. Frames a guest's stack sends go out through its netfront.
-#[derive(Debug)]
+#[allow(missing_debug_implementations)]
 pub struct Plumbing {
-    /// The NIC's far end.
-    pub wire: TapPort,
+    /// The NIC's far end: what it receives from...
+    pub wire: Box<dyn dev::wire::WireSource>,
+    /// ...and what it transmits to.
+    pub sink: Box<dyn dev::wire::WireSink>,
     /// The guests, in the order their domains are made.
     pub guests: Vec<GuestSpec>,
     /// The self-virtualized NIC (paper 002) in place of the driver domain: its
@@ -413,11 +414,10 @@ impl Running {
         let mut svnic = None;
         let (nic, guests) = match plumbing {
             Some(mut p) => {
-                let sink = p.wire.sink().map_err(other)?;
                 let nic = NicSpec {
                     coalesce: opts.coalesce,
-                    source: Box::new(p.wire),
-                    sink: Box::new(sink),
+                    source: p.wire,
+                    sink: p.sink,
                 };
                 svnic = p.svnic.take();
                 (nic, p.guests)

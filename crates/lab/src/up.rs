@@ -68,6 +68,12 @@ pub struct UpConfig {
     /// The host cores the machine owns (its CPU pool), its layout's cores taken from
     /// them in turn; none: every online core.
     pub cpus: Option<kernel::machine::CpuSet>,
+    /// The NIC's cable on this existing interface of the host (a physical NIC, one end
+    /// of a veth pair, in `pvio up`'s own namespace) through a packet socket with
+    /// mapped rings, in place of a TAP in the outside namespace, which is then neither
+    /// made nor used. It carries MTU-sized frames, as a wire does; pvio turns the
+    /// interface's GRO and LRO off, since it takes nothing larger.
+    pub cable: Option<String>,
 }
 
 /// A guest whose one device is a virtual disk, and the job it runs on it until the
@@ -279,6 +285,7 @@ impl Default for UpConfig {
             svnic: None,
             disks: Vec::new(),
             cpus: None,
+            cable: None,
         }
     }
 }
@@ -286,7 +293,8 @@ impl Default for UpConfig {
 impl UpConfig {
     /// The namespaces the machine runs in: the outside's, then each guest's.
     fn namespaces(&self) -> impl Iterator<Item = &String> {
-        std::iter::once(&self.outside_ns).chain(self.guests.iter().map(|g| &g.ns))
+        let outside = self.cable.is_none().then_some(&self.outside_ns);
+        outside.into_iter().chain(self.guests.iter().map(|g| &g.ns))
     }
 
     /// The first guest (there is always one).
@@ -316,6 +324,8 @@ pub struct Up {
     /// Leave the namespaces made in place at the end.
     keep: bool,
     wire: Arc<dev::tap::TapCounters>,
+    /// The wire is a packet socket on a host interface, not a TAP.
+    cable: bool,
     /// Each guest's TAP counters, and the guest's name.
     guests: Vec<(String, Arc<dev::tap::TapCounters>)>,
 }
@@ -541,6 +551,7 @@ pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
         claims,
         keep: false,
         wire,
+        cable: cfg.cable.is_some(),
         guests,
     };
     up.name_captures()?;
@@ -552,6 +563,48 @@ type Brought = (
     Arc<dev::tap::TapCounters>,
     Vec<(String, Arc<dev::tap::TapCounters>)>,
 );
+
+/// The NIC's cable: what it receives from, what it transmits to, and their counters.
+type Wire = (
+    Box<dyn dev::wire::WireSource>,
+    Box<dyn dev::wire::WireSink>,
+    Arc<dev::tap::TapCounters>,
+);
+
+/// The NIC's cable on interface `ifname` of the host: brought up, its GRO and LRO off
+/// (the cable's slots hold an MTU-sized frame, and a real wire carries nothing larger),
+/// and a packet socket with mapped rings on it.
+fn attach_cable(
+    ifname: &str,
+    capture: Option<&dev::capture::CaptureFile>,
+) -> Result<Wire, LabError> {
+    crate::tools::ensure(&[crate::tools::ETHTOOL]).map_err(LabError::Other)?;
+    mem::packet::ifindex(ifname)
+        .map_err(|e| LabError::Other(format!("cable interface {ifname}: {e}")))?;
+    ip(&["link", "set", ifname, "up"])?;
+    let ethtool = |feature: &str| {
+        Command::new("ethtool")
+            .args(["-K", ifname, feature, "off"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !ethtool("gro") {
+        return Err(LabError::Other(format!(
+            "cable interface {ifname}: cannot turn its GRO off (ethtool -K {ifname} gro off)"
+        )));
+    }
+    // Most interfaces have no LRO to turn off; where one is on and stays on, its
+    // aggregates are counted as oversize and dropped.
+    let _ = ethtool("lro");
+    let (mut port, mut sink) = dev::packet::open_cable(ifname)
+        .map_err(|e| LabError::Other(format!("cable interface {ifname}: {e}")))?;
+    if let Some(c) = capture {
+        port.capture(c);
+        port.sink_capture(&mut sink);
+    }
+    let wc = Arc::clone(port.counters());
+    Ok((Box::new(port), Box::new(sink), wc))
+}
 
 /// The capture file of a guest's frames, until its vif's name is known.
 fn guest_pcap(name: &str) -> String {
@@ -620,17 +673,28 @@ fn bring_up(
         }
     };
     let mtu_wire = cfg.mtu_wire || cfg.lro.is_some() || cfg.svnic.is_some();
-    let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
-    let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
-        .map_err(|e| LabError::Other(format!("tap: {e}")))?;
-    place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
-    let mut wire = dev::tap::TapPort::start_with(wire_file, wire_taps)
-        .map_err(|e| LabError::Other(e.to_string()))?;
-    if let Some(dir) = &cfg.pcap {
-        let w = capture_file(dir, "wire.pcap")?;
-        wire.capture(&w.1);
-        captures.push(w);
-    }
+    let wire_capture = match &cfg.pcap {
+        Some(dir) => Some(capture_file(dir, "wire.pcap")?),
+        None => None,
+    };
+    let (source, sink, wc): Wire = match &cfg.cable {
+        Some(ifname) => attach_cable(ifname, wire_capture.as_ref().map(|c| &c.1))?,
+        None => {
+            let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
+            let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
+                .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+            place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
+            let mut wire = dev::tap::TapPort::start_with(wire_file, wire_taps)
+                .map_err(|e| LabError::Other(e.to_string()))?;
+            if let Some(w) = &wire_capture {
+                wire.capture(&w.1);
+            }
+            let sink = wire.sink().map_err(|e| LabError::Other(e.to_string()))?;
+            let wc = Arc::clone(wire.counters());
+            (Box::new(wire), Box::new(sink), wc)
+        }
+    };
+    captures.extend(wire_capture);
     let mut guests = Vec::with_capacity(cfg.guests.len());
     let mut counters = Vec::with_capacity(cfg.guests.len());
     for (i, g) in cfg.guests.iter().enumerate() {
@@ -683,7 +747,6 @@ fn bring_up(
         }
         guests.push(d.guest(sectors));
     }
-    let wc = Arc::clone(wire.counters());
     let first = cfg.guest();
     let opts = Options {
         netfilter: cfg.netfilter,
@@ -707,7 +770,8 @@ fn bring_up(
     let running = Running::start_with(
         opts,
         Some(Plumbing {
-            wire,
+            wire: source,
+            sink,
             guests,
             svnic,
         }),
@@ -779,11 +843,13 @@ impl Up {
             .collect()
     }
 
-    /// Every component's counters as they stand, the outside TAP's (`wire tap`)
+    /// Every component's counters as they stand, the outside TAP's (`wire tap`, or
+    /// `wire cable` for a packet socket on a host interface)
     /// with them, stamped: two of them give [`crate::live::rates`].
     pub fn live_sample(&self) -> Option<crate::live::Sample> {
         let mut s = self.running.as_ref()?.live_sample();
-        s.counters.add_set("wire tap", &*self.wire);
+        let wire = if self.cable { "wire cable" } else { "wire tap" };
+        s.counters.add_set(wire, &*self.wire);
         Some(s)
     }
 

@@ -22,6 +22,7 @@
 pub mod cpu;
 pub mod file;
 mod machine;
+pub mod packet;
 pub mod poll;
 mod shared;
 pub mod tap;

@@ -62,6 +62,7 @@ enum Command {
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
             "no_fragments", "grant_reuse", "multi_queue", "no_offloads", "lro", "mtu_wire",
+            "cable",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -105,6 +106,13 @@ enum Command {
         /// kernel segments its TCP); always so with `--lro`.
         #[arg(long)]
         mtu_wire: bool,
+        /// Attach the NIC's cable to this interface of the host (a NIC, one end of a
+        /// veth pair) through a packet socket with mapped rings, instead of a TAP in the
+        /// outside namespace (which is then not made). It carries MTU-sized frames;
+        /// pvio turns the interface's GRO off. Its peer must send no large segments
+        /// (`ethtool -K PEER tso off gso off` on a veth).
+        #[arg(long, value_name = "IFNAME")]
+        cable: Option<String>,
         /// With `--lro delayed`: flush every this many polls (the paper's 2).
         #[arg(long, value_name = "N", default_value_t = 2,
               value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -304,7 +312,10 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         machine.keep_namespaces();
     }
     let o = &cfg.outside_ns;
-    println!("up: outside namespace {o} ({})", cfg.outside_addr);
+    match &cfg.cable {
+        Some(i) => println!("up: the cable on interface {i} (a packet socket)"),
+        None => println!("up: outside namespace {o} ({})", cfg.outside_addr),
+    }
     for g in &cfg.guests {
         println!("    {} in namespace {} ({})", g.name, g.ns, g.addr);
     }
@@ -312,8 +323,12 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         println!("    {}", d.describe());
     }
     let (g, guest_ip) = (&cfg.guest().ns, cfg.guest().ip());
+    let client = match &cfg.cable {
+        Some(i) => format!("iperf3 -c {guest_ip}   (from the far end of {i})"),
+        None => format!("ip netns exec {o} iperf3 -c {guest_ip}"),
+    };
     println!(
-        "  ip netns exec {g} iperf3 -s\n  ip netns exec {o} iperf3 -c {guest_ip}\n\
+        "  ip netns exec {g} iperf3 -s\n  {client}\n\
          Ctrl-C (or SIGTERM, SIGHUP) stops it."
     );
     let mut json = match run
@@ -612,6 +627,7 @@ fn main() -> ExitCode {
             lro,
             lro_flush_every,
             mtu_wire,
+            cable,
             seconds,
             keep_namespaces,
             watchdog_ms,
@@ -655,6 +671,7 @@ fn main() -> ExitCode {
                     }
                     .setup(),
                     mtu_wire,
+                    cable,
                     ..lab::up::UpConfig::default()
                 },
             };

@@ -588,6 +588,9 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for EgressEngine<P> {
                 sink.transmit(f, Offload::NONE);
             })
         };
+        if n > 0 {
+            self.sink.flush();
+        }
         let hv = &self.hv;
         e.take_tx_wakes(&mut |vif| sh.signals.raise(hv, vif));
         if n > 0 || budget == 0 {
