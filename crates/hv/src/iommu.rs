@@ -166,6 +166,9 @@ struct InvQueue {
 #[derive(Debug)]
 pub struct Iommu {
     mem: Arc<MachineMemory>,
+    /// Where a device context's writes land until it is told otherwise: the
+    /// platform's (Data Direct I/O or not).
+    landing: DmaLanding,
     /// Per device: valid bit 63 | domain << 32.
     context: Box<[AtomicU64]>,
     tables: Mutex<HashMap<DomId, IoTable>>,
@@ -197,9 +200,10 @@ fn level_index(pfn: u64, level: u32) -> usize {
 }
 
 impl Iommu {
-    pub(crate) fn new(mem: Arc<MachineMemory>) -> Self {
+    pub(crate) fn new(mem: Arc<MachineMemory>, landing: DmaLanding) -> Self {
         Self {
             mem,
+            landing,
             context: (0..MAX_DEVICES).map(|_| AtomicU64::new(0)).collect(),
             tables: Mutex::new(HashMap::new()),
             roots: (0..crate::MAX_DOMAINS).map(|_| AtomicU64::new(0)).collect(),
@@ -258,7 +262,7 @@ impl Iommu {
         DmaContext {
             iommu: Arc::clone(self),
             dev,
-            landing: DmaLanding::Memory,
+            landing: self.landing,
             hits: 0,
             misses: 0,
             faults: 0,
@@ -680,6 +684,25 @@ pub enum DmaLanding {
     Memory,
     /// In the cache hierarchy (ordinary stores): a NIC with Data Direct I/O.
     Cache,
+}
+
+impl DmaLanding {
+    /// The name a machine file and the command line give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DmaLanding::Memory => "memory",
+            DmaLanding::Cache => "cache",
+        }
+    }
+
+    /// Parses [`DmaLanding::name`]'s spellings.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "memory" => Ok(DmaLanding::Memory),
+            "cache" => Ok(DmaLanding::Cache),
+            _ => Err(format!("DMA landing {s:?}: memory or cache")),
+        }
+    }
 }
 
 impl DmaContext {

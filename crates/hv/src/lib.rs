@@ -53,6 +53,8 @@ pub struct HvConfig {
     /// How domains' foreign-map windows are implemented (the software page table by
     /// default; see [`mem::MapBackend`]).
     pub map_backend: MapBackend,
+    /// Where devices' DMA writes land (in memory by default: the papers' platforms).
+    pub dma_landing: iommu::DmaLanding,
 }
 
 impl Default for HvConfig {
@@ -61,6 +63,7 @@ impl Default for HvConfig {
             frames: 16 * 1024,
             grant_path: GrantPath::Optimised,
             map_backend: MapBackend::Table,
+            dma_landing: iommu::DmaLanding::Memory,
         }
     }
 }
@@ -124,7 +127,7 @@ impl Hypervisor {
     pub fn new(cfg: HvConfig) -> Result<Arc<Self>, HvError> {
         let mem = Arc::new(MachineMemory::new(cfg.frames)?);
         let frames = Arc::new(FrameTable::new(cfg.frames));
-        let iommu = Arc::new(iommu::Iommu::new(Arc::clone(&mem)));
+        let iommu = Arc::new(iommu::Iommu::new(Arc::clone(&mem), cfg.dma_landing));
         let hv = Arc::new(Self {
             mem,
             frames,

@@ -218,6 +218,9 @@ pub struct MachineSpec {
     /// The host cores the machine owns (its cpupool), which the layout's core numbers
     /// take in ascending order; `None`: every online core, shared with any other machine.
     pub cpus: Option<CpuSet>,
+    /// Where its devices' DMA writes land: in memory, as on the papers' 2008 platforms,
+    /// or in the cache hierarchy, as on a processor with Data Direct I/O.
+    pub dma_landing: hv::iommu::DmaLanding,
 }
 
 /// What a domain is, for accounting.
@@ -682,6 +685,7 @@ impl Machine {
         let hv = Hypervisor::new(HvConfig {
             frames: DOMAIN_PAGES * (ndomains.max(2) as u32 + 1) + 1024,
             grant_path: spec.grant_path,
+            dma_landing: spec.dma_landing,
             ..HvConfig::default()
         })?;
         // One pCPU on each core the layout uses, its device engines' included.

@@ -96,6 +96,7 @@ fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec
 
 fn machine(guests: Vec<GuestSpec>) -> Machine {
     Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,

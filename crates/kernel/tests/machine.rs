@@ -83,6 +83,7 @@ fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec
 
 fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
     MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
@@ -315,6 +316,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
     let (a, c) = app(f, len);
     let feed = Feed::default();
     let mut m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         nic: NicSpec {
             coalesce: Coalesce::default(),
@@ -412,6 +414,7 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
     let (a, c) = app(f, len);
     let feed = Feed::default();
     let mut m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         nic: NicSpec {
             coalesce: Coalesce::default(),

@@ -125,6 +125,7 @@ fn run(
         });
     }
     let m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
@@ -231,6 +232,7 @@ fn host(
 ) -> Machine {
     let sink = end.sink();
     Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
@@ -266,6 +268,7 @@ fn hv_host(
 ) -> Machine {
     let sink = end.sink();
     Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,

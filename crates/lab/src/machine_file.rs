@@ -17,6 +17,8 @@
 //! mtu_wire = false              # the cable carries MTU-sized frames only (so with LRO)
 //! cable = "veth1"               # the cable on this interface of the host (a packet
 //!                               # socket), not a TAP in [outside]'s namespace
+//! dma = "cache"                 # where its DMA writes land: "cache" (Data Direct I/O,
+//!                               # a present-day host) or "memory" (the papers' 2008 one)
 //!
 //! [driver]
 //! netfilter = true              # the bridge's netfilter hooks
@@ -223,6 +225,7 @@ struct Nic {
     lro_flush_every: Option<Spanned<u32>>,
     mtu_wire: Option<bool>,
     cable: Option<Spanned<String>>,
+    dma: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -378,6 +381,10 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             ));
         }
         cfg.cable = Some(name.clone());
+    }
+    if let Some(d) = &f.nic.dma {
+        cfg.dma_landing = hv::iommu::DmaLanding::parse(d.get_ref())
+            .map_err(|e| refuse(d.span(), "nic.dma", e))?;
     }
     let every = match &f.nic.lro_flush_every {
         Some(n) if !(1..=64).contains(n.get_ref()) => {
@@ -756,10 +763,15 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
     }
 
     #[test]
-    fn a_cable_key_puts_the_wire_on_a_host_interface_and_a_bad_name_is_refused() {
+    fn cable_and_dma_keys_set_the_wire_and_the_landing_and_bad_values_are_refused() {
         assert_eq!(p("[[guest]]\n").expect("tap").cable, None);
         let cfg = p("[nic]\ncable = \"veth-pv0\"\n[[guest]]\n").expect("cable");
         assert_eq!(cfg.cable.as_deref(), Some("veth-pv0"));
+        assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Cache);
+        let cfg = p("[nic]\ndma = \"memory\"\n[[guest]]\n").expect("2008's NIC");
+        assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Memory);
+        let e = p("[nic]\ndma = \"l3\"\n[[guest]]\n").expect_err("no such landing");
+        assert!(e.to_string().contains("nic.dma"), "{e}");
         for bad in ["", "a/b", "has space", "sixteen-chars-xx", ".."] {
             let e = p(&format!("[nic]\ncable = {bad:?}\n[[guest]]\n"))
                 .expect_err("a bad interface name");

@@ -112,6 +112,9 @@ pub struct Options {
     pub lro: Option<dev::lro::LroSetup>,
     /// How the machine's idle pCPUs wait.
     pub idle: hv::sched::IdlePolicy,
+    /// Where the devices' DMA writes land: in memory (the papers' platforms, the
+    /// default) or in the cache hierarchy (Data Direct I/O, `pvio up`'s).
+    pub dma_landing: hv::iommu::DmaLanding,
     /// The host cores the machine owns (its CPU pool; none: every online core).
     pub cpus: Option<kernel::machine::CpuSet>,
 }
@@ -146,6 +149,7 @@ impl Options {
             offloads: false,
             lro: None,
             idle: crate::idle_policy(),
+            dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: None,
         }
     }
@@ -494,6 +498,7 @@ impl Running {
             idle: opts.idle,
             nic,
             layout,
+            dma_landing: opts.dma_landing,
         })
         .map_err(other)?;
         Ok(Self {

@@ -222,6 +222,7 @@ impl TcpRunning {
             (GrantVersion::V1, GrantPath::Original)
         };
         let machine = Machine::start(MachineSpec {
+            dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: None,
             grant_version,
             grant_path,

@@ -25,6 +25,7 @@ use kernel::machine::{Above, GuestSpec};
 
 use crate::platform::{flow, Config, Options, Plumbing, Running};
 use crate::LabError;
+pub use hv::iommu::DmaLanding;
 
 /// Where and how to bring the machine up.
 #[derive(Debug, Clone)]
@@ -74,6 +75,10 @@ pub struct UpConfig {
     /// made nor used. It carries MTU-sized frames, as a wire does; pvio turns the
     /// interface's GRO and LRO off, since it takes nothing larger.
     pub cable: Option<String>,
+    /// Where the NIC's DMA writes land. `pvio up` runs on a present-day host, whose
+    /// processor puts a NIC's writes in its last-level cache (Data Direct I/O, since
+    /// 2012): `Cache` by default. `Memory` is the papers' 2008 platform.
+    pub dma_landing: hv::iommu::DmaLanding,
 }
 
 /// A guest whose one device is a virtual disk, and the job it runs on it until the
@@ -286,6 +291,7 @@ impl Default for UpConfig {
             disks: Vec::new(),
             cpus: None,
             cable: None,
+            dma_landing: hv::iommu::DmaLanding::Cache,
         }
     }
 }
@@ -761,6 +767,7 @@ fn bring_up(
         // Outside processes (iperf3, ping, the TAPs' readers) share the cores.
         idle: hv::sched::IdlePolicy::HALT_POLL,
         cpus: cfg.cpus,
+        dma_landing: cfg.dma_landing,
         ..pv()
     };
     let svnic = cfg.svnic.map(|c| {

@@ -105,6 +105,7 @@ fn rig_with(name: &str, servers: Servers, layout: Layout) -> (PathBuf, RemoteHos
     let mut wire = dev::tap::TapPort::start(file).expect("tap port");
     let sink = wire.sink().expect("sink");
     let m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,

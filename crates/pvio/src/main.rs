@@ -62,7 +62,7 @@ enum Command {
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
             "no_fragments", "grant_reuse", "multi_queue", "no_offloads", "lro", "mtu_wire",
-            "cable",
+            "cable", "dma",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -113,6 +113,10 @@ enum Command {
         /// (`ethtool -K PEER tso off gso off` on a veth).
         #[arg(long, value_name = "IFNAME")]
         cable: Option<String>,
+        /// Where the NIC's DMA writes land: in the last-level cache, as on a present-day
+        /// host with Data Direct I/O, or in memory, as on the papers' 2008 platforms.
+        #[arg(long, value_enum, default_value_t = DmaArg::Cache)]
+        dma: DmaArg,
         /// With `--lro delayed`: flush every this many polls (the paper's 2).
         #[arg(long, value_name = "N", default_value_t = 2,
               value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -197,6 +201,15 @@ enum LroArg {
     Delayed,
     /// From each flow's arrival interval and a 200 µs budget.
     Adaptive,
+}
+
+/// Where `pvio up`'s NIC writes what it receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DmaArg {
+    /// The last-level cache (Data Direct I/O, a present-day host).
+    Cache,
+    /// Memory (the papers' 2008 platforms).
+    Memory,
 }
 
 /// A driver-domain failure `pvio up` can inject.
@@ -628,6 +641,7 @@ fn main() -> ExitCode {
             lro_flush_every,
             mtu_wire,
             cable,
+            dma,
             seconds,
             keep_namespaces,
             watchdog_ms,
@@ -672,6 +686,10 @@ fn main() -> ExitCode {
                     .setup(),
                     mtu_wire,
                     cable,
+                    dma_landing: match dma {
+                        DmaArg::Cache => lab::up::DmaLanding::Cache,
+                        DmaArg::Memory => lab::up::DmaLanding::Memory,
+                    },
                     ..lab::up::UpConfig::default()
                 },
             };

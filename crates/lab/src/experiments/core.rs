@@ -413,6 +413,7 @@ fn machine_with(
         frames,
         grant_path,
         map_backend,
+        ..HvConfig::default()
     })?;
     let dom = |name: &str, driver_domain| DomainConfig {
         name: name.into(),

@@ -319,6 +319,7 @@ fn host(
         },
     };
     Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: place.cpus(side),
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
@@ -404,6 +405,7 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
     let machine = |side: Side, end: CrossEnd, app: RawApp, mac: [u8; 6]| {
         let sink = end.sink();
         Machine::start(MachineSpec {
+            dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: place.cpus(side),
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,

@@ -309,6 +309,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
         counters: Arc::clone(&counters),
     };
     let mut m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: hv::GrantVersion::V1,
         grant_path: hv::GrantPath::Original,

@@ -461,7 +461,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          netfront → TAP in the guest's namespace; its defaults: page fragments, a grant per \
          I/O, netfilter hooks on, checksum offload and GSO: TAPs with a virtio-net header, \
          large TCP segments whole over the rings and through the NIC to the cable's TAP, \
-         which takes them with their segment size), through the same with --no-offloads, and through a veth pair with \
+         which takes them with their segment size; the NIC's DMA writes land in the cache, as \
+         on a present-day host with Data Direct I/O), through the same with --no-offloads, and through a veth pair with \
          ethtool's tx, rx, tso, gso and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
          flow once and ratios are taken within the round. Before the rounds an 8 MiB seeded \
          stream crosses pvio each way, checked byte for byte. LRO rows ({lro_rounds} rounds of \

@@ -93,6 +93,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
     let sent: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::default()).collect();
     rates[0].store(offered[0], Ordering::Relaxed);
     let m = Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
