@@ -1216,8 +1216,9 @@ mod tests {
         for dir in [Dir::Rx, Dir::Tx] {
             let r =
                 run_once(dir, 64, Duration::from_millis(5), 1, Variant::REUSE_SPLIT).expect("runs");
+            // The rate over one 5 ms period is not asserted: on two loaded cores a
+            // period can pass with the receiver descheduled (the suite once saw 0).
             assert_eq!((r.verified, r.corrupt), (VERIFIED, 0), "{dir:?}");
-            assert!(r.pps > 0.0);
         }
     }
 

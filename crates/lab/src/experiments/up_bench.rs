@@ -98,6 +98,8 @@ enum Gro {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rx {
     Pvio(LroMode),
+    /// `pvio up --cable`: the cable a packet socket on a veth whose far end sends.
+    Cable(LroMode),
     Veth(Gro),
 }
 
@@ -111,9 +113,18 @@ impl Rx {
         Rx::Veth(Gro::On),
         Rx::Veth(Gro::OnTimeout),
     ];
+    /// The paths a run of `mode` measures: the cable on a veth in full runs only.
+    fn all(mode: Mode) -> Vec<Rx> {
+        let mut v = Rx::ALL.to_vec();
+        if mode == Mode::Full {
+            v.extend([Rx::Cable(LroMode::Off), Rx::Cable(LroMode::Adaptive)]);
+        }
+        v
+    }
     fn name(self) -> String {
         match self {
             Rx::Pvio(m) => format!("pvio up, LRO {}", m.name()),
+            Rx::Cable(m) => format!("pvio up --cable (a veth), LRO {}", m.name()),
             Rx::Veth(Gro::Off) => "veth, GRO off".into(),
             Rx::Veth(Gro::On) => "veth, GRO on".into(),
             Rx::Veth(Gro::OnTimeout) => "veth, GRO on, gro_flush_timeout 20 µs".into(),
@@ -123,6 +134,7 @@ impl Rx {
     fn base(self) -> Rx {
         match self {
             Rx::Pvio(_) => Rx::Pvio(LroMode::Off),
+            Rx::Cable(_) => Rx::Cable(LroMode::Off),
             Rx::Veth(_) => Rx::Veth(Gro::Off),
         }
     }
@@ -254,6 +266,43 @@ impl Drop for Veth {
         for ns in [&self.a, &self.b] {
             let _ = run_cmd(&["ip", "netns", "del", ns]);
         }
+    }
+}
+
+/// A veth for `pvio up --cable`: `dev` stays in this namespace for pvio's packet socket,
+/// its peer goes into namespace `far` with `addr`, sending MTU-sized frames with their
+/// checksums, as a wire carries them. Removed when dropped.
+struct CableVeth {
+    dev: String,
+    far: String,
+}
+
+impl CableVeth {
+    fn new(addr: &str) -> Result<Self, LabError> {
+        let pid = std::process::id() % 100_000;
+        let v = Self {
+            dev: format!("pvcb{pid}"),
+            far: format!("pvio-b{pid}-far"),
+        };
+        ok(&["ip", "netns", "add", &v.far])?;
+        ok(&[
+            "ip", "link", "add", &v.dev, "type", "veth", "peer", "name", "vfar", "netns", &v.far,
+        ])?;
+        ok(&["ip", "-n", &v.far, "addr", "add", addr, "dev", "vfar"])?;
+        ok(&["ip", "-n", &v.far, "link", "set", "vfar", "up"])?;
+        ok(&["ip", "-n", &v.far, "link", "set", "lo", "up"])?;
+        ok(&[
+            "ip", "netns", "exec", &v.far, "ethtool", "-K", "vfar", "tx", "off", "tso", "off",
+            "gso", "off",
+        ])?;
+        Ok(v)
+    }
+}
+
+impl Drop for CableVeth {
+    fn drop(&mut self) {
+        let _ = run_cmd(&["ip", "link", "del", &self.dev]);
+        let _ = run_cmd(&["ip", "netns", "del", &self.far]);
     }
 }
 
@@ -472,7 +521,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          budget), the bridge handing aggregates to netback whole and the guest's TAP taking \
          them as large segments; beside them a veth pair whose sender has TSO off and whose \
          receiver has GRO off, on, and on with gro_flush_timeout 20 µs and \
-         napi_defer_hard_irqs 2. Segments per packet: for pvio, frames in from the cable over \
+         napi_defer_hard_irqs 2. In full runs, also `pvio up --cable` (LRO off and adaptive): \
+         the cable a packet socket with mapped rings on a veth whose far end sends MTU-sized \
+         frames with complete checksums (tx, tso and gso off), in place of the TAP. Segments \
+         per packet: for pvio, frames in from the cable over \
          packets handed to the guest's TAP; for veth, the receiver's IpExt In*Pkts (a GRO \
          packet counts its segments) over Ip InReceives. sockperf: TCP ping-pong, default \
          message size, --full-rtt. An 8 MiB seeded stream crosses pvio with adaptive LRO each \
@@ -640,7 +692,14 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          offered above what the path carries, so loss measures the excess)."
     ));
     match tools::ensure(&[tools::SOCKPERF]) {
-        Ok(()) => lro_rows(&mut rep, &cfg, lro_rounds, lro_secs, ping_secs)?,
+        Ok(()) => lro_rows(
+            &mut rep,
+            &cfg,
+            &Rx::all(mode),
+            lro_rounds,
+            lro_secs,
+            ping_secs,
+        )?,
         Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
     }
     match intact {
@@ -671,15 +730,21 @@ struct RxSamples {
 fn lro_rows(
     rep: &mut Report,
     cfg: &UpConfig,
+    paths: &[Rx],
     rounds: usize,
     secs: u64,
     ping_secs: u64,
 ) -> Result<(), LabError> {
-    let mut s = vec![RxSamples::default(); Rx::ALL.len()];
+    let mut s = vec![RxSamples::default(); paths.len()];
     let mut intact = None;
     let pair = Veth::segmenting()?;
+    let cable = if paths.iter().any(|r| matches!(r, Rx::Cable(_))) {
+        Some(CableVeth::new(&cfg.outside_addr)?)
+    } else {
+        None
+    };
     for round in 0..rounds {
-        for (i, rx) in Rx::ALL.into_iter().enumerate() {
+        for (i, &rx) in paths.iter().enumerate() {
             crate::progress::step(format_args!(
                 "{} · {} · iperf3 and sockperf",
                 crate::progress::round(round, rounds),
@@ -704,6 +769,17 @@ fn lro_rows(
                         }
                     }
                     (o, g, "10.80.0.2")
+                }
+                Rx::Cable(m) => {
+                    let far = cable.as_ref().ok_or_else(|| other("no cable veth"))?;
+                    let c = UpConfig {
+                        lro: m.setup(),
+                        mtu_wire: true,
+                        cable: Some(far.dev.clone()),
+                        ..cfg.clone()
+                    };
+                    machine = Some(up(&c)?);
+                    (far.far.clone(), cfg.guest().ns.clone(), "10.80.0.2")
                 }
                 Rx::Veth(gro) => {
                     pair.set_gro(gro)?;
@@ -734,7 +810,7 @@ fn lro_rows(
             drop(machine);
         }
     }
-    let at = |rx: Rx| Rx::ALL.iter().position(|&r| r == rx).unwrap_or(0);
+    let at = |rx: Rx| paths.iter().position(|&r| r == rx).unwrap_or(0);
     let group = |what: &str| format!("LRO and GRO, MTU-sized frames on the wire: {what}");
     for (what, unit, get) in [
         (
@@ -758,7 +834,7 @@ fn lro_rows(
             |x: &RxSamples| &x.rtt_p99,
         ),
     ] {
-        for (i, rx) in Rx::ALL.into_iter().enumerate() {
+        for (i, &rx) in paths.iter().enumerate() {
             let base = rx.base();
             let row = rep.row(&group(what), &rx.name(), unit, get(&s[i]));
             if base != rx {
