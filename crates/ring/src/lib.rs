@@ -128,8 +128,23 @@ pub trait RingMemory {
     fn fence(&self, order: Ordering);
     /// Copies the entry in slot `slot` out (slots are `slot_size` bytes apart).
     fn read_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize) -> T;
+    /// Copies the entries of `out.len()` consecutive slots from slot `first` out (the
+    /// run must not pass the ring's end). A region that can copies them in one go, so
+    /// that their lines are fetched together.
+    fn read_entries<T: bytemuck::Pod>(&self, first: u32, slot_size: usize, out: &mut [T]) {
+        for (i, e) in out.iter_mut().enumerate() {
+            *e = self.read_entry(first + i as u32, slot_size);
+        }
+    }
     /// Writes an entry into slot `slot`.
     fn write_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize, v: &T);
+    /// Writes `v.len()` entries into consecutive slots from slot `first` (the run must
+    /// not pass the ring's end). A region that can writes them in one go.
+    fn write_entries<T: bytemuck::Pod>(&self, first: u32, slot_size: usize, v: &[T]) {
+        for (i, e) in v.iter().enumerate() {
+            self.write_entry(first + i as u32, slot_size, e);
+        }
+    }
 }
 
 /// A shared page as ring memory. Construction checks that the index words are reachable
@@ -196,6 +211,92 @@ impl<P: PageAccess> RingMemory for PageRing<P> {
         let _ = self
             .0
             .write_obj(self.1.header + slot as usize * slot_size, v);
+    }
+    fn write_entries<T: bytemuck::Pod>(&self, first: u32, slot_size: usize, v: &[T]) {
+        let at = self.1.header + first as usize * slot_size;
+        let width = std::mem::size_of::<T>();
+        if width == slot_size {
+            let _ = self.0.write(at, bytemuck::cast_slice(v));
+            return;
+        }
+        // Entries narrower than their slots (a response in a request's slot): the image
+        // of up to 512 bytes of slots is built here, each entry at its slot's start and
+        // the rest of the slot zero (a union's other member, which its reader no longer
+        // looks at), then written with one copy.
+        const CHUNK: usize = 512;
+        if width > slot_size || slot_size > CHUNK {
+            for (i, e) in v.iter().enumerate() {
+                self.write_entry(first + i as u32, slot_size, e);
+            }
+            return;
+        }
+        let per = CHUNK / slot_size;
+        for (c, run) in v.chunks(per).enumerate() {
+            let mut image = [0u8; CHUNK];
+            for (i, e) in run.iter().enumerate() {
+                image[i * slot_size..i * slot_size + width].copy_from_slice(bytemuck::bytes_of(e));
+            }
+            let _ = self
+                .0
+                .write(at + c * per * slot_size, &image[..run.len() * slot_size]);
+        }
+    }
+    fn read_entries<T: bytemuck::Pod>(&self, first: u32, slot_size: usize, out: &mut [T]) {
+        if std::mem::size_of::<T>() != slot_size {
+            for (i, e) in out.iter_mut().enumerate() {
+                *e = self.read_entry(first + i as u32, slot_size);
+            }
+            return;
+        }
+        // Slots as wide as the entry lie back to back: one copy of the run. The
+        // accessor checks the run against the page; a failure reads as zeroes.
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+        if self
+            .0
+            .read(self.1.header + first as usize * slot_size, bytes)
+            .is_err()
+        {
+            bytes.fill(0);
+        }
+    }
+}
+
+/// Copies the entries of `out.len()` slots (`slot_size` bytes apart) from slot `first`
+/// of a ring of `size` slots, in order: the run up to the ring's end, then the rest
+/// from slot 0.
+fn read_run<M: RingMemory, T: bytemuck::Pod>(
+    mem: &M,
+    first: u32,
+    size: u32,
+    slot_size: usize,
+    out: &mut [T],
+) {
+    let to_end = ((size - first) as usize).min(out.len());
+    let (a, b) = out.split_at_mut(to_end);
+    if !a.is_empty() {
+        mem.read_entries(first, slot_size, a);
+    }
+    if !b.is_empty() {
+        mem.read_entries(0, slot_size, b);
+    }
+}
+
+/// Writes `v` into consecutive slots (`slot_size` bytes apart) from slot `first` of a
+/// ring of `size` slots: the run up to the ring's end, then the rest from slot 0.
+fn write_run<M: RingMemory, T: bytemuck::Pod>(
+    mem: &M,
+    first: u32,
+    size: u32,
+    slot_size: usize,
+    v: &[T],
+) {
+    let to_end = ((size - first) as usize).min(v.len());
+    let (a, b) = v.split_at(to_end);
+    if !a.is_empty() {
+        mem.write_entries(first, slot_size, a);
+    }
+    if !b.is_empty() {
+        mem.write_entries(0, slot_size, b);
     }
 }
 
@@ -320,6 +421,20 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
         Ok(())
     }
 
+    /// Writes as many of `reqs` as there are free slots into the next private slots,
+    /// with one copy per contiguous run; returns how many. They are published by
+    /// [`FrontRing::push_requests_and_check_notify`].
+    pub fn push_requests(&mut self, reqs: &[P::Req]) -> Result<usize, RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        let n = (self.free_requests() as usize).min(reqs.len());
+        let first = self.req_prod_pvt.slot(self.size);
+        write_run(&self.mem, first, self.size, P::SLOT_SIZE, &reqs[..n]);
+        self.req_prod_pvt = RingIdx(self.req_prod_pvt.0.wrapping_add(n as u32));
+        Ok(n)
+    }
+
     /// Publishes the private requests and says whether the back end asked to be notified
     /// (`RING_PUSH_REQUESTS_AND_CHECK_NOTIFY`).
     pub fn push_requests_and_check_notify(&mut self) -> bool {
@@ -369,6 +484,17 @@ impl<P: RingProtocol, M: RingMemory> FrontRing<P, M> {
             .read_entry(self.rsp_cons.slot(self.size), P::SLOT_SIZE);
         self.rsp_cons.bump();
         Ok(Some(rsp))
+    }
+
+    /// Copies out as many published responses as `out` holds, in order, with one read
+    /// of the producer index and one copy per contiguous run of slots; returns how
+    /// many. The caller validates each copy.
+    pub fn take_responses(&mut self, out: &mut [P::Rsp]) -> Result<usize, RingError> {
+        let n = (self.responses_available()? as usize).min(out.len());
+        let first = self.rsp_cons.slot(self.size);
+        read_run(&self.mem, first, self.size, P::SLOT_SIZE, &mut out[..n]);
+        self.rsp_cons = RingIdx(self.rsp_cons.0.wrapping_add(n as u32));
+        Ok(n)
     }
 
     /// Copies out the response `ahead` places after the next one, if it is published,
@@ -516,6 +642,18 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         Ok(Some(req))
     }
 
+    /// Copies out as many published requests as `out` holds, in order, with one read of
+    /// the producer index (when all seen before are taken) and one copy per contiguous
+    /// run of slots; returns how many. The caller validates each copy and acts only on
+    /// it.
+    pub fn take_requests(&mut self, out: &mut [P::Req]) -> Result<usize, RingError> {
+        let n = (self.requests_available()? as usize).min(out.len());
+        let first = self.req_cons.slot(self.size);
+        read_run(&self.mem, first, self.size, P::SLOT_SIZE, &mut out[..n]);
+        self.req_cons = RingIdx(self.req_cons.0.wrapping_add(n as u32));
+        Ok(n)
+    }
+
     /// Copies out the request `ahead` places after the next one, if it is published (as
     /// far as this end last read the producer index), without taking it: a look ahead
     /// to prefetch what a batch will touch. The copy is only a hint; the request taken
@@ -541,6 +679,21 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             .write_entry(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, rsp);
         self.rsp_prod_pvt.bump();
         Ok(())
+    }
+
+    /// Writes as many of `rsps` as there are consumed, unanswered requests into the next
+    /// private slots (each response reuses its request's slot), with one copy per
+    /// contiguous run; returns how many. They are published by
+    /// [`BackRing::push_responses_and_check_notify`].
+    pub fn push_responses(&mut self, rsps: &[P::Rsp]) -> Result<usize, RingError> {
+        if self.broken {
+            return Err(RingError::Broken);
+        }
+        let n = (self.unanswered() as usize).min(rsps.len());
+        let first = self.rsp_prod_pvt.slot(self.size);
+        write_run(&self.mem, first, self.size, P::SLOT_SIZE, &rsps[..n]);
+        self.rsp_prod_pvt = RingIdx(self.rsp_prod_pvt.0.wrapping_add(n as u32));
+        Ok(n)
     }
 
     /// Publishes the private responses and says whether the front end asked to be
@@ -923,6 +1076,108 @@ mod tests {
             Err(RingError::ProducerOverrun { .. })
         ));
         assert_eq!(f.take_response(), Err(RingError::Broken));
+    }
+
+    #[test]
+    fn batches_cross_the_ring_end_in_order_within_what_each_side_may_take() {
+        let (mut f, mut b, _mem) = pair();
+        let size = f.size() as usize;
+        let mut next = 0u16;
+        let mut got = [Req {
+            id: 0,
+            pad: 0,
+            val: 0,
+        }; 64];
+        let mut rsps = [Rsp { id: 0, status: 0 }; 300];
+        // Five rounds of 100 through 256 slots: the runs wrap at the ring's end.
+        for _ in 0..5 {
+            let reqs: Vec<Req> = (0..100)
+                .map(|i| Req {
+                    id: next.wrapping_add(i),
+                    pad: 0,
+                    val: 0xa5a5_0000 | u32::from(next.wrapping_add(i)),
+                })
+                .collect();
+            assert_eq!(f.push_requests(&reqs), Ok(100));
+            f.push_requests_and_check_notify();
+            let mut taken = Vec::new();
+            loop {
+                let n = b.take_requests(&mut got).expect("take");
+                if n == 0 {
+                    break;
+                }
+                assert!(n <= got.len());
+                taken.extend_from_slice(&got[..n]);
+            }
+            assert_eq!(taken, reqs, "in order, byte for byte");
+            let answers: Vec<Rsp> = taken
+                .iter()
+                .map(|r| Rsp {
+                    id: r.id,
+                    status: 1,
+                })
+                .collect();
+            // Only as many responses as requests taken.
+            let mut more = answers.clone();
+            more.push(Rsp { id: 0, status: 9 });
+            assert_eq!(b.push_responses(&more), Ok(100));
+            b.push_responses_and_check_notify();
+            let n = f.take_responses(&mut rsps).expect("responses");
+            assert_eq!(&rsps[..n], &answers[..]);
+            next = next.wrapping_add(100);
+        }
+        // The front end may fill only the free slots.
+        let many = vec![
+            Req {
+                id: 1,
+                pad: 0,
+                val: 0
+            };
+            size + 10
+        ];
+        assert_eq!(f.push_requests(&many), Ok(size));
+        assert_eq!(f.push_requests(&many), Ok(0));
+    }
+
+    #[test]
+    fn a_batch_take_judges_the_producer_index_and_copies_nothing_past_a_bad_one() {
+        let (mut f, mut b, mem) = pair();
+        f.push_requests(
+            &[Req {
+                id: 7,
+                pad: 0,
+                val: 1,
+            }; 3],
+        )
+        .expect("push");
+        f.push_requests_and_check_notify();
+        let mut got = [Req {
+            id: 0,
+            pad: 0,
+            val: 0,
+        }; 8];
+        assert_eq!(b.take_requests(&mut got[..2]), Ok(2));
+        // The front end claims a ring and more: the back end's next look breaks the ring
+        // (its last request, seen before, is still taken first).
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(3 + 300, Ordering::Release);
+        assert_eq!(b.take_requests(&mut got), Ok(1));
+        got = [Req {
+            id: 0,
+            pad: 0,
+            val: 0,
+        }; 8];
+        assert!(matches!(
+            b.take_requests(&mut got),
+            Err(RingError::ProducerOverrun { .. })
+        ));
+        assert!(got.iter().all(|r| r.id == 0), "nothing copied");
+        assert_eq!(b.take_requests(&mut got), Err(RingError::Broken));
+        assert_eq!(
+            b.push_responses(&[Rsp { id: 7, status: 0 }]),
+            Err(RingError::Broken)
+        );
     }
 
     #[test]
