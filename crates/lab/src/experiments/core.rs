@@ -251,8 +251,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          measurements put one side on core {CORE_A} and the other on core {CORE_B}. Grant copies go from a \
          driver domain's own pages into a guest's granted pages (netback's RX direction), `original` with v1 \
          tables (compare-and-swap status, lock per op, both pages pinned) and `optimised` with v2 tables \
-         (split status, one lock per batch of 32, only the foreign page pinned). {iters} iterations; ratios \
-         are medians of per-iteration ratios.",
+         (split status, one lock per batch of 32, only the foreign page pinned). The shared ring: a \
+         guest's granted page mapped by the driver domain, netif-TX-shaped 12-byte requests and 4-byte \
+         responses; the front end writes up to 32 requests at once and takes every published response \
+         at once, the back end takes up to 64 requests at once, checks each copy and writes their \
+         responses at once (`push_requests`, `take_requests`, `push_responses`, `take_responses`). \
+         {iters} iterations; ratios are medians of per-iteration ratios.",
         CopyBench::FRAMES
     );
     r.config = serde_json::json!({
