@@ -415,21 +415,8 @@ fn start_perf_sampler(interval: Duration) -> std::io::Result<PerfSampler> {
     // SAFETY: a fresh descriptor owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
     let len = PERF_BUF_PAGES * crate::PAGE_SIZE;
-    // SAFETY: maps the event's ring buffer (control page + data) at a kernel-chosen
-    // address; nothing else refers to it.
-    let buf = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if buf == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
+    // The event's ring buffer: its control page and data.
+    let buf = crate::map_shared(&fd, len)?;
     let sampler = PerfSampler { fd, buf };
     let owner = FOwnerEx {
         type_: F_OWNER_TID,

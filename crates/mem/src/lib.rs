@@ -33,6 +33,32 @@ pub use window::{MapBackend, MapWindow, MappedPage, SlotState};
 
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 
+/// Maps `len` bytes of what `fd` offers for mapping (a packet socket's rings, a perf
+/// event's buffer), readable and writable, shared with the kernel, at an address the
+/// kernel chooses. The caller owns the range and unmaps it.
+pub(crate) fn map_shared(
+    fd: &std::os::fd::OwnedFd,
+    len: usize,
+) -> std::io::Result<*mut libc::c_void> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a new mapping at an address the kernel chooses, of a descriptor the
+    // caller owns; nothing else in this process refers to that range.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(p)
+}
+
 /// Size of a machine frame, as on x86.
 pub const PAGE_SIZE: usize = 4096;
 /// log2 of [`PAGE_SIZE`].

@@ -144,23 +144,9 @@ impl Ring {
             tp_frame_nr: slots.try_into().map_err(bad)?,
         };
         set_opt(fd, opt, &req)?;
+        // Exactly the ring just configured on `fd`.
         let len = blocks * BLOCK_SIZE;
-        // SAFETY: maps `len` bytes of the ring just configured on `fd` (exactly its
-        // size), shared with the kernel, at an address the kernel chooses; nothing
-        // else in this process refers to that range.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        let p = crate::map_shared(fd, len)?;
         let base = NonNull::new(p.cast()).ok_or_else(io::Error::last_os_error)?;
         Ok(Self { base, len, slots })
     }
