@@ -137,6 +137,9 @@ pub struct GuestSpec {
     /// Its netfront offers checksum offload and GSO (the TAP above it takes large
     /// frames).
     pub offloads: bool,
+    /// Its netfront asks for pvio's split ring layout (each end's indices on a line of
+    /// its own, `request-split-ring-indices`), which netback offers; ring.h's otherwise.
+    pub split_ring: bool,
     /// What runs above netfront.
     pub above: Above,
     /// The core its vCPU is pinned to; by default the guests take the cores after the
@@ -853,7 +856,7 @@ impl Machine {
                         index: vifs.len() as u16,
                         grants: g.grants,
                         offloads: g.offloads,
-                        split_indices: false,
+                        split_indices: g.split_ring,
                     };
                     // A hostile guest does its half of the handshake itself.
                     let front = match g.above {

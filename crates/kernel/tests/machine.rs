@@ -71,6 +71,7 @@ fn messages(
 /// A guest with the original netfront (page fragments, a grant per I/O, no offloads).
 fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec {
     GuestSpec {
+        split_ring: false,
         name: name.into(),
         mac,
         rx_buffers: RxBuffers::Fragments,
@@ -129,11 +130,11 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
         frames.push(messages(f, len, count, None));
         let (a, c) = app(f, len);
         apps.push(c);
-        guests.push(plain_guest(
-            format!("guest{host}"),
-            f.dst_mac,
-            Above::App(a),
-        ));
+        guests.push(GuestSpec {
+            // The second asks for the split ring layout; the others get ring.h's.
+            split_ring: host == 3,
+            ..plain_guest(format!("guest{host}"), f.dst_mac, Above::App(a))
+        });
     }
     // Interleaved, so the bridge switches between vifs frame by frame.
     let mut wire = Vec::new();
@@ -151,6 +152,24 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
     ))
     .expect("machine");
     assert_eq!(m.domains().len(), 4);
+    // What each front end asked for, as it wrote it to the store.
+    let asked: Vec<String> = m
+        .domains()
+        .iter()
+        .filter(|d| d.1 != Role::DriverDomain)
+        .map(|(d, _)| {
+            let key = format!(
+                "{}/{}",
+                net::xenbus::frontend_dir(d.id(), 0),
+                net::xenbus::REQUEST_SPLIT_INDICES
+            );
+            m.hv()
+                .store()
+                .read(d.id(), &key)
+                .expect("the front end's key")
+        })
+        .collect();
+    assert_eq!(asked, ["0", "1", "0"]);
     assert_eq!(
         m.domains()
             .iter()

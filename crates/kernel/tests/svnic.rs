@@ -283,6 +283,7 @@ fn hv_host(
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: (0..n)
                 .map(|i| kernel::machine::GuestSpec {
+                    split_ring: false,
                     name: format!("g{i}"),
                     mac: mac(i),
                     rx_buffers: net::netfront::RxBuffers::Fragments,

@@ -76,6 +76,7 @@ fn start_with(
         _ => Layout::DriverDomain {
             driver,
             guests: vec![GuestSpec {
+                split_ring: false,
                 name: "guest".into(),
                 mac: f.dst_mac,
                 rx_buffers: RxBuffers::Fragments,

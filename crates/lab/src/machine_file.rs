@@ -40,6 +40,8 @@
 //! rx_buffers = "fragments"      # or "linear", "guest-copy"
 //! grants = "per-io"             # or "reuse"
 //! offloads = true               # checksum offload and GSO (false: the plain path)
+//! split_ring = false            # netfront asks for pvio's split ring layout (each
+//!                               # end's indices on a line of its own), not ring.h's
 //! core = 1                      # its vCPU's core; by default the guests take the cores
 //!                               # after the driver domain's (core 0), one each
 //! priority = 50                 # its VIF's priority on an SV-NIC, 1 to 100
@@ -257,6 +259,7 @@ struct Guest {
     rx_buffers: Option<Buffers>,
     grants: Option<Grants>,
     offloads: Option<bool>,
+    split_ring: Option<bool>,
     core: Option<Spanned<u32>>,
     priority: Option<Spanned<u8>>,
     #[serde(default)]
@@ -534,6 +537,9 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         if let Some(gr) = g.grants {
             u.grant_reuse = matches!(gr, Grants::Reuse);
         }
+        if let Some(r) = g.split_ring {
+            u.split_ring = r;
+        }
         if let Some(o) = g.offloads {
             u.offloads = o;
         }
@@ -763,10 +769,13 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
     }
 
     #[test]
-    fn cable_and_dma_keys_set_the_wire_and_the_landing_and_bad_values_are_refused() {
+    fn cable_dma_and_split_ring_keys_are_read_and_bad_values_refused() {
         assert_eq!(p("[[guest]]\n").expect("tap").cable, None);
         let cfg = p("[nic]\ncable = \"veth-pv0\"\n[[guest]]\n").expect("cable");
         assert_eq!(cfg.cable.as_deref(), Some("veth-pv0"));
+        assert!(!cfg.guest().split_ring);
+        let two = p("[[guest]]\nsplit_ring = true\n[[guest]]\n").expect("split ring");
+        assert!(two.guests[0].split_ring && !two.guests[1].split_ring);
         assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Cache);
         let cfg = p("[nic]\ndma = \"memory\"\n[[guest]]\n").expect("2008's NIC");
         assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Memory);

@@ -433,6 +433,7 @@ impl Running {
                     sink: Box::new(CountingSink::default()),
                 };
                 let guests = std::iter::once(GuestSpec {
+                    split_ring: false,
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
@@ -442,6 +443,7 @@ impl Running {
                     core: None,
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
+                    split_ring: false,
                     name: format!("hostile{i}"),
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
                     rx_buffers: RxBuffers::Fragments,

@@ -204,6 +204,7 @@ impl TcpRunning {
                     ..DriverConfig::default()
                 },
                 guests: vec![GuestSpec {
+                    split_ring: false,
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: RxBuffers::Fragments,

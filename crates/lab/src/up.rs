@@ -153,6 +153,7 @@ impl UpDisk {
             counters: Arc::new(JobCounters::default()),
         };
         GuestSpec {
+            split_ring: false,
             name: self.name.clone(),
             mac: [0x02, 0, 0, 0, 0xd1, 0],
             rx_buffers: RxBuffers::Fragments,
@@ -235,6 +236,9 @@ pub struct UpGuest {
     pub core: Option<usize>,
     /// Its VIF's priority on an SV-NIC (1 to 100; the device's default if none).
     pub priority: Option<u8>,
+    /// Its netfront asks for pvio's split ring layout (each end's ring indices on a
+    /// cache line of their own; ring.h's layout otherwise, as a real Xen peer gets).
+    pub split_ring: bool,
 }
 
 impl UpGuest {
@@ -256,6 +260,7 @@ impl UpGuest {
             offloads: true,
             core: None,
             priority: None,
+            split_ring: false,
         }
     }
 
@@ -718,6 +723,7 @@ fn bring_up(
         }
         counters.push((g.name.clone(), Arc::clone(tap.counters())));
         guests.push(GuestSpec {
+            split_ring: g.split_ring,
             name: g.name.clone(),
             mac,
             above: Above::Tap(Box::new(tap)),

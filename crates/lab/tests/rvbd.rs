@@ -56,6 +56,7 @@ fn job(
 
 fn guest(name: &str, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
+        split_ring: false,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers: RxBuffers::Fragments,
@@ -313,6 +314,7 @@ fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -
     use kernel::app::{AppCounters, AppSpec, NbdSpec, Proto};
     let mac = [2, 0, 0, 0, 0, host];
     GuestSpec {
+        split_ring: false,
         name: name.into(),
         mac,
         rx_buffers: RxBuffers::Fragments,

@@ -62,7 +62,7 @@ enum Command {
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
             "no_fragments", "grant_reuse", "multi_queue", "no_offloads", "lro", "mtu_wire",
-            "cable", "dma",
+            "cable", "dma", "split_ring",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -117,6 +117,11 @@ enum Command {
         /// host with Data Direct I/O, or in memory, as on the papers' 2008 platforms.
         #[arg(long, value_enum, default_value_t = DmaArg::Cache)]
         dma: DmaArg,
+        /// netfront asks for pvio's split ring layout, each end's ring indices on a cache
+        /// line of their own, instead of ring.h's (netback offers it; a real Xen peer
+        /// would not).
+        #[arg(long)]
+        split_ring: bool,
         /// With `--lro delayed`: flush every this many polls (the paper's 2).
         #[arg(long, value_name = "N", default_value_t = 2,
               value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -642,6 +647,7 @@ fn main() -> ExitCode {
             mtu_wire,
             cable,
             dma,
+            split_ring,
             seconds,
             keep_namespaces,
             watchdog_ms,
@@ -672,6 +678,7 @@ fn main() -> ExitCode {
                         },
                         grant_reuse,
                         offloads: !no_offloads,
+                        split_ring,
                         ..lab::up::UpGuest::nth(0)
                     }],
                     netfilter: !no_netfilter,

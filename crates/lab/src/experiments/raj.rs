@@ -274,6 +274,7 @@ fn host(
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: (0..n)
                 .map(|i| GuestSpec {
+                    split_ring: false,
                     name: format!("g{i}"),
                     mac: side.mac(i),
                     rx_buffers: net::netfront::RxBuffers::Fragments,

@@ -323,6 +323,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
         layout: Layout::DriverDomain {
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: vec![GuestSpec {
+                split_ring: false,
                 name: "disk".into(),
                 mac: [2, 0, 0, 0, 0, 0x0d],
                 rx_buffers: net::netfront::RxBuffers::Fragments,

@@ -232,6 +232,7 @@ fn run_job(
             ..DriverConfig::default()
         },
         guests: vec![GuestSpec {
+            split_ring: false,
             name: "guest".into(),
             mac: [2, 0, 0, 0, 0, 2],
             rx_buffers: RxBuffers::Fragments,
