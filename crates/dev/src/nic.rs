@@ -135,8 +135,19 @@ impl Default for Coalesce {
     }
 }
 
-/// One receive queue's registers and counters.
+/// Starts a new cache line in a `#[repr(C)]` struct: the fields after it are on lines
+/// the fields before it are not. A NIC's registers are MMIO, which no cache holds; in
+/// pvio they are atomics in memory that the driver's core and the device's both
+/// touch, so each side's words keep to lines of their own, and a driver's tail write
+/// does not take the line the device counts its frames in (and the reverse).
+#[derive(Debug, Default, Clone, Copy)]
+#[repr(C, align(64))]
+pub struct LineBreak;
+
+/// One receive queue's registers and counters: the driver's registers on the first
+/// line, the device's counters on the second.
 #[derive(Debug, Default)]
+#[repr(C, align(64))]
 pub struct RxQueueRegs {
     /// Ring base (I/O address), set before enabling.
     pub base: AtomicU64,
@@ -150,6 +161,8 @@ pub struct RxQueueRegs {
     pub irq_enabled: AtomicBool,
     /// The queue takes frames (queue 0: whenever the device is enabled).
     pub enabled: AtomicBool,
+    /// The device's counters from here on.
+    device: LineBreak,
     /// Frames received into its buffers.
     pub frames: AtomicU64,
     /// Frames steered to it and dropped: queue off, or no free descriptor.
@@ -198,8 +211,11 @@ pub enum FilterError {
     GroupAddress,
 }
 
-/// The device's registers (what the driver's MMIO reaches) and counters.
+/// The device's registers (what the driver's MMIO reaches) and counters, each side's
+/// on lines of its own ([`LineBreak`]): the driver's registers, then the one flag both
+/// write, then what the device writes as it works.
 #[derive(Debug)]
+#[repr(C)]
 pub struct NicRegs {
     /// The receive queues; queue 0 is the default.
     pub rxq: [RxQueueRegs; RX_QUEUES],
@@ -209,13 +225,28 @@ pub struct NicRegs {
     pub tx_base: AtomicU64,
     /// TX tail.
     pub tx_tail: AtomicU32,
-    /// TX head: the next descriptor the device will fetch (a NIC's `TDH` register).
-    pub tx_head: AtomicU32,
     /// Device running.
     pub enabled: AtomicBool,
     /// The cable is plugged in: the far end's frames arrive (set once the machine is
     /// up, so that start-up is not measured as loss).
     pub link_up: AtomicBool,
+    /// Function-level resets requested; the device clears its own state when it sees
+    /// the count move.
+    resets: AtomicU64,
+    stop: AtomicBool,
+    /// The device thread's sleep and its wake-ups.
+    doze: Arc<crate::wire::Doze>,
+    /// Both sides write the pause flag: the device sets it, the driver's tail write
+    /// clears it.
+    paused_line: LineBreak,
+    /// Set by the device when it left frames with a source that holds them (a TAP) for
+    /// want of a free descriptor, as a link with flow control pauses its sender; the
+    /// driver's next RX tail write clears it and wakes the device.
+    pub rx_paused: AtomicBool,
+    /// The device's registers and counters from here on.
+    device: LineBreak,
+    /// TX head: the next descriptor the device will fetch (a NIC's `TDH` register).
+    pub tx_head: AtomicU32,
     /// Device loop iterations begun (to know the device has seen a register change).
     pub iterations: AtomicU64,
     /// Frames received into memory, all queues.
@@ -224,10 +255,6 @@ pub struct NicRegs {
     pub rx_bytes: AtomicU64,
     /// Frames dropped for want of a queue or a free descriptor, all queues.
     pub rx_missed: AtomicU64,
-    /// Set by the device when it left frames with a source that holds them (a TAP) for
-    /// want of a free descriptor, as a link with flow control pauses its sender; the
-    /// driver's next RX tail write clears it and wakes the device.
-    pub rx_paused: AtomicBool,
     /// Times the device paused its source so.
     pub rx_pauses: AtomicU64,
     /// Frames dropped: too long.
@@ -270,13 +297,6 @@ pub struct NicRegs {
     pub iotlb_hits: AtomicU64,
     /// IOTLB lookups that missed and walked the I/O page tables.
     pub iotlb_misses: AtomicU64,
-
-    /// Function-level resets requested; the device clears its own state when it sees
-    /// the count move.
-    resets: AtomicU64,
-    stop: AtomicBool,
-    /// The device thread's sleep and its wake-ups.
-    doze: Arc<crate::wire::Doze>,
 }
 
 /// The device's counters, read as they stand (relaxed loads of the registers).
@@ -353,6 +373,8 @@ impl NicRegs {
             timer_late_ns: AtomicU64::new(0),
             iotlb_hits: AtomicU64::new(0),
             iotlb_misses: AtomicU64::new(0),
+            paused_line: LineBreak,
+            device: LineBreak,
             resets: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             doze: Arc::default(),
@@ -1281,6 +1303,76 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// No false sharing between the driver's core and the device's: the registers the
+    /// driver writes, the flag both write and the counters the device writes are each
+    /// on lines of their own, in every receive queue too.
+    #[test]
+    fn the_drivers_registers_and_the_devices_counters_keep_to_lines_of_their_own() {
+        use std::mem::{align_of, offset_of, size_of};
+        let line = |off: usize| off / 64;
+        let driver = [
+            offset_of!(NicRegs, tx_base),
+            offset_of!(NicRegs, tx_tail),
+            offset_of!(NicRegs, enabled),
+            offset_of!(NicRegs, link_up),
+            offset_of!(NicRegs, resets),
+            offset_of!(NicRegs, stop),
+        ];
+        let both = [offset_of!(NicRegs, rx_paused)];
+        let device = [
+            offset_of!(NicRegs, tx_head),
+            offset_of!(NicRegs, iterations),
+            offset_of!(NicRegs, rx_frames),
+            offset_of!(NicRegs, rx_bytes),
+            offset_of!(NicRegs, rx_missed),
+            offset_of!(NicRegs, rx_pauses),
+            offset_of!(NicRegs, tx_frames),
+            offset_of!(NicRegs, tx_bytes),
+            offset_of!(NicRegs, irqs),
+            offset_of!(NicRegs, timer_irqs),
+            offset_of!(NicRegs, iotlb_hits),
+            offset_of!(NicRegs, iotlb_misses),
+        ];
+        let apart = |a: &[usize], b: &[usize], what: &str| {
+            for x in a {
+                for y in b {
+                    assert_ne!(
+                        line(*x),
+                        line(*y),
+                        "{what}: offsets {x} and {y} share a line"
+                    );
+                }
+            }
+        };
+        apart(&driver, &device, "driver and device");
+        apart(&driver, &both, "driver and the pause flag");
+        apart(&both, &device, "the pause flag and device");
+        assert_eq!(align_of::<NicRegs>(), 64, "the registers start a line");
+        // A queue: the driver's registers on one line, the device's counters on the
+        // next, and each queue on lines no other queue's words are on.
+        assert_eq!(size_of::<RxQueueRegs>() % 64, 0);
+        let regs = [
+            offset_of!(RxQueueRegs, base),
+            offset_of!(RxQueueRegs, tail),
+            offset_of!(RxQueueRegs, itr_pkts),
+            offset_of!(RxQueueRegs, irq_enabled),
+            offset_of!(RxQueueRegs, enabled),
+        ];
+        let counters = [
+            offset_of!(RxQueueRegs, frames),
+            offset_of!(RxQueueRegs, missed),
+            offset_of!(RxQueueRegs, irqs),
+        ];
+        apart(&regs, &counters, "a queue's registers and counters");
+        let queues = offset_of!(NicRegs, rxq);
+        let all_queues = queues + RX_QUEUES * size_of::<RxQueueRegs>();
+        let first_other = driver.iter().chain(&device).chain(&both).copied().min();
+        assert!(
+            first_other.is_some_and(|o| o >= all_queues),
+            "the queues come first"
+        );
+    }
     use hv::{DomainConfig, Gfn, HvConfig, Hypervisor};
 
     /// A hypervisor and the driver domain whose memory the NIC's rings live in.
