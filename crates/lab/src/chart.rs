@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use plotters::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Where a sans-serif TrueType font is looked for.
 pub const FONT_PATHS: [&str; 3] = [
@@ -19,7 +19,7 @@ pub const FONT_PATHS: [&str; 3] = [
 ];
 
 /// One bar: its label and its segments, bottom to top.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Bar {
     /// Under the bar.
     pub label: String,
@@ -28,7 +28,7 @@ pub struct Bar {
 }
 
 /// A stacked-bar chart.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StackedBars {
     /// File-name part: the chart is written as `<experiment id>-<name>.png`.
     pub name: String,
@@ -163,7 +163,7 @@ impl StackedBars {
 }
 
 /// One line of a [`Lines`] chart.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Series {
     /// In the legend.
     pub label: String,
@@ -172,7 +172,7 @@ pub struct Series {
 }
 
 /// A chart of lines over a numeric x axis (a cost against an offset, a rate, a setting).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Lines {
     /// File-name part: the chart is written as `<experiment id>-<name>.png`.
     pub name: String,

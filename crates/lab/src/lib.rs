@@ -7,7 +7,9 @@
 //! and `<out>/<id>.md`. Measurements are CPU or wall time per operation, repeated over
 //! several iterations; ratios are taken per iteration against a baseline measured in
 //! the same run and summarised by their median, so the shared machine's noise cancels as
-//! far as it can.
+//! far as it can. `reproduce` then writes `<out>/index.html`, every record in the folder
+//! on one page ([`site`]), and `pvio report --compare OLD NEW` shows what moved between
+//! two runs.
 
 pub mod chart;
 pub mod dpdk;
@@ -18,6 +20,7 @@ pub mod platform;
 pub mod progress;
 pub mod remote_host;
 pub mod report;
+pub mod site;
 pub mod stats;
 pub mod tcp;
 pub mod tools;

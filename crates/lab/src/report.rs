@@ -4,13 +4,13 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::chart::{Lines, StackedBars};
 use crate::stats::Stats;
 
 /// One measured quantity.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Section of the table.
     pub group: String,
@@ -22,13 +22,15 @@ pub struct Row {
     pub stats: Stats,
     /// Median of per-iteration ratios to a baseline row measured in the same run:
     /// (baseline name, ratio).
+    #[serde(default)]
     pub ratio: Option<(String, f64)>,
     /// What the paper (or the issue's reference) says, as text.
+    #[serde(default)]
     pub reference: Option<String>,
 }
 
 /// A target the experiment checks its own result against.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Check {
     /// The claim, e.g. "optimised grant copy 1500 B, batch 32 ≤ 3× memcpy".
     pub what: String,
@@ -42,14 +44,16 @@ pub struct Check {
     pub met: bool,
     /// A target of the paper's (or the issue's), or a check that the run was set up as
     /// it says: listed apart, so that neither stands for the other.
+    #[serde(default)]
     pub kind: CheckKind,
 }
 
 /// What a [`Check`] judges.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CheckKind {
     /// A target: the paper's figure, or what an issue asks of pvio.
+    #[default]
     Target,
     /// The run's set-up did what it says (a workload outran a rate, a sender kept up):
     /// no claim about the mechanism.
@@ -57,7 +61,7 @@ pub enum CheckKind {
 }
 
 /// An experiment's result.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// Registry id.
     pub id: String,
@@ -66,22 +70,28 @@ pub struct Report {
     /// Paper reference.
     pub paper: String,
     /// A short paragraph: what runs where.
+    #[serde(default)]
     pub setup: String,
     /// Full configuration.
+    #[serde(default)]
     pub config: serde_json::Value,
     /// Measurements.
     pub rows: Vec<Row>,
     /// Targets.
     pub checks: Vec<Check>,
     /// Observations worth keeping with the numbers.
+    #[serde(default)]
     pub notes: Vec<String>,
     /// Stacked-bar charts of the breakdowns, written beside the report as PNG.
+    #[serde(default)]
     pub charts: Vec<StackedBars>,
     /// Line charts, written beside the report as PNG.
+    #[serde(default)]
     pub lines: Vec<Lines>,
     /// The idle policy its machines used, where the experiment chose its own rather
     /// than the run's (`pvio up` halt-polls, as do two hosts on one pair of cores);
     /// the records name it instead of the run's.
+    #[serde(default)]
     pub idle: Option<String>,
 }
 
@@ -311,7 +321,8 @@ impl Report {
         md
     }
 
-    fn chart_file(&self, name: &str) -> String {
+    /// The file a chart of this report is written to, beside its JSON.
+    pub fn chart_file(&self, name: &str) -> String {
         format!("{}-{}.png", self.id, name)
     }
 
@@ -327,6 +338,12 @@ impl Report {
         )?;
         let mut text = self.markdown(env);
         let (mut charts, mut chart_errors) = (Vec::new(), Vec::new());
+        if !self.charts.is_empty() || !self.lines.is_empty() {
+            // A fresh machine lacks the charts' font; a chart still not drawn says why.
+            if let Err(e) = crate::tools::ensure(&[crate::tools::FONTS]) {
+                chart_errors.push(e);
+            }
+        }
         let drawers = self
             .charts
             .iter()
@@ -366,7 +383,7 @@ impl Report {
 }
 
 /// Where and when a run happened.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunEnv {
     /// `git describe` of the source, or "unknown".
     pub revision: String,
@@ -379,10 +396,12 @@ pub struct RunEnv {
     /// Cores available to the process.
     pub cores: usize,
     /// Kernel release.
+    #[serde(default)]
     pub kernel: String,
     /// Quick mode.
     pub quick: bool,
     /// How the machines' idle pCPUs waited ([`crate::idle_policy`]).
+    #[serde(default)]
     pub idle: String,
 }
 

@@ -1,9 +1,9 @@
 //! Summaries of repeated measurements.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Median, spread and tail of a set of samples.
-#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
 pub struct Stats {
     /// Number of samples.
     pub n: usize,

@@ -82,14 +82,33 @@ pub const TESTPMD: Tool = Tool {
     package: "dpdk-dev",
 };
 
-/// Every outside program pvio runs, for a look at what a machine lacks.
-pub const ALL: [Tool; 11] = [
+/// Debian's Chromium, headless: the test that renders the report page in a real
+/// browser.
+pub const CHROMIUM: Tool = Tool {
+    program: "chromium",
+    package: "chromium",
+};
+/// Not a program: the TrueType font the charts' text is drawn with
+/// ([`crate::chart::FONT_PATHS`]' first), found by its path.
+pub const FONTS: Tool = Tool {
+    program: "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    package: "fonts-dejavu-core",
+};
+
+/// Every outside program pvio runs (and the charts' font), for a look at what a
+/// machine lacks.
+pub const ALL: [Tool; 13] = [
     IP, PING, IPERF3, TSHARK, SOCKPERF, ETHTOOL, VBLADE, NBD_SERVER, NBDKIT, FIO, TESTPMD,
+    CHROMIUM, FONTS,
 ];
 
 /// Where `program` is, on `PATH` or in the system directories a non-login root shell may
-/// leave out of it.
+/// leave out of it (a program named by its absolute path, a file: whether it is there).
 pub fn which(program: &str) -> Option<PathBuf> {
+    if program.starts_with('/') {
+        let p = PathBuf::from(program);
+        return p.is_file().then_some(p);
+    }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from))
@@ -186,7 +205,11 @@ mod tests {
             if text.contains("Command::new(\"apt-get\")") {
                 offenders.push(format!("{}: runs apt-get itself", f.display()));
             }
-            for t in ALL.iter().filter(|t| t.program != "ip") {
+            // A file named by its path (the font) is read, not run.
+            for t in ALL
+                .iter()
+                .filter(|t| t.program != "ip" && !t.program.starts_with('/'))
+            {
                 let spawns = text.contains(&format!("\"{}\",", t.program))
                     || text.contains(&format!("Command::new(\"{}\")", t.program));
                 let ensures = text.contains("tools::ensure") || text.contains("ensure_tools()");

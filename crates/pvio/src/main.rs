@@ -52,6 +52,21 @@ enum Command {
         #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
         idle: lab::IdlePolicy,
     },
+    /// Writes `index.html` over a results folder's records (every experiment on one
+    /// page), or compares two folders: every check whose verdict changed or whose
+    /// value moved, and every same-run ratio that moved.
+    Report {
+        /// The results folder.
+        #[arg(value_name = "DIR", conflicts_with = "compare")]
+        dir: Option<PathBuf>,
+        /// Compare two results folders (a change's before and after); writes
+        /// `NEW/compare.html` and prints the same list.
+        #[arg(long, num_args = 2, value_names = ["OLD", "NEW"])]
+        compare: Option<Vec<PathBuf>>,
+        /// How far (percent) a value or a ratio must move to be listed.
+        #[arg(long, value_name = "PERCENT", default_value_t = 10.0)]
+        threshold: f64,
+    },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
     /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
@@ -605,10 +620,55 @@ fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode
             }
         }
     }
+    match lab::site::write_index(out) {
+        Ok(p) => println!("wrote {} (every record in {})", p.display(), out.display()),
+        Err(err) => {
+            eprintln!("could not write {}/index.html: {err}", out.display());
+            failed += 1;
+        }
+    }
     if failed == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// `pvio report`: the page over one folder, or what moved between two.
+fn report(dir: Option<PathBuf>, compare: Option<Vec<PathBuf>>, threshold: f64) -> ExitCode {
+    use lab::site::{compare_html, compare_text, write_index, Folder};
+    let read = |d: &std::path::Path| {
+        Folder::read(d).map_err(|e| eprintln!("cannot read {}: {e}", d.display()))
+    };
+    let Some(pair) = compare else {
+        let dir = dir.unwrap_or_else(|| PathBuf::from("results"));
+        return match write_index(&dir) {
+            Ok(p) => {
+                println!("wrote {}", p.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cannot write {}/index.html: {e}", dir.display());
+                ExitCode::FAILURE
+            }
+        };
+    };
+    let (Ok(old), Ok(new)) = (read(&pair[0]), read(&pair[1])) else {
+        return ExitCode::FAILURE;
+    };
+    let t = threshold / 100.0;
+    let changes = lab::site::compare(&old, &new, t);
+    print!("{}", compare_text(&old, &new, &changes, t));
+    let page = pair[1].join("compare.html");
+    match std::fs::write(&page, compare_html(&old, &new, &changes, t)) {
+        Ok(()) => {
+            println!("wrote {}", page.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("cannot write {}: {e}", page.display());
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -632,6 +692,11 @@ fn main() -> ExitCode {
             lab::set_idle_policy(idle);
             reproduce(quick, Some(&id), &out)
         }
+        Command::Report {
+            dir,
+            compare,
+            threshold,
+        } => report(dir, compare, threshold),
         Command::Up {
             outside_ns,
             guest_ns,
