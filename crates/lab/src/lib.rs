@@ -14,6 +14,7 @@
 pub mod chart;
 pub mod dpdk;
 pub mod experiments;
+pub(crate) mod harness;
 pub mod live;
 pub mod machine_file;
 pub mod platform;

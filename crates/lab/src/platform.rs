@@ -34,6 +34,7 @@ use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
+use crate::harness::other;
 use crate::LabError;
 
 /// Which machine.
@@ -357,10 +358,6 @@ pub struct Running {
     frames_per_message: usize,
     app: Arc<AppCounters>,
     latency: Option<Arc<LatencyProbe>>,
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 /// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on a TAP or a

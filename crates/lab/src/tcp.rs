@@ -24,6 +24,7 @@ use kernel::Counters;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::UdpFlow;
 
+use crate::harness::other;
 use crate::platform::{domain_use, DomainSnapshot};
 use crate::LabError;
 
@@ -147,10 +148,6 @@ pub struct TcpFinish {
     pub acked: u64,
     /// Every component's counters.
     pub counters: Counters,
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 /// Core `i` if the machine has it.

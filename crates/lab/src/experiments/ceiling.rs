@@ -27,6 +27,7 @@ use net::skb::{SkbError, SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::wire::{parse_ipv4, parse_udp, payload_byte, PayloadCheck, UdpFramer};
 
+use crate::harness::other;
 use crate::platform::flow;
 use crate::{Experiment, LabError, Mode, Report};
 
@@ -168,10 +169,6 @@ struct Run {
     /// Direct placement: buffers the device filled per driver-domain poll that found
     /// any, over the timed periods.
     per_poll: f64,
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 /// The frame of exactly `len` bytes that carries message `seq`: Ethernet, IPv4 and UDP

@@ -20,6 +20,7 @@ use hv::*;
 use mem::cpu::{pin_current_thread, thread_cpu_time, SampleSlot, SlotBinding};
 use ring::{BackRing, FrontRing, PageRing, RingProtocol};
 
+use crate::harness::other;
 use crate::stats::{ratio_median, Stats};
 use crate::{Experiment, LabError, Mode, Report};
 
@@ -443,11 +444,6 @@ fn grant_fresh_page(guest: &Domain, to: &Domain) -> Result<GrantRef, LabError> {
         .grant_access(r, to.id(), g, false)
         .map_err(other)?;
     Ok(r)
-}
-
-/// Any displayable failure as a lab error.
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 fn copy_name(path: GrantPath, n: usize, batch: usize) -> String {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use dev::nic::{Coalesce, DelayFrom};
 
 use crate::chart::{Lines, Series};
-use crate::experiments::santos08::{account_losses, durations, one_run, Durations, RunCost};
+use crate::harness::{account_losses, durations, one_run, Durations, RunCost};
 use crate::platform::{Finish, Options, Running};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 

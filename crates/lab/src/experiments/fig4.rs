@@ -31,7 +31,8 @@ use mem::cpu::thread_cpu_time;
 use net::counters::CopyAlign;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
-use crate::experiments::santos08::{account_losses, durations, one_run, sign_test_p, RunCost};
+use crate::harness::other;
+use crate::harness::{account_losses, durations, one_run, sign_test_p, RunCost};
 use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -67,10 +68,6 @@ fn class_name(c: CopyAlign) -> &'static str {
         CopyAlign::Word => "same word, different cache-line alignment",
         CopyAlign::Line => "same cache-line alignment",
     }
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 /// CPU time per call of `f`, in ns, over `n` calls.

@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 
 use crate::chart::{Bar, StackedBars};
-use crate::experiments::santos08::{
-    account_losses, durations, one_run, sign_test_p, RunCost, GLOBALS,
+use crate::harness::{
+    account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, RunCost, GLOBALS,
 };
 use crate::platform::{Config, Finish, Options, SoftOpt};
 use crate::{Experiment, LabError, Mode, Report, Stats};
@@ -91,11 +91,10 @@ fn paper_cycles(name: &str) -> Option<f64> {
     PAPER_CYCLES.iter().find(|p| p.0 == name).map(|p| p.1)
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let d = durations(mode);
-    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+/// What runs where, for the record.
+fn setup(d: &Durations) -> String {
     let base = Options::paper(Config::Pv, 0);
-    r.setup = format!(
+    format!(
         "UDP messages of 1472 (\"1500\") and 48000 bytes at a fixed {:.0} frames/s, as Figure 2. \
          pv: the original driver domain (netfilter hooks on, copies to the start of the guest's \
          page, netfront with fragments, v1 grants, original grant path). pv + X: one software \
@@ -120,151 +119,49 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         d.warmup.as_millis(),
         base.coalesce.pkts_per_irq,
         base.coalesce.max_delay.as_micros(),
-    );
+    )
+}
+
+/// One message size's results: each machine's costs, one per round.
+type BySize<'a> = BTreeMap<&'a str, Vec<RunCost>>;
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let d = durations(mode);
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    r.setup = setup(&d);
+    let base = Options::paper(Config::Pv, 0);
     r.config = serde_json::json!({
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
         "switches": SoftOpt::ALL.map(|o| o.name()),
     });
 
-    // results[size][machine] = per-round costs.
-    let mut results: BTreeMap<usize, BTreeMap<String, Vec<RunCost>>> = BTreeMap::new();
-    let mut finishes: Vec<(usize, String, Finish)> = Vec::new();
-    let steps: usize = SIZES.iter().map(|&(size, _)| machines(size).len()).sum();
-    crate::progress::plan((d.runs * steps) as u64);
-    for round in 0..d.runs {
-        for (size, _) in SIZES {
-            let mut ms = machines(size);
-            // Every other round runs them in reverse, so that no machine always follows
-            // the same one.
-            if round % 2 == 1 {
-                ms.reverse();
-            }
-            for (name, opts) in ms {
-                crate::progress::step(format_args!(
-                    "{} · {size} B · {name}",
-                    crate::progress::round(round, d.runs)
-                ));
-                let (c, f) = one_run(opts, &d)?;
-                results
-                    .entry(size)
-                    .or_default()
-                    .entry(name.clone())
-                    .or_default()
-                    .push(c);
-                finishes.push((size, name, f));
-            }
-        }
-    }
-
+    let groups: Vec<(usize, Vec<(String, Options)>)> = SIZES
+        .iter()
+        .map(|&(size, _)| (size, machines(size)))
+        .collect();
+    crate::progress::plan(steps(d.runs, &groups));
+    let got = alternate(
+        d.runs,
+        &groups,
+        |size, (name, _)| format!("{size} B · {name}"),
+        |_, (_, opts)| one_run(*opts, &d),
+    )?;
     let mut bars = Vec::new();
-    for (size, label) in SIZES {
-        let by = &results[&size];
-        let total = |name: &str| -> Vec<f64> { by[name].iter().map(|c| c.total_ns).collect() };
-        let native = total("native");
-        let group = format!("fig8 {label} B");
-        for (name, runs) in machines(size).iter().map(|(n, _)| (n, &by[n])) {
-            let t = total(name);
-            let row = r.row(&group, &format!("{name} total"), "ns/pkt", &t);
-            if name != "native" {
-                row.ratio = crate::stats::ratio_median(&t, &native).map(|x| ("native".into(), x));
-            }
-            if name == UNSAFE {
-                row.reference = Some(
-                    "UNSAFE stand-in (machine frames on the ring, unchecked), what the paper \
-                     measured as its fifth bar: 7850 cycles"
-                        .into(),
-                );
-            } else if size == 48000 {
-                row.reference = paper_cycles(name).map(|c| {
-                    format!(
-                        "paper {c:.0} cycles = {:.0} ns, {:.2}× native",
-                        c / 3.0,
-                        c / 4000.0
-                    )
-                });
-            }
-            if BARS.contains(&name.as_str()) || name == UNSAFE {
-                for g in GLOBALS {
-                    let v: Vec<f64> = runs.iter().map(|c| c.global(g)).collect();
-                    if v.iter().any(|x| *x > 0.0) {
-                        r.row(&group, &format!("{name} {}", g.name()), "ns/pkt", &v);
-                    }
-                }
-                bars.push(Bar {
-                    label: format!("{name} {label}"),
-                    segments: GLOBALS
-                        .iter()
-                        .map(|&g| {
-                            let v: Vec<f64> = runs.iter().map(|c| c.global(g)).collect();
-                            (g.name().to_string(), Stats::of(&v).median)
-                        })
-                        .filter(|s| s.1 > 0.0)
-                        .collect(),
-                });
-            }
-        }
-        // The safe cache against the paper's unsafe stand-in: what validating, pinning
-        // and keeping grants costs over not doing so.
-        let (safe, unsafe_) = (total("pv-mq-reuse"), total(UNSAFE));
-        let x = crate::stats::ratio_median(&safe, &unsafe_).unwrap_or(f64::NAN);
-        r.check(
-            &format!(
-                "{label} B: pv-mq-reuse (safe grant cache) within 5% of the paper's unsafe \
-                 stand-in (per-round ratio, median)"
-            ),
-            x,
-            &format!("× {UNSAFE}"),
-            "≤ 1.05",
-            x <= 1.05,
-        );
-        // Each switch alone, and all of them: the saving against pv within each round.
-        let pv = total("pv");
-        let saving =
-            |name: &str| -> Vec<f64> { pv.iter().zip(total(name)).map(|(a, b)| a - b).collect() };
-        let group = format!("fig8 {label} B, savings against pv (same round)");
-        for opt in SoftOpt::ALL {
-            let s = saving(&format!("pv + {}", opt.name()));
-            let row = r.row(&group, opt.name(), "ns/pkt", &s);
-            row.reference = Some(format!(
-                "paper {:.0} cycles = {:.0} ns",
-                opt.paper_cycles(),
-                opt.paper_cycles() / 3.0
-            ));
-        }
-        let soft = saving("pv-soft");
-        let alone: Vec<f64> = (0..pv.len())
-            .map(|i| {
-                SoftOpt::ALL
+    let mut finishes: Vec<(String, &Finish)> = Vec::new();
+    for ((&(size, label), (_, ms)), runs) in SIZES.iter().zip(&groups).zip(&got) {
+        let mut by: BySize<'_> = BTreeMap::new();
+        for ((name, _), per_round) in ms.iter().zip(runs) {
+            by.insert(name, per_round.iter().map(|(c, _)| c.clone()).collect());
+            finishes.extend(
+                per_round
                     .iter()
-                    .map(|o| saving(&format!("pv + {}", o.name()))[i])
-                    .sum()
-            })
-            .collect();
-        r.row(&group, "sum of the four alone", "ns/pkt", &alone);
-        let row = r.row(&group, "pv-soft (all four together)", "ns/pkt", &soft);
-        row.reference = Some("paper 4950 cycles = 1650 ns".into());
-
-        // The ordering: each bar cheaper than the one before it, per round.
-        for pair in BARS.windows(2) {
-            let (a, b) = (total(pair[0]), total(pair[1]));
-            let ratio = crate::stats::ratio_median(&b, &a).unwrap_or(f64::NAN);
-            let cheaper = a.iter().zip(&b).filter(|(x, y)| y < x).count();
-            r.check(
-                &format!(
-                    "{label} B: {} cheaper than {} (per-round ratio, median; cheaper in {cheaper} \
-                     of {} rounds, one-sided sign test p = {:.3})",
-                    pair[1],
-                    pair[0],
-                    a.len(),
-                    sign_test_p(cheaper, a.len())
-                ),
-                ratio,
-                &format!("× {}", pair[0]),
-                "< 1",
-                ratio < 1.0,
+                    .map(|(_, f)| (format!("{size} B {name}"), f)),
             );
         }
+        size_rows(&mut r, size, label, &by, &mut bars);
+        savings(&mut r, label, &by);
+        ordering(&mut r, label, &by);
     }
     for (name, c) in PAPER_CYCLES.iter().filter(|p| BARS.contains(&p.0)) {
         bars.push(Bar {
@@ -279,13 +176,140 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         unit: "ns per packet".into(),
         bars,
     });
+    cache_check(&mut r, &finishes);
+    let lost_total = account_losses(&mut r, finishes.iter().map(|(l, f)| (l.clone(), *f)));
+    r.check_none(
+        "messages lost or corrupted (all runs)",
+        lost_total,
+        "messages",
+    );
+    Ok(r)
+}
 
-    // The grant cache's hit rate over every pv-mq-reuse run.
+/// Each machine's total at one size (against native, with the paper's number), and the
+/// bars' global classes as rows and as Figure 8's bars.
+fn size_rows(r: &mut Report, size: usize, label: &str, by: &BySize<'_>, bars: &mut Vec<Bar>) {
+    let total = |name: &str| -> Vec<f64> { by[name].iter().map(|c| c.total_ns).collect() };
+    let native = total("native");
+    let group = format!("fig8 {label} B");
+    for (name, _) in machines(size) {
+        let (name, runs) = (name.as_str(), &by[name.as_str()]);
+        let t = total(name);
+        let row = r.row(&group, &format!("{name} total"), "ns/pkt", &t);
+        if name != "native" {
+            row.ratio = crate::stats::ratio_median(&t, &native).map(|x| ("native".into(), x));
+        }
+        if name == UNSAFE {
+            row.reference = Some(
+                "UNSAFE stand-in (machine frames on the ring, unchecked), what the paper \
+                 measured as its fifth bar: 7850 cycles"
+                    .into(),
+            );
+        } else if size == 48000 {
+            row.reference = paper_cycles(name).map(|c| {
+                format!(
+                    "paper {c:.0} cycles = {:.0} ns, {:.2}× native",
+                    c / 3.0,
+                    c / 4000.0
+                )
+            });
+        }
+        if !(BARS.contains(&name) || name == UNSAFE) {
+            continue;
+        }
+        let global = |g| -> Vec<f64> { runs.iter().map(|c| c.global(g)).collect() };
+        for g in GLOBALS {
+            let v = global(g);
+            if v.iter().any(|x| *x > 0.0) {
+                r.row(&group, &format!("{name} {}", g.name()), "ns/pkt", &v);
+            }
+        }
+        bars.push(Bar {
+            label: format!("{name} {label}"),
+            segments: GLOBALS
+                .iter()
+                .map(|&g| (g.name().to_string(), Stats::of(&global(g)).median))
+                .filter(|s| s.1 > 0.0)
+                .collect(),
+        });
+    }
+    // The safe cache against the paper's unsafe stand-in: what validating, pinning
+    // and keeping grants costs over not doing so.
+    let (safe, unsafe_) = (total("pv-mq-reuse"), total(UNSAFE));
+    let x = crate::stats::ratio_median(&safe, &unsafe_).unwrap_or(f64::NAN);
+    r.check(
+        &format!(
+            "{label} B: pv-mq-reuse (safe grant cache) within 5% of the paper's unsafe \
+             stand-in (per-round ratio, median)"
+        ),
+        x,
+        &format!("× {UNSAFE}"),
+        "≤ 1.05",
+        x <= 1.05,
+    );
+}
+
+/// Each switch alone, and all of them: the saving against pv within each round.
+fn savings(r: &mut Report, label: &str, by: &BySize<'_>) {
+    let total = |name: &str| -> Vec<f64> { by[name].iter().map(|c| c.total_ns).collect() };
+    let pv = total("pv");
+    let saving =
+        |name: &str| -> Vec<f64> { pv.iter().zip(total(name)).map(|(a, b)| a - b).collect() };
+    let group = format!("fig8 {label} B, savings against pv (same round)");
+    for opt in SoftOpt::ALL {
+        let s = saving(&format!("pv + {}", opt.name()));
+        let row = r.row(&group, opt.name(), "ns/pkt", &s);
+        row.reference = Some(format!(
+            "paper {:.0} cycles = {:.0} ns",
+            opt.paper_cycles(),
+            opt.paper_cycles() / 3.0
+        ));
+    }
+    let soft = saving("pv-soft");
+    let alone: Vec<f64> = (0..pv.len())
+        .map(|i| {
+            SoftOpt::ALL
+                .iter()
+                .map(|o| saving(&format!("pv + {}", o.name()))[i])
+                .sum()
+        })
+        .collect();
+    r.row(&group, "sum of the four alone", "ns/pkt", &alone);
+    let row = r.row(&group, "pv-soft (all four together)", "ns/pkt", &soft);
+    row.reference = Some("paper 4950 cycles = 1650 ns".into());
+}
+
+/// The ordering: each bar cheaper than the one before it, per round.
+fn ordering(r: &mut Report, label: &str, by: &BySize<'_>) {
+    let total = |name: &str| -> Vec<f64> { by[name].iter().map(|c| c.total_ns).collect() };
+    for pair in BARS.windows(2) {
+        let (a, b) = (total(pair[0]), total(pair[1]));
+        let ratio = crate::stats::ratio_median(&b, &a).unwrap_or(f64::NAN);
+        let cheaper = a.iter().zip(&b).filter(|(x, y)| y < x).count();
+        r.check(
+            &format!(
+                "{label} B: {} cheaper than {} (per-round ratio, median; cheaper in {cheaper} \
+                 of {} rounds, one-sided sign test p = {:.3})",
+                pair[1],
+                pair[0],
+                a.len(),
+                sign_test_p(cheaper, a.len())
+            ),
+            ratio,
+            &format!("× {}", pair[0]),
+            "< 1",
+            ratio < 1.0,
+        );
+    }
+}
+
+/// The grant cache's hit rate over every pv-mq-reuse run.
+fn cache_check(r: &mut Report, finishes: &[(String, &Finish)]) {
     let (steady, raw) = hit_rates(
         finishes
             .iter()
-            .filter(|(_, n, _)| n == "pv-mq-reuse")
-            .map(|(_, _, f)| &f.counters),
+            .filter(|(l, _)| l.ends_with(" pv-mq-reuse"))
+            .map(|(_, f)| &f.counters),
     );
     r.notes.push(format!(
         "pv-mq-reuse grant cache: {:.4} of lookups hit over whole runs, the first map of \
@@ -299,19 +323,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "≥ 0.99",
         steady >= 0.99,
     );
-
-    let lost_total = account_losses(
-        &mut r,
-        finishes
-            .iter()
-            .map(|(size, name, f)| (format!("{size} B {name}"), f)),
-    );
-    r.check_none(
-        "messages lost or corrupted (all runs)",
-        lost_total,
-        "messages",
-    );
-    Ok(r)
 }
 
 #[cfg(test)]

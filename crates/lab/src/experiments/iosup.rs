@@ -30,6 +30,7 @@ use hv::{DeviceId, Domain, DomainConfig, HvConfig, Hypervisor, Iova};
 use kernel::mm::{FreePolicy, Mm, PoolMode, Process, RegionSpec, SMALL_PROCESS};
 
 use crate::chart::{Lines, Series};
+use crate::harness::other as err;
 use crate::{Experiment, LabError, Mode, Report};
 
 mod machine;
@@ -54,10 +55,6 @@ const POLICY: FreePolicy = FreePolicy {
     ratio: 1.0,
     total: 250,
 };
-
-fn err(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
-}
 
 /// One way of running the guest.
 #[derive(Debug, Clone, Copy)]
@@ -465,7 +462,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     });
 
     // Figures 5, 7, 8 and 6.
-    let dm = crate::experiments::santos08::durations(mode);
+    let dm = crate::harness::durations(mode);
     crate::progress::plan(
         (3 + 6 + iters * SETUPS.len() + 6 + dm.runs * 2 * machine::Churn::ALL.len()) as u64
             + sizing::steps(mode),

@@ -20,7 +20,7 @@ use dev::lro::{Flushing, LroSetup, WAIT_BUCKETS};
 use dev::peer::{PeerApp, WireRate};
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
-use crate::experiments::santos08::{cost_per, RunCost, GLOBALS};
+use crate::harness::{cost_per, RunCost, GLOBALS};
 use crate::stats::ratio_median;
 use crate::tcp::{Placement, Receiver, TcpFinish, TcpOptions, TcpRunning, TcpSnapshot};
 use crate::{Experiment, LabError, Mode, Report, Stats};

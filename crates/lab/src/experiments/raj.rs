@@ -27,6 +27,7 @@ use kernel::probe::{ProbeCounters, ProbeSpec};
 use kernel::svnic_guest::{RawApp, SvnicApp};
 
 use crate::chart::{Lines, Series};
+use crate::harness::other;
 use crate::stats::Stats;
 use crate::{Experiment, LabError, Mode, Report};
 
@@ -100,10 +101,6 @@ struct Point {
     channel_full: u64,
     /// Frames the devices raised a signal for.
     device_signals: u64,
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 fn client_mac(i: usize) -> [u8; 6] {

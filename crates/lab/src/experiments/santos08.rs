@@ -10,12 +10,12 @@
 //! frame.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use hv::profile::{Class, GlobalClass};
 
 use crate::chart::{Bar, StackedBars};
-use crate::platform::{Config, DomainSnapshot, Finish, Options, Running, Snapshot};
+use crate::harness::{account_losses, durations, one_run, sign_test_p, RunCost, GLOBALS};
+use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report};
 use net::netfront::RxBuffers;
 
@@ -60,177 +60,6 @@ const PAPER_48000: [(Config, &[(GlobalClass, f64)]); 3] = [
         ],
     ),
 ];
-
-pub(crate) const GLOBALS: [GlobalClass; 7] = [
-    GlobalClass::UserCopy,
-    GlobalClass::Kernel,
-    GlobalClass::Xen,
-    GlobalClass::GrantCopy,
-    GlobalClass::Kernel0,
-    GlobalClass::Xen0,
-    GlobalClass::User,
-];
-
-/// One domain's share of one run, per packet.
-#[derive(Debug, Clone, Default)]
-struct DomainCost {
-    cpu_ns: f64,
-    classes: BTreeMap<Class, f64>,
-    /// Sampled CPU (samples × interval) over measured CPU.
-    coverage: f64,
-}
-
-#[derive(Debug, Clone, Default)]
-pub(crate) struct RunCost {
-    /// Per domain role: "native", "guest", "driver".
-    domains: BTreeMap<&'static str, (bool, DomainCost)>,
-    pub(crate) total_ns: f64,
-    /// Every sample the machine's pCPUs took (its domains' and their own) × interval,
-    /// over their threads' CPU time: whether the profiler sees all the CPU the machine
-    /// used. (A domain's own share is exact only when it has its pCPU to itself: a
-    /// sample near a switch between units may be charged to the unit on either side.)
-    pub(crate) machine_coverage: f64,
-    /// Time the host took the machine's pCPUs away, over the window (all pCPUs).
-    pub(crate) stolen: Duration,
-    /// Of it, the time other host threads had their cores (the pCPUs' threads waited
-    /// on the host's run queue); the rest was the VM's own absence.
-    pub(crate) host_queued: Duration,
-}
-
-impl RunCost {
-    /// CPU time per packet of the domain in `role` ("native", "guest", "driver").
-    pub(crate) fn cpu_ns(&self, role: &str) -> Option<f64> {
-        self.domains.get(role).map(|(_, d)| d.cpu_ns)
-    }
-
-    pub(crate) fn global(&self, g: GlobalClass) -> f64 {
-        self.domains
-            .values()
-            .flat_map(|(drv, d)| {
-                d.classes
-                    .iter()
-                    .filter(move |(c, _)| c.global(*drv) == g)
-                    .map(|(_, v)| *v)
-            })
-            .sum()
-    }
-}
-
-fn role(name: &str) -> &'static str {
-    match name {
-        "native" => "native",
-        "driver" => "driver",
-        _ => "guest",
-    }
-}
-
-pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
-    let packets = (b.frames_sent - a.frames_sent).max(1) as f64;
-    let mut rc = cost_per(&a.domains, &b.domains, packets, interval);
-    let domain_samples: u64 = a
-        .domains
-        .iter()
-        .zip(&b.domains)
-        .map(|((_, _, sa), (_, _, sb))| {
-            Class::ALL
-                .iter()
-                .map(|&c| sb.samples.of(c) - sa.samples.of(c))
-                .sum::<u64>()
-        })
-        .sum();
-    let (mut own, mut cpu, mut stolen, mut queued) =
-        (0u64, Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    for (pa, pb) in a.pcpus.iter().zip(&b.pcpus) {
-        own += pb.samples.saturating_sub(pa.samples);
-        cpu += pb.cpu.saturating_sub(pa.cpu);
-        stolen += pb.stolen.saturating_sub(pa.stolen);
-        queued += pb.host_queued.saturating_sub(pa.host_queued);
-    }
-    rc.machine_coverage = if cpu > Duration::ZERO {
-        (domain_samples + own) as f64 * interval.as_nanos() as f64 / cpu.as_nanos() as f64
-    } else {
-        1.0
-    };
-    rc.stolen = stolen;
-    rc.host_queued = queued;
-    rc
-}
-
-/// Each domain's CPU between two snapshots of its use, per one of `units` (packets,
-/// bytes), apportioned to classes by its profiler samples.
-pub(crate) fn cost_per(
-    a: &[(String, bool, DomainSnapshot)],
-    b: &[(String, bool, DomainSnapshot)],
-    units: f64,
-    interval: Duration,
-) -> RunCost {
-    let packets = units.max(1.0);
-    let mut rc = RunCost::default();
-    for ((name, drv, sa), (_, _, sb)) in a.iter().zip(b) {
-        let cpu = (sb.cpu.saturating_sub(sa.cpu)).as_nanos() as f64;
-        let total: u64 = Class::ALL
-            .iter()
-            .map(|&c| sb.samples.of(c) - sa.samples.of(c))
-            .sum();
-        let mut d = DomainCost {
-            cpu_ns: cpu / packets,
-            coverage: if cpu > 0.0 {
-                total as f64 * interval.as_nanos() as f64 / cpu
-            } else {
-                1.0
-            },
-            ..Default::default()
-        };
-        if total > 0 {
-            for c in Class::ALL {
-                let n = sb.samples.of(c) - sa.samples.of(c);
-                if n > 0 {
-                    d.classes.insert(c, d.cpu_ns * n as f64 / total as f64);
-                }
-            }
-        }
-        rc.total_ns += d.cpu_ns;
-        rc.domains.insert(role(name), (*drv, d));
-    }
-    rc
-}
-
-pub(crate) struct Durations {
-    pub(crate) warmup: Duration,
-    pub(crate) window: Duration,
-    pub(crate) runs: usize,
-}
-
-pub(crate) fn durations(mode: Mode) -> Durations {
-    match mode {
-        Mode::Full => Durations {
-            warmup: Duration::from_millis(500),
-            window: Duration::from_secs(3),
-            runs: 5,
-        },
-        Mode::Quick => Durations {
-            warmup: Duration::from_millis(300),
-            window: Duration::from_secs(1),
-            runs: 2,
-        },
-        Mode::Smoke => Durations {
-            warmup: Duration::from_millis(50),
-            window: Duration::from_millis(150),
-            runs: 1,
-        },
-    }
-}
-
-pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), LabError> {
-    let m = Running::start(opts)?;
-    std::thread::sleep(d.warmup);
-    let a = m.snapshot();
-    std::thread::sleep(d.window);
-    let b = m.snapshot();
-    let f = m.finish(Duration::from_secs(2))?;
-    let interval = opts.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
-    Ok((cost(&a, &b, interval), f))
-}
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let d = durations(mode);
@@ -567,26 +396,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     Ok(r)
 }
 
-/// Notes every run that lost or corrupted messages, with its counters; returns the
-/// messages lost or corrupted over all of them.
-pub(crate) fn account_losses<'a>(
-    r: &mut Report,
-    runs: impl Iterator<Item = (String, &'a Finish)>,
-) -> u64 {
-    let mut total = 0;
-    for (label, f) in runs {
-        let lost = f.messages_sent.saturating_sub(f.messages_received);
-        total += lost + f.corrupt;
-        if lost > 0 || f.corrupt > 0 {
-            r.notes.push(format!(
-                "{label}: {lost} of {} messages lost, {} corrupt; counters {:?}",
-                f.messages_sent, f.corrupt, f.counters.entries
-            ));
-        }
-    }
-    total
-}
-
 /// A kernel's class: not the hypervisor's, not the copy to the user and not the
 /// application.
 fn is_kernel(c: Class) -> bool {
@@ -659,19 +468,6 @@ fn fig5(r: &mut Report, big: &BTreeMap<Config, Vec<RunCost>>, nofrag: &[RunCost]
 }
 
 /// The median of `f` over a configuration's runs.
-/// P(X ≥ k) for X ~ Binomial(n, ½): the chance of `k` or more wins in `n` fair tosses.
-pub(crate) fn sign_test_p(k: usize, n: usize) -> f64 {
-    let mut c = 1.0f64; // C(n, 0)
-    let mut tail = 0.0;
-    for i in 0..=n {
-        if i >= k {
-            tail += c;
-        }
-        c = c * (n - i) as f64 / (i + 1) as f64;
-    }
-    tail / 2f64.powi(n as i32)
-}
-
 fn median_of(runs: &[RunCost], f: impl Fn(&RunCost) -> f64) -> f64 {
     crate::Stats::of(&runs.iter().map(f).collect::<Vec<_>>()).median
 }
@@ -781,20 +577,6 @@ fn paper_ns(config: Config, g: GlobalClass) -> Option<f64> {
         .find(|(c, _)| *c == config)
         .and_then(|(_, v)| v.iter().find(|(k, _)| *k == g))
         .map(|(_, cycles)| cycles / 3.0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_sign_test_is_the_binomial_tail() {
-        assert_eq!(sign_test_p(0, 10), 1.0);
-        assert!((sign_test_p(10, 10) - 1.0 / 1024.0).abs() < 1e-12);
-        // P(X ≥ 12 | n = 15) = (455 + 105 + 15 + 1) / 32768.
-        assert!((sign_test_p(12, 15) - 576.0 / 32768.0).abs() < 1e-12);
-        assert_eq!(sign_test_p(1, 0), 0.0);
-    }
 }
 
 #[cfg(test)]

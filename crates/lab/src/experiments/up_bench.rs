@@ -24,6 +24,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use crate::harness::other;
 use crate::tools;
 use crate::up::{up, LroMode, UpConfig, UpGuest};
 use crate::{Experiment, LabError, Mode, Report};
@@ -138,10 +139,6 @@ impl Rx {
             Rx::Veth(_) => Rx::Veth(Gro::Off),
         }
     }
-}
-
-fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
 }
 
 fn run_cmd(args: &[&str]) -> Result<Output, LabError> {

@@ -18,7 +18,7 @@ use hv::mmu::{FlushPolicy, MmuConfig};
 use kernel::mm::{Mm, PoolMode, Sizing, SMALL_PROCESS};
 
 use super::err;
-use crate::experiments::santos08::{self, Durations};
+use crate::harness::{self, Durations};
 use crate::platform::{Config, Options, Running};
 use crate::{LabError, Report};
 
@@ -171,7 +171,7 @@ pub(super) fn run(
         None => Duration::ZERO,
     };
     let f = m.finish(Duration::from_secs(2))?;
-    let cost = santos08::cost(&a, &b, hv::profile::DEFAULT_SAMPLE_INTERVAL);
+    let cost = harness::cost(&a, &b, hv::profile::DEFAULT_SAMPLE_INTERVAL);
     let secs = (b.at - a.at).as_secs_f64();
     let (hits, misses) = (h1 - h0, m1 - m0);
     Ok(Outcome {

@@ -1,0 +1,330 @@
+//! The measurement the experiments share: a run's plan from its mode, one run of a
+//! machine (warm-up, a measured window, the accounting of every frame at the end), each
+//! domain's CPU per packet apportioned to classes by the profiler, the losses noted in a
+//! report, the sign test for paired rounds, and the one way an error becomes a
+//! [`LabError`].
+//!
+//! Paper 000's method is the model: a fixed offered load and, per domain, CPU time per
+//! packet from the vCPU threads' clocks over a window, apportioned to function classes by
+//! the sampling profiler (`hv::profile`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use hv::profile::{Class, GlobalClass};
+
+use crate::platform::{DomainSnapshot, Finish, Options, Running, Snapshot};
+use crate::{LabError, Mode, Report};
+
+/// Any failure that is not the hypervisor's, by its message.
+pub(crate) fn other(e: impl std::fmt::Display) -> LabError {
+    LabError::Other(e.to_string())
+}
+
+/// The global classes of paper 000's Figure 2, in its order.
+pub(crate) const GLOBALS: [GlobalClass; 7] = [
+    GlobalClass::UserCopy,
+    GlobalClass::Kernel,
+    GlobalClass::Xen,
+    GlobalClass::GrantCopy,
+    GlobalClass::Kernel0,
+    GlobalClass::Xen0,
+    GlobalClass::User,
+];
+
+/// One domain's share of one run, per packet.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DomainCost {
+    pub(crate) cpu_ns: f64,
+    pub(crate) classes: BTreeMap<Class, f64>,
+    /// Sampled CPU (samples × interval) over measured CPU.
+    pub(crate) coverage: f64,
+}
+
+/// One run's cost per packet, by domain role.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RunCost {
+    /// Per domain role: "native", "guest", "driver".
+    pub(crate) domains: BTreeMap<&'static str, (bool, DomainCost)>,
+    pub(crate) total_ns: f64,
+    /// Every sample the machine's pCPUs took (its domains' and their own) × interval,
+    /// over their threads' CPU time: whether the profiler sees all the CPU the machine
+    /// used. (A domain's own share is exact only when it has its pCPU to itself: a
+    /// sample near a switch between units may be charged to the unit on either side.)
+    pub(crate) machine_coverage: f64,
+    /// Time the host took the machine's pCPUs away, over the window (all pCPUs).
+    pub(crate) stolen: Duration,
+    /// Of it, the time other host threads had their cores (the pCPUs' threads waited
+    /// on the host's run queue); the rest was the VM's own absence.
+    pub(crate) host_queued: Duration,
+}
+
+impl RunCost {
+    /// CPU time per packet of the domain in `role` ("native", "guest", "driver").
+    pub(crate) fn cpu_ns(&self, role: &str) -> Option<f64> {
+        self.domains.get(role).map(|(_, d)| d.cpu_ns)
+    }
+
+    pub(crate) fn global(&self, g: GlobalClass) -> f64 {
+        self.domains
+            .values()
+            .flat_map(|(drv, d)| {
+                d.classes
+                    .iter()
+                    .filter(move |(c, _)| c.global(*drv) == g)
+                    .map(|(_, v)| *v)
+            })
+            .sum()
+    }
+}
+
+/// A domain's role from its name.
+fn role(name: &str) -> &'static str {
+    match name {
+        "native" => "native",
+        "driver" => "driver",
+        _ => "guest",
+    }
+}
+
+/// A run's cost per packet between two snapshots: each domain's CPU and classes, and
+/// how much of the machine's CPU the profiler saw and the host took away.
+pub(crate) fn cost(a: &Snapshot, b: &Snapshot, interval: Duration) -> RunCost {
+    let packets = (b.frames_sent - a.frames_sent).max(1) as f64;
+    let mut rc = cost_per(&a.domains, &b.domains, packets, interval);
+    let domain_samples: u64 = a
+        .domains
+        .iter()
+        .zip(&b.domains)
+        .map(|((_, _, sa), (_, _, sb))| {
+            Class::ALL
+                .iter()
+                .map(|&c| sb.samples.of(c) - sa.samples.of(c))
+                .sum::<u64>()
+        })
+        .sum();
+    let (mut own, mut cpu, mut stolen, mut queued) =
+        (0u64, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    for (pa, pb) in a.pcpus.iter().zip(&b.pcpus) {
+        own += pb.samples.saturating_sub(pa.samples);
+        cpu += pb.cpu.saturating_sub(pa.cpu);
+        stolen += pb.stolen.saturating_sub(pa.stolen);
+        queued += pb.host_queued.saturating_sub(pa.host_queued);
+    }
+    rc.machine_coverage = if cpu > Duration::ZERO {
+        (domain_samples + own) as f64 * interval.as_nanos() as f64 / cpu.as_nanos() as f64
+    } else {
+        1.0
+    };
+    rc.stolen = stolen;
+    rc.host_queued = queued;
+    rc
+}
+
+/// Each domain's CPU between two snapshots of its use, per one of `units` (packets,
+/// bytes), apportioned to classes by its profiler samples.
+pub(crate) fn cost_per(
+    a: &[(String, bool, DomainSnapshot)],
+    b: &[(String, bool, DomainSnapshot)],
+    units: f64,
+    interval: Duration,
+) -> RunCost {
+    let packets = units.max(1.0);
+    let mut rc = RunCost::default();
+    for ((name, drv, sa), (_, _, sb)) in a.iter().zip(b) {
+        let cpu = (sb.cpu.saturating_sub(sa.cpu)).as_nanos() as f64;
+        let total: u64 = Class::ALL
+            .iter()
+            .map(|&c| sb.samples.of(c) - sa.samples.of(c))
+            .sum();
+        let mut d = DomainCost {
+            cpu_ns: cpu / packets,
+            coverage: if cpu > 0.0 {
+                total as f64 * interval.as_nanos() as f64 / cpu
+            } else {
+                1.0
+            },
+            ..Default::default()
+        };
+        if total > 0 {
+            for c in Class::ALL {
+                let n = sb.samples.of(c) - sa.samples.of(c);
+                if n > 0 {
+                    d.classes.insert(c, d.cpu_ns * n as f64 / total as f64);
+                }
+            }
+        }
+        rc.total_ns += d.cpu_ns;
+        rc.domains.insert(role(name), (*drv, d));
+    }
+    rc
+}
+
+/// How long a run warms up and measures, and how many runs a configuration gets.
+pub(crate) struct Durations {
+    pub(crate) warmup: Duration,
+    pub(crate) window: Duration,
+    pub(crate) runs: usize,
+}
+
+/// The run's plan from its mode.
+pub(crate) fn durations(mode: Mode) -> Durations {
+    match mode {
+        Mode::Full => Durations {
+            warmup: Duration::from_millis(500),
+            window: Duration::from_secs(3),
+            runs: 5,
+        },
+        Mode::Quick => Durations {
+            warmup: Duration::from_millis(300),
+            window: Duration::from_secs(1),
+            runs: 2,
+        },
+        Mode::Smoke => Durations {
+            warmup: Duration::from_millis(50),
+            window: Duration::from_millis(150),
+            runs: 1,
+        },
+    }
+}
+
+/// Starts a machine, lets it warm up, measures each domain's CPU over one window,
+/// and stops it, accounting for every frame.
+pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), LabError> {
+    let m = Running::start(opts)?;
+    std::thread::sleep(d.warmup);
+    let a = m.snapshot();
+    std::thread::sleep(d.window);
+    let b = m.snapshot();
+    let f = m.finish(Duration::from_secs(2))?;
+    let interval = opts.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
+    Ok((cost(&a, &b, interval), f))
+}
+
+/// Notes every run that lost or corrupted messages, with its counters; returns the
+/// messages lost or corrupted over all of them.
+pub(crate) fn account_losses<'a>(
+    r: &mut Report,
+    runs: impl Iterator<Item = (String, &'a Finish)>,
+) -> u64 {
+    let mut total = 0;
+    for (label, f) in runs {
+        let lost = f.messages_sent.saturating_sub(f.messages_received);
+        total += lost + f.corrupt;
+        if lost > 0 || f.corrupt > 0 {
+            r.notes.push(format!(
+                "{label}: {lost} of {} messages lost, {} corrupt; counters {:?}",
+                f.messages_sent, f.corrupt, f.counters.entries
+            ));
+        }
+    }
+    total
+}
+
+/// P(X ≥ k) for X ~ Binomial(n, ½): the chance of `k` or more wins in `n` fair tosses.
+pub(crate) fn sign_test_p(k: usize, n: usize) -> f64 {
+    let mut c = 1.0f64; // C(n, 0)
+    let mut tail = 0.0;
+    for i in 0..=n {
+        if i >= k {
+            tail += c;
+        }
+        c = c * (n - i) as f64 / (i + 1) as f64;
+    }
+    tail / 2f64.powi(n as i32)
+}
+
+/// How many runs [`alternate`] makes over `groups` in `runs` rounds (the progress line's
+/// plan).
+pub(crate) fn steps<G, C>(runs: usize, groups: &[(G, Vec<C>)]) -> u64 {
+    (runs * groups.iter().map(|(_, cs)| cs.len()).sum::<usize>()) as u64
+}
+
+/// Rounds that alternate configurations, the papers' way of taking ratios on a noisy
+/// machine: in each of `runs` rounds, every group (a message size, a phase) runs each
+/// of its configurations once, back to back, in the order given, and the order is
+/// reversed every other round, so that no configuration always follows the same one.
+/// The progress line names the round and `label(group, configuration)`.
+///
+/// Returns what `one` gave, by group, then configuration, one per round in order: the
+/// per-round pairs that ratios and sign tests are taken over.
+pub(crate) fn alternate<G, C, T>(
+    runs: usize,
+    groups: &[(G, Vec<C>)],
+    label: impl Fn(&G, &C) -> String,
+    mut one: impl FnMut(&G, &C) -> Result<T, LabError>,
+) -> Result<Vec<Vec<Vec<T>>>, LabError> {
+    let mut out: Vec<Vec<Vec<T>>> = groups
+        .iter()
+        .map(|(_, cs)| cs.iter().map(|_| Vec::with_capacity(runs)).collect())
+        .collect();
+    for round in 0..runs {
+        for ((g, cs), got) in groups.iter().zip(out.iter_mut()) {
+            let mut order: Vec<usize> = (0..cs.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for c in order {
+                crate::progress::step(format_args!(
+                    "{} · {}",
+                    crate::progress::round(round, runs),
+                    label(g, &cs[c])
+                ));
+                got[c].push(one(g, &cs[c])?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every configuration runs once a round, in the given order and then reversed, and
+    /// its results come back under it in round order; an error stops the rounds.
+    #[test]
+    fn rounds_alternate_the_order_and_keep_each_configurations_results_apart() {
+        let groups = [("small", vec!['a', 'b', 'c']), ("big", vec!['d', 'e'])];
+        let mut seen = Vec::new();
+        let got = alternate(
+            3,
+            &groups,
+            |g, c| format!("{g} {c}"),
+            |g, c| {
+                seen.push(*c);
+                Ok(format!("{g}{c}{}", seen.len()))
+            },
+        )
+        .expect("runs");
+        assert_eq!(steps(3, &groups), 15);
+        assert_eq!(seen.iter().collect::<String>(), "abcdecbaedabcde");
+        assert_eq!(got[0][1], ["smallb2", "smallb7", "smallb12"]);
+        assert_eq!(got[1][0], ["bigd4", "bigd10", "bigd14"]);
+        let mut n = 0;
+        let stopped = alternate(
+            2,
+            &groups,
+            |_, _| String::new(),
+            |_, c| {
+                n += 1;
+                if *c == 'b' {
+                    Err(other("no machine"))
+                } else {
+                    Ok(())
+                }
+            },
+        );
+        assert!(stopped.is_err());
+        assert_eq!(n, 2, "nothing runs after the failure");
+    }
+
+    #[test]
+    fn the_sign_test_is_the_binomial_tail() {
+        assert_eq!(sign_test_p(0, 10), 1.0);
+        assert!((sign_test_p(10, 10) - 1.0 / 1024.0).abs() < 1e-12);
+        // P(X ≥ 12 | n = 15) = (455 + 105 + 15 + 1) / 32768.
+        assert!((sign_test_p(12, 15) - 576.0 / 32768.0).abs() < 1e-12);
+        assert_eq!(sign_test_p(1, 0), 0.0);
+    }
+}
