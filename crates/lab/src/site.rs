@@ -514,11 +514,43 @@ fn whole(moved: Moved, id: &str) -> Change {
     }
 }
 
+/// A check's claim without what it measured: the parenthesised parts that hold numbers
+/// ("cheaper in 4 of 5 rounds, p = 0.031") dropped, so that the same claim matches
+/// across runs whose measurements differ.
+fn claim(what: &str) -> String {
+    let mut out = String::with_capacity(what.len());
+    let mut rest = what;
+    while let Some(open) = rest.find(" (") {
+        let Some(len) = rest[open..].find(')') else {
+            break;
+        };
+        let group = &rest[open..open + len + 1];
+        out.push_str(&rest[..open]);
+        if !group.chars().any(|c| c.is_ascii_digit()) {
+            out.push_str(group);
+        }
+        rest = &rest[open + len + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The old run's check that `c` is: the same text, or else the one check of the same
+/// claim.
+fn counterpart<'a>(c: &Check, old: &'a [Check]) -> Option<&'a Check> {
+    old.iter().find(|o| o.what == c.what).or_else(|| {
+        let key = claim(&c.what);
+        let mut same = old.iter().filter(|o| claim(&o.what) == key);
+        match (same.next(), same.next()) {
+            (Some(one), None) => Some(one),
+            _ => None,
+        }
+    })
+}
+
 fn compare_one(o: &Report, n: &Report, threshold: f64, out: &mut Vec<Change>) {
-    let old_checks: BTreeMap<&str, &Check> =
-        o.checks.iter().map(|c| (c.what.as_str(), c)).collect();
     for c in &n.checks {
-        let prev = old_checks.get(c.what.as_str());
+        let prev = counterpart(c, &o.checks);
         let moved = match prev {
             None => Some(Moved::Added),
             Some(p) if p.met != c.met => Some(Moved::Verdict),
@@ -537,11 +569,15 @@ fn compare_one(o: &Report, n: &Report, threshold: f64, out: &mut Vec<Change>) {
             });
         }
     }
-    let new_whats: Vec<&str> = n.checks.iter().map(|c| c.what.as_str()).collect();
+    let matched: Vec<&Check> = n
+        .checks
+        .iter()
+        .filter_map(|c| counterpart(c, &o.checks))
+        .collect();
     for c in o
         .checks
         .iter()
-        .filter(|c| !new_whats.contains(&c.what.as_str()))
+        .filter(|c| !matched.iter().any(|m| std::ptr::eq(*m, *c)))
     {
         out.push(Change {
             moved: Moved::Removed,
@@ -769,6 +805,10 @@ mod tests {
         let (a, b) = (scratch("old"), scratch("new"));
         let mut gone = report("iosup", "004 Fig. 5", 1.0, true, 1.0);
         gone.check("only before", 1.0, "", "= 1", true);
+        // The same claim, its measured part different: matched, not new and gone.
+        gone.check("steady (in 4 of 5 rounds)", 1.0, "", "= 1", true);
+        let mut same = report("iosup", "004 Fig. 5", 1.0, true, 1.0);
+        same.check("steady (in 5 of 5 rounds)", 1.0, "", "= 1", true);
         let old = folder(
             &a,
             &[
@@ -787,7 +827,7 @@ mod tests {
                 // Verdict flipped.
                 report("core", "issue 2", 1.5, false, 1.0),
                 // Its extra check gone; nothing else moved.
-                report("iosup", "004 Fig. 5", 1.0, true, 1.0),
+                same,
                 // Value up 50% and ratio down 40%, verdict the same.
                 report("santos08-fig8", "000", 3.0, true, 0.6),
                 // Moved 5%: under a 10% threshold.
@@ -795,6 +835,10 @@ mod tests {
                 added,
             ],
             "new",
+        );
+        assert_eq!(
+            claim("1500 B: pv cheaper (in 4 of 5 rounds, p = 0.031) on (poll), median"),
+            "1500 B: pv cheaper on (poll), median"
         );
         let got = compare(&old, &new, 0.1);
         let seen: Vec<(Moved, &str, &str)> = got

@@ -13,7 +13,7 @@ use std::time::Duration;
 use dev::nic::{Coalesce, DelayFrom};
 
 use crate::chart::{Lines, Series};
-use crate::harness::{account_losses, durations, one_run, Durations, RunCost};
+use crate::harness::{account_losses, alternate, durations, one_run, Durations, RunCost};
 use crate::platform::{Finish, Options, Running};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -105,23 +105,23 @@ fn latency(
 ) -> Result<(), LabError> {
     // lat[config][setting] = per-round (median, p99) in µs.
     let mut lat: Latencies<'_> = BTreeMap::new();
-    for round in 0..d.runs {
-        for config in CONFIGS {
-            let mut order = LATENCY_SETTINGS.to_vec();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            for s in order {
-                crate::progress::step(format_args!(
-                    "latency · {} · {config} · {}",
-                    crate::progress::round(round, d.runs),
-                    setting(s)
-                ));
-                let (samples, f) = latency_run(config, s, d)?;
+    let groups: Vec<(&str, Vec<Option<u32>>)> = CONFIGS
+        .iter()
+        .map(|&c| (c, LATENCY_SETTINGS.to_vec()))
+        .collect();
+    let got = alternate(
+        d.runs,
+        &groups,
+        |config, &s| format!("latency · {config} · {}", setting(s)),
+        |config, &s| latency_run(config, s, d),
+    )?;
+    for ((config, settings), runs) in groups.iter().zip(got) {
+        for (&s, per_round) in settings.iter().zip(runs) {
+            for (samples, f) in per_round {
                 let us: Vec<f64> = samples.iter().map(|&ns| ns as f64 / 1e3).collect();
                 let st = Stats::of(&us);
                 if st.n > 0 {
-                    lat.entry(config)
+                    lat.entry(*config)
                         .or_default()
                         .entry(setting(s))
                         .or_default()
@@ -224,17 +224,10 @@ fn latency(
     Ok(())
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let mut d = durations(mode);
-    if mode == Mode::Quick {
-        // Seven configurations at nine settings a round: a quick look takes half-second
-        // windows, so that `reproduce --quick` stays inside its ten minutes.
-        d.warmup = Duration::from_millis(200);
-        d.window = Duration::from_millis(500);
-    }
-    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+/// What runs where, for the record.
+fn setup(d: &Durations) -> String {
     let rate = Options::named("pv", SIZE).map_or(0.0, |o| o.rate);
-    r.setup = format!(
+    let mut setup = format!(
         "UDP messages of {SIZE} bytes at a fixed {rate:.0} frames/s (Figure 2's load). Coalescing \
          at 6, 8, 16, 32 and 64 packets per interrupt with an 18 µs maximum delay counted from the \
          last received packet (the paper's NIC), and adaptive: the NIC driver sets the packets \
@@ -249,13 +242,27 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         d.window.as_millis(),
         d.warmup.as_millis()
     );
-    r.setup.push_str(&format!(
+    setup.push_str(&format!(
         " Latency: {LATENCY_SIZE}-byte messages (one frame) at {LATENCY_RATE:.0} a second, \
          every configuration at 6 and 64 packets per interrupt and adaptive, profiler off; one \
          way from the instant the sender hands the NIC a message's last frame to the instant \
          the application has read and checked it (median and p99 of each run's messages; \
          the rows give the spread over rounds)."
     ));
+    setup
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let mut d = durations(mode);
+    if mode == Mode::Quick {
+        // Seven configurations at nine settings a round: a quick look takes half-second
+        // windows, so that `reproduce --quick` stays inside its ten minutes.
+        d.warmup = Duration::from_millis(200);
+        d.window = Duration::from_millis(500);
+    }
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    r.setup = setup(&d);
+    let rate = Options::named("pv", SIZE).map_or(0.0, |o| o.rate);
     r.config = serde_json::json!({
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "size": SIZE, "rate_fps": rate, "settings": SETTINGS, "max_delay_us": 18,
@@ -270,26 +277,40 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         &SETTINGS
     };
     let all: Vec<Option<u32>> = swept.iter().map(|&n| Some(n)).chain([None]).collect();
-    // results[config][setting] = per-round (cost, interrupts per packet).
-    let mut results: Results<'_> = BTreeMap::new();
     let mut finishes: Vec<(String, Finish)> = Vec::new();
+    let results = costs(&d, &all, &mut finishes)?;
+    cost_rows(&mut r, &results, &all, swept);
+    cost_checks(&mut r, &results, swept);
+    latency(&mut r, &d, &mut finishes)?;
+    let lost = account_losses(&mut r, finishes.iter().map(|(l, f)| (l.clone(), f)));
+    r.check_none("messages lost or corrupted (all runs)", lost, "messages");
+    Ok(r)
+}
+
+/// Every configuration at every setting of `all`, in alternating rounds: each run's cost
+/// and interrupts per packet.
+fn costs(
+    d: &Durations,
+    all: &[Option<u32>],
+    finishes: &mut Vec<(String, Finish)>,
+) -> Result<Results<'static>, LabError> {
+    // results[config][setting] = per-round (cost, interrupts per packet).
+    let mut results: Results<'static> = BTreeMap::new();
+    let groups: Vec<(&str, Vec<Option<u32>>)> =
+        CONFIGS.iter().map(|&c| (c, all.to_vec())).collect();
     crate::progress::plan((d.runs * CONFIGS.len() * (all.len() + LATENCY_SETTINGS.len())) as u64);
-    for round in 0..d.runs {
-        for config in CONFIGS {
-            let mut order = all.clone();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            for s in order {
-                crate::progress::step(format_args!(
-                    "{} · {config} · {}",
-                    crate::progress::round(round, d.runs),
-                    setting(s)
-                ));
-                let (c, f) = one_run(options(config, s), &d)?;
+    let got = alternate(
+        d.runs,
+        &groups,
+        |config, &s| format!("{config} · {}", setting(s)),
+        |config, &s| one_run(options(config, s), d),
+    )?;
+    for ((config, settings), runs) in groups.iter().zip(got) {
+        for (&s, per_round) in settings.iter().zip(runs) {
+            for (c, f) in per_round {
                 let ipp = f.counters.get("nic", "irqs") as f64 / f.frames_sent.max(1) as f64;
                 results
-                    .entry(config)
+                    .entry(*config)
                     .or_default()
                     .entry(setting(s))
                     .or_default()
@@ -298,6 +319,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             }
         }
     }
+    Ok(results)
+}
+
+/// Each configuration's cost and interrupts per packet at every setting, and Figure 11's
+/// lines.
+fn cost_rows(r: &mut Report, results: &Results<'_>, all: &[Option<u32>], swept: &[u32]) {
     let total = |config: &str, s: Option<u32>| -> Vec<f64> {
         results[config][&setting(s)]
             .iter()
@@ -308,7 +335,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     for config in CONFIGS {
         let group = format!("fig11 {config}");
         let six = total(config, Some(6));
-        for &s in &all {
+        for &s in all {
             let t = total(config, s);
             let row = r.row(&group, &format!("{} total", setting(s)), "ns/pkt", &t);
             if s != Some(6) {
@@ -347,7 +374,17 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         unit: "ns per packet".into(),
         series,
     });
+}
 
+/// The paper's claims on the costs, and adaptive moderation against the best static
+/// setting.
+fn cost_checks(r: &mut Report, results: &Results<'_>, swept: &[u32]) {
+    let total = |config: &str, s: Option<u32>| -> Vec<f64> {
+        results[config][&setting(s)]
+            .iter()
+            .map(|(c, _)| c.total_ns)
+            .collect()
+    };
     // The paper's point: what is left of the PV cost is proportional to the interrupt
     // rate, so batching saves the PV paths at least twice what it saves native.
     let saving = |config: &str| -> f64 {
@@ -417,10 +454,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             x <= 1.05,
         );
     }
-    latency(&mut r, &d, &mut finishes)?;
-    let lost = account_losses(&mut r, finishes.iter().map(|(l, f)| (l.clone(), f)));
-    r.check_none("messages lost or corrupted (all runs)", lost, "messages");
-    Ok(r)
 }
 
 #[cfg(test)]
