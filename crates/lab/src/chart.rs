@@ -24,6 +24,7 @@ pub struct Bar {
     /// Under the bar.
     pub label: String,
     /// (class, value) pairs; a class keeps its colour across bars.
+    #[serde(deserialize_with = "crate::report::nan::labelled")]
     pub segments: Vec<(String, f64)>,
 }
 
@@ -168,6 +169,7 @@ pub struct Series {
     /// In the legend.
     pub label: String,
     /// (x, y) points, drawn in order.
+    #[serde(deserialize_with = "crate::report::nan::points")]
     pub points: Vec<(f64, f64)>,
 }
 

@@ -22,7 +22,7 @@ pub struct Row {
     pub stats: Stats,
     /// Median of per-iteration ratios to a baseline row measured in the same run:
     /// (baseline name, ratio).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "nan::ratio")]
     pub ratio: Option<(String, f64)>,
     /// What the paper (or the reference) says, as text.
     #[serde(default)]
@@ -35,6 +35,7 @@ pub struct Check {
     /// The claim, e.g. "optimised grant copy 1500 B, batch 32 ≤ 3× memcpy".
     pub what: String,
     /// Measured value (a ratio or a percentage, as `unit` says).
+    #[serde(deserialize_with = "nan::f64")]
     pub value: f64,
     /// Unit of `value` and `target`.
     pub unit: String,
@@ -439,6 +440,44 @@ impl RunEnv {
             quick,
             idle: crate::idle_policy().name(),
         }
+    }
+}
+
+/// Reading records back: serde_json writes a NaN or an infinity as `null` (JSON has
+/// neither), and a record read back takes `null` as NaN rather than refusing the record.
+pub(crate) mod nan {
+    use serde::{Deserialize, Deserializer};
+
+    /// A number, or `null` as NaN.
+    pub(crate) fn f64<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
+
+    /// A ratio to a named baseline, its number `null` as NaN.
+    pub(crate) fn ratio<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<(String, f64)>, D::Error> {
+        Ok(Option::<(String, Option<f64>)>::deserialize(d)?
+            .map(|(base, x)| (base, x.unwrap_or(f64::NAN))))
+    }
+
+    /// Labelled numbers (a bar's segments), each `null` as NaN.
+    pub(crate) fn labelled<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<(String, f64)>, D::Error> {
+        Ok(Vec::<(String, Option<f64>)>::deserialize(d)?
+            .into_iter()
+            .map(|(l, x)| (l, x.unwrap_or(f64::NAN)))
+            .collect())
+    }
+
+    /// Points, each coordinate `null` as NaN.
+    pub(crate) fn points<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(f64, f64)>, D::Error> {
+        let nan = |x: Option<f64>| x.unwrap_or(f64::NAN);
+        Ok(Vec::<(Option<f64>, Option<f64>)>::deserialize(d)?
+            .into_iter()
+            .map(|(x, y)| (nan(x), nan(y)))
+            .collect())
     }
 }
 

@@ -646,6 +646,12 @@ pub fn compare_text(old: &Folder, new: &Folder, changes: &[Change], threshold: f
         changes.len(),
         threshold * 100.0
     );
+    for (f, (name, why)) in [old, new]
+        .iter()
+        .flat_map(|f| f.unreadable.iter().map(move |u| (f, u)))
+    {
+        let _ = writeln!(t, "  not read: {}/{name}: {why}", f.dir.display());
+    }
     for c in changes {
         let _ = writeln!(
             t,
@@ -766,11 +772,22 @@ mod tests {
                     false,
                     0.5,
                 ),
-                report("core", "issue 2", 3.0, true, 1.0),
+                {
+                    let mut core = report("core", "issue 2", 3.0, true, 1.0);
+                    core.check("not measured", f64::NAN, "×", "≤ 1", false);
+                    core
+                },
             ],
             "abc123",
         );
         let ids: Vec<&str> = f.records.iter().map(|r| r.experiment.id.as_str()).collect();
+        // A NaN check value (written as null) reads back as NaN, not as an unreadable file.
+        let nan = f.records[0]
+            .experiment
+            .checks
+            .iter()
+            .find(|c| c.what == "not measured");
+        assert!(nan.is_some_and(|c| c.value.is_nan()));
         assert_eq!(ids, ["core", "santos08-fig8"], "the registry's order");
         assert_eq!(f.unreadable.len(), 1);
         assert_eq!(f.records[1].experiment.checks[0].kind, CheckKind::Target);

@@ -8,12 +8,16 @@ pub struct Stats {
     /// Number of samples.
     pub n: usize,
     /// Median.
+    #[serde(deserialize_with = "crate::report::nan::f64")]
     pub median: f64,
     /// Smallest.
+    #[serde(deserialize_with = "crate::report::nan::f64")]
     pub min: f64,
     /// Largest.
+    #[serde(deserialize_with = "crate::report::nan::f64")]
     pub max: f64,
     /// 99th percentile (nearest rank).
+    #[serde(deserialize_with = "crate::report::nan::f64")]
     pub p99: f64,
 }
 

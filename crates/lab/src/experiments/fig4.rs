@@ -32,7 +32,7 @@ use net::counters::CopyAlign;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::other;
-use crate::harness::{account_losses, durations, one_run, sign_test_p, RunCost};
+use crate::harness::{account_losses, alternate, durations, one_run, sign_test_p, RunCost};
 use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -464,24 +464,32 @@ fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     let d = durations(mode);
     let sizes = [(1472usize, "1500"), (48000, "48000")];
     // runs[size][aligned] = per-round runs.
-    let mut runs: Vec<[Vec<PvRun>; 2]> = sizes.iter().map(|_| [Vec::new(), Vec::new()]).collect();
-    for round in 0..d.runs {
-        for (s, &(size, _)) in sizes.iter().enumerate() {
-            let order = if round % 2 == 0 {
-                [false, true]
-            } else {
-                [true, false]
+    let groups: Vec<(usize, Vec<bool>)> = sizes
+        .iter()
+        .map(|&(size, _)| (size, vec![false, true]))
+        .collect();
+    let got = alternate(
+        d.runs,
+        &groups,
+        |size, &aligned| {
+            let copies = if aligned { "aligned" } else { "original" };
+            format!("pv path · {size} B · {copies} copies")
+        },
+        |&size, &aligned| {
+            let opts = Options {
+                aligned_copies: aligned,
+                ..Options::paper(Config::Pv, size)
             };
-            for aligned in order {
-                let opts = Options {
-                    aligned_copies: aligned,
-                    ..Options::paper(Config::Pv, size)
-                };
-                let (cost, finish) = one_run(opts, &d)?;
-                runs[s][usize::from(aligned)].push(PvRun { cost, finish });
-            }
-        }
-    }
+            one_run(opts, &d).map(|(cost, finish)| PvRun { cost, finish })
+        },
+    )?;
+    let runs: Vec<[Vec<PvRun>; 2]> = got
+        .into_iter()
+        .map(|mut by| {
+            let aligned = by.pop().unwrap_or_default();
+            [by.pop().unwrap_or_default(), aligned]
+        })
+        .collect();
     let mut lost = 0u64;
     let mut all_line = true;
     for (s, &(_, label)) in sizes.iter().enumerate() {
