@@ -252,6 +252,26 @@ pub(crate) fn alternate<G, C, T>(
     runs: usize,
     groups: &[(G, Vec<C>)],
     label: impl Fn(&G, &C) -> String,
+    one: impl FnMut(&G, &C) -> Result<T, LabError>,
+) -> Result<Vec<Vec<Vec<T>>>, LabError> {
+    let reversed = |round: usize, n: usize| -> Vec<usize> {
+        if round % 2 == 1 {
+            (0..n).rev().collect()
+        } else {
+            (0..n).collect()
+        }
+    };
+    alternate_by(runs, groups, reversed, label, one)
+}
+
+/// [`alternate`], the order of a group's `n` configurations in round `round` given by
+/// `order` (a permutation of `0..n`): for an experiment whose method keeps one
+/// configuration in place (paper 000's pv machine last in every round).
+pub(crate) fn alternate_by<G, C, T>(
+    runs: usize,
+    groups: &[(G, Vec<C>)],
+    order: impl Fn(usize, usize) -> Vec<usize>,
+    label: impl Fn(&G, &C) -> String,
     mut one: impl FnMut(&G, &C) -> Result<T, LabError>,
 ) -> Result<Vec<Vec<Vec<T>>>, LabError> {
     let mut out: Vec<Vec<Vec<T>>> = groups
@@ -260,11 +280,7 @@ pub(crate) fn alternate<G, C, T>(
         .collect();
     for round in 0..runs {
         for ((g, cs), got) in groups.iter().zip(out.iter_mut()) {
-            let mut order: Vec<usize> = (0..cs.len()).collect();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            for c in order {
+            for c in order(round, cs.len()) {
                 crate::progress::step(format_args!(
                     "{} · {}",
                     crate::progress::round(round, runs),
@@ -301,6 +317,27 @@ mod tests {
         assert_eq!(seen.iter().collect::<String>(), "abcdecbaedabcde");
         assert_eq!(got[0][1], ["smallb2", "smallb7", "smallb12"]);
         assert_eq!(got[1][0], ["bigd4", "bigd10", "bigd14"]);
+        // An order of the experiment's own: the first two swap, the rest keep their place.
+        let mut seen = String::new();
+        let swap = |round: usize, n: usize| -> Vec<usize> {
+            let mut o: Vec<usize> = (0..n).collect();
+            if round % 2 == 1 {
+                o.swap(0, 1);
+            }
+            o
+        };
+        alternate_by(
+            2,
+            &groups[..1],
+            swap,
+            |_, _| String::new(),
+            |_, c| {
+                seen.push(*c);
+                Ok(())
+            },
+        )
+        .expect("runs");
+        assert_eq!(seen, "abcbac");
         let mut n = 0;
         let stopped = alternate(
             2,

@@ -96,15 +96,14 @@ fn latency_run(
     Ok((samples, f))
 }
 
-/// The latency half of Figure 11: per configuration, median and p99 one-way latency at
-/// 6 and 64 packets per interrupt and adaptive, each round's figures kept apart.
-fn latency(
-    r: &mut Report,
+/// Every configuration at each latency setting, in alternating rounds: each round's
+/// median and p99 one-way latency, µs.
+fn latencies(
     d: &Durations,
     finishes: &mut Vec<(String, Finish)>,
-) -> Result<(), LabError> {
+) -> Result<Latencies<'static>, LabError> {
     // lat[config][setting] = per-round (median, p99) in µs.
-    let mut lat: Latencies<'_> = BTreeMap::new();
+    let mut lat: Latencies<'static> = BTreeMap::new();
     let groups: Vec<(&str, Vec<Option<u32>>)> = CONFIGS
         .iter()
         .map(|&c| (c, LATENCY_SETTINGS.to_vec()))
@@ -131,6 +130,17 @@ fn latency(
             }
         }
     }
+    Ok(lat)
+}
+
+/// The latency half of Figure 11: per configuration, median and p99 one-way latency at
+/// 6 and 64 packets per interrupt and adaptive, each round's figures kept apart.
+fn latency(
+    r: &mut Report,
+    d: &Durations,
+    finishes: &mut Vec<(String, Finish)>,
+) -> Result<(), LabError> {
+    let lat = latencies(d, finishes)?;
     let get = |config: &str, s: Option<u32>, p99: bool| -> Vec<f64> {
         lat.get(config)
             .and_then(|m| m.get(&setting(s)))

@@ -14,7 +14,10 @@ use std::collections::BTreeMap;
 use hv::profile::{Class, GlobalClass};
 
 use crate::chart::{Bar, StackedBars};
-use crate::harness::{account_losses, durations, one_run, sign_test_p, RunCost, GLOBALS};
+use crate::harness::{
+    account_losses, alternate_by, durations, one_run, sign_test_p, steps, Durations, RunCost,
+    GLOBALS,
+};
 use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report};
 use net::netfront::RxBuffers;
@@ -61,11 +64,10 @@ const PAPER_48000: [(Config, &[(GlobalClass, f64)]); 3] = [
     ),
 ];
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let d = durations(mode);
-    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+/// What runs where, for the record.
+fn setup(d: &Durations) -> String {
     let base = Options::paper(Config::Pv, 0);
-    r.setup = format!(
+    format!(
         "UDP messages of 52, 1472 (\"1500\": one full-size frame) and 48000 bytes (33 fragments) at a fixed \
          {:.0} frames/s (a saturated gigabit link of full-size frames, the same rate for every size, as the \
          paper did). native: driver, stack and application in one domain, direct interrupt, pci-nommu DMA. \
@@ -82,7 +84,56 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         d.window.as_millis(),
         d.warmup.as_millis(),
         hv::profile::DEFAULT_SAMPLE_INTERVAL.as_millis()
-    );
+    )
+}
+
+/// One of the machines a round runs at each size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Machine {
+    /// Figure 2's configurations.
+    Paper(Config),
+    /// pv with netfront's linear buffers (Figure 5's third bar), at 48000 bytes only.
+    NoFrag,
+}
+
+impl Machine {
+    fn name(self) -> &'static str {
+        match self {
+            Machine::Paper(c) => c.name(),
+            Machine::NoFrag => NOFRAG,
+        }
+    }
+
+    fn options(self, size: usize) -> Options {
+        match self {
+            Machine::Paper(c) => Options::paper(c, size),
+            Machine::NoFrag => Options {
+                rx_buffers: RxBuffers::Linear,
+                ..Options::paper(Config::Pv, size)
+            },
+        }
+    }
+}
+
+/// Per size, per configuration: each round's cost.
+type Results = BTreeMap<usize, BTreeMap<Config, Vec<RunCost>>>;
+
+/// Native and direct swap places every other round, so that neither always runs right
+/// after the pv machine or first after a change of size; pv (and the pv machine without
+/// fragments) keep their places.
+fn order(round: usize, n: usize) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..n).collect();
+    if round % 2 == 1 && n >= 2 {
+        o.swap(0, 1);
+    }
+    o
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let d = durations(mode);
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    let base = Options::paper(Config::Pv, 0);
+    r.setup = setup(&d);
     r.config = serde_json::json!({
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
@@ -91,52 +142,57 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "online_cores": mem::cpu::online_cores(),
     });
 
-    // results[size][config] = per-run costs.
-    let mut results: BTreeMap<usize, BTreeMap<Config, Vec<RunCost>>> = BTreeMap::new();
-    // pv with netfront's linear buffers (Figure 5's third bar), 48000 bytes.
+    let groups: Vec<(usize, Vec<Machine>)> = SIZES
+        .iter()
+        .map(|&(size, _)| {
+            let mut ms: Vec<Machine> = [Config::Native, Config::Direct, Config::Pv]
+                .map(Machine::Paper)
+                .to_vec();
+            if size == NOFRAG_SIZE {
+                ms.push(Machine::NoFrag);
+            }
+            (size, ms)
+        })
+        .collect();
+    crate::progress::plan(steps(d.runs, &groups));
+    let got = alternate_by(
+        d.runs,
+        &groups,
+        order,
+        |size, m| format!("{size} B · {}", m.name()),
+        |&size, m| one_run(m.options(size), &d),
+    )?;
+    let mut results: Results = BTreeMap::new();
     let mut nofrag: Vec<RunCost> = Vec::new();
     let mut losses: Vec<(usize, &'static str, Finish)> = Vec::new();
-    crate::progress::plan((d.runs * (SIZES.len() * Config::ALL.len() + 1)) as u64);
-    for round in 0..d.runs {
-        for (size, _) in SIZES {
-            // Native and direct swap places every other round, so that neither always
-            // runs right after the pv machine or first after a change of size.
-            let order = if round % 2 == 0 {
-                [Config::Native, Config::Direct, Config::Pv]
-            } else {
-                [Config::Direct, Config::Native, Config::Pv]
-            };
-            for config in order {
-                crate::progress::step(format_args!(
-                    "{} · {size} B · {}",
-                    crate::progress::round(round, d.runs),
-                    config.name()
-                ));
-                let (c, f) = one_run(Options::paper(config, size), &d)?;
-                results
-                    .entry(size)
-                    .or_default()
-                    .entry(config)
-                    .or_default()
-                    .push(c);
-                losses.push((size, config.name(), f));
-            }
-            if size == NOFRAG_SIZE {
-                let o = Options {
-                    rx_buffers: RxBuffers::Linear,
-                    ..Options::paper(Config::Pv, size)
-                };
-                crate::progress::step(format_args!(
-                    "{} · {size} B · {NOFRAG}",
-                    crate::progress::round(round, d.runs)
-                ));
-                let (c, f) = one_run(o, &d)?;
-                nofrag.push(c);
-                losses.push((size, NOFRAG, f));
+    for ((size, ms), by) in groups.iter().zip(got) {
+        for (m, per_round) in ms.iter().zip(by) {
+            for (c, f) in per_round {
+                match m {
+                    Machine::Paper(config) => results
+                        .entry(*size)
+                        .or_default()
+                        .entry(*config)
+                        .or_default()
+                        .push(c),
+                    Machine::NoFrag => nofrag.push(c),
+                }
+                losses.push((*size, m.name(), f));
             }
         }
     }
+    fig2(&mut r, &results);
+    coverage(&mut r, &results, mode);
+    class_rows(&mut r, &results, &nofrag);
+    fig5(&mut r, &results[&48000], &nofrag);
+    charts(&mut r, &results, &nofrag);
+    loss_checks(&mut r, &losses);
+    Ok(r)
+}
 
+/// Figure 2: global classes and totals at every size, and the ordering pv > direct >
+/// native judged within each run.
+fn fig2(r: &mut Report, results: &Results) {
     // Figure 2: global classes and totals.
     // Rounds over all sizes in which direct I/O cost more than native.
     let (mut dearer_all, mut rounds_all) = (0usize, 0usize);
@@ -207,7 +263,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          (one-sided sign test p = {:.3})",
         sign_test_p(dearer_all, rounds_all)
     ));
+}
 
+/// How much of each domain's and of the whole machine's CPU the profiler's samples
+/// account for, and what the host took.
+fn coverage(r: &mut Report, results: &Results, mode: Mode) {
     // How much of each domain's measured CPU the samples account for: per run, and the
     // median over runs (what the figures' bars, medians themselves, rest on).
     let (mut worst_run, mut worst_median): (f64, f64) = (0.0, 0.0);
@@ -283,7 +343,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             m_worst_median <= 5.0,
         );
     }
+}
 
+/// Figures 3, 5, 6 and 7 at 48000 bytes: per class, per domain.
+fn class_rows(r: &mut Report, results: &Results, nofrag: &[RunCost]) {
     // Figures 3, 5, 6, 7 at 48000 bytes: per class, per domain.
     let big = &results[&48000];
     let runs_of = |config: Config| big[&config].as_slice();
@@ -320,7 +383,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             ),
             (
                 "fig3/5 guest kernel",
-                &nofrag[..],
+                nofrag,
                 "guest",
                 "pv guest, no fragments",
             ),
@@ -354,13 +417,13 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             }
         }
     }
+}
 
-    fig5(&mut r, big, &nofrag);
-    charts(&mut r, &results, &nofrag);
-
+/// Every message accounted for, and the frames the host's stalls kept from being sent.
+fn loss_checks(r: &mut Report, losses: &[(usize, &'static str, Finish)]) {
     // Loss accounting.
     let lost_total = account_losses(
-        &mut r,
+        r,
         losses
             .iter()
             .map(|(size, config, f)| (format!("{size} B {config}"), f)),
@@ -393,7 +456,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "{sent} frames sent over {} runs; every message accounted for at the application",
         losses.len()
     ));
-    Ok(r)
 }
 
 /// A kernel's class: not the hypervisor's, not the copy to the user and not the
