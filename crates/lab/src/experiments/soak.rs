@@ -74,22 +74,28 @@ fn rss_kib() -> u64 {
         .map_or(0, |pages| pages * 4)
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let (secs, every) = match mode {
-        Mode::Full => (60, 10),
-        Mode::Quick => (12, 4),
-        Mode::Smoke => (3, 1),
+/// The soak's plan from the run's mode.
+fn plan(mode: Mode) -> SoakPlan {
+    let (secs, every_ms, period_ms) = match mode {
+        Mode::Full => (60, 10_000, 1000),
+        Mode::Quick => (12, 4000, 1000),
+        Mode::Smoke => (3, 1500, 500),
     };
-    crate::progress::plan(secs);
-    soak(
-        SoakPlan {
-            duration: Duration::from_secs(secs),
-            hostile: 2,
-            restart_every: Some(Duration::from_secs(every)),
-            period: Duration::from_secs(1),
-        },
-        &mut |p| crate::progress::step(format_args!("{:.0} s of {secs}", p.at_s)),
-    )
+    SoakPlan {
+        duration: Duration::from_secs(secs),
+        hostile: 2,
+        restart_every: Some(Duration::from_millis(every_ms)),
+        period: Duration::from_millis(period_ms),
+    }
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let plan = plan(mode);
+    let secs = plan.duration.as_secs_f64();
+    crate::progress::plan((secs / plan.period.as_secs_f64()).ceil() as u64);
+    soak(plan, &mut |p| {
+        crate::progress::step(format_args!("{:.0} s of {secs:.0}", p.at_s))
+    })
 }
 
 /// Runs the soak, calling `each` at the end of every period.
@@ -306,16 +312,8 @@ mod tests {
 
     #[test]
     fn a_short_soak_keeps_the_good_guest_whole_and_memory_flat() {
-        let rep = soak(
-            SoakPlan {
-                duration: Duration::from_secs(3),
-                hostile: 2,
-                restart_every: Some(Duration::from_millis(1500)),
-                period: Duration::from_millis(500),
-            },
-            &mut |_| {},
-        )
-        .expect("runs");
+        let rep = run(Mode::Smoke).expect("runs");
+        assert!(!rep.checks.is_empty());
         for c in &rep.checks {
             assert!(c.met, "{c:?}\n{}", rep.table());
         }
