@@ -32,7 +32,9 @@ use net::counters::CopyAlign;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::other;
-use crate::harness::{account_losses, alternate, durations, one_run, sign_test_p, RunCost};
+use crate::harness::{
+    account_losses, alternate, durations, one_run, sign_test_p, Durations, RunCost,
+};
 use crate::platform::{Config, Finish, Options};
 use crate::{Experiment, LabError, Mode, Report, Stats};
 
@@ -257,12 +259,9 @@ fn dst_for(r: usize) -> usize {
     (SRC + r) % 64
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    let iters = mode.iterations();
-    let ops = mode.scale(8192).max(BATCH as u64 * 2);
-    let d = durations(mode);
-    rep.setup = format!(
+/// What runs where, for the record.
+fn setup(iters: usize, ops: u64, d: &Durations) -> String {
+    format!(
         "Copies by relative offset r = (dst − src) mod 64, source at offset {SRC} (where the NIC \
          driver receives a frame), destination in the first cache line of its page. Grant copy: \
          GNTTABOP_copy of a {FRAME}-byte frame from a driver-domain frame into a granted guest \
@@ -279,25 +278,50 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         d.runs,
         d.window.as_millis(),
         d.warmup.as_millis()
-    );
+    )
+}
+
+/// The aliasing cases: (label, source offset, destination offset).
+const ALIAS_CASES: [(&str, usize, usize); 3] = [
+    ("same offset mod 4096 (src 66 → dst 66)", SRC, SRC),
+    ("same line offset, 64 B ahead (66 → 130)", SRC, SRC + 64),
+    ("same line offset, 2 KiB apart (66 → 2114)", SRC, SRC + 2048),
+];
+/// The kinds that can express them.
+const ALIAS_KINDS: [Kind; 3] = [Kind::GrantWarm, Kind::GuestWarm, Kind::Memcpy];
+
+/// The offset sweep (`sweep[kind][r]`) and the aliasing cases (`alias[kind][case]`),
+/// each a list of per-iteration ns.
+type Sweeps = (Vec<Vec<Vec<f64>>>, Vec<Vec<Vec<f64>>>);
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    let iters = mode.iterations();
+    let ops = mode.scale(8192).max(BATCH as u64 * 2);
+    let d = durations(mode);
+    rep.setup = setup(iters, ops, &d);
     rep.config = serde_json::json!({
         "mode": format!("{mode:?}"), "iterations": iters, "ops": ops, "src_offset": SRC,
         "frame": FRAME, "payload": PAYLOAD, "batch": BATCH, "cold_pages": COLD_PAGES,
         "pv_runs": d.runs, "pv_window_ms": d.window.as_millis() as u64,
     });
 
+    let (sweep, alias) = sweeps(iters, ops)?;
+    sweep_rows(&mut rep, &sweep, iters);
+    alias_rows(&mut rep, &alias);
+    pv_path(&mut rep, mode)?;
+    Ok(rep)
+}
+
+/// Every kind of copy at every relative offset, and the aliasing cases, offsets
+/// interleaved within each iteration.
+fn sweeps(iters: usize, ops: u64) -> Result<Sweeps, LabError> {
     // 1. The sweep: sweep[kind][r] = per-iteration ns.
     let b = Bench::new()?;
     let mut sweep: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); 64]; Kind::ALL.len()];
     // 2. Aliasing: (label, src, dst) per kind that can express it.
-    let alias_cases = [
-        ("same offset mod 4096 (src 66 → dst 66)", SRC, SRC),
-        ("same line offset, 64 B ahead (66 → 130)", SRC, SRC + 64),
-        ("same line offset, 2 KiB apart (66 → 2114)", SRC, SRC + 2048),
-    ];
-    let alias_kinds = [Kind::GrantWarm, Kind::GuestWarm, Kind::Memcpy];
     let mut alias: Vec<Vec<Vec<f64>>> =
-        vec![vec![Vec::new(); alias_cases.len()]; alias_kinds.len()];
+        vec![vec![Vec::new(); ALIAS_CASES.len()]; ALIAS_KINDS.len()];
     for _ in 0..iters {
         // Offsets interleaved within the iteration, so slow drift is shared.
         for r in 0..64 {
@@ -305,14 +329,20 @@ fn run(mode: Mode) -> Result<Report, LabError> {
                 per_r[r].push(kind.measure(&b, SRC, dst_for(r), ops));
             }
         }
-        for (k, kind) in alias_kinds.iter().enumerate() {
-            for (c, &(_, s, dst)) in alias_cases.iter().enumerate() {
+        for (k, kind) in ALIAS_KINDS.iter().enumerate() {
+            for (c, &(_, s, dst)) in ALIAS_CASES.iter().enumerate() {
                 alias[k][c].push(kind.measure(&b, s, dst, ops));
             }
         }
     }
     drop(b);
 
+    Ok((sweep, alias))
+}
+
+/// Each kind's cost by alignment class, at netback's original placement and at the
+/// dearest offset; Figure 4's bars and the offsets' lines.
+fn sweep_rows(rep: &mut Report, sweep: &[Vec<Vec<f64>>], iters: usize) {
     // Per iteration, each class's median over its offsets.
     let class_series = |k: usize, c: CopyAlign| -> Vec<f64> {
         (0..iters)
@@ -387,17 +417,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             );
         }
     }
-    for (k, kind) in alias_kinds.iter().enumerate() {
-        let group = format!("fig4 4 KiB aliasing, {}", kind.name());
-        let base = alias[k][2].clone();
-        for (c, &(label, _, _)) in alias_cases.iter().enumerate() {
-            let row = rep.row(&group, label, "ns/copy", &alias[k][c]);
-            if c != 2 {
-                row.ratio = crate::stats::ratio_median(&alias[k][c], &base)
-                    .map(|x| ("2 KiB apart".into(), x));
-            }
-        }
-    }
     rep.charts.push(StackedBars {
         name: "fig4".into(),
         title: format!("Figure 4: grant copy of a {FRAME}-byte frame by alignment class"),
@@ -436,9 +455,21 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          the same-cache-line copy (median over iterations, worst of the five kinds); the paper \
          measured about 2× on its 2007 Xeon"
     ));
+}
 
-    pv_path(&mut rep, mode)?;
-    Ok(rep)
+/// The 4 KiB aliasing cases against two copies 2 KiB apart.
+fn alias_rows(rep: &mut Report, alias: &[Vec<Vec<f64>>]) {
+    for (k, kind) in ALIAS_KINDS.iter().enumerate() {
+        let group = format!("fig4 4 KiB aliasing, {}", kind.name());
+        let base = alias[k][2].clone();
+        for (c, &(label, _, _)) in ALIAS_CASES.iter().enumerate() {
+            let row = rep.row(&group, label, "ns/copy", &alias[k][c]);
+            if c != 2 {
+                row.ratio = crate::stats::ratio_median(&alias[k][c], &base)
+                    .map(|x| ("2 KiB apart".into(), x));
+            }
+        }
+    }
 }
 
 /// One PV run's alignment census and costs.
