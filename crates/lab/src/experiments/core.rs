@@ -73,181 +73,52 @@ impl Samples {
 
 fn run(mode: Mode) -> Result<Report, LabError> {
     let iters = mode.iterations();
-    let mut s = Samples::default();
+    let mut m = Measured {
+        s: Samples::default(),
+        ring_events: (0, 0),
+        ring_events_driven: (0, 0),
+        sampler: mem::cpu::Sampler::None,
+    };
     let copy = CopyBench::new()?;
-    let mut ring_events = (0u64, 0u64);
-    let mut ring_events_driven = (0u64, 0u64);
-    let mut sampler = mem::cpu::Sampler::None;
     crate::progress::plan(iters as u64);
     for round in 0..iters {
         crate::progress::step(crate::progress::round(round, iters));
         pin(CORE_A);
-        for &n in &SIZES {
-            s.push(
-                "baseline",
-                &format!("memcpy {n} B (hot)"),
-                "ns/op",
-                memcpy_ns(n, mode.scale(2_000_000)),
-            );
-            s.push(
-                "baseline",
-                &format!("memcpy {n} B, 32 page pairs in turn"),
-                "ns/op",
-                memcpy_batch_ns(n, mode.scale(2_000_000)),
-            );
-            s.push(
-                "shared memory",
-                &shared_copy_name(n),
-                "ns/op",
-                shared_copy_ns(n, mode.scale(2_000_000))?,
-            );
-        }
-        s.push(
-            "baseline",
-            "bare SPSC ring, 8 B descriptors, batch 32",
-            "Mdesc/s",
-            spsc_mdesc_per_s(mode.scale(40_000_000)),
-        );
-        s.push(
-            "baseline",
-            "bare ring.h-shaped ring, 12 B slots, responses in place",
-            "Mreq/s",
-            reqrsp_mreq_per_s(mode.scale(16_000_000)),
-        );
-        for path in [GrantPath::Original, GrantPath::Optimised] {
-            for &n in &SIZES {
-                for batch in [1, BATCH] {
-                    let v = copy.ns_per_op(path, n, batch, mode.scale(800_000));
-                    s.push("grant copy", &copy_name(path, n, batch), "ns/op", v);
-                }
-            }
-        }
-        for backend in [MapBackend::Table, MapBackend::Mmap] {
-            for (busy, batch) in [(false, 1), (true, 1), (true, BATCH)] {
-                let v = map_unmap_ns(backend, busy, batch, mode.scale(40_000))?;
-                s.push("grant map", &map_name(backend, busy, batch), "ns/pair", v);
-            }
-        }
-        let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000), Idle::Poll)?;
-        ring_events.0 += ev.0;
-        ring_events.1 += ev.1;
-        s.push("shared ring", RING_ROW, "Mreq/s", rate);
-        let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000), Idle::Event)?;
-        ring_events_driven.0 += ev.0;
-        ring_events_driven.1 += ev.1;
-        s.push(
-            "shared ring",
-            "requests through ring, event-driven when idle",
-            "Mreq/s",
-            rate,
-        );
-        for wm in [
-            WaitMode::Polling,
-            WaitMode::Blocking,
-            WaitMode::HaltPoll(hv::HALT_POLL_DEFAULT),
-        ] {
-            let n = if wm == WaitMode::Polling {
-                mode.scale(200_000)
-            } else {
-                mode.scale(20_000)
-            };
-            let lat = event_latency_ns(wm, n)?;
-            let st = Stats::of(&lat);
-            s.push(
-                "event",
-                &format!("send → remote vCPU running, {wm:?}, median"),
-                "ns",
-                st.median,
-            );
-            s.push(
-                "event",
-                &format!("send → remote vCPU running, {wm:?}, p99"),
-                "ns",
-                st.p99,
-            );
-        }
-        // The same event to a vCPU on one of pvio's pCPUs, idle in each policy: the
-        // sender waits 20 µs after each event is taken (inside halt-poll's bound), and
-        // 1 ms for the halt-poll row that sleeps.
-        for (policy, gap, label) in [
-            (
-                hv::sched::IdlePolicy::Poll,
-                Duration::from_micros(20),
-                "poll".to_string(),
-            ),
-            (
-                hv::sched::IdlePolicy::HALT_POLL,
-                Duration::from_micros(20),
-                "halt-poll".into(),
-            ),
-            (
-                hv::sched::IdlePolicy::HALT_POLL,
-                Duration::from_millis(1),
-                "halt-poll, idle 1 ms (asleep)".into(),
-            ),
-            (
-                hv::sched::IdlePolicy::Block,
-                Duration::from_micros(20),
-                "block".into(),
-            ),
-        ] {
-            let n = if gap > Duration::from_micros(100) {
-                mode.scale(2_000)
-            } else {
-                mode.scale(20_000)
-            };
-            let lat = event_latency_on_pcpu(policy, gap, n)?;
-            let st = Stats::of(&lat);
-            for (q, v) in [("median", st.median), ("p99", st.p99)] {
-                s.push(
-                    "event",
-                    &format!("send → vCPU on an idle pCPU running, {label}, {q}"),
-                    "ns",
-                    v,
-                );
-            }
-        }
-        let io = iommu_costs(mode)?;
-        s.push("iommu", "IOTLB hit translation", "ns", io.hit);
-        s.push(
-            "iommu",
-            "IOTLB miss translation (4-level walk)",
-            "ns",
-            io.miss,
-        );
-        s.push(
-            "iommu",
-            "page invalidation, register",
-            "ns/page",
-            io.inv_register,
-        );
-        s.push(
-            "iommu",
-            "page invalidation, queued, batch 1",
-            "ns/page",
-            io.inv_queued_1,
-        );
-        s.push(
-            "iommu",
-            "page invalidation, queued, batch 32",
-            "ns/page",
-            io.inv_queued_32,
-        );
-        let p = profiler_overhead(mode.scale(2_000_000));
-        sampler = p.sampler;
-        s.push("profiler", "overhead at default rate", "%", p.overhead_pct);
-        s.push("profiler", "effective sample rate", "samples/CPU-s", p.rate);
-        s.push("profiler", "cost per sample", "µs", p.cost_per_sample_us);
-        s.push(
-            "profiler",
-            "attribution error (usercopy share vs 25% of the work)",
-            "pp",
-            p.attribution_error_pp,
-        );
+        copies(&mut m.s, mode)?;
+        grants(&mut m.s, &copy, mode)?;
+        rings(&mut m, mode)?;
+        events(&mut m.s, mode)?;
+        m.sampler = iommu_and_profiler(&mut m.s, mode)?;
     }
-
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    r.setup = format!(
+    r.setup = setup(iters);
+    r.config = serde_json::json!({
+        "mode": format!("{mode:?}"), "iterations": iters, "sizes": SIZES, "batch": BATCH,
+        "cores": [CORE_A, CORE_B], "online_cores": mem::cpu::online_cores(),
+        "sample_interval_us": DEFAULT_SAMPLE_INTERVAL.as_micros() as u64,
+        "profiler_work_units": mode.scale(2_000_000),
+        "ring": { "request_bytes": 12, "response_bytes": 4, "slots": 256, "budget": 64, "push_batch": BATCH },
+    });
+    rows(&mut r, &m.s);
+    checks(&mut r, &m.s);
+    notes(&mut r, &m, mode, iters);
+    Ok(r)
+}
+
+/// What the iterations add to: the samples, and the shared ring's events.
+struct Measured {
+    s: Samples,
+    /// Events sent by the front and back ends, rings polled.
+    ring_events: (u64, u64),
+    /// The same, rings event-driven when idle.
+    ring_events_driven: (u64, u64),
+    /// The profiler's sampler, as the last iteration found it.
+    sampler: mem::cpu::Sampler,
+}
+
+/// What runs where, for the record.
+fn setup(iters: usize) -> String {
+    format!(
         "One machine of {} frames. Single-thread costs are thread CPU time on core {CORE_A}; two-sided \
          measurements put one side on core {CORE_A} and the other on core {CORE_B}. Grant copies go from a \
          driver domain's own pages into a guest's granted pages (netback's RX direction), `original` with v1 \
@@ -259,14 +130,201 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          responses at once (`push_requests`, `take_requests`, `push_responses`, `take_responses`). \
          {iters} iterations; ratios are medians of per-iteration ratios.",
         CopyBench::FRAMES
+    )
+}
+
+/// The baselines (memcpy hot and over 32 page pairs, the bare rings) and the
+/// shared-memory copy.
+fn copies(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
+    for &n in &SIZES {
+        s.push(
+            "baseline",
+            &format!("memcpy {n} B (hot)"),
+            "ns/op",
+            memcpy_ns(n, mode.scale(2_000_000)),
+        );
+        s.push(
+            "baseline",
+            &format!("memcpy {n} B, 32 page pairs in turn"),
+            "ns/op",
+            memcpy_batch_ns(n, mode.scale(2_000_000)),
+        );
+        s.push(
+            "shared memory",
+            &shared_copy_name(n),
+            "ns/op",
+            shared_copy_ns(n, mode.scale(2_000_000))?,
+        );
+    }
+    s.push(
+        "baseline",
+        "bare SPSC ring, 8 B descriptors, batch 32",
+        "Mdesc/s",
+        spsc_mdesc_per_s(mode.scale(40_000_000)),
     );
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "iterations": iters, "sizes": SIZES, "batch": BATCH,
-        "cores": [CORE_A, CORE_B], "online_cores": mem::cpu::online_cores(),
-        "sample_interval_us": DEFAULT_SAMPLE_INTERVAL.as_micros() as u64,
-        "profiler_work_units": mode.scale(2_000_000),
-        "ring": { "request_bytes": 12, "response_bytes": 4, "slots": 256, "budget": 64, "push_batch": BATCH },
-    });
+    s.push(
+        "baseline",
+        "bare ring.h-shaped ring, 12 B slots, responses in place",
+        "Mreq/s",
+        reqrsp_mreq_per_s(mode.scale(16_000_000)),
+    );
+    Ok(())
+}
+
+/// Grant copies on both paths, sizes and batches, and grant map/unmap pairs.
+fn grants(s: &mut Samples, copy: &CopyBench, mode: Mode) -> Result<(), LabError> {
+    for path in [GrantPath::Original, GrantPath::Optimised] {
+        for &n in &SIZES {
+            for batch in [1, BATCH] {
+                let v = copy.ns_per_op(path, n, batch, mode.scale(800_000));
+                s.push("grant copy", &copy_name(path, n, batch), "ns/op", v);
+            }
+        }
+    }
+    for backend in [MapBackend::Table, MapBackend::Mmap] {
+        for (busy, batch) in [(false, 1), (true, 1), (true, BATCH)] {
+            let v = map_unmap_ns(backend, busy, batch, mode.scale(40_000))?;
+            s.push("grant map", &map_name(backend, busy, batch), "ns/pair", v);
+        }
+    }
+    Ok(())
+}
+
+/// The shared ring, polled and event-driven.
+fn rings(m: &mut Measured, mode: Mode) -> Result<(), LabError> {
+    let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000), Idle::Poll)?;
+    m.ring_events.0 += ev.0;
+    m.ring_events.1 += ev.1;
+    m.s.push("shared ring", RING_ROW, "Mreq/s", rate);
+    let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000), Idle::Event)?;
+    m.ring_events_driven.0 += ev.0;
+    m.ring_events_driven.1 += ev.1;
+    m.s.push(
+        "shared ring",
+        "requests through ring, event-driven when idle",
+        "Mreq/s",
+        rate,
+    );
+    Ok(())
+}
+
+/// An event's latency to a running vCPU in each wait mode, and to a vCPU on an idle
+/// pCPU in each idle policy.
+fn events(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
+    for wm in [
+        WaitMode::Polling,
+        WaitMode::Blocking,
+        WaitMode::HaltPoll(hv::HALT_POLL_DEFAULT),
+    ] {
+        let n = if wm == WaitMode::Polling {
+            mode.scale(200_000)
+        } else {
+            mode.scale(20_000)
+        };
+        let lat = event_latency_ns(wm, n)?;
+        let st = Stats::of(&lat);
+        s.push(
+            "event",
+            &format!("send → remote vCPU running, {wm:?}, median"),
+            "ns",
+            st.median,
+        );
+        s.push(
+            "event",
+            &format!("send → remote vCPU running, {wm:?}, p99"),
+            "ns",
+            st.p99,
+        );
+    }
+    // The same event to a vCPU on one of pvio's pCPUs, idle in each policy: the
+    // sender waits 20 µs after each event is taken (inside halt-poll's bound), and
+    // 1 ms for the halt-poll row that sleeps.
+    for (policy, gap, label) in [
+        (
+            hv::sched::IdlePolicy::Poll,
+            Duration::from_micros(20),
+            "poll".to_string(),
+        ),
+        (
+            hv::sched::IdlePolicy::HALT_POLL,
+            Duration::from_micros(20),
+            "halt-poll".into(),
+        ),
+        (
+            hv::sched::IdlePolicy::HALT_POLL,
+            Duration::from_millis(1),
+            "halt-poll, idle 1 ms (asleep)".into(),
+        ),
+        (
+            hv::sched::IdlePolicy::Block,
+            Duration::from_micros(20),
+            "block".into(),
+        ),
+    ] {
+        let n = if gap > Duration::from_micros(100) {
+            mode.scale(2_000)
+        } else {
+            mode.scale(20_000)
+        };
+        let lat = event_latency_on_pcpu(policy, gap, n)?;
+        let st = Stats::of(&lat);
+        for (q, v) in [("median", st.median), ("p99", st.p99)] {
+            s.push(
+                "event",
+                &format!("send → vCPU on an idle pCPU running, {label}, {q}"),
+                "ns",
+                v,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The IOMMU's translations and invalidations, and the profiler's overhead; the
+/// sampler the profiler found.
+fn iommu_and_profiler(s: &mut Samples, mode: Mode) -> Result<mem::cpu::Sampler, LabError> {
+    let io = iommu_costs(mode)?;
+    s.push("iommu", "IOTLB hit translation", "ns", io.hit);
+    s.push(
+        "iommu",
+        "IOTLB miss translation (4-level walk)",
+        "ns",
+        io.miss,
+    );
+    s.push(
+        "iommu",
+        "page invalidation, register",
+        "ns/page",
+        io.inv_register,
+    );
+    s.push(
+        "iommu",
+        "page invalidation, queued, batch 1",
+        "ns/page",
+        io.inv_queued_1,
+    );
+    s.push(
+        "iommu",
+        "page invalidation, queued, batch 32",
+        "ns/page",
+        io.inv_queued_32,
+    );
+    let p = profiler_overhead(mode.scale(2_000_000));
+    s.push("profiler", "overhead at default rate", "%", p.overhead_pct);
+    s.push("profiler", "effective sample rate", "samples/CPU-s", p.rate);
+    s.push("profiler", "cost per sample", "µs", p.cost_per_sample_us);
+    s.push(
+        "profiler",
+        "attribution error (usercopy share vs 25% of the work)",
+        "pp",
+        p.attribution_error_pp,
+    );
+    Ok(p.sampler)
+}
+
+/// Every sample as a row, with its ratio to the baseline measured in the same
+/// iteration.
+fn rows(r: &mut Report, s: &Samples) {
     for (group, name, unit, v) in &s.0 {
         r.row(group, name, unit, v);
     }
@@ -305,6 +363,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             row.ratio = ratio_median(s.get(&row.name), s.get(base)).map(|x| (base.to_string(), x));
         }
     }
+}
+
+/// Issue 41's targets and the foundation's own.
+fn checks(r: &mut Report, s: &Samples) {
     // Issue 41's targets: against a memcpy of the same working set (the 32 page pairs
     // the batch copies between, so that both pay the same cache misses), and per op at
     // 64 B, where the copy is nothing and the grant bookkeeping everything.
@@ -360,21 +422,25 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "< 3%",
         prof < 3.0,
     );
+}
+
+fn notes(r: &mut Report, m: &Measured, mode: Mode, iters: usize) {
     let orig = ratio_median(
-        s.get(&copy_name(GrantPath::Original, 1500, BATCH)),
-        s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
+        m.s.get(&copy_name(GrantPath::Original, 1500, BATCH)),
+        m.s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
     )
     .unwrap_or(f64::NAN);
     let opt_hot = ratio_median(
-        s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
-        s.get("memcpy 1500 B (hot)"),
+        m.s.get(&copy_name(GrantPath::Optimised, 1500, BATCH)),
+        m.s.get("memcpy 1500 B (hot)"),
     )
     .unwrap_or(f64::NAN);
     r.notes.push(format!(
         "optimised grant copy, 1500 B, batch 32, against a memcpy of one hot page pair: {opt_hot:.2}×"
     ));
     r.notes.push(format!(
-        "profiler sampler: {sampler:?}; the default period of {} µs is {:.0} samples per CPU-second",
+        "profiler sampler: {:?}; the default period of {} µs is {:.0} samples per CPU-second",
+        m.sampler,
         DEFAULT_SAMPLE_INTERVAL.as_micros(),
         1e6 / DEFAULT_SAMPLE_INTERVAL.as_micros() as f64
     ));
@@ -384,11 +450,10 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let total_req = mode.scale(16_000_000) * iters as u64;
     r.notes.push(format!(
         "shared ring, polled: {} events sent in all (suppressed); event-driven: {:.4} events per request from the front end and {:.4} from the back end (event hold-off at work)",
-        ring_events.0 + ring_events.1,
-        ring_events_driven.0 as f64 / total_req as f64,
-        ring_events_driven.1 as f64 / total_req as f64
+        m.ring_events.0 + m.ring_events.1,
+        m.ring_events_driven.0 as f64 / total_req as f64,
+        m.ring_events_driven.1 as f64 / total_req as f64
     ));
-    Ok(r)
 }
 
 /// A machine with a driver domain and a guest: the set-up most measurements share.
