@@ -748,30 +748,50 @@ fn run_once(
     })
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    // The statistic is DPDK's: the receiver's rate per period, the median, the first
-    // period (the start) left out. testpmd's periods are 1 s; pvio's are shorter so a
-    // quick run stays quick.
-    let (period, periods) = match mode {
-        Mode::Full => (Duration::from_millis(250), 8),
-        Mode::Quick => (Duration::from_millis(100), 5),
-        Mode::Smoke => (Duration::from_millis(10), 2),
-    };
-    // Packets of each one-core stage measurement, after its warm-up.
-    let stage_packets = match mode {
-        Mode::Full => 400_000,
-        Mode::Quick => 200_000,
-        Mode::Smoke => 10_000,
-    };
-    // A quick run takes two rounds (the full run's five are for quoting), so that every
-    // experiment together stays within ten minutes.
-    let iters = if mode == Mode::Quick {
-        2
-    } else {
-        mode.iterations()
-    };
-    let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    rep.setup = format!(
+/// The run's plan from its mode.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    /// The statistic is DPDK's: the receiver's rate per period, the median, the first
+    /// period (the start) left out. testpmd's periods are 1 s; pvio's are shorter so a
+    /// quick run stays quick.
+    period: Duration,
+    periods: usize,
+    /// Packets of each one-core stage measurement, after its warm-up.
+    stage_packets: u64,
+    /// Rounds. A quick run takes two (the full run's are for quoting), so that every
+    /// experiment together stays within ten minutes.
+    iters: usize,
+    /// Seconds of each DPDK run.
+    pmd_secs: u64,
+    /// The split ring layout is measured in full runs only, for the same reason.
+    split: bool,
+}
+
+impl Plan {
+    fn of(mode: Mode) -> Self {
+        let (period, periods, stage_packets) = match mode {
+            Mode::Full => (Duration::from_millis(250), 8, 400_000),
+            Mode::Quick => (Duration::from_millis(100), 5, 200_000),
+            Mode::Smoke => (Duration::from_millis(10), 2, 10_000),
+        };
+        Self {
+            period,
+            periods,
+            stage_packets,
+            iters: if mode == Mode::Quick {
+                2
+            } else {
+                mode.iterations()
+            },
+            pmd_secs: if mode == Mode::Full { 3 } else { 2 },
+            split: mode == Mode::Full,
+        }
+    }
+}
+
+/// What runs where, for the record.
+fn setup(plan: &Plan) -> String {
+    format!(
         "One driver domain (netback, core 0) and one guest (netfront, core 1), both polling \
          with a budget of {BUDGET}; grant copy on the optimised path, grant table v2. Per \
          packet, as DPDK's txonly → rxonly: the source takes a recycled buffer from its pool \
@@ -790,16 +810,24 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          own row, since a NIC does that in hardware); guest TX with headers copied and pages \
          read through cached mappings. Each run first sends \
          {VERIFIED} whole messages whose every byte the receiver checks (the warm-up), then \
-         waits one period; the rate is the median of the receiver's rate over {periods} \
-         periods of {} ms after it, as testpmd's median Rx-pps. {iters} runs.",
-        period.as_millis()
-    );
+         waits one period; the rate is the median of the receiver's rate over {} \
+         periods of {} ms after it, as testpmd's median Rx-pps. {} runs.",
+        plan.periods,
+        plan.period.as_millis(),
+        plan.iters
+    )
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let plan = Plan::of(mode);
+    let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    rep.setup = setup(&plan);
     rep.config = serde_json::json!({
         "frames": FRAMES,
-        "period_ms": period.as_millis() as u64,
-        "periods": periods,
+        "period_ms": plan.period.as_millis() as u64,
+        "periods": plan.periods,
         "verified_per_run": VERIFIED,
-        "iterations": iters,
+        "iterations": plan.iters,
         "budget": BUDGET,
         "rx_ahead": RX_AHEAD,
         "grant_path": "optimised",
@@ -811,7 +839,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Smoke => Err("smoke run".to_string()),
         _ => crate::dpdk::TestPmd::prepare(),
     };
-    let pmd_secs = if mode == Mode::Full { 3 } else { 2 };
     match &pmd {
         Ok(_) => rep.notes.push(
             "DPDK 22.11 (Debian's dpdk-testpmd) measured in this run: vhost-user on core 0, \
@@ -823,248 +850,21 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             "DPDK not measured here ({e}): pvio is compared with the issue's figures."
         )),
     }
-    // The split ring layout is measured in full runs only: a quick run of everything
-    // stays within ten minutes.
     let measured_in = |list: &[(Variant, &'static str)]| -> Vec<(Variant, &'static str)> {
         list.iter()
             .copied()
-            .filter(|(v, _)| mode == Mode::Full || !v.split)
+            .filter(|(v, _)| plan.split || !v.split)
             .collect()
     };
     let (rx_forms, tx_forms) = (measured_in(&RX_VARIANTS), measured_in(&TX_VARIANTS));
     let per_round = |forms: usize| FRAMES.len() * (1 + forms + usize::from(pmd.is_ok()));
-    crate::progress::plan((iters * (per_round(rx_forms.len()) + per_round(tx_forms.len()))) as u64);
-    for dir in [Dir::Rx, Dir::Tx] {
+    crate::progress::plan(
+        (plan.iters * (per_round(rx_forms.len()) + per_round(tx_forms.len()))) as u64,
+    );
+    for (dir, forms) in [(Dir::Rx, &rx_forms), (Dir::Tx, &tx_forms)] {
         for len in FRAMES {
-            let mut runs = Vec::with_capacity(iters);
-            // Guest RX again in the other receive forms, right after each run of the
-            // original: netfront posting linear buffers, and the copy moved to the
-            // guest.
-            let forms: &[(Variant, &str)] = match dir {
-                Dir::Rx => &rx_forms,
-                Dir::Tx => &tx_forms,
-            };
-            let mut variants: Vec<Vec<Run>> = vec![Vec::new(); forms.len()];
-            // The grant-cache copy rows' stages, each side's code on one core in turns.
-            let mut stages: Vec<Vec<Stages>> = vec![Vec::new(); forms.len()];
-            let mut dpdk_mpps = Vec::new();
-            for round in 0..iters {
-                let at = format!("{} · {len} B", crate::progress::round(round, iters));
-                crate::progress::step(format_args!("{at} · {}", dir.name()));
-                runs.push(run_once(dir, len, period, periods, Variant::ORIGINAL)?);
-                for ((v, st), &(b, name)) in variants.iter_mut().zip(&mut stages).zip(forms) {
-                    crate::progress::step(format_args!("{at} · {name}"));
-                    v.push(run_once(dir, len, period, periods, b)?);
-                    if b.grants == Grants::Reuse && !b.direct && !b.split {
-                        st.push(stages_one_core(dir, len, b, stage_packets)?);
-                    }
-                }
-                if let Ok(p) = &pmd {
-                    crate::progress::step(format_args!("{at} · DPDK {}", dir.name()));
-                    match p.rate(dir == Dir::Rx, len, pmd_secs) {
-                        Ok(r) => dpdk_mpps.push(r / 1e6),
-                        Err(e) => rep.notes.push(format!("DPDK {dir:?} {len} B: {e}")),
-                    }
-                }
-            }
-            let col = |f: fn(&Run) -> f64| runs.iter().map(f).collect::<Vec<_>>();
-            let mpps = col(|r| r.pps / 1e6);
-            let issue = DPDK
-                .iter()
-                .find(|d| d.0 == dir && d.1 == len)
-                .map_or(f64::NAN, |d| d.2);
-            let group = dir.name();
-            let dpdk_name = format!("{len} B frames, DPDK vhost-user ↔ virtio-user");
-            let measured = dpdk_mpps.len() == runs.len();
-            if measured {
-                rep.row(group, &dpdk_name, "Mpps", &dpdk_mpps).reference =
-                    Some(format!("issue: {issue} Mpps"));
-            }
-            let ratio = if measured {
-                crate::stats::ratio_median(&mpps, &dpdk_mpps).unwrap_or(f64::NAN)
-            } else {
-                crate::Stats::of(&mpps).median / issue
-            };
-            let row = rep.row(group, &format!("{len} B frames, pvio"), "Mpps", &mpps);
-            if measured {
-                row.ratio = Some((dpdk_name, ratio));
-            } else {
-                row.reference = Some(format!("DPDK vhost/virtio-user {issue} Mpps (issue)"));
-            }
-            rep.row(
-                group,
-                &format!("{len} B: driver-domain side busy per packet"),
-                "ns",
-                &col(|r| r.busy_drv_ns),
-            );
-            rep.row(
-                group,
-                &format!("{len} B: guest side busy per packet"),
-                "ns",
-                &col(|r| r.busy_guest_ns),
-            );
-            let mut cache_checks = Vec::new();
-            for ((v, st), &(form, group)) in variants.iter().zip(&stages).zip(forms) {
-                if v.is_empty() {
-                    continue;
-                }
-                if !st.is_empty() {
-                    stage_rows(&mut rep, group, len, dir, st, v);
-                }
-                let vcol = |f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<_>>();
-                let base = match dir {
-                    Dir::Rx => "with fragments",
-                    Dir::Tx => "a grant per I/O",
-                };
-                let against = |f: fn(&Run) -> f64| {
-                    crate::stats::ratio_median(&vcol(f), &col(f)).map(|x| (base.to_string(), x))
-                };
-                if form.grants == Grants::Reuse {
-                    let mpps = vcol(|r| r.pps / 1e6);
-                    let x = if measured {
-                        crate::stats::ratio_median(&mpps, &dpdk_mpps).unwrap_or(f64::NAN)
-                    } else {
-                        crate::Stats::of(&mpps).median / issue
-                    };
-                    if form.direct {
-                        rep.row(
-                            group,
-                            &format!("{len} B: of the driver-domain side, the device's DMA"),
-                            "ns",
-                            &vcol(|r| r.device_ns),
-                        );
-                        rep.row(
-                            group,
-                            &format!("{len} B: buffers filled per driver-domain poll"),
-                            "buffers",
-                            &vcol(|r| r.per_poll),
-                        );
-                    }
-                    let maps = vcol(|r| r.maps_per_packet);
-                    rep.row(
-                        group,
-                        &format!("{len} B: grant maps and unmaps per packet"),
-                        "ops",
-                        &maps,
-                    );
-                    // The driver domain's own time: with direct placement, less the
-                    // device's DMA, which a NIC does in hardware.
-                    let own = crate::Stats::of(&vcol(|r| r.busy_drv_ns - r.device_ns)).median;
-                    cache_checks.push((group, x, crate::Stats::of(&maps).max, own));
-                }
-                let row = rep.row(
-                    group,
-                    &format!("{len} B frames"),
-                    "Mpps",
-                    &vcol(|r| r.pps / 1e6),
-                );
-                row.ratio = against(|r| r.pps);
-                let row = rep.row(
-                    group,
-                    &format!("{len} B: driver-domain side busy per packet"),
-                    "ns",
-                    &vcol(|r| r.busy_drv_ns),
-                );
-                row.ratio = against(|r| r.busy_drv_ns);
-                let row = rep.row(
-                    group,
-                    &format!("{len} B: guest side busy per packet"),
-                    "ns",
-                    &vcol(|r| r.busy_guest_ns),
-                );
-                row.ratio = against(|r| r.busy_guest_ns);
-                // The side whose busy time is the larger share of the packet's time
-                // limits the rate.
-                let (d, g) = (
-                    crate::Stats::of(&vcol(|r| r.busy_drv_ns)).median,
-                    crate::Stats::of(&vcol(|r| r.busy_guest_ns)).median,
-                );
-                let per_packet = 1e9 / crate::Stats::of(&vcol(|r| r.pps)).median.max(1.0);
-                rep.notes.push(format!(
-                    "{group}, {len} B: {:.0} ns a packet; busy driver domain {d:.0} ns, guest \
-                     {g:.0} ns: the {} side is the bottleneck",
-                    per_packet,
-                    if d >= g { "driver-domain" } else { "guest" }
-                ));
-            }
-            // The split layout against ring.h's, both through the grant cache, same run.
-            let of = |want: Variant| {
-                forms
-                    .iter()
-                    .position(|(v, _)| *v == want)
-                    .map(|i| variants[i].iter().map(|r| r.pps).collect::<Vec<_>>())
-            };
-            if let (Some(split), Some(ring_h)) = (of(Variant::REUSE_SPLIT), of(Variant::REUSE)) {
-                if let Some(x) = crate::stats::ratio_median(&split, &ring_h) {
-                    rep.notes.push(format!(
-                        "{}, {len} B, grant cache: the split ring layout at {x:.2}× ring.h's \
-                         packet rate (medians of per-round ratios)",
-                        dir.name()
-                    ));
-                }
-            }
-            let all = runs.iter().chain(variants.iter().flatten());
-            let (verified, corrupt) = all.fold((0, 0), |(v, c), r| (v + r.verified, c + r.corrupt));
-            rep.check(
-                &format!(
-                    "{} {len} B: every byte of the warm-up's messages intact",
-                    dir.name()
-                ),
-                corrupt as f64,
-                "corrupt messages",
-                &format!("0 of {verified} verified"),
-                corrupt == 0 && verified > 0,
-            );
-            rep.check(
-                &format!(
-                    "{} {len} B ≥ DPDK{}",
-                    if dir == Dir::Rx { "RX" } else { "TX" },
-                    if measured {
-                        " (same run)"
-                    } else {
-                        " (issue's figure)"
-                    }
-                ),
-                ratio,
-                "× DPDK",
-                "≥ 1",
-                ratio >= 1.0,
-            );
-            for (group, x, maps, own) in cache_checks {
-                rep.check(
-                    &format!(
-                        "{group}, {len} B ≥ DPDK{} (every request still copied and checked)",
-                        if measured {
-                            " (same run)"
-                        } else {
-                            " (issue's figure)"
-                        }
-                    ),
-                    x,
-                    "× DPDK",
-                    "≥ 1",
-                    x >= 1.0,
-                );
-                rep.check(
-                    &format!("{group}, {len} B: no grant map or unmap in steady state"),
-                    maps,
-                    "ops per packet (most of any run)",
-                    "0",
-                    maps == 0.0,
-                );
-                if len == 64 {
-                    rep.check(
-                        &format!(
-                            "{group}, 64 B: driver-domain busy per packet (the device's DMA \
-                             not counted)"
-                        ),
-                        own,
-                        "ns",
-                        "≤ 80 ns",
-                        own <= 80.0,
-                    );
-                }
-            }
+            let cell = rounds(dir, len, forms, &plan, &pmd, &mut rep)?;
+            cell_rows(&mut rep, &cell);
         }
     }
     rep.notes.push(
@@ -1080,6 +880,299 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             .into(),
     );
     Ok(rep)
+}
+
+/// One direction and frame size, over the rounds: the original path's runs, each other
+/// form's (guest RX with linear buffers, the copy in the guest, the grant cache...), the
+/// grant-cache copy rows' stages on one core, and DPDK's rate in the same rounds.
+struct Cell<'a> {
+    dir: Dir,
+    len: usize,
+    forms: &'a [(Variant, &'static str)],
+    runs: Vec<Run>,
+    variants: Vec<Vec<Run>>,
+    stages: Vec<Vec<Stages>>,
+    dpdk_mpps: Vec<f64>,
+}
+
+impl Cell<'_> {
+    /// DPDK ran in every round, so ratios are the same run's.
+    fn measured(&self) -> bool {
+        self.dpdk_mpps.len() == self.runs.len()
+    }
+
+    /// The issue's figure for DPDK, where it could not run.
+    fn issue(&self) -> f64 {
+        DPDK.iter()
+            .find(|d| d.0 == self.dir && d.1 == self.len)
+            .map_or(f64::NAN, |d| d.2)
+    }
+
+    /// A rate against DPDK's: the median of per-round ratios, or the issue's figure.
+    fn to_dpdk(&self, mpps: &[f64]) -> f64 {
+        if self.measured() {
+            crate::stats::ratio_median(mpps, &self.dpdk_mpps).unwrap_or(f64::NAN)
+        } else {
+            crate::Stats::of(mpps).median / self.issue()
+        }
+    }
+
+    fn dpdk_claim(&self) -> &'static str {
+        if self.measured() {
+            " (same run)"
+        } else {
+            " (issue's figure)"
+        }
+    }
+}
+
+/// The rounds of one direction and frame size: the original path, then each other
+/// form right after it, then DPDK.
+fn rounds<'a>(
+    dir: Dir,
+    len: usize,
+    forms: &'a [(Variant, &'static str)],
+    plan: &Plan,
+    pmd: &Result<crate::dpdk::TestPmd, String>,
+    rep: &mut Report,
+) -> Result<Cell<'a>, LabError> {
+    let mut c = Cell {
+        dir,
+        len,
+        forms,
+        runs: Vec::with_capacity(plan.iters),
+        variants: vec![Vec::new(); forms.len()],
+        stages: vec![Vec::new(); forms.len()],
+        dpdk_mpps: Vec::new(),
+    };
+    let (period, periods) = (plan.period, plan.periods);
+    for round in 0..plan.iters {
+        let at = format!("{} · {len} B", crate::progress::round(round, plan.iters));
+        crate::progress::step(format_args!("{at} · {}", dir.name()));
+        c.runs
+            .push(run_once(dir, len, period, periods, Variant::ORIGINAL)?);
+        let each = c.variants.iter_mut().zip(&mut c.stages).zip(forms);
+        for ((v, st), &(b, name)) in each {
+            crate::progress::step(format_args!("{at} · {name}"));
+            v.push(run_once(dir, len, period, periods, b)?);
+            if b.grants == Grants::Reuse && !b.direct && !b.split {
+                st.push(stages_one_core(dir, len, b, plan.stage_packets)?);
+            }
+        }
+        if let Ok(p) = pmd {
+            crate::progress::step(format_args!("{at} · DPDK {}", dir.name()));
+            match p.rate(dir == Dir::Rx, len, plan.pmd_secs) {
+                Ok(r) => c.dpdk_mpps.push(r / 1e6),
+                Err(e) => rep.notes.push(format!("DPDK {dir:?} {len} B: {e}")),
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// A grant-cache form's figures for its checks: (group, × DPDK, most maps per packet,
+/// the driver domain's own busy ns).
+type CacheCheck = (&'static str, f64, f64, f64);
+
+/// One cell's rows, notes and checks.
+fn cell_rows(rep: &mut Report, c: &Cell<'_>) {
+    let (dir, len) = (c.dir, c.len);
+    let col = |f: fn(&Run) -> f64| c.runs.iter().map(f).collect::<Vec<_>>();
+    let mpps = col(|r| r.pps / 1e6);
+    let group = dir.name();
+    let dpdk_name = format!("{len} B frames, DPDK vhost-user ↔ virtio-user");
+    if c.measured() {
+        rep.row(group, &dpdk_name, "Mpps", &c.dpdk_mpps).reference =
+            Some(format!("issue: {} Mpps", c.issue()));
+    }
+    let ratio = c.to_dpdk(&mpps);
+    let row = rep.row(group, &format!("{len} B frames, pvio"), "Mpps", &mpps);
+    if c.measured() {
+        row.ratio = Some((dpdk_name, ratio));
+    } else {
+        row.reference = Some(format!("DPDK vhost/virtio-user {} Mpps (issue)", c.issue()));
+    }
+    rep.row(
+        group,
+        &format!("{len} B: driver-domain side busy per packet"),
+        "ns",
+        &col(|r| r.busy_drv_ns),
+    );
+    rep.row(
+        group,
+        &format!("{len} B: guest side busy per packet"),
+        "ns",
+        &col(|r| r.busy_guest_ns),
+    );
+    let cache_checks: Vec<CacheCheck> = (0..c.forms.len())
+        .filter_map(|i| variant_rows(rep, c, i))
+        .collect();
+    split_note(rep, c);
+    cell_checks(rep, c, ratio, &cache_checks);
+}
+
+/// One form's rows against the original path's in the same rounds, and the note on
+/// which side limits its rate; a grant-cache form's figures for its checks.
+fn variant_rows(rep: &mut Report, c: &Cell<'_>, i: usize) -> Option<CacheCheck> {
+    let (v, st, (form, group)) = (&c.variants[i], &c.stages[i], c.forms[i]);
+    let (dir, len) = (c.dir, c.len);
+    if v.is_empty() {
+        return None;
+    }
+    if !st.is_empty() {
+        stage_rows(rep, group, len, dir, st, v);
+    }
+    let col = |f: fn(&Run) -> f64| c.runs.iter().map(f).collect::<Vec<_>>();
+    let vcol = |f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<_>>();
+    let base = match dir {
+        Dir::Rx => "with fragments",
+        Dir::Tx => "a grant per I/O",
+    };
+    let against = |f: fn(&Run) -> f64| {
+        crate::stats::ratio_median(&vcol(f), &col(f)).map(|x| (base.to_string(), x))
+    };
+    let mut cache = None;
+    if form.grants == Grants::Reuse {
+        let x = c.to_dpdk(&vcol(|r| r.pps / 1e6));
+        if form.direct {
+            rep.row(
+                group,
+                &format!("{len} B: of the driver-domain side, the device's DMA"),
+                "ns",
+                &vcol(|r| r.device_ns),
+            );
+            rep.row(
+                group,
+                &format!("{len} B: buffers filled per driver-domain poll"),
+                "buffers",
+                &vcol(|r| r.per_poll),
+            );
+        }
+        let maps = vcol(|r| r.maps_per_packet);
+        rep.row(
+            group,
+            &format!("{len} B: grant maps and unmaps per packet"),
+            "ops",
+            &maps,
+        );
+        // The driver domain's own time: with direct placement, less the device's DMA,
+        // which a NIC does in hardware.
+        let own = crate::Stats::of(&vcol(|r| r.busy_drv_ns - r.device_ns)).median;
+        cache = Some((group, x, crate::Stats::of(&maps).max, own));
+    }
+    let row = rep.row(
+        group,
+        &format!("{len} B frames"),
+        "Mpps",
+        &vcol(|r| r.pps / 1e6),
+    );
+    row.ratio = against(|r| r.pps);
+    let row = rep.row(
+        group,
+        &format!("{len} B: driver-domain side busy per packet"),
+        "ns",
+        &vcol(|r| r.busy_drv_ns),
+    );
+    row.ratio = against(|r| r.busy_drv_ns);
+    let row = rep.row(
+        group,
+        &format!("{len} B: guest side busy per packet"),
+        "ns",
+        &vcol(|r| r.busy_guest_ns),
+    );
+    row.ratio = against(|r| r.busy_guest_ns);
+    // The side whose busy time is the larger share of the packet's time limits the rate.
+    let (d, g) = (
+        crate::Stats::of(&vcol(|r| r.busy_drv_ns)).median,
+        crate::Stats::of(&vcol(|r| r.busy_guest_ns)).median,
+    );
+    let per_packet = 1e9 / crate::Stats::of(&vcol(|r| r.pps)).median.max(1.0);
+    rep.notes.push(format!(
+        "{group}, {len} B: {:.0} ns a packet; busy driver domain {d:.0} ns, guest \
+         {g:.0} ns: the {} side is the bottleneck",
+        per_packet,
+        if d >= g { "driver-domain" } else { "guest" }
+    ));
+    cache
+}
+
+/// The split layout against ring.h's, both through the grant cache, same run.
+fn split_note(rep: &mut Report, c: &Cell<'_>) {
+    let of = |want: Variant| {
+        c.forms
+            .iter()
+            .position(|(v, _)| *v == want)
+            .map(|i| c.variants[i].iter().map(|r| r.pps).collect::<Vec<_>>())
+    };
+    if let (Some(split), Some(ring_h)) = (of(Variant::REUSE_SPLIT), of(Variant::REUSE)) {
+        if let Some(x) = crate::stats::ratio_median(&split, &ring_h) {
+            rep.notes.push(format!(
+                "{}, {} B, grant cache: the split ring layout at {x:.2}× ring.h's \
+                 packet rate (medians of per-round ratios)",
+                c.dir.name(),
+                c.len
+            ));
+        }
+    }
+}
+
+/// Every byte checked, the rate against DPDK's, and the grant-cache forms' targets.
+fn cell_checks(rep: &mut Report, c: &Cell<'_>, ratio: f64, cache_checks: &[CacheCheck]) {
+    let (dir, len) = (c.dir, c.len);
+    let all = c.runs.iter().chain(c.variants.iter().flatten());
+    let (verified, corrupt) = all.fold((0, 0), |(v, k), r| (v + r.verified, k + r.corrupt));
+    rep.check(
+        &format!(
+            "{} {len} B: every byte of the warm-up's messages intact",
+            dir.name()
+        ),
+        corrupt as f64,
+        "corrupt messages",
+        &format!("0 of {verified} verified"),
+        corrupt == 0 && verified > 0,
+    );
+    rep.check(
+        &format!(
+            "{} {len} B ≥ DPDK{}",
+            if dir == Dir::Rx { "RX" } else { "TX" },
+            c.dpdk_claim()
+        ),
+        ratio,
+        "× DPDK",
+        "≥ 1",
+        ratio >= 1.0,
+    );
+    for &(group, x, maps, own) in cache_checks {
+        rep.check(
+            &format!(
+                "{group}, {len} B ≥ DPDK{} (every request still copied and checked)",
+                c.dpdk_claim()
+            ),
+            x,
+            "× DPDK",
+            "≥ 1",
+            x >= 1.0,
+        );
+        rep.check(
+            &format!("{group}, {len} B: no grant map or unmap in steady state"),
+            maps,
+            "ops per packet (most of any run)",
+            "0",
+            maps == 0.0,
+        );
+        if len == 64 {
+            rep.check(
+                &format!(
+                    "{group}, 64 B: driver-domain busy per packet (the device's DMA \
+                     not counted)"
+                ),
+                own,
+                "ns",
+                "≤ 80 ns",
+                own <= 80.0,
+            );
+        }
+    }
 }
 
 #[cfg(test)]
