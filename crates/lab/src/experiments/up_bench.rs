@@ -490,43 +490,15 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
     rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
-    let (rounds, secs) = match mode {
-        Mode::Full => (5, 5),
-        Mode::Quick => (1, 2),
-        Mode::Smoke => (1, 1),
-    };
-    // The LRO rows: rounds, iperf3 seconds, sockperf seconds.
-    let (lro_rounds, lro_secs, ping_secs) = match mode {
-        Mode::Full => (5, 5, 3),
-        Mode::Quick => (1, 2, 1),
-        Mode::Smoke => (1, 1, 1),
-    };
-    rep.setup = format!(
-        "iperf3 (-J, {secs} s a run, one stream) between two network namespaces: through `pvio \
-         up` (outside namespace → TAP → NIC model → driver domain's bridge and netback → \
-         netfront → TAP in the guest's namespace; its defaults: page fragments, a grant per \
-         I/O, netfilter hooks on, checksum offload and GSO: TAPs with a virtio-net header, \
-         large TCP segments whole over the rings and through the NIC to the cable's TAP, \
-         which takes them with their segment size; the NIC's DMA writes land in the cache, as \
-         on a present-day host with Data Direct I/O), through the same with --no-offloads, and through a veth pair with \
-         ethtool's tx, rx, tso, gso and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
-         flow once and ratios are taken within the round. Before the rounds an 8 MiB seeded \
-         stream crosses pvio each way, checked byte for byte. LRO rows ({lro_rounds} rounds of \
-         {lro_secs} s iperf3 and {ping_secs} s sockperf each): the cable takes no large segments \
-         (the outside's kernel segments its TCP, as for a real wire), pvio's driver domain runs \
-         LRO off, every poll, every 2nd poll (DA, held at most 1 ms) and adaptive (200 µs \
-         budget), the bridge handing aggregates to netback whole and the guest's TAP taking \
-         them as large segments; beside them a veth pair whose sender has TSO off and whose \
-         receiver has GRO off, on, and on with gro_flush_timeout 20 µs and \
-         napi_defer_hard_irqs 2. In full runs, also `pvio up --cable` (LRO off and adaptive): \
-         the cable a packet socket with mapped rings on a veth whose far end sends MTU-sized \
-         frames with complete checksums (tx, tso and gso off), in place of the TAP. Segments \
-         per packet: for pvio, frames in from the cable over \
-         packets handed to the guest's TAP; for veth, the receiver's IpExt In*Pkts (a GRO \
-         packet counts its segments) over Ip InReceives. sockperf: TCP ping-pong, default \
-         message size, --full-rtt. An 8 MiB seeded stream crosses pvio with adaptive LRO each \
-         way, checked byte for byte."
-    );
+    let plan = Plan::of(mode);
+    let Plan {
+        rounds,
+        secs,
+        lro_rounds,
+        lro_secs,
+        ping_secs,
+    } = plan;
+    rep.setup = setup(&plan);
     rep.config = serde_json::json!({
         "mode": format!("{mode:?}"), "rounds": rounds, "seconds": secs,
         "flows": Flow::ALL.map(Flow::name), "paths": Path::ALL.map(Path::name),
@@ -562,10 +534,124 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     crate::progress::plan(
         (rounds * Path::ALL.len() * Flow::ALL.len() + lro_rounds * Rx::ALL.len()) as u64,
     );
+    let t = tcp_rounds(&cfg, &plan)?;
+    tcp_rows(&mut rep, &t.rates);
+    loss_checks(&mut rep, &t);
+    let intact = t.intact;
+    match tools::ensure(&[tools::SOCKPERF]) {
+        Ok(()) => lro_rows(
+            &mut rep,
+            &cfg,
+            &Rx::all(mode),
+            lro_rounds,
+            lro_secs,
+            ping_secs,
+        )?,
+        Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
+    }
+    match intact {
+        Some(ok) => rep.check(
+            "an 8 MiB seeded stream each way through pvio arrives byte for byte",
+            if ok { 0.0 } else { 1.0 },
+            "streams corrupt",
+            "0",
+            ok,
+        ),
+        None => rep.notes.push(
+            "the byte-for-byte stream check runs from the `pvio` binary only (not here)".into(),
+        ),
+    }
+    Ok(rep)
+}
+
+/// Rounds and seconds: the TCP and UDP rounds, and the LRO rows' (iperf3 and sockperf).
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    rounds: usize,
+    secs: u64,
+    lro_rounds: usize,
+    lro_secs: u64,
+    ping_secs: u64,
+}
+
+impl Plan {
+    fn of(mode: Mode) -> Self {
+        let (rounds, secs) = match mode {
+            Mode::Full => (5, 5),
+            Mode::Quick => (1, 2),
+            Mode::Smoke => (1, 1),
+        };
+        // The LRO rows: rounds, iperf3 seconds, sockperf seconds.
+        let (lro_rounds, lro_secs, ping_secs) = match mode {
+            Mode::Full => (5, 5, 3),
+            Mode::Quick => (1, 2, 1),
+            Mode::Smoke => (1, 1, 1),
+        };
+        Self {
+            rounds,
+            secs,
+            lro_rounds,
+            lro_secs,
+            ping_secs,
+        }
+    }
+}
+
+/// What runs where, for the record.
+fn setup(plan: &Plan) -> String {
+    let Plan {
+        rounds,
+        secs,
+        lro_rounds,
+        lro_secs,
+        ping_secs,
+    } = *plan;
+    format!(
+        "iperf3 (-J, {secs} s a run, one stream) between two network namespaces: through `pvio \
+         up` (outside namespace → TAP → NIC model → driver domain's bridge and netback → \
+         netfront → TAP in the guest's namespace; its defaults: page fragments, a grant per \
+         I/O, netfilter hooks on, checksum offload and GSO: TAPs with a virtio-net header, \
+         large TCP segments whole over the rings and through the NIC to the cable's TAP, \
+         which takes them with their segment size; the NIC's DMA writes land in the cache, as \
+         on a present-day host with Data Direct I/O), through the same with --no-offloads, and through a veth pair with \
+         ethtool's tx, rx, tso, gso and gro offloads off, then on. {rounds} rounds; in each, every path carries every \
+         flow once and ratios are taken within the round. Before the rounds an 8 MiB seeded \
+         stream crosses pvio each way, checked byte for byte. LRO rows ({lro_rounds} rounds of \
+         {lro_secs} s iperf3 and {ping_secs} s sockperf each): the cable takes no large segments \
+         (the outside's kernel segments its TCP, as for a real wire), pvio's driver domain runs \
+         LRO off, every poll, every 2nd poll (DA, held at most 1 ms) and adaptive (200 µs \
+         budget), the bridge handing aggregates to netback whole and the guest's TAP taking \
+         them as large segments; beside them a veth pair whose sender has TSO off and whose \
+         receiver has GRO off, on, and on with gro_flush_timeout 20 µs and \
+         napi_defer_hard_irqs 2. In full runs, also `pvio up --cable` (LRO off and adaptive): \
+         the cable a packet socket with mapped rings on a veth whose far end sends MTU-sized \
+         frames with complete checksums (tx, tso and gso off), in place of the TAP. Segments \
+         per packet: for pvio, frames in from the cable over \
+         packets handed to the guest's TAP; for veth, the receiver's IpExt In*Pkts (a GRO \
+         packet counts its segments) over Ip InReceives. sockperf: TCP ping-pong, default \
+         message size, --full-rtt. An 8 MiB seeded stream crosses pvio with adaptive LRO each \
+         way, checked byte for byte."
+    )
+}
+
+/// The TCP and UDP rounds' results.
+struct TcpRuns {
+    /// Gbit/s by path, flow and round.
+    rates: Vec<Vec<Vec<f64>>>,
+    /// pvio's UDP runs: (lost, sent) datagrams.
+    udp_loss: Vec<(u64, u64)>,
+    /// Per path, over its TCP runs: the senders' retransmissions, and the frames the NIC
+    /// had no buffer for (pvio's paths).
+    tcp_losses: Vec<(u64, u64)>,
+    /// Whether the seeded streams crossed pvio intact (None: not run).
+    intact: Option<bool>,
+}
+
+/// Every path carries every flow once a round.
+fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, LabError> {
+    let (rounds, secs) = (plan.rounds, plan.secs);
     let mut rates = vec![vec![Vec::new(); Flow::ALL.len()]; Path::ALL.len()];
     let mut udp_loss: Vec<(u64, u64)> = Vec::new();
-    // Per path, over its TCP runs: the senders' retransmissions, and the frames the NIC
-    // had no buffer for (pvio's paths).
     let mut tcp_losses = vec![(0u64, 0u64); Path::ALL.len()];
     let mut intact = None;
     for round in 0..rounds {
@@ -615,6 +701,16 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             }
         }
     }
+    Ok(TcpRuns {
+        rates,
+        udp_loss,
+        tcp_losses,
+        intact,
+    })
+}
+
+/// Each flow's rates on every path, pvio's against the veth pair's in the same round.
+fn tcp_rows(rep: &mut Report, rates: &[Vec<Vec<f64>>]) {
     for (fi, flow) in Flow::ALL.into_iter().enumerate() {
         let off = rates[1][fi].clone();
         let on = rates[2][fi].clone();
@@ -656,7 +752,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             );
         }
     }
-    // What pvio's two paths lost on TCP, against the veth pair's two in the same rounds.
+}
+
+/// What pvio's two paths lost on TCP, against the veth pair's two in the same rounds,
+/// and UDP's losses.
+fn loss_checks(rep: &mut Report, t: &TcpRuns) {
+    let (tcp_losses, udp_loss) = (&t.tcp_losses, &t.udp_loss);
     let at = |p: Path| Path::ALL.iter().position(|&q| q == p).unwrap_or(0);
     let both = |a: Path, b: Path| {
         let (x, y) = (tcp_losses[at(a)], tcp_losses[at(b)]);
@@ -688,30 +789,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "UDP through pvio: {lost} of {sent} datagrams lost over all rounds (iperf3's count; \
          offered above what the path carries, so loss measures the excess)."
     ));
-    match tools::ensure(&[tools::SOCKPERF]) {
-        Ok(()) => lro_rows(
-            &mut rep,
-            &cfg,
-            &Rx::all(mode),
-            lro_rounds,
-            lro_secs,
-            ping_secs,
-        )?,
-        Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
-    }
-    match intact {
-        Some(ok) => rep.check(
-            "an 8 MiB seeded stream each way through pvio arrives byte for byte",
-            if ok { 0.0 } else { 1.0 },
-            "streams corrupt",
-            "0",
-            ok,
-        ),
-        None => rep.notes.push(
-            "the byte-for-byte stream check runs from the `pvio` binary only (not here)".into(),
-        ),
-    }
-    Ok(rep)
 }
 
 /// Per-round samples of one receive path of the LRO rows.
@@ -732,6 +809,54 @@ fn lro_rows(
     secs: u64,
     ping_secs: u64,
 ) -> Result<(), LabError> {
+    let (s, intact) = lro_measure(cfg, paths, rounds, secs, ping_secs)?;
+    let at = |rx: Rx| paths.iter().position(|&r| r == rx).unwrap_or(0);
+    let group = |what: &str| format!("LRO and GRO, MTU-sized frames on the wire: {what}");
+    for (what, unit, get) in [
+        (
+            "iperf3 TCP into the receiver",
+            "Gbit/s",
+            (|x: &RxSamples| &x.gbps) as fn(&RxSamples) -> &Vec<f64>,
+        ),
+        (
+            "segments per packet up the receiving stack",
+            "segments",
+            |x: &RxSamples| &x.segs_per_packet,
+        ),
+        (
+            "sockperf TCP ping-pong round trip, median",
+            "µs",
+            |x: &RxSamples| &x.rtt_median,
+        ),
+        (
+            "sockperf TCP ping-pong round trip, p99",
+            "µs",
+            |x: &RxSamples| &x.rtt_p99,
+        ),
+    ] {
+        for (i, &rx) in paths.iter().enumerate() {
+            let base = rx.base();
+            let row = rep.row(&group(what), &rx.name(), unit, get(&s[i]));
+            if base != rx {
+                row.ratio = crate::stats::ratio_median(get(&s[i]), get(&s[at(base)]))
+                    .map(|x| (base.name(), x));
+            }
+        }
+    }
+    lro_checks(rep, &s, &at, intact);
+    Ok(())
+}
+
+/// The LRO rounds: each receive path carries an iperf3 stream and a sockperf
+/// ping-pong; its rate, segments per packet and round trips, and whether the seeded
+/// streams crossed pvio's adaptive LRO intact.
+fn lro_measure(
+    cfg: &UpConfig,
+    paths: &[Rx],
+    rounds: usize,
+    secs: u64,
+    ping_secs: u64,
+) -> Result<(Vec<RxSamples>, Option<bool>), LabError> {
     let mut s = vec![RxSamples::default(); paths.len()];
     let mut intact = None;
     let pair = Veth::segmenting()?;
@@ -807,39 +932,12 @@ fn lro_rows(
             drop(machine);
         }
     }
-    let at = |rx: Rx| paths.iter().position(|&r| r == rx).unwrap_or(0);
-    let group = |what: &str| format!("LRO and GRO, MTU-sized frames on the wire: {what}");
-    for (what, unit, get) in [
-        (
-            "iperf3 TCP into the receiver",
-            "Gbit/s",
-            (|x: &RxSamples| &x.gbps) as fn(&RxSamples) -> &Vec<f64>,
-        ),
-        (
-            "segments per packet up the receiving stack",
-            "segments",
-            |x: &RxSamples| &x.segs_per_packet,
-        ),
-        (
-            "sockperf TCP ping-pong round trip, median",
-            "µs",
-            |x: &RxSamples| &x.rtt_median,
-        ),
-        (
-            "sockperf TCP ping-pong round trip, p99",
-            "µs",
-            |x: &RxSamples| &x.rtt_p99,
-        ),
-    ] {
-        for (i, &rx) in paths.iter().enumerate() {
-            let base = rx.base();
-            let row = rep.row(&group(what), &rx.name(), unit, get(&s[i]));
-            if base != rx {
-                row.ratio = crate::stats::ratio_median(get(&s[i]), get(&s[at(base)]))
-                    .map(|x| (base.name(), x));
-            }
-        }
-    }
+    Ok((s, intact))
+}
+
+/// The LRO rows' targets: adaptive LRO against no LRO and against the veth pair's GRO,
+/// the round trip, segments per packet, and the seeded streams.
+fn lro_checks(rep: &mut Report, s: &[RxSamples], at: &dyn Fn(Rx) -> usize, intact: Option<bool>) {
     let adaptive = &s[at(Rx::Pvio(LroMode::Adaptive))];
     let x = crate::stats::ratio_median(&adaptive.gbps, &s[at(Rx::Pvio(LroMode::Off))].gbps)
         .unwrap_or(f64::NAN);
@@ -900,7 +998,6 @@ fn lro_rows(
             "the byte-for-byte stream check through LRO runs from the `pvio` binary only".into(),
         ),
     }
-    Ok(())
 }
 
 #[cfg(test)]
