@@ -432,6 +432,20 @@ fn device_under_churn(
     ))
 }
 
+/// The run's sizes from its mode.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    mode: Mode,
+    /// lmbench's rounds.
+    iters: usize,
+    /// lmbench's iterations per setup.
+    n: usize,
+    /// The busy workload's intervals, their length, and its process creations a second.
+    intervals: usize,
+    interval: Duration,
+    rate: f64,
+}
+
 fn run(mode: Mode) -> Result<Report, LabError> {
     let iters = mode.iterations();
     let n = mode.scale(4000) as usize;
@@ -439,6 +453,14 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         Mode::Full => (30, Duration::from_millis(200), 2000.0),
         Mode::Quick => (20, Duration::from_millis(100), 2000.0),
         Mode::Smoke => (8, Duration::from_millis(20), 2000.0),
+    };
+    let p = Plan {
+        mode,
+        iters,
+        n,
+        intervals,
+        interval,
+        rate,
     };
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = format!(
@@ -467,6 +489,28 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         (3 + 6 + iters * SETUPS.len() + 6 + dm.runs * 2 * machine::Churn::ALL.len()) as u64
             + sizing::steps(mode),
     );
+    let tls = busy_figures(&mut r, &p)?;
+    fig6(&mut r, &tls);
+    other_rates(&mut r, &p)?;
+    fig10(&mut r, &p)?;
+    pool_shape(&mut r, &p)?;
+    lazy_window(&mut r)?;
+    device_churn(&mut r, &p)?;
+    machine::section(&mut r, &dm, rate)?;
+    sizing::section(&mut r, mode)?;
+    r.notes.push("Every process's pages are read through the hypervisor's walker and checked (first and last word of every page) on every run; a wrong byte fails the experiment.".into());
+    Ok(r)
+}
+
+/// Figures 5, 7 and 8: the busy workload's invalidations and pool over time, with the
+/// cache disabled, enabled from the start and enabled once the flush rate is steady.
+fn busy_figures(r: &mut Report, p: &Plan) -> Result<Vec<(&'static str, Timeline)>, LabError> {
+    let Plan {
+        intervals,
+        interval,
+        rate,
+        ..
+    } = *p;
     let mut tls = Vec::new();
     for (grp, name) in [
         (Group::Disabled, "cache disabled"),
@@ -586,7 +630,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             }
         }
     }
-    // Figure 6: the disabled run's steady part against the pre-enabled run's.
+    Ok(tls)
+}
+
+/// Figure 6: the disabled run's steady part against the pre-enabled run's.
+fn fig6(r: &mut Report, tls: &[(&'static str, Timeline)]) {
     let (dis, pre) = (&tls[0].1.steady, &tls[1].1.steady);
     let g6 = "Fig. 6: CPU per page-table page";
     let mut alloc_ratio = f64::NAN;
@@ -642,9 +690,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "≥ 71 (paper)",
         free_ratio <= 0.29,
     );
+}
 
-    // The busy workload at other rates: the paper's (about 540 a minute), and as fast
-    // as this guest forks.
+/// The busy workload at other rates: the paper's (about 540 a minute), and as fast
+/// as this guest forks.
+fn other_rates(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+    let Plan { mode, rate, .. } = *p;
     let (rate_intervals, rate_interval) = match mode {
         Mode::Full => (10, Duration::from_millis(200)),
         Mode::Quick => (5, Duration::from_millis(100)),
@@ -703,7 +754,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         }
     }
 
-    // Figure 10 and the policies side by side.
+    Ok(())
+}
+
+/// Figure 10 and the flush policies side by side: lmbench's fork+exit and fork+exec.
+fn fig10(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+    let Plan { iters, n, .. } = *p;
     let mut exit_us = vec![Vec::new(); SETUPS.len()];
     let mut exec_us = vec![Vec::new(); SETUPS.len()];
     let mut flushes = vec![0.0; SETUPS.len()];
@@ -756,6 +812,17 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         vs_none <= 1.05,
     );
 
+    Ok(())
+}
+
+/// The shared pool against per-level pools at the same hit rate.
+fn pool_shape(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+    let Plan {
+        intervals,
+        interval,
+        rate,
+        ..
+    } = *p;
     // The shared pool against per-level pools at the same hit rate: tabs of two shapes
     // in turn, one cycle of each, so the levels' demands trade places; neither pool
     // gives anything back, so both hit whenever a page of the level (or any) is there.
@@ -802,7 +869,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         ps < pp,
     );
 
-    // Lazy: the window.
+    Ok(())
+}
+
+/// Lazy flushing: the window it leaves.
+fn lazy_window(r: &mut Report) -> Result<(), LabError> {
     {
         let mut g = guest(&SETUPS[2])?;
         let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
@@ -836,7 +907,12 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         r.notes.push("Lazy flushing leaves a window in which a device whose IOTLB still holds a page's writable translation writes a live page table (the test `hv --test pv_mmu lazy_flushing_leaves_a_window…` shows one such write); IOSUP changes no type in steady state, so it has no window at all.".into());
     }
 
-    // Beyond the paper: a device under churn.
+    Ok(())
+}
+
+/// Beyond the paper: a device's IOTLB under the guest's churn.
+fn device_churn(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+    let Plan { mode, .. } = *p;
     let dur = match mode {
         Mode::Full => Duration::from_millis(1500),
         Mode::Quick => Duration::from_millis(600),
@@ -899,10 +975,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             ok,
         );
     }
-    machine::section(&mut r, &dm, rate)?;
-    sizing::section(&mut r, mode)?;
-    r.notes.push("Every process's pages are read through the hypervisor's walker and checked (first and last word of every page) on every run; a wrong byte fails the experiment.".into());
-    Ok(r)
+    Ok(())
 }
 
 #[cfg(test)]
