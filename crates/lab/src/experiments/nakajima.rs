@@ -504,7 +504,16 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 
 /// Tables IV–VII and the aggregation latency.
 fn tables(r: &mut Report, res: &Results, ghz: f64) {
-    // Table IV.
+    table4(r, res);
+    table5(r, res, ghz);
+    cpu_at_limit(r, res);
+    table6(r, res);
+    table7(r, res);
+}
+
+/// Table IV: throughput on a gigabit wire and on an unlimited one, and in the two-core
+/// placement.
+fn table4(r: &mut Report, res: &Results) {
     for (phase, wire) in [(TPUT_1G, "1 Gbit/s wire"), (TPUT_FREE, "unlimited wire")] {
         let group = format!("table IV: throughput, {wire}");
         let pv = series(res, phase, PV.name, |m| m.mbps);
@@ -541,8 +550,10 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
         );
         row.ratio = ratio_median(&v, &two(PV)).map(|x| ("pv".to_string(), x));
     }
+}
 
-    // Table V at the fixed load.
+/// Table V: CPU per byte at the fixed load, by domain and by class.
+fn table5(r: &mut Report, res: &Results, ghz: f64) {
     let group = format!("table V: CPU per byte at {LOAD_MBPS} Mbit/s");
     let pv_total = series(res, LOAD, PV.name, total);
     let mut bars = Vec::new();
@@ -619,9 +630,11 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
         unit: "ns per byte".into(),
         bars,
     });
+}
 
-    // CPU per byte where the receiver carries all it can (the unlimited wire): the
-    // paper's own condition, its receiver busy throughout.
+/// CPU per byte where the receiver carries all it can (the unlimited wire): the
+/// paper's own condition, its receiver busy throughout.
+fn cpu_at_limit(r: &mut Report, res: &Results) {
     let group = "CPU per byte at the receiver's limit (unlimited wire)";
     let pv_free = series(res, TPUT_FREE, PV.name, total);
     for c in CONFIGS {
@@ -639,8 +652,11 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
         let row = r.row(group, &format!("{} total", c.name), "ns/B", &tv);
         row.ratio = ratio_median(&tv, &pv_free).map(|x| ("pv".to_string(), x));
     }
+}
 
-    // Table VI, and each segment's wait in LRO, from the gigabit stream.
+/// Table VI: segments per aggregate, and each segment's wait in LRO, from the gigabit
+/// stream.
+fn table6(r: &mut Report, res: &Results) {
     let lros: Vec<Cfg> = CONFIGS
         .into_iter()
         .filter(|c| c.flushing.is_some())
@@ -693,8 +709,10 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
         &arith,
     );
     row.reference = Some("paper (4.71 − 2.55) × 16.7 µs ≈ 36 µs".into());
+}
 
-    // Table VII.
+/// Table VII: TCP_RR transactions and latency.
+fn table7(r: &mut Report, res: &Results) {
     for c in CONFIGS {
         let tps = series(res, RR_PHASE, c.name, |m| m.tps);
         let row = r.row(
