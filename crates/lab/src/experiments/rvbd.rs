@@ -468,6 +468,24 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     Ok(r)
 }
 
+/// Requests per point and fio's seconds, from the run's mode.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    seq_n: u64,
+    qd1_n: u64,
+    qd32_n: u64,
+    fio_secs: u64,
+}
+
+/// What every path's jobs add up: bytes wrong, requests failed or never completed, and
+/// the medians Table I's checks compare.
+#[derive(Default)]
+struct Tally {
+    corrupt: u64,
+    errors: u64,
+    medians: std::collections::HashMap<(Where, &'static str), f64>,
+}
+
 fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
     let (seq_n, qd1_n, qd32_n, fio_secs) = match mode {
         Mode::Full => (1000, 3000, 20_000, 5),
@@ -494,9 +512,30 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         "random_qd1_requests": qd1_n, "random_qd32_requests": qd32_n, "fio_seconds": fio_secs,
         "persistent_grants": true, "aoe_target": {"shelf": SHELF, "slot": SLOT},
     });
-    let mut corrupt = 0u64;
-    let mut errors = 0u64;
-    let mut medians: std::collections::HashMap<(Where, &str), f64> = Default::default();
+    let z = Sizes {
+        seq_n,
+        qd1_n,
+        qd32_n,
+        fio_secs,
+    };
+    let mut t = Tally::default();
+    sequential(r, disk, mode, &z, &mut t)?;
+    random(r, disk, &z, &mut t)?;
+    fault(r, disk, &z, &mut t)?;
+    let floor_qd1 = floor(r, disk, &z, &mut t)?;
+    totals(r, &t, floor_qd1);
+    Ok(())
+}
+
+/// Table I: sequential reads, one in flight, by response size.
+fn sequential(
+    r: &mut Report,
+    disk: &Path,
+    mode: Mode,
+    z: &Sizes,
+    t: &mut Tally,
+) -> Result<(), LabError> {
+    let seq_n = z.seq_n;
     // Table I: sequential reads, one in flight, by response size.
     for path in Where::ALL {
         // Quick mode: the ends of the sweep and the paper's size.
@@ -516,8 +555,8 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
                 1,
                 seq_n,
             )?;
-            corrupt += j.corrupt;
-            errors += j.errors + (seq_n - j.completed);
+            t.corrupt += j.corrupt;
+            t.errors += j.errors + (seq_n - j.completed);
             let row = r.row(
                 "Table I: sequential reads, latency per response",
                 &format!("{} {} B", path.name(), bytes),
@@ -530,10 +569,17 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
                     Where::NbdSv(_) => "890 µs (interpolated to 37,601 B)".into(),
                     _ => "—".into(),
                 });
-                medians.insert((path, "seq"), row.stats.median);
+                t.medians.insert((path, "seq"), row.stats.median);
             }
         }
     }
+    Ok(())
+}
+
+/// Random 4 KiB reads at queue depths 1 and 32: latency, CPU per request by domain and
+/// class, retransmissions, IOPS.
+fn random(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), LabError> {
+    let (qd1_n, qd32_n) = (z.qd1_n, z.qd32_n);
     // Random 4 KiB reads: queue depth 1 and 32.
     for path in Where::ALL {
         let j = run_job(
@@ -546,15 +592,15 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             1,
             qd1_n,
         )?;
-        corrupt += j.corrupt;
-        errors += j.errors + (qd1_n - j.completed);
+        t.corrupt += j.corrupt;
+        t.errors += j.errors + (qd1_n - j.completed);
         let row = r.row(
             "random 4 KiB reads, QD1",
             &format!("{} latency", path.name()),
             "µs",
             &j.lat_us,
         );
-        medians.insert((path, "qd1"), row.stats.median);
+        t.medians.insert((path, "qd1"), row.stats.median);
         r.row(
             "CPU per request, QD1",
             &format!("{} guest", path.name()),
@@ -609,8 +655,8 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             32,
             qd32_n,
         )?;
-        corrupt += j.corrupt;
-        errors += j.errors + (qd32_n - j.completed);
+        t.corrupt += j.corrupt;
+        t.errors += j.errors + (qd32_n - j.completed);
         let iops = j.completed as f64 / j.elapsed.as_secs_f64();
         r.row(
             "random 4 KiB reads, QD32",
@@ -619,6 +665,13 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             &[iops],
         );
     }
+    Ok(())
+}
+
+/// The fault: vblade killed under random reads on the SV-NIC RVBD and started again,
+/// every request answered once.
+fn fault(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), LabError> {
+    let qd1_n = z.qd1_n;
     // The fault: vblade killed a quarter of the way through a run of random reads on
     // the SV-NIC RVBD and started again 300 ms later.
     let fault_n = qd1_n.max(400);
@@ -632,7 +685,7 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         4,
         fault_n,
     )?;
-    corrupt += j.corrupt;
+    t.corrupt += j.corrupt;
     r.row(
         "fault: vblade killed for 300 ms",
         "SV-NIC RVBD, 16 KiB random reads, 4 in flight: longest response",
@@ -655,7 +708,13 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         lost_or_doubled,
         "requests",
     );
-    // The floor: the host's own NBD client, no virtualization.
+    Ok(())
+}
+
+/// The floor: the host's own NBD client, no virtualization, against both servers;
+/// returns the faster one's QD1 median.
+fn floor(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<f64, LabError> {
+    let fio_secs = z.fio_secs;
     let host = RemoteHost::start(
         None,
         disk,
@@ -677,8 +736,8 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
         let q1 = fio(&uri, "randread", 4096, 1, fio_secs, 1)?;
         let sq = fio(&uri, "read", PAPER_SIZE, 1, fio_secs, 1)?;
         let q32 = fio(&uri, "randread", 4096, 32, fio_secs, 1)?;
-        errors += q1.errors + sq.errors + q32.errors;
-        errors += [&q1, &sq, &q32].iter().filter(|f| f.ios == 0).count() as u64;
+        t.errors += q1.errors + sq.errors + q32.errors;
+        t.errors += [&q1, &sq, &q32].iter().filter(|f| f.ios == 0).count() as u64;
         let name = format!("host NBD client → {server}");
         r.row(
             "floor: the host's own NBD client (fio, libnbd)",
@@ -708,19 +767,24 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
     }
     drop(host);
 
+    Ok(floor_qd1)
+}
+
+/// Every path's bytes and requests, and Table I's comparisons.
+fn totals(r: &mut Report, t: &Tally, floor_qd1: f64) {
     r.check_none(
         "bytes read that differ from the backing file's (every path)",
-        corrupt,
+        t.corrupt,
         "requests",
     );
-    r.check_none("requests failed or not completed", errors, "requests");
+    r.check_none("requests failed or not completed", t.errors, "requests");
     // Table I: the paper's RVBD (with its bounce copy) against the guest's NBD through
     // the SV-NIC's VIF to the faster server.
     let nbd_sv = [Server::Nbdkit, Server::NbdServer]
         .iter()
-        .filter_map(|&s| medians.get(&(Where::NbdSv(s), "seq")).copied())
+        .filter_map(|&s| t.medians.get(&(Where::NbdSv(s), "seq")).copied())
         .fold(f64::INFINITY, f64::min);
-    if let Some(&rv) = medians.get(&(Where::SvnicRvbdBounce, "seq")) {
+    if let Some(&rv) = t.medians.get(&(Where::SvnicRvbdBounce, "seq")) {
         r.check(
             "Table I: SV-NIC RVBD (bounce copy) latency per 37,888-byte response ≤ 0.36× the guest's NBD through its SV-NIC VIF (the faster server)",
             rv / nbd_sv,
@@ -729,7 +793,7 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
             rv <= 0.36 * nbd_sv,
         );
     }
-    if let Some(&rv) = medians.get(&(Where::SvnicRvbd, "qd1")) {
+    if let Some(&rv) = t.medians.get(&(Where::SvnicRvbd, "qd1")) {
         r.check(
             "SV-NIC RVBD random 4 KiB QD1 median ≤ the host's own NBD client's (the faster server; client on the guest's core)",
             rv / floor_qd1,
@@ -752,7 +816,6 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
          buffers keep 16 on the wire."
             .into(),
     );
-    Ok(())
 }
 
 #[cfg(test)]
