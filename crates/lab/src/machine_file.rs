@@ -290,26 +290,67 @@ pub fn load(path: &Path) -> Result<UpConfig, MachineFileError> {
     parse(path, &text)
 }
 
+/// Refusals name the file, the key and its line.
+struct Refuse<'a> {
+    path: &'a Path,
+    text: &'a str,
+}
+
+impl Refuse<'_> {
+    fn at(&self, span: Range<usize>, key: &str, why: String) -> MachineFileError {
+        MachineFileError::Value {
+            path: self.path.to_path_buf(),
+            line: self.text[..span.start.min(self.text.len())]
+                .matches('\n')
+                .count()
+                + 1,
+            key: key.to_string(),
+            why,
+        }
+    }
+}
+
 /// The machine in `text` (read from `path`, named in errors).
 pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     let f: File = toml::from_str(text).map_err(|e| MachineFileError::Format {
         path: path.to_path_buf(),
         message: e.to_string().trim_end().to_string(),
     })?;
-    let refuse = |span: Range<usize>, key: &str, why: String| MachineFileError::Value {
-        path: path.to_path_buf(),
-        line: text[..span.start.min(text.len())].matches('\n').count() + 1,
-        key: key.to_string(),
-        why,
-    };
+    let refuse = Refuse { path, text };
     let mut cfg = UpConfig::default();
-    if let Some(p) = f.hypervisor.grant_path {
+    hypervisor_table(f.hypervisor, &mut cfg, &refuse)?;
+    nic_table(f.nic, &mut cfg, &refuse)?;
+    if let Some(n) = f.driver.netfilter {
+        cfg.netfilter = n;
+    }
+    let svnic = f.svnic.is_some();
+    svnic_table(f.svnic.as_ref(), &mut cfg, &refuse)?;
+    endpoint(
+        &f.outside,
+        "outside",
+        &mut cfg.outside_ns,
+        &mut cfg.outside_addr,
+        &refuse,
+    )?;
+    guest_tables(&f.guest, svnic, &mut cfg, &refuse)?;
+    disk_tables(&f.disk, svnic, &mut cfg, &refuse)?;
+    Ok(cfg)
+}
+
+/// `[hypervisor]`: the grant path and table version, the host cores the machine owns.
+fn hypervisor_table(
+    hy: Hypervisor,
+    cfg: &mut UpConfig,
+    refuse: &Refuse<'_>,
+) -> Result<(), MachineFileError> {
+    let refuse = |span, key: &str, why| refuse.at(span, key, why);
+    if let Some(p) = hy.grant_path {
         cfg.grant_path = match p {
             GrantPath::Original => hv::GrantPath::Original,
             GrantPath::Optimised => hv::GrantPath::Optimised,
         };
     }
-    if let Some(c) = &f.hypervisor.cpus {
+    if let Some(c) = &hy.cpus {
         let online = mem::cpu::online_cores();
         let set = match c.get_ref().iter().find(|&&n| n >= online) {
             Some(n) => Err(format!("core {n}: this host has cores 0 to {}", online - 1)),
@@ -320,7 +361,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         };
         cfg.cpus = Some(set.map_err(|why| refuse(c.span(), "hypervisor.cpus", why))?);
     }
-    if let Some(v) = f.hypervisor.grant_version {
+    if let Some(v) = hy.grant_version {
         cfg.grant_version = match *v.get_ref() {
             1 => hv::GrantVersion::V1,
             2 => hv::GrantVersion::V2,
@@ -333,7 +374,13 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             }
         };
     }
-    if let Some(n) = f.nic.coalesce_packets {
+    Ok(())
+}
+
+/// `[nic]`: coalescing, queues, the cable, the DMA's landing, LRO.
+fn nic_table(nic: Nic, cfg: &mut UpConfig, refuse: &Refuse<'_>) -> Result<(), MachineFileError> {
+    let refuse = |span, key: &str, why| refuse.at(span, key, why);
+    if let Some(n) = nic.coalesce_packets {
         if !(1..=dev::nic::RING_DESCS).contains(n.get_ref()) {
             return Err(refuse(
                 n.span(),
@@ -347,7 +394,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         }
         cfg.coalesce.pkts_per_irq = *n.get_ref();
     }
-    if let Some(d) = f.nic.coalesce_delay_us {
+    if let Some(d) = nic.coalesce_delay_us {
         if *d.get_ref() > 1_000_000 {
             return Err(refuse(
                 d.span(),
@@ -357,16 +404,16 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         }
         cfg.coalesce.max_delay = Duration::from_micros(*d.get_ref());
     }
-    if let Some(a) = f.nic.adaptive {
+    if let Some(a) = nic.adaptive {
         cfg.coalesce.adaptive = a;
     }
-    if let Some(q) = f.nic.multi_queue {
+    if let Some(q) = nic.multi_queue {
         cfg.multi_queue = q;
     }
-    if let Some(m) = f.nic.mtu_wire {
+    if let Some(m) = nic.mtu_wire {
         cfg.mtu_wire = m;
     }
-    if let Some(c) = &f.nic.cable {
+    if let Some(c) = &nic.cable {
         let name = c.get_ref();
         // Linux's rule for an interface name (`dev_valid_name`).
         let valid = !name.is_empty()
@@ -385,11 +432,11 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         }
         cfg.cable = Some(name.clone());
     }
-    if let Some(d) = &f.nic.dma {
+    if let Some(d) = &nic.dma {
         cfg.dma_landing = hv::iommu::DmaLanding::parse(d.get_ref())
             .map_err(|e| refuse(d.span(), "nic.dma", e))?;
     }
-    let every = match &f.nic.lro_flush_every {
+    let every = match &nic.lro_flush_every {
         Some(n) if !(1..=64).contains(n.get_ref()) => {
             return Err(refuse(
                 n.span(),
@@ -400,7 +447,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         Some(n) => *n.get_ref(),
         None => 2,
     };
-    if let Some(l) = &f.nic.lro {
+    if let Some(l) = &nic.lro {
         cfg.lro = match *l.get_ref() {
             Lro::Off => LroMode::Off,
             Lro::EveryPoll => LroMode::EveryPoll,
@@ -418,10 +465,17 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             ));
         }
     }
-    if let Some(n) = f.driver.netfilter {
-        cfg.netfilter = n;
-    }
-    if let Some(sv) = &f.svnic {
+    Ok(())
+}
+
+/// `[svnic]`: paper 002's self-virtualized NIC in the driver domain's place.
+fn svnic_table(
+    svnic: Option<&Spanned<Svnic>>,
+    cfg: &mut UpConfig,
+    refuse: &Refuse<'_>,
+) -> Result<(), MachineFileError> {
+    let refuse = |span, key: &str, why| refuse.at(span, key, why);
+    if let Some(sv) = svnic {
         use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
         let t = sv.get_ref();
         if cfg.lro.is_some() || cfg.multi_queue {
@@ -455,47 +509,59 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             ..SvnicConfig::default()
         });
     }
-    let endpoint = |e: &Endpoint,
-                    table: &str,
-                    ns: &mut String,
-                    addr: &mut String|
-     -> Result<(), MachineFileError> {
-        if let Some(n) = &e.namespace {
-            let name = n.get_ref();
-            if name.is_empty() || name.len() > 200 || name.contains(['/', '\0', ' ']) {
-                return Err(refuse(
-                    n.span(),
-                    &format!("{table}.namespace"),
-                    format!("{name:?} is not a namespace name"),
-                ));
-            }
-            ns.clone_from(name);
+    Ok(())
+}
+
+/// An `outside` or `[[guest]]` table's namespace and address, checked, into `ns` and
+/// `addr`.
+fn endpoint(
+    e: &Endpoint,
+    table: &str,
+    ns: &mut String,
+    addr: &mut String,
+    refuse: &Refuse<'_>,
+) -> Result<(), MachineFileError> {
+    let refuse = |span, key: &str, why| refuse.at(span, key, why);
+    if let Some(n) = &e.namespace {
+        let name = n.get_ref();
+        if name.is_empty() || name.len() > 200 || name.contains(['/', '\0', ' ']) {
+            return Err(refuse(
+                n.span(),
+                &format!("{table}.namespace"),
+                format!("{name:?} is not a namespace name"),
+            ));
         }
-        if let Some(a) = &e.address {
-            if !is_cidr(a.get_ref()) {
-                return Err(refuse(
-                    a.span(),
-                    &format!("{table}.address"),
-                    format!(
-                        "{:?}: an IPv4 address with its prefix, as 10.77.0.1/24",
-                        a.get_ref()
-                    ),
-                ));
-            }
-            addr.clone_from(a.get_ref());
+        ns.clone_from(name);
+    }
+    if let Some(a) = &e.address {
+        if !is_cidr(a.get_ref()) {
+            return Err(refuse(
+                a.span(),
+                &format!("{table}.address"),
+                format!(
+                    "{:?}: an IPv4 address with its prefix, as 10.77.0.1/24",
+                    a.get_ref()
+                ),
+            ));
         }
-        Ok(())
-    };
-    endpoint(
-        &f.outside,
-        "outside",
-        &mut cfg.outside_ns,
-        &mut cfg.outside_addr,
-    )?;
-    let guests = f.guest.get_ref();
+        addr.clone_from(a.get_ref());
+    }
+    Ok(())
+}
+
+/// The `[[guest]]` tables.
+fn guest_tables(
+    guest: &Spanned<Vec<Guest>>,
+    svnic: bool,
+    cfg: &mut UpConfig,
+    refuse: &Refuse<'_>,
+) -> Result<(), MachineFileError> {
+    let refuse_at = refuse;
+    let refuse = |span, key: &str, why| refuse_at.at(span, key, why);
+    let guests = guest.get_ref();
     if guests.is_empty() || guests.len() > MAX_GUESTS {
         return Err(refuse(
-            f.guest.span(),
+            guest.span(),
             "guest",
             format!("{} guests: from 1 to {MAX_GUESTS}", guests.len()),
         ));
@@ -526,7 +592,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             }
             u.name.clone_from(name);
         }
-        endpoint(&g.tap, "guest.tap", &mut u.ns, &mut u.addr)?;
+        endpoint(&g.tap, "guest.tap", &mut u.ns, &mut u.addr, refuse_at)?;
         if let Some(b) = g.rx_buffers {
             u.rx_buffers = match b {
                 Buffers::Fragments => RxBuffers::Fragments,
@@ -554,7 +620,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             u.core = Some(*c.get_ref() as usize);
         }
         if let Some(p) = &g.priority {
-            if !(1..=100).contains(p.get_ref()) || f.svnic.is_none() {
+            if !(1..=100).contains(p.get_ref()) || !svnic {
                 return Err(refuse(
                     p.span(),
                     "guest.priority",
@@ -569,8 +635,8 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
         cfg.guests.push(u);
         // What two guests, or a guest and the outside, cannot share; refused at this
         // guest's table, named by the key that clashes.
-        let span = |key: Option<&Spanned<String>>| key.map_or(f.guest.span(), Spanned::span);
-        if let Err(e) = crate::up::check(&cfg) {
+        let span = |key: Option<&Spanned<String>>| key.map_or(guest.span(), Spanned::span);
+        if let Err(e) = crate::up::check(cfg) {
             let key = if e.to_string().contains("namespace") {
                 ("guest.tap.namespace", span(g.tap.namespace.as_ref()))
             } else if e.to_string().contains("address") {
@@ -581,7 +647,18 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             return Err(refuse(key.1, key.0, e.to_string()));
         }
     }
-    for d in &f.disk {
+    Ok(())
+}
+
+/// The `[[disk]]` tables.
+fn disk_tables(
+    disk: &[Spanned<DiskTable>],
+    svnic: bool,
+    cfg: &mut UpConfig,
+    refuse: &Refuse<'_>,
+) -> Result<(), MachineFileError> {
+    let refuse = |span, key: &str, why| refuse.at(span, key, why);
+    for d in disk {
         let span = d.span();
         let d = d.get_ref();
         let name = match &d.name {
@@ -622,7 +699,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
                 ))
             }
         };
-        if f.svnic.is_some() && matches!(disk, kernel::machine::Disk::File(_)) {
+        if svnic && matches!(disk, kernel::machine::Disk::File(_)) {
             return Err(refuse(
                 span,
                 "disk.file",
@@ -678,7 +755,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
             core,
         });
     }
-    Ok(cfg)
+    Ok(())
 }
 
 /// The most guests a file may have (the driver domain's window has room for this
