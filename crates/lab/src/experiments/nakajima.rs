@@ -367,11 +367,9 @@ fn shared(cfg: &str) -> Option<&'static str> {
     }
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
-    let d = durations(mode);
-    let ghz = tsc_ghz();
-    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    r.setup = format!(
+/// What runs where, for the record.
+fn setup(d: &Durations, ghz: f64) -> String {
+    format!(
         "netperf's TCP_STREAM (1 KiB writes) and TCP_RR (1-byte transactions) from a remote sender \
          (smoltcp's TCP, Reno, window scaling and timestamps, on its own thread) across the cable into \
          the receiver's TCP (smoltcp's too). native: the application in the domain that owns the NIC. \
@@ -396,7 +394,14 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         d.window.as_millis(),
         d.warmup.as_millis(),
         d.runs
-    );
+    )
+}
+
+fn run(mode: Mode) -> Result<Report, LabError> {
+    let d = durations(mode);
+    let ghz = tsc_ghz();
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    r.setup = setup(&d, ghz);
     r.config = serde_json::json!({
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "rr_window_ms": d.rr_window.as_millis() as u64, "warmup_ms": d.warmup.as_millis() as u64,
@@ -405,101 +410,133 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "lro": { "form": "skb", "max_flows": LroSetup::PAPER.max_flows, "da_n": 2, "da_max_hold_us": 1000, "adaptive_budget_us": 200 },
     });
 
-    let mut res: Results = BTreeMap::new();
-    let (mut lost, mut corrupt, mut unchecked, mut unsettled) = (0u64, 0u64, 0u64, 0u64);
-    // The two-core placement is for the full run; a quick look keeps to the paper's.
-    let two_core: &[Cfg] = if mode == Mode::Full {
+    let (res, t) = rounds(mode, &d)?;
+    tables(&mut r, &res, ghz);
+    sweep(&mut r, &res);
+    checks(&mut r, &res, mode);
+    integrity(&mut r, &t);
+    Ok(r)
+}
+
+/// What every run adds up: bytes lost and corrupt, stream runs with nothing checked,
+/// fixed-load runs whose sender had not settled.
+#[derive(Default)]
+struct Tally {
+    lost: u64,
+    corrupt: u64,
+    unchecked: u64,
+    unsettled: u64,
+}
+
+/// The two-core placement is for the full run; a quick look keeps to the paper's.
+fn two_core(mode: Mode) -> &'static [Cfg] {
+    if mode == Mode::Full {
         &[NATIVE, PV, DA, ADAPTIVE]
     } else {
         &[]
+    }
+}
+
+/// The sweep's configurations at a load (those a fixed-load phase already runs left
+/// out).
+fn swept(load: f64) -> impl Iterator<Item = Cfg> {
+    SWEEP
+        .into_iter()
+        .filter(move |c| load != LOAD_MBPS || shared(c.name).is_none())
+}
+
+/// One round's runs, in order: each phase's configurations, starting from a different
+/// one each round, so that none always runs first or right after the same neighbour.
+fn round_plan(round: usize, mode: Mode) -> Vec<(String, Cfg, TcpOptions)> {
+    let rot = |cfgs: &[Cfg]| -> Vec<Cfg> {
+        let k = round % cfgs.len().max(1);
+        cfgs[k..].iter().chain(&cfgs[..k]).copied().collect()
     };
-    let swept = |load: f64| {
-        SWEEP
-            .into_iter()
-            .filter(move |c| load != LOAD_MBPS || shared(c.name).is_none())
-    };
-    let per_round = 4 * CONFIGS.len()
-        + SWEEP_LOADS.iter().map(|&l| swept(l).count()).sum::<usize>()
-        + two_core.len();
-    crate::progress::plan((d.runs * per_round) as u64);
-    for round in 0..d.runs {
-        // Each round starts the configurations from a different one, so that none
-        // always runs first or right after the same neighbour.
-        let rot = |cfgs: &[Cfg]| -> Vec<Cfg> {
-            let k = round % cfgs.len().max(1);
-            cfgs[k..].iter().chain(&cfgs[..k]).copied().collect()
-        };
-        let mut plan: Vec<(String, Cfg, TcpOptions)> = Vec::new();
-        for (phase, wire) in [
-            (TPUT_1G, WireRate::GIGABIT),
-            (TPUT_FREE, WireRate::Unlimited),
-        ] {
-            for c in rot(&CONFIGS) {
-                plan.push((
-                    phase.into(),
-                    c,
-                    c.options(stream(None), wire, Placement::OneCore),
-                ));
-            }
-        }
-        for c in rot(&CONFIGS) {
-            let o = c.options(
-                stream(Some(LOAD_MBPS)),
-                WireRate::GIGABIT,
-                Placement::OneCore,
-            );
-            plan.push((LOAD.into(), c, o));
-        }
+    let two_core = two_core(mode);
+    let mut plan: Vec<(String, Cfg, TcpOptions)> = Vec::new();
+    for (phase, wire) in [
+        (TPUT_1G, WireRate::GIGABIT),
+        (TPUT_FREE, WireRate::Unlimited),
+    ] {
         for c in rot(&CONFIGS) {
             plan.push((
-                RR_PHASE.into(),
+                phase.into(),
                 c,
-                c.options(RR, WireRate::GIGABIT, Placement::OneCore),
+                c.options(stream(None), wire, Placement::OneCore),
             ));
         }
-        for load in SWEEP_LOADS {
-            for c in rot(&swept(load).collect::<Vec<_>>()) {
-                let o = c.options(stream(Some(load)), WireRate::GIGABIT, Placement::OneCore);
-                plan.push((sweep_phase(load), c, o));
-            }
+    }
+    for c in rot(&CONFIGS) {
+        let o = c.options(
+            stream(Some(LOAD_MBPS)),
+            WireRate::GIGABIT,
+            Placement::OneCore,
+        );
+        plan.push((LOAD.into(), c, o));
+    }
+    for c in rot(&CONFIGS) {
+        plan.push((
+            RR_PHASE.into(),
+            c,
+            c.options(RR, WireRate::GIGABIT, Placement::OneCore),
+        ));
+    }
+    for load in SWEEP_LOADS {
+        for c in rot(&swept(load).collect::<Vec<_>>()) {
+            let o = c.options(stream(Some(load)), WireRate::GIGABIT, Placement::OneCore);
+            plan.push((sweep_phase(load), c, o));
         }
-        for c in rot(two_core) {
-            let o = c.options(stream(None), WireRate::Unlimited, Placement::TwoCore);
-            plan.push((TWO_CORE.into(), c, o));
-        }
-        for (phase, c, o) in plan {
+    }
+    for c in rot(two_core) {
+        let o = c.options(stream(None), WireRate::Unlimited, Placement::TwoCore);
+        plan.push((TWO_CORE.into(), c, o));
+    }
+    plan
+}
+
+/// Every round's runs: each configuration's measurements by phase, and the tally.
+fn rounds(mode: Mode, d: &Durations) -> Result<(Results, Tally), LabError> {
+    let mut res: Results = BTreeMap::new();
+    let mut t = Tally::default();
+    let per_round = 4 * CONFIGS.len()
+        + SWEEP_LOADS.iter().map(|&l| swept(l).count()).sum::<usize>()
+        + two_core(mode).len();
+    crate::progress::plan((d.runs * per_round) as u64);
+    for round in 0..d.runs {
+        for (phase, c, o) in round_plan(round, mode) {
             crate::progress::step(format_args!(
                 "{} · {phase} · {}",
                 crate::progress::round(round, d.runs),
                 c.name
             ));
-            let (m, f) = measure(o, &d)?;
+            let (m, f) = measure(o, d)?;
             if let PeerApp::Stream { rate, .. } = o.app {
-                lost += f.written.saturating_sub(f.bytes);
-                unchecked += u64::from(f.bytes == 0);
-                unsettled += u64::from(rate.is_some() && !m.settled);
+                t.lost += f.written.saturating_sub(f.bytes);
+                t.unchecked += u64::from(f.bytes == 0);
+                t.unsettled += u64::from(rate.is_some() && !m.settled);
             }
-            corrupt += f.corrupt + f.answers_corrupt;
+            t.corrupt += f.corrupt + f.answers_corrupt;
             res.entry((phase, c.name)).or_default().push(m);
         }
     }
 
-    tables(&mut r, &res, ghz);
-    sweep(&mut r, &res);
-    checks(&mut r, &res, mode);
+    Ok((res, t))
+}
+
+/// Every byte of every run accounted for.
+fn integrity(r: &mut Report, t: &Tally) {
     r.check_none(
         "bytes lost or corrupted at the application, every run (each stream drained and every byte \
          checked against the sender's pattern; every answer checked by the sender)",
-        lost + corrupt,
+        t.lost + t.corrupt,
         "bytes",
     );
-    r.check_none("stream runs in which nothing arrived", unchecked, "runs");
+    r.check_none("stream runs in which nothing arrived", t.unchecked, "runs");
     r.check_none(
         "fixed-load runs whose sender had not caught up with its schedule when the window opened",
-        unsettled,
+        t.unsettled,
         "runs",
     );
-    Ok(r)
 }
 
 /// Tables IV–VII and the aggregation latency.
