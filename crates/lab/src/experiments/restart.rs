@@ -111,6 +111,40 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         sample: None,
         ..Options::paper(Config::Pv, 1000)
     };
+    let (result, disk) = quietly(opts, faults);
+    let (timings, finish, held) = result?;
+    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
+    r.setup = format!(
+        "pv machine (v1 grants, original grant path, netfilter on), {RATE} frames/s of \
+         1000-byte UDP messages to the guest's application, which checks every byte. \
+         {faults} faults of each kind; the watchdog looks every {PERIOD:?} with a stall \
+         limit of {STALL:?}."
+    );
+    r.config = serde_json::json!({
+        "rate_fps": RATE, "message": 1000, "faults_each": faults,
+        "stall_limit_ms": STALL.as_secs_f64() * 1e3,
+        "watchdog_period_ms": PERIOD.as_secs_f64() * 1e3,
+    });
+    network_rows(&mut r, &timings, &finish, held, faults);
+    let (disk_timings, disk) = disk?;
+    disk_rows(&mut r, &disk_timings, &disk);
+    r.notes.push(
+        "A hang's detection is bounded below by the stall limit: the watchdog cannot \
+         tell a hung driver domain from a slow one sooner. A panic is seen at the next \
+         look after the kernel's thread ends (unwinding first)."
+            .into(),
+    );
+    Ok(r)
+}
+
+/// Both measurements with the injected panics' backtraces kept out of the output.
+fn quietly(
+    opts: Options,
+    faults: usize,
+) -> (
+    Result<Measured, LabError>,
+    Result<(Timings, DiskTally), LabError>,
+) {
     // The injected panics would each print a backtrace; keep the report readable.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -125,27 +159,18 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let result = measure(opts, faults);
     let disk = measure_disk(faults);
     let _ = std::panic::take_hook();
-    let (timings, finish, held) = result?;
+    (result, disk)
+}
 
-    let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    r.setup = format!(
-        "pv machine (v1 grants, original grant path, netfilter on), {RATE} frames/s of \
-         1000-byte UDP messages to the guest's application, which checks every byte. \
-         {faults} faults of each kind; the watchdog looks every {PERIOD:?} with a stall \
-         limit of {STALL:?}."
-    );
-    r.config = serde_json::json!({
-        "rate_fps": RATE, "message": 1000, "faults_each": faults,
-        "stall_limit_ms": STALL.as_secs_f64() * 1e3,
-        "watchdog_period_ms": PERIOD.as_secs_f64() * 1e3,
-    });
-    timing_rows(
-        &mut r,
-        &timings,
-        "",
-        "vifs connected",
-        "traffic flowing again",
-    );
+/// The network's outages, its faults caught, its messages checked.
+fn network_rows(
+    r: &mut Report,
+    timings: &Timings,
+    finish: &crate::platform::Finish,
+    held: usize,
+    faults: usize,
+) {
+    timing_rows(r, timings, "", "vifs connected", "traffic flowing again");
     let caught = timings.iter().map(|(_, t)| t.len()).sum::<usize>();
     r.check(
         "faults caught and restarted",
@@ -166,10 +191,13 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          `pvio up`'s test shows TCP resending them).",
         finish.messages_received, finish.messages_sent
     ));
-    let (disk_timings, disk) = disk?;
+}
+
+/// The disk's outages, and every request answered once and read right.
+fn disk_rows(r: &mut Report, disk_timings: &Timings, disk: &DiskTally) {
     timing_rows(
-        &mut r,
-        &disk_timings,
+        r,
+        disk_timings,
         ", a guest's disk",
         "disk connected",
         "I/O flowing again",
@@ -184,13 +212,6 @@ fn run(mode: Mode) -> Result<Report, LabError> {
          fault, every byte read checked against the file.",
         disk.completed, disk.requeued
     ));
-    r.notes.push(
-        "A hang's detection is bounded below by the stall limit: the watchdog cannot \
-         tell a hung driver domain from a slow one sooner. A panic is seen at the next \
-         look after the kernel's thread ends (unwinding first)."
-            .into(),
-    );
-    Ok(r)
 }
 
 /// Each fault kind's rows (detection, restart, fault to `flowing`) and its check of the
