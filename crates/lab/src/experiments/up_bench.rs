@@ -549,19 +549,25 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         )?,
         Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
     }
+    stream_check(&mut rep, intact, "");
+    Ok(rep)
+}
+
+/// The check that the seeded streams crossed pvio (`through`: and what) byte for byte,
+/// or the note that they ran only from the `pvio` binary.
+fn stream_check(rep: &mut Report, intact: Option<bool>, through: &str) {
     match intact {
         Some(ok) => rep.check(
-            "an 8 MiB seeded stream each way through pvio arrives byte for byte",
+            &format!("an 8 MiB seeded stream each way through pvio{through} arrives byte for byte"),
             if ok { 0.0 } else { 1.0 },
             "streams corrupt",
             "0",
             ok,
         ),
-        None => rep.notes.push(
-            "the byte-for-byte stream check runs from the `pvio` binary only (not here)".into(),
-        ),
+        None => rep.notes.push(format!(
+            "the byte-for-byte stream check{through} runs from the `pvio` binary only (not here)"
+        )),
     }
-    Ok(rep)
 }
 
 /// Rounds and seconds: the TCP and UDP rounds, and the LRO rows' (iperf3 and sockperf).
@@ -986,18 +992,7 @@ fn lro_checks(rep: &mut Report, s: &[RxSamples], at: &dyn Fn(Rx) -> usize, intac
         &format!("≥ {v:.1} (veth, GRO on, same rounds)"),
         a >= v,
     );
-    match intact {
-        Some(ok) => rep.check(
-            "an 8 MiB seeded stream each way through pvio with adaptive LRO arrives byte for byte",
-            if ok { 0.0 } else { 1.0 },
-            "streams corrupt",
-            "0",
-            ok,
-        ),
-        None => rep.notes.push(
-            "the byte-for-byte stream check through LRO runs from the `pvio` binary only".into(),
-        ),
-    }
+    stream_check(rep, intact, " with adaptive LRO");
 }
 
 #[cfg(test)]
