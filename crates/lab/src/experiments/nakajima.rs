@@ -830,6 +830,15 @@ fn checks(r: &mut Report, res: &Results, mode: Mode) {
     if mode == Mode::Smoke {
         return;
     }
+    paper_checks(r, res);
+    rr_checks(r, res);
+    adaptive_checks(r, res);
+    load_check(r, res);
+}
+
+/// The paper's directions: each optimisation's CPU per byte and throughput against the
+/// one before it.
+fn paper_checks(r: &mut Report, res: &Results) {
     let pv_native = ratio(res, LOAD, PV, NATIVE, total);
     r.check(
         "CPU per byte: pv dearer than native (paper 1.32×)",
@@ -898,7 +907,11 @@ fn checks(r: &mut Report, res: &Results, mode: Mode) {
         "≥ 1.3",
         da_tput >= 1.3,
     );
-    // TCP_RR across pv, LRO, BO and DA: per round, the spread of the four.
+}
+
+/// TCP_RR: LRO's variants cost no transactions.
+fn rr_checks(r: &mut Report, res: &Results) {
+    // Across pv, LRO, BO and DA: per round, the spread of the four.
     let tps: Vec<Vec<f64>> = [PV, LRO, BO, DA]
         .iter()
         .map(|c| series(res, RR_PHASE, c.name, |m| m.tps))
@@ -922,7 +935,11 @@ fn checks(r: &mut Report, res: &Results, mode: Mode) {
         "≤ 5%",
         spread <= 5.0,
     );
-    // The adaptive flush against the best static N at each load.
+}
+
+/// The adaptive flush against the best static N at each load, and its TCP_RR latency
+/// against N = 1.
+fn adaptive_checks(r: &mut Report, res: &Results) {
     let mut worst: f64 = 0.0;
     for load in SWEEP_LOADS {
         let ad = sweep_series(res, load, "adaptive", total);
@@ -959,8 +976,11 @@ fn checks(r: &mut Report, res: &Results, mode: Mode) {
             (0.95..=1.05).contains(&x),
         );
     }
-    // Every configuration carried the fixed load, or its CPU per byte compares
-    // different work.
+}
+
+/// Every configuration carried the fixed load, or its CPU per byte compares different
+/// work.
+fn load_check(r: &mut Report, res: &Results) {
     let short = CONFIGS
         .iter()
         .map(|c| Stats::of(&series(res, LOAD, c.name, |m| m.mbps)).median / LOAD_MBPS)
