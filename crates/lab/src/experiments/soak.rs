@@ -213,6 +213,20 @@ fn report(
         "pages",
         &col(|p| p.hostile_free_pages as f64),
     );
+    flow_checks(&mut r, periods, unplanned, finish);
+    memory_checks(&mut r, &plan, first, last, periods, held);
+    hostile_checks(&mut r, &plan, last, finish);
+    Ok(r)
+}
+
+/// The good guest's traffic: no restart the watchdog had to make, no quiet period,
+/// every message as sent.
+fn flow_checks(
+    r: &mut Report,
+    periods: &[Period],
+    unplanned: &[crate::platform::Restarted],
+    finish: &crate::platform::Finish,
+) {
     r.check(
         "restarts the watchdog had to make (a hostile guest stalled or crashed the driver domain)",
         unplanned.len() as f64,
@@ -227,6 +241,18 @@ fn report(
         "periods",
     );
     r.check_none("messages delivered not as sent", finish.corrupt, "messages");
+}
+
+/// Memory flat: the process's, the machine's frames, the hostile guests' pages, and
+/// nothing of destroyed domains held.
+fn memory_checks(
+    r: &mut Report,
+    plan: &SoakPlan,
+    first: &Period,
+    last: &Period,
+    periods: &[Period],
+    held: usize,
+) {
     // Memory: the first period already holds every pool; later ones may not grow.
     let growth = last.rss_kib as f64 - first.rss_kib as f64;
     r.check(
@@ -260,6 +286,16 @@ fn report(
         held as u64,
         "frames",
     );
+}
+
+/// The hostile guests' chains refused and counted, and every chain that passed
+/// accounted for.
+fn hostile_checks(
+    r: &mut Report,
+    plan: &SoakPlan,
+    last: &Period,
+    finish: &crate::platform::Finish,
+) {
     let c = &finish.counters;
     let bursts = c.get("hostile guest", "bursts");
     let refused: u64 = c
@@ -303,7 +339,6 @@ fn report(
         finish.messages_received,
         finish.messages_sent
     ));
-    Ok(r)
 }
 
 #[cfg(test)]
