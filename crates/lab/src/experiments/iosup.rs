@@ -532,42 +532,7 @@ fn busy_figures(r: &mut Report, p: &Plan) -> Result<Vec<(&'static str, Timeline)
         ));
     }
     let ms = interval.as_secs_f64() * 1e3;
-    r.lines.push(Lines {
-        name: "fig5-flushes".into(),
-        title: "Fig. 5: IOTLB invalidations from page-table type changes per interval".into(),
-        x_unit: "time, ms".into(),
-        unit: "invalidations per interval".into(),
-        series: tls
-            .iter()
-            .map(|(n, t)| Series {
-                label: n.to_string(),
-                points: t
-                    .flushes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &f)| ((i + 1) as f64 * ms, f as f64))
-                    .collect(),
-            })
-            .collect(),
-    });
-    r.lines.push(Lines {
-        name: "fig7-8-pool".into(),
-        title: "Fig. 7–8: page-table pool size".into(),
-        x_unit: "time, ms".into(),
-        unit: "pages pooled".into(),
-        series: tls[1..]
-            .iter()
-            .map(|(n, t)| Series {
-                label: n.to_string(),
-                points: t
-                    .pool
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &p)| ((i + 1) as f64 * ms, p as f64))
-                    .collect(),
-            })
-            .collect(),
-    });
+    busy_charts(r, &tls, ms);
     for (name, t) in &tls {
         let g = format!("busy workload, {name}");
         let per_s = 1e3 / ms;
@@ -631,6 +596,46 @@ fn busy_figures(r: &mut Report, p: &Plan) -> Result<Vec<(&'static str, Timeline)
         }
     }
     Ok(tls)
+}
+
+/// Figures 5 and 7–8 as lines: each run's invalidations and pool size per interval.
+fn busy_charts(r: &mut Report, tls: &[(&'static str, Timeline)], ms: f64) {
+    r.lines.push(Lines {
+        name: "fig5-flushes".into(),
+        title: "Fig. 5: IOTLB invalidations from page-table type changes per interval".into(),
+        x_unit: "time, ms".into(),
+        unit: "invalidations per interval".into(),
+        series: tls
+            .iter()
+            .map(|(n, t)| Series {
+                label: n.to_string(),
+                points: t
+                    .flushes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &f)| ((i + 1) as f64 * ms, f as f64))
+                    .collect(),
+            })
+            .collect(),
+    });
+    r.lines.push(Lines {
+        name: "fig7-8-pool".into(),
+        title: "Fig. 7–8: page-table pool size".into(),
+        x_unit: "time, ms".into(),
+        unit: "pages pooled".into(),
+        series: tls[1..]
+            .iter()
+            .map(|(n, t)| Series {
+                label: n.to_string(),
+                points: t
+                    .pool
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| ((i + 1) as f64 * ms, p as f64))
+                    .collect(),
+            })
+            .collect(),
+    });
 }
 
 /// Figure 6: the disabled run's steady part against the pre-enabled run's.
