@@ -186,6 +186,15 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
 }
 
 /// Adds Figure 10 to `rep`.
+/// An offered load's label (0: all it can).
+fn label(r: u64) -> String {
+    if r == 0 {
+        "saturating".to_string()
+    } else {
+        format!("{} Mbit/s", r / 1_000_000)
+    }
+}
+
 pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     let phase = Duration::from_secs_f64(match mode {
         Mode::Full => 3.0,
@@ -194,13 +203,6 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
     });
     // The high-priority VM's offered load, phase by phase; 0: all it can.
     let offered: [u64; 4] = [200_000_000, 500_000_000, 800_000_000, 0];
-    let label = |r: u64| {
-        if r == 0 {
-            "saturating".to_string()
-        } else {
-            format!("{} Mbit/s", r / 1_000_000)
-        }
-    };
     rep.setup.push_str(&format!(
         " Figure 10: one host, its SV-NIC's 1 Gbit/s link cabled to a far end that checks \
          every byte of every frame and each sender's sequence. Three guests, HP (priority 80) \
@@ -224,8 +226,14 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
             measure(Schedule::RoundRobin, &offered, phase)?,
         ),
     ];
-    let total_prio: u32 = VMS.iter().map(|v| u32::from(v.1)).sum();
-    for (name, run) in &runs {
+    rows(rep, &runs, &offered);
+    checks(rep, &runs, &offered);
+    Ok(())
+}
+
+/// Each VM's throughput in each phase under each schedule, and Figure 10's lines.
+fn rows(rep: &mut Report, runs: &[(&str, Run)], offered: &[u64]) {
+    for (name, run) in runs {
         for (k, &rate) in offered.iter().enumerate() {
             let p = run.phases[k];
             for (i, (vm, prio)) in VMS.iter().enumerate() {
@@ -262,6 +270,12 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
                 .collect(),
         });
     }
+}
+
+/// The quality-aware schedule gives HP its due, the link stays full, the quality-unaware
+/// one shares evenly, and every frame arrives whole and in sequence.
+fn checks(rep: &mut Report, runs: &[(&str, Run)], offered: &[u64]) {
+    let total_prio: u32 = VMS.iter().map(|v| u32::from(v.1)).sum();
     // Quality-aware: HP gets what it offers, up to its priority's share of the link's
     // rate. Both are fixed before the run (the link's rate is the wire's, in frame
     // bytes: 1514 of every 1538 it carries), so a link that carried less than it can
@@ -334,5 +348,4 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
         &format!("0 (of {sent} sent)"),
         bad + oos == 0 && recv == sent && sent > 0,
     );
-    Ok(())
 }
