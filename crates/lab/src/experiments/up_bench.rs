@@ -491,18 +491,11 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
     rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
     let plan = Plan::of(mode);
-    let Plan {
-        rounds,
-        secs,
-        lro_rounds,
-        lro_secs,
-        ping_secs,
-    } = plan;
     rep.setup = setup(&plan);
     rep.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "rounds": rounds, "seconds": secs,
+        "mode": format!("{mode:?}"), "rounds": plan.rounds, "seconds": plan.secs,
         "flows": Flow::ALL.map(Flow::name), "paths": Path::ALL.map(Path::name),
-        "lro": {"rounds": lro_rounds, "iperf3_seconds": lro_secs, "sockperf_seconds": ping_secs,
+        "lro": {"rounds": plan.lro_rounds, "iperf3_seconds": plan.lro_secs, "sockperf_seconds": plan.ping_secs,
                 "paths": Rx::ALL.map(Rx::name)},
     });
     if let Err(e) = tools::ensure(&[tools::IP, tools::IPERF3, tools::ETHTOOL]) {
@@ -530,9 +523,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // pvio's namespaces live for the whole run: `up` finds them and leaves them, so
     // that each machine brought up does not make and remove namespaces again.
     let _namespaces = Namespaces::make(&[cfg.outside_ns.clone(), cfg.guest().ns.clone()])?;
-    // Each path's namespaces and addresses: (outside, guest, the guest's address).
     crate::progress::plan(
-        (rounds * Path::ALL.len() * Flow::ALL.len() + lro_rounds * Rx::ALL.len()) as u64,
+        (plan.rounds * Path::ALL.len() * Flow::ALL.len() + plan.lro_rounds * Rx::ALL.len()) as u64,
     );
     let t = tcp_rounds(&cfg, &plan)?;
     tcp_rows(&mut rep, &t.rates);
@@ -543,9 +535,9 @@ fn run(mode: Mode) -> Result<Report, LabError> {
             &mut rep,
             &cfg,
             &Rx::all(mode),
-            lro_rounds,
-            lro_secs,
-            ping_secs,
+            plan.lro_rounds,
+            plan.lro_secs,
+            plan.ping_secs,
         )?,
         Err(e) => rep.notes.push(format!("LRO rows not measured: {e}")),
     }
@@ -665,6 +657,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, LabError> {
             // Up for this path's flows, down at the end of them.
             let mut machine = None;
             let veth;
+            // The path's namespaces and addresses: (outside, guest, the guest's address).
             let (o, g, addr) = match path {
                 Path::Pvio | Path::PvioPlain => {
                     let mut c = cfg.clone();
