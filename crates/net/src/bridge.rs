@@ -251,6 +251,8 @@ pub struct BridgeStats {
     pub forwarded: u64,
     /// Frames flooded.
     pub flooded: u64,
+    /// IPv4 frames that passed the netfilter hooks (none with filtering off).
+    pub hooked: u64,
     /// Drops per [`BridgeDrop`].
     pub drops: PerReason<BridgeDrop>,
 }
@@ -258,6 +260,7 @@ pub struct BridgeStats {
 crate::counter_set!(BridgeStats {
     forwarded,
     flooded,
+    hooked,
     drops
 });
 
@@ -438,6 +441,7 @@ impl Bridge {
                     return self.count_drop(BridgeDrop::Filtered);
                 }
             }
+            self.stats.hooked += 1;
         }
         match out {
             Some(p) => {
@@ -554,6 +558,7 @@ mod tests {
             br.learn(flow().dst_mac, 1);
             let id = skb(&mut p, &f);
             assert_eq!(br.input(&p, id, 0), Forward::Port(1));
+            assert_eq!(br.stats().hooked, u64::from(filter), "hooks passed");
             if let Some(nf) = br.netfilter.as_mut() {
                 assert_eq!(nf.chain_packets("filter", Hook::Forward), Some(1));
                 nf.append(
@@ -574,6 +579,7 @@ mod tests {
                 Forward::Port(1)
             };
             assert_eq!(br.input(&p, id, 0), want);
+            assert_eq!(br.stats().hooked, u64::from(filter), "a dropped frame is not counted");
         }
         // A corrupted IP header is caught by the pre-routing checks (only with hooks).
         f[ETH_HEADER + 10] ^= 0x40;
