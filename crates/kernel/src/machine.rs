@@ -182,6 +182,16 @@ pub enum Layout {
         /// Through the driver domain's software bridge (netfilter hooks on).
         bridge: bool,
     },
+    /// The domain with the NIC runs the stack and an application on it itself, through
+    /// a bridge at the application's MAC or not (paper 002's dotted lines for TCP).
+    DirectStack {
+        /// The application.
+        app: AppSpec,
+        /// Its MAC (the bridge fixes it to the stack's port).
+        mac: [u8; 6],
+        /// Through a software bridge (netfilter hooks on).
+        bridge: bool,
+    },
     /// A driver domain and paravirtual guests.
     DriverDomain {
         /// The bridge's and netback's switches.
@@ -625,7 +635,7 @@ fn domain_cores(layout: &Layout, pool: &CpuPool) -> Vec<usize> {
     };
     match layout {
         Layout::Native(_) | Layout::Direct(_) => vec![core(1)],
-        Layout::DirectRaw { .. } => vec![core(0)],
+        Layout::DirectRaw { .. } | Layout::DirectStack { .. } => vec![core(0)],
         Layout::DriverDomain { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
         Layout::Svnic { guests: g, .. } => guests(g.iter().map(|g| g.core).collect()),
     }
@@ -789,6 +799,17 @@ impl Machine {
                     mac,
                     bridge,
                 )?;
+                m.nic = Some(nic);
+                m.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
+            }
+            Layout::DirectStack { app, mac, bridge } => {
+                let dom = mk(&hv, "driver", true, 4)?;
+                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
+                let mut k =
+                    NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+                if bridge {
+                    k = k.bridged(mac);
+                }
                 m.nic = Some(nic);
                 m.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
             }

@@ -10,7 +10,8 @@ use std::time::Duration;
 use dev::driver::{DmaApi, NicDriver};
 use dev::nic::NicRegs;
 use hv::{Domain, Hypervisor, Port, Vcpu};
-use net::skb::SkbPool;
+use net::bridge::Forward;
+use net::skb::{SkbId, SkbPool};
 
 use crate::app::{AppSpec, AppStack};
 use crate::pv_guest::xmit_frame;
@@ -28,6 +29,10 @@ pub struct NicKernel {
     app: AppStack,
     /// The NIC's interrupt as an event (a guest with the NIC assigned); none natively.
     pirq: Option<Port>,
+    /// A bridge between the NIC (port 0) and the stack (port 1), with its netfilter
+    /// hooks, as a driver domain's own address sits on its bridge; none: the stack is
+    /// straight on the driver.
+    bridge: Option<net::bridge::Bridge>,
 }
 
 impl NicKernel {
@@ -48,7 +53,17 @@ impl NicKernel {
             pool,
             app: AppStack::bind(dom, app, Duration::ZERO)?,
             pirq,
+            bridge: None,
         })
+    }
+
+    /// Puts the stack, at `mac`, behind a bridge with its netfilter hooks: paper 002's
+    /// driver domain using its NIC through the bridging that virtualization adds.
+    pub fn bridged(mut self, mac: [u8; 6]) -> Self {
+        let mut b = net::bridge::Bridge::new(2, true);
+        b.attach_vif(LOCAL_PORT, mac);
+        self.bridge = Some(b);
+        self
     }
 }
 
@@ -77,14 +92,27 @@ impl Kernel for NicKernel {
     }
 
     fn poll(&mut self, now: Duration) -> Work {
-        let Self { drv, pool, app, .. } = self;
+        let Self {
+            drv,
+            pool,
+            app,
+            bridge,
+            ..
+        } = self;
         let mut w = Work::default();
         if drv.napi_scheduled() {
-            w.rx = drv.poll(pool, NAPI_BUDGET, |pool, skb| app.input(pool, skb, now));
+            w.rx = drv.poll(pool, NAPI_BUDGET, |pool, skb| match bridge.as_mut() {
+                // Bridged: only what the bridge sends the stack's way reaches it.
+                Some(b) => match b.input(pool, skb, 0) {
+                    Forward::Port(LOCAL_PORT) | Forward::Flood => app.input(pool, skb, now),
+                    _ => pool.free(skb),
+                },
+                None => app.input(pool, skb, now),
+            });
         }
         drv.clean_tx(pool);
         (w.app, w.tx) = app.run(pool, now, |pool, frame| {
-            xmit_frame(pool, frame, |pool, skb| drv.xmit(pool, skb))
+            xmit_frame(pool, frame, |pool, skb| to_nic(pool, drv, bridge, skb))
         });
         w.more = drv.napi_scheduled();
         w
@@ -98,6 +126,9 @@ impl Kernel for NicKernel {
         let mut c = Counters::default();
         self.app.counters(&mut c);
         c.add_set("driver", self.drv.stats());
+        if let Some(b) = &self.bridge {
+            c.add_set("bridge", b.stats());
+        }
         self.drv.shutdown(&mut self.pool);
         self.app.shutdown(&mut self.pool);
         c
@@ -158,6 +189,26 @@ impl RawNicKernel {
     }
 }
 
+/// A frame of the domain's own out: through the bridge (if any) to the NIC; one the
+/// bridge keeps from the NIC is freed.
+fn to_nic(
+    pool: &mut SkbPool,
+    drv: &mut NicDriver,
+    bridge: &mut Option<net::bridge::Bridge>,
+    skb: SkbId,
+) -> Result<(), SkbId> {
+    match bridge.as_mut() {
+        Some(b) => match b.input(pool, skb, LOCAL_PORT) {
+            Forward::Port(0) | Forward::Flood => drv.xmit(pool, skb),
+            _ => {
+                pool.free(skb);
+                Ok(())
+            }
+        },
+        None => drv.xmit(pool, skb),
+    }
+}
+
 impl RawNicKernel {
     /// The application's frame out: through the bridge (if any) to the NIC.
     fn send(
@@ -167,16 +218,7 @@ impl RawNicKernel {
         tx_wait: &mut u64,
         frame: &[u8],
     ) -> bool {
-        let ok = xmit_frame(pool, frame, |pool, skb| match bridge.as_mut() {
-            Some(b) => match b.input(pool, skb, LOCAL_PORT) {
-                net::bridge::Forward::Port(0) | net::bridge::Forward::Flood => drv.xmit(pool, skb),
-                _ => {
-                    pool.free(skb);
-                    Ok(())
-                }
-            },
-            None => drv.xmit(pool, skb),
-        });
+        let ok = xmit_frame(pool, frame, |pool, skb| to_nic(pool, drv, bridge, skb));
         *tx_wait += u64::from(!ok);
         ok
     }
@@ -221,7 +263,7 @@ impl Kernel for RawNicKernel {
             let mine = match bridge.as_mut() {
                 Some(b) => matches!(
                     b.input(pool, skb, 0),
-                    net::bridge::Forward::Port(LOCAL_PORT) | net::bridge::Forward::Flood
+                    Forward::Port(LOCAL_PORT) | Forward::Flood
                 ),
                 None => true,
             };

@@ -579,7 +579,11 @@ mod tests {
                 Forward::Port(1)
             };
             assert_eq!(br.input(&p, id, 0), want);
-            assert_eq!(br.stats().hooked, u64::from(filter), "a dropped frame is not counted");
+            assert_eq!(
+                br.stats().hooked,
+                u64::from(filter),
+                "a dropped frame is not counted"
+            );
         }
         // A corrupted IP header is caught by the pre-routing checks (only with hooks).
         f[ETH_HEADER + 10] ^= 0x40;

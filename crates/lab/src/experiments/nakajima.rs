@@ -572,14 +572,29 @@ fn page_mode(r: &mut Report, res: &Results) {
         (LOAD, "of it, grant copies, fixed load", "ns/B", |m| {
             m.cost.global(hv::profile::GlobalClass::GrantCopy)
         }),
-        (LOAD, "driver domain CPU per byte, fixed load", "ns/B", driver),
+        (
+            LOAD,
+            "driver domain CPU per byte, fixed load",
+            "ns/B",
+            driver,
+        ),
         (LOAD, "guest CPU per byte, fixed load", "ns/B", guest),
-        (TPUT_FREE, "throughput, unlimited wire", "Mbit/s", |m| m.mbps),
-        (TPUT_1G, "segments per aggregate, 1 Gbit/s wire", "segments", segs),
+        (TPUT_FREE, "throughput, unlimited wire", "Mbit/s", |m| {
+            m.mbps
+        }),
+        (
+            TPUT_1G,
+            "segments per aggregate, 1 Gbit/s wire",
+            "segments",
+            segs,
+        ),
         (RR_PHASE, "TCP_RR transactions", "/s", |m| m.tps),
     ];
     for (phase, what, unit, f) in measures {
-        let (page, skb) = (series(res, phase, DA_PAGE.name, f), series(res, phase, DA.name, f));
+        let (page, skb) = (
+            series(res, phase, DA_PAGE.name, f),
+            series(res, phase, DA.name, f),
+        );
         let row = r.row(group, &format!("{what}, page-mode"), unit, &page);
         row.ratio = ratio_median(&page, &skb).map(|x| ("skb-mode".to_string(), x));
     }

@@ -774,6 +774,7 @@ mod tests {
             "one event per frame signalled",
             "forwards nothing",
             "Fig. 10 frames corrupt",
+            "Fig. 9 bytes corrupt at the servers, and flows that carried nothing",
         ] {
             assert!(
                 r.checks.iter().any(|c| c.what.contains(what) && c.met),
@@ -782,6 +783,17 @@ mod tests {
             );
         }
         assert!(r.rows.iter().any(|row| row.group.starts_with("Fig. 10")));
+        // Figure 9's dotted lines: the driver domains' own flow, straight and bridged.
+        let dotted: Vec<_> = r
+            .rows
+            .iter()
+            .filter(|row| row.group == "Fig. 9: TCP throughput, no guest, 1 flow")
+            .collect();
+        assert_eq!(dotted.len(), 2);
+        assert!(
+            dotted.iter().all(|row| row.stats.median > 0.0),
+            "{dotted:?}"
+        );
     }
 
     #[test]

@@ -832,7 +832,11 @@ mod smoke {
             .iter()
             .any(|c| c.what == "messages lost or corrupted (all runs)"));
         // Figure 7's three bars, and the hooks' count judged exactly.
-        for bar in ["native Linux", "pv driver domain", "pv driver domain, netfilter off"] {
+        for bar in [
+            "native Linux",
+            "pv driver domain",
+            "pv driver domain, netfilter off",
+        ] {
             let k = median("fig7 kernel, 48000 B (sampled)", bar);
             assert!(k.is_some_and(|t| t > 0.0), "fig7: {bar}");
         }
