@@ -252,6 +252,12 @@ impl TcpRunning {
         })
     }
 
+    /// The machine: its hypervisor and domains, for an experiment that acts on them
+    /// while the stream runs.
+    pub fn machine(&self) -> &Machine {
+        &self.machine
+    }
+
     /// The machine's counters now.
     pub fn snapshot(&self) -> TcpSnapshot {
         let counters = self.machine.live_counters(Duration::from_millis(100));

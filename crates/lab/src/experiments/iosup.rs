@@ -1,5 +1,5 @@
 //! `reproduce --only iosup`: page-table type changes flush the IOTLB, and IOSUP's
-//! page-table cache stops it (paper 004, Figures 5–8 and 10, issue 14).
+//! page-table cache stops it (paper 004, Figures 5–11, issue 14).
 //!
 //! A PV guest whose devices sit behind an IOMMU (its memory manager keeps the IOMMU in
 //! step with page types, as Xen does for a domain with an assigned device) runs the
@@ -20,6 +20,8 @@
 //!   set of the guest's buffers while the guest churns processes; its IOTLB miss rate
 //!   and time per DMA with and without the pool, with page-selective invalidation and
 //!   without it (a unit that invalidates the whole domain for each page).
+//! * **The macro benchmarks** (Figures 9 and 11, `macro_bench`): a CPU-bound suite and
+//!   netperf's TCP stream, with the cache disabled and enabled.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,13 +36,14 @@ use crate::harness::other as err;
 use crate::{Experiment, LabError, Mode, Report};
 
 mod machine;
+mod macro_bench;
 mod sizing;
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
     id: "iosup",
     title: "Page-table type changes flush the IOTLB; IOSUP's page-table cache",
-    paper: "004 Fig. 5–8, 10",
+    paper: "004 Fig. 5–11",
     run,
 };
 
@@ -487,7 +490,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let dm = crate::harness::durations(mode);
     crate::progress::plan(
         (3 + 6 + iters * SETUPS.len() + 6 + dm.runs * 2 * machine::Churn::ALL.len()) as u64
-            + sizing::steps(mode),
+            + sizing::steps(mode)
+            + macro_bench::steps(iters.min(3), &dm),
     );
     let tls = busy_figures(&mut r, &p)?;
     fig6(&mut r, &tls);
@@ -498,6 +502,8 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     device_churn(&mut r, &p)?;
     machine::section(&mut r, &dm, rate)?;
     sizing::section(&mut r, mode)?;
+    macro_bench::fig9(&mut r, mode, iters.min(3))?;
+    macro_bench::fig11(&mut r, &dm, rate)?;
     r.notes.push("Every process's pages are read through the hypervisor's walker and checked (first and last word of every page) on every run; a wrong byte fails the experiment.".into());
     Ok(r)
 }
@@ -993,5 +999,24 @@ mod tests {
         for c in rep.checks.iter().filter(|c| c.what.contains("exact count")) {
             assert!(c.met, "{c:?}");
         }
+        // The macro benchmarks: the suite ran in both setups, the pool's without the
+        // strict setup's invalidations, and the stream's every byte arrived.
+        let median = |name: &str| {
+            rep.rows
+                .iter()
+                .find(|r| r.name == name)
+                .map(|r| r.stats.median)
+                .unwrap_or_else(|| panic!("no row {name:?}"))
+        };
+        assert!(median("CPU time, strict (Xen)") > 0.0);
+        assert!(median("CPU time, IOSUP per level") > 0.0);
+        assert!(median("invalidations, IOSUP per level") < median("invalidations, strict (Xen)"));
+        assert!(median("throughput, IOSUP per level") > 0.0);
+        let lost = rep
+            .checks
+            .iter()
+            .find(|c| c.what.starts_with("Fig. 11: stream bytes lost"))
+            .expect("the stream's check");
+        assert!(lost.met, "{lost:?}");
     }
 }

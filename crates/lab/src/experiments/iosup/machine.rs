@@ -10,7 +10,7 @@
 //! domain's CPU time per packet, the churn's own CPU per process, and the
 //! invalidations it caused; without churn, with churn and no pool, and with the pool.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,81 @@ impl Churn {
             Churn::NoPoolDsi => "churn, no pool, domain-selective",
             Churn::PoolDsi => "churn, pool, domain-selective",
         }
+    }
+}
+
+/// A process of a domain (a thread on the domain's core) that forks, execs, runs and
+/// exits a small program, paced at a rate of creations a second, its page tables kept
+/// by a memory manager with or without IOSUP's pool.
+pub(super) struct Churner {
+    stop: Arc<AtomicBool>,
+    created: Arc<AtomicU64>,
+    worker: std::thread::JoinHandle<Result<Duration, LabError>>,
+}
+
+impl Churner {
+    /// Starts churning in `dom`, pinned to host core `core`, `rate` processes a second.
+    pub(super) fn start(
+        hv: &Arc<hv::Hypervisor>,
+        dom: &Arc<hv::Domain>,
+        core: usize,
+        rate: f64,
+        pool: bool,
+    ) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let created = Arc::new(AtomicU64::new(0));
+        let (hv, dom, halt, made) = (
+            Arc::clone(hv),
+            Arc::clone(dom),
+            Arc::clone(&stop),
+            Arc::clone(&created),
+        );
+        let worker = std::thread::spawn(move || -> Result<Duration, LabError> {
+            let _ = mem::cpu::pin_current_thread(core);
+            let mut mm = Mm::new(hv, dom, 0).map_err(err)?;
+            if pool {
+                mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
+                    .map_err(err)?;
+            }
+            let mut parent = mm.spawn(&SMALL_PROCESS).map_err(err)?;
+            let t0 = mem::cpu::thread_cpu_time();
+            let start = Instant::now();
+            let mut n = 0u64;
+            while !halt.load(Ordering::Relaxed) {
+                let due = start + Duration::from_secs_f64(n as f64 / rate);
+                if let Some(w) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(w);
+                    continue;
+                }
+                let mut c = mm.fork(&mut parent).map_err(err)?;
+                mm.exec(&mut c, &SMALL_PROCESS).map_err(err)?;
+                mm.run(&c).map_err(err)?;
+                mm.exit(c).map_err(err)?;
+                n += 1;
+                made.store(n, Ordering::Relaxed);
+            }
+            let cpu = mem::cpu::thread_cpu_time() - t0;
+            mm.exit(parent).map_err(err)?;
+            Ok(cpu)
+        });
+        Self {
+            stop,
+            created,
+            worker,
+        }
+    }
+
+    /// Processes created so far.
+    pub(super) fn created(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
+    }
+
+    /// Stops it: its CPU time and the processes it created.
+    pub(super) fn stop(self) -> Result<(Duration, u64), LabError> {
+        self.stop.store(true, Ordering::Relaxed);
+        let made = Arc::clone(&self.created);
+        let cpu = self.worker.join().map_err(|_| err("churn thread"))??;
+        Ok((cpu, made.load(Ordering::Relaxed)))
     }
 }
 
@@ -101,44 +176,8 @@ pub(super) fn run(
         },
     )
     .map_err(err)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let created = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let worker = (churn != Churn::None).then(|| {
-        let (hv, dom, stop, created) = (
-            Arc::clone(&m.hv),
-            Arc::clone(&dom),
-            Arc::clone(&stop),
-            Arc::clone(&created),
-        );
-        std::thread::spawn(move || -> Result<Duration, LabError> {
-            let _ = mem::cpu::pin_current_thread(core);
-            let mut mm = Mm::new(hv, dom, 0).map_err(err)?;
-            if churn == Churn::PoolDsi {
-                mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
-                    .map_err(err)?;
-            }
-            let mut parent = mm.spawn(&SMALL_PROCESS).map_err(err)?;
-            let t0 = mem::cpu::thread_cpu_time();
-            let start = Instant::now();
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let due = start + Duration::from_secs_f64(n as f64 / rate);
-                if let Some(w) = due.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(w);
-                    continue;
-                }
-                let mut c = mm.fork(&mut parent).map_err(err)?;
-                mm.exec(&mut c, &SMALL_PROCESS).map_err(err)?;
-                mm.run(&c).map_err(err)?;
-                mm.exit(c).map_err(err)?;
-                n += 1;
-                created.store(n, Ordering::Relaxed);
-            }
-            let cpu = mem::cpu::thread_cpu_time() - t0;
-            mm.exit(parent).map_err(err)?;
-            Ok(cpu)
-        })
-    });
+    let churner = (churn != Churn::None)
+        .then(|| Churner::start(&m.hv, &dom, core, rate, churn == Churn::PoolDsi));
     let nic = m.nic_regs().map(Arc::clone).ok_or_else(|| err("no NIC"))?;
     let iotlb = || {
         (
@@ -152,23 +191,13 @@ pub(super) fn run(
             .load(Ordering::Relaxed)
     };
     std::thread::sleep(d.warmup);
-    let (a, (h0, m0), i0, p0) = (
-        m.snapshot(),
-        iotlb(),
-        inval(),
-        created.load(Ordering::Relaxed),
-    );
+    let created = || churner.as_ref().map_or(0, Churner::created);
+    let (a, (h0, m0), i0, p0) = (m.snapshot(), iotlb(), inval(), created());
     std::thread::sleep(d.window);
-    let (b, (h1, m1), i1, p1) = (
-        m.snapshot(),
-        iotlb(),
-        inval(),
-        created.load(Ordering::Relaxed),
-    );
-    stop.store(true, Ordering::Relaxed);
-    let churn_cpu = match worker {
-        Some(w) => w.join().map_err(|_| err("churn thread"))??,
-        None => Duration::ZERO,
+    let (b, (h1, m1), i1, p1) = (m.snapshot(), iotlb(), inval(), created());
+    let (churn_cpu, made) = match churner {
+        Some(c) => c.stop()?,
+        None => (Duration::ZERO, 0),
     };
     let f = m.finish(Duration::from_secs(2))?;
     let cost = harness::cost(&a, &b, hv::profile::DEFAULT_SAMPLE_INTERVAL);
@@ -180,7 +209,7 @@ pub(super) fn run(
         guest_ns: (config == Config::Pv)
             .then(|| cost.cpu_ns("guest"))
             .flatten(),
-        churn_ns: churn_cpu.as_nanos() as f64 / created.load(Ordering::Relaxed).max(1) as f64,
+        churn_ns: churn_cpu.as_nanos() as f64 / made.max(1) as f64,
         churn_rate: (p1 - p0) as f64 / secs,
         invalidations: (i1 - i0) as f64 / secs,
         sent: f.messages_sent,
