@@ -321,7 +321,7 @@ pub fn parse(path: &Path, text: &str) -> Result<UpConfig, MachineFileError> {
     hypervisor_table(f.hypervisor, &mut cfg, &refuse)?;
     nic_table(f.nic, &mut cfg, &refuse)?;
     if let Some(n) = f.driver.netfilter {
-        cfg.netfilter = n;
+        cfg.driver.netfilter = n;
     }
     let svnic = f.svnic.is_some();
     svnic_table(f.svnic.as_ref(), &mut cfg, &refuse)?;
@@ -408,7 +408,7 @@ fn nic_table(nic: Nic, cfg: &mut UpConfig, refuse: &Refuse<'_>) -> Result<(), Ma
         cfg.coalesce.adaptive = a;
     }
     if let Some(q) = nic.multi_queue {
-        cfg.multi_queue = q;
+        cfg.driver.queues = q;
     }
     if let Some(m) = nic.mtu_wire {
         cfg.mtu_wire = m;
@@ -448,14 +448,14 @@ fn nic_table(nic: Nic, cfg: &mut UpConfig, refuse: &Refuse<'_>) -> Result<(), Ma
         None => 2,
     };
     if let Some(l) = &nic.lro {
-        cfg.lro = match *l.get_ref() {
+        cfg.driver.lro = match *l.get_ref() {
             Lro::Off => LroMode::Off,
             Lro::EveryPoll => LroMode::EveryPoll,
             Lro::Delayed => LroMode::Delayed(every),
             Lro::Adaptive => LroMode::Adaptive,
         }
         .setup();
-        if cfg.lro.is_some() && cfg.multi_queue {
+        if cfg.driver.lro.is_some() && cfg.driver.queues {
             return Err(refuse(
                 l.span(),
                 "nic.lro",
@@ -478,7 +478,7 @@ fn svnic_table(
     if let Some(sv) = svnic {
         use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
         let t = sv.get_ref();
-        if cfg.lro.is_some() || cfg.multi_queue {
+        if cfg.driver.lro.is_some() || cfg.driver.queues {
             return Err(refuse(
                 sv.span(),
                 "svnic",
@@ -815,7 +815,7 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert_eq!(cfg.coalesce.pkts_per_irq, 32);
         assert!(cfg.coalesce.adaptive);
         assert_eq!(cfg.coalesce.max_delay, d.coalesce.max_delay);
-        assert!(cfg.multi_queue && cfg.guest().grant_reuse && !cfg.netfilter);
+        assert!(cfg.driver.queues && cfg.guest().grant_reuse && !cfg.driver.netfilter);
         assert!(d.guest().offloads && !cfg.guest().offloads);
         assert_eq!(cfg.guest().rx_buffers, RxBuffers::Linear);
         assert_eq!(
@@ -828,21 +828,21 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
     #[test]
     fn lro_on_the_nic_port_is_set_by_mode_and_the_wire_then_carries_mtu_sized_frames() {
         let d = p("[[guest]]\n").expect("no lro");
-        assert!(d.lro.is_none() && !d.mtu_wire);
+        assert!(d.driver.lro.is_none() && !d.mtu_wire);
         let cfg = p("[nic]\nlro = \"delayed\"\nlro_flush_every = 4\n[[guest]]\n").expect("DA");
-        assert_eq!(cfg.lro, LroMode::Delayed(4).setup());
+        assert_eq!(cfg.driver.lro, LroMode::Delayed(4).setup());
         assert_eq!(
-            cfg.lro.map(|l| l.flushing),
+            cfg.driver.lro.map(|l| l.flushing),
             Some(dev::lro::LroSetup::delayed(4))
         );
         let cfg = p("[nic]\nlro = \"adaptive\"\nmtu_wire = true\n[[guest]]\n").expect("adaptive");
         assert_eq!(
-            cfg.lro.map(|l| l.flushing),
+            cfg.driver.lro.map(|l| l.flushing),
             Some(dev::lro::LroSetup::ADAPTIVE)
         );
         assert!(cfg.mtu_wire);
         let cfg = p("[nic]\nlro = \"off\"\nmulti_queue = true\n[[guest]]\n").expect("off");
-        assert!(cfg.lro.is_none() && cfg.multi_queue);
+        assert!(cfg.driver.lro.is_none() && cfg.driver.queues);
     }
 
     #[test]

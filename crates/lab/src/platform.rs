@@ -76,11 +76,10 @@ pub struct Options {
     pub rate: f64,
     /// The NIC's interrupt coalescing.
     pub coalesce: Coalesce,
-    /// Bridge netfilter hooks on (pv only).
-    pub netfilter: bool,
-    /// netback's guest-RX copies aligned to the source's offset in its cache line (pv
-    /// only; paper 000 §3.4.1).
-    pub aligned_copies: bool,
+    /// The driver domain's switches (pv only): the bridge's netfilter hooks, netback's
+    /// aligned copies, a NIC queue per guest with direct placement, LRO. The unsafe
+    /// machine-frame switch follows [`Options::grants`].
+    pub driver: DriverConfig,
     /// Grant-table layout.
     pub grant_version: GrantVersion,
     /// Grant implementation.
@@ -96,9 +95,6 @@ pub struct Options {
     /// Measure each message's one-way latency from the wire to the application
     /// ([`Running::latency`]); meant for low rates.
     pub latency: bool,
-    /// A NIC receive queue for the guest, the NIC writing its frames straight into
-    /// the buffers its netfront posted (pv only; paper 000 §4.3).
-    pub queues: bool,
     /// How netfront gives its pages to netback (pv only): a grant per I/O, grant reuse
     /// (paper 000 §4.4: pages bound to references, netback's cache of mappings), or the
     /// paper's unsafe stand-in (machine frames on the ring).
@@ -106,11 +102,6 @@ pub struct Options {
     /// Checksum offload and GSO between netfront and netback, and on the TAPs of real
     /// interfaces (`pvio up`; the lab's own stack takes no large frames).
     pub offloads: bool,
-    /// Large Receive Offload in the driver domain's NIC driver (pv only; paper 001),
-    /// aggregates handed through the bridge whole (its "BO": netback copies each piece
-    /// into the guest's buffers and sends a GSO packet, or re-segments for a front end
-    /// without GSO).
-    pub lro: Option<dev::lro::LroSetup>,
     /// How the machine's idle pCPUs wait.
     pub idle: hv::sched::IdlePolicy,
     /// Where the devices' DMA writes land: in memory (the papers' platforms, the
@@ -137,18 +128,15 @@ impl Options {
             message,
             rate: GIGABIT_FULL_FRAME_PPS,
             coalesce: Coalesce::default(),
-            netfilter: true,
-            aligned_copies: false,
+            driver: DriverConfig::default(),
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
             rx_buffers: RxBuffers::Fragments,
             hostile: 0,
             latency: false,
-            queues: false,
             grants: Grants::PerIo,
             offloads: false,
-            lro: None,
             idle: crate::idle_policy(),
             dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: None,
@@ -199,13 +187,28 @@ impl SoftOpt {
     }
     /// Turns it on in `o`.
     pub fn apply(self, o: &mut Options) {
+        self.apply_to(
+            &mut o.driver,
+            &mut o.rx_buffers,
+            (&mut o.grant_version, &mut o.grant_path),
+        );
+    }
+
+    /// Turns it on where it lives: the driver domain's switches, what netfront posts,
+    /// or the machine's grant implementation.
+    pub fn apply_to(
+        self,
+        driver: &mut DriverConfig,
+        rx_buffers: &mut RxBuffers,
+        (version, path): (&mut GrantVersion, &mut GrantPath),
+    ) {
         match self {
-            SoftOpt::NoNetfilter => o.netfilter = false,
-            SoftOpt::AlignedCopies => o.aligned_copies = true,
-            SoftOpt::NoFragments => o.rx_buffers = RxBuffers::Linear,
+            SoftOpt::NoNetfilter => driver.netfilter = false,
+            SoftOpt::AlignedCopies => driver.aligned_copies = true,
+            SoftOpt::NoFragments => *rx_buffers = RxBuffers::Linear,
             SoftOpt::GrantFastPaths => {
-                o.grant_version = GrantVersion::V2;
-                o.grant_path = GrantPath::Optimised;
+                *version = GrantVersion::V2;
+                *path = GrantPath::Optimised;
             }
         }
     }
@@ -256,7 +259,10 @@ impl Options {
     /// no copy anywhere).
     pub fn pv_mq(message: usize) -> Self {
         Self {
-            queues: true,
+            driver: DriverConfig {
+                queues: true,
+                ..Self::pv_soft(message).driver
+            },
             ..Self::pv_soft(message)
         }
     }
@@ -479,12 +485,8 @@ impl Running {
             (Config::Direct, _) => Layout::Direct(app_spec),
             (Config::Pv, None) => Layout::DriverDomain {
                 driver: DriverConfig {
-                    netfilter: opts.netfilter,
-                    aligned_copies: opts.aligned_copies,
-                    queues: opts.queues,
                     unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
-                    lro: opts.lro,
-                    lro_bridge_copy: false,
+                    ..opts.driver
                 },
                 guests,
             },

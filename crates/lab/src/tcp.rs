@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::lro::LroSetup;
 use dev::nic::Coalesce;
 use dev::peer::{PeerApp, PeerCounters, PeerSpec, TcpPeer, WireRate};
 use hv::{GrantPath, GrantVersion};
@@ -25,7 +24,7 @@ use net::netfront::{Grants, RxBuffers};
 use net::wire::UdpFlow;
 
 use crate::harness::other;
-use crate::platform::{domain_use, DomainSnapshot};
+use crate::platform::{domain_use, DomainSnapshot, SoftOpt};
 use crate::LabError;
 
 /// The receiving machine.
@@ -53,13 +52,11 @@ pub enum Placement {
 pub struct TcpOptions {
     /// The receiver.
     pub receiver: Receiver,
-    /// LRO in the driver domain's NIC driver (pv only).
-    pub lro: Option<LroSetup>,
-    /// The bridge linearizes each aggregate (the paper's first port); off is BO.
-    pub bridge_copy: bool,
-    /// Paper 000's software optimisations that leave netfront's fragments in place, so
-    /// the guest still takes GSO packets: netfilter hooks off, aligned copies, v2
-    /// grants on the optimised path.
+    /// The driver domain's switches (pv only): LRO in its NIC driver, and whether the
+    /// bridge linearizes each aggregate (the paper's first port; off is BO).
+    pub driver: DriverConfig,
+    /// Paper 000's software optimisations ([`SoftOpt`]) on top of `driver`, those that
+    /// leave netfront's fragments in place, so the guest still takes GSO packets.
     pub soft: bool,
     /// The cable's rate.
     pub wire: WireRate,
@@ -77,8 +74,7 @@ impl TcpOptions {
     pub fn stream(receiver: Receiver) -> Self {
         Self {
             receiver,
-            lro: None,
-            bridge_copy: false,
+            driver: DriverConfig::default(),
             soft: false,
             wire: WireRate::GIGABIT,
             app: PeerApp::Stream {
@@ -190,21 +186,34 @@ impl TcpRunning {
             app: o.app,
         });
         let peer_counters = Arc::clone(peer.counters());
+        let mut driver = DriverConfig {
+            lro_bridge_copy: o.driver.lro.is_some() && o.driver.lro_bridge_copy,
+            ..o.driver
+        };
+        let (mut rx_buffers, mut grant_version, mut grant_path) =
+            (RxBuffers::Fragments, GrantVersion::V1, GrantPath::Original);
+        if o.soft {
+            // Every switch but netfront's linear buffers, which take no GSO packet.
+            for opt in SoftOpt::ALL
+                .into_iter()
+                .filter(|&x| x != SoftOpt::NoFragments)
+            {
+                opt.apply_to(
+                    &mut driver,
+                    &mut rx_buffers,
+                    (&mut grant_version, &mut grant_path),
+                );
+            }
+        }
         let layout = match o.receiver {
             Receiver::Native => Layout::Native(spec),
             Receiver::Pv => Layout::DriverDomain {
-                driver: DriverConfig {
-                    netfilter: !o.soft,
-                    aligned_copies: o.soft,
-                    lro: o.lro,
-                    lro_bridge_copy: o.lro.is_some() && o.bridge_copy,
-                    ..DriverConfig::default()
-                },
+                driver,
                 guests: vec![GuestSpec {
                     split_ring: false,
                     name: "guest".into(),
                     mac: f.dst_mac,
-                    rx_buffers: RxBuffers::Fragments,
+                    rx_buffers,
                     grants: Grants::PerIo,
                     // Checksum offload (netfront of the paper's day had it) and GSO
                     // packets from netback.
@@ -213,11 +222,6 @@ impl TcpRunning {
                     core: guest_core,
                 }],
             },
-        };
-        let (grant_version, grant_path) = if o.soft {
-            (GrantVersion::V2, GrantPath::Optimised)
-        } else {
-            (GrantVersion::V1, GrantPath::Original)
         };
         let machine = Machine::start(MachineSpec {
             dma_landing: hv::iommu::DmaLanding::Memory,

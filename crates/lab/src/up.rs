@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 
 use std::sync::Arc;
 
+pub use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec};
 
 use crate::platform::{flow, Config, Options, Plumbing, Running};
@@ -36,11 +37,14 @@ pub struct UpConfig {
     pub outside_addr: String,
     /// The guests, each on a TAP in its own namespace (at least one).
     pub guests: Vec<UpGuest>,
-    /// The bridge's netfilter hooks.
-    pub netfilter: bool,
-    /// A NIC receive queue for each guest, the NIC writing its frames straight into
-    /// netfront's buffers (paper 000 §4.3).
-    pub multi_queue: bool,
+    /// The driver domain's switches: the bridge's netfilter hooks, a NIC receive queue
+    /// for each guest with the NIC writing its frames straight into netfront's buffers
+    /// (paper 000 §4.3, `queues`), and Large Receive Offload on the NIC port (paper 001,
+    /// with the bridge handing aggregates on whole; the cable then takes no large
+    /// segments: the outside's TCP puts MTU-sized frames with complete checksums on it,
+    /// as a real wire carries them, and the driver domain's LRO aggregates them for the
+    /// guest).
+    pub driver: DriverConfig,
     /// Capture every frame into pcap files in this directory: `wire.pcap` (the NIC's
     /// cable, both ways) and `<vif>.pcap` (each guest's frames, both ways, named as the
     /// live counters name its vif).
@@ -51,11 +55,6 @@ pub struct UpConfig {
     pub grant_path: hv::GrantPath,
     /// Every domain's grant-table layout.
     pub grant_version: hv::GrantVersion,
-    /// Large Receive Offload on the NIC port (paper 001, with the bridge handing
-    /// aggregates on whole). The cable then takes no large segments: the outside's TCP
-    /// puts MTU-sized frames with complete checksums on it, as a real wire carries them,
-    /// and the driver domain's LRO aggregates them for the guest.
-    pub lro: Option<dev::lro::LroSetup>,
     /// The cable carries MTU-sized frames only, as a real wire does: the outside's
     /// kernel segments its TCP before the cable's TAP (always so with LRO; without it,
     /// the path LRO is measured against). Otherwise the cable takes large segments.
@@ -284,13 +283,11 @@ impl Default for UpConfig {
             outside_ns: "pvio-outside".into(),
             outside_addr: "10.77.0.1/24".into(),
             guests: vec![UpGuest::nth(0)],
-            netfilter: true,
-            multi_queue: false,
+            driver: DriverConfig::default(),
             pcap: None,
             coalesce: pv().coalesce,
             grant_path: pv().grant_path,
             grant_version: pv().grant_version,
-            lro: None,
             mtu_wire: false,
             svnic: None,
             disks: Vec::new(),
@@ -483,14 +480,14 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
     if cfg.guests.is_empty() {
         return Err(LabError::Other("a machine needs a guest".into()));
     }
-    if cfg.svnic.is_some() && (cfg.lro.is_some() || cfg.multi_queue) {
+    if cfg.svnic.is_some() && (cfg.driver.lro.is_some() || cfg.driver.queues) {
         return Err(LabError::Other(
             "LRO and a receive queue per guest are the driver domain's NIC's; an SV-NIC \
              machine has neither"
                 .into(),
         ));
     }
-    if cfg.lro.is_some() && cfg.multi_queue {
+    if cfg.driver.lro.is_some() && cfg.driver.queues {
         return Err(LabError::Other(
             "LRO aggregates in the driver domain, and with a receive queue per guest the NIC \
              places the guests' frames in their buffers past it: choose one"
@@ -683,7 +680,7 @@ fn bring_up(
             mem::tap::TapOffload::None
         }
     };
-    let mtu_wire = cfg.mtu_wire || cfg.lro.is_some() || cfg.svnic.is_some();
+    let mtu_wire = cfg.mtu_wire || cfg.driver.lro.is_some() || cfg.svnic.is_some();
     let wire_capture = match &cfg.pcap {
         Some(dir) => Some(capture_file(dir, "wire.pcap")?),
         None => None,
@@ -761,15 +758,13 @@ fn bring_up(
     }
     let first = cfg.guest();
     let opts = Options {
-        netfilter: cfg.netfilter,
+        driver: cfg.driver,
         rx_buffers: first.rx_buffers,
-        queues: cfg.multi_queue,
         sample: None,
         coalesce: cfg.coalesce,
         grant_path: cfg.grant_path,
         grant_version: cfg.grant_version,
         offloads: offloads(first),
-        lro: cfg.lro,
         // Outside processes (iperf3, ping, the TAPs' readers) share the cores.
         idle: hv::sched::IdlePolicy::HALT_POLL,
         cpus: cfg.cpus,

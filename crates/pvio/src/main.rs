@@ -461,7 +461,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
             );
         }
     }
-    if cfg.lro.is_some() {
+    if cfg.driver.lro.is_some() {
         if let Some(s) = machine.live_sample() {
             let get = |name: &str| s.counters.get("lro engine", name);
             let (aggs, segs) = (get("aggregates"), get("segments"));
@@ -746,16 +746,19 @@ fn main() -> ExitCode {
                         split_ring,
                         ..lab::up::UpGuest::nth(0)
                     }],
-                    netfilter: !no_netfilter,
-                    multi_queue,
+                    driver: lab::up::DriverConfig {
+                        netfilter: !no_netfilter,
+                        queues: multi_queue,
+                        lro: match lro {
+                            LroArg::Off => lab::up::LroMode::Off,
+                            LroArg::EveryPoll => lab::up::LroMode::EveryPoll,
+                            LroArg::Delayed => lab::up::LroMode::Delayed(lro_flush_every),
+                            LroArg::Adaptive => lab::up::LroMode::Adaptive,
+                        }
+                        .setup(),
+                        ..Default::default()
+                    },
                     pcap,
-                    lro: match lro {
-                        LroArg::Off => lab::up::LroMode::Off,
-                        LroArg::EveryPoll => lab::up::LroMode::EveryPoll,
-                        LroArg::Delayed => lab::up::LroMode::Delayed(lro_flush_every),
-                        LroArg::Adaptive => lab::up::LroMode::Adaptive,
-                    }
-                    .setup(),
                     mtu_wire,
                     cable,
                     dma_landing: match dma {

@@ -200,7 +200,6 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
             addr: "10.78.0.2/24".into(),
             ..UpGuest::nth(0)
         }],
-        netfilter: true,
         ..UpConfig::default()
     };
     let machine = up(&cfg).expect("pvio up");
@@ -324,10 +323,8 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     // Again through the grant cache with the guest's own NIC queue (pv-mq-reuse): ping,
     // the streams and iperf3 cross, every buffer and TX slot reached through netback's
     // cached mappings, no map after each page's first.
-    let mut reuse = UpConfig {
-        multi_queue: true,
-        ..cfg.clone()
-    };
+    let mut reuse = cfg.clone();
+    reuse.driver.queues = true;
     reuse.guest_mut().grant_reuse = true;
     let machine = up(&reuse).expect("pvio up --grant-reuse --multi-queue");
     ping(o, "10.78.0.2");
@@ -387,7 +384,6 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
             addr: "10.79.0.2/24".into(),
             ..UpGuest::nth(0)
         }],
-        netfilter: true,
         ..UpConfig::default()
     };
     let mut machine = up(&cfg).expect("pvio up");
@@ -526,7 +522,10 @@ fn lro_on_the_nic_port_aggregates_a_real_tcp_stream_and_the_guest_takes_it_intac
             addr: "10.76.0.2/24".into(),
             ..UpGuest::nth(0)
         }],
-        lro: lab::up::LroMode::Adaptive.setup(),
+        driver: lab::up::DriverConfig {
+            lro: lab::up::LroMode::Adaptive.setup(),
+            ..Default::default()
+        },
         ..UpConfig::default()
     };
     let machine = up(&cfg).expect("pvio up --lro adaptive");

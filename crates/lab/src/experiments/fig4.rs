@@ -507,10 +507,8 @@ fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
             format!("pv path · {size} B · {copies} copies")
         },
         |&size, &aligned| {
-            let opts = Options {
-                aligned_copies: aligned,
-                ..Options::paper(Config::Pv, size)
-            };
+            let mut opts = Options::paper(Config::Pv, size);
+            opts.driver.aligned_copies = aligned;
             one_run(opts, &d).map(|(cost, finish)| PvRun { cost, finish })
         },
     )?;

@@ -98,7 +98,7 @@ fn setup(d: &Durations) -> String {
         "UDP messages of 1472 (\"1500\") and 48000 bytes at a fixed {:.0} frames/s, as Figure 2. \
          pv: the original driver domain (netfilter hooks on, copies to the start of the guest's \
          page, netfront with fragments, v1 grants, original grant path). pv + X: one software \
-         optimisation on. pv-soft: all four (paper §4). pv-guestcopy: pv-soft with the copy moved \
+         optimisation on ({}). pv-soft: all of them (paper §4). pv-guestcopy: pv-soft with the copy moved \
          to the guest (netback lends each packet's buffer through a read-only sub-page grant, \
          netfront allocates an aligned buffer and issues the grant copy, §4.1). pv-mq: pv-soft \
          with a NIC receive queue for the guest, the NIC writing each frame into a buffer \
@@ -114,6 +114,7 @@ fn setup(d: &Durations) -> String {
          ratios are taken within a round. Interrupt coalescing {} packets / {} µs. Values are \
          ns per packet (the paper's cycles at 3 GHz are given as ns beside them).",
         base.rate,
+        SoftOpt::ALL.map(|o| o.name()).join(", "),
         d.runs,
         d.window.as_millis(),
         d.warmup.as_millis(),
@@ -274,8 +275,8 @@ fn savings(r: &mut Report, label: &str, by: &BySize<'_>) {
                 .sum()
         })
         .collect();
-    r.row(&group, "sum of the four alone", "ns/pkt", &alone);
-    let row = r.row(&group, "pv-soft (all four together)", "ns/pkt", &soft);
+    r.row(&group, "sum of each alone", "ns/pkt", &alone);
+    let row = r.row(&group, "pv-soft (all together)", "ns/pkt", &soft);
     row.reference = Some("paper 4950 cycles = 1650 ns".into());
 }
 

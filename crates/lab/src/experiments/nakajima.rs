@@ -60,12 +60,15 @@ impl Cfg {
     fn options(self, app: PeerApp, wire: WireRate, placement: Placement) -> TcpOptions {
         TcpOptions {
             receiver: self.receiver,
-            lro: self.flushing.map(|flushing| LroSetup {
-                flushing,
-                form: self.form,
-                ..LroSetup::PAPER
-            }),
-            bridge_copy: self.bridge_copy,
+            driver: kernel::driver_domain::DriverConfig {
+                lro: self.flushing.map(|flushing| LroSetup {
+                    flushing,
+                    form: self.form,
+                    ..LroSetup::PAPER
+                }),
+                lro_bridge_copy: self.bridge_copy,
+                ..Default::default()
+            },
             soft: self.soft,
             wire,
             app,

@@ -19,7 +19,7 @@ use crate::harness::{
     account_losses, alternate_by, durations, one_run, sign_test_p, steps, Durations, RunCost,
     GLOBALS,
 };
-use crate::platform::{Config, Finish, Options};
+use crate::platform::{Config, Finish, Options, SoftOpt};
 use crate::{Experiment, LabError, Mode, Report};
 use net::netfront::RxBuffers;
 
@@ -121,10 +121,7 @@ impl Machine {
                 rx_buffers: RxBuffers::Linear,
                 ..Options::paper(Config::Pv, size)
             },
-            Machine::NoNetfilter => Options {
-                netfilter: false,
-                ..Options::paper(Config::Pv, size)
-            },
+            Machine::NoNetfilter => Options::pv_with(SoftOpt::NoNetfilter, size),
         }
     }
 }
@@ -159,7 +156,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
         "coalesce": { "packets": base.coalesce.pkts_per_irq, "delay_us": base.coalesce.max_delay.as_micros() as u64 },
-        "netfilter": base.netfilter, "grant_version": "v1", "grant_path": "original",
+        "netfilter": base.driver.netfilter, "grant_version": "v1", "grant_path": "original",
         "online_cores": mem::cpu::online_cores(),
     });
 

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use crate::harness::other;
 use crate::tools;
-use crate::up::{up, LroMode, UpConfig, UpGuest};
+use crate::up::{up, DriverConfig, LroMode, UpConfig, UpGuest};
 use crate::{Experiment, LabError, Mode, Report};
 
 /// The registry entry.
@@ -875,7 +875,10 @@ fn lro_measure(
             let (o, g, addr) = match rx {
                 Rx::Pvio(m) => {
                     let c = UpConfig {
-                        lro: m.setup(),
+                        driver: DriverConfig {
+                            lro: m.setup(),
+                            ..cfg.driver
+                        },
                         mtu_wire: true,
                         ..cfg.clone()
                     };
@@ -894,7 +897,10 @@ fn lro_measure(
                 Rx::Cable(m) => {
                     let far = cable.as_ref().ok_or_else(|| other("no cable veth"))?;
                     let c = UpConfig {
-                        lro: m.setup(),
+                        driver: DriverConfig {
+                            lro: m.setup(),
+                            ..cfg.driver
+                        },
                         mtu_wire: true,
                         cable: Some(far.dev.clone()),
                         ..cfg.clone()
