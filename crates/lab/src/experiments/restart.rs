@@ -298,24 +298,17 @@ struct DiskTally {
 /// 64 MiB.
 const DISK_SECTORS: u64 = 131_072;
 
-/// The disk rows: a block guest's random reads across `faults` faults of each kind.
-fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
-    use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
-    use kernel::driver_domain::Fault as DriverFault;
+/// The restart's disk machine: a driver domain serving one guest's disk, the file at
+/// `path`, which the guest reads 4 KiB at random, 8 in flight, each read checked.
+fn disk_machine(
+    path: &std::path::Path,
+    counters: &std::sync::Arc<kernel::block::JobCounters>,
+) -> Result<kernel::machine::Machine, LabError> {
+    use kernel::block::{BlockJobSpec, JobOp, Pattern};
     use kernel::machine::{
         Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec,
     };
-    use std::sync::atomic::Ordering;
     use std::sync::Arc;
-    let dir = if std::path::Path::new("/dev/shm").is_dir() {
-        std::path::PathBuf::from("/dev/shm")
-    } else {
-        std::env::temp_dir()
-    };
-    let path = dir.join(format!("pvio-restart-disk-{}", std::process::id()));
-    blk::disk::write_patterned(&path, DISK_SECTORS)
-        .map_err(|e| LabError::Other(format!("{}: {e}", path.display())))?;
-    let counters = Arc::new(JobCounters::default());
     let job = BlockJobSpec {
         op: JobOp::Read,
         pattern: Pattern::Random(11),
@@ -327,9 +320,9 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
         verify: true,
         fill: blk::disk::pattern_fill,
         latencies: Arc::new(dev::wire::Samples::new(1)),
-        counters: Arc::clone(&counters),
+        counters: Arc::clone(counters),
     };
-    let mut m = Machine::start(MachineSpec {
+    Machine::start(MachineSpec {
         dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
         grant_version: hv::GrantVersion::V1,
@@ -351,7 +344,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
                 grants: net::netfront::Grants::PerIo,
                 offloads: false,
                 above: Above::Block(Box::new(BlockSpec {
-                    disk: Disk::File(path.clone()),
+                    disk: Disk::File(path.to_path_buf()),
                     read_only: true,
                     persistent: false,
                     job,
@@ -360,7 +353,24 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
             }],
         },
     })
-    .map_err(|e| LabError::Other(e.to_string()))?;
+    .map_err(|e| LabError::Other(e.to_string()))
+}
+
+/// The disk rows: a block guest's random reads across `faults` faults of each kind.
+fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
+    use kernel::driver_domain::Fault as DriverFault;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let path = dir.join(format!("pvio-restart-disk-{}", std::process::id()));
+    blk::disk::write_patterned(&path, DISK_SECTORS)
+        .map_err(|e| LabError::Other(format!("{}: {e}", path.display())))?;
+    let counters = Arc::new(kernel::block::JobCounters::default());
+    let mut m = disk_machine(&path, &counters)?;
     let done = || counters.completed.load(Ordering::Relaxed);
     let more = |past: u64| -> Result<Instant, LabError> {
         let t = Instant::now();

@@ -236,110 +236,17 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
             }
         }
     }
-    let (mut sent, mut received, mut corrupt) = (0, 0, 0);
     for (ci, &config) in configs.iter().enumerate() {
-        let g = format!(
-            "a {} machine at line rate, its NIC's domain churning {rate} processes/s",
-            config.name()
-        );
-        let owner = if config == Config::Pv {
-            "driver domain"
-        } else {
-            "guest"
-        };
-        for (k, &churn) in Churn::ALL.iter().enumerate() {
-            let o = &out[ci][k];
-            let col = |f: fn(&Outcome) -> f64| o.iter().map(f).collect::<Vec<f64>>();
-            let base = |f: fn(&Outcome) -> f64| out[ci][0].iter().map(f).collect::<Vec<f64>>();
-            let label = churn.label();
-            r.row(
-                &g,
-                &format!("NIC IOTLB miss rate, {label}"),
-                "%",
-                &col(|x| x.miss_pct),
-            );
-            let owner_ns = col(|x| x.owner_ns);
-            let row = r.row(
-                &g,
-                &format!("{owner} CPU per packet, {label}"),
-                "ns",
-                &owner_ns,
-            );
-            if k > 0 {
-                row.ratio = crate::stats::ratio_median(&owner_ns, &base(|x| x.owner_ns))
-                    .map(|x| ("no churn".into(), x));
-            }
-            if config == Config::Pv {
-                r.row(
-                    &g,
-                    &format!("guest CPU per packet, {label}"),
-                    "ns",
-                    &col(|x| x.guest_ns.unwrap_or(f64::NAN)),
-                );
-            }
-            if churn != Churn::None {
-                r.row(
-                    &g,
-                    &format!("processes created, {label}"),
-                    "per s",
-                    &col(|x| x.churn_rate),
-                );
-                r.row(
-                    &g,
-                    &format!("churn CPU per process, {label}"),
-                    "µs",
-                    &col(|x| x.churn_ns / 1e3),
-                );
-                r.row(
-                    &g,
-                    &format!("invalidations from type changes, {label}"),
-                    "per s",
-                    &col(|x| x.invalidations),
-                );
-            }
-            for x in o {
-                sent += x.sent;
-                received += x.received;
-                corrupt += x.corrupt;
-            }
-        }
-        let stats = |k: usize| {
-            crate::stats::Stats::of(&out[ci][k].iter().map(|x| x.miss_pct).collect::<Vec<_>>())
-        };
-        let (with, without) = (stats(3).median, stats(0));
-        // Without churn the NIC still misses now and then, a handful in a window of
-        // some 10^5 lookups, varying from run to run. 10% of that is below one miss,
-        // so the tolerance is the no-churn runs' own spread, at least 0.01 points;
-        // the pool's absence under domain-selective invalidation costs tens of points.
-        let tol = (0.1 * without.median)
-            .max(without.max - without.min)
-            .max(0.01);
-        r.check(
-            &format!(
-                "{} machine: NIC IOTLB miss rate under churn with the pool against no churn",
-                config.name()
-            ),
-            with,
-            "%",
-            &format!(
-                "{:.4} ± {tol:.4} (10%, or the no-churn runs' spread, at least 0.01 points)",
-                without.median
-            ),
-            (with - without.median).abs() <= tol,
-        );
+        config_rows(r, config, rate, &out[ci]);
+        miss_check(r, config, &out[ci]);
     }
-    r.row(
-        "machines under churn",
-        "messages sent",
-        "messages",
-        &[sent as f64],
-    );
-    r.row(
-        "machines under churn",
-        "messages received",
-        "messages",
-        &[received as f64],
-    );
+    let all = || out.iter().flatten().flatten();
+    let sent: u64 = all().map(|x| x.sent).sum();
+    let received: u64 = all().map(|x| x.received).sum();
+    let corrupt: u64 = all().map(|x| x.corrupt).sum();
+    let g = "machines under churn";
+    r.row(g, "messages sent", "messages", &[sent as f64]);
+    r.row(g, "messages received", "messages", &[received as f64]);
     r.check_none(
         "machines under churn: messages lost",
         sent.saturating_sub(received),
@@ -351,4 +258,83 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
         "messages",
     );
     Ok(())
+}
+
+/// One configuration's rows: per kind of churn, the NIC's IOTLB miss rate, each
+/// domain's CPU per packet, and the churn's own rate, cost and invalidations.
+fn config_rows(r: &mut Report, config: Config, rate: f64, out: &[Vec<Outcome>]) {
+    let g = format!(
+        "a {} machine at line rate, its NIC's domain churning {rate} processes/s",
+        config.name()
+    );
+    let owner = if config == Config::Pv {
+        "driver domain"
+    } else {
+        "guest"
+    };
+    for (k, &churn) in Churn::ALL.iter().enumerate() {
+        let col = |f: fn(&Outcome) -> f64| out[k].iter().map(f).collect::<Vec<f64>>();
+        let label = churn.label();
+        r.row(
+            &g,
+            &format!("NIC IOTLB miss rate, {label}"),
+            "%",
+            &col(|x| x.miss_pct),
+        );
+        let owner_ns = col(|x| x.owner_ns);
+        let row = r.row(
+            &g,
+            &format!("{owner} CPU per packet, {label}"),
+            "ns",
+            &owner_ns,
+        );
+        if k > 0 {
+            let base: Vec<f64> = out[0].iter().map(|x| x.owner_ns).collect();
+            row.ratio =
+                crate::stats::ratio_median(&owner_ns, &base).map(|x| ("no churn".into(), x));
+        }
+        if config == Config::Pv {
+            let guest = col(|x| x.guest_ns.unwrap_or(f64::NAN));
+            r.row(&g, &format!("guest CPU per packet, {label}"), "ns", &guest);
+        }
+        if churn != Churn::None {
+            let rows: [(&str, &str, fn(&Outcome) -> f64); 3] = [
+                ("processes created", "per s", |x| x.churn_rate),
+                ("churn CPU per process", "µs", |x| x.churn_ns / 1e3),
+                ("invalidations from type changes", "per s", |x| {
+                    x.invalidations
+                }),
+            ];
+            for (what, unit, f) in rows {
+                r.row(&g, &format!("{what}, {label}"), unit, &col(f));
+            }
+        }
+    }
+}
+
+/// The NIC's miss rate under churn with the pool against no churn at all.
+fn miss_check(r: &mut Report, config: Config, out: &[Vec<Outcome>]) {
+    let stats =
+        |k: usize| crate::stats::Stats::of(&out[k].iter().map(|x| x.miss_pct).collect::<Vec<_>>());
+    let (with, without) = (stats(3).median, stats(0));
+    // Without churn the NIC still misses now and then, a handful in a window of
+    // some 10^5 lookups, varying from run to run. 10% of that is below one miss,
+    // so the tolerance is the no-churn runs' own spread, at least 0.01 points;
+    // the pool's absence under domain-selective invalidation costs tens of points.
+    let tol = (0.1 * without.median)
+        .max(without.max - without.min)
+        .max(0.01);
+    r.check(
+        &format!(
+            "{} machine: NIC IOTLB miss rate under churn with the pool against no churn",
+            config.name()
+        ),
+        with,
+        "%",
+        &format!(
+            "{:.4} ± {tol:.4} (10%, or the no-churn runs' spread, at least 0.01 points)",
+            without.median
+        ),
+        (with - without.median).abs() <= tol,
+    );
 }

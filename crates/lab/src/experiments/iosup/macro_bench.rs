@@ -10,8 +10,8 @@
 //! * **netperf** (Figure 11): a TCP stream of 16 KiB writes, as fast as TCP goes, into
 //!   a PV guest, while the driver domain (which owns the NIC, its IOMMU context kept in
 //!   step with its page types) runs processes at the busy workload's rate; the pool off
-//!   and on. The paper's stream crossed a real link with nothing else running; here the
-//!   wire is unlimited, so the receiver's CPU sets the rate and a cost of the flushes
+//!   and on. The paper's stream crossed a real link with no other workload reported; here
+//!   the wire is unlimited, so the receiver's CPU sets the rate and a cost of the flushes
 //!   would show in it.
 
 use dev::peer::{PeerApp, WireRate};
@@ -274,8 +274,9 @@ pub(super) fn fig11(r: &mut Report, d: &Durations, rate: f64) -> Result<(), LabE
     r.notes.push(format!(
         "Fig. 11: beside the stream the driver domain created {rate:.0} processes a second; \
          without the pool their page tables caused {:.0} IOTLB invalidations a second in \
-         the NIC's context, with it {:.0}, and the stream ran {x:.2}× as fast. The paper's \
-         netperf ran with nothing else on the machine, where the pool has nothing to spare",
+         the NIC's context, with it {:.0}, and the stream ran {x:.2}× as fast. The paper reports \
+         its netperf runs with no other workload beside them; with no page-table churn the \
+         pool has nothing to spare",
         inval(0),
         inval(1)
     ));

@@ -325,13 +325,16 @@ fn dom0_lines(
     rep.notes.push(format!(
         "Fig. 9's dotted lines: the driver domain's own TCP flow through its bridge carried \
          {:.3}× what it carried straight on the NIC ({:.0} against {:.0} Mbit/s, medians of \
-         {reps}); {} frames dropped by the NICs. One flow's rate here is set by its window \
-         (smoltcp's buffers, a round trip through both hosts' pCPUs) and not by either \
-         host's CPU, so the bridge's cost shows in the CPU each byte takes, not in the rate",
+         {reps}); {} frames dropped by the NICs. Both driver domains together were busy \
+         {:.0}% of one core on the NIC and {:.0}% through the bridge: one flow's rate is set \
+         by its window and the wire, not by either host's CPU, so the bridge's cost shows in \
+         the CPU each byte takes rather than in the rate",
         medians[1] / medians[0],
         medians[1],
         medians[0],
-        bad.dropped
+        bad.dropped,
+        cpus[0] * medians[0] / 8.0 / 1e4,
+        cpus[1] * medians[1] / 8.0 / 1e4,
     ));
     let x = cpus[1] / cpus[0];
     rep.check(
