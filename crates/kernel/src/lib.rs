@@ -21,6 +21,7 @@
 
 pub mod app;
 pub mod block;
+pub mod compute;
 pub mod counters;
 pub mod driver_domain;
 pub mod hostile;

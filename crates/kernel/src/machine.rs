@@ -82,6 +82,9 @@ pub enum Above {
     /// backing file) and a block job above it ([`crate::block`]). The guest's MAC and
     /// netfront settings are not used.
     Block(Box<BlockSpec>),
+    /// No vif: a guest that computes ([`crate::compute`]), the neighbour of a
+    /// consolidated machine. The guest's MAC and netfront settings are not used.
+    Compute(crate::compute::ComputeSpec),
 }
 
 /// What stands behind a guest's virtual disk.
@@ -146,6 +149,9 @@ pub struct GuestSpec {
     /// driver domain's, one each (core 1, 2, ...). A core the machine does not have
     /// leaves the vCPU floating.
     pub core: Option<usize>,
+    /// Its vCPU's weight on its pCPU (Xen's credit weight, in steps a turn; 1 is the
+    /// least, and what every other domain has).
+    pub weight: u32,
 }
 
 /// A guest of the self-virtualized NIC: a VIF of its own, the stack and the
@@ -418,6 +424,8 @@ enum Front {
     Block(Box<Blkfront>),
     /// blkfront, to connect once its remote back end has found its disk.
     BlockLater,
+    /// No front end (a guest that computes).
+    None,
 }
 
 /// Starts the NIC of `spec` with its interrupt on `irq`.
@@ -837,6 +845,10 @@ impl Machine {
                 let mut remote = Vec::new();
                 let mut disks = Vec::new();
                 for (g, dom) in guests.iter().zip(&doms) {
+                    if let Above::Compute(_) = &g.above {
+                        fronts.push(Front::None);
+                        continue;
+                    }
                     if let Above::Block(b) = &g.above {
                         let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
                         let plan = DiskPlan {
@@ -976,6 +988,10 @@ impl Machine {
                         (_, Front::Hostile(k)) => {
                             m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
                         }
+                        (Above::Compute(c), Front::None) => {
+                            let k = crate::compute::ComputeGuest::new(&hv, &dom, &c)?;
+                            m.boot_weighted(&dom, Role::Guest, at, k, &ready, g.weight)?;
+                        }
                         _ => unreachable!("a guest's front end follows what runs above it"),
                     }
                 }
@@ -1015,6 +1031,33 @@ impl Machine {
         kernel: K,
         ready: &Arc<AtomicUsize>,
     ) -> Result<(), BuildError> {
+        self.boot_as(dom, role, at, platform, kernel, ready, 1)
+    }
+
+    /// [`Machine::boot`] for a Xen guest whose vCPU has `weight` on its pCPU.
+    fn boot_weighted<K: Kernel>(
+        &mut self,
+        dom: &Arc<Domain>,
+        role: Role,
+        at: usize,
+        kernel: K,
+        ready: &Arc<AtomicUsize>,
+        weight: u32,
+    ) -> Result<(), BuildError> {
+        self.boot_as(dom, role, at, Platform::Xen, kernel, ready, weight)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn boot_as<K: Kernel>(
+        &mut self,
+        dom: &Arc<Domain>,
+        role: Role,
+        at: usize,
+        platform: Platform,
+        kernel: K,
+        ready: &Arc<AtomicUsize>,
+        weight: u32,
+    ) -> Result<(), BuildError> {
         let (stop, ready) = (Arc::clone(&self.stop), Arc::clone(ready));
         let door = Arc::new(vcpu::CounterDoor::default());
         let v = self
@@ -1025,7 +1068,14 @@ impl Machine {
         let pcpu = self.pcpu_cores.iter().position(|&c| c == at).unwrap_or(0);
         let h = self
             .sched
-            .place(pcpu, UnitSpec::named(format!("{}-v0", dom.name())), unit)
+            .place(
+                pcpu,
+                UnitSpec {
+                    weight: weight.max(1),
+                    ..UnitSpec::named(format!("{}-v0", dom.name()))
+                },
+                unit,
+            )
             .map_err(other)?;
         self.kernels.push((Arc::clone(dom), h));
         self.doors.push((Arc::clone(dom), door));

@@ -80,6 +80,7 @@ fn job(
 fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
         split_ring: false,
+        weight: 1,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers: RxBuffers::Fragments,

@@ -72,6 +72,7 @@ fn messages(
 fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec {
     GuestSpec {
         split_ring: false,
+        weight: 1,
         name: name.into(),
         mac,
         rx_buffers: RxBuffers::Fragments,

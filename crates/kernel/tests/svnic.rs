@@ -284,6 +284,7 @@ fn hv_host(
             guests: (0..n)
                 .map(|i| kernel::machine::GuestSpec {
                     split_ring: false,
+                    weight: 1,
                     name: format!("g{i}"),
                     mac: mac(i),
                     rx_buffers: net::netfront::RxBuffers::Fragments,

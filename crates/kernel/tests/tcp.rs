@@ -77,6 +77,7 @@ fn start_with(
             driver,
             guests: vec![GuestSpec {
                 split_ring: false,
+                weight: 1,
                 name: "guest".into(),
                 mac: f.dst_mac,
                 rx_buffers: RxBuffers::Fragments,

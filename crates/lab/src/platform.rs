@@ -437,6 +437,7 @@ impl Running {
                 };
                 let guests = std::iter::once(GuestSpec {
                     split_ring: false,
+                    weight: 1,
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers: opts.rx_buffers,
@@ -447,6 +448,7 @@ impl Running {
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
                     split_ring: false,
+                    weight: 1,
                     name: format!("hostile{i}"),
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
                     rx_buffers: RxBuffers::Fragments,

@@ -211,6 +211,7 @@ impl TcpRunning {
                 driver,
                 guests: vec![GuestSpec {
                     split_ring: false,
+                    weight: 1,
                     name: "guest".into(),
                     mac: f.dst_mac,
                     rx_buffers,

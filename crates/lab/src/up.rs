@@ -153,6 +153,7 @@ impl UpDisk {
         };
         GuestSpec {
             split_ring: false,
+            weight: 1,
             name: self.name.clone(),
             mac: [0x02, 0, 0, 0, 0xd1, 0],
             rx_buffers: RxBuffers::Fragments,
@@ -721,6 +722,7 @@ fn bring_up(
         counters.push((g.name.clone(), Arc::clone(tap.counters())));
         guests.push(GuestSpec {
             split_ring: g.split_ring,
+            weight: 1,
             name: g.name.clone(),
             mac,
             above: Above::Tap(Box::new(tap)),

@@ -57,6 +57,7 @@ fn job(
 fn guest(name: &str, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
         split_ring: false,
+        weight: 1,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
         rx_buffers: RxBuffers::Fragments,
@@ -315,6 +316,7 @@ fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -
     let mac = [2, 0, 0, 0, 0, host];
     GuestSpec {
         split_ring: false,
+        weight: 1,
         name: name.into(),
         mac,
         rx_buffers: RxBuffers::Fragments,

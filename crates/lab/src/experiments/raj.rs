@@ -272,6 +272,7 @@ fn host(
             guests: (0..n)
                 .map(|i| GuestSpec {
                     split_ring: false,
+                    weight: 1,
                     name: format!("g{i}"),
                     mac: side.mac(i),
                     rx_buffers: net::netfront::RxBuffers::Fragments,

@@ -338,6 +338,7 @@ fn disk_machine(
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: vec![GuestSpec {
                 split_ring: false,
+                weight: 1,
                 name: "disk".into(),
                 mac: [2, 0, 0, 0, 0, 0x0d],
                 rx_buffers: net::netfront::RxBuffers::Fragments,

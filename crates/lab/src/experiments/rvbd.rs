@@ -233,6 +233,7 @@ fn run_job(
         },
         guests: vec![GuestSpec {
             split_ring: false,
+            weight: 1,
             name: "guest".into(),
             mac: [2, 0, 0, 0, 0, 2],
             rx_buffers: RxBuffers::Fragments,
