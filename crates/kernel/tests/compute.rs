@@ -51,10 +51,7 @@ fn guests_that_compute_share_a_pcpu_by_their_weights_and_read_their_memory_back(
         },
         layout: Layout::DriverDomain {
             driver: DriverConfig::default(),
-            guests: vec![
-                computing("light", 1, &light),
-                computing("heavy", 3, &heavy),
-            ],
+            guests: vec![computing("light", 1, &light), computing("heavy", 3, &heavy)],
         },
     })
     .expect("machine");
@@ -65,8 +62,19 @@ fn guests_that_compute_share_a_pcpu_by_their_weights_and_read_their_memory_back(
     let c = m.stop().expect("stops");
     let (l, h) = (light.load(Ordering::Relaxed), heavy.load(Ordering::Relaxed));
     assert!(l >= 2000, "the light guest made {l} passes");
-    assert_eq!(c.get("compute", "passes"), l + h, "both guests' counts at stop");
-    assert_eq!(c.get("compute", "failed"), 0, "every pass read back as written");
+    assert_eq!(
+        c.get("compute", "passes"),
+        l + h,
+        "both guests' counts at stop"
+    );
+    assert_eq!(
+        c.get("compute", "failed"),
+        0,
+        "every pass read back as written"
+    );
     let ratio = h as f64 / l as f64;
-    assert!((2.7..=3.3).contains(&ratio), "weights 3 : 1 gave {h} : {l} passes");
+    assert!(
+        (2.7..=3.3).contains(&ratio),
+        "weights 3 : 1 gave {h} : {l} passes"
+    );
 }

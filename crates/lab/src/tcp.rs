@@ -64,6 +64,9 @@ pub struct TcpOptions {
     pub app: PeerApp,
     /// Where the threads run.
     pub placement: Placement,
+    /// A consolidated machine (pv only): a guest that computes, of this weight, on the
+    /// receiving guest's core (paper 001's future work; the other domains weigh 1).
+    pub neighbour: Option<u32>,
     /// Profiler sampling interval.
     pub sample: Option<Duration>,
 }
@@ -83,10 +86,14 @@ impl TcpOptions {
                 total: None,
             },
             placement: Placement::OneCore,
+            neighbour: None,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
         }
     }
 }
+
+/// The consolidated machine's computing guest's domain.
+pub const NEIGHBOUR: &str = "neighbour";
 
 /// netperf's TCP_STREAM message, the paper's 1 KiB.
 pub const STREAM_MESSAGE: usize = 1024;
@@ -209,7 +216,7 @@ impl TcpRunning {
             Receiver::Native => Layout::Native(spec),
             Receiver::Pv => Layout::DriverDomain {
                 driver,
-                guests: vec![GuestSpec {
+                guests: [GuestSpec {
                     split_ring: false,
                     weight: 1,
                     name: "guest".into(),
@@ -221,7 +228,23 @@ impl TcpRunning {
                     offloads: true,
                     above: Above::App(spec),
                     core: guest_core,
-                }],
+                }]
+                .into_iter()
+                .chain(o.neighbour.map(|weight| GuestSpec {
+                    split_ring: false,
+                    weight,
+                    name: NEIGHBOUR.into(),
+                    mac: [0x02, 0, 0, 0, 0, 0xcc],
+                    rx_buffers: RxBuffers::Fragments,
+                    grants: Grants::PerIo,
+                    offloads: false,
+                    above: Above::Compute(kernel::compute::ComputeSpec {
+                        heap_pages: 512,
+                        passes: Arc::default(),
+                    }),
+                    core: guest_core,
+                }))
+                .collect(),
             },
         };
         let machine = Machine::start(MachineSpec {

@@ -74,6 +74,7 @@ impl Cfg {
             app,
             placement,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
+            neighbour: None,
         }
     }
 }
@@ -198,6 +199,10 @@ struct Measure {
     /// the guest (each a wake-up when its domain is idle).
     irqs_per_mb: f64,
     notifies_per_mb: f64,
+    /// A consolidated machine's computing neighbour: its share of a core over the
+    /// window, and the passes over its memory it made a second.
+    neighbour_share: f64,
+    neighbour_passes: f64,
 }
 
 /// How long past its warm-up a paced stream may take to catch up with its schedule.
@@ -274,6 +279,13 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
             .sum()
     };
     let mb = (bytes as f64 / 1e6).max(1e-9);
+    let neighbour_cpu = |s: &TcpSnapshot| {
+        s.domains
+            .iter()
+            .find(|(n, _, _)| n == crate::tcp::NEIGHBOUR)
+            .map_or(Duration::ZERO, |(_, _, d)| d.cpu)
+    };
+    let passes = |s: &TcpSnapshot| s.counters.get("compute", "passes");
     let interval = o.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
     Ok((
         Measure {
@@ -288,6 +300,8 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
                 as f64
                 / mb,
             notifies_per_mb: (notifies(&b) - notifies(&a)) as f64 / mb,
+            neighbour_share: (neighbour_cpu(&b) - neighbour_cpu(&a)).as_secs_f64() / secs,
+            neighbour_passes: (passes(&b) - passes(&a)) as f64 / secs,
         },
         f,
     ))
@@ -357,6 +371,43 @@ const LOAD: &str = "fixed load";
 const RR_PHASE: &str = "rr";
 const TWO_CORE: &str = "two-core";
 
+/// The consolidated machine's configurations (paper 001's future work).
+const CONSOLIDATED: [Cfg; 3] = [PV, DA, ADAPTIVE];
+
+/// The consolidated runs (the other domains weigh 1): on the paper's gigabit wire
+/// every configuration beside a neighbour of equal weight; on the unlimited wire, where
+/// the receiving path wants the core too, the neighbour at weights 1 and 4 (pv alone
+/// in a quick look). Each: its phase's name, the wire, the neighbour's weight and the
+/// configurations.
+fn consolidated_runs(mode: Mode) -> Vec<(String, WireRate, u32, &'static [Cfg])> {
+    let free: &'static [Cfg] = if mode == Mode::Full {
+        &CONSOLIDATED
+    } else {
+        &CONSOLIDATED[..1]
+    };
+    vec![
+        (
+            consolidated_phase(true, 1),
+            WireRate::GIGABIT,
+            1,
+            &CONSOLIDATED,
+        ),
+        (consolidated_phase(false, 1), WireRate::Unlimited, 1, free),
+        (consolidated_phase(false, 4), WireRate::Unlimited, 4, free),
+    ]
+}
+
+/// The consolidated phase on the gigabit wire or the unlimited one, at neighbour
+/// weight `w`.
+fn consolidated_phase(gigabit: bool, w: u32) -> String {
+    let wire = if gigabit {
+        "1 Gbit/s wire"
+    } else {
+        "unlimited wire"
+    };
+    format!("consolidated, {wire}, neighbour weight {w}")
+}
+
 fn sweep_phase(load: f64) -> String {
     format!("sweep {load:.0}")
 }
@@ -394,7 +445,10 @@ fn setup(d: &Durations, ghz: f64) -> String {
          (the paper's port, its Fig. 2b). BO: the same without the bridge's copy (netback copies each \
          piece and sends a GSO packet). DA: BO flushed every 2nd poll, no aggregate held over 1 ms. \
          DA, page-mode: DA with the driver posting whole pages and each aggregate one buffer whose \
-         fragments are its segments' payload pages (headers copied, at most 17 segments). adaptive: BO flushed per flow while its next segment is due within a 200 µs budget. pv-soft + \
+         fragments are its segments' payload pages (headers copied, at most 17 segments). Consolidated: \
+         a guest that computes (one process running over its memory through its page tables) \
+         shares the receiving core, at weight 1 beside every configuration on the gigabit wire and \
+         at weights 1 and 4 on the unlimited wire (the other domains weigh 1). adaptive: BO flushed per flow while its next segment is due within a 200 µs budget. pv-soft + \
          adaptive: adaptive on paper 000's software-optimised path (netfilter off, aligned copies, v2 \
          grants on the optimised path; netfront keeps its fragments, as the no-fragments netfront takes \
          no GSO packet). One-core placement (the paper's): driver domain and guest share core 0, the \
@@ -429,6 +483,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     let (res, t) = rounds(mode, &d)?;
     tables(&mut r, &res, ghz);
     sweep(&mut r, &res);
+    consolidated(&mut r, &res, mode);
     checks(&mut r, &res, mode);
     integrity(&mut r, &t);
     Ok(r)
@@ -503,6 +558,13 @@ fn round_plan(round: usize, mode: Mode) -> Vec<(String, Cfg, TcpOptions)> {
             plan.push((sweep_phase(load), c, o));
         }
     }
+    for (phase, wire, w, cfgs) in consolidated_runs(mode) {
+        for c in rot(cfgs) {
+            let mut o = c.options(stream(None), wire, Placement::OneCore);
+            o.neighbour = Some(w);
+            plan.push((phase.clone(), c, o));
+        }
+    }
     for c in rot(two_core) {
         let o = c.options(stream(None), WireRate::Unlimited, Placement::TwoCore);
         plan.push((TWO_CORE.into(), c, o));
@@ -516,7 +578,11 @@ fn rounds(mode: Mode, d: &Durations) -> Result<(Results, Tally), LabError> {
     let mut t = Tally::default();
     let per_round = 4 * CONFIGS.len()
         + SWEEP_LOADS.iter().map(|&l| swept(l).count()).sum::<usize>()
-        + two_core(mode).len();
+        + two_core(mode).len()
+        + consolidated_runs(mode)
+            .iter()
+            .map(|r| r.3.len())
+            .sum::<usize>();
     crate::progress::plan((d.runs * per_round) as u64);
     for round in 0..d.runs {
         for (phase, c, o) in round_plan(round, mode) {
@@ -840,6 +906,85 @@ fn table7(r: &mut Report, res: &Results) {
 /// A full segment's payload: a 1500-byte MTU less IPv4, TCP and the timestamp option.
 const SEGMENT_PAYLOAD: f64 = 1448.0;
 
+/// The consolidated machine (paper 001's future work): a guest that computes shares
+/// the receiving core with the driver domain and the receiving guest, at each weight
+/// the mode measures. Per configuration, the stream's rate, the I/O path's CPU per byte
+/// and what the neighbour got.
+fn consolidated(r: &mut Report, res: &Results, mode: Mode) {
+    let group = "consolidated: a CPU-bound guest on the receiving core";
+    for (phase, _, _, cfgs) in consolidated_runs(mode) {
+        let pv = series(res, &phase, PV.name, |m| m.mbps);
+        for &c in cfgs {
+            let at = |what: &str| {
+                let wire = phase.trim_start_matches("consolidated, ");
+                format!("{}, {wire}: {what}", c.name)
+            };
+            let v = series(res, &phase, c.name, |m| m.mbps);
+            let row = r.row(group, &at("throughput"), "Mbit/s", &v);
+            if c.name != PV.name {
+                row.ratio = ratio_median(&v, &pv).map(|x| ("pv".to_string(), x));
+            }
+            let io = series(res, &phase, c.name, |m| driver(m) + guest(m));
+            r.row(group, &at("driver domain + guest CPU"), "ns/B", &io);
+            let share = series(res, &phase, c.name, |m| m.neighbour_share * 100.0);
+            r.row(group, &at("neighbour's share of the core"), "%", &share);
+            let passes = series(res, &phase, c.name, |m| m.neighbour_passes);
+            r.row(
+                group,
+                &at("neighbour's passes over its memory"),
+                "/s",
+                &passes,
+            );
+        }
+    }
+    // The stream beside a neighbour of equal weight against the same configuration
+    // alone on the same wire, within each round.
+    let worst = CONSOLIDATED
+        .iter()
+        .filter_map(|c| {
+            let with = series(res, &consolidated_phase(true, 1), c.name, |m| m.mbps);
+            ratio_median(&with, &series(res, TPUT_1G, c.name, |m| m.mbps))
+        })
+        .fold(f64::INFINITY, f64::min);
+    r.check(
+        "consolidated: beside a CPU-bound guest of equal weight on its core, each stream \
+         (pv, DA, adaptive) keeps its standalone rate on the 1 Gbit/s wire (least ratio)",
+        worst,
+        "× standalone",
+        "≥ 0.95",
+        worst >= 0.95,
+    );
+    // Where both want the core, the weights divide it.
+    let at = |w: u32, f: fn(&Measure) -> f64| -> f64 {
+        Stats::of(&series(res, &consolidated_phase(false, w), PV.name, f)).median
+    };
+    let (lo, hi) = (at(1, |m| m.neighbour_share), at(4, |m| m.neighbour_share));
+    let (fast, slow) = (at(1, |m| m.mbps), at(4, |m| m.mbps));
+    r.check(
+        &format!(
+            "consolidated, unlimited wire: the neighbour at weight 4 takes more of the core \
+             than at weight 1 ({:.0}% against {:.0}%), and pv's stream less ({slow:.0} \
+             against {fast:.0} Mbit/s)",
+            hi * 100.0,
+            lo * 100.0
+        ),
+        hi / lo.max(1e-9),
+        "× the neighbour's share",
+        "> 1, the stream's < 1",
+        hi > lo && slow < fast,
+    );
+    let io = |w: u32| at(w, |m| driver(m) + guest(m));
+    r.notes.push(format!(
+        "consolidated (paper 001's future work): a guest that computes shares the receiving \
+         core with the driver domain and the receiving guest, the pCPU's units taking steps \
+         by their weights (one step of the neighbour is a pass over its 560 pages). On the \
+         gigabit wire the stream needs a fifth of the core and keeps its rate; on the \
+         unlimited wire, the neighbour at weight 4 left pv's path {:.2}× the CPU per byte it \
+         spent at weight 1",
+        io(4) / io(1)
+    ));
+}
+
 /// The N sweep and the adaptive flush at three loads.
 fn sweep(r: &mut Report, res: &Results) {
     let mut lines = Vec::new();
@@ -1073,6 +1218,7 @@ mod smoke {
             "table VII: TCP_RR",
             "aggregation latency per segment, 1 Gbit/s wire",
             "page-mode against skb-mode (both DA)",
+            "consolidated: a CPU-bound guest on the receiving core",
         ] {
             assert!(
                 rep.rows
