@@ -179,31 +179,10 @@ fn job(
     )
 }
 
-/// Runs one job on a fresh machine whose guest's disk is on `path`.
-#[allow(clippy::too_many_arguments)]
-fn run_job(
-    path: Where,
-    disk: &Path,
-    outage: Option<Duration>,
-    op: JobOp,
-    pattern: Pattern,
-    bytes: u32,
-    depth: usize,
-    limit: u64,
-) -> Result<JobRun, LabError> {
-    let (spec, counters, lat) = job(op, pattern, bytes, depth, limit);
-    let block = BlockSpec {
-        disk: match path {
-            Where::Local | Where::NbdHv(_) | Where::NbdSv(_) => Disk::File(disk.to_path_buf()),
-            _ => Disk::Aoe {
-                major: SHELF,
-                minor: SLOT,
-            },
-        },
-        read_only: false,
-        persistent: path == Where::SvnicRvbdBounce,
-        job: spec,
-    };
+/// The machine of `path`: one guest, behind the driver domain or the SV-NIC (whose
+/// micro-engines poll, as the paper's did), running what `path` puts above its device:
+/// `block`'s job on its virtual disk, or a guest NBD client running it over TCP.
+fn layout(path: Where, block: BlockSpec) -> Layout {
     // A guest NBD client's application: its TCP to the server's port on the cable.
     let nbd_app = |server: Server, job: kernel::block::BlockJobSpec| kernel::app::AppSpec {
         flow: net::wire::UdpFlow {
@@ -224,8 +203,6 @@ fn run_job(
             job,
         }),
     };
-    // One guest, behind the driver domain or the SV-NIC (whose micro-engines poll, as
-    // the paper's did), running what `path` puts above its device.
     let driver = |above: Above| Layout::DriverDomain {
         driver: DriverConfig {
             netfilter: false,
@@ -257,14 +234,18 @@ fn run_job(
             core: None,
         }],
     };
-    let layout = match path {
+    match path {
         Where::NbdHv(server) => driver(Above::App(nbd_app(server, block.job))),
         Where::NbdSv(server) => svnic(SvnicApp::Stack(nbd_app(server, block.job))),
         Where::Local | Where::HostRvbd => driver(Above::Block(Box::new(block))),
         Where::SvnicRvbd | Where::SvnicRvbdBounce => svnic(SvnicApp::Block(Box::new(block))),
-    };
-    // The remote host is made per machine: its TAP is the machine's cable.
-    let (nic, host) = match path.remote() {
+    }
+}
+
+/// The machine's cable for `path`: silence for a local disk; for a remote one, a TAP
+/// to a remote host made for this machine, running the servers `path` reaches.
+fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), LabError> {
+    Ok(match path.remote() {
         false => (
             NicSpec {
                 coalesce: Coalesce::default(),
@@ -305,7 +286,112 @@ fn run_job(
                 Some(host),
             )
         }
+    })
+}
+
+/// What the machine's domains and its block engine had used at one instant.
+struct Usage {
+    guest: Duration,
+    driver: Duration,
+    guest_samples: Vec<u64>,
+    driver_samples: Vec<u64>,
+    engine_ns: u64,
+}
+
+impl Usage {
+    fn of(m: &Machine) -> Self {
+        let cpu = |role: Role| -> Duration {
+            m.domains()
+                .iter()
+                .filter(|(_, r)| *r == role)
+                .map(|(d, _)| d.cpu_time())
+                .sum()
+        };
+        let samples = |role: Role| -> Vec<u64> {
+            let mut v = vec![0u64; 64];
+            for (d, _) in m.domains().iter().filter(|(_, r)| *r == role) {
+                for (i, n) in d.class_samples().counts.iter().enumerate() {
+                    if let Some(x) = v.get_mut(i) {
+                        *x += n;
+                    }
+                }
+            }
+            v
+        };
+        Self {
+            guest: cpu(Role::Guest),
+            driver: cpu(Role::DriverDomain),
+            guest_samples: samples(Role::Guest),
+            driver_samples: samples(Role::DriverDomain),
+            engine_ns: m
+                .block_engine_stats()
+                .map_or(0, |e| e.busy_ns.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// Per request of `completed` from `a` to `b`: each domain's CPU (ns), and its
+    /// classes apportioned by the profiler's samples.
+    fn per_request(
+        a: &Usage,
+        b: &Usage,
+        completed: u64,
+    ) -> (f64, f64, Vec<(&'static str, hv::profile::Class, f64)>) {
+        let per = |x: Duration, y: Duration| {
+            (y.saturating_sub(x)).as_nanos() as f64 / completed.max(1) as f64
+        };
+        let (guest, driver) = (per(a.guest, b.guest), per(a.driver, b.driver));
+        let mut classes = Vec::new();
+        for (who, s0, s1, cpu_ns) in [
+            ("guest", &a.guest_samples, &b.guest_samples, guest),
+            (
+                "driver domain",
+                &a.driver_samples,
+                &b.driver_samples,
+                driver,
+            ),
+        ] {
+            let delta: Vec<u64> = s1.iter().zip(s0).map(|(y, x)| y - x).collect();
+            let total: u64 = delta.iter().sum();
+            if total == 0 {
+                continue;
+            }
+            for c in hv::profile::Class::ALL {
+                let n = delta.get(c as usize).copied().unwrap_or(0);
+                if n > 0 {
+                    classes.push((who, c, cpu_ns * n as f64 / total as f64));
+                }
+            }
+        }
+        (guest, driver, classes)
+    }
+}
+
+/// Runs one job on a fresh machine whose guest's disk is on `path`.
+#[allow(clippy::too_many_arguments)]
+fn run_job(
+    path: Where,
+    disk: &Path,
+    outage: Option<Duration>,
+    op: JobOp,
+    pattern: Pattern,
+    bytes: u32,
+    depth: usize,
+    limit: u64,
+) -> Result<JobRun, LabError> {
+    let (spec, counters, lat) = job(op, pattern, bytes, depth, limit);
+    let block = BlockSpec {
+        disk: match path {
+            Where::Local | Where::NbdHv(_) | Where::NbdSv(_) => Disk::File(disk.to_path_buf()),
+            _ => Disk::Aoe {
+                major: SHELF,
+                minor: SLOT,
+            },
+        },
+        read_only: false,
+        persistent: path == Where::SvnicRvbdBounce,
+        job: spec,
     };
+    let (nic, mut host) = cable(path, disk)?;
     let m = Machine::start(MachineSpec {
         dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: None,
@@ -315,39 +401,12 @@ fn run_job(
         // vblade and nbd-server share the cores: idle pCPUs give them back.
         idle: hv::sched::IdlePolicy::HALT_POLL,
         nic,
-        layout,
+        layout: layout(path, block),
     })
     .map_err(|e| LabError::Other(e.to_string()))?;
-    let cpu = |m: &Machine, role: Role| -> Duration {
-        m.domains()
-            .iter()
-            .filter(|(_, r)| *r == role)
-            .map(|(d, _)| d.cpu_time())
-            .sum()
-    };
-    let samples = |m: &Machine, role: Role| -> Vec<u64> {
-        let mut v = vec![0u64; 64];
-        for (d, _) in m.domains().iter().filter(|(_, r)| *r == role) {
-            for (i, n) in d.class_samples().counts.iter().enumerate() {
-                if let Some(x) = v.get_mut(i) {
-                    *x += n;
-                }
-            }
-        }
-        v
-    };
-    let (gs0, ds0) = (samples(&m, Role::Guest), samples(&m, Role::DriverDomain));
-    let engine = m.block_engine_stats();
-    let busy = || {
-        engine
-            .as_ref()
-            .map_or(0, |e| e.busy_ns.load(Ordering::Relaxed))
-    };
-    let b0 = busy();
-    let (g0, d0) = (cpu(&m, Role::Guest), cpu(&m, Role::DriverDomain));
+    let u0 = Usage::of(&m);
     let t0 = Instant::now();
     let bound = Duration::from_secs(120);
-    let mut host = host;
     let mut outage = outage;
     while counters.completed.load(Ordering::Relaxed) < limit && t0.elapsed() < bound {
         // The fault run: vblade killed a quarter of the way in, started again after
@@ -363,32 +422,11 @@ fn run_job(
         std::thread::sleep(Duration::from_millis(1));
     }
     let elapsed = t0.elapsed();
-    let (g1, d1) = (cpu(&m, Role::Guest), cpu(&m, Role::DriverDomain));
-    let b1 = busy();
-    let (gs1, ds1) = (samples(&m, Role::Guest), samples(&m, Role::DriverDomain));
+    let u1 = Usage::of(&m);
     let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
     drop(host);
     let completed = counters.completed.load(Ordering::Relaxed);
-    let per = |a: Duration, b: Duration| {
-        (b.saturating_sub(a)).as_nanos() as f64 / completed.max(1) as f64
-    };
-    let mut classes = Vec::new();
-    for (who, s0, s1, cpu_ns) in [
-        ("guest", &gs0, &gs1, per(g0, g1)),
-        ("driver domain", &ds0, &ds1, per(d0, d1)),
-    ] {
-        let delta: Vec<u64> = s1.iter().zip(s0).map(|(b, a)| b - a).collect();
-        let total: u64 = delta.iter().sum();
-        if total == 0 {
-            continue;
-        }
-        for c in hv::profile::Class::ALL {
-            let n = delta.get(c as usize).copied().unwrap_or(0);
-            if n > 0 {
-                classes.push((who, c, cpu_ns * n as f64 / total as f64));
-            }
-        }
-    }
+    let (guest_cpu_ns, driver_cpu_ns, classes) = Usage::per_request(&u0, &u1, completed);
     Ok(JobRun {
         lat_us: lat.since(0).iter().map(|&ns| ns as f64 / 1000.0).collect(),
         completed,
@@ -398,9 +436,9 @@ fn run_job(
         corrupt: counters.corrupt.load(Ordering::Relaxed),
         doubled: counters.unexpected.load(Ordering::Relaxed) + c.get("blkfront", "bad_responses"),
         elapsed,
-        guest_cpu_ns: per(g0, g1),
-        driver_cpu_ns: per(d0, d1),
-        engine_ns: (b1 - b0) as f64 / completed.max(1) as f64,
+        guest_cpu_ns,
+        driver_cpu_ns,
+        engine_ns: (u1.engine_ns - u0.engine_ns) as f64 / completed.max(1) as f64,
         classes,
     })
 }
