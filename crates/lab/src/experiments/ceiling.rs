@@ -567,184 +567,234 @@ fn run_once(
 ) -> Result<Run, LabError> {
     let Path {
         hv: _hv,
-        mut front,
-        mut vif,
-        mut dma,
-        mut dpool,
-        mut gpool,
+        front,
+        vif,
+        dma,
+        dpool,
+        gpool,
     } = Path::new(v)?;
-    let (mut source, mut sink) = (Source::new(len)?, Sink::new(len));
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let timing = Arc::new(AtomicBool::new(false));
-    // Packets the receiver has taken, published after each poll.
-    let received = Arc::new(AtomicU64::new(0));
-    let start = Arc::new(Barrier::new(3));
-    let drv_side = {
-        let (stop, timing, received, start) = (
-            Arc::clone(&stop),
-            Arc::clone(&timing),
-            Arc::clone(&received),
-            Arc::clone(&start),
-        );
-        std::thread::spawn(
-            move || -> Result<(Duration, Option<Sink>, u64, Duration, f64), LabError> {
-                pin(0);
-                let mut busy = Duration::ZERO;
-                let mut device = Duration::ZERO;
-                let (mut polls, mut filled) = (0u64, 0u64);
-                let mut tokens = Vec::with_capacity(netback::MAX_PENDING);
-                let mut given = Vec::with_capacity(netback::RX_MAPPED);
-                let map_ops =
-                    |vif: &netback::Vif| vif.cache_stats().map_or(0, |c| c.maps + c.unmaps);
-                let mut at_timing = None;
-                start.wait();
-                while !stop.load(Ordering::Relaxed) {
-                    if at_timing.is_none() && timing.load(Ordering::Relaxed) {
-                        at_timing = Some(map_ops(&vif));
-                    }
-                    match dir {
-                        Dir::Rx if v.direct => {
-                            // The device: each buffer netback gives it gets a whole frame
-                            // by DMA through the IOMMU, and goes back filled.
-                            timed(&mut busy, &timing, || {
-                                vif.rx_direct_refill();
-                                vif.rx_direct_give(|iova, _, token| {
-                                    given.push((iova, token));
-                                    true
-                                });
-                                let n = given.len();
-                                for (iova, token) in given.drain(..) {
-                                    let f = source.next_frame();
-                                    let t = Instant::now();
-                                    let ok = dma.dma_write(iova, f).is_ok();
-                                    if timing.load(Ordering::Relaxed) {
-                                        device += t.elapsed();
-                                    }
-                                    vif.rx_direct_done(token, f.len() as u16, true, !ok);
-                                }
-                                vif.rx_direct_flush();
-                                if n > 0 && timing.load(Ordering::Relaxed) {
-                                    polls += 1;
-                                    filled += n as u64;
-                                }
-                                n
-                            });
-                        }
-                        Dir::Rx => {
-                            timed(&mut busy, &timing, || {
-                                queue_rx(&mut vif, &mut dpool, &mut source)
-                                    + vif.rx_action(&mut dpool)
-                            });
-                        }
-                        Dir::Tx => {
-                            timed(&mut busy, &timing, || {
-                                let n = vif.tx_action(&mut dpool, BUDGET, |p, s| sink.take(p, s));
-                                dpool.take_released(|r| tokens.push(r.token));
-                                if !tokens.is_empty() {
-                                    vif.tx_release(tokens.drain(..));
-                                }
-                                n
-                            });
-                            received.store(sink.received, Ordering::Relaxed);
-                        }
-                    }
-                }
-                if vif.disabled().is_some() {
-                    return Err(other(format!("vif disabled: {:?}", vif.disabled())));
-                }
-                let ops = map_ops(&vif) - at_timing.unwrap_or(0);
-                let per_poll = filled as f64 / polls.max(1) as f64;
-                Ok((
-                    busy,
-                    (dir == Dir::Tx).then_some(sink),
-                    ops,
-                    device,
-                    per_poll,
-                ))
-            },
-        )
+    let ctl = Control::default();
+    let back = Back {
+        vif,
+        dma,
+        dpool,
+        source: Source::new(len)?,
+        sink: Sink::new(len),
     };
-    let guest_side = {
-        let (stop, timing, received, start) = (
-            Arc::clone(&stop),
-            Arc::clone(&timing),
-            Arc::clone(&received),
-            Arc::clone(&start),
-        );
-        std::thread::spawn(move || -> Result<(Duration, Option<Sink>), LabError> {
-            pin(1);
-            let mut busy = Duration::ZERO;
-            let mut sink = Sink::new(len);
-            let mut source = Source::new(len)?;
-            front.refill_rx(&mut gpool);
-            start.wait();
-            while !stop.load(Ordering::Relaxed) {
-                match dir {
-                    Dir::Rx => {
-                        timed(&mut busy, &timing, || {
-                            front.poll_rx(&mut gpool, BUDGET, |p, s| sink.take(p, s))
-                        });
-                        received.store(sink.received, Ordering::Relaxed);
-                    }
-                    Dir::Tx => {
-                        timed(&mut busy, &timing, || {
-                            let n = front.poll_tx(&mut gpool);
-                            n + send_burst(
-                                &mut front,
-                                &mut gpool,
-                                &mut source,
-                                BUDGET - n.min(BUDGET),
-                            )
-                        });
-                    }
-                }
-            }
-            if front.is_broken() {
-                return Err(other("netfront broke"));
-            }
-            Ok((busy, (dir == Dir::Rx).then_some(sink)))
-        })
-    };
-    start.wait();
+    let drv_side = driver_side(dir, v, back, ctl.clone());
+    let guest_side = guest_side(dir, len, front, gpool, ctl.clone());
+    ctl.start.wait();
     // The warm-up: until the receiver has checked every verified packet, and one
     // period more (DPDK's first statistics period is left out the same way).
     let t0 = Instant::now();
-    while received.load(Ordering::Relaxed) < VERIFIED && t0.elapsed() < Duration::from_secs(20) {
+    while ctl.received.load(Ordering::Relaxed) < VERIFIED && t0.elapsed() < Duration::from_secs(20)
+    {
         std::thread::sleep(Duration::from_millis(1));
     }
     std::thread::sleep(period);
-    timing.store(true, Ordering::Relaxed);
+    ctl.timing.store(true, Ordering::Relaxed);
     let mut rates = Vec::with_capacity(periods);
-    let (t_start, n_start) = (Instant::now(), received.load(Ordering::Relaxed));
+    let (t_start, n_start) = (Instant::now(), ctl.received.load(Ordering::Relaxed));
     let (mut t, mut n) = (t_start, n_start);
     for _ in 0..periods {
         std::thread::sleep(period);
-        let (t2, n2) = (Instant::now(), received.load(Ordering::Relaxed));
+        let (t2, n2) = (Instant::now(), ctl.received.load(Ordering::Relaxed));
         rates.push((n2 - n) as f64 / (t2 - t).as_secs_f64());
         (t, n) = (t2, n2);
     }
-    timing.store(false, Ordering::Relaxed);
-    stop.store(true, Ordering::Relaxed);
-    let (busy_drv, sink_d, map_ops, device, per_poll) = drv_side
+    ctl.timing.store(false, Ordering::Relaxed);
+    ctl.stop.store(true, Ordering::Relaxed);
+    let d = drv_side
         .join()
         .map_err(|_| other("driver side panicked"))??;
     let (busy_guest, sink_g) = guest_side
         .join()
         .map_err(|_| other("guest side panicked"))??;
-    let sink = sink_d.or(sink_g).ok_or_else(|| other("no receiver"))?;
+    let sink = d.sink.or(sink_g).ok_or_else(|| other("no receiver"))?;
     // Busy time was summed over the timed periods only (a poll that straddles an edge
     // counts whole): per packet of those periods.
     let timed_packets = (n - n_start).max(1) as f64;
     Ok(Run {
         pps: crate::Stats::of(&rates).median,
-        busy_drv_ns: busy_drv.as_nanos() as f64 / timed_packets,
+        busy_drv_ns: d.busy.as_nanos() as f64 / timed_packets,
         busy_guest_ns: busy_guest.as_nanos() as f64 / timed_packets,
         verified: sink.verified,
         corrupt: sink.corrupt,
-        maps_per_packet: map_ops as f64 / timed_packets,
-        device_ns: device.as_nanos() as f64 / timed_packets,
-        per_poll,
+        maps_per_packet: d.map_ops as f64 / timed_packets,
+        device_ns: d.device.as_nanos() as f64 / timed_packets,
+        per_poll: d.per_poll,
+    })
+}
+
+/// What the run's two sides and its timer share: stop, the timed window's flag, the
+/// packets the receiver has taken (published after each poll), and the start line.
+#[derive(Clone)]
+struct Control {
+    stop: Arc<AtomicBool>,
+    timing: Arc<AtomicBool>,
+    received: Arc<AtomicU64>,
+    start: Arc<Barrier>,
+}
+
+impl Default for Control {
+    fn default() -> Self {
+        Self {
+            stop: Arc::default(),
+            timing: Arc::default(),
+            received: Arc::default(),
+            start: Arc::new(Barrier::new(3)),
+        }
+    }
+}
+
+/// The driver domain's side of the path: netback's vif and pool, the device that
+/// places frames (direct placement), and the wire's source and sink.
+struct Back {
+    vif: netback::Vif,
+    dma: hv::iommu::DmaContext,
+    dpool: SkbPool,
+    source: Source,
+    sink: Sink,
+}
+
+/// What the driver domain's side measured over the timed window.
+struct BackRun {
+    busy: Duration,
+    /// The receiver's sink (TX: the wire's).
+    sink: Option<Sink>,
+    /// Grant maps and unmaps.
+    map_ops: u64,
+    /// Time in the device's DMA writes (direct placement).
+    device: Duration,
+    /// Buffers the device filled per poll that found any (direct placement).
+    per_poll: f64,
+}
+
+/// Runs the driver domain's side on core 0 until told to stop.
+fn driver_side(
+    dir: Dir,
+    v: Variant,
+    back: Back,
+    ctl: Control,
+) -> std::thread::JoinHandle<Result<BackRun, LabError>> {
+    std::thread::spawn(move || {
+        pin(0);
+        let Back {
+            mut vif,
+            mut dma,
+            mut dpool,
+            mut source,
+            mut sink,
+        } = back;
+        let timing = &*ctl.timing;
+        let mut busy = Duration::ZERO;
+        let mut device = Duration::ZERO;
+        let (mut polls, mut filled) = (0u64, 0u64);
+        let mut tokens = Vec::with_capacity(netback::MAX_PENDING);
+        let mut given = Vec::with_capacity(netback::RX_MAPPED);
+        let map_ops = |vif: &netback::Vif| vif.cache_stats().map_or(0, |c| c.maps + c.unmaps);
+        let mut at_timing = None;
+        ctl.start.wait();
+        while !ctl.stop.load(Ordering::Relaxed) {
+            if at_timing.is_none() && timing.load(Ordering::Relaxed) {
+                at_timing = Some(map_ops(&vif));
+            }
+            match dir {
+                Dir::Rx if v.direct => {
+                    // The device: each buffer netback gives it gets a whole frame by
+                    // DMA through the IOMMU, and goes back filled.
+                    timed(&mut busy, timing, || {
+                        vif.rx_direct_refill();
+                        vif.rx_direct_give(|iova, _, token| {
+                            given.push((iova, token));
+                            true
+                        });
+                        let n = given.len();
+                        for (iova, token) in given.drain(..) {
+                            let f = source.next_frame();
+                            let t = Instant::now();
+                            let ok = dma.dma_write(iova, f).is_ok();
+                            if timing.load(Ordering::Relaxed) {
+                                device += t.elapsed();
+                            }
+                            vif.rx_direct_done(token, f.len() as u16, true, !ok);
+                        }
+                        vif.rx_direct_flush();
+                        if n > 0 && timing.load(Ordering::Relaxed) {
+                            polls += 1;
+                            filled += n as u64;
+                        }
+                        n
+                    });
+                }
+                Dir::Rx => {
+                    timed(&mut busy, timing, || {
+                        queue_rx(&mut vif, &mut dpool, &mut source) + vif.rx_action(&mut dpool)
+                    });
+                }
+                Dir::Tx => {
+                    timed(&mut busy, timing, || {
+                        let n = vif.tx_action(&mut dpool, BUDGET, |p, s| sink.take(p, s));
+                        dpool.take_released(|r| tokens.push(r.token));
+                        if !tokens.is_empty() {
+                            vif.tx_release(tokens.drain(..));
+                        }
+                        n
+                    });
+                    ctl.received.store(sink.received, Ordering::Relaxed);
+                }
+            }
+        }
+        if vif.disabled().is_some() {
+            return Err(other(format!("vif disabled: {:?}", vif.disabled())));
+        }
+        Ok(BackRun {
+            busy,
+            sink: (dir == Dir::Tx).then_some(sink),
+            map_ops: map_ops(&vif) - at_timing.unwrap_or(0),
+            device,
+            per_poll: filled as f64 / polls.max(1) as f64,
+        })
+    })
+}
+
+/// Runs the guest's side (netfront and its pool) on core 1 until told to stop: its
+/// busy time over the timed window, and (RX) its sink.
+fn guest_side(
+    dir: Dir,
+    len: usize,
+    mut front: Netfront,
+    mut gpool: SkbPool,
+    ctl: Control,
+) -> std::thread::JoinHandle<Result<(Duration, Option<Sink>), LabError>> {
+    std::thread::spawn(move || {
+        pin(1);
+        let timing = &*ctl.timing;
+        let mut busy = Duration::ZERO;
+        let mut sink = Sink::new(len);
+        let mut source = Source::new(len)?;
+        front.refill_rx(&mut gpool);
+        ctl.start.wait();
+        while !ctl.stop.load(Ordering::Relaxed) {
+            match dir {
+                Dir::Rx => {
+                    timed(&mut busy, timing, || {
+                        front.poll_rx(&mut gpool, BUDGET, |p, s| sink.take(p, s))
+                    });
+                    ctl.received.store(sink.received, Ordering::Relaxed);
+                }
+                Dir::Tx => {
+                    timed(&mut busy, timing, || {
+                        let n = front.poll_tx(&mut gpool);
+                        n + send_burst(&mut front, &mut gpool, &mut source, BUDGET - n.min(BUDGET))
+                    });
+                }
+            }
+        }
+        if front.is_broken() {
+            return Err(other("netfront broke"));
+        }
+        Ok((busy, (dir == Dir::Rx).then_some(sink)))
     })
 }
 
