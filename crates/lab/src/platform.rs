@@ -366,6 +366,33 @@ pub struct Running {
     latency: Option<Arc<LatencyProbe>>,
 }
 
+/// The guests of an SV-NIC machine from `pvio up`'s: each keeps its name, MAC and core,
+/// takes its VIF's priority, and runs its TAP or its disk above the VIF driver (nothing
+/// else runs on an SV-NIC's VIF).
+fn svnic_guests(
+    guests: Vec<GuestSpec>,
+    priorities: Vec<Option<u8>>,
+) -> Result<Vec<SvnicGuestSpec>, LabError> {
+    guests
+        .into_iter()
+        .zip(priorities)
+        .map(|(g, priority)| {
+            let app = match g.above {
+                Above::Tap(t) => Ok(SvnicApp::Tap(t)),
+                Above::Block(b) => Ok(SvnicApp::Block(b)),
+                a => Err(other(format!("{}: {a:?} on an SV-NIC", g.name))),
+            }?;
+            Ok(SvnicGuestSpec {
+                name: g.name,
+                mac: g.mac,
+                app,
+                priority,
+                core: g.core,
+            })
+        })
+        .collect()
+}
+
 /// Real interfaces for a `pv` machine (`pvio up`): the NIC's cable on a TAP or a
 /// packet socket on a host interface instead of the paced sender, and the guests the machine builder runs, each (for `pvio up`)
 /// with its received frames handed to a TAP of its own (`Above::Tap`, whose network
@@ -464,24 +491,7 @@ impl Running {
         let layout = match (opts.config, svnic) {
             (Config::Pv, Some((config, priorities))) => Layout::Svnic {
                 config,
-                guests: guests
-                    .into_iter()
-                    .zip(priorities)
-                    .map(|(g, priority)| {
-                        let app = match g.above {
-                            Above::Tap(t) => Ok(SvnicApp::Tap(t)),
-                            Above::Block(b) => Ok(SvnicApp::Block(b)),
-                            a => Err(other(format!("{}: {a:?} on an SV-NIC", g.name))),
-                        }?;
-                        Ok(SvnicGuestSpec {
-                            name: g.name,
-                            mac: g.mac,
-                            app,
-                            priority,
-                            core: g.core,
-                        })
-                    })
-                    .collect::<Result<_, LabError>>()?,
+                guests: svnic_guests(guests, priorities)?,
             },
             (Config::Native, _) => Layout::Native(app_spec),
             (Config::Direct, _) => Layout::Direct(app_spec),

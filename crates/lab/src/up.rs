@@ -651,6 +651,27 @@ fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(),
     ip(&["-n", ns, "link", "set", "dev", "lo", "up"])
 }
 
+/// A guest with a disk and no network, its block job kept to the disk's size (the
+/// first 64 MiB of a remote one, whose size it learns only once found).
+fn disk_guest(d: &UpDisk) -> Result<GuestSpec, LabError> {
+    let sectors = match &d.disk {
+        kernel::machine::Disk::File(p) => {
+            std::fs::metadata(p)
+                .map_err(|e| LabError::Other(format!("disk {}: {e}", p.display())))?
+                .len()
+                / blk::blkif::SECTOR_SIZE
+        }
+        kernel::machine::Disk::Aoe { .. } => 131_072,
+    };
+    if sectors < u64::from(d.bytes) / blk::blkif::SECTOR_SIZE {
+        return Err(LabError::Other(format!(
+            "disk {}: smaller than one request",
+            d.name
+        )));
+    }
+    Ok(d.guest(sectors))
+}
+
 fn bring_up(
     cfg: &UpConfig,
     claims: &mut [Claim],
@@ -739,24 +760,7 @@ fn bring_up(
     }
     // Guests with disks, after the guests with networks.
     for d in &cfg.disks {
-        let sectors = match &d.disk {
-            kernel::machine::Disk::File(p) => {
-                std::fs::metadata(p)
-                    .map_err(|e| LabError::Other(format!("disk {}: {e}", p.display())))?
-                    .len()
-                    / blk::blkif::SECTOR_SIZE
-            }
-            // The job learns nothing of a remote disk's size before it is found; it
-            // keeps to its first 64 MiB.
-            kernel::machine::Disk::Aoe { .. } => 131_072,
-        };
-        if sectors < u64::from(d.bytes) / blk::blkif::SECTOR_SIZE {
-            return Err(LabError::Other(format!(
-                "disk {}: smaller than one request",
-                d.name
-            )));
-        }
-        guests.push(d.guest(sectors));
+        guests.push(disk_guest(d)?);
     }
     let first = cfg.guest();
     let opts = Options {

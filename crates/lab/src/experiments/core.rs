@@ -903,12 +903,30 @@ pub enum Idle {
     Event,
 }
 
-/// Requests per second through a granted, mapped ring between a front-end vCPU and a
-/// back-end vCPU on two cores, both polling vCPUs; the back end copies each request out
-/// and validates it, the front end validates each response (id in range and in flight).
-/// Returns (Mreq/s, (front events sent, back events sent)).
-pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabError> {
-    let Machine { hv, drv, guest } = machine(1024, 64, GrantVersion::V1, GrantPath::Optimised)?;
+/// vCPU 0 of a domain, pinned to `core`, polling for its events, unsampled.
+fn polling_on(core: usize) -> VcpuStart {
+    VcpuStart {
+        vcpu: 0,
+        core: Some(core),
+        mode: WaitMode::Polling,
+        sample: None,
+    }
+}
+
+/// The ring benchmark's front ring, on a page of the guest's.
+type BenchFront = FrontRing<BenchProto, PageRing<OwnPage>>;
+/// Its back ring, on the same page mapped in the driver domain.
+type BenchBack = BackRing<BenchProto, PageRing<mem::MappedPage>>;
+
+/// The ring benchmark's shared ring, set up as netfront and netback set up theirs: a
+/// page of the guest's granted to the driver domain and mapped there, a front ring on
+/// it in the guest and a back ring in the driver domain, and an event channel between
+/// them. Returns the rings and the back end's and the front end's ports.
+fn shared_ring(
+    hv: &Arc<Hypervisor>,
+    drv: &Arc<Domain>,
+    guest: &Arc<Domain>,
+) -> Result<(BenchFront, BenchBack, Port, Port), LabError> {
     let page = guest.alloc_page().map_err(other)?;
     let front = FrontRing::<BenchProto, _>::init(
         PageRing::new(guest.page(page).map_err(other)?).map_err(other)?,
@@ -942,15 +960,20 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
     let front_port = hv
         .evtchn_bind_interdomain(&guest, drv.id(), back_port)
         .map_err(other)?;
+    Ok((front, back, back_port, front_port))
+}
+
+/// Requests per second through a granted, mapped ring between a front-end vCPU and a
+/// back-end vCPU on two cores, both polling vCPUs; the back end copies each request out
+/// and validates it, the front end validates each response (id in range and in flight).
+/// Returns (Mreq/s, (front events sent, back events sent)).
+pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabError> {
+    let Machine { hv, drv, guest } = machine(1024, 64, GrantVersion::V1, GrantPath::Optimised)?;
+    let (front, back, back_port, front_port) = shared_ring(&hv, &drv, &guest)?;
     let go = Arc::new(Barrier::new(3));
 
     let g2 = Arc::clone(&go);
-    let start_b = VcpuStart {
-        vcpu: 0,
-        core: Some(CORE_B),
-        mode: WaitMode::Polling,
-        sample: None,
-    };
+    let start_b = polling_on(CORE_B);
     let backend = hv
         .start_vcpu(&drv, start_b, move |v| {
             let mut back = back;
@@ -992,12 +1015,7 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
         .map_err(other)?;
 
     let g3 = Arc::clone(&go);
-    let start_f = VcpuStart {
-        vcpu: 0,
-        core: Some(CORE_A),
-        mode: WaitMode::Polling,
-        sample: None,
-    };
+    let start_f = polling_on(CORE_A);
     let frontend = hv
         .start_vcpu(&guest, start_f, move |v| {
             let mut front = front;
