@@ -942,7 +942,7 @@ fn shared_ring(
         .map_err(other)?;
     let mut out = [Ok(GrantHandle(0))];
     hv.grant_map(
-        &drv,
+        drv,
         &[MapOp {
             dom: guest.id(),
             gref: r,
@@ -956,9 +956,9 @@ fn shared_ring(
         PageRing::new(drv.window().page(0).map_err(other)?).map_err(other)?,
     )
     .map_err(other)?;
-    let back_port = hv.evtchn_alloc_unbound(&drv, guest.id()).map_err(other)?;
+    let back_port = hv.evtchn_alloc_unbound(drv, guest.id()).map_err(other)?;
     let front_port = hv
-        .evtchn_bind_interdomain(&guest, drv.id(), back_port)
+        .evtchn_bind_interdomain(guest, drv.id(), back_port)
         .map_err(other)?;
     Ok((front, back, back_port, front_port))
 }

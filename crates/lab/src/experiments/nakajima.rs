@@ -631,12 +631,20 @@ fn tables(r: &mut Report, res: &Results, ghz: f64) {
     page_mode(r, res);
 }
 
+/// A phase, a figure's name, its unit and what it reads from a run.
+type Figure = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&Measure) -> f64,
+);
+
 /// Page-mode against skb-mode, both with DA's flush: each figure as a ratio within the
 /// round. The paper measured skb-mode only (its r8169 chains buffers); most NICs
 /// receive into pages.
 fn page_mode(r: &mut Report, res: &Results) {
     let group = "page-mode against skb-mode (both DA)";
-    let measures: [(&str, &str, &str, fn(&Measure) -> f64); 7] = [
+    let measures: [Figure; 7] = [
         (LOAD, "total CPU per byte, fixed load", "ns/B", total),
         (LOAD, "of it, grant copies, fixed load", "ns/B", |m| {
             m.cost.global(hv::profile::GlobalClass::GrantCopy)

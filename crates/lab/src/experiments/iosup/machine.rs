@@ -260,6 +260,9 @@ pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), La
     Ok(())
 }
 
+/// A row's name, its unit and what it reads from a run.
+type Column = (&'static str, &'static str, fn(&Outcome) -> f64);
+
 /// One configuration's rows: per kind of churn, the NIC's IOTLB miss rate, each
 /// domain's CPU per packet, and the churn's own rate, cost and invalidations.
 fn config_rows(r: &mut Report, config: Config, rate: f64, out: &[Vec<Outcome>]) {
@@ -298,7 +301,7 @@ fn config_rows(r: &mut Report, config: Config, rate: f64, out: &[Vec<Outcome>]) 
             r.row(&g, &format!("guest CPU per packet, {label}"), "ns", &guest);
         }
         if churn != Churn::None {
-            let rows: [(&str, &str, fn(&Outcome) -> f64); 3] = [
+            let rows: [Column; 3] = [
                 ("processes created", "per s", |x| x.churn_rate),
                 ("churn CPU per process", "µs", |x| x.churn_ns / 1e3),
                 ("invalidations from type changes", "per s", |x| {
