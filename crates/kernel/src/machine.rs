@@ -428,6 +428,136 @@ enum Front {
     None,
 }
 
+/// What connecting the driver-domain layout's guests gave: netback's vifs with their
+/// MACs, each guest's front end, the vifs' plan (for a restart), the disks' back ends
+/// (local and remote) and their plan.
+struct Connected {
+    vifs: Vec<(net::netback::Vif, [u8; 6])>,
+    fronts: Vec<Front>,
+    plan: Vec<(Arc<Domain>, VifSpec)>,
+    vbds: Vec<Blkback>,
+    remote: Vec<RemoteVbd>,
+    disks: Vec<DiskPlan>,
+}
+
+/// The toolstack's part and each device's handshake, guest by guest: a vif (the
+/// toolstack offers it, netfront connects, then netback; a hostile guest does its
+/// half itself) with the guest's pool and netfront's RX ring filled, or a disk (its
+/// back end served from its file now, or from a remote target once found), or nothing
+/// for a guest that computes.
+fn connect_guests(
+    hv: &Arc<Hypervisor>,
+    drv: &Arc<Domain>,
+    guests: &[GuestSpec],
+    doms: &[Arc<Domain>],
+    vbd_base: u32,
+    unsafe_machine_frames: bool,
+) -> Result<Connected, BuildError> {
+    let mut vifs = Vec::with_capacity(guests.len());
+    let mut fronts = Vec::with_capacity(guests.len());
+    let mut plan = Vec::with_capacity(guests.len());
+    let mut vbds = Vec::new();
+    let mut remote = Vec::new();
+    let mut disks = Vec::new();
+    for (g, dom) in guests.iter().zip(doms) {
+        if let Above::Compute(_) = &g.above {
+            fronts.push(Front::None);
+            continue;
+        }
+        if let Above::Block(b) = &g.above {
+            let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
+            let plan = DiskPlan {
+                dom: Arc::clone(dom),
+                disk: b.disk.clone(),
+                read_only: b.read_only,
+                persistent: b.persistent,
+                slot,
+                tag: remote.len() as u8,
+            };
+            // The toolstack's part, as a restart does it; then, for a file,
+            // both ends connect now (a remote disk's blkfront waits for its
+            // back end to find the target).
+            match plan.serve(hv, drv)? {
+                Served::File(file) => {
+                    let name =
+                        |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", plan.name()));
+                    let front =
+                        Blkfront::connect(hv, dom, XVDA, b.persistent).map_err(|e| name(&e))?;
+                    let back = Blkback::connect(hv, drv, dom.id(), XVDA, slot, file)
+                        .map_err(|e| name(&e))?;
+                    vbds.push(back);
+                    fronts.push(Front::Block(Box::new(front)));
+                }
+                Served::Remote(r) => {
+                    remote.push(r);
+                    fronts.push(Front::BlockLater);
+                }
+            }
+            disks.push(plan);
+            continue;
+        }
+        let vs = VifSpec {
+            handle: 0,
+            mac: g.mac,
+            rx_buffers: g.rx_buffers,
+            index: vifs.len() as u16,
+            grants: g.grants,
+            offloads: g.offloads,
+            split_indices: g.split_ring,
+        };
+        // A hostile guest does its half of the handshake itself.
+        let front = match g.above {
+            Above::Hostile(seed) => {
+                toolstack::offer_vif(hv, drv, dom, vs).map_err(other)?;
+                Front::Hostile(HostileGuest::new(hv, dom, vs.handle, seed))
+            }
+            Above::Deaf(seed) => {
+                toolstack::offer_vif(hv, drv, dom, vs).map_err(other)?;
+                Front::Hostile(HostileGuest::deaf(hv, dom, vs.handle, seed))
+            }
+            _ => {
+                toolstack::offer_vif(hv, drv, dom, vs).map_err(other)?;
+                if unsafe_machine_frames {
+                    // The paper's unsafe stand-in, offered by the toolstack
+                    // only when measuring it.
+                    let dir = net::xenbus::backend_dir(drv.id(), dom.id(), vs.handle);
+                    hv.store()
+                        .write(
+                            drv.id(),
+                            &format!("{dir}/{}", net::xenbus::FEATURE_MACHINE_FRAMES),
+                            "1",
+                        )
+                        .map_err(other)?;
+                }
+                let mut front = Netfront::connect_config(
+                    hv,
+                    dom,
+                    vs.handle,
+                    vs.rx_buffers,
+                    vs.grants,
+                    vs.offloads,
+                    vs.split_indices,
+                )
+                .map_err(other)?;
+                let pool = guest_pool(dom, &mut front)?;
+                Front::Net(Box::new((front, pool)))
+            }
+        };
+        let vif = toolstack::connect_backend(hv, drv, dom, vs).map_err(other)?;
+        vifs.push((vif, g.mac));
+        fronts.push(front);
+        plan.push((Arc::clone(dom), vs));
+    }
+    Ok(Connected {
+        vifs,
+        fronts,
+        plan,
+        vbds,
+        remote,
+        disks,
+    })
+}
+
 /// Starts the NIC of `spec` with its interrupt on `irq`.
 fn start_nic(
     hv: &Arc<Hypervisor>,
@@ -762,239 +892,20 @@ impl Machine {
         let pool = m.pool.clone();
         let start = move |i: usize| pool.core(i);
         let n = spec.nic;
-        let hv = Arc::clone(&m.hv);
         match spec.layout {
             Layout::Svnic { config, guests } => {
                 m.start_svnic(n, config, guests, &ready, &start, &mk)?;
             }
-            Layout::Native(app) => {
-                let dom = mk(&hv, "native", true, 4)?;
-                hv.iommu_attach(NIC, &dom).map_err(other)?;
-                let irq = Arc::new(NativeIrq::default());
-                m.native_irq = Some(Arc::clone(&irq));
-                let nic = start_nic(&hv, m.device(), IrqLine::Native(Arc::clone(&irq)), n)?;
-                let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
-                k.set_adaptive_coalescing(m.adaptive_coalescing);
-                m.nic = Some(nic);
-                m.boot(
-                    &dom,
-                    Role::Native,
-                    start(1),
-                    Platform::Native(irq),
-                    k,
-                    &ready,
-                )?;
-            }
-            Layout::Direct(app) => {
-                let dom = mk(&hv, "guest", false, 4)?;
-                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
-                let mut k =
-                    NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
-                k.set_adaptive_coalescing(m.adaptive_coalescing);
-                m.nic = Some(nic);
-                m.boot(&dom, Role::Guest, start(1), Platform::Xen, k, &ready)?;
-            }
+            Layout::Native(app) => m.start_native(n, app, &ready, &start, &mk)?,
+            Layout::Direct(app) => m.start_direct(n, app, &ready, &start, &mk)?,
             Layout::DirectRaw { app, mac, bridge } => {
-                let dom = mk(&hv, "driver", true, 4)?;
-                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
-                let k = crate::native::RawNicKernel::new(
-                    &hv,
-                    &dom,
-                    nic.regs(),
-                    DmaApi::Swiotlb,
-                    Some(pirq),
-                    &app,
-                    mac,
-                    bridge,
-                )?;
-                m.nic = Some(nic);
-                m.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
+                m.start_direct_raw(n, app, mac, bridge, &ready, &start, &mk)?
             }
             Layout::DirectStack { app, mac, bridge } => {
-                let dom = mk(&hv, "driver", true, 4)?;
-                let (nic, pirq) = assign_nic(&hv, m.device(), &dom, n)?;
-                let mut k =
-                    NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
-                if bridge {
-                    k = k.bridged(mac);
-                }
-                m.nic = Some(nic);
-                m.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
+                m.start_direct_stack(n, app, mac, bridge, &ready, &start, &mk)?
             }
             Layout::DriverDomain { driver, guests } => {
-                // Vifs' window slots first, then each disk's.
-                let is_block = |g: &GuestSpec| matches!(g.above, Above::Block(_));
-                let n_disks = guests.iter().filter(|g| is_block(g)).count() as u32;
-                let vbd_base = toolstack::window_slots(guests.len() - n_disks as usize) + 4;
-                let slots = vbd_base + n_disks * VBD_WINDOW_SLOTS;
-                let drv = mk(&hv, "driver", true, slots)?;
-                let doms = guests
-                    .iter()
-                    .map(|g| mk(&hv, &g.name, false, 4))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let (nic, pirqs) = assign_nic_queues(&hv, m.device(), &drv, n)?;
-                if driver.unsafe_machine_frames {
-                    hv.iommu_map_machine_unchecked(&drv).map_err(other)?;
-                }
-                // The toolstack and each vif's handshake, then each guest's pool with
-                // netfront's RX ring filled.
-                let mut vifs = Vec::with_capacity(guests.len());
-                let mut fronts = Vec::with_capacity(guests.len());
-                let mut plan = Vec::with_capacity(guests.len());
-                let mut vbds = Vec::new();
-                let mut remote = Vec::new();
-                let mut disks = Vec::new();
-                for (g, dom) in guests.iter().zip(&doms) {
-                    if let Above::Compute(_) = &g.above {
-                        fronts.push(Front::None);
-                        continue;
-                    }
-                    if let Above::Block(b) = &g.above {
-                        let slot = vbd_base + (vbds.len() + remote.len()) as u32 * VBD_WINDOW_SLOTS;
-                        let plan = DiskPlan {
-                            dom: Arc::clone(dom),
-                            disk: b.disk.clone(),
-                            read_only: b.read_only,
-                            persistent: b.persistent,
-                            slot,
-                            tag: remote.len() as u8,
-                        };
-                        // The toolstack's part, as a restart does it; then, for a file,
-                        // both ends connect now (a remote disk's blkfront waits for its
-                        // back end to find the target).
-                        match plan.serve(&hv, &drv)? {
-                            Served::File(file) => {
-                                let name = |e: &dyn std::fmt::Display| {
-                                    other(format!("disk {}: {e}", plan.name()))
-                                };
-                                let front = Blkfront::connect(&hv, dom, XVDA, b.persistent)
-                                    .map_err(|e| name(&e))?;
-                                let back = Blkback::connect(&hv, &drv, dom.id(), XVDA, slot, file)
-                                    .map_err(|e| name(&e))?;
-                                vbds.push(back);
-                                fronts.push(Front::Block(Box::new(front)));
-                            }
-                            Served::Remote(r) => {
-                                remote.push(r);
-                                fronts.push(Front::BlockLater);
-                            }
-                        }
-                        disks.push(plan);
-                        continue;
-                    }
-                    let vs = VifSpec {
-                        handle: 0,
-                        mac: g.mac,
-                        rx_buffers: g.rx_buffers,
-                        index: vifs.len() as u16,
-                        grants: g.grants,
-                        offloads: g.offloads,
-                        split_indices: g.split_ring,
-                    };
-                    // A hostile guest does its half of the handshake itself.
-                    let front = match g.above {
-                        Above::Hostile(seed) => {
-                            toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
-                            Front::Hostile(HostileGuest::new(&hv, dom, vs.handle, seed))
-                        }
-                        Above::Deaf(seed) => {
-                            toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
-                            Front::Hostile(HostileGuest::deaf(&hv, dom, vs.handle, seed))
-                        }
-                        _ => {
-                            toolstack::offer_vif(&hv, &drv, dom, vs).map_err(other)?;
-                            if driver.unsafe_machine_frames {
-                                // The paper's unsafe stand-in, offered by the toolstack
-                                // only when measuring it.
-                                let dir = net::xenbus::backend_dir(drv.id(), dom.id(), vs.handle);
-                                hv.store()
-                                    .write(
-                                        drv.id(),
-                                        &format!("{dir}/{}", net::xenbus::FEATURE_MACHINE_FRAMES),
-                                        "1",
-                                    )
-                                    .map_err(other)?;
-                            }
-                            let mut front = Netfront::connect_config(
-                                &hv,
-                                dom,
-                                vs.handle,
-                                vs.rx_buffers,
-                                vs.grants,
-                                vs.offloads,
-                                vs.split_indices,
-                            )
-                            .map_err(other)?;
-                            let pool = guest_pool(dom, &mut front)?;
-                            Front::Net(Box::new((front, pool)))
-                        }
-                    };
-                    let vif = toolstack::connect_backend(&hv, &drv, dom, vs).map_err(other)?;
-                    vifs.push((vif, g.mac));
-                    fronts.push(front);
-                    plan.push((Arc::clone(dom), vs));
-                }
-                let fault = FaultSwitch::default();
-                let mut k =
-                    DriverDomain::new(&hv, &drv, nic.regs(), pirqs, driver, vifs, fault.clone())?;
-                k.set_adaptive_coalescing(m.adaptive_coalescing);
-                k.attach_vbds(vbds);
-                k.attach_remote(remote, DRIVER_AOE_MAC);
-                m.driver = Some(DriverPlan {
-                    dom: Arc::clone(&drv),
-                    config: driver,
-                    slots,
-                    guests: plan,
-                    disks,
-                    fault,
-                    regs: Arc::clone(nic.regs()),
-                    seen: (0, 0, Instant::now()),
-                });
-                m.nic = Some(nic);
-                m.boot(&drv, Role::DriverDomain, start(0), Platform::Xen, k, &ready)?;
-                let each = guests.into_iter().zip(doms).zip(fronts);
-                for (i, ((g, dom), front)) in each.enumerate() {
-                    let at = start(g.core.unwrap_or(1 + i));
-                    match (g.above, front) {
-                        (Above::App(app), Front::Net(b)) => {
-                            let (front, pool) = *b;
-                            let k = PvGuest::new(&dom, front, pool, &app)?;
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (Above::Raw(raw), Front::Net(b)) => {
-                            let (front, pool) = *b;
-                            let k = crate::pv_guest::RawGuest::new(front, pool, raw.start());
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (Above::Tap(tap), Front::Net(b)) => {
-                            let (front, pool) = *b;
-                            let k = TapGuest::new(&dom, front, pool, *tap);
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (Above::Block(b), Front::Block(front)) => {
-                            let k = crate::block::BlockGuest::new(&hv, &dom, *front, b.job)?;
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (Above::Block(b), Front::BlockLater) => {
-                            let k = crate::block::BlockGuest::waiting(
-                                &hv,
-                                &dom,
-                                XVDA,
-                                b.persistent,
-                                b.job,
-                            )?;
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (_, Front::Hostile(k)) => {
-                            m.boot(&dom, Role::Guest, at, Platform::Xen, k, &ready)?;
-                        }
-                        (Above::Compute(c), Front::None) => {
-                            let k = crate::compute::ComputeGuest::new(&hv, &dom, &c)?;
-                            m.boot_weighted(&dom, Role::Guest, at, k, &ready, g.weight)?;
-                        }
-                        _ => unreachable!("a guest's front end follows what runs above it"),
-                    }
-                }
+                m.start_driver_domain(n, driver, guests, &ready, &start, &mk)?
             }
         }
         // Plug the cable in once every kernel runs.
@@ -1080,6 +991,229 @@ impl Machine {
         self.kernels.push((Arc::clone(dom), h));
         self.doors.push((Arc::clone(dom), door));
         self.domains.push((Arc::clone(dom), role));
+        Ok(())
+    }
+
+    /// Builds the native layout: one domain drives the NIC (`pci-nommu` DMA, the
+    /// interrupt line wakes its CPU) and runs the stack and the application.
+    #[allow(clippy::too_many_arguments)]
+    fn start_native(
+        &mut self,
+        n: NicSpec,
+        app: AppSpec,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        let dom = mk(&hv, "native", true, 4)?;
+        hv.iommu_attach(NIC, &dom).map_err(other)?;
+        let irq = Arc::new(NativeIrq::default());
+        self.native_irq = Some(Arc::clone(&irq));
+        let nic = start_nic(&hv, self.device(), IrqLine::Native(Arc::clone(&irq)), n)?;
+        let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Direct, None, &app)?;
+        k.set_adaptive_coalescing(self.adaptive_coalescing);
+        self.nic = Some(nic);
+        self.boot(
+            &dom,
+            Role::Native,
+            start(1),
+            Platform::Native(irq),
+            k,
+            ready,
+        )?;
+        Ok(())
+    }
+
+    /// Builds the direct layout: a guest with the NIC assigned (its DMA through the
+    /// IOMMU, `swiotlb`, its interrupt an event) runs the stack and the application.
+    #[allow(clippy::too_many_arguments)]
+    fn start_direct(
+        &mut self,
+        n: NicSpec,
+        app: AppSpec,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        let dom = mk(&hv, "guest", false, 4)?;
+        let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
+        let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+        k.set_adaptive_coalescing(self.adaptive_coalescing);
+        self.nic = Some(nic);
+        self.boot(&dom, Role::Guest, start(1), Platform::Xen, k, ready)?;
+        Ok(())
+    }
+
+    /// Builds the layout where the domain with the NIC runs a raw application on it,
+    /// through its bridge or not (paper 002's dotted lines).
+    #[allow(clippy::too_many_arguments)]
+    fn start_direct_raw(
+        &mut self,
+        n: NicSpec,
+        app: crate::svnic_guest::RawApp,
+        mac: [u8; 6],
+        bridge: bool,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        let dom = mk(&hv, "driver", true, 4)?;
+        let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
+        let k = crate::native::RawNicKernel::new(
+            &hv,
+            &dom,
+            nic.regs(),
+            DmaApi::Swiotlb,
+            Some(pirq),
+            &app,
+            mac,
+            bridge,
+        )?;
+        self.nic = Some(nic);
+        self.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
+        Ok(())
+    }
+
+    /// Builds the layout where the domain with the NIC runs the stack and an
+    /// application on it, through its bridge or not (paper 002's dotted lines for TCP).
+    #[allow(clippy::too_many_arguments)]
+    fn start_direct_stack(
+        &mut self,
+        n: NicSpec,
+        app: AppSpec,
+        mac: [u8; 6],
+        bridge: bool,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        let dom = mk(&hv, "driver", true, 4)?;
+        let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
+        let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
+        if bridge {
+            k = k.bridged(mac);
+        }
+        self.nic = Some(nic);
+        self.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
+        Ok(())
+    }
+
+    /// Builds the driver-domain layout: the driver domain with the NIC, the bridge
+    /// and a back end per guest, and each guest with its front end and what runs above
+    /// it.
+    #[allow(clippy::too_many_arguments)]
+    fn start_driver_domain(
+        &mut self,
+        n: NicSpec,
+        driver: DriverConfig,
+        guests: Vec<GuestSpec>,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+        mk: &MakeDomain<'_>,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        // Vifs' window slots first, then each disk's.
+        let is_block = |g: &GuestSpec| matches!(g.above, Above::Block(_));
+        let n_disks = guests.iter().filter(|g| is_block(g)).count() as u32;
+        let vbd_base = toolstack::window_slots(guests.len() - n_disks as usize) + 4;
+        let slots = vbd_base + n_disks * VBD_WINDOW_SLOTS;
+        let drv = mk(&hv, "driver", true, slots)?;
+        let doms = guests
+            .iter()
+            .map(|g| mk(&hv, &g.name, false, 4))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (nic, pirqs) = assign_nic_queues(&hv, self.device(), &drv, n)?;
+        if driver.unsafe_machine_frames {
+            hv.iommu_map_machine_unchecked(&drv).map_err(other)?;
+        }
+        let Connected {
+            vifs,
+            fronts,
+            plan,
+            vbds,
+            remote,
+            disks,
+        } = connect_guests(
+            &hv,
+            &drv,
+            &guests,
+            &doms,
+            vbd_base,
+            driver.unsafe_machine_frames,
+        )?;
+        let fault = FaultSwitch::default();
+        let mut k = DriverDomain::new(&hv, &drv, nic.regs(), pirqs, driver, vifs, fault.clone())?;
+        k.set_adaptive_coalescing(self.adaptive_coalescing);
+        k.attach_vbds(vbds);
+        k.attach_remote(remote, DRIVER_AOE_MAC);
+        self.driver = Some(DriverPlan {
+            dom: Arc::clone(&drv),
+            config: driver,
+            slots,
+            guests: plan,
+            disks,
+            fault,
+            regs: Arc::clone(nic.regs()),
+            seen: (0, 0, Instant::now()),
+        });
+        self.nic = Some(nic);
+        self.boot(&drv, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
+        self.boot_guests(guests, doms, fronts, ready, start)
+    }
+
+    /// Boots each guest of the driver-domain layout on its core, at its weight, with
+    /// the kernel that fits what runs above its front end.
+    fn boot_guests(
+        &mut self,
+        guests: Vec<GuestSpec>,
+        doms: Vec<Arc<Domain>>,
+        fronts: Vec<Front>,
+        ready: &Arc<AtomicUsize>,
+        start: &dyn Fn(usize) -> usize,
+    ) -> Result<(), BuildError> {
+        let hv = Arc::clone(&self.hv);
+        let each = guests.into_iter().zip(doms).zip(fronts);
+        for (i, ((g, dom), front)) in each.enumerate() {
+            let (at, weight) = (start(g.core.unwrap_or(1 + i)), g.weight);
+            match (g.above, front) {
+                (Above::App(app), Front::Net(b)) => {
+                    let (front, pool) = *b;
+                    let k = PvGuest::new(&dom, front, pool, &app)?;
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (Above::Raw(raw), Front::Net(b)) => {
+                    let (front, pool) = *b;
+                    let k = crate::pv_guest::RawGuest::new(front, pool, raw.start());
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (Above::Tap(tap), Front::Net(b)) => {
+                    let (front, pool) = *b;
+                    let k = TapGuest::new(&dom, front, pool, *tap);
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (Above::Block(b), Front::Block(front)) => {
+                    let k = crate::block::BlockGuest::new(&hv, &dom, *front, b.job)?;
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (Above::Block(b), Front::BlockLater) => {
+                    let k =
+                        crate::block::BlockGuest::waiting(&hv, &dom, XVDA, b.persistent, b.job)?;
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (_, Front::Hostile(k)) => {
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                (Above::Compute(c), Front::None) => {
+                    let k = crate::compute::ComputeGuest::new(&hv, &dom, &c)?;
+                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                }
+                _ => unreachable!("a guest's front end follows what runs above it"),
+            }
+        }
         Ok(())
     }
 
