@@ -390,6 +390,14 @@ pub struct Machine {
 type MakeDomain<'a> =
     dyn Fn(&Arc<Hypervisor>, &str, bool, u32) -> Result<Arc<Domain>, hv::HvError> + 'a;
 
+/// What every layout's builder is handed: the count of kernels up, the host core of
+/// each of the layout's cores, and the factory of its domains.
+struct Build<'a> {
+    ready: &'a Arc<AtomicUsize>,
+    start: &'a dyn Fn(usize) -> usize,
+    mk: &'a MakeDomain<'a>,
+}
+
 /// VIFs of an SV-NIC machine (its vectors from [`SVNIC_VECTOR_BASE`] on).
 pub const SVNIC_MAX_VIFS: usize = 64;
 /// The first VIF's vector.
@@ -892,20 +900,25 @@ impl Machine {
         let pool = m.pool.clone();
         let start = move |i: usize| pool.core(i);
         let n = spec.nic;
+        let b = Build {
+            ready: &ready,
+            start: &start,
+            mk: &mk,
+        };
         match spec.layout {
             Layout::Svnic { config, guests } => {
-                m.start_svnic(n, config, guests, &ready, &start, &mk)?;
+                m.start_svnic(n, config, guests, b.ready, b.start, b.mk)?;
             }
-            Layout::Native(app) => m.start_native(n, app, &ready, &start, &mk)?,
-            Layout::Direct(app) => m.start_direct(n, app, &ready, &start, &mk)?,
+            Layout::Native(app) => m.start_native(n, app, &b)?,
+            Layout::Direct(app) => m.start_direct(n, app, &b)?,
             Layout::DirectRaw { app, mac, bridge } => {
-                m.start_direct_raw(n, app, mac, bridge, &ready, &start, &mk)?
+                m.start_direct_raw(n, app, mac, bridge, &b)?
             }
             Layout::DirectStack { app, mac, bridge } => {
-                m.start_direct_stack(n, app, mac, bridge, &ready, &start, &mk)?
+                m.start_direct_stack(n, app, mac, bridge, &b)?
             }
             Layout::DriverDomain { driver, guests } => {
-                m.start_driver_domain(n, driver, guests, &ready, &start, &mk)?
+                m.start_driver_domain(n, driver, guests, &b)?
             }
         }
         // Plug the cable in once every kernel runs.
@@ -996,17 +1009,9 @@ impl Machine {
 
     /// Builds the native layout: one domain drives the NIC (`pci-nommu` DMA, the
     /// interrupt line wakes its CPU) and runs the stack and the application.
-    #[allow(clippy::too_many_arguments)]
-    fn start_native(
-        &mut self,
-        n: NicSpec,
-        app: AppSpec,
-        ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(usize) -> usize,
-        mk: &MakeDomain<'_>,
-    ) -> Result<(), BuildError> {
+    fn start_native(&mut self, n: NicSpec, app: AppSpec, b: &Build<'_>) -> Result<(), BuildError> {
         let hv = Arc::clone(&self.hv);
-        let dom = mk(&hv, "native", true, 4)?;
+        let dom = (b.mk)(&hv, "native", true, 4)?;
         hv.iommu_attach(NIC, &dom).map_err(other)?;
         let irq = Arc::new(NativeIrq::default());
         self.native_irq = Some(Arc::clone(&irq));
@@ -1017,50 +1022,39 @@ impl Machine {
         self.boot(
             &dom,
             Role::Native,
-            start(1),
+            (b.start)(1),
             Platform::Native(irq),
             k,
-            ready,
+            b.ready,
         )?;
         Ok(())
     }
 
     /// Builds the direct layout: a guest with the NIC assigned (its DMA through the
     /// IOMMU, `swiotlb`, its interrupt an event) runs the stack and the application.
-    #[allow(clippy::too_many_arguments)]
-    fn start_direct(
-        &mut self,
-        n: NicSpec,
-        app: AppSpec,
-        ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(usize) -> usize,
-        mk: &MakeDomain<'_>,
-    ) -> Result<(), BuildError> {
+    fn start_direct(&mut self, n: NicSpec, app: AppSpec, b: &Build<'_>) -> Result<(), BuildError> {
         let hv = Arc::clone(&self.hv);
-        let dom = mk(&hv, "guest", false, 4)?;
+        let dom = (b.mk)(&hv, "guest", false, 4)?;
         let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
         let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
         k.set_adaptive_coalescing(self.adaptive_coalescing);
         self.nic = Some(nic);
-        self.boot(&dom, Role::Guest, start(1), Platform::Xen, k, ready)?;
+        self.boot(&dom, Role::Guest, (b.start)(1), Platform::Xen, k, b.ready)?;
         Ok(())
     }
 
     /// Builds the layout where the domain with the NIC runs a raw application on it,
     /// through its bridge or not (paper 002's dotted lines).
-    #[allow(clippy::too_many_arguments)]
     fn start_direct_raw(
         &mut self,
         n: NicSpec,
         app: crate::svnic_guest::RawApp,
         mac: [u8; 6],
         bridge: bool,
-        ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(usize) -> usize,
-        mk: &MakeDomain<'_>,
+        b: &Build<'_>,
     ) -> Result<(), BuildError> {
         let hv = Arc::clone(&self.hv);
-        let dom = mk(&hv, "driver", true, 4)?;
+        let dom = (b.mk)(&hv, "driver", true, 4)?;
         let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
         let k = crate::native::RawNicKernel::new(
             &hv,
@@ -1073,47 +1067,55 @@ impl Machine {
             bridge,
         )?;
         self.nic = Some(nic);
-        self.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
+        self.boot(
+            &dom,
+            Role::DriverDomain,
+            (b.start)(0),
+            Platform::Xen,
+            k,
+            b.ready,
+        )?;
         Ok(())
     }
 
     /// Builds the layout where the domain with the NIC runs the stack and an
     /// application on it, through its bridge or not (paper 002's dotted lines for TCP).
-    #[allow(clippy::too_many_arguments)]
     fn start_direct_stack(
         &mut self,
         n: NicSpec,
         app: AppSpec,
         mac: [u8; 6],
         bridge: bool,
-        ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(usize) -> usize,
-        mk: &MakeDomain<'_>,
+        b: &Build<'_>,
     ) -> Result<(), BuildError> {
         let hv = Arc::clone(&self.hv);
-        let dom = mk(&hv, "driver", true, 4)?;
+        let dom = (b.mk)(&hv, "driver", true, 4)?;
         let (nic, pirq) = assign_nic(&hv, self.device(), &dom, n)?;
         let mut k = NicKernel::new(&hv, &dom, nic.regs(), DmaApi::Swiotlb, Some(pirq), &app)?;
         if bridge {
             k = k.bridged(mac);
         }
         self.nic = Some(nic);
-        self.boot(&dom, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
+        self.boot(
+            &dom,
+            Role::DriverDomain,
+            (b.start)(0),
+            Platform::Xen,
+            k,
+            b.ready,
+        )?;
         Ok(())
     }
 
     /// Builds the driver-domain layout: the driver domain with the NIC, the bridge
     /// and a back end per guest, and each guest with its front end and what runs above
     /// it.
-    #[allow(clippy::too_many_arguments)]
     fn start_driver_domain(
         &mut self,
         n: NicSpec,
         driver: DriverConfig,
         guests: Vec<GuestSpec>,
-        ready: &Arc<AtomicUsize>,
-        start: &dyn Fn(usize) -> usize,
-        mk: &MakeDomain<'_>,
+        b: &Build<'_>,
     ) -> Result<(), BuildError> {
         let hv = Arc::clone(&self.hv);
         // Vifs' window slots first, then each disk's.
@@ -1121,10 +1123,10 @@ impl Machine {
         let n_disks = guests.iter().filter(|g| is_block(g)).count() as u32;
         let vbd_base = toolstack::window_slots(guests.len() - n_disks as usize) + 4;
         let slots = vbd_base + n_disks * VBD_WINDOW_SLOTS;
-        let drv = mk(&hv, "driver", true, slots)?;
+        let drv = (b.mk)(&hv, "driver", true, slots)?;
         let doms = guests
             .iter()
-            .map(|g| mk(&hv, &g.name, false, 4))
+            .map(|g| (b.mk)(&hv, &g.name, false, 4))
             .collect::<Result<Vec<_>, _>>()?;
         let (nic, pirqs) = assign_nic_queues(&hv, self.device(), &drv, n)?;
         if driver.unsafe_machine_frames {
@@ -1161,8 +1163,15 @@ impl Machine {
             seen: (0, 0, Instant::now()),
         });
         self.nic = Some(nic);
-        self.boot(&drv, Role::DriverDomain, start(0), Platform::Xen, k, ready)?;
-        self.boot_guests(guests, doms, fronts, ready, start)
+        self.boot(
+            &drv,
+            Role::DriverDomain,
+            (b.start)(0),
+            Platform::Xen,
+            k,
+            b.ready,
+        )?;
+        self.boot_guests(guests, doms, fronts, b.ready, b.start)
     }
 
     /// Boots each guest of the driver-domain layout on its core, at its weight, with

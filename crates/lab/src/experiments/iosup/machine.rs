@@ -53,6 +53,21 @@ impl Churn {
     }
 }
 
+/// Has the hypervisor keep `dom`'s IOMMU context in step with its page types, as Xen
+/// does for a PV domain with a device: a page that becomes a page table leaves the
+/// context, strictly, with its IOTLB entries invalidated at once.
+pub(super) fn keep_in_step(hv: &hv::Hypervisor, dom: &hv::Domain) -> Result<(), LabError> {
+    hv.mmu_configure(
+        dom,
+        MmuConfig {
+            iommu_sync: true,
+            flush: FlushPolicy::Strict,
+            remap_on_level_change: false,
+        },
+    )
+    .map_err(err)
+}
+
 /// A process of a domain (a thread on the domain's core) that forks, execs, runs and
 /// exits a small program, paced at a rate of creations a second, its page tables kept
 /// by a memory manager with or without IOSUP's pool.
@@ -167,15 +182,7 @@ pub(super) fn run(
     };
     let dom = m.domain(name).ok_or_else(|| err("no such domain"))?;
     m.hv.iommu().set_page_selective(churn == Churn::NoPoolPsi);
-    m.hv.mmu_configure(
-        &dom,
-        MmuConfig {
-            iommu_sync: true,
-            flush: FlushPolicy::Strict,
-            remap_on_level_change: false,
-        },
-    )
-    .map_err(err)?;
+    keep_in_step(&m.hv, &dom)?;
     let churner = (churn != Churn::None)
         .then(|| Churner::start(&m.hv, &dom, core, rate, churn == Churn::PoolDsi));
     let nic = m.nic_regs().map(Arc::clone).ok_or_else(|| err("no NIC"))?;

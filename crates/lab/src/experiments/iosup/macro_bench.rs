@@ -15,10 +15,9 @@
 //!   would show in it.
 
 use dev::peer::{PeerApp, WireRate};
-use hv::mmu::{FlushPolicy, MmuConfig};
 use kernel::mm::RegionSpec;
 
-use super::machine::Churner;
+use super::machine::{keep_in_step, Churner};
 use super::{err, guest, pt_flushes, SETUPS};
 use crate::harness::{alternate, Durations};
 use crate::stats::ratio_median;
@@ -187,15 +186,7 @@ fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, LabError> {
         .find(|(d, _)| d.name() == "driver")
         .map(|(d, _)| std::sync::Arc::clone(d))
         .ok_or_else(|| err("no driver domain"))?;
-    hv.mmu_configure(
-        &dom,
-        MmuConfig {
-            iommu_sync: true,
-            flush: FlushPolicy::Strict,
-            remap_on_level_change: false,
-        },
-    )
-    .map_err(err)?;
+    keep_in_step(&hv, &dom)?;
     // The driver domain's core in the paper's one-core placement.
     let churn = Churner::start(&hv, &dom, 0, rate, pool);
     let inval = || {
