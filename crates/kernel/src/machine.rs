@@ -1043,6 +1043,20 @@ impl Machine {
         Ok(())
     }
 
+    /// Plugs the NIC in and boots `k`, the kernel of the driver domain that owns it and
+    /// runs its application itself, on core 0.
+    fn boot_nic_owner<K: Kernel>(
+        &mut self,
+        dom: &Arc<Domain>,
+        nic: Nic,
+        k: K,
+        b: &Build<'_>,
+    ) -> Result<(), BuildError> {
+        self.nic = Some(nic);
+        let at = (b.start)(0);
+        self.boot(dom, Role::DriverDomain, at, Platform::Xen, k, b.ready)
+    }
+
     /// Builds the layout where the domain with the NIC runs a raw application on it,
     /// through its bridge or not (paper 002's dotted lines).
     fn start_direct_raw(
@@ -1066,16 +1080,7 @@ impl Machine {
             mac,
             bridge,
         )?;
-        self.nic = Some(nic);
-        self.boot(
-            &dom,
-            Role::DriverDomain,
-            (b.start)(0),
-            Platform::Xen,
-            k,
-            b.ready,
-        )?;
-        Ok(())
+        self.boot_nic_owner(&dom, nic, k, b)
     }
 
     /// Builds the layout where the domain with the NIC runs the stack and an
@@ -1095,16 +1100,7 @@ impl Machine {
         if bridge {
             k = k.bridged(mac);
         }
-        self.nic = Some(nic);
-        self.boot(
-            &dom,
-            Role::DriverDomain,
-            (b.start)(0),
-            Platform::Xen,
-            k,
-            b.ready,
-        )?;
-        Ok(())
+        self.boot_nic_owner(&dom, nic, k, b)
     }
 
     /// Builds the driver-domain layout: the driver domain with the NIC, the bridge
