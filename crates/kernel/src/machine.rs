@@ -959,16 +959,15 @@ impl Machine {
     }
 
     /// [`Machine::boot`] for a Xen guest whose vCPU has `weight` on its pCPU.
-    fn boot_weighted<K: Kernel>(
+    fn boot_guest<K: Kernel>(
         &mut self,
         dom: &Arc<Domain>,
-        role: Role,
         at: usize,
         kernel: K,
         ready: &Arc<AtomicUsize>,
         weight: u32,
     ) -> Result<(), BuildError> {
-        self.boot_as(dom, role, at, Platform::Xen, kernel, ready, weight)
+        self.boot_as(dom, Role::Guest, at, Platform::Xen, kernel, ready, weight)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1188,33 +1187,33 @@ impl Machine {
                 (Above::App(app), Front::Net(b)) => {
                     let (front, pool) = *b;
                     let k = PvGuest::new(&dom, front, pool, &app)?;
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (Above::Raw(raw), Front::Net(b)) => {
                     let (front, pool) = *b;
                     let k = crate::pv_guest::RawGuest::new(front, pool, raw.start());
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (Above::Tap(tap), Front::Net(b)) => {
                     let (front, pool) = *b;
                     let k = TapGuest::new(&dom, front, pool, *tap);
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (Above::Block(b), Front::Block(front)) => {
                     let k = crate::block::BlockGuest::new(&hv, &dom, *front, b.job)?;
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (Above::Block(b), Front::BlockLater) => {
                     let k =
                         crate::block::BlockGuest::waiting(&hv, &dom, XVDA, b.persistent, b.job)?;
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (_, Front::Hostile(k)) => {
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 (Above::Compute(c), Front::None) => {
                     let k = crate::compute::ComputeGuest::new(&hv, &dom, &c)?;
-                    self.boot_weighted(&dom, Role::Guest, at, k, ready, weight)?;
+                    self.boot_guest(&dom, at, k, ready, weight)?;
                 }
                 _ => unreachable!("a guest's front end follows what runs above it"),
             }

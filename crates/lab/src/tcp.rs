@@ -193,10 +193,7 @@ impl TcpRunning {
             app: o.app,
         });
         let peer_counters = Arc::clone(peer.counters());
-        let mut driver = DriverConfig {
-            lro_bridge_copy: o.driver.lro.is_some() && o.driver.lro_bridge_copy,
-            ..o.driver
-        };
+        let mut driver = o.driver;
         let (mut rx_buffers, mut grant_version, mut grant_path) =
             (RxBuffers::Fragments, GrantVersion::V1, GrantPath::Original);
         if o.soft {

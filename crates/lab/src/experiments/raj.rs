@@ -392,6 +392,28 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
     Ok(p)
 }
 
+/// A host of the paper's dotted lines: its driver domain runs `layout`'s application
+/// on the NIC itself (`DirectRaw` or `DirectStack`), on `side`'s cores, its cable `end`.
+fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, LabError> {
+    let place = Placement::of_host();
+    let sink = end.sink();
+    Machine::start(MachineSpec {
+        dma_landing: hv::iommu::DmaLanding::Memory,
+        cpus: place.cpus(side),
+        grant_version: GrantVersion::V1,
+        grant_path: GrantPath::Original,
+        sample: None,
+        idle: place.idle(),
+        nic: NicSpec {
+            coalesce: Coalesce::default(),
+            source: Box::new(end),
+            sink: Box::new(sink),
+        },
+        layout,
+    })
+    .map_err(other)
+}
+
 /// Paper 002's dotted lines: one client and one server, each the driver domain of its
 /// host running the probe application on its NIC itself, straight on the driver or
 /// through its bridge. Round trips (µs), and probes lost or corrupt.
@@ -400,24 +422,8 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
     let counters = Arc::new(ProbeCounters::default());
     let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
     let rtts = Arc::new(Samples::new(cap));
-    let place = Placement::of_host();
     let machine = |side: Side, end: CrossEnd, app: RawApp, mac: [u8; 6]| {
-        let sink = end.sink();
-        Machine::start(MachineSpec {
-            dma_landing: hv::iommu::DmaLanding::Memory,
-            cpus: place.cpus(side),
-            grant_version: GrantVersion::V1,
-            grant_path: GrantPath::Original,
-            sample: None,
-            idle: place.idle(),
-            nic: NicSpec {
-                coalesce: Coalesce::default(),
-                source: Box::new(end),
-                sink: Box::new(sink),
-            },
-            layout: Layout::DirectRaw { app, mac, bridge },
-        })
-        .map_err(other)
+        dom0_host(side, end, Layout::DirectRaw { app, mac, bridge })
     };
     let server = machine(Side::Server, b, RawApp::Echo(server_mac(0)), server_mac(0))?;
     let client = machine(

@@ -16,11 +16,11 @@ use std::time::{Duration, Instant};
 use dev::peer::{crossover, WireRate};
 use dev::svnic::device::{Idle, SignalMode};
 use kernel::app::{AppCounters, AppSpec, Proto};
-use kernel::machine::{Layout, Machine, MachineSpec, NicSpec};
+use kernel::machine::Layout;
 use net::wire::UdpFlow;
 use smoltcp::wire::Ipv4Address;
 
-use super::{client_mac, host, other, server_mac, Design, GuestApp, Placement, Side, SPIN};
+use super::{client_mac, dom0_host, host, other, server_mac, Design, GuestApp, Side, SPIN};
 use crate::chart::{Lines, Series};
 use crate::{LabError, Mode, Report};
 
@@ -73,37 +73,6 @@ enum Line {
     Dom0 { bridge: bool },
 }
 
-/// A host whose driver domain runs the stack and `app` on its NIC itself, at `side`'s
-/// first MAC, through its bridge or not; its cable `end`.
-fn dom0_host(
-    side: Side,
-    end: dev::peer::CrossEnd,
-    app: AppSpec,
-    bridge: bool,
-) -> Result<Machine, LabError> {
-    let place = Placement::of_host();
-    let sink = end.sink();
-    Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: place.cpus(side),
-        grant_version: hv::GrantVersion::V1,
-        grant_path: hv::GrantPath::Original,
-        sample: None,
-        idle: place.idle(),
-        nic: NicSpec {
-            coalesce: dev::nic::Coalesce::default(),
-            source: Box::new(end),
-            sink: Box::new(sink),
-        },
-        layout: Layout::DirectStack {
-            app,
-            mac: side.mac(0),
-            bridge,
-        },
-    })
-    .map_err(other)
-}
-
 /// One repetition: a fresh pair of hosts, `warm` after every connection carried its
 /// first bytes, then `window`.
 fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, LabError> {
@@ -124,10 +93,17 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, L
             host(d, Side::Server, b, n, &|i| GuestApp::Stack(server(i)))?,
             host(d, Side::Client, a, n, &|i| GuestApp::Stack(client(i)))?,
         ),
-        Line::Dom0 { bridge } => (
-            dom0_host(Side::Server, b, server(0), bridge)?,
-            dom0_host(Side::Client, a, client(0), bridge)?,
-        ),
+        Line::Dom0 { bridge } => {
+            let stack = |side: Side, app: AppSpec| Layout::DirectStack {
+                app,
+                mac: side.mac(0),
+                bridge,
+            };
+            (
+                dom0_host(Side::Server, b, stack(Side::Server, server(0)))?,
+                dom0_host(Side::Client, a, stack(Side::Client, client(0)))?,
+            )
+        }
     };
     let bytes = || -> Vec<u64> {
         recv.iter()
