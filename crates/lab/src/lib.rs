@@ -122,18 +122,18 @@ pub enum LabError {
 /// Every experiment, in the order `reproduce` runs them.
 pub fn registry() -> Vec<Experiment> {
     vec![
-        experiments::core::EXPERIMENT,
-        experiments::santos08::EXPERIMENT,
-        experiments::fig4::EXPERIMENT,
-        experiments::fig8::EXPERIMENT,
-        experiments::fig11::EXPERIMENT,
-        experiments::ceiling::EXPERIMENT,
-        experiments::restart::EXPERIMENT,
-        experiments::soak::EXPERIMENT,
-        experiments::up_bench::EXPERIMENT,
+        experiments::own::core::EXPERIMENT,
+        experiments::santos08::fig2::EXPERIMENT,
+        experiments::santos08::fig4::EXPERIMENT,
+        experiments::santos08::fig8::EXPERIMENT,
+        experiments::santos08::fig11::EXPERIMENT,
+        experiments::own::ceiling::EXPERIMENT,
+        experiments::santos08::restart::EXPERIMENT,
+        experiments::santos08::soak::EXPERIMENT,
+        experiments::own::up::EXPERIMENT,
         experiments::iosup::EXPERIMENT,
         experiments::nakajima::EXPERIMENT,
-        experiments::raj::EXPERIMENT,
-        experiments::rvbd::EXPERIMENT,
+        experiments::raj::svnic::EXPERIMENT,
+        experiments::raj::rvbd::EXPERIMENT,
     ]
 }

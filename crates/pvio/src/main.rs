@@ -534,7 +534,7 @@ impl LiveView {
 }
 
 fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path) -> ExitCode {
-    use lab::experiments::soak::{soak, SoakPlan};
+    use lab::experiments::santos08::soak::{soak, SoakPlan};
     let plan = SoakPlan {
         duration: std::time::Duration::from_secs(seconds),
         hostile,
