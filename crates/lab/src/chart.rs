@@ -11,6 +11,8 @@ use std::sync::OnceLock;
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::Error;
+
 /// Where a sans-serif TrueType font is looked for.
 pub const FONT_PATHS: [&str; 3] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -56,14 +58,10 @@ fn font() -> Result<(), String> {
     .clone()
 }
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 /// The series' legend, top right.
 fn legend<'a, X, Y>(
     chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
-) -> Result<(), String>
+) -> Result<(), Error>
 where
     X: Ranged,
     Y: Ranged,
@@ -75,7 +73,7 @@ where
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
-        .map_err(err)
+        .map_err(Error::other)
 }
 
 impl StackedBars {
@@ -93,8 +91,8 @@ impl StackedBars {
     }
 
     /// Draws the chart into `path` (PNG).
-    pub fn render(&self, path: &Path) -> Result<(), String> {
-        font()?;
+    pub fn render(&self, path: &Path) -> Result<(), Error> {
+        font().map_err(Error::Other)?;
         let n = self.bars.len().max(1);
         let top = self
             .bars
@@ -106,14 +104,14 @@ impl StackedBars {
         // Two empty slots at the right hold the legend.
         let width = (160 + 110 * (n as u32 + 2)).max(700);
         let root = BitMapBackend::new(path, (width, 620)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE).map_err(Error::other)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(&self.title, ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(60)
             .y_label_area_size(70)
             .build_cartesian_2d((0..n + 1).into_segmented(), 0.0..top)
-            .map_err(err)?;
+            .map_err(Error::other)?;
         let labels: Vec<String> = self.bars.iter().map(|b| b.label.clone()).collect();
         chart
             .configure_mesh()
@@ -126,7 +124,7 @@ impl StackedBars {
                 _ => String::new(),
             })
             .draw()
-            .map_err(err)?;
+            .map_err(Error::other)?;
         for (k, class) in self.classes().into_iter().enumerate() {
             let colour = Palette99::pick(k).mix(0.9);
             let mut rects = Vec::new();
@@ -151,14 +149,14 @@ impl StackedBars {
                     r.set_margin(0, 0, 14, 14);
                     r
                 }))
-                .map_err(err)?
+                .map_err(Error::other)?
                 .label(class)
                 .legend(move |(x, y)| {
                     Rectangle::new([(x, y - 6), (x + 12, y + 6)], colour.filled())
                 });
         }
         legend(&mut chart)?;
-        root.present().map_err(err)?;
+        root.present().map_err(Error::other)?;
         Ok(())
     }
 }
@@ -190,29 +188,29 @@ pub struct Lines {
 
 impl Lines {
     /// Draws the chart into `path` (PNG); the y axis starts at zero.
-    pub fn render(&self, path: &Path) -> Result<(), String> {
-        font()?;
+    pub fn render(&self, path: &Path) -> Result<(), Error> {
+        font().map_err(Error::Other)?;
         let pts = || self.series.iter().flat_map(|s| s.points.iter());
         let (x0, x1) = pts().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
         let (x0, x1) = if x0 < x1 { (x0, x1) } else { (0.0, 1.0) };
         // Headroom above the highest point holds the legend.
         let top = pts().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.6;
         let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
-        root.fill(&WHITE).map_err(err)?;
+        root.fill(&WHITE).map_err(Error::other)?;
         let mut chart = ChartBuilder::on(&root)
             .caption(&self.title, ("sans-serif", 20))
             .margin(12)
             .x_label_area_size(50)
             .y_label_area_size(70)
             .build_cartesian_2d(x0..x1, 0.0..top)
-            .map_err(err)?;
+            .map_err(Error::other)?;
         chart
             .configure_mesh()
             .x_desc(&self.x_unit)
             .y_desc(&self.unit)
             .label_style(("sans-serif", 13))
             .draw()
-            .map_err(err)?;
+            .map_err(Error::other)?;
         for (k, s) in self.series.iter().enumerate() {
             let colour = Palette99::pick(k).mix(0.9);
             chart
@@ -220,17 +218,17 @@ impl Lines {
                     s.points.iter().copied(),
                     colour.stroke_width(2),
                 ))
-                .map_err(err)?
+                .map_err(Error::other)?
                 .label(&s.label)
                 .legend(move |(x, y)| {
                     PathElement::new([(x, y), (x + 14, y)], colour.stroke_width(2))
                 });
             chart
                 .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
-                .map_err(err)?;
+                .map_err(Error::other)?;
         }
         legend(&mut chart)?;
-        root.present().map_err(err)?;
+        root.present().map_err(Error::other)?;
         Ok(())
     }
 }
@@ -267,7 +265,7 @@ mod tests {
             }
             // Only a missing font may stop it, and then nothing is written.
             Err(e) => {
-                assert!(e.contains("font"), "{e}");
+                assert!(e.to_string().contains("font"), "{e}");
                 assert!(!path.exists());
             }
         }
@@ -292,7 +290,7 @@ mod tests {
         match c.render(&path) {
             Ok(()) => assert_eq!(&std::fs::read(&path).expect("written")[1..4], b"PNG"),
             Err(e) => {
-                assert!(e.contains("font"), "{e}");
+                assert!(e.to_string().contains("font"), "{e}");
                 assert!(!path.exists());
             }
         }

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::tools;
+use rig::tools;
+use rig::Error;
 
 /// 2 MiB hugepages each testpmd process takes (`-m 512`).
 const MEM_MB: u32 = 512;
@@ -30,7 +31,7 @@ fn meminfo(key: &str) -> Option<u64> {
 }
 
 /// Makes sure `pages` free 2 MiB hugepages exist and hugetlbfs is mounted.
-fn hugepages(pages: u64) -> Result<(), String> {
+fn hugepages(pages: u64) -> Result<(), Error> {
     let free = meminfo("HugePages_Free:").unwrap_or(0);
     if free < pages {
         let total = meminfo("HugePages_Total:").unwrap_or(0);
@@ -38,22 +39,24 @@ fn hugepages(pages: u64) -> Result<(), String> {
             "/proc/sys/vm/nr_hugepages",
             (total + pages - free).to_string(),
         )
-        .map_err(|e| format!("reserving hugepages: {e}"))?;
+        .map_err(|e| Error::other(format!("reserving hugepages: {e}")))?;
         if meminfo("HugePages_Free:").unwrap_or(0) < pages {
-            return Err("the kernel would not reserve enough hugepages".into());
+            return Err(Error::other(
+                "the kernel would not reserve enough hugepages",
+            ));
         }
     }
     let mounted = std::fs::read_to_string("/proc/mounts")
         .map(|m| m.lines().any(|l| l.contains(" hugetlbfs ")))
         .unwrap_or(false);
     if !mounted {
-        std::fs::create_dir_all(HUGEPAGE_DIR).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(HUGEPAGE_DIR).map_err(Error::other)?;
         let ok = Command::new("mount")
             .args(["-t", "hugetlbfs", "none", HUGEPAGE_DIR])
             .status()
             .is_ok_and(|s| s.success());
         if !ok {
-            return Err("cannot mount hugetlbfs".into());
+            return Err(Error::other("cannot mount hugetlbfs"));
         }
     }
     Ok(())
@@ -81,9 +84,10 @@ fn rx_pps(out: &str) -> Option<f64> {
 impl TestPmd {
     /// Finds `dpdk-testpmd` (installing `dpdk-dev` if it is missing) and reserves the
     /// hugepages both processes need.
-    pub fn prepare() -> Result<Self, String> {
+    pub fn prepare() -> Result<Self, Error> {
         tools::ensure(&[tools::TESTPMD])?;
-        let bin = tools::which(tools::TESTPMD.program).ok_or("dpdk-testpmd not found")?;
+        let bin = tools::which(tools::TESTPMD.program)
+            .ok_or_else(|| Error::other("dpdk-testpmd not found"))?;
         // Two processes of MEM_MB each, in 2 MiB pages, and a little slack.
         hugepages(2 * u64::from(MEM_MB / 2) + 16)?;
         Ok(Self { bin })
@@ -113,7 +117,7 @@ impl TestPmd {
 
     /// Packets per second received by the guest (`guest_rx`) or by the host, for
     /// `frame`-byte frames, over about `secs` seconds.
-    pub fn rate(&self, guest_rx: bool, frame: usize, secs: u64) -> Result<f64, String> {
+    pub fn rate(&self, guest_rx: bool, frame: usize, secs: u64) -> Result<f64, Error> {
         let sock = std::env::temp_dir().join(format!("pvio-vhost-{}.sock", std::process::id()));
         let _ = std::fs::remove_file(&sock);
         let txpkts = format!("--txpkts={frame}");
@@ -139,7 +143,7 @@ impl TestPmd {
                 secs + 6,
             )
             .spawn()
-            .map_err(|e| format!("testpmd: {e}"))?;
+            .map_err(|e| Error::other(format!("testpmd: {e}")))?;
         let t0 = Instant::now();
         while !sock.exists() && t0.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(50));
@@ -154,8 +158,8 @@ impl TestPmd {
                 secs + 2,
             )
             .output()
-            .map_err(|e| format!("testpmd: {e}"))?;
-        let host = host.wait_with_output().map_err(|e| e.to_string())?;
+            .map_err(|e| Error::other(format!("testpmd: {e}")))?;
+        let host = host.wait_with_output().map_err(Error::other)?;
         let _ = std::fs::remove_file(&sock);
         let receiver = if guest_rx {
             &guest.stdout
@@ -163,7 +167,7 @@ impl TestPmd {
             &host.stdout
         };
         rx_pps(&String::from_utf8_lossy(receiver))
-            .ok_or_else(|| "testpmd reported no received packets".to_string())
+            .ok_or_else(|| Error::other("testpmd reported no received packets"))
     }
 }
 

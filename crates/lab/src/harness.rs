@@ -1,8 +1,7 @@
 //! The measurement the experiments share: a run's plan from its mode, one run of a
 //! machine (warm-up, a measured window, the accounting of every frame at the end), each
 //! domain's CPU per packet apportioned to classes by the profiler, the losses noted in a
-//! report, the sign test for paired rounds, and the one way an error becomes a
-//! [`LabError`].
+//! report, and the sign test for paired rounds.
 //!
 //! Paper 000's method is the model: a fixed offered load and, per domain, CPU time per
 //! packet from the vCPU threads' clocks over a window, apportioned to function classes by
@@ -13,13 +12,8 @@ use std::time::Duration;
 
 use hv::profile::{Class, GlobalClass};
 
-use crate::platform::{DomainSnapshot, Finish, Options, Running, Snapshot};
-use crate::{LabError, Mode, Report};
-
-/// Any failure that is not the hypervisor's, by its message.
-pub(crate) fn other(e: impl std::fmt::Display) -> LabError {
-    LabError::Other(e.to_string())
-}
+use crate::{Error, Mode, Report};
+use rig::udp::{DomainSnapshot, Finish, Options, Running, Snapshot};
 
 /// The global classes of paper 000's Figure 2, in its order.
 pub(crate) const GLOBALS: [GlobalClass; 7] = [
@@ -190,7 +184,7 @@ pub(crate) fn durations(mode: Mode) -> Durations {
 
 /// Starts a machine, lets it warm up, measures each domain's CPU over one window,
 /// and stops it, accounting for every frame.
-pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), LabError> {
+pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), Error> {
     let m = Running::start(opts)?;
     std::thread::sleep(d.warmup);
     let a = m.snapshot();
@@ -252,8 +246,8 @@ pub(crate) fn alternate<G, C, T>(
     runs: usize,
     groups: &[(G, Vec<C>)],
     label: impl Fn(&G, &C) -> String,
-    one: impl FnMut(&G, &C) -> Result<T, LabError>,
-) -> Result<Vec<Vec<Vec<T>>>, LabError> {
+    one: impl FnMut(&G, &C) -> Result<T, Error>,
+) -> Result<Vec<Vec<Vec<T>>>, Error> {
     let reversed = |round: usize, n: usize| -> Vec<usize> {
         if round % 2 == 1 {
             (0..n).rev().collect()
@@ -272,8 +266,8 @@ pub(crate) fn alternate_by<G, C, T>(
     groups: &[(G, Vec<C>)],
     order: impl Fn(usize, usize) -> Vec<usize>,
     label: impl Fn(&G, &C) -> String,
-    mut one: impl FnMut(&G, &C) -> Result<T, LabError>,
-) -> Result<Vec<Vec<Vec<T>>>, LabError> {
+    mut one: impl FnMut(&G, &C) -> Result<T, Error>,
+) -> Result<Vec<Vec<Vec<T>>>, Error> {
     let mut out: Vec<Vec<Vec<T>>> = groups
         .iter()
         .map(|(_, cs)| cs.iter().map(|_| Vec::with_capacity(runs)).collect())
@@ -346,7 +340,7 @@ mod tests {
             |_, c| {
                 n += 1;
                 if *c == 'b' {
-                    Err(other("no machine"))
+                    Err(Error::other("no machine"))
                 } else {
                     Ok(())
                 }

@@ -15,55 +15,16 @@ pub mod chart;
 pub mod dpdk;
 pub mod experiments;
 pub(crate) mod harness;
-pub mod live;
-pub mod machine_file;
-pub mod platform;
 pub mod progress;
 pub mod remote_host;
 pub mod report;
 pub mod site;
 pub mod stats;
-pub mod tcp;
-pub mod tools;
-pub mod up;
 
-/// How idle pCPUs wait, re-exported for the command line.
-pub use hv::sched::IdlePolicy;
-/// What netfront posts on its RX ring, re-exported for `pvio up`.
-pub use net::netfront::RxBuffers;
 pub use report::{Report, Row, RunEnv, Written};
+/// The one error type of the lab, its rigs and `pvio up`.
+pub use rig::Error;
 pub use stats::Stats;
-
-/// How the lab's machines' idle pCPUs wait, as `reproduce --idle` set it: `poll` when
-/// all the load on the cores is pvio's own (the command's default), `halt-poll` where
-/// other processes share the cores (the default here, so that tests that run machines
-/// side by side do not starve each other or the test runner), `block` for the
-/// comparison with a host wake-up per interrupt. Named in every record.
-pub fn idle_policy() -> hv::sched::IdlePolicy {
-    *IDLE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The idle policy for a machine that shares its cores with another machine of the same
-/// run (paper 002's two hosts on one cable): `poll` becomes `halt-poll`, so that the two
-/// machines' pCPUs on one core take turns instead of spinning against each other.
-pub fn shared_idle_policy() -> hv::sched::IdlePolicy {
-    match idle_policy() {
-        hv::sched::IdlePolicy::Poll => hv::sched::IdlePolicy::HALT_POLL,
-        p => p,
-    }
-}
-
-/// Sets [`idle_policy`] for the machines started from now on.
-pub fn set_idle_policy(p: hv::sched::IdlePolicy) {
-    *IDLE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = p;
-}
-
-static IDLE: std::sync::Mutex<hv::sched::IdlePolicy> =
-    std::sync::Mutex::new(hv::sched::IdlePolicy::HALT_POLL);
 
 /// How a run is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,18 +66,7 @@ pub struct Experiment {
     /// Paper and figure.
     pub paper: &'static str,
     /// Runs it.
-    pub run: fn(Mode) -> Result<Report, LabError>,
-}
-
-/// Why an experiment could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum LabError {
-    /// Building the machine failed.
-    #[error("machine: {0}")]
-    Hv(#[from] hv::HvError),
-    /// Something else.
-    #[error("{0}")]
-    Other(String),
+    pub run: fn(Mode) -> Result<Report, Error>,
 }
 
 /// Every experiment, in the order `reproduce` runs them.

@@ -11,7 +11,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::tools::{self, Tool};
+use rig::tools::{self, Tool};
+use rig::Error;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -42,23 +43,23 @@ pub const NBD_SERVER_PORT: u16 = 10809;
 pub const NBDKIT_PORT: u16 = 10810;
 
 /// Installs the remote host's programs if they are missing.
-pub fn ensure_tools() -> Result<(), String> {
+pub fn ensure_tools() -> Result<(), Error> {
     tools::ensure(&TOOLS)
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
+fn ip(args: &[&str]) -> Result<(), Error> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        .map_err(|e| Error::other(format!("ip {}: {e}", args.join(" "))))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
+        Err(Error::other(format!(
             "ip {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        )))
     }
 }
 
@@ -88,7 +89,7 @@ impl RemoteHost {
     /// Makes namespace `pvio-rh<pid>`, with the cable's TAP interface `cable` (already
     /// open by the caller) in it at [`ADDR`] if given, and starts `servers` on `disk`.
     /// `vblade` needs the cable.
-    pub fn start(cable: Option<&str>, disk: &Path, servers: Servers) -> Result<Self, String> {
+    pub fn start(cable: Option<&str>, disk: &Path, servers: Servers) -> Result<Self, Error> {
         let ns = format!("pvio-rh{}", std::process::id() % 100_000);
         let _ = ip(&["netns", "del", &ns]);
         ip(&["netns", "add", &ns])?;
@@ -145,7 +146,7 @@ impl RemoteHost {
                     disk.display()
                 ),
             )
-            .map_err(|e| format!("nbd-server config: {e}"))?;
+            .map_err(|e| Error::other(format!("nbd-server config: {e}")))?;
             // It forks to serve each connection (with -d it would serve one and
             // exit); the parent returns, and the namespace's teardown ends the rest.
             let st = h
@@ -153,9 +154,9 @@ impl RemoteHost {
                 .arg("-C")
                 .arg(&conf)
                 .status()
-                .map_err(|e| format!("nbd-server: {e}"))?;
+                .map_err(|e| Error::other(format!("nbd-server: {e}")))?;
             if !st.success() {
-                return Err(format!("nbd-server: {st}"));
+                return Err(Error::other(format!("nbd-server: {st}")));
             }
             wait_port(&ns, NBD_SERVER_PORT)?;
         }
@@ -165,7 +166,7 @@ impl RemoteHost {
                 .args(["-f", "-p", &NBDKIT_PORT.to_string(), "file"])
                 .arg(disk)
                 .spawn()
-                .map_err(|e| format!("nbdkit: {e}"))?;
+                .map_err(|e| Error::other(format!("nbdkit: {e}")))?;
             h.children.push(("nbdkit", c));
             wait_port(&ns, NBDKIT_PORT)?;
         }
@@ -182,16 +183,16 @@ impl RemoteHost {
     }
 
     /// Starts (or starts again) `vblade` exporting the disk as [`SHELF`].[`SLOT`].
-    pub fn start_vblade(&mut self) -> Result<(), String> {
+    pub fn start_vblade(&mut self) -> Result<(), Error> {
         if self.ifname.is_empty() {
-            return Err("vblade needs the cable's interface".into());
+            return Err(Error::other("vblade needs the cable's interface"));
         }
         let c = self
             .in_ns("vblade")
             .args([&SHELF.to_string(), &SLOT.to_string(), &self.ifname])
             .arg(&self.disk)
             .spawn()
-            .map_err(|e| format!("vblade: {e}"))?;
+            .map_err(|e| Error::other(format!("vblade: {e}")))?;
         self.children.push(("vblade", c));
         Ok(())
     }
@@ -216,7 +217,7 @@ impl RemoteHost {
 }
 
 /// Waits until something listens on `port` in `ns` (a server's start), 5 s at most.
-fn wait_port(ns: &str, port: u16) -> Result<(), String> {
+fn wait_port(ns: &str, port: u16) -> Result<(), Error> {
     let until = Instant::now() + Duration::from_secs(5);
     while Instant::now() < until {
         let out = Command::new("ip")
@@ -229,13 +230,15 @@ fn wait_port(ns: &str, port: u16) -> Result<(), String> {
                 &format!("sport = :{port}"),
             ])
             .output()
-            .map_err(|e| format!("ss: {e}"))?;
+            .map_err(|e| Error::other(format!("ss: {e}")))?;
         if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Err(format!("nothing listens on port {port} in {ns}"))
+    Err(Error::other(format!(
+        "nothing listens on port {port} in {ns}"
+    )))
 }
 
 impl Drop for RemoteHost {

@@ -341,8 +341,8 @@ impl Report {
         let (mut charts, mut chart_errors) = (Vec::new(), Vec::new());
         if !self.charts.is_empty() || !self.lines.is_empty() {
             // A fresh machine lacks the charts' font; a chart still not drawn says why.
-            if let Err(e) = crate::tools::ensure(&[crate::tools::FONTS]) {
-                chart_errors.push(e);
+            if let Err(e) = rig::tools::ensure(&[rig::tools::FONTS]) {
+                chart_errors.push(e.to_string());
             }
         }
         let drawers = self
@@ -401,7 +401,7 @@ pub struct RunEnv {
     pub kernel: String,
     /// Quick mode.
     pub quick: bool,
-    /// How the machines' idle pCPUs waited ([`crate::idle_policy`]).
+    /// How the machines' idle pCPUs waited ([`rig::idle_policy`]).
     #[serde(default)]
     pub idle: String,
 }
@@ -438,7 +438,7 @@ impl RunEnv {
             cores: mem::cpu::online_cores(),
             kernel: read("/proc/sys/kernel/osrelease"),
             quick,
-            idle: crate::idle_policy().name(),
+            idle: rig::idle_policy().name(),
         }
     }
 }

@@ -455,7 +455,7 @@ pub struct Change {
     pub old: Option<f64>,
     /// After.
     pub new: Option<f64>,
-    /// Their unit (a row's: "× <baseline>").
+    /// Their unit (a row's: "× `<baseline>`").
     pub unit: String,
     /// A check's verdict before and after.
     pub met: (Option<bool>, Option<bool>),

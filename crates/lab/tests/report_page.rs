@@ -8,7 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lab::chart::{Bar, Lines, Series, StackedBars};
-use lab::{site, tools, Report, RunEnv};
+use lab::{site, Report, RunEnv};
+use rig::tools;
 
 /// A record for experiment `e` with one chart of each kind.
 fn record(e: &lab::Experiment, k: usize) -> Report {

@@ -35,8 +35,8 @@ enum Command {
         /// pvio's), halt-poll or halt-poll:<n>us (other processes share them), adaptive
         /// or adaptive:<n>us (KVM's halt-poll window that grows and shrinks), block (a
         /// host wake-up per interrupt, the comparison).
-        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
-        idle: lab::IdlePolicy,
+        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = rig::IdlePolicy::parse)]
+        idle: rig::IdlePolicy,
     },
     /// Runs one benchmark experiment (same as `reproduce --only ID`).
     Bench {
@@ -49,8 +49,8 @@ enum Command {
         #[arg(long, value_name = "DIR", default_value = "results")]
         out: PathBuf,
         /// How the machines' idle pCPUs wait (as for `reproduce`).
-        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = lab::IdlePolicy::parse)]
-        idle: lab::IdlePolicy,
+        #[arg(long, value_name = "POLICY", default_value = "poll", value_parser = rig::IdlePolicy::parse)]
+        idle: rig::IdlePolicy,
     },
     /// Writes `index.html` over a results folder's records (every experiment on one
     /// page), or compares two folders: every check whose verdict changed or whose
@@ -324,7 +324,7 @@ fn tcp_sink(port: u16) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
+fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -334,7 +334,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     if let Err(e) = ctrlc::set_handler(move || s.store(true, Ordering::Release)) {
         eprintln!("cannot catch Ctrl-C: {e}");
     }
-    let mut machine = match lab::up::up(cfg) {
+    let mut machine = match up::up(cfg) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("pvio up: {e}");
@@ -382,15 +382,15 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
     let mut live = LiveView::new(std::io::stdout().is_terminal());
     let t0 = Instant::now();
     let mut fault = run.fault;
-    let (mut last, mut shown) = (lab::up::UpCounters::default(), t0);
+    let (mut last, mut shown) = (up::UpCounters::default(), t0);
     while !stop.load(Ordering::Acquire) && run.seconds.is_none_or(|s| t0.elapsed().as_secs() < s) {
         std::thread::sleep(Duration::from_millis(10));
         if let Some((kind, at)) = fault.filter(|&(_, at)| t0.elapsed() >= at) {
             println!("fault: the driver domain's kernel is made to {kind:?} at {at:?}");
             live.printed();
             machine.inject_fault(match kind {
-                FaultKind::Panic => lab::platform::Fault::Panic,
-                FaultKind::Hang => lab::platform::Fault::Hang,
+                FaultKind::Panic => rig::udp::Fault::Panic,
+                FaultKind::Hang => rig::udp::Fault::Hang,
             });
             fault = None;
         }
@@ -414,7 +414,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
                             "watchdog: {} disk(s) could not be served again; their guests fail \
                              what they had in flight after {} s",
                             r.disks_unserved,
-                            lab::up::DISK_RECONNECT_BOUND.as_secs()
+                            up::DISK_RECONNECT_BOUND.as_secs()
                         );
                     }
                     live.printed();
@@ -429,7 +429,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
         if let Some(rows) = live.tick(&machine) {
             if let Some(j) = json.as_mut() {
                 use std::io::Write;
-                let line = lab::live::json_line(t0.elapsed().as_secs_f64(), &rows);
+                let line = rig::live::json_line(t0.elapsed().as_secs_f64(), &rows);
                 if writeln!(j, "{line}").and_then(|()| j.flush()).is_err() {
                     eprintln!("--stats-json: write failed; no more lines");
                     json = None;
@@ -488,7 +488,7 @@ fn up(cfg: &lab::up::UpConfig, run: UpRun) -> ExitCode {
 /// the rates between the last two as a table redrawn in place on a terminal.
 struct LiveView {
     on_terminal: bool,
-    last: Option<lab::live::Sample>,
+    last: Option<rig::live::Sample>,
     drawn_lines: usize,
 }
 
@@ -502,7 +502,7 @@ impl LiveView {
     }
 
     /// Once a second: the rates since the last sample (drawn on a terminal).
-    fn tick(&mut self, machine: &lab::up::Up) -> Option<Vec<lab::live::PortRates>> {
+    fn tick(&mut self, machine: &up::Up) -> Option<Vec<rig::live::PortRates>> {
         let due = self
             .last
             .as_ref()
@@ -514,9 +514,9 @@ impl LiveView {
         let rows = self
             .last
             .replace(now.clone())
-            .map(|before| lab::live::rates(&before, &now))?;
+            .map(|before| rig::live::rates(&before, &now))?;
         if self.on_terminal {
-            let t = lab::live::table(&rows);
+            let t = rig::live::table(&rows);
             // Back over the last table, then the new one over it.
             if self.drawn_lines > 0 {
                 print!("\x1b[{}A\x1b[J", self.drawn_lines);
@@ -680,7 +680,7 @@ fn main() -> ExitCode {
             out,
             idle,
         } => {
-            lab::set_idle_policy(idle);
+            rig::set_idle_policy(idle);
             reproduce(quick, only.as_deref(), &out)
         }
         Command::Bench {
@@ -689,7 +689,7 @@ fn main() -> ExitCode {
             out,
             idle,
         } => {
-            lab::set_idle_policy(idle);
+            rig::set_idle_policy(idle);
             reproduce(quick, Some(&id), &out)
         }
         Command::Report {
@@ -723,37 +723,37 @@ fn main() -> ExitCode {
             machine,
         } => {
             let cfg = match machine {
-                Some(file) => match lab::machine_file::load(&file) {
-                    Ok(c) => lab::up::UpConfig { pcap, ..c },
+                Some(file) => match up::machine_file::load(&file) {
+                    Ok(c) => up::UpConfig { pcap, ..c },
                     Err(e) => {
                         eprintln!("pvio up: {e}");
                         return ExitCode::from(2);
                     }
                 },
-                None => lab::up::UpConfig {
+                None => up::UpConfig {
                     outside_ns,
                     outside_addr,
-                    guests: vec![lab::up::UpGuest {
+                    guests: vec![up::UpGuest {
                         ns: guest_ns,
                         addr: guest_addr,
                         rx_buffers: if no_fragments {
-                            lab::RxBuffers::Linear
+                            up::RxBuffers::Linear
                         } else {
-                            lab::RxBuffers::Fragments
+                            up::RxBuffers::Fragments
                         },
                         grant_reuse,
                         offloads: !no_offloads,
                         split_ring,
-                        ..lab::up::UpGuest::nth(0)
+                        ..up::UpGuest::nth(0)
                     }],
-                    driver: lab::up::DriverConfig {
+                    driver: up::DriverConfig {
                         netfilter: !no_netfilter,
                         queues: multi_queue,
                         lro: match lro {
-                            LroArg::Off => lab::up::LroMode::Off,
-                            LroArg::EveryPoll => lab::up::LroMode::EveryPoll,
-                            LroArg::Delayed => lab::up::LroMode::Delayed(lro_flush_every),
-                            LroArg::Adaptive => lab::up::LroMode::Adaptive,
+                            LroArg::Off => up::LroMode::Off,
+                            LroArg::EveryPoll => up::LroMode::EveryPoll,
+                            LroArg::Delayed => up::LroMode::Delayed(lro_flush_every),
+                            LroArg::Adaptive => up::LroMode::Adaptive,
                         }
                         .setup(),
                         ..Default::default()
@@ -762,10 +762,10 @@ fn main() -> ExitCode {
                     mtu_wire,
                     cable,
                     dma_landing: match dma {
-                        DmaArg::Cache => lab::up::DmaLanding::Cache,
-                        DmaArg::Memory => lab::up::DmaLanding::Memory,
+                        DmaArg::Cache => up::DmaLanding::Cache,
+                        DmaArg::Memory => up::DmaLanding::Memory,
                     },
-                    ..lab::up::UpConfig::default()
+                    ..up::UpConfig::default()
                 },
             };
             up(

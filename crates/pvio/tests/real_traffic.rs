@@ -8,9 +8,9 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use lab::tools;
-use lab::up::{up, UpConfig, UpGuest};
-use lab::RxBuffers;
+use rig::tools;
+use up::RxBuffers;
+use up::{up, UpConfig, UpGuest};
 
 fn run(args: &[&str]) -> Output {
     Command::new(args[0])
@@ -20,13 +20,13 @@ fn run(args: &[&str]) -> Output {
 }
 
 /// Installs what these tests run (as every test and experiment does, through
-/// `lab::tools`): a fresh Debian 12 has neither `ping` nor iperf3.
+/// `rig::tools`): a fresh Debian 12 has neither `ping` nor iperf3.
 fn ensure_tools() {
     tools::ensure(&[tools::IP, tools::PING, tools::IPERF3]).expect("outside programs");
 }
 
 fn namespaces_possible() -> Result<(), String> {
-    tools::ensure(&[tools::IP])?;
+    tools::ensure(&[tools::IP]).map_err(|e| e.to_string())?;
     let probe = format!("pvio-probe-{}", std::process::id());
     let o = Command::new("ip")
         .args(["netns", "add", &probe])
@@ -245,7 +245,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     // The live view counts what iperf3 counted: every datagram that arrived crossed
     // the NIC, the guest's vif and the guest's TAP; the TCP streams went both ways.
     let after = machine.live_sample().expect("running");
-    let rates = lab::live::rates(&before, &after);
+    let rates = rig::live::rates(&before, &after);
     let moved =
         |port: &str, name: &str| after.counters.get(port, name) - before.counters.get(port, name);
     let vif = rates
@@ -370,7 +370,7 @@ fn iperf_client(o: &str, g: &str, to: &str, extra: &[&str]) -> std::process::Out
 /// what was lost with the old driver domain, and every byte arrives intact.
 #[test]
 fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_completes_intact() {
-    use lab::platform::{DriverFault, Fault};
+    use rig::udp::{DriverFault, Fault};
     if let Err(e) = namespaces_possible() {
         eprintln!("skipped: network namespaces cannot be made here: {e}");
         return;
@@ -522,8 +522,8 @@ fn lro_on_the_nic_port_aggregates_a_real_tcp_stream_and_the_guest_takes_it_intac
             addr: "10.76.0.2/24".into(),
             ..UpGuest::nth(0)
         }],
-        driver: lab::up::DriverConfig {
-            lro: lab::up::LroMode::Adaptive.setup(),
+        driver: up::DriverConfig {
+            lro: up::LroMode::Adaptive.setup(),
             ..Default::default()
         },
         ..UpConfig::default()
@@ -765,7 +765,7 @@ fn wait_for_namespaces(o: &str, g: &str) {
 }
 
 fn claim_file(ns: &str) -> std::path::PathBuf {
-    std::path::Path::new(lab::up::CLAIM_DIR).join(format!("netns-{ns}.lock"))
+    std::path::Path::new(up::CLAIM_DIR).join(format!("netns-{ns}.lock"))
 }
 
 /// Issue 39: SIGTERM (what `kill`, systemd and test harnesses send) stops `pvio up` as

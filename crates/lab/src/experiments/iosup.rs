@@ -32,8 +32,7 @@ use hv::{DeviceId, Domain, DomainConfig, HvConfig, Hypervisor, Iova};
 use kernel::mm::{FreePolicy, Mm, PoolMode, Process, RegionSpec, SMALL_PROCESS};
 
 use crate::chart::{Lines, Series};
-use crate::harness::other as err;
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
 
 mod machine;
 mod macro_bench;
@@ -159,7 +158,7 @@ struct Guest {
     mm: Mm,
 }
 
-fn guest(s: &Setup) -> Result<Guest, LabError> {
+fn guest(s: &Setup) -> Result<Guest, Error> {
     let hv = Hypervisor::new(HvConfig {
         frames: GUEST_PAGES + 4096,
         ..Default::default()
@@ -170,7 +169,7 @@ fn guest(s: &Setup) -> Result<Guest, LabError> {
         ..Default::default()
     })?;
     if s.iommu {
-        hv.iommu_attach(DEV, &dom).map_err(err)?;
+        hv.iommu_attach(DEV, &dom).map_err(Error::other)?;
         hv.mmu_configure(
             &dom,
             MmuConfig {
@@ -179,9 +178,9 @@ fn guest(s: &Setup) -> Result<Guest, LabError> {
                 remap_on_level_change: false,
             },
         )
-        .map_err(err)?;
+        .map_err(Error::other)?;
     }
-    let mut mm = Mm::new(Arc::clone(&hv), Arc::clone(&dom), 0).map_err(err)?;
+    let mut mm = Mm::new(Arc::clone(&hv), Arc::clone(&dom), 0).map_err(Error::other)?;
     mm.set_pool(
         s.pool,
         FreePolicy {
@@ -189,7 +188,7 @@ fn guest(s: &Setup) -> Result<Guest, LabError> {
             total: 1000,
         },
     )
-    .map_err(err)?;
+    .map_err(Error::other)?;
     mm.set_batching(s.batch);
     Ok(Guest { hv, dom, mm })
 }
@@ -201,31 +200,31 @@ fn pt_flushes(g: &Guest) -> u64 {
 }
 
 /// lmbench's loops: µs per fork+exit and per fork+exec(+run)+exit.
-fn lmbench(s: &Setup, n: usize) -> Result<(f64, f64, f64), LabError> {
+fn lmbench(s: &Setup, n: usize) -> Result<(f64, f64, f64), Error> {
     let mut g = guest(s)?;
-    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
+    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
     // Warm: the pool (if any) fills once.
     for _ in 0..4 {
-        let c = g.mm.fork(&mut parent).map_err(err)?;
-        g.mm.exit(c).map_err(err)?;
+        let c = g.mm.fork(&mut parent).map_err(Error::other)?;
+        g.mm.exit(c).map_err(Error::other)?;
     }
     let f0 = pt_flushes(&g);
     let t = Instant::now();
     for _ in 0..n {
-        let c = g.mm.fork(&mut parent).map_err(err)?;
-        g.mm.exit(c).map_err(err)?;
+        let c = g.mm.fork(&mut parent).map_err(Error::other)?;
+        g.mm.exit(c).map_err(Error::other)?;
     }
     let exit_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
     let flushes = (pt_flushes(&g) - f0) as f64 / n as f64;
     let t = Instant::now();
     for _ in 0..n {
-        let mut c = g.mm.fork(&mut parent).map_err(err)?;
-        g.mm.exec(&mut c, &SMALL_PROCESS).map_err(err)?;
-        g.mm.run(&c).map_err(err)?;
-        g.mm.exit(c).map_err(err)?;
+        let mut c = g.mm.fork(&mut parent).map_err(Error::other)?;
+        g.mm.exec(&mut c, &SMALL_PROCESS).map_err(Error::other)?;
+        g.mm.run(&c).map_err(Error::other)?;
+        g.mm.exit(c).map_err(Error::other)?;
     }
     let exec_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
-    g.mm.exit(parent).map_err(err)?;
+    g.mm.exit(parent).map_err(Error::other)?;
     Ok((exit_us, exec_us, flushes))
 }
 
@@ -262,14 +261,14 @@ fn busy(
     rate: f64,
     intervals: usize,
     interval: Duration,
-) -> Result<Timeline, LabError> {
+) -> Result<Timeline, Error> {
     let s = SETUPS[0];
     let mut g = guest(&s)?;
     if group == Group::PreEnabled {
-        g.mm.set_pool(pool, policy).map_err(err)?;
+        g.mm.set_pool(pool, policy).map_err(Error::other)?;
     }
     let mut cycle = 0usize;
-    let mut browser = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
+    let mut browser = g.mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
     let mut tabs: Vec<Process> = Vec::with_capacity(TABS);
     let mut tl = Timeline {
         flushes: Vec::new(),
@@ -303,15 +302,15 @@ fn busy(
             next += 1;
             if tabs.len() == TABS {
                 for t in tabs.drain(..) {
-                    g.mm.exit(t).map_err(err)?;
+                    g.mm.exit(t).map_err(Error::other)?;
                 }
                 pool_max = pool_max.max(g.mm.pooled());
                 cycle += 1;
             }
-            let mut c = g.mm.fork(&mut browser).map_err(err)?;
+            let mut c = g.mm.fork(&mut browser).map_err(Error::other)?;
             g.mm.exec(&mut c, images[cycle % images.len()])
-                .map_err(err)?;
-            g.mm.run(&c).map_err(err)?;
+                .map_err(Error::other)?;
+            g.mm.run(&c).map_err(Error::other)?;
             tabs.push(c);
             tl.created += 1;
         }
@@ -329,7 +328,7 @@ fn busy(
                     matches!((lo, hi), (Some(lo), Some(hi)) if lo > 0 && (hi - lo) as f64 <= 0.1 * hi as f64)
                 };
             if settled || i + 1 >= intervals / 2 {
-                g.mm.set_pool(pool, policy).map_err(err)?;
+                g.mm.set_pool(pool, policy).map_err(Error::other)?;
                 tl.enabled_at = Some(i + 1);
                 enabled_cycle = Some(cycle);
                 tl.steady = g.mm.stats.clone();
@@ -353,9 +352,9 @@ fn busy(
     }
     tl.level = now;
     for t in tabs.drain(..) {
-        g.mm.exit(t).map_err(err)?;
+        g.mm.exit(t).map_err(Error::other)?;
     }
-    g.mm.exit(browser).map_err(err)?;
+    g.mm.exit(browser).map_err(Error::other)?;
     Ok(tl)
 }
 
@@ -378,15 +377,15 @@ fn device_under_churn(
     pool: PoolMode,
     page_selective: bool,
     dur: Duration,
-) -> Result<(f64, f64), LabError> {
+) -> Result<(f64, f64), Error> {
     const WORKING_SET: usize = 256;
     let mut g = guest(&SETUPS[0])?;
     g.hv.iommu().set_page_selective(page_selective);
-    g.mm.set_pool(pool, POLICY).map_err(err)?;
+    g.mm.set_pool(pool, POLICY).map_err(Error::other)?;
     let bufs: Vec<hv::Gfn> = (0..WORKING_SET)
         .map(|_| g.dom.alloc_page())
         .collect::<Result<_, _>>()
-        .map_err(err)?;
+        .map_err(Error::other)?;
     let stop = Arc::new(AtomicBool::new(false));
     let dev = {
         let (hv, stop) = (Arc::clone(&g.hv), Arc::clone(&stop));
@@ -414,21 +413,21 @@ fn device_under_churn(
         })
     };
     let _ = mem::cpu::pin_current_thread(0);
-    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
+    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
     let t = Instant::now();
     while t.elapsed() < dur {
         if churn {
-            let mut c = g.mm.fork(&mut parent).map_err(err)?;
-            g.mm.exec(&mut c, &SMALL_PROCESS).map_err(err)?;
-            g.mm.run(&c).map_err(err)?;
-            g.mm.exit(c).map_err(err)?;
+            let mut c = g.mm.fork(&mut parent).map_err(Error::other)?;
+            g.mm.exec(&mut c, &SMALL_PROCESS).map_err(Error::other)?;
+            g.mm.run(&c).map_err(Error::other)?;
+            g.mm.exit(c).map_err(Error::other)?;
         } else {
-            g.mm.run(&parent).map_err(err)?;
+            g.mm.run(&parent).map_err(Error::other)?;
         }
     }
     stop.store(true, Ordering::Relaxed);
-    let (hits, misses, n, cpu) = dev.join().map_err(|_| err("device thread"))?;
-    g.mm.exit(parent).map_err(err)?;
+    let (hits, misses, n, cpu) = dev.join().map_err(|_| Error::other("device thread"))?;
+    g.mm.exit(parent).map_err(Error::other)?;
     Ok((
         misses as f64 / (hits + misses).max(1) as f64 * 100.0,
         cpu / n.max(1) as f64,
@@ -449,7 +448,7 @@ struct Plan {
     rate: f64,
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let iters = mode.iterations();
     let n = mode.scale(4000) as usize;
     let (intervals, interval, rate) = match mode {
@@ -510,7 +509,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 
 /// Figures 5, 7 and 8: the busy workload's invalidations and pool over time, with the
 /// cache disabled, enabled from the start and enabled once the flush rate is steady.
-fn busy_figures(r: &mut Report, p: &Plan) -> Result<Vec<(&'static str, Timeline)>, LabError> {
+fn busy_figures(r: &mut Report, p: &Plan) -> Result<Vec<(&'static str, Timeline)>, Error> {
     let Plan {
         intervals,
         interval,
@@ -705,7 +704,7 @@ fn fig6(r: &mut Report, tls: &[(&'static str, Timeline)]) {
 
 /// The busy workload at other rates: the paper's (about 540 a minute), and as fast
 /// as this guest forks.
-fn other_rates(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+fn other_rates(r: &mut Report, p: &Plan) -> Result<(), Error> {
     let Plan { mode, rate, .. } = *p;
     let (rate_intervals, rate_interval) = match mode {
         Mode::Full => (10, Duration::from_millis(200)),
@@ -769,7 +768,7 @@ fn other_rates(r: &mut Report, p: &Plan) -> Result<(), LabError> {
 }
 
 /// Figure 10 and the flush policies side by side: lmbench's fork+exit and fork+exec.
-fn fig10(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+fn fig10(r: &mut Report, p: &Plan) -> Result<(), Error> {
     let Plan { iters, n, .. } = *p;
     let mut exit_us = vec![Vec::new(); SETUPS.len()];
     let mut exec_us = vec![Vec::new(); SETUPS.len()];
@@ -827,7 +826,7 @@ fn fig10(r: &mut Report, p: &Plan) -> Result<(), LabError> {
 }
 
 /// The shared pool against per-level pools at the same hit rate.
-fn pool_shape(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+fn pool_shape(r: &mut Report, p: &Plan) -> Result<(), Error> {
     let Plan {
         intervals,
         interval,
@@ -884,13 +883,13 @@ fn pool_shape(r: &mut Report, p: &Plan) -> Result<(), LabError> {
 }
 
 /// Lazy flushing: the window it leaves.
-fn lazy_window(r: &mut Report) -> Result<(), LabError> {
+fn lazy_window(r: &mut Report) -> Result<(), Error> {
     {
         let mut g = guest(&SETUPS[2])?;
-        let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
+        let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
         for _ in 0..200 {
-            let c = g.mm.fork(&mut parent).map_err(err)?;
-            g.mm.exit(c).map_err(err)?;
+            let c = g.mm.fork(&mut parent).map_err(Error::other)?;
+            g.mm.exit(c).map_err(Error::other)?;
         }
         g.hv.mmu_configure(
             &g.dom,
@@ -900,7 +899,7 @@ fn lazy_window(r: &mut Report) -> Result<(), LabError> {
                 remap_on_level_change: false,
             },
         )
-        .map_err(err)?;
+        .map_err(Error::other)?;
         let st = g.hv.mmu_stats(&g.dom);
         let pages = st.pt_invalidations.load(Ordering::Relaxed).max(1);
         r.row(
@@ -922,7 +921,7 @@ fn lazy_window(r: &mut Report) -> Result<(), LabError> {
 }
 
 /// Beyond the paper: a device's IOTLB under the guest's churn.
-fn device_churn(r: &mut Report, p: &Plan) -> Result<(), LabError> {
+fn device_churn(r: &mut Report, p: &Plan) -> Result<(), Error> {
     let Plan { mode, .. } = *p;
     let dur = match mode {
         Mode::Full => Duration::from_millis(1500),

@@ -22,8 +22,8 @@ use dev::peer::{PeerApp, WireRate};
 use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::{cost_per, RunCost, GLOBALS};
 use crate::stats::ratio_median;
-use crate::tcp::{Placement, Receiver, TcpFinish, TcpOptions, TcpRunning, TcpSnapshot};
-use crate::{Experiment, LabError, Mode, Report, Stats};
+use crate::{Error, Experiment, Mode, Report, Stats};
+use rig::tcp::{Placement, Receiver, TcpFinish, TcpOptions, TcpRunning, TcpSnapshot};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -248,7 +248,7 @@ fn quantile(v: &mut [u64], q: f64) -> f64 {
 
 /// Runs one machine: warm-up, then a window between two snapshots; the run ends with
 /// every byte written accounted for.
-fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabError> {
+fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> {
     let m = TcpRunning::start(o)?;
     std::thread::sleep(d.warmup);
     let settled = match o.app {
@@ -282,7 +282,7 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
     let neighbour_cpu = |s: &TcpSnapshot| {
         s.domains
             .iter()
-            .find(|(n, _, _)| n == crate::tcp::NEIGHBOUR)
+            .find(|(n, _, _)| n == rig::tcp::NEIGHBOUR)
             .map_or(Duration::ZERO, |(_, _, d)| d.cpu)
     };
     let passes = |s: &TcpSnapshot| s.counters.get("compute", "passes");
@@ -310,7 +310,7 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), LabErro
 /// The stream workload, as fast as TCP goes or at `mbps` of stream bytes.
 fn stream(mbps: Option<f64>) -> PeerApp {
     PeerApp::Stream {
-        message: crate::tcp::STREAM_MESSAGE,
+        message: rig::tcp::STREAM_MESSAGE,
         rate: mbps.map(|m| m * 1e6 / 8.0),
         total: None,
     }
@@ -467,7 +467,7 @@ fn setup(d: &Durations, ghz: f64) -> String {
     )
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let ghz = tsc_ghz();
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
@@ -475,7 +475,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     r.config = serde_json::json!({
         "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
         "rr_window_ms": d.rr_window.as_millis() as u64, "warmup_ms": d.warmup.as_millis() as u64,
-        "fixed_load_mbps": LOAD_MBPS, "sweep_loads_mbps": SWEEP_LOADS, "stream_message": crate::tcp::STREAM_MESSAGE,
+        "fixed_load_mbps": LOAD_MBPS, "sweep_loads_mbps": SWEEP_LOADS, "stream_message": rig::tcp::STREAM_MESSAGE,
         "tsc_ghz": ghz, "online_cores": mem::cpu::online_cores(),
         "lro": { "form": "skb (page for DA, page-mode)", "max_flows": LroSetup::PAPER.max_flows, "da_n": 2, "da_max_hold_us": 1000, "adaptive_budget_us": 200 },
     });
@@ -573,7 +573,7 @@ fn round_plan(round: usize, mode: Mode) -> Vec<(String, Cfg, TcpOptions)> {
 }
 
 /// Every round's runs: each configuration's measurements by phase, and the tally.
-fn rounds(mode: Mode, d: &Durations) -> Result<(Results, Tally), LabError> {
+fn rounds(mode: Mode, d: &Durations) -> Result<(Results, Tally), Error> {
     let mut res: Results = BTreeMap::new();
     let mut t = Tally::default();
     let per_round = 4 * CONFIGS.len()

@@ -17,10 +17,9 @@ use std::time::{Duration, Instant};
 use hv::mmu::{FlushPolicy, MmuConfig};
 use kernel::mm::{Mm, PoolMode, Sizing, SMALL_PROCESS};
 
-use super::err;
 use crate::harness::{self, Durations};
-use crate::platform::{Config, Options, Running};
-use crate::{LabError, Report};
+use crate::{Error, Report};
+use rig::udp::{Config, Options, Running};
 
 /// What the domain does beside receiving, and how the IOMMU invalidates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +55,7 @@ impl Churn {
 /// Has the hypervisor keep `dom`'s IOMMU context in step with its page types, as Xen
 /// does for a PV domain with a device: a page that becomes a page table leaves the
 /// context, strictly, with its IOTLB entries invalidated at once.
-pub(super) fn keep_in_step(hv: &hv::Hypervisor, dom: &hv::Domain) -> Result<(), LabError> {
+pub(super) fn keep_in_step(hv: &hv::Hypervisor, dom: &hv::Domain) -> Result<(), Error> {
     hv.mmu_configure(
         dom,
         MmuConfig {
@@ -65,7 +64,7 @@ pub(super) fn keep_in_step(hv: &hv::Hypervisor, dom: &hv::Domain) -> Result<(), 
             remap_on_level_change: false,
         },
     )
-    .map_err(err)
+    .map_err(Error::other)
 }
 
 /// A process of a domain (a thread on the domain's core) that forks, execs, runs and
@@ -74,7 +73,7 @@ pub(super) fn keep_in_step(hv: &hv::Hypervisor, dom: &hv::Domain) -> Result<(), 
 pub(super) struct Churner {
     stop: Arc<AtomicBool>,
     created: Arc<AtomicU64>,
-    worker: std::thread::JoinHandle<Result<Duration, LabError>>,
+    worker: std::thread::JoinHandle<Result<Duration, Error>>,
 }
 
 impl Churner {
@@ -94,14 +93,14 @@ impl Churner {
             Arc::clone(&stop),
             Arc::clone(&created),
         );
-        let worker = std::thread::spawn(move || -> Result<Duration, LabError> {
+        let worker = std::thread::spawn(move || -> Result<Duration, Error> {
             let _ = mem::cpu::pin_current_thread(core);
-            let mut mm = Mm::new(hv, dom, 0).map_err(err)?;
+            let mut mm = Mm::new(hv, dom, 0).map_err(Error::other)?;
             if pool {
                 mm.set_pool(PoolMode::PerLevel, Sizing::Adaptive)
-                    .map_err(err)?;
+                    .map_err(Error::other)?;
             }
-            let mut parent = mm.spawn(&SMALL_PROCESS).map_err(err)?;
+            let mut parent = mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
             let t0 = mem::cpu::thread_cpu_time();
             let start = Instant::now();
             let mut n = 0u64;
@@ -111,15 +110,15 @@ impl Churner {
                     std::thread::sleep(w);
                     continue;
                 }
-                let mut c = mm.fork(&mut parent).map_err(err)?;
-                mm.exec(&mut c, &SMALL_PROCESS).map_err(err)?;
-                mm.run(&c).map_err(err)?;
-                mm.exit(c).map_err(err)?;
+                let mut c = mm.fork(&mut parent).map_err(Error::other)?;
+                mm.exec(&mut c, &SMALL_PROCESS).map_err(Error::other)?;
+                mm.run(&c).map_err(Error::other)?;
+                mm.exit(c).map_err(Error::other)?;
                 n += 1;
                 made.store(n, Ordering::Relaxed);
             }
             let cpu = mem::cpu::thread_cpu_time() - t0;
-            mm.exit(parent).map_err(err)?;
+            mm.exit(parent).map_err(Error::other)?;
             Ok(cpu)
         });
         Self {
@@ -135,10 +134,13 @@ impl Churner {
     }
 
     /// Stops it: its CPU time and the processes it created.
-    pub(super) fn stop(self) -> Result<(Duration, u64), LabError> {
+    pub(super) fn stop(self) -> Result<(Duration, u64), Error> {
         self.stop.store(true, Ordering::Relaxed);
         let made = Arc::clone(&self.created);
-        let cpu = self.worker.join().map_err(|_| err("churn thread"))??;
+        let cpu = self
+            .worker
+            .join()
+            .map_err(|_| Error::other("churn thread"))??;
         Ok((cpu, made.load(Ordering::Relaxed)))
     }
 }
@@ -170,7 +172,7 @@ pub(super) fn run(
     churn: Churn,
     rate: f64,
     d: &Durations,
-) -> Result<Outcome, LabError> {
+) -> Result<Outcome, Error> {
     let opts = Options {
         sample: None,
         ..Options::paper(config, 1472)
@@ -180,12 +182,17 @@ pub(super) fn run(
         Config::Pv => ("driver", 0),
         _ => ("guest", 1.min(mem::cpu::online_cores() - 1)),
     };
-    let dom = m.domain(name).ok_or_else(|| err("no such domain"))?;
+    let dom = m
+        .domain(name)
+        .ok_or_else(|| Error::other("no such domain"))?;
     m.hv.iommu().set_page_selective(churn == Churn::NoPoolPsi);
     keep_in_step(&m.hv, &dom)?;
     let churner = (churn != Churn::None)
         .then(|| Churner::start(&m.hv, &dom, core, rate, churn == Churn::PoolDsi));
-    let nic = m.nic_regs().map(Arc::clone).ok_or_else(|| err("no NIC"))?;
+    let nic = m
+        .nic_regs()
+        .map(Arc::clone)
+        .ok_or_else(|| Error::other("no NIC"))?;
     let iotlb = || {
         (
             nic.iotlb_hits.load(Ordering::Relaxed),
@@ -227,7 +234,7 @@ pub(super) fn run(
 
 /// The section of the report: per configuration, the four runs side by side in every
 /// round, ratios within a round.
-pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), LabError> {
+pub(super) fn section(r: &mut Report, d: &Durations, rate: f64) -> Result<(), Error> {
     let configs = [Config::Direct, Config::Pv];
     let mut out = vec![vec![Vec::new(); Churn::ALL.len()]; configs.len()];
     for round in 0..d.runs {

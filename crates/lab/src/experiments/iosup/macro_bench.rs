@@ -18,11 +18,11 @@ use dev::peer::{PeerApp, WireRate};
 use kernel::mm::RegionSpec;
 
 use super::machine::{keep_in_step, Churner};
-use super::{err, guest, pt_flushes, SETUPS};
+use super::{guest, pt_flushes, SETUPS};
 use crate::harness::{alternate, Durations};
 use crate::stats::ratio_median;
-use crate::tcp::{Receiver, TcpOptions, TcpRunning};
-use crate::{LabError, Mode, Report};
+use crate::{Error, Mode, Report};
+use rig::tcp::{Receiver, TcpOptions, TcpRunning};
 
 /// SPECint 2006's programs.
 const PROGRAMS: usize = 12;
@@ -76,11 +76,13 @@ fn passes(mode: Mode) -> usize {
 /// then the other, the order swapped from one program to the next, so that a slow
 /// stretch of the host falls on both. Returns, per setup, the CPU time (s) and the
 /// invalidations page-table type changes caused.
-fn suite(passes: usize) -> Result<[(f64, u64); 2], LabError> {
+fn suite(passes: usize) -> Result<[(f64, u64); 2], Error> {
     let mut guests = Vec::new();
     for s in setups() {
         let mut g = guest(&s)?;
-        let shell = g.mm.spawn(&kernel::mm::SMALL_PROCESS).map_err(err)?;
+        let shell =
+            g.mm.spawn(&kernel::mm::SMALL_PROCESS)
+                .map_err(Error::other)?;
         let f0 = pt_flushes(&g);
         guests.push((g, shell, f0, std::time::Duration::ZERO));
     }
@@ -88,26 +90,26 @@ fn suite(passes: usize) -> Result<[(f64, u64); 2], LabError> {
         for i in [k % 2, 1 - k % 2] {
             let (g, shell, _, cpu) = &mut guests[i];
             let t0 = mem::cpu::thread_cpu_time();
-            let mut p = g.mm.fork(shell).map_err(err)?;
-            g.mm.exec(&mut p, &PROGRAM).map_err(err)?;
+            let mut p = g.mm.fork(shell).map_err(Error::other)?;
+            g.mm.exec(&mut p, &PROGRAM).map_err(Error::other)?;
             for _ in 0..passes {
-                g.mm.run(&p).map_err(err)?;
+                g.mm.run(&p).map_err(Error::other)?;
             }
-            g.mm.exit(p).map_err(err)?;
+            g.mm.exit(p).map_err(Error::other)?;
             *cpu += mem::cpu::thread_cpu_time() - t0;
         }
     }
     let mut out = [(0.0, 0); 2];
     for (o, (mut g, shell, f0, cpu)) in out.iter_mut().zip(guests) {
         let flushes = pt_flushes(&g) - f0;
-        g.mm.exit(shell).map_err(err)?;
+        g.mm.exit(shell).map_err(Error::other)?;
         *o = (cpu.as_secs_f64(), flushes);
     }
     Ok(out)
 }
 
 /// Figure 9: the CPU-bound suite with the cache disabled and enabled.
-pub(super) fn fig9(r: &mut Report, mode: Mode, rounds: usize) -> Result<(), LabError> {
+pub(super) fn fig9(r: &mut Report, mode: Mode, rounds: usize) -> Result<(), Error> {
     let passes = passes(mode);
     let mut got = Vec::new();
     for round in 0..rounds {
@@ -166,7 +168,7 @@ struct Stream {
 
 /// One netperf run into the PV guest, the driver domain churning processes at `rate`
 /// with the pool or without.
-fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, LabError> {
+fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, Error> {
     let o = TcpOptions {
         wire: WireRate::Unlimited,
         app: PeerApp::Stream {
@@ -185,7 +187,7 @@ fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, LabError> {
         .iter()
         .find(|(d, _)| d.name() == "driver")
         .map(|(d, _)| std::sync::Arc::clone(d))
-        .ok_or_else(|| err("no driver domain"))?;
+        .ok_or_else(|| Error::other("no driver domain"))?;
     keep_in_step(&hv, &dom)?;
     // The driver domain's core in the paper's one-core placement.
     let churn = Churner::start(&hv, &dom, 0, rate, pool);
@@ -210,7 +212,7 @@ fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, LabError> {
 }
 
 /// Figure 11: netperf's TCP_STREAM with the cache disabled and enabled.
-pub(super) fn fig11(r: &mut Report, d: &Durations, rate: f64) -> Result<(), LabError> {
+pub(super) fn fig11(r: &mut Report, d: &Durations, rate: f64) -> Result<(), Error> {
     let groups = [((), vec![false, true])];
     let name = |pool: bool| {
         if pool {

@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 
 use kernel::mm::{FreePolicy, PoolMode, Process, RegionSpec, Sizing, SMALL_PROCESS};
 
-use super::{err, guest, pt_flushes, DENSE, SETUPS};
-use crate::{LabError, Mode, Report};
+use super::{guest, pt_flushes, DENSE, SETUPS};
+use crate::{Error, Mode, Report};
 
 /// A churn workload.
 #[derive(Debug, Clone, Copy)]
@@ -73,10 +73,11 @@ pub(super) struct Outcome {
 }
 
 /// Runs `w` on a strict-IOMMU guest with per-level pools sized by `sizing`.
-pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, LabError> {
+pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, Error> {
     let mut g = guest(&SETUPS[0])?;
-    g.mm.set_pool(PoolMode::PerLevel, sizing).map_err(err)?;
-    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(err)?;
+    g.mm.set_pool(PoolMode::PerLevel, sizing)
+        .map_err(Error::other)?;
+    let mut parent = g.mm.spawn(&SMALL_PROCESS).map_err(Error::other)?;
     let (cycles, warm) = w.cycles();
     let (mut f0, mut p0) = (0, 0);
     let (mut pool_max, mut pool_sum, mut samples) = (0usize, 0f64, 0u64);
@@ -95,10 +96,10 @@ pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, LabEr
             }
         };
         let mut start = |g: &mut super::Guest, image: &[RegionSpec]| {
-            let mut c = g.mm.fork(&mut parent).map_err(err)?;
-            g.mm.exec(&mut c, image).map_err(err)?;
-            g.mm.run(&c).map_err(err)?;
-            Ok::<_, LabError>(c)
+            let mut c = g.mm.fork(&mut parent).map_err(Error::other)?;
+            g.mm.exec(&mut c, image).map_err(Error::other)?;
+            g.mm.run(&c).map_err(Error::other)?;
+            Ok::<_, Error>(c)
         };
         let (tabs, jobs, n) = match w {
             Workload::Browser { tabs, .. } => (tabs, 0, 0),
@@ -114,7 +115,7 @@ pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, LabEr
         for _ in 0..jobs {
             if live.len() == n {
                 if let Some(c) = live.pop_front() {
-                    g.mm.exit(c).map_err(err)?;
+                    g.mm.exit(c).map_err(Error::other)?;
                     sample(g.mm.pooled());
                 }
             }
@@ -122,13 +123,13 @@ pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, LabEr
             sample(g.mm.pooled());
         }
         while let Some(c) = live.pop_front() {
-            g.mm.exit(c).map_err(err)?;
+            g.mm.exit(c).map_err(Error::other)?;
             sample(g.mm.pooled());
         }
         if jobs > 0 {
             let ld = start(&mut g, &DENSE)?;
             sample(g.mm.pooled());
-            g.mm.exit(ld).map_err(err)?;
+            g.mm.exit(ld).map_err(Error::other)?;
             sample(g.mm.pooled());
         }
     }
@@ -140,7 +141,7 @@ pub(super) fn run_workload(w: Workload, sizing: Sizing) -> Result<Outcome, LabEr
         flushes_all,
         processes: g.mm.stats.forks - p0,
     };
-    g.mm.exit(parent).map_err(err)?;
+    g.mm.exit(parent).map_err(Error::other)?;
     Ok(out)
 }
 
@@ -188,7 +189,7 @@ pub(super) fn steps(mode: Mode) -> u64 {
 
 /// The sizing section of the report: per workload, the best hand-tuned setting and the
 /// adaptive rule, with a check that the adaptive rule comes within 10% of it.
-pub(super) fn section(r: &mut Report, mode: Mode) -> Result<(), LabError> {
+pub(super) fn section(r: &mut Report, mode: Mode) -> Result<(), Error> {
     let grid = grid(mode);
     let ws = workloads(mode);
     let mut best_of_first: Option<FreePolicy> = None;
@@ -208,7 +209,7 @@ pub(super) fn section(r: &mut Report, mode: Mode) -> Result<(), LabError> {
             .iter()
             .copied()
             .min_by_key(|(_, o)| (o.flushes, o.pool_max))
-            .ok_or_else(|| err("empty grid"))?;
+            .ok_or_else(|| Error::other("empty grid"))?;
         let worst = tuned.iter().map(|(_, o)| o.flushes).max().unwrap_or(0);
         let g = format!("pool sizing: {name}");
         r.row(

@@ -27,9 +27,8 @@ use net::skb::{SkbError, SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::wire::{parse_ipv4, parse_udp, payload_byte, PayloadCheck, UdpFramer};
 
-use crate::harness::other;
-use crate::platform::flow;
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
+use rig::udp::flow;
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -173,14 +172,17 @@ struct Run {
 
 /// The frame of exactly `len` bytes that carries message `seq`: Ethernet, IPv4 and UDP
 /// headers (IP identification `seq`) and the lab's seeded payload.
-fn frame(len: usize, seq: u8) -> Result<Vec<u8>, LabError> {
+fn frame(len: usize, seq: u8) -> Result<Vec<u8>, Error> {
     let payload: Vec<u8> = (0..len - HEADERS).map(|i| payload_byte(seq, i)).collect();
     let mut out = Vec::new();
     UdpFramer::new(flow())
         .frames(u16::from(seq), &payload, |fr| out = fr.to_vec())
-        .map_err(other)?;
+        .map_err(Error::other)?;
     if out.len() != len {
-        return Err(other(format!("frame of {} bytes, wanted {len}", out.len())));
+        return Err(Error::other(format!(
+            "frame of {} bytes, wanted {len}",
+            out.len()
+        )));
     }
     Ok(out)
 }
@@ -199,7 +201,7 @@ struct Source {
 }
 
 impl Source {
-    fn new(len: usize) -> Result<Self, LabError> {
+    fn new(len: usize) -> Result<Self, Error> {
         let frames = (0..=255u8)
             .map(|seq| frame(len, seq))
             .collect::<Result<_, _>>()?;
@@ -304,7 +306,7 @@ struct Path {
 }
 
 impl Path {
-    fn new(v: Variant) -> Result<Self, LabError> {
+    fn new(v: Variant) -> Result<Self, Error> {
         let hv = Hypervisor::new(HvConfig {
             frames: 16384,
             grant_path: GrantPath::Optimised,
@@ -332,19 +334,20 @@ impl Path {
             offloads: false,
             split_indices: v.split,
         };
-        let (front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(other)?;
+        let (front, mut vif) =
+            toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(Error::other)?;
         if v.direct {
             vif.enable_direct();
-            hv.iommu_attach(DEV, &drv).map_err(other)?;
+            hv.iommu_attach(DEV, &drv).map_err(Error::other)?;
         }
         let mut dma = hv.iommu().device(DEV);
         // The device shares the driver domain's core here; its writes land in the cache,
         // as a NIC's do on a processor with Data Direct I/O and as DPDK's vhost copy does
         // (see `DmaLanding`).
         dma.land_in(hv::iommu::DmaLanding::Cache);
-        let dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(other)?;
+        let dpool = SkbPool::new(Arc::clone(&drv), 1024, 64).map_err(Error::other)?;
         // Pages for the 256 posted RX buffers and for TX heads of a page each.
-        let gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(other)?;
+        let gpool = SkbPool::new(Arc::clone(&guest), 1024, 640).map_err(Error::other)?;
         Ok(Self {
             hv,
             front,
@@ -423,8 +426,8 @@ struct Stages {
 
 /// Measures [`Stages`] for one direction and size over `packets` packets after the
 /// same verified warm-up as a two-core run, on a thread of its own on core 0.
-fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Stages, LabError> {
-    std::thread::spawn(move || -> Result<Stages, LabError> {
+fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Stages, Error> {
+    std::thread::spawn(move || -> Result<Stages, Error> {
         pin(0);
         let Path {
             hv: _hv,
@@ -486,14 +489,17 @@ fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Sta
                 0
             };
             if idle_rounds > 1000 || vif.disabled().is_some() || front.is_broken() {
-                return Err(other(format!(
+                return Err(Error::other(format!(
                     "one-core run stalled after {} packets",
                     sink.received
                 )));
             }
         }
         if sink.corrupt > 0 {
-            return Err(other(format!("{} corrupt warm-up messages", sink.corrupt)));
+            return Err(Error::other(format!(
+                "{} corrupt warm-up messages",
+                sink.corrupt
+            )));
         }
         let per = |d: Duration| d.as_nanos() as f64 / timed.max(1) as f64;
         Ok(Stages {
@@ -503,7 +509,7 @@ fn stages_one_core(dir: Dir, len: usize, v: Variant, packets: u64) -> Result<Sta
         })
     })
     .join()
-    .map_err(|_| other("one-core run panicked"))?
+    .map_err(|_| Error::other("one-core run panicked"))?
 }
 
 /// The rows of one grant-cache row's stages: each on one core, their sum, and the
@@ -564,7 +570,7 @@ fn run_once(
     period: Duration,
     periods: usize,
     v: Variant,
-) -> Result<Run, LabError> {
+) -> Result<Run, Error> {
     let Path {
         hv: _hv,
         front,
@@ -606,11 +612,14 @@ fn run_once(
     ctl.stop.store(true, Ordering::Relaxed);
     let d = drv_side
         .join()
-        .map_err(|_| other("driver side panicked"))??;
+        .map_err(|_| Error::other("driver side panicked"))??;
     let (busy_guest, sink_g) = guest_side
         .join()
-        .map_err(|_| other("guest side panicked"))??;
-    let sink = d.sink.or(sink_g).ok_or_else(|| other("no receiver"))?;
+        .map_err(|_| Error::other("guest side panicked"))??;
+    let sink = d
+        .sink
+        .or(sink_g)
+        .ok_or_else(|| Error::other("no receiver"))?;
     // Busy time was summed over the timed periods only (a poll that straddles an edge
     // counts whole): per packet of those periods.
     let timed_packets = (n - n_start).max(1) as f64;
@@ -676,7 +685,7 @@ fn driver_side(
     v: Variant,
     back: Back,
     ctl: Control,
-) -> std::thread::JoinHandle<Result<BackRun, LabError>> {
+) -> std::thread::JoinHandle<Result<BackRun, Error>> {
     std::thread::spawn(move || {
         pin(0);
         let Back {
@@ -746,7 +755,7 @@ fn driver_side(
             }
         }
         if vif.disabled().is_some() {
-            return Err(other(format!("vif disabled: {:?}", vif.disabled())));
+            return Err(Error::other(format!("vif disabled: {:?}", vif.disabled())));
         }
         Ok(BackRun {
             busy,
@@ -766,7 +775,7 @@ fn guest_side(
     mut front: Netfront,
     mut gpool: SkbPool,
     ctl: Control,
-) -> std::thread::JoinHandle<Result<(Duration, Option<Sink>), LabError>> {
+) -> std::thread::JoinHandle<Result<(Duration, Option<Sink>), Error>> {
     std::thread::spawn(move || {
         pin(1);
         let timing = &*ctl.timing;
@@ -792,7 +801,7 @@ fn guest_side(
             }
         }
         if front.is_broken() {
-            return Err(other("netfront broke"));
+            return Err(Error::other("netfront broke"));
         }
         Ok((busy, (dir == Dir::Rx).then_some(sink)))
     })
@@ -868,7 +877,7 @@ fn setup(plan: &Plan) -> String {
     )
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let plan = Plan::of(mode);
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     rep.setup = setup(&plan);
@@ -886,7 +895,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
     // DPDK on this machine, measured between pvio's runs, so that each ratio is taken
     // in one run; the figures where it cannot run (and always in smoke tests).
     let pmd = match mode {
-        Mode::Smoke => Err("smoke run".to_string()),
+        Mode::Smoke => Err(Error::other("smoke run")),
         _ => crate::dpdk::TestPmd::prepare(),
     };
     match &pmd {
@@ -983,9 +992,9 @@ fn rounds<'a>(
     len: usize,
     forms: &'a [(Variant, &'static str)],
     plan: &Plan,
-    pmd: &Result<crate::dpdk::TestPmd, String>,
+    pmd: &Result<crate::dpdk::TestPmd, Error>,
     rep: &mut Report,
-) -> Result<Cell<'a>, LabError> {
+) -> Result<Cell<'a>, Error> {
     let mut c = Cell {
         dir,
         len,

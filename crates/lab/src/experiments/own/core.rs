@@ -20,9 +20,8 @@ use hv::*;
 use mem::cpu::{pin_current_thread, thread_cpu_time, SampleSlot, SlotBinding};
 use ring::{BackRing, FrontRing, PageRing, RingProtocol};
 
-use crate::harness::other;
 use crate::stats::{ratio_median, Stats};
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -71,7 +70,7 @@ impl Samples {
     }
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let iters = mode.iterations();
     let mut m = Measured {
         s: Samples::default(),
@@ -135,7 +134,7 @@ fn setup(iters: usize) -> String {
 
 /// The baselines (memcpy hot and over 32 page pairs, the bare rings) and the
 /// shared-memory copy.
-fn copies(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
+fn copies(s: &mut Samples, mode: Mode) -> Result<(), Error> {
     for &n in &SIZES {
         s.push(
             "baseline",
@@ -172,7 +171,7 @@ fn copies(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
 }
 
 /// Grant copies on both paths, sizes and batches, and grant map/unmap pairs.
-fn grants(s: &mut Samples, copy: &CopyBench, mode: Mode) -> Result<(), LabError> {
+fn grants(s: &mut Samples, copy: &CopyBench, mode: Mode) -> Result<(), Error> {
     for path in [GrantPath::Original, GrantPath::Optimised] {
         for &n in &SIZES {
             for batch in [1, BATCH] {
@@ -191,7 +190,7 @@ fn grants(s: &mut Samples, copy: &CopyBench, mode: Mode) -> Result<(), LabError>
 }
 
 /// The shared ring, polled and event-driven.
-fn rings(m: &mut Measured, mode: Mode) -> Result<(), LabError> {
+fn rings(m: &mut Measured, mode: Mode) -> Result<(), Error> {
     let (rate, ev) = ring_mreq_per_s(mode.scale(16_000_000), Idle::Poll)?;
     m.ring_events.0 += ev.0;
     m.ring_events.1 += ev.1;
@@ -210,7 +209,7 @@ fn rings(m: &mut Measured, mode: Mode) -> Result<(), LabError> {
 
 /// An event's latency to a running vCPU in each wait mode, and to a vCPU on an idle
 /// pCPU in each idle policy.
-fn events(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
+fn events(s: &mut Samples, mode: Mode) -> Result<(), Error> {
     for wm in [
         WaitMode::Polling,
         WaitMode::Blocking,
@@ -282,7 +281,7 @@ fn events(s: &mut Samples, mode: Mode) -> Result<(), LabError> {
 
 /// The IOMMU's translations and invalidations, and the profiler's overhead; the
 /// sampler the profiler found.
-fn iommu_and_profiler(s: &mut Samples, mode: Mode) -> Result<mem::cpu::Sampler, LabError> {
+fn iommu_and_profiler(s: &mut Samples, mode: Mode) -> Result<mem::cpu::Sampler, Error> {
     let io = iommu_costs(mode)?;
     s.push("iommu", "IOTLB hit translation", "ns", io.hit);
     s.push(
@@ -468,7 +467,7 @@ fn machine(
     pages: u32,
     version: GrantVersion,
     grant_path: GrantPath,
-) -> Result<Machine, LabError> {
+) -> Result<Machine, Error> {
     machine_with(frames, pages, version, grant_path, MapBackend::Table)
 }
 
@@ -478,7 +477,7 @@ fn machine_with(
     version: GrantVersion,
     grant_path: GrantPath,
     map_backend: MapBackend,
-) -> Result<Machine, LabError> {
+) -> Result<Machine, Error> {
     let hv = Hypervisor::new(HvConfig {
         frames,
         grant_path,
@@ -498,16 +497,16 @@ fn machine_with(
 }
 
 /// A fresh page of `guest`, granted writable to `to`.
-fn grant_fresh_page(guest: &Domain, to: &Domain) -> Result<GrantRef, LabError> {
-    let g = guest.alloc_page().map_err(other)?;
+fn grant_fresh_page(guest: &Domain, to: &Domain) -> Result<GrantRef, Error> {
+    let g = guest.alloc_page().map_err(Error::other)?;
     let r = guest
         .grant_table()
         .alloc_ref()
-        .ok_or_else(|| LabError::Other("no grant ref".into()))?;
+        .ok_or_else(|| Error::Other("no grant ref".into()))?;
     guest
         .grant_table()
         .grant_access(r, to.id(), g, false)
-        .map_err(other)?;
+        .map_err(Error::other)?;
     Ok(r)
 }
 
@@ -559,9 +558,9 @@ fn shared_copy_name(n: usize) -> String {
 /// A copy between two frames of machine memory at offset 0, as a grant copy moves its
 /// bytes: the byte-wise atomic copy of `mem::shared` that every access to memory a
 /// peer may write goes through. Its baseline is `memcpy_ns`, same size and alignment.
-fn shared_copy_ns(n: usize, ops: u64) -> Result<f64, LabError> {
-    let m = mem::MachineMemory::new(2).map_err(other)?;
-    m.fill(mem::Mfn(0), 0, PAGE_SIZE, 7).map_err(other)?;
+fn shared_copy_ns(n: usize, ops: u64) -> Result<f64, Error> {
+    let m = mem::MachineMemory::new(2).map_err(Error::other)?;
+    m.fill(mem::Mfn(0), 0, PAGE_SIZE, 7).map_err(Error::other)?;
     let mut failed = false;
     let ns = cpu_ns_per_op(ops, |_| {
         failed |= m
@@ -569,7 +568,7 @@ fn shared_copy_ns(n: usize, ops: u64) -> Result<f64, LabError> {
             .is_err();
     });
     if failed {
-        return Err(other("a frame-to-frame copy failed"));
+        return Err(Error::other("a frame-to-frame copy failed"));
     }
     Ok(ns)
 }
@@ -730,14 +729,14 @@ struct CopyBench {
 impl CopyBench {
     const FRAMES: u32 = 4096;
 
-    fn new() -> Result<Self, LabError> {
-        let build = |ver: GrantVersion, path: GrantPath| -> Result<_, LabError> {
+    fn new() -> Result<Self, Error> {
+        let build = |ver: GrantVersion, path: GrantPath| -> Result<_, Error> {
             let Machine { hv, drv, guest } = machine(Self::FRAMES, 256, ver, path)?;
             let mut locals = Vec::new();
             let mut refs = Vec::new();
             for i in 0..BATCH {
-                let l = drv.alloc_page().map_err(other)?;
-                drv.fill(l, 0, PAGE_SIZE, i as u8).map_err(other)?;
+                let l = drv.alloc_page().map_err(Error::other)?;
+                drv.fill(l, 0, PAGE_SIZE, i as u8).map_err(Error::other)?;
                 locals.push(l);
                 refs.push(grant_fresh_page(&guest, &drv)?);
             }
@@ -807,7 +806,7 @@ fn map_unmap_ns(
     peer_busy: bool,
     batch: usize,
     pairs: u64,
-) -> Result<f64, LabError> {
+) -> Result<f64, Error> {
     let Machine { hv, drv, guest } =
         machine_with(1024, 64, GrantVersion::V1, GrantPath::Optimised, backend)?;
     let mut ops = Vec::with_capacity(batch);
@@ -835,7 +834,7 @@ fn map_unmap_ns(
                     x = black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
                 }
             })
-            .map_err(other)?,
+            .map_err(Error::other)?,
         )
     } else {
         None
@@ -864,7 +863,7 @@ fn map_unmap_ns(
     }
     let waits = drv.window().shootdowns() - shootdowns;
     if failed > 0 || waits < calls {
-        return Err(LabError::Other(format!(
+        return Err(Error::Other(format!(
             "map/unmap: {failed} failed, {waits} shoot-downs for {calls} unmap calls"
         )));
     }
@@ -926,20 +925,20 @@ fn shared_ring(
     hv: &Arc<Hypervisor>,
     drv: &Arc<Domain>,
     guest: &Arc<Domain>,
-) -> Result<(BenchFront, BenchBack, Port, Port), LabError> {
-    let page = guest.alloc_page().map_err(other)?;
+) -> Result<(BenchFront, BenchBack, Port, Port), Error> {
+    let page = guest.alloc_page().map_err(Error::other)?;
     let front = FrontRing::<BenchProto, _>::init(
-        PageRing::new(guest.page(page).map_err(other)?).map_err(other)?,
+        PageRing::new(guest.page(page).map_err(Error::other)?).map_err(Error::other)?,
     )
-    .map_err(other)?;
+    .map_err(Error::other)?;
     let r = guest
         .grant_table()
         .alloc_ref()
-        .ok_or_else(|| LabError::Other("no ref".into()))?;
+        .ok_or_else(|| Error::Other("no ref".into()))?;
     guest
         .grant_table()
         .grant_access(r, drv.id(), page, false)
-        .map_err(other)?;
+        .map_err(Error::other)?;
     let mut out = [Ok(GrantHandle(0))];
     hv.grant_map(
         drv,
@@ -951,15 +950,17 @@ fn shared_ring(
         }],
         &mut out,
     );
-    out[0].map_err(other)?;
+    out[0].map_err(Error::other)?;
     let back = BackRing::<BenchProto, _>::attach(
-        PageRing::new(drv.window().page(0).map_err(other)?).map_err(other)?,
+        PageRing::new(drv.window().page(0).map_err(Error::other)?).map_err(Error::other)?,
     )
-    .map_err(other)?;
-    let back_port = hv.evtchn_alloc_unbound(drv, guest.id()).map_err(other)?;
+    .map_err(Error::other)?;
+    let back_port = hv
+        .evtchn_alloc_unbound(drv, guest.id())
+        .map_err(Error::other)?;
     let front_port = hv
         .evtchn_bind_interdomain(guest, drv.id(), back_port)
-        .map_err(other)?;
+        .map_err(Error::other)?;
     Ok((front, back, back_port, front_port))
 }
 
@@ -967,7 +968,7 @@ fn shared_ring(
 /// back-end vCPU on two cores, both polling vCPUs; the back end copies each request out
 /// and validates it, the front end validates each response (id in range and in flight).
 /// Returns (Mreq/s, (front events sent, back events sent)).
-pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabError> {
+pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), Error> {
     let Machine { hv, drv, guest } = machine(1024, 64, GrantVersion::V1, GrantPath::Optimised)?;
     let (front, back, back_port, front_port) = shared_ring(&hv, &drv, &guest)?;
     let go = Arc::new(Barrier::new(3));
@@ -1012,7 +1013,7 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
             }
             (events, bad)
         })
-        .map_err(other)?;
+        .map_err(Error::other)?;
 
     let g3 = Arc::clone(&go);
     let start_f = polling_on(CORE_A);
@@ -1069,16 +1070,16 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
             }
             (t0.elapsed(), events, bad)
         })
-        .map_err(other)?;
+        .map_err(Error::other)?;
     go.wait();
     let (elapsed, fev, fbad) = frontend
         .join()
-        .map_err(|_| LabError::Other("front end panicked".into()))?;
+        .map_err(|_| Error::Other("front end panicked".into()))?;
     let (bev, bbad) = backend
         .join()
-        .map_err(|_| LabError::Other("back end panicked".into()))?;
+        .map_err(|_| Error::Other("back end panicked".into()))?;
     if fbad + bbad != 0 {
-        return Err(LabError::Other(format!(
+        return Err(Error::Other(format!(
             "ring benchmark saw {fbad} bad responses and {bbad} bad requests"
         )));
     }
@@ -1087,15 +1088,17 @@ pub fn ring_mreq_per_s(total: u64, idle: Idle) -> Result<(f64, (u64, u64)), LabE
 
 /// One-way latency from `evtchn_send` on core A to the receiving vCPU running its
 /// handler on core B, per event, in ns.
-fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
+fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, Error> {
     // The driver domain sends, the guest receives.
     let Machine {
         hv,
         drv: a,
         guest: b,
     } = machine(512, 32, GrantVersion::V1, GrantPath::Optimised)?;
-    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(other)?;
-    let pa = hv.evtchn_bind_interdomain(&a, b.id(), pb).map_err(other)?;
+    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(Error::other)?;
+    let pa = hv
+        .evtchn_bind_interdomain(&a, b.id(), pb)
+        .map_err(Error::other)?;
     let base = Instant::now();
     let t_send = Arc::new(AtomicU64::new(0));
     let acked = Arc::new(AtomicU64::new(0));
@@ -1124,7 +1127,7 @@ fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
                 lat
             },
         )
-        .map_err(other)?;
+        .map_err(Error::other)?;
     let (ts3, ack3) = (Arc::clone(&t_send), Arc::clone(&acked));
     let sender = hv
         .start_vcpu(
@@ -1153,11 +1156,11 @@ fn event_latency_ns(mode: WaitMode, n: u64) -> Result<Vec<f64>, LabError> {
                 }
             },
         )
-        .map_err(other)?;
+        .map_err(Error::other)?;
     let _ = sender.join();
     receiver
         .join()
-        .map_err(|_| LabError::Other("receiver panicked".into()))
+        .map_err(|_| Error::Other("receiver panicked".into()))
 }
 
 /// The receiving vCPU of [`event_latency_on_pcpu`]: a unit that takes its events,
@@ -1211,14 +1214,16 @@ fn event_latency_on_pcpu(
     policy: hv::sched::IdlePolicy,
     gap: Duration,
     n: u64,
-) -> Result<Vec<f64>, LabError> {
+) -> Result<Vec<f64>, Error> {
     let Machine {
         hv,
         drv: a,
         guest: b,
     } = machine(512, 32, GrantVersion::V1, GrantPath::Optimised)?;
-    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(other)?;
-    let pa = hv.evtchn_bind_interdomain(&a, b.id(), pb).map_err(other)?;
+    let pb = hv.evtchn_alloc_unbound(&b, a.id()).map_err(Error::other)?;
+    let pa = hv
+        .evtchn_bind_interdomain(&a, b.id(), pb)
+        .map_err(Error::other)?;
     let sched = hv::sched::Scheduler::new(
         &hv::sched::CpuPlan {
             cores: vec![Some(CORE_B)],
@@ -1227,11 +1232,11 @@ fn event_latency_on_pcpu(
         },
         None,
     )
-    .map_err(other)?;
+    .map_err(Error::other)?;
     let base = Instant::now();
     let t_send = Arc::new(AtomicU64::new(0));
     let acked = Arc::new(AtomicU64::new(0));
-    let v = hv.vcpu(&b, 0).ok_or_else(|| other("no vCPU"))?;
+    let v = hv.vcpu(&b, 0).ok_or_else(|| Error::other("no vCPU"))?;
     let receiver = sched
         .place(
             0,
@@ -1246,7 +1251,7 @@ fn event_latency_on_pcpu(
                 blocked: false,
             },
         )
-        .map_err(other)?;
+        .map_err(Error::other)?;
     let (ts3, ack3, hv3) = (Arc::clone(&t_send), Arc::clone(&acked), Arc::clone(&hv));
     let sender = std::thread::spawn(move || {
         pin(CORE_A);
@@ -1263,7 +1268,7 @@ fn event_latency_on_pcpu(
         }
     });
     let _ = sender.join();
-    let lat = receiver.join().map_err(other)?;
+    let lat = receiver.join().map_err(Error::other)?;
     sched.stop(Duration::from_secs(1));
     Ok(lat)
 }
@@ -1276,16 +1281,16 @@ struct IommuCosts {
     inv_queued_32: f64,
 }
 
-fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
+fn iommu_costs(mode: Mode) -> Result<IommuCosts, Error> {
     const PAGES: u64 = 16 * 1024; // 16× the IOTLB: a sequential sweep always misses
     let Machine { hv, drv: d, .. } = machine(2048, 256, GrantVersion::V1, GrantPath::Optimised)?;
     let base = 0x4000_0000u64;
     for i in 0..PAGES {
         let g = Gfn(64 + (i % 128) as u32);
         hv.iommu_map(&d, Iova(base + (i << 12)), g, true)
-            .map_err(other)?;
+            .map_err(Error::other)?;
     }
-    hv.iommu_attach(DeviceId(1), &d).map_err(other)?;
+    hv.iommu_attach(DeviceId(1), &d).map_err(Error::other)?;
     let mut dev = hv.iommu().device(DeviceId(1));
     pin(CORE_A);
     let hit = cpu_ns_per_op(mode.scale(4_000_000), |_| {
@@ -1297,7 +1302,7 @@ fn iommu_costs(mode: Mode) -> Result<IommuCosts, LabError> {
         black_box(dev.translate(Iova(base + ((i % PAGES) << 12)), false).ok());
     });
     if ((dev.misses - m0) as f64) < 0.95 * sweeps as f64 {
-        return Err(LabError::Other(format!(
+        return Err(Error::Other(format!(
             "miss sweep hit the IOTLB: {} misses of {sweeps}",
             dev.misses - m0
         )));

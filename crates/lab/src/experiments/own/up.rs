@@ -24,10 +24,9 @@ use std::path::{Path as FsPath, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::harness::other;
-use crate::tools;
-use crate::up::{up, DriverConfig, LroMode, UpConfig, UpGuest};
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
+use rig::tools;
+use up::{up, DriverConfig, LroMode, UpConfig, UpGuest};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -141,19 +140,19 @@ impl Rx {
     }
 }
 
-fn run_cmd(args: &[&str]) -> Result<Output, LabError> {
+fn run_cmd(args: &[&str]) -> Result<Output, Error> {
     Command::new(args[0])
         .args(&args[1..])
         .output()
-        .map_err(|e| other(format!("{}: {e}", args.join(" "))))
+        .map_err(|e| Error::other(format!("{}: {e}", args.join(" "))))
 }
 
-fn ok(args: &[&str]) -> Result<(), LabError> {
+fn ok(args: &[&str]) -> Result<(), Error> {
     let o = run_cmd(args)?;
     if o.status.success() {
         Ok(())
     } else {
-        Err(other(format!(
+        Err(Error::other(format!(
             "{}: {}",
             args.join(" "),
             String::from_utf8_lossy(&o.stderr).trim()
@@ -165,7 +164,7 @@ fn ok(args: &[&str]) -> Result<(), LabError> {
 struct Namespaces(Vec<String>);
 
 impl Namespaces {
-    fn make(names: &[String]) -> Result<Self, LabError> {
+    fn make(names: &[String]) -> Result<Self, Error> {
         let mut made = Self(Vec::new());
         for n in names {
             ok(&["ip", "netns", "add", n])?;
@@ -190,7 +189,7 @@ struct Veth {
 }
 
 impl Veth {
-    fn new(offloads: bool) -> Result<Self, LabError> {
+    fn new(offloads: bool) -> Result<Self, Error> {
         let on = if offloads { "on" } else { "off" };
         let all = ["tx", on, "rx", on, "tso", on, "gso", on, "gro", on];
         Self::with(&all, &all)
@@ -198,14 +197,14 @@ impl Veth {
 
     /// The LRO rows' reference: the sender segments its TCP (TSO off) so MTU-sized
     /// frames cross; the receiver's aggregation is set with [`Veth::set_gro`].
-    fn segmenting() -> Result<Self, LabError> {
+    fn segmenting() -> Result<Self, Error> {
         Self::with(&["tso", "off"], &["gro", "off"])
     }
 
     /// The receiver's GRO as `gro` says (one pair for every setting: namespaces made
     /// and removed are work the kernel finishes later, on the cores the next
     /// measurement wants).
-    fn set_gro(&self, gro: Gro) -> Result<(), LabError> {
+    fn set_gro(&self, gro: Gro) -> Result<(), Error> {
         let on = if gro == Gro::Off { "off" } else { "on" };
         ok(&[
             "ip", "netns", "exec", &self.b, "ethtool", "-K", "vb", "gro", on,
@@ -231,7 +230,7 @@ impl Veth {
     }
 
     /// `a`'s `va` and `b`'s `vb`, with these ethtool `-K` settings each.
-    fn with(a_features: &[&str], b_features: &[&str]) -> Result<Self, LabError> {
+    fn with(a_features: &[&str], b_features: &[&str]) -> Result<Self, Error> {
         let pid = std::process::id();
         let v = Self {
             a: format!("pvio-b{pid}-a"),
@@ -275,7 +274,7 @@ struct CableVeth {
 }
 
 impl CableVeth {
-    fn new(addr: &str) -> Result<Self, LabError> {
+    fn new(addr: &str) -> Result<Self, Error> {
         let pid = std::process::id() % 100_000;
         let v = Self {
             dev: format!("pvcb{pid}"),
@@ -320,7 +319,7 @@ fn iperf(
     addr: &str,
     flow: Flow,
     secs: u64,
-) -> Result<Iperf, LabError> {
+) -> Result<Iperf, Error> {
     let mut server = Command::new("ip")
         .args([
             "netns", "exec", server_ns, "iperf3", "-s", "-1", "-p", "5299",
@@ -328,7 +327,7 @@ fn iperf(
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(other)?;
+        .map_err(Error::other)?;
     std::thread::sleep(Duration::from_millis(300));
     let secs = secs.to_string();
     let mut args = vec![
@@ -340,14 +339,14 @@ fn iperf(
     let _ = server.wait();
     let o = o?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout)
-        .map_err(|e| other(format!("iperf3 {}: {e}", flow.name())))?;
+        .map_err(|e| Error::other(format!("iperf3 {}: {e}", flow.name())))?;
     if let Some(e) = v.get("error") {
-        return Err(other(format!("iperf3 {}: {e}", flow.name())));
+        return Err(Error::other(format!("iperf3 {}: {e}", flow.name())));
     }
     let sum = &v["end"]["sum_received"];
     let bps = sum["bits_per_second"]
         .as_f64()
-        .ok_or_else(|| other(format!("iperf3 {}: no rate", flow.name())))?;
+        .ok_or_else(|| Error::other(format!("iperf3 {}: no rate", flow.name())))?;
     let udp = (flow == Flow::UdpIn).then(|| {
         (
             sum["lost_packets"].as_u64().unwrap_or(0),
@@ -364,7 +363,7 @@ fn iperf(
 
 /// IP packets received in namespace `ns`, and the segments they carried (Linux counts
 /// a GRO packet's segments in its ECN counters, one per packet in `InReceives`).
-fn ip_segments(ns: &str) -> Result<(u64, u64), LabError> {
+fn ip_segments(ns: &str) -> Result<(u64, u64), Error> {
     let o = run_cmd(&[
         "ip",
         "netns",
@@ -387,23 +386,19 @@ fn ip_segments(ns: &str) -> Result<(u64, u64), LabError> {
         }
     }
     let v = |k: &str| get.get(k).copied();
-    let packets = v("Ip:InReceives").ok_or_else(|| other(format!("{ns}: no Ip InReceives")))?;
+    let packets =
+        v("Ip:InReceives").ok_or_else(|| Error::other(format!("{ns}: no Ip InReceives")))?;
     let segments = ["NoECT", "ECT0", "ECT1", "CE"]
         .iter()
         .map(|e| v(&format!("IpExt:In{e}Pkts")))
         .sum::<Option<u64>>()
-        .ok_or_else(|| other(format!("{ns}: no IpExt ECN counters")))?;
+        .ok_or_else(|| Error::other(format!("{ns}: no IpExt ECN counters")))?;
     Ok((packets, segments))
 }
 
 /// sockperf's TCP ping-pong from `client_ns` to the server in `server_ns` at `addr`
 /// for `secs`: round-trip median and p99, µs.
-fn sockperf(
-    client_ns: &str,
-    server_ns: &str,
-    addr: &str,
-    secs: u64,
-) -> Result<(f64, f64), LabError> {
+fn sockperf(client_ns: &str, server_ns: &str, addr: &str, secs: u64) -> Result<(f64, f64), Error> {
     let mut server = Command::new("ip")
         .args([
             "netns", "exec", server_ns, "sockperf", "server", "--tcp", "-i", addr, "-p", "11111",
@@ -411,7 +406,7 @@ fn sockperf(
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(other)?;
+        .map_err(Error::other)?;
     std::thread::sleep(Duration::from_millis(300));
     let secs = secs.to_string();
     let o = run_cmd(&[
@@ -441,7 +436,7 @@ fn sockperf(
     };
     match (pct("50.000"), pct("99.000")) {
         (Some(m), Some(p)) => Ok((m, p)),
-        _ => Err(other(format!(
+        _ => Err(Error::other(format!(
             "sockperf ping-pong to {addr}: no percentiles in its output: {}",
             text.lines().last().unwrap_or_default()
         ))),
@@ -457,14 +452,14 @@ fn pvio_exe() -> Option<PathBuf> {
 
 /// An 8 MiB seeded stream from `source_ns` to `to` in `sink_ns`: whether it arrived
 /// byte for byte (the digests of both ends agree).
-fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Result<bool, LabError> {
-    let exe = exe.to_str().ok_or_else(|| other("exe path"))?;
+fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Result<bool, Error> {
+    let exe = exe.to_str().ok_or_else(|| Error::other("exe path"))?;
     let port = to.rsplit(':').next().unwrap_or("5300");
     let sink = Command::new("ip")
         .args(["netns", "exec", sink_ns, exe, "tcp-sink", "--port", port])
         .stdout(Stdio::piped())
         .spawn()
-        .map_err(other)?;
+        .map_err(Error::other)?;
     std::thread::sleep(Duration::from_millis(300));
     let sent = run_cmd(&[
         "ip",
@@ -478,7 +473,7 @@ fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Resu
         "--bytes",
         "8388608",
     ])?;
-    let got = sink.wait_with_output().map_err(other)?;
+    let got = sink.wait_with_output().map_err(Error::other)?;
     let (sent, got) = (
         String::from_utf8_lossy(&sent.stdout).trim().to_string(),
         String::from_utf8_lossy(&got.stdout).trim().to_string(),
@@ -486,7 +481,7 @@ fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Resu
     Ok(sent.starts_with("8388608 ") && sent == got)
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
     rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
@@ -646,7 +641,7 @@ struct TcpRuns {
 }
 
 /// Every path carries every flow once a round.
-fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, LabError> {
+fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
     let (rounds, secs) = (plan.rounds, plan.secs);
     let mut rates = vec![vec![Vec::new(); Flow::ALL.len()]; Path::ALL.len()];
     let mut udp_loss: Vec<(u64, u64)> = Vec::new();
@@ -807,7 +802,7 @@ fn lro_rows(
     rounds: usize,
     secs: u64,
     ping_secs: u64,
-) -> Result<(), LabError> {
+) -> Result<(), Error> {
     let (s, intact) = lro_measure(cfg, paths, rounds, secs, ping_secs)?;
     let at = |rx: Rx| paths.iter().position(|&r| r == rx).unwrap_or(0);
     let group = |what: &str| format!("LRO and GRO, MTU-sized frames on the wire: {what}");
@@ -855,7 +850,7 @@ fn lro_measure(
     rounds: usize,
     secs: u64,
     ping_secs: u64,
-) -> Result<(Vec<RxSamples>, Option<bool>), LabError> {
+) -> Result<(Vec<RxSamples>, Option<bool>), Error> {
     let mut s = vec![RxSamples::default(); paths.len()];
     let mut intact = None;
     let pair = Veth::segmenting()?;
@@ -895,7 +890,9 @@ fn lro_measure(
                     (o, g, "10.80.0.2")
                 }
                 Rx::Cable(m) => {
-                    let far = cable.as_ref().ok_or_else(|| other("no cable veth"))?;
+                    let far = cable
+                        .as_ref()
+                        .ok_or_else(|| Error::other("no cable veth"))?;
                     let c = UpConfig {
                         driver: DriverConfig {
                             lro: m.setup(),
@@ -915,7 +912,7 @@ fn lro_measure(
             };
             // Segments arrived and packets handed up: the cable's frames and the guest
             // TAP's for pvio, the receiver's IP counters for the veth pair.
-            let count = |m: &Option<crate::up::Up>| -> Result<(u64, u64), LabError> {
+            let count = |m: &Option<up::Up>| -> Result<(u64, u64), Error> {
                 match m {
                     Some(m) => {
                         let c = m.counters();

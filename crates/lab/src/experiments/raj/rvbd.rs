@@ -33,7 +33,7 @@ use net::netfront::{Grants, RxBuffers};
 use crate::remote_host::{
     self, RemoteHost, Servers, NBDKIT_PORT, NBD_SERVER_PORT, SHELF, SLOT, VETH_ADDR,
 };
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -244,7 +244,7 @@ fn layout(path: Where, block: BlockSpec) -> Layout {
 
 /// The machine's cable for `path`: silence for a local disk; for a remote one, a TAP
 /// to a remote host made for this machine, running the servers `path` reaches.
-fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), LabError> {
+fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), Error> {
     Ok(match path.remote() {
         false => (
             NicSpec {
@@ -257,7 +257,7 @@ fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), LabE
         true => {
             let (file, ifname) =
                 mem::tap::open_tap(&format!("pvrb{}", std::process::id() % 10_000))
-                    .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+                    .map_err(|e| Error::Other(format!("tap: {e}")))?;
             let host = RemoteHost::start(
                 Some(&ifname),
                 disk,
@@ -272,11 +272,10 @@ fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), LabE
                         Where::NbdHv(Server::NbdServer) | Where::NbdSv(Server::NbdServer)
                     ),
                 },
-            )
-            .map_err(LabError::Other)?;
+            )?;
             let mut wire =
-                dev::tap::TapPort::start(file).map_err(|e| LabError::Other(e.to_string()))?;
-            let sink = wire.sink().map_err(|e| LabError::Other(e.to_string()))?;
+                dev::tap::TapPort::start(file).map_err(|e| Error::Other(e.to_string()))?;
+            let sink = wire.sink().map_err(|e| Error::Other(e.to_string()))?;
             (
                 NicSpec {
                     coalesce: Coalesce::default(),
@@ -377,7 +376,7 @@ fn run_job(
     bytes: u32,
     depth: usize,
     limit: u64,
-) -> Result<JobRun, LabError> {
+) -> Result<JobRun, Error> {
     let (spec, counters, lat) = job(op, pattern, bytes, depth, limit);
     let block = BlockSpec {
         disk: match path {
@@ -403,7 +402,7 @@ fn run_job(
         nic,
         layout: layout(path, block),
     })
-    .map_err(|e| LabError::Other(e.to_string()))?;
+    .map_err(|e| Error::Other(e.to_string()))?;
     let u0 = Usage::of(&m);
     let t0 = Instant::now();
     let bound = Duration::from_secs(120);
@@ -415,7 +414,7 @@ fn run_job(
             if counters.completed.load(Ordering::Relaxed) >= limit / 4 {
                 h.kill_vblade();
                 std::thread::sleep(o);
-                h.start_vblade().map_err(LabError::Other)?;
+                h.start_vblade()?;
                 outage = None;
             }
         }
@@ -423,7 +422,7 @@ fn run_job(
     }
     let elapsed = t0.elapsed();
     let u1 = Usage::of(&m);
-    let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
+    let c = m.stop().map_err(|e| Error::Other(e.to_string()))?;
     drop(host);
     let completed = counters.completed.load(Ordering::Relaxed);
     let (guest_cpu_ns, driver_cpu_ns, classes) = Usage::per_request(&u0, &u1, completed);
@@ -462,7 +461,7 @@ fn fio(
     depth: usize,
     secs: u64,
     core: usize,
-) -> Result<FioRun, LabError> {
+) -> Result<FioRun, Error> {
     let out = Command::new("fio")
         .args([
             "--name=floor",
@@ -477,12 +476,12 @@ fn fio(
             "--output-format=json",
         ])
         .output()
-        .map_err(|e| LabError::Other(format!("fio: {e}")))?;
+        .map_err(|e| Error::Other(format!("fio: {e}")))?;
     let text = String::from_utf8_lossy(&out.stdout);
     // libnbd's engine prints a line before the JSON.
     let json = text.find('{').map(|i| &text[i..]).unwrap_or_default();
     let v: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| LabError::Other(format!("fio's output: {e}")))?;
+        serde_json::from_str(json).map_err(|e| Error::Other(format!("fio's output: {e}")))?;
     let r = &v["jobs"][0]["read"];
     let pct = |p: &str| r["clat_ns"]["percentile"][p].as_f64().unwrap_or(f64::NAN) / 1000.0;
     Ok(FioRun {
@@ -494,13 +493,13 @@ fn fio(
     })
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // vblade and nbd-server share the cores: every machine here halt-polls.
     r.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
-    remote_host::ensure_tools().map_err(LabError::Other)?;
+    remote_host::ensure_tools()?;
     let disk = PathBuf::from(format!("/dev/shm/pvio-rvbd-{}", std::process::id()));
-    write_patterned(&disk, SECTORS).map_err(|e| LabError::Other(format!("backing file: {e}")))?;
+    write_patterned(&disk, SECTORS).map_err(|e| Error::Other(format!("backing file: {e}")))?;
     let res = measure(mode, &mut r, &disk);
     let _ = std::fs::remove_file(&disk);
     res?;
@@ -525,7 +524,7 @@ struct Tally {
     medians: std::collections::HashMap<(Where, &'static str), f64>,
 }
 
-fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), LabError> {
+fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), Error> {
     let (seq_n, qd1_n, qd32_n, fio_secs) = match mode {
         Mode::Full => (1000, 3000, 20_000, 5),
         Mode::Quick => (80, 300, 2000, 1),
@@ -573,7 +572,7 @@ fn sequential(
     mode: Mode,
     z: &Sizes,
     t: &mut Tally,
-) -> Result<(), LabError> {
+) -> Result<(), Error> {
     let seq_n = z.seq_n;
     // Table I: sequential reads, one in flight, by response size.
     for path in Where::ALL {
@@ -617,7 +616,7 @@ fn sequential(
 
 /// Random 4 KiB reads at queue depths 1 and 32: latency, CPU per request by domain and
 /// class, retransmissions, IOPS.
-fn random(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), LabError> {
+fn random(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), Error> {
     let (qd1_n, qd32_n) = (z.qd1_n, z.qd32_n);
     // Random 4 KiB reads: queue depth 1 and 32.
     for path in Where::ALL {
@@ -709,7 +708,7 @@ fn random(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), L
 
 /// The fault: vblade killed under random reads on the SV-NIC RVBD and started again,
 /// every request answered once.
-fn fault(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), LabError> {
+fn fault(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), Error> {
     let qd1_n = z.qd1_n;
     // The fault: vblade killed a quarter of the way through a run of random reads on
     // the SV-NIC RVBD and started again 300 ms later.
@@ -752,7 +751,7 @@ fn fault(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<(), La
 
 /// The floor: the host's own NBD client, no virtualization, against both servers;
 /// returns the faster one's QD1 median.
-fn floor(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<f64, LabError> {
+fn floor(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<f64, Error> {
     let fio_secs = z.fio_secs;
     let host = RemoteHost::start(
         None,
@@ -762,8 +761,7 @@ fn floor(r: &mut Report, disk: &Path, z: &Sizes, t: &mut Tally) -> Result<f64, L
             nbd_server: true,
             nbdkit: true,
         },
-    )
-    .map_err(LabError::Other)?;
+    )?;
     let mut floor_qd1 = f64::INFINITY;
     for (server, uri) in [
         (

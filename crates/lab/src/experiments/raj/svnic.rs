@@ -27,9 +27,8 @@ use kernel::probe::{ProbeCounters, ProbeSpec};
 use kernel::svnic_guest::{RawApp, SvnicApp};
 
 use crate::chart::{Lines, Series};
-use crate::harness::other;
 use crate::stats::Stats;
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
 
 mod dynamic;
 mod iommu;
@@ -185,7 +184,7 @@ impl Placement {
                  (a halt-poll of the design's spin, or sleeping at once)",
                 h - 4,
                 mem::cpu::online_cores() - 2 * h,
-                crate::idle_policy().name()
+                rig::idle_policy().name()
             ),
             Placement::Shared => format!(
                 "this machine has {} cores, fewer than the {} each host needs of its own \
@@ -197,7 +196,7 @@ impl Placement {
                  board had its own micro-engines and the sidecore a hyperthread of its own",
                 mem::cpu::online_cores(),
                 OWN_CORES,
-                crate::shared_idle_policy().name()
+                rig::shared_idle_policy().name()
             ),
         }
     }
@@ -238,8 +237,8 @@ impl Placement {
     /// idle, on cores of its own, its own policy there: dynamic core partitioning).
     fn idle(&self) -> IdlePolicy {
         match self {
-            Placement::Shared => crate::shared_idle_policy(),
-            Placement::Own(_) => crate::idle_policy(),
+            Placement::Shared => rig::shared_idle_policy(),
+            Placement::Own(_) => rig::idle_policy(),
         }
     }
 
@@ -263,7 +262,7 @@ fn host(
     end: CrossEnd,
     n: usize,
     app: &dyn Fn(usize) -> GuestApp,
-) -> Result<Machine, LabError> {
+) -> Result<Machine, Error> {
     let place = Placement::of_host();
     let sink = end.sink();
     let layout = match design {
@@ -331,11 +330,11 @@ fn host(
         },
         layout,
     })
-    .map_err(other)
+    .map_err(Error::other)
 }
 
 /// Runs `n` pairs behind `design` for `run`, probes at random gaps up to `max_gap`.
-fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result<Point, LabError> {
+fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result<Point, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let counters: Vec<Arc<ProbeCounters>> = (0..n).map(|_| Arc::default()).collect();
     let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
@@ -368,8 +367,8 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
             }
         }
     }
-    let cc = clients.stop().map_err(other)?;
-    let sc = servers.stop().map_err(other)?;
+    let cc = clients.stop().map_err(Error::other)?;
+    let sc = servers.stop().map_err(Error::other)?;
     for c in [&cc, &sc] {
         let g = |name: &str| c.get("svnic signals", name);
         p.forward.0 += g("forward_ticks");
@@ -394,7 +393,7 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
 
 /// A host of the paper's dotted lines: its driver domain runs `layout`'s application
 /// on the NIC itself (`DirectRaw` or `DirectStack`), on `side`'s cores, its cable `end`.
-fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, LabError> {
+fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, Error> {
     let place = Placement::of_host();
     let sink = end.sink();
     Machine::start(MachineSpec {
@@ -411,13 +410,13 @@ fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, LabEr
         },
         layout,
     })
-    .map_err(other)
+    .map_err(Error::other)
 }
 
 /// Paper 002's dotted lines: one client and one server, each the driver domain of its
 /// host running the probe application on its NIC itself, straight on the driver or
 /// through its bridge. Round trips (µs), and probes lost or corrupt.
-fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>, u64), LabError> {
+fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>, u64), Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let counters = Arc::new(ProbeCounters::default());
     let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
@@ -440,8 +439,8 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
         client_mac(0),
     )?;
     std::thread::sleep(run);
-    client.stop().map_err(other)?;
-    server.stop().map_err(other)?;
+    client.stop().map_err(Error::other)?;
+    server.stop().map_err(Error::other)?;
     let mut v: Vec<f64> = rtts
         .since(0)
         .into_iter()
@@ -466,19 +465,19 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let place = Placement::of_host();
     rep.idle = Some(match place {
         Placement::Shared => format!(
             "{} (two hosts on the same cores; {} for one host's QoS runs)",
-            crate::shared_idle_policy().name(),
-            crate::idle_policy().name()
+            rig::shared_idle_policy().name(),
+            rig::idle_policy().name()
         ),
         Placement::Own(_) => format!(
             "{} (each host on cores of its own; the dynamic designs halt-poll for their \
              spin or block)",
-            crate::idle_policy().name()
+            rig::idle_policy().name()
         ),
     });
     let (ns, secs, gap_ms): (&[usize], f64, u64) = match mode {
@@ -548,7 +547,7 @@ fn fig7(
     points: &mut [Vec<Point>],
     run_for: Duration,
     max_gap: Duration,
-) -> Result<u64, LabError> {
+) -> Result<u64, Error> {
     // Figure 7.
     let mut fig7 = Vec::new();
     for (d, row) in Design::ALL.into_iter().zip(points.iter_mut()) {

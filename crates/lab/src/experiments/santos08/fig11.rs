@@ -14,8 +14,8 @@ use dev::nic::{Coalesce, DelayFrom};
 
 use crate::chart::{Lines, Series};
 use crate::harness::{account_losses, alternate, durations, one_run, Durations, RunCost};
-use crate::platform::{Finish, Options, Running};
-use crate::{Experiment, LabError, Mode, Report, Stats};
+use crate::{Error, Experiment, Mode, Report, Stats};
+use rig::udp::{Finish, Options, Running};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -30,7 +30,7 @@ const SIZE: usize = 48000;
 /// Packets per interrupt swept (the paper's range).
 const SETTINGS: [u32; 5] = [6, 8, 16, 32, 64];
 /// The configurations: every named one, in the paper's order of cost.
-const CONFIGS: [&str; 7] = crate::platform::NAMED;
+const CONFIGS: [&str; 7] = rig::udp::NAMED;
 /// The PV configurations, whose saving is compared with native's.
 const PV: [&str; 5] = ["pv", "pv-soft", "pv-guestcopy", "pv-mq", "pv-mq-reuse"];
 
@@ -67,11 +67,7 @@ fn options(config: &str, s: Option<u32>) -> Options {
 
 /// One run at the latency probe's low rate: the one-way latencies (ns) of the messages
 /// received in the window.
-fn latency_run(
-    config: &str,
-    s: Option<u32>,
-    d: &Durations,
-) -> Result<(Vec<u64>, Finish), LabError> {
+fn latency_run(config: &str, s: Option<u32>, d: &Durations) -> Result<(Vec<u64>, Finish), Error> {
     let o = Options {
         message: LATENCY_SIZE,
         rate: LATENCY_RATE,
@@ -84,7 +80,7 @@ fn latency_run(
     let probe = m
         .latency()
         .map(std::sync::Arc::clone)
-        .ok_or_else(|| LabError::Other("no latency probe".into()))?;
+        .ok_or_else(|| Error::Other("no latency probe".into()))?;
     std::thread::sleep(d.warmup);
     let from = probe.len();
     std::thread::sleep(d.window);
@@ -101,7 +97,7 @@ fn latency_run(
 fn latencies(
     d: &Durations,
     finishes: &mut Vec<(String, Finish)>,
-) -> Result<Latencies<'static>, LabError> {
+) -> Result<Latencies<'static>, Error> {
     // lat[config][setting] = per-round (median, p99) in µs.
     let mut lat: Latencies<'static> = BTreeMap::new();
     let groups: Vec<(&str, Vec<Option<u32>>)> = CONFIGS
@@ -139,7 +135,7 @@ fn latency(
     r: &mut Report,
     d: &Durations,
     finishes: &mut Vec<(String, Finish)>,
-) -> Result<(), LabError> {
+) -> Result<(), Error> {
     let lat = latencies(d, finishes)?;
     let get = |config: &str, s: Option<u32>, p99: bool| -> Vec<f64> {
         lat.get(config)
@@ -267,7 +263,7 @@ fn setup(d: &Durations, swept: &[u32]) -> String {
     setup
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let mut d = durations(mode);
     if mode == Mode::Quick {
         // Seven configurations at nine settings a round: a quick look takes half-second
@@ -309,7 +305,7 @@ fn costs(
     d: &Durations,
     all: &[Option<u32>],
     finishes: &mut Vec<(String, Finish)>,
-) -> Result<Results<'static>, LabError> {
+) -> Result<Results<'static>, Error> {
     // results[config][setting] = per-round (cost, interrupts per packet).
     let mut results: Results<'static> = BTreeMap::new();
     let groups: Vec<(&str, Vec<Option<u32>>)> =

@@ -19,9 +19,9 @@ use crate::harness::{
     account_losses, alternate_by, durations, one_run, sign_test_p, steps, Durations, RunCost,
     GLOBALS,
 };
-use crate::platform::{Config, Finish, Options, SoftOpt};
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
 use net::netfront::RxBuffers;
+use rig::udp::{Config, Finish, Options, SoftOpt};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -147,7 +147,7 @@ fn order(round: usize, n: usize) -> Vec<usize> {
     o
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let base = Options::paper(Config::Pv, 0);
@@ -481,7 +481,7 @@ fn loss_checks(r: &mut Report, losses: &[(usize, &'static str, Finish)]) {
         "{skipped} frames ({:.3}% of those due) not sent because the host held the device \
          thread more than {} ms (longest {:.1} ms): not offered, so not loss",
         100.0 * skipped as f64 / (sent + skipped).max(1) as f64,
-        crate::platform::STALL_HORIZON.as_millis(),
+        rig::udp::STALL_HORIZON.as_millis(),
         worst_stall as f64 / 1000.0
     ));
     r.check(
@@ -573,10 +573,10 @@ fn fig5(r: &mut Report, big: &BTreeMap<Config, Vec<RunCost>>, nofrag: &[RunCost]
 /// times each in alternating order, 100,000 frames a time. Returns the median ns per
 /// frame, hooks on and off. The whole machine's CPU varies more from run to run than
 /// the hooks cost, so this is the measurement that resolves them.
-fn hook_cost_ns(rounds: usize) -> Result<(f64, f64), LabError> {
+fn hook_cost_ns(rounds: usize) -> Result<(f64, f64), Error> {
     use net::bridge::{Bridge, Forward};
     const FRAMES: u32 = 100_000;
-    let err = |e: &dyn std::fmt::Display| LabError::Other(format!("bridge hooks: {e}"));
+    let err = |e: &dyn std::fmt::Display| Error::Other(format!("bridge hooks: {e}"));
     let hv = hv::Hypervisor::new(hv::HvConfig {
         frames: 1024,
         ..Default::default()
@@ -590,7 +590,7 @@ fn hook_cost_ns(rounds: usize) -> Result<(f64, f64), LabError> {
         })
         .map_err(|e| err(&e))?;
     let mut pool = net::skb::SkbPool::new(dom, 16, 16).map_err(|e| err(&e))?;
-    let flow = crate::platform::flow();
+    let flow = rig::udp::flow();
     let mut frame = Vec::new();
     net::wire::UdpFramer::new(flow)
         .frames(1, &[0x5a; 1472], |f| frame = f.to_vec())
@@ -608,7 +608,7 @@ fn hook_cost_ns(rounds: usize) -> Result<(f64, f64), LabError> {
             let t = std::time::Instant::now();
             for _ in 0..FRAMES {
                 if std::hint::black_box(bridges[k].input(&pool, skb, 0)) != Forward::Port(1) {
-                    return Err(LabError::Other(
+                    return Err(Error::Other(
                         "bridge hooks: the frame was not forwarded".into(),
                     ));
                 }

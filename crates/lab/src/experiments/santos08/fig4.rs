@@ -31,12 +31,11 @@ use mem::cpu::thread_cpu_time;
 use net::counters::CopyAlign;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
-use crate::harness::other;
 use crate::harness::{
     account_losses, alternate, durations, one_run, sign_test_p, Durations, RunCost,
 };
-use crate::platform::{Config, Finish, Options};
-use crate::{Experiment, LabError, Mode, Report, Stats};
+use crate::{Error, Experiment, Mode, Report, Stats};
+use rig::udp::{Config, Finish, Options};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -95,7 +94,7 @@ struct Bench {
 }
 
 impl Bench {
-    fn new() -> Result<Self, LabError> {
+    fn new() -> Result<Self, Error> {
         let hv = Hypervisor::new(HvConfig {
             frames: 4 * COLD_PAGES as u32 + 2048,
             grant_path: hv::GrantPath::Optimised,
@@ -121,27 +120,31 @@ impl Bench {
             gdst: Vec::new(),
         };
         for i in 0..COLD_PAGES {
-            let s = b.drv.alloc_page().map_err(other)?;
-            b.drv.fill(s, 0, PAGE_SIZE, i as u8 | 1).map_err(other)?;
+            let s = b.drv.alloc_page().map_err(Error::other)?;
+            b.drv
+                .fill(s, 0, PAGE_SIZE, i as u8 | 1)
+                .map_err(Error::other)?;
             b.src.push(s);
-            let g = b.guest.alloc_page().map_err(other)?;
+            let g = b.guest.alloc_page().map_err(Error::other)?;
             let r = b
                 .guest
                 .grant_table()
                 .alloc_ref()
-                .ok_or_else(|| other("no grant reference"))?;
+                .ok_or_else(|| Error::other("no grant reference"))?;
             b.guest
                 .grant_table()
                 .grant_access(r, b.drv.id(), g, false)
-                .map_err(other)?;
+                .map_err(Error::other)?;
             b.refs.push(r);
             b.gdst.push(g);
         }
         // Source pages for the guest's own copy (a received frame's page), apart from
         // the granted pages it copies into.
         for i in 0..COLD_PAGES / 2 {
-            let g = b.guest.alloc_page().map_err(other)?;
-            b.guest.fill(g, 0, PAGE_SIZE, i as u8 | 3).map_err(other)?;
+            let g = b.guest.alloc_page().map_err(Error::other)?;
+            b.guest
+                .fill(g, 0, PAGE_SIZE, i as u8 | 3)
+                .map_err(Error::other)?;
             b.gsrc.push(g);
         }
         Ok(b)
@@ -294,7 +297,7 @@ const ALIAS_KINDS: [Kind; 3] = [Kind::GrantWarm, Kind::GuestWarm, Kind::Memcpy];
 /// each a list of per-iteration ns.
 type Sweeps = (Vec<Vec<Vec<f64>>>, Vec<Vec<Vec<f64>>>);
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let iters = mode.iterations();
     let ops = mode.scale(8192).max(BATCH as u64 * 2);
@@ -315,7 +318,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 
 /// Every kind of copy at every relative offset, and the aliasing cases, offsets
 /// interleaved within each iteration.
-fn sweeps(iters: usize, ops: u64) -> Result<Sweeps, LabError> {
+fn sweeps(iters: usize, ops: u64) -> Result<Sweeps, Error> {
     // 1. The sweep: sweep[kind][r] = per-iteration ns.
     let b = Bench::new()?;
     let mut sweep: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); 64]; Kind::ALL.len()];
@@ -491,7 +494,7 @@ impl PvRun {
     }
 }
 
-fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let d = durations(mode);
     let sizes = [(1472usize, "1500"), (48000, "48000")];
     // runs[size][aligned] = per-round runs.

@@ -15,8 +15,8 @@ use crate::chart::{Bar, StackedBars};
 use crate::harness::{
     account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, RunCost, GLOBALS,
 };
-use crate::platform::{Config, Finish, Options, SoftOpt};
-use crate::{Experiment, LabError, Mode, Report, Stats};
+use crate::{Error, Experiment, Mode, Report, Stats};
+use rig::udp::{Config, Finish, Options, SoftOpt};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -126,7 +126,7 @@ fn setup(d: &Durations) -> String {
 /// One message size's results: each machine's costs, one per round.
 type BySize<'a> = BTreeMap<&'a str, Vec<RunCost>>;
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d);

@@ -26,8 +26,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::platform::{Config, Fault, Options, Running};
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
+use rig::udp::{Config, Fault, Options, Running};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -59,14 +59,14 @@ fn messages(r: &Running) -> u64 {
 }
 
 /// Waits until the application has received more than `past` messages.
-fn until_more(r: &Running, past: u64, limit: Duration) -> Result<Instant, LabError> {
+fn until_more(r: &Running, past: u64, limit: Duration) -> Result<Instant, Error> {
     let t = Instant::now();
     loop {
         if messages(r) > past {
             return Ok(Instant::now());
         }
         if t.elapsed() > limit {
-            return Err(LabError::Other(format!(
+            return Err(Error::Other(format!(
                 "no message arrived within {limit:?} (stuck at {past})"
             )));
         }
@@ -75,7 +75,7 @@ fn until_more(r: &Running, past: u64, limit: Duration) -> Result<Instant, LabErr
 }
 
 /// Injects `f`, lets the watchdog find it and restart, and times the way back.
-fn one_fault(r: &mut Running, f: Fault) -> Result<Timing, LabError> {
+fn one_fault(r: &mut Running, f: Fault) -> Result<Timing, Error> {
     let t_fault = Instant::now();
     r.inject_fault(f);
     let restarted = loop {
@@ -84,14 +84,14 @@ fn one_fault(r: &mut Running, f: Fault) -> Result<Timing, LabError> {
             break (x, asked);
         }
         if t_fault.elapsed() > Duration::from_secs(5) {
-            return Err(LabError::Other(format!("{f:?}: the watchdog saw nothing")));
+            return Err(Error::Other(format!("{f:?}: the watchdog saw nothing")));
         }
         std::thread::sleep(PERIOD);
     };
     let (x, decided) = restarted;
     let at = messages(r);
     let back = until_more(r, at, Duration::from_secs(5))
-        .map_err(|e| LabError::Other(format!("after {f:?} and {x:?}: {e}")))?;
+        .map_err(|e| Error::Other(format!("after {f:?} and {x:?}: {e}")))?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     Ok(Timing {
         detect: ms(decided.duration_since(t_fault)),
@@ -100,7 +100,7 @@ fn one_fault(r: &mut Running, f: Fault) -> Result<Timing, LabError> {
     })
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let faults = match mode {
         Mode::Full => 9,
         Mode::Quick => 5,
@@ -141,10 +141,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 fn quietly(
     opts: Options,
     faults: usize,
-) -> (
-    Result<Measured, LabError>,
-    Result<(Timings, DiskTally), LabError>,
-) {
+) -> (Result<Measured, Error>, Result<(Timings, DiskTally), Error>) {
     // The injected panics would each print a backtrace; keep the report readable.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -166,7 +163,7 @@ fn quietly(
 fn network_rows(
     r: &mut Report,
     timings: &Timings,
-    finish: &crate::platform::Finish,
+    finish: &rig::udp::Finish,
     held: usize,
     faults: usize,
 ) {
@@ -252,13 +249,9 @@ fn timing_rows(
     }
 }
 
-type Measured = (
-    Vec<(&'static str, Vec<Timing>)>,
-    crate::platform::Finish,
-    usize,
-);
+type Measured = (Vec<(&'static str, Vec<Timing>)>, rig::udp::Finish, usize);
 
-fn measure(opts: Options, faults: usize) -> Result<Measured, LabError> {
+fn measure(opts: Options, faults: usize) -> Result<Measured, Error> {
     let mut running = Running::start(opts)?;
     let hv = std::sync::Arc::clone(&running.hv);
     until_more(&running, 200, Duration::from_secs(10))?;
@@ -273,7 +266,7 @@ fn measure(opts: Options, faults: usize) -> Result<Measured, LabError> {
             // Traffic settles before the next fault.
             let at = messages(&running);
             until_more(&running, at + 500, Duration::from_secs(10))
-                .map_err(|e| LabError::Other(format!("settling after {f:?}: {e}")))?;
+                .map_err(|e| Error::Other(format!("settling after {f:?}: {e}")))?;
         }
         out.push((kind, ts));
     }
@@ -303,7 +296,7 @@ const DISK_SECTORS: u64 = 131_072;
 fn disk_machine(
     path: &std::path::Path,
     counters: &std::sync::Arc<kernel::block::JobCounters>,
-) -> Result<kernel::machine::Machine, LabError> {
+) -> Result<kernel::machine::Machine, Error> {
     use kernel::block::{BlockJobSpec, JobOp, Pattern};
     use kernel::machine::{
         Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec,
@@ -328,7 +321,7 @@ fn disk_machine(
         grant_version: hv::GrantVersion::V1,
         grant_path: hv::GrantPath::Original,
         sample: None,
-        idle: crate::idle_policy(),
+        idle: rig::idle_policy(),
         nic: NicSpec {
             coalesce: dev::nic::Coalesce::default(),
             source: Box::new(dev::wire::Silence),
@@ -354,11 +347,11 @@ fn disk_machine(
             }],
         },
     })
-    .map_err(|e| LabError::Other(e.to_string()))
+    .map_err(|e| Error::Other(e.to_string()))
 }
 
 /// The disk rows: a block guest's random reads across `faults` faults of each kind.
-fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
+fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), Error> {
     use kernel::driver_domain::Fault as DriverFault;
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
@@ -369,15 +362,15 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
     };
     let path = dir.join(format!("pvio-restart-disk-{}", std::process::id()));
     blk::disk::write_patterned(&path, DISK_SECTORS)
-        .map_err(|e| LabError::Other(format!("{}: {e}", path.display())))?;
+        .map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
     let counters = Arc::new(kernel::block::JobCounters::default());
     let mut m = disk_machine(&path, &counters)?;
     let done = || counters.completed.load(Ordering::Relaxed);
-    let more = |past: u64| -> Result<Instant, LabError> {
+    let more = |past: u64| -> Result<Instant, Error> {
         let t = Instant::now();
         while done() <= past {
             if t.elapsed() > Duration::from_secs(10) {
-                return Err(LabError::Other(format!("the disk's I/O stopped at {past}")));
+                return Err(Error::Other(format!("the disk's I/O stopped at {past}")));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -392,14 +385,11 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
             m.inject_fault(f);
             let (x, decided) = loop {
                 let asked = Instant::now();
-                if let Some(x) = m
-                    .watchdog(STALL)
-                    .map_err(|e| LabError::Other(e.to_string()))?
-                {
+                if let Some(x) = m.watchdog(STALL).map_err(|e| Error::Other(e.to_string()))? {
                     break (x, asked);
                 }
                 if t_fault.elapsed() > Duration::from_secs(5) {
-                    return Err(LabError::Other(format!(
+                    return Err(Error::Other(format!(
                         "disk, {f:?}: the watchdog saw nothing"
                     )));
                 }
@@ -416,7 +406,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), LabError> {
         }
         out.push((kind, ts));
     }
-    let c = m.stop().map_err(|e| LabError::Other(e.to_string()))?;
+    let c = m.stop().map_err(|e| Error::Other(e.to_string()))?;
     let _ = std::fs::remove_file(&path);
     let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     // The job stopped with the machine: what it had in flight then is the only

@@ -19,8 +19,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::platform::{Config, Options, Running};
-use crate::{Experiment, LabError, Mode, Report};
+use crate::{Error, Experiment, Mode, Report};
+use rig::udp::{Config, Options, Running};
 
 /// The registry entry.
 pub const EXPERIMENT: Experiment = Experiment {
@@ -89,7 +89,7 @@ fn plan(mode: Mode) -> SoakPlan {
     }
 }
 
-fn run(mode: Mode) -> Result<Report, LabError> {
+fn run(mode: Mode) -> Result<Report, Error> {
     let plan = plan(mode);
     let secs = plan.duration.as_secs_f64();
     crate::progress::plan((secs / plan.period.as_secs_f64()).ceil() as u64);
@@ -99,7 +99,7 @@ fn run(mode: Mode) -> Result<Report, LabError> {
 }
 
 /// Runs the soak, calling `each` at the end of every period.
-pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, LabError> {
+pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, Error> {
     let opts = Options {
         rate: RATE,
         sample: None,
@@ -118,7 +118,7 @@ pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, Lab
     let t = Instant::now();
     while r.snapshot().messages < 200 {
         if t.elapsed() > Duration::from_secs(10) {
-            return Err(LabError::Other("no traffic reached the guest".into()));
+            return Err(Error::Other("no traffic reached the guest".into()));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -164,12 +164,12 @@ pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, Lab
 fn report(
     plan: SoakPlan,
     periods: &[Period],
-    unplanned: &[crate::platform::Restarted],
-    finish: &crate::platform::Finish,
+    unplanned: &[rig::udp::Restarted],
+    finish: &rig::udp::Finish,
     held: usize,
-) -> Result<Report, LabError> {
+) -> Result<Report, Error> {
     let (Some(first), Some(last)) = (periods.first(), periods.last()) else {
-        return Err(LabError::Other("the soak ran no period".into()));
+        return Err(Error::Other("the soak ran no period".into()));
     };
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = format!(
@@ -224,8 +224,8 @@ fn report(
 fn flow_checks(
     r: &mut Report,
     periods: &[Period],
-    unplanned: &[crate::platform::Restarted],
-    finish: &crate::platform::Finish,
+    unplanned: &[rig::udp::Restarted],
+    finish: &rig::udp::Finish,
 ) {
     r.check(
         "restarts the watchdog had to make (a hostile guest stalled or crashed the driver domain)",
@@ -290,12 +290,7 @@ fn memory_checks(
 
 /// The hostile guests' chains refused and counted, and every chain that passed
 /// accounted for.
-fn hostile_checks(
-    r: &mut Report,
-    plan: &SoakPlan,
-    last: &Period,
-    finish: &crate::platform::Finish,
-) {
+fn hostile_checks(r: &mut Report, plan: &SoakPlan, last: &Period, finish: &rig::udp::Finish) {
     let c = &finish.counters;
     let bursts = c.get("hostile guest", "bursts");
     let refused: u64 = c

@@ -15,10 +15,8 @@ use dev::wire::Samples;
 use kernel::probe::{FloodSpec, ProbeCounters, ProbeSpec, SinkCounters};
 use kernel::svnic_guest::RawApp;
 
-use super::{
-    client_mac, host, other, quantile, server_mac, Design, GuestApp, Placement, Side, SPIN,
-};
-use crate::{LabError, Mode, Report};
+use super::{client_mac, host, quantile, server_mac, Design, GuestApp, Placement, Side, SPIN};
+use crate::{Error, Mode, Report};
 
 /// The three idle policies, all with the sidecore.
 const POLICIES: [(&str, Idle); 3] = [
@@ -51,7 +49,7 @@ struct Point {
     dropped: u64,
 }
 
-fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result<Point, LabError> {
+fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result<Point, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let design = Design::SvNic(SignalMode::Sidecore, idle);
     let probes = Arc::new(ProbeCounters::default());
@@ -122,7 +120,7 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     std::thread::sleep(Duration::from_millis(100));
     let mut dropped = 0;
     for m in [clients, servers] {
-        let c = m.stop().map_err(other)?;
+        let c = m.stop().map_err(Error::other)?;
         dropped += super::device_drops(&c);
     }
     got.sort_by(f64::total_cmp);
@@ -139,7 +137,7 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
 }
 
 /// Adds the dynamic-partitioning rows and checks to `rep`.
-pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let (loads, window, gap_ms): (&[f64], f64, u64) = match mode {
         Mode::Full => (&[0.05, 0.3, 0.6, 0.95], 3.0, 5),
         Mode::Quick => (&[0.05, 0.95], 1.0, 2),

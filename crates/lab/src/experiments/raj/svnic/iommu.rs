@@ -12,10 +12,10 @@ use dev::svnic::device::{Idle, SignalMode};
 use dev::svnic::engine::Stage;
 
 use super::{measure, quantile, Design};
-use crate::{LabError, Mode, Report};
+use crate::{Error, Mode, Report};
 
 /// Adds the IOMMU rows and checks to `rep`.
-pub fn iommu(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+pub fn iommu(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let (n, secs, gap_ms): (usize, f64, u64) = match mode {
         Mode::Full => (4, 10.0, 100),
         Mode::Quick => (4, 1.0, 2),

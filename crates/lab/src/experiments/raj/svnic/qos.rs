@@ -22,9 +22,8 @@ use kernel::probe::FloodSpec;
 use kernel::svnic_guest::{RawApp, SvnicApp};
 use net::offload::Offload;
 
-use super::other;
 use crate::chart::{Lines, Series};
-use crate::{LabError, Mode, Report};
+use crate::{Error, Mode, Report};
 
 /// The VMs: the high-priority one first.
 const VMS: [(&str, u8); 3] = [("HP", 80), ("LP1", 10), ("LP2", 10)];
@@ -87,7 +86,7 @@ struct Run {
     out_of_sequence: u64,
 }
 
-fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, LabError> {
+fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, Error> {
     let far = Arc::new(Far::default());
     let rates: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let sent: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::default()).collect();
@@ -98,7 +97,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: crate::idle_policy(),
+        idle: rig::idle_policy(),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(dev::wire::Silence),
@@ -127,8 +126,8 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
                 .collect(),
         },
     })
-    .map_err(other)?;
-    m.set_vif_schedule(schedule).map_err(other)?;
+    .map_err(Error::other)?;
+    m.set_vif_schedule(schedule).map_err(Error::other)?;
     let bytes =
         |far: &Far| -> [u64; 3] { std::array::from_fn(|i| far.bytes[i].load(Ordering::Relaxed)) };
     let mbit = |b: u64, d: Duration| b as f64 * 8.0 / d.as_secs_f64() / 1e6;
@@ -173,7 +172,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
     {
         std::thread::sleep(Duration::from_millis(10));
     }
-    m.stop().map_err(other)?;
+    m.stop().map_err(Error::other)?;
     Ok(Run {
         phases,
         hp_sent,
@@ -195,7 +194,7 @@ fn label(r: u64) -> String {
     }
 }
 
-pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let phase = Duration::from_secs_f64(match mode {
         Mode::Full => 3.0,
         Mode::Quick => 0.6,

@@ -20,9 +20,9 @@ use kernel::machine::Layout;
 use net::wire::UdpFlow;
 use smoltcp::wire::Ipv4Address;
 
-use super::{client_mac, dom0_host, host, other, server_mac, Design, GuestApp, Side, SPIN};
+use super::{client_mac, dom0_host, host, server_mac, Design, GuestApp, Side, SPIN};
 use crate::chart::{Lines, Series};
-use crate::{LabError, Mode, Report};
+use crate::{Error, Mode, Report};
 
 /// The designs Figure 9 compares.
 const DESIGNS: [Design; 4] = [
@@ -75,7 +75,7 @@ enum Line {
 
 /// One repetition: a fresh pair of hosts, `warm` after every connection carried its
 /// first bytes, then `window`.
-fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, LabError> {
+fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let recv: Vec<Arc<AppCounters>> = (0..n).map(|_| Arc::default()).collect();
     let spec = |i: usize, proto: Proto, c: Arc<AppCounters>| AppSpec {
@@ -121,7 +121,7 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, L
     let cpu = || -> Duration {
         [&servers, &clients]
             .iter()
-            .flat_map(|m| crate::platform::domain_use(m))
+            .flat_map(|m| rig::udp::domain_use(m))
             .map(|(_, _, d)| d.cpu)
             .sum()
     };
@@ -130,7 +130,7 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, L
     let (b1, t1, c1) = (bytes(), Instant::now(), cpu());
     let mut dropped = 0;
     for m in [clients, servers] {
-        let c = m.stop().map_err(other)?;
+        let c = m.stop().map_err(Error::other)?;
         dropped += super::device_drops(&c);
     }
     let corrupt = recv.iter().map(|c| c.corrupt.load(Ordering::Relaxed)).sum();
@@ -146,7 +146,7 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, L
 }
 
 /// Adds Figure 9 to `rep`.
-pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), LabError> {
+pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let (ns, reps, warm, window): (&[usize], usize, f64, f64) = match mode {
         Mode::Full => (&[1, 2, 4, 8, 16, 32], 5, 0.5, 2.0),
         Mode::Quick => (&[4], 2, 0.3, 0.7),
@@ -242,7 +242,7 @@ fn dom0_lines(
     reps: usize,
     (warm, window): (f64, f64),
     fig9: &mut Vec<Series>,
-) -> Result<Rep, LabError> {
+) -> Result<Rep, Error> {
     let mut bad = Rep {
         mbit: 0.0,
         corrupt: 0,

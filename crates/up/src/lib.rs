@@ -15,7 +15,10 @@
 //! namespaces made (and with them their TAPs and addresses) are removed, unless
 //! [`Up::keep_namespaces`] was asked for.
 
-use net::netfront::RxBuffers;
+pub mod machine_file;
+
+/// What netfront posts on its RX ring, as a guest's `rx_buffers` names it.
+pub use net::netfront::RxBuffers;
 use std::process::Command;
 use std::sync::atomic::Ordering;
 
@@ -24,9 +27,9 @@ use std::sync::Arc;
 pub use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec};
 
-use crate::platform::{flow, Config, Options, Plumbing, Running};
-use crate::LabError;
 pub use hv::iommu::DmaLanding;
+use rig::udp::{flow, Config, Options, Plumbing, Running};
+use rig::Error;
 
 /// Where and how to bring the machine up.
 #[derive(Debug, Clone)]
@@ -358,15 +361,15 @@ pub struct UpCounters {
     pub rx_missed: u64,
 }
 
-fn ip(args: &[&str]) -> Result<(), LabError> {
+fn ip(args: &[&str]) -> Result<(), Error> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| LabError::Other(format!("ip {}: {e}", args.join(" "))))?;
+        .map_err(|e| Error::Other(format!("ip {}: {e}", args.join(" "))))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(LabError::Other(format!(
+        Err(Error::Other(format!(
             "ip {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
@@ -397,9 +400,9 @@ struct Claim {
 impl Claim {
     /// Claims namespace `ns`: refused if another `pvio up` holds it. A namespace an
     /// earlier run made and left behind is removed here, to be made afresh.
-    fn take(ns: &str) -> Result<Self, LabError> {
+    fn take(ns: &str) -> Result<Self, Error> {
         use std::io::Read;
-        let err = |e: std::io::Error| LabError::Other(format!("claim on namespace {ns}: {e}"));
+        let err = |e: std::io::Error| Error::Other(format!("claim on namespace {ns}: {e}"));
         std::fs::create_dir_all(CLAIM_DIR).map_err(err)?;
         let path = std::path::Path::new(CLAIM_DIR).join(format!("netns-{ns}.lock"));
         let mut file = std::fs::OpenOptions::new()
@@ -414,7 +417,7 @@ impl Claim {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
                 let _ = file.read_to_string(&mut was);
-                return Err(LabError::Other(format!(
+                return Err(Error::Other(format!(
                     "namespace {ns} belongs to a pvio up that is running ({}); stop it first, \
                      or name other namespaces",
                     was.trim()
@@ -432,7 +435,7 @@ impl Claim {
     }
 
     /// Writes who holds the namespace and whether this run made it.
-    fn record(&mut self, made: bool) -> Result<(), LabError> {
+    fn record(&mut self, made: bool) -> Result<(), Error> {
         use std::io::{Seek, Write};
         let line = format!(
             "pid {}{}\n",
@@ -443,7 +446,7 @@ impl Claim {
         f.set_len(0)
             .and_then(|()| f.seek(std::io::SeekFrom::Start(0)))
             .and_then(|_| f.write_all(line.as_bytes()))
-            .map_err(|e| LabError::Other(format!("{}: {e}", self.path.display())))
+            .map_err(|e| Error::Other(format!("{}: {e}", self.path.display())))
     }
 
     /// The namespace is gone (or kept on purpose): the file goes, the lock with it.
@@ -457,7 +460,7 @@ impl Claim {
 /// Why a machine that [`check`] allows cannot run on this host: a guest or disk placed on
 /// a core the host does not have (its vCPU would float, unpinned, and say nothing).
 /// Kept apart from `check`, since a machine file may be written for a larger host.
-pub fn on_this_host(cfg: &UpConfig) -> Result<(), LabError> {
+pub fn on_this_host(cfg: &UpConfig) -> Result<(), Error> {
     let cores = mem::cpu::online_cores();
     let placed = cfg
         .guests
@@ -466,7 +469,7 @@ pub fn on_this_host(cfg: &UpConfig) -> Result<(), LabError> {
         .chain(cfg.disks.iter().map(|d| (&d.name, d.core)));
     for (name, core) in placed {
         if let Some(c) = core.filter(|&c| c >= cores) {
-            return Err(LabError::Other(format!(
+            return Err(Error::Other(format!(
                 "{name}: core {c}, but this host has {cores} (0 to {})",
                 cores.saturating_sub(1)
             )));
@@ -477,19 +480,19 @@ pub fn on_this_host(cfg: &UpConfig) -> Result<(), LabError> {
 
 /// Why a machine cannot be brought up as configured, before anything is made: no
 /// guest, or two that would share a namespace, an address or a name.
-pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
+pub fn check(cfg: &UpConfig) -> Result<(), Error> {
     if cfg.guests.is_empty() {
-        return Err(LabError::Other("a machine needs a guest".into()));
+        return Err(Error::Other("a machine needs a guest".into()));
     }
     if cfg.svnic.is_some() && (cfg.driver.lro.is_some() || cfg.driver.queues) {
-        return Err(LabError::Other(
+        return Err(Error::Other(
             "LRO and a receive queue per guest are the driver domain's NIC's; an SV-NIC \
              machine has neither"
                 .into(),
         ));
     }
     if cfg.driver.lro.is_some() && cfg.driver.queues {
-        return Err(LabError::Other(
+        return Err(Error::Other(
             "LRO aggregates in the driver domain, and with a receive queue per guest the NIC \
              places the guests' frames in their buffers past it: choose one"
                 .into(),
@@ -497,13 +500,13 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
     }
     for (i, g) in cfg.guests.iter().enumerate() {
         if g.ns == cfg.outside_ns {
-            return Err(LabError::Other(format!(
+            return Err(Error::Other(format!(
                 "guest {}: namespace {:?} is the outside's too",
                 g.name, g.ns
             )));
         }
         if g.ip() == cfg.outside_addr.split('/').next().unwrap_or_default() {
-            return Err(LabError::Other(format!(
+            return Err(Error::Other(format!(
                 "guest {}: address {} is the outside's too",
                 g.name, g.addr
             )));
@@ -519,7 +522,7 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
                 None
             };
             if let Some(what) = clash {
-                return Err(LabError::Other(format!(
+                return Err(Error::Other(format!(
                     "guests {} and {} have the same {what}",
                     h.name, g.name
                 )));
@@ -530,10 +533,10 @@ pub fn check(cfg: &UpConfig) -> Result<(), LabError> {
 }
 
 /// Makes the namespaces and interfaces and starts the machine.
-pub fn up(cfg: &UpConfig) -> Result<Up, LabError> {
+pub fn up(cfg: &UpConfig) -> Result<Up, Error> {
     check(cfg)?;
     on_this_host(cfg)?;
-    crate::tools::ensure(&[crate::tools::IP]).map_err(LabError::Other)?;
+    rig::tools::ensure(&[rig::tools::IP])?;
     let mut claims = Vec::new();
     for ns in cfg.namespaces() {
         claims.push(Claim::take(ns)?);
@@ -583,13 +586,10 @@ type Wire = (
 /// The NIC's cable on interface `ifname` of the host: brought up, its GRO and LRO off
 /// (the cable's slots hold an MTU-sized frame, and a real wire carries nothing larger),
 /// and a packet socket with mapped rings on it.
-fn attach_cable(
-    ifname: &str,
-    capture: Option<&dev::capture::CaptureFile>,
-) -> Result<Wire, LabError> {
-    crate::tools::ensure(&[crate::tools::ETHTOOL]).map_err(LabError::Other)?;
+fn attach_cable(ifname: &str, capture: Option<&dev::capture::CaptureFile>) -> Result<Wire, Error> {
+    rig::tools::ensure(&[rig::tools::ETHTOOL])?;
     mem::packet::ifindex(ifname)
-        .map_err(|e| LabError::Other(format!("cable interface {ifname}: {e}")))?;
+        .map_err(|e| Error::Other(format!("cable interface {ifname}: {e}")))?;
     ip(&["link", "set", ifname, "up"])?;
     let ethtool = |feature: &str| {
         Command::new("ethtool")
@@ -598,7 +598,7 @@ fn attach_cable(
             .is_ok_and(|o| o.status.success())
     };
     if !ethtool("gro") {
-        return Err(LabError::Other(format!(
+        return Err(Error::Other(format!(
             "cable interface {ifname}: cannot turn its GRO off (ethtool -K {ifname} gro off)"
         )));
     }
@@ -606,7 +606,7 @@ fn attach_cable(
     // aggregates are counted as oversize and dropped.
     let _ = ethtool("lro");
     let (mut port, mut sink) = dev::packet::open_cable(ifname)
-        .map_err(|e| LabError::Other(format!("cable interface {ifname}: {e}")))?;
+        .map_err(|e| Error::Other(format!("cable interface {ifname}: {e}")))?;
     if let Some(c) = capture {
         port.capture(c);
         port.sink_capture(&mut sink);
@@ -624,10 +624,10 @@ fn guest_pcap(name: &str) -> String {
 fn capture_file(
     dir: &std::path::Path,
     name: &str,
-) -> Result<(std::path::PathBuf, dev::capture::CaptureFile), LabError> {
+) -> Result<(std::path::PathBuf, dev::capture::CaptureFile), Error> {
     let path = dir.join(name);
     let f = dev::capture::CaptureFile::create(&path)
-        .map_err(|e| LabError::Other(format!("capture {}: {e}", path.display())))?;
+        .map_err(|e| Error::Other(format!("capture {}: {e}", path.display())))?;
     Ok((path, f))
 }
 
@@ -641,7 +641,7 @@ fn mac_text(m: [u8; 6]) -> String {
 
 /// Moves `ifname` into `ns` with `addr` (and `lladdr`), and brings it and the
 /// namespace's loopback up.
-fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(), LabError> {
+fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(), Error> {
     ip(&["link", "set", "dev", ifname, "netns", ns])?;
     if let Some(a) = lladdr {
         ip(&["-n", ns, "link", "set", "dev", ifname, "address", a])?;
@@ -653,18 +653,18 @@ fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(),
 
 /// A guest with a disk and no network, its block job kept to the disk's size (the
 /// first 64 MiB of a remote one, whose size it learns only once found).
-fn disk_guest(d: &UpDisk) -> Result<GuestSpec, LabError> {
+fn disk_guest(d: &UpDisk) -> Result<GuestSpec, Error> {
     let sectors = match &d.disk {
         kernel::machine::Disk::File(p) => {
             std::fs::metadata(p)
-                .map_err(|e| LabError::Other(format!("disk {}: {e}", p.display())))?
+                .map_err(|e| Error::Other(format!("disk {}: {e}", p.display())))?
                 .len()
                 / blk::blkif::SECTOR_SIZE
         }
         kernel::machine::Disk::Aoe { .. } => 131_072,
     };
     if sectors < u64::from(d.bytes) / blk::blkif::SECTOR_SIZE {
-        return Err(LabError::Other(format!(
+        return Err(Error::Other(format!(
             "disk {}: smaller than one request",
             d.name
         )));
@@ -677,7 +677,7 @@ fn bring_up(
     claims: &mut [Claim],
     made: &mut Vec<String>,
     captures: &mut Vec<(std::path::PathBuf, dev::capture::CaptureFile)>,
-) -> Result<Brought, LabError> {
+) -> Result<Brought, Error> {
     for (ns, claim) in cfg.namespaces().zip(claims.iter_mut()) {
         if !netns_exists(ns) {
             // Recorded first: a run killed between the two still leaves word.
@@ -688,7 +688,7 @@ fn bring_up(
     }
     if let Some(dir) = &cfg.pcap {
         std::fs::create_dir_all(dir)
-            .map_err(|e| LabError::Other(format!("capture directory {}: {e}", dir.display())))?;
+            .map_err(|e| Error::Other(format!("capture directory {}: {e}", dir.display())))?;
     }
     let pid = std::process::id() % 100_000;
     // A guest's front end takes large segments only on the page-fragment path; the
@@ -712,14 +712,14 @@ fn bring_up(
         None => {
             let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
             let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
-                .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+                .map_err(|e| Error::Other(format!("tap: {e}")))?;
             place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
             let mut wire = dev::tap::TapPort::start_with(wire_file, wire_taps)
-                .map_err(|e| LabError::Other(e.to_string()))?;
+                .map_err(|e| Error::Other(e.to_string()))?;
             if let Some(w) = &wire_capture {
                 wire.capture(&w.1);
             }
-            let sink = wire.sink().map_err(|e| LabError::Other(e.to_string()))?;
+            let sink = wire.sink().map_err(|e| Error::Other(e.to_string()))?;
             let wc = Arc::clone(wire.counters());
             (Box::new(wire), Box::new(sink), wc)
         }
@@ -730,11 +730,11 @@ fn bring_up(
     for (i, g) in cfg.guests.iter().enumerate() {
         let on = offloads(g);
         let (file, ifname) = mem::tap::open_tap_offload(&format!("pvg{pid}.{i}"), tap_offload(on))
-            .map_err(|e| LabError::Other(format!("tap: {e}")))?;
+            .map_err(|e| Error::Other(format!("tap: {e}")))?;
         let mac = UpGuest::mac(i);
         place(&ifname, &g.ns, &g.addr, Some(&mac_text(mac)))?;
         let mut tap = dev::tap::TapPort::start_with(file, tap_offload(on))
-            .map_err(|e| LabError::Other(e.to_string()))?;
+            .map_err(|e| Error::Other(e.to_string()))?;
         if let Some(dir) = &cfg.pcap {
             let c = capture_file(dir, &guest_pcap(&g.name))?;
             tap.capture(&c.1);
@@ -817,7 +817,7 @@ impl Up {
 
     /// Renames each guest's capture after its vif (`vif<domain>.0`), once the machine
     /// runs.
-    fn name_captures(&mut self) -> Result<(), LabError> {
+    fn name_captures(&mut self) -> Result<(), Error> {
         let Some(running) = &self.running else {
             return Ok(());
         };
@@ -829,9 +829,8 @@ impl Up {
             for (path, _) in &mut self.captures {
                 if path.file_name().is_some_and(|n| *n == *guest_pcap(name)) {
                     let named = path.with_file_name(format!("{vif}.pcap"));
-                    std::fs::rename(&*path, &named).map_err(|e| {
-                        LabError::Other(format!("capture {}: {e}", named.display()))
-                    })?;
+                    std::fs::rename(&*path, &named)
+                        .map_err(|e| Error::Other(format!("capture {}: {e}", named.display())))?;
                     *path = named;
                 }
             }
@@ -859,8 +858,8 @@ impl Up {
 
     /// Every component's counters as they stand, the outside TAP's (`wire tap`, or
     /// `wire cable` for a packet socket on a host interface)
-    /// with them, stamped: two of them give [`crate::live::rates`].
-    pub fn live_sample(&self) -> Option<crate::live::Sample> {
+    /// with them, stamped: two of them give [`rig::live::rates`].
+    pub fn live_sample(&self) -> Option<rig::live::Sample> {
         let mut s = self.running.as_ref()?.live_sample();
         let wire = if self.cable { "wire cable" } else { "wire tap" };
         s.counters.add_set(wire, &*self.wire);
@@ -873,7 +872,7 @@ impl Up {
     }
 
     /// Arms a fault in the driver domain (a panic or a hang at its next poll).
-    pub fn inject_fault(&self, f: crate::platform::Fault) {
+    pub fn inject_fault(&self, f: rig::udp::Fault) {
         if let Some(r) = &self.running {
             r.inject_fault(f);
         }
@@ -884,7 +883,7 @@ impl Up {
     pub fn watchdog(
         &mut self,
         stall: std::time::Duration,
-    ) -> Result<Option<crate::platform::Restarted>, LabError> {
+    ) -> Result<Option<rig::udp::Restarted>, Error> {
         match &mut self.running {
             Some(r) => r.watchdog(stall),
             None => Ok(None),
@@ -897,7 +896,7 @@ impl Up {
     }
 
     /// Brings the machine down and returns every component's counters.
-    pub fn down_with_counters(mut self) -> Result<kernel::Counters, LabError> {
+    pub fn down_with_counters(mut self) -> Result<kernel::Counters, Error> {
         let f = match self.running.take() {
             Some(r) => r.finish(std::time::Duration::ZERO).map(|f| f.counters),
             None => Ok(kernel::Counters::default()),

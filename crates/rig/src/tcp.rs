@@ -23,9 +23,8 @@ use kernel::Counters;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::UdpFlow;
 
-use crate::harness::other;
-use crate::platform::{domain_use, DomainSnapshot, SoftOpt};
-use crate::LabError;
+use crate::udp::{domain_use, DomainSnapshot, SoftOpt};
+use crate::Error;
 
 /// The receiving machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,13 +97,13 @@ pub const NEIGHBOUR: &str = "neighbour";
 /// netperf's TCP_STREAM message, the paper's 1 KiB.
 pub const STREAM_MESSAGE: usize = 1024;
 
-/// The receiver's address and the sender's: paper 000's machines' ([`crate::platform::flow`]),
+/// The receiver's address and the sender's: paper 000's machines' ([`crate::udp::flow`]),
 /// with the TCP peer's port and the server's.
 pub fn flow() -> UdpFlow {
     UdpFlow {
         src_port: 49152,
         dst_port: 5001,
-        ..crate::platform::flow()
+        ..crate::udp::flow()
     }
 }
 
@@ -161,7 +160,7 @@ fn core(i: usize) -> Option<usize> {
 impl TcpRunning {
     /// Builds the machine and its sender and starts both; returns once the connection
     /// is up.
-    pub fn start(o: TcpOptions) -> Result<Self, LabError> {
+    pub fn start(o: TcpOptions) -> Result<Self, Error> {
         let f = flow();
         let app = Arc::new(AppCounters::default());
         let (proto, message) = match o.app {
@@ -258,13 +257,13 @@ impl TcpRunning {
             },
             layout,
         })
-        .map_err(other)?;
+        .map_err(Error::other)?;
         peer.run_on(machine.scheduler(), machine.device_pcpu())
-            .map_err(other)?;
+            .map_err(Error::other)?;
         let t = Instant::now();
         while !peer_counters.connected.load(Ordering::Acquire) {
             if t.elapsed() > CONNECT_WITHIN {
-                return Err(other("the sender did not connect"));
+                return Err(Error::other("the sender did not connect"));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -320,7 +319,7 @@ impl TcpRunning {
 
     /// Stops the sender writing, waits (up to [`DRAIN`]) until the application has
     /// read every stream byte written, then stops the sender and the machine.
-    pub fn finish(self) -> Result<TcpFinish, LabError> {
+    pub fn finish(self) -> Result<TcpFinish, Error> {
         self.peer.quiesce();
         let t = Instant::now();
         let pc = &self.peer_counters;
@@ -335,7 +334,7 @@ impl TcpRunning {
             std::thread::sleep(Duration::from_millis(1));
         }
         let stats = self.peer.stop();
-        let counters = self.machine.stop().map_err(other)?;
+        let counters = self.machine.stop().map_err(Error::other)?;
         let pc = &self.peer_counters;
         let mut f = TcpFinish {
             bytes: self.app.bytes.load(Ordering::Relaxed),

@@ -6,7 +6,7 @@
 //! transmits to it; a vif's receive is netback's guest-RX (towards the guest) and its
 //! transmit the guest's TX; a TAP's receive is what pvio read from the interface.
 //!
-//! [`Running::live_counters`]: crate::platform::Running::live_counters
+//! [`Running::live_counters`]: crate::udp::Running::live_counters
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use lab::platform::{Options, Running, NAMED};
 use net::netfront::RxBuffers;
+use rig::udp::{Options, Running, NAMED};
 
 /// What this asserts: no message is corrupted; none is lost by netback, netfront, the
 /// bridge or the stacks; and a message that did not arrive is one whose frame the NIC
@@ -103,7 +103,7 @@ fn live_counters_show_each_port_while_the_machine_runs() {
     std::thread::sleep(Duration::from_millis(300));
     let b = m.live_sample();
     let f = m.finish(Duration::from_secs(2)).expect("finish");
-    let rates = lab::live::rates(&a, &b);
+    let rates = rig::live::rates(&a, &b);
     let port = |p: &str| {
         rates
             .iter()

@@ -73,8 +73,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::up::{LroMode, UpConfig, UpGuest};
-use crate::RxBuffers;
+use crate::{LroMode, UpConfig, UpGuest};
+use net::netfront::RxBuffers;
 
 /// Why a machine file was refused.
 #[derive(Debug, thiserror::Error)]
@@ -636,7 +636,7 @@ fn guest_tables(
         // What two guests, or a guest and the outside, cannot share; refused at this
         // guest's table, named by the key that clashes.
         let span = |key: Option<&Spanned<String>>| key.map_or(guest.span(), Spanned::span);
-        if let Err(e) = crate::up::check(cfg) {
+        if let Err(e) = crate::check(cfg) {
             let key = if e.to_string().contains("namespace") {
                 ("guest.tap.namespace", span(g.tap.namespace.as_ref()))
             } else if e.to_string().contains("address") {
@@ -743,7 +743,7 @@ fn disk_tables(
             Some(c) => Some(*c.get_ref() as usize),
             None => None,
         };
-        cfg.disks.push(crate::up::UpDisk {
+        cfg.disks.push(crate::UpDisk {
             name,
             disk,
             read_only,

@@ -89,7 +89,7 @@ pub const CHROMIUM: Tool = Tool {
     package: "chromium",
 };
 /// Not a program: the TrueType font the charts' text is drawn with
-/// ([`crate::chart::FONT_PATHS`]' first), found by its path.
+/// ([`the lab's `chart::FONT_PATHS``]' first), found by its path.
 pub const FONTS: Tool = Tool {
     program: "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     package: "fonts-dejavu-core",
@@ -129,7 +129,7 @@ pub fn have(tools: &[Tool]) -> bool {
 
 /// Installs each of `tools` whose program is missing, from Debian's packages; an error
 /// names what could not be had and why.
-pub fn ensure(tools: &[Tool]) -> Result<(), String> {
+pub fn ensure(tools: &[Tool]) -> Result<(), crate::Error> {
     let missing = |tools: &[Tool]| -> Vec<&'static str> {
         let mut pkgs: Vec<&'static str> = tools
             .iter()
@@ -152,11 +152,11 @@ pub fn ensure(tools: &[Tool]) -> Result<(), String> {
     if still.is_empty() {
         Ok(())
     } else {
-        Err(format!(
+        Err(crate::Error::Tool(format!(
             "Debian packages {} are missing and could not be installed \
              (pvio installs them as root with the package registry reachable)",
             still.join(", ")
-        ))
+        )))
     }
 }
 
@@ -199,7 +199,7 @@ mod tests {
         let mut offenders = Vec::new();
         for f in &files {
             let text = std::fs::read_to_string(f).expect("source");
-            if f.file_name() == Some(here) && f.to_string_lossy().contains("lab/src") {
+            if f.file_name() == Some(here) && f.to_string_lossy().contains("rig/src") {
                 continue;
             }
             if text.contains("Command::new(\"apt-get\")") {

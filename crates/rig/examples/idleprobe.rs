@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use hv::profile::Class;
-use lab::platform::{Config, Options, Running};
 use net::netfront::RxBuffers;
+use rig::udp::{Config, Options, Running};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut a = std::env::args().skip(1);

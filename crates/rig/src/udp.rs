@@ -34,8 +34,7 @@ use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
-use crate::harness::other;
-use crate::LabError;
+use crate::Error;
 
 /// Which machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -372,7 +371,7 @@ pub struct Running {
 fn svnic_guests(
     guests: Vec<GuestSpec>,
     priorities: Vec<Option<u8>>,
-) -> Result<Vec<SvnicGuestSpec>, LabError> {
+) -> Result<Vec<SvnicGuestSpec>, Error> {
     guests
         .into_iter()
         .zip(priorities)
@@ -380,7 +379,7 @@ fn svnic_guests(
             let app = match g.above {
                 Above::Tap(t) => Ok(SvnicApp::Tap(t)),
                 Above::Block(b) => Ok(SvnicApp::Block(b)),
-                a => Err(other(format!("{}: {a:?} on an SV-NIC", g.name))),
+                a => Err(Error::other(format!("{}: {a:?} on an SV-NIC", g.name))),
             }?;
             Ok(SvnicGuestSpec {
                 name: g.name,
@@ -415,21 +414,21 @@ pub struct Plumbing {
 impl Running {
     /// Builds the machine for `opts` and starts it: domains, NIC, drivers, vCPUs, and
     /// the sender.
-    pub fn start(opts: Options) -> Result<Self, LabError> {
+    pub fn start(opts: Options) -> Result<Self, Error> {
         Self::start_with(opts, None)
     }
 
     /// As [`Running::start`], with real interfaces on a `pv` machine.
-    pub fn start_with(opts: Options, plumbing: Option<Plumbing>) -> Result<Self, LabError> {
+    pub fn start_with(opts: Options, plumbing: Option<Plumbing>) -> Result<Self, Error> {
         if plumbing.is_some() && opts.config != Config::Pv {
-            return Err(other("real interfaces need the pv configuration"));
+            return Err(Error::other("real interfaces need the pv configuration"));
         }
         let f = flow();
         let latency = opts
             .latency
             .then(|| Arc::new(LatencyProbe::new(LATENCY_SAMPLES)));
         let mut sender = PacedSender::new(f, opts.message, opts.rate, None)
-            .map_err(other)?
+            .map_err(Error::other)?
             .skip_after_stall(STALL_HORIZON);
         if let Some(p) = &latency {
             sender = sender.with_probe(Arc::clone(p));
@@ -513,7 +512,7 @@ impl Running {
             layout,
             dma_landing: opts.dma_landing,
         })
-        .map_err(other)?;
+        .map_err(Error::other)?;
         Ok(Self {
             hv: Arc::clone(machine.hv()),
             opts,
@@ -542,14 +541,14 @@ impl Running {
 
     /// The toolstack's watchdog ([`Machine::watchdog`]): restarts a driver domain that
     /// crashed or left work waiting for `stall`.
-    pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, LabError> {
-        self.machine.watchdog(stall).map_err(other)
+    pub fn watchdog(&mut self, stall: Duration) -> Result<Option<Restarted>, Error> {
+        self.machine.watchdog(stall).map_err(Error::other)
     }
 
     /// The toolstack restarts the driver domain (a planned restart: the watchdog's
     /// remedy without a fault). Returns how long it took.
-    pub fn restart_driver_domain(&mut self) -> Result<Duration, LabError> {
-        self.machine.restart_driver_domain().map_err(other)
+    pub fn restart_driver_domain(&mut self) -> Result<Duration, Error> {
+        self.machine.restart_driver_domain().map_err(Error::other)
     }
 
     /// A domain of the machine, by name (the current driver domain is `driver`).
@@ -598,7 +597,7 @@ impl Running {
     /// for [`DRAIN_QUIET`]: what is still missing then was lost (and is accounted for as
     /// such), and waiting out the whole `drain` for it only made runs that lost a frame
     /// two seconds longer.
-    pub fn finish(self, drain: Duration) -> Result<Finish, LabError> {
+    pub fn finish(self, drain: Duration) -> Result<Finish, Error> {
         self.machine.unplug();
         let sent = self.sender.frames.load(Ordering::Relaxed);
         let whole = sent / self.frames_per_message as u64;
@@ -611,7 +610,7 @@ impl Running {
                 (seen, moved) = (now, Instant::now());
             }
         }
-        let mut counters = self.machine.stop().map_err(other)?;
+        let mut counters = self.machine.stop().map_err(Error::other)?;
         counters.add(
             "sender",
             "max_late_us",

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use kernel::block::JobOp;
 use kernel::machine::Disk;
-use lab::up::{up, UpConfig, UpDisk, UpGuest};
+use up::{up, UpConfig, UpDisk, UpGuest};
 
 #[test]
 fn a_disk_guest_runs_its_job_beside_a_network_guest_and_the_counters_show_it() {
@@ -45,7 +45,7 @@ fn a_disk_guest_runs_its_job_beside_a_network_guest_and_the_counters_show_it() {
             done = s.counters.get("block job", "completed");
             if done > 1000 {
                 // The live table's row for the disk: reads, 8 sectors each.
-                port = lab::live::rates(&first, &s)
+                port = rig::live::rates(&first, &s)
                     .into_iter()
                     .find(|r| r.port.starts_with("vbd"));
                 break;
