@@ -299,31 +299,90 @@ pub struct NicRegs {
     pub iotlb_misses: AtomicU64,
 }
 
-/// The device's counters, read as they stand (relaxed loads of the registers).
+/// The device's counters as they stood when read (relaxed loads of the registers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct NicCounts {
+    pub rx_frames: u64,
+    pub rx_bytes: u64,
+    pub rx_missed: u64,
+    pub rx_pauses: u64,
+    pub rx_oversize: u64,
+    pub dma_faults: u64,
+    pub rx_dma_errors: u64,
+    pub tx_frames: u64,
+    pub tx_bytes: u64,
+    pub rx_bad_offload: u64,
+    pub rx_gso: u64,
+    pub rx_cut: u64,
+    pub tx_bad_offload: u64,
+    pub tx_gso: u64,
+    pub tx_tso_segments: u64,
+    pub irqs: u64,
+    pub default_queue_frames: u64,
+    pub timer_irqs: u64,
+    pub timer_late_ns: u64,
+    pub iotlb_hits: u64,
+    pub iotlb_misses: u64,
+}
+
+impl NicRegs {
+    /// Every counter, as it stands now.
+    pub fn counts(&self) -> NicCounts {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NicCounts {
+            rx_frames: l(&self.rx_frames),
+            rx_bytes: l(&self.rx_bytes),
+            rx_missed: l(&self.rx_missed),
+            rx_pauses: l(&self.rx_pauses),
+            rx_oversize: l(&self.rx_oversize),
+            dma_faults: l(&self.dma_faults),
+            rx_dma_errors: l(&self.rx_dma_errors),
+            tx_frames: l(&self.tx_frames),
+            tx_bytes: l(&self.tx_bytes),
+            rx_bad_offload: l(&self.rx_bad_offload),
+            rx_gso: l(&self.rx_gso),
+            rx_cut: l(&self.rx_cut),
+            tx_bad_offload: l(&self.tx_bad_offload),
+            tx_gso: l(&self.tx_gso),
+            tx_tso_segments: l(&self.tx_tso_segments),
+            irqs: l(&self.irqs),
+            default_queue_frames: l(&self.rxq[0].frames),
+            timer_irqs: l(&self.timer_irqs),
+            timer_late_ns: l(&self.timer_late_ns),
+            iotlb_hits: l(&self.iotlb_hits),
+            iotlb_misses: l(&self.iotlb_misses),
+        }
+    }
+}
+
 impl net::counters::CounterSet for NicRegs {
     fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("rx_frames", l(&self.rx_frames));
-        f("rx_bytes", l(&self.rx_bytes));
-        f("rx_missed", l(&self.rx_missed));
-        f("rx_pauses", l(&self.rx_pauses));
-        f("rx_oversize", l(&self.rx_oversize));
-        f("dma_faults", l(&self.dma_faults));
-        f("rx_dma_errors", l(&self.rx_dma_errors));
-        f("tx_frames", l(&self.tx_frames));
-        f("tx_bytes", l(&self.tx_bytes));
-        f("rx_bad_offload", l(&self.rx_bad_offload));
-        f("rx_gso", l(&self.rx_gso));
-        f("rx_cut", l(&self.rx_cut));
-        f("tx_bad_offload", l(&self.tx_bad_offload));
-        f("tx_gso", l(&self.tx_gso));
-        f("tx_tso_segments", l(&self.tx_tso_segments));
-        f("irqs", l(&self.irqs));
-        f("default_queue_frames", l(&self.rxq[0].frames));
-        f("timer_irqs", l(&self.timer_irqs));
-        f("timer_late_ns", l(&self.timer_late_ns));
-        f("iotlb_hits", l(&self.iotlb_hits));
-        f("iotlb_misses", l(&self.iotlb_misses));
+        let c = self.counts();
+        f("rx_frames", c.rx_frames);
+        f("rx_bytes", c.rx_bytes);
+        f("rx_missed", c.rx_missed);
+        f("rx_pauses", c.rx_pauses);
+        f("rx_oversize", c.rx_oversize);
+        f("dma_faults", c.dma_faults);
+        f("rx_dma_errors", c.rx_dma_errors);
+        f("tx_frames", c.tx_frames);
+        f("tx_bytes", c.tx_bytes);
+        f("rx_bad_offload", c.rx_bad_offload);
+        f("rx_gso", c.rx_gso);
+        f("rx_cut", c.rx_cut);
+        f("tx_bad_offload", c.tx_bad_offload);
+        f("tx_gso", c.tx_gso);
+        f("tx_tso_segments", c.tx_tso_segments);
+        f("irqs", c.irqs);
+        f("default_queue_frames", c.default_queue_frames);
+        f("timer_irqs", c.timer_irqs);
+        f("timer_late_ns", c.timer_late_ns);
+        f("iotlb_hits", c.iotlb_hits);
+        f("iotlb_misses", c.iotlb_misses);
+    }
+    fn snapshot(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        Some(Arc::new(self.counts()))
     }
 }
 

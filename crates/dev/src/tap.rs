@@ -116,25 +116,21 @@ fn write_frame(out: &mut File, vnet: bool, frame: &[u8], mut off: Offload, c: &T
     };
 }
 
-/// The counters as they stand.
-impl net::counters::CounterSet for TapCounters {
-    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("frames_in", l(&self.frames_in));
-        f("bytes_in", l(&self.bytes_in));
-        f("frames_out", l(&self.frames_out));
-        f("bytes_out", l(&self.bytes_out));
-        f("oversize_in", l(&self.oversize_in));
-        f("write_errors", l(&self.write_errors));
-        f("read_errors", l(&self.read_errors));
-        f("bad_offload_in", l(&self.bad_offload_in));
-        f("gso_in", l(&self.gso_in));
-        f("gso_out", l(&self.gso_out));
-        f("ring_full_in", l(&self.ring_full_in));
-        f("bad_slot_in", l(&self.bad_slot_in));
-        f("csum_partial_in", l(&self.csum_partial_in));
-    }
-}
+net::atomic_counter_set!(TapCounters => TapCounts {
+    frames_in,
+    bytes_in,
+    frames_out,
+    bytes_out,
+    oversize_in,
+    write_errors,
+    read_errors,
+    bad_offload_in,
+    gso_in,
+    gso_out,
+    ring_full_in,
+    bad_slot_in,
+    csum_partial_in,
+});
 
 impl TapCounters {
     /// The counters that count frames lost, by reason.

@@ -305,6 +305,13 @@ pub struct SenderCounters {
     pub skipped_frames: AtomicU64,
 }
 
+net::atomic_counter_set!(SenderCounters => SenderCounts {
+    frames,
+    messages,
+    max_late_us,
+    skipped_frames,
+});
+
 /// The remote sender: UDP messages of one size at a fixed frame rate (paper 000 kept
 /// the same packet rate for every message size). Messages are built once, each with its
 /// own IP identification, and replayed in turn, so sending costs the device thread a

@@ -18,6 +18,16 @@ use crate::mm::{Mm, Process, RegionSpec};
 use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters};
 
+/// What a computing guest has done.
+#[derive(Debug, Clone, Default)]
+pub struct ComputeStats {
+    /// Passes over its heap completed.
+    pub passes: u64,
+    /// Passes its process could not run (a fault it did not expect).
+    pub failed: u64,
+}
+net::counter_set!(ComputeStats { passes, failed });
+
 /// What the guest computes over, and where it counts its passes.
 #[derive(Debug, Clone)]
 pub struct ComputeSpec {
@@ -105,8 +115,11 @@ impl Kernel for ComputeGuest {
 
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
-        c.add("compute", "passes", self.passes.load(Ordering::Relaxed));
-        c.add("compute", "failed", self.failed);
+        let stats = ComputeStats {
+            passes: self.passes.load(Ordering::Relaxed),
+            failed: self.failed,
+        };
+        c.add_set("compute", &stats);
         c
     }
 

@@ -674,7 +674,8 @@ impl Kernel for DriverDomain {
     }
 
     /// The NIC driver's, each vif's by its name (with its rings' occupancy and its
-    /// grant cache), the bridge's.
+    /// grant cache), the bridge's, each disk's by its guest: the same names live and at
+    /// the end.
     fn counters(&self) -> Counters {
         let mut c = Counters::default();
         c.add_set("driver", self.nic.stats());
@@ -708,23 +709,17 @@ impl Kernel for DriverDomain {
     }
 
     fn shutdown(mut self) -> Counters {
-        let mut c = Counters::default();
         if self.dom.is_dying() {
             // Destroyed under it: the hypervisor took back its mappings and ports, and
             // the NIC has been reset for its next owner, whose registers these now are.
-            return c;
+            return Counters::default();
         }
-        c.add_set("driver", self.nic.stats());
+        // Named as they were live, with what only the end adds.
+        let mut c = self.counters();
         for vif in &self.vifs {
-            c.add_set("netback", vif.stats());
-            c.add_set("netback tx checks", vif.tx_check_stats());
-            if let Some(cs) = vif.cache_stats() {
-                c.add_set("grant cache", cs);
-            }
+            c.add_set(&format!("{} tx checks", vif.name()), vif.tx_check_stats());
         }
-        c.add_set("bridge", self.bridge.stats());
         c.add("bridge", "flood_copy_failures", self.flood_copy_failures);
-        self.lro_counters(&mut c);
         for q in self.queues.iter().flatten() {
             // The buffers still posted are unmapped with their vif.
             let _ = self.nic.vmq_close(*q);
@@ -734,16 +729,9 @@ impl Kernel for DriverDomain {
             vif.disconnect(&mut self.pool);
         }
         for vbd in self.vbds.drain(..) {
-            c.add_set("blkback", vbd.stats());
             vbd.disconnect();
         }
         for r in self.remote.drain(..) {
-            if let Some(b) = r.backend() {
-                c.add_set("blkback", b.stats());
-            }
-            if let Some(a) = r.aoe_stats() {
-                c.add_set("aoe", a);
-            }
             r.disconnect();
         }
         c

@@ -1688,11 +1688,10 @@ impl Machine {
             for v in b.stop() {
                 let name = format!("rvbd{}", v.frontend().0);
                 if let Some(bk) = v.backend() {
-                    c.add_set("blkback", bk.stats());
                     c.add_set(&name, bk.stats());
                 }
                 if let Some(a) = v.aoe_stats() {
-                    c.add_set("aoe", a);
+                    c.add_set(&format!("{name} aoe"), a);
                 }
                 c.add(&name, "connect_failed", u64::from(v.failed().is_some()));
                 v.disconnect();
@@ -1711,8 +1710,7 @@ impl Machine {
             }
             c.add_set("svnic signals", s.signal_stats());
             c.add_set("svnic management", &**s.mgmt_stats());
-            c.add("svnic", "rx_fifo_full", s.rx_fifo_full());
-            c.add("svnic signals", "channel_full", s.channel_full());
+            c.add_set("svnic", &s.drops());
         }
         c.extend(sched);
         Ok(c)

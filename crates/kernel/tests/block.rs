@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use blk::blkback::VbdStats;
 use blk::disk::{pattern_fill, write_patterned};
 use dev::nic::Coalesce;
 use dev::wire::{CountingSink, Samples, WireSource};
@@ -155,8 +156,8 @@ fn two_guests_read_and_write_their_disks_through_the_driver_domain_intact() {
             "every byte read is the file's"
         );
     }
-    assert_eq!(counters.get("blkback", "reads"), 200);
-    assert_eq!(counters.get("blkback", "writes"), 512);
+    assert_eq!(counters.sum(|v: &VbdStats| v.reads), 200);
+    assert_eq!(counters.sum(|v: &VbdStats| v.writes), 512);
     // The writer's 2 MiB went to the file, inverted; the rest is as it was.
     let f = std::fs::read(&b).expect("file");
     let mut want = vec![0u8; f.len()];

@@ -13,6 +13,7 @@ use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec, Proto};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
+use net::netback::VifStats;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -242,8 +243,8 @@ fn a_stream_crosses_every_lro_configuration_whole() {
         eprintln!(
             "{what}: {:.2} segments per aggregate, netback gso {} segmented {}",
             segs as f64 / aggs as f64,
-            c.get("netback", "rx_gso_packets"),
-            c.get("netback", "rx_gso_segmented")
+            c.sum(|v: &VifStats| v.rx_gso_packets),
+            c.sum(|v: &VifStats| v.rx_gso_segmented)
         );
     }
 }

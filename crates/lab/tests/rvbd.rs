@@ -9,7 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use blk::blkback::VbdStats;
 use blk::disk::{pattern_fill, write_patterned};
+use blk::initiator::AoeStats;
 use dev::nic::Coalesce;
 use dev::wire::Samples;
 use hv::{GrantPath, GrantVersion};
@@ -165,8 +167,8 @@ fn guests_read_and_write_a_real_vblade_through_the_driver_domain_intact() {
             "every byte read is the file's"
         );
     }
-    assert_eq!(c.get("blkback", "reads"), 150);
-    assert_eq!(c.get("blkback", "writes"), 1024);
+    assert_eq!(c.sum(|v: &VbdStats| v.reads), 150);
+    assert_eq!(c.sum(|v: &VbdStats| v.writes), 1024);
     let f = std::fs::read(&disk).expect("file");
     let half = (SECTORS / 2 * 512) as usize;
     let mut want = vec![0u8; f.len()];
@@ -214,10 +216,10 @@ fn with_vblade_killed_and_started_again_every_read_completes_right_none_lost() {
     );
     assert_eq!(rd_c.corrupt.load(Ordering::Relaxed), 0);
     assert!(
-        c.get("aoe", "retransmits") > 0,
+        c.sum(|a: &AoeStats| a.retransmits) > 0,
         "the outage's frames were sent again"
     );
-    assert_eq!(c.get("aoe", "timed_out"), 0);
+    assert_eq!(c.sum(|a: &AoeStats| a.timed_out), 0);
     let _ = std::fs::remove_file(&disk);
 }
 
@@ -283,8 +285,8 @@ fn the_svnic_block_service_serves_a_guests_remote_disk_from_its_own_core() {
         assert_eq!(k.errors.load(Ordering::Relaxed), 0);
         assert_eq!(k.corrupt.load(Ordering::Relaxed), 0);
     }
-    assert_eq!(c.get("blkback", "reads"), 150);
-    assert_eq!(c.get("blkback", "writes"), 400);
+    assert_eq!(c.sum(|v: &VbdStats| v.reads), 150);
+    assert_eq!(c.sum(|v: &VbdStats| v.writes), 400);
     assert!(c.get("svnic block engine", "frames_in") > 0);
     // Every write landed, at its place, and nothing else changed.
     let f = std::fs::read(&disk).expect("file");

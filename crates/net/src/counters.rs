@@ -93,11 +93,17 @@ impl<R: Reason> fmt::Debug for PerReason<R> {
     }
 }
 
-/// A component's counters, walked by name.
+/// A component's counters, walked by name, and kept whole for code that reads them.
 pub trait CounterSet {
     /// Calls `f` with each counter's name and value; a per-reason counter gives one
     /// entry per reason, named `<field> <Reason>`.
     fn visit(&self, f: &mut dyn FnMut(&str, u64));
+    /// A copy of the set as it stands, for a reader that knows its type (a report
+    /// reads `hits` off the grant cache's own stats, not a string). `None` for sets of
+    /// live registers (atomics a device thread keeps counting), which are read by name.
+    fn snapshot(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+        None
+    }
 }
 
 /// One field of a counter set: a plain count or counts by reason.
@@ -120,13 +126,49 @@ impl<R: Reason> CounterField for PerReason<R> {
     }
 }
 
-/// Implements [`CounterSet`] for a stats struct by listing its counter fields.
+/// Implements [`CounterSet`] for a stats struct (`Clone`, plain counts) by listing its
+/// counter fields.
 #[macro_export]
 macro_rules! counter_set {
     ($t:ty { $($field:ident),* $(,)? }) => {
         impl $crate::counters::CounterSet for $t {
             fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
                 $( $crate::counters::CounterField::visit_field(&self.$field, stringify!($field), f); )*
+            }
+            fn snapshot(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+                Some(std::sync::Arc::new(<$t as Clone>::clone(self)))
+            }
+        }
+    };
+}
+
+/// Implements [`CounterSet`] for a struct of live registers (`AtomicU64` fields that a
+/// device thread keeps counting) and declares `$snap`, the same counts as plain numbers:
+/// `counts()` reads every register with a relaxed load, and that is the set's snapshot.
+#[macro_export]
+macro_rules! atomic_counter_set {
+    ($t:ty => $snap:ident { $($field:ident),* $(,)? }) => {
+        #[doc = concat!("The counts of [`", stringify!($t), "`], as they stood when read.")]
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        #[allow(missing_docs)]
+        pub struct $snap {
+            $( pub $field: u64, )*
+        }
+        impl $t {
+            /// Every counter, as it stands now.
+            pub fn counts(&self) -> $snap {
+                $snap {
+                    $( $field: self.$field.load(std::sync::atomic::Ordering::Relaxed), )*
+                }
+            }
+        }
+        impl $crate::counters::CounterSet for $t {
+            fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+                let s = self.counts();
+                $( f(stringify!($field), s.$field); )*
+            }
+            fn snapshot(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+                Some(std::sync::Arc::new(self.counts()))
             }
         }
     };
@@ -181,7 +223,7 @@ mod tests {
     }
     crate::reason!(Why);
 
-    #[derive(Default)]
+    #[derive(Default, Clone)]
     struct Stats {
         packets: u64,
         drops: PerReason<Why>,
@@ -209,6 +251,40 @@ mod tests {
         ];
         assert_eq!(seen, want.map(|(n, v)| (n.to_string(), v)).to_vec());
         assert_eq!(format!("{:?}", s.drops), "{B: 1, C: 2}");
+        // The snapshot is the set itself, by value: later counting does not move it.
+        let snap = s.snapshot().expect("a plain set has a snapshot");
+        s.packets += 1;
+        let snap = snap.downcast_ref::<Stats>().expect("of its own type");
+        assert_eq!((snap.packets, snap.drops.total()), (7, 3));
+        assert_eq!(s.packets, 8);
+    }
+
+    #[derive(Debug, Default)]
+    struct Regs {
+        frames: std::sync::atomic::AtomicU64,
+        drops: std::sync::atomic::AtomicU64,
+    }
+    crate::atomic_counter_set!(Regs => RegCounts { frames, drops });
+
+    #[test]
+    fn live_registers_are_walked_and_snapshot_as_plain_counts() {
+        let r = Regs::default();
+        r.frames.store(5, std::sync::atomic::Ordering::Relaxed);
+        let mut seen = Vec::new();
+        r.visit(&mut |n, v| seen.push((n.to_string(), v)));
+        assert_eq!(seen, [("frames".to_string(), 5), ("drops".to_string(), 0)]);
+        let snap = r.snapshot().expect("registers have a snapshot");
+        r.frames.store(9, std::sync::atomic::Ordering::Relaxed);
+        let c = snap
+            .downcast_ref::<RegCounts>()
+            .expect("of the counts' type");
+        assert_eq!(
+            *c,
+            RegCounts {
+                frames: 5,
+                drops: 0
+            }
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use dev::nic::NicCounts;
+use net::netback::CacheStats;
 use rig::tools;
 use up::RxBuffers;
 use up::{up, UpConfig, UpGuest};
@@ -339,14 +341,14 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     }
     let c = machine.down_with_counters().expect("counters");
     let (hits, misses, cold) = (
-        c.get("grant cache", "hits"),
-        c.get("grant cache", "misses"),
-        c.get("grant cache", "cold_misses"),
+        c.sum(|s: &CacheStats| s.hits),
+        c.sum(|s: &CacheStats| s.misses),
+        c.sum(|s: &CacheStats| s.cold_misses),
     );
     assert!(hits > 10_000, "{c:?}");
     assert_eq!(misses, cold, "only each page's first map: {c:?}");
     assert!(
-        c.get("nic", "default_queue_frames") > 0,
+        c.sum(|n: &NicCounts| n.default_queue_frames) > 0,
         "ARP broadcasts go through the default queue and the bridge"
     );
 }

@@ -611,16 +611,7 @@ impl Running {
             }
         }
         let mut counters = self.machine.stop().map_err(Error::other)?;
-        counters.add(
-            "sender",
-            "max_late_us",
-            self.sender.max_late_us.load(Ordering::Relaxed),
-        );
-        counters.add(
-            "sender",
-            "skipped_frames",
-            self.sender.skipped_frames.load(Ordering::Relaxed),
-        );
+        counters.add_set("sender", &*self.sender);
         Ok(Finish {
             frames_sent: sent,
             messages_sent: whole,

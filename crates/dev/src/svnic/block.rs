@@ -46,17 +46,14 @@ pub struct BlockEngineStats {
     pub busy_ns: AtomicU64,
 }
 
-impl net::counters::CounterSet for BlockEngineStats {
-    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("frames_in", l(&self.frames_in));
-        f("frames_out", l(&self.frames_out));
-        f("unclaimed", l(&self.unclaimed));
-        f("send_full", l(&self.send_full));
-        f("busy_steps", l(&self.busy_steps));
-        f("busy_ns", l(&self.busy_ns));
-    }
-}
+net::atomic_counter_set!(BlockEngineStats => BlockEngineCounts {
+    frames_in,
+    frames_out,
+    unclaimed,
+    send_full,
+    busy_steps,
+    busy_ns,
+});
 
 /// What the block engine is given to run.
 #[derive(Debug)]

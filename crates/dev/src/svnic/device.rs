@@ -161,19 +161,29 @@ pub struct SignalStats {
     pub undelivered: AtomicU64,
 }
 
-impl net::counters::CounterSet for SignalStats {
-    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("events", l(&self.events));
-        f("master_interrupts", l(&self.master_interrupts));
-        f("sidecore_messages", l(&self.sidecore_messages));
-        f("forward_ticks", l(&self.forward_ticks));
-        f("device_signals", l(&self.device_signals));
-        f("bits_handled", l(&self.bits_handled));
-        f("redundant", l(&self.redundant));
-        f("undelivered", l(&self.undelivered));
-    }
+/// What the device refused outside its engines.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceDrops {
+    /// Frames the cable brought that found no device buffer.
+    pub rx_fifo_full: u64,
+    /// Messages for the sidecore that found its channel full.
+    pub channel_full: u64,
 }
+net::counter_set!(DeviceDrops {
+    rx_fifo_full,
+    channel_full
+});
+
+net::atomic_counter_set!(SignalStats => SignalCounts {
+    events,
+    master_interrupts,
+    sidecore_messages,
+    forward_ticks,
+    device_signals,
+    bits_handled,
+    redundant,
+    undelivered,
+});
 
 /// The signalling state shared by the device threads and the hypervisor's forwarders.
 #[derive(Debug)]
@@ -1107,6 +1117,15 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
     /// Frames the cable brought that found no device buffer.
     pub fn rx_fifo_full(&self) -> u64 {
         self.shared.rx_fifo_full.load(Ordering::Relaxed)
+    }
+
+    /// The device's own refusals, outside its engines: [`Svnic::rx_fifo_full`] and
+    /// [`Svnic::channel_full`].
+    pub fn drops(&self) -> DeviceDrops {
+        DeviceDrops {
+            rx_fifo_full: self.rx_fifo_full(),
+            channel_full: self.channel_full(),
+        }
     }
 
     /// A bit for a new VIF from the identifier register (`next++ mod 8`).

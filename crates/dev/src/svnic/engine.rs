@@ -163,19 +163,16 @@ pub struct EngineStats {
     pub spoofed: AtomicU64,
 }
 
-impl net::counters::CounterSet for EngineStats {
-    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("frames", l(&self.frames));
-        f("no_vif", l(&self.no_vif));
-        f("vif_full", l(&self.vif_full));
-        f("vif_errors", l(&self.vif_errors));
-        f("idle_steps", l(&self.idle_steps));
-        f("broadcast", l(&self.broadcast));
-        f("dma_faults", l(&self.dma_faults));
-        f("spoofed", l(&self.spoofed));
-    }
-}
+net::atomic_counter_set!(EngineStats => EngineCounts {
+    frames,
+    no_vif,
+    vif_full,
+    vif_errors,
+    idle_steps,
+    broadcast,
+    dma_faults,
+    spoofed,
+});
 
 /// How the egress engine shares the link among VIFs when it is saturated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

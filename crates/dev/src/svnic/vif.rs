@@ -154,19 +154,16 @@ pub struct VifStats {
     pub protocol_breaks: AtomicU64,
 }
 
-impl net::counters::CounterSet for VifStats {
-    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        f("tx_frames", l(&self.tx_frames));
-        f("tx_bytes", l(&self.tx_bytes));
-        f("tx_bad_length", l(&self.tx_bad_length));
-        f("rx_frames", l(&self.rx_frames));
-        f("rx_bytes", l(&self.rx_bytes));
-        f("rx_full", l(&self.rx_full));
-        f("rx_too_long", l(&self.rx_too_long));
-        f("protocol_breaks", l(&self.protocol_breaks));
-    }
-}
+net::atomic_counter_set!(VifStats => VifCounts {
+    tx_frames,
+    tx_bytes,
+    tx_bad_length,
+    rx_frames,
+    rx_bytes,
+    rx_full,
+    rx_too_long,
+    protocol_breaks,
+});
 
 /// The device's side of a VIF: its memory, the halves each kind of device context
 /// drives, and the counters.

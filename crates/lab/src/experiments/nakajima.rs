@@ -16,8 +16,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use dev::lro::{Flushing, Form, LroSetup, WAIT_BUCKETS};
+use dev::driver::DriverStats;
+use dev::lro::{Flushing, Form, LroDriverStats, LroSetup, WAIT_BUCKETS};
 use dev::peer::{PeerApp, WireRate};
+use kernel::compute::ComputeStats;
+use net::netback::VifStats;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::{cost_per, RunCost, GLOBALS};
@@ -266,18 +269,11 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> 
     let f = m.finish()?;
     let secs = (b.at - a.at).as_secs_f64();
     let bytes = b.bytes - a.bytes;
-    let lro = |s: &TcpSnapshot, k: &str| s.counters.get("lro", k);
-    let aggs = lro(&b, "aggregates") - lro(&a, "aggregates");
-    let segs = lro(&b, "segments") - lro(&a, "segments");
+    let lro = |s: &TcpSnapshot, f: fn(&LroDriverStats) -> u64| s.counters.sum(f);
+    let aggs = lro(&b, |l| l.aggregates) - lro(&a, |l| l.aggregates);
+    let segs = lro(&b, |l| l.segments) - lro(&a, |l| l.segments);
     let (wa, wb) = (wait_hist(&a), wait_hist(&b));
-    let notifies = |s: &TcpSnapshot| -> u64 {
-        s.counters
-            .entries
-            .iter()
-            .filter(|(c, n, _)| c.starts_with("vif") && n == "notifies")
-            .map(|e| e.2)
-            .sum()
-    };
+    let notifies = |s: &TcpSnapshot| s.counters.sum(|v: &VifStats| v.notifies);
     let mb = (bytes as f64 / 1e6).max(1e-9);
     let neighbour_cpu = |s: &TcpSnapshot| {
         s.domains
@@ -285,7 +281,7 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> 
             .find(|(n, _, _)| n == rig::tcp::NEIGHBOUR)
             .map_or(Duration::ZERO, |(_, _, d)| d.cpu)
     };
-    let passes = |s: &TcpSnapshot| s.counters.get("compute", "passes");
+    let passes = |s: &TcpSnapshot| s.counters.sum(|c: &ComputeStats| c.passes);
     let interval = o.sample.unwrap_or(hv::profile::DEFAULT_SAMPLE_INTERVAL);
     Ok((
         Measure {
@@ -296,8 +292,8 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> 
             tps: (b.transactions - a.transactions) as f64 / secs,
             rtt,
             settled,
-            irqs_per_mb: (b.counters.get("driver", "irqs") - a.counters.get("driver", "irqs"))
-                as f64
+            irqs_per_mb: (b.counters.sum(|d: &DriverStats| d.irqs)
+                - a.counters.sum(|d: &DriverStats| d.irqs)) as f64
                 / mb,
             notifies_per_mb: (notifies(&b) - notifies(&a)) as f64 / mb,
             neighbour_share: (neighbour_cpu(&b) - neighbour_cpu(&a)).as_secs_f64() / secs,

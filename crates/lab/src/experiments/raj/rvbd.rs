@@ -431,9 +431,10 @@ fn run_job(
         completed,
         errors: counters.errors.load(Ordering::Relaxed),
         submitted: counters.submitted.load(Ordering::Relaxed),
-        retransmits: c.get("aoe", "retransmits"),
+        retransmits: c.sum(|a: &blk::initiator::AoeStats| a.retransmits),
         corrupt: counters.corrupt.load(Ordering::Relaxed),
-        doubled: counters.unexpected.load(Ordering::Relaxed) + c.get("blkfront", "bad_responses"),
+        doubled: counters.unexpected.load(Ordering::Relaxed)
+            + c.sum(|f: &blk::blkfront::FrontStats| f.bad_responses),
         elapsed,
         guest_cpu_ns,
         driver_cpu_ns,

@@ -14,8 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dev::nic::Coalesce;
+use dev::nic::NicCounts;
 use dev::peer::{crossover, CrossEnd, WireRate};
-use dev::svnic::device::{DeviceCores, Idle, SignalMode, SvnicConfig};
+use dev::svnic::device::{DeviceCores, DeviceDrops, Idle, SignalCounts, SignalMode, SvnicConfig};
+use dev::svnic::engine::EngineCounts;
 use dev::svnic::engine::Stage;
 use dev::wire::Samples;
 use hv::sched::IdlePolicy;
@@ -370,15 +372,16 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
     let cc = clients.stop().map_err(Error::other)?;
     let sc = servers.stop().map_err(Error::other)?;
     for c in [&cc, &sc] {
-        let g = |name: &str| c.get("svnic signals", name);
-        p.forward.0 += g("forward_ticks");
-        p.forward.1 += g("master_interrupts") + g("sidecore_messages");
-        p.bits_handled += g("bits_handled");
-        p.events += g("events");
-        p.redundant += g("redundant");
-        p.undelivered += g("undelivered");
-        p.channel_full += g("channel_full");
-        p.device_signals += g("device_signals");
+        for (_, g) in c.sets::<SignalCounts>() {
+            p.forward.0 += g.forward_ticks;
+            p.forward.1 += g.master_interrupts + g.sidecore_messages;
+            p.bits_handled += g.bits_handled;
+            p.events += g.events;
+            p.redundant += g.redundant;
+            p.undelivered += g.undelivered;
+            p.device_signals += g.device_signals;
+        }
+        p.channel_full += c.sum(|d: &DeviceDrops| d.channel_full);
     }
     for (c, r) in counters.iter().zip(&rtts) {
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
@@ -454,7 +457,9 @@ fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>
 /// Frames a stopped host's devices dropped: no device buffer or a VIF's receive queue
 /// full (SV-NIC), the NIC's receive ring empty (HV-NIC).
 fn device_drops(c: &kernel::Counters) -> u64 {
-    c.get("svnic", "rx_fifo_full") + c.get("svnic ingress", "vif_full") + c.get("nic", "rx_missed")
+    c.sum(|d: &DeviceDrops| d.rx_fifo_full)
+        + c.sum(|e: &EngineCounts| e.vif_full)
+        + c.sum(|n: &NicCounts| n.rx_missed)
 }
 
 /// The `q` quantile of sorted `v`.

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use dev::nic::{Coalesce, DelayFrom};
+use dev::nic::{Coalesce, DelayFrom, NicCounts};
 
 use crate::chart::{Lines, Series};
 use crate::harness::{account_losses, alternate, durations, one_run, Durations, RunCost};
@@ -191,8 +191,8 @@ fn latency(
             .iter()
             .filter(|(l, _)| l.starts_with("latency ") && l.ends_with(&format!(" {}", setting(s))))
             .map(|(_, f)| {
-                f.counters.get("nic", "timer_late_ns") as f64
-                    / f.counters.get("nic", "timer_irqs").max(1) as f64
+                f.counters.sum(|n: &NicCounts| n.timer_late_ns) as f64
+                    / f.counters.sum(|n: &NicCounts| n.timer_irqs).max(1) as f64
                     / 1e3
             })
             .collect();
@@ -320,7 +320,8 @@ fn costs(
     for ((config, settings), runs) in groups.iter().zip(got) {
         for (&s, per_round) in settings.iter().zip(runs) {
             for (c, f) in per_round {
-                let ipp = f.counters.get("nic", "irqs") as f64 / f.frames_sent.max(1) as f64;
+                let ipp =
+                    f.counters.sum(|n: &NicCounts| n.irqs) as f64 / f.frames_sent.max(1) as f64;
                 results
                     .entry(*config)
                     .or_default()

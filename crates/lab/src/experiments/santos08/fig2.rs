@@ -12,7 +12,9 @@
 
 use std::collections::BTreeMap;
 
+use dev::wire::SenderCounts;
 use hv::profile::{Class, GlobalClass};
+use net::bridge::BridgeStats;
 
 use crate::chart::{Bar, StackedBars};
 use crate::harness::{
@@ -470,11 +472,11 @@ fn loss_checks(r: &mut Report, losses: &[(usize, &'static str, Finish)]) {
     let sent: u64 = losses.iter().map(|l| l.2.frames_sent).sum();
     let skipped: u64 = losses
         .iter()
-        .map(|l| l.2.counters.get("sender", "skipped_frames"))
+        .map(|l| l.2.counters.sum(|s: &SenderCounts| s.skipped_frames))
         .sum();
     let worst_stall = losses
         .iter()
-        .map(|l| l.2.counters.get("sender", "max_late_us"))
+        .map(|l| l.2.counters.sum(|s: &SenderCounts| s.max_late_us))
         .max()
         .unwrap_or(0);
     r.notes.push(format!(
@@ -737,8 +739,8 @@ fn fig7(
             .filter(|(size, m, _)| *size == BAR_SIZE && *m == name)
             .fold((0, 0), |(h, f), (_, _, fin)| {
                 let c = &fin.counters;
-                let passed = c.get("bridge", "forwarded") + c.get("bridge", "flooded");
-                (h + c.get("bridge", "hooked"), f + passed)
+                let passed = c.sum(|b: &BridgeStats| b.forwarded + b.flooded);
+                (h + c.sum(|b: &BridgeStats| b.hooked), f + passed)
             })
     };
     let ((on_h, on_f), (off_h, off_f)) = (hooked(Config::Pv.name()), hooked(NO_NETFILTER));

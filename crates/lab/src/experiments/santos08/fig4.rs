@@ -29,6 +29,8 @@ use hv::{
 };
 use mem::cpu::thread_cpu_time;
 use net::counters::CopyAlign;
+use net::netback::VifStats;
+use net::stack::StackStats;
 
 use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::{
@@ -481,16 +483,25 @@ struct PvRun {
     finish: Finish,
 }
 
+/// Whose copies a census counts: netback's grant copies into the guest, or the guest
+/// stack's copies to the application.
+#[derive(Debug, Clone, Copy)]
+enum Copier {
+    Netback,
+    Stack,
+}
+
 impl PvRun {
-    fn census(&self, comp: &str, field: &str, c: CopyAlign) -> u64 {
-        self.finish.counters.get(comp, &format!("{field} {c:?}"))
+    fn census(&self, who: Copier, c: CopyAlign) -> u64 {
+        let counters = &self.finish.counters;
+        match who {
+            Copier::Netback => counters.sum(|v: &VifStats| v.rx_copy_bytes.get(c)),
+            Copier::Stack => counters.sum(|s: &StackStats| s.usercopy_bytes.get(c)),
+        }
     }
-    fn share(&self, comp: &str, field: &str, c: CopyAlign) -> f64 {
-        let all: u64 = CopyAlign::ALL
-            .iter()
-            .map(|&k| self.census(comp, field, k))
-            .sum();
-        100.0 * self.census(comp, field, c) as f64 / all.max(1) as f64
+    fn share(&self, who: Copier, c: CopyAlign) -> f64 {
+        let all: u64 = CopyAlign::ALL.iter().map(|&k| self.census(who, k)).sum();
+        100.0 * self.census(who, c) as f64 / all.max(1) as f64
     }
 }
 
@@ -528,12 +539,12 @@ fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), Error> {
         let group = format!("pv path, {label} B messages");
         let [orig, al] = &runs[s];
         for (name, v) in [("original", orig), ("aligned", al)] {
-            for (field, comp, what) in [
-                ("rx_copy_bytes", "netback", "netback grant copies"),
-                ("usercopy_bytes", "stack", "guest copies to user"),
+            for (who, what) in [
+                (Copier::Netback, "netback grant copies"),
+                (Copier::Stack, "guest copies to user"),
             ] {
                 for c in CopyAlign::ALL {
-                    let share: Vec<f64> = v.iter().map(|r| r.share(comp, field, c)).collect();
+                    let share: Vec<f64> = v.iter().map(|r| r.share(who, c)).collect();
                     if share.iter().any(|x| *x > 0.0) {
                         rep.row(
                             &group,
@@ -551,7 +562,7 @@ fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), Error> {
         }
         all_line &= al
             .iter()
-            .all(|r| r.share("netback", "rx_copy_bytes", CopyAlign::Line) == 100.0);
+            .all(|r| r.share(Copier::Netback, CopyAlign::Line) == 100.0);
         for (what, f) in [
             (
                 "grant copy (all domains)",

@@ -11,6 +11,8 @@
 
 use std::collections::BTreeMap;
 
+use net::netback::CacheStats;
+
 use crate::chart::{Bar, StackedBars};
 use crate::harness::{
     account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, RunCost, GLOBALS,
@@ -73,9 +75,9 @@ const BARS: [&str; 5] = ["pv", "pv-soft", "pv-guestcopy", "pv-mq", "pv-mq-reuse"
 pub(crate) fn hit_rates<'a>(counters: impl Iterator<Item = &'a kernel::Counters>) -> (f64, f64) {
     let (mut hits, mut misses, mut cold) = (0u64, 0u64, 0u64);
     for c in counters {
-        hits += c.get("grant cache", "hits");
-        misses += c.get("grant cache", "misses");
-        cold += c.get("grant cache", "cold_misses");
+        hits += c.sum(|s: &CacheStats| s.hits);
+        misses += c.sum(|s: &CacheStats| s.misses);
+        cold += c.sum(|s: &CacheStats| s.cold_misses);
     }
     let rate = |h: u64, m: u64| {
         if h + m == 0 {

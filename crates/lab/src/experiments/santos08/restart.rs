@@ -417,10 +417,11 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), Error> {
         DiskTally {
             completed: l(&counters.completed),
             lost: in_flight.saturating_sub(8),
-            doubled: l(&counters.unexpected) + c.get("blkfront", "bad_responses"),
+            doubled: l(&counters.unexpected)
+                + c.sum(|f: &blk::blkfront::FrontStats| f.bad_responses),
             failed: l(&counters.errors),
             corrupt: l(&counters.corrupt),
-            requeued: c.get("blkfront recovery", "requeued"),
+            requeued: c.sum(|r: &kernel::block::RecoveryStats| r.requeued),
         },
     ))
 }

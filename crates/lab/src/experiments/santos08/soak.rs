@@ -19,6 +19,10 @@
 
 use std::time::{Duration, Instant};
 
+use kernel::hostile::HostileStats;
+use net::netback::VifStats;
+use net::netif::TxCheckStats;
+
 use crate::{Error, Experiment, Mode, Report};
 use rig::udp::{Config, Options, Running};
 
@@ -292,15 +296,8 @@ fn memory_checks(
 /// accounted for.
 fn hostile_checks(r: &mut Report, plan: &SoakPlan, last: &Period, finish: &rig::udp::Finish) {
     let c = &finish.counters;
-    let bursts = c.get("hostile guest", "bursts");
-    let refused: u64 = c
-        .entries
-        .iter()
-        .filter(|(comp, name, _)| {
-            comp == "netback tx checks" && (name.starts_with("drops") || name.starts_with("fatals"))
-        })
-        .map(|e| e.2)
-        .sum();
+    let hostile = |f: fn(&HostileStats) -> u64| c.sum(f);
+    let refused = c.sum(|t: &TxCheckStats| t.drops.total() + t.fatals.total());
     r.check(
         "hostile chains refused and counted by the last driver domain's netback",
         refused as f64,
@@ -309,11 +306,11 @@ fn hostile_checks(r: &mut Report, plan: &SoakPlan, last: &Period, finish: &rig::
         plan.hostile == 0 || refused > 0,
     );
     // Every chain that passed the checks was either sent on or answered with an error.
-    let (passed, sent_on, grant_err, no_buf) = (
-        c.get("netback tx checks", "packets"),
-        c.get("netback", "tx_packets"),
-        c.get("netback", "tx_grant_errors"),
-        c.get("netback", "tx_no_buffer"),
+    let passed = c.sum(|t: &TxCheckStats| t.packets);
+    let (sent_on, grant_err, no_buf) = (
+        c.sum(|v: &VifStats| v.tx_packets),
+        c.sum(|v: &VifStats| v.tx_grant_errors),
+        c.sum(|v: &VifStats| v.tx_no_buffer),
     );
     let off = passed.abs_diff(sent_on + grant_err + no_buf);
     r.check_none(
@@ -322,15 +319,16 @@ fn hostile_checks(r: &mut Report, plan: &SoakPlan, last: &Period, finish: &rig::
         "chains",
     );
     r.notes.push(format!(
-        "{} planned restarts; the hostile guests wrote {bursts} bursts ({} TX and {} RX \
+        "{} planned restarts; the hostile guests wrote {} bursts ({} TX and {} RX \
          requests, {} producer breaks) and did {} handshakes. The good guest received {} \
          of {} messages; those lost were on the wire or in a driver domain while it \
          restarted (UDP).",
         last.restarts,
-        c.get("hostile guest", "tx_requests"),
-        c.get("hostile guest", "rx_requests"),
-        c.get("hostile guest", "breaks"),
-        c.get("hostile guest", "handshakes"),
+        hostile(|h| h.bursts),
+        hostile(|h| h.tx_requests),
+        hostile(|h| h.rx_requests),
+        hostile(|h| h.breaks),
+        hostile(|h| h.handshakes),
         finish.messages_received,
         finish.messages_sent
     ));
