@@ -422,6 +422,10 @@ impl PageAccess for OwnPage {
         self.live()?.write(offset, data)
     }
     #[inline]
+    fn write_nt(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.live()?.write_nt(offset, data)
+    }
+    #[inline]
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
         self.live()?.atomic_u16(offset)
     }

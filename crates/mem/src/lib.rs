@@ -143,6 +143,12 @@ pub trait PageAccess {
     fn read(&self, offset: usize, buf: &mut [u8]) -> Result<(), MemError>;
     /// Copies `data` into the page at `offset`.
     fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemError>;
+    /// Copies `data` into the page at `offset` with non-temporal stores: the bytes go to
+    /// memory without the writer's cache reading their lines first, as a write across a
+    /// bus into a device's memory is posted. The default is [`PageAccess::write`].
+    fn write_nt(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.write(offset, data)
+    }
     /// The 16-bit word at `offset` as an atomic (offset must be 2-aligned).
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError>;
     /// The 32-bit word at `offset` as an atomic (offset must be 4-aligned).

@@ -326,6 +326,10 @@ impl PageAccess for FramePage {
         self.mem.write(self.mfn, offset, data)
     }
     #[inline]
+    fn write_nt(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.mem.write_nt(self.mfn, offset, data)
+    }
+    #[inline]
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
         self.mem.atomic_u16(self.mfn, offset)
     }

@@ -667,6 +667,17 @@ impl PageAccess for MappedPage {
         Ok(())
     }
     #[inline]
+    fn write_nt(&self, offset: usize, data: &[u8]) -> Result<(), MemError> {
+        self.writable()?;
+        if let Some(f) = &self.frame {
+            return f.write_nt(offset, data);
+        }
+        let p = self.at(offset, data.len(), 1)?;
+        // SAFETY: `p..p+len` is in the held, writable mapped page, checked by `at`.
+        unsafe { shared::stream(p, data) };
+        Ok(())
+    }
+    #[inline]
     fn atomic_u16(&self, offset: usize) -> Result<&AtomicU16, MemError> {
         if let Some(f) = &self.frame {
             self.writable()?;
@@ -740,6 +751,7 @@ mod tests {
                 assert_eq!(w.unmap(1), Err(MemError::InUse(1)), "{backend:?}");
                 assert_eq!(held.read_obj::<u8>(10), Ok(b'h'));
                 assert_eq!(held.write(0, b"x"), Err(MemError::ReadOnly(1)));
+                assert_eq!(held.write_nt(0, b"x"), Err(MemError::ReadOnly(1)));
                 assert!(held.atomic_u32(0).is_err(), "no atomics on a read-only map");
                 // ...but a load of an index its peer moves, whole.
                 mem.atomic_u32(Mfn(5), 16)
@@ -763,6 +775,18 @@ mod tests {
             let mut c = [0u8; 4];
             mem.read(Mfn(6), 0, &mut c).expect("read");
             assert_eq!(&c, b"abcd");
+            // A posted write lands every byte at any offset, and no other byte.
+            let posted: Vec<u8> = (0..77u8).collect();
+            w.page(2).expect("held").write_nt(4093 - 77, &posted).expect("posted");
+            let mut all = vec![0u8; 4096];
+            mem.read(Mfn(6), 0, &mut all).expect("read");
+            assert_eq!(&all[4093 - 77..4093], &posted[..]);
+            assert_eq!(&all[..4], b"abcd");
+            assert!(all[4..4093 - 77].iter().chain(&all[4093..]).all(|&b| b == 0));
+            assert_eq!(
+                w.page(2).expect("held").write_nt(4090, &posted),
+                Err(MemError::CrossesPage { offset: 4090, len: 77 })
+            );
             assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
             assert_eq!(w.map(3, Mfn(8), true), Err(MemError::NoSuchFrame(8)));
         }

@@ -133,6 +133,16 @@ fn write_slot<P: PageAccess>(bufs: &[P], i: u32, frame: &[u8]) -> Result<(), Vif
     Ok(p.write(offset, frame)?)
 }
 
+/// As [`write_slot`], by non-temporal stores: the guest's send is the paper's PCI write
+/// into the board's memory, posted across the bus, so no line of the slot is read into
+/// the guest's cache first (a cached store would fetch each line the device last read,
+/// a cost the board's bus does not have).
+fn post_slot<P: PageAccess>(bufs: &[P], i: u32, frame: &[u8]) -> Result<(), VifError> {
+    let (page, offset) = slot_at(i);
+    let p = bufs.get(page).ok_or(MemError::NotMapped(page as u32))?;
+    Ok(p.write_nt(offset, frame)?)
+}
+
 /// A VIF's counters, as the device keeps them.
 #[derive(Debug, Default)]
 pub struct VifStats {
@@ -511,7 +521,7 @@ impl<P: PageAccess> VifFront<P> {
             return Err(VifError::Full);
         }
         let i = self.tx_prod;
-        write_slot(&self.pages.tx, i, frame)?;
+        post_slot(&self.pages.tx, i, frame)?;
         self.pages
             .guest
             .write_obj(TX_LEN + 2 * (i % SLOTS) as usize, &(frame.len() as u16))?;

@@ -33,6 +33,7 @@ use crate::stats::Stats;
 use crate::{Error, Experiment, Mode, Report};
 
 mod dynamic;
+mod host;
 mod iommu;
 mod qos;
 mod tput;
@@ -511,7 +512,12 @@ fn run(mode: Mode) -> Result<Report, Error> {
         "designs": Design::ALL.map(Design::name), "cores": cores,
     });
     crate::progress::plan(
-        (ns.len() * Design::ALL.len()) as u64 + 3 + tput::steps(mode) + dynamic::steps(mode) + 2,
+        (ns.len() * Design::ALL.len()) as u64
+            + 3
+            + tput::steps(mode)
+            + dynamic::steps(mode)
+            + host::steps(mode)
+            + 2,
     );
     let mut points: Vec<Vec<Point>> = Vec::new();
     for d in Design::ALL {
@@ -524,6 +530,7 @@ fn run(mode: Mode) -> Result<Report, Error> {
     }
     let dom0_bad = fig7(&mut rep, ns, &mut points, run_for, max_gap)?;
     fig8(&mut rep, ns, &points);
+    host::host_times(&mut rep, mode)?;
     signal_checks(&mut rep, ns, &points);
     probe_check(&mut rep, &points, dom0_bad);
     tput::figure9(&mut rep, mode)?;
@@ -805,6 +812,21 @@ mod tests {
             dotted.iter().all(|row| row.stats.median > 0.0),
             "{dotted:?}"
         );
+        // §VI-A's host-side times: a send and a receive row at each VIF count, every
+        // frame through them checked.
+        let host: Vec<_> = r
+            .rows
+            .iter()
+            .filter(|row| row.group.starts_with("§VI-A"))
+            .collect();
+        assert_eq!(host.len(), 4, "{host:?}");
+        assert!(host.iter().all(|row| row.stats.n > 0 && row.stats.median > 0.0));
+        let intact = r
+            .checks
+            .iter()
+            .find(|c| c.what.starts_with("host-side times: frames out wrong"))
+            .expect("the host-side frames are checked");
+        assert!(intact.met, "{intact:?}");
     }
 
     #[test]
