@@ -13,7 +13,8 @@ use dev::nic::{Coalesce, Nic};
 use dev::wire::{CountingSink, PacedSender};
 use hv::{DeviceId, DomainConfig, HvConfig, Hypervisor};
 use net::netback::VIF_WINDOW_SLOTS;
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::RxBuffers;
 use net::skb::SkbPool;
 use net::toolstack::{self, VifSpec};
 use net::wire::{parse_ipv4, parse_udp, PayloadCheck, UdpFlow, DEFAULT_MTU};
@@ -173,11 +174,11 @@ fn with_direct_placement_the_nic_writes_a_guests_frames_into_the_buffers_its_net
     let spec = VifSpec {
         handle: 0,
         mac: GUEST_MAC,
-        rx_buffers: RxBuffers::Linear,
         index: 0,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            rx_buffers: RxBuffers::Linear,
+            ..FrontConfig::default()
+        },
     };
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     vif.enable_direct();

@@ -29,7 +29,8 @@ use std::sync::Arc;
 use hv::store::Perm;
 use hv::{DomId, Domain, GrantRef, Hypervisor, Port};
 use net::netback::Vif;
-use net::netfront::{Grants, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::{Netfront, RxBuffers};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 use net::xenbus;
@@ -40,11 +41,8 @@ use crate::Input;
 const SPEC: VifSpec = VifSpec {
     handle: 0,
     mac: [2, 0, 0, 0, 0, 0x0c],
-    rx_buffers: RxBuffers::Fragments,
     index: 0,
-    grants: Grants::PerIo,
-    offloads: false,
-    split_indices: false,
+    front: FrontConfig::ORIGINAL,
 };
 
 const FRONT_KEYS: [&str; 9] = [

@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::Netfront;
 use net::netif::{CtrlRequest, NetifGref, RxRequest, TxRequest, NETTXF_MORE_DATA};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -148,11 +149,8 @@ pub(crate) fn world() -> (World, Good) {
     let spec = VifSpec {
         handle: 0,
         mac: [2, 0, 0, 0, 0, 7],
-        rx_buffers: RxBuffers::Fragments,
         index: 1,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig::default(),
     };
     let (front, vif) = toolstack::plug_vif(&w.hv, &w.drv, &gd, spec).expect("good vif");
     let gpool = SkbPool::new(Arc::clone(&gd), 16, 16).expect("pool");

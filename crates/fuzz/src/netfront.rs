@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantHandle, GrantRef, GrantVersion, HvConfig, Hypervisor, MapOp};
 use net::netback::{Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, LinkChange, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::{LinkChange, Netfront, RxBuffers};
 use net::netif::{
     RxResponse, TxRequest, TxResponse, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO, NETRXF_MORE_DATA,
     XEN_NETIF_RSP_DROPPED, XEN_NETIF_RSP_ERROR, XEN_NETIF_RSP_NULL, XEN_NETIF_RSP_OKAY,
@@ -73,11 +74,8 @@ fn world() -> World {
     let spec = VifSpec {
         handle: GOOD,
         mac: [2, 0, 0, 0, 0, 1],
-        rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig::default(),
     };
     let good = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("good vif");
     let mut gpool = SkbPool::new(Arc::clone(&guest), 128, 600).expect("pool");
@@ -241,15 +239,15 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
     let spec = VifSpec {
         handle: EVIL,
         mac: [2, 0, 0, 0, 0, 9],
-        rx_buffers: inp.pick(&[RxBuffers::Fragments, RxBuffers::Linear]),
         index: 1,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            rx_buffers: inp.pick(&[RxBuffers::Fragments, RxBuffers::Linear]),
+            ..FrontConfig::default()
+        },
     };
     toolstack::offer_vif(&w.hv, &w.drv, &w.guest, spec).expect("offer");
     let mut front =
-        Netfront::connect_with(&w.hv, &w.guest, EVIL, spec.rx_buffers).expect("front end");
+        Netfront::connect_with(&w.hv, &w.guest, EVIL, spec.front.rx_buffers).expect("front end");
     front.refill_rx(&mut w.gpool);
     // The back end maps both rings by hand.
     let fdir = xenbus::frontend_dir(w.guest.id(), EVIL);

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use hv::store::XenbusState;
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::Netfront;
 use net::netif::{RxRequest, TxFatal, NETRXF_MORE_DATA, NETTXF_MORE_DATA, XEN_NETIF_RSP_OKAY};
 use net::skb::{SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -64,11 +65,8 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
     let spec = VifSpec {
         handle: 0,
         mac: [2, 0, 0, 0, 0, 7],
-        rx_buffers: RxBuffers::Fragments,
         index: 1,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig::default(),
     };
     toolstack::plug_vif(&w.hv, &w.drv, good, spec).expect("good vif")
 }

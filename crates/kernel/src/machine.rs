@@ -32,7 +32,8 @@ use hv::{
     DeviceId, DomId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port,
     Vector,
 };
-use net::netfront::{Grants, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::Netfront;
 use net::skb::SkbPool;
 use net::toolstack::{self, VifSpec};
 
@@ -132,17 +133,10 @@ pub struct GuestSpec {
     pub name: String,
     /// Its vif's MAC.
     pub mac: [u8; 6],
-    /// What its netfront posts.
-    pub rx_buffers: RxBuffers,
-    /// How its netfront gives pages to netback (grant reuse, paper 000 §4.4, or the
-    /// paper's unsafe stand-in).
-    pub grants: Grants,
-    /// Its netfront offers checksum offload and GSO (the TAP above it takes large
-    /// frames).
-    pub offloads: bool,
-    /// Its netfront asks for pvio's split ring layout (each end's indices on a line of
-    /// its own, `request-split-ring-indices`), which netback offers; ring.h's otherwise.
-    pub split_ring: bool,
+    /// Its netfront's switches: what it posts, how it grants (grant reuse, paper 000
+    /// §4.4, or the paper's unsafe stand-in), offloads (the TAP above it then takes
+    /// large frames), the split ring layout.
+    pub front: FrontConfig,
     /// What runs above netfront.
     pub above: Above,
     /// The core its vCPU is pinned to; by default the guests take the cores after the
@@ -507,11 +501,8 @@ fn connect_guests(
         let vs = VifSpec {
             handle: 0,
             mac: g.mac,
-            rx_buffers: g.rx_buffers,
             index: vifs.len() as u16,
-            grants: g.grants,
-            offloads: g.offloads,
-            split_indices: g.split_ring,
+            front: g.front,
         };
         // A hostile guest does its half of the handshake itself.
         let front = match g.above {
@@ -537,16 +528,8 @@ fn connect_guests(
                         )
                         .map_err(other)?;
                 }
-                let mut front = Netfront::connect_config(
-                    hv,
-                    dom,
-                    vs.handle,
-                    vs.rx_buffers,
-                    vs.grants,
-                    vs.offloads,
-                    vs.split_indices,
-                )
-                .map_err(other)?;
+                let mut front =
+                    Netfront::connect_config(hv, dom, vs.handle, vs.front).map_err(other)?;
                 let pool = guest_pool(dom, &mut front)?;
                 Front::Net(Box::new((front, pool)))
             }

@@ -15,7 +15,7 @@ use hv::{GrantPath, GrantVersion};
 use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 
 /// Nothing on the wire.
 struct Quiet;
@@ -80,13 +80,9 @@ fn job(
 
 fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
-        split_ring: false,
         weight: 1,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
         above: Above::Block(Box::new(BlockSpec {
             disk: Disk::File(disk.to_path_buf()),
             read_only: false,
@@ -94,6 +90,7 @@ fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec
             job,
         })),
         core: None,
+        front: FrontConfig::default(),
     }
 }
 

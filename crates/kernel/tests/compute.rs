@@ -10,23 +10,20 @@ use hv::{GrantPath, GrantVersion};
 use kernel::compute::ComputeSpec;
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 
 fn computing(name: &str, weight: u32, passes: &Arc<AtomicU64>) -> GuestSpec {
     GuestSpec {
-        split_ring: false,
         weight,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 0],
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
         above: Above::Compute(ComputeSpec {
             heap_pages: 64,
             passes: Arc::clone(passes),
         }),
         // Both on the machine's one core, with the driver domain.
         core: Some(0),
+        front: FrontConfig::default(),
     }
 }
 

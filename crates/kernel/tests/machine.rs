@@ -12,7 +12,7 @@ use kernel::app::{AppCounters, AppSpec};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
 use net::netback::VifStats;
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -72,15 +72,12 @@ fn messages(
 /// A guest with the original netfront (page fragments, a grant per I/O, no offloads).
 fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec {
     GuestSpec {
-        split_ring: false,
         weight: 1,
         name: name.into(),
         mac,
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
         above,
         core: None,
+        front: FrontConfig::default(),
     }
 }
 
@@ -132,10 +129,14 @@ fn three_guests_behind_one_driver_domain_each_get_their_own_messages_whole() {
         frames.push(messages(f, len, count, None));
         let (a, c) = app(f, len);
         apps.push(c);
+        let plain = plain_guest(format!("guest{host}"), f.dst_mac, Above::App(a));
         guests.push(GuestSpec {
-            // The second asks for the split ring layout; the others get ring.h's.
-            split_ring: host == 3,
-            ..plain_guest(format!("guest{host}"), f.dst_mac, Above::App(a))
+            front: FrontConfig {
+                // The second asks for the split ring layout; the others get ring.h's.
+                split_ring: host == 3,
+                ..plain.front
+            },
+            ..plain
         });
     }
     // Interleaved, so the bridge switches between vifs frame by frame.

@@ -14,6 +14,7 @@ use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::machine::{Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec};
 use kernel::svnic_guest::SvnicApp;
+use net::netfront::FrontConfig;
 use net::wire::{payload_byte, UdpFlow, UdpFramer, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -283,15 +284,12 @@ fn hv_host(
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: (0..n)
                 .map(|i| kernel::machine::GuestSpec {
-                    split_ring: false,
                     weight: 1,
                     name: format!("g{i}"),
                     mac: mac(i),
-                    rx_buffers: net::netfront::RxBuffers::Fragments,
-                    grants: net::netfront::Grants::PerIo,
-                    offloads: false,
                     above: kernel::machine::Above::Raw(app(i)),
                     core: None,
+                    front: FrontConfig::default(),
                 })
                 .collect(),
         },

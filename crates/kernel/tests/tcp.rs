@@ -14,7 +14,7 @@ use kernel::app::{AppCounters, AppSpec, Proto};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use net::netback::VifStats;
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
 
@@ -77,15 +77,15 @@ fn start_with(
         _ => Layout::DriverDomain {
             driver,
             guests: vec![GuestSpec {
-                split_ring: false,
                 weight: 1,
                 name: "guest".into(),
                 mac: f.dst_mac,
-                rx_buffers: RxBuffers::Fragments,
-                grants: Grants::PerIo,
-                offloads,
                 above: Above::App(spec),
                 core: None,
+                front: FrontConfig {
+                    offloads,
+                    ..FrontConfig::default()
+                },
             }],
         },
     };

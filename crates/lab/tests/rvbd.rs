@@ -19,7 +19,7 @@ use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use lab::remote_host::{self, RemoteHost, Servers, SHELF, SLOT};
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 
 /// 8 MiB.
 const SECTORS: u64 = 16384;
@@ -58,13 +58,9 @@ fn job(
 
 fn guest(name: &str, job: BlockJobSpec) -> GuestSpec {
     GuestSpec {
-        split_ring: false,
         weight: 1,
         name: name.into(),
         mac: [2, 0, 0, 0, 0, 9],
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
         above: Above::Block(Box::new(BlockSpec {
             disk: Disk::Aoe {
                 major: SHELF,
@@ -75,6 +71,7 @@ fn guest(name: &str, job: BlockJobSpec) -> GuestSpec {
             job,
         })),
         core: None,
+        front: FrontConfig::default(),
     }
 }
 
@@ -317,13 +314,9 @@ fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -
     use kernel::app::{AppCounters, AppSpec, NbdSpec, Proto};
     let mac = [2, 0, 0, 0, 0, host];
     GuestSpec {
-        split_ring: false,
         weight: 1,
         name: name.into(),
         mac,
-        rx_buffers: RxBuffers::Fragments,
-        grants: Grants::PerIo,
-        offloads: false,
         above: Above::App(AppSpec {
             flow: net::wire::UdpFlow {
                 src_mac: mac,
@@ -344,6 +337,7 @@ fn nbd_guest(name: &str, host: u8, port: u16, export: &str, job: BlockJobSpec) -
             }),
         }),
         core: None,
+        front: FrontConfig::default(),
     }
 }
 

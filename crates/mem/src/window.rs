@@ -777,15 +777,24 @@ mod tests {
             assert_eq!(&c, b"abcd");
             // A posted write lands every byte at any offset, and no other byte.
             let posted: Vec<u8> = (0..77u8).collect();
-            w.page(2).expect("held").write_nt(4093 - 77, &posted).expect("posted");
+            w.page(2)
+                .expect("held")
+                .write_nt(4093 - 77, &posted)
+                .expect("posted");
             let mut all = vec![0u8; 4096];
             mem.read(Mfn(6), 0, &mut all).expect("read");
             assert_eq!(&all[4093 - 77..4093], &posted[..]);
             assert_eq!(&all[..4], b"abcd");
-            assert!(all[4..4093 - 77].iter().chain(&all[4093..]).all(|&b| b == 0));
+            assert!(all[4..4093 - 77]
+                .iter()
+                .chain(&all[4093..])
+                .all(|&b| b == 0));
             assert_eq!(
                 w.page(2).expect("held").write_nt(4090, &posted),
-                Err(MemError::CrossesPage { offset: 4090, len: 77 })
+                Err(MemError::CrossesPage {
+                    offset: 4090,
+                    len: 77
+                })
             );
             assert_eq!(w.map(9, Mfn(6), true), Err(MemError::NoSuchSlot(9)));
             assert_eq!(w.map(3, Mfn(8), true), Err(MemError::NoSuchFrame(8)));

@@ -69,6 +69,43 @@ pub enum Grants {
     MachineFramesUnsafe,
 }
 
+/// A netfront's switches: what it posts, how it grants its pages, and what it asks of
+/// its back end. The one set of guest-side settings: the machine's guest spec, the
+/// toolstack's vif, the lab's options and `pvio up`'s guests each carry it whole.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FrontConfig {
+    /// What it posts on its RX ring.
+    pub rx_buffers: RxBuffers,
+    /// How it gives its pages to the back end (grant reuse, paper 000 §4.4, or the
+    /// paper's unsafe stand-in).
+    pub grants: Grants,
+    /// It offers checksum offload and GSO both ways (with page fragments).
+    pub offloads: bool,
+    /// It asks for pvio's split ring layout (each end's indices on a cache line of
+    /// their own, `request-split-ring-indices`) where the back end offers it; ring.h's
+    /// layout otherwise.
+    pub split_ring: bool,
+}
+
+impl FrontConfig {
+    /// The original netfront (the default): page fragments, a grant per I/O, no
+    /// offloads, ring.h's layout.
+    pub const ORIGINAL: Self = Self {
+        rx_buffers: RxBuffers::Fragments,
+        grants: Grants::PerIo,
+        offloads: false,
+        split_ring: false,
+    };
+
+    /// The original netfront, posting `rx_buffers`.
+    pub fn posting(rx_buffers: RxBuffers) -> Self {
+        Self {
+            rx_buffers,
+            ..Self::default()
+        }
+    }
+}
+
 /// What netfront posts on the RX ring.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum RxBuffers {
@@ -420,27 +457,28 @@ impl Netfront {
         handle: u32,
         rx_buffers: RxBuffers,
     ) -> Result<Self, XenbusError> {
-        Self::connect_config(hv, dom, handle, rx_buffers, Grants::PerIo, false, false)
+        Self::connect_config(hv, dom, handle, FrontConfig::posting(rx_buffers))
     }
 
-    /// As [`Netfront::connect_with`], asking for grant reuse (paper 000 §4.4) if
-    /// `grants` is [`Grants::Reuse`]: every page is then granted once and keeps its
-    /// reference, and leaves I/O through [`Netfront::unbind`]. A back end that does not
-    /// offer what is asked gets the original protocol. Not with [`RxBuffers::GuestCopy`].
-    /// With `offloads` (and page fragments), checksum offload and GSO are offered both
-    /// ways.
-    ///
-    /// With `split_indices`, asks for pvio's split ring layout
-    /// ([`xenbus::FEATURE_SPLIT_INDICES`]) where the back end offers it.
+    /// As [`Netfront::connect_with`], with every switch of `cfg`: grant reuse (paper 000
+    /// §4.4) if `grants` is [`Grants::Reuse`], every page then granted once, keeping its
+    /// reference, and leaving I/O through [`Netfront::unbind`] (a back end that does not
+    /// offer what is asked gets the original protocol; not with
+    /// [`RxBuffers::GuestCopy`]); with `offloads` (and page fragments), checksum offload
+    /// and GSO offered both ways; with `split_ring`, pvio's split ring layout
+    /// ([`xenbus::FEATURE_SPLIT_INDICES`]) asked for where the back end offers it.
     pub fn connect_config(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
         handle: u32,
-        rx_buffers: RxBuffers,
-        grants: Grants,
-        offloads: bool,
-        split_indices: bool,
+        cfg: FrontConfig,
     ) -> Result<Self, XenbusError> {
+        let FrontConfig {
+            rx_buffers,
+            grants,
+            offloads,
+            split_ring: split_indices,
+        } = cfg;
         // One reference per ring id and direction, all or none: a front end that
         // cannot connect gives back what it took, so that a guest can try again.
         let gt = dom.grant_table();

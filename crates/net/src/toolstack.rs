@@ -12,7 +12,7 @@ use hv::store::XenbusState;
 use hv::{DomId, Domain, Hypervisor};
 
 use crate::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use crate::netfront::{Grants, Netfront, RxBuffers};
+use crate::netfront::{FrontConfig, Netfront};
 use crate::xenbus::{self, XenbusError};
 
 /// One vif between a driver domain and a guest.
@@ -22,18 +22,11 @@ pub struct VifSpec {
     pub handle: u32,
     /// The guest's MAC (the only source address the bridge lets the vif use).
     pub mac: [u8; 6],
-    /// What netfront posts on its RX ring.
-    pub rx_buffers: RxBuffers,
+    /// The guest's netfront: what it posts, how it grants, what it asks for.
+    pub front: FrontConfig,
     /// The vif's index in the driver domain (its release tokens' high half); it maps
     /// at window slots from `index · VIF_WINDOW_SLOTS`.
     pub index: u16,
-    /// How netfront gives its pages to the back end.
-    pub grants: Grants,
-    /// netfront offers checksum offload and GSO.
-    pub offloads: bool,
-    /// netfront asks for pvio's split ring layout (each end's indices on a cache line
-    /// of their own), which pvio's netback offers; ring.h's layout otherwise.
-    pub split_indices: bool,
 }
 
 /// Window slots a driver domain needs for `vifs` vifs.
@@ -50,15 +43,7 @@ pub fn plug_vif(
     spec: VifSpec,
 ) -> Result<(Netfront, Vif), XenbusError> {
     offer_vif(hv, driver, guest, spec)?;
-    let front = Netfront::connect_config(
-        hv,
-        guest,
-        spec.handle,
-        spec.rx_buffers,
-        spec.grants,
-        spec.offloads,
-        spec.split_indices,
-    )?;
+    let front = Netfront::connect_config(hv, guest, spec.handle, spec.front)?;
     let vif = connect_backend(hv, driver, guest, spec)?;
     Ok((front, vif))
 }

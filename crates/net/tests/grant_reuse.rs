@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use hv::{DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Iova};
 use net::netback::{Vif, CACHE_SLOTS, CTRL_WAITING, VIF_WINDOW_SLOTS};
+use net::netfront::FrontConfig;
 use net::netfront::{Grants, Netfront, RxBuffers};
 use net::netif::{
     CtrlRequest, NetifGref, RxRequest, GREF_LIST_MAX, XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER,
@@ -66,11 +67,11 @@ fn plug(
     let spec = VifSpec {
         handle: 0,
         mac: [0x02, 0, 0, 0, 0, 2],
-        rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grants,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            grants,
+            ..FrontConfig::default()
+        },
     };
     toolstack::plug_vif(hv, drv, guest, spec).expect("vif")
 }
@@ -337,11 +338,12 @@ fn raw_with_ctrl_copying(p: &Pair) -> (Arc<Domain>, RawFront, Vif) {
     let spec = VifSpec {
         handle: 0,
         mac: [0x02, 0, 0, 0, 0, 9],
-        rx_buffers: RxBuffers::Linear,
         index: 1,
-        grants: Grants::Reuse,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            rx_buffers: RxBuffers::Linear,
+            grants: Grants::Reuse,
+            ..FrontConfig::default()
+        },
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let mut raw = RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("raw");

@@ -10,7 +10,8 @@ use hv::{
     MapOp,
 };
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, Netfront, RxBuffers, RX_COPY_LEN};
+use net::netfront::FrontConfig;
+use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{
     ExtraInfo, RxError, RxRequest, RxResponse, TxRequest, TxResponse, NETRXF_CSUM_BLANK,
     NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, NETTXF_MORE_DATA, RX_COPY_MAX_SLOTS,
@@ -70,9 +71,12 @@ impl Raw {
             base
         });
         netback::probe(store, drv.id(), guest.id(), 0).expect("probe");
-        let front =
-            Netfront::connect_config(hv, guest, 0, rx_buffers, Grants::PerIo, offloads, false)
-                .expect("front end");
+        let cfg = FrontConfig {
+            rx_buffers,
+            offloads,
+            ..FrontConfig::ORIGINAL
+        };
+        let front = Netfront::connect_config(hv, guest, 0, cfg).expect("front end");
         let dir = xenbus::frontend_dir(guest.id(), 0);
         let key = |k: &str| xenbus::read_u32(store, drv.id(), &format!("{dir}/{k}")).expect(k);
         let ops = [("tx-ring-ref", TX_SLOT), ("rx-ring-ref", RX_SLOT)].map(|(k, slot)| MapOp {

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{Vif, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, Netfront, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::Netfront;
 use net::offload::{Csum, Offload, OffloadError};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -50,11 +51,11 @@ fn pair(offloads: bool) -> Pair {
     let spec = VifSpec {
         handle: 0,
         mac: GUEST_MAC,
-        rx_buffers: RxBuffers::Fragments,
         index: 0,
-        grants: Grants::PerIo,
-        offloads,
-        split_indices: false,
+        front: FrontConfig {
+            offloads,
+            ..FrontConfig::default()
+        },
     };
     let (mut front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     let dpool = SkbPool::new(Arc::clone(&drv), 512, 512).expect("pool");

@@ -10,7 +10,8 @@ use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
 use net::counters::CopyAlign;
 use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
-use net::netfront::{Grants, Netfront, RxBuffers, RX_COPY_LEN};
+use net::netfront::FrontConfig;
+use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};
 use net::netif::{RxRequest, XEN_NETIF_RSP_ERROR};
 use net::skb::{Frag, FragPage, SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::stack::{Stack, UserBuf, DEFAULT_RCVBUF};
@@ -83,11 +84,11 @@ fn pair_with(version: GrantVersion, path: GrantPath, rx_buffers: RxBuffers) -> P
     let spec = VifSpec {
         handle: 0,
         mac: flow().dst_mac,
-        rx_buffers,
         index: 0,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            rx_buffers,
+            ..FrontConfig::default()
+        },
     };
     let (front, vif) = toolstack::plug_vif(&hv, &drv, &guest, spec).expect("vif");
     assert_eq!(
@@ -385,11 +386,11 @@ fn two_guests(version: GrantVersion, path: GrantPath, rx_b: RxBuffers) -> TwoGue
         let spec = VifSpec {
             handle: 0,
             mac,
-            rx_buffers,
             index,
-            grants: Grants::PerIo,
-            offloads: false,
-            split_indices: false,
+            front: FrontConfig {
+                rx_buffers,
+                ..FrontConfig::default()
+            },
         };
         toolstack::plug_vif(&hv, &drv, g, spec).expect("vif")
     };
@@ -964,11 +965,11 @@ fn raw_guest(p: &Pair, rx_buffers: RxBuffers) -> (Arc<Domain>, net::rawfront::Ra
     let spec = VifSpec {
         handle: 0,
         mac: [2, 0, 0, 0, 0, 9],
-        rx_buffers,
         index: 1,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices: false,
+        front: FrontConfig {
+            rx_buffers,
+            ..FrontConfig::default()
+        },
     };
     toolstack::offer_vif(&p.hv, &p.drv, &bad, spec).expect("offer");
     let raw = net::rawfront::RawFront::publish(&p.hv, &bad, p.drv.id(), 0).expect("publish");
@@ -1184,11 +1185,11 @@ fn plain_spec(mac: [u8; 6], index: u16, split_indices: bool) -> VifSpec {
     VifSpec {
         handle: 0,
         mac,
-        rx_buffers: RxBuffers::Fragments,
         index,
-        grants: Grants::PerIo,
-        offloads: false,
-        split_indices,
+        front: FrontConfig {
+            split_ring: split_indices,
+            ..FrontConfig::default()
+        },
     }
 }
 
@@ -1241,16 +1242,11 @@ fn the_split_ring_layout_is_used_only_where_both_ends_agree_and_carries_traffic_
                 )
                 .expect("withdraw the offer");
         }
-        let front = Netfront::connect_config(
-            &hv,
-            &guest,
-            0,
-            RxBuffers::Fragments,
-            Grants::PerIo,
-            false,
-            asked,
-        )
-        .expect("front");
+        let cfg = FrontConfig {
+            split_ring: asked,
+            ..FrontConfig::ORIGINAL
+        };
+        let front = Netfront::connect_config(&hv, &guest, 0, cfg).expect("front");
         let vif = toolstack::connect_backend(&hv, &drv, &guest, spec).expect("back");
         let fdir = xenbus::frontend_dir(guest.id(), 0);
         assert_eq!(

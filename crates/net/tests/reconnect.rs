@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::VIF_WINDOW_SLOTS;
-use net::netfront::{Grants, LinkChange, RxBuffers};
+use net::netfront::FrontConfig;
+use net::netfront::LinkChange;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
 
@@ -27,11 +28,8 @@ fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
 const SPEC: VifSpec = VifSpec {
     handle: 0,
     mac: [2, 0, 0, 0, 0, 2],
-    rx_buffers: RxBuffers::Fragments,
     index: 0,
-    grants: Grants::PerIo,
-    offloads: false,
-    split_indices: false,
+    front: FrontConfig::ORIGINAL,
 };
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.

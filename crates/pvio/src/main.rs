@@ -736,14 +736,20 @@ fn main() -> ExitCode {
                     guests: vec![up::UpGuest {
                         ns: guest_ns,
                         addr: guest_addr,
-                        rx_buffers: if no_fragments {
-                            up::RxBuffers::Linear
-                        } else {
-                            up::RxBuffers::Fragments
+                        front: up::FrontConfig {
+                            rx_buffers: if no_fragments {
+                                up::RxBuffers::Linear
+                            } else {
+                                up::RxBuffers::Fragments
+                            },
+                            grants: if grant_reuse {
+                                up::Grants::Reuse
+                            } else {
+                                up::Grants::PerIo
+                            },
+                            offloads: !no_offloads,
+                            split_ring,
                         },
-                        grant_reuse,
-                        offloads: !no_offloads,
-                        split_ring,
                         ..up::UpGuest::nth(0)
                     }],
                     driver: up::DriverConfig {

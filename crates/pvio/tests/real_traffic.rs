@@ -311,7 +311,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         pcap: Some(pcap.clone()),
         ..cfg.clone()
     };
-    linear.guest_mut().rx_buffers = RxBuffers::Linear;
+    linear.guest_mut().front.rx_buffers = RxBuffers::Linear;
     let machine = up(&linear).expect("pvio up, no fragments");
     let captures = machine.capture_counters();
     ping(o, "10.78.0.2");
@@ -327,7 +327,7 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
     // cached mappings, no map after each page's first.
     let mut reuse = cfg.clone();
     reuse.driver.queues = true;
-    reuse.guest_mut().grant_reuse = true;
+    reuse.guest_mut().front.grants = up::Grants::Reuse;
     let machine = up(&reuse).expect("pvio up --grant-reuse --multi-queue");
     ping(o, "10.78.0.2");
     for (sink_ns, source_ns, to) in [(g, o, "10.78.0.2:5300"), (o, g, "10.78.0.1:5300")] {

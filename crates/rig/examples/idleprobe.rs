@@ -21,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..runs {
         for &(config, rx_buffers) in &which {
             let m = Running::start(Options {
-                rx_buffers,
+                front: net::netfront::FrontConfig::posting(rx_buffers),
                 ..Options::paper(config, size)
             })?;
             std::thread::sleep(Duration::from_millis(300));

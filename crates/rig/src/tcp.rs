@@ -20,7 +20,7 @@ use kernel::app::{AppCounters, AppSpec, Proto};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
 use kernel::Counters;
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 use net::wire::UdpFlow;
 
 use crate::udp::{domain_use, DomainSnapshot, SoftOpt};
@@ -193,8 +193,13 @@ impl TcpRunning {
         });
         let peer_counters = Arc::clone(peer.counters());
         let mut driver = o.driver;
-        let (mut rx_buffers, mut grant_version, mut grant_path) =
-            (RxBuffers::Fragments, GrantVersion::V1, GrantPath::Original);
+        // Checksum offload (netfront of the paper's day had it) and GSO packets from
+        // netback.
+        let mut front = FrontConfig {
+            offloads: true,
+            ..FrontConfig::default()
+        };
+        let (mut grant_version, mut grant_path) = (GrantVersion::V1, GrantPath::Original);
         if o.soft {
             // Every switch but netfront's linear buffers, which take no GSO packet.
             for opt in SoftOpt::ALL
@@ -203,7 +208,7 @@ impl TcpRunning {
             {
                 opt.apply_to(
                     &mut driver,
-                    &mut rx_buffers,
+                    &mut front,
                     (&mut grant_version, &mut grant_path),
                 );
             }
@@ -213,32 +218,24 @@ impl TcpRunning {
             Receiver::Pv => Layout::DriverDomain {
                 driver,
                 guests: [GuestSpec {
-                    split_ring: false,
                     weight: 1,
                     name: "guest".into(),
                     mac: f.dst_mac,
-                    rx_buffers,
-                    grants: Grants::PerIo,
-                    // Checksum offload (netfront of the paper's day had it) and GSO
-                    // packets from netback.
-                    offloads: true,
                     above: Above::App(spec),
                     core: guest_core,
+                    front,
                 }]
                 .into_iter()
                 .chain(o.neighbour.map(|weight| GuestSpec {
-                    split_ring: false,
                     weight,
                     name: NEIGHBOUR.into(),
                     mac: [0x02, 0, 0, 0, 0, 0xcc],
-                    rx_buffers: RxBuffers::Fragments,
-                    grants: Grants::PerIo,
-                    offloads: false,
                     above: Above::Compute(kernel::compute::ComputeSpec {
                         heap_pages: 512,
                         passes: Arc::default(),
                     }),
                     core: guest_core,
+                    front: FrontConfig::default(),
                 }))
                 .collect(),
             },

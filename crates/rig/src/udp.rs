@@ -30,6 +30,7 @@ use kernel::machine::{
     Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role, SvnicGuestSpec,
 };
 use kernel::svnic_guest::SvnicApp;
+use net::netfront::FrontConfig;
 use net::netfront::{Grants, RxBuffers};
 use net::wire::{UdpFlow, DEFAULT_MTU};
 use smoltcp::wire::Ipv4Address;
@@ -85,22 +86,19 @@ pub struct Options {
     pub grant_path: GrantPath,
     /// Profiler sampling interval (none: no sampling).
     pub sample: Option<Duration>,
-    /// What netfront posts (pv only): page fragments (the original) or linear buffers
-    /// (the paper's netfront without fragments, §3.4.2).
-    pub rx_buffers: RxBuffers,
+    /// The receiving guest's netfront (pv only): what it posts (page fragments, the
+    /// original, or linear buffers, the paper's netfront without fragments, §3.4.2),
+    /// how it gives its pages to netback (a grant per I/O, grant reuse, paper 000 §4.4,
+    /// or the paper's unsafe stand-in, machine frames on the ring), and checksum offload
+    /// and GSO (with the TAPs of real interfaces, `pvio up`; the lab's own stack takes
+    /// no large frames).
+    pub front: FrontConfig,
     /// Hostile guests beside the receiving one (pv only), each writing garbage into its
     /// vif's rings ([`kernel::hostile::HostileGuest`]); the soak's.
     pub hostile: usize,
     /// Measure each message's one-way latency from the wire to the application
     /// ([`Running::latency`]); meant for low rates.
     pub latency: bool,
-    /// How netfront gives its pages to netback (pv only): a grant per I/O, grant reuse
-    /// (paper 000 §4.4: pages bound to references, netback's cache of mappings), or the
-    /// paper's unsafe stand-in (machine frames on the ring).
-    pub grants: Grants,
-    /// Checksum offload and GSO between netfront and netback, and on the TAPs of real
-    /// interfaces (`pvio up`; the lab's own stack takes no large frames).
-    pub offloads: bool,
     /// How the machine's idle pCPUs wait.
     pub idle: hv::sched::IdlePolicy,
     /// Where the devices' DMA writes land: in memory (the papers' platforms, the
@@ -131,11 +129,9 @@ impl Options {
             grant_version: GrantVersion::V1,
             grant_path: GrantPath::Original,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
-            rx_buffers: RxBuffers::Fragments,
+            front: FrontConfig::default(),
             hostile: 0,
             latency: false,
-            grants: Grants::PerIo,
-            offloads: false,
             idle: crate::idle_policy(),
             dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: None,
@@ -188,23 +184,23 @@ impl SoftOpt {
     pub fn apply(self, o: &mut Options) {
         self.apply_to(
             &mut o.driver,
-            &mut o.rx_buffers,
+            &mut o.front,
             (&mut o.grant_version, &mut o.grant_path),
         );
     }
 
-    /// Turns it on where it lives: the driver domain's switches, what netfront posts,
+    /// Turns it on where it lives: the driver domain's switches, the guest's netfront,
     /// or the machine's grant implementation.
     pub fn apply_to(
         self,
         driver: &mut DriverConfig,
-        rx_buffers: &mut RxBuffers,
+        front: &mut FrontConfig,
         (version, path): (&mut GrantVersion, &mut GrantPath),
     ) {
         match self {
             SoftOpt::NoNetfilter => driver.netfilter = false,
             SoftOpt::AlignedCopies => driver.aligned_copies = true,
-            SoftOpt::NoFragments => *rx_buffers = RxBuffers::Linear,
+            SoftOpt::NoFragments => front.rx_buffers = RxBuffers::Linear,
             SoftOpt::GrantFastPaths => {
                 *version = GrantVersion::V2;
                 *path = GrantPath::Optimised;
@@ -246,9 +242,13 @@ impl Options {
     /// third bar): `pv-soft`, with netback lending its buffers through sub-page grants
     /// and netfront copying each packet into a buffer it allocates for it.
     pub fn pv_guestcopy(message: usize) -> Self {
+        let o = Self::pv_soft(message);
         Self {
-            rx_buffers: RxBuffers::GuestCopy,
-            ..Self::pv_soft(message)
+            front: FrontConfig {
+                rx_buffers: RxBuffers::GuestCopy,
+                ..o.front
+            },
+            ..o
         }
     }
 
@@ -271,9 +271,13 @@ impl Options {
     /// through netback's cache of mapped grants (a map only on a miss, no unmap per
     /// packet).
     pub fn pv_mq_reuse(message: usize) -> Self {
+        let o = Self::pv_mq(message);
         Self {
-            grants: Grants::Reuse,
-            ..Self::pv_mq(message)
+            front: FrontConfig {
+                grants: Grants::Reuse,
+                ..o.front
+            },
+            ..o
         }
     }
 
@@ -283,9 +287,13 @@ impl Options {
     /// pinned; the driver domain's IOMMU context maps all of machine memory). What the
     /// paper measured as Figure 8's fifth bar; not one of [`NAMED`].
     pub fn pv_mq_unsafe(message: usize) -> Self {
+        let o = Self::pv_mq(message);
         Self {
-            grants: Grants::MachineFramesUnsafe,
-            ..Self::pv_mq(message)
+            front: FrontConfig {
+                grants: Grants::MachineFramesUnsafe,
+                ..o.front
+            },
+            ..o
         }
     }
 
@@ -462,26 +470,20 @@ impl Running {
                     sink: Box::new(CountingSink::default()),
                 };
                 let guests = std::iter::once(GuestSpec {
-                    split_ring: false,
                     weight: 1,
                     name: "guest".into(),
                     mac: f.dst_mac,
-                    rx_buffers: opts.rx_buffers,
-                    grants: opts.grants,
-                    offloads: opts.offloads,
                     above: Above::App(app_spec.clone()),
                     core: None,
+                    front: opts.front,
                 })
                 .chain((0..opts.hostile).map(|i| GuestSpec {
-                    split_ring: false,
                     weight: 1,
                     name: format!("hostile{i}"),
                     mac: [0x02, 0, 0, 0, 0xee, i as u8],
-                    rx_buffers: RxBuffers::Fragments,
-                    grants: Grants::PerIo,
-                    offloads: false,
                     above: Above::Hostile(0x5eed_0000 + i as u64),
                     core: None,
+                    front: FrontConfig::default(),
                 }))
                 .collect();
                 (nic, guests)
@@ -496,7 +498,7 @@ impl Running {
             (Config::Direct, _) => Layout::Direct(app_spec),
             (Config::Pv, None) => Layout::DriverDomain {
                 driver: DriverConfig {
-                    unsafe_machine_frames: opts.grants == Grants::MachineFramesUnsafe,
+                    unsafe_machine_frames: opts.front.grants == Grants::MachineFramesUnsafe,
                     ..opts.driver
                 },
                 guests,

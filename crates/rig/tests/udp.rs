@@ -41,9 +41,9 @@ fn every_configuration_delivers_every_message_intact_but_for_frames_the_nic_miss
             // keeps up, not how fast it keeps up: the experiments measure that.
             o.rate = 5_000.0;
             if let Some(rx) = rx {
-                o.rx_buffers = rx;
+                o.front.rx_buffers = rx;
             }
-            let (config, rx_buffers) = (o.config, o.rx_buffers);
+            let (config, rx_buffers) = (o.config, o.front.rx_buffers);
             let m = Running::start(o).expect("machine");
             std::thread::sleep(Duration::from_millis(150));
             let s = m.snapshot();

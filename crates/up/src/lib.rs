@@ -17,8 +17,8 @@
 
 pub mod machine_file;
 
-/// What netfront posts on its RX ring, as a guest's `rx_buffers` names it.
-pub use net::netfront::RxBuffers;
+/// A guest's netfront, and what it posts and how it grants, as its `front` names them.
+pub use net::netfront::{FrontConfig, Grants, RxBuffers};
 use std::process::Command;
 use std::sync::atomic::Ordering;
 
@@ -155,13 +155,10 @@ impl UpDisk {
             counters: Arc::new(JobCounters::default()),
         };
         GuestSpec {
-            split_ring: false,
             weight: 1,
             name: self.name.clone(),
             mac: [0x02, 0, 0, 0, 0xd1, 0],
-            rx_buffers: RxBuffers::Fragments,
-            grants: net::netfront::Grants::PerIo,
-            offloads: false,
+            front: FrontConfig::default(),
             above: Above::Block(Box::new(kernel::machine::BlockSpec {
                 disk: self.disk.clone(),
                 read_only: self.read_only,
@@ -223,25 +220,25 @@ pub struct UpGuest {
     pub ns: String,
     /// Its address, with its prefix length.
     pub addr: String,
-    /// What netfront posts: page fragments (the original) or linear buffers (no
-    /// fragments; frames up to 1518 bytes).
-    pub rx_buffers: RxBuffers,
-    /// Grant reuse (paper 000 §4.4): netfront binds its pages to references, netback
-    /// reaches them through its cache of mappings, no map or unmap per packet.
-    pub grant_reuse: bool,
-    /// Checksum offload and GSO on its whole path: its TAP (and the cable's) opened
-    /// with a virtio-net header and TCP/IPv4 segmentation taken, netfront offering
-    /// `feature-gso-tcpv4` and blank checksums, so that a large TCP segment crosses as
-    /// one packet.
-    pub offloads: bool,
+    /// Its netfront:
+    /// * what it posts: page fragments (the original) or linear buffers (no fragments;
+    ///   frames up to 1518 bytes);
+    /// * its grants: one per I/O, or grant reuse (paper 000 §4.4: netfront binds its
+    ///   pages to references, netback reaches them through its cache of mappings, no
+    ///   map or unmap per packet); never the paper's unsafe stand-in, which [`check`]
+    ///   refuses;
+    /// * checksum offload and GSO on its whole path: its TAP (and the cable's) opened
+    ///   with a virtio-net header and TCP/IPv4 segmentation taken, netfront offering
+    ///   `feature-gso-tcpv4` and blank checksums, so that a large TCP segment crosses
+    ///   as one packet;
+    /// * pvio's split ring layout (each end's ring indices on a cache line of their
+    ///   own; ring.h's layout otherwise, as a real Xen peer gets).
+    pub front: FrontConfig,
     /// Its vCPU's core (by default, the guests take the cores after the driver
     /// domain's, one each).
     pub core: Option<usize>,
     /// Its VIF's priority on an SV-NIC (1 to 100; the device's default if none).
     pub priority: Option<u8>,
-    /// Its netfront asks for pvio's split ring layout (each end's ring indices on a
-    /// cache line of their own; ring.h's layout otherwise, as a real Xen peer gets).
-    pub split_ring: bool,
 }
 
 impl UpGuest {
@@ -258,12 +255,12 @@ impl UpGuest {
             name: format!("guest{suffix}"),
             ns: format!("pvio-guest{suffix}"),
             addr: format!("10.77.0.{}/24", i + 2),
-            rx_buffers: RxBuffers::Fragments,
-            grant_reuse: false,
-            offloads: true,
+            front: FrontConfig {
+                offloads: true,
+                ..FrontConfig::default()
+            },
             core: None,
             priority: None,
-            split_ring: false,
         }
     }
 
@@ -499,6 +496,13 @@ pub fn check(cfg: &UpConfig) -> Result<(), Error> {
         ));
     }
     for (i, g) in cfg.guests.iter().enumerate() {
+        if g.front.grants == net::netfront::Grants::MachineFramesUnsafe {
+            return Err(Error::Other(format!(
+                "guest {}: machine frames on the ring are the paper's unsafe stand-in, for \
+                 measurement only; pvio up grants per I/O or reuses its grants",
+                g.name
+            )));
+        }
         if g.ns == cfg.outside_ns {
             return Err(Error::Other(format!(
                 "guest {}: namespace {:?} is the outside's too",
@@ -693,8 +697,9 @@ fn bring_up(
     let pid = std::process::id() % 100_000;
     // A guest's front end takes large segments only on the page-fragment path; the
     // cable carries them if any guest does.
-    let offloads =
-        |g: &UpGuest| g.offloads && g.rx_buffers == RxBuffers::Fragments && cfg.svnic.is_none();
+    let offloads = |g: &UpGuest| {
+        g.front.offloads && g.front.rx_buffers == RxBuffers::Fragments && cfg.svnic.is_none()
+    };
     let tap_offload = |on: bool| {
         if on {
             mem::tap::TapOffload::CsumTso
@@ -742,20 +747,15 @@ fn bring_up(
         }
         counters.push((g.name.clone(), Arc::clone(tap.counters())));
         guests.push(GuestSpec {
-            split_ring: g.split_ring,
             weight: 1,
             name: g.name.clone(),
             mac,
             above: Above::Tap(Box::new(tap)),
-            rx_buffers: g.rx_buffers,
-            // Never the unsafe stand-in here: only a grant per I/O or the safe cache.
-            grants: if g.grant_reuse {
-                net::netfront::Grants::Reuse
-            } else {
-                net::netfront::Grants::PerIo
-            },
-            offloads: on,
             core: g.core,
+            front: FrontConfig {
+                offloads: on,
+                ..g.front
+            },
         });
     }
     // Guests with disks, after the guests with networks.
@@ -765,12 +765,14 @@ fn bring_up(
     let first = cfg.guest();
     let opts = Options {
         driver: cfg.driver,
-        rx_buffers: first.rx_buffers,
+        front: FrontConfig {
+            offloads: offloads(first),
+            ..first.front
+        },
         sample: None,
         coalesce: cfg.coalesce,
         grant_path: cfg.grant_path,
         grant_version: cfg.grant_version,
-        offloads: offloads(first),
         // Outside processes (iperf3, ping, the TAPs' readers) share the cores.
         idle: hv::sched::IdlePolicy::HALT_POLL,
         cpus: cfg.cpus,
@@ -947,5 +949,20 @@ mod host_tests {
         cfg.guests[0].core = Some(mem::cpu::online_cores());
         let e = on_this_host(&cfg).expect_err("refused").to_string();
         assert!(e.contains("guest: core"), "{e}");
+    }
+
+    /// Grant reuse is a guest's to ask for; the paper's unsafe stand-in (machine frames
+    /// on the ring, unchecked) never runs with real traffic.
+    #[test]
+    fn a_guest_asking_for_machine_frames_on_the_ring_is_refused() {
+        let mut cfg = UpConfig {
+            guests: vec![UpGuest::nth(0)],
+            ..UpConfig::default()
+        };
+        cfg.guests[0].front.grants = Grants::Reuse;
+        assert!(check(&cfg).is_ok());
+        cfg.guests[0].front.grants = Grants::MachineFramesUnsafe;
+        let e = check(&cfg).expect_err("refused").to_string();
+        assert!(e.contains("unsafe stand-in"), "{e}");
     }
 }

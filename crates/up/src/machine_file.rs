@@ -594,20 +594,23 @@ fn guest_tables(
         }
         endpoint(&g.tap, "guest.tap", &mut u.ns, &mut u.addr, refuse_at)?;
         if let Some(b) = g.rx_buffers {
-            u.rx_buffers = match b {
+            u.front.rx_buffers = match b {
                 Buffers::Fragments => RxBuffers::Fragments,
                 Buffers::Linear => RxBuffers::Linear,
                 Buffers::GuestCopy => RxBuffers::GuestCopy,
             };
         }
         if let Some(gr) = g.grants {
-            u.grant_reuse = matches!(gr, Grants::Reuse);
+            u.front.grants = match gr {
+                Grants::PerIo => net::netfront::Grants::PerIo,
+                Grants::Reuse => net::netfront::Grants::Reuse,
+            };
         }
         if let Some(r) = g.split_ring {
-            u.split_ring = r;
+            u.front.split_ring = r;
         }
         if let Some(o) = g.offloads {
-            u.offloads = o;
+            u.front.offloads = o;
         }
         if let Some(c) = &g.core {
             if *c.get_ref() as usize >= MAX_CORES {
@@ -815,9 +818,13 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert_eq!(cfg.coalesce.pkts_per_irq, 32);
         assert!(cfg.coalesce.adaptive);
         assert_eq!(cfg.coalesce.max_delay, d.coalesce.max_delay);
-        assert!(cfg.driver.queues && cfg.guest().grant_reuse && !cfg.driver.netfilter);
-        assert!(d.guest().offloads && !cfg.guest().offloads);
-        assert_eq!(cfg.guest().rx_buffers, RxBuffers::Linear);
+        assert!(
+            cfg.driver.queues
+                && (cfg.guest().front.grants == net::netfront::Grants::Reuse)
+                && !cfg.driver.netfilter
+        );
+        assert!(d.guest().front.offloads && !cfg.guest().front.offloads);
+        assert_eq!(cfg.guest().front.rx_buffers, RxBuffers::Linear);
         assert_eq!(
             (cfg.guest().ns.as_str(), cfg.guest().addr.as_str()),
             ("g1", "10.9.0.2/24")
@@ -850,9 +857,9 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
         assert_eq!(p("[[guest]]\n").expect("tap").cable, None);
         let cfg = p("[nic]\ncable = \"veth-pv0\"\n[[guest]]\n").expect("cable");
         assert_eq!(cfg.cable.as_deref(), Some("veth-pv0"));
-        assert!(!cfg.guest().split_ring);
+        assert!(!cfg.guest().front.split_ring);
         let two = p("[[guest]]\nsplit_ring = true\n[[guest]]\n").expect("split ring");
-        assert!(two.guests[0].split_ring && !two.guests[1].split_ring);
+        assert!(two.guests[0].front.split_ring && !two.guests[1].front.split_ring);
         assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Cache);
         let cfg = p("[nic]\ndma = \"memory\"\n[[guest]]\n").expect("2008's NIC");
         assert_eq!(cfg.dma_landing, hv::iommu::DmaLanding::Memory);
@@ -911,7 +918,9 @@ core = 3
             (b.name.as_str(), b.ns.as_str(), b.addr.as_str()),
             ("b", "pvio-guest2", "10.77.0.3/24")
         );
-        assert!(b.grant_reuse && b.offloads && b.core == Some(3));
+        assert!(
+            b.front.grants == net::netfront::Grants::Reuse && b.front.offloads && b.core == Some(3)
+        );
     }
 
     #[test]

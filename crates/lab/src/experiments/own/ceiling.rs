@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use hv::{DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use mem::cpu::pin_current_thread;
 use net::netback::{self, VIF_WINDOW_SLOTS};
+use net::netfront::FrontConfig;
 use net::netfront::{Grants, Netfront, RxBuffers};
 use net::skb::{SkbError, SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -328,11 +329,13 @@ impl Path {
         let spec = VifSpec {
             handle: 0,
             mac: flow().dst_mac,
-            rx_buffers: v.rx_buffers,
             index: 0,
-            grants: v.grants,
-            offloads: false,
-            split_indices: v.split,
+            front: FrontConfig {
+                rx_buffers: v.rx_buffers,
+                grants: v.grants,
+                split_ring: v.split,
+                ..FrontConfig::default()
+            },
         };
         let (front, mut vif) =
             toolstack::plug_vif(&hv, &drv, &guest, spec).map_err(Error::other)?;

@@ -656,7 +656,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
             let (o, g, addr) = match path {
                 Path::Pvio | Path::PvioPlain => {
                     let mut c = cfg.clone();
-                    c.guest_mut().offloads = path == Path::Pvio;
+                    c.guest_mut().front.offloads = path == Path::Pvio;
                     machine = Some(up(&c)?);
                     if intact.is_none() && path == Path::Pvio {
                         if let Some(exe) = pvio_exe() {

@@ -28,7 +28,7 @@ use kernel::machine::{
     Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role, SvnicGuestSpec,
 };
 use kernel::svnic_guest::SvnicApp;
-use net::netfront::{Grants, RxBuffers};
+use net::netfront::FrontConfig;
 
 use crate::remote_host::{
     self, RemoteHost, Servers, NBDKIT_PORT, NBD_SERVER_PORT, SHELF, SLOT, VETH_ADDR,
@@ -209,15 +209,12 @@ fn layout(path: Where, block: BlockSpec) -> Layout {
             ..DriverConfig::default()
         },
         guests: vec![GuestSpec {
-            split_ring: false,
             weight: 1,
             name: "guest".into(),
             mac: [2, 0, 0, 0, 0, 2],
-            rx_buffers: RxBuffers::Fragments,
-            grants: Grants::PerIo,
-            offloads: false,
             above,
             core: None,
+            front: FrontConfig::default(),
         }],
     };
     let svnic = |app: SvnicApp| Layout::Svnic {

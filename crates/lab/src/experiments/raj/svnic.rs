@@ -27,6 +27,7 @@ use kernel::machine::{
 };
 use kernel::probe::{ProbeCounters, ProbeSpec};
 use kernel::svnic_guest::{RawApp, SvnicApp};
+use net::netfront::FrontConfig;
 
 use crate::chart::{Lines, Series};
 use crate::stats::Stats;
@@ -273,18 +274,15 @@ fn host(
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: (0..n)
                 .map(|i| GuestSpec {
-                    split_ring: false,
                     weight: 1,
                     name: format!("g{i}"),
                     mac: side.mac(i),
-                    rx_buffers: net::netfront::RxBuffers::Fragments,
-                    grants: net::netfront::Grants::PerIo,
-                    offloads: false,
                     above: match app(i) {
                         GuestApp::Raw(r) => Above::Raw(r),
                         GuestApp::Stack(a) => Above::App(a),
                     },
                     core: place.guest_core(i),
+                    front: FrontConfig::default(),
                 })
                 .collect(),
         },
@@ -820,7 +818,9 @@ mod tests {
             .filter(|row| row.group.starts_with("§VI-A"))
             .collect();
         assert_eq!(host.len(), 4, "{host:?}");
-        assert!(host.iter().all(|row| row.stats.n > 0 && row.stats.median > 0.0));
+        assert!(host
+            .iter()
+            .all(|row| row.stats.n > 0 && row.stats.median > 0.0));
         let intact = r
             .checks
             .iter()

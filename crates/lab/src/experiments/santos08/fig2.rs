@@ -22,7 +22,6 @@ use crate::harness::{
     GLOBALS,
 };
 use crate::{Error, Experiment, Mode, Report};
-use net::netfront::RxBuffers;
 use rig::udp::{Config, Finish, Options, SoftOpt};
 
 /// The registry entry.
@@ -119,10 +118,7 @@ impl Machine {
     fn options(self, size: usize) -> Options {
         match self {
             Machine::Paper(c) => Options::paper(c, size),
-            Machine::NoFrag => Options {
-                rx_buffers: RxBuffers::Linear,
-                ..Options::paper(Config::Pv, size)
-            },
+            Machine::NoFrag => Options::pv_with(SoftOpt::NoFragments, size),
             Machine::NoNetfilter => Options::pv_with(SoftOpt::NoNetfilter, size),
         }
     }

@@ -26,6 +26,8 @@
 
 use std::time::{Duration, Instant};
 
+use net::netfront::FrontConfig;
+
 use crate::{Error, Experiment, Mode, Report};
 use rig::udp::{Config, Fault, Options, Running};
 
@@ -330,13 +332,9 @@ fn disk_machine(
         layout: Layout::DriverDomain {
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: vec![GuestSpec {
-                split_ring: false,
                 weight: 1,
                 name: "disk".into(),
                 mac: [2, 0, 0, 0, 0, 0x0d],
-                rx_buffers: net::netfront::RxBuffers::Fragments,
-                grants: net::netfront::Grants::PerIo,
-                offloads: false,
                 above: Above::Block(Box::new(BlockSpec {
                     disk: Disk::File(path.to_path_buf()),
                     read_only: true,
@@ -344,6 +342,7 @@ fn disk_machine(
                     job,
                 })),
                 core: None,
+                front: FrontConfig::default(),
             }],
         },
     })
