@@ -161,6 +161,44 @@ pub(crate) struct Durations {
     pub(crate) runs: usize,
 }
 
+/// A run's plan as a record names it: its mode, the runs a configuration gets, and the
+/// warm-up and measured window in milliseconds (flattened into an experiment's config).
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct PlanRecord {
+    mode: String,
+    runs: usize,
+    window_ms: u64,
+    warmup_ms: u64,
+}
+
+impl Durations {
+    /// As the record names it, for a run in `mode`.
+    pub(crate) fn record(&self, mode: Mode) -> PlanRecord {
+        PlanRecord {
+            mode: format!("{mode:?}"),
+            runs: self.runs,
+            window_ms: self.window.as_millis() as u64,
+            warmup_ms: self.warmup.as_millis() as u64,
+        }
+    }
+}
+
+/// The NIC's interrupt coalescing as a record names it.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct CoalesceRecord {
+    packets: u32,
+    delay_us: u64,
+}
+
+impl CoalesceRecord {
+    pub(crate) fn of(c: dev::nic::Coalesce) -> Self {
+        Self {
+            packets: c.pkts_per_irq,
+            delay_us: c.max_delay.as_micros() as u64,
+        }
+    }
+}
+
 /// The run's plan from its mode.
 pub(crate) fn durations(mode: Mode) -> Durations {
     match mode {

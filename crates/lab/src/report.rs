@@ -110,6 +110,13 @@ pub struct Written {
 }
 
 impl Report {
+    /// Records `config`, the experiment's typed configuration, as the record's
+    /// `config` (its fields by name).
+    pub fn set_config(&mut self, config: &impl Serialize) {
+        self.config = serde_json::to_value(config)
+            .unwrap_or_else(|e| serde_json::json!({ "unrecorded": e.to_string() }));
+    }
+
     /// An empty report.
     pub fn new(id: &str, title: &str, paper: &str) -> Self {
         Self {

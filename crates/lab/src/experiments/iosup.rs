@@ -448,6 +448,36 @@ struct Plan {
     rate: f64,
 }
 
+/// The configuration a record names: the guest, the busy workload (tabs, creations a
+/// second, intervals), lmbench's loops, the pool's release rule, and lazy flushing's
+/// batch.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    guest_pages: u32,
+    tabs: usize,
+    rate_per_s: f64,
+    intervals: usize,
+    interval_ms: u64,
+    lmbench_iterations: usize,
+    rounds: usize,
+    policy: PolicyRecord,
+    lazy: LazyRecord,
+}
+
+/// The pool's release rule.
+#[derive(Debug, serde::Serialize)]
+struct PolicyRecord {
+    ratio: f64,
+    total: usize,
+}
+
+/// Lazy flushing: entries batched, and the longest a batch waits.
+#[derive(Debug, serde::Serialize)]
+struct LazyRecord {
+    entries: usize,
+    timeout_ms: u64,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let iters = mode.iterations();
     let n = mode.scale(4000) as usize;
@@ -477,12 +507,22 @@ fn run(mode: Mode) -> Result<Report, Error> {
          {}, total {}.",
         POLICY.ratio, POLICY.total
     );
-    r.config = serde_json::json!({
-        "guest_pages": GUEST_PAGES, "tabs": TABS, "rate_per_s": rate,
-        "intervals": intervals, "interval_ms": interval.as_millis() as u64,
-        "lmbench_iterations": n, "rounds": iters,
-        "policy": {"ratio": POLICY.ratio, "total": POLICY.total},
-        "lazy": {"entries": 256, "timeout_ms": 10},
+    r.set_config(&Recorded {
+        guest_pages: GUEST_PAGES,
+        tabs: TABS,
+        rate_per_s: rate,
+        intervals,
+        interval_ms: interval.as_millis() as u64,
+        lmbench_iterations: n,
+        rounds: iters,
+        policy: PolicyRecord {
+            ratio: POLICY.ratio,
+            total: POLICY.total,
+        },
+        lazy: LazyRecord {
+            entries: 256,
+            timeout_ms: 10,
+        },
     });
 
     // Figures 5, 7, 8 and 6.

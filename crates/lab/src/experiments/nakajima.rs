@@ -463,17 +463,57 @@ fn setup(d: &Durations, ghz: f64) -> String {
     )
 }
 
+/// The configuration a record names: the plan (with TCP_RR's window), the fixed load
+/// and the sweep's, netperf's message, the clock, and LRO's set-up.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    mode: String,
+    runs: usize,
+    window_ms: u64,
+    rr_window_ms: u64,
+    warmup_ms: u64,
+    fixed_load_mbps: f64,
+    sweep_loads_mbps: [f64; 3],
+    stream_message: usize,
+    tsc_ghz: f64,
+    online_cores: usize,
+    lro: LroRecord,
+}
+
+/// LRO as the paper ported it: buffer form, flows, delayed aggregation's N and hold,
+/// the adaptive flush's budget.
+#[derive(Debug, serde::Serialize)]
+struct LroRecord {
+    form: &'static str,
+    max_flows: usize,
+    da_n: u32,
+    da_max_hold_us: u64,
+    adaptive_budget_us: u64,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let ghz = tsc_ghz();
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d, ghz);
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
-        "rr_window_ms": d.rr_window.as_millis() as u64, "warmup_ms": d.warmup.as_millis() as u64,
-        "fixed_load_mbps": LOAD_MBPS, "sweep_loads_mbps": SWEEP_LOADS, "stream_message": rig::tcp::STREAM_MESSAGE,
-        "tsc_ghz": ghz, "online_cores": mem::cpu::online_cores(),
-        "lro": { "form": "skb (page for DA, page-mode)", "max_flows": LroSetup::PAPER.max_flows, "da_n": 2, "da_max_hold_us": 1000, "adaptive_budget_us": 200 },
+    r.set_config(&Recorded {
+        mode: format!("{mode:?}"),
+        runs: d.runs,
+        window_ms: d.window.as_millis() as u64,
+        rr_window_ms: d.rr_window.as_millis() as u64,
+        warmup_ms: d.warmup.as_millis() as u64,
+        fixed_load_mbps: LOAD_MBPS,
+        sweep_loads_mbps: SWEEP_LOADS,
+        stream_message: rig::tcp::STREAM_MESSAGE,
+        tsc_ghz: ghz,
+        online_cores: mem::cpu::online_cores(),
+        lro: LroRecord {
+            form: "skb (page for DA, page-mode)",
+            max_flows: LroSetup::PAPER.max_flows,
+            da_n: 2,
+            da_max_hold_us: 1000,
+            adaptive_budget_us: 200,
+        },
     });
 
     let (res, t) = rounds(mode, &d)?;

@@ -880,20 +880,36 @@ fn setup(plan: &Plan) -> String {
     )
 }
 
+/// The configuration a record names: the frame sizes, the measured periods, the
+/// frames checked byte for byte in each run, the rounds, netback's batch, how far
+/// netfront posts ahead, the grant path, and the two peers' cores.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    frames: [usize; 2],
+    period_ms: u64,
+    periods: usize,
+    verified_per_run: u64,
+    iterations: usize,
+    budget: usize,
+    rx_ahead: usize,
+    grant_path: &'static str,
+    cores: [usize; 2],
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let plan = Plan::of(mode);
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     rep.setup = setup(&plan);
-    rep.config = serde_json::json!({
-        "frames": FRAMES,
-        "period_ms": plan.period.as_millis() as u64,
-        "periods": plan.periods,
-        "verified_per_run": VERIFIED,
-        "iterations": plan.iters,
-        "budget": BUDGET,
-        "rx_ahead": RX_AHEAD,
-        "grant_path": "optimised",
-        "cores": [0, 1],
+    rep.set_config(&Recorded {
+        frames: FRAMES,
+        period_ms: plan.period.as_millis() as u64,
+        periods: plan.periods,
+        verified_per_run: VERIFIED,
+        iterations: plan.iters,
+        budget: BUDGET,
+        rx_ahead: RX_AHEAD,
+        grant_path: "optimised",
+        cores: [0, 1],
     });
     // DPDK on this machine, measured between pvio's runs, so that each ratio is taken
     // in one run; the figures where it cannot run (and always in smoke tests).

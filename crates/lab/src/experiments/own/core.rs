@@ -70,6 +70,32 @@ impl Samples {
     }
 }
 
+/// The configuration a record names: the rounds, copy sizes and grant batch, the two
+/// cores, the profiler's interval and work, and the shared ring's shape.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    mode: String,
+    iterations: usize,
+    sizes: [usize; 3],
+    batch: usize,
+    cores: [usize; 2],
+    online_cores: usize,
+    sample_interval_us: u64,
+    profiler_work_units: u64,
+    ring: RingRecord,
+}
+
+/// The shared ring measured: entry sizes, slots, the consumer's budget, the producer's
+/// batch.
+#[derive(Debug, serde::Serialize)]
+struct RingRecord {
+    request_bytes: usize,
+    response_bytes: usize,
+    slots: usize,
+    budget: usize,
+    push_batch: usize,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let iters = mode.iterations();
     let mut m = Measured {
@@ -91,12 +117,22 @@ fn run(mode: Mode) -> Result<Report, Error> {
     }
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(iters);
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "iterations": iters, "sizes": SIZES, "batch": BATCH,
-        "cores": [CORE_A, CORE_B], "online_cores": mem::cpu::online_cores(),
-        "sample_interval_us": DEFAULT_SAMPLE_INTERVAL.as_micros() as u64,
-        "profiler_work_units": mode.scale(2_000_000),
-        "ring": { "request_bytes": 12, "response_bytes": 4, "slots": 256, "budget": 64, "push_batch": BATCH },
+    r.set_config(&Recorded {
+        mode: format!("{mode:?}"),
+        iterations: iters,
+        sizes: SIZES,
+        batch: BATCH,
+        cores: [CORE_A, CORE_B],
+        online_cores: mem::cpu::online_cores(),
+        sample_interval_us: DEFAULT_SAMPLE_INTERVAL.as_micros() as u64,
+        profiler_work_units: mode.scale(2_000_000),
+        ring: RingRecord {
+            request_bytes: 12,
+            response_bytes: 4,
+            slots: 256,
+            budget: 64,
+            push_batch: BATCH,
+        },
     });
     rows(&mut r, &m.s);
     checks(&mut r, &m.s);

@@ -481,17 +481,45 @@ fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Resu
     Ok(sent.starts_with("8388608 ") && sent == got)
 }
 
+/// The configuration a record names: the rounds and each iperf3's seconds, the flows
+/// and paths, and the LRO rows' own plan.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    mode: String,
+    rounds: usize,
+    seconds: u64,
+    flows: Vec<&'static str>,
+    paths: Vec<&'static str>,
+    lro: LroRecord,
+}
+
+/// The LRO rows: rounds, iperf3's and sockperf's seconds, the receive paths.
+#[derive(Debug, serde::Serialize)]
+struct LroRecord {
+    rounds: usize,
+    iperf3_seconds: u64,
+    sockperf_seconds: u64,
+    paths: Vec<String>,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
     rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
     let plan = Plan::of(mode);
     rep.setup = setup(&plan);
-    rep.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "rounds": plan.rounds, "seconds": plan.secs,
-        "flows": Flow::ALL.map(Flow::name), "paths": Path::ALL.map(Path::name),
-        "lro": {"rounds": plan.lro_rounds, "iperf3_seconds": plan.lro_secs, "sockperf_seconds": plan.ping_secs,
-                "paths": Rx::ALL.map(Rx::name)},
+    rep.set_config(&Recorded {
+        mode: format!("{mode:?}"),
+        rounds: plan.rounds,
+        seconds: plan.secs,
+        flows: Flow::ALL.map(Flow::name).to_vec(),
+        paths: Path::ALL.map(Path::name).to_vec(),
+        lro: LroRecord {
+            rounds: plan.lro_rounds,
+            iperf3_seconds: plan.lro_secs,
+            sockperf_seconds: plan.ping_secs,
+            paths: Rx::ALL.map(Rx::name).to_vec(),
+        },
     });
     if let Err(e) = tools::ensure(&[tools::IP, tools::IPERF3, tools::ETHTOOL]) {
         rep.notes.push(format!("not measured: {e}"));

@@ -522,6 +522,27 @@ struct Tally {
     medians: std::collections::HashMap<(Where, &'static str), f64>,
 }
 
+/// The configuration a record names: the disk, the response sizes, each job's
+/// requests, fio's seconds, blkback's persistent grants, and the AoE target.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    sectors: u64,
+    sizes: [u32; 5],
+    sequential_requests: u64,
+    random_qd1_requests: u64,
+    random_qd32_requests: u64,
+    fio_seconds: u64,
+    persistent_grants: bool,
+    aoe_target: AoeTarget,
+}
+
+/// The AoE target's shelf and slot.
+#[derive(Debug, serde::Serialize)]
+struct AoeTarget {
+    shelf: u16,
+    slot: u8,
+}
+
 fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), Error> {
     let (seq_n, qd1_n, qd32_n, fio_secs) = match mode {
         Mode::Full => (1000, 3000, 20_000, 5),
@@ -543,10 +564,18 @@ fn measure(mode: Mode, r: &mut Report, disk: &Path) -> Result<(), Error> {
          sequential {seq_n}, random QD1 {qd1_n}, random QD32 {qd32_n}; fio {fio_secs} s.",
         SECTORS / 2048
     );
-    r.config = serde_json::json!({
-        "sectors": SECTORS, "sizes": SIZES, "sequential_requests": seq_n,
-        "random_qd1_requests": qd1_n, "random_qd32_requests": qd32_n, "fio_seconds": fio_secs,
-        "persistent_grants": true, "aoe_target": {"shelf": SHELF, "slot": SLOT},
+    r.set_config(&Recorded {
+        sectors: SECTORS,
+        sizes: SIZES,
+        sequential_requests: seq_n,
+        random_qd1_requests: qd1_n,
+        random_qd32_requests: qd32_n,
+        fio_seconds: fio_secs,
+        persistent_grants: true,
+        aoe_target: AoeTarget {
+            shelf: SHELF,
+            slot: SLOT,
+        },
     });
     let z = Sizes {
         seq_n,

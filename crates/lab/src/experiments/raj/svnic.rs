@@ -469,6 +469,18 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
+/// The configuration a record names: the VIF counts, each point's length and the
+/// probes' longest gap, the designs, and the host's cores.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    mode: String,
+    vifs: &'static [usize],
+    seconds: f64,
+    max_gap_ms: u64,
+    designs: [&'static str; 5],
+    cores: usize,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let place = Placement::of_host();
@@ -505,9 +517,13 @@ fn run(mode: Mode) -> Result<Report, Error> {
          a vector per VIF. Core layout: {}.",
         place.describe()
     );
-    rep.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "vifs": ns, "seconds": secs, "max_gap_ms": gap_ms,
-        "designs": Design::ALL.map(Design::name), "cores": cores,
+    rep.set_config(&Recorded {
+        mode: format!("{mode:?}"),
+        vifs: ns,
+        seconds: secs,
+        max_gap_ms: gap_ms,
+        designs: Design::ALL.map(Design::name),
+        cores,
     });
     crate::progress::plan(
         (ns.len() * Design::ALL.len()) as u64

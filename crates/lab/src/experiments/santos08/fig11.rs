@@ -13,7 +13,9 @@ use std::time::Duration;
 use dev::nic::{Coalesce, DelayFrom, NicCounts};
 
 use crate::chart::{Lines, Series};
-use crate::harness::{account_losses, alternate, durations, one_run, Durations, RunCost};
+use crate::harness::{
+    account_losses, alternate, durations, one_run, Durations, PlanRecord, RunCost,
+};
 use crate::{Error, Experiment, Mode, Report, Stats};
 use rig::udp::{Finish, Options, Running};
 
@@ -263,6 +265,31 @@ fn setup(d: &Durations, swept: &[u32]) -> String {
     setup
 }
 
+/// The configuration a record names: the plan, the message and its rate, the packets
+/// per interrupt swept (with the NIC's delay limit, counted from the last packet), the
+/// machines, adaptive moderation's target, and the latency runs'.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    #[serde(flatten)]
+    plan: PlanRecord,
+    size: usize,
+    rate_fps: f64,
+    settings: &'static [u32],
+    max_delay_us: u64,
+    delay_from: &'static str,
+    configs: [&'static str; 7],
+    adaptive_irq_rate: f64,
+    latency: LatencyRecord,
+}
+
+/// The latency runs' message, rate and coalescing settings.
+#[derive(Debug, serde::Serialize)]
+struct LatencyRecord {
+    size: usize,
+    rate: f64,
+    settings: [&'static str; 3],
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let mut d = durations(mode);
     if mode == Mode::Quick {
@@ -281,12 +308,20 @@ fn run(mode: Mode) -> Result<Report, Error> {
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d, swept);
     let rate = Options::named("pv", SIZE).map_or(0.0, |o| o.rate);
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
-        "size": SIZE, "rate_fps": rate, "settings": swept, "max_delay_us": 18,
-        "delay_from": "last packet", "configs": CONFIGS,
-        "adaptive_irq_rate": dev::driver::ADAPTIVE_IRQ_RATE,
-        "latency": { "size": LATENCY_SIZE, "rate": LATENCY_RATE, "settings": ["6", "64", "adaptive"] },
+    r.set_config(&Recorded {
+        plan: d.record(mode),
+        size: SIZE,
+        rate_fps: rate,
+        settings: swept,
+        max_delay_us: 18,
+        delay_from: "last packet",
+        configs: CONFIGS,
+        adaptive_irq_rate: dev::driver::ADAPTIVE_IRQ_RATE,
+        latency: LatencyRecord {
+            size: LATENCY_SIZE,
+            rate: LATENCY_RATE,
+            settings: ["6", "64", "adaptive"],
+        },
     });
     let all: Vec<Option<u32>> = swept.iter().map(|&n| Some(n)).chain([None]).collect();
     let mut finishes: Vec<(String, Finish)> = Vec::new();

@@ -18,8 +18,8 @@ use net::bridge::BridgeStats;
 
 use crate::chart::{Bar, StackedBars};
 use crate::harness::{
-    account_losses, alternate_by, durations, one_run, sign_test_p, steps, Durations, RunCost,
-    GLOBALS,
+    account_losses, alternate_by, durations, one_run, sign_test_p, steps, CoalesceRecord,
+    Durations, PlanRecord, RunCost, GLOBALS,
 };
 use crate::{Error, Experiment, Mode, Report};
 use rig::udp::{Config, Finish, Options, SoftOpt};
@@ -145,17 +145,35 @@ fn order(round: usize, n: usize) -> Vec<usize> {
     o
 }
 
+/// The configuration a record names: the plan, the paced stream's rate, the message
+/// sizes, the NIC's coalescing, and the paper's original driver domain and grants.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    #[serde(flatten)]
+    plan: PlanRecord,
+    rate_fps: f64,
+    sizes: [usize; 3],
+    coalesce: CoalesceRecord,
+    netfilter: bool,
+    grant_version: &'static str,
+    grant_path: &'static str,
+    online_cores: usize,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let base = Options::paper(Config::Pv, 0);
     r.setup = setup(&d);
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
-        "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
-        "coalesce": { "packets": base.coalesce.pkts_per_irq, "delay_us": base.coalesce.max_delay.as_micros() as u64 },
-        "netfilter": base.driver.netfilter, "grant_version": "v1", "grant_path": "original",
-        "online_cores": mem::cpu::online_cores(),
+    r.set_config(&Recorded {
+        plan: d.record(mode),
+        rate_fps: base.rate,
+        sizes: SIZES.map(|s| s.0),
+        coalesce: CoalesceRecord::of(base.coalesce),
+        netfilter: base.driver.netfilter,
+        grant_version: "v1",
+        grant_path: "original",
+        online_cores: mem::cpu::online_cores(),
     });
 
     let groups: Vec<(usize, Vec<Machine>)> = SIZES

@@ -299,16 +299,40 @@ const ALIAS_KINDS: [Kind; 3] = [Kind::GrantWarm, Kind::GuestWarm, Kind::Memcpy];
 /// each a list of per-iteration ns.
 type Sweeps = (Vec<Vec<Vec<f64>>>, Vec<Vec<Vec<f64>>>);
 
+/// The configuration a record names: the copy sweeps' iterations, copies and layout
+/// (source offset, frame and payload sizes, grant-copy batch, the cold working set),
+/// and the PV path's runs.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    mode: String,
+    iterations: usize,
+    ops: u64,
+    src_offset: usize,
+    frame: usize,
+    payload: usize,
+    batch: usize,
+    cold_pages: usize,
+    pv_runs: usize,
+    pv_window_ms: u64,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let iters = mode.iterations();
     let ops = mode.scale(8192).max(BATCH as u64 * 2);
     let d = durations(mode);
     rep.setup = setup(iters, ops, &d);
-    rep.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "iterations": iters, "ops": ops, "src_offset": SRC,
-        "frame": FRAME, "payload": PAYLOAD, "batch": BATCH, "cold_pages": COLD_PAGES,
-        "pv_runs": d.runs, "pv_window_ms": d.window.as_millis() as u64,
+    rep.set_config(&Recorded {
+        mode: format!("{mode:?}"),
+        iterations: iters,
+        ops,
+        src_offset: SRC,
+        frame: FRAME,
+        payload: PAYLOAD,
+        batch: BATCH,
+        cold_pages: COLD_PAGES,
+        pv_runs: d.runs,
+        pv_window_ms: d.window.as_millis() as u64,
     });
 
     let (sweep, alias) = sweeps(iters, ops)?;

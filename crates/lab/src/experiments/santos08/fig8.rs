@@ -15,7 +15,8 @@ use net::netback::CacheStats;
 
 use crate::chart::{Bar, StackedBars};
 use crate::harness::{
-    account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, RunCost, GLOBALS,
+    account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, PlanRecord,
+    RunCost, GLOBALS,
 };
 use crate::{Error, Experiment, Mode, Report, Stats};
 use rig::udp::{Config, Finish, Options, SoftOpt};
@@ -128,15 +129,27 @@ fn setup(d: &Durations) -> String {
 /// One message size's results: each machine's costs, one per round.
 type BySize<'a> = BTreeMap<&'a str, Vec<RunCost>>;
 
+/// The configuration a record names: the plan, the paced stream's rate, the message
+/// sizes, and the software optimisations, each a bar alone and all together.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    #[serde(flatten)]
+    plan: PlanRecord,
+    rate_fps: f64,
+    sizes: [usize; 2],
+    switches: [&'static str; 4],
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let d = durations(mode);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d);
     let base = Options::paper(Config::Pv, 0);
-    r.config = serde_json::json!({
-        "mode": format!("{mode:?}"), "runs": d.runs, "window_ms": d.window.as_millis() as u64,
-        "warmup_ms": d.warmup.as_millis() as u64, "rate_fps": base.rate, "sizes": SIZES.map(|s| s.0),
-        "switches": SoftOpt::ALL.map(|o| o.name()),
+    r.set_config(&Recorded {
+        plan: d.record(mode),
+        rate_fps: base.rate,
+        sizes: SIZES.map(|s| s.0),
+        switches: SoftOpt::ALL.map(|o| o.name()),
     });
 
     let groups: Vec<(usize, Vec<(String, Options)>)> = SIZES

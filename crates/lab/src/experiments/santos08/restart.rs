@@ -102,6 +102,17 @@ fn one_fault(r: &mut Running, f: Fault) -> Result<Timing, Error> {
     })
 }
 
+/// The configuration a record names: the stream, the faults of each kind, and the
+/// watchdog's stall limit and period.
+#[derive(Debug, serde::Serialize)]
+struct Recorded {
+    rate_fps: f64,
+    message: usize,
+    faults_each: usize,
+    stall_limit_ms: f64,
+    watchdog_period_ms: f64,
+}
+
 fn run(mode: Mode) -> Result<Report, Error> {
     let faults = match mode {
         Mode::Full => 9,
@@ -122,10 +133,12 @@ fn run(mode: Mode) -> Result<Report, Error> {
          {faults} faults of each kind; the watchdog looks every {PERIOD:?} with a stall \
          limit of {STALL:?}."
     );
-    r.config = serde_json::json!({
-        "rate_fps": RATE, "message": 1000, "faults_each": faults,
-        "stall_limit_ms": STALL.as_secs_f64() * 1e3,
-        "watchdog_period_ms": PERIOD.as_secs_f64() * 1e3,
+    r.set_config(&Recorded {
+        rate_fps: RATE,
+        message: 1000,
+        faults_each: faults,
+        stall_limit_ms: STALL.as_secs_f64() * 1e3,
+        watchdog_period_ms: PERIOD.as_secs_f64() * 1e3,
     });
     network_rows(&mut r, &timings, &finish, held, faults);
     let (disk_timings, disk) = disk?;

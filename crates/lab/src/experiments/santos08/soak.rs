@@ -165,6 +165,18 @@ pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, Err
     report(plan, &periods, &unplanned, &finish, held)
 }
 
+/// The configuration a record names: the soak's length, its hostile guests and planned
+/// restarts, the good guest's stream, and every period's figures.
+#[derive(Debug, serde::Serialize)]
+struct Recorded<'a> {
+    seconds: f64,
+    hostile: usize,
+    restart_every_s: Option<f64>,
+    rate_fps: f64,
+    message: usize,
+    periods: &'a [Period],
+}
+
 fn report(
     plan: SoakPlan,
     periods: &[Period],
@@ -187,10 +199,13 @@ fn report(
         plan.restart_every
             .map_or("only by the watchdog".into(), |d| format!("every {d:?}"))
     );
-    r.config = serde_json::json!({
-        "seconds": plan.duration.as_secs_f64(), "hostile": plan.hostile,
-        "restart_every_s": plan.restart_every.map(|d| d.as_secs_f64()),
-        "rate_fps": RATE, "message": 1000, "periods": periods,
+    r.set_config(&Recorded {
+        seconds: plan.duration.as_secs_f64(),
+        hostile: plan.hostile,
+        restart_every_s: plan.restart_every.map(|d| d.as_secs_f64()),
+        rate_fps: RATE,
+        message: 1000,
+        periods,
     });
     let col = |f: fn(&Period) -> f64| periods.iter().map(f).collect::<Vec<_>>();
     r.row(
