@@ -18,6 +18,32 @@
 //! so their work runs on the caller's core and is charged (by class) to the caller, as in
 //! Xen.
 
+/// Gives a field-less enum its names, the one spelling that machine files, the command
+/// line and reports use, beside its definition: `NAMES` (every name, in declaration
+/// order), `name()` and `parse()`.
+#[macro_export]
+macro_rules! named_enum {
+    ($t:ty { $($v:ident => $n:literal),* $(,)? }) => {
+        impl $t {
+            /// Every name, in declaration order.
+            pub const NAMES: &'static [&'static str] = &[$($n),*];
+            /// Its name.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Self::$v => $n,)*
+                }
+            }
+            /// The value named `s`, if any.
+            pub fn parse(s: &str) -> Option<Self> {
+                match s {
+                    $($n => Some(Self::$v),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
 pub mod domain;
 pub mod event;
 pub mod frame;

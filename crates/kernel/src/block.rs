@@ -54,6 +54,10 @@ pub enum JobOp {
     /// Writes of [`BlockJobSpec::fill`].
     Write,
 }
+hv::named_enum!(JobOp {
+    Read => "read",
+    Write => "write",
+});
 
 /// What a job counted.
 #[derive(Debug, Default)]

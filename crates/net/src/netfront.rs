@@ -68,6 +68,11 @@ pub enum Grants {
     /// (the lab's `pv-mq-unsafe`); never used by `pvio up`.
     MachineFramesUnsafe,
 }
+hv::named_enum!(Grants {
+    PerIo => "per-io",
+    Reuse => "reuse",
+    MachineFramesUnsafe => "machine-frames-unsafe",
+});
 
 /// A netfront's switches: what it posts, how it grants its pages, and what it asks of
 /// its back end. The one set of guest-side settings: the machine's guest spec, the
@@ -122,6 +127,11 @@ pub enum RxBuffers {
     /// end's `feature-rx-guest-copy`. Single-slot packets only.
     GuestCopy,
 }
+hv::named_enum!(RxBuffers {
+    Fragments => "fragments",
+    Linear => "linear",
+    GuestCopy => "guest-copy",
+});
 
 type Front<P> = FrontRing<P, PageRing<OwnPage>>;
 

@@ -74,6 +74,9 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{LroMode, UpConfig, UpGuest};
+use dev::svnic::engine::Schedule;
+use kernel::block::JobOp;
+use net::netfront::Grants;
 use net::netfront::RxBuffers;
 
 /// Why a machine file was refused.
@@ -149,17 +152,10 @@ struct AoeTarget {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct JobTable {
-    op: Option<JobOpKind>,
+    op: Option<Spanned<String>>,
     pattern: Option<PatternKind>,
     bytes: Option<Spanned<u32>>,
     depth: Option<Spanned<u32>>,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum JobOpKind {
-    Read,
-    Write,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -172,20 +168,14 @@ enum PatternKind {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Svnic {
-    signal: Option<Signal>,
+    signal: Option<Spanned<String>>,
     idle: Option<IdlePolicy>,
-    schedule: Option<Schedule>,
+    schedule: Option<Spanned<String>>,
     iommu: Option<bool>,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Signal {
-    Register,
-    Sidecore,
-    PerVif,
-}
-
+/// The device threads' idle policy, in the file's words: each is an
+/// [`Idle`] with a spin of the file's choosing, so the names are the file's own.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 enum IdlePolicy {
@@ -194,26 +184,12 @@ enum IdlePolicy {
     Interrupt,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Schedule {
-    RoundRobin,
-    QualityAware,
-}
-
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Hypervisor {
-    grant_path: Option<GrantPath>,
+    grant_path: Option<Spanned<String>>,
     grant_version: Option<Spanned<u8>>,
     cpus: Option<Spanned<Vec<usize>>>,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum GrantPath {
-    Original,
-    Optimised,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -256,29 +232,14 @@ struct Endpoint {
 #[serde(deny_unknown_fields)]
 struct Guest {
     name: Option<Spanned<String>>,
-    rx_buffers: Option<Buffers>,
-    grants: Option<Grants>,
+    rx_buffers: Option<Spanned<String>>,
+    grants: Option<Spanned<String>>,
     offloads: Option<bool>,
     split_ring: Option<bool>,
     core: Option<Spanned<u32>>,
     priority: Option<Spanned<u8>>,
     #[serde(default)]
     tap: Endpoint,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Buffers {
-    Fragments,
-    Linear,
-    GuestCopy,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Grants {
-    PerIo,
-    Reuse,
 }
 
 /// Reads the machine in `path`.
@@ -297,6 +258,21 @@ struct Refuse<'a> {
 }
 
 impl Refuse<'_> {
+    /// The value `v` names, in its type's own names (`hv::named_enum!`, beside the
+    /// type's definition); refused with the names it takes.
+    fn named<T>(
+        &self,
+        v: &Spanned<String>,
+        key: &str,
+        parse: fn(&str) -> Option<T>,
+        names: &[&str],
+    ) -> Result<T, MachineFileError> {
+        parse(v.get_ref()).ok_or_else(|| {
+            let why = format!("{:?}: one of {}", v.get_ref(), names.join(", "));
+            self.at(v.span(), key, why)
+        })
+    }
+
     fn at(&self, span: Range<usize>, key: &str, why: String) -> MachineFileError {
         MachineFileError::Value {
             path: self.path.to_path_buf(),
@@ -343,12 +319,11 @@ fn hypervisor_table(
     cfg: &mut UpConfig,
     refuse: &Refuse<'_>,
 ) -> Result<(), MachineFileError> {
+    let by_name = refuse;
     let refuse = |span, key: &str, why| refuse.at(span, key, why);
-    if let Some(p) = hy.grant_path {
-        cfg.grant_path = match p {
-            GrantPath::Original => hv::GrantPath::Original,
-            GrantPath::Optimised => hv::GrantPath::Optimised,
-        };
+    if let Some(p) = &hy.grant_path {
+        let (parse, names) = (hv::GrantPath::parse, hv::GrantPath::NAMES);
+        cfg.grant_path = by_name.named(p, "hypervisor.grant_path", parse, names)?;
     }
     if let Some(c) = &hy.cpus {
         let online = mem::cpu::online_cores();
@@ -474,6 +449,7 @@ fn svnic_table(
     cfg: &mut UpConfig,
     refuse: &Refuse<'_>,
 ) -> Result<(), MachineFileError> {
+    let by_name = refuse;
     let refuse = |span, key: &str, why| refuse.at(span, key, why);
     if let Some(sv) = svnic {
         use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
@@ -488,10 +464,11 @@ fn svnic_table(
             ));
         }
         cfg.svnic = Some(SvnicConfig {
-            signal: match t.signal.unwrap_or(Signal::Register) {
-                Signal::Register => SignalMode::IdRegister,
-                Signal::Sidecore => SignalMode::Sidecore,
-                Signal::PerVif => SignalMode::PerVif,
+            signal: match &t.signal {
+                Some(s) => {
+                    by_name.named(s, "svnic.signal", SignalMode::parse, SignalMode::NAMES)?
+                }
+                None => SignalMode::IdRegister,
             },
             idle: match t.idle.unwrap_or(IdlePolicy::Poll) {
                 IdlePolicy::Poll => Idle::Poll,
@@ -500,9 +477,9 @@ fn svnic_table(
                     spin: Duration::ZERO,
                 },
             },
-            schedule: match t.schedule.unwrap_or(Schedule::RoundRobin) {
-                Schedule::RoundRobin => dev::svnic::engine::Schedule::RoundRobin,
-                Schedule::QualityAware => dev::svnic::engine::Schedule::Priority,
+            schedule: match &t.schedule {
+                Some(s) => by_name.named(s, "svnic.schedule", Schedule::parse, Schedule::NAMES)?,
+                None => Schedule::RoundRobin,
             },
             iommu: t.iommu.unwrap_or(false),
             // The wire is the outside's TAP: the device sends as fast as it takes.
@@ -593,18 +570,14 @@ fn guest_tables(
             u.name.clone_from(name);
         }
         endpoint(&g.tap, "guest.tap", &mut u.ns, &mut u.addr, refuse_at)?;
-        if let Some(b) = g.rx_buffers {
-            u.front.rx_buffers = match b {
-                Buffers::Fragments => RxBuffers::Fragments,
-                Buffers::Linear => RxBuffers::Linear,
-                Buffers::GuestCopy => RxBuffers::GuestCopy,
-            };
+        if let Some(b) = &g.rx_buffers {
+            let (parse, names) = (RxBuffers::parse, RxBuffers::NAMES);
+            u.front.rx_buffers = refuse_at.named(b, "guest.rx_buffers", parse, names)?;
         }
-        if let Some(gr) = g.grants {
-            u.front.grants = match gr {
-                Grants::PerIo => net::netfront::Grants::PerIo,
-                Grants::Reuse => net::netfront::Grants::Reuse,
-            };
+        if let Some(gr) = &g.grants {
+            // The paper's unsafe stand-in has a name too; `check` refuses it below.
+            let (parse, names) = (Grants::parse, Grants::NAMES);
+            u.front.grants = refuse_at.named(gr, "guest.grants", parse, names)?;
         }
         if let Some(r) = g.split_ring {
             u.front.split_ring = r;
@@ -660,6 +633,7 @@ fn disk_tables(
     cfg: &mut UpConfig,
     refuse: &Refuse<'_>,
 ) -> Result<(), MachineFileError> {
+    let refuse_at = refuse;
     let refuse = |span, key: &str, why| refuse.at(span, key, why);
     for d in disk {
         let span = d.span();
@@ -723,9 +697,9 @@ fn disk_tables(
             let s = d.job.depth.as_ref().map_or(span.clone(), Spanned::span);
             return Err(refuse(s, "disk.job.depth", format!("{depth}: 1 to 32")));
         }
-        let op = match d.job.op {
-            Some(JobOpKind::Write) => kernel::block::JobOp::Write,
-            _ => kernel::block::JobOp::Read,
+        let op = match &d.job.op {
+            Some(o) => refuse_at.named(o, "disk.job.op", JobOp::parse, JobOp::NAMES)?,
+            None => JobOp::Read,
         };
         let read_only = d.read_only.unwrap_or(false);
         if read_only && op == kernel::block::JobOp::Write {
@@ -870,6 +844,27 @@ tap = { namespace = "g1", address = "10.9.0.2/24" }
                 .expect_err("a bad interface name");
             assert!(e.to_string().contains("nic.cable"), "{bad:?}: {e}");
         }
+    }
+
+    /// A named value is read by its type's own names; one it does not have is refused
+    /// at its line with every name it takes, and the paper's unsafe stand-in, which
+    /// has a name, is refused for `pvio up`.
+    #[test]
+    fn named_values_are_the_types_own_names_and_others_are_refused_with_the_choices() {
+        let cfg = p(
+            "[hypervisor]\ngrant_path = \"optimised\"\n[[guest]]\nrx_buffers = \"guest-copy\"\n",
+        )
+        .expect("named");
+        assert_eq!(cfg.grant_path, hv::GrantPath::Optimised);
+        assert_eq!(cfg.guest().front.rx_buffers, RxBuffers::GuestCopy);
+        let e = p("[[guest]]\n\nrx_buffers = \"pages\"\n").expect_err("no such buffers");
+        let e = e.to_string();
+        assert!(e.contains(":3:") && e.contains("guest.rx_buffers"), "{e}");
+        assert!(e.contains("fragments, linear, guest-copy"), "{e}");
+        let e = p("[svnic]\nsignal = \"msi\"\n[[guest]]\n").expect_err("no such signal");
+        assert!(e.to_string().contains("register, sidecore, per-vif"), "{e}");
+        let e = p("[[guest]]\ngrants = \"machine-frames-unsafe\"\n").expect_err("unsafe");
+        assert!(e.to_string().contains("unsafe stand-in"), "{e}");
     }
 
     #[test]

@@ -48,6 +48,11 @@ pub enum SignalMode {
     /// A vector per VIF (MSI-X; the paper's suggested fix).
     PerVif,
 }
+hv::named_enum!(SignalMode {
+    IdRegister => "register",
+    Sidecore => "sidecore",
+    PerVif => "per-vif",
+});
 
 /// Where the device's threads run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -185,6 +185,10 @@ pub enum Schedule {
     /// in proportion to its priority, and what an idle VIF leaves goes to the others.
     Priority,
 }
+hv::named_enum!(Schedule {
+    RoundRobin => "round-robin",
+    Priority => "quality-aware",
+});
 
 /// A VIF's priority when none was set (the scale is 1 to 100).
 pub const DEFAULT_PRIORITY: u8 = 50;

@@ -37,6 +37,10 @@ pub enum GrantPath {
     /// Lock per batch, pin only the foreign page.
     Optimised,
 }
+crate::named_enum!(GrantPath {
+    Original => "original",
+    Optimised => "optimised",
+});
 
 /// One side of a copy (`struct gnttab_copy_ptr`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
