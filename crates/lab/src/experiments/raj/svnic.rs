@@ -806,7 +806,8 @@ mod tests {
             "one event per frame signalled",
             "forwards nothing",
             "Fig. 10 frames corrupt",
-            "Fig. 9 bytes corrupt at the servers, and flows that carried nothing",
+            "Fig. 9 bytes corrupt at the servers",
+            "Fig. 9 flows that carried nothing",
         ] {
             assert!(
                 r.checks.iter().any(|c| c.what.contains(what) && c.met),
