@@ -268,6 +268,8 @@ impl Hypervisor {
         self.mmu_teardown(&d);
         self.iommu.detach_domain(id);
         self.iommu_teardown(id);
+        // Its store transactions end unapplied, as xenstored ends a dead domain's.
+        self.store.end_transactions_of(id);
         for v in d.vcpus.iter() {
             v.kick();
         }

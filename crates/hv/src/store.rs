@@ -10,13 +10,19 @@
 //! path that the watcher may read.
 //!
 //! The store is the control plane, off the data path: it allocates and locks freely.
-//! Transactions are not implemented (front and back ends here write one key at a time).
+//!
+//! Transactions ([`transaction`]) are xenstored's: reads and writes inside one see the
+//! transaction's own writes, and its end commits them all at once, or answers
+//! [`StoreError::Again`] (`EAGAIN`) if a node it read or wrote was changed by anyone
+//! else since, and the caller starts it over, as Linux's xenbus does.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Mutex;
 
 use crate::types::DomId;
+
+pub mod transaction;
 
 /// Longest path (`XENSTORE_ABS_PATH_MAX`).
 pub const MAX_PATH: usize = 3072;
@@ -61,6 +67,10 @@ pub enum StoreError {
     /// Quota exceeded (`EQUOTA`).
     #[error("quota exceeded")]
     Quota,
+    /// A transaction met a change made since it started (`EAGAIN`): nothing of it was
+    /// applied, and the caller starts it again.
+    #[error("the transaction conflicted with another change; start it again")]
+    Again,
 }
 
 #[derive(Debug, Clone)]
@@ -68,6 +78,9 @@ struct Node {
     value: String,
     owner: DomId,
     perms: Vec<(DomId, Perm)>,
+    /// The store's generation when this node's value, permissions or list of children
+    /// last changed: what a transaction's end compares.
+    gen: u64,
 }
 
 /// A watch event: the path that changed and the token given when watching.
@@ -104,9 +117,15 @@ impl std::fmt::Debug for Wake {
 #[derive(Debug, Default)]
 struct Inner {
     nodes: BTreeMap<String, Node>,
+    /// Bumped by every change; a changed node takes the new value as its `gen`.
+    generation: u64,
     watches: Vec<Watch>,
     /// Watch events dropped because their watcher's queue was full.
     events_dropped: u64,
+    /// Open transactions, by id.
+    transactions: BTreeMap<u32, transaction::Txn>,
+    /// The next transaction id (never 0, which is "no transaction").
+    next_tx: u32,
 }
 
 /// The store.
@@ -224,8 +243,123 @@ impl Inner {
     }
 
     fn owned_by(&self, dom: DomId) -> usize {
-        self.nodes.values().filter(|n| n.owner == dom).count()
+        owned_by(&self.nodes, dom)
     }
+}
+
+fn owned_by(nodes: &BTreeMap<String, Node>, dom: DomId) -> usize {
+    nodes.values().filter(|n| n.owner == dom).count()
+}
+
+/// Writes `path` in `nodes` as [`Store::write`] does, creating it and any missing
+/// ancestors (each new node bumps its parent's generation: its children changed).
+fn put(
+    nodes: &mut BTreeMap<String, Node>,
+    generation: &mut u64,
+    caller: DomId,
+    path: &str,
+    value: &str,
+) -> Result<(), StoreError> {
+    *generation += 1;
+    let gen = *generation;
+    if let Some(n) = nodes.get_mut(path) {
+        if !n.allows(caller, true) {
+            return Err(StoreError::Denied(path.into()));
+        }
+        n.value = value.to_string();
+        n.gen = gen;
+        return Ok(());
+    }
+    // Nearest existing ancestor decides, and gives its permissions.
+    let mut missing = vec![path.to_string()];
+    let mut p = parent(path);
+    let anc = loop {
+        let Some(q) = p else {
+            return Err(StoreError::Invalid);
+        };
+        if let Some(n) = nodes.get(q) {
+            break n.clone();
+        }
+        missing.push(q.to_string());
+        p = parent(q);
+    };
+    if !anc.allows(caller, true) {
+        return Err(StoreError::Denied(path.into()));
+    }
+    if caller != DomId::DOM0 && owned_by(nodes, caller) + missing.len() > MAX_NODES_PER_DOMAIN {
+        return Err(StoreError::Quota);
+    }
+    let owner = if caller == DomId::DOM0 {
+        anc.owner
+    } else {
+        caller
+    };
+    for (i, m) in missing.iter().rev().enumerate() {
+        let v = if i + 1 == missing.len() {
+            value.to_string()
+        } else {
+            String::new()
+        };
+        nodes.insert(
+            m.clone(),
+            Node {
+                value: v,
+                owner,
+                perms: anc.perms.clone(),
+                gen,
+            },
+        );
+    }
+    if let Some(n) = p.and_then(|q| nodes.get_mut(q)) {
+        n.gen = gen;
+    }
+    Ok(())
+}
+
+/// Removes `path` and everything below it from `nodes`, as [`Store::rm`] does (the
+/// parent's generation bumped: its children changed).
+fn remove(
+    nodes: &mut BTreeMap<String, Node>,
+    generation: &mut u64,
+    caller: DomId,
+    path: &str,
+) -> Result<(), StoreError> {
+    let n = nodes
+        .get(path)
+        .ok_or_else(|| StoreError::NoEntry(path.into()))?;
+    if !n.allows(caller, true) {
+        return Err(StoreError::Denied(path.into()));
+    }
+    let doomed: Vec<String> = nodes
+        .keys()
+        .filter(|k| is_at_or_below(k, path))
+        .cloned()
+        .collect();
+    for k in &doomed {
+        nodes.remove(k);
+    }
+    *generation += 1;
+    if let Some(n) = parent(path).and_then(|q| nodes.get_mut(q)) {
+        n.gen = *generation;
+    }
+    Ok(())
+}
+
+/// The names of `path`'s children in `nodes`.
+fn children(nodes: &BTreeMap<String, Node>, path: &str) -> Vec<String> {
+    let prefix = if path == "/" {
+        "/".to_string()
+    } else {
+        format!("{path}/")
+    };
+    nodes
+        .range(prefix.clone()..)
+        .take_while(|(k, _)| k.starts_with(&prefix))
+        .filter_map(|(k, _)| {
+            let rest = &k[prefix.len()..];
+            (!rest.is_empty() && !rest.contains('/')).then(|| rest.to_string())
+        })
+        .collect()
 }
 
 impl Store {
@@ -238,13 +372,14 @@ impl Store {
                 value: String::new(),
                 owner: DomId::DOM0,
                 perms: Vec::new(),
+                gen: 0,
             },
         );
         Self {
             inner: Mutex::new(Inner {
                 nodes,
-                watches: Vec::new(),
-                events_dropped: 0,
+                next_tx: 1,
+                ..Inner::default()
             }),
         }
     }
@@ -274,52 +409,8 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let mut g = self.lock();
-        if let Some(n) = g.nodes.get_mut(path) {
-            if !n.allows(caller, true) {
-                return Err(StoreError::Denied(path.into()));
-            }
-            n.value = value.to_string();
-        } else {
-            // Nearest existing ancestor decides, and gives its permissions.
-            let mut missing = vec![path.to_string()];
-            let mut p = parent(path);
-            let anc = loop {
-                let Some(q) = p else {
-                    return Err(StoreError::Invalid);
-                };
-                if let Some(n) = g.nodes.get(q) {
-                    break n.clone();
-                }
-                missing.push(q.to_string());
-                p = parent(q);
-            };
-            if !anc.allows(caller, true) {
-                return Err(StoreError::Denied(path.into()));
-            }
-            if caller != DomId::DOM0 && g.owned_by(caller) + missing.len() > MAX_NODES_PER_DOMAIN {
-                return Err(StoreError::Quota);
-            }
-            let owner = if caller == DomId::DOM0 {
-                anc.owner
-            } else {
-                caller
-            };
-            for (i, m) in missing.iter().rev().enumerate() {
-                let v = if i + 1 == missing.len() {
-                    value.to_string()
-                } else {
-                    String::new()
-                };
-                g.nodes.insert(
-                    m.clone(),
-                    Node {
-                        value: v,
-                        owner,
-                        perms: anc.perms.clone(),
-                    },
-                );
-            }
-        }
+        let g = &mut *g;
+        put(&mut g.nodes, &mut g.generation, caller, path, value)?;
         g.notify(path);
         Ok(())
     }
@@ -330,16 +421,8 @@ impl Store {
             return Err(StoreError::Invalid);
         }
         let mut g = self.lock();
-        g.node(caller, path, true)?;
-        let doomed: Vec<String> = g
-            .nodes
-            .keys()
-            .filter(|k| is_at_or_below(k, path))
-            .cloned()
-            .collect();
-        for k in &doomed {
-            g.nodes.remove(k);
-        }
+        let g = &mut *g;
+        remove(&mut g.nodes, &mut g.generation, caller, path)?;
         g.notify_change(path, true);
         Ok(())
     }
@@ -351,19 +434,7 @@ impl Store {
         }
         let g = self.lock();
         g.node(caller, path, false)?;
-        let prefix = if path == "/" {
-            "/".to_string()
-        } else {
-            format!("{path}/")
-        };
-        Ok(g.nodes
-            .range(prefix.clone()..)
-            .take_while(|(k, _)| k.starts_with(&prefix))
-            .filter_map(|(k, _)| {
-                let rest = &k[prefix.len()..];
-                (!rest.is_empty() && !rest.contains('/')).then(|| rest.to_string())
-            })
-            .collect())
+        Ok(children(&g.nodes, path))
     }
 
     /// Sets a node's owner and permissions. Domain 0 may set anything; the owner may
@@ -395,6 +466,11 @@ impl Store {
         }
         n.owner = owner;
         n.perms = perms.to_vec();
+        g.generation += 1;
+        let gen = g.generation;
+        if let Some(n) = g.nodes.get_mut(path) {
+            n.gen = gen;
+        }
         g.notify(path);
         Ok(())
     }
