@@ -135,7 +135,7 @@ pub const WAIT_BUCKETS: usize = 2048;
 /// waited in LRO, from the poll that received it to its aggregate's hand-up, in 1 µs
 /// buckets (the paper's "latency from the aggregation to the flush", kept for every
 /// segment so that its median and tail can be read, not only a mean).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SegWait {
     buckets: Box<[u64; WAIT_BUCKETS]>,
 }
@@ -154,6 +154,11 @@ impl SegWait {
         self.buckets[us] += 1;
     }
 
+    /// Segments that waited `us` microseconds (the last bucket: at least that long).
+    pub fn bucket(&self, us: usize) -> u64 {
+        self.buckets.get(us).copied().unwrap_or(0)
+    }
+
     /// Calls `f(us, segments)` for every bucket that holds any, in order.
     pub fn visit(&self, mut f: impl FnMut(usize, u64)) {
         for (us, &n) in self.buckets.iter().enumerate() {
@@ -161,6 +166,17 @@ impl SegWait {
                 f(us, n);
             }
         }
+    }
+}
+
+/// The histogram by name, a counter per bucket that holds any (named by its
+/// microseconds), and whole for code that reads it by type.
+impl net::counters::CounterSet for SegWait {
+    fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
+        SegWait::visit(self, |us, n| f(&us.to_string(), n));
+    }
+    fn snapshot(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+        Some(std::sync::Arc::new(self.clone()))
     }
 }
 

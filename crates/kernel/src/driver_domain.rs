@@ -252,8 +252,7 @@ impl DriverDomain {
         if let Some(l) = self.nic.lro() {
             c.add_set("lro", l.stats());
             c.add_set("lro engine", l.engine_stats());
-            l.seg_wait()
-                .visit(|us, n| c.add("lro wait us", &us.to_string(), n));
+            c.add_set("lro wait us", l.seg_wait());
             c.add("lro", "bridge_copied", self.lro_copied);
             c.add("lro", "bridge_copy_failures", self.lro_copy_failures);
         }

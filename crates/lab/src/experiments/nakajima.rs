@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use dev::driver::DriverStats;
-use dev::lro::{Flushing, Form, LroDriverStats, LroSetup, WAIT_BUCKETS};
+use dev::lro::{Flushing, Form, LroDriverStats, LroSetup, SegWait, WAIT_BUCKETS};
 use dev::peer::{PeerApp, WireRate};
 use kernel::compute::ComputeStats;
 use net::netback::VifStats;
@@ -213,11 +213,9 @@ const SETTLE_WITHIN: Duration = Duration::from_secs(2);
 
 fn wait_hist(s: &TcpSnapshot) -> Vec<u64> {
     let mut h = vec![0u64; WAIT_BUCKETS];
-    for (comp, name, v) in &s.counters.entries {
-        if comp == "lro wait us" {
-            if let Some(slot) = name.parse::<usize>().ok().and_then(|us| h.get_mut(us)) {
-                *slot += v;
-            }
+    for (_, w) in s.counters.sets::<SegWait>() {
+        for (us, slot) in h.iter_mut().enumerate() {
+            *slot += w.bucket(us);
         }
     }
     h
