@@ -168,7 +168,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
         for &n in ns {
             crate::progress::step(format_args!("Fig. 9: {} · {n} flows", d.name()));
             let mut xs = Vec::new();
-            let mut drops = 0;
+            let (mut drops, mut idle_here) = (0, 0);
             for _ in 0..reps {
                 let r = once(
                     Line::Guests(d),
@@ -179,6 +179,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
                 xs.push(r.mbit);
                 corrupt += r.corrupt;
                 idle += r.idle;
+                idle_here += r.idle;
                 drops += r.dropped;
             }
             let mean = xs.iter().sum::<f64>() / xs.len() as f64;
@@ -192,7 +193,8 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
                 &xs,
             )
             .reference = Some(format!(
-                "mean {mean:.0} ± {sd:.0} (sd); {drops} frames dropped by the devices"
+                "mean {mean:.0} ± {sd:.0} (sd); {drops} frames dropped by the devices; \
+                 {idle_here} flows carried nothing"
             ));
             series.push((n as f64, mean));
             row_means.push(mean);
@@ -302,7 +304,8 @@ fn dom0_lines(
     rep.notes.push(format!(
         "Fig. 9's dotted lines: the driver domain's own TCP flow through its bridge carried \
          {:.3}× what it carried straight on the NIC ({:.0} against {:.0} Mbit/s, medians of \
-         {reps}); {} frames dropped by the NICs. Both driver domains together were busy \
+         {reps}); {} frames dropped by the NICs, {} runs whose flow carried nothing. Both \
+         driver domains together were busy \
          {:.0}% of one core on the NIC and {:.0}% through the bridge: one flow's rate is set \
          by its window and the wire, not by either host's CPU, so the bridge's cost shows in \
          the CPU each byte takes rather than in the rate",
@@ -310,6 +313,7 @@ fn dom0_lines(
         medians[1],
         medians[0],
         bad.dropped,
+        bad.idle,
         cpus[0] * medians[0] / 8.0 / 1e4,
         cpus[1] * medians[1] / 8.0 / 1e4,
     ));
