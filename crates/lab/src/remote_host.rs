@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use rig::tools::{self, Tool};
+use rig::tools::{self, ip, Tool};
 use rig::Error;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -45,22 +45,6 @@ pub const NBDKIT_PORT: u16 = 10810;
 /// Installs the remote host's programs if they are missing.
 pub fn ensure_tools() -> Result<(), Error> {
     tools::ensure(&TOOLS)
-}
-
-fn ip(args: &[&str]) -> Result<(), Error> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| Error::other(format!("ip {}: {e}", args.join(" "))))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(Error::other(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
 }
 
 /// Which servers to start.

@@ -160,6 +160,24 @@ pub fn ensure(tools: &[Tool]) -> Result<(), crate::Error> {
     }
 }
 
+/// Runs `ip ARGS` (the caller has [`ensure`]d [`IP`]): an error names the command and
+/// what `ip` said.
+pub fn ip(args: &[&str]) -> Result<(), crate::Error> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| crate::Error::other(format!("ip {}: {e}", args.join(" "))))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(crate::Error::other(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
 /// Runs `apt-get ARGS PKGS` without questions, waiting for dpkg's lock held by another
 /// installer instead of failing on it; whether it succeeded.
 fn apt(args: &[&str], pkgs: &[&str]) -> bool {

@@ -28,6 +28,7 @@ pub use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec};
 
 pub use hv::iommu::DmaLanding;
+use rig::tools::ip;
 use rig::udp::{flow, Config, Options, Plumbing, Running};
 use rig::Error;
 
@@ -356,22 +357,6 @@ pub struct UpCounters {
     pub oversize: u64,
     /// Frames the NIC had no posted buffer for (its missed-packet counter).
     pub rx_missed: u64,
-}
-
-fn ip(args: &[&str]) -> Result<(), Error> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| Error::Other(format!("ip {}: {e}", args.join(" "))))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(Error::Other(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
 }
 
 fn netns_exists(name: &str) -> bool {
