@@ -186,6 +186,8 @@ impl Store {
             }
             children(&g.nodes, path)
         } else if t.creates(path) {
+            // Absent from the store: someone else creating it meanwhile conflicts.
+            touch(t, path, None)?;
             Vec::new()
         } else {
             return Err(StoreError::NoEntry(path.into()));
