@@ -26,12 +26,11 @@
 //! and it takes nothing more.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Instant;
 
 use hv::profile::{enter, Class};
-use hv::store::XenbusState;
-use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp, Port};
+use hv::store::{XenStore, XenbusState};
+use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, MapOp, Port, Pvio, Xen};
 use mem::MappedPage;
 use net::xenbus::{self as netbus, XenbusError};
 use ring::{BackRing, PageRing, RingError};
@@ -337,9 +336,8 @@ impl<S: FnMut(&[u8]) -> bool> AoeIo for RemoteIo<'_, S> {
 
 /// One virtual block device's back end.
 #[derive(Debug)]
-pub struct Blkback {
-    hv: Arc<Hypervisor>,
-    dom: Arc<Domain>,
+pub struct Blkback<X: Xen = Pvio> {
+    xen: X,
     fe: DomId,
     devid: u32,
     port: Port,
@@ -366,7 +364,7 @@ pub struct Blkback {
 /// Publishes the disk's size and the back end's features and waits for the front end
 /// (`InitWait`). `persistent` offers persistent grants.
 pub fn probe(
-    hv: &Hypervisor,
+    store: &impl XenStore,
     be: DomId,
     fe: DomId,
     devid: u32,
@@ -374,7 +372,7 @@ pub fn probe(
     persistent: bool,
 ) -> Result<(), XenbusError> {
     publish(
-        hv,
+        store,
         be,
         fe,
         devid,
@@ -394,7 +392,7 @@ pub fn probe(
 /// Publishes a remote disk as its initiator found it (size, whether it flushes; no
 /// discard: ATA over Ethernet has none) and waits for the front end.
 pub fn probe_remote(
-    hv: &Hypervisor,
+    store: &impl XenStore,
     be: DomId,
     fe: DomId,
     devid: u32,
@@ -402,7 +400,7 @@ pub fn probe_remote(
     persistent: bool,
 ) -> Result<(), XenbusError> {
     publish(
-        hv,
+        store,
         be,
         fe,
         devid,
@@ -422,13 +420,12 @@ pub fn probe_remote(
 /// Writes what the back end offers into its directory and moves to `InitWait`. The
 /// toolstack's `mode = r` makes the device read-only whatever the disk allows.
 fn publish(
-    hv: &Hypervisor,
+    store: &impl XenStore,
     be: DomId,
     fe: DomId,
     devid: u32,
     o: &Offered,
 ) -> Result<(), XenbusError> {
-    let store = hv.store();
     let dir = xenbus::backend_dir(be, fe, devid);
     let mode_ro = store
         .read(be, &format!("{dir}/mode"))
@@ -455,20 +452,19 @@ fn publish(
     Ok(())
 }
 
-impl Blkback {
+impl<X: Xen> Blkback<X> {
     /// Connects to a front end that published its ring: checks its keys, maps the ring
     /// at window slot `slot_base` (the device uses [`VBD_WINDOW_SLOTS`] slots from
     /// there), binds the event channel, and moves to `Connected`. Serves `disk`, as
     /// [`probe`] published it.
     pub fn connect(
-        hv: &Arc<Hypervisor>,
-        dom: &Arc<Domain>,
+        xen: X,
         fe: DomId,
         devid: u32,
         slot_base: u32,
         disk: FileDisk,
     ) -> Result<Self, XenbusError> {
-        Self::connect_store(hv, dom, fe, devid, slot_base, Store::File(disk))
+        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk))
     }
 
     /// As [`Blkback::connect`], serving the remote disk `ini` found (and
@@ -477,8 +473,7 @@ impl Blkback {
     /// [`Blkback::net_input`], and is answered when the target has answered every
     /// frame.
     pub fn connect_remote(
-        hv: &Arc<Hypervisor>,
-        dom: &Arc<Domain>,
+        xen: X,
         fe: DomId,
         devid: u32,
         slot_base: u32,
@@ -501,26 +496,19 @@ impl Blkback {
             free: (0..RING_REQUESTS as u16).rev().collect(),
             done: Vec::with_capacity(RING_REQUESTS),
         };
-        Self::connect_store(
-            hv,
-            dom,
-            fe,
-            devid,
-            slot_base,
-            Store::Remote(Box::new(remote)),
-        )
+        Self::connect_store(xen, fe, devid, slot_base, Store::Remote(Box::new(remote)))
     }
 
     fn connect_store(
-        hv: &Arc<Hypervisor>,
-        dom: &Arc<Domain>,
+        xen: X,
         fe: DomId,
         devid: u32,
         slot_base: u32,
         backing: Store,
     ) -> Result<Self, XenbusError> {
-        let store = hv.store();
-        let be = dom.id();
+        let store = xen.store();
+        let be = xen.id();
+        let dom = xen.domain();
         let fdir = xenbus::frontend_dir(fe, devid);
         let bdir = xenbus::backend_dir(be, fe, devid);
         let st = store.xenbus_state(be, &fdir);
@@ -541,8 +529,7 @@ impl Blkback {
 
         let slot = slot_base + RING_SLOT;
         let mut res = [Err(GrantError::BadHandle(0))];
-        hv.grant_map(
-            dom,
+        xen.grant_map(
             &[MapOp {
                 dom: fe,
                 gref: GrantRef(ring_ref),
@@ -552,7 +539,7 @@ impl Blkback {
             &mut res,
         );
         let h = res[0].map_err(|e| XenbusError::BadKey(format!("{fdir}/ring-ref: {e}")))?;
-        let unmap = || hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+        let unmap = || xen.grant_unmap(&[h], &mut [Ok(())]);
         let Some(ring) = dom
             .window()
             .page(slot)
@@ -563,7 +550,7 @@ impl Blkback {
             unmap();
             return Err(XenbusError::BadKey(format!("{fdir}/ring-ref")));
         };
-        let port = match hv.evtchn_bind_interdomain(dom, fe, Port(evtchn)) {
+        let port = match xen.evtchn_bind_interdomain(fe, Port(evtchn)) {
             Ok(p) => p,
             Err(e) => {
                 drop(ring);
@@ -574,13 +561,12 @@ impl Blkback {
         if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
             drop(ring);
             unmap();
-            let _ = hv.evtchn_close(dom, port);
+            let _ = xen.evtchn_close(port);
             return Err(e.into());
         }
         let max_segs = usize::from(MAX_INDIRECT_SEGMENTS);
         Ok(Self {
-            hv: Arc::clone(hv),
-            dom: Arc::clone(dom),
+            xen,
             fe,
             devid,
             port,
@@ -703,7 +689,7 @@ impl Blkback {
                 .is_some_and(|r| r.push_responses_and_check_notify())
         {
             self.stats.notifies += 1;
-            let _ = self.hv.evtchn_send(&self.dom, self.port);
+            let _ = self.xen.evtchn_send(self.port);
         }
         Ok(n)
     }
@@ -809,12 +795,11 @@ impl Blkback {
             });
         }
         let n = self.maps.len();
-        self.hv
-            .grant_map(&self.dom, &self.maps, &mut self.map_res[..n]);
+        self.xen.grant_map(&self.maps, &mut self.map_res[..n]);
         self.segs.clear();
         let mut ok = self.map_res[..n].iter().all(|r| r.is_ok());
         if ok {
-            let win = self.dom.window();
+            let win = self.xen.domain().window();
             let mut left = usize::from(nr_segments);
             let mut entry = [0u8; std::mem::size_of::<Segment>()];
             'pages: for op in &self.maps {
@@ -833,8 +818,7 @@ impl Blkback {
             .extend(self.map_res[..n].iter().filter_map(|r| r.ok()));
         let u = self.unmaps.len();
         self.stats.transient_maps += u as u64;
-        self.hv
-            .grant_unmap(&self.dom, &self.unmaps, &mut self.unmap_st[..u]);
+        self.xen.grant_unmap(&self.unmaps, &mut self.unmap_st[..u]);
         if ok {
             Ok(())
         } else {
@@ -865,7 +849,7 @@ impl Blkback {
         let r = match (&mut self.store, mapped) {
             (_, false) => Err(Failed::Grant),
             (Store::File(disk), true) => {
-                let win = self.dom.window();
+                let win = self.xen.domain().window();
                 let _d = enter(Class::Disk);
                 let mut s = sector;
                 let mut r = Ok(Outcome::Done);
@@ -904,8 +888,7 @@ impl Blkback {
         };
         let u = self.unmaps.len();
         if u > 0 {
-            self.hv
-                .grant_unmap(&self.dom, &self.unmaps, &mut self.unmap_st[..u]);
+            self.xen.grant_unmap(&self.unmaps, &mut self.unmap_st[..u]);
         }
         r
     }
@@ -937,8 +920,7 @@ impl Blkback {
                 }
                 if let Some(slot) = p.free.pop() {
                     let mut res = [Err(GrantError::BadHandle(0))];
-                    self.hv.grant_map(
-                        &self.dom,
+                    self.xen.grant_map(
                         &[MapOp {
                             dom: self.fe,
                             gref: GrantRef(seg.gref),
@@ -969,8 +951,7 @@ impl Blkback {
         }
         let n = self.maps.len();
         if n > 0 {
-            self.hv
-                .grant_map(&self.dom, &self.maps, &mut self.map_res[..n]);
+            self.xen.grant_map(&self.maps, &mut self.map_res[..n]);
         }
         n
     }
@@ -986,7 +967,7 @@ impl Blkback {
             ini, slots, done, ..
         } = &mut **r;
         let mut io = RemoteIo {
-            dom: &self.dom,
+            dom: self.xen.domain(),
             slots,
             done,
             frame: FrameAt::Bytes(&[]),
@@ -1015,7 +996,7 @@ impl Blkback {
             ini, slots, done, ..
         } = &mut **r;
         let mut io = RemoteIo {
-            dom: &self.dom,
+            dom: self.xen.domain(),
             slots,
             done,
             frame: at,
@@ -1060,8 +1041,7 @@ impl Blkback {
             };
             let u = f.unmaps.len();
             if u > 0 {
-                self.hv
-                    .grant_unmap(&self.dom, &f.unmaps, &mut self.unmap_st[..u]);
+                self.xen.grant_unmap(&f.unmaps, &mut self.unmap_st[..u]);
                 f.unmaps.clear();
             }
             let status = if ok {
@@ -1099,18 +1079,18 @@ impl Blkback {
                 .is_some_and(|r| r.push_responses_and_check_notify())
         {
             self.stats.notifies += 1;
-            let _ = self.hv.evtchn_send(&self.dom, self.port);
+            let _ = self.xen.evtchn_send(self.port);
         }
     }
 
     /// Marks the device broken by a protocol break and tells the front end (`Closing`).
     fn protocol_break(&mut self, e: RingError) {
         self.broken = Some(Broken::Ring(e));
-        let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.devid);
+        let dir = xenbus::backend_dir(self.xen.id(), self.fe, self.devid);
         let _ = self
-            .hv
+            .xen
             .store()
-            .switch_state(self.dom.id(), &dir, XenbusState::Closing);
+            .switch_state(self.xen.id(), &dir, XenbusState::Closing);
     }
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.
@@ -1119,8 +1099,7 @@ impl Blkback {
             for f in &mut r.slots {
                 let u = f.unmaps.len();
                 if u > 0 {
-                    self.hv
-                        .grant_unmap(&self.dom, &f.unmaps, &mut self.unmap_st[..u]);
+                    self.xen.grant_unmap(&f.unmaps, &mut self.unmap_st[..u]);
                     f.unmaps.clear();
                 }
             }
@@ -1128,15 +1107,14 @@ impl Blkback {
         if let Some(p) = self.persistent.take() {
             let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
             let mut st = vec![Ok(()); handles.len()];
-            self.hv.grant_unmap(&self.dom, &handles, &mut st);
+            self.xen.grant_unmap(&handles, &mut st);
         }
         self.ring = None;
-        self.hv
-            .grant_unmap(&self.dom, &[self.ring_handle], &mut [Ok(())]);
-        let _ = self.hv.evtchn_close(&self.dom, self.port);
-        let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.devid);
-        let store = self.hv.store();
-        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closing);
-        let _ = store.switch_state(self.dom.id(), &dir, XenbusState::Closed);
+        self.xen.grant_unmap(&[self.ring_handle], &mut [Ok(())]);
+        let _ = self.xen.evtchn_close(self.port);
+        let dir = xenbus::backend_dir(self.xen.id(), self.fe, self.devid);
+        let store = self.xen.store();
+        let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closing);
+        let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closed);
     }
 }

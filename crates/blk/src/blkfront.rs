@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, OwnPage, Port};
 use net::xenbus::{self as netbus, XenbusError};
 use ring::{FrontRing, PageRing};

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Hypervisor, Port};
 
 use crate::aoe::BadFrame;
@@ -135,7 +135,7 @@ impl RemoteVbd {
                 let n = ini.poll(now, &mut Discovery(&mut send));
                 if ini.phase() == Phase::Ready {
                     let r = blkback::probe_remote(
-                        &self.hv,
+                        self.hv.store(),
                         self.dom.id(),
                         self.fe,
                         self.devid,
@@ -166,8 +166,7 @@ impl RemoteVbd {
                     return 0;
                 };
                 self.state = match Blkback::connect_remote(
-                    &self.hv,
-                    &self.dom,
+                    hv::Pvio::new(&self.hv, &self.dom),
                     self.fe,
                     self.devid,
                     self.slot_base,

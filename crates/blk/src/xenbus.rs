@@ -11,7 +11,7 @@
 //! maps the ring, binds the channel and moves to `Connected`. Every value read from the
 //! peer is untrusted text, parsed strictly ([`net::xenbus::read_u32`]).
 
-use hv::store::{Store, XenbusState};
+use hv::store::{Store, XenStore, XenbusState};
 use hv::DomId;
 use net::xenbus::{feature, read_u32, XenbusError};
 
@@ -75,7 +75,7 @@ pub fn create_vbd(
 
 /// Reads a decimal 64-bit key the peer wrote (`sectors`), refusing anything but a plain
 /// number.
-pub fn read_u64(store: &Store, caller: DomId, path: &str) -> Result<u64, XenbusError> {
+pub fn read_u64(store: &impl XenStore, caller: DomId, path: &str) -> Result<u64, XenbusError> {
     let v = store
         .read(caller, path)
         .map_err(|_| XenbusError::BadKey(path.into()))?;
@@ -87,7 +87,7 @@ pub fn read_u64(store: &Store, caller: DomId, path: &str) -> Result<u64, XenbusE
 
 /// Retires a back end (libxl's device removal): `Closing`, `Closed`, removed, so that
 /// the front end's watch fires.
-pub fn close_backend(store: &Store, be: DomId, fe: DomId, devid: u32) {
+pub fn close_backend(store: &impl XenStore, be: DomId, fe: DomId, devid: u32) {
     let dir = backend_dir(be, fe, devid);
     let _ = store.switch_state(DomId::DOM0, &dir, XenbusState::Closing);
     let _ = store.switch_state(DomId::DOM0, &dir, XenbusState::Closed);
@@ -107,7 +107,7 @@ pub struct Offered {
 impl Offered {
     /// Reads `bdir`'s keys: `sectors` and `sector-size` (only 512) must be there; a
     /// feature not written is not offered.
-    pub fn read(store: &Store, caller: DomId, bdir: &str) -> Result<Self, XenbusError> {
+    pub fn read(store: &impl XenStore, caller: DomId, bdir: &str) -> Result<Self, XenbusError> {
         let sectors = read_u64(store, caller, &format!("{bdir}/sectors"))?;
         let size_key = format!("{bdir}/sector-size");
         if u64::from(read_u32(store, caller, &size_key)?) != SECTOR_SIZE {

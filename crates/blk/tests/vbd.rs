@@ -18,7 +18,7 @@ use blk::blkif::{
 };
 use blk::disk::FileDisk;
 use blk::xenbus;
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{Domain, GrantRef};
 use ring::PageRing;
 
@@ -49,7 +49,7 @@ impl Host {
         let disk = FileDisk::open(path, ro).expect("disk");
         xenbus::create_vbd(self.hv.store(), self.drv.id(), guest.id(), devid, ro).expect("vbd");
         blkback::probe(
-            &self.hv,
+            self.hv.store(),
             self.drv.id(),
             guest.id(),
             devid,
@@ -72,8 +72,7 @@ impl Host {
         let disk = self.offer(guest, devid, path, false, persistent);
         let front = Blkfront::connect(&self.hv, guest, devid, persistent).expect("front");
         let back = Blkback::connect(
-            &self.hv,
-            &self.drv,
+            hv::Pvio::new(&self.hv, &self.drv),
             guest.id(),
             devid,
             index * VBD_WINDOW_SLOTS,
@@ -326,8 +325,14 @@ fn flush_and_discard_are_served_and_a_read_only_device_refuses_writes() {
     let g2 = h.guest("reader");
     let disk = h.offer(&g2, 51728, &path, true, false);
     let mut ro = Blkfront::connect(&h.hv, &g2, 51728, false).expect("front");
-    let _back =
-        Blkback::connect(&h.hv, &h.drv, g2.id(), 51728, VBD_WINDOW_SLOTS, disk).expect("back");
+    let _back = Blkback::connect(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g2.id(),
+        51728,
+        VBD_WINDOW_SLOTS,
+        disk,
+    )
+    .expect("back");
     assert!(ro.read_only());
     let b = pages(&g2, 1, 0, 4096);
     assert_eq!(
@@ -351,7 +356,8 @@ fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
     let path = backing("hostile");
     let disk = h.offer(&g, 51712, &path, false, false);
     let mut bad = Hostile::connect(&h, &g, 51712);
-    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     let (page, r) = bad.granted(&h, false);
     let (ro_page, ro) = bad.granted(&h, true);
     g.fill(ro_page, 0, 4096, 0x5a).expect("fill");
@@ -440,7 +446,8 @@ fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
     let path = backing("indirect");
     let disk = h.offer(&g, 51712, &path, false, false);
     let mut bad = Hostile::connect(&h, &g, 51712);
-    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     let (data, dr) = bad.granted(&h, false);
     let (ind, ir) = bad.granted(&h, true);
     let write_segs = |segs: &[Segment]| g.write(ind, 0, bytemuck::cast_slice(segs)).expect("write");
@@ -503,7 +510,8 @@ fn a_ring_index_moved_backwards_disconnects_that_device_and_no_other() {
     let g = h.guest("hostile");
     let disk = h.offer(&g, 51712, &path, false, false);
     let mut bad = Hostile::connect(&h, &g, 51712);
-    let mut back = Blkback::connect(&h.hv, &h.drv, g.id(), 51712, 0, disk).expect("back");
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     let good_guest = h.guest("good");
     let (mut front, mut other) = h.plug(&good_guest, 51712, 1, &path, true);
 

@@ -26,7 +26,7 @@ use blk::blkif::{
 };
 use blk::disk::FileDisk;
 use blk::xenbus;
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{Domain, DomainConfig, Gfn, GrantRef, GrantVersion, HvConfig, Hypervisor, OwnPage};
 use ring::{FrontRing, PageRing};
 
@@ -76,13 +76,14 @@ pub fn case(input: &mut Input<'_>) {
     let offer = |g: &Domain, path: &std::path::Path, devid: u32| {
         let disk = FileDisk::open(path, false).expect("disk");
         xenbus::create_vbd(hv.store(), drv.id(), g.id(), devid, false).expect("vbd");
-        blkback::probe(&hv, drv.id(), g.id(), devid, &disk, persistent).expect("probe");
+        blkback::probe(hv.store(), drv.id(), g.id(), devid, &disk, persistent).expect("probe");
         disk
     };
     // The well-behaved guest's device.
     let disk = offer(&good, &good_file, 51712);
     let mut front = Blkfront::connect(&hv, &good, 51712, persistent).expect("front");
-    let mut gb = Blkback::connect(&hv, &drv, good.id(), 51712, 0, disk).expect("back");
+    let mut gb =
+        Blkback::connect(hv::Pvio::new(&hv, &drv), good.id(), 51712, 0, disk).expect("back");
     let page = good.alloc_page().expect("page");
     // The hostile guest's, its ring written by hand.
     let disk = offer(&bad, &bad_file, 51712);
@@ -114,8 +115,14 @@ pub fn case(input: &mut Input<'_>) {
     store
         .switch_state(bad.id(), &fdir, XenbusState::Connected)
         .expect("state");
-    let mut bb =
-        Blkback::connect(&hv, &drv, bad.id(), 51712, VBD_WINDOW_SLOTS, disk).expect("back");
+    let mut bb = Blkback::connect(
+        hv::Pvio::new(&hv, &drv),
+        bad.id(),
+        51712,
+        VBD_WINDOW_SLOTS,
+        disk,
+    )
+    .expect("back");
     // Its pages: read-write, read-only, and an indirect page, each granted.
     let granted = |ro: bool| -> (Gfn, GrantRef) {
         let g = bad.alloc_page().expect("page");

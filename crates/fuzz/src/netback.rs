@@ -177,7 +177,7 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
     gt.end_access(hv::GrantRef(revoked)).expect("revoke");
     let grefs = [raw.data_ref, raw.data_ref, rw, revoked, 9999, u32::MAX];
     let reuse = inp.below(2) == 0 && raw.publish_ctrl(&w.hv, w.drv.id(), 0).is_some();
-    let mut bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("vif");
+    let mut bad = Vif::connect(hv::Pvio::new(&w.hv, &w.drv), evil.id(), 0, 0, 0).expect("vif");
     let direct = reuse && inp.below(2) == 0;
     if direct {
         bad.enable_direct();

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::netback::{self, Disabled, Vif, VIF_WINDOW_SLOTS};
 use net::netfront::FrontConfig;
@@ -75,7 +75,7 @@ fn plug_good(w: &World, good: &Arc<Domain>) -> (Netfront, Vif) {
 fn pair(w: &World) -> (Raw, Vif, Netfront, Vif, Arc<Domain>) {
     let evil = guest(&w.hv, "evil");
     let raw = connect_raw(&w.hv, &evil, &w.drv);
-    let bad = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("evil vif");
+    let bad = Vif::connect(hv::Pvio::new(&w.hv, &w.drv), evil.id(), 0, 0, 0).expect("evil vif");
     let good = guest(&w.hv, "good");
     let (front, vif) = plug_good(w, &good);
     (raw, bad, front, vif, good)
@@ -457,7 +457,7 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
     store
         .write(evil.id(), &format!("{fdir}/event-channel"), "9999")
         .expect("write");
-    assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
+    assert!(Vif::connect(hv::Pvio::new(&w.hv, &w.drv), evil.id(), 0, 0, 0).is_err());
     assert_eq!(
         w.hv.mappings_held(&w.drv),
         0,
@@ -474,7 +474,7 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
     store
         .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Closed)
         .expect("closed");
-    assert!(Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).is_err());
+    assert!(Vif::connect(hv::Pvio::new(&w.hv, &w.drv), evil.id(), 0, 0, 0).is_err());
     assert_eq!(
         w.hv.mappings_held(&w.drv),
         0,
@@ -489,7 +489,8 @@ fn a_failed_connect_releases_what_it_took_and_a_retry_succeeds() {
         .switch_state(hv::DomId::DOM0, &bdir, XenbusState::Initialising)
         .expect("restart");
     netback::probe(store, w.drv.id(), evil.id(), 0).expect("probe");
-    let vif = Vif::connect(&w.hv, &w.drv, evil.id(), 0, 0, 0).expect("a retry connects");
+    let vif =
+        Vif::connect(hv::Pvio::new(&w.hv, &w.drv), evil.id(), 0, 0, 0).expect("a retry connects");
     assert_eq!(vif.disabled(), None);
     let _ = raw;
 }

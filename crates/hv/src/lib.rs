@@ -56,6 +56,7 @@ pub mod store;
 pub mod time;
 pub mod types;
 pub mod vcpu;
+pub mod xen;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -66,6 +67,7 @@ pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVer
 pub use mem::{MachineMemory, MapBackend, PageAccess, PAGE_SIZE};
 pub use types::*;
 pub use vcpu::{Vcpu, VcpuStart, WaitMode, HALT_POLL_DEFAULT};
+pub use xen::{Pvio, Xen};
 
 use frame::FrameTable;
 

@@ -23,6 +23,55 @@ use std::sync::Mutex;
 use crate::types::DomId;
 
 pub mod transaction;
+pub mod wire;
+
+/// The store as a back end uses it: pvio's [`Store`], or a connection to a real
+/// xenstored. `caller` is the domain making the call; pvio's store serves every domain
+/// and checks each call's permissions against it, while a connection to xenstored is
+/// its own domain's and refuses to act as any other.
+pub trait XenStore: Send + Sync {
+    /// Reads a node.
+    fn read(&self, caller: DomId, path: &str) -> Result<String, StoreError>;
+    /// Writes a node, creating it and any missing ancestors.
+    fn write(&self, caller: DomId, path: &str, value: &str) -> Result<(), StoreError>;
+    /// Removes a node and everything below it.
+    fn rm(&self, caller: DomId, path: &str) -> Result<(), StoreError>;
+    /// Names of a node's children.
+    fn directory(&self, caller: DomId, path: &str) -> Result<Vec<String>, StoreError>;
+
+    /// Reads `<dir>/state` as a xenbus state (missing or garbage reads as `Unknown`).
+    fn xenbus_state(&self, caller: DomId, dir: &str) -> XenbusState {
+        self.read(caller, &format!("{dir}/state"))
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .map_or(XenbusState::Unknown, XenbusState::from_u32)
+    }
+
+    /// Moves `<dir>/state` to `to`, refusing transitions the xenbus protocol does not
+    /// have (so a confused peer cannot, say, jump from Closed to Connected).
+    fn switch_state(&self, caller: DomId, dir: &str, to: XenbusState) -> Result<(), StoreError> {
+        let from = self.xenbus_state(caller, dir);
+        if !from.may_become(to) {
+            return Err(StoreError::Invalid);
+        }
+        self.write(caller, &format!("{dir}/state"), &(to as u32).to_string())
+    }
+}
+
+impl XenStore for Store {
+    fn read(&self, caller: DomId, path: &str) -> Result<String, StoreError> {
+        Store::read(self, caller, path)
+    }
+    fn write(&self, caller: DomId, path: &str, value: &str) -> Result<(), StoreError> {
+        Store::write(self, caller, path, value)
+    }
+    fn rm(&self, caller: DomId, path: &str) -> Result<(), StoreError> {
+        Store::rm(self, caller, path)
+    }
+    fn directory(&self, caller: DomId, path: &str) -> Result<Vec<String>, StoreError> {
+        Store::directory(self, caller, path)
+    }
+}
 
 /// Longest path (`XENSTORE_ABS_PATH_MAX`).
 pub const MAX_PATH: usize = 3072;
@@ -71,6 +120,10 @@ pub enum StoreError {
     /// applied, and the caller starts it again.
     #[error("the transaction conflicted with another change; start it again")]
     Again,
+    /// The store could not be reached or answered outside the protocol (a connection
+    /// to a real xenstored that failed; `EIO`).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
 }
 
 #[derive(Debug, Clone)]
@@ -532,29 +585,6 @@ impl Store {
         self.lock()
             .watches
             .retain(|w| !(w.dom == caller && w.path == path && w.token == token));
-    }
-
-    /// Reads `<dir>/state` as a xenbus state (missing or garbage reads as `Unknown`).
-    pub fn xenbus_state(&self, caller: DomId, dir: &str) -> XenbusState {
-        self.read(caller, &format!("{dir}/state"))
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .map_or(XenbusState::Unknown, XenbusState::from_u32)
-    }
-
-    /// Moves `<dir>/state` to `to`, refusing transitions the xenbus protocol does not
-    /// have (so a confused peer cannot, say, jump from Closed to Connected).
-    pub fn switch_state(
-        &self,
-        caller: DomId,
-        dir: &str,
-        to: XenbusState,
-    ) -> Result<(), StoreError> {
-        let from = self.xenbus_state(caller, dir);
-        if !from.may_become(to) {
-            return Err(StoreError::Invalid);
-        }
-        self.write(caller, &format!("{dir}/state"), &(to as u32).to_string())
     }
 }
 

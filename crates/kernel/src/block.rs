@@ -19,7 +19,7 @@ use dev::wire::Samples;
 use hv::profile::{enter, Class};
 use std::sync::mpsc::Receiver;
 
-use hv::store::{WatchEvent, XenbusState};
+use hv::store::{WatchEvent, XenStore, XenbusState};
 use hv::{Domain, Gfn, Hypervisor, Port, Vcpu, PAGE_SIZE};
 
 use crate::vcpu::{Kernel, Work};

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Hypervisor, Port, Vcpu};
 use net::netif::{RxRequest, TxRequest, NETTXF_MORE_DATA};
 use net::rawfront::RawFront;

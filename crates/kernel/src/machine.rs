@@ -28,6 +28,7 @@ use dev::nic::{Coalesce, Nic, NicRegs, RX_QUEUES};
 use dev::tap::TapPort;
 use dev::wire::{WireSink, WireSource};
 use hv::sched::{CpuPlan, IdlePolicy, Scheduler, UnitJoin, UnitSpec};
+use hv::store::XenStore;
 use hv::{
     DeviceId, DomId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Port,
     Vector,
@@ -298,7 +299,7 @@ impl DiskPlan {
             Disk::File(path) => {
                 let name = |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", self.name()));
                 let disk = FileDisk::open(path, self.read_only).map_err(|e| name(&e))?;
-                blkback::probe(hv, drv.id(), fe, XVDA, &disk, self.persistent)
+                blkback::probe(hv.store(), drv.id(), fe, XVDA, &disk, self.persistent)
                     .map_err(|e| name(&e))?;
                 Ok(Served::File(disk))
             }
@@ -485,8 +486,9 @@ fn connect_guests(
                         |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", plan.name()));
                     let front =
                         Blkfront::connect(hv, dom, XVDA, b.persistent).map_err(|e| name(&e))?;
-                    let back = Blkback::connect(hv, drv, dom.id(), XVDA, slot, file)
-                        .map_err(|e| name(&e))?;
+                    let back =
+                        Blkback::connect(hv::Pvio::new(&hv, &drv), dom.id(), XVDA, slot, file)
+                            .map_err(|e| name(&e))?;
                     vbds.push(back);
                     fronts.push(Front::Block(Box::new(front)));
                 }
@@ -1553,7 +1555,10 @@ impl Machine {
                         std::thread::yield_now();
                     }
                     match connected
-                        .then(|| Blkback::connect(&hv, &drv, fe, XVDA, disk.slot, file).ok())
+                        .then(|| {
+                            Blkback::connect(hv::Pvio::new(&hv, &drv), fe, XVDA, disk.slot, file)
+                                .ok()
+                        })
                         .flatten()
                     {
                         Some(b) => vbds.push(b),

@@ -17,13 +17,11 @@
 //! ones when the packet has left and its buffer is freed (the release queue of
 //! [`crate::skb::SkbPool`]): then they are unmapped in one batch and answered.
 
-use std::sync::Arc;
-
 use hv::profile::{enter, Class};
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{
-    CopyPtr, DomId, Domain, GrantCopy, GrantError, GrantHandle, GrantRef, GrantStatus, Hypervisor,
-    MapOp, Port, PAGE_SIZE,
+    CopyPtr, DomId, GrantCopy, GrantError, GrantHandle, GrantRef, GrantStatus, MapOp, Port, Pvio,
+    Xen, PAGE_SIZE,
 };
 use mem::MappedPage;
 use ring::{BackRing, PageRing};
@@ -691,11 +689,10 @@ fn chain_offload(chain: &TxChain) -> Offload {
     }
 }
 
-/// One virtual interface's back end.
+/// One virtual interface's back end, over pvio's hypervisor or a real Xen.
 #[derive(Debug)]
-pub struct Vif {
-    hv: Arc<Hypervisor>,
-    dom: Arc<Domain>,
+pub struct Vif<X: Xen = Pvio> {
+    xen: X,
     fe: DomId,
     handle: u32,
     index: u16,
@@ -748,17 +745,15 @@ pub struct Vif {
 }
 
 /// Maps the front end's control ring (`ctrl-ring-ref`) at `slot`.
-fn map_ctrl_ring(
-    hv: &Hypervisor,
-    dom: &Arc<Domain>,
+fn map_ctrl_ring<X: Xen>(
+    xen: &X,
     fe: DomId,
     fdir: &str,
     slot: u32,
 ) -> Result<ctrl::Ctrl, XenbusError> {
-    let store = hv.store();
     let r = xenbus::read_u32(
-        store,
-        dom.id(),
+        xen.store(),
+        xen.id(),
         &format!("{fdir}/{}", xenbus::CTRL_RING_REF),
     )?;
     let op = [MapOp {
@@ -768,10 +763,11 @@ fn map_ctrl_ring(
         slot,
     }];
     let mut res = [Err(GrantError::BadHandle(0))];
-    hv.grant_map(dom, &op, &mut res);
+    xen.grant_map(&op, &mut res);
     let bad = |e: String| XenbusError::BadKey(format!("{fdir}/{}: {e}", xenbus::CTRL_RING_REF));
     let h = res[0].map_err(|e| bad(e.to_string()))?;
-    match dom
+    match xen
+        .domain()
         .window()
         .page(slot)
         .ok()
@@ -780,19 +776,14 @@ fn map_ctrl_ring(
     {
         Some(ring) => Ok(ctrl::Ctrl::new(ring, h)),
         None => {
-            hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+            xen.grant_unmap(&[h], &mut [Ok(())]);
             Err(bad("not a ring".into()))
         }
     }
 }
 
 /// Publishes the back end's features and waits for the front end (`InitWait`).
-pub fn probe(
-    store: &hv::store::Store,
-    be: DomId,
-    fe: DomId,
-    handle: u32,
-) -> Result<(), XenbusError> {
+pub fn probe(store: &impl XenStore, be: DomId, fe: DomId, handle: u32) -> Result<(), XenbusError> {
     let dir = xenbus::backend_dir(be, fe, handle);
     for (k, v) in xenbus::BACKEND_FEATURES {
         store.write(be, &format!("{dir}/{k}"), v)?;
@@ -801,21 +792,21 @@ pub fn probe(
     Ok(())
 }
 
-impl Vif {
+impl<X: Xen> Vif<X> {
     /// Connects to a front end that published its rings: reads and checks its keys,
     /// maps both ring pages at window slots `slot_base` and `slot_base + 1` (the vif
     /// uses [`VIF_WINDOW_SLOTS`] slots from there), binds the event channel, and moves
     /// to `Connected`. `index` names the vif in release tokens.
     pub fn connect(
-        hv: &Arc<Hypervisor>,
-        dom: &Arc<Domain>,
+        xen: X,
         fe: DomId,
         handle: u32,
         index: u16,
         slot_base: u32,
     ) -> Result<Self, XenbusError> {
-        let store = hv.store();
-        let be = dom.id();
+        let store = xen.store();
+        let be = xen.id();
+        let dom = xen.domain();
         let fdir = xenbus::frontend_dir(fe, handle);
         let bdir = xenbus::backend_dir(be, fe, handle);
         let st = store.xenbus_state(be, &fdir);
@@ -863,14 +854,14 @@ impl Vif {
             },
         ];
         let mut res = [Err(GrantError::BadHandle(0)); 2];
-        hv.grant_map(dom, &ops, &mut res);
+        xen.grant_map(&ops, &mut res);
         let bad = |e: &GrantError| XenbusError::BadKey(format!("{fdir}/*-ring-ref: {e}"));
         let (th, rh) = match res {
             [Ok(t), Ok(r)] => (t, r),
             [a, b] => {
                 let mut st = [Ok(()); 2];
                 let hs: Vec<GrantHandle> = [a, b].iter().filter_map(|r| r.ok()).collect();
-                hv.grant_unmap(dom, &hs, &mut st);
+                xen.grant_unmap(&hs, &mut st);
                 let e = [a, b]
                     .into_iter()
                     .find_map(|r| r.err())
@@ -878,9 +869,9 @@ impl Vif {
                 return Err(bad(&e));
             }
         };
-        let unmap = |hv: &Hypervisor| {
+        let unmap = |xen: &X| {
             let mut st = [Ok(()); 2];
-            hv.grant_unmap(dom, &[th, rh], &mut st);
+            xen.grant_unmap(&[th, rh], &mut st);
         };
         let page = |slot| dom.window().page(slot);
         let rings = page(slot_base)
@@ -894,28 +885,28 @@ impl Vif {
                     .and_then(|p| BackRing::<RxRing, _>::attach(p).ok()),
             );
         let Some((tx, rx)) = rings else {
-            unmap(hv);
+            unmap(&xen);
             return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref")));
         };
         // From here each failure gives back what was taken, rings first: a ring holds
         // its mapped page open, and a held page cannot be unmapped.
-        let port = match hv.evtchn_bind_interdomain(dom, fe, Port(evtchn)) {
+        let port = match xen.evtchn_bind_interdomain(fe, Port(evtchn)) {
             Ok(p) => p,
             Err(e) => {
                 drop((tx, rx));
-                unmap(hv);
+                unmap(&xen);
                 return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
             }
         };
         // Grant reuse needs the control ring, through which the guest drops mappings.
         let reuse = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GRANT_REUSE);
         let ctrl = if reuse {
-            match map_ctrl_ring(hv, dom, fe, &fdir, slot_base + CTRL_RING_SLOT) {
+            match map_ctrl_ring(&xen, fe, &fdir, slot_base + CTRL_RING_SLOT) {
                 Ok(c) => Some(c),
                 Err(e) => {
                     drop((tx, rx));
-                    unmap(hv);
-                    let _ = hv.evtchn_close(dom, port);
+                    unmap(&xen);
+                    let _ = xen.evtchn_close(port);
                     return Err(e);
                 }
             }
@@ -952,20 +943,19 @@ impl Vif {
             }),
             Err(e) => {
                 drop((tx, rx));
-                unmap(hv);
+                unmap(&xen);
                 if let Some(c) = ctrl {
                     let h = c.handle;
                     drop(c);
-                    hv.grant_unmap(dom, &[h], &mut [Ok(())]);
+                    xen.grant_unmap(&[h], &mut [Ok(())]);
                 }
-                let _ = hv.evtchn_close(dom, port);
+                let _ = xen.evtchn_close(port);
                 return Err(e);
             }
         };
         let cache = reuse.then(|| Box::new(GrantCache::new(fe, slot_base + CACHE_SLOT0)));
         Ok(Self {
-            hv: Arc::clone(hv),
-            dom: Arc::clone(dom),
+            xen,
             fe,
             handle,
             index,
@@ -1082,18 +1072,19 @@ impl Vif {
     fn disable(&mut self, why: Disabled) {
         if self.disabled.is_none() {
             self.disabled = Some(why);
-            let dir = xenbus::backend_dir(self.dom.id(), self.fe, self.handle);
+            let be = self.xen.id();
+            let dir = xenbus::backend_dir(be, self.fe, self.handle);
             let _ = self
-                .hv
+                .xen
                 .store()
-                .switch_state(self.dom.id(), &dir, XenbusState::Closing);
+                .switch_state(be, &dir, XenbusState::Closing);
         }
     }
 
     fn notify(&mut self) {
         let _c = enter(Class::Hypercall);
         self.stats.notifies += 1;
-        let _ = self.hv.evtchn_send(&self.dom, self.port);
+        let _ = self.xen.evtchn_send(self.port);
     }
 
     /// The bridge hands a packet to the vif (`xenvif_start_xmit`): queued for the RX
@@ -1242,7 +1233,7 @@ impl Vif {
         let Some(gc) = self.guest_copy.as_mut() else {
             return 0;
         };
-        let gt = self.dom.grant_table();
+        let gt = self.xen.domain().grant_table();
         let mut broken = false;
         // Credits and returns.
         loop {
@@ -1487,8 +1478,8 @@ impl Vif {
         let n = self.rxb.copies.len();
         if n > 0 {
             let _h = enter(Class::Hypercall);
-            self.hv
-                .grant_copy(&self.dom, &self.rxb.copies, &mut self.rxb.status[..n]);
+            self.xen
+                .grant_copy(&self.rxb.copies, &mut self.rxb.status[..n]);
         }
     }
 
@@ -1843,7 +1834,7 @@ impl Vif {
                 pool.free(o);
             }
         };
-        let (hv, dom) = (&self.hv, &self.dom);
+        let (xen, dom) = (&self.xen, self.xen.domain());
         let Some(cache) = self.cache.as_mut() else {
             free_bufs(pool);
             return;
@@ -1851,7 +1842,7 @@ impl Vif {
         let mut ks = [0u16; FATAL_SKB_SLOTS];
         let mut got = 0;
         for s in slots {
-            match cache.acquire(hv, dom, s.gref, false) {
+            match cache.acquire(xen, s.gref, false) {
                 Ok(k) => {
                     ks[got] = k;
                     got += 1;
@@ -1873,7 +1864,7 @@ impl Vif {
         };
         if !copied {
             for &k in &ks[..got] {
-                cache.release(hv, dom, k);
+                cache.release(xen, k);
             }
             self.stats.tx_grant_errors += 1;
             self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
@@ -1891,7 +1882,7 @@ impl Vif {
         // every later slot.
         let first_whole = s0.len as usize <= copy_len;
         if first_whole {
-            cache.release(hv, dom, ks[0]);
+            cache.release(xen, ks[0]);
             let _ = self.tx.push_response(&TxResponse {
                 id: s0.id,
                 status: XEN_NETIF_RSP_OKAY,
@@ -1927,7 +1918,7 @@ impl Vif {
             // answered now rather than leaked, and the packet dropped.
             if pool.add_frag(to, frag).is_err() {
                 self.pending[p as usize].cached = None;
-                cache.release(hv, dom, k);
+                cache.release(xen, k);
                 self.pending_free.push(p);
                 let _ = self.tx.push_response(&TxResponse {
                     id: s.id,
@@ -1969,13 +1960,11 @@ impl Vif {
         let (nc, nm) = (b.copies.len(), b.maps.len());
         if nc > 0 {
             let _h = enter(Class::Hypercall);
-            self.hv
-                .grant_copy(&self.dom, &b.copies, &mut b.copy_status[..nc]);
+            self.xen.grant_copy(&b.copies, &mut b.copy_status[..nc]);
         }
         if nm > 0 {
             let _h = enter(Class::Hypercall);
-            self.hv
-                .grant_map(&self.dom, &b.maps, &mut b.map_results[..nm]);
+            self.xen.grant_map(&b.maps, &mut b.map_results[..nm]);
         }
     }
 
@@ -2077,7 +2066,7 @@ impl Vif {
                 .and_then(|p| p.cached.take())
             {
                 if let Some(c) = self.cache.as_mut() {
-                    c.release(&self.hv, &self.dom, k);
+                    c.release(&self.xen, k);
                 }
                 self.pending_free.push(pi);
                 if self.disabled.is_none() {
@@ -2108,11 +2097,8 @@ impl Vif {
         }
         {
             let _h = enter(Class::Hypercall);
-            self.hv.grant_unmap(
-                &self.dom,
-                &self.unmaps.handles,
-                &mut self.unmaps.status[..n],
-            );
+            self.xen
+                .grant_unmap(&self.unmaps.handles, &mut self.unmaps.status[..n]);
         }
         for k in 0..n {
             let pi = self.unmaps.pending[k];
@@ -2134,10 +2120,10 @@ impl Vif {
         let p = self.pending[pi as usize];
         if let Some(h) = p.handle {
             let mut st = [Ok(())];
-            self.hv.grant_unmap(&self.dom, &[h], &mut st);
+            self.xen.grant_unmap(&[h], &mut st);
         }
         if let (Some(k), Some(c)) = (p.cached, self.cache.as_mut()) {
-            c.release(&self.hv, &self.dom, k);
+            c.release(&self.xen, k);
         }
         self.pending[pi as usize].handle = None;
         self.pending[pi as usize].cached = None;
@@ -2178,7 +2164,7 @@ impl Vif {
         self.direct_teardown();
         let ctrl_ring = self.cache_teardown();
         if let Some(gc) = self.guest_copy.as_mut() {
-            let gt = self.dom.grant_table();
+            let gt = self.xen.domain().grant_table();
             for id in 0..RING_IDS {
                 if let Some(skb) = gc.lent[id as usize].take() {
                     end_lent(&gt, gc, pool, id, skb, false);
@@ -2207,17 +2193,12 @@ impl Vif {
             .chain(ctrl_ring)
             .collect();
         let Vif {
-            hv,
-            dom,
-            port,
-            tx,
-            rx,
-            ..
+            xen, port, tx, rx, ..
         } = self;
         drop((tx, rx));
         let mut st = vec![Ok(()); held.len()];
-        hv.grant_unmap(&dom, &held, &mut st);
-        let _ = hv.evtchn_close(&dom, port);
+        xen.grant_unmap(&held, &mut st);
+        let _ = xen.evtchn_close(port);
     }
 }
 

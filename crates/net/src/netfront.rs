@@ -25,7 +25,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
-use hv::store::{Wake, WatchEvent, XenbusState};
+use hv::store::{Wake, WatchEvent, XenStore, XenbusState};
 use hv::OwnPage;
 use hv::{
     CopyPtr, DomId, Domain, Gfn, GrantCopy, GrantError, GrantRef, GrantStatus, Hypervisor, Port,

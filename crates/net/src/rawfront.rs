@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, Port};
 
 use crate::netif::{

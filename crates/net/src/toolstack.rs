@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Hypervisor};
 
 use crate::netback::{self, Vif, VIF_WINDOW_SLOTS};
@@ -79,8 +79,7 @@ pub fn connect_backend(
     spec: VifSpec,
 ) -> Result<Vif, XenbusError> {
     Vif::connect(
-        hv,
-        driver,
+        hv::Pvio::new(hv, driver),
         guest.id(),
         spec.handle,
         spec.index,

@@ -9,7 +9,7 @@
 //! channel and moves to `Connected`. Every value read from the peer's directory is
 //! untrusted text: it is parsed strictly and a bad one fails the connection.
 
-use hv::store::{Perm, Store, StoreError, XenbusState};
+use hv::store::{Perm, Store, StoreError, XenStore, XenbusState};
 use hv::DomId;
 
 /// Why a handshake step failed.
@@ -99,7 +99,7 @@ pub fn share_dirs(
 }
 
 /// Reads a decimal key the peer wrote, refusing anything but a plain number.
-pub fn read_u32(store: &Store, caller: DomId, path: &str) -> Result<u32, XenbusError> {
+pub fn read_u32(store: &impl XenStore, caller: DomId, path: &str) -> Result<u32, XenbusError> {
     let v = store
         .read(caller, path)
         .map_err(|_| XenbusError::BadKey(path.into()))?;
@@ -110,7 +110,7 @@ pub fn read_u32(store: &Store, caller: DomId, path: &str) -> Result<u32, XenbusE
 }
 
 /// Whether the peer advertised a boolean feature (`1`); anything else is no.
-pub fn feature(store: &Store, caller: DomId, dir: &str, key: &str) -> bool {
+pub fn feature(store: &impl XenStore, caller: DomId, dir: &str, key: &str) -> bool {
     store
         .read(caller, &format!("{dir}/{key}"))
         .is_ok_and(|v| v == "1")

@@ -600,7 +600,14 @@ fn good_interface(w: &World) -> (Netfront, Vif, SkbPool, SkbPool) {
     xenbus::create_vif(store, w.drv.id(), w.guest.id(), 1, [2, 0, 0, 0, 0, 7]).expect("ts");
     netback::probe(store, w.drv.id(), w.guest.id(), 1).expect("probe");
     let front = Netfront::connect(&w.hv, &w.guest, 1).expect("front");
-    let vif = Vif::connect(&w.hv, &w.drv, w.guest.id(), 1, 1, VIF_WINDOW_SLOTS).expect("vif");
+    let vif = Vif::connect(
+        hv::Pvio::new(&w.hv, &w.drv),
+        w.guest.id(),
+        1,
+        1,
+        VIF_WINDOW_SLOTS,
+    )
+    .expect("vif");
     let gpool = SkbPool::new(Arc::clone(&w.guest), 16, 300).expect("pool");
     let dpool = SkbPool::new(Arc::clone(&w.drv), 16, 16).expect("pool");
     (front, vif, gpool, dpool)

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{CopyPtr, GrantCopy, GrantRef};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
@@ -990,8 +990,14 @@ fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_a
             "1",
         )
         .expect("write");
-    let mut bad_vif = Vif::connect(&p.hv, &p.drv, bad.id(), 0, 1, VIF_WINDOW_SLOTS)
-        .expect("the hostile front end connects");
+    let mut bad_vif = Vif::connect(
+        hv::Pvio::new(&p.hv, &p.drv),
+        bad.id(),
+        0,
+        1,
+        VIF_WINDOW_SLOTS,
+    )
+    .expect("the hostile front end connects");
     // The good guest has two packets lent and not yet copied.
     let (f1, f2) = (vec![0x11u8; 400], vec![0x22u8; 1400]);
     queue_frame(&mut p, &f1);
@@ -1030,7 +1036,14 @@ fn a_hostile_guest_copy_front_end_posting_unknown_or_repeated_slots_is_counted_a
 fn direct_placement_maps_only_what_a_guest_posted_rightly_and_answers_the_rest_with_errors() {
     let mut p = pair(GrantVersion::V2, GrantPath::Optimised);
     let (bad, mut raw) = raw_guest(&p, RxBuffers::Linear);
-    let mut vif = Vif::connect(&p.hv, &p.drv, bad.id(), 0, 1, VIF_WINDOW_SLOTS).expect("vif");
+    let mut vif = Vif::connect(
+        hv::Pvio::new(&p.hv, &p.drv),
+        bad.id(),
+        0,
+        1,
+        VIF_WINDOW_SLOTS,
+    )
+    .expect("vif");
     vif.enable_direct();
     let (good, good2) = (
         raw.rx_buffer(p.drv.id()).expect("buffer"),

@@ -107,7 +107,7 @@ use std::sync::Arc;
 use blk::blkback::VBD_WINDOW_SLOTS;
 use blk::blkif::{BlkRing, RawRequest, Response, Segment};
 use blk::xenbus;
-use hv::store::XenbusState;
+use hv::store::{XenStore, XenbusState};
 use hv::{Domain, DomainConfig, Gfn, GrantRef, GrantVersion, HvConfig, Hypervisor, OwnPage, Port};
 use ring::{FrontRing, PageRing};
 

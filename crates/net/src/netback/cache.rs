@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use hv::profile::{enter, Class};
-use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, Hypervisor, MapOp};
+use hv::{DomId, GrantError, GrantHandle, GrantRef, MapOp, Xen};
 use mem::MappedPage;
 
 /// Grants one vif keeps mapped: more than a guest's working set of I/O pages (its
@@ -263,13 +263,7 @@ impl GrantCache {
 
     /// The entry mapping `gref` (writable if `write`), mapping it on a miss, with one
     /// more user: the caller must [`Self::release`] it when its I/O is done.
-    pub fn acquire(
-        &mut self,
-        hv: &Hypervisor,
-        dom: &Domain,
-        gref: u32,
-        write: bool,
-    ) -> Result<u16, CacheError> {
+    pub fn acquire(&mut self, xen: &impl Xen, gref: u32, write: bool) -> Result<u16, CacheError> {
         if let Some(k) = self.index.get(gref) {
             let e = self.entries[usize::from(k)].expect("indexed entries exist");
             if e.dropping {
@@ -283,8 +277,8 @@ impl GrantCache {
                 }
                 self.stats.upgrades += 1;
                 self.idle.remove(k);
-                self.remove(hv, dom, k);
-                return self.insert(hv, dom, gref, write);
+                self.remove(xen, k);
+                return self.insert(xen, gref, write);
             }
             self.stats.hits += 1;
             if e.users == 0 {
@@ -293,12 +287,12 @@ impl GrantCache {
             self.entry(k).users += 1;
             return Ok(k);
         }
-        self.insert(hv, dom, gref, write)
+        self.insert(xen, gref, write)
     }
 
     /// A user of entry `k` is done. The entry stays mapped (idle, most recently used)
     /// unless a drop was waiting for it.
-    pub fn release(&mut self, hv: &Hypervisor, dom: &Domain, k: u16) {
+    pub fn release(&mut self, xen: &impl Xen, k: u16) {
         let Some(e) = self
             .entries
             .get_mut(usize::from(k))
@@ -312,7 +306,7 @@ impl GrantCache {
         }
         if e.dropping {
             let gref = e.gref;
-            self.remove(hv, dom, k);
+            self.remove(xen, k);
             self.stats.drops += 1;
             self.dropped.push(gref);
         } else {
@@ -321,7 +315,7 @@ impl GrantCache {
     }
 
     /// The guest asks for `gref`'s mapping to go.
-    pub fn drop_gref(&mut self, hv: &Hypervisor, dom: &Domain, gref: u32) -> DropOutcome {
+    pub fn drop_gref(&mut self, xen: &impl Xen, gref: u32) -> DropOutcome {
         let Some(k) = self.index.get(gref) else {
             self.stats.drops_unknown += 1;
             return DropOutcome::Unknown;
@@ -335,7 +329,7 @@ impl GrantCache {
             return DropOutcome::Deferred;
         }
         self.idle.remove(k);
-        self.remove(hv, dom, k);
+        self.remove(xen, k);
         self.stats.drops += 1;
         DropOutcome::Done
     }
@@ -353,7 +347,7 @@ impl GrantCache {
     }
 
     /// Unmaps every entry, in use or not (the vif is going).
-    pub fn teardown(&mut self, hv: &Hypervisor, dom: &Domain) {
+    pub fn teardown(&mut self, xen: &impl Xen) {
         self.pages.iter_mut().for_each(|p| *p = None);
         let handles: Vec<GrantHandle> = self
             .entries
@@ -367,7 +361,7 @@ impl GrantCache {
         if !handles.is_empty() {
             self.stats.unmaps += handles.len() as u64;
             let mut st = vec![Ok(()); handles.len()];
-            hv.grant_unmap(dom, &handles, &mut st);
+            xen.grant_unmap(&handles, &mut st);
         }
     }
 
@@ -379,13 +373,7 @@ impl GrantCache {
 
     /// A miss: a free entry (evicting the least recently used idle one if none is
     /// free), the grant mapped into it, one user.
-    fn insert(
-        &mut self,
-        hv: &Hypervisor,
-        dom: &Domain,
-        gref: u32,
-        write: bool,
-    ) -> Result<u16, CacheError> {
+    fn insert(&mut self, xen: &impl Xen, gref: u32, write: bool) -> Result<u16, CacheError> {
         let k = match self.free.pop() {
             Some(k) => k,
             None => {
@@ -393,7 +381,7 @@ impl GrantCache {
                     self.stats.refused += 1;
                     return Err(CacheError::Full);
                 };
-                self.remove(hv, dom, k);
+                self.remove(xen, k);
                 self.stats.evictions += 1;
                 self.free.pop().expect("just freed")
             }
@@ -413,7 +401,7 @@ impl GrantCache {
             }];
             {
                 let _h = enter(Class::Hypercall);
-                hv.grant_map(dom, &op, &mut res);
+                xen.grant_map(&op, &mut res);
             }
             self.stats.maps += 1;
             writable = w;
@@ -441,7 +429,7 @@ impl GrantCache {
                 self.index.insert(gref, k);
                 // Held for the entry's life. Cannot fail right after the map; without
                 // it, copies go through the slot, each taking a reference.
-                self.pages[usize::from(k)] = dom.window().page(self.slot(k)).ok();
+                self.pages[usize::from(k)] = xen.domain().window().page(self.slot(k)).ok();
                 Ok(k)
             }
             Err(e) => {
@@ -453,7 +441,7 @@ impl GrantCache {
     }
 
     /// Unmaps entry `k` (not on the idle list) and frees it.
-    fn remove(&mut self, hv: &Hypervisor, dom: &Domain, k: u16) {
+    fn remove(&mut self, xen: &impl Xen, k: u16) {
         let Some(e) = self.entries[usize::from(k)].take() else {
             return;
         };
@@ -462,7 +450,7 @@ impl GrantCache {
         let mut st = [Ok(())];
         {
             let _h = enter(Class::Hypercall);
-            hv.grant_unmap(dom, &[e.handle], &mut st);
+            xen.grant_unmap(&[e.handle], &mut st);
         }
         self.stats.unmaps += 1;
         self.free.push(k);
@@ -492,7 +480,7 @@ struct Gathered {
     ok: bool,
 }
 
-impl super::Vif {
+impl<X: Xen> super::Vif<X> {
     /// Guest RX with grant reuse and no direct placement: each queued packet is copied
     /// by the driver domain's CPU into the buffers the guest posted, through their
     /// cached mappings, one copy per piece (frame to frame). No hypercall when every
@@ -581,9 +569,9 @@ impl super::Vif {
                     // is published) and released.
                     self.disable(super::Disabled::RingBroken);
                     for &k in ents[used..i].iter().filter(|&&k| k != NIL) {
-                        let (hv, dom) = (&self.hv, &self.dom);
+                        let xen = &self.xen;
                         if let Some(c) = self.cache.as_mut() {
-                            c.release(hv, dom, k);
+                            c.release(xen, k);
                         }
                     }
                     pool.free(skb);
@@ -593,12 +581,8 @@ impl super::Vif {
                 if !ok {
                     continue;
                 }
-                let (hv, dom) = (&self.hv, &self.dom);
-                match self
-                    .cache
-                    .as_mut()
-                    .map(|c| c.acquire(hv, dom, req.gref, true))
-                {
+                let xen = &self.xen;
+                match self.cache.as_mut().map(|c| c.acquire(xen, req.gref, true)) {
                     Some(Ok(k)) => ents[i] = k,
                     _ => ok = false,
                 }
@@ -607,7 +591,12 @@ impl super::Vif {
                 if let Some(c) = self.cache.as_deref() {
                     match c.page(ents[used]) {
                         Some(page) => page.prefetch(start, true),
-                        None => self.dom.window().prefetch(c.slot(ents[used]), start, true),
+                        None => {
+                            self.xen
+                                .domain()
+                                .window()
+                                .prefetch(c.slot(ents[used]), start, true)
+                        }
                     }
                 }
             }
@@ -648,7 +637,7 @@ impl super::Vif {
                 pool.free(skb);
                 return;
             };
-            let (dom, bounce) = (&self.dom, &mut self.bounce);
+            let (dom, bounce) = (self.xen.domain(), &mut self.bounce);
             // The bytes, piece by piece: page `p` of the request list from `page_off`.
             let (mut p, mut page_off) = (0usize, g.start);
             let _c = enter(Class::GrantCopy);
@@ -721,9 +710,9 @@ impl super::Vif {
                 },
             });
             if ents[i] != NIL {
-                let (hv, dom) = (&self.hv, &self.dom);
+                let xen = &self.xen;
                 if let Some(c) = self.cache.as_mut() {
-                    c.release(hv, dom, ents[i]);
+                    c.release(xen, ents[i]);
                 }
             }
         }

@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 
 use hv::profile::{enter, Class};
-use hv::{GrantError, GrantHandle, GrantRef, MapOp};
+use hv::{GrantError, GrantHandle, GrantRef, MapOp, Xen};
 use ring::{BackRing, PageRing};
 
 use super::cache::{DropOutcome, CACHE_SLOTS};
@@ -64,7 +64,7 @@ impl Ctrl {
     }
 }
 
-impl Vif {
+impl<X: Xen> Vif<X> {
     /// Whether the control ring has requests waiting, or a `DEL` can now be answered.
     pub fn ctrl_pending(&mut self) -> bool {
         let Some(c) = self.ctrl.as_mut() else {
@@ -178,28 +178,23 @@ impl Vif {
         entries: &[NetifGref],
         answer: impl Fn(u32, u32) -> CtrlResponse,
     ) -> CtrlResponse {
-        let (hv, dom) = (&self.hv, &self.dom);
+        let xen = &self.xen;
         let Some(cache) = self.cache.as_mut() else {
             return answer(XEN_NETIF_CTRL_STATUS_NOT_SUPPORTED, 0);
         };
         let mut added = Vec::with_capacity(entries.len());
         for e in entries {
             let known = cache.contains(e.gref);
-            match cache.acquire(
-                hv,
-                dom,
-                e.gref,
-                e.flags & XEN_NETIF_CTRLF_GREF_READONLY == 0,
-            ) {
+            match cache.acquire(xen, e.gref, e.flags & XEN_NETIF_CTRLF_GREF_READONLY == 0) {
                 Ok(k) => {
-                    cache.release(hv, dom, k);
+                    cache.release(xen, k);
                     if !known {
                         added.push(e.gref);
                     }
                 }
                 Err(_) => {
                     for g in added {
-                        cache.drop_gref(hv, dom, g);
+                        cache.drop_gref(xen, g);
                     }
                     return answer(XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER, 0);
                 }
@@ -212,11 +207,11 @@ impl Vif {
     /// answer (the count unmapped, each entry's status written back into the list)
     /// once none is left waiting.
     fn ctrl_del(&mut self, req: CtrlRequest, entries: &mut [NetifGref]) -> Option<CtrlResponse> {
-        let (hv, dom) = (&self.hv, &self.dom);
+        let xen = &self.xen;
         let cache = self.cache.as_mut()?;
         let mut left = 0;
         for e in entries.iter_mut() {
-            e.status = match cache.drop_gref(hv, dom, e.gref) {
+            e.status = match cache.drop_gref(xen, e.gref) {
                 DropOutcome::Done => XEN_NETIF_CTRL_STATUS_SUCCESS as u16,
                 DropOutcome::Unknown => XEN_NETIF_CTRL_STATUS_INVALID_PARAMETER as u16,
                 DropOutcome::Deferred => {
@@ -323,11 +318,11 @@ impl Vif {
             slot,
         }];
         let mut res = [Err(GrantError::BadPage)];
-        self.hv.grant_map(&self.dom, &op, &mut res);
+        self.xen.grant_map(&op, &mut res);
         let h = res[0]?;
-        let ok = f(self.dom.window(), slot);
+        let ok = f(self.xen.domain().window(), slot);
         let mut st = [Ok(())];
-        self.hv.grant_unmap(&self.dom, &[h], &mut st);
+        self.xen.grant_unmap(&[h], &mut st);
         Ok(ok)
     }
 
@@ -335,7 +330,7 @@ impl Vif {
     /// page's mapping is undone with the rings').
     pub(super) fn cache_teardown(&mut self) -> Option<GrantHandle> {
         if let Some(cache) = self.cache.as_mut() {
-            cache.teardown(&self.hv, &self.dom);
+            cache.teardown(&self.xen);
         }
         self.ctrl.take().map(|c| {
             let Ctrl { ring, handle, .. } = c;

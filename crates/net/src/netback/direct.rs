@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 
 use hv::iommu::window_iova;
 use hv::profile::{enter, Class};
-use hv::{GrantHandle, GrantRef, Iova, MapOp};
+use hv::{GrantHandle, GrantRef, Iova, MapOp, Xen};
 
 use super::{Vif, MAX_PENDING};
 use crate::netif::{InFlight, RxResponse, NETRXF_DATA_VALIDATED, RING_IDS, XEN_NETIF_RSP_ERROR};
@@ -95,7 +95,7 @@ fn map_slot(slot_base: u32, k: u16) -> u32 {
     slot_base + 2 + MAX_PENDING as u32 + u32::from(k)
 }
 
-impl Vif {
+impl<X: Xen> Vif<X> {
     /// Where buffer `k` is reached: the driver domain's window slot (none for the
     /// unsafe stand-in's machine frames, which only the device reaches), and the I/O
     /// address of its page for the device.
@@ -134,7 +134,7 @@ fn rx_error(id: u16) -> RxResponse {
 /// A filled buffer's token back from the NIC driver (the map slot it was given under).
 pub type DirectToken = u32;
 
-impl Vif {
+impl<X: Xen> Vif<X> {
     /// Turns direct placement on (before the first RX action): from now on the
     /// guest's posted buffers are mapped for the NIC instead of copied into.
     pub fn enable_direct(&mut self) {
@@ -207,7 +207,7 @@ impl Vif {
                 // Grant reuse: the buffer's page is looked up in the cache, mapped
                 // only on a miss, and stays mapped after its frame is answered.
                 let k = d.free.pop().expect("one free slot per request taken");
-                match cache.acquire(&self.hv, &self.dom, req.gref, true) {
+                match cache.acquire(&self.xen, req.gref, true) {
                     Ok(e) => {
                         d.maps[k as usize] = Some(Mapped {
                             id: req.id,
@@ -238,7 +238,7 @@ impl Vif {
         let n = d.ops.len();
         if n > 0 {
             let _h = enter(Class::Hypercall);
-            self.hv.grant_map(&self.dom, &d.ops, &mut d.results[..n]);
+            self.xen.grant_map(&d.ops, &mut d.results[..n]);
         }
         let mut mapped = cached;
         for j in 0..n {
@@ -346,11 +346,11 @@ impl Vif {
             MappedAt::Own(h) => {
                 let mut st = [Ok(())];
                 let _h = enter(Class::Hypercall);
-                self.hv.grant_unmap(&self.dom, &[h], &mut st);
+                self.xen.grant_unmap(&[h], &mut st);
             }
             MappedAt::Cached(e) => {
                 if let Some(c) = self.cache.as_mut() {
-                    c.release(&self.hv, &self.dom, e);
+                    c.release(&self.xen, e);
                 }
             }
             MappedAt::Machine(_) => {}
@@ -419,7 +419,8 @@ impl Vif {
         let _c = enter(Class::GrantCopy);
         pool.read(skb, 0, &mut d.frame[..len]).is_ok()
             && self
-                .dom
+                .xen
+                .domain()
                 .window()
                 .write(slot, DIRECT_OFFSET, &d.frame[..len])
                 .is_ok()
@@ -443,7 +444,7 @@ impl Vif {
         d.ready.clear();
         if !handles.is_empty() {
             let mut st = vec![Ok(()); handles.len()];
-            self.hv.grant_unmap(&self.dom, &handles, &mut st);
+            self.xen.grant_unmap(&handles, &mut st);
         }
     }
 }
