@@ -86,10 +86,13 @@ fn out_of_range() -> io::Error {
 }
 
 impl FileDisk {
-    /// Opens `path` (read-only if asked); its size in whole sectors is the disk's.
+    /// Opens `path` (read-only if asked), a file or a block device; its size in whole
+    /// sectors is the disk's (a block device's metadata says 0 bytes: its end is
+    /// found by seeking there).
     pub fn open(path: &Path, read_only: bool) -> io::Result<Self> {
-        let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
-        let sectors = file.metadata()?.len() / SECTOR_SIZE;
+        use std::io::Seek;
+        let mut file = OpenOptions::new().read(true).write(!read_only).open(path)?;
+        let sectors = file.seek(io::SeekFrom::End(0))? / SECTOR_SIZE;
         Ok(Self {
             file,
             sectors,

@@ -117,16 +117,16 @@ impl Domain {
         frames: Arc<crate::frame::FrameTable>,
         p2m: Box<[Mfn]>,
         map_backend: mem::MapBackend,
+        gntdev: Option<Arc<mem::xen::Gntdev>>,
     ) -> std::io::Result<Self> {
         let grant = GrantTable::new(cfg.grant_version, cfg.grant_frames);
         let reserved = GRANT_FRAMES_START + grant.entry_frames() + grant.status_frames();
         let pages = p2m.len() as u32;
         let free_pages = (reserved..pages).rev().map(Gfn).collect();
-        let window = Arc::new(MapWindow::with_backend(
-            Arc::clone(&mem),
-            cfg.map_slots,
-            map_backend,
-        )?);
+        let window = Arc::new(match gntdev {
+            Some(g) => MapWindow::with_gntdev(Arc::clone(&mem), cfg.map_slots, g)?,
+            None => MapWindow::with_backend(Arc::clone(&mem), cfg.map_slots, map_backend)?,
+        });
         Ok(Self {
             id,
             name: cfg.name.clone(),

@@ -162,6 +162,9 @@ pub enum EvtchnError {
     /// The port does not receive a physical interrupt of the caller's.
     #[error("port {0} is not bound to a physical interrupt")]
     NotPirq(u32),
+    /// A real Xen's event-channel device refused the operation (its errno).
+    #[error("event-channel device: errno {0}")]
+    Os(i32),
 }
 
 /// A domain's event-channel table.

@@ -214,6 +214,16 @@ impl Hypervisor {
     /// event channels and window. Frames are scrubbed so that nothing of a previous
     /// owner survives.
     pub fn create_domain(&self, cfg: &DomainConfig) -> Result<Arc<Domain>, HvError> {
+        self.create_domain_in(cfg, None)
+    }
+
+    /// As [`Hypervisor::create_domain`], with a window that Linux's grant device fills
+    /// (see [`xen::Dom0`]): the domain stands for a real dom0 process's own memory.
+    pub(crate) fn create_domain_in(
+        &self,
+        cfg: &DomainConfig,
+        gntdev: Option<Arc<mem::xen::Gntdev>>,
+    ) -> Result<Arc<Domain>, HvError> {
         let mut doms = self.domains.write().unwrap_or_else(|p| p.into_inner());
         let from = self.next_domid.load(Ordering::Relaxed);
         let id = (0..MAX_DOMAINS)
@@ -245,6 +255,7 @@ impl Hypervisor {
             Arc::clone(&self.frames),
             p2m.into_boxed_slice(),
             self.map_backend,
+            gntdev,
         )?);
         doms[id.0 as usize] = Some(Arc::clone(&d));
         Ok(d)

@@ -20,6 +20,10 @@
 
 use std::sync::Arc;
 
+pub mod dom0;
+
+pub use dom0::{Dom0, Dom0Config};
+
 use crate::store::{Store, XenStore};
 use crate::{
     DomId, Domain, EvtchnError, GrantCopy, GrantError, GrantHandle, GrantStatus, Hypervisor, MapOp,

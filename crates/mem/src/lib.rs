@@ -27,6 +27,7 @@ pub mod poll;
 mod shared;
 pub mod tap;
 mod window;
+pub mod xen;
 
 pub use machine::{FramePage, MachineMemory};
 pub use window::{MapBackend, MapWindow, MappedPage, SlotState};

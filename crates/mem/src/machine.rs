@@ -346,7 +346,7 @@ impl PageAccess for FramePage {
 /// Moves `len` bytes between a frame and a file from byte `pos` on, calling `io(done,
 /// file_offset)` (a `pread` or `pwrite` of the rest) until all have moved: short
 /// transfers go on, an interrupted call is made again, the file's end is `EIO`.
-fn file_io(
+pub(crate) fn file_io(
     len: usize,
     pos: u64,
     mut io: impl FnMut(usize, libc::off_t) -> isize,

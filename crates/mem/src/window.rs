@@ -14,14 +14,22 @@
 //!   `mmap(PROT_NONE)`. What that costs is Linux's: a VMA split and merge under the
 //!   process's mmap lock per call, 15–20× a full-size grant copy; it is kept to measure
 //!   beside the table, not as a model of what a hypervisor does.
+//! * A window over Linux's grant device ([`MapWindow::with_gntdev`]) is a reservation
+//!   like `Mmap`'s whose slots a real Xen fills: [`MapWindow::map_grant`] asks
+//!   `/dev/xen/gntdev` for the grant and maps it at the slot, and an unmap takes the
+//!   page away and gives the grant back. Everything that reaches a slot's bytes goes
+//!   through its address, with the same slot protocol as the other two.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::machine::file_io;
+use crate::xen::Gntdev;
 use crate::{
-    check_in_page, shared, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SIZE,
+    check_in_page, shared, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SHIFT,
+    PAGE_SIZE,
 };
 
 // Slot entry word: accesses in flight (a copy through the slot) in the low 12 bits,
@@ -82,6 +90,9 @@ pub struct MapWindow {
     state: Box<[AtomicU32]>,
     mfns: Box<[AtomicU32]>,
     mem: Arc<MachineMemory>,
+    /// Linux's grant device, for a window a real Xen fills (its slots' `mfns` then hold
+    /// the device's page index for each mapping).
+    gntdev: Option<Arc<Gntdev>>,
     shootdowns: AtomicU64,
 }
 
@@ -136,8 +147,84 @@ impl MapWindow {
             state: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             mfns: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             mem,
+            gntdev: None,
             shootdowns: AtomicU64::new(0),
         })
+    }
+
+    /// A window of `slots` slots that `/dev/xen/gntdev` fills with a real Xen's grants
+    /// ([`MapWindow::map_grant`]); `mem` is the process's own memory, which copies in
+    /// and out of the slots name as their other side.
+    pub fn with_gntdev(
+        mem: Arc<MachineMemory>,
+        slots: u32,
+        gntdev: Arc<Gntdev>,
+    ) -> std::io::Result<Self> {
+        let mut w = Self::with_backend(mem, slots, MapBackend::Mmap)?;
+        w.gntdev = Some(gntdev);
+        Ok(w)
+    }
+
+    /// Maps domain `dom`'s grant `gref` at `slot` through the grant device (a window made
+    /// by [`MapWindow::with_gntdev`] only): the device reserves it, `mmap(MAP_FIXED)` of
+    /// the device at the slot's address maps it, and Xen checks the grant then. An
+    /// error leaves the slot empty.
+    pub fn map_grant(
+        &self,
+        slot: u32,
+        dom: u16,
+        gref: u32,
+        writable: bool,
+    ) -> Result<(), MemError> {
+        let dev = self.gntdev.as_ref().ok_or(MemError::Os(libc::ENODEV))?;
+        let word = self.word(slot)?;
+        let addr = self.addr(slot).ok_or(MemError::Os(libc::ENODEV))?;
+        if word
+            .compare_exchange(0, CHANGING, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return Err(MemError::AlreadyMapped(slot));
+        }
+        let fail = |e: std::io::Error| {
+            word.store(0, Ordering::Release);
+            MemError::Os(e.raw_os_error().unwrap_or(libc::EIO))
+        };
+        let index = dev.reserve(dom, gref).map_err(fail)?;
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: replaces exactly one page of our own reservation, which no Rust object
+        // refers to (the slot is claimed CHANGING and was unmapped).
+        let p = unsafe {
+            libc::mmap(
+                addr.cast(),
+                PAGE_SIZE,
+                prot,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                dev.as_fd().as_raw_fd(),
+                index as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            let _ = dev.release(index);
+            return Err(fail(e));
+        }
+        // `reserve` checked that the page index fits.
+        self.mfns[slot as usize].store((index >> PAGE_SHIFT) as u32, Ordering::Relaxed);
+        word.store(
+            MAPPED | if writable { WRITABLE } else { 0 },
+            Ordering::Release,
+        );
+        Ok(())
+    }
+
+    /// The address of the page at `slot` when the window reaches its slots by address
+    /// and the slot holds something other than a frame of `mem` (a grant device window).
+    fn foreign_addr(&self, slot: u32) -> Option<*mut u8> {
+        self.gntdev.as_ref().and(self.addr(slot))
     }
 
     /// Its implementation.
@@ -194,6 +281,10 @@ impl MapWindow {
     /// `mmap(MAP_FIXED)` first).
     pub fn map(&self, slot: u32, mfn: Mfn, writable: bool) -> Result<(), MemError> {
         let word = self.word(slot)?;
+        if self.gntdev.is_some() {
+            // Only the grant device fills its window.
+            return Err(MemError::Os(libc::ENODEV));
+        }
         if mfn.0 >= self.mem.frames() {
             return Err(MemError::NoSuchFrame(mfn.0));
         }
@@ -307,6 +398,14 @@ impl MapWindow {
                     continue;
                 }
             }
+            if let Some(dev) = &self.gntdev {
+                // The page is gone from this process; the grant goes back with it.
+                let index =
+                    u64::from(self.mfns[slot as usize].load(Ordering::Relaxed)) << PAGE_SHIFT;
+                if let Err(e) = dev.release(index) {
+                    *o = Err(MemError::Os(e.raw_os_error().unwrap_or(libc::EIO)));
+                }
+            }
             word.store(0, Ordering::Release);
         }
     }
@@ -401,6 +500,9 @@ impl MapWindow {
     /// slot unmapped meanwhile costs a useless prefetch, never an access.
     #[inline]
     pub fn prefetch(&self, slot: u32, offset: usize, write: bool) {
+        if self.gntdev.is_some() {
+            return;
+        }
         if let Ok(Some(mfn)) = self.mfn(slot) {
             self.mem.prefetch(mfn, offset, write);
         }
@@ -419,7 +521,14 @@ impl MapWindow {
     ) -> Result<(), MemError> {
         check_in_page(offset, len)?;
         let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
-        let r = self.mem.copy(src, src_offset, mfn, offset, len);
+        let r = match self.foreign_addr(slot) {
+            Some(addr) => self.mem.ptr(src, src_offset, len).map(|from| {
+                // SAFETY: `from` is checked inside machine memory; the slot is mapped,
+                // writable and counted in use, and the range is inside its page.
+                unsafe { shared::copy(from, addr.add(offset), len) }
+            }),
+            None => self.mem.copy(src, src_offset, mfn, offset, len),
+        };
         self.leave(slot, INFLIGHT_ONE);
         r
     }
@@ -436,7 +545,14 @@ impl MapWindow {
     ) -> Result<(), MemError> {
         check_in_page(offset, len)?;
         let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
-        let r = self.mem.copy(mfn, offset, dst, dst_offset, len);
+        let r = match self.foreign_addr(slot) {
+            Some(addr) => self.mem.ptr(dst, dst_offset, len).map(|to| {
+                // SAFETY: `to` is checked inside machine memory; the slot is mapped and
+                // counted in use, and the range is inside its page.
+                unsafe { shared::copy(addr.add(offset), to, len) }
+            }),
+            None => self.mem.copy(mfn, offset, dst, dst_offset, len),
+        };
         self.leave(slot, INFLIGHT_ONE);
         r
     }
@@ -454,7 +570,22 @@ impl MapWindow {
     ) -> Result<(), MemError> {
         check_in_page(offset, len)?;
         let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
-        let r = self.mem.read_file(mfn, offset, len, fd, pos);
+        let r = match self.foreign_addr(slot) {
+            Some(addr) => file_io(len, pos, |done, at| {
+                // SAFETY: the slot is mapped, writable and counted in use; `offset +
+                // done < offset + len` stays inside its page (checked above), and the
+                // kernel writes there as into any shared memory.
+                unsafe {
+                    libc::pread(
+                        fd.as_raw_fd(),
+                        addr.add(offset + done).cast(),
+                        len - done,
+                        at,
+                    )
+                }
+            }),
+            None => self.mem.read_file(mfn, offset, len, fd, pos),
+        };
         self.leave(slot, INFLIGHT_ONE);
         r
     }
@@ -471,7 +602,21 @@ impl MapWindow {
     ) -> Result<(), MemError> {
         check_in_page(offset, len)?;
         let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
-        let r = self.mem.write_file(mfn, offset, len, fd, pos);
+        let r = match self.foreign_addr(slot) {
+            Some(addr) => file_io(len, pos, |done, at| {
+                // SAFETY: the slot is mapped and counted in use; the range read is inside
+                // its page (checked above).
+                unsafe {
+                    libc::pwrite(
+                        fd.as_raw_fd(),
+                        addr.add(offset + done).cast(),
+                        len - done,
+                        at,
+                    )
+                }
+            }),
+            None => self.mem.write_file(mfn, offset, len, fd, pos),
+        };
         self.leave(slot, INFLIGHT_ONE);
         r
     }

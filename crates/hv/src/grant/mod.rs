@@ -244,6 +244,27 @@ impl GrantError {
     }
 }
 
+impl GrantError {
+    /// The reason a real Xen's `GNTST_*` status `code` (not success) stands for, as
+    /// near as its coarser codes tell: `gref` and `dom` name what the operation used.
+    pub fn from_gntst(code: i16, gref: u32, dom: DomId) -> Self {
+        match code {
+            GNTST_BAD_GNTREF => GrantError::BadGntRef(gref),
+            GNTST_PERMISSION_DENIED => GrantError::NotForYou,
+            GNTST_BAD_COPY_ARG => GrantError::BadCopyArg,
+            GNTST_BAD_HANDLE => GrantError::BadHandle(gref),
+            GNTST_BAD_DOMAIN => GrantError::BadDomain(dom),
+            GNTST_BAD_PAGE => GrantError::BadPage,
+            GNTST_BAD_VIRT_ADDR => GrantError::BadVirtAddr,
+            GNTST_NO_SPACE => GrantError::NoSpace,
+            GNTST_NO_DEVICE_SPACE => GrantError::MappingInUse,
+            // GNTST_general_error, and anything Xen adds: most often an entry that is
+            // not (or no longer) granted.
+            _ => GrantError::NotGranted,
+        }
+    }
+}
+
 /// One operation's outcome in a batch.
 pub type GrantStatus = Result<(), GrantError>;
 
