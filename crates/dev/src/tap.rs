@@ -377,6 +377,13 @@ impl TapPort {
     }
 }
 
+impl AsRawFd for TapPort {
+    /// The interface's descriptor, for an owner that waits on it itself.
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.out.as_raw_fd()
+    }
+}
+
 /// Writes the NIC's transmitted frames to a TAP.
 #[derive(Debug)]
 pub struct TapSink {

@@ -71,6 +71,19 @@ enum Command {
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
     /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
     /// 10.77.0.2`.
+    /// Serves a real Xen's guests from this dom0 (or driver domain): pvio's netback and
+    /// blkback take every vif and vbd back-end directory the toolstack writes for this
+    /// domain, with Linux's `xen-netback` and `xen-blkback` unloaded. A vif's interface
+    /// is a TAP named `vif<domid>.<devid>`, which `xl`'s `vif-bridge` script bridges.
+    /// See `scripts/xen-interop/` for a whole run under QEMU.
+    Backend {
+        /// This domain's id under Xen.
+        #[arg(long, default_value_t = 0)]
+        domid: u16,
+        /// Where to log each device's connection and disconnection (stderr if none).
+        #[arg(long, value_name = "FILE")]
+        log: Option<PathBuf>,
+    },
     Up {
         /// Run the machine this TOML file describes (see `machines/`); the machine
         /// flags below are then refused, the run's own (`--seconds`, `--pcap`, ...) kept.
@@ -322,6 +335,25 @@ fn tcp_sink(port: u16) -> ExitCode {
     }
     println!("{total} {h:016x}");
     ExitCode::SUCCESS
+}
+
+fn backend(opts: &backend::Options) -> ExitCode {
+    use std::sync::atomic::Ordering;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s = std::sync::Arc::clone(&stop);
+    if let Err(e) = ctrlc::set_handler(move || s.store(true, Ordering::Release)) {
+        eprintln!("cannot catch Ctrl-C: {e}");
+    }
+    match backend::run(opts, &stop) {
+        Ok(c) => {
+            eprintln!("pvio backend: stopped: {c:?}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("pvio backend: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
@@ -697,6 +729,7 @@ fn main() -> ExitCode {
             compare,
             threshold,
         } => report(dir, compare, threshold),
+        Command::Backend { domid, log } => backend(&backend::Options { domid, log }),
         Command::Up {
             outside_ns,
             guest_ns,

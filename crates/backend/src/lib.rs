@@ -1,0 +1,830 @@
+//! `pvio backend`: pvio's netback and blkback serving a real Xen's guests from a dom0
+//! process, as QEMU's `xen_nic` and `xen_disk` serve them from dom0's user space.
+//!
+//! The back ends are the lab's own ([`net::netback::Vif`], [`blk::blkback::Blkback`]),
+//! over [`hv::xen::Dom0`]: grants through `/dev/xen/gntdev`, event channels through
+//! `/dev/xen/evtchn`, the store through xenstored. One thread runs everything: it waits
+//! on the event-channel device, the store connection and every vif's interface, then
+//! does what each woke for.
+//!
+//! **How a device reaches it.** `xl` writes a vif's or a vbd's back-end directory under
+//! `/local/domain/<this domain>/backend/{vif,vbd}/<guest>/<device>`, where Linux's
+//! `xen-netback` and `xen-blkback` would find it; with those modules unloaded, nothing
+//! but pvio watches there. For a vif, pvio creates the interface the kernel's netback
+//! would have made, a TAP named `vif<guest>.<device>`, before it answers `InitWait`, so
+//! `xl`'s own hotplug script (`vif-bridge`) adds it to the bridge unchanged. For a vbd,
+//! the `block` script resolves the disk as usual and pvio opens `params` (a file or a
+//! block device such as a loop device).
+//!
+//! **What it trusts.** Nothing a guest wrote: the back ends check every ring index,
+//! grant reference and request as they do in the lab, and a protocol break disconnects
+//! that device alone. A back-end directory whose `frontend-id` or `frontend` does not
+//! name the guest and device of its own path, or that names this domain, is refused and
+//! counted; a device this process was not handed (another domain's directory) is never
+//! looked at.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
+use blk::disk::FileDisk;
+use dev::tap::TapPort;
+use hv::store::{StoreError, XenStore, XenbusState};
+use hv::xen::{Dom0, Dom0Config};
+use hv::{DomId, Xen};
+use mem::poll::PollFd;
+use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
+use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
+
+/// vifs one process serves at once.
+pub const MAX_VIFS: usize = 8;
+/// vbds one process serves at once.
+pub const MAX_VBDS: usize = 8;
+/// Packets one vif's TX takes per pass.
+const TX_BUDGET: usize = 64;
+/// Packet buffers and their pages (the process's own memory).
+const BUFFERS: usize = 2048;
+const POOL_PAGES: usize = 8192;
+/// Longest frame between a TAP and a vif: a 64 KiB segment and its Ethernet header.
+const FRAME_MAX: usize = 65536 + 14;
+/// Rescans of the store when no watch fired, in case one was lost.
+const RESCAN: Duration = Duration::from_secs(2);
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// This domain's id under Xen (0: dom0).
+    pub domid: u16,
+    /// Where to write what happens to each device (stderr if none).
+    pub log: Option<std::path::PathBuf>,
+}
+
+/// Why the back end stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Xen device or the store could not be opened (not running on Xen?).
+    #[error("opening Xen's devices: {0}")]
+    Open(#[from] std::io::Error),
+    /// The store connection failed.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The packet buffers could not be made.
+    #[error("packet buffers: {0}")]
+    Pool(String),
+}
+
+/// What happened, counted (printed to the log as it goes, and returned at the end).
+#[derive(Debug, Clone, Default)]
+pub struct Counts {
+    /// Back-end directories refused (their keys do not match their path).
+    pub refused_dirs: u64,
+    /// Devices connected (each connection after a reconnection counts again).
+    pub connected: u64,
+    /// Connections refused by the back end's checks.
+    pub connect_errors: u64,
+    /// Devices disconnected for a protocol break.
+    pub broken: u64,
+    /// Frames written to a vif's interface.
+    pub frames_out: u64,
+    /// Frames read from a vif's interface and queued for its guest.
+    pub frames_in: u64,
+    /// Frames dropped for want of a buffer, or too long.
+    pub frames_dropped: u64,
+}
+
+type X = Arc<Dom0>;
+
+struct NetDev {
+    fe: DomId,
+    handle: u32,
+    index: u16,
+    tap: TapPort,
+    ifname: String,
+    vif: Option<Vif<X>>,
+    signalled: bool,
+    seen: bool,
+}
+
+struct BlkDev {
+    fe: DomId,
+    devid: u32,
+    index: u16,
+    back: Option<Blkback<X>>,
+    signalled: bool,
+    seen: bool,
+}
+
+struct Log(Box<dyn std::io::Write + Send>, Instant);
+
+impl Log {
+    fn line(&mut self, s: &str) {
+        let t = self.1.elapsed();
+        let _ = writeln!(self.0, "[{:>8.3}] {s}", t.as_secs_f64());
+        let _ = self.0.flush();
+    }
+}
+
+/// The back end: its devices and what they share.
+struct Backend {
+    xen: X,
+    me: DomId,
+    pool: SkbPool,
+    vifs: BTreeMap<(u16, u32), NetDev>,
+    vbds: BTreeMap<(u16, u32), BlkDev>,
+    /// Directories refused or that could not be taken (kind, guest, device): not
+    /// looked at again while they stay.
+    refused: BTreeSet<(&'static str, u16, u32)>,
+    frame: Box<[u8]>,
+    tokens: Vec<u32>,
+    counts: Counts,
+    log: Log,
+}
+
+/// Runs until `stop` is set or the store connection fails.
+pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
+    let me = DomId(opts.domid);
+    let slots = MAX_VIFS as u32 * VIF_WINDOW_SLOTS + MAX_VBDS as u32 * VBD_WINDOW_SLOTS;
+    let xen = Arc::new(Dom0::open(Dom0Config {
+        id: me,
+        pages: POOL_PAGES as u32 + BUFFERS as u32 + 64,
+        map_slots: slots,
+    })?);
+    let pool = SkbPool::new(Arc::clone(xen.domain()), BUFFERS, POOL_PAGES)
+        .map_err(|e| Error::Pool(e.to_string()))?;
+    let out: Box<dyn std::io::Write + Send> = match &opts.log {
+        Some(p) => Box::new(std::fs::File::create(p)?),
+        None => Box::new(std::io::stderr()),
+    };
+    let mut b = Backend {
+        xen,
+        me,
+        pool,
+        vifs: BTreeMap::new(),
+        vbds: BTreeMap::new(),
+        refused: BTreeSet::new(),
+        frame: vec![0; FRAME_MAX].into_boxed_slice(),
+        tokens: Vec::with_capacity(4096),
+        counts: Counts::default(),
+        log: Log(out, Instant::now()),
+    };
+    let root = format!("/local/domain/{}/backend", me.0);
+    b.xen.client().watch(&format!("{root}/vif"), "vif")?;
+    b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
+    b.log
+        .line(&format!("serving {root}/{{vif,vbd}} as domain {}", me.0));
+    let mut last_scan = Instant::now() - RESCAN;
+    let mut busy = false;
+    while !stop.load(Ordering::Relaxed) {
+        let mut changed = false;
+        while b.xen.client().take_event().is_some() {
+            changed = true;
+        }
+        if changed || last_scan.elapsed() >= RESCAN {
+            b.scan()?;
+            last_scan = Instant::now();
+        }
+        b.wait(if busy {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(200)
+        })?;
+        busy = b.data_path();
+    }
+    b.shutdown();
+    Ok(b.counts)
+}
+
+impl Backend {
+    /// Waits for an event channel, a store message or a frame on an interface.
+    fn wait(&mut self, timeout: Duration) -> Result<(), Error> {
+        let mut fds = Vec::with_capacity(2 + self.vifs.len());
+        fds.push(PollFd::readable(self.xen.evtchn().as_raw_fd()));
+        fds.push(PollFd::readable(self.xen.store_fd()));
+        for d in self.vifs.values() {
+            fds.push(PollFd::readable(d.tap.as_raw_fd()));
+        }
+        mem::poll::wait(&mut fds, Some(timeout))?;
+        if fds[1].ready() {
+            self.xen.client().receive_event()?;
+        }
+        if fds[0].ready() {
+            let mut ports = [0u32; 64];
+            let n = self.xen.evtchn().pending(&mut ports)?;
+            for &p in &ports[..n] {
+                for d in self.vifs.values_mut() {
+                    if d.vif.as_ref().is_some_and(|v| v.port().0 == p) {
+                        d.signalled = true;
+                    }
+                }
+                for d in self.vbds.values_mut() {
+                    if d.back.as_ref().is_some_and(|v| v.port().0 == p) {
+                        d.signalled = true;
+                    }
+                }
+                self.xen.evtchn().unmask(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves packets and requests; whether this pass moved any (then another pass at
+    /// once; else the next waits for an event: a queue the guest has posted no buffers
+    /// for waits for its notification, not in a spin).
+    fn data_path(&mut self) -> bool {
+        let mut busy = false;
+        let Backend {
+            pool,
+            vifs,
+            vbds,
+            frame,
+            tokens,
+            counts,
+            ..
+        } = self;
+        for d in vifs.values_mut() {
+            let NetDev {
+                vif: Some(vif),
+                tap,
+                signalled,
+                ..
+            } = d
+            else {
+                continue;
+            };
+            // dom0's side to the guest: the interface's frames into the vif's queue.
+            let got = tap.recv(|bytes, off| {
+                let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
+                    counts.frames_dropped += 1;
+                    return false;
+                };
+                if pool.append(skb, bytes).is_err() {
+                    pool.free(skb);
+                    counts.frames_dropped += 1;
+                    return true;
+                }
+                pool.set_offload(skb, off);
+                vif.start_xmit(pool, skb);
+                counts.frames_in += 1;
+                true
+            });
+            let rx = if vif.rx_pending() {
+                vif.rx_action(pool)
+            } else {
+                0
+            };
+            let tx = if std::mem::take(signalled) || vif.tx_pending() {
+                vif.tx_action(pool, TX_BUDGET, |pool, skb| {
+                    to_tap(tap, pool, skb, frame, counts);
+                })
+            } else {
+                0
+            };
+            busy |= got + rx + tx > 0;
+        }
+        pool.take_released(|r| tokens.push(r.token));
+        if !tokens.is_empty() {
+            busy = true;
+            for d in vifs.values_mut() {
+                if let Some(v) = d.vif.as_mut() {
+                    v.tx_release(tokens.iter().copied());
+                }
+            }
+            tokens.clear();
+        }
+        for d in vbds.values_mut() {
+            if let Some(back) = d.back.as_mut() {
+                if std::mem::take(&mut d.signalled) {
+                    busy |= back.serve() > 0;
+                }
+            }
+        }
+        busy
+    }
+
+    /// Looks at every back-end directory handed to this domain: adopts new devices,
+    /// connects those whose front end is ready, disconnects those closing, and lets go
+    /// of those gone.
+    fn scan(&mut self) -> Result<(), Error> {
+        for d in self.vifs.values_mut() {
+            d.seen = false;
+        }
+        for d in self.vbds.values_mut() {
+            d.seen = false;
+        }
+        let mut listed = BTreeSet::new();
+        for kind in ["vif", "vbd"] {
+            let root = format!("/local/domain/{}/backend/{kind}", self.me.0);
+            for (fe, id) in self.listed(&root)? {
+                listed.insert((kind, fe.0, id));
+                if !self.refused.contains(&(kind, fe.0, id)) {
+                    self.adopt(kind, fe, id);
+                }
+            }
+        }
+        self.refused.retain(|k| listed.contains(k));
+        let keys: Vec<_> = self.vifs.keys().copied().collect();
+        for k in keys {
+            self.step_vif(k);
+        }
+        let keys: Vec<_> = self.vbds.keys().copied().collect();
+        for k in keys {
+            self.step_vbd(k);
+        }
+        Ok(())
+    }
+
+    /// The (guest, device) pairs under `root`; names that are not numbers are skipped.
+    fn listed(&mut self, root: &str) -> Result<Vec<(DomId, u32)>, Error> {
+        let store = self.xen.store();
+        let fes = match store.directory(self.me, root) {
+            Ok(v) => v,
+            Err(StoreError::NoEntry(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(e.into()),
+        };
+        let mut out = Vec::new();
+        for fe in fes {
+            let Ok(fe) = fe.parse::<u16>() else { continue };
+            let ids = store
+                .directory(self.me, &format!("{root}/{fe}"))
+                .unwrap_or_default();
+            out.extend(
+                ids.iter()
+                    .filter_map(|i| i.parse::<u32>().ok())
+                    .map(|i| (DomId(fe), i)),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Takes a device that is new: checks its directory names itself, then offers the
+    /// back end's features (a vif's interface first).
+    fn adopt(&mut self, kind: &'static str, fe: DomId, id: u32) {
+        let key = (fe.0, id);
+        let known = match kind {
+            "vif" => self.vifs.get_mut(&key).map(|d| d.seen = true).is_some(),
+            _ => self.vbds.get_mut(&key).map(|d| d.seen = true).is_some(),
+        };
+        if known {
+            return;
+        }
+        let (bdir, fdir) = match kind {
+            "vif" => (
+                net::xenbus::backend_dir(self.me, fe, id),
+                net::xenbus::frontend_dir(fe, id),
+            ),
+            _ => (
+                blk::xenbus::backend_dir(self.me, fe, id),
+                blk::xenbus::frontend_dir(fe, id),
+            ),
+        };
+        let store = self.xen.store();
+        let named_fe = store.read(self.me, &format!("{bdir}/frontend-id")).ok();
+        let named_dir = store.read(self.me, &format!("{bdir}/frontend")).ok();
+        if let Err(why) = check_names(
+            self.me,
+            fe,
+            &fdir,
+            named_fe.as_deref(),
+            named_dir.as_deref(),
+        ) {
+            self.counts.refused_dirs += 1;
+            self.log
+                .line(&format!("{kind} {}/{id}: refused: {why}", fe.0));
+            self.refused.insert((kind, fe.0, id));
+            return;
+        }
+        // A directory left Connected by a back end that is gone (this process, killed
+        // and started again): closed first, so that the front end starts over.
+        let bstate = store.xenbus_state(self.me, &bdir);
+        if !matches!(bstate, XenbusState::Initialising | XenbusState::Unknown) {
+            self.log.line(&format!(
+                "{kind} {}/{id}: found in state {bstate:?}: closing it first",
+                fe.0
+            ));
+            let _ = store.switch_state(self.me, &bdir, XenbusState::Closing);
+        }
+        let _ = self.xen.client().watch(&format!("{fdir}/state"), "fe");
+        let taken = match kind {
+            "vif" => self.adopt_vif(fe, id, bstate),
+            _ => self.adopt_vbd(fe, id, bstate),
+        };
+        if !taken {
+            self.refused.insert((kind, fe.0, id));
+        }
+    }
+
+    /// Whether the vif was taken.
+    fn adopt_vif(&mut self, fe: DomId, handle: u32, bstate: XenbusState) -> bool {
+        let Some(index) = (0..MAX_VIFS as u16).find(|i| self.vifs.values().all(|d| d.index != *i))
+        else {
+            self.log.line(&format!(
+                "vif {}/{handle}: refused: {MAX_VIFS} vifs already",
+                fe.0
+            ));
+            return false;
+        };
+        let want = format!("vif{}.{handle}", fe.0);
+        let tap = mem::tap::open_tap_offload(&want, mem::tap::TapOffload::CsumTso).and_then(
+            |(f, name)| Ok((TapPort::start_with(f, mem::tap::TapOffload::CsumTso)?, name)),
+        );
+        let (tap, ifname) = match tap {
+            Ok(t) => t,
+            Err(e) => {
+                self.log
+                    .line(&format!("vif {}/{handle}: no interface {want}: {e}", fe.0));
+                return false;
+            }
+        };
+        if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
+            if let Err(e) = netback::probe(self.xen.store(), self.me, fe, handle) {
+                self.log.line(&format!("vif {}/{handle}: probe: {e}", fe.0));
+            }
+        }
+        self.log.line(&format!(
+            "vif {}/{handle}: interface {ifname}, offered: {}",
+            fe.0,
+            offered(&net::xenbus::BACKEND_FEATURES)
+        ));
+        self.vifs.insert(
+            (fe.0, handle),
+            NetDev {
+                fe,
+                handle,
+                index,
+                tap,
+                ifname,
+                vif: None,
+                signalled: false,
+                seen: true,
+            },
+        );
+        true
+    }
+
+    /// Whether the vbd was taken.
+    fn adopt_vbd(&mut self, fe: DomId, devid: u32, bstate: XenbusState) -> bool {
+        let Some(index) = (0..MAX_VBDS as u16).find(|i| self.vbds.values().all(|d| d.index != *i))
+        else {
+            self.log.line(&format!(
+                "vbd {}/{devid}: refused: {MAX_VBDS} vbds already",
+                fe.0
+            ));
+            return false;
+        };
+        if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
+            match self.open_disk(fe, devid) {
+                Ok(disk) => {
+                    if let Err(e) =
+                        blkback::probe(self.xen.store(), self.me, fe, devid, &disk, true)
+                    {
+                        self.log.line(&format!("vbd {}/{devid}: probe: {e}", fe.0));
+                    } else {
+                        self.log.line(&format!(
+                            "vbd {}/{devid}: {} sectors offered",
+                            fe.0,
+                            disk.sectors()
+                        ));
+                    }
+                }
+                Err(e) => self.log.line(&format!("vbd {}/{devid}: {e}", fe.0)),
+            }
+        }
+        self.vbds.insert(
+            (fe.0, devid),
+            BlkDev {
+                fe,
+                devid,
+                index,
+                back: None,
+                signalled: false,
+                seen: true,
+            },
+        );
+        true
+    }
+
+    /// The disk a vbd's directory names (`params`, written by the toolstack; `mode` r
+    /// opens it read-only).
+    fn open_disk(&self, fe: DomId, devid: u32) -> Result<FileDisk, String> {
+        let bdir = blk::xenbus::backend_dir(self.me, fe, devid);
+        let store = self.xen.store();
+        let params = store
+            .read(self.me, &format!("{bdir}/params"))
+            .map_err(|e| format!("no params: {e}"))?;
+        let ro = store
+            .read(self.me, &format!("{bdir}/mode"))
+            .is_ok_and(|m| m == "r");
+        FileDisk::open(std::path::Path::new(&params), ro).map_err(|e| format!("{params}: {e}"))
+    }
+
+    fn step_vif(&mut self, key: (u16, u32)) {
+        let Some(d) = self.vifs.get_mut(&key) else {
+            return;
+        };
+        let (me, fe, handle) = (self.me, d.fe, d.handle);
+        let store = self.xen.store();
+        let bdir = net::xenbus::backend_dir(me, fe, handle);
+        let fdir = net::xenbus::frontend_dir(fe, handle);
+        let fstate = store.xenbus_state(me, &fdir);
+        let bstate = store.xenbus_state(me, &bdir);
+        if !d.seen {
+            if let Some(v) = d.vif.take() {
+                v.disconnect(&mut self.pool);
+            }
+            let name = d.ifname.clone();
+            self.vifs.remove(&key);
+            self.log.line(&format!(
+                "vif {}/{handle}: directory gone; {name} removed",
+                fe.0
+            ));
+            return;
+        }
+        match d.vif.as_ref() {
+            None if bstate == XenbusState::InitWait
+                && matches!(fstate, XenbusState::Initialised | XenbusState::Connected) =>
+            {
+                let slot_base = u32::from(d.index) * VIF_WINDOW_SLOTS;
+                match Vif::connect(Arc::clone(&self.xen), fe, handle, d.index, slot_base) {
+                    Ok(v) => {
+                        let line = format!(
+                            "vif {}/{handle}: connected: {}",
+                            fe.0,
+                            negotiated(store, me, &fdir)
+                        );
+                        d.vif = Some(v);
+                        self.counts.connected += 1;
+                        self.log.line(&line);
+                    }
+                    Err(e) => {
+                        self.counts.connect_errors += 1;
+                        self.log
+                            .line(&format!("vif {}/{handle}: connect refused: {e}", fe.0));
+                        let _ = store.switch_state(me, &bdir, XenbusState::Closing);
+                    }
+                }
+            }
+            Some(v)
+                if v.disabled().is_some()
+                    || matches!(
+                        fstate,
+                        XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
+                    ) =>
+            {
+                let why = v.disabled();
+                if matches!(
+                    why,
+                    Some(net::netback::Disabled::Fatal(_) | net::netback::Disabled::RingBroken)
+                ) {
+                    self.counts.broken += 1;
+                }
+                let stats = v.stats().clone();
+                if let Some(v) = d.vif.take() {
+                    v.disconnect(&mut self.pool);
+                }
+                let _ = store.switch_state(me, &bdir, XenbusState::Closed);
+                self.log.line(&format!(
+                    "vif {}/{handle}: disconnected ({why:?}, front end {fstate:?}); {stats:?}",
+                    fe.0
+                ));
+            }
+            None if matches!(bstate, XenbusState::Closing)
+                && matches!(
+                    fstate,
+                    XenbusState::Closing
+                        | XenbusState::Closed
+                        | XenbusState::Initialising
+                        | XenbusState::Unknown
+                ) =>
+            {
+                let _ = store.switch_state(me, &bdir, XenbusState::Closed);
+            }
+            None if matches!(bstate, XenbusState::Closed)
+                && matches!(fstate, XenbusState::Initialising | XenbusState::Closed) =>
+            {
+                // The front end starts over (a guest reconnecting after this back end
+                // closed): offer again.
+                if netback::probe(store, me, fe, handle).is_ok() {
+                    self.log
+                        .line(&format!("vif {}/{handle}: offered again", fe.0));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn step_vbd(&mut self, key: (u16, u32)) {
+        let Some(d) = self.vbds.get(&key) else { return };
+        let (me, fe, devid, index, seen) = (self.me, d.fe, d.devid, d.index, d.seen);
+        let bdir = blk::xenbus::backend_dir(me, fe, devid);
+        let fdir = blk::xenbus::frontend_dir(fe, devid);
+        let fstate = self.xen.store().xenbus_state(me, &fdir);
+        let bstate = self.xen.store().xenbus_state(me, &bdir);
+        let connected = d.back.is_some();
+        if !seen {
+            if let Some(b) = self.vbds.get_mut(&key).and_then(|d| d.back.take()) {
+                b.disconnect();
+            }
+            self.vbds.remove(&key);
+            self.log
+                .line(&format!("vbd {}/{devid}: directory gone", fe.0));
+            return;
+        }
+        if !connected
+            && bstate == XenbusState::InitWait
+            && matches!(fstate, XenbusState::Initialised | XenbusState::Connected)
+        {
+            let slot_base =
+                MAX_VIFS as u32 * VIF_WINDOW_SLOTS + u32::from(index) * VBD_WINDOW_SLOTS;
+            let r = self.open_disk(fe, devid).and_then(|disk| {
+                Blkback::connect(Arc::clone(&self.xen), fe, devid, slot_base, disk)
+                    .map_err(|e| e.to_string())
+            });
+            match r {
+                Ok(b) => {
+                    let line = format!(
+                        "vbd {}/{devid}: connected: {}",
+                        fe.0,
+                        negotiated(self.xen.store(), me, &fdir)
+                    );
+                    if let Some(d) = self.vbds.get_mut(&key) {
+                        d.back = Some(b);
+                        d.signalled = true;
+                    }
+                    self.counts.connected += 1;
+                    self.log.line(&line);
+                }
+                Err(e) => {
+                    self.counts.connect_errors += 1;
+                    self.log
+                        .line(&format!("vbd {}/{devid}: connect refused: {e}", fe.0));
+                    let _ = self
+                        .xen
+                        .store()
+                        .switch_state(me, &bdir, XenbusState::Closing);
+                }
+            }
+            return;
+        }
+        let closing = matches!(
+            fstate,
+            XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
+        );
+        let broken = self
+            .vbds
+            .get(&key)
+            .and_then(|d| d.back.as_ref())
+            .and_then(|b| b.broken());
+        if connected && (closing || broken.is_some()) {
+            if broken.is_some() {
+                self.counts.broken += 1;
+            }
+            if let Some(b) = self.vbds.get_mut(&key).and_then(|d| d.back.take()) {
+                let stats = b.stats().clone();
+                b.disconnect();
+                self.log.line(&format!(
+                    "vbd {}/{devid}: disconnected ({broken:?}, front end {fstate:?}); {stats:?}",
+                    fe.0
+                ));
+            }
+        } else if !connected && bstate == XenbusState::Closing && closing {
+            let _ = self
+                .xen
+                .store()
+                .switch_state(me, &bdir, XenbusState::Closed);
+        } else if !connected
+            && bstate == XenbusState::Closed
+            && matches!(fstate, XenbusState::Initialising | XenbusState::Closed)
+        {
+            if let Ok(disk) = self.open_disk(fe, devid) {
+                if blkback::probe(self.xen.store(), me, fe, devid, &disk, true).is_ok() {
+                    self.log
+                        .line(&format!("vbd {}/{devid}: offered again", fe.0));
+                }
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        for (_, mut d) in std::mem::take(&mut self.vifs) {
+            if let Some(v) = d.vif.take() {
+                v.disconnect(&mut self.pool);
+            }
+        }
+        for (_, mut d) in std::mem::take(&mut self.vbds) {
+            if let Some(b) = d.back.take() {
+                b.disconnect();
+            }
+        }
+        self.log.line(&format!("stopped: {:?}", self.counts));
+    }
+}
+
+/// Whether a back-end directory found at `.../<fe>/<device>` names that guest and that
+/// device's front-end directory `fdir` as its own (`frontend-id`, `frontend`): a
+/// toolstack writes both, and a directory that says otherwise (or names this domain
+/// itself) is not served.
+pub fn check_names(
+    me: DomId,
+    fe: DomId,
+    fdir: &str,
+    frontend_id: Option<&str>,
+    frontend: Option<&str>,
+) -> Result<(), String> {
+    if fe == me {
+        return Err(format!("the guest named is this domain ({})", me.0));
+    }
+    if frontend_id != Some(fe.0.to_string().as_str()) {
+        return Err(format!(
+            "frontend-id is {frontend_id:?}, the path says {}",
+            fe.0
+        ));
+    }
+    if frontend != Some(fdir) {
+        return Err(format!("frontend is {frontend:?}, the path says {fdir}"));
+    }
+    Ok(())
+}
+
+/// Writes one packet from a vif to its interface, whole (its pieces gathered into one
+/// buffer allocated once), with its offload; frees it.
+fn to_tap(
+    tap: &mut TapPort,
+    pool: &mut SkbPool,
+    skb: SkbId,
+    frame: &mut [u8],
+    counts: &mut Counts,
+) {
+    let len = pool.len(skb);
+    if len <= frame.len() && pool.read(skb, 0, &mut frame[..len]).is_ok() {
+        tap.send(&frame[..len], pool.offload(skb));
+        counts.frames_out += 1;
+    } else {
+        counts.frames_dropped += 1;
+    }
+    pool.free(skb);
+}
+
+fn offered(keys: &[(&str, &str)]) -> String {
+    let mut s = String::new();
+    for (k, v) in keys {
+        let _ = write!(s, "{k}={v} ");
+    }
+    s.trim_end().to_string()
+}
+
+/// The front end's keys, as it wrote them: what it negotiated.
+fn negotiated(store: &impl XenStore, me: DomId, fdir: &str) -> String {
+    let mut s = String::new();
+    for k in store.directory(me, fdir).unwrap_or_default() {
+        if k == "state" {
+            continue;
+        }
+        if let Ok(v) = store.read(me, &format!("{fdir}/{k}")) {
+            let _ = write!(s, "{k}={v} ");
+        }
+    }
+    s.trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_is_served_only_if_it_names_its_own_guest_and_device() {
+        let me = DomId(0);
+        let fdir = net::xenbus::frontend_dir(DomId(3), 0);
+        assert!(check_names(me, DomId(3), &fdir, Some("3"), Some(&fdir)).is_ok());
+        // Another guest's id, another device's directory, this domain, nothing at all.
+        assert!(check_names(me, DomId(3), &fdir, Some("4"), Some(&fdir)).is_err());
+        let other = net::xenbus::frontend_dir(DomId(4), 0);
+        assert!(check_names(me, DomId(3), &fdir, Some("3"), Some(&other)).is_err());
+        let mine = net::xenbus::frontend_dir(me, 0);
+        assert!(check_names(me, me, &mine, Some("0"), Some(&mine)).is_err());
+        assert!(check_names(me, DomId(3), &fdir, None, None).is_err());
+        assert!(check_names(me, DomId(3), &fdir, Some("03"), Some(&fdir)).is_err());
+    }
+
+    #[test]
+    fn without_xen_it_stops_at_once_naming_the_missing_device() {
+        if std::path::Path::new("/dev/xen/gntdev").exists() {
+            return;
+        }
+        let stop = AtomicBool::new(false);
+        let e = run(
+            &Options {
+                domid: 0,
+                log: None,
+            },
+            &stop,
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Open(_)), "{e}");
+        assert!(e.to_string().contains("/dev/xen/gntdev"), "{e}");
+    }
+}
