@@ -186,7 +186,7 @@ fn remote_submit(
     let f = &mut r.slots[usize::from(k)];
     f.busy = true;
     f.id = raw.id;
-    f.operation = raw.operation;
+    f.operation = raw.response_operation();
     f.write = write;
     f.segs.clear();
     let mut sectors = 0u64;
@@ -676,7 +676,7 @@ impl<X: Xen> Blkback<X> {
                     None => continue,
                 }
             };
-            let rsp = response(raw.id, raw.operation, status);
+            let rsp = response(raw.id, raw.response_operation(), status);
             // Room is certain: each response answers a request taken.
             if let Some(ring) = self.ring.as_mut() {
                 ring.push_response(&rsp)?;

@@ -581,7 +581,7 @@ impl Blkfront {
         self.free_ids.pop();
         sh.in_use = true;
         sh.tag = tag;
-        sh.operation = raw.operation;
+        sh.operation = raw.response_operation();
         sh.read = matches!(bio.op, BioOp::Read);
         sh.indirect = used_indirect;
         self.stats.submitted += 1;

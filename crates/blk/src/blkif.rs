@@ -162,6 +162,18 @@ impl RawRequest {
             &bytemuck::bytes_of(self)[..std::mem::size_of::<RawIndirect>()],
         )
     }
+
+    /// The operation its response carries: its own, except that an indirect request is
+    /// answered with the operation it carries (`indirect_op`), as Linux's blkback
+    /// answers and its blkfront checks (a response saying `BLKIF_OP_INDIRECT` makes
+    /// Linux's blkfront disable the disk).
+    pub fn response_operation(&self) -> u8 {
+        if self.operation == BLKIF_OP_INDIRECT {
+            self.as_indirect().indirect_op
+        } else {
+            self.operation
+        }
+    }
 }
 
 impl RawDiscard {

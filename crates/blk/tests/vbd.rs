@@ -468,7 +468,11 @@ fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
     write_segs(&good);
     bad.send(&[indirect(1, 16, &[ir.0])]);
     back.serve();
-    assert_eq!(bad.responses()[0].status, BLKIF_RSP_OKAY);
+    let ok = bad.responses()[0];
+    assert_eq!(ok.status, BLKIF_RSP_OKAY);
+    // Answered with the operation it carries, not BLKIF_OP_INDIRECT: Linux's blkfront
+    // checks exactly that, and disables the disk otherwise (found against Xen).
+    assert_eq!(ok.operation, BLKIF_OP_READ);
     assert_eq!(back.stats().indirect, 1);
     // Segments pointing past their page; a segment naming an ungranted reference; an
     // indirect page not granted at all; more segments than offered; more pages than one
@@ -489,6 +493,7 @@ fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
     back.serve();
     let rsp = bad.responses();
     assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_ERROR), "{rsp:?}");
+    assert!(rsp.iter().all(|r| r.operation == BLKIF_OP_READ), "{rsp:?}");
     let s = back.stats();
     assert_eq!(s.refused.get(BadRequest::BadSegment), 1);
     assert_eq!(s.refused.get(BadRequest::TooManySegments), 1);
