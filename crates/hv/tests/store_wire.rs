@@ -43,14 +43,14 @@ fn a_back_end_reads_writes_lists_and_removes_through_the_protocol() {
     .expect("write");
     assert_eq!(
         c.read(me, "/local/domain/0/backend/vif/1/0/feature-sg")
-            .unwrap(),
+            .expect("answered"),
         "1"
     );
     // What the client wrote is in pvio's store, byte for byte.
     assert_eq!(
         store
             .read(me, "/local/domain/0/backend/vif/1/0/mac")
-            .unwrap(),
+            .expect("answered"),
         "00:16:3e:00:00:01"
     );
     let mut names = c
@@ -62,7 +62,8 @@ fn a_back_end_reads_writes_lists_and_removes_through_the_protocol() {
     c.write(me, "/local/domain/0/backend/vif/1/0/empty", "")
         .expect("write");
     assert_eq!(
-        c.read(me, "/local/domain/0/backend/vif/1/0/empty").unwrap(),
+        c.read(me, "/local/domain/0/backend/vif/1/0/empty")
+            .expect("answered"),
         ""
     );
     c.switch_state(me, "/local/domain/0/backend/vif/1/0", XenbusState::InitWait)
@@ -76,16 +77,19 @@ fn a_back_end_reads_writes_lists_and_removes_through_the_protocol() {
         c.read(me, "/local/domain/0/backend/vif/1/0/mac"),
         Err(StoreError::NoEntry(_))
     ));
-    assert_eq!(c.domain_path(DomId(7)).unwrap(), "/local/domain/7");
+    assert_eq!(
+        c.domain_path(DomId(7)).expect("answered"),
+        "/local/domain/7"
+    );
 }
 
 #[test]
 fn errors_come_back_as_the_stores_errors() {
     let store = Arc::new(Store::new());
-    store.write(DomId::DOM0, "/secret", "x").unwrap();
+    store.write(DomId::DOM0, "/secret", "x").expect("answered");
     store
         .set_perms(DomId::DOM0, "/secret", DomId::DOM0, &[])
-        .unwrap();
+        .expect("answered");
     let guest = DomId(5);
     let (c, _server) = connect(&store, guest);
     assert!(matches!(
@@ -115,7 +119,7 @@ fn a_watch_fires_at_once_and_on_each_change_below_it() {
     c.watch("/local/domain/0/backend", "be").expect("watch");
     store
         .write(me, "/local/domain/0/backend/vbd/3/51728/state", "1")
-        .unwrap();
+        .expect("answered");
     // Events travel on the same connection: a request made meanwhile keeps them.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut seen = Vec::new();
@@ -139,13 +143,13 @@ fn a_watch_fires_at_once_and_on_each_change_below_it() {
 fn a_transaction_over_the_wire_commits_or_answers_eagain() {
     let store = Arc::new(Store::new());
     let me = DomId::DOM0;
-    store.write(me, "/counter", "0").unwrap();
+    store.write(me, "/counter", "0").expect("answered");
     let (c, _server) = connect(&store, me);
     let start = |c: &Client<UnixStream>| -> u32 {
         let m = c
             .request(XS_TRANSACTION_START, 0, &[b""], true, "")
             .expect("start");
-        m.strings().unwrap()[0].parse().expect("id")
+        m.strings().expect("answered")[0].parse().expect("id")
     };
     let t = start(&c);
     c.request(wire::XS_READ, t, &[b"/counter"], true, "/counter")
@@ -154,20 +158,20 @@ fn a_transaction_over_the_wire_commits_or_answers_eagain() {
         .expect("write");
     c.request(XS_TRANSACTION_END, t, &[b"T"], true, "")
         .expect("commit");
-    assert_eq!(store.read(me, "/counter").unwrap(), "1");
+    assert_eq!(store.read(me, "/counter").expect("answered"), "1");
     // A change meanwhile: the end answers EAGAIN and applies nothing.
     let t = start(&c);
     c.request(wire::XS_READ, t, &[b"/counter"], true, "/counter")
         .expect("read");
-    store.write(me, "/counter", "5").unwrap();
+    store.write(me, "/counter", "5").expect("answered");
     c.request(XS_WRITE, t, &[b"/counter", b"2"], false, "/counter")
         .expect("write");
     assert_eq!(
         c.request(XS_TRANSACTION_END, t, &[b"T"], true, "")
-            .unwrap_err(),
+            .expect_err("an error"),
         StoreError::Again
     );
-    assert_eq!(store.read(me, "/counter").unwrap(), "5");
+    assert_eq!(store.read(me, "/counter").expect("answered"), "5");
 }
 
 #[test]
@@ -184,7 +188,7 @@ fn a_hostile_peer_breaks_only_its_own_connection() {
     for v in [XS_WRITE, 1, 0, 1 << 20] {
         h.extend_from_slice(&u32::to_ne_bytes(v));
     }
-    b.write_all(&h).unwrap();
+    b.write_all(&h).expect("answered");
     let r = server.join().expect("server thread");
     assert!(
         r.is_err(),
@@ -203,10 +207,12 @@ fn a_hostile_peer_breaks_only_its_own_connection() {
     // ...and the same connection still works.
     c.write(DomId(9), "/local/domain/9/ok", "1")
         .expect_err("dom 9 owns nothing yet");
-    store.write(DomId::DOM0, "/local/domain/9", "").unwrap();
+    store
+        .write(DomId::DOM0, "/local/domain/9", "")
+        .expect("answered");
     store
         .set_perms(DomId::DOM0, "/local/domain/9", DomId(9), &[])
-        .unwrap();
+        .expect("answered");
     c.write(DomId(9), "/local/domain/9/ok", "1")
         .expect("write in its own directory");
 }

@@ -486,9 +486,8 @@ fn connect_guests(
                         |e: &dyn std::fmt::Display| other(format!("disk {}: {e}", plan.name()));
                     let front =
                         Blkfront::connect(hv, dom, XVDA, b.persistent).map_err(|e| name(&e))?;
-                    let back =
-                        Blkback::connect(hv::Pvio::new(&hv, &drv), dom.id(), XVDA, slot, file)
-                            .map_err(|e| name(&e))?;
+                    let back = Blkback::connect(hv::Pvio::new(hv, drv), dom.id(), XVDA, slot, file)
+                        .map_err(|e| name(&e))?;
                     vbds.push(back);
                     fronts.push(Front::Block(Box::new(front)));
                 }

@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""dom0's end of the interop run's checked payloads (HTTP: its framing carries the
+length, so a transfer is whole or visibly short): GET /down.bin serves the file to
+send the domU; POST /up stores what the domU sends. Each file's SHA-256 is printed
+where it starts and where it lands, and the run compares them."""
+import http.server
+import sys
+
+DOWN, UP = sys.argv[1], sys.argv[2]
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path != "/down.bin":
+            self.send_error(404)
+            return
+        with open(DOWN, "rb") as f:
+            data = f.read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length", "0"))
+        got = self.rfile.read(n)
+        with open(UP, "wb") as f:
+            f.write(got)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("0.0.0.0", 8000), Handler).serve_forever()

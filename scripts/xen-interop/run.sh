@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The Xen interop run: boots Debian's Xen 4.17 under QEMU's TCG with a Debian dom0,
+# which starts one unmodified Linux domU (netfront and blkfront) against a back end
+# and checks what crosses: ping, iperf3 both ways, a filesystem written and read back.
+#
+#   BACKEND=linux   Linux's own xen-netback and xen-blkback serve the domU (the
+#                   reference: what Linux's front ends negotiate with Linux's back ends)
+#   BACKEND=pvio    `pvio backend` in dom0's user space serves them
+#
+# usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
+# Needs root (debootstrap, for the cached images). Minutes per boot: TCG is slow.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+backend="${BACKEND:-linux}"
+out="${1:-$repo/results/xen-interop}/$backend"
+timeout_s="${TIMEOUT_S:-1800}"
+images="$("$here/images.sh" | tail -n1)"
+
+mkdir -p "$out"
+ex="$(mktemp -d)"
+trap 'rm -rf "$ex"' EXIT
+mkdir -p "$ex/x"
+
+# What dom0 runs, what the domU runs, and (BACKEND=pvio) pvio itself.
+cp "$here/dom0-run" "$ex/x/run-dom0"
+cp "$here/payload-server.py" "$ex/x/payload-server.py"
+echo "$backend" >"$ex/x/backend"
+stage="$ex/plan"
+mkdir -p "$stage"
+install -m 0755 "$here/domu-plan" "$stage/plan"
+(cd "$stage" && find . -print0 | cpio --null -o -H newc --quiet | gzip -9) >"$ex/x/plan.cpio.gz"
+if [[ "$backend" == pvio ]]; then
+    # dom0 is Debian 12, like the machine this builds on: the ordinary build runs there.
+    if [[ -z "${PVIO_BIN:-}" ]]; then
+        (cd "$repo" && cargo build --release -p pvio >&2)
+    fi
+    install -m 0755 "${PVIO_BIN:-$repo/target/release/pvio}" "$ex/x/pvio"
+fi
+# The exchange disk: dom0 mounts it, runs run-dom0 and leaves its results on it.
+mke2fs -q -t ext4 -L pvio-x -d "$ex/x" "$ex/x.img" 1G >&2
+
+# dom0's root is copied per run so that a run never changes the cached image.
+cp --sparse=always "$images/dom0.img" "$ex/dom0.img"
+
+echo "booting Xen under TCG (BACKEND=$backend); console: $out/console.log" >&2
+set +e
+timeout "$timeout_s" qemu-system-x86_64 \
+    -accel tcg,thread=multi -cpu max,-smap,-pku,-la57 -smp 2 -m 3G \
+    -display none -no-reboot -serial "file:$out/console.log" -monitor none \
+    -kernel "$images/xen" \
+    -append "dom0_mem=1024M,max:1024M dom0_max_vcpus=1 dom0_vcpus_pin console=com1 com1=115200,8n1 loglvl=all guest_loglvl=all" \
+    -initrd "$images/vmlinuz root=/dev/vda ro console=hvc0 earlyprintk=xen,$images/initrd.img" \
+    -drive "file=$ex/dom0.img,if=virtio,format=raw" \
+    -drive "file=$ex/x.img,if=virtio,format=raw" \
+    -net none
+rc=$?
+set -e
+echo "qemu exited $rc" >&2
+# Bring back what dom0 left on the exchange disk.
+rm -rf "$out/x"
+mkdir -p "$out/x"
+debugfs -R "rdump /out $out/x" "$ex/x.img" >/dev/null 2>&1 || true
+# And Xen's logs from dom0's disk (the domU's console among them), whether or not dom0
+# got as far as copying them: what to read when a run stalls.
+rm -rf "$out/xen-logs"
+mkdir -p "$out/xen-logs"
+debugfs -R "rdump /var/log/xen $out/xen-logs" "$ex/dom0.img" >/dev/null 2>&1 || true
+ls "$out/x" >&2 || true
+
+# The verdicts: the domU's checks, and each payload's hash where it started against
+# where it landed.
+log="$out/x/out/dom0.log"
+sha() { sed -n "s/.*sha $1 \([0-9a-f]*\).*/\1/p" "$log" | head -n1; }
+{
+    grep -a "pvio-check" "$log" | sed 's/^.*pvio-check /pvio-check /'
+    for dir in up down; do
+        if [[ "$dir" == up ]]; then a=$(sha up-sent); b=$(sha up-received); else a=$(sha down-sent); b=$(sha down-received); fi
+        if [[ -n "$a" && "$a" == "$b" ]]; then
+            echo "pvio-check payload-$dir ok sha256 $a at both ends"
+        else
+            echo "pvio-check payload-$dir FAIL sent ${a:-?} received ${b:-?}"
+        fi
+    done
+} >"$out/checks.txt"
+cat "$out/checks.txt"
+if ! grep -q "pvio-check" "$out/checks.txt" || grep -q " FAIL " "$out/checks.txt"; then
+    echo "xen interop ($backend): FAILED" >&2
+    exit 1
+fi
+echo "xen interop ($backend): every check passed" >&2
