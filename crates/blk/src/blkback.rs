@@ -464,7 +464,25 @@ impl<X: Xen> Blkback<X> {
         slot_base: u32,
         disk: FileDisk,
     ) -> Result<Self, XenbusError> {
-        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk))
+        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), false)
+    }
+
+    /// Takes over a device another back end served and left without closing (its
+    /// process died, in a real dom0): the front end still `Connected`, its ring and
+    /// event channel as they were. Maps the ring again and carries on from the
+    /// responses published (`BackRing::resume`): every request after them is taken
+    /// again and answered once, which a file's back end can do because it answers in
+    /// request order. The front end sees nothing but a delay (Linux's blkfront cannot
+    /// reconnect once its back end closed: it marks the disk dead). Persistent grants
+    /// are mapped again as requests name them.
+    pub fn resume(
+        xen: X,
+        fe: DomId,
+        devid: u32,
+        slot_base: u32,
+        disk: FileDisk,
+    ) -> Result<Self, XenbusError> {
+        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), true)
     }
 
     /// As [`Blkback::connect`], serving the remote disk `ini` found (and
@@ -496,7 +514,14 @@ impl<X: Xen> Blkback<X> {
             free: (0..RING_REQUESTS as u16).rev().collect(),
             done: Vec::with_capacity(RING_REQUESTS),
         };
-        Self::connect_store(xen, fe, devid, slot_base, Store::Remote(Box::new(remote)))
+        Self::connect_store(
+            xen,
+            fe,
+            devid,
+            slot_base,
+            Store::Remote(Box::new(remote)),
+            false,
+        )
     }
 
     fn connect_store(
@@ -505,6 +530,7 @@ impl<X: Xen> Blkback<X> {
         devid: u32,
         slot_base: u32,
         backing: Store,
+        resume: bool,
     ) -> Result<Self, XenbusError> {
         let store = xen.store();
         let be = xen.id();
@@ -512,7 +538,12 @@ impl<X: Xen> Blkback<X> {
         let fdir = xenbus::frontend_dir(fe, devid);
         let bdir = xenbus::backend_dir(be, fe, devid);
         let st = store.xenbus_state(be, &fdir);
-        if !matches!(st, XenbusState::Initialised | XenbusState::Connected) {
+        let ready = if resume {
+            st == XenbusState::Connected && store.xenbus_state(be, &bdir) == XenbusState::Connected
+        } else {
+            matches!(st, XenbusState::Initialised | XenbusState::Connected)
+        };
+        if !ready {
             return Err(XenbusError::PeerState(st));
         }
         // Only the native layout: a 32-bit guest's slots would be misread.
@@ -545,7 +576,13 @@ impl<X: Xen> Blkback<X> {
             .page(slot)
             .ok()
             .and_then(|p| PageRing::new(p).ok())
-            .and_then(|p| BackRing::<BlkRing, _>::attach(p).ok())
+            .and_then(|p| {
+                if resume {
+                    BackRing::<BlkRing, _>::resume(p).ok()
+                } else {
+                    BackRing::<BlkRing, _>::attach(p).ok()
+                }
+            })
         else {
             unmap();
             return Err(XenbusError::BadKey(format!("{fdir}/ring-ref")));
@@ -1091,6 +1128,21 @@ impl<X: Xen> Blkback<X> {
             .xen
             .store()
             .switch_state(self.xen.id(), &dir, XenbusState::Closing);
+    }
+
+    /// Goes as a back end's process dies: what the kernel takes back from a dead
+    /// process (every mapping, the channel) is given back, and nothing else happens:
+    /// no request is answered and the store is not written, so the front end stays
+    /// `Connected` and another back end may [`Blkback::resume`] the device.
+    pub fn abandon(mut self) {
+        if let Some(p) = self.persistent.take() {
+            let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
+            let mut st = vec![Ok(()); handles.len()];
+            self.xen.grant_unmap(&handles, &mut st);
+        }
+        self.ring = None;
+        self.xen.grant_unmap(&[self.ring_handle], &mut [Ok(())]);
+        let _ = self.xen.evtchn_close(self.port);
     }
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.

@@ -440,6 +440,71 @@ fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
 }
 
 #[test]
+fn a_back_end_that_dies_with_requests_in_flight_is_resumed_by_another_and_each_is_answered_once() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("resume");
+    let (mut front, back) = h.plug(&g, 51712, 0, &path, true);
+    // Writes in flight when the back end dies: taken by nobody, answered by nobody.
+    let segs: Vec<Vec<BioSeg>> = (0..4).map(|_| pages(&g, 4, 0, 4096)).collect();
+    let data: Vec<Vec<u8>> = segs
+        .iter()
+        .enumerate()
+        .map(|(k, s)| fill(&g, s, k as u8))
+        .collect();
+    for (k, s) in segs.iter().enumerate() {
+        let bio = Bio {
+            op: BioOp::Write,
+            sector: 64 * k as u64,
+            segs: s,
+        };
+        front.submit(k as u64, &bio).expect("submit");
+    }
+    front.kick();
+    back.abandon();
+    assert_eq!(
+        h.hv.mappings_held(&h.drv),
+        0,
+        "the dead back end holds nothing"
+    );
+    let disk = FileDisk::open(&path, false).expect("disk");
+    let mut again =
+        Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("resume");
+    again.serve();
+    let mut done = Vec::new();
+    front.complete(|c| done.push(c));
+    done.sort_by_key(|c| c.tag);
+    assert_eq!(done.iter().map(|c| c.tag).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    assert!(done.iter().all(Completion::ok), "{done:?}");
+    for (k, d) in data.iter().enumerate() {
+        assert_eq!(&file_at(&path, 64 * k as u64, d.len()), d);
+    }
+    answered_once(again.stats());
+    // And it goes on serving: a read of what was written comes back whole.
+    let back_in = pages(&g, 4, 0, 4096);
+    let c = run(
+        &mut front,
+        &mut again,
+        &[Bio {
+            op: BioOp::Read,
+            sector: 64,
+            segs: &back_in,
+        }],
+    );
+    assert!(c.iter().all(Completion::ok), "{c:?}");
+    assert_eq!(gather(&g, &back_in), data[1]);
+    // Only a device whose both ends are still Connected is resumed.
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    h.hv.store()
+        .switch_state(h.drv.id(), &bdir, XenbusState::Closing)
+        .expect("closing");
+    let disk = FileDisk::open(&path, false).expect("disk");
+    again.abandon();
+    assert!(Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).is_err());
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
 fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
     let h = host();
     let g = h.guest("hostile");

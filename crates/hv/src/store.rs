@@ -638,6 +638,9 @@ impl XenbusState {
             (_, Closing) => true,
             (Closing, Closed) => true,
             (Closed | Unknown, Initialising) => true,
+            // A back end whose front end starts over after both closed offers again
+            // (Linux's blkback: "prepare for reconnect").
+            (Closed, InitWait) => true,
             (Unknown | Initialising, InitWait | Initialised) => true,
             (InitWait, Initialised) => true,
             (Initialising | InitWait | Initialised, Connected) => true,
@@ -820,6 +823,9 @@ mod tests {
             s.switch_state(DomId::DOM0, d, XenbusState::Connected),
             Err(StoreError::Invalid)
         );
+        // Closed, a back end offers again for a front end that starts over.
+        s.switch_state(DomId::DOM0, d, XenbusState::InitWait)
+            .expect("offered again");
         s.write(DomId::DOM0, &format!("{d}/state"), "garbage")
             .expect("hostile write");
         assert_eq!(s.xenbus_state(DomId::DOM0, d), XenbusState::Unknown);

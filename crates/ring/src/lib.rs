@@ -561,6 +561,24 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         })
     }
 
+    /// Takes over a ring another back end served and left (its process died): carries
+    /// on from the responses it published (`rsp_prod`), so that every request after
+    /// them is taken again and answered once. Right only for a protocol whose back end
+    /// answers in request order (blkif from a file: each request is answered as it is
+    /// taken); a back end that answers out of order may have answered some of those
+    /// already. The front end's producer must lie within one ring of that point, or
+    /// the ring is refused (`ProducerOverrun`), as on any later look.
+    pub fn resume(mem: M) -> Result<Self, RingError> {
+        let mut r = Self::attach(mem)?;
+        // Acquire: what the earlier back end wrote before publishing is visible.
+        let at = RingIdx(r.mem.load(r.at.rsp_prod, Ordering::Acquire));
+        r.rsp_prod_pvt = at;
+        r.req_cons = at;
+        r.req_prod_seen = at;
+        r.load_req_prod()?;
+        Ok(r)
+    }
+
     /// Number of slots.
     pub fn size(&self) -> u32 {
         self.size
@@ -1004,6 +1022,70 @@ mod tests {
                 Some(i as u16)
             );
         }
+    }
+
+    #[test]
+    fn a_back_end_resuming_a_ring_takes_again_exactly_the_requests_not_answered() {
+        let (mut f, mut b, mem) = pair();
+        for i in 0..10u32 {
+            f.push_request(&Req {
+                id: i as u16,
+                pad: 0,
+                val: i,
+            })
+            .expect("room");
+        }
+        f.push_requests_and_check_notify();
+        // The first back end answers 4 and publishes them, takes 3 more, and dies.
+        for i in 0..7u32 {
+            let r = b.take_request().expect("valid").expect("one");
+            if i < 4 {
+                b.push_response(&Rsp {
+                    id: r.id,
+                    status: 0,
+                })
+                .expect("answer");
+            }
+        }
+        b.push_responses_and_check_notify();
+        drop(b);
+        let ring = || {
+            let page = FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame");
+            PageRing::new(page).expect("ring")
+        };
+        let mut b2: Back = BackRing::resume(ring()).expect("resume");
+        let again: Vec<u32> = std::iter::from_fn(|| b2.take_request().expect("valid"))
+            .map(|r| r.val)
+            .collect();
+        assert_eq!(
+            again,
+            (4..10).collect::<Vec<_>>(),
+            "every unanswered request, once"
+        );
+        for v in again {
+            b2.push_response(&Rsp {
+                id: v as u16,
+                status: 0,
+            })
+            .expect("answer");
+        }
+        b2.push_responses_and_check_notify();
+        let ids: Vec<u16> = std::iter::from_fn(|| f.take_response().expect("valid"))
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(
+            ids,
+            (0..10).collect::<Vec<_>>(),
+            "each answered once, in order"
+        );
+        // A producer more than a ring beyond the published responses: refused.
+        mem.atomic_u32(Mfn(0), REQ_PROD)
+            .expect("idx")
+            .store(10 + 300, Ordering::Release);
+        assert!(matches!(
+            Back::resume(ring()),
+            Err(RingError::ProducerOverrun { .. })
+        ));
     }
 
     #[test]
