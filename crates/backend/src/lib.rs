@@ -114,6 +114,8 @@ struct BlkDev {
     fe: DomId,
     devid: u32,
     index: u16,
+    /// Found Connected both ends: taken over, not connected afresh.
+    resume: bool,
     back: Option<Blkback<X>>,
     signalled: bool,
     seen: bool,
@@ -401,7 +403,17 @@ impl Backend {
         // A directory left Connected by a back end that is gone (this process, killed
         // and started again): closed first, so that the front end starts over.
         let bstate = store.xenbus_state(self.me, &bdir);
-        if !matches!(bstate, XenbusState::Initialising | XenbusState::Unknown) {
+        let fstate = store.xenbus_state(self.me, &fdir);
+        // A vbd both of whose ends are still Connected is taken over where the dead back
+        // end left it (`Blkback::resume`): Linux's blkfront cannot reconnect once closed.
+        let resume =
+            kind == "vbd" && bstate == XenbusState::Connected && fstate == XenbusState::Connected;
+        if resume {
+            self.log.line(&format!(
+                "{kind} {}/{id}: found Connected both ends: resuming it",
+                fe.0
+            ));
+        } else if !matches!(bstate, XenbusState::Initialising | XenbusState::Unknown) {
             self.log.line(&format!(
                 "{kind} {}/{id}: found in state {bstate:?}: closing it first",
                 fe.0
@@ -411,7 +423,7 @@ impl Backend {
         let _ = self.xen.client().watch(&format!("{fdir}/state"), "fe");
         let taken = match kind {
             "vif" => self.adopt_vif(fe, id, bstate),
-            _ => self.adopt_vbd(fe, id, bstate),
+            _ => self.adopt_vbd(fe, id, bstate, resume),
         };
         if !taken {
             self.refused.insert((kind, fe.0, id));
@@ -467,7 +479,7 @@ impl Backend {
     }
 
     /// Whether the vbd was taken.
-    fn adopt_vbd(&mut self, fe: DomId, devid: u32, bstate: XenbusState) -> bool {
+    fn adopt_vbd(&mut self, fe: DomId, devid: u32, bstate: XenbusState, resume: bool) -> bool {
         let Some(index) = (0..MAX_VBDS as u16).find(|i| self.vbds.values().all(|d| d.index != *i))
         else {
             self.log.line(&format!(
@@ -500,6 +512,7 @@ impl Backend {
                 fe,
                 devid,
                 index,
+                resume,
                 back: None,
                 signalled: false,
                 seen: true,
@@ -618,7 +631,8 @@ impl Backend {
 
     fn step_vbd(&mut self, key: (u16, u32)) {
         let Some(d) = self.vbds.get(&key) else { return };
-        let (me, fe, devid, index, seen) = (self.me, d.fe, d.devid, d.index, d.seen);
+        let (me, fe, devid, index, seen, resume) =
+            (self.me, d.fe, d.devid, d.index, d.seen, d.resume);
         let bdir = blk::xenbus::backend_dir(me, fe, devid);
         let fdir = blk::xenbus::frontend_dir(fe, devid);
         let fstate = self.xen.store().xenbus_state(me, &fdir);
@@ -633,26 +647,32 @@ impl Backend {
                 .line(&format!("vbd {}/{devid}: directory gone", fe.0));
             return;
         }
-        if !connected
-            && bstate == XenbusState::InitWait
-            && matches!(fstate, XenbusState::Initialised | XenbusState::Connected)
-        {
+        let fresh = bstate == XenbusState::InitWait
+            && matches!(fstate, XenbusState::Initialised | XenbusState::Connected);
+        if !connected && (fresh || resume) {
             let slot_base =
                 MAX_VIFS as u32 * VIF_WINDOW_SLOTS + u32::from(index) * VBD_WINDOW_SLOTS;
+            let xen = Arc::clone(&self.xen);
             let r = self.open_disk(fe, devid).and_then(|disk| {
-                Blkback::connect(Arc::clone(&self.xen), fe, devid, slot_base, disk)
-                    .map_err(|e| e.to_string())
+                if resume {
+                    Blkback::resume(xen, fe, devid, slot_base, disk)
+                } else {
+                    Blkback::connect(xen, fe, devid, slot_base, disk)
+                }
+                .map_err(|e| e.to_string())
             });
             match r {
                 Ok(b) => {
                     let line = format!(
-                        "vbd {}/{devid}: connected: {}",
+                        "vbd {}/{devid}: {}: {}",
                         fe.0,
+                        if resume { "resumed" } else { "connected" },
                         negotiated(self.xen.store(), me, &fdir)
                     );
                     if let Some(d) = self.vbds.get_mut(&key) {
                         d.back = Some(b);
                         d.signalled = true;
+                        d.resume = false;
                     }
                     self.counts.connected += 1;
                     self.log.line(&line);
@@ -661,6 +681,9 @@ impl Backend {
                     self.counts.connect_errors += 1;
                     self.log
                         .line(&format!("vbd {}/{devid}: connect refused: {e}", fe.0));
+                    if let Some(d) = self.vbds.get_mut(&key) {
+                        d.resume = false;
+                    }
                     let _ = self
                         .xen
                         .store()
