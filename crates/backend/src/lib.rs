@@ -619,7 +619,7 @@ impl Backend {
             // The front end starts over (a guest reconnecting after this back end
             // closed): offer again.
             None if matches!(bstate, XenbusState::Closed)
-                && matches!(fstate, XenbusState::Initialising | XenbusState::Closed)
+                && fstate == XenbusState::Initialising
                 && netback::probe(store, me, fe, handle).is_ok() =>
             {
                 self.log
@@ -643,6 +643,7 @@ impl Backend {
                 b.disconnect();
             }
             self.vbds.remove(&key);
+            let _ = std::fs::remove_file(journal_path(fe, devid));
             self.log
                 .line(&format!("vbd {}/{devid}: directory gone", fe.0));
             return;
@@ -653,13 +654,25 @@ impl Backend {
             let slot_base =
                 MAX_VIFS as u32 * VIF_WINDOW_SLOTS + u32::from(index) * VBD_WINDOW_SLOTS;
             let xen = Arc::clone(&self.xen);
+            let jpath = journal_path(fe, devid);
             let r = self.open_disk(fe, devid).and_then(|disk| {
                 if resume {
-                    Blkback::resume(xen, fe, devid, slot_base, disk)
+                    // The dead back end's record, if it left one.
+                    let j = mem::journal::Journal::open(&jpath).ok();
+                    Blkback::resume(xen, fe, devid, slot_base, disk, j).map_err(|e| e.to_string())
                 } else {
-                    Blkback::connect(xen, fe, devid, slot_base, disk)
+                    let mut b = Blkback::connect(xen, fe, devid, slot_base, disk)
+                        .map_err(|e| e.to_string())?;
+                    match mem::journal::Journal::open(&jpath) {
+                        Ok(j) => b.set_journal(j),
+                        Err(e) => self.log.line(&format!(
+                            "vbd {}/{devid}: no journal at {} ({e}): a restart will not resume it",
+                            fe.0,
+                            jpath.display()
+                        )),
+                    }
+                    Ok(b)
                 }
-                .map_err(|e| e.to_string())
             });
             match r {
                 Ok(b) => {
@@ -718,9 +731,7 @@ impl Backend {
                 .xen
                 .store()
                 .switch_state(me, &bdir, XenbusState::Closed);
-        } else if !connected
-            && bstate == XenbusState::Closed
-            && matches!(fstate, XenbusState::Initialising | XenbusState::Closed)
+        } else if !connected && bstate == XenbusState::Closed && fstate == XenbusState::Initialising
         {
             if let Ok(disk) = self.open_disk(fe, devid) {
                 if blkback::probe(self.xen.store(), me, fe, devid, &disk, true).is_ok() {
@@ -770,6 +781,14 @@ pub fn check_names(
         return Err(format!("frontend is {frontend:?}, the path says {fdir}"));
     }
     Ok(())
+}
+
+/// Where a vbd's back end records each response before writing it (in memory, under
+/// `/run`), for the back end started after this one if it dies.
+fn journal_path(fe: DomId, devid: u32) -> std::path::PathBuf {
+    let dir = std::path::Path::new("/run/pvio/backend");
+    let _ = std::fs::create_dir_all(dir);
+    dir.join(format!("vbd-{}-{devid}", fe.0))
 }
 
 /// Writes one packet from a vif to its interface, whole (its pieces gathered into one

@@ -38,7 +38,7 @@ use ring::{BackRing, PageRing, RingError};
 use crate::aoe::BadFrame;
 use crate::blkif::{
     check_segments, indirect_pages, read_request, response, BadRequests, BlkRing, Offer,
-    RawRequest, Request, Segment, BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST, BLKIF_RSP_ERROR,
+    RawRequest, Request, Response, Segment, BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST, BLKIF_RSP_ERROR,
     BLKIF_RSP_OKAY, SECTOR_SIZE, SEGMENTS_PER_INDIRECT_PAGE,
 };
 use crate::disk::FileDisk;
@@ -359,6 +359,38 @@ pub struct Blkback<X: Xen = Pvio> {
     unmap_st: Vec<Result<(), GrantError>>,
     stats: VbdStats,
     broken: Option<Broken>,
+    /// Where each response is recorded before its slot is written, so that a back end
+    /// started after this one dies can take the ring over exactly (`Blkback::resume`).
+    journal: Option<mem::journal::Journal>,
+}
+
+/// Where a journal keeps the index after the last response written, and that response.
+const JOURNAL_WRITTEN: usize = 0;
+const JOURNAL_RESPONSE: usize = 8;
+
+/// Records `rsp` as the response taking index `at` (before its slot is written), then
+/// writes it into the ring.
+fn answer(
+    ring: &mut Option<BackRing<BlkRing, PageRing<MappedPage>>>,
+    journal: &Option<mem::journal::Journal>,
+    rsp: &Response,
+) -> Result<(), RingError> {
+    let Some(ring) = ring.as_mut() else {
+        return Ok(());
+    };
+    if let Some(j) = journal {
+        let _ = j.write(JOURNAL_RESPONSE, bytemuck::bytes_of(rsp));
+        let _ = j.store(JOURNAL_WRITTEN, ring.next_response().wrapping_add(1));
+    }
+    ring.push_response(rsp)
+}
+
+/// What a journal says was written: the index after the last response, and it.
+fn journal_written(j: &mem::journal::Journal) -> Option<(u32, Response)> {
+    let w = j.load(JOURNAL_WRITTEN).ok()?;
+    let mut b = [0u8; std::mem::size_of::<Response>()];
+    j.read(JOURNAL_RESPONSE, &mut b).ok()?;
+    Some((w, bytemuck::pod_read_unaligned(&b)))
 }
 
 /// Publishes the disk's size and the back end's features and waits for the front end
@@ -464,7 +496,7 @@ impl<X: Xen> Blkback<X> {
         slot_base: u32,
         disk: FileDisk,
     ) -> Result<Self, XenbusError> {
-        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), false)
+        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), None)
     }
 
     /// Takes over a device another back end served and left without closing (its
@@ -475,14 +507,35 @@ impl<X: Xen> Blkback<X> {
     /// request order. The front end sees nothing but a delay (Linux's blkfront cannot
     /// reconnect once its back end closed: it marks the disk dead). Persistent grants
     /// are mapped again as requests name them.
+    ///
+    /// `journal` is the dead back end's record ([`Blkback::set_journal`]): with it,
+    /// responses it wrote but had not published are published, not taken again as
+    /// requests (their slots hold responses now); it goes on recording for the next.
     pub fn resume(
         xen: X,
         fe: DomId,
         devid: u32,
         slot_base: u32,
         disk: FileDisk,
+        journal: Option<mem::journal::Journal>,
     ) -> Result<Self, XenbusError> {
-        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), true)
+        let written = journal.as_ref().and_then(journal_written);
+        let mut b =
+            Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), Some(written))?;
+        b.journal = journal;
+        // What the dead one wrote and did not publish goes to the front end now.
+        b.flush_responses();
+        Ok(b)
+    }
+
+    /// Records every response from now on in `journal` (a page of a file that outlives
+    /// this process, under `/run`), so that a back end started after this one dies can
+    /// take the ring over exactly. A fresh connection starts it afresh.
+    pub fn set_journal(&mut self, journal: mem::journal::Journal) {
+        if let Some(ring) = self.ring.as_ref() {
+            let _ = journal.store(JOURNAL_WRITTEN, ring.next_response());
+        }
+        self.journal = Some(journal);
     }
 
     /// As [`Blkback::connect`], serving the remote disk `ini` found (and
@@ -520,7 +573,7 @@ impl<X: Xen> Blkback<X> {
             devid,
             slot_base,
             Store::Remote(Box::new(remote)),
-            false,
+            None,
         )
     }
 
@@ -530,7 +583,8 @@ impl<X: Xen> Blkback<X> {
         devid: u32,
         slot_base: u32,
         backing: Store,
-        resume: bool,
+        // Taking over a ring a dead back end left, with what its journal says it wrote.
+        resume: Option<Option<(u32, Response)>>,
     ) -> Result<Self, XenbusError> {
         let store = xen.store();
         let be = xen.id();
@@ -538,7 +592,7 @@ impl<X: Xen> Blkback<X> {
         let fdir = xenbus::frontend_dir(fe, devid);
         let bdir = xenbus::backend_dir(be, fe, devid);
         let st = store.xenbus_state(be, &fdir);
-        let ready = if resume {
+        let ready = if resume.is_some() {
             st == XenbusState::Connected && store.xenbus_state(be, &bdir) == XenbusState::Connected
         } else {
             matches!(st, XenbusState::Initialised | XenbusState::Connected)
@@ -576,12 +630,9 @@ impl<X: Xen> Blkback<X> {
             .page(slot)
             .ok()
             .and_then(|p| PageRing::new(p).ok())
-            .and_then(|p| {
-                if resume {
-                    BackRing::<BlkRing, _>::resume(p).ok()
-                } else {
-                    BackRing::<BlkRing, _>::attach(p).ok()
-                }
+            .and_then(|p| match resume {
+                Some(written) => BackRing::<BlkRing, _>::resume(p, written).ok(),
+                None => BackRing::<BlkRing, _>::attach(p).ok(),
             })
         else {
             unmap();
@@ -628,6 +679,7 @@ impl<X: Xen> Blkback<X> {
             unmap_st: vec![Ok(()); max_segs],
             stats: VbdStats::default(),
             broken: None,
+            journal: None,
         })
     }
 
@@ -715,18 +767,10 @@ impl<X: Xen> Blkback<X> {
             };
             let rsp = response(raw.id, raw.response_operation(), status);
             // Room is certain: each response answers a request taken.
-            if let Some(ring) = self.ring.as_mut() {
-                ring.push_response(&rsp)?;
-            }
+            answer(&mut self.ring, &self.journal, &rsp)?;
         }
-        if n > 0
-            && self
-                .ring
-                .as_mut()
-                .is_some_and(|r| r.push_responses_and_check_notify())
-        {
-            self.stats.notifies += 1;
-            let _ = self.xen.evtchn_send(self.port);
+        if n > 0 {
+            self.flush_responses();
         }
         Ok(n)
     }
@@ -1099,21 +1143,29 @@ impl<X: Xen> Blkback<X> {
             };
             f.busy = false;
             r.free.push(k);
-            if let Some(ring) = self.ring.as_mut() {
-                if ring
-                    .push_response(&response(f.id, f.operation, status))
-                    .is_ok()
-                {
-                    n += 1;
-                }
+            if self.ring.is_some()
+                && answer(
+                    &mut self.ring,
+                    &self.journal,
+                    &response(f.id, f.operation, status),
+                )
+                .is_ok()
+            {
+                n += 1;
             }
         }
         r.done.clear();
-        if n > 0
-            && self
-                .ring
-                .as_mut()
-                .is_some_and(|r| r.push_responses_and_check_notify())
+        if n > 0 {
+            self.flush_responses();
+        }
+    }
+
+    /// Publishes the responses written and notifies the front end if it asked.
+    fn flush_responses(&mut self) {
+        if self
+            .ring
+            .as_mut()
+            .is_some_and(|r| r.push_responses_and_check_notify())
         {
             self.stats.notifies += 1;
             let _ = self.xen.evtchn_send(self.port);

@@ -468,8 +468,8 @@ fn a_back_end_that_dies_with_requests_in_flight_is_resumed_by_another_and_each_i
         "the dead back end holds nothing"
     );
     let disk = FileDisk::open(&path, false).expect("disk");
-    let mut again =
-        Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("resume");
+    let mut again = Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk, None)
+        .expect("resume");
     again.serve();
     let mut done = Vec::new();
     front.complete(|c| done.push(c));
@@ -500,7 +500,68 @@ fn a_back_end_that_dies_with_requests_in_flight_is_resumed_by_another_and_each_i
         .expect("closing");
     let disk = FileDisk::open(&path, false).expect("disk");
     again.abandon();
-    assert!(Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).is_err());
+    assert!(Blkback::resume(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk, None).is_err());
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn responses_written_but_not_published_when_the_back_end_died_are_published_by_the_next_not_redone()
+{
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("journal");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    let jpath = std::env::temp_dir().join(format!("pvio-vbd-journal-{}", std::process::id()));
+    let _ = std::fs::remove_file(&jpath);
+    back.set_journal(mem::journal::Journal::open(&jpath).expect("journal"));
+    let (_, r) = bad.granted(&h, false);
+    bad.send(&[
+        rw(BLKIF_OP_READ, 1, 0, &[seg(r, 0, 0)]),
+        rw(BLKIF_OP_READ, 2, 1, &[seg(r, 1, 1)]),
+        rw(BLKIF_OP_READ, 3, 2, &[seg(r, 2, 2)]),
+        rw(BLKIF_OP_READ, 4, 3, &[seg(r, 3, 3)]),
+    ]);
+    assert_eq!(back.serve(), 4);
+    // As if it died after writing the last two responses and before publishing them:
+    // rsp_prod (ring.h's third word) back at 2. Their slots hold responses now.
+    bad.g
+        .write(bad.ring_gfn, 8, &2u32.to_le_bytes())
+        .expect("rsp_prod");
+    back.abandon();
+    let disk = FileDisk::open(&path, false).expect("disk");
+    let journal = mem::journal::Journal::open(&jpath).expect("journal");
+    let mut again = Blkback::resume(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g.id(),
+        51712,
+        0,
+        disk,
+        Some(journal),
+    )
+    .expect("resume");
+    assert_eq!(
+        again.serve(),
+        0,
+        "nothing is taken again: those slots are responses"
+    );
+    let rsp = bad.responses();
+    assert_eq!(
+        rsp.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [1, 2, 3, 4],
+        "{rsp:?}"
+    );
+    assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_OKAY));
+    // And it goes on: a fifth request is taken and answered once.
+    bad.send(&[rw(BLKIF_OP_READ, 5, 4, &[seg(r, 4, 4)])]);
+    assert_eq!(again.serve(), 1);
+    assert_eq!(
+        bad.responses().iter().map(|r| r.id).collect::<Vec<_>>(),
+        [5]
+    );
+    let _ = std::fs::remove_file(&jpath);
     let _ = std::fs::remove_file(&path);
 }
 

@@ -21,6 +21,7 @@
 
 pub mod cpu;
 pub mod file;
+pub mod journal;
 mod machine;
 pub mod packet;
 pub mod poll;

@@ -562,21 +562,44 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
     }
 
     /// Takes over a ring another back end served and left (its process died): carries
-    /// on from the responses it published (`rsp_prod`), so that every request after
-    /// them is taken again and answered once. Right only for a protocol whose back end
-    /// answers in request order (blkif from a file: each request is answered as it is
-    /// taken); a back end that answers out of order may have answered some of those
-    /// already. The front end's producer must lie within one ring of that point, or
-    /// the ring is refused (`ProducerOverrun`), as on any later look.
-    pub fn resume(mem: M) -> Result<Self, RingError> {
+    /// on from its last response, so that every request after it is taken again and
+    /// answered once. Right only for a protocol whose back end answers in request order
+    /// (blkif from a file: each request is answered as it is taken); a back end that
+    /// answers out of order may have answered some of those already.
+    ///
+    /// Its last response is the last it published (`rsp_prod`), unless `written` says
+    /// more: the index after the last response it wrote, and that response, recorded
+    /// before the slot was written (a [`mem::journal::Journal`]). A response written
+    /// and not yet published has overwritten its request's slot, so without the record
+    /// it would be taken again as a request. With it, the slots up to `written` are
+    /// responses (the last one written again from the record, in case the slot was not)
+    /// and are published by the next [`BackRing::push_responses_and_check_notify`]. A
+    /// record behind `rsp_prod` or more than a ring ahead of it is ignored. The front
+    /// end's producer must lie within one ring of the point taken, or the ring is
+    /// refused (`ProducerOverrun`), as on any later look.
+    pub fn resume(mem: M, written: Option<(u32, P::Rsp)>) -> Result<Self, RingError> {
         let mut r = Self::attach(mem)?;
         // Acquire: what the earlier back end wrote before publishing is visible.
-        let at = RingIdx(r.mem.load(r.at.rsp_prod, Ordering::Acquire));
+        let published = RingIdx(r.mem.load(r.at.rsp_prod, Ordering::Acquire));
+        let at = match written {
+            Some((w, last)) if (1..=r.size).contains(&RingIdx(w).since(published)) => {
+                let slot = RingIdx(w.wrapping_sub(1)).slot(r.size);
+                r.mem.write_entry(slot, P::SLOT_SIZE, &last);
+                RingIdx(w)
+            }
+            _ => published,
+        };
         r.rsp_prod_pvt = at;
         r.req_cons = at;
         r.req_prod_seen = at;
         r.load_req_prod()?;
         Ok(r)
+    }
+
+    /// The index the next response will take (`rsp_prod_pvt`): what a back end records
+    /// before writing it, for [`BackRing::resume`].
+    pub fn next_response(&self) -> u32 {
+        self.rsp_prod_pvt.0
     }
 
     /// Number of slots.
@@ -1053,7 +1076,7 @@ mod tests {
             let page = FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame");
             PageRing::new(page).expect("ring")
         };
-        let mut b2: Back = BackRing::resume(ring()).expect("resume");
+        let mut b2: Back = BackRing::resume(ring(), None).expect("resume");
         let again: Vec<u32> = std::iter::from_fn(|| b2.take_request().expect("valid"))
             .map(|r| r.val)
             .collect();
@@ -1083,9 +1106,76 @@ mod tests {
             .expect("idx")
             .store(10 + 300, Ordering::Release);
         assert!(matches!(
-            Back::resume(ring()),
+            Back::resume(ring(), None),
             Err(RingError::ProducerOverrun { .. })
         ));
+    }
+
+    #[test]
+    fn responses_written_and_not_published_are_recovered_from_the_record_not_taken_as_requests() {
+        let (mut f, mut b, mem) = pair();
+        for i in 0..6u32 {
+            f.push_request(&Req {
+                id: i as u16,
+                pad: 0,
+                val: 100 + i,
+            })
+            .expect("room");
+        }
+        f.push_requests_and_check_notify();
+        // The dead back end took all six, published two answers, wrote two more (the
+        // last recorded but its slot never written) and died before publishing them.
+        let mut record = None;
+        for i in 0..6u32 {
+            let r = b.take_request().expect("valid").expect("one");
+            if i < 4 {
+                let rsp = Rsp {
+                    id: r.id,
+                    status: 7,
+                };
+                record = Some((b.next_response() + 1, rsp));
+                if i < 3 {
+                    b.push_response(&rsp).expect("answer");
+                }
+            }
+            if i == 1 {
+                b.push_responses_and_check_notify();
+            }
+        }
+        drop(b);
+        let ring = || {
+            let page = FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame");
+            PageRing::new(page).expect("ring")
+        };
+        // Without the record, a written response would be read back as a request.
+        let mut blind: Back = BackRing::resume(ring(), None).expect("resume");
+        let first = blind.take_request().expect("valid").expect("one");
+        assert_eq!(
+            first.pad, 7,
+            "slot 2 holds a response now: its status where pad was"
+        );
+        drop(blind);
+        let mut b2: Back = BackRing::resume(ring(), record).expect("resume");
+        let again: Vec<u32> = std::iter::from_fn(|| b2.take_request().expect("valid"))
+            .map(|r| r.val)
+            .collect();
+        assert_eq!(again, [104, 105], "only the requests never answered");
+        for v in &again {
+            b2.push_response(&Rsp {
+                id: (v - 100) as u16,
+                status: 7,
+            })
+            .expect("answer");
+        }
+        b2.push_responses_and_check_notify();
+        let ids: Vec<u16> = std::iter::from_fn(|| f.take_response().expect("valid"))
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(
+            ids,
+            (0..6).collect::<Vec<_>>(),
+            "each answered once, in order"
+        );
     }
 
     #[test]
