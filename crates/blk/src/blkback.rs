@@ -1187,6 +1187,11 @@ impl<X: Xen> Blkback<X> {
     /// no request is answered and the store is not written, so the front end stays
     /// `Connected` and another back end may [`Blkback::resume`] the device.
     pub fn abandon(mut self) {
+        self.release();
+    }
+
+    /// Gives back every persistent mapping, the ring and the channel.
+    fn release(&mut self) {
         if let Some(p) = self.persistent.take() {
             let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
             let mut st = vec![Ok(()); handles.len()];
@@ -1208,14 +1213,7 @@ impl<X: Xen> Blkback<X> {
                 }
             }
         }
-        if let Some(p) = self.persistent.take() {
-            let handles: Vec<GrantHandle> = p.slots.values().map(|&(_, h)| h).collect();
-            let mut st = vec![Ok(()); handles.len()];
-            self.xen.grant_unmap(&handles, &mut st);
-        }
-        self.ring = None;
-        self.xen.grant_unmap(&[self.ring_handle], &mut [Ok(())]);
-        let _ = self.xen.evtchn_close(self.port);
+        self.release();
         let dir = xenbus::backend_dir(self.xen.id(), self.fe, self.devid);
         let store = self.xen.store();
         let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closing);

@@ -190,35 +190,25 @@ impl MapWindow {
             MemError::Os(e.raw_os_error().unwrap_or(libc::EIO))
         };
         let index = dev.reserve(dom, gref).map_err(fail)?;
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
-        // SAFETY: replaces exactly one page of our own reservation, which no Rust object
-        // refers to (the slot is claimed CHANGING and was unmapped).
-        let p = unsafe {
-            libc::mmap(
-                addr.cast(),
-                PAGE_SIZE,
-                prot,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                dev.as_fd().as_raw_fd(),
-                index as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
+        // The slot is claimed CHANGING and was unmapped: no accessor holds it.
+        if let Err(e) = map_page(addr, dev.as_fd().as_raw_fd(), index, writable) {
             let _ = dev.release(index);
             return Err(fail(e));
         }
         // `reserve` checked that the page index fits.
-        self.mfns[slot as usize].store((index >> PAGE_SHIFT) as u32, Ordering::Relaxed);
-        word.store(
+        self.open(slot, (index >> PAGE_SHIFT) as u32, writable);
+        Ok(())
+    }
+
+    /// Opens a claimed slot's entry on what it now maps (a frame, or the grant
+    /// device's page index).
+    fn open(&self, slot: u32, what: u32, writable: bool) {
+        self.mfns[slot as usize].store(what, Ordering::Relaxed);
+        // Release: an accessor that sees MAPPED also sees the frame.
+        self.state[slot as usize].store(
             MAPPED | if writable { WRITABLE } else { 0 },
             Ordering::Release,
         );
-        Ok(())
     }
 
     /// The address of the page at `slot` when the window reaches its slots by address
@@ -296,36 +286,14 @@ impl MapWindow {
             return Err(MemError::AlreadyMapped(slot));
         }
         if let Some(addr) = self.addr(slot) {
-            let prot = if writable {
-                libc::PROT_READ | libc::PROT_WRITE
-            } else {
-                libc::PROT_READ
-            };
-            // SAFETY: replaces exactly one page of our own reservation, which no Rust
-            // object refers to (the slot was unmapped and is claimed CHANGING, so no
-            // accessor holds it).
-            let p = unsafe {
-                libc::mmap(
-                    addr.cast(),
-                    PAGE_SIZE,
-                    prot,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    self.mem.fd().as_raw_fd(),
-                    mfn.byte_offset() as libc::off_t,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            // The slot was unmapped and is claimed CHANGING: no accessor holds it.
+            let fd = self.mem.fd().as_raw_fd();
+            if let Err(e) = map_page(addr, fd, mfn.byte_offset(), writable) {
                 word.store(0, Ordering::Release);
-                return Err(MemError::Os(e));
+                return Err(MemError::Os(e.raw_os_error().unwrap_or(0)));
             }
         }
-        self.mfns[slot as usize].store(mfn.0, Ordering::Relaxed);
-        // Release: an accessor that sees MAPPED also sees the frame.
-        word.store(
-            MAPPED | if writable { WRITABLE } else { 0 },
-            Ordering::Release,
-        );
+        self.open(slot, mfn.0, writable);
         Ok(())
     }
 
@@ -653,6 +621,37 @@ impl Drop for MapWindow {
             unsafe { libc::munmap(base.as_ptr().cast(), self.slots.max(1) as usize * PAGE_SIZE) };
         }
     }
+}
+
+/// Maps one page of `fd` from byte `offset` at `addr`, a page of a window's own
+/// reservation that nothing refers to (its slot claimed and empty).
+fn map_page(
+    addr: *mut u8,
+    fd: std::os::fd::RawFd,
+    offset: u64,
+    writable: bool,
+) -> std::io::Result<()> {
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
+    // SAFETY: replaces exactly one page of the window's own reservation, which no Rust
+    // object refers to (the caller holds its slot claimed, with no accessor).
+    let p = unsafe {
+        libc::mmap(
+            addr.cast(),
+            PAGE_SIZE,
+            prot,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// A mapped window slot held open for access; see [`MapWindow::page`]. Holding it keeps

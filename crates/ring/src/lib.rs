@@ -1047,18 +1047,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_back_end_resuming_a_ring_takes_again_exactly_the_requests_not_answered() {
-        let (mut f, mut b, mem) = pair();
-        for i in 0..10u32 {
+    /// Pushes requests `id` 0.. with `val` from `base` on, and publishes them.
+    fn send_requests(f: &mut Front, n: u32, base: u32) {
+        for i in 0..n {
             f.push_request(&Req {
                 id: i as u16,
                 pad: 0,
-                val: i,
+                val: base + i,
             })
             .expect("room");
         }
         f.push_requests_and_check_notify();
+    }
+
+    #[test]
+    fn a_back_end_resuming_a_ring_takes_again_exactly_the_requests_not_answered() {
+        let (mut f, mut b, mem) = pair();
+        send_requests(&mut f, 10, 0);
         // The first back end answers 4 and publishes them, takes 3 more, and dies.
         for i in 0..7u32 {
             let r = b.take_request().expect("valid").expect("one");
@@ -1085,19 +1090,9 @@ mod tests {
             (4..10).collect::<Vec<_>>(),
             "every unanswered request, once"
         );
-        for v in again {
-            b2.push_response(&Rsp {
-                id: v as u16,
-                status: 0,
-            })
-            .expect("answer");
-        }
-        b2.push_responses_and_check_notify();
-        let ids: Vec<u16> = std::iter::from_fn(|| f.take_response().expect("valid"))
-            .map(|r| r.id)
-            .collect();
+        answer_and_publish(&mut b2, again.iter().map(|v| *v as u16));
         assert_eq!(
-            ids,
+            response_ids(&mut f),
             (0..10).collect::<Vec<_>>(),
             "each answered once, in order"
         );
@@ -1114,15 +1109,7 @@ mod tests {
     #[test]
     fn responses_written_and_not_published_are_recovered_from_the_record_not_taken_as_requests() {
         let (mut f, mut b, mem) = pair();
-        for i in 0..6u32 {
-            f.push_request(&Req {
-                id: i as u16,
-                pad: 0,
-                val: 100 + i,
-            })
-            .expect("room");
-        }
-        f.push_requests_and_check_notify();
+        send_requests(&mut f, 6, 100);
         // The dead back end took all six, published two answers, wrote two more (the
         // last recorded but its slot never written) and died before publishing them.
         let mut record = None;
@@ -1160,22 +1147,27 @@ mod tests {
             .map(|r| r.val)
             .collect();
         assert_eq!(again, [104, 105], "only the requests never answered");
-        for v in &again {
-            b2.push_response(&Rsp {
-                id: (v - 100) as u16,
-                status: 7,
-            })
-            .expect("answer");
-        }
-        b2.push_responses_and_check_notify();
-        let ids: Vec<u16> = std::iter::from_fn(|| f.take_response().expect("valid"))
-            .map(|r| r.id)
-            .collect();
+        answer_and_publish(&mut b2, again.iter().map(|v| (v - 100) as u16));
         assert_eq!(
-            ids,
+            response_ids(&mut f),
             (0..6).collect::<Vec<_>>(),
             "each answered once, in order"
         );
+    }
+
+    /// Answers each id and publishes the answers.
+    fn answer_and_publish(b: &mut Back, ids: impl Iterator<Item = u16>) {
+        for id in ids {
+            b.push_response(&Rsp { id, status: 0 }).expect("answer");
+        }
+        b.push_responses_and_check_notify();
+    }
+
+    /// Every response published, by id.
+    fn response_ids(f: &mut Front) -> Vec<u16> {
+        std::iter::from_fn(|| f.take_response().expect("valid"))
+            .map(|r| r.id)
+            .collect()
     }
 
     #[test]
