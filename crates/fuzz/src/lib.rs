@@ -32,6 +32,7 @@ mod tests {
 
 pub mod reasm;
 pub mod store;
+pub mod store_wire;
 
 /// Where a case's choices come from: fuzzer bytes, then nothing (a case ends when its
 /// input does), or a seeded generator (xorshift64*) that never runs dry.

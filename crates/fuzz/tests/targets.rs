@@ -45,6 +45,12 @@ fn hostile_store_operations_leave_quotas_and_other_domains_whole() {
 }
 
 #[test]
+fn a_hostile_peer_on_the_stores_wire_protocol_gets_an_answer_per_message_and_changes_nothing_it_may_not(
+) {
+    run("store_wire", 300, pvio_fuzz::store_wire::case);
+}
+
+#[test]
 fn hostile_hypercall_arguments_leave_no_mapping_frame_or_channel_behind() {
     run("hypercalls", 200, pvio_fuzz::hypercalls::case);
 }
