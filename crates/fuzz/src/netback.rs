@@ -182,6 +182,9 @@ fn hostile(w: &mut World, inp: &mut Input<'_>) {
     if direct {
         bad.enable_direct();
     }
+    // TX copied into the back end's own pages instead of mapped (what `pvio backend`
+    // runs against a real Xen), on a coin.
+    bad.set_tx_copy(inp.coin());
     let list = raw.ctrl.map_or(0, |c| c.2);
     let mut ctrl_prod = 0u32;
     let mut held = Vec::new();

@@ -605,13 +605,36 @@ struct TxPkt {
     copied_id: Option<u16>,
     /// Extras to answer with `RSP_NULL`.
     extras: usize,
+    /// Copy mode: its pages copied into the back end's own (`pages` of the batch's,
+    /// their copies following the header copy) and its slots' ids, all answered now.
+    first_page: usize,
+    pages: usize,
+    first_id: usize,
+    ids: usize,
 }
 
 impl TxPkt {
     fn maps_at(&self) -> std::ops::Range<usize> {
         self.first_map..self.first_map + self.maps
     }
+    fn pages_at(&self) -> std::ops::Range<usize> {
+        self.first_page..self.first_page + self.pages
+    }
+    /// Its copies: the header's, then one per page in copy mode.
+    fn copies_at(&self) -> std::ops::Range<usize> {
+        self.copy_op..self.copy_op + 1 + self.pages
+    }
 }
+
+/// Copy mode: a page of the back end's own that a TX slot was copied into.
+#[derive(Debug, Clone, Copy)]
+struct TxCopied {
+    gfn: hv::Gfn,
+    len: u16,
+}
+
+/// Copies a copy-mode batch may hold (the header's and one per page of each packet).
+const TX_COPIES_MAX: usize = MAX_PENDING * 2;
 
 /// A mapped TX slot: the pending entry that holds its mapping until the packet has
 /// left, and the bytes of the page it contributes.
@@ -632,6 +655,9 @@ struct TxBatch {
     map_results: Vec<Result<GrantHandle, GrantError>>,
     /// One per entry of `maps`.
     mapped: Vec<TxMapped>,
+    /// Copy mode: the pages copied into, and the slot ids answered with each packet.
+    pages: Vec<TxCopied>,
+    ids: Vec<u16>,
     pkts: Vec<TxPkt>,
     /// Responses were pushed and must be published.
     responses: bool,
@@ -640,11 +666,13 @@ struct TxBatch {
 impl TxBatch {
     fn new() -> Self {
         Self {
-            copies: Vec::with_capacity(MAX_PENDING),
-            copy_status: vec![Ok(()); MAX_PENDING],
+            copies: Vec::with_capacity(TX_COPIES_MAX),
+            copy_status: vec![Ok(()); TX_COPIES_MAX],
             maps: Vec::with_capacity(MAX_PENDING),
             map_results: vec![Err(GrantError::BadHandle(0)); MAX_PENDING],
             mapped: Vec::with_capacity(MAX_PENDING),
+            pages: Vec::with_capacity(TX_COPIES_MAX),
+            ids: Vec::with_capacity(TX_COPIES_MAX),
             pkts: Vec::with_capacity(MAX_PENDING),
             responses: false,
         }
@@ -654,6 +682,8 @@ impl TxBatch {
         self.copies.clear();
         self.maps.clear();
         self.mapped.clear();
+        self.pages.clear();
+        self.ids.clear();
         self.pkts.clear();
         self.responses = false;
     }
@@ -714,6 +744,9 @@ pub struct Vif<X: Xen = Pvio> {
     /// Guest-RX copies start at the source's offset in its cache line (paper 000
     /// §3.4.1) instead of at the start of the guest's page.
     aligned_copies: bool,
+    /// Guest TX copies every slot into the back end's own pages instead of mapping
+    /// them ([`Vif::set_tx_copy`]).
+    tx_copy: bool,
     /// The front end asked to copy received packets itself.
     guest_copy: Option<GuestCopy>,
     /// The NIC places received frames in the guest's buffers (paper 000 §4.3).
@@ -970,6 +1003,7 @@ impl<X: Xen> Vif<X> {
             csum_rx,
             offload_scratch: vec![0; OFFLOAD_SCRATCH].into_boxed_slice(),
             aligned_copies: false,
+            tx_copy: false,
             guest_copy,
             direct: None,
             machine_frames,
@@ -1050,6 +1084,21 @@ impl<X: Xen> Vif<X> {
     /// Whether the front end takes multi-slot packets (`feature-sg`).
     pub fn can_sg(&self) -> bool {
         self.can_sg
+    }
+
+    /// Has guest TX copy every slot into the back end's own pages with grant copies
+    /// instead of mapping the pages beyond the header (off when connected, Linux's
+    /// netback). For a back end to which a map costs more than a copy: a dom0 process,
+    /// where a map is an ioctl and an `mmap` and its unmap the same again (QEMU's
+    /// `xen_nic` copies too). Nothing then stays mapped, and every slot is answered
+    /// when its packet is built, in ring order.
+    pub fn set_tx_copy(&mut self, on: bool) {
+        self.tx_copy = on;
+    }
+
+    /// Whether guest TX copies instead of mapping ([`Vif::set_tx_copy`]).
+    pub fn tx_copy(&self) -> bool {
+        self.tx_copy
     }
 
     /// Turns aligned guest-RX copies on or off (off when connected, the original
@@ -1655,7 +1704,10 @@ impl<X: Xen> Vif<X> {
         // One chain for the whole action, read into in place: a chain is a few hundred
         // bytes, and moving one per packet cost more than reading it.
         let mut chain = TxChain::empty();
-        while chains < budget && self.pending_free.len() >= FATAL_SKB_SLOTS {
+        while chains < budget
+            && self.pending_free.len() >= FATAL_SKB_SLOTS
+            && self.txb.copies.len() + FATAL_SKB_SLOTS + 1 <= TX_COPIES_MAX
+        {
             self.tx_prefetch(TX_PREFETCH);
             let Some(verdict) = self.tx_take_chain(&mut chain) else {
                 break;
@@ -1669,6 +1721,7 @@ impl<X: Xen> Vif<X> {
                 }
                 TxJudgement::Drop(_) => self.tx_answer(&chain, XEN_NETIF_RSP_ERROR),
                 TxJudgement::Packet if self.cache.is_some() => self.tx_build_cached(pool, &chain),
+                TxJudgement::Packet if self.tx_copy => self.tx_build_copied(pool, &chain),
                 TxJudgement::Packet => self.tx_build_packet(pool, &chain),
             }
         }
@@ -1774,6 +1827,86 @@ impl<X: Xen> Vif<X> {
             maps: b.maps.len() - first_map,
             copied_id,
             extras: chain.extras,
+            first_page: 0,
+            pages: 0,
+            first_id: 0,
+            ids: 0,
+        });
+    }
+
+    /// Copy mode: lays out one valid chain as [`Vif::tx_build_packet`] does, but every
+    /// byte beyond the header copy is grant-copied into a page of the back end's own
+    /// (one copy per slot), so nothing stays mapped and every slot is answered when the
+    /// batch's copies are checked, in ring order. Without pages, the chain is answered
+    /// with errors and counted.
+    fn tx_build_copied(&mut self, pool: &mut SkbPool, chain: &TxChain) {
+        let Some((s0, copy_len, skb, overflow)) = self.tx_layout(pool, chain) else {
+            return;
+        };
+        let slots = chain.slots();
+        let (hg, hoff) = pool.data_location(skb);
+        let fe = self.fe;
+        let b = &mut self.txb;
+        let (copy_op, first_page, first_id) = (b.copies.len(), b.pages.len(), b.ids.len());
+        b.copies.push(GrantCopy {
+            source: CopyPtr::Gref {
+                dom: fe,
+                gref: GrantRef(s0.gref),
+                offset: s0.offset,
+            },
+            dest: CopyPtr::Local {
+                gfn: hg,
+                offset: hoff as u16,
+            },
+            len: copy_len as u16,
+        });
+        let c = copy_len as u16;
+        let tail = (s0.len > c).then_some((s0.gref, s0.offset + c, s0.len - c));
+        let rest = slots[1..].iter().map(|s| (s.gref, s.offset, s.len));
+        let mut ok = true;
+        for (gref, offset, len) in tail.into_iter().chain(rest) {
+            let Ok(gfn) = pool.alloc_page() else {
+                ok = false;
+                break;
+            };
+            b.copies.push(GrantCopy {
+                source: CopyPtr::Gref {
+                    dom: fe,
+                    gref: GrantRef(gref),
+                    offset,
+                },
+                dest: CopyPtr::Local { gfn, offset: 0 },
+                len,
+            });
+            b.pages.push(TxCopied { gfn, len });
+        }
+        if !ok {
+            for p in b.pages.drain(first_page..) {
+                pool.free_page(p.gfn);
+            }
+            b.copies.truncate(copy_op);
+            pool.free(skb);
+            if let Some(o) = overflow {
+                pool.free(o);
+            }
+            self.stats.tx_no_buffer += 1;
+            self.tx_answer(chain, XEN_NETIF_RSP_ERROR);
+            return;
+        }
+        b.ids.extend(slots.iter().map(|s| s.id));
+        b.pkts.push(TxPkt {
+            skb,
+            overflow,
+            copy_op,
+            copy_len,
+            first_map: b.maps.len(),
+            maps: 0,
+            copied_id: None,
+            extras: chain.extras,
+            first_page,
+            pages: b.pages.len() - first_page,
+            first_id,
+            ids: slots.len(),
         });
     }
 
@@ -1975,7 +2108,7 @@ impl<X: Xen> Vif<X> {
     fn tx_complete(&mut self, pool: &mut SkbPool, k: usize) -> Option<SkbId> {
         let p = self.txb.pkts[k];
         let b = &self.txb;
-        let copy_ok = b.copy_status[p.copy_op].is_ok();
+        let copy_ok = b.copy_status[p.copies_at()].iter().all(|s| s.is_ok());
         let maps_ok = b.map_results[p.maps_at()].iter().all(|r| r.is_ok());
         for (m, r) in b.mapped[p.maps_at()]
             .iter()
@@ -1999,12 +2132,21 @@ impl<X: Xen> Vif<X> {
         if let Some(id) = p.copied_id {
             let _ = self.tx.push_response(&TxResponse { id, status });
         }
+        // Copy mode: every slot is answered now, in ring order.
+        for i in p.first_id..p.first_id + p.ids {
+            let id = self.txb.ids[i];
+            let _ = self.tx.push_response(&TxResponse { id, status });
+            self.txb.responses = true;
+        }
         if !(copy_ok && maps_ok) {
             self.stats.tx_grant_errors += 1;
             for j in p.maps_at() {
                 self.release_pending(self.txb.mapped[j].pending, XEN_NETIF_RSP_ERROR);
             }
             self.txb.responses = true;
+            for j in p.pages_at() {
+                pool.free_page(self.txb.pages[j].gfn);
+            }
             pool.free(p.skb);
             if let Some(o) = p.overflow {
                 pool.free(o);
@@ -2013,6 +2155,24 @@ impl<X: Xen> Vif<X> {
         }
         let _ = pool.extend_linear(p.skb, p.copy_len);
         let mut ok = true;
+        for (j, at) in p.pages_at().enumerate() {
+            let c = self.txb.pages[at];
+            let to = match p.overflow {
+                Some(o) if j >= MAX_SKB_FRAGS => o,
+                _ => p.skb,
+            };
+            let frag = Frag {
+                page: FragPage::Local(c.gfn),
+                offset: 0,
+                len: c.len,
+            };
+            // As for a map below: cannot fail for a chain that passed; if it did, the
+            // page goes back and the packet is dropped (its slots are answered above).
+            if pool.add_frag(to, frag).is_err() {
+                pool.free_page(c.gfn);
+                ok = false;
+            }
+        }
         for (j, at) in p.maps_at().enumerate() {
             let m = self.txb.mapped[at];
             let to = match p.overflow {
