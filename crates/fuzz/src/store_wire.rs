@@ -100,11 +100,8 @@ pub fn case(inp: &mut Input<'_>) {
     });
 
     let mut replies = Vec::new();
-    loop {
-        match Msg::recv(&mut b) {
-            Ok(m) => replies.push(m),
-            Err(_) => break,
-        }
+    while let Ok(m) = Msg::recv(&mut b) {
+        replies.push(m);
     }
     writer.join().expect("writer");
     let _ = server.join().expect("server thread");

@@ -77,9 +77,10 @@ fn odd_store_values_in_either_direction_leave_both_ends_whole() {
 
 /// Every fuzz target, by the name of its folder in `regressions/` and of its cargo-fuzz
 /// binary.
-const TARGETS: [(&str, Case); 8] = [
+const TARGETS: [(&str, Case); 9] = [
     ("reasm", pvio_fuzz::reasm::case),
     ("store", pvio_fuzz::store::case),
+    ("store_wire", pvio_fuzz::store_wire::case),
     ("hypercalls", pvio_fuzz::hypercalls::case),
     ("netback", pvio_fuzz::netback::case),
     ("blkback", pvio_fuzz::blkback::case),

@@ -1706,7 +1706,7 @@ impl<X: Xen> Vif<X> {
         let mut chain = TxChain::empty();
         while chains < budget
             && self.pending_free.len() >= FATAL_SKB_SLOTS
-            && self.txb.copies.len() + FATAL_SKB_SLOTS + 1 <= TX_COPIES_MAX
+            && self.txb.copies.len() + FATAL_SKB_SLOTS < TX_COPIES_MAX
         {
             self.tx_prefetch(TX_PREFETCH);
             let Some(verdict) = self.tx_take_chain(&mut chain) else {
@@ -1783,18 +1783,17 @@ impl<X: Xen> Vif<X> {
         self.txb.responses = true;
     }
 
-    /// Lays out one valid chain: a buffer (two when the maps overflow one buffer's
-    /// fragments), the copy of its first [`TX_COPY_LEN`] bytes, and a map per page
-    /// beyond them, each with a pending entry.
-    fn tx_build_packet(&mut self, pool: &mut SkbPool, chain: &TxChain) {
-        let Some((s0, copy_len, skb, overflow)) = self.tx_layout(pool, chain) else {
-            return;
-        };
-        let slots = chain.slots();
+    /// Queues the grant copy of a chain's first `copy_len` bytes (of its first slot
+    /// `s0`) into `skb`'s linear area; its index among the batch's copies.
+    fn tx_copy_header(
+        &mut self,
+        pool: &SkbPool,
+        s0: &crate::netif::TxSlot,
+        copy_len: usize,
+        skb: SkbId,
+    ) -> usize {
         let (hg, hoff) = pool.data_location(skb);
-        let b = &mut self.txb;
-        let copy_op = b.copies.len();
-        b.copies.push(GrantCopy {
+        self.txb.copies.push(GrantCopy {
             source: CopyPtr::Gref {
                 dom: self.fe,
                 gref: GrantRef(s0.gref),
@@ -1806,6 +1805,19 @@ impl<X: Xen> Vif<X> {
             },
             len: copy_len as u16,
         });
+        self.txb.copies.len() - 1
+    }
+
+    /// Lays out one valid chain: a buffer (two when the maps overflow one buffer's
+    /// fragments), the copy of its first [`TX_COPY_LEN`] bytes, and a map per page
+    /// beyond them, each with a pending entry.
+    fn tx_build_packet(&mut self, pool: &mut SkbPool, chain: &TxChain) {
+        let Some((s0, copy_len, skb, overflow)) = self.tx_layout(pool, chain) else {
+            return;
+        };
+        let slots = chain.slots();
+        let copy_op = self.tx_copy_header(pool, &s0, copy_len, skb);
+        let b = &mut self.txb;
         let first_map = b.maps.len();
         let copied_id = if s0.len as usize > copy_len {
             let c = copy_len as u16;
@@ -1844,22 +1856,10 @@ impl<X: Xen> Vif<X> {
             return;
         };
         let slots = chain.slots();
-        let (hg, hoff) = pool.data_location(skb);
         let fe = self.fe;
+        let copy_op = self.tx_copy_header(pool, &s0, copy_len, skb);
         let b = &mut self.txb;
-        let (copy_op, first_page, first_id) = (b.copies.len(), b.pages.len(), b.ids.len());
-        b.copies.push(GrantCopy {
-            source: CopyPtr::Gref {
-                dom: fe,
-                gref: GrantRef(s0.gref),
-                offset: s0.offset,
-            },
-            dest: CopyPtr::Local {
-                gfn: hg,
-                offset: hoff as u16,
-            },
-            len: copy_len as u16,
-        });
+        let (first_page, first_id) = (b.pages.len(), b.ids.len());
         let c = copy_len as u16;
         let tail = (s0.len > c).then_some((s0.gref, s0.offset + c, s0.len - c));
         let rest = slots[1..].iter().map(|s| (s.gref, s.offset, s.len));
