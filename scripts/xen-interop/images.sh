@@ -34,7 +34,7 @@ need() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >&2
     fi
 }
-need debootstrap qemu-system-x86 e2fsprogs cpio gzip
+need debootstrap qemu-system-x86 e2fsprogs cpio gzip xz-utils
 
 mkdir -p "$out"
 work="$out/work"

@@ -143,6 +143,8 @@ struct Backend {
     refused: BTreeSet<(&'static str, u16, u32)>,
     frame: Box<[u8]>,
     tokens: Vec<u32>,
+    /// What the loop waits on, made again in place each pass (no allocation).
+    fds: Vec<PollFd>,
     counts: Counts,
     log: Log,
 }
@@ -171,6 +173,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         refused: BTreeSet::new(),
         frame: vec![0; FRAME_MAX].into_boxed_slice(),
         tokens: Vec::with_capacity(4096),
+        fds: Vec::with_capacity(2 + MAX_VIFS),
         counts: Counts::default(),
         log: Log(out, Instant::now()),
     };
@@ -204,17 +207,19 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
 impl Backend {
     /// Waits for an event channel, a store message or a frame on an interface.
     fn wait(&mut self, timeout: Duration) -> Result<(), Error> {
-        let mut fds = Vec::with_capacity(2 + self.vifs.len());
+        let fds = &mut self.fds;
+        fds.clear();
         fds.push(PollFd::readable(self.xen.evtchn().as_raw_fd()));
         fds.push(PollFd::readable(self.xen.store_fd()));
         for d in self.vifs.values() {
             fds.push(PollFd::readable(d.tap.as_raw_fd()));
         }
-        mem::poll::wait(&mut fds, Some(timeout))?;
-        if fds[1].ready() {
+        mem::poll::wait(fds, Some(timeout))?;
+        let (events, store) = (fds[0].ready(), fds[1].ready());
+        if store {
             self.xen.client().receive_event()?;
         }
-        if fds[0].ready() {
+        if events {
             let mut ports = [0u32; 64];
             let n = self.xen.evtchn().pending(&mut ports)?;
             for &p in &ports[..n] {
