@@ -760,7 +760,11 @@ impl Backend {
                 b.disconnect();
             }
         }
-        self.log.line(&format!("stopped: {:?}", self.counts));
+        self.log.line(&format!(
+            "stopped: {:?}; store watch events dropped: {}",
+            self.counts,
+            self.xen.client().events_dropped()
+        ));
     }
 }
 

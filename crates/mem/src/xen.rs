@@ -91,6 +91,8 @@ pub const GRANT_COPY_BATCH: usize = 32;
 
 /// `GNTST_general_error`: what a segment that was never tried reports.
 const GNTST_GENERAL_ERROR: i16 = -1;
+/// `GNTST_bad_copy_arg`: what Xen answers for a side that crosses its page.
+const GNTST_BAD_COPY_ARG: i16 = -10;
 
 fn ioctl<T>(fd: RawFd, req: libc::c_ulong, arg: &mut T) -> io::Result<libc::c_int> {
     // SAFETY: `arg` is a live, exclusively borrowed `#[repr(C)]` structure of the size
@@ -182,8 +184,8 @@ impl Gntdev {
 
     /// `IOCTL_GNTDEV_GRANT_COPY`: performs `ops`, whose local sides are frames of `mem`,
     /// writing one `GNTST_*` status per operation into `status` (0 is success). An
-    /// operation whose local side is out of bounds, or that names no grant at all, is
-    /// refused here with `GNTST_general_error` and never reaches the kernel. Returns how
+    /// operation with a side out of bounds is refused here with `GNTST_bad_copy_arg`, one
+    /// that names no grant at all with `GNTST_general_error`; neither reaches the kernel. Returns how
     /// many succeeded, or the ioctl's own error (every status then says general error).
     pub fn copy(
         &self,
@@ -255,6 +257,8 @@ impl Gntdev {
                 }
             };
             let (Ok((source, sg)), Ok((dest, dg))) = (side(op.source), side(op.dest)) else {
+                // Outside its page (or outside machine memory): as Xen refuses it.
+                status[i] = GNTST_BAD_COPY_ARG;
                 continue;
             };
             if sg + dg == 0 {

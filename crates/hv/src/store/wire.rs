@@ -169,6 +169,8 @@ pub struct Client<S> {
     dom: DomId,
     conn: Mutex<Conn<S>>,
     events: Mutex<std::collections::VecDeque<WatchEvent>>,
+    /// Watch events dropped because [`MAX_KEPT_EVENTS`] were kept untaken.
+    events_dropped: std::sync::atomic::AtomicU64,
 }
 
 /// Watch events kept for a caller that has not taken them; later ones are dropped.
@@ -191,6 +193,7 @@ impl<S: Read + Write + Send> Client<S> {
                 next_req: 1,
             }),
             events: Mutex::new(std::collections::VecDeque::new()),
+            events_dropped: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -208,6 +211,9 @@ impl<S: Read + Write + Send> Client<S> {
                     path: path.to_string(),
                     token: token.to_string(),
                 });
+            } else {
+                self.events_dropped
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
     }
@@ -284,6 +290,12 @@ impl<S: Read + Write + Send> Client<S> {
             path,
         )
         .map(|_| ())
+    }
+
+    /// Watch events dropped so far because too many were kept untaken.
+    pub fn events_dropped(&self) -> u64 {
+        self.events_dropped
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A watch event that has arrived, if any (without waiting).

@@ -272,6 +272,8 @@ impl Xen for Dom0 {
                 len: 0,
             }; GRANT_COPY_BATCH];
             let mut codes = [0i16; GRANT_COPY_BATCH];
+            // A local page this domain does not have: refused with its own reason.
+            let mut refused = [None; GRANT_COPY_BATCH];
             for (i, op) in o.iter().enumerate() {
                 match (self.copy_at(op.source), self.copy_at(op.dest)) {
                     (Ok(source), Ok(dest)) => {
@@ -281,8 +283,8 @@ impl Xen for Dom0 {
                             len: op.len,
                         }
                     }
-                    // Refused below: a zero-length local-to-local copy is no grant copy.
-                    _ => batch[i].len = 0,
+                    // Left local-to-local, which the device refuses without a call.
+                    (Err(e), _) | (_, Err(e)) => refused[i] = Some(e),
                 }
             }
             let r = self
@@ -295,10 +297,11 @@ impl Xen for Dom0 {
                     }
                     _ => (0, self.id),
                 };
-                *st = match (&r, codes[i]) {
-                    (Err(e), _) => Err(GrantError::Os(os(e))),
-                    (Ok(_), 0) => Ok(()),
-                    (Ok(_), c) => Err(GrantError::from_gntst(c, gref, dom)),
+                *st = match (refused[i], &r, codes[i]) {
+                    (Some(e), _, _) => Err(e),
+                    (None, Err(e), _) => Err(GrantError::Os(os(e))),
+                    (None, Ok(_), 0) => Ok(()),
+                    (None, Ok(_), c) => Err(GrantError::from_gntst(c, gref, dom)),
                 };
                 ok += usize::from(st.is_ok());
             }
