@@ -299,7 +299,7 @@ impl BadFrame {
     ];
 }
 
-net::reason!(BadFrame);
+hv::reason!(BadFrame);
 
 /// Bytes of a frame a receiver copies out to judge it: the headers and one sector
 /// (an identify's). A read's sectors past them are placed straight from the frame.

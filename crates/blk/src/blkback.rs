@@ -32,7 +32,7 @@ use hv::profile::{enter, Class};
 use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, MapOp, Port, Pvio, Xen};
 use mem::MappedPage;
-use net::xenbus::{self as netbus, XenbusError};
+use hv::store::xenbus::{self as netbus, XenbusError};
 use ring::{BackRing, PageRing, RingError};
 
 use crate::aoe::BadFrame;
@@ -127,7 +127,7 @@ pub struct VbdStats {
     pub notifies: u64,
 }
 
-net::counter_set!(VbdStats {
+hv::counter_set!(VbdStats {
     taken,
     done,
     reads,

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use hv::profile::{enter, Class};
 use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, OwnPage, Port};
-use net::xenbus::{self as netbus, XenbusError};
+use hv::store::xenbus::{self as netbus, XenbusError};
 use ring::{FrontRing, PageRing};
 
 use crate::blkif::{
@@ -140,7 +140,7 @@ pub struct FrontStats {
     pub notifies: u64,
 }
 
-net::counter_set!(FrontStats {
+hv::counter_set!(FrontStats {
     submitted,
     indirect,
     completed,

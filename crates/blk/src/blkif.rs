@@ -10,7 +10,7 @@
 //! live in indirect pages is judged twice: its header here, its segments once the back
 //! end has copied those pages ([`check_segments`]).
 
-use net::counters::PerReason;
+use hv::counters::PerReason;
 use ring::RingProtocol;
 
 /// Bytes in a sector: blkif's unit for `sector_number`, `first_sect` and `last_sect`.
@@ -329,7 +329,7 @@ impl BadRequest {
     }
 }
 
-net::reason!(BadRequest);
+hv::reason!(BadRequest);
 
 /// Requests refused, by reason.
 pub type BadRequests = PerReason<BadRequest>;
@@ -492,7 +492,7 @@ mod tests {
 
     #[test]
     fn the_reasons_are_listed_in_counter_order() {
-        net::counters::check_reason_order::<BadRequest>();
+        hv::counters::check_reason_order::<BadRequest>();
     }
 
     #[test]

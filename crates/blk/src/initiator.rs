@@ -29,7 +29,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use net::counters::PerReason;
+use hv::counters::PerReason;
 
 use crate::aoe::{self, AtaCmd, BadFrame, Body, Target, ATA_DATA, MAJOR_ANY, MINOR_ANY, SECTOR};
 
@@ -134,7 +134,7 @@ pub struct AoeStats {
     pub discovery: u64,
 }
 
-net::counter_set!(AoeStats {
+hv::counter_set!(AoeStats {
     requests,
     completed,
     errors,

@@ -9,11 +9,11 @@
 //! front end reads them, sets up its ring and publishes `ring-ref`, `event-channel`,
 //! `protocol` and its own `feature-persistent`, and moves to `Connected`; the back end
 //! maps the ring, binds the channel and moves to `Connected`. Every value read from the
-//! peer is untrusted text, parsed strictly ([`net::xenbus::read_u32`]).
+//! peer is untrusted text, parsed strictly ([`hv::store::xenbus::read_u32`]).
 
 use hv::store::{Store, XenStore, XenbusState};
 use hv::DomId;
-use net::xenbus::{feature, read_u32, XenbusError};
+use hv::store::xenbus::{feature, read_u32, XenbusError};
 
 use crate::blkif::{Offer, SECTOR_SIZE};
 
@@ -70,7 +70,7 @@ pub fn create_vbd(
     ] {
         store.write(t, &format!("{b}/{k}"), v)?;
     }
-    net::xenbus::share_dirs(store, &f, fe, &b, be)
+    hv::store::xenbus::share_dirs(store, &f, fe, &b, be)
 }
 
 /// Reads a decimal 64-bit key the peer wrote (`sectors`), refusing anything but a plain

@@ -140,7 +140,7 @@ pub struct DriverStats {
     pub tx_offloaded: u64,
 }
 
-net::counter_set!(DriverStats {
+hv::counter_set!(DriverStats {
     rx_packets,
     rx_no_buffer,
     rx_errors,

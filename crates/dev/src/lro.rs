@@ -117,7 +117,7 @@ pub struct LroDriverStats {
     pub timer_flushes: u64,
 }
 
-net::counter_set!(LroDriverStats {
+hv::counter_set!(LroDriverStats {
     aggregates,
     segments,
     passed,
@@ -171,7 +171,7 @@ impl SegWait {
 
 /// The histogram by name, a counter per bucket that holds any (named by its
 /// microseconds), and whole for code that reads it by type.
-impl net::counters::CounterSet for SegWait {
+impl hv::counters::CounterSet for SegWait {
     fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
         SegWait::visit(self, |us, n| f(&us.to_string(), n));
     }

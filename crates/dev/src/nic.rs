@@ -356,7 +356,7 @@ impl NicRegs {
     }
 }
 
-impl net::counters::CounterSet for NicRegs {
+impl hv::counters::CounterSet for NicRegs {
     fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
         let c = self.counts();
         f("rx_frames", c.rx_frames);

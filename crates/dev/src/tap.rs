@@ -116,7 +116,7 @@ fn write_frame(out: &mut File, vnet: bool, frame: &[u8], mut off: Offload, c: &T
     };
 }
 
-net::atomic_counter_set!(TapCounters => TapCounts {
+hv::atomic_counter_set!(TapCounters => TapCounts {
     frames_in,
     bytes_in,
     frames_out,

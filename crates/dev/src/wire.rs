@@ -305,7 +305,7 @@ pub struct SenderCounters {
     pub skipped_frames: AtomicU64,
 }
 
-net::atomic_counter_set!(SenderCounters => SenderCounts {
+hv::atomic_counter_set!(SenderCounters => SenderCounts {
     frames,
     messages,
     max_late_us,

@@ -44,6 +44,7 @@ macro_rules! named_enum {
     };
 }
 
+pub mod counters;
 pub mod domain;
 pub mod event;
 pub mod frame;

@@ -106,6 +106,16 @@ impl IdlePolicy {
         }
     }
 
+    /// The policy for a machine that shares its cores with another machine of the same
+    /// run (paper 002's two hosts on one cable): `poll` becomes `halt-poll`, so that the
+    /// two machines' pCPUs on one core take turns instead of spinning against each other.
+    pub fn shared(self) -> IdlePolicy {
+        match self {
+            IdlePolicy::Poll => IdlePolicy::HALT_POLL,
+            p => p,
+        }
+    }
+
     /// Parses [`IdlePolicy::name`]'s spellings.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {

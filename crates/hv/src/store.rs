@@ -24,6 +24,7 @@ use crate::types::DomId;
 
 pub mod transaction;
 pub mod wire;
+pub mod xenbus;
 
 /// The store as a back end uses it: pvio's [`Store`], or a connection to a real
 /// xenstored. `caller` is the domain making the call; pvio's store serves every domain

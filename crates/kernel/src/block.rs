@@ -356,7 +356,7 @@ pub struct RecoveryStats {
     pub failed_unreconnected: u64,
 }
 
-net::counter_set!(RecoveryStats {
+hv::counter_set!(RecoveryStats {
     backend_lost,
     reconnects,
     requeued,

@@ -26,7 +26,7 @@ pub struct ComputeStats {
     /// Passes its process could not run (a fault it did not expect).
     pub failed: u64,
 }
-net::counter_set!(ComputeStats { passes, failed });
+hv::counter_set!(ComputeStats { passes, failed });
 
 /// What the guest computes over, and where it counts its passes.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use net::counters::CounterSet;
+use hv::counters::CounterSet;
 
 /// (component, counter, value) triples, and the sets they came from.
 #[derive(Debug, Clone, Default, serde::Serialize)]

@@ -43,7 +43,7 @@ pub struct HostileStats {
     pub held_at_close: u64,
 }
 
-net::counter_set!(HostileStats {
+hv::counter_set!(HostileStats {
     bursts,
     tx_requests,
     rx_requests,

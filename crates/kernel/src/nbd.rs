@@ -101,7 +101,7 @@ pub struct NbdStats {
     pub failed_by_break: u64,
 }
 
-net::counter_set!(NbdStats {
+hv::counter_set!(NbdStats {
     requests,
     replies,
     errors,

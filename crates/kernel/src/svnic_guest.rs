@@ -47,7 +47,7 @@ pub struct VifDriverStats {
     pub tx_oversize: u64,
 }
 
-net::counter_set!(VifDriverStats {
+hv::counter_set!(VifDriverStats {
     rx_frames,
     tx_frames,
     tx_full,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use hv::profile::{Class, GlobalClass};
 
-use crate::{Error, Mode, Report};
+use crate::{Context, Error, IdlePolicy, Mode, Report};
 use rig::udp::{DomainSnapshot, Finish, Options, Running, Snapshot};
 
 /// The global classes of paper 000's Figure 2, in its order.
@@ -154,11 +154,13 @@ pub(crate) fn cost_per(
     rc
 }
 
-/// How long a run warms up and measures, and how many runs a configuration gets.
+/// How long a run warms up and measures, how many runs a configuration gets, and how
+/// its machines' idle pCPUs wait (the run's [`Context`]).
 pub(crate) struct Durations {
     pub(crate) warmup: Duration,
     pub(crate) window: Duration,
     pub(crate) runs: usize,
+    pub(crate) idle: IdlePolicy,
 }
 
 /// A run's plan as a record names it: its mode, the runs a configuration gets, and the
@@ -199,23 +201,27 @@ impl CoalesceRecord {
     }
 }
 
-/// The run's plan from its mode.
-pub(crate) fn durations(mode: Mode) -> Durations {
-    match mode {
+/// The run's plan from its context.
+pub(crate) fn durations(cx: &Context) -> Durations {
+    let idle = cx.idle;
+    match cx.mode {
         Mode::Full => Durations {
             warmup: Duration::from_millis(500),
             window: Duration::from_secs(3),
             runs: 5,
+            idle,
         },
         Mode::Quick => Durations {
             warmup: Duration::from_millis(300),
             window: Duration::from_secs(1),
             runs: 2,
+            idle,
         },
         Mode::Smoke => Durations {
             warmup: Duration::from_millis(50),
             window: Duration::from_millis(150),
             runs: 1,
+            idle,
         },
     }
 }
@@ -223,6 +229,7 @@ pub(crate) fn durations(mode: Mode) -> Durations {
 /// Starts a machine, lets it warm up, measures each domain's CPU over one window,
 /// and stops it, accounting for every frame.
 pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), Error> {
+    let opts = Options { idle: d.idle, ..opts };
     let m = Running::start(opts)?;
     std::thread::sleep(d.warmup);
     let a = m.snapshot();

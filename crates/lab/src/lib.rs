@@ -24,6 +24,8 @@ pub mod stats;
 pub use report::{Report, Row, RunEnv, Written};
 /// The one error type of the lab, its rigs and `pvio up`.
 pub use rig::Error;
+/// How idle pCPUs wait, as a [`Context`] names it.
+pub use rig::IdlePolicy;
 pub use stats::Stats;
 
 /// How a run is asked for.
@@ -56,6 +58,36 @@ impl Mode {
     }
 }
 
+/// What a run of the lab is asked for, as the command line builds it and hands it to
+/// every experiment's `run`: no experiment reads a process-wide setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Context {
+    /// How long and how often to measure.
+    pub mode: Mode,
+    /// How the machines' idle pCPUs wait (`--idle`): `poll` when all the load on the
+    /// cores is pvio's own (the command's default), `halt-poll` where other processes
+    /// share the cores, `block` for the comparison with a host wake-up per interrupt.
+    /// Named in every record.
+    pub idle: IdlePolicy,
+}
+
+impl Context {
+    /// A run in `mode` whose machines idle by `idle`.
+    pub fn new(mode: Mode, idle: IdlePolicy) -> Self {
+        Self { mode, idle }
+    }
+    /// The tests' run: tiny, and halt-polling, since tests share the cores with each
+    /// other and with the test runner.
+    pub fn smoke() -> Self {
+        Self::new(Mode::Smoke, IdlePolicy::HALT_POLL)
+    }
+    /// The policy for a machine that shares its cores with another machine of the same
+    /// run ([`IdlePolicy::shared`]).
+    pub fn shared_idle(&self) -> IdlePolicy {
+        self.idle.shared()
+    }
+}
+
 /// A registered experiment.
 #[derive(Debug, Clone, Copy)]
 pub struct Experiment {
@@ -66,7 +98,7 @@ pub struct Experiment {
     /// Paper and figure.
     pub paper: &'static str,
     /// Runs it.
-    pub run: fn(Mode) -> Result<Report, Error>,
+    pub run: fn(&Context) -> Result<Report, Error>,
 }
 
 /// Every experiment, in the order `reproduce` runs them.

@@ -3,7 +3,7 @@
 //! steps done of those planned, and an estimate of the time left; nothing at all when
 //! standard error is not a terminal (a log file, CI).
 //!
-//! An experiment is a plain `fn(Mode)`, so the line is the calling thread's: the
+//! An experiment is a plain `fn(&Context)`, so the line is the calling thread's: the
 //! runner opens it with [`experiment`], the experiment says how many steps it will
 //! take with [`plan`] and names each as it starts with [`step`]. An experiment run
 //! with no line open (a test) reports into nothing.

@@ -408,14 +408,15 @@ pub struct RunEnv {
     pub kernel: String,
     /// Quick mode.
     pub quick: bool,
-    /// How the machines' idle pCPUs waited ([`rig::idle_policy`]).
+    /// How the machines' idle pCPUs waited (the run's [`crate::Context`]).
     #[serde(default)]
     pub idle: String,
 }
 
 impl RunEnv {
-    /// Reads the environment of this run.
-    pub fn capture(quick: bool) -> Self {
+    /// Reads the environment of this run, asked for as `cx`.
+    pub fn capture(cx: &crate::Context) -> Self {
+        let (quick, idle) = (cx.mode == crate::Mode::Quick, cx.idle);
         let read = |p: &str| {
             std::fs::read_to_string(p)
                 .map(|s| s.trim().to_string())
@@ -445,7 +446,7 @@ impl RunEnv {
             cores: mem::cpu::online_cores(),
             kernel: read("/proc/sys/kernel/osrelease"),
             quick,
-            idle: rig::idle_policy().name(),
+            idle: idle.name(),
         }
     }
 }

@@ -85,7 +85,7 @@ fn the_report_page_shows_every_experiment_and_its_charts_in_a_real_browser() {
     tools::ensure(&[tools::CHROMIUM, tools::FONTS]).expect("chromium and the font installed");
     let dir = std::env::temp_dir().join(format!("pvio-page-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let env = RunEnv::capture(true);
+    let env = RunEnv::capture(&lab::Context::new(lab::Mode::Quick, lab::IdlePolicy::Poll));
     let experiments = lab::registry();
     for (k, e) in experiments.iter().enumerate() {
         let w = record(e, k).write(&dir, &env).expect("written");

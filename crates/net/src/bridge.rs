@@ -11,7 +11,7 @@
 //! is all it does — which is the cost the paper measured with netfilter compiled in and
 //! no rule configured. Switched off, frames skip the hooks entirely.
 
-use crate::counters::PerReason;
+use hv::counters::PerReason;
 use hv::profile::{enter, Class};
 use smoltcp::wire::{EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Address, Ipv4Packet};
 
@@ -65,7 +65,7 @@ impl BridgeDrop {
     ];
 }
 
-crate::reason!(BridgeDrop);
+hv::reason!(BridgeDrop);
 
 /// A hook point of bridge netfilter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,7 +257,7 @@ pub struct BridgeStats {
     pub drops: PerReason<BridgeDrop>,
 }
 
-crate::counter_set!(BridgeStats {
+hv::counter_set!(BridgeStats {
     forwarded,
     flooded,
     hooked,

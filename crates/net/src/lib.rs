@@ -13,7 +13,6 @@
 //! acted on.
 
 pub mod bridge;
-pub mod counters;
 pub mod lro;
 pub mod netback;
 pub mod netfront;
@@ -27,3 +26,18 @@ pub mod tcp;
 pub mod toolstack;
 pub mod wire;
 pub mod xenbus;
+
+#[cfg(test)]
+mod tests {
+    use hv::counters::check_reason_order;
+
+    #[test]
+    fn every_reason_enum_counts_in_its_declared_order() {
+        check_reason_order::<crate::stack::RxDrop>();
+        check_reason_order::<crate::reasm::ReasmDrop>();
+        check_reason_order::<crate::bridge::BridgeDrop>();
+        check_reason_order::<crate::netif::TxDrop>();
+        check_reason_order::<crate::netif::TxFatal>();
+        check_reason_order::<crate::netif::RxError>();
+    }
+}

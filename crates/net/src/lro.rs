@@ -37,7 +37,7 @@
 
 use std::ops::Range;
 
-use crate::counters::PerReason;
+use hv::counters::PerReason;
 use smoltcp::wire::checksum;
 
 use crate::offload::{checksum_setup, verify, L4, MAX_HEADERS, MAX_OFFLOAD_LEN};
@@ -94,7 +94,7 @@ impl Pass {
         Pass::BadChecksum,
     ];
 }
-crate::reason!(Pass);
+hv::reason!(Pass);
 
 /// Why an aggregate was handed back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -134,7 +134,7 @@ impl Flush {
         Flush::Evicted,
     ];
 }
-crate::reason!(Flush);
+hv::reason!(Flush);
 
 /// The engine's counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -149,7 +149,7 @@ pub struct LroStats {
     pub flushed: PerReason<Flush>,
 }
 
-crate::counter_set!(LroStats {
+hv::counter_set!(LroStats {
     aggregates,
     segments,
     passed,

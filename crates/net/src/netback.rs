@@ -26,7 +26,7 @@ use hv::{
 use mem::MappedPage;
 use ring::{BackRing, PageRing};
 
-use crate::counters::{CopyAlign, PerReason};
+use hv::counters::{CopyAlign, PerReason};
 use crate::netif::{
     read_tx_packet_into, ExtraInfo, Gso, InFlight, RxResponse, RxRing, TxChain, TxCheckStats,
     TxFatal, TxJudgement, TxResponse, TxRing, FATAL_SKB_SLOTS, NETRXF_CSUM_BLANK,
@@ -185,7 +185,7 @@ pub struct VifStats {
     pub rx_offload_drops: u64,
 }
 
-crate::counter_set!(VifStats {
+hv::counter_set!(VifStats {
     rx_packets,
     rx_bytes,
     rx_queue_full,
@@ -252,7 +252,7 @@ pub struct RingOccupancy {
     pub pending_free: u32,
 }
 
-impl crate::counters::CounterSet for RingOccupancy {
+impl hv::counters::CounterSet for RingOccupancy {
     fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
         f("tx_ring_used", u64::from(self.tx));
         f("rx_ring_used", u64::from(self.rx));

@@ -19,7 +19,7 @@
 //! **Transmit.** Each page a packet's bytes lie in is granted read-only and described by
 //! one request; the completion revokes the grants and frees the buffer.
 
-use crate::counters::PerReason;
+use hv::counters::PerReason;
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -190,7 +190,7 @@ pub struct FrontStats {
     pub tx_gso_refused: u64,
 }
 
-crate::counter_set!(FrontStats {
+hv::counter_set!(FrontStats {
     rx_packets,
     rx_errors,
     rx_no_buffer,

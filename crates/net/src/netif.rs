@@ -3,7 +3,7 @@
 //! Names are netif.h's, TX and RX from the front end's point of view: TX carries packets
 //! from the guest to the back end, RX from the back end into buffers the guest posted.
 
-use crate::counters::PerReason;
+use hv::counters::PerReason;
 use ring::RingProtocol;
 
 // --- Layouts ----------------------------------------------------------------------
@@ -440,8 +440,8 @@ pub enum TxJudgement {
     Fatal(TxFatal),
 }
 
-crate::reason!(TxDrop);
-crate::reason!(TxFatal);
+hv::reason!(TxDrop);
+hv::reason!(TxFatal);
 
 impl RxError {
     /// Every reason, in counter order.
@@ -452,7 +452,7 @@ impl RxError {
         RxError::ErrorStatus,
     ];
 }
-crate::reason!(RxError);
+hv::reason!(RxError);
 
 /// Per-interface counters of the TX checks; each reason has one. Invariant:
 /// `packets + drops.total() + fatals.total() == chains examined`.
@@ -465,7 +465,7 @@ pub struct TxCheckStats {
     /// Fatal errors, per [`TxFatal`].
     pub fatals: PerReason<TxFatal>,
 }
-crate::counter_set!(TxCheckStats {
+hv::counter_set!(TxCheckStats {
     packets,
     drops,
     fatals

@@ -140,7 +140,7 @@ impl OffloadError {
         OffloadError::TooLong,
     ];
 }
-crate::reason!(OffloadError);
+hv::reason!(OffloadError);
 
 /// The longest packet offload carries: 64 KiB, Linux's `GSO_MAX_SIZE` (the frame, its
 /// Ethernet header included).
@@ -532,7 +532,7 @@ impl VnetHdr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::counters::check_reason_order;
+    use hv::counters::check_reason_order;
 
     /// A TCP/IPv4 frame of `payload` bytes (pattern `i % 251`), checksums complete.
     fn tcp_frame(payload: usize, flags: u8) -> Vec<u8> {

@@ -12,7 +12,7 @@
 //! every context is busy the oldest is evicted. Each outcome has a counter. Time is an
 //! input (`now`), so tests are deterministic.
 
-use crate::counters::PerReason;
+use hv::counters::PerReason;
 use std::time::Duration;
 
 use smoltcp::wire::{IpProtocol, Ipv4Address};
@@ -72,7 +72,7 @@ impl ReasmDrop {
     ];
 }
 
-crate::reason!(ReasmDrop);
+hv::reason!(ReasmDrop);
 
 /// Counters. `datagrams` counts completed reassemblies (and whole datagrams passed
 /// through); `drops` counts dropped datagrams per reason.
@@ -86,7 +86,7 @@ pub struct ReasmStats {
     pub drops: PerReason<ReasmDrop>,
 }
 
-crate::counter_set!(ReasmStats {
+hv::counter_set!(ReasmStats {
     fragments,
     datagrams,
     drops

@@ -145,7 +145,7 @@ pub struct PoolStats {
     /// buffer would otherwise be handed out twice, a packet's bytes to two owners).
     pub double_frees: u64,
 }
-crate::counter_set!(PoolStats {
+hv::counter_set!(PoolStats {
     allocs,
     alloc_failures,
     page_allocs,

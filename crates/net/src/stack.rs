@@ -10,7 +10,7 @@
 //! and each socket queue has a byte budget (`SO_RCVBUF`), past which datagrams are
 //! dropped and counted.
 
-use crate::counters::{CopyAlign, PerReason};
+use hv::counters::{CopyAlign, PerReason};
 use std::time::Duration;
 
 use hv::profile::{enter, Class};
@@ -81,7 +81,7 @@ impl RxDrop {
     ];
 }
 
-crate::reason!(RxDrop);
+hv::reason!(RxDrop);
 
 /// Counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -98,7 +98,7 @@ pub struct StackStats {
     pub usercopy_bytes: PerReason<CopyAlign>,
 }
 
-crate::counter_set!(StackStats {
+hv::counter_set!(StackStats {
     frames,
     datagrams,
     drops,

@@ -152,7 +152,7 @@ pub struct TcpStats {
     pub tx_bytes: u64,
 }
 
-crate::counter_set!(TcpStats {
+hv::counter_set!(TcpStats {
     rx_frames,
     rx_large,
     rx_bad_checksum,

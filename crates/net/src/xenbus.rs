@@ -9,25 +9,10 @@
 //! channel and moves to `Connected`. Every value read from the peer's directory is
 //! untrusted text: it is parsed strictly and a bad one fails the connection.
 
-use hv::store::{Perm, Store, StoreError, XenStore, XenbusState};
+use hv::store::{Store, XenbusState};
 use hv::DomId;
 
-/// Why a handshake step failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum XenbusError {
-    /// The store refused an operation.
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-    /// A key the peer must write is missing or not a number.
-    #[error("bad or missing key {0}")]
-    BadKey(String),
-    /// The peer is not in a state this step can follow.
-    #[error("peer in state {0:?}")]
-    PeerState(XenbusState),
-    /// The peer lacks a feature this end needs.
-    #[error("peer lacks {0}")]
-    MissingFeature(&'static str),
-}
+pub use hv::store::xenbus::{feature, read_u32, share_dirs, XenbusError};
 
 /// The front end's directory.
 pub fn frontend_dir(fe: DomId, handle: u32) -> String {
@@ -76,44 +61,6 @@ pub fn create_vif(
         store.write(t, &format!("{b}/{k}"), v)?;
     }
     share_dirs(store, &f, fe, &b, be)
-}
-
-/// The toolstack's last step for any split device: each end owns its directory and may
-/// read the other's, every node in it, so that keys a front end wrote for an earlier
-/// back end are readable by this one.
-pub fn share_dirs(
-    store: &Store,
-    fdir: &str,
-    fe: DomId,
-    bdir: &str,
-    be: DomId,
-) -> Result<(), XenbusError> {
-    let t = DomId::DOM0;
-    for (dir, owner, peer) in [(fdir, fe, be), (bdir, be, fe)] {
-        store.set_perms(t, dir, owner, &[(peer, Perm::Read)])?;
-        for k in store.directory(t, dir)? {
-            store.set_perms(t, &format!("{dir}/{k}"), owner, &[(peer, Perm::Read)])?;
-        }
-    }
-    Ok(())
-}
-
-/// Reads a decimal key the peer wrote, refusing anything but a plain number.
-pub fn read_u32(store: &impl XenStore, caller: DomId, path: &str) -> Result<u32, XenbusError> {
-    let v = store
-        .read(caller, path)
-        .map_err(|_| XenbusError::BadKey(path.into()))?;
-    if v.is_empty() || v.len() > 10 || !v.bytes().all(|c| c.is_ascii_digit()) {
-        return Err(XenbusError::BadKey(path.into()));
-    }
-    v.parse().map_err(|_| XenbusError::BadKey(path.into()))
-}
-
-/// Whether the peer advertised a boolean feature (`1`); anything else is no.
-pub fn feature(store: &impl XenStore, caller: DomId, dir: &str, key: &str) -> bool {
-    store
-        .read(caller, &format!("{dir}/{key}"))
-        .is_ok_and(|v| v == "1")
 }
 
 /// A back end's offer to lend received packets' buffers for the guest to copy (paper

@@ -8,7 +8,7 @@ use hv::store::{XenStore, XenbusState};
 use hv::{CopyPtr, GrantCopy, GrantRef};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
-use net::counters::CopyAlign;
+use hv::counters::CopyAlign;
 use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
 use net::netfront::FrontConfig;
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};

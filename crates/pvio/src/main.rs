@@ -572,7 +572,9 @@ fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path)
         hostile,
         restart_every: (restart_every > 0).then(|| std::time::Duration::from_secs(restart_every)),
         period: std::time::Duration::from_secs(1),
+        idle: rig::IdlePolicy::HALT_POLL,
     };
+    let cx = lab::Context::new(Mode::Full, plan.idle);
     println!("   time  messages   rss KiB  free frames  hostile pages  restarts  watchdog");
     let report = soak(plan, &mut |p| {
         println!(
@@ -594,7 +596,7 @@ fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path)
         }
     };
     println!("{}", report.table());
-    if let Err(e) = report.write(out, &RunEnv::capture(false)) {
+    if let Err(e) = report.write(out, &RunEnv::capture(&cx)) {
         eprintln!("could not write the report: {e}");
     }
     if report.checks.iter().all(|c| c.met) {
@@ -604,7 +606,7 @@ fn soak(seconds: u64, hostile: usize, restart_every: u64, out: &std::path::Path)
     }
 }
 
-fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode {
+fn reproduce(cx: &lab::Context, only: Option<&str>, out: &std::path::Path) -> ExitCode {
     let all = lab::registry();
     let chosen: Vec<_> = all
         .iter()
@@ -617,14 +619,13 @@ fn reproduce(quick: bool, only: Option<&str>, out: &std::path::Path) -> ExitCode
         );
         return ExitCode::from(2);
     }
-    let env = RunEnv::capture(quick);
-    let mode = if quick { Mode::Quick } else { Mode::Full };
+    let env = RunEnv::capture(cx);
     let mut failed = 0;
     let count = chosen.len();
     for (i, e) in chosen.into_iter().enumerate() {
         eprintln!("running {} ({}) ...", e.id, e.paper);
         let line = lab::progress::experiment(e.id, i + 1, count);
-        let result = (e.run)(mode);
+        let result = (e.run)(cx);
         drop(line);
         match result {
             Ok(report) => {
@@ -704,6 +705,12 @@ fn report(dir: Option<PathBuf>, compare: Option<Vec<PathBuf>>, threshold: f64) -
     }
 }
 
+/// The lab's context for a run the command line asked for.
+fn context(quick: bool, idle: rig::IdlePolicy) -> lab::Context {
+    let mode = if quick { Mode::Quick } else { Mode::Full };
+    lab::Context::new(mode, idle)
+}
+
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Reproduce {
@@ -712,8 +719,7 @@ fn main() -> ExitCode {
             out,
             idle,
         } => {
-            rig::set_idle_policy(idle);
-            reproduce(quick, only.as_deref(), &out)
+            reproduce(&context(quick, idle), only.as_deref(), &out)
         }
         Command::Bench {
             id,
@@ -721,8 +727,7 @@ fn main() -> ExitCode {
             out,
             idle,
         } => {
-            rig::set_idle_policy(idle);
-            reproduce(quick, Some(&id), &out)
+            reproduce(&context(quick, idle), Some(&id), &out)
         }
         Command::Report {
             dir,

@@ -38,33 +38,3 @@ impl Error {
         Error::Other(e.to_string())
     }
 }
-
-/// How the machines' idle pCPUs wait, as `reproduce --idle` set it: `poll` when all the
-/// load on the cores is pvio's own (the command's default), `halt-poll` where other
-/// processes share the cores (the default here, so that tests that run machines side by
-/// side do not starve each other or the test runner), `block` for the comparison with a
-/// host wake-up per interrupt. Named in every record.
-pub fn idle_policy() -> IdlePolicy {
-    *IDLE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The idle policy for a machine that shares its cores with another machine of the same
-/// run (paper 002's two hosts on one cable): `poll` becomes `halt-poll`, so that the two
-/// machines' pCPUs on one core take turns instead of spinning against each other.
-pub fn shared_idle_policy() -> IdlePolicy {
-    match idle_policy() {
-        IdlePolicy::Poll => IdlePolicy::HALT_POLL,
-        p => p,
-    }
-}
-
-/// Sets [`idle_policy`] for the machines started from now on.
-pub fn set_idle_policy(p: IdlePolicy) {
-    *IDLE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = p;
-}
-
-static IDLE: std::sync::Mutex<IdlePolicy> = std::sync::Mutex::new(IdlePolicy::HALT_POLL);

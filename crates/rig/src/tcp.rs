@@ -68,6 +68,8 @@ pub struct TcpOptions {
     pub neighbour: Option<u32>,
     /// Profiler sampling interval.
     pub sample: Option<Duration>,
+    /// How the machine's idle pCPUs wait (an experiment's context sets it).
+    pub idle: hv::sched::IdlePolicy,
 }
 
 impl TcpOptions {
@@ -87,6 +89,7 @@ impl TcpOptions {
             placement: Placement::OneCore,
             neighbour: None,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
+            idle: hv::sched::IdlePolicy::HALT_POLL,
         }
     }
 }
@@ -246,7 +249,7 @@ impl TcpRunning {
             grant_version,
             grant_path,
             sample: o.sample,
-            idle: crate::idle_policy(),
+            idle: o.idle,
             nic: NicSpec {
                 coalesce: Coalesce::default(),
                 source: Box::new(source),

@@ -132,7 +132,7 @@ impl Options {
             front: FrontConfig::default(),
             hostile: 0,
             latency: false,
-            idle: crate::idle_policy(),
+            idle: hv::sched::IdlePolicy::HALT_POLL,
             dma_landing: hv::iommu::DmaLanding::Memory,
             cpus: None,
         }

@@ -46,7 +46,7 @@ pub struct BlockEngineStats {
     pub busy_ns: AtomicU64,
 }
 
-net::atomic_counter_set!(BlockEngineStats => BlockEngineCounts {
+hv::atomic_counter_set!(BlockEngineStats => BlockEngineCounts {
     frames_in,
     frames_out,
     unclaimed,

@@ -174,12 +174,12 @@ pub struct DeviceDrops {
     /// Messages for the sidecore that found its channel full.
     pub channel_full: u64,
 }
-net::counter_set!(DeviceDrops {
+hv::counter_set!(DeviceDrops {
     rx_fifo_full,
     channel_full
 });
 
-net::atomic_counter_set!(SignalStats => SignalCounts {
+hv::atomic_counter_set!(SignalStats => SignalCounts {
     events,
     master_interrupts,
     sidecore_messages,

@@ -163,7 +163,7 @@ pub struct EngineStats {
     pub spoofed: AtomicU64,
 }
 
-net::atomic_counter_set!(EngineStats => EngineCounts {
+hv::atomic_counter_set!(EngineStats => EngineCounts {
     frames,
     no_vif,
     vif_full,

@@ -253,7 +253,7 @@ pub struct MgmtStats {
     pub priorities: AtomicU64,
 }
 
-impl net::counters::CounterSet for MgmtStats {
+impl hv::counters::CounterSet for MgmtStats {
     fn visit(&self, f: &mut dyn FnMut(&str, u64)) {
         f("vifs created", self.created.load(Ordering::Relaxed));
         f("vifs destroyed", self.destroyed.load(Ordering::Relaxed));

@@ -164,7 +164,7 @@ pub struct VifStats {
     pub protocol_breaks: AtomicU64,
 }
 
-net::atomic_counter_set!(VifStats => VifCounts {
+hv::atomic_counter_set!(VifStats => VifCounts {
     tx_frames,
     tx_bytes,
     tx_bad_length,

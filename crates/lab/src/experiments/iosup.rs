@@ -478,7 +478,8 @@ struct LazyRecord {
     timeout_ms: u64,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let iters = mode.iterations();
     let n = mode.scale(4000) as usize;
     let (intervals, interval, rate) = match mode {
@@ -526,7 +527,7 @@ fn run(mode: Mode) -> Result<Report, Error> {
     });
 
     // Figures 5, 7, 8 and 6.
-    let dm = crate::harness::durations(mode);
+    let dm = crate::harness::durations(cx);
     crate::progress::plan(
         (3 + 6 + iters * SETUPS.len() + 6 + dm.runs * 2 * machine::Churn::ALL.len()) as u64
             + sizing::steps(mode)
@@ -1034,7 +1035,7 @@ mod tests {
 
     #[test]
     fn a_smoke_run_counts_no_flush_with_the_pool() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         for c in rep.checks.iter().filter(|c| c.what.contains("exact count")) {
             assert!(c.met, "{c:?}");
         }

@@ -78,6 +78,7 @@ impl Cfg {
             placement,
             sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
             neighbour: None,
+            idle: rig::IdlePolicy::HALT_POLL,
         }
     }
 }
@@ -157,27 +158,33 @@ struct Durations {
     window: Duration,
     rr_window: Duration,
     runs: usize,
+    /// How the machines' idle pCPUs wait (the run's context).
+    idle: rig::IdlePolicy,
 }
 
-fn durations(mode: Mode) -> Durations {
-    match mode {
+fn durations(cx: &crate::Context) -> Durations {
+    let idle = cx.idle;
+    match cx.mode {
         Mode::Full => Durations {
             warmup: Duration::from_millis(500),
             window: Duration::from_millis(2000),
             rr_window: Duration::from_millis(1500),
             runs: 5,
+            idle,
         },
         Mode::Quick => Durations {
             warmup: Duration::from_millis(300),
             window: Duration::from_millis(400),
             rr_window: Duration::from_millis(300),
             runs: 1,
+            idle,
         },
         Mode::Smoke => Durations {
             warmup: Duration::from_millis(50),
             window: Duration::from_millis(150),
             rr_window: Duration::from_millis(100),
             runs: 1,
+            idle,
         },
     }
 }
@@ -250,6 +257,7 @@ fn quantile(v: &mut [u64], q: f64) -> f64 {
 /// Runs one machine: warm-up, then a window between two snapshots; the run ends with
 /// every byte written accounted for.
 fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> {
+    let o = TcpOptions { idle: d.idle, ..o };
     let m = TcpRunning::start(o)?;
     std::thread::sleep(d.warmup);
     let settled = match o.app {
@@ -489,8 +497,9 @@ struct LroRecord {
     adaptive_budget_us: u64,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
-    let d = durations(mode);
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
+    let d = durations(cx);
     let ghz = tsc_ghz();
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d, ghz);
@@ -1251,7 +1260,7 @@ mod smoke {
     /// checked, and every run carried its stream.
     #[test]
     fn a_smoke_run_measures_every_table_and_checks_every_byte() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         for group in [
             "table IV: throughput, 1 Gbit/s wire",
             "table IV: throughput, unlimited wire",

@@ -96,7 +96,7 @@ pub struct CacheStats {
     pub drops_unknown: u64,
 }
 
-crate::counter_set!(CacheStats {
+hv::counter_set!(CacheStats {
     hits,
     misses,
     cold_misses,

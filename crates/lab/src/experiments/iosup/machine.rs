@@ -175,6 +175,7 @@ pub(super) fn run(
 ) -> Result<Outcome, Error> {
     let opts = Options {
         sample: None,
+        idle: d.idle,
         ..Options::paper(config, 1472)
     };
     let m = Running::start(opts)?;

@@ -177,6 +177,7 @@ fn stream(pool: bool, rate: f64, d: &Durations) -> Result<Stream, Error> {
             total: None,
         },
         sample: None,
+        idle: d.idle,
         ..TcpOptions::stream(Receiver::Pv)
     };
     let m = TcpRunning::start(o)?;

@@ -896,7 +896,8 @@ struct Recorded {
     cores: [usize; 2],
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let plan = Plan::of(mode);
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     rep.setup = setup(&plan);
@@ -1259,7 +1260,7 @@ mod tests {
 
     #[test]
     fn every_direction_and_size_carries_packets_and_is_checked_against_dpdk() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         let rates: Vec<_> = rep
             .rows
             .iter()

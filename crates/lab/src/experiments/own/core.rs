@@ -96,7 +96,8 @@ struct RingRecord {
     push_batch: usize,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let iters = mode.iterations();
     let mut m = Measured {
         s: Samples::default(),
@@ -1460,7 +1461,7 @@ mod tests {
     /// reports every row (the numbers themselves mean nothing at this size).
     #[test]
     fn core_experiment_runs_and_reports_every_measurement() {
-        let r = run(Mode::Smoke).expect("runs");
+        let r = run(&crate::Context::smoke()).expect("runs");
         for name in [
             "memcpy 1500 B (hot)",
             "bare SPSC ring, 8 B descriptors, batch 32",

@@ -502,7 +502,8 @@ struct LroRecord {
     paths: Vec<String>,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
     rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
@@ -1025,7 +1026,7 @@ mod tests {
 
     #[test]
     fn every_path_carries_every_flow_and_each_tcp_target_is_a_check() {
-        let r = run(Mode::Smoke).expect("runs");
+        let r = run(&crate::Context::smoke()).expect("runs");
         if r.rows.is_empty() {
             // Not root, or no iperf3: said in a note, nothing measured.
             assert!(

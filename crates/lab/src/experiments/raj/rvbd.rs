@@ -491,7 +491,8 @@ fn fio(
     })
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     // vblade and nbd-server share the cores: every machine here halt-polls.
     r.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
@@ -888,7 +889,7 @@ mod tests {
 
     #[test]
     fn a_smoke_run_reads_every_byte_right_on_each_path_and_the_floor_answers() {
-        let r = run(Mode::Smoke).expect("runs");
+        let r = run(&crate::Context::smoke()).expect("runs");
         for c in &r.checks[..2] {
             assert!(c.met, "{}: {}", c.what, c.value);
         }

@@ -174,8 +174,8 @@ impl Placement {
         }
     }
 
-    /// In words, for the record's set-up.
-    fn describe(&self) -> String {
+    /// In words, for the record's set-up, for a run whose pCPUs idle by `idle`.
+    fn describe(&self, idle: IdlePolicy) -> String {
         match self {
             Placement::Own(h) => format!(
                 "each host owns {h} cores of its own (a CPU pool; the client host the first \
@@ -188,7 +188,7 @@ impl Placement {
                  (a halt-poll of the design's spin, or sleeping at once)",
                 h - 4,
                 mem::cpu::online_cores() - 2 * h,
-                rig::idle_policy().name()
+                idle.name()
             ),
             Placement::Shared => format!(
                 "this machine has {} cores, fewer than the {} each host needs of its own \
@@ -200,7 +200,7 @@ impl Placement {
                  board had its own micro-engines and the sidecore a hyperthread of its own",
                 mem::cpu::online_cores(),
                 OWN_CORES,
-                rig::shared_idle_policy().name()
+                idle.shared().name()
             ),
         }
     }
@@ -239,10 +239,10 @@ impl Placement {
 
     /// How the host's idle pCPUs wait (the machine gives an SV-NIC that sleeps when
     /// idle, on cores of its own, its own policy there: dynamic core partitioning).
-    fn idle(&self) -> IdlePolicy {
+    fn idle(&self, run: IdlePolicy) -> IdlePolicy {
         match self {
-            Placement::Shared => rig::shared_idle_policy(),
-            Placement::Own(_) => rig::idle_policy(),
+            Placement::Shared => run.shared(),
+            Placement::Own(_) => run,
         }
     }
 
@@ -261,6 +261,7 @@ impl Placement {
 
 /// One host of `n` guests running `app(i)` behind `design`, its cable `end`.
 fn host(
+    idle: IdlePolicy,
     design: Design,
     side: Side,
     end: CrossEnd,
@@ -323,7 +324,7 @@ fn host(
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: place.idle(),
+        idle: place.idle(idle),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),
@@ -335,12 +336,18 @@ fn host(
 }
 
 /// Runs `n` pairs behind `design` for `run`, probes at random gaps up to `max_gap`.
-fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result<Point, Error> {
+fn measure(
+    idle: IdlePolicy,
+    design: Design,
+    n: usize,
+    run: Duration,
+    max_gap: Duration,
+) -> Result<Point, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let counters: Vec<Arc<ProbeCounters>> = (0..n).map(|_| Arc::default()).collect();
     let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
     let rtts: Vec<Arc<Samples>> = (0..n).map(|_| Arc::new(Samples::new(cap))).collect();
-    let servers = host(design, Side::Server, b, n, &|i| {
+    let servers = host(idle, design, Side::Server, b, n, &|i| {
         GuestApp::Raw(RawApp::Echo(server_mac(i)))
     })?;
     let ping = |i: usize| {
@@ -353,7 +360,7 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
             counters: Arc::clone(&counters[i]),
         }))
     };
-    let clients = host(design, Side::Client, a, n, &ping)?;
+    let clients = host(idle, design, Side::Client, a, n, &ping)?;
     let t = Instant::now();
     while t.elapsed() < run {
         std::thread::sleep(Duration::from_millis(10));
@@ -395,7 +402,12 @@ fn measure(design: Design, n: usize, run: Duration, max_gap: Duration) -> Result
 
 /// A host of the paper's dotted lines: its driver domain runs `layout`'s application
 /// on the NIC itself (`DirectRaw` or `DirectStack`), on `side`'s cores, its cable `end`.
-fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, Error> {
+fn dom0_host(
+    idle: IdlePolicy,
+    side: Side,
+    end: CrossEnd,
+    layout: Layout,
+) -> Result<Machine, Error> {
     let place = Placement::of_host();
     let sink = end.sink();
     Machine::start(MachineSpec {
@@ -404,7 +416,7 @@ fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, Error
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: place.idle(),
+        idle: place.idle(idle),
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(end),
@@ -418,13 +430,18 @@ fn dom0_host(side: Side, end: CrossEnd, layout: Layout) -> Result<Machine, Error
 /// Paper 002's dotted lines: one client and one server, each the driver domain of its
 /// host running the probe application on its NIC itself, straight on the driver or
 /// through its bridge. Round trips (µs), and probes lost or corrupt.
-fn dom0_line(bridge: bool, run: Duration, max_gap: Duration) -> Result<(Vec<f64>, u64), Error> {
+fn dom0_line(
+    idle: IdlePolicy,
+    bridge: bool,
+    run: Duration,
+    max_gap: Duration,
+) -> Result<(Vec<f64>, u64), Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let counters = Arc::new(ProbeCounters::default());
     let cap = (run.as_millis() as usize * 2 / max_gap.as_millis().max(1) as usize).max(64) + 64;
     let rtts = Arc::new(Samples::new(cap));
     let machine = |side: Side, end: CrossEnd, app: RawApp, mac: [u8; 6]| {
-        dom0_host(side, end, Layout::DirectRaw { app, mac, bridge })
+        dom0_host(idle, side, end, Layout::DirectRaw { app, mac, bridge })
     };
     let server = machine(Side::Server, b, RawApp::Echo(server_mac(0)), server_mac(0))?;
     let client = machine(
@@ -481,19 +498,20 @@ struct Recorded {
     cores: usize,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let place = Placement::of_host();
     rep.idle = Some(match place {
         Placement::Shared => format!(
             "{} (two hosts on the same cores; {} for one host's QoS runs)",
-            rig::shared_idle_policy().name(),
-            rig::idle_policy().name()
+            cx.shared_idle().name(),
+            cx.idle.name()
         ),
         Placement::Own(_) => format!(
             "{} (each host on cores of its own; the dynamic designs halt-poll for their \
              spin or block)",
-            rig::idle_policy().name()
+            cx.idle.name()
         ),
     });
     let (ns, secs, gap_ms): (&[usize], f64, u64) = match mode {
@@ -515,7 +533,7 @@ fn run(mode: Mode) -> Result<Report, Error> {
          pCPUs, a controller domain whose vCPU takes the master interrupt, and the guests' \
          VIF drivers; signals by the shared 8-bit identifier register (SV-NIC), a sidecore, or \
          a vector per VIF. Core layout: {}.",
-        place.describe()
+        place.describe(cx.idle)
     );
     rep.set_config(&Recorded {
         mode: format!("{mode:?}"),
@@ -538,20 +556,20 @@ fn run(mode: Mode) -> Result<Report, Error> {
         let mut row = Vec::new();
         for &n in ns {
             crate::progress::step(format_args!("{} · {n} VIFs", d.name()));
-            row.push(measure(d, n, run_for, max_gap)?);
+            row.push(measure(cx.idle, d, n, run_for, max_gap)?);
         }
         points.push(row);
     }
-    let dom0_bad = fig7(&mut rep, ns, &mut points, run_for, max_gap)?;
+    let dom0_bad = fig7(cx, &mut rep, ns, &mut points, run_for, max_gap)?;
     fig8(&mut rep, ns, &points);
     host::host_times(&mut rep, mode)?;
     signal_checks(&mut rep, ns, &points);
     probe_check(&mut rep, &points, dom0_bad);
-    tput::figure9(&mut rep, mode)?;
-    dynamic::dynamic(&mut rep, mode)?;
+    tput::figure9(&mut rep, cx)?;
+    dynamic::dynamic(&mut rep, cx)?;
     crate::progress::step(format_args!("Fig. 10: priority QoS"));
-    qos::figure10(&mut rep, mode)?;
-    iommu::iommu(&mut rep, mode)?;
+    qos::figure10(&mut rep, cx)?;
+    iommu::iommu(&mut rep, cx)?;
     Ok(rep)
 }
 
@@ -568,6 +586,7 @@ fn per(ticks: u64, count: u64) -> f64 {
 /// (the paper's dotted lines), and the SV-NIC against the HV-NIC. Returns the dotted
 /// lines' bad probes.
 fn fig7(
+    cx: &crate::Context,
     rep: &mut Report,
     ns: &[usize],
     points: &mut [Vec<Point>],
@@ -603,7 +622,7 @@ fn fig7(
         (true, "driver domain through its bridge (dotted)"),
     ] {
         crate::progress::step(format_args!("Fig. 7: {name}"));
-        let (v, bad) = dom0_line(bridge, run_for, max_gap)?;
+        let (v, bad) = dom0_line(cx.idle, bridge, run_for, max_gap)?;
         dom0_bad += bad;
         let med = quantile(&v, 0.5);
         rep.row("Fig. 7: round trip, no guest", name, "µs", &v)
@@ -796,7 +815,7 @@ mod tests {
 
     #[test]
     fn every_design_carries_probes_at_every_vif_count_and_the_register_shares_bits() {
-        let r = run(Mode::Smoke).expect("runs");
+        let r = run(&crate::Context::smoke()).expect("runs");
         for row in r.rows.iter().filter(|row| row.group.starts_with("Fig. 7")) {
             assert!(row.stats.n > 0, "no round trips: {row:?}");
         }

@@ -76,6 +76,7 @@ fn latency_run(config: &str, s: Option<u32>, d: &Durations) -> Result<(Vec<u64>,
         // No profiler: its interrupts would be on the path measured.
         sample: None,
         latency: true,
+        idle: d.idle,
         ..options(config, s)
     };
     let m = Running::start(o)?;
@@ -290,8 +291,9 @@ struct LatencyRecord {
     settings: [&'static str; 3],
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
-    let mut d = durations(mode);
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
+    let mut d = durations(cx);
     if mode == Mode::Quick {
         // Seven configurations at nine settings a round: a quick look takes half-second
         // windows, so that `reproduce --quick` stays inside its ten minutes.
@@ -510,7 +512,7 @@ mod tests {
 
     #[test]
     fn every_configuration_runs_at_every_setting_and_adaptive() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         for config in CONFIGS {
             for s in [Some(6), Some(64), None] {
                 let name = format!("{} total", setting(s));

@@ -160,8 +160,9 @@ struct Recorded {
     online_cores: usize,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
-    let d = durations(mode);
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
+    let d = durations(cx);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let base = Options::paper(Config::Pv, 0);
     r.setup = setup(&d);
@@ -914,7 +915,7 @@ mod smoke {
     /// was measured is the test's.
     #[test]
     fn a_smoke_run_measures_every_machine_at_every_size() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         let median = |group: &str, name: &str| {
             rep.rows
                 .iter()

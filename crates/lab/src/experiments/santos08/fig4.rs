@@ -28,7 +28,7 @@ use hv::{
     CopyPtr, Domain, DomainConfig, Gfn, GrantCopy, GrantRef, HvConfig, Hypervisor, PAGE_SIZE,
 };
 use mem::cpu::thread_cpu_time;
-use net::counters::CopyAlign;
+use hv::counters::CopyAlign;
 use net::netback::VifStats;
 use net::stack::StackStats;
 
@@ -36,7 +36,7 @@ use crate::chart::{Bar, Lines, Series, StackedBars};
 use crate::harness::{
     account_losses, alternate, durations, one_run, sign_test_p, Durations, RunCost,
 };
-use crate::{Error, Experiment, Mode, Report, Stats};
+use crate::{Error, Experiment, Report, Stats};
 use rig::udp::{Config, Finish, Options};
 
 /// The registry entry.
@@ -316,11 +316,12 @@ struct Recorded {
     pv_window_ms: u64,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     let iters = mode.iterations();
     let ops = mode.scale(8192).max(BATCH as u64 * 2);
-    let d = durations(mode);
+    let d = durations(cx);
     rep.setup = setup(iters, ops, &d);
     rep.set_config(&Recorded {
         mode: format!("{mode:?}"),
@@ -338,7 +339,7 @@ fn run(mode: Mode) -> Result<Report, Error> {
     let (sweep, alias) = sweeps(iters, ops)?;
     sweep_rows(&mut rep, &sweep, iters);
     alias_rows(&mut rep, &alias);
-    pv_path(&mut rep, mode)?;
+    pv_path(&mut rep, cx)?;
     Ok(rep)
 }
 
@@ -529,8 +530,8 @@ impl PvRun {
     }
 }
 
-fn pv_path(rep: &mut Report, mode: Mode) -> Result<(), Error> {
-    let d = durations(mode);
+fn pv_path(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
+    let d = durations(cx);
     let sizes = [(1472usize, "1500"), (48000, "48000")];
     // runs[size][aligned] = per-round runs.
     let groups: Vec<(usize, Vec<bool>)> = sizes
@@ -648,7 +649,7 @@ mod tests {
 
     #[test]
     fn the_sweep_covers_every_offset_and_aligned_copies_align_every_byte_on_the_pv_path() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         for kind in Kind::ALL {
             let group = format!("fig4 {}", kind.name());
             for c in CopyAlign::ALL {

@@ -18,7 +18,7 @@ use crate::harness::{
     account_losses, alternate, durations, one_run, sign_test_p, steps, Durations, PlanRecord,
     RunCost, GLOBALS,
 };
-use crate::{Error, Experiment, Mode, Report, Stats};
+use crate::{Error, Experiment, Report, Stats};
 use rig::udp::{Config, Finish, Options, SoftOpt};
 
 /// The registry entry.
@@ -140,8 +140,9 @@ struct Recorded {
     switches: [&'static str; 4],
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
-    let d = durations(mode);
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
+    let d = durations(cx);
     let mut r = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
     r.setup = setup(&d);
     let base = Options::paper(Config::Pv, 0);
@@ -347,7 +348,7 @@ mod tests {
 
     #[test]
     fn every_bar_and_every_switch_alone_is_measured_at_both_sizes() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         for (_, label) in SIZES {
             for (name, _) in machines(1472) {
                 let want = format!("{name} total");

@@ -113,7 +113,8 @@ struct Recorded {
     watchdog_period_ms: f64,
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let mode = cx.mode;
     let faults = match mode {
         Mode::Full => 9,
         Mode::Quick => 5,
@@ -122,6 +123,7 @@ fn run(mode: Mode) -> Result<Report, Error> {
     let opts = Options {
         rate: RATE,
         sample: None,
+        idle: cx.idle,
         ..Options::paper(Config::Pv, 1000)
     };
     let (result, disk) = quietly(opts, faults);
@@ -169,7 +171,7 @@ fn quietly(
         }
     }));
     let result = measure(opts, faults);
-    let disk = measure_disk(faults);
+    let disk = measure_disk(opts.idle, faults);
     let _ = std::panic::take_hook();
     (result, disk)
 }
@@ -309,6 +311,7 @@ const DISK_SECTORS: u64 = 131_072;
 /// The restart's disk machine: a driver domain serving one guest's disk, the file at
 /// `path`, which the guest reads 4 KiB at random, 8 in flight, each read checked.
 fn disk_machine(
+    idle: hv::sched::IdlePolicy,
     path: &std::path::Path,
     counters: &std::sync::Arc<kernel::block::JobCounters>,
 ) -> Result<kernel::machine::Machine, Error> {
@@ -336,7 +339,7 @@ fn disk_machine(
         grant_version: hv::GrantVersion::V1,
         grant_path: hv::GrantPath::Original,
         sample: None,
-        idle: rig::idle_policy(),
+        idle,
         nic: NicSpec {
             coalesce: dev::nic::Coalesce::default(),
             source: Box::new(dev::wire::Silence),
@@ -363,7 +366,7 @@ fn disk_machine(
 }
 
 /// The disk rows: a block guest's random reads across `faults` faults of each kind.
-fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), Error> {
+fn measure_disk(idle: hv::sched::IdlePolicy, faults: usize) -> Result<(Timings, DiskTally), Error> {
     use kernel::driver_domain::Fault as DriverFault;
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
@@ -376,7 +379,7 @@ fn measure_disk(faults: usize) -> Result<(Timings, DiskTally), Error> {
     blk::disk::write_patterned(&path, DISK_SECTORS)
         .map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
     let counters = Arc::new(kernel::block::JobCounters::default());
-    let mut m = disk_machine(&path, &counters)?;
+    let mut m = disk_machine(idle, &path, &counters)?;
     let done = || counters.completed.load(Ordering::Relaxed);
     let more = |past: u64| -> Result<Instant, Error> {
         let t = Instant::now();
@@ -444,7 +447,7 @@ mod tests {
 
     #[test]
     fn a_smoke_run_restarts_after_each_fault_and_loses_no_byte() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         let caught = rep
             .checks
             .iter()

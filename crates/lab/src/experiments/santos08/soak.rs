@@ -45,6 +45,8 @@ pub struct SoakPlan {
     pub restart_every: Option<Duration>,
     /// One period of the table.
     pub period: Duration,
+    /// How the machine's idle pCPUs wait.
+    pub idle: hv::sched::IdlePolicy,
 }
 
 /// One period's figures.
@@ -79,8 +81,8 @@ fn rss_kib() -> u64 {
 }
 
 /// The soak's plan from the run's mode.
-fn plan(mode: Mode) -> SoakPlan {
-    let (secs, every_ms, period_ms) = match mode {
+fn plan(cx: &crate::Context) -> SoakPlan {
+    let (secs, every_ms, period_ms) = match cx.mode {
         Mode::Full => (60, 10_000, 1000),
         Mode::Quick => (12, 4000, 1000),
         Mode::Smoke => (3, 1500, 500),
@@ -90,11 +92,12 @@ fn plan(mode: Mode) -> SoakPlan {
         hostile: 2,
         restart_every: Some(Duration::from_millis(every_ms)),
         period: Duration::from_millis(period_ms),
+        idle: cx.idle,
     }
 }
 
-fn run(mode: Mode) -> Result<Report, Error> {
-    let plan = plan(mode);
+fn run(cx: &crate::Context) -> Result<Report, Error> {
+    let plan = plan(cx);
     let secs = plan.duration.as_secs_f64();
     crate::progress::plan((secs / plan.period.as_secs_f64()).ceil() as u64);
     soak(plan, &mut |p| {
@@ -108,6 +111,7 @@ pub fn soak(plan: SoakPlan, each: &mut dyn FnMut(&Period)) -> Result<Report, Err
         rate: RATE,
         sample: None,
         hostile: plan.hostile,
+        idle: plan.idle,
         ..Options::paper(Config::Pv, 1000)
     };
     let mut r = Running::start(opts)?;
@@ -355,7 +359,7 @@ mod tests {
 
     #[test]
     fn a_short_soak_keeps_the_good_guest_whole_and_memory_flat() {
-        let rep = run(Mode::Smoke).expect("runs");
+        let rep = run(&crate::Context::smoke()).expect("runs");
         assert!(!rep.checks.is_empty());
         for c in &rep.checks {
             assert!(c.met, "{c:?}\n{}", rep.table());

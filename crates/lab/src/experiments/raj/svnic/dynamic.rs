@@ -49,7 +49,13 @@ struct Point {
     dropped: u64,
 }
 
-fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result<Point, Error> {
+fn measure(
+    run_idle: rig::IdlePolicy,
+    idle: Idle,
+    load: f64,
+    window: Duration,
+    max_gap: Duration,
+) -> Result<Point, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let design = Design::SvNic(SignalMode::Sidecore, idle);
     let probes = Arc::new(ProbeCounters::default());
@@ -59,14 +65,14 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
     let sent = Arc::new(AtomicU64::new(0));
     // Rate 0 means flat out: a tiny load still paces.
     let rate = Arc::new(AtomicU64::new(((LINK_BPS as f64 * load) as u64).max(1)));
-    let servers = host(design, Side::Server, b, 2, &|i| {
+    let servers = host(run_idle, design, Side::Server, b, 2, &|i| {
         GuestApp::Raw(if i == 0 {
             RawApp::Echo(server_mac(0))
         } else {
             RawApp::Sink(server_mac(1), Arc::clone(&sink))
         })
     })?;
-    let clients = host(design, Side::Client, a, 2, &|i| {
+    let clients = host(run_idle, design, Side::Client, a, 2, &|i| {
         GuestApp::Raw(if i == 0 {
             RawApp::Ping(ProbeSpec {
                 me: client_mac(0),
@@ -137,7 +143,8 @@ fn measure(idle: Idle, load: f64, window: Duration, max_gap: Duration) -> Result
 }
 
 /// Adds the dynamic-partitioning rows and checks to `rep`.
-pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), Error> {
+pub fn dynamic(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
+    let mode = cx.mode;
     let (loads, window, gap_ms): (&[f64], f64, u64) = match mode {
         Mode::Full => (&[0.05, 0.3, 0.6, 0.95], 3.0, 5),
         Mode::Quick => (&[0.05, 0.95], 1.0, 2),
@@ -170,6 +177,7 @@ pub fn dynamic(rep: &mut Report, mode: Mode) -> Result<(), Error> {
                 load * 100.0
             ));
             let p = measure(
+                cx.idle,
                 idle,
                 load,
                 Duration::from_secs_f64(window),

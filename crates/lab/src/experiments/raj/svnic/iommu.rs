@@ -15,8 +15,8 @@ use super::{measure, quantile, Design};
 use crate::{Error, Mode, Report};
 
 /// Adds the IOMMU rows and checks to `rep`.
-pub fn iommu(rep: &mut Report, mode: Mode) -> Result<(), Error> {
-    let (n, secs, gap_ms): (usize, f64, u64) = match mode {
+pub fn iommu(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
+    let (n, secs, gap_ms): (usize, f64, u64) = match cx.mode {
         Mode::Full => (4, 10.0, 100),
         Mode::Quick => (4, 1.0, 2),
         Mode::Smoke => (2, 0.3, 1),
@@ -35,6 +35,7 @@ pub fn iommu(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     for d in designs {
         crate::progress::step(format_args!("IOMMU per VIF: {}", d.name()));
         let mut p = measure(
+            cx.idle,
             d,
             n,
             Duration::from_secs_f64(secs),

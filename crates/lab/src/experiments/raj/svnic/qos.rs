@@ -86,7 +86,12 @@ struct Run {
     out_of_sequence: u64,
 }
 
-fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, Error> {
+fn measure(
+    idle: rig::IdlePolicy,
+    schedule: Schedule,
+    offered: &[u64],
+    phase: Duration,
+) -> Result<Run, Error> {
     let far = Arc::new(Far::default());
     let rates: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let sent: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::default()).collect();
@@ -97,7 +102,7 @@ fn measure(schedule: Schedule, offered: &[u64], phase: Duration) -> Result<Run, 
         grant_version: GrantVersion::V1,
         grant_path: GrantPath::Original,
         sample: None,
-        idle: rig::idle_policy(),
+        idle,
         nic: NicSpec {
             coalesce: Coalesce::default(),
             source: Box::new(dev::wire::Silence),
@@ -194,7 +199,8 @@ fn label(r: u64) -> String {
     }
 }
 
-pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), Error> {
+pub fn figure10(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
+    let mode = cx.mode;
     let phase = Duration::from_secs_f64(match mode {
         Mode::Full => 3.0,
         Mode::Quick => 0.6,
@@ -218,11 +224,11 @@ pub fn figure10(rep: &mut Report, mode: Mode) -> Result<(), Error> {
     let runs = [
         (
             "quality-aware",
-            measure(Schedule::Priority, &offered, phase)?,
+            measure(cx.idle, Schedule::Priority, &offered, phase)?,
         ),
         (
             "quality-unaware",
-            measure(Schedule::RoundRobin, &offered, phase)?,
+            measure(cx.idle, Schedule::RoundRobin, &offered, phase)?,
         ),
     ];
     rows(rep, &runs, &offered);

@@ -75,7 +75,13 @@ enum Line {
 
 /// One repetition: a fresh pair of hosts, `warm` after every connection carried its
 /// first bytes, then `window`.
-fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, Error> {
+fn once(
+    idle: rig::IdlePolicy,
+    line: Line,
+    n: usize,
+    warm: Duration,
+    window: Duration,
+) -> Result<Rep, Error> {
     let (a, b) = crossover(WireRate::GIGABIT);
     let recv: Vec<Arc<AppCounters>> = (0..n).map(|_| Arc::default()).collect();
     let spec = |i: usize, proto: Proto, c: Arc<AppCounters>| AppSpec {
@@ -90,8 +96,8 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, E
     let client = |i: usize| spec(i, Proto::TcpSend, Arc::default());
     let (servers, clients) = match line {
         Line::Guests(d) => (
-            host(d, Side::Server, b, n, &|i| GuestApp::Stack(server(i)))?,
-            host(d, Side::Client, a, n, &|i| GuestApp::Stack(client(i)))?,
+            host(idle, d, Side::Server, b, n, &|i| GuestApp::Stack(server(i)))?,
+            host(idle, d, Side::Client, a, n, &|i| GuestApp::Stack(client(i)))?,
         ),
         Line::Dom0 { bridge } => {
             let stack = |side: Side, app: AppSpec| Layout::DirectStack {
@@ -100,8 +106,8 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, E
                 bridge,
             };
             (
-                dom0_host(Side::Server, b, stack(Side::Server, server(0)))?,
-                dom0_host(Side::Client, a, stack(Side::Client, client(0)))?,
+                dom0_host(idle, Side::Server, b, stack(Side::Server, server(0)))?,
+                dom0_host(idle, Side::Client, a, stack(Side::Client, client(0)))?,
             )
         }
     };
@@ -146,7 +152,8 @@ fn once(line: Line, n: usize, warm: Duration, window: Duration) -> Result<Rep, E
 }
 
 /// Adds Figure 9 to `rep`.
-pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
+pub fn figure9(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
+    let mode = cx.mode;
     let (ns, reps, warm, window): (&[usize], usize, f64, f64) = match mode {
         Mode::Full => (&[1, 2, 4, 8, 16, 32], 5, 0.5, 2.0),
         Mode::Quick => (&[4], 2, 0.3, 0.7),
@@ -171,6 +178,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
             let (mut drops, mut idle_here) = (0, 0);
             for _ in 0..reps {
                 let r = once(
+                    cx.idle,
                     Line::Guests(d),
                     n,
                     Duration::from_secs_f64(warm),
@@ -205,7 +213,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
         });
         means.push(row_means);
     }
-    let dom0 = dom0_lines(rep, ns, reps, (warm, window), &mut fig9)?;
+    let dom0 = dom0_lines(cx, rep, ns, reps, (warm, window), &mut fig9)?;
     corrupt += dom0.corrupt;
     idle += dom0.idle;
     rep.lines.push(Lines {
@@ -240,6 +248,7 @@ pub fn figure9(rep: &mut Report, mode: Mode) -> Result<(), Error> {
 /// straight and through the bridge, each a flat line across the figure's flows.
 /// Returns what the repetitions found wrong.
 fn dom0_lines(
+    cx: &crate::Context,
     rep: &mut Report,
     ns: &[usize],
     reps: usize,
@@ -262,6 +271,7 @@ fn dom0_lines(
         let (mut xs, mut cpu) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             let r = once(
+                cx.idle,
                 Line::Dom0 { bridge },
                 1,
                 Duration::from_secs_f64(warm),
