@@ -30,6 +30,7 @@ use net::netback::Vif;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 
 use crate::vcpu::{xen_pirq, Kernel, Work};
+use crate::counters::PortKind;
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of its pool (it posts 2 KiB heads to the NIC; pages only for copies).
@@ -681,7 +682,7 @@ impl Kernel for DriverDomain {
         c.add("driver", "tx_ring_used", u64::from(self.nic.tx_ring_used()));
         for vif in &self.vifs {
             let name = vif.name();
-            c.add_set(&name, vif.stats());
+            c.add_port(&name, PortKind::Vif, vif.stats());
             c.add_set(&name, &vif.ring_occupancy());
             if let Some(cs) = vif.cache_stats() {
                 c.add_set(&format!("{name} grant cache"), cs);
@@ -690,12 +691,12 @@ impl Kernel for DriverDomain {
         c.add_set("bridge", self.bridge.stats());
         self.lro_counters(&mut c);
         for vbd in &self.vbds {
-            c.add_set(&format!("vbd{}", vbd.frontend().0), vbd.stats());
+            c.add_port(&format!("vbd{}", vbd.frontend().0), PortKind::Vbd, vbd.stats());
         }
         for r in &self.remote {
             let name = format!("rvbd{}", r.frontend().0);
             if let Some(b) = r.backend() {
-                c.add_set(&name, b.stats());
+                c.add_port(&name, PortKind::Vbd, b.stats());
             }
             if let Some(a) = r.aoe_stats() {
                 c.add_set(&format!("{name} aoe"), a);

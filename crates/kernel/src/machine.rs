@@ -44,6 +44,7 @@ use crate::hostile::HostileGuest;
 use crate::native::NicKernel;
 use crate::pv_guest::{guest_pool, PvGuest, TapGuest};
 use crate::vcpu::{self, Kernel, Platform};
+use crate::counters::PortKind;
 use crate::{other, BuildError, Counters};
 
 /// The NIC's device id.
@@ -1629,7 +1630,7 @@ impl Machine {
         }
         let mut c = Counters::default();
         if let Some(n) = &self.nic {
-            c.add_set("nic", &**n.regs());
+            c.add_port("nic", PortKind::Nic, &**n.regs());
         }
         let t = Instant::now();
         let mut waiting: Vec<&vcpu::CounterDoor> = self.doors.iter().map(|(_, d)| &**d).collect();
@@ -1668,14 +1669,14 @@ impl Machine {
         });
         let mut c = self.halt()?;
         if let Some(r) = regs {
-            c.add_set("nic", &*r);
+            c.add_port("nic", PortKind::Nic, &*r);
         }
         if let Some(b) = self.block_engine.take() {
             c.add_set("svnic block engine", &**b.stats());
             for v in b.stop() {
                 let name = format!("rvbd{}", v.frontend().0);
                 if let Some(bk) = v.backend() {
-                    c.add_set(&name, bk.stats());
+                    c.add_port(&name, PortKind::Vbd, bk.stats());
                 }
                 if let Some(a) = v.aoe_stats() {
                     c.add_set(&format!("{name} aoe"), a);

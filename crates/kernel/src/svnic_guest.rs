@@ -21,6 +21,7 @@ use net::skb::SkbPool;
 
 use crate::app::{AppSpec, AppStack};
 use crate::vcpu::{Kernel, Work};
+use crate::counters::PortKind;
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of an SV-NIC guest's pool (its buffers are 2 KiB heads; frames are copied in).
@@ -378,7 +379,11 @@ impl Kernel for SvnicGuest {
             Above::Stack(b) => b.1.counters(&mut c),
             Above::Raw(crate::probe::Raw::Echo { echoed, .. }) => c.add("echo", "echoed", *echoed),
             Above::Raw(_) => {}
-            Above::Tap(t) => c.add_set(&format!("{} tap", self.dom.name()), &**t.counters()),
+            Above::Tap(t) => c.add_port(
+                &format!("{} tap", self.dom.name()),
+                PortKind::HostInterface,
+                &**t.counters(),
+            ),
         }
         c.add_set("vif driver", &self.stats);
         c

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use dev::nic::NicRegs;
 use dev::tap::TapCounters;
+use kernel::counters::PortKind;
 use kernel::Counters;
 use net::netback::VifStats;
 
@@ -73,18 +74,13 @@ const VBD: Kind = Kind {
     unit: 512.0,
 };
 
-/// A component's port kind, by its name in the counters.
-fn kind(comp: &str) -> Option<Kind> {
-    if comp == "nic" {
-        Some(NIC)
-    } else if comp.starts_with("vif") && !comp.contains(' ') {
-        Some(VIF)
-    } else if comp.ends_with(" tap") {
-        Some(TAP)
-    } else if (comp.starts_with("vbd") || comp.starts_with("rvbd")) && !comp.contains(' ') {
-        Some(VBD)
-    } else {
-        None
+/// The counters that make a row for a port of `kind`.
+fn kind(kind: PortKind) -> Kind {
+    match kind {
+        PortKind::Nic => NIC,
+        PortKind::Vif => VIF,
+        PortKind::HostInterface => TAP,
+        PortKind::Vbd => VBD,
     }
 }
 
@@ -126,22 +122,15 @@ pub fn rates(before: &Sample, after: &Sample) -> Vec<PortRates> {
         .saturating_duration_since(before.at)
         .as_secs_f64()
         .max(1e-9);
-    let mut ports: Vec<&str> = Vec::new();
-    for (comp, _, _) in &after.counters.entries {
-        if kind(comp).is_some() && !ports.contains(&comp.as_str()) {
-            ports.push(comp);
-        }
-    }
-    ports
-        .into_iter()
-        .filter_map(|port| {
-            let k = kind(port)?;
-            let delta = |name: &str| {
-                after
-                    .counters
-                    .get(port, name)
-                    .saturating_sub(before.counters.get(port, name))
-            };
+    // A counter a port's set does not have reads as 0 (a vif's ring counters on a TAP),
+    // and so does one of a port that came up between the two samples.
+    let at = |s: &Sample, port: &str, name: &str| s.counters.try_get(port, name).unwrap_or(0);
+    after
+        .counters
+        .ports()
+        .map(|(port, pk)| {
+            let k = kind(pk);
+            let delta = |name: &str| at(after, port, name).saturating_sub(at(before, port, name));
             let per_s = |name: &str| delta(name) as f64 / secs;
             let drops = k
                 .drops
@@ -149,12 +138,12 @@ pub fn rates(before: &Sample, after: &Sample) -> Vec<PortRates> {
                 .map(|&d| (d.to_string(), delta(d)))
                 .filter(|(_, n)| *n > 0)
                 .collect();
-            let rings = (after.counters.get(port, "ring_size") > 0).then(|| Rings {
-                tx: after.counters.get(port, "tx_ring_used"),
-                rx: after.counters.get(port, "rx_ring_used"),
-                size: after.counters.get(port, "ring_size"),
+            let rings = (at(after, port, "ring_size") > 0).then(|| Rings {
+                tx: at(after, port, "tx_ring_used"),
+                rx: at(after, port, "rx_ring_used"),
+                size: at(after, port, "ring_size"),
             });
-            Some(PortRates {
+            PortRates {
                 port: port.to_string(),
                 rx_pps: per_s(k.rx_packets),
                 rx_bps: per_s(k.rx_bytes) * 8.0 * k.unit,
@@ -162,7 +151,7 @@ pub fn rates(before: &Sample, after: &Sample) -> Vec<PortRates> {
                 tx_bps: per_s(k.tx_bytes) * 8.0 * k.unit,
                 drops,
                 rings,
-            })
+            }
         })
         .collect()
 }
@@ -221,12 +210,25 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// A sample of `entries`, each component whose name `port` knows marked a port.
     fn sample(at: Instant, entries: &[(&str, &str, u64)]) -> Sample {
         let mut counters = Counters::default();
         for &(c, n, v) in entries {
             counters.add(c, n, v);
+            if let Some(k) = port(c) {
+                counters.mark_port(c, k);
+            }
         }
         Sample { at, counters }
+    }
+
+    fn port(c: &str) -> Option<PortKind> {
+        match c {
+            "nic" => Some(PortKind::Nic),
+            "vif1.0" | "vif2.0" => Some(PortKind::Vif),
+            "guest tap" | "wire cable" => Some(PortKind::HostInterface),
+            _ => None,
+        }
     }
 
     #[test]
@@ -258,11 +260,14 @@ mod tests {
                 ("vif1.0 grant cache", "hits", 99),
                 ("guest tap", "frames_out", 10),
                 ("bridge", "forwarded", 9),
+                ("wire cable", "frames_in", 30),
             ],
         );
         let r = rates(&before, &after);
         let ports: Vec<&str> = r.iter().map(|p| p.port.as_str()).collect();
-        assert_eq!(ports, ["nic", "vif1.0", "guest tap"]);
+        // A host interface gets its row whatever its name (`pvio up --cable`'s is
+        // `wire cable`, no ` tap` in it).
+        assert_eq!(ports, ["nic", "vif1.0", "guest tap", "wire cable"]);
         let nic = &r[0];
         assert!((nic.rx_pps - 2000.0).abs() < 1e-6, "{nic:?}");
         assert!((nic.rx_bps - 24_000_000.0).abs() < 1e-3, "{nic:?}");
@@ -284,8 +289,9 @@ mod tests {
             })
         );
         assert!((r[2].tx_pps - 20.0).abs() < 1e-6);
+        assert!((r[3].rx_pps - 60.0).abs() < 1e-6);
         let t = table(&r);
-        assert_eq!(t.lines().count(), 4, "{t}");
+        assert_eq!(t.lines().count(), 5, "{t}");
         assert!(t.contains("vif1.0") && t.contains("3/250 of 256") && t.contains("rx_missed 4"));
         assert!(t.contains("24.00 M"), "{t}");
     }

@@ -849,7 +849,8 @@ impl Up {
     pub fn live_sample(&self) -> Option<rig::live::Sample> {
         let mut s = self.running.as_ref()?.live_sample();
         let wire = if self.cable { "wire cable" } else { "wire tap" };
-        s.counters.add_set(wire, &*self.wire);
+        s.counters
+            .add_port(wire, kernel::counters::PortKind::HostInterface, &*self.wire);
         Some(s)
     }
 
