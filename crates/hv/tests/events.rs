@@ -446,6 +446,9 @@ fn a_halt_polling_vcpu_parks_past_its_bound_and_an_event_wakes_it() {
     );
 }
 
+/// A kick (the toolstack's, to ask a vCPU for its counters) wakes a blocked vCPU that
+/// has no event pending: it leaves its wait within a bound, and its counts show it
+/// really blocked and was woken.
 #[test]
 fn a_kick_wakes_a_blocked_vcpu_without_an_event() {
     let (hv, _a, b) = two_domains();
@@ -467,10 +470,25 @@ fn a_kick_wakes_a_blocked_vcpu_without_an_event() {
             },
         )
         .expect("vcpu");
-    std::thread::sleep(Duration::from_millis(20));
+    let t0 = Instant::now();
+    while b.vcpus()[0].runstate().state != hv::time::RunstateKind::Blocked {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never blocked");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     stop.store(true, Ordering::Release);
     hv.kick_vcpu(&b, 0);
+    let t0 = Instant::now();
+    while !h.is_finished() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the kick did not wake the blocked vCPU"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     h.join().expect("stopped");
+    assert!(!b.upcall_pending(0), "woken without an event");
+    let (blocks, wakes) = b.vcpus()[0].block_wake_counts();
+    assert!(blocks >= 1 && wakes >= 1, "it blocked and was woken: {blocks} {wakes}");
 }
 
 /// The count of open ports a teardown check reads follows every way a port opens and

@@ -27,21 +27,26 @@ fn ensure_tools() {
     tools::ensure(&[tools::IP, tools::PING, tools::IPERF3]).expect("outside programs");
 }
 
-fn namespaces_possible() -> Result<(), String> {
-    tools::ensure(&[tools::IP]).map_err(|e| e.to_string())?;
+/// Panics, failing the test, unless network namespaces and TAPs can be made here.
+/// Every test of this file needs them and is ignored by default (`#[ignore]`, shown
+/// as skipped); `.ci/run` runs them as root, where they must pass.
+fn namespaces_possible() {
+    tools::ensure(&[tools::IP]).expect("ip");
     let probe = format!("pvio-probe-{}", std::process::id());
     let o = Command::new("ip")
         .args(["netns", "add", &probe])
         .output()
-        .map_err(|e| e.to_string())?;
-    if !o.status.success() {
-        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
-    }
+        .expect("ip netns add");
+    assert!(
+        o.status.success(),
+        "network namespaces cannot be made here (run as root): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let _ = Command::new("ip").args(["netns", "del", &probe]).output();
-    if !std::path::Path::new("/dev/net/tun").exists() {
-        return Err("no /dev/net/tun".into());
-    }
-    Ok(())
+    assert!(
+        std::path::Path::new("/dev/net/tun").exists(),
+        "no /dev/net/tun"
+    );
 }
 
 /// Starts a one-shot iperf3 server in `ns`, extra arguments after `-s -1`.
@@ -187,11 +192,9 @@ fn ping(ns: &str, to: &str) {
 }
 
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn ping_and_iperf3_cross_the_pv_path_intact() {
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     ensure_tools();
     let pid = std::process::id();
     let cfg = UpConfig {
@@ -371,12 +374,10 @@ fn iperf_client(o: &str, g: &str, to: &str, extra: &[&str]) -> std::process::Out
 /// guest's; the watchdog restarts it, the guest's netfront reconnects, TCP resends
 /// what was lost with the old driver domain, and every byte arrives intact.
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_completes_intact() {
     use rig::udp::{DriverFault, Fault};
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     let pid = std::process::id();
     let cfg = UpConfig {
         outside_ns: format!("pvio-r{pid}-o"),
@@ -435,11 +436,9 @@ fn a_driver_domain_killed_under_a_tcp_stream_is_restarted_and_the_stream_complet
 /// the driver domain's bridge (netback to netback, the NIC not involved), and the
 /// outside reaches both. Their frames are told apart by MAC, their counters by name.
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn two_guests_reach_each_other_through_the_bridge_and_the_outside_reaches_both() {
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     ensure_tools();
     let pid = std::process::id();
     let guest = |i: usize| UpGuest {
@@ -509,11 +508,9 @@ fn two_guests_reach_each_other_through_the_bridge_and_the_outside_reaches_both()
 }
 
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn lro_on_the_nic_port_aggregates_a_real_tcp_stream_and_the_guest_takes_it_intact() {
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     ensure_tools();
     let pid = std::process::id();
     let cfg = UpConfig {
@@ -607,11 +604,9 @@ fn veth_to(a: &str, b: &str, ns: &str, addr: &str) {
 }
 
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn a_cable_on_a_veth_carries_ping_and_tcp_both_ways_intact() {
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     ensure_tools();
     let pid = std::process::id() % 100_000;
     let (a, b, far) = (
@@ -659,12 +654,10 @@ fn a_cable_on_a_veth_carries_ping_and_tcp_both_ways_intact() {
 }
 
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn the_self_virtualized_nic_carries_real_traffic_to_two_guests_intact() {
     use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     ensure_tools();
     let pid = std::process::id();
     let guest = |i: usize| UpGuest {
@@ -775,11 +768,9 @@ fn claim_file(ns: &str) -> std::path::PathBuf {
 /// is refused while it runs; and a run that was killed outright leaves word, so the next
 /// one removes its namespace and makes it afresh instead of reusing it half-configured.
 #[test]
+#[ignore = "needs root: network namespaces and TAPs (.ci/run runs it as root)"]
 fn pvio_up_cleans_up_on_sigterm_refuses_a_second_run_and_mends_a_killed_ones_leftovers() {
-    if let Err(e) = namespaces_possible() {
-        eprintln!("skipped: network namespaces cannot be made here: {e}");
-        return;
-    }
+    namespaces_possible();
     let pid = std::process::id();
     let (o, g) = (format!("pvio-s{pid}-o"), format!("pvio-s{pid}-g"));
     let mut first = up_process(&o, &g, 81, 60).spawn().expect("pvio up");

@@ -1024,18 +1024,13 @@ fn lro_checks(rep: &mut Report, s: &[RxSamples], at: &dyn Fn(Rx) -> usize, intac
 mod tests {
     use super::*;
 
+    /// The experiment makes network namespaces: ignored by default (shown as
+    /// skipped), run by `.ci/run` as root, where every row must be there.
     #[test]
+    #[ignore = "needs root: network namespaces (.ci/run runs it as root)"]
     fn every_path_carries_every_flow_and_each_tcp_target_is_a_check() {
         let r = run(&crate::Context::smoke()).expect("runs");
-        if r.rows.is_empty() {
-            // Not root, or no iperf3: said in a note, nothing measured.
-            assert!(
-                r.notes.iter().any(|n| n.starts_with("not measured")),
-                "{:?}",
-                r.notes
-            );
-            return;
-        }
+        assert!(!r.rows.is_empty(), "nothing measured: {:?}", r.notes);
         // Every path carried every flow; every LRO path its stream and its ping-pong,
         // and LRO made packets of more than one segment where it ran.
         let lro = |row: &crate::report::Row| row.group.starts_with("LRO and GRO");
