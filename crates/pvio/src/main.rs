@@ -67,10 +67,6 @@ enum Command {
         #[arg(long, value_name = "PERCENT", default_value_t = 10.0)]
         threshold: f64,
     },
-    /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
-    /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
-    /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
-    /// 10.77.0.2`.
     /// Serves a real Xen's guests from this dom0 (or driver domain): pvio's netback and
     /// blkback take every vif and vbd back-end directory the toolstack writes for this
     /// domain, with Linux's `xen-netback` and `xen-blkback` unloaded. A vif's interface
@@ -84,13 +80,17 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
     },
+    /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
+    /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
+    /// `ip netns exec pvio-guest iperf3 -s` and `ip netns exec pvio-outside iperf3 -c
+    /// 10.77.0.2`.
     Up {
         /// Run the machine this TOML file describes (see `machines/`); the machine
         /// flags below are then refused, the run's own (`--seconds`, `--pcap`, ...) kept.
         #[arg(long, value_name = "FILE", conflicts_with_all = [
             "outside_ns", "guest_ns", "outside_addr", "guest_addr", "no_netfilter",
             "no_fragments", "grant_reuse", "multi_queue", "no_offloads", "lro", "mtu_wire",
-            "cable", "dma", "split_ring",
+            "cable", "dma", "split_ring", "lro_flush_every",
         ])]
         machine: Option<PathBuf>,
         /// The outside namespace (made if missing).
@@ -150,10 +150,10 @@ enum Command {
         /// would not).
         #[arg(long)]
         split_ring: bool,
-        /// With `--lro delayed`: flush every this many polls (the paper's 2).
-        #[arg(long, value_name = "N", default_value_t = 2,
-              value_parser = clap::value_parser!(u32).range(1..=64))]
-        lro_flush_every: u32,
+        /// With `--lro delayed`: flush every this many polls (the paper's 2); refused
+        /// with any other `--lro`.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+        lro_flush_every: Option<u32>,
         /// Stop after this many seconds (default: at Ctrl-C, SIGTERM or SIGHUP).
         #[arg(long, value_name = "SECS")]
         seconds: Option<u64>,
@@ -705,14 +705,49 @@ fn report(dir: Option<PathBuf>, compare: Option<Vec<PathBuf>>, threshold: f64) -
     }
 }
 
+/// `pvio list`: one experiment a line, the ids padded to the longest so that the titles
+/// line up.
+fn list(all: &[lab::Experiment]) -> String {
+    let w = all.iter().map(|e| e.id.len()).max().unwrap_or(0);
+    all.iter()
+        .map(|e| format!("{:<w$}  {}  [{}]\n", e.id, e.title, e.paper))
+        .collect()
+}
+
 /// The lab's context for a run the command line asked for.
 fn context(quick: bool, idle: rig::IdlePolicy) -> lab::Context {
     let mode = if quick { Mode::Quick } else { Mode::Full };
     lab::Context::new(mode, idle)
 }
 
+/// Parses the command line, refusing flags that contradict each other beyond what
+/// clap's attributes say.
+fn parse<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::CommandFactory;
+    let cli = Cli::try_parse_from(args)?;
+    if let Command::Up {
+        lro,
+        lro_flush_every: Some(_),
+        ..
+    } = &cli.command
+    {
+        if *lro != LroArg::Delayed {
+            return Err(Cli::command().error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--lro-flush-every is for --lro delayed only",
+            ));
+        }
+    }
+    Ok(cli)
+}
+
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let cli = parse(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    match cli.command {
         Command::Reproduce {
             quick,
             only,
@@ -796,7 +831,7 @@ fn main() -> ExitCode {
                         lro: match lro {
                             LroArg::Off => up::LroMode::Off,
                             LroArg::EveryPoll => up::LroMode::EveryPoll,
-                            LroArg::Delayed => up::LroMode::Delayed(lro_flush_every),
+                            LroArg::Delayed => up::LroMode::Delayed(lro_flush_every.unwrap_or(2)),
                             LroArg::Adaptive => up::LroMode::Adaptive,
                         }
                         .setup(),
@@ -833,10 +868,86 @@ fn main() -> ExitCode {
         Command::TcpSource { to, bytes } => tcp_source(&to, bytes),
         Command::TcpSink { port } => tcp_sink(port),
         Command::List => {
-            for e in lab::registry() {
-                println!("{:<10} {}  [{}]", e.id, e.title, e.paper);
-            }
+            print!("{}", list(&lab::registry()));
             ExitCode::SUCCESS
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Each command's help says what that command does, and only that: no command
+    /// without a description, none with another's.
+    #[test]
+    fn every_command_has_its_own_help() {
+        Cli::command().debug_assert();
+        let cmd = Cli::command();
+        let about = |name: &str| {
+            cmd.find_subcommand(name)
+                .and_then(|c| c.get_about())
+                .map(|a| a.to_string())
+                .unwrap_or_default()
+        };
+        let want = [
+            ("reproduce", "Runs every registered experiment"),
+            ("bench", "Runs one benchmark experiment"),
+            ("report", "Writes `index.html`"),
+            ("backend", "Serves a real Xen's guests"),
+            ("up", "Runs a pv machine on real interfaces"),
+            ("soak", "Runs a soak"),
+            ("list", "Lists the registered experiments"),
+        ];
+        for (name, start) in want {
+            let a = about(name);
+            assert!(a.starts_with(start), "{name}: {a:?}");
+            for (other, other_start) in want {
+                if other != name {
+                    assert!(!a.contains(other_start), "{name}'s help holds {other}'s: {a:?}");
+                }
+            }
+        }
+        let mut out = Vec::new();
+        cmd.clone().write_long_help(&mut out).expect("help");
+        let help = String::from_utf8(out).expect("utf-8");
+        for (name, _) in want {
+            assert!(help.contains(&format!("  {name} ")), "pvio --help lists {name}: {help}");
+        }
+    }
+
+    /// Flags that cannot act together are refused, not silently ignored.
+    #[test]
+    fn conflicting_flags_are_refused() {
+        let refused = |args: &[&str]| {
+            let e = parse(std::iter::once("pvio").chain(args.iter().copied()))
+                .expect_err(&format!("{args:?} refused"));
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {e}");
+        };
+        refused(&["up", "--machine", "m.toml", "--lro-flush-every", "3"]);
+        refused(&["up", "--machine", "m.toml", "--multi-queue"]);
+        refused(&["up", "--lro-flush-every", "3"]);
+        refused(&["up", "--lro", "every-poll", "--lro-flush-every", "3"]);
+        refused(&["report", "results", "--compare", "a", "b"]);
+        let ok = |args: &[&str]| {
+            parse(std::iter::once("pvio").chain(args.iter().copied()))
+                .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+        };
+        ok(&["up", "--lro", "delayed", "--lro-flush-every", "3"]);
+        ok(&["up", "--machine", "m.toml", "--seconds", "5"]);
+    }
+
+    /// `pvio list` lines its titles up however long the ids are.
+    #[test]
+    fn list_aligns_every_title() {
+        let all = lab::registry();
+        let text = list(&all);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), all.len());
+        let longest = all.iter().map(|e| e.id.len()).max().expect("experiments");
+        for (line, e) in lines.iter().zip(&all) {
+            assert_eq!(line.find(e.title), Some(longest + 2), "{line}");
         }
     }
 }
