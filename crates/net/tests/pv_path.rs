@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use hv::counters::CopyAlign;
 use hv::store::{XenStore, XenbusState};
 use hv::{CopyPtr, GrantCopy, GrantRef};
 use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
 use net::bridge::{Bridge, Forward};
-use hv::counters::CopyAlign;
 use net::netback::{self, Vif, RX_LENT_MAX, VIF_WINDOW_SLOTS};
 use net::netfront::FrontConfig;
 use net::netfront::{Netfront, RxBuffers, RX_COPY_LEN};

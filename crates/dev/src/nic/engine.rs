@@ -1,0 +1,646 @@
+//! The NIC's engine: the device side of the register file, run as a thread or as a
+//! unit on a pCPU. Each step takes frames from the wire, places them by filter into
+//! the receive queues' descriptors through the IOMMU (non-temporal stores), raises the
+//! queues' interrupts as moderation allows, and sends what the driver posted on the
+//! transmit ring, cutting large segments when it offloads them.
+
+use crate::irq::IrqLine;
+use crate::wire::{WireSink, WireSource};
+use hv::iommu::DmaContext;
+use hv::{DeviceId, Iova};
+use net::offload::{Csum, Offload, MAX_HEADERS};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct NoRoom {
+    pub(super) q: usize,
+    pub(super) tail: u32,
+}
+
+pub(super) struct Device {
+    pub(super) regs: Arc<NicRegs>,
+    pub(super) dma: DmaContext,
+    pub(super) coalesce: Coalesce,
+    pub(super) rxq: Vec<RxQueue>,
+    pub(super) tx_head: u32,
+    pub(super) frame: Vec<u8>,
+    /// The offload of the packet being sent (from its context descriptor).
+    pub(super) tx_off: Offload,
+    /// A received frame being finished for a guest queue, and one frame cut from it
+    /// (or from a packet being sent).
+    pub(super) scratch: Vec<u8>,
+    pub(super) seg: Vec<u8>,
+    /// The descriptors one received frame takes and the bytes each gets (reused, not
+    /// zeroed per frame).
+    pub(super) rx_descs: [(Iova, Desc); MAX_RX_DESCS_PER_FRAME],
+    pub(super) rx_lens: [u16; MAX_RX_DESCS_PER_FRAME],
+    /// Frames wait with a holding source for want of a descriptor: its readiness is
+    /// not work until the driver refills (which wakes the device).
+    pub(super) holding: bool,
+}
+
+/// The device's own state of one receive queue.
+#[derive(Debug, Default)]
+pub(super) struct RxQueue {
+    /// Its interrupt line (MSI-X vector); a queue without one cannot be enabled.
+    pub(super) irq: Option<IrqLine>,
+    pub(super) head: u32,
+    pub(super) pending: u32,
+    pub(super) first_pending: Option<Instant>,
+    pub(super) last_pending: Option<Instant>,
+}
+
+impl RxQueue {
+    pub(super) fn reset(&mut self) {
+        self.head = 0;
+        self.pending = 0;
+        self.first_pending = None;
+        self.last_pending = None;
+    }
+}
+
+pub(super) fn desc_iova(base: u64, i: u32) -> Iova {
+    Iova(base + (i % RING_DESCS) as u64 * DESC_SIZE as u64)
+}
+
+impl Device {
+    /// Fresh registers (interrupt moderation as `coalesce` says) and the device on them.
+    pub(super) fn with_regs(
+        hv: &Arc<hv::Hypervisor>,
+        dev: DeviceId,
+        coalesce: Coalesce,
+        irqs: Vec<IrqLine>,
+    ) -> (Arc<NicRegs>, Self) {
+        let regs = Arc::new(NicRegs::new());
+        for q in &regs.rxq {
+            q.itr_pkts
+                .store(coalesce.pkts_per_irq.max(1), Ordering::Relaxed);
+        }
+        let d = Device::new(Arc::clone(&regs), hv.iommu().device(dev), coalesce, irqs);
+        (regs, d)
+    }
+
+    pub(super) fn new(
+        regs: Arc<NicRegs>,
+        dma: DmaContext,
+        coalesce: Coalesce,
+        irqs: Vec<IrqLine>,
+    ) -> Self {
+        let mut rxq: Vec<RxQueue> = (0..RX_QUEUES).map(|_| RxQueue::default()).collect();
+        for (q, irq) in rxq.iter_mut().zip(irqs) {
+            q.irq = Some(irq);
+        }
+        Self {
+            regs,
+            dma,
+            coalesce,
+            rxq,
+            tx_head: 0,
+            frame: vec![0; 65536],
+            tx_off: Offload::NONE,
+            scratch: vec![0; 65536],
+            seg: vec![0; 2048],
+            rx_descs: [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME],
+            rx_lens: [0; MAX_RX_DESCS_PER_FRAME],
+            holding: false,
+        }
+    }
+
+    /// One pass of the device: a reset taken, frames due from the wire received,
+    /// descriptors the driver posted sent, interrupts raised; then what it waits for:
+    /// `None` to run again at once, or the instant the next frame or interrupt is due
+    /// (a millisecond from now when nothing is, or a doorbell comes first).
+    pub(super) fn pass(
+        &mut self,
+        source: &mut dyn WireSource,
+        sink: &mut dyn WireSink,
+        resets: &mut u64,
+    ) -> Option<Instant> {
+        let regs = Arc::clone(&self.regs);
+        let r = regs.resets.load(Ordering::Acquire);
+        if r != *resets {
+            *resets = r;
+            self.rxq.iter_mut().for_each(RxQueue::reset);
+            self.tx_head = 0;
+        }
+        regs.iterations.fetch_add(1, Ordering::AcqRel);
+        regs.iotlb_hits.store(self.dma.hits, Ordering::Relaxed);
+        regs.iotlb_misses.store(self.dma.misses, Ordering::Relaxed);
+        let now = Instant::now();
+        if regs.enabled.load(Ordering::Acquire) {
+            if regs.link_up.load(Ordering::Acquire) {
+                if source.holds() {
+                    self.receive_held(source, now);
+                } else {
+                    source.poll(now, &mut |f, off| self.receive(f, off));
+                }
+            }
+            self.transmit(sink);
+        }
+        let now = Instant::now();
+        // Until the next frame is due or the oldest completion's interrupt, or (idle)
+        // until a doorbell.
+        let mut wake = if regs.link_up.load(Ordering::Acquire) {
+            source.next_due()
+        } else {
+            None
+        };
+        for q in 0..RX_QUEUES {
+            self.maybe_interrupt(q, now);
+            if self.rxq[q].pending > 0 {
+                // With interrupts off the driver is polling and will see the
+                // completions anyway; look again after a coalescing period.
+                let from = if regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
+                    self.delay_start(q).unwrap_or(now)
+                } else {
+                    now
+                };
+                let d = from + self.coalesce.max_delay;
+                wake = Some(wake.map_or(d, |w| w.min(d)));
+            }
+        }
+        let now = Instant::now();
+        if wake.is_some_and(|w| w <= now) {
+            return None;
+        }
+        // Announce the sleep, then look once more: a doorbell or a frame that came
+        // before the flag was seen must not be slept through. The fences pair with the
+        // doorbell's and the wire's (store, fence, load on each side), so that one of
+        // the two always sees the other.
+        regs.doze.announce();
+        let work = regs.tx_tail.load(Ordering::SeqCst) % RING_DESCS != self.tx_head
+            || regs.stop.load(Ordering::Acquire)
+            || (source.ready() && !self.holding && regs.link_up.load(Ordering::Acquire));
+        if work {
+            regs.doze.awake();
+            return None;
+        }
+        // The wire is asked again: a frame put on it since the first look (its wake-up
+        // found the device not yet asleep) is due in its serialization time, not at the
+        // idle timeout.
+        let due = if regs.link_up.load(Ordering::Acquire) {
+            source.next_due()
+        } else {
+            None
+        };
+        let wake = match (wake, due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Some(wake.unwrap_or(now + Duration::from_millis(1)))
+    }
+
+    /// The device on a thread of its own: passes, parked between them.
+    pub(super) fn run(
+        mut self,
+        mut source: Box<dyn WireSource>,
+        mut sink: Box<dyn WireSink>,
+    ) -> Box<dyn WireSource> {
+        let _ = mem::cpu::set_timer_slack(1_000);
+        let regs = Arc::clone(&self.regs);
+        source.attach(&regs.doze);
+        let mut resets = regs.resets.load(Ordering::Acquire);
+        while !regs.stop.load(Ordering::Acquire) {
+            if let Some(until) = self.pass(source.as_mut(), sink.as_mut(), &mut resets) {
+                std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+                regs.doze.awake();
+            }
+        }
+        source
+    }
+
+    /// Where the coalescing delay of queue `q`'s pending completions counts from.
+    pub(super) fn delay_start(&self, q: usize) -> Option<Instant> {
+        match self.coalesce.delay_from {
+            DelayFrom::FirstPacket => self.rxq[q].first_pending,
+            DelayFrom::LastPacket => self.rxq[q].last_pending,
+        }
+    }
+
+    /// Queue `q`'s completions per interrupt, as the driver last set them.
+    pub(super) fn itr(&self, q: usize) -> u32 {
+        self.regs.rxq[q].itr_pkts.load(Ordering::Relaxed).max(1)
+    }
+
+    pub(super) fn complete(&mut self, q: usize, now: Instant) {
+        let st = &mut self.rxq[q];
+        if st.pending == 0 {
+            st.first_pending = Some(now);
+        }
+        st.last_pending = Some(now);
+        st.pending += 1;
+        // The count, and the delay too: the moderation timer runs on its own in a
+        // NIC, so a long burst of work (a ring of large packets cut into frames) must
+        // not hold back an interrupt that is due.
+        self.maybe_interrupt(q, now);
+    }
+
+    pub(super) fn maybe_interrupt(&mut self, q: usize, now: Instant) {
+        if self.rxq[q].pending == 0 || !self.regs.rxq[q].irq_enabled.load(Ordering::Acquire) {
+            return;
+        }
+        let count = self.rxq[q].pending >= self.itr(q);
+        let deadline = self.delay_start(q).map(|t| t + self.coalesce.max_delay);
+        let timer = !count && deadline.is_some_and(|d| now >= d);
+        if timer {
+            let late = deadline.map_or(0, |d| now.duration_since(d).as_nanos() as u64);
+            self.regs.timer_irqs.fetch_add(1, Ordering::Relaxed);
+            self.regs.timer_late_ns.fetch_add(late, Ordering::Relaxed);
+        }
+        if count || timer {
+            let st = &mut self.rxq[q];
+            st.pending = 0;
+            st.first_pending = None;
+            st.last_pending = None;
+            self.regs.irqs.fetch_add(1, Ordering::Relaxed);
+            self.regs.rxq[q].irqs.fetch_add(1, Ordering::Relaxed);
+            if let Some(irq) = &st.irq {
+                irq.raise();
+            }
+        }
+    }
+
+    /// Frames from a source that holds them (a TAP), as long as the default queue has
+    /// room: the first refused stays with the source, and the device pauses it until
+    /// the driver's next RX tail write (link-level flow control: what cannot be
+    /// received is not read, rather than read and dropped).
+    pub(super) fn receive_held(&mut self, source: &mut dyn WireSource, now: Instant) {
+        let mut refused = None;
+        source.poll_held(now, &mut |f, off| match self.take(f, off) {
+            Ok(()) => true,
+            // A guest's own queue without room drops its frame, as a VMDq NIC's queue
+            // with drop enabled does: one guest that posts no buffers must not pause
+            // the cable for the others. Only the default queue pauses it.
+            Err(e) if e.q != 0 => {
+                self.missed(e);
+                true
+            }
+            Err(e) => {
+                refused = Some(e);
+                false
+            }
+        });
+        self.holding = false;
+        let Some(e) = refused else {
+            return;
+        };
+        // Pause, then look at the tail again: a refill that came before the flag was
+        // up did not see it (SeqCst on both sides; see `NicRegs::set_rx_tail`).
+        self.regs.rx_paused.store(true, Ordering::SeqCst);
+        if self.regs.rxq[e.q].tail.load(Ordering::SeqCst) == e.tail {
+            self.holding = true;
+            self.regs.rx_pauses.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.regs.rx_paused.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// A frame from the wire, with what rides beside it: into the free descriptors'
+    /// buffers of the queue its destination is steered to. Metadata from the cable is
+    /// checked against the frame first, like anything from outside.
+    pub(super) fn receive(&mut self, frame: &[u8], off: Offload) {
+        if let Err(e) = self.take(frame, off) {
+            self.missed(e);
+        }
+    }
+
+    /// A frame from a source that holds what the device refuses (a TAP): taken
+    /// (received, or dropped for a reason no refill cures), or refused for want of a
+    /// free descriptor, to stay first in the source's line.
+    pub(super) fn take(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
+        let regs = Arc::clone(&self.regs);
+        let partial = matches!(off.csum, Csum::Partial { .. });
+        if (partial || off.gso.is_some())
+            && net::offload::validate(&off, &frame[..frame.len().min(MAX_HEADERS)], frame.len())
+                .is_err()
+        {
+            regs.rx_bad_offload.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if frame.len() > MAX_FRAME && off.gso.is_none() {
+            regs.rx_oversize.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.receive_or_refuse(frame, off)
+    }
+
+    /// A checked frame into its queue, or its queue's lack of room.
+    pub(super) fn receive_or_refuse(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
+        let q = self.regs.classify(frame);
+        let partial = matches!(off.csum, Csum::Partial { .. });
+        if q != 0 && (partial || off.gso.is_some()) {
+            // A guest queue's completions carry no offload: it gets what a cable of
+            // MTU-sized frames would have brought, checksums complete. (Cut frames
+            // that find no room are dropped as a cable's: their first parts are in.)
+            self.receive_cut(q, frame, off);
+            return Ok(());
+        }
+        self.receive_one(q, frame, off)
+    }
+
+    /// Counts a frame dropped for want of a descriptor on its queue.
+    pub(super) fn missed(&self, e: NoRoom) {
+        self.regs.rxq[e.q].missed.fetch_add(1, Ordering::Relaxed);
+        self.regs.rx_missed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Cuts a large or partially checksummed frame into complete frames for queue `q`.
+    pub(super) fn receive_cut(&mut self, q: usize, frame: &[u8], off: Offload) {
+        let (mut scratch, mut seg) = (
+            std::mem::take(&mut self.scratch),
+            std::mem::take(&mut self.seg),
+        );
+        let f = &mut scratch[..frame.len()];
+        f.copy_from_slice(frame);
+        if let Ok(l4) = net::offload::checksum_setup(&f[..f.len().min(MAX_HEADERS)], f.len()) {
+            let done = match off.gso {
+                Some(g) => net::offload::segment_tcpv4(f, &l4, g.size.into(), &mut seg, |s| {
+                    self.regs.rx_cut.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = self.receive_one(q, s, Offload::NONE) {
+                        self.missed(e);
+                    }
+                })
+                .is_ok(),
+                None => {
+                    let ok = net::offload::fill_partial(f, l4.l4, l4.csum_offset).is_ok();
+                    if ok {
+                        self.regs.rx_cut.fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = self.receive_one(q, f, Offload::NONE) {
+                            self.missed(e);
+                        }
+                    }
+                    ok
+                }
+            };
+            if !done {
+                self.regs.rx_bad_offload.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        (self.scratch, self.seg) = (scratch, seg);
+    }
+
+    /// One frame into queue `q`: as many descriptors as its length needs (each
+    /// descriptor's buffer as long as its length field says; 0 means a full frame),
+    /// data first (non-temporal, fenced), then the write-backs from the last to the
+    /// first, so that the driver never sees the first done before the rest. The last
+    /// carries end-of-packet and the offload. A frame without enough free descriptors
+    /// is dropped whole, nothing written.
+    pub(super) fn receive_one(
+        &mut self,
+        q: usize,
+        frame: &[u8],
+        off: Offload,
+    ) -> Result<(), NoRoom> {
+        let regs = Arc::clone(&self.regs);
+        let qr = &regs.rxq[q];
+        // Queue 0 is on whenever the device is; another only once enabled, with a line.
+        let on = q == 0 || (qr.enabled.load(Ordering::Acquire) && self.rxq[q].irq.is_some());
+        let head = self.rxq[q].head;
+        let tail = qr.tail.load(Ordering::Acquire);
+        if !on {
+            qr.missed.fetch_add(1, Ordering::Relaxed);
+            regs.rx_missed.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if head == tail {
+            return Err(NoRoom { q, tail });
+        }
+        let base = qr.base.load(Ordering::Relaxed);
+        let (descs, lens) = (&mut self.rx_descs, &mut self.rx_lens);
+        let (mut k, mut room, mut h) = (0, 0usize, head);
+        while room < frame.len().max(1) {
+            if h == tail {
+                return Err(NoRoom { q, tail });
+            }
+            if k == MAX_RX_DESCS_PER_FRAME {
+                // Descriptors too short for the frame: no refill makes room for it.
+                qr.missed.fetch_add(1, Ordering::Relaxed);
+                regs.rx_missed.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            let at = desc_iova(base, h);
+            let mut raw = [0u8; DESC_SIZE];
+            if self.dma.dma_read(at, &mut raw).is_err() {
+                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            let d: Desc = bytemuck::pod_read_unaligned(&raw);
+            room += if d.len == 0 {
+                MAX_FRAME
+            } else {
+                usize::from(d.len)
+            };
+            descs[k] = (at, d);
+            k += 1;
+            h = (h + 1) % RING_DESCS;
+        }
+        // Data first. A write that faults (part of it may have landed) completes every
+        // descriptor of the frame with the error bit and no length, so the driver
+        // drops it and recycles the buffers instead of handing up what they held.
+        let mut done = 0;
+        let mut failed = false;
+        for (j, (_, d)) in descs[..k].iter().enumerate() {
+            let cap = if d.len == 0 {
+                MAX_FRAME
+            } else {
+                usize::from(d.len)
+            };
+            let n = (frame.len() - done).min(cap);
+            if !failed
+                && self
+                    .dma
+                    .dma_write(Iova(d.addr), &frame[done..done + n])
+                    .is_err()
+            {
+                failed = true;
+            }
+            lens[j] = n as u16;
+            done += n;
+        }
+        if failed {
+            regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+            regs.rx_dma_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let offloaded = off != Offload::NONE;
+        let last_status = if failed {
+            DESC_DD | DESC_EOP | DESC_ERR
+        } else if offloaded {
+            DESC_DD | DESC_EOP | DESC_OFFLOAD
+        } else if net::wire::l4_checksum(frame) == Some(true) {
+            DESC_DD | DESC_EOP | DESC_L4_OK
+        } else {
+            DESC_DD | DESC_EOP
+        };
+        for j in (0..k).rev() {
+            let (at, d) = descs[j];
+            let last = j + 1 == k;
+            let wb = Desc {
+                addr: if last && offloaded && !failed {
+                    off.to_bits()
+                } else {
+                    d.addr
+                },
+                len: if failed { 0 } else { lens[j] },
+                status: if last {
+                    last_status
+                } else if failed {
+                    DESC_DD | DESC_ERR
+                } else {
+                    DESC_DD
+                },
+                flags: 0,
+                pad: 0,
+            };
+            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
+                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        self.rxq[q].head = h;
+        qr.frames.fetch_add(1, Ordering::Relaxed);
+        regs.rx_frames.fetch_add(1, Ordering::Relaxed);
+        if !failed {
+            regs.rx_bytes
+                .fetch_add(frame.len() as u64, Ordering::Relaxed);
+            if off.gso.is_some() {
+                regs.rx_gso.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.complete(q, Instant::now());
+        Ok(())
+    }
+
+    /// Puts one packet on the cable. A large one is cut into MTU-sized frames by the
+    /// segmentation engine (TSO), checksums complete, as a NIC puts it on a wire. A
+    /// partial checksum goes as it is to a far end that takes it (a virtio-net
+    /// cable), else the checksum engine fills it in. A context the packet's headers do
+    /// not bear out is counted, and nothing sent.
+    ///
+    /// Large frames are not handed to the cable whole, though a TAP would take them: so
+    /// written into the outside namespace, TCP through `pvio up` stalled for hundreds
+    /// of milliseconds at a time (the sender's retransmission timer fired while the
+    /// receiver's acknowledgements sat unread; see `docs/results/up.md`), where the
+    /// same packets cut into frames flow steadily.
+    pub(super) fn send(&mut self, sink: &mut dyn WireSink, len: usize, off: Offload) {
+        let regs = Arc::clone(&self.regs);
+        let frame = &mut self.frame[..len];
+        let partial = matches!(off.csum, Csum::Partial { .. });
+        let count = |n: usize| {
+            regs.tx_frames.fetch_add(1, Ordering::Relaxed);
+            regs.tx_bytes.fetch_add(n as u64, Ordering::Relaxed);
+        };
+        if !partial && off.gso.is_none() {
+            sink.transmit(frame, Offload::NONE);
+            count(len);
+            return;
+        }
+        let Ok(Some(l4)) = net::offload::validate(&off, &frame[..len.min(MAX_HEADERS)], len) else {
+            regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        // A cable whose far end takes offloads (a TAP with a virtio-net header: the
+        // host's stack, which cuts or re-aggregates as it needs) gets the packet
+        // whole, as a NIC's TSO output is re-aggregated by the receiver's GRO; any
+        // other gets frames the segmentation and checksum engines finish.
+        if sink.takes_offload() {
+            regs.tx_gso
+                .fetch_add(u64::from(off.gso.is_some()), Ordering::Relaxed);
+            sink.transmit(frame, off);
+            count(len);
+            return;
+        }
+        match off.gso {
+            Some(g) => {
+                regs.tx_gso.fetch_add(1, Ordering::Relaxed);
+                let r =
+                    net::offload::segment_tcpv4(frame, &l4, g.size.into(), &mut self.seg, |f| {
+                        regs.tx_tso_segments.fetch_add(1, Ordering::Relaxed);
+                        sink.transmit(f, Offload::NONE);
+                        count(f.len());
+                    });
+                if r.is_err() {
+                    regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            None => {
+                if net::offload::fill_partial(frame, l4.l4, l4.csum_offset).is_ok() {
+                    sink.transmit(frame, Offload::NONE);
+                    count(len);
+                } else {
+                    regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Sends every packet the driver queued.
+    pub(super) fn transmit(&mut self, sink: &mut dyn WireSink) {
+        self.transmit_ring(sink);
+        sink.flush();
+    }
+
+    /// Hands every packet on the transmit ring to the cable.
+    pub(super) fn transmit_ring(&mut self, sink: &mut dyn WireSink) {
+        let regs = Arc::clone(&self.regs);
+        let tail = regs.tx_tail.load(Ordering::Acquire) % RING_DESCS;
+        let base = regs.tx_base.load(Ordering::Relaxed);
+        let mut len = 0usize;
+        let mut bad = false;
+        while self.tx_head != tail {
+            let at = desc_iova(base, self.tx_head);
+            let mut raw = [0u8; DESC_SIZE];
+            if self.dma.dma_read(at, &mut raw).is_err() {
+                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let mut d: Desc = bytemuck::pod_read_unaligned(&raw);
+            if d.flags & DESC_CTX != 0 {
+                // The next packet's offload; a context no encoder writes spoils it.
+                match Offload::from_bits(d.addr) {
+                    Some(o) => self.tx_off = o,
+                    None => {
+                        self.tx_off = Offload::NONE;
+                        bad = true;
+                        regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                d.status = DESC_DD;
+                let _ = self.dma.dma_write(at, bytemuck::bytes_of(&d));
+                self.tx_head = (self.tx_head + 1) % RING_DESCS;
+                regs.tx_head.store(self.tx_head, Ordering::Release);
+                continue;
+            }
+            let n = d.len as usize;
+            if len + n > self.frame.len() {
+                bad = true;
+            } else if self
+                .dma
+                .dma_read(Iova(d.addr), &mut self.frame[len..len + n])
+                .is_err()
+            {
+                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+                bad = true;
+            } else {
+                len += n;
+            }
+            let eop = d.flags & DESC_EOP != 0;
+            d.status = DESC_DD;
+            let _ = self.dma.dma_write(at, bytemuck::bytes_of(&d));
+            self.tx_head = (self.tx_head + 1) % RING_DESCS;
+            regs.tx_head.store(self.tx_head, Ordering::Release);
+            if eop {
+                let off = std::mem::take(&mut self.tx_off);
+                if !bad {
+                    self.send(sink, len, off);
+                }
+                len = 0;
+                bad = false;
+                self.complete(0, Instant::now());
+            }
+        }
+    }
+}

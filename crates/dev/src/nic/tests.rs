@@ -1,0 +1,713 @@
+//! The NIC model's tests: registers, placement, moderation, offloads.
+
+use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hv::{DeviceId, Iova};
+use net::offload::{Csum, Offload};
+
+use crate::irq::IrqLine;
+use crate::wire::{WireSink, WireSource};
+
+/// No false sharing between the driver's core and the device's: the registers the
+/// driver writes, the flag both write and the counters the device writes are each
+/// on lines of their own, in every receive queue too.
+#[test]
+fn the_drivers_registers_and_the_devices_counters_keep_to_lines_of_their_own() {
+    use std::mem::{align_of, offset_of, size_of};
+    let line = |off: usize| off / 64;
+    let driver = [
+        offset_of!(NicRegs, tx_base),
+        offset_of!(NicRegs, tx_tail),
+        offset_of!(NicRegs, enabled),
+        offset_of!(NicRegs, link_up),
+        offset_of!(NicRegs, resets),
+        offset_of!(NicRegs, stop),
+    ];
+    let both = [offset_of!(NicRegs, rx_paused)];
+    let device = [
+        offset_of!(NicRegs, tx_head),
+        offset_of!(NicRegs, iterations),
+        offset_of!(NicRegs, rx_frames),
+        offset_of!(NicRegs, rx_bytes),
+        offset_of!(NicRegs, rx_missed),
+        offset_of!(NicRegs, rx_pauses),
+        offset_of!(NicRegs, tx_frames),
+        offset_of!(NicRegs, tx_bytes),
+        offset_of!(NicRegs, irqs),
+        offset_of!(NicRegs, timer_irqs),
+        offset_of!(NicRegs, iotlb_hits),
+        offset_of!(NicRegs, iotlb_misses),
+    ];
+    let apart = |a: &[usize], b: &[usize], what: &str| {
+        for x in a {
+            for y in b {
+                assert_ne!(
+                    line(*x),
+                    line(*y),
+                    "{what}: offsets {x} and {y} share a line"
+                );
+            }
+        }
+    };
+    apart(&driver, &device, "driver and device");
+    apart(&driver, &both, "driver and the pause flag");
+    apart(&both, &device, "the pause flag and device");
+    assert_eq!(align_of::<NicRegs>(), 64, "the registers start a line");
+    // A queue: the driver's registers on one line, the device's counters on the
+    // next, and each queue on lines no other queue's words are on.
+    assert_eq!(size_of::<RxQueueRegs>() % 64, 0);
+    let regs = [
+        offset_of!(RxQueueRegs, base),
+        offset_of!(RxQueueRegs, tail),
+        offset_of!(RxQueueRegs, itr_pkts),
+        offset_of!(RxQueueRegs, irq_enabled),
+        offset_of!(RxQueueRegs, enabled),
+    ];
+    let counters = [
+        offset_of!(RxQueueRegs, frames),
+        offset_of!(RxQueueRegs, missed),
+        offset_of!(RxQueueRegs, irqs),
+    ];
+    apart(&regs, &counters, "a queue's registers and counters");
+    let queues = offset_of!(NicRegs, rxq);
+    let all_queues = queues + RX_QUEUES * size_of::<RxQueueRegs>();
+    let first_other = driver.iter().chain(&device).chain(&both).copied().min();
+    assert!(
+        first_other.is_some_and(|o| o >= all_queues),
+        "the queues come first"
+    );
+}
+use hv::{DomainConfig, Gfn, HvConfig, Hypervisor};
+
+/// A hypervisor and the driver domain whose memory the NIC's rings live in.
+fn driver_domain() -> (Arc<Hypervisor>, Arc<hv::Domain>) {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 512,
+        ..Default::default()
+    })
+    .expect("hv");
+    let d = hv
+        .create_domain(&DomainConfig {
+            pages: 64,
+            driver_domain: true,
+            ..Default::default()
+        })
+        .expect("dom");
+    (hv, d)
+}
+
+/// Frames that wait outside until the device takes them (a TAP's queue).
+struct Holding(std::collections::VecDeque<Vec<u8>>);
+
+impl WireSource for Holding {
+    fn poll(&mut self, _now: Instant, _emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        unreachable!("a holding source is polled with poll_held")
+    }
+    fn next_due(&self) -> Option<Instant> {
+        None
+    }
+    fn ready(&self) -> bool {
+        !self.0.is_empty()
+    }
+    fn holds(&self) -> bool {
+        true
+    }
+    fn poll_held(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        let mut n = 0;
+        while let Some(f) = self.0.front() {
+            if !emit(f, Offload::NONE) {
+                break;
+            }
+            self.0.pop_front();
+            n += 1;
+        }
+        n
+    }
+}
+
+#[test]
+fn a_source_that_holds_keeps_what_the_ring_has_no_room_for_until_the_driver_refills() {
+    let (hv, d) = driver_domain();
+    let ring = d.alloc_page().expect("p");
+    let ring_iova = 0x10_000u64;
+    hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
+    let mut bufs = Vec::new();
+    for i in 0..4u64 {
+        let b = d.alloc_page().expect("p");
+        let at = 0x20_000 + i * 0x1000;
+        hv.iommu_map(&d, Iova(at), b, true).expect("map");
+        let desc = Desc {
+            addr: at,
+            ..Default::default()
+        };
+        d.write(ring, i as usize * DESC_SIZE, bytemuck::bytes_of(&desc))
+            .expect("desc");
+        bufs.push(b);
+    }
+    hv.iommu_attach(DeviceId(9), &d).expect("attach");
+    let regs = Arc::new(NicRegs::new());
+    regs.rxq[0].base.store(ring_iova, Ordering::Relaxed);
+    regs.enabled.store(true, Ordering::Relaxed);
+    regs.link_up.store(true, Ordering::Relaxed);
+    let mut dev = Device::new(
+        Arc::clone(&regs),
+        hv.iommu().device(DeviceId(9)),
+        Coalesce::default(),
+        vec![IrqLine::Native(Arc::default())],
+    );
+    let frames: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; 100]).collect();
+    let mut src = Holding(frames.iter().cloned().collect());
+    let mut sink = crate::wire::CountingSink::default();
+    let mut resets = 0;
+    // No descriptor posted: nothing is read, nothing is lost, the device pauses.
+    dev.pass(&mut src, &mut sink, &mut resets);
+    assert_eq!(src.0.len(), 6);
+    assert_eq!(regs.rx_missed.load(Ordering::Relaxed), 0);
+    assert!(regs.rx_paused.load(Ordering::Relaxed));
+    assert_eq!(regs.rx_pauses.load(Ordering::Relaxed), 1);
+    // Two buffers: two frames in, the rest wait; the refill lifted the pause.
+    regs.set_rx_tail(0, 2);
+    assert!(
+        !regs.rx_paused.load(Ordering::Relaxed),
+        "a refill lifts the pause"
+    );
+    dev.pass(&mut src, &mut sink, &mut resets);
+    assert_eq!(src.0.len(), 4);
+    assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 2);
+    // Two more: two more in, in order, and still nothing missed.
+    regs.set_rx_tail(0, 4);
+    dev.pass(&mut src, &mut sink, &mut resets);
+    assert_eq!(src.0.len(), 2);
+    assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 4);
+    assert_eq!(regs.rx_missed.load(Ordering::Relaxed), 0);
+    for (b, f) in bufs.iter().zip(&frames) {
+        let mut got = vec![0u8; f.len()];
+        d.read(*b, 0, &mut got).expect("data");
+        assert_eq!(&got, f);
+    }
+}
+
+#[test]
+fn a_guest_queue_without_buffers_drops_its_own_frames_and_pauses_nobody() {
+    let (hv, d) = driver_domain();
+    let ring = d.alloc_page().expect("p");
+    hv.iommu_map(&d, Iova(0x10_000), ring, true).expect("map");
+    for i in 0..2u64 {
+        let b = d.alloc_page().expect("p");
+        hv.iommu_map(&d, Iova(0x20_000 + i * 0x1000), b, true)
+            .expect("map");
+        let desc = Desc {
+            addr: 0x20_000 + i * 0x1000,
+            ..Default::default()
+        };
+        d.write(ring, i as usize * DESC_SIZE, bytemuck::bytes_of(&desc))
+            .expect("desc");
+    }
+    hv.iommu_attach(DeviceId(10), &d).expect("attach");
+    let regs = Arc::new(NicRegs::new());
+    regs.rxq[0].base.store(0x10_000, Ordering::Relaxed);
+    regs.rxq[0].tail.store(2, Ordering::Relaxed);
+    // Queue 1 is a guest's, steered to by its MAC, enabled, and given no buffer.
+    let guest = [0x02, 0, 0, 0, 0, 0x42];
+    regs.filters[0]
+        .mac
+        .store(mac_bits(guest) | FILTER_VALID, Ordering::Relaxed);
+    regs.filters[0]
+        .vlan
+        .store(FILTER_UNTAGGED, Ordering::Relaxed);
+    regs.filters[0].queue.store(1, Ordering::Relaxed);
+    regs.rxq[1].enabled.store(true, Ordering::Relaxed);
+    regs.enabled.store(true, Ordering::Relaxed);
+    regs.link_up.store(true, Ordering::Relaxed);
+    let mut dev = Device::new(
+        Arc::clone(&regs),
+        hv.iommu().device(DeviceId(10)),
+        Coalesce::default(),
+        vec![
+            IrqLine::Native(Arc::default()),
+            IrqLine::Native(Arc::default()),
+        ],
+    );
+    let to = |mac: [u8; 6]| {
+        let mut f = vec![0x11u8; 100];
+        f[..6].copy_from_slice(&mac);
+        f
+    };
+    let other = [0x02, 0, 0, 0, 0, 0x43];
+    let mut src = Holding([to(guest), to(other), to(other)].into_iter().collect());
+    let mut sink = crate::wire::CountingSink::default();
+    dev.pass(&mut src, &mut sink, &mut 0);
+    assert!(
+        src.0.is_empty(),
+        "nothing held back behind the guest's queue"
+    );
+    assert_eq!(regs.rxq[1].missed.load(Ordering::Relaxed), 1);
+    assert_eq!(regs.rx_frames.load(Ordering::Relaxed), 2);
+    assert_eq!(regs.rx_pauses.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_frame_whose_dma_faults_completes_its_descriptor_with_an_error_and_no_data() {
+    let (hv, d) = driver_domain();
+    let (ring, buf): (Gfn, Gfn) = (d.alloc_page().expect("p"), d.alloc_page().expect("p"));
+    let (ring_iova, buf_iova) = (0x10_000u64, 0x20_000u64);
+    hv.iommu_map(&d, Iova(ring_iova), ring, true).expect("map");
+    hv.iommu_map(&d, Iova(buf_iova), buf, true).expect("map");
+    hv.iommu_attach(DeviceId(7), &d).expect("attach");
+    // Descriptor 0 names a buffer the IOMMU does not map; descriptor 1 a good one.
+    d.fill(buf, 0, 4096, 0xee).expect("stale bytes");
+    for (i, addr) in [(0usize, 0x90_000u64), (1, buf_iova)] {
+        let desc = Desc {
+            addr,
+            ..Default::default()
+        };
+        d.write(ring, i * DESC_SIZE, bytemuck::bytes_of(&desc))
+            .expect("desc");
+    }
+    let regs = Arc::new(NicRegs::new());
+    regs.rxq[0].base.store(ring_iova, Ordering::Relaxed);
+    regs.rxq[0].tail.store(2, Ordering::Relaxed);
+    let mut dev = Device::new(
+        Arc::clone(&regs),
+        hv.iommu().device(DeviceId(7)),
+        Coalesce::default(),
+        vec![IrqLine::Native(Arc::default())],
+    );
+    let frame = [0x5au8; 200];
+    dev.receive(&frame, Offload::NONE);
+    dev.receive(&frame, Offload::NONE);
+    let desc = |i: usize| -> Desc {
+        let mut b = [0u8; DESC_SIZE];
+        d.read(ring, i * DESC_SIZE, &mut b).expect("desc");
+        bytemuck::pod_read_unaligned(&b)
+    };
+    let bad = desc(0);
+    assert_eq!(bad.status & (DESC_DD | DESC_ERR), DESC_DD | DESC_ERR);
+    assert_eq!(bad.len, 0, "no length the driver could hand up");
+    let good = desc(1);
+    assert_eq!((good.status & DESC_ERR, good.len), (0, 200));
+    let mut got = [0u8; 200];
+    d.read(buf, 0, &mut got).expect("data");
+    assert_eq!(got, frame);
+    assert_eq!(regs.rx_dma_errors.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        regs.rx_frames.load(Ordering::Relaxed),
+        2,
+        "both descriptors used"
+    );
+}
+
+#[test]
+fn the_coalescing_delay_counts_from_the_first_or_the_last_packet_and_the_driver_sets_the_count() {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 64,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let device = |delay_from| {
+        let regs = Arc::new(NicRegs::new());
+        regs.rxq[0].irq_enabled.store(true, Ordering::Relaxed);
+        regs.rxq[0].itr_pkts.store(64, Ordering::Relaxed);
+        Device::new(
+            regs,
+            hv.iommu().device(DeviceId(8)),
+            Coalesce {
+                pkts_per_irq: 64,
+                max_delay: Duration::from_micros(18),
+                delay_from,
+                adaptive: false,
+            },
+            vec![IrqLine::Native(Arc::default())],
+        )
+    };
+    let irqs = |d: &Device| d.regs.irqs.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    let us = |n: u64| t0 + Duration::from_micros(n);
+    for from in [DelayFrom::FirstPacket, DelayFrom::LastPacket] {
+        let mut d = device(from);
+        // Ten packets 10 µs apart: closer together than the delay.
+        for k in 0..10 {
+            d.complete(0, us(10 * k));
+            d.maybe_interrupt(0, us(10 * k));
+        }
+        match from {
+            // An interrupt once the oldest has waited 18 µs: at 20, 50 and 80.
+            DelayFrom::FirstPacket => assert_eq!(irqs(&d), 3),
+            // Each packet restarted the delay: nothing yet.
+            DelayFrom::LastPacket => assert_eq!(irqs(&d), 0),
+        }
+        // The timer is checked 5 µs after the last packet's deadline.
+        d.maybe_interrupt(0, us(90 + 18 + 5));
+        assert_eq!(
+            d.rxq[0].pending, 0,
+            "{from:?}: 18 µs after the last, all signalled"
+        );
+        // Every interrupt here was the timer's, and how late each came is kept.
+        let timer = d.regs.timer_irqs.load(Ordering::Relaxed);
+        assert_eq!(timer, irqs(&d));
+        let late = d.regs.timer_late_ns.load(Ordering::Relaxed);
+        match from {
+            // At 20, 50 and 80 µs, 2 µs after each deadline; then 5 µs.
+            DelayFrom::FirstPacket => assert_eq!(late, 3 * 2_000 + 5_000),
+            DelayFrom::LastPacket => assert_eq!(late, 5_000),
+        }
+    }
+    // The count is the driver's register, read at each completion.
+    let mut d = device(DelayFrom::LastPacket);
+    d.regs.rxq[0].itr_pkts.store(2, Ordering::Relaxed);
+    d.complete(0, us(0));
+    d.complete(0, us(1));
+    assert_eq!(irqs(&d), 1);
+    assert_eq!(d.regs.timer_irqs.load(Ordering::Relaxed), 0, "the count's");
+    // Completions back to back, the device never resting between them (a ring of
+    // large packets cut into frames for the cable): the delay is honoured at each
+    // completion, as a NIC's moderation timer runs beside its DMA engine.
+    let mut d = device(DelayFrom::FirstPacket);
+    for k in 0..3 {
+        d.complete(0, us(10 * k));
+    }
+    assert_eq!(irqs(&d), 1, "the oldest waited 20 µs of 18");
+}
+
+/// A device with a ring of four posted buffers on each queue it has a line for, in
+/// one domain's memory, for the steering tests.
+struct Rig {
+    dom: Arc<hv::Domain>,
+    regs: Arc<NicRegs>,
+    dev: Device,
+    lines: Vec<Arc<crate::irq::NativeIrq>>,
+    bufs: Vec<Vec<Gfn>>,
+    rings: Vec<Gfn>,
+    _hv: Arc<Hypervisor>,
+}
+
+const POSTED: u32 = 4;
+const MAC_A: [u8; 6] = [2, 0, 0, 0, 0, 0xa];
+const MAC_B: [u8; 6] = [2, 0, 0, 0, 0, 0xb];
+
+fn rig(queues: usize) -> Rig {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 1024,
+        ..Default::default()
+    })
+    .expect("hv");
+    let dom = hv
+        .create_domain(&DomainConfig {
+            pages: 256,
+            driver_domain: true,
+            ..Default::default()
+        })
+        .expect("dom");
+    hv.iommu_attach(DeviceId(9), &dom).expect("attach");
+    let regs = Arc::new(NicRegs::new());
+    let lines: Vec<Arc<crate::irq::NativeIrq>> = (0..queues).map(|_| Arc::default()).collect();
+    let (mut rings, mut bufs) = (Vec::new(), Vec::new());
+    for q in 0..queues {
+        let ring = dom.alloc_page().expect("ring");
+        let ring_iova = 0x100_000 + q as u64 * 0x10_000;
+        hv.iommu_map(&dom, Iova(ring_iova), ring, true)
+            .expect("map");
+        let mut b = Vec::new();
+        for k in 0..POSTED as usize {
+            let g = dom.alloc_page().expect("buf");
+            let iova = 0x200_000 + q as u64 * 0x10_000 + k as u64 * 0x1000;
+            hv.iommu_map(&dom, Iova(iova), g, true).expect("map");
+            let desc = Desc {
+                addr: iova,
+                ..Default::default()
+            };
+            dom.write(ring, k * DESC_SIZE, bytemuck::bytes_of(&desc))
+                .expect("desc");
+            b.push(g);
+        }
+        let r = &regs.rxq[q];
+        r.base.store(ring_iova, Ordering::Relaxed);
+        r.tail.store(POSTED, Ordering::Relaxed);
+        r.itr_pkts.store(1, Ordering::Relaxed);
+        r.irq_enabled.store(true, Ordering::Relaxed);
+        r.enabled.store(true, Ordering::Relaxed);
+        rings.push(ring);
+        bufs.push(b);
+    }
+    let dev = Device::new(
+        Arc::clone(&regs),
+        hv.iommu().device(DeviceId(9)),
+        Coalesce::default(),
+        lines
+            .iter()
+            .map(|l| IrqLine::Native(Arc::clone(l)))
+            .collect(),
+    );
+    Rig {
+        dom,
+        regs,
+        dev,
+        lines,
+        bufs,
+        rings,
+        _hv: hv,
+    }
+}
+
+/// A frame to `dst`, tagged with `vlan` if given, its payload `seed`.
+fn frame_to(dst: [u8; 6], vlan: Option<u16>, seed: u8) -> Vec<u8> {
+    let mut f = dst.to_vec();
+    f.extend_from_slice(&[2, 0, 0, 0, 0, 1]);
+    if let Some(v) = vlan {
+        f.extend_from_slice(&[0x81, 0x00]);
+        f.extend_from_slice(&v.to_be_bytes());
+    }
+    f.extend_from_slice(&[0x88, 0xb5]);
+    f.extend((0..100).map(|i: u8| i ^ seed));
+    f
+}
+
+impl Rig {
+    fn frames(&self, q: usize) -> u64 {
+        self.regs.rxq[q].frames.load(Ordering::Relaxed)
+    }
+    fn missed(&self, q: usize) -> u64 {
+        self.regs.rxq[q].missed.load(Ordering::Relaxed)
+    }
+    /// The bytes in queue `q`'s `k`th buffer, as its descriptor's length says.
+    fn got(&self, q: usize, k: usize) -> Vec<u8> {
+        let mut raw = [0u8; DESC_SIZE];
+        self.dom
+            .read(self.rings[q], k * DESC_SIZE, &mut raw)
+            .expect("desc");
+        let d: Desc = bytemuck::pod_read_unaligned(&raw);
+        let mut b = vec![0u8; d.len as usize];
+        self.dom.read(self.bufs[q][k], 0, &mut b).expect("data");
+        b
+    }
+}
+
+/// A TCP/IPv4 frame to `dst` with `payload` bytes, its checksum left partial; and
+/// its offload with GSO segment size `mss`.
+fn tcp_to(dst: [u8; 6], payload: usize, mss: u16) -> (Vec<u8>, Offload) {
+    let mut f = dst.to_vec();
+    f.extend_from_slice(&[2, 0, 0, 0, 0, 1, 0x08, 0x00]);
+    let total = (40 + payload) as u16;
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&[10, 0, 0, 1]);
+    ip[16..20].copy_from_slice(&[10, 0, 0, 2]);
+    let sum = !smoltcp::wire::checksum::data(&ip);
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    f.extend_from_slice(&ip);
+    let mut tcp = [0u8; 20];
+    tcp[12] = 5 << 4;
+    tcp[13] = 0x18;
+    f.extend_from_slice(&tcp);
+    f.extend((0..payload).map(|i| (i % 251) as u8));
+    let l4 = net::offload::checksum_setup(&f, f.len()).expect("tcp");
+    net::offload::set_pseudo(&mut f, &l4);
+    let off = Offload {
+        csum: l4.partial(),
+        gso: Some(net::netif::Gso {
+            size: mss,
+            ty: net::netif::XEN_NETIF_GSO_TYPE_TCPV4,
+        }),
+    };
+    (f, off)
+}
+
+#[test]
+fn a_large_frame_fills_several_descriptors_and_bad_cable_metadata_is_dropped() {
+    let mut r = rig(2);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    let other = [2, 0, 0, 0, 0, 0xc];
+    // 5000 bytes: four buffers of a full frame each (their length field is 0).
+    let (big, off) = tcp_to(other, 4946, 1448);
+    r.dev.receive(&big, off);
+    assert_eq!(r.frames(0), 1);
+    let descs: Vec<Desc> = (0..4)
+        .map(|k| {
+            let mut raw = [0u8; DESC_SIZE];
+            r.dom
+                .read(r.rings[0], k * DESC_SIZE, &mut raw)
+                .expect("desc");
+            bytemuck::pod_read_unaligned(&raw)
+        })
+        .collect();
+    assert!(descs.iter().all(|d| d.status & DESC_DD != 0));
+    assert!(descs[..3].iter().all(|d| d.status & DESC_EOP == 0));
+    assert_eq!(
+        descs[3].status & (DESC_EOP | DESC_OFFLOAD),
+        DESC_EOP | DESC_OFFLOAD
+    );
+    assert_eq!(
+        Offload::from_bits(descs[3].addr),
+        Some(off),
+        "the write-back"
+    );
+    let mut got = Vec::new();
+    for (k, d) in descs.iter().enumerate() {
+        let mut b = vec![0u8; d.len as usize];
+        r.dom.read(r.bufs[0][k], 0, &mut b).expect("data");
+        got.extend(b);
+    }
+    assert_eq!(got, big, "every byte, in order");
+    assert_eq!(r.regs.rx_gso.load(Ordering::Relaxed), 1);
+    // From the cable: a GSO size of 0, a checksum offset off the headers, a large
+    // frame without GSO. Each dropped and counted; no descriptor used.
+    let zero = Offload {
+        gso: off.gso.map(|g| net::netif::Gso { size: 0, ..g }),
+        ..off
+    };
+    let skewed = Offload {
+        csum: Csum::Partial {
+            start: 34,
+            offset: 6,
+        },
+        ..off
+    };
+    r.dev.receive(&big, zero);
+    r.dev.receive(&big, skewed);
+    r.dev.receive(&big, Offload::NONE);
+    assert_eq!(r.regs.rx_bad_offload.load(Ordering::Relaxed), 2);
+    assert_eq!(r.regs.rx_oversize.load(Ordering::Relaxed), 1);
+    assert_eq!(r.frames(0), 1);
+    // A guest queue's completions carry no offload: it gets the frame cut to
+    // frames with complete checksums (its four buffers hold the first four).
+    let (to_a, aoff) = tcp_to(MAC_A, 4000, 1000);
+    r.dev.receive(&to_a, aoff);
+    assert_eq!(r.frames(1), 4);
+    for k in 0..4 {
+        let f = r.got(1, k);
+        let l4 = net::offload::checksum_setup(&f, f.len()).expect("a frame");
+        assert!(net::offload::verify(&f, &l4), "segment {k}");
+        assert_eq!(f.len(), 54 + 1000);
+    }
+    assert_eq!(r.missed(1), 0);
+    assert_eq!(r.regs.rx_cut.load(Ordering::Relaxed), 4);
+}
+
+/// What a cable was given: each frame and its offload.
+#[derive(Default)]
+struct Cable {
+    takes: bool,
+    got: Vec<(Vec<u8>, Offload)>,
+}
+impl WireSink for Cable {
+    fn transmit(&mut self, frame: &[u8], off: Offload) {
+        self.got.push((frame.to_vec(), off));
+    }
+    fn takes_offload(&self) -> bool {
+        self.takes
+    }
+}
+
+#[test]
+fn a_large_packet_goes_whole_to_a_cable_that_takes_it_and_cut_with_checksums_to_one_that_does_not()
+{
+    let mut r = rig(1);
+    let (big, off) = tcp_to([2, 0, 0, 0, 0, 0xc], 4000, 1000);
+    for takes in [true, false] {
+        let mut cable = Cable {
+            takes,
+            ..Cable::default()
+        };
+        r.dev.frame[..big.len()].copy_from_slice(&big);
+        r.dev.send(&mut cable, big.len(), off);
+        if takes {
+            assert_eq!(
+                cable.got,
+                vec![(big.clone(), off)],
+                "whole, with its offload"
+            );
+            assert_eq!(r.regs.tx_tso_segments.load(Ordering::Relaxed), 0);
+        } else {
+            assert_eq!(cable.got.len(), 4);
+            let mut payload = Vec::new();
+            for (k, (f, o)) in cable.got.iter().enumerate() {
+                assert_eq!(*o, Offload::NONE, "segment {k}");
+                assert_eq!(f.len(), 54 + 1000, "segment {k}");
+                let l4 = net::offload::checksum_setup(f, f.len()).expect("a frame");
+                assert!(net::offload::verify(f, &l4), "segment {k}'s checksum");
+                payload.extend_from_slice(&f[54..]);
+            }
+            assert_eq!(payload, big[54..], "every byte, in order");
+            assert_eq!(r.regs.tx_tso_segments.load(Ordering::Relaxed), 4);
+        }
+    }
+    assert_eq!(r.regs.tx_gso.load(Ordering::Relaxed), 2);
+    assert_eq!(r.regs.tx_bad_offload.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn frames_are_steered_by_destination_and_vlan_to_their_queue_and_the_rest_to_the_default() {
+    let mut r = rig(RX_QUEUES);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.set_filter(1, MAC_B, Some(5), 2).expect("filter");
+    let to_a = frame_to(MAC_A, None, 1);
+    let to_b5 = frame_to(MAC_B, Some(5), 2);
+    let to_b = frame_to(MAC_B, None, 3);
+    let to_b7 = frame_to(MAC_B, Some(7), 4);
+    let bcast = frame_to([0xff; 6], None, 5);
+    let other = frame_to([2, 0, 0, 0, 0, 0xc], None, 6);
+    for f in [&to_a, &to_b5, &to_b, &to_b7, &bcast, &other] {
+        r.dev.receive(f, Offload::NONE);
+    }
+    assert_eq!((r.frames(1), r.frames(2), r.frames(0)), (1, 1, 4));
+    assert_eq!(r.got(1, 0), to_a);
+    assert_eq!(r.got(2, 0), to_b5, "the tag is the guest's to see");
+    // B untagged or on another VLAN, a broadcast, an unknown address: the default.
+    assert_eq!(
+        (0..4).map(|k| r.got(0, k)).collect::<Vec<_>>(),
+        vec![to_b, to_b7, bcast, other]
+    );
+    // Each queue raised its own line, and only the queues that received.
+    let pending: Vec<bool> = r.lines.iter().map(|l| l.pending()).collect();
+    assert_eq!(pending[..4], [true, true, true, false]);
+    assert!(pending[4..].iter().all(|p| !p));
+    assert_eq!(r.regs.rxq[1].irqs.load(Ordering::Relaxed), 1);
+    // A filter taken out of use sends its frames to the default queue (here full:
+    // dropped and counted there).
+    r.regs.clear_filter(0).expect("clear");
+    r.dev.receive(&to_a, Offload::NONE);
+    assert_eq!((r.frames(1), r.missed(0)), (1, 1));
+}
+
+#[test]
+fn a_frame_steered_to_a_queue_that_is_off_or_full_is_dropped_on_that_queue_only() {
+    // Lines for queues 0 and 1 only.
+    let mut r = rig(2);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.set_filter(1, MAC_B, None, 4).expect("filter");
+    let to_a = frame_to(MAC_A, None, 1);
+    // Queue 1 off: dropped on queue 1, the default untouched.
+    r.regs.rxq[1].enabled.store(false, Ordering::Relaxed);
+    r.dev.receive(&to_a, Offload::NONE);
+    assert_eq!((r.missed(1), r.frames(0), r.frames(1)), (1, 0, 0));
+    // On, with its four buffers: four land, the fifth is dropped on queue 1.
+    r.regs.rxq[1].enabled.store(true, Ordering::Relaxed);
+    for _ in 0..5 {
+        r.dev.receive(&to_a, Offload::NONE);
+    }
+    assert_eq!((r.frames(1), r.missed(1), r.frames(0)), (4, 2, 0));
+    // Queue 4 has no interrupt line: it cannot take frames even when enabled.
+    r.regs.rxq[4].enabled.store(true, Ordering::Relaxed);
+    r.dev.receive(&frame_to(MAC_B, None, 2), Offload::NONE);
+    assert_eq!((r.missed(4), r.frames(0)), (1, 0));
+    assert_eq!(r.regs.rx_missed.load(Ordering::Relaxed), 3);
+    // What the table refuses.
+    assert_eq!(
+        r.regs.set_filter(FILTERS, MAC_A, None, 1),
+        Err(FilterError::NoEntry(FILTERS))
+    );
+    assert_eq!(
+        r.regs.set_filter(2, MAC_A, None, RX_QUEUES),
+        Err(FilterError::NoQueue(RX_QUEUES))
+    );
+    assert_eq!(
+        r.regs.set_filter(2, [3, 0, 0, 0, 0, 1], None, 1),
+        Err(FilterError::GroupAddress)
+    );
+}
