@@ -29,10 +29,10 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use hv::profile::{enter, Class};
+use hv::store::xenbus::{self as netbus, XenbusError};
 use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, MapOp, Port, Pvio, Xen};
 use mem::MappedPage;
-use hv::store::xenbus::{self as netbus, XenbusError};
 use ring::{BackRing, PageRing, RingError};
 
 use crate::aoe::BadFrame;

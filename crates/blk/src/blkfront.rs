@@ -19,9 +19,9 @@
 use std::sync::Arc;
 
 use hv::profile::{enter, Class};
+use hv::store::xenbus::{self as netbus, XenbusError};
 use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, Gfn, GrantRef, Hypervisor, OwnPage, Port};
-use hv::store::xenbus::{self as netbus, XenbusError};
 use ring::{FrontRing, PageRing};
 
 use crate::blkif::{

@@ -11,9 +11,9 @@
 //! maps the ring, binds the channel and moves to `Connected`. Every value read from the
 //! peer is untrusted text, parsed strictly ([`hv::store::xenbus::read_u32`]).
 
+use hv::store::xenbus::{feature, read_u32, XenbusError};
 use hv::store::{Store, XenStore, XenbusState};
 use hv::DomId;
-use hv::store::xenbus::{feature, read_u32, XenbusError};
 
 use crate::blkif::{Offer, SECTOR_SIZE};
 

@@ -1170,13 +1170,139 @@ impl Table {
     fn earliest_deadline(&self) -> Option<Instant> {
         self.timed_units().filter_map(|i| self.deadline[i]).min()
     }
+
+    /// Takes the IPI word: units woken since the last look become runnable (an idle one
+    /// loses its deadline and is stamped woken at `now`). The IPIs are counted here, by
+    /// the pCPU, not by each waker on a line they share.
+    fn take_ipis(&mut self, p: &PcpuShared, now: Instant) {
+        for w in 0..WORDS {
+            if p.ipi[w].load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = p.ipi[w].swap(0, Ordering::SeqCst);
+            self.runnable[w] |= bits;
+            p.stats
+                .ipis
+                .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
+            while bits != 0 {
+                let i = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if self.idle[w] & (1 << (i % 64)) != 0 {
+                    self.idle[w] &= !(1 << (i % 64));
+                    self.set_deadline(i, None);
+                    self.woken[i] = Some(now);
+                }
+            }
+        }
+    }
+
+    /// Makes runnable every idle unit whose deadline has passed, stamped woken at its
+    /// deadline.
+    fn expire_deadlines(&mut self, now: Instant) {
+        if self.earliest_deadline().is_none_or(|d| d > now) {
+            return;
+        }
+        let timed = self.timed;
+        for (w, mut bits) in timed.into_iter().enumerate() {
+            while bits != 0 {
+                let i = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if let Some(d) = self.deadline[i].filter(|&d| d <= now) {
+                    self.set_deadline(i, None);
+                    self.idle[i / 64] &= !(1 << (i % 64));
+                    self.runnable[i / 64] |= 1 << (i % 64);
+                    self.woken[i] = Some(d);
+                }
+            }
+        }
+    }
+
+    /// A new cap period lets every unit run again.
+    fn new_cap_period(&mut self, now: Instant) {
+        if now.duration_since(self.period_start) >= CAP_PERIOD {
+            self.period_start = now;
+            self.period_ns.iter_mut().for_each(|n| *n = 0);
+            self.over_cap = [0; WORDS];
+        }
+    }
+
+    /// How long an idle pCPU may wait: to the earliest deadline, or to the end of the
+    /// cap period if a unit waits for it.
+    fn idle_until(&self) -> Option<Instant> {
+        if self.over_cap.iter().any(|&w| w != 0) {
+            let end = self.period_start + CAP_PERIOD;
+            Some(self.earliest_deadline().map_or(end, |d| d.min(end)))
+        } else {
+            self.earliest_deadline()
+        }
+    }
+
+    /// Charges unit `i`'s `ran` ns to its cap (Xen credit's cap: a percentage of each
+    /// period), passing it over until the next period once it reaches it.
+    fn charge_cap(&mut self, i: usize, e: &dyn Erased, ran: u64) {
+        let cap = e.spec().cap_percent;
+        if cap > 0 && cap < 100 {
+            self.period_ns[i] += ran;
+            let allowed = CAP_PERIOD.as_nanos() as u64 * cap as u64 / 100;
+            if self.period_ns[i] >= allowed {
+                self.over_cap[i / 64] |= 1 << (i % 64);
+                e.stats().capped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Unit `i` ended: its slot is free and it is neither idle nor timed.
+    fn end(&mut self, i: usize) {
+        self.held[i / 64] &= !(1 << (i % 64));
+        self.live -= 1;
+        self.set_deadline(i, None);
+        self.idle[i / 64] &= !(1 << (i % 64));
+    }
 }
 
-/// The pCPU's thread: pin, then run units until stopped (or retired by a rescue).
-fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
+/// The pCPU thread's own CPU clock, published into its `cpu_ns` stat for reports taken
+/// while it runs. A read is a system call, which the way into the idle loop (and so a
+/// wake-up's latency) must not pay each time: between steps it is read at most once a
+/// millisecond.
+struct CpuClock {
+    clock: Option<ThreadClock>,
+    /// What the pCPU's threads before this one (retired by rescues) used.
+    base: Duration,
+    published: Instant,
+}
+
+impl CpuClock {
+    fn new(p: &PcpuShared) -> Self {
+        Self {
+            clock: ThreadClock::current().ok(),
+            base: Duration::from_nanos(p.stats.cpu_ns.load(Ordering::Relaxed)),
+            published: Instant::now(),
+        }
+    }
+
+    /// Publishes the clock now.
+    fn publish(&self, p: &PcpuShared) {
+        if let Some(c) = self.clock.and_then(|c| c.read()) {
+            p.stats
+                .cpu_ns
+                .store((self.base + c).as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Publishes the clock if a millisecond has passed since it last did.
+    fn publish_now_and_then(&mut self, p: &PcpuShared, now: Instant) {
+        if now.saturating_duration_since(self.published) >= Duration::from_millis(1) {
+            self.published = now;
+            self.publish(p);
+        }
+    }
+}
+
+/// The pCPU thread's start: pinned to its core (best effort: a core the host lacks
+/// leaves it floating, as the machine's record says), a fine timer slack, and its ids
+/// published for wakers and reports.
+fn pcpu_enter(p: &PcpuShared) {
     if let Some(c) = p.core {
-        // Best effort: a core the host lacks leaves the pCPU floating, as the
-        // machine's record says.
         let _ = pin_current_thread(c);
     }
     let _ = mem::cpu::set_timer_slack(1_000);
@@ -1184,29 +1310,26 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
     if let Ok(mut t) = p.thread.lock() {
         *t = Some(std::thread::current());
     }
-    let clock = ThreadClock::current().ok();
-    let cpu_base = Duration::from_nanos(p.stats.cpu_ns.load(Ordering::Relaxed));
-    // The clock is read at most once a millisecond (a read is a system call, which the
-    // way into the idle loop, and so a wake-up's latency, must not pay each time).
-    let mut published = Instant::now();
-    let mut publish_cpu = |p: &PcpuShared, now: Instant, force: bool| {
-        if !force && now.saturating_duration_since(published) < Duration::from_millis(1) {
-            return;
-        }
-        published = now;
-        if let Some(c) = clock.as_ref().and_then(ThreadClock::read) {
-            p.stats
-                .cpu_ns
-                .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
-        }
-    };
-    let own = Arc::clone(&p.own);
-    // The perf task clock's precise timer (where the kernel offers it) samples each
-    // period as it ends; the POSIX CPU timer is checked on scheduler ticks and charges
-    // several periods at once to whichever unit runs at the tick, which on a pCPU shared
-    // by units is a strong bias. Its cost per host context switch falls only on sleeps.
+}
+
+/// The profiler's sampler on this pCPU's thread, bound to the pCPU's own slot until a
+/// unit runs. The perf task clock's precise timer (where the kernel offers it) samples
+/// each period as it ends; the POSIX CPU timer is checked on scheduler ticks and charges
+/// several periods at once to whichever unit runs at the tick, which on a pCPU shared by
+/// units is a strong bias. Its cost per host context switch falls only on sleeps.
+fn bind_sampler(p: &PcpuShared) -> Option<SlotBinding> {
     let sampler = mem::cpu::Sampler::PerfTaskClock;
-    let mut binding = SlotBinding::bind_with(Arc::clone(&own), p.sample, sampler).ok();
+    SlotBinding::bind_with(Arc::clone(&p.own), p.sample, sampler).ok()
+}
+
+/// The pCPU's thread: pin, then run units until stopped (or retired by a rescue). Each
+/// turn takes the host's input and the IPI word, wakes units whose deadline passed,
+/// picks the next runnable unit (or idles), runs it for its weight in steps, and puts
+/// it back as its last step said.
+fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
+    pcpu_enter(p);
+    let mut cpu = CpuClock::new(p);
+    let mut binding = bind_sampler(p);
     let mut cursor = 0usize;
     // Steps in a row that only yielded.
     let mut yields = 0usize;
@@ -1220,48 +1343,9 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
         // Input on the host's lines, looked at now and then between steps.
         lines.refresh(p);
         lines.look(p, now, LINE_LOOK_BUSY);
-        // The IPI word: units woken since the last look.
-        for w in 0..WORDS {
-            if p.ipi[w].load(Ordering::Relaxed) != 0 {
-                let mut bits = p.ipi[w].swap(0, Ordering::SeqCst);
-                t.runnable[w] |= bits;
-                // Counted here, by the pCPU, not by each waker on a line they share.
-                p.stats
-                    .ipis
-                    .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
-                while bits != 0 {
-                    let i = w * 64 + bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    if t.idle[w] & (1 << (i % 64)) != 0 {
-                        t.idle[w] &= !(1 << (i % 64));
-                        t.set_deadline(i, None);
-                        t.woken[i] = Some(now);
-                    }
-                }
-            }
-        }
-        // Deadlines that passed.
-        if t.earliest_deadline().is_some_and(|d| d <= now) {
-            let timed = t.timed;
-            for (w, mut bits) in timed.into_iter().enumerate() {
-                while bits != 0 {
-                    let i = w * 64 + bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    if let Some(d) = t.deadline[i].filter(|&d| d <= now) {
-                        t.set_deadline(i, None);
-                        t.idle[i / 64] &= !(1 << (i % 64));
-                        t.runnable[i / 64] |= 1 << (i % 64);
-                        t.woken[i] = Some(d);
-                    }
-                }
-            }
-        }
-        // A new cap period lets every unit run again.
-        if now.duration_since(t.period_start) >= CAP_PERIOD {
-            t.period_start = now;
-            t.period_ns.iter_mut().for_each(|n| *n = 0);
-            t.over_cap = [0; WORDS];
-        }
+        t.take_ipis(p, now);
+        t.expire_deadlines(now);
+        t.new_cap_period(now);
         let pick = t.next_runnable(cursor).filter(|&i| t.units[i].is_some());
         let Some(i) = pick else {
             // A runnable bit whose unit is away (in a retired thread's step) waits.
@@ -1272,105 +1356,37 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
                 continue;
             }
             if p.stop.load(Ordering::Acquire) && t.live == 0 {
-                publish_cpu(p, now, true);
+                cpu.publish(p);
                 return;
             }
-            let until = if t.over_cap.iter().any(|&w| w != 0) {
-                let end = t.period_start + CAP_PERIOD;
-                Some(t.earliest_deadline().map_or(end, |d| d.min(end)))
-            } else {
-                t.earliest_deadline()
-            };
+            let until = t.idle_until();
             drop(t);
-            publish_cpu(p, now, false);
-            idle(p, until, clock, cpu_base, &mut lines);
+            cpu.publish_now_and_then(p, now);
+            idle(p, until, &cpu, &mut lines);
             t = lock(&p.table);
             continue;
         };
         t.runnable[i / 64] &= !(1 << (i % 64));
-        let mut woken = t.woken[i].take();
+        let woken = t.woken[i].take();
         let Some(mut e) = t.units[i].take() else {
             continue;
         };
         drop(t);
-        let weight = e.spec().weight.max(1);
-        let cap = e.spec().cap_percent;
-        let samples = e.samples();
-        let prev = match (binding.as_mut(), samples) {
+        let prev = match (binding.as_mut(), e.samples()) {
             (Some(b), Some(s)) => Some(b.switch(s)),
             _ => None,
         };
-        // The unit's time starts here: picking it was the scheduler's (the pCPU's own).
-        let mut start = Instant::now();
-        let mut out = StepOut::More;
-        let mut ran = 0u64;
-        for _ in 0..weight {
-            p.step_since.store(
-                start.duration_since(p.epoch).as_nanos() as u64 | 1,
-                Ordering::Release,
-            );
-            let cx = Cx { now: start, woken };
-            let r = catch_unwind(AssertUnwindSafe(|| e.step(&cx)));
-            let end = Instant::now();
-            let ns = end.duration_since(start).as_nanos() as u64;
-            ran += ns;
-            let st = e.stats();
-            st.running_ns.fetch_add(ns, Ordering::Relaxed);
-            st.steps.fetch_add(1, Ordering::Relaxed);
-            st.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
-            p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
-            if let Some(w) = woken.take() {
-                st.wakeups.fetch_add(1, Ordering::Relaxed);
-                st.runnable_ns.fetch_add(
-                    start.saturating_duration_since(w).as_nanos() as u64,
-                    Ordering::Relaxed,
-                );
-            }
-            start = end;
-            match r {
-                Ok(StepOut::More) => continue,
-                Ok(StepOut::Yield) => out = StepOut::Yield,
-                Ok(o) => out = o,
-                Err(panic) => {
-                    e.fail(panic_text(&panic));
-                    out = StepOut::Ended;
-                }
-            }
-            break;
-        }
-        p.step_since.store(0, Ordering::Release);
-        p.stats.busy_ns.fetch_add(ran, Ordering::Relaxed);
-        publish_cpu(p, start, false);
+        let (out, ran, end) = run_unit(p, &mut *e, woken);
+        cpu.publish_now_and_then(p, end);
         if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
             b.switch(prev);
         }
         t = lock(&p.table);
         if t.generation != generation {
-            // Retired while in the step: hand the unit back to the pCPU's new thread
-            // (or, when the scheduler is stopping, answer its join).
-            if p.stop.load(Ordering::Acquire) && !matches!(out, StepOut::Ended) {
-                e.fail("the scheduler stopped before the unit ended".into());
-            } else if !matches!(out, StepOut::Ended) {
-                t.units[i] = Some(e);
-                drop(t);
-                p.ipi[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
-                wake_thread(p);
-            } else {
-                t.held[i / 64] &= !(1 << (i % 64));
-                t.live -= 1;
-                drop(t);
-                e.finish();
-            }
+            hand_back(p, t, i, e, &out);
             return;
         }
-        if cap > 0 && cap < 100 {
-            t.period_ns[i] += ran;
-            let allowed = CAP_PERIOD.as_nanos() as u64 * cap as u64 / 100;
-            if t.period_ns[i] >= allowed {
-                t.over_cap[i / 64] |= 1 << (i % 64);
-                e.stats().capped.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        t.charge_cap(i, &*e, ran);
         match out {
             StepOut::More => {
                 t.runnable[i / 64] |= 1 << (i % 64);
@@ -1397,10 +1413,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
                 t.units[i] = Some(e);
             }
             StepOut::Ended => {
-                t.held[i / 64] &= !(1 << (i % 64));
-                t.live -= 1;
-                t.set_deadline(i, None);
-                t.idle[i / 64] &= !(1 << (i % 64));
+                t.end(i);
                 drop(t);
                 e.finish();
                 drop(e);
@@ -1408,6 +1421,83 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             }
         }
         cursor = i + 1;
+    }
+}
+
+/// Runs unit `e` for its weight in steps, or until a step returns anything but *more*;
+/// accounts each step to the unit and the pCPU. Returns what the last step said, the
+/// time the unit ran, and when its last step ended. A step that panics fails the unit's
+/// join and ends it.
+fn run_unit(
+    p: &PcpuShared,
+    e: &mut dyn Erased,
+    mut woken: Option<Instant>,
+) -> (StepOut, u64, Instant) {
+    let weight = e.spec().weight.max(1);
+    // The unit's time starts here: picking it was the scheduler's (the pCPU's own).
+    let mut start = Instant::now();
+    let mut out = StepOut::More;
+    let mut ran = 0u64;
+    for _ in 0..weight {
+        p.step_since.store(
+            start.duration_since(p.epoch).as_nanos() as u64 | 1,
+            Ordering::Release,
+        );
+        let cx = Cx { now: start, woken };
+        let r = catch_unwind(AssertUnwindSafe(|| e.step(&cx)));
+        let end = Instant::now();
+        let ns = end.duration_since(start).as_nanos() as u64;
+        ran += ns;
+        let st = e.stats();
+        st.running_ns.fetch_add(ns, Ordering::Relaxed);
+        st.steps.fetch_add(1, Ordering::Relaxed);
+        st.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
+        p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
+        if let Some(w) = woken.take() {
+            st.wakeups.fetch_add(1, Ordering::Relaxed);
+            st.runnable_ns.fetch_add(
+                start.saturating_duration_since(w).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        start = end;
+        match r {
+            Ok(StepOut::More) => continue,
+            Ok(o) => out = o,
+            Err(panic) => {
+                e.fail(panic_text(&panic));
+                out = StepOut::Ended;
+            }
+        }
+        break;
+    }
+    p.step_since.store(0, Ordering::Release);
+    p.stats.busy_ns.fetch_add(ran, Ordering::Relaxed);
+    (out, ran, start)
+}
+
+/// A unit whose step a rescue retired the thread in: handed back to the pCPU's new
+/// thread, or, when the scheduler is stopping or the unit ended, its join answered.
+fn hand_back(
+    p: &PcpuShared,
+    mut t: MutexGuard<'_, Table>,
+    i: usize,
+    mut e: Box<dyn Erased>,
+    out: &StepOut,
+) {
+    let ended = matches!(out, StepOut::Ended);
+    if p.stop.load(Ordering::Acquire) && !ended {
+        e.fail("the scheduler stopped before the unit ended".into());
+    } else if !ended {
+        t.units[i] = Some(e);
+        drop(t);
+        p.ipi[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
+        wake_thread(p);
+    } else {
+        t.held[i / 64] &= !(1 << (i % 64));
+        t.live -= 1;
+        drop(t);
+        e.finish();
     }
 }
 
@@ -1419,15 +1509,8 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The idle loop: waits for the IPI word, a deadline or a stop, as the policy says.
-fn idle(
-    p: &PcpuShared,
-    until: Option<Instant>,
-    clock: Option<ThreadClock>,
-    cpu_base: Duration,
-    lines: &mut Lines,
-) {
+fn idle(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Lines) {
     let start = Instant::now();
-    let mut counted = start;
     let window = Duration::from_nanos(p.poll_window_ns.load(Ordering::Relaxed));
     let spin_end = match p.policy {
         IdlePolicy::Poll => None,
@@ -1435,12 +1518,38 @@ fn idle(
         IdlePolicy::Block => Some(start),
         IdlePolicy::AdaptiveHaltPoll(_) => Some(start + window),
     };
+    let (sleep, counted) = idle_spin(p, start, until, spin_end, cpu, lines);
+    if sleep {
+        idle_sleep(p, until, cpu, lines);
+    }
+    if let IdlePolicy::AdaptiveHaltPoll(max) = p.policy {
+        let next = next_poll_window(window, start.elapsed(), max);
+        p.poll_window_ns
+            .store(next.as_nanos() as u64, Ordering::Relaxed);
+    }
+    p.stats
+        .idle_ns
+        .fetch_add(counted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// The idle loop's spin: until a unit is woken, the scheduler stops, `until` passes,
+/// a host line has input, or the spin's end (`spin_end`, none: for ever) passes. Returns
+/// whether the pCPU should now sleep (the spin ran out) and up to when its idle time
+/// has been counted.
+fn idle_spin(
+    p: &PcpuShared,
+    start: Instant,
+    until: Option<Instant>,
+    spin_end: Option<Instant>,
+    cpu: &CpuClock,
+    lines: &mut Lines,
+) -> (bool, Instant) {
+    let mut counted = start;
     let mut spins = 0u32;
-    let mut sleep = false;
     let mut last = start;
     loop {
         if any_ipi(p, Ordering::Acquire) || p.stop.load(Ordering::Relaxed) {
-            break;
+            return (false, counted);
         }
         if spins.is_multiple_of(32) {
             let now = Instant::now();
@@ -1452,10 +1561,10 @@ fn idle(
             );
             last = now;
             if until.is_some_and(|u| now >= u) {
-                break;
+                return (false, counted);
             }
             if lines.look(p, now, LINE_LOOK_IDLE) > 0 {
-                break;
+                return (false, counted);
             }
             // A long spin shows in the accounting as it goes, not only once it ends.
             if now.duration_since(counted) >= Duration::from_millis(1) {
@@ -1464,70 +1573,56 @@ fn idle(
                     Ordering::Relaxed,
                 );
                 counted = now;
-                if let Some(c) = clock.and_then(|c| c.read()) {
-                    p.stats
-                        .cpu_ns
-                        .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
-                }
+                cpu.publish(p);
             }
             if spin_end.is_some_and(|e| now >= e) {
-                sleep = true;
-                break;
+                return (true, counted);
             }
         }
         spins = spins.wrapping_add(1);
         std::hint::spin_loop();
     }
-    if sleep {
-        // Announce the sleep, then look once more: a waker that set a bit before it
-        // could see the flag must not be slept through (both sides store, then load).
-        p.sleeping.store(true, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        if !any_ipi(p, Ordering::SeqCst) && !p.stop.load(Ordering::SeqCst) {
-            // The thread's CPU clock as it goes to sleep (one more system call beside the
-            // sleep's own): the time it then sleeps is not the host's, and a report taken
-            // meanwhile sees the CPU it used up to here.
-            if let Some(c) = clock.and_then(|c| c.read()) {
-                p.stats
-                    .cpu_ns
-                    .store((cpu_base + c).as_nanos() as u64, Ordering::Relaxed);
-            }
-            let t0 = Instant::now();
-            let timeout = until.map(|u| u.saturating_duration_since(t0));
-            lines.refresh(p);
-            match p.doorbell.get().filter(|_| lines.any()) {
-                // With lines, the host wakes it for their input too.
-                Some(bell) => {
-                    lines.build(Some(bell.as_raw_fd()));
-                    if let Ok(n) = mem::poll::wait(&mut lines.fds, timeout) {
-                        if n > 0 {
-                            if lines.fds[0].ready() {
-                                bell.drain();
-                            }
-                            lines.fire(p, 1);
+}
+
+/// The idle loop's sleep in the host, until a wake-up, `until`, or input on a host
+/// line. The sleep is announced, then the IPI word looked at once more: a waker that set
+/// a bit before it could see the flag must not be slept through (both sides store, then
+/// load).
+fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Lines) {
+    p.sleeping.store(true, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    if !any_ipi(p, Ordering::SeqCst) && !p.stop.load(Ordering::SeqCst) {
+        // The thread's CPU clock as it goes to sleep (one more system call beside the
+        // sleep's own): the time it then sleeps is not the host's, and a report taken
+        // meanwhile sees the CPU it used up to here.
+        cpu.publish(p);
+        let t0 = Instant::now();
+        let timeout = until.map(|u| u.saturating_duration_since(t0));
+        lines.refresh(p);
+        match p.doorbell.get().filter(|_| lines.any()) {
+            // With lines, the host wakes it for their input too.
+            Some(bell) => {
+                lines.build(Some(bell.as_raw_fd()));
+                if let Ok(n) = mem::poll::wait(&mut lines.fds, timeout) {
+                    if n > 0 {
+                        if lines.fds[0].ready() {
+                            bell.drain();
                         }
+                        lines.fire(p, 1);
                     }
                 }
-                None => match timeout {
-                    None => std::thread::park(),
-                    Some(d) => std::thread::park_timeout(d),
-                },
             }
-            p.stats
-                .slept_ns
-                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+            None => match timeout {
+                None => std::thread::park(),
+                Some(d) => std::thread::park_timeout(d),
+            },
         }
-        p.sleeping.store(false, Ordering::Relaxed);
+        p.stats
+            .slept_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
     }
-    if let IdlePolicy::AdaptiveHaltPoll(max) = p.policy {
-        let next = next_poll_window(window, start.elapsed(), max);
-        p.poll_window_ns
-            .store(next.as_nanos() as u64, Ordering::Relaxed);
-    }
-    p.stats
-        .idle_ns
-        .fetch_add(counted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    p.sleeping.store(false, Ordering::Relaxed);
 }
 
 /// Live units on a pCPU (for tests and reports).

@@ -488,7 +488,10 @@ fn a_kick_wakes_a_blocked_vcpu_without_an_event() {
     h.join().expect("stopped");
     assert!(!b.upcall_pending(0), "woken without an event");
     let (blocks, wakes) = b.vcpus()[0].block_wake_counts();
-    assert!(blocks >= 1 && wakes >= 1, "it blocked and was woken: {blocks} {wakes}");
+    assert!(
+        blocks >= 1 && wakes >= 1,
+        "it blocked and was woken: {blocks} {wakes}"
+    );
 }
 
 /// The count of open ports a teardown check reads follows every way a port opens and

@@ -199,7 +199,10 @@ mod tests {
         let ports: Vec<_> = c.ports().collect();
         assert_eq!(
             ports,
-            [("nic", PortKind::Nic), ("wire cable", PortKind::HostInterface)]
+            [
+                ("nic", PortKind::Nic),
+                ("wire cable", PortKind::HostInterface)
+            ]
         );
     }
 }

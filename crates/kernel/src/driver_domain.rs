@@ -29,8 +29,8 @@ use net::bridge::{Bridge, Forward};
 use net::netback::Vif;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 
-use crate::vcpu::{xen_pirq, Kernel, Work};
 use crate::counters::PortKind;
+use crate::vcpu::{xen_pirq, Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of its pool (it posts 2 KiB heads to the NIC; pages only for copies).
@@ -165,6 +165,208 @@ impl DriverDomain {
     /// (the only one it may send from), with the bridge and netback set as `config`
     /// says; with `config.queues`, vif `i` gets NIC queue `i + 1` while there are
     /// queues (and interrupt ports) left, the rest share the default queue.
+    /// An injected fault (`pvio up --fault`, the restart experiment): a panic now, or a
+    /// hang, in which no event is taken and nothing moves until the toolstack destroys
+    /// the domain. Returns whether the kernel hung.
+    fn take_fault(&self) -> bool {
+        match self.fault.get() {
+            0 => false,
+            1 => panic!("driver domain {}: injected fault", self.dom.id().0),
+            _ => {
+                while !self.dom.is_dying() && self.fault.get() == Fault::Hang as u8 {
+                    std::thread::park_timeout(Duration::from_millis(5));
+                }
+                true
+            }
+        }
+    }
+
+    /// Step 0, guest queues (direct placement): what the NIC placed goes back to
+    /// netback, which answers the guest; the guest's new buffers are mapped and given to
+    /// the queue. Returns the packets placed.
+    fn poll_guest_queues(&mut self) -> usize {
+        let Self {
+            nic, vifs, queues, ..
+        } = self;
+        let mut n = 0;
+        for (vif, q) in vifs.iter_mut().zip(queues.iter()) {
+            let Some(q) = *q else {
+                continue;
+            };
+            if nic.vmq_scheduled(q) {
+                n += nic.vmq_poll(q, NAPI_BUDGET, |d| {
+                    vif.rx_direct_done(d.token, d.len, d.csum_ok, d.error);
+                });
+                vif.rx_direct_flush();
+            }
+            vif.rx_direct_refill();
+            vif.rx_direct_give(|iova, len, token| {
+                nic.vmq_post(q, VmqBuf { iova, len, token }).is_ok()
+            });
+        }
+        n
+    }
+
+    /// Step 1, the NIC's NAPI poll, through the bridge to the vifs' queues (and what LRO
+    /// held past its limit). AoE answers to the remote devices' initiators go to them,
+    /// not the bridge (Linux's aoe driver takes its EtherType from the device the same
+    /// way). Returns the frames the driver took.
+    fn poll_nic(&mut self, at: Instant) -> usize {
+        let Self {
+            nic,
+            pool,
+            bridge,
+            vifs,
+            flood_copy_failures,
+            lro_bridge_copy,
+            lro_copied,
+            lro_copy_failures,
+            dom,
+            remote,
+            aoe_mac,
+            aoe_head,
+            aoe_unclaimed,
+            ..
+        } = self;
+        let mut up = |pool: &mut SkbPool, skb: SkbId| {
+            if !remote.is_empty() {
+                match aoe_input(pool, dom, skb, *aoe_mac, aoe_head, remote, at) {
+                    AoeFrame::No => {}
+                    AoeFrame::Taken => {
+                        pool.free(skb);
+                        return;
+                    }
+                    AoeFrame::Unclaimed => {
+                        *aoe_unclaimed += 1;
+                        pool.free(skb);
+                        return;
+                    }
+                }
+            }
+            let skb = if *lro_bridge_copy && pool.offload(skb).gso.is_some() {
+                let Some(c) = copy_aggregate(pool, skb) else {
+                    *lro_copy_failures += 1;
+                    return;
+                };
+                *lro_copied += 1;
+                c
+            } else {
+                skb
+            };
+            let fwd = bridge.input(pool, skb, NIC_PORT);
+            if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
+                *flood_copy_failures += 1;
+            }
+        };
+        let mut n = 0;
+        if nic.napi_scheduled() {
+            n += nic.poll(pool, NAPI_BUDGET, &mut up);
+        }
+        nic.lro_expire(pool, &mut up);
+        n
+    }
+
+    /// Step 3, guest TX: each signalled vif's packets through the bridge to the NIC, or
+    /// to another vif. Returns the packets taken.
+    fn guest_tx(&mut self) -> usize {
+        let Self {
+            nic,
+            pool,
+            bridge,
+            vifs,
+            signalled,
+            between_vifs,
+            flood_copy_failures,
+            ..
+        } = self;
+        let mut n = 0;
+        for i in 0..vifs.len() {
+            if !(std::mem::take(&mut signalled[i]) || vifs[i].tx_pending()) {
+                continue;
+            }
+            let from = vif_port(i);
+            n += vifs[i].tx_action(pool, NAPI_BUDGET, |pool, skb| {
+                match bridge.input(pool, skb, from) {
+                    Forward::Port(NIC_PORT) => to_nic(nic, pool, skb),
+                    Forward::Drop(_) => pool.free(skb),
+                    fwd => between_vifs.push((skb, fwd)),
+                }
+            });
+            for (skb, fwd) in between_vifs.drain(..) {
+                if fwd == Forward::Flood {
+                    // The NIC takes a flooded frame too: itself when no other vif
+                    // does, else a copy.
+                    if vifs.len() == 1 {
+                        to_nic(nic, pool, skb);
+                        continue;
+                    }
+                    match copy_frame(pool, skb) {
+                        Some(c) => to_nic(nic, pool, c),
+                        None => *flood_copy_failures += 1,
+                    }
+                }
+                if !to_vifs(pool, vifs, skb, fwd, from) {
+                    *flood_copy_failures += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// Step 4, completions: the NIC's TX ring, then the guests' mapped pages given back
+    /// to their vifs. Returns whether a vif whose TX stopped for want of pending entries
+    /// (large packets hold many) can go on: it does so without waiting for an event
+    /// that may never come, since its front end, its ring full, has nothing new to
+    /// signal (Linux's zero-copy callback reschedules the vif's NAPI the same way).
+    fn completions(&mut self) -> bool {
+        let Self {
+            nic,
+            pool,
+            vifs,
+            tokens,
+            ..
+        } = self;
+        nic.clean_tx(pool);
+        pool.take_released(|r| tokens.push(r.token));
+        let released = !tokens.is_empty();
+        if released {
+            for vif in vifs.iter_mut() {
+                vif.tx_release(tokens.iter().copied());
+            }
+            tokens.clear();
+        }
+        released && vifs.iter_mut().any(|v| v.tx_pending())
+    }
+
+    /// Step 5, block devices whose guests signalled: every request on each ring; the
+    /// remote ones' frames out through the NIC. Returns the requests served and the
+    /// frames sent.
+    fn serve_disks(&mut self, at: Instant) -> (usize, usize) {
+        let Self {
+            nic,
+            pool,
+            vbds,
+            vbd_signalled,
+            remote,
+            remote_signalled,
+            aoe_tx_full,
+            ..
+        } = self;
+        let (mut rx, mut tx) = (0, 0);
+        for (vbd, sig) in vbds.iter_mut().zip(vbd_signalled.iter_mut()) {
+            if std::mem::take(sig) {
+                rx += vbd.serve();
+            }
+        }
+        for (r, sig) in remote.iter_mut().zip(remote_signalled.iter_mut()) {
+            if std::mem::take(sig) {
+                rx += r.serve();
+            }
+            tx += r.poll(at, |frame| aoe_output(nic, pool, frame, aoe_tx_full));
+        }
+        (rx, tx)
+    }
+
     pub fn new(
         hv: &Arc<Hypervisor>,
         dom: &Arc<Domain>,
@@ -499,177 +701,43 @@ impl Kernel for DriverDomain {
 
     fn poll(&mut self, now: Duration) -> Work {
         self.now = now;
-        match self.fault.get() {
-            0 => {}
-            1 => panic!("driver domain {}: injected fault", self.dom.id().0),
-            _ => {
-                // Hung: no event is taken and nothing moves until the toolstack
-                // destroys the domain.
-                while !self.dom.is_dying() && self.fault.get() == Fault::Hang as u8 {
-                    std::thread::park_timeout(Duration::from_millis(5));
-                }
-                return Work::default();
-            }
+        if self.take_fault() {
+            return Work::default();
         }
-        let Self {
-            nic,
-            pool,
-            bridge,
-            vifs,
-            queues,
-            signalled,
-            tokens,
-            between_vifs,
-            flood_copy_failures,
-            lro_bridge_copy,
-            lro_copied,
-            lro_copy_failures,
-            dom,
-            remote,
-            remote_signalled,
-            aoe_mac,
-            aoe_head,
-            aoe_unclaimed,
-            aoe_tx_full,
-            ..
-        } = self;
         let mut w = Work::default();
         let at = Instant::now();
-        // 0. Guest queues (direct placement): what the NIC placed goes back to netback,
-        // which answers the guest; the guest's new buffers are mapped and given to
-        // the queue.
-        for (vif, q) in vifs.iter_mut().zip(queues.iter()) {
-            let Some(q) = *q else {
-                continue;
-            };
-            if nic.vmq_scheduled(q) {
-                w.rx += nic.vmq_poll(q, NAPI_BUDGET, |d| {
-                    vif.rx_direct_done(d.token, d.len, d.csum_ok, d.error);
-                });
-                vif.rx_direct_flush();
-            }
-            vif.rx_direct_refill();
-            vif.rx_direct_give(|iova, len, token| {
-                nic.vmq_post(q, VmqBuf { iova, len, token }).is_ok()
-            });
-        }
-        // 1. The NIC's NAPI poll, through the bridge to the vifs' queues (and what
-        // LRO held past its limit).
-        let mut up = |pool: &mut SkbPool, skb: SkbId| {
-            // AoE answers to the remote devices' initiators go to them, not the bridge
-            // (Linux's aoe driver takes its EtherType from the device the same way).
-            if !remote.is_empty() {
-                match aoe_input(pool, dom, skb, *aoe_mac, aoe_head, remote, at) {
-                    AoeFrame::No => {}
-                    AoeFrame::Taken => {
-                        pool.free(skb);
-                        return;
-                    }
-                    AoeFrame::Unclaimed => {
-                        *aoe_unclaimed += 1;
-                        pool.free(skb);
-                        return;
-                    }
-                }
-            }
-            let skb = if *lro_bridge_copy && pool.offload(skb).gso.is_some() {
-                match copy_aggregate(pool, skb) {
-                    Some(c) => {
-                        *lro_copied += 1;
-                        c
-                    }
-                    None => {
-                        *lro_copy_failures += 1;
-                        return;
-                    }
-                }
-            } else {
-                skb
-            };
-            let fwd = bridge.input(pool, skb, NIC_PORT);
-            if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
-                *flood_copy_failures += 1;
-            }
-        };
-        if nic.napi_scheduled() {
-            w.rx += nic.poll(pool, NAPI_BUDGET, &mut up);
-        }
-        nic.lro_expire(pool, &mut up);
+        // 0. Guest queues (direct placement).
+        w.rx += self.poll_guest_queues();
+        // 1. The NIC's NAPI poll, through the bridge to the vifs' queues.
+        w.rx += self.poll_nic(at);
         // Control rings (grant reuse): drops the guests asked for, and answers to drops
         // whose I/O has now completed.
-        for vif in vifs.iter_mut() {
+        for vif in self.vifs.iter_mut() {
             if vif.ctrl_pending() {
                 vif.ctrl_action();
             }
         }
         // 2. Guest RX: each vif's queue into its guest's buffers.
-        for vif in vifs.iter_mut() {
+        for vif in self.vifs.iter_mut() {
             if vif.rx_pending() {
-                w.tx += vif.rx_action(pool);
+                w.tx += vif.rx_action(&mut self.pool);
             }
         }
         // 3. Guest TX: through the bridge to the NIC, or to another vif.
-        for i in 0..vifs.len() {
-            if !(std::mem::take(&mut signalled[i]) || vifs[i].tx_pending()) {
-                continue;
-            }
-            let from = vif_port(i);
-            w.rx += vifs[i].tx_action(pool, NAPI_BUDGET, |pool, skb| {
-                match bridge.input(pool, skb, from) {
-                    Forward::Port(NIC_PORT) => to_nic(nic, pool, skb),
-                    Forward::Drop(_) => pool.free(skb),
-                    fwd => between_vifs.push((skb, fwd)),
-                }
-            });
-            for (skb, fwd) in between_vifs.drain(..) {
-                if fwd == Forward::Flood {
-                    // The NIC takes a flooded frame too: itself when no other vif
-                    // does, else a copy.
-                    if vifs.len() == 1 {
-                        to_nic(nic, pool, skb);
-                        continue;
-                    }
-                    match copy_frame(pool, skb) {
-                        Some(c) => to_nic(nic, pool, c),
-                        None => *flood_copy_failures += 1,
-                    }
-                }
-                if !to_vifs(pool, vifs, skb, fwd, from) {
-                    *flood_copy_failures += 1;
-                }
-            }
-        }
+        w.rx += self.guest_tx();
         // 4. Completions: the NIC's TX ring, then the guests' mapped pages.
-        nic.clean_tx(pool);
-        pool.take_released(|r| tokens.push(r.token));
-        let released = !tokens.is_empty();
-        if released {
-            for vif in vifs.iter_mut() {
-                vif.tx_release(tokens.iter().copied());
-            }
-            tokens.clear();
-        }
-        // A vif whose TX stopped for want of pending entries (large packets hold many)
-        // goes on once some come back, without waiting for an event that may never
-        // come: its front end, its ring full, has nothing new to signal (Linux's
-        // zero-copy callback reschedules the vif's NAPI the same way).
-        let tx_waiting = released && vifs.iter_mut().any(|v| v.tx_pending());
-        // 5. Block devices whose guests signalled: every request on each ring; the
-        // remote ones' frames out through the NIC.
-        for (vbd, sig) in self.vbds.iter_mut().zip(self.vbd_signalled.iter_mut()) {
-            if std::mem::take(sig) {
-                w.rx += vbd.serve();
-            }
-        }
-        for (r, sig) in remote.iter_mut().zip(remote_signalled.iter_mut()) {
-            if std::mem::take(sig) {
-                w.rx += r.serve();
-            }
-            w.tx += r.poll(at, |frame| aoe_output(nic, pool, frame, aoe_tx_full));
-        }
+        let tx_waiting = self.completions();
+        // 5. Block devices: local disks, and remote ones' frames out through the NIC.
+        let (rx, tx) = self.serve_disks(at);
+        w.rx += rx;
+        w.tx += tx;
         w.more = tx_waiting
-            || nic.napi_scheduled()
-            || queues.iter().flatten().any(|&q| nic.vmq_scheduled(q));
+            || self.nic.napi_scheduled()
+            || self
+                .queues
+                .iter()
+                .flatten()
+                .any(|&q| self.nic.vmq_scheduled(q));
         w
     }
 
@@ -691,7 +759,11 @@ impl Kernel for DriverDomain {
         c.add_set("bridge", self.bridge.stats());
         self.lro_counters(&mut c);
         for vbd in &self.vbds {
-            c.add_port(&format!("vbd{}", vbd.frontend().0), PortKind::Vbd, vbd.stats());
+            c.add_port(
+                &format!("vbd{}", vbd.frontend().0),
+                PortKind::Vbd,
+                vbd.stats(),
+            );
         }
         for r in &self.remote {
             let name = format!("rvbd{}", r.frontend().0);

@@ -15,8 +15,8 @@ use net::netfront::{LinkChange, Netfront};
 use net::skb::SkbPool;
 
 use crate::app::{AppSpec, AppStack};
-use crate::vcpu::{Kernel, Work};
 use crate::counters::PortKind;
+use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of a guest's pool: the 256 pages netfront posts, and TX heads of a page each.
@@ -261,7 +261,11 @@ impl Kernel for TapGuest {
         c.add_set(&pool, &self.pool.stats());
         c.add(&pool, "free_pages", self.pool.free_pages() as u64);
         c.add(&pool, "free_buffers", self.pool.free_buffers() as u64);
-        c.add_port(&part("tap"), PortKind::HostInterface, &**self.tap.counters());
+        c.add_port(
+            &part("tap"),
+            PortKind::HostInterface,
+            &**self.tap.counters(),
+        );
         c
     }
 

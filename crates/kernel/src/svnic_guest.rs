@@ -20,8 +20,8 @@ use mem::MappedPage;
 use net::skb::SkbPool;
 
 use crate::app::{AppSpec, AppStack};
-use crate::vcpu::{Kernel, Work};
 use crate::counters::PortKind;
+use crate::vcpu::{Kernel, Work};
 use crate::{other, BuildError, Counters, NAPI_BUDGET, POOL_BUFFERS};
 
 /// Pages of an SV-NIC guest's pool (its buffers are 2 KiB heads; frames are copied in).

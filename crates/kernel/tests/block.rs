@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 
 use blk::blkback::VbdStats;
 use blk::disk::{pattern_fill, write_patterned};
-use dev::nic::Coalesce;
 use dev::wire::{CountingSink, Samples, WireSource};
-use hv::{GrantPath, GrantVersion};
 use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
@@ -95,23 +93,13 @@ fn guest(name: &str, disk: &std::path::Path, persistent: bool, job: BlockJobSpec
 }
 
 fn machine(guests: Vec<GuestSpec>) -> Machine {
-    Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(Quiet),
-            sink: Box::new(CountingSink::default()),
-        },
-        layout: Layout::DriverDomain {
+    Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(Quiet), Box::new(CountingSink::default())),
+        Layout::DriverDomain {
             driver: DriverConfig::default(),
             guests,
         },
-    })
+    ))
     .expect("machine")
 }
 

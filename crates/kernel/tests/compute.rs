@@ -4,9 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::wire::{CountingSink, Silence};
-use hv::{GrantPath, GrantVersion};
 use kernel::compute::ComputeSpec;
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
@@ -34,22 +32,15 @@ fn computing(name: &str, weight: u32, passes: &Arc<AtomicU64>) -> GuestSpec {
 fn guests_that_compute_share_a_pcpu_by_their_weights_and_read_their_memory_back() {
     let (light, heavy) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
         // One core: the driver domain and both guests' vCPUs on the same pCPU.
         cpus: Some(CpuSet::range(0..1)),
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(Silence),
-            sink: Box::new(CountingSink::default()),
-        },
-        layout: Layout::DriverDomain {
-            driver: DriverConfig::default(),
-            guests: vec![computing("light", 1, &light), computing("heavy", 3, &heavy)],
-        },
+        ..MachineSpec::new(
+            NicSpec::new(Box::new(Silence), Box::new(CountingSink::default())),
+            Layout::DriverDomain {
+                driver: DriverConfig::default(),
+                guests: vec![computing("light", 1, &light), computing("heavy", 3, &heavy)],
+            },
+        )
     })
     .expect("machine");
     let t = Instant::now();

@@ -5,9 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::wire::{CountingSink, WireSource};
-use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec, Role};
@@ -82,20 +80,10 @@ fn plain_guest(name: impl Into<String>, mac: [u8; 6], above: Above) -> GuestSpec
 }
 
 fn spec(frames: Vec<Vec<u8>>, layout: Layout) -> MachineSpec {
-    MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(Frames(frames)),
-            sink: Box::new(CountingSink::default()),
-        },
+    MachineSpec::new(
+        NicSpec::new(Box::new(Frames(frames)), Box::new(CountingSink::default())),
         layout,
-    }
+    )
 }
 
 fn app(flow: UdpFlow, len: usize) -> (AppSpec, Arc<AppCounters>) {
@@ -345,13 +333,7 @@ fn a_driver_domain_that_panics_or_hangs_is_restarted_and_traffic_resumes() {
     let (a, c) = app(f, len);
     let feed = Feed::default();
     let mut m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(feed.clone()),
-            sink: Box::new(CountingSink::default()),
-        },
+        nic: NicSpec::new(Box::new(feed.clone()), Box::new(CountingSink::default())),
         ..spec(
             Vec::new(),
             Layout::DriverDomain {
@@ -443,13 +425,7 @@ fn a_guest_that_never_reconnects_does_not_stop_the_restart_for_the_others() {
     let (a, c) = app(f, len);
     let feed = Feed::default();
     let mut m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(feed.clone()),
-            sink: Box::new(CountingSink::default()),
-        },
+        nic: NicSpec::new(Box::new(feed.clone()), Box::new(CountingSink::default())),
         ..spec(
             Vec::new(),
             Layout::DriverDomain {

@@ -7,10 +7,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::svnic::device::{SignalMode, SvnicConfig};
 use dev::wire::{CountingSink, WireSource};
-use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec};
 use kernel::machine::{Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec};
 use kernel::svnic_guest::SvnicApp;
@@ -125,26 +123,16 @@ fn run(
             core: None,
         });
     }
-    let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(source),
-            sink: Box::new(CountingSink::default()),
-        },
-        layout: Layout::Svnic {
+    let m = Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(source), Box::new(CountingSink::default())),
+        Layout::Svnic {
             config: SvnicConfig {
                 signal: mode,
                 ..SvnicConfig::default()
             },
             guests,
         },
-    })
+    ))
     .expect("machine");
     for &g in to {
         wait_for(&apps[g], count as u64);
@@ -232,19 +220,9 @@ fn host(
     app: impl Fn(usize) -> SvnicApp,
 ) -> Machine {
     let sink = end.sink();
-    Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(end),
-            sink: Box::new(sink),
-        },
-        layout: Layout::Svnic {
+    Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(end), Box::new(sink)),
+        Layout::Svnic {
             config,
             guests: (0..n)
                 .map(|i| SvnicGuestSpec {
@@ -256,7 +234,7 @@ fn host(
                 })
                 .collect(),
         },
-    })
+    ))
     .expect("host")
 }
 
@@ -268,19 +246,9 @@ fn hv_host(
     app: impl Fn(usize) -> kernel::svnic_guest::RawApp,
 ) -> Machine {
     let sink = end.sink();
-    Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(end),
-            sink: Box::new(sink),
-        },
-        layout: Layout::DriverDomain {
+    Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(end), Box::new(sink)),
+        Layout::DriverDomain {
             driver: kernel::driver_domain::DriverConfig::default(),
             guests: (0..n)
                 .map(|i| kernel::machine::GuestSpec {
@@ -293,7 +261,7 @@ fn hv_host(
                 })
                 .collect(),
         },
-    })
+    ))
     .expect("host")
 }
 

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dev::lro::{Flushing, Form, LroSetup};
-use dev::nic::Coalesce;
 use dev::peer::{PeerApp, PeerSpec, TcpPeer, WireRate};
-use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec, Proto};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
@@ -89,20 +87,10 @@ fn start_with(
             }],
         },
     };
-    let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(source),
-            sink: Box::new(sink),
-        },
+    let m = Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(source), Box::new(sink)),
         layout,
-    })
+    ))
     .expect("machine");
     (m, peer, counters)
 }

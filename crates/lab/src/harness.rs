@@ -229,7 +229,10 @@ pub(crate) fn durations(cx: &Context) -> Durations {
 /// Starts a machine, lets it warm up, measures each domain's CPU over one window,
 /// and stops it, accounting for every frame.
 pub(crate) fn one_run(opts: Options, d: &Durations) -> Result<(RunCost, Finish), Error> {
-    let opts = Options { idle: d.idle, ..opts };
+    let opts = Options {
+        idle: d.idle,
+        ..opts
+    };
     let m = Running::start(opts)?;
     std::thread::sleep(d.warmup);
     let a = m.snapshot();

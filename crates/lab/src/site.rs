@@ -740,7 +740,10 @@ mod tests {
 
     fn folder(dir: &Path, reports: &[Report], revision: &str) -> Folder {
         std::fs::create_dir_all(dir).expect("dir");
-        let mut env = RunEnv::capture(&crate::Context::new(crate::Mode::Quick, crate::IdlePolicy::Poll));
+        let mut env = RunEnv::capture(&crate::Context::new(
+            crate::Mode::Quick,
+            crate::IdlePolicy::Poll,
+        ));
         env.revision = revision.into();
         for r in reports {
             r.write(dir, &env).expect("write");

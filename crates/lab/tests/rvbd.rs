@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use blk::blkback::VbdStats;
 use blk::disk::{pattern_fill, write_patterned};
 use blk::initiator::AoeStats;
-use dev::nic::Coalesce;
 use dev::wire::Samples;
-use hv::{GrantPath, GrantVersion};
 use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, BlockSpec, Disk, GuestSpec, Layout, Machine, MachineSpec, NicSpec};
@@ -105,20 +103,10 @@ fn rig_with(name: &str, servers: Servers, layout: Layout) -> (PathBuf, RemoteHos
     let host = RemoteHost::start(Some(&ifname), &disk, servers).expect("remote host");
     let mut wire = dev::tap::TapPort::start(file).expect("tap port");
     let sink = wire.sink().expect("sink");
-    let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(wire),
-            sink: Box::new(sink),
-        },
+    let m = Machine::start(MachineSpec::new(
+        NicSpec::new(Box::new(wire), Box::new(sink)),
         layout,
-    })
+    ))
     .expect("machine");
     (disk, host, m)
 }

@@ -33,8 +33,8 @@ use hv::{
 use ring::{FrontRing, PageRing};
 
 use crate::netif::{
-    check_rx_response, ExtraInfo, Gso, InFlight, RxError, RxRequest, RxRing, TxRequest, TxRing,
-    LEGACY_SLOTS_MAX, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO,
+    check_rx_response, ExtraInfo, Gso, InFlight, RxError, RxRequest, RxResponse, RxRing, TxRequest,
+    TxRing, LEGACY_SLOTS_MAX, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED, NETRXF_EXTRA_INFO,
     NETRXF_MORE_DATA, NETTXF_CSUM_BLANK, NETTXF_DATA_VALIDATED, NETTXF_EXTRA_INFO,
     NETTXF_MORE_DATA, RING_IDS, RX_COPY_MAX_SLOTS, XEN_NETIF_EXTRA_FLAG_MORE,
     XEN_NETIF_EXTRA_TYPE_GSO, XEN_NETIF_EXTRA_TYPE_MAX, XEN_NETIF_EXTRA_TYPE_NONE,
@@ -355,6 +355,63 @@ struct CopyPkt {
 const COPY_SLOTS: usize = COPY_BATCH + RX_COPY_MAX_SLOTS;
 
 impl CopyBatch {
+    /// A buffer for the packet whose first slot is `rsp`, at the source's offset in its
+    /// cache line (the alignment is chosen when the buffer is allocated, paper 000
+    /// §4.1): a packet in one slot gets one of its own size. Returns its index, or
+    /// `None` if the pool is empty.
+    fn open_packet(&mut self, pool: &mut SkbPool, rsp: &RxResponse) -> Option<usize> {
+        let skb = {
+            let _m = enter(Class::Mem);
+            pool.alloc(NET_SKB_PAD + usize::from(rsp.offset) % 64)
+                .ok()?
+        };
+        pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+        self.pkts.push(CopyPkt {
+            skb,
+            len: 0,
+            first: self.copies.len(),
+            n: 0,
+            bad: false,
+        });
+        Some(self.pkts.len() - 1)
+    }
+
+    /// Adds the copy of `len` bytes at `offset` through grant `src` of `be` to the end
+    /// of packet `p`. A chain too long, or more bytes than a frame, drops the packet:
+    /// returns false the first time that happens to it (for the caller to count).
+    fn add_copy(
+        &mut self,
+        pool: &SkbPool,
+        p: usize,
+        be: DomId,
+        src: GrantRef,
+        offset: u16,
+        len: usize,
+    ) -> bool {
+        let pkt = &mut self.pkts[p];
+        let (gfn, doff) = pool.data_location(pkt.skb);
+        if pkt.bad || pkt.n == RX_COPY_MAX_SLOTS || pool.tailroom(pkt.skb) < pkt.len + len {
+            let first = !pkt.bad;
+            pkt.bad = true;
+            return !first;
+        }
+        self.copies.push(GrantCopy {
+            source: CopyPtr::Gref {
+                dom: be,
+                gref: src,
+                offset,
+            },
+            dest: CopyPtr::Local {
+                gfn,
+                offset: (doff + pkt.len) as u16,
+            },
+            len: len as u16,
+        });
+        pkt.len += len;
+        pkt.n += 1;
+        true
+    }
+
     fn new() -> Self {
         Self {
             copies: Vec::with_capacity(COPY_SLOTS),
@@ -373,6 +430,33 @@ impl CopyBatch {
 /// The next response on a ring, copied out; when none is waiting, arms the ring's
 /// event and looks once more (`RING_FINAL_CHECK_FOR_RESPONSES`). A broken index marks
 /// the interface broken.
+/// A transmitted packet's first slot's flags, from its offload: a blank or validated
+/// checksum, and an extra (GSO) following.
+fn tx_first_flags(off: &Offload) -> u16 {
+    let mut flags = match off.csum {
+        Csum::Partial { .. } => NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED,
+        Csum::Valid => NETTXF_DATA_VALIDATED,
+        Csum::None => 0,
+    };
+    if off.gso.is_some() {
+        flags |= NETTXF_EXTRA_INFO;
+    }
+    flags
+}
+
+/// What netfront publishes for its back end: the rings' grants, its channel, and what
+/// it asks for.
+#[derive(Debug, Clone, Copy)]
+struct Published {
+    refs: [GrantRef; 2],
+    port: Port,
+    guest_copy: bool,
+    split: bool,
+    machine_frames: bool,
+    /// The control ring's grant, when grant reuse is asked for.
+    ctrl_ref: Option<GrantRef>,
+}
+
 fn next_response<P: ring::RingProtocol>(ring: &mut Front<P>, broken: &mut bool) -> Option<P::Rsp> {
     loop {
         match ring.take_response() {
@@ -636,28 +720,18 @@ impl Netfront {
                 let _ = hv.evtchn_close(dom, p);
             }
         };
+        let offered = |key: &str| xenbus::feature(store, me, &bdir, key);
         let reuse_offered = self.want == Grants::Reuse
-            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_GRANT_REUSE)
-            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_CTRL_RING);
-        let machine_frames = self.want == Grants::MachineFramesUnsafe
-            && xenbus::feature(store, me, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
-        let split =
-            self.split_indices && xenbus::feature(store, me, &bdir, xenbus::FEATURE_SPLIT_INDICES);
-        let layout = if split {
-            ring::Layout::SPLIT
-        } else {
-            ring::Layout::XEN
-        };
+            && offered(xenbus::FEATURE_GRANT_REUSE)
+            && offered(xenbus::FEATURE_CTRL_RING);
+        let machine_frames =
+            self.want == Grants::MachineFramesUnsafe && offered(xenbus::FEATURE_MACHINE_FRAMES);
+        let split = self.split_indices && offered(xenbus::FEATURE_SPLIT_INDICES);
+        let layout = [ring::Layout::XEN, ring::Layout::SPLIT][usize::from(split)];
         let mut reuse = None;
         let r = (|| {
             for _ in 0..2 {
-                let g = dom.alloc_page().map_err(|_| oom())?;
-                let Some(r) = gt.alloc_ref() else {
-                    let _ = dom.free_page(g);
-                    return Err(oom());
-                };
-                taken.push((g, r));
-                gt.grant_access(r, be, g, false).map_err(|_| oom())?;
+                taken.push(self.grant_ring_page(be)?);
             }
             let ring = |g| {
                 dom.page(g)
@@ -672,62 +746,15 @@ impl Netfront {
             if reuse_offered {
                 reuse = Some(reuse::open_ctrl(dom, be).ok_or_else(oom)?);
             }
-            let sg = if self.rx_buffers == RxBuffers::Fragments {
-                "1"
-            } else {
-                "0"
+            let keys = Published {
+                refs: [taken[0].1, taken[1].1],
+                port: p,
+                guest_copy,
+                split,
+                machine_frames,
+                ctrl_ref: reuse.as_ref().map(|r| r.pages[0].1),
             };
-            // A reconnection starts from Closed; a first connection from Initialising.
-            if store.xenbus_state(me, &fdir) == XenbusState::Closed {
-                store.switch_state(me, &fdir, XenbusState::Initialising)?;
-            }
-            let offload = if self.offloads { "1" } else { "0" };
-            for (k, v) in [
-                ("feature-gso-tcpv4", offload.into()),
-                (
-                    "feature-no-csum-offload",
-                    if self.offloads { "0" } else { "1" }.into(),
-                ),
-                ("tx-ring-ref", taken[0].1 .0.to_string()),
-                ("rx-ring-ref", taken[1].1 .0.to_string()),
-                ("event-channel", p.0.to_string()),
-                ("request-rx-copy", "1".into()),
-                ("feature-rx-notify", "1".into()),
-                ("feature-sg", sg.into()),
-                (
-                    xenbus::REQUEST_GUEST_COPY,
-                    if guest_copy { "1" } else { "0" }.into(),
-                ),
-                (
-                    xenbus::REQUEST_SPLIT_INDICES,
-                    if split { "1" } else { "0" }.into(),
-                ),
-            ] {
-                store.write(me, &format!("{fdir}/{k}"), &v)?;
-            }
-            // Grant reuse: the control ring, and the request (a reconnection that
-            // no longer asks takes both away).
-            let (ring_key, req_key) = (
-                format!("{fdir}/{}", xenbus::CTRL_RING_REF),
-                format!("{fdir}/{}", xenbus::REQUEST_GRANT_REUSE),
-            );
-            let mf_key = format!("{fdir}/{}", xenbus::REQUEST_MACHINE_FRAMES);
-            if machine_frames {
-                store.write(me, &mf_key, "1")?;
-            } else {
-                let _ = store.rm(me, &mf_key);
-            }
-            match &reuse {
-                Some(r) => {
-                    store.write(me, &ring_key, &r.pages[0].1 .0.to_string())?;
-                    store.write(me, &req_key, "1")?;
-                }
-                None => {
-                    let _ = store.rm(me, &ring_key);
-                    let _ = store.rm(me, &req_key);
-                }
-            }
-            store.switch_state(me, &fdir, XenbusState::Connected)?;
+            self.publish(&fdir, &keys)?;
             Ok(Link {
                 be,
                 bdir: bdir.clone(),
@@ -753,6 +780,71 @@ impl Netfront {
             give_back(&taken, port);
         }
         r
+    }
+
+    /// A page for a ring, granted to back end `be`. Out of pages or references is
+    /// `oom`; what it took is given back.
+    fn grant_ring_page(&self, be: DomId) -> Result<(Gfn, GrantRef), XenbusError> {
+        let gt = self.dom.grant_table();
+        let g = self.dom.alloc_page().map_err(|_| oom())?;
+        let Some(r) = gt.alloc_ref() else {
+            let _ = self.dom.free_page(g);
+            return Err(oom());
+        };
+        if gt.grant_access(r, be, g, false).is_err() {
+            gt.free_ref(r);
+            let _ = self.dom.free_page(g);
+            return Err(oom());
+        }
+        Ok((g, r))
+    }
+
+    /// Publishes this end's keys in its directory `fdir` and moves to `Connected`: its
+    /// offloads, both rings' grants and its channel, and what it asks for. A
+    /// reconnection starts from `Closed`, a first connection from `Initialising`; a key
+    /// a reconnection no longer asks for is taken away.
+    fn publish(&self, fdir: &str, k: &Published) -> Result<(), XenbusError> {
+        let store = self.hv.store();
+        let me = self.dom.id();
+        if store.xenbus_state(me, fdir) == XenbusState::Closed {
+            store.switch_state(me, fdir, XenbusState::Initialising)?;
+        }
+        let flag = |b: bool| if b { "1" } else { "0" }.to_string();
+        for (key, v) in [
+            ("feature-gso-tcpv4", flag(self.offloads)),
+            ("feature-no-csum-offload", flag(!self.offloads)),
+            ("tx-ring-ref", k.refs[0].0.to_string()),
+            ("rx-ring-ref", k.refs[1].0.to_string()),
+            ("event-channel", k.port.0.to_string()),
+            ("request-rx-copy", flag(true)),
+            ("feature-rx-notify", flag(true)),
+            ("feature-sg", flag(self.rx_buffers == RxBuffers::Fragments)),
+            (xenbus::REQUEST_GUEST_COPY, flag(k.guest_copy)),
+            (xenbus::REQUEST_SPLIT_INDICES, flag(k.split)),
+        ] {
+            store.write(me, &format!("{fdir}/{key}"), &v)?;
+        }
+        let mf_key = format!("{fdir}/{}", xenbus::REQUEST_MACHINE_FRAMES);
+        if k.machine_frames {
+            store.write(me, &mf_key, "1")?;
+        } else {
+            let _ = store.rm(me, &mf_key);
+        }
+        // Grant reuse: the control ring, and the request.
+        let ring_key = format!("{fdir}/{}", xenbus::CTRL_RING_REF);
+        let req_key = format!("{fdir}/{}", xenbus::REQUEST_GRANT_REUSE);
+        match k.ctrl_ref {
+            Some(r) => {
+                store.write(me, &ring_key, &r.0.to_string())?;
+                store.write(me, &req_key, "1")?;
+            }
+            None => {
+                let _ = store.rm(me, &ring_key);
+                let _ = store.rm(me, &req_key);
+            }
+        }
+        store.switch_state(me, fdir, XenbusState::Connected)?;
+        Ok(())
     }
 
     /// Follows the back end after a store event (`backend_changed`): if it closed, went
@@ -1155,16 +1247,7 @@ impl Netfront {
     ) -> usize {
         let _c = enter(Class::Driver);
         if self.rx_buffers == RxBuffers::GuestCopy {
-            let mut n = 0;
-            while n < budget {
-                let (delivered, taken) = self.poll_rx_copy(pool, budget - n, &mut deliver);
-                n += delivered;
-                if taken < COPY_BATCH {
-                    break;
-                }
-            }
-            self.refill_rx(pool);
-            return n;
+            return self.poll_rx_lent(pool, budget, &mut deliver);
         }
         let mut n = 0;
         // The first lines of the next responses' buffers, fetched ahead: the back end
@@ -1182,171 +1265,222 @@ impl Netfront {
                 break;
             };
             l.rx_rsp_seq = l.rx_rsp_seq.wrapping_add(1);
-            // A packet's extras follow its first slot, whatever that slot's status
-            // (`xennet_get_extras`): their slots are taken now, so that they are not
-            // read as data.
-            let extras =
-                (rsp.flags & NETRXF_EXTRA_INFO != 0 && self.partial.is_none() && l.offload_rx)
-                    .then(|| self.take_extras(pool));
-            let len = match check_rx_response(&rsp, &mut self.inflight) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.stats.rx_errors.add(e);
-                    if matches!(e, RxError::CrossesPage | RxError::ErrorStatus) {
-                        // The id was ours: take the buffer back.
-                        if let Some((g, s)) = self.reclaim(rsp.id) {
-                            free_buf(pool, g, s);
-                        }
-                    }
-                    self.abandon_partial(pool);
-                    continue;
-                }
-            };
-            let Some((gfn, linear)) = self.reclaim(rsp.id) else {
-                self.abandon_partial(pool);
-                continue;
-            };
-            let more = rsp.flags & NETRXF_MORE_DATA != 0;
-            let gso = match extras {
-                None => None,
-                Some(Ok(g)) => g,
-                Some(Err(fault)) => {
-                    // A bad extra loses its packet, whole: the rest of its slots are
-                    // skipped.
-                    match fault {
-                        ExtraFault::Chain => self.stats.rx_bad_chain += 1,
-                        ExtraFault::Offload(e) => self.stats.rx_offload_errors.add(e),
-                    }
-                    free_buf(pool, gfn, linear);
-                    self.skipping = more;
-                    continue;
-                }
-            };
-            if rsp.flags & NETRXF_EXTRA_INFO != 0 && extras.is_none() {
-                // No extras were negotiated.
-                self.stats.rx_bad_chain += 1;
-                free_buf(pool, gfn, linear);
-                self.abandon_partial(pool);
-                continue;
-            }
-            if let Some(skb) = linear {
-                // The back end wrote into the buffer's own linear area.
-                let more = rsp.flags & NETRXF_MORE_DATA != 0;
-                if more || self.skipping {
-                    // No scatter-gather was offered: a chain is refused whole.
-                    self.stats.rx_bad_chain += u64::from(!self.skipping);
-                    self.skipping = more;
-                    pool.free(skb);
-                    continue;
-                }
-                if pool
-                    .reserve(skb, rsp.offset as usize)
-                    .and_then(|()| pool.extend_linear(skb, len as usize))
-                    .is_err()
-                {
-                    // Cannot happen once the response is checked to stay in its page.
-                    self.stats.rx_bad_chain += 1;
-                    pool.free(skb);
-                    continue;
-                }
-                pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+            let offload_rx = l.offload_rx;
+            if let Some(skb) = self.rx_slot(pool, &rsp, offload_rx) {
                 self.stats.rx_packets += 1;
                 n += 1;
                 deliver(pool, skb);
-                continue;
             }
-            if self.skipping {
-                // The rest of a packet already lost.
-                self.skipping = more;
-                pool.free_page(gfn);
-                continue;
-            }
-            let skb = match self.partial.take() {
-                Some(s) => s,
-                None => {
-                    let _m = enter(Class::Mem);
-                    match pool.alloc(NET_SKB_PAD) {
-                        Ok(s) => {
-                            let csum = if rsp.flags & NETRXF_CSUM_BLANK != 0 && self.offloads {
-                                // Where it lies is found from the headers at the end.
-                                Csum::Partial {
-                                    start: 0,
-                                    offset: 0,
-                                }
-                            } else if rsp.flags & NETRXF_DATA_VALIDATED != 0 {
-                                Csum::Valid
-                            } else {
-                                Csum::None
-                            };
-                            pool.set_offload(s, Offload { csum, gso });
-                            s
-                        }
-                        Err(_) => {
-                            self.stats.rx_no_buffer += 1;
-                            pool.free_page(gfn);
-                            continue;
-                        }
-                    }
-                }
-            };
-            let (off, len) = (rsp.offset as usize, len as usize);
-            // The first bytes go to the linear area; the rest stays in the page.
-            let lin = if pool.len(skb) == 0 {
-                len.min(RX_COPY_LEN)
-            } else {
-                0
-            };
-            let (hg, hoff) = pool.data_location(skb);
-            let copied = lin == 0
-                || self
-                    .dom
-                    .copy(gfn, off, hg, hoff, lin)
-                    .is_ok_and(|()| pool.extend_linear(skb, lin).is_ok());
-            let attached = copied
-                && if len > lin {
-                    pool.add_frag(
-                        skb,
-                        Frag {
-                            page: FragPage::Local(gfn),
-                            offset: (off + lin) as u16,
-                            len: (len - lin) as u16,
-                        },
-                    )
-                    .is_ok()
-                } else {
-                    pool.free_page(gfn);
-                    true
-                };
-            if !attached {
-                if copied && len > lin {
-                    pool.free_page(gfn);
-                }
-                self.stats.rx_bad_chain += 1;
-                pool.free(skb);
-                continue;
-            }
-            if rsp.flags & NETRXF_MORE_DATA != 0 {
-                if pool.frags(skb).len() == MAX_SKB_FRAGS {
-                    self.stats.rx_bad_chain += 1;
-                    pool.free(skb);
-                    self.skipping = true;
-                } else {
-                    self.partial = Some(skb);
-                }
-                continue;
-            }
-            if let Err(e) = finish_offload(pool, skb) {
-                self.stats.rx_offload_errors.add(e);
-                pool.free(skb);
-                continue;
-            }
-            self.stats.rx_gso_packets += u64::from(pool.offload(skb).gso.is_some());
-            self.stats.rx_packets += 1;
-            n += 1;
-            deliver(pool, skb);
         }
         self.refill_rx(pool);
         n
+    }
+
+    /// [`Netfront::poll_rx`] for a guest-copy front end: batches of lent buffers until
+    /// the budget is spent or a batch comes back short.
+    fn poll_rx_lent(
+        &mut self,
+        pool: &mut SkbPool,
+        budget: usize,
+        deliver: &mut impl FnMut(&mut SkbPool, SkbId),
+    ) -> usize {
+        let mut n = 0;
+        while n < budget {
+            let (delivered, taken) = self.poll_rx_copy(pool, budget - n, &mut *deliver);
+            n += delivered;
+            if taken < COPY_BATCH {
+                break;
+            }
+        }
+        self.refill_rx(pool);
+        n
+    }
+
+    /// One response off the RX ring, judged: its extras taken, its buffer reclaimed and
+    /// joined to the packet under way. Returns a packet it completed; a slot refused
+    /// (counted) or one packet's middle returns nothing.
+    fn rx_slot(&mut self, pool: &mut SkbPool, rsp: &RxResponse, offload_rx: bool) -> Option<SkbId> {
+        // A packet's extras follow its first slot, whatever that slot's status
+        // (`xennet_get_extras`): their slots are taken now, so that they are not read as
+        // data.
+        let extras = (rsp.flags & NETRXF_EXTRA_INFO != 0 && self.partial.is_none() && offload_rx)
+            .then(|| self.take_extras(pool));
+        let len = match check_rx_response(rsp, &mut self.inflight) {
+            Ok(l) => l,
+            Err(e) => {
+                self.stats.rx_errors.add(e);
+                if matches!(e, RxError::CrossesPage | RxError::ErrorStatus) {
+                    // The id was ours: take the buffer back.
+                    if let Some((g, s)) = self.reclaim(rsp.id) {
+                        free_buf(pool, g, s);
+                    }
+                }
+                self.abandon_partial(pool);
+                return None;
+            }
+        };
+        let Some((gfn, linear)) = self.reclaim(rsp.id) else {
+            self.abandon_partial(pool);
+            return None;
+        };
+        let more = rsp.flags & NETRXF_MORE_DATA != 0;
+        let gso = match extras {
+            None => None,
+            Some(Ok(g)) => g,
+            Some(Err(fault)) => {
+                // A bad extra loses its packet, whole: the rest of its slots are skipped.
+                match fault {
+                    ExtraFault::Chain => self.stats.rx_bad_chain += 1,
+                    ExtraFault::Offload(e) => self.stats.rx_offload_errors.add(e),
+                }
+                free_buf(pool, gfn, linear);
+                self.skipping = more;
+                return None;
+            }
+        };
+        if rsp.flags & NETRXF_EXTRA_INFO != 0 && extras.is_none() {
+            // No extras were negotiated.
+            self.stats.rx_bad_chain += 1;
+            free_buf(pool, gfn, linear);
+            self.abandon_partial(pool);
+            return None;
+        }
+        if let Some(skb) = linear {
+            return self.rx_linear(pool, rsp, skb, len);
+        }
+        if self.skipping {
+            // The rest of a packet already lost.
+            self.skipping = more;
+            pool.free_page(gfn);
+            return None;
+        }
+        let skb = match self.partial.take() {
+            Some(s) => s,
+            None => self.rx_new_packet(pool, rsp, gso, gfn)?,
+        };
+        if !self.rx_attach(pool, skb, gfn, rsp.offset as usize, len as usize) {
+            self.stats.rx_bad_chain += 1;
+            pool.free(skb);
+            return None;
+        }
+        if more {
+            if pool.frags(skb).len() == MAX_SKB_FRAGS {
+                self.stats.rx_bad_chain += 1;
+                pool.free(skb);
+                self.skipping = true;
+            } else {
+                self.partial = Some(skb);
+            }
+            return None;
+        }
+        if let Err(e) = finish_offload(pool, skb) {
+            self.stats.rx_offload_errors.add(e);
+            pool.free(skb);
+            return None;
+        }
+        self.stats.rx_gso_packets += u64::from(pool.offload(skb).gso.is_some());
+        Some(skb)
+    }
+
+    /// A response into a linear buffer (no fragments were posted): the back end wrote
+    /// into the buffer's own linear area, so the packet is whole, or refused whole if it
+    /// is a chain (no scatter-gather was offered).
+    fn rx_linear(
+        &mut self,
+        pool: &mut SkbPool,
+        rsp: &RxResponse,
+        skb: SkbId,
+        len: u16,
+    ) -> Option<SkbId> {
+        let more = rsp.flags & NETRXF_MORE_DATA != 0;
+        if more || self.skipping {
+            self.stats.rx_bad_chain += u64::from(!self.skipping);
+            self.skipping = more;
+            pool.free(skb);
+            return None;
+        }
+        if pool
+            .reserve(skb, rsp.offset as usize)
+            .and_then(|()| pool.extend_linear(skb, len as usize))
+            .is_err()
+        {
+            // Cannot happen once the response is checked to stay in its page.
+            self.stats.rx_bad_chain += 1;
+            pool.free(skb);
+            return None;
+        }
+        pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
+        Some(skb)
+    }
+
+    /// A packet's first slot: a buffer for it, with the offload the response's flags
+    /// and extras say. `None` (counted, the page given back) if the pool is empty.
+    fn rx_new_packet(
+        &mut self,
+        pool: &mut SkbPool,
+        rsp: &RxResponse,
+        gso: Option<Gso>,
+        gfn: Gfn,
+    ) -> Option<SkbId> {
+        let _m = enter(Class::Mem);
+        let Ok(s) = pool.alloc(NET_SKB_PAD) else {
+            self.stats.rx_no_buffer += 1;
+            pool.free_page(gfn);
+            return None;
+        };
+        let csum = if rsp.flags & NETRXF_CSUM_BLANK != 0 && self.offloads {
+            // Where it lies is found from the headers at the end.
+            Csum::Partial {
+                start: 0,
+                offset: 0,
+            }
+        } else if rsp.flags & NETRXF_DATA_VALIDATED != 0 {
+            Csum::Valid
+        } else {
+            Csum::None
+        };
+        pool.set_offload(s, Offload { csum, gso });
+        Some(s)
+    }
+
+    /// Joins `len` bytes at `off` in page `gfn` to `skb`: the first bytes of a packet go
+    /// to its linear area (copied), the rest stay in the page as a fragment. Returns
+    /// false if they could not be joined.
+    fn rx_attach(
+        &mut self,
+        pool: &mut SkbPool,
+        skb: SkbId,
+        gfn: Gfn,
+        off: usize,
+        len: usize,
+    ) -> bool {
+        let lin = if pool.len(skb) == 0 {
+            len.min(RX_COPY_LEN)
+        } else {
+            0
+        };
+        let (hg, hoff) = pool.data_location(skb);
+        let copied = lin == 0
+            || self
+                .dom
+                .copy(gfn, off, hg, hoff, lin)
+                .is_ok_and(|()| pool.extend_linear(skb, lin).is_ok());
+        let attached = copied
+            && if len > lin {
+                let frag = Frag {
+                    page: FragPage::Local(gfn),
+                    offset: (off + lin) as u16,
+                    len: (len - lin) as u16,
+                };
+                pool.add_frag(skb, frag).is_ok()
+            } else {
+                pool.free_page(gfn);
+                true
+            };
+        if !attached && copied && len > lin {
+            pool.free_page(gfn);
+        }
+        attached
     }
 
     /// The guest-copy receive path: up to `budget` responses, each a packet in a
@@ -1416,61 +1550,25 @@ impl Netfront {
                 }
                 continue;
             }
-            let off = rsp.offset as usize;
             let p = match open {
                 Some(Some(p)) => p,
                 Some(None) => {
                     open = more.then_some(None);
                     continue;
                 }
-                None => {
-                    // A buffer for the packet, at the source's offset in its cache line
-                    // (the alignment is chosen when the buffer is allocated, §4.1): a
-                    // packet in one slot gets one of its own size.
-                    let skb = {
-                        let _m = enter(Class::Mem);
-                        pool.alloc(NET_SKB_PAD + off % 64)
-                    };
-                    let Ok(skb) = skb else {
+                None => match batch.open_packet(pool, &rsp) {
+                    Some(p) => p,
+                    None => {
                         self.stats.rx_no_buffer += 1;
                         // The rest of its chain, if any, is skipped.
                         open = more.then_some(None);
                         continue;
-                    };
-                    pool.set_csum_valid(skb, rsp.flags & NETRXF_DATA_VALIDATED != 0);
-                    batch.pkts.push(CopyPkt {
-                        skb,
-                        len: 0,
-                        first: batch.copies.len(),
-                        n: 0,
-                        bad: false,
-                    });
-                    batch.pkts.len() - 1
-                }
+                    }
+                },
             };
-            let pkt = &mut batch.pkts[p];
-            let (gfn, doff) = pool.data_location(pkt.skb);
-            if pkt.bad || pkt.n == RX_COPY_MAX_SLOTS || pool.tailroom(pkt.skb) < pkt.len + len {
-                // Too long a chain, or more bytes than a frame: the packet is dropped.
-                if !pkt.bad {
-                    pkt.bad = true;
-                    self.stats.rx_bad_chain += 1;
-                }
-            } else {
-                batch.copies.push(GrantCopy {
-                    source: CopyPtr::Gref {
-                        dom: be,
-                        gref: GrantRef(base.wrapping_add(u32::from(rsp.id))),
-                        offset: off as u16,
-                    },
-                    dest: CopyPtr::Local {
-                        gfn,
-                        offset: (doff + pkt.len) as u16,
-                    },
-                    len: len as u16,
-                });
-                pkt.len += len;
-                pkt.n += 1;
+            let src = GrantRef(base.wrapping_add(u32::from(rsp.id)));
+            if !batch.add_copy(pool, p, be, src, rsp.offset, len) {
+                self.stats.rx_bad_chain += 1;
             }
             open = more.then_some(Some(p));
         }
@@ -1481,14 +1579,25 @@ impl Netfront {
                 batch.pkts[p].bad = true;
             }
         }
+        let taken = batch.slots.len();
+        (self.deliver_copied(pool, deliver), taken)
+    }
+
+    /// The guest-copy batch's end: one `GNTTABOP_copy` for every copy, every slot taken
+    /// posted again (which gives the back end what it lent), and each packet whose
+    /// copies all succeeded delivered. Returns the packets delivered.
+    fn deliver_copied(
+        &mut self,
+        pool: &mut SkbPool,
+        deliver: &mut impl FnMut(&mut SkbPool, SkbId),
+    ) -> usize {
+        let batch = &mut self.copy_batch;
         let k = batch.copies.len();
         if k > 0 {
             let _h = enter(Class::Hypercall);
             self.hv
                 .grant_copy(&self.dom, &batch.copies, &mut batch.status[..k]);
         }
-        // Every slot taken goes back to the back end (with it, what it lent).
-        let taken = batch.slots.len();
         self.rx_free.extend_from_slice(&batch.slots);
         let mut n = 0;
         for pkt in &batch.pkts {
@@ -1508,7 +1617,7 @@ impl Netfront {
             n += 1;
             deliver(pool, pkt.skb);
         }
-        (n, taken)
+        n
     }
 
     /// Takes the extra-info slots after a packet's first response, giving back the
@@ -1605,59 +1714,24 @@ impl Netfront {
         }
     }
 
-    /// Writes one packet's requests, unpublished.
+    /// Writes one packet's requests, unpublished. `Err` gives the packet back to be
+    /// held (the ring or the slots are full, or no link); a packet no ring will ever
+    /// take is dropped, counted.
     fn xmit_now(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
         let _c = enter(Class::Driver);
         if self.broken {
             pool.free(skb);
             return Ok(());
         }
+        let Some(segs) = self.tx_admit(pool, skb)? else {
+            return Ok(());
+        };
         let Some(l) = self.link.as_mut() else {
             return Err(skb);
         };
-        // A grant opens a whole page: data in a head that shares its page with
-        // another buffer moves to a page of its own first, so the back end can read
-        // this packet and nothing else (XSA-403). Without a page to move to, the
-        // buffer is given back as for a full ring.
-        {
-            let _m = enter(Class::Mem);
-            match pool.own_head_pages(skb) {
-                Ok(n) => self.stats.tx_bounced_bytes += n as u64,
-                Err(_) => return Err(skb),
-            }
-        }
         let len = pool.len(skb);
-        let mut segs = 0usize;
-        let _ = pool.walk(skb, 0, len, |_, _| {
-            segs += 1;
-            Ok(())
-        });
-        // A large packet goes as one only to a back end that takes it (the guest's
-        // stack offers the TAP large packets only when the interface has GSO).
         let off = pool.offload(skb);
-        if off.gso.is_some() && !l.gso_tx {
-            self.stats.tx_gso_refused += 1;
-            pool.free(skb);
-            return Ok(());
-        }
-        if segs == 0 || segs > LEGACY_SLOTS_MAX || len > u16::MAX as usize {
-            // No ring will ever take it: dropped, not held.
-            self.stats.tx_errors += 1;
-            pool.free(skb);
-            return Ok(());
-        }
-        let extra = usize::from(off.gso.is_some());
-        if segs + extra > l.tx.free_requests() as usize || segs > self.tx_free.len() {
-            return Err(skb);
-        }
-        let mut first_flags = match off.csum {
-            Csum::Partial { .. } => NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED,
-            Csum::Valid => NETTXF_DATA_VALIDATED,
-            Csum::None => 0,
-        };
-        if off.gso.is_some() {
-            first_flags |= NETTXF_EXTRA_INFO;
-        }
+        let first_flags = tx_first_flags(&off);
         let (be, dom) = (l.be, &self.dom);
         // With grant reuse, each page's binding (found or made before the walk).
         let mut bound = [None; LEGACY_SLOTS_MAX];
@@ -1728,6 +1802,49 @@ impl Netfront {
         h.failed = false;
         h.pinned = false;
         Ok(())
+    }
+
+    /// Whether a packet can go now: `Ok(Some(slots))` it can, in that many slots;
+    /// `Ok(None)` it was dropped (counted) since no ring will ever take it; `Err` it
+    /// waits (no link, the ring or the slots are full, or no page to move its head to).
+    fn tx_admit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<Option<usize>, SkbId> {
+        let Some(l) = self.link.as_ref() else {
+            return Err(skb);
+        };
+        // A grant opens a whole page: data in a head that shares its page with
+        // another buffer moves to a page of its own first, so the back end can read
+        // this packet and nothing else (XSA-403). Without a page to move to, the
+        // buffer is given back as for a full ring.
+        {
+            let _m = enter(Class::Mem);
+            match pool.own_head_pages(skb) {
+                Ok(n) => self.stats.tx_bounced_bytes += n as u64,
+                Err(_) => return Err(skb),
+            }
+        }
+        let len = pool.len(skb);
+        let mut segs = 0usize;
+        let _ = pool.walk(skb, 0, len, |_, _| {
+            segs += 1;
+            Ok(())
+        });
+        // A large packet goes as one only to a back end that takes it (the guest's
+        // stack offers the TAP large packets only when the interface has GSO).
+        let gso = pool.offload(skb).gso.is_some();
+        if gso && !l.gso_tx {
+            self.stats.tx_gso_refused += 1;
+            pool.free(skb);
+            return Ok(None);
+        }
+        if segs == 0 || segs > LEGACY_SLOTS_MAX || len > u16::MAX as usize {
+            self.stats.tx_errors += 1;
+            pool.free(skb);
+            return Ok(None);
+        }
+        if segs + usize::from(gso) > l.tx.free_requests() as usize || segs > self.tx_free.len() {
+            return Err(skb);
+        }
+        Ok(Some(segs))
     }
 
     /// Handles transmit completions: revokes each slot's grant and frees finished

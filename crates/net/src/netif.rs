@@ -523,6 +523,41 @@ pub fn read_tx_packet(
     }
 }
 
+/// Reads the extra-info slots after a packet's first slot into `chain` (their count,
+/// and the GSO one's size and type), until one without `XEN_NETIF_EXTRA_FLAG_MORE`.
+/// An unterminated chain, an unknown type or a bad GSO is fatal.
+fn read_tx_extras(
+    chain: &mut TxChain,
+    next: &mut impl FnMut() -> Option<TxRequest>,
+) -> Result<(), TxFatal> {
+    loop {
+        let raw = next().ok_or(TxFatal::Unterminated)?;
+        chain.extras += 1;
+        let e = ExtraInfo::from_tx_slot(&raw);
+        if e.ty == XEN_NETIF_EXTRA_TYPE_NONE || e.ty >= XEN_NETIF_EXTRA_TYPE_MAX {
+            return Err(TxFatal::BadExtraType);
+        }
+        if e.ty == XEN_NETIF_EXTRA_TYPE_GSO {
+            if e.gso_size() == 0 {
+                return Err(TxFatal::GsoSizeZero);
+            }
+            if !matches!(
+                e.gso_type(),
+                XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6
+            ) {
+                return Err(TxFatal::BadGsoType);
+            }
+            chain.gso = Some(Gso {
+                size: e.gso_size(),
+                ty: e.gso_type(),
+            });
+        }
+        if e.flags & XEN_NETIF_EXTRA_FLAG_MORE == 0 {
+            return Ok(());
+        }
+    }
+}
+
 /// [`read_tx_packet`] into `chain`, which the caller keeps from packet to packet: the
 /// same reading and checks, with only the slots this packet has written.
 pub fn read_tx_packet_into(
@@ -547,33 +582,8 @@ pub fn read_tx_packet_into(
 
     // Extras follow the first slot.
     if first.flags & NETTXF_EXTRA_INFO != 0 {
-        loop {
-            let Some(raw) = next() else {
-                return TxJudgement::Fatal(TxFatal::Unterminated);
-            };
-            chain.extras += 1;
-            let e = ExtraInfo::from_tx_slot(&raw);
-            if e.ty == XEN_NETIF_EXTRA_TYPE_NONE || e.ty >= XEN_NETIF_EXTRA_TYPE_MAX {
-                return TxJudgement::Fatal(TxFatal::BadExtraType);
-            }
-            if e.ty == XEN_NETIF_EXTRA_TYPE_GSO {
-                if e.gso_size() == 0 {
-                    return TxJudgement::Fatal(TxFatal::GsoSizeZero);
-                }
-                if !matches!(
-                    e.gso_type(),
-                    XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6
-                ) {
-                    return TxJudgement::Fatal(TxFatal::BadGsoType);
-                }
-                chain.gso = Some(Gso {
-                    size: e.gso_size(),
-                    ty: e.gso_type(),
-                });
-            }
-            if e.flags & XEN_NETIF_EXTRA_FLAG_MORE == 0 {
-                break;
-            }
+        if let Err(f) = read_tx_extras(chain, &mut next) {
+            return TxJudgement::Fatal(f);
         }
     }
 

@@ -123,6 +123,22 @@ pub struct FragInfo {
 }
 
 impl FragInfo {
+    /// Why a fragment is refused whatever its datagram holds: it reaches past the
+    /// largest datagram, carries nothing, or is not the last and not a multiple of 8
+    /// bytes long.
+    fn refused(&self) -> Option<ReasmDrop> {
+        let len = self.len as usize;
+        if self.offset as usize + len > MAX_DATAGRAM {
+            Some(ReasmDrop::OutOfRange)
+        } else if len == 0 {
+            Some(ReasmDrop::Empty)
+        } else if self.more && !len.is_multiple_of(8) {
+            Some(ReasmDrop::Misaligned)
+        } else {
+            None
+        }
+    }
+
     /// Whether this is a whole datagram.
     pub fn is_whole(&self) -> bool {
         self.offset == 0 && !self.more
@@ -177,6 +193,48 @@ struct Context<T> {
 }
 
 impl<T: Copy + Default> Context<T> {
+    /// Why this datagram refuses fragment `f`: it overlaps bytes already here, its end
+    /// contradicts the datagram's (a last fragment's, or one past it), or the datagram
+    /// has as many pieces as it may.
+    fn refuses(&self, f: &FragInfo) -> Option<ReasmDrop> {
+        let (off, end_of) = (f.offset as usize, f.offset as usize + f.len as usize);
+        let conflicting_end = if f.more {
+            self.end.is_some_and(|e| end_of > e)
+        } else {
+            self.end.is_some_and(|e| e != end_of) || self.max_end > end_of
+        };
+        if self.any_set(off / 8, end_of.div_ceil(8)) {
+            Some(ReasmDrop::Overlap)
+        } else if conflicting_end {
+            Some(ReasmDrop::ConflictingEnd)
+        } else if self.nr == MAX_PIECES {
+            Some(ReasmDrop::TooManyFragments)
+        } else {
+            None
+        }
+    }
+
+    /// Takes fragment `f`'s piece in, keeping the pieces in offset order (insertion; a
+    /// handful, usually in order), and notes the bytes it covers and, for the last
+    /// fragment, the datagram's end.
+    fn insert(&mut self, f: &FragInfo, piece: Piece<T>) {
+        let (off, len) = (f.offset as usize, f.len as usize);
+        let end_of = off + len;
+        let mut at = self.nr;
+        while at > 0 && self.pieces[at - 1].offset > f.offset {
+            self.pieces[at] = self.pieces[at - 1];
+            at -= 1;
+        }
+        self.pieces[at] = piece;
+        self.nr += 1;
+        self.set(off / 8, end_of.div_ceil(8));
+        self.received += len;
+        self.max_end = self.max_end.max(end_of);
+        if !f.more {
+            self.end = Some(end_of);
+        }
+    }
+
     fn new() -> Self {
         Self {
             key: None,
@@ -283,6 +341,25 @@ impl<T: Copy + Default> Reassembler<T> {
         why
     }
 
+    /// A context for a new datagram `key`: a free one, or, all busy, the oldest, its
+    /// datagram dropped (counted as evicted).
+    fn open_context(&mut self, key: Key, now: Duration, release: &mut impl FnMut(T)) -> usize {
+        let i = match self.contexts.iter().position(|c| c.key.is_none()) {
+            Some(i) => i,
+            None => {
+                let oldest = (0..self.contexts.len())
+                    .min_by_key(|&j| self.contexts[j].started)
+                    .unwrap_or(0);
+                self.drop_datagram(Some(oldest), ReasmDrop::Evicted, release);
+                oldest
+            }
+        };
+        let c = &mut self.contexts[i];
+        c.key = Some(key);
+        c.started = now;
+        i
+    }
+
     /// Offers one fragment (or a whole datagram) carried by `item`. When it completes a
     /// datagram, calls `deliver` with the datagram's pieces in offset order (their
     /// items now belong to the caller) and returns `Ok(true)`; `Ok(false)` means it was
@@ -315,75 +392,20 @@ impl<T: Copy + Default> Reassembler<T> {
             proto: f.proto,
         };
         let found = self.contexts.iter().position(|c| c.key == Some(key));
-        let (off, len) = (f.offset as usize, f.len as usize);
-        let end_of = off + len;
-        let refuse = if end_of > MAX_DATAGRAM {
-            Some(ReasmDrop::OutOfRange)
-        } else if len == 0 {
-            Some(ReasmDrop::Empty)
-        } else if f.more && len % 8 != 0 {
-            Some(ReasmDrop::Misaligned)
-        } else {
-            None
-        };
-        if let Some(why) = refuse {
+        if let Some(why) = f.refused() {
             release(item);
             return Err(self.drop_datagram(found, why, release));
         }
         let i = match found {
             Some(i) => i,
-            None => {
-                let i = match self.contexts.iter().position(|c| c.key.is_none()) {
-                    Some(i) => i,
-                    None => {
-                        // All busy: evict the oldest.
-                        let oldest = (0..self.contexts.len())
-                            .min_by_key(|&j| self.contexts[j].started)
-                            .unwrap_or(0);
-                        self.drop_datagram(Some(oldest), ReasmDrop::Evicted, release);
-                        oldest
-                    }
-                };
-                let c = &mut self.contexts[i];
-                c.key = Some(key);
-                c.started = now;
-                i
-            }
+            None => self.open_context(key, now, release),
         };
-        let c = &self.contexts[i];
-        let (u0, u1) = (off / 8, end_of.div_ceil(8));
-        let refuse = if c.any_set(u0, u1) {
-            Some(ReasmDrop::Overlap)
-        } else if if f.more {
-            c.end.is_some_and(|e| end_of > e)
-        } else {
-            c.end.is_some_and(|e| e != end_of) || c.max_end > end_of
-        } {
-            Some(ReasmDrop::ConflictingEnd)
-        } else if c.nr == MAX_PIECES {
-            Some(ReasmDrop::TooManyFragments)
-        } else {
-            None
-        };
-        if let Some(why) = refuse {
+        if let Some(why) = self.contexts[i].refuses(f) {
             release(item);
             return Err(self.drop_datagram(Some(i), why, release));
         }
         let c = &mut self.contexts[i];
-        // Keep the pieces in offset order (insertion; a handful, usually in order).
-        let mut at = c.nr;
-        while at > 0 && c.pieces[at - 1].offset > f.offset {
-            c.pieces[at] = c.pieces[at - 1];
-            at -= 1;
-        }
-        c.pieces[at] = piece;
-        c.nr += 1;
-        c.set(u0, u1);
-        c.received += len;
-        c.max_end = c.max_end.max(end_of);
-        if !f.more {
-            c.end = Some(end_of);
-        }
+        c.insert(f, piece);
         match c.end {
             Some(e) if c.received == e => {
                 deliver(&c.pieces[..c.nr]);

@@ -753,17 +753,13 @@ fn main() -> ExitCode {
             only,
             out,
             idle,
-        } => {
-            reproduce(&context(quick, idle), only.as_deref(), &out)
-        }
+        } => reproduce(&context(quick, idle), only.as_deref(), &out),
         Command::Bench {
             id,
             quick,
             out,
             idle,
-        } => {
-            reproduce(&context(quick, idle), Some(&id), &out)
-        }
+        } => reproduce(&context(quick, idle), Some(&id), &out),
         Command::Report {
             dir,
             compare,
@@ -905,7 +901,10 @@ mod tests {
             assert!(a.starts_with(start), "{name}: {a:?}");
             for (other, other_start) in want {
                 if other != name {
-                    assert!(!a.contains(other_start), "{name}'s help holds {other}'s: {a:?}");
+                    assert!(
+                        !a.contains(other_start),
+                        "{name}'s help holds {other}'s: {a:?}"
+                    );
                 }
             }
         }
@@ -913,7 +912,10 @@ mod tests {
         cmd.clone().write_long_help(&mut out).expect("help");
         let help = String::from_utf8(out).expect("utf-8");
         for (name, _) in want {
-            assert!(help.contains(&format!("  {name} ")), "pvio --help lists {name}: {help}");
+            assert!(
+                help.contains(&format!("  {name} ")),
+                "pvio --help lists {name}: {help}"
+            );
         }
     }
 
@@ -923,7 +925,11 @@ mod tests {
         let refused = |args: &[&str]| {
             let e = parse(std::iter::once("pvio").chain(args.iter().copied()))
                 .expect_err(&format!("{args:?} refused"));
-            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{args:?}: {e}");
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ArgumentConflict,
+                "{args:?}: {e}"
+            );
         };
         refused(&["up", "--machine", "m.toml", "--lro-flush-every", "3"]);
         refused(&["up", "--machine", "m.toml", "--multi-queue"]);

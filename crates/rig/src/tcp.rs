@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::peer::{PeerApp, PeerCounters, PeerSpec, TcpPeer, WireRate};
 use hv::{GrantPath, GrantVersion};
 use kernel::app::{AppCounters, AppSpec, Proto};
@@ -244,18 +243,11 @@ impl TcpRunning {
             },
         };
         let machine = Machine::start(MachineSpec {
-            dma_landing: hv::iommu::DmaLanding::Memory,
-            cpus: None,
             grant_version,
             grant_path,
             sample: o.sample,
             idle: o.idle,
-            nic: NicSpec {
-                coalesce: Coalesce::default(),
-                source: Box::new(source),
-                sink: Box::new(sink),
-            },
-            layout,
+            ..MachineSpec::new(NicSpec::new(Box::new(source), Box::new(sink)), layout)
         })
         .map_err(Error::other)?;
         peer.run_on(machine.scheduler(), machine.device_pcpu())

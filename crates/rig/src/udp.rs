@@ -510,9 +510,8 @@ impl Running {
             grant_path: opts.grant_path,
             sample: opts.sample,
             idle: opts.idle,
-            nic,
-            layout,
             dma_landing: opts.dma_landing,
+            ..MachineSpec::new(nic, layout)
         })
         .map_err(Error::other)?;
         Ok(Self {

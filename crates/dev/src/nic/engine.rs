@@ -63,6 +63,17 @@ impl RxQueue {
     }
 }
 
+/// The bytes a receive descriptor's buffer holds: its length field, 0 meaning a full
+/// frame.
+#[inline]
+fn desc_room(d: &Desc) -> usize {
+    if d.len == 0 {
+        MAX_FRAME
+    } else {
+        usize::from(d.len)
+    }
+}
+
 pub(super) fn desc_iova(base: u64, i: u32) -> Iova {
     Iova(base + (i % RING_DESCS) as u64 * DESC_SIZE as u64)
 }
@@ -399,106 +410,25 @@ impl Device {
         let qr = &regs.rxq[q];
         // Queue 0 is on whenever the device is; another only once enabled, with a line.
         let on = q == 0 || (qr.enabled.load(Ordering::Acquire) && self.rxq[q].irq.is_some());
-        let head = self.rxq[q].head;
-        let tail = qr.tail.load(Ordering::Acquire);
         if !on {
             qr.missed.fetch_add(1, Ordering::Relaxed);
             regs.rx_missed.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        if head == tail {
-            return Err(NoRoom { q, tail });
-        }
-        let base = qr.base.load(Ordering::Relaxed);
-        let (descs, lens) = (&mut self.rx_descs, &mut self.rx_lens);
-        let (mut k, mut room, mut h) = (0, 0usize, head);
-        while room < frame.len().max(1) {
-            if h == tail {
-                return Err(NoRoom { q, tail });
-            }
-            if k == MAX_RX_DESCS_PER_FRAME {
-                // Descriptors too short for the frame: no refill makes room for it.
-                qr.missed.fetch_add(1, Ordering::Relaxed);
-                regs.rx_missed.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            let at = desc_iova(base, h);
-            let mut raw = [0u8; DESC_SIZE];
-            if self.dma.dma_read(at, &mut raw).is_err() {
-                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            let d: Desc = bytemuck::pod_read_unaligned(&raw);
-            room += if d.len == 0 {
-                MAX_FRAME
-            } else {
-                usize::from(d.len)
-            };
-            descs[k] = (at, d);
-            k += 1;
-            h = (h + 1) % RING_DESCS;
-        }
+        let Some((k, h)) = self.gather_descs(q, frame.len())? else {
+            return Ok(());
+        };
         // Data first. A write that faults (part of it may have landed) completes every
         // descriptor of the frame with the error bit and no length, so the driver
         // drops it and recycles the buffers instead of handing up what they held.
-        let mut done = 0;
-        let mut failed = false;
-        for (j, (_, d)) in descs[..k].iter().enumerate() {
-            let cap = if d.len == 0 {
-                MAX_FRAME
-            } else {
-                usize::from(d.len)
-            };
-            let n = (frame.len() - done).min(cap);
-            if !failed
-                && self
-                    .dma
-                    .dma_write(Iova(d.addr), &frame[done..done + n])
-                    .is_err()
-            {
-                failed = true;
-            }
-            lens[j] = n as u16;
-            done += n;
-        }
+        let failed = !self.write_data(k, frame);
         if failed {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
             regs.rx_dma_errors.fetch_add(1, Ordering::Relaxed);
         }
-        let offloaded = off != Offload::NONE;
-        let last_status = if failed {
-            DESC_DD | DESC_EOP | DESC_ERR
-        } else if offloaded {
-            DESC_DD | DESC_EOP | DESC_OFFLOAD
-        } else if net::wire::l4_checksum(frame) == Some(true) {
-            DESC_DD | DESC_EOP | DESC_L4_OK
-        } else {
-            DESC_DD | DESC_EOP
-        };
-        for j in (0..k).rev() {
-            let (at, d) = descs[j];
-            let last = j + 1 == k;
-            let wb = Desc {
-                addr: if last && offloaded && !failed {
-                    off.to_bits()
-                } else {
-                    d.addr
-                },
-                len: if failed { 0 } else { lens[j] },
-                status: if last {
-                    last_status
-                } else if failed {
-                    DESC_DD | DESC_ERR
-                } else {
-                    DESC_DD
-                },
-                flags: 0,
-                pad: 0,
-            };
-            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
-                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
+        if !self.write_backs(k, frame, off, failed) {
+            regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
         }
         self.rxq[q].head = h;
         qr.frames.fetch_add(1, Ordering::Relaxed);
@@ -512,6 +442,109 @@ impl Device {
         }
         self.complete(q, Instant::now());
         Ok(())
+    }
+
+    /// Reads queue `q`'s free descriptors from its head until their buffers hold
+    /// `len` bytes. Returns how many and the head after them; `None` if the frame is
+    /// dropped (descriptors too short for it, counted; a descriptor read that faulted,
+    /// counted); `NoRoom` if the driver has not posted enough yet.
+    fn gather_descs(&mut self, q: usize, len: usize) -> Result<Option<(usize, u32)>, NoRoom> {
+        let regs = &self.regs;
+        let qr = &regs.rxq[q];
+        let tail = qr.tail.load(Ordering::Acquire);
+        let head = self.rxq[q].head;
+        if head == tail {
+            return Err(NoRoom { q, tail });
+        }
+        let base = qr.base.load(Ordering::Relaxed);
+        let (mut k, mut room, mut h) = (0, 0usize, head);
+        while room < len.max(1) {
+            if h == tail {
+                return Err(NoRoom { q, tail });
+            }
+            if k == MAX_RX_DESCS_PER_FRAME {
+                // Descriptors too short for the frame: no refill makes room for it.
+                qr.missed.fetch_add(1, Ordering::Relaxed);
+                regs.rx_missed.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            let at = desc_iova(base, h);
+            let mut raw = [0u8; DESC_SIZE];
+            if self.dma.dma_read(at, &mut raw).is_err() {
+                regs.dma_faults.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            let d: Desc = bytemuck::pod_read_unaligned(&raw);
+            room += desc_room(&d);
+            self.rx_descs[k] = (at, d);
+            k += 1;
+            h = (h + 1) % RING_DESCS;
+        }
+        Ok(Some((k, h)))
+    }
+
+    /// Writes `frame` into the buffers of the first `k` gathered descriptors (each up
+    /// to its room), recording each one's length. Returns false if a write faulted;
+    /// the rest are then not written.
+    fn write_data(&mut self, k: usize, frame: &[u8]) -> bool {
+        let mut done = 0;
+        let mut ok = true;
+        for (j, (_, d)) in self.rx_descs[..k].iter().enumerate() {
+            let n = (frame.len() - done).min(desc_room(d));
+            if ok
+                && self
+                    .dma
+                    .dma_write(Iova(d.addr), &frame[done..done + n])
+                    .is_err()
+            {
+                ok = false;
+            }
+            self.rx_lens[j] = n as u16;
+            done += n;
+        }
+        ok
+    }
+
+    /// Writes the gathered descriptors back, from the last to the first, so that the
+    /// driver never sees the first done before the rest: the last carries end of packet
+    /// and the offload (or the checksum's verdict), and after a failed data write each
+    /// carries the error bit and no length. Returns false if a write-back faulted.
+    fn write_backs(&mut self, k: usize, frame: &[u8], off: Offload, failed: bool) -> bool {
+        let offloaded = off != Offload::NONE;
+        let last_status = if failed {
+            DESC_DD | DESC_EOP | DESC_ERR
+        } else if offloaded {
+            DESC_DD | DESC_EOP | DESC_OFFLOAD
+        } else if net::wire::l4_checksum(frame) == Some(true) {
+            DESC_DD | DESC_EOP | DESC_L4_OK
+        } else {
+            DESC_DD | DESC_EOP
+        };
+        for j in (0..k).rev() {
+            let (at, d) = self.rx_descs[j];
+            let last = j + 1 == k;
+            let wb = Desc {
+                addr: if last && offloaded && !failed {
+                    off.to_bits()
+                } else {
+                    d.addr
+                },
+                len: if failed { 0 } else { self.rx_lens[j] },
+                status: if last {
+                    last_status
+                } else if failed {
+                    DESC_DD | DESC_ERR
+                } else {
+                    DESC_DD
+                },
+                flags: 0,
+                pad: 0,
+            };
+            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Puts one packet on the cable. A large one is cut into MTU-sized frames by the

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use mem::PageAccess;
 
-use super::vif::{VifRx, VifTx, SLOT_BYTES};
+use super::vif::{VifError, VifRx, VifTx, SLOT_BYTES};
 
 /// Figure 8's stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -477,6 +477,54 @@ pub fn rx_iova(id: u16) -> hv::Iova {
 /// it is for when the engine already chose one (a copy of a broadcast).
 pub type Delivery = (usize, Option<u16>);
 
+/// Copies `frame` into slot `seq` of VIF `vif`'s receive queue `rx`: by DMA through
+/// the VIF's IOMMU context when it has one (`dma`), directly otherwise. With the
+/// injected ingress bug (`bug`), the address computed is the next VIF's: through an
+/// IOMMU context the write faults (counted in `faults`); without one the bytes land in
+/// the next VIF's buffer and this VIF's slot is left empty.
+#[allow(clippy::too_many_arguments)]
+fn place<P: PageAccess>(
+    dma: Option<&mut VifDma>,
+    vifs: &IngressVifs<P>,
+    vif: u16,
+    rx: &VifRx<P>,
+    seq: u32,
+    frame: &[u8],
+    bug: bool,
+    faults: &AtomicU64,
+) -> Result<(), VifError> {
+    let len = frame.len();
+    match dma {
+        Some(d) => {
+            let base = if bug {
+                rx_iova(vif.wrapping_add(1))
+            } else {
+                d.base
+            };
+            let iova = hv::Iova(base.0 + VifRx::<P>::slot_offset(seq) as u64);
+            rx.fill_with(seq, len, || {
+                let ok = d.ctx.dma_write(iova, frame).is_ok();
+                if !ok {
+                    faults.fetch_add(1, Ordering::Relaxed);
+                }
+                ok
+            })
+            .map(|_| ())
+        }
+        None if bug => {
+            if let Some(other) = vifs
+                .rx
+                .get(vif.wrapping_add(1) as usize)
+                .and_then(|r| r.as_ref())
+            {
+                let _ = other.misplaced_write(seq, frame);
+            }
+            rx.fill_with(seq, len, || false).map(|_| ())
+        }
+        None => rx.fill(seq, frame),
+    }
+}
+
 /// What an ingress context is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InState {
@@ -577,91 +625,17 @@ impl<P: PageAccess> Ingress<P> {
         signal: &mut dyn FnMut(u16),
     ) -> usize {
         let mut published = 0;
-        for c in &mut self.contexts {
-            if c.state == InState::Idle {
-                let t0 = mem::cpu::rdtsc();
-                let Some((len, to)) = wire(&mut c.buf) else {
-                    self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+        for i in 0..self.contexts.len() {
+            if self.contexts[i].state == InState::Idle {
+                let Some(state) = self.take_frame(i, vifs, wire) else {
                     continue;
                 };
-                let t1 = mem::cpu::rdtsc();
-                self.times.add(Stage::PktRx, t1.wrapping_sub(t0));
-                let mut dst = [0u8; 6];
-                if len < super::vif::MIN_FRAME {
-                    self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                dst.copy_from_slice(&c.buf[..6]);
-                let Some((vif, rx)) = to
-                    .or_else(|| vifs.demux.lookup(&dst))
-                    .and_then(|v| Some((v, vifs.rx.get(v as usize)?.as_ref()?)))
-                else {
-                    self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                };
-                let seq = match rx.reserve() {
-                    Ok(Some(seq)) => seq,
-                    Ok(None) => {
-                        self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    Err(_) => {
-                        self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                };
-                let t2 = mem::cpu::rdtsc();
-                self.times.add(Stage::ChnlDemux, t2.wrapping_sub(t1));
-                let frame = &c.buf[..len];
-                self.placed = self.placed.wrapping_add(1);
-                let bug =
-                    self.misplace_every != 0 && self.placed.is_multiple_of(self.misplace_every);
-                let filled = match self.dma.get_mut(vif as usize).and_then(Option::as_mut) {
-                    Some(d) => {
-                        let base = if bug {
-                            rx_iova(vif.wrapping_add(1))
-                        } else {
-                            d.base
-                        };
-                        let iova = hv::Iova(base.0 + VifRx::<P>::slot_offset(seq) as u64);
-                        let faults = &self.stats.dma_faults;
-                        rx.fill_with(seq, len, || {
-                            let ok = d.ctx.dma_write(iova, frame).is_ok();
-                            if !ok {
-                                faults.fetch_add(1, Ordering::Relaxed);
-                            }
-                            ok
-                        })
-                        .map(|_| ())
-                    }
-                    None if bug => {
-                        // The bug, with nothing to stop it: the bytes go into the next
-                        // VIF's buffer, this VIF's slot is left empty.
-                        if let Some(other) = vifs
-                            .rx
-                            .get(vif.wrapping_add(1) as usize)
-                            .and_then(|r| r.as_ref())
-                        {
-                            let _ = other.misplaced_write(seq, frame);
-                        }
-                        rx.fill_with(seq, len, || false).map(|_| ())
-                    }
-                    None => rx.fill(seq, frame),
-                };
-                if filled.is_err() {
-                    self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
-                }
-                c.state = InState::Publish {
-                    vif,
-                    seq,
-                    len,
-                    t0: t2,
-                };
+                self.contexts[i].state = state;
             }
-            if let InState::Publish { vif, seq, len, t0 } = c.state {
+            if let InState::Publish { vif, seq, len, t0 } = self.contexts[i].state {
                 let Some(rx) = vifs.rx.get(vif as usize).and_then(|r| r.as_ref()) else {
                     // Destroyed while this context held a slot: nothing to publish into.
-                    c.state = InState::Idle;
+                    self.contexts[i].state = InState::Idle;
                     continue;
                 };
                 match rx.publish(seq, len) {
@@ -673,18 +647,77 @@ impl<P: PageAccess> Ingress<P> {
                             .add(Stage::MsgSend, mem::cpu::rdtsc().wrapping_sub(t0));
                         self.stats.frames.fetch_add(1, Ordering::Relaxed);
                         published += 1;
-                        c.state = InState::Idle;
+                        self.contexts[i].state = InState::Idle;
                     }
                     // Not its turn: yield, and try again at its next step.
                     Ok(false) => {}
                     Err(_) => {
                         self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
-                        c.state = InState::Idle;
+                        self.contexts[i].state = InState::Idle;
                     }
                 }
             }
         }
         published
+    }
+
+    /// Idle context `i` takes a frame from the wire, finds its VIF, takes a sequence
+    /// number and copies the frame into the VIF's slot. Returns the context's state to
+    /// publish it; `None` if there was no frame, or it is dropped (counted: no VIF, the
+    /// VIF's queue full or broken).
+    fn take_frame(
+        &mut self,
+        i: usize,
+        vifs: &IngressVifs<P>,
+        wire: &mut dyn FnMut(&mut [u8]) -> Option<Delivery>,
+    ) -> Option<InState> {
+        let c = &mut self.contexts[i];
+        let t0 = mem::cpu::rdtsc();
+        let Some((len, to)) = wire(&mut c.buf) else {
+            self.stats.idle_steps.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let t1 = mem::cpu::rdtsc();
+        self.times.add(Stage::PktRx, t1.wrapping_sub(t0));
+        if len < super::vif::MIN_FRAME {
+            self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let mut dst = [0u8; 6];
+        dst.copy_from_slice(&c.buf[..6]);
+        let Some((vif, rx)) = to
+            .or_else(|| vifs.demux.lookup(&dst))
+            .and_then(|v| Some((v, vifs.rx.get(v as usize)?.as_ref()?)))
+        else {
+            self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let seq = match rx.reserve() {
+            Ok(Some(seq)) => seq,
+            Ok(None) => {
+                self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            Err(_) => {
+                self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        };
+        let t2 = mem::cpu::rdtsc();
+        self.times.add(Stage::ChnlDemux, t2.wrapping_sub(t1));
+        self.placed = self.placed.wrapping_add(1);
+        let bug = self.misplace_every != 0 && self.placed.is_multiple_of(self.misplace_every);
+        let frame = &self.contexts[i].buf[..len];
+        let dma = self.dma.get_mut(vif as usize).and_then(Option::as_mut);
+        if place(dma, vifs, vif, rx, seq, frame, bug, &self.stats.dma_faults).is_err() {
+            self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(InState::Publish {
+            vif,
+            seq,
+            len,
+            t0: t2,
+        })
     }
 
     /// Contexts holding a frame not yet published.

@@ -480,6 +480,35 @@ struct Gathered {
     ok: bool,
 }
 
+/// Copies `k` bytes from `from` (a page and an offset) into cache entry `to.0`'s page
+/// at offset `to.1`: straight from a page of the driver domain's own, or, for another
+/// guest's page (a frame it sent), through `bounce`, window to window.
+fn copy_piece(
+    dom: &hv::Domain,
+    cache: &GrantCache,
+    bounce: &mut [u8],
+    (page, from): (crate::skb::SegPage, usize),
+    (ent, page_off): (u16, usize),
+    k: usize,
+) -> bool {
+    use crate::skb::SegPage;
+    let slot = cache.slot(ent);
+    match (page, cache.page(ent)) {
+        (SegPage::Own(gfn), Some(p)) => dom.copy_to_page(gfn, from, p, page_off, k).is_ok(),
+        (SegPage::Own(gfn), None) => dom.copy_to_window(gfn, from, slot, page_off, k).is_ok(),
+        (
+            SegPage::Window {
+                slot: from_slot, ..
+            },
+            _,
+        ) => {
+            let b = &mut bounce[..k];
+            dom.window().read(from_slot, from, b).is_ok()
+                && dom.window().write(slot, page_off, b).is_ok()
+        }
+    }
+}
+
 impl<X: Xen> super::Vif<X> {
     /// Guest RX with grant reuse and no direct placement: each queued packet is copied
     /// by the driver domain's CPU into the buffers the guest posted, through their
@@ -626,7 +655,6 @@ impl<X: Xen> super::Vif<X> {
         use crate::netif::{
             RxResponse, NETRXF_DATA_VALIDATED, NETRXF_MORE_DATA, XEN_NETIF_RSP_ERROR,
         };
-        use crate::skb::SegPage;
         let (skb, len, need) = (g.skb, g.len, g.need);
         let ents = &ents[g.first..g.first + need];
         let ids = &ids[g.first..g.first + need];
@@ -649,30 +677,9 @@ impl<X: Xen> super::Vif<X> {
                             p += 1;
                             page_off = 0;
                         }
-                        let slot = cache.slot(ents[p]);
                         let k = (seg.len - done).min(mem::PAGE_SIZE - page_off);
-                        let from = seg.offset + done;
-                        let r = match (seg.page, cache.page(ents[p])) {
-                            (SegPage::Own(gfn), Some(page)) => {
-                                dom.copy_to_page(gfn, from, page, page_off, k).is_ok()
-                            }
-                            (SegPage::Own(gfn), None) => {
-                                dom.copy_to_window(gfn, from, slot, page_off, k).is_ok()
-                            }
-                            // Another guest's page (a frame it sent): through a
-                            // bounce, window to window.
-                            (
-                                SegPage::Window {
-                                    slot: from_slot, ..
-                                },
-                                _,
-                            ) => {
-                                let b = &mut bounce[..k];
-                                dom.window().read(from_slot, from, b).is_ok()
-                                    && dom.window().write(slot, page_off, b).is_ok()
-                            }
-                        };
-                        if !r {
+                        let from = (seg.page, seg.offset + done);
+                        if !copy_piece(dom, cache, bounce, from, (ents[p], page_off), k) {
                             return Err(crate::skb::SkbError::OutOfBounds);
                         }
                         sizes[p] += k as u16;

@@ -23,7 +23,7 @@ use hv::iommu::window_iova;
 use hv::profile::{enter, Class};
 use hv::{GrantHandle, GrantRef, Iova, MapOp, Xen};
 
-use super::{Vif, MAX_PENDING};
+use super::{GrantCache, Vif, MAX_PENDING};
 use crate::netif::{InFlight, RxResponse, NETRXF_DATA_VALIDATED, RING_IDS, XEN_NETIF_RSP_ERROR};
 use crate::skb::{SkbId, SkbPool, NET_IP_ALIGN};
 use crate::wire::MAX_TAGGED_FRAME;
@@ -75,6 +75,57 @@ pub(super) struct Direct {
 }
 
 impl Direct {
+    /// A posted buffer that needs no map of its own now: the unsafe stand-in's machine
+    /// frame (taken as the guest gave it; nothing is checked, mapped or pinned, as the
+    /// paper measured it), or, with grant reuse, a page looked up in the cache (mapped
+    /// only on a miss, and mapped still after its frame is answered). `Some(true)`: it
+    /// is ready for the NIC; `Some(false)`: it could not be had (the request is done,
+    /// for the caller to answer with an error); `None`: it needs a map.
+    fn place_without_map<X: Xen>(
+        &mut self,
+        req: &crate::netif::RxRequest,
+        machine_frames: bool,
+        cache: Option<&mut GrantCache>,
+        xen: &X,
+    ) -> Option<bool> {
+        let at = if machine_frames {
+            MappedAt::Machine(req.gref)
+        } else {
+            match cache?.acquire(xen, req.gref, true) {
+                Ok(e) => MappedAt::Cached(e),
+                Err(_) => {
+                    let _ = self.taken.complete(req.id);
+                    return Some(false);
+                }
+            }
+        };
+        let k = self.free.pop().expect("one free slot per request taken");
+        self.maps[k as usize] = Some(Mapped { id: req.id, at });
+        self.ready.push_back(k);
+        Some(true)
+    }
+
+    /// Request `id`'s buffer, as its map came back: ready for the NIC (true), or, if
+    /// the map failed, the request done for the caller to answer with an error.
+    fn place_mapped(&mut self, id: u16, result: Result<GrantHandle, hv::GrantError>) -> bool {
+        let k = self.free.pop().expect("one free slot per op");
+        match result {
+            Ok(handle) => {
+                self.maps[k as usize] = Some(Mapped {
+                    id,
+                    at: MappedAt::Own(handle),
+                });
+                self.ready.push_back(k);
+                true
+            }
+            Err(_) => {
+                self.free.push(k);
+                let _ = self.taken.complete(id);
+                false
+            }
+        }
+    }
+
     pub(super) fn new() -> Self {
         Self {
             maps: vec![None; RX_MAPPED].into_boxed_slice(),
@@ -191,40 +242,23 @@ impl<X: Xen> Vif<X> {
                 answered = true;
                 continue;
             }
-            if self.machine_frames {
-                // The unsafe stand-in, as the paper measured it: the frame is taken
-                // as the guest gave it; nothing is checked, mapped or pinned.
-                let k = d.free.pop().expect("one free slot per request taken");
-                d.maps[k as usize] = Some(Mapped {
-                    id: req.id,
-                    at: MappedAt::Machine(req.gref),
-                });
-                d.ready.push_back(k);
-                cached += 1;
-                continue;
-            }
-            if let Some(cache) = self.cache.as_mut() {
-                // Grant reuse: the buffer's page is looked up in the cache, mapped
-                // only on a miss, and stays mapped after its frame is answered.
-                let k = d.free.pop().expect("one free slot per request taken");
-                match cache.acquire(&self.xen, req.gref, true) {
-                    Ok(e) => {
-                        d.maps[k as usize] = Some(Mapped {
-                            id: req.id,
-                            at: MappedAt::Cached(e),
-                        });
-                        d.ready.push_back(k);
-                        cached += 1;
-                    }
-                    Err(_) => {
-                        d.free.push(k);
-                        let _ = d.taken.complete(req.id);
-                        self.stats.rx_copy_errors += 1;
-                        let _ = self.rx.push_response(&rx_error(req.id));
-                        answered = true;
-                    }
+            match d.place_without_map(
+                &req,
+                self.machine_frames,
+                self.cache.as_deref_mut(),
+                &self.xen,
+            ) {
+                Some(true) => {
+                    cached += 1;
+                    continue;
                 }
-                continue;
+                Some(false) => {
+                    self.stats.rx_copy_errors += 1;
+                    let _ = self.rx.push_response(&rx_error(req.id));
+                    answered = true;
+                    continue;
+                }
+                None => {}
             }
             let k = d.free[d.free.len() - 1 - d.ops.len()];
             d.ops.push(MapOp {
@@ -242,29 +276,13 @@ impl<X: Xen> Vif<X> {
         }
         let mut mapped = cached;
         for j in 0..n {
-            let k = d.free.pop().expect("one free slot per op");
             let id = d.ids[j];
-            match d.results[j] {
-                Ok(handle) => {
-                    d.maps[k as usize] = Some(Mapped {
-                        id,
-                        at: MappedAt::Own(handle),
-                    });
-                    d.ready.push_back(k);
-                    mapped += 1;
-                }
-                Err(_) => {
-                    d.free.push(k);
-                    let _ = d.taken.complete(id);
-                    self.stats.rx_copy_errors += 1;
-                    let _ = self.rx.push_response(&RxResponse {
-                        id,
-                        offset: 0,
-                        flags: 0,
-                        status: XEN_NETIF_RSP_ERROR,
-                    });
-                    answered = true;
-                }
+            if d.place_mapped(id, d.results[j]) {
+                mapped += 1;
+            } else {
+                self.stats.rx_copy_errors += 1;
+                let _ = self.rx.push_response(&rx_error(id));
+                answered = true;
             }
         }
         if broken {

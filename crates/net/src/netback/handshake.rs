@@ -53,70 +53,113 @@ pub fn probe(store: &impl XenStore, be: DomId, fe: DomId, handle: u32) -> Result
     Ok(())
 }
 
-impl<X: Xen> Vif<X> {
-    /// Connects to a front end that published its rings: reads and checks its keys,
-    /// maps both ring pages at window slots `slot_base` and `slot_base + 1` (the vif
-    /// uses [`VIF_WINDOW_SLOTS`] slots from there), binds the event channel, and moves
-    /// to `Connected`. `index` names the vif in release tokens.
-    pub fn connect(
-        xen: X,
-        fe: DomId,
-        handle: u32,
-        index: u16,
-        slot_base: u32,
-    ) -> Result<Self, XenbusError> {
-        let store = xen.store();
-        let be = xen.id();
-        let dom = xen.domain();
-        let fdir = xenbus::frontend_dir(fe, handle);
-        let bdir = xenbus::backend_dir(be, fe, handle);
-        let st = store.xenbus_state(be, &fdir);
+/// What the front end asked for and this end offers, read strictly from both
+/// directories before anything is mapped.
+struct Negotiated {
+    can_sg: bool,
+    gso_rx: bool,
+    csum_rx: bool,
+    guest_copy: bool,
+    machine_frames: bool,
+    grant_reuse: bool,
+    layout: ring::Layout,
+    tx_ref: u32,
+    rx_ref: u32,
+    evtchn: u32,
+}
+
+impl Negotiated {
+    fn read(store: &impl XenStore, be: DomId, fdir: &str, bdir: &str) -> Result<Self, XenbusError> {
+        let st = store.xenbus_state(be, fdir);
         if !matches!(st, XenbusState::Initialised | XenbusState::Connected) {
             return Err(XenbusError::PeerState(st));
         }
-        if !xenbus::feature(store, be, &fdir, "request-rx-copy") {
+        let front = |key: &str| xenbus::feature(store, be, fdir, key);
+        let back = |key: &str| xenbus::feature(store, be, bdir, key);
+        if !front("request-rx-copy") {
             return Err(XenbusError::MissingFeature("request-rx-copy"));
         }
-        let can_sg = xenbus::feature(store, be, &fdir, "feature-sg");
-        // Linux netback: GSO only if asked for; blank checksums unless refused.
-        let gso_rx = can_sg && xenbus::feature(store, be, &fdir, "feature-gso-tcpv4");
-        let csum_rx = !xenbus::feature(store, be, &fdir, "feature-no-csum-offload");
-        let wants_copy = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GUEST_COPY);
-        let machine_frames = xenbus::feature(store, be, &fdir, xenbus::REQUEST_MACHINE_FRAMES)
-            && xenbus::feature(store, be, &bdir, xenbus::FEATURE_MACHINE_FRAMES);
-        if wants_copy && !xenbus::feature(store, be, &bdir, xenbus::FEATURE_GUEST_COPY) {
+        let can_sg = front("feature-sg");
+        let guest_copy = front(xenbus::REQUEST_GUEST_COPY);
+        if guest_copy && !back(xenbus::FEATURE_GUEST_COPY) {
             return Err(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY));
         }
         // The ring layout: ring.h's unless the front end asked for the split one this
         // end offered. Both rings use it.
-        let layout = if xenbus::feature(store, be, &fdir, xenbus::REQUEST_SPLIT_INDICES)
-            && xenbus::feature(store, be, &bdir, xenbus::FEATURE_SPLIT_INDICES)
-        {
-            ring::Layout::SPLIT
-        } else {
-            ring::Layout::XEN
-        };
-        let tx_ref = xenbus::read_u32(store, be, &format!("{fdir}/tx-ring-ref"))?;
-        let rx_ref = xenbus::read_u32(store, be, &format!("{fdir}/rx-ring-ref"))?;
-        let evtchn = xenbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
+        let split = front(xenbus::REQUEST_SPLIT_INDICES) && back(xenbus::FEATURE_SPLIT_INDICES);
+        let key = |k: &str| xenbus::read_u32(store, be, &format!("{fdir}/{k}"));
+        Ok(Self {
+            can_sg,
+            // Linux netback: GSO only if asked for; blank checksums unless refused.
+            gso_rx: can_sg && front("feature-gso-tcpv4"),
+            csum_rx: !front("feature-no-csum-offload"),
+            guest_copy,
+            machine_frames: front(xenbus::REQUEST_MACHINE_FRAMES)
+                && back(xenbus::FEATURE_MACHINE_FRAMES),
+            // Grant reuse needs the control ring, through which the guest drops mappings.
+            grant_reuse: front(xenbus::REQUEST_GRANT_REUSE),
+            layout: if split {
+                ring::Layout::SPLIT
+            } else {
+                ring::Layout::XEN
+            },
+            tx_ref: key("tx-ring-ref")?,
+            rx_ref: key("rx-ring-ref")?,
+            evtchn: key("event-channel")?,
+        })
+    }
+}
 
-        let ops = [
-            MapOp {
-                dom: fe,
-                gref: GrantRef(tx_ref),
-                readonly: false,
-                slot: slot_base,
-            },
-            MapOp {
-                dom: fe,
-                gref: GrantRef(rx_ref),
-                readonly: false,
-                slot: slot_base + 1,
-            },
-        ];
+/// What a connection has taken so far, given back if it fails before the end, rings
+/// first: a ring holds its mapped page open, and a held page cannot be unmapped.
+struct Taken<'a, X: Xen> {
+    xen: &'a X,
+    rings: Option<(Back<TxRing>, Back<RxRing>)>,
+    handles: [GrantHandle; 2],
+    port: Option<Port>,
+    ctrl: Option<ctrl::Ctrl>,
+    /// The connection succeeded: the vif holds all of it now.
+    kept: bool,
+}
+
+impl<X: Xen> Drop for Taken<'_, X> {
+    fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
+        drop(self.rings.take());
+        let mut st = [Ok(()); 2];
+        self.xen.grant_unmap(&self.handles, &mut st);
+        if let Some(c) = self.ctrl.take() {
+            let h = c.handle;
+            drop(c);
+            self.xen.grant_unmap(&[h], &mut [Ok(())]);
+        }
+        if let Some(port) = self.port.take() {
+            let _ = self.xen.evtchn_close(port);
+        }
+    }
+}
+
+impl<'a, X: Xen> Taken<'a, X> {
+    /// Maps both ring pages at `slot_base` and `slot_base + 1` and attaches the rings in
+    /// `layout`; gives back whatever was mapped if either fails.
+    fn map_rings(
+        xen: &'a X,
+        fe: DomId,
+        fdir: &str,
+        n: &Negotiated,
+        slot_base: u32,
+    ) -> Result<Self, XenbusError> {
+        let op = |gref, slot| MapOp {
+            dom: fe,
+            gref: GrantRef(gref),
+            readonly: false,
+            slot,
+        };
+        let ops = [op(n.tx_ref, slot_base), op(n.rx_ref, slot_base + 1)];
         let mut res = [Err(GrantError::BadHandle(0)); 2];
         xen.grant_map(&ops, &mut res);
-        let bad = |e: &GrantError| XenbusError::BadKey(format!("{fdir}/*-ring-ref: {e}"));
         let (th, rh) = match res {
             [Ok(t), Ok(r)] => (t, r),
             [a, b] => {
@@ -127,95 +170,141 @@ impl<X: Xen> Vif<X> {
                     .into_iter()
                     .find_map(|r| r.err())
                     .unwrap_or(GrantError::BadPage);
-                return Err(bad(&e));
+                return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref: {e}")));
             }
         };
-        let unmap = |xen: &X| {
-            let mut st = [Ok(()); 2];
-            xen.grant_unmap(&[th, rh], &mut st);
+        let mut taken = Self {
+            xen,
+            rings: None,
+            handles: [th, rh],
+            port: None,
+            ctrl: None,
+            kept: false,
         };
-        let page = |slot| dom.window().page(slot);
-        let rings = page(slot_base)
-            .ok()
-            .and_then(|p| PageRing::with_layout(p, layout).ok())
+        let page = |slot| xen.domain().window().page(slot).ok();
+        let ring = |slot| page(slot).and_then(|p| PageRing::with_layout(p, n.layout).ok());
+        taken.rings = ring(slot_base)
             .and_then(|p| BackRing::<TxRing, _>::attach(p).ok())
-            .zip(
-                page(slot_base + 1)
-                    .ok()
-                    .and_then(|p| PageRing::with_layout(p, layout).ok())
-                    .and_then(|p| BackRing::<RxRing, _>::attach(p).ok()),
-            );
-        let Some((tx, rx)) = rings else {
-            unmap(&xen);
+            .zip(ring(slot_base + 1).and_then(|p| BackRing::<RxRing, _>::attach(p).ok()));
+        if taken.rings.is_none() {
             return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref")));
-        };
-        // From here each failure gives back what was taken, rings first: a ring holds
-        // its mapped page open, and a held page cannot be unmapped.
-        let port = match xen.evtchn_bind_interdomain(fe, Port(evtchn)) {
-            Ok(p) => p,
-            Err(e) => {
-                drop((tx, rx));
-                unmap(&xen);
-                return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
-            }
-        };
-        // Grant reuse needs the control ring, through which the guest drops mappings.
-        let reuse = xenbus::feature(store, be, &fdir, xenbus::REQUEST_GRANT_REUSE);
-        let ctrl = if reuse {
-            match map_ctrl_ring(&xen, fe, &fdir, slot_base + CTRL_RING_SLOT) {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    drop((tx, rx));
-                    unmap(&xen);
-                    let _ = xen.evtchn_close(port);
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
+        }
+        Ok(taken)
+    }
+
+    /// Everything taken, kept: the connection succeeded.
+    fn keep(
+        mut self,
+    ) -> (
+        Back<TxRing>,
+        Back<RxRing>,
+        [GrantHandle; 2],
+        Port,
+        Option<ctrl::Ctrl>,
+    ) {
+        let (tx, rx) = self
+            .rings
+            .take()
+            .expect("mapped before the channel was bound");
+        let port = self
+            .port
+            .take()
+            .expect("bound before the connection is kept");
+        self.kept = true;
+        (tx, rx, self.handles, port, self.ctrl.take())
+    }
+}
+
+impl GuestCopy {
+    /// A guest-copy receive side whose slots' grants start at `base`.
+    fn new(base: GrantRef) -> Self {
+        Self {
+            base,
+            lent: vec![None; RING_IDS as usize].into_boxed_slice(),
+            order: LentOrder::new(),
+            credits: Vec::with_capacity(RING_IDS as usize),
+            credited: InFlight::default(),
+            ending: Vec::with_capacity(RING_IDS as usize),
+            piece_next: (0..RING_IDS).collect(),
+            transitive: vec![false; RING_IDS as usize].into_boxed_slice(),
+            transitive_held: 0,
+        }
+    }
+}
+
+impl<X: Xen> Vif<X> {
+    /// Connects to a front end that published its rings: reads and checks its keys,
+    /// maps both ring pages at window slots `slot_base` and `slot_base + 1` (the vif
+    /// uses [`VIF_WINDOW_SLOTS`] slots from there), binds the event channel, and moves
+    /// to `Connected`. `index` names the vif in release tokens. A failure at any step
+    /// gives back what the earlier steps took.
+    pub fn connect(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        index: u16,
+        slot_base: u32,
+    ) -> Result<Self, XenbusError> {
+        let (store, be) = (xen.store(), xen.id());
+        let fdir = xenbus::frontend_dir(fe, handle);
+        let bdir = xenbus::backend_dir(be, fe, handle);
+        let n = Negotiated::read(store, be, &fdir, &bdir)?;
+        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base)?;
+        taken.port = Some(
+            xen.evtchn_bind_interdomain(fe, Port(n.evtchn))
+                .map_err(|e| XenbusError::BadKey(format!("{fdir}/event-channel: {e}")))?,
+        );
+        if n.grant_reuse {
+            taken.ctrl = Some(map_ctrl_ring(&xen, fe, &fdir, slot_base + CTRL_RING_SLOT)?);
+        }
         // A guest-copy front end learns where its slots' grants start before it sees
         // `Connected`.
-        let gt = dom.grant_table();
-        let guest_copy = wants_copy
-            .then(|| gt.alloc_block(u32::from(RING_IDS)))
-            .map(|b| b.ok_or(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY)));
-        let guest_copy = match guest_copy.transpose().and_then(|b| {
-            if let Some(base) = b {
-                store.write(
-                    be,
-                    &format!("{bdir}/{}", xenbus::RX_GRANT_BASE),
-                    &base.0.to_string(),
-                )?;
-            }
-            store.switch_state(be, &bdir, XenbusState::Connected)?;
-            Ok(b)
-        }) {
-            Ok(b) => b.map(|base| GuestCopy {
-                base,
-                lent: vec![None; RING_IDS as usize].into_boxed_slice(),
-                order: LentOrder::new(),
-                credits: Vec::with_capacity(RING_IDS as usize),
-                credited: InFlight::default(),
-                ending: Vec::with_capacity(RING_IDS as usize),
-                piece_next: (0..RING_IDS).collect(),
-                transitive: vec![false; RING_IDS as usize].into_boxed_slice(),
-                transitive_held: 0,
-            }),
-            Err(e) => {
-                drop((tx, rx));
-                unmap(&xen);
-                if let Some(c) = ctrl {
-                    let h = c.handle;
-                    drop(c);
-                    xen.grant_unmap(&[h], &mut [Ok(())]);
-                }
-                let _ = xen.evtchn_close(port);
-                return Err(e);
-            }
+        let base = match n.guest_copy {
+            true => Some(
+                xen.domain()
+                    .grant_table()
+                    .alloc_block(u32::from(RING_IDS))
+                    .ok_or(XenbusError::MissingFeature(xenbus::FEATURE_GUEST_COPY))?,
+            ),
+            false => None,
         };
-        let cache = reuse.then(|| Box::new(GrantCache::new(fe, slot_base + CACHE_SLOT0)));
-        Ok(Self {
+        if let Some(base) = base {
+            let key = format!("{bdir}/{}", xenbus::RX_GRANT_BASE);
+            store.write(be, &key, &base.0.to_string())?;
+        }
+        store.switch_state(be, &bdir, XenbusState::Connected)?;
+        let (tx, rx, ring_handles, port, ctrl) = taken.keep();
+        Ok(Self::connected(
+            xen,
+            fe,
+            handle,
+            index,
+            slot_base,
+            &n,
+            (tx, rx, ring_handles, port),
+            ctrl,
+            base.map(GuestCopy::new),
+        ))
+    }
+
+    /// The vif, connected: its rings, handles and channel as the handshake took them,
+    /// its offloads as negotiated, every queue and batch allocated now, none later.
+    #[allow(clippy::too_many_arguments)]
+    fn connected(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        index: u16,
+        slot_base: u32,
+        n: &Negotiated,
+        (tx, rx, ring_handles, port): (Back<TxRing>, Back<RxRing>, [GrantHandle; 2], Port),
+        ctrl: Option<ctrl::Ctrl>,
+        guest_copy: Option<GuestCopy>,
+    ) -> Self {
+        let cache = n
+            .grant_reuse
+            .then(|| Box::new(GrantCache::new(fe, slot_base + CACHE_SLOT0)));
+        Self {
             xen,
             fe,
             handle,
@@ -223,18 +312,18 @@ impl<X: Xen> Vif<X> {
             port,
             tx,
             rx,
-            ring_handles: [th, rh],
+            ring_handles,
             slot_base,
             rx_queue: SkbQueue::with_backlog(RX_QUEUE_BYTES, RX_QUEUE_BACKLOG),
-            can_sg,
-            gso_rx,
-            csum_rx,
+            can_sg: n.can_sg,
+            gso_rx: n.gso_rx,
+            csum_rx: n.csum_rx,
             offload_scratch: vec![0; OFFLOAD_SCRATCH].into_boxed_slice(),
             aligned_copies: false,
             tx_copy: false,
             guest_copy,
             direct: None,
-            machine_frames,
+            machine_frames: n.machine_frames,
             cache,
             ctrl,
             tx_ready: Vec::with_capacity(MAX_PENDING),
@@ -252,6 +341,6 @@ impl<X: Xen> Vif<X> {
             tx_check: TxCheckStats::default(),
             stats: VifStats::default(),
             disabled: None,
-        })
+        }
     }
 }

@@ -226,55 +226,21 @@ impl RxBatch {
         let mut cur = 0usize;
         let (ops, meta) = (&mut self.copies, &mut self.meta);
         let r = pool.walk(skb, 0, len, |seg, _| {
-            // A page of our own is copied from; a page another guest granted (a packet
-            // it sent, forwarded by the bridge) is copied from through its grant, as
-            // Linux netback does for foreign pages: the driver domain's mapping is not
-            // a frame it owns.
-            let source = |offset: usize| match seg.page {
-                SegPage::Own(gfn) => CopyPtr::Local {
-                    gfn,
-                    offset: offset as u16,
-                },
-                SegPage::Window {
-                    grant: (dom, gref), ..
-                } => CopyPtr::Gref {
-                    dom,
-                    gref,
-                    offset: offset as u16,
-                },
-            };
             built.foreign |= matches!(seg.page, SegPage::Window { .. });
             let mut done = 0;
             while done < seg.len {
                 if page_off == PAGE_SIZE {
-                    let Ok(Some(req)) = rx.take_request() else {
+                    page_off = std::mem::take(&mut next_start);
+                    let Some((c, g)) = take_page(rx, meta, page_off, &mut extra_due) else {
                         built.broken = true;
                         return Ok(());
                     };
-                    page_off = std::mem::take(&mut next_start);
-                    cur = meta.len();
-                    meta.push(RxMeta {
-                        id: req.id,
-                        offset: page_off as u16,
-                        size: 0,
-                    });
-                    gref = req.gref;
-                    if std::mem::take(&mut extra_due) {
-                        let Ok(Some(x)) = rx.take_request() else {
-                            built.broken = true;
-                            return Ok(());
-                        };
-                        meta.push(RxMeta {
-                            id: x.id,
-                            offset: 0,
-                            size: 0,
-                        });
-                    }
+                    (cur, gref) = (c, g);
                 }
                 let n = (seg.len - done).min(PAGE_SIZE - page_off);
                 census.add_n(CopyAlign::of(seg.offset + done, page_off), n as u64);
                 ops.push(GrantCopy {
-                    source: source(seg.offset + done),
+                    source: copy_source(&seg.page, seg.offset + done),
                     dest: CopyPtr::Gref {
                         dom: fe,
                         gref: GrantRef(gref),
@@ -488,27 +454,10 @@ impl<X: Xen> Vif<X> {
                 || (gc.order.len() + need > RX_LENT_MAX
                     && self.rx_queue.bytes() + MAX_TAGGED_FRAME <= RX_QUEUE_BYTES);
             if waiting && !self.rx_queue.is_empty() {
-                // Out of credits, or the guest holds as much as it may while the queue
-                // behind it has room (the packet waits, as for a guest that posts no
-                // buffers): arm `req_event` and look once more, so that the guest's
-                // next post, a credit or a return, wakes this vif.
-                match self.rx.final_check_for_at_least(1) {
-                    Ok(true) => match self.rx.take_request() {
-                        Ok(Some(req)) => {
-                            take_credit(gc, &gt, pool, req, &mut self.rx, &mut self.stats);
-                            continue;
-                        }
-                        _ => break,
-                    },
-                    Ok(false) => {
-                        if gc.credits.len() < need {
-                            self.stats.rx_stalls += 1;
-                        } else {
-                            self.stats.rx_lent_full += 1;
-                        }
-                        break;
-                    }
-                    Err(_) => {
+                match gc.wait_for_post(&gt, pool, &mut self.rx, &mut self.stats, need) {
+                    Waited::Credited => continue,
+                    Waited::Nothing => break,
+                    Waited::Broken => {
                         broken = true;
                         break;
                     }
@@ -524,25 +473,7 @@ impl<X: Xen> Vif<X> {
             // not copying. netback takes back its oldest pieces (their packets are lost
             // to it, counted), unless the guest is copying from one this moment: an
             // in-use grant cannot be revoked.
-            let mut room = true;
-            while gc.order.len() + need > RX_LENT_MAX {
-                let Some(old) = gc.order.front() else {
-                    break;
-                };
-                if gt.end_access(GrantRef(gc.base.0 + u32::from(old))).is_err() {
-                    self.stats.rx_lent_full += 1;
-                    room = false;
-                    break;
-                }
-                gc.order.pop_front();
-                if let Some(s) = gc.lent[old as usize].take() {
-                    if gc.unlink(old) {
-                        pool.free(s);
-                    }
-                }
-                self.stats.rx_revoked += 1;
-            }
-            if !room {
+            if !gc.revoke_oldest(&gt, pool, need, &mut self.stats) {
                 break;
             }
             let Some(skb) = self.rx_queue.pop(pool) else {
@@ -553,89 +484,22 @@ impl<X: Xen> Vif<X> {
             // copied into one local buffer first.
             let (skb, pieces) = match pieces {
                 Pieces::Lend(p) => (skb, p),
-                Pieces::Linearize => {
-                    let Some(c) = local_linear(pool, skb, &mut self.stats.rx_linearized) else {
-                        self.stats.rx_copy_errors += 1;
-                        continue;
-                    };
-                    let (gfn, off) = pool.data_location(c);
-                    let mut p = PieceList::default();
-                    p.push(Piece {
-                        page: SegPage::Own(gfn),
-                        offset: off as u16,
-                        len: pool.len(c) as u16,
-                    });
-                    (c, p)
-                }
+                Pieces::Linearize => match linearized(pool, skb, &mut self.stats) {
+                    Some(c) => c,
+                    None => continue,
+                },
             };
             // One slot and one grant per piece: a sub-page of the driver domain's own
             // page, or, for bytes in a page another guest granted (a frame it sent),
             // a windowed transitive grant of that guest's grant: no copy.
-            let ids = &gc.credits[gc.credits.len() - pieces.len..];
-            let mut granted = 0;
-            for (piece, &id) in pieces.iter().zip(ids) {
-                let r = GrantRef(gc.base.0 + u32::from(id));
-                let ok = match piece.page {
-                    SegPage::Own(gfn) => gt
-                        .grant_access_subpage(r, self.fe, gfn, piece.offset, piece.len, true)
-                        .is_ok(),
-                    SegPage::Window { grant, .. } => gt
-                        .grant_access_transitive_window(
-                            r,
-                            self.fe,
-                            grant,
-                            piece.offset,
-                            piece.len,
-                            true,
-                        )
-                        .is_ok(),
-                };
-                if !ok {
-                    break;
-                }
-                granted += 1;
-            }
-            if granted < pieces.len {
-                // Cannot happen for a valid buffer; undo what was granted.
-                for &id in &ids[..granted] {
-                    let _ = gt.end_access(GrantRef(gc.base.0 + u32::from(id)));
-                }
+            if !gc.grant_pieces(&gt, self.fe, &pieces) {
+                // Cannot happen for a valid buffer.
                 self.stats.rx_copy_errors += 1;
                 pool.free(skb);
                 continue;
             }
-            let first = gc.credits.len() - pieces.len;
-            let flags = if pool.csum_valid(skb) {
-                NETRXF_DATA_VALIDATED
-            } else {
-                0
-            };
-            for (k, piece) in pieces.iter().enumerate() {
-                let id = gc.credits[first + k];
-                let next = gc.credits[first + (k + 1) % pieces.len];
-                let _ = gc.credited.complete(id);
-                gc.lent[id as usize] = Some(skb);
-                gc.piece_next[id as usize] = next;
-                gc.order.push_back(id);
-                if matches!(piece.page, SegPage::Window { .. }) {
-                    gc.transitive[id as usize] = true;
-                    gc.transitive_held += 1;
-                    self.stats.rx_transitive += 1;
-                }
-                let more = if k + 1 < pieces.len {
-                    NETRXF_MORE_DATA
-                } else {
-                    0
-                };
-                // Cannot fail: one response per request taken.
-                let _ = self.rx.push_response(&RxResponse {
-                    id,
-                    offset: piece.offset,
-                    flags: if k == 0 { flags | more } else { more },
-                    status: piece.len as i16,
-                });
-            }
-            gc.credits.truncate(first);
+            let validated = pool.csum_valid(skb);
+            gc.lend(&mut self.rx, skb, &pieces, validated, &mut self.stats);
             self.stats.rx_lent += 1;
             self.stats.rx_packets += 1;
             self.stats.rx_bytes += pool.len(skb) as u64;
@@ -809,7 +673,225 @@ pub(super) fn take_credit(
     gc.credits.push(req.id);
 }
 
+/// Where a copy from `offset` in a segment's page reads: a page of our own is copied
+/// from; a page another guest granted (a packet it sent, forwarded by the bridge) is
+/// copied from through its grant, as Linux netback does for foreign pages: the driver
+/// domain's mapping is not a frame it owns.
+#[inline]
+fn copy_source(page: &SegPage, offset: usize) -> CopyPtr {
+    match *page {
+        SegPage::Own(gfn) => CopyPtr::Local {
+            gfn,
+            offset: offset as u16,
+        },
+        SegPage::Window {
+            grant: (dom, gref), ..
+        } => CopyPtr::Gref {
+            dom,
+            gref,
+            offset: offset as u16,
+        },
+    }
+}
+
+/// Takes the request for a packet's next page, whose bytes start at `offset`, and
+/// after the first, the GSO extra's (`extra_due`, then cleared), each recorded in
+/// `meta`. Returns the page's index in `meta` and its grant; `None` if the ring holds
+/// no request.
+#[inline]
+fn take_page(
+    rx: &mut Back<RxRing>,
+    meta: &mut Vec<RxMeta>,
+    offset: usize,
+    extra_due: &mut bool,
+) -> Option<(usize, u32)> {
+    let Ok(Some(req)) = rx.take_request() else {
+        return None;
+    };
+    let cur = meta.len();
+    meta.push(RxMeta {
+        id: req.id,
+        offset: offset as u16,
+        size: 0,
+    });
+    if std::mem::take(extra_due) {
+        let Ok(Some(x)) = rx.take_request() else {
+            return None;
+        };
+        meta.push(RxMeta {
+            id: x.id,
+            offset: 0,
+            size: 0,
+        });
+    }
+    Some((cur, req.gref))
+}
+
+/// What waiting for the guest's next post found.
+enum Waited {
+    /// A post came meanwhile, and was taken as a credit (or a return).
+    Credited,
+    /// Nothing: `req_event` is armed, and the guest's next post wakes the vif.
+    Nothing,
+    /// The ring broke the protocol.
+    Broken,
+}
+
+/// A packet's bytes copied into one local buffer, as one piece: for a packet in more
+/// pieces than a response chain carries. `None` (counted) if no buffer was free.
+fn linearized(pool: &mut SkbPool, skb: SkbId, stats: &mut VifStats) -> Option<(SkbId, PieceList)> {
+    let Some(c) = local_linear(pool, skb, &mut stats.rx_linearized) else {
+        stats.rx_copy_errors += 1;
+        return None;
+    };
+    let (gfn, off) = pool.data_location(c);
+    let mut p = PieceList::default();
+    p.push(Piece {
+        page: SegPage::Own(gfn),
+        offset: off as u16,
+        len: pool.len(c) as u16,
+    });
+    Some((c, p))
+}
+
 impl GuestCopy {
+    /// Out of credits (fewer than `need`), or the guest holds as much as it may while
+    /// the queue behind it has room (the packet waits, as for a guest that posts no
+    /// buffers): arms `req_event` and looks once more, so that the guest's next post, a
+    /// credit or a return, wakes this vif.
+    fn wait_for_post(
+        &mut self,
+        gt: &hv::grant::GuestGrants<'_>,
+        pool: &mut SkbPool,
+        rx: &mut Back<RxRing>,
+        stats: &mut VifStats,
+        need: usize,
+    ) -> Waited {
+        match rx.final_check_for_at_least(1) {
+            Ok(true) => match rx.take_request() {
+                Ok(Some(req)) => {
+                    take_credit(self, gt, pool, req, rx, stats);
+                    Waited::Credited
+                }
+                _ => Waited::Nothing,
+            },
+            Ok(false) => {
+                if self.credits.len() < need {
+                    stats.rx_stalls += 1;
+                } else {
+                    stats.rx_lent_full += 1;
+                }
+                Waited::Nothing
+            }
+            Err(_) => Waited::Broken,
+        }
+    }
+
+    /// The guest holds as much as it may and the queue behind it is full: it is not
+    /// copying. Takes back its oldest pieces until `need` more fit (their packets are
+    /// lost to it, counted), unless the guest is copying from one this moment: an
+    /// in-use grant cannot be revoked. Returns whether there is room now.
+    fn revoke_oldest(
+        &mut self,
+        gt: &hv::grant::GuestGrants<'_>,
+        pool: &mut SkbPool,
+        need: usize,
+        stats: &mut VifStats,
+    ) -> bool {
+        while self.order.len() + need > RX_LENT_MAX {
+            let Some(old) = self.order.front() else {
+                break;
+            };
+            if gt
+                .end_access(GrantRef(self.base.0 + u32::from(old)))
+                .is_err()
+            {
+                stats.rx_lent_full += 1;
+                return false;
+            }
+            self.order.pop_front();
+            if let Some(s) = self.lent[old as usize].take() {
+                if self.unlink(old) {
+                    pool.free(s);
+                }
+            }
+            stats.rx_revoked += 1;
+        }
+        true
+    }
+
+    /// One grant per piece through the last credits' slots: a sub-page of the driver
+    /// domain's own page, or, for bytes in a page another guest granted (a frame it
+    /// sent), a windowed transitive grant of that guest's grant: no copy. On a failure,
+    /// undoes what was granted and returns false.
+    fn grant_pieces(&self, gt: &hv::grant::GuestGrants<'_>, fe: DomId, pieces: &PieceList) -> bool {
+        let ids = &self.credits[self.credits.len() - pieces.len..];
+        let mut granted = 0;
+        for (piece, &id) in pieces.iter().zip(ids) {
+            let r = GrantRef(self.base.0 + u32::from(id));
+            let (off, len) = (piece.offset, piece.len);
+            let ok = match piece.page {
+                SegPage::Own(gfn) => gt.grant_access_subpage(r, fe, gfn, off, len, true).is_ok(),
+                SegPage::Window { grant, .. } => gt
+                    .grant_access_transitive_window(r, fe, grant, off, len, true)
+                    .is_ok(),
+            };
+            if !ok {
+                break;
+            }
+            granted += 1;
+        }
+        if granted < pieces.len {
+            for &id in &ids[..granted] {
+                let _ = gt.end_access(GrantRef(self.base.0 + u32::from(id)));
+            }
+            return false;
+        }
+        true
+    }
+
+    /// Lends `skb` through the last credits' slots, granted by
+    /// [`GuestCopy::grant_pieces`]: each slot answered with its piece's offset and
+    /// length, chained with `NETRXF_MORE_DATA`, the first marked validated if the
+    /// packet's checksum was.
+    fn lend(
+        &mut self,
+        rx: &mut Back<RxRing>,
+        skb: SkbId,
+        pieces: &PieceList,
+        validated: bool,
+        stats: &mut VifStats,
+    ) {
+        let first = self.credits.len() - pieces.len;
+        let flags = if validated { NETRXF_DATA_VALIDATED } else { 0 };
+        for (k, piece) in pieces.iter().enumerate() {
+            let id = self.credits[first + k];
+            let next = self.credits[first + (k + 1) % pieces.len];
+            let _ = self.credited.complete(id);
+            self.lent[id as usize] = Some(skb);
+            self.piece_next[id as usize] = next;
+            self.order.push_back(id);
+            if matches!(piece.page, SegPage::Window { .. }) {
+                self.transitive[id as usize] = true;
+                self.transitive_held += 1;
+                stats.rx_transitive += 1;
+            }
+            let more = if k + 1 < pieces.len {
+                NETRXF_MORE_DATA
+            } else {
+                0
+            };
+            // Cannot fail: one response per request taken.
+            let _ = rx.push_response(&RxResponse {
+                id,
+                offset: piece.offset,
+                flags: if k == 0 { flags | more } else { more },
+                status: piece.len as i16,
+            });
+        }
+        self.credits.truncate(first);
+    }
+
     /// Tries again the grants that were in use when ended, freeing each buffer whose
     /// grant ends now.
     pub(super) fn end_pending(&mut self, gt: &hv::grant::GuestGrants<'_>, pool: &mut SkbPool) {

@@ -32,6 +32,38 @@ pub(super) fn take_pending(
     p
 }
 
+/// Acquires each slot's grant through the cache (mapped only on a miss), stopping at the
+/// first that fails. Returns the entries and how many were acquired.
+fn acquire_slots<X: Xen>(
+    cache: &mut GrantCache,
+    xen: &X,
+    slots: &[crate::netif::TxSlot],
+) -> ([u16; FATAL_SKB_SLOTS], usize) {
+    let mut ks = [0u16; FATAL_SKB_SLOTS];
+    let mut got = 0;
+    for s in slots {
+        match cache.acquire(xen, s.gref, false) {
+            Ok(k) => {
+                ks[got] = k;
+                got += 1;
+            }
+            Err(_) => break,
+        }
+    }
+    (ks, got)
+}
+
+/// Answers a packet's `n` extra slots (`XEN_NETIF_RSP_NULL`), as netback does whatever
+/// happens to the packet.
+fn answer_extras(tx: &mut Back<TxRing>, n: usize) {
+    for _ in 0..n {
+        let _ = tx.push_response(&TxResponse {
+            id: 0,
+            status: crate::netif::XEN_NETIF_RSP_NULL,
+        });
+    }
+}
+
 /// One packet of a guest-TX batch, as ranges of the batch's vectors.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct TxPkt {
@@ -536,17 +568,7 @@ impl<X: Xen> Vif<X> {
             free_bufs(pool);
             return;
         };
-        let mut ks = [0u16; FATAL_SKB_SLOTS];
-        let mut got = 0;
-        for s in slots {
-            match cache.acquire(xen, s.gref, false) {
-                Ok(k) => {
-                    ks[got] = k;
-                    got += 1;
-                }
-                Err(_) => break,
-            }
-        }
+        let (ks, got) = acquire_slots(cache, xen, slots);
         // The header, out of the first slot's mapping.
         let (hg, hoff) = pool.data_location(skb);
         let copied = got == slots.len() && {
@@ -568,12 +590,7 @@ impl<X: Xen> Vif<X> {
             free_bufs(pool);
             return;
         }
-        for _ in 0..chain.extras {
-            let _ = self.tx.push_response(&TxResponse {
-                id: 0,
-                status: crate::netif::XEN_NETIF_RSP_NULL,
-            });
-        }
+        answer_extras(&mut self.tx, chain.extras);
         self.txb.responses = true;
         // The pieces read through their mappings: the first slot's tail, if any, and
         // every later slot.
@@ -681,12 +698,7 @@ impl<X: Xen> Vif<X> {
             self.pending[m.pending as usize].handle = r.ok();
         }
         // Extras are answered now, whatever happens to the packet.
-        for _ in 0..p.extras {
-            let _ = self.tx.push_response(&TxResponse {
-                id: 0,
-                status: crate::netif::XEN_NETIF_RSP_NULL,
-            });
-        }
+        answer_extras(&mut self.tx, p.extras);
         self.txb.responses |= p.extras > 0 || p.copied_id.is_some();
         let status = if copy_ok && maps_ok {
             XEN_NETIF_RSP_OKAY
@@ -703,20 +715,39 @@ impl<X: Xen> Vif<X> {
             self.txb.responses = true;
         }
         if !(copy_ok && maps_ok) {
-            self.stats.tx_grant_errors += 1;
-            for j in p.maps_at() {
-                self.release_pending(self.txb.mapped[j].pending, XEN_NETIF_RSP_ERROR);
-            }
-            self.txb.responses = true;
-            for j in p.pages_at() {
-                pool.free_page(self.txb.pages[j].gfn);
-            }
-            pool.free(p.skb);
-            if let Some(o) = p.overflow {
-                pool.free(o);
-            }
+            self.tx_fail_packet(pool, &p);
             return None;
         }
+        if !self.tx_assemble(pool, &p) {
+            pool.free(p.skb);
+            return None;
+        }
+        Some(p.skb)
+    }
+
+    /// A packet whose grant copy or map failed: every mapped slot answered with an
+    /// error, and its buffers and pages freed (copied slots were answered already).
+    fn tx_fail_packet(&mut self, pool: &mut SkbPool, p: &TxPkt) {
+        self.stats.tx_grant_errors += 1;
+        for j in p.maps_at() {
+            self.release_pending(self.txb.mapped[j].pending, XEN_NETIF_RSP_ERROR);
+        }
+        self.txb.responses = true;
+        for j in p.pages_at() {
+            pool.free_page(self.txb.pages[j].gfn);
+        }
+        pool.free(p.skb);
+        if let Some(o) = p.overflow {
+            pool.free(o);
+        }
+    }
+
+    /// Assembles packet `p`: its header in the linear area, each copied page a local
+    /// fragment and each mapped one a foreign fragment (past `MAX_SKB_FRAGS`, on the
+    /// overflow buffer chained behind it). Returns false if a fragment could not be
+    /// added; what it held is then given back or answered, and the caller frees the
+    /// packet.
+    fn tx_assemble(&mut self, pool: &mut SkbPool, p: &TxPkt) -> bool {
         let _ = pool.extend_linear(p.skb, p.copy_len);
         let mut ok = true;
         for (j, at) in p.pages_at().enumerate() {
@@ -764,11 +795,7 @@ impl<X: Xen> Vif<X> {
         if let Some(o) = p.overflow {
             pool.append_frag_list(p.skb, o);
         }
-        if !ok {
-            pool.free(p.skb);
-            return None;
-        }
-        Some(p.skb)
+        ok
     }
 
     /// Answers the requests of mapped slots whose buffers were freed (`token`s from the

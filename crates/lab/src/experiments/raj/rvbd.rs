@@ -21,7 +21,6 @@ use blk::disk::{pattern_fill, write_patterned};
 use dev::nic::Coalesce;
 use dev::svnic::device::{Idle, SignalMode, SvnicConfig};
 use dev::wire::{CountingSink, Samples, Silence};
-use hv::{GrantPath, GrantVersion};
 use kernel::block::{BlockJobSpec, JobCounters, JobOp, Pattern};
 use kernel::driver_domain::DriverConfig;
 use kernel::machine::{
@@ -389,15 +388,8 @@ fn run_job(
     };
     let (nic, mut host) = cable(path, disk)?;
     let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
         sample: Some(hv::profile::DEFAULT_SAMPLE_INTERVAL),
-        // vblade and nbd-server share the cores: idle pCPUs give them back.
-        idle: hv::sched::IdlePolicy::HALT_POLL,
-        nic,
-        layout: layout(path, block),
+        ..MachineSpec::new(nic, layout(path, block))
     })
     .map_err(|e| Error::Other(e.to_string()))?;
     let u0 = Usage::of(&m);

@@ -13,7 +13,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::nic::NicCounts;
 use dev::peer::{crossover, CrossEnd, WireRate};
 use dev::svnic::device::{DeviceCores, DeviceDrops, Idle, SignalCounts, SignalMode, SvnicConfig};
@@ -21,7 +20,6 @@ use dev::svnic::engine::EngineCounts;
 use dev::svnic::engine::Stage;
 use dev::wire::Samples;
 use hv::sched::IdlePolicy;
-use hv::{GrantPath, GrantVersion};
 use kernel::machine::{
     Above, CpuSet, GuestSpec, Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec,
 };
@@ -319,18 +317,9 @@ fn host(
         },
     };
     Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: place.cpus(side),
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
         idle: place.idle(idle),
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(end),
-            sink: Box::new(sink),
-        },
-        layout,
+        ..MachineSpec::new(NicSpec::new(Box::new(end), Box::new(sink)), layout)
     })
     .map_err(Error::other)
 }
@@ -411,18 +400,9 @@ fn dom0_host(
     let place = Placement::of_host();
     let sink = end.sink();
     Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
         cpus: place.cpus(side),
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
         idle: place.idle(idle),
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(end),
-            sink: Box::new(sink),
-        },
-        layout,
+        ..MachineSpec::new(NicSpec::new(Box::new(end), Box::new(sink)), layout)
     })
     .map_err(Error::other)
 }

@@ -23,12 +23,12 @@
 use std::hint::black_box;
 use std::sync::Arc;
 
+use hv::counters::CopyAlign;
 use hv::profile::GlobalClass;
 use hv::{
     CopyPtr, Domain, DomainConfig, Gfn, GrantCopy, GrantRef, HvConfig, Hypervisor, PAGE_SIZE,
 };
 use mem::cpu::thread_cpu_time;
-use hv::counters::CopyAlign;
 use net::netback::VifStats;
 use net::stack::StackStats;
 

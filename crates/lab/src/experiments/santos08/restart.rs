@@ -334,33 +334,29 @@ fn disk_machine(
         counters: Arc::clone(counters),
     };
     Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: hv::GrantVersion::V1,
-        grant_path: hv::GrantPath::Original,
-        sample: None,
         idle,
-        nic: NicSpec {
-            coalesce: dev::nic::Coalesce::default(),
-            source: Box::new(dev::wire::Silence),
-            sink: Box::new(dev::wire::CountingSink::default()),
-        },
-        layout: Layout::DriverDomain {
-            driver: kernel::driver_domain::DriverConfig::default(),
-            guests: vec![GuestSpec {
-                weight: 1,
-                name: "disk".into(),
-                mac: [2, 0, 0, 0, 0, 0x0d],
-                above: Above::Block(Box::new(BlockSpec {
-                    disk: Disk::File(path.to_path_buf()),
-                    read_only: true,
-                    persistent: false,
-                    job,
-                })),
-                core: None,
-                front: FrontConfig::default(),
-            }],
-        },
+        ..MachineSpec::new(
+            NicSpec::new(
+                Box::new(dev::wire::Silence),
+                Box::new(dev::wire::CountingSink::default()),
+            ),
+            Layout::DriverDomain {
+                driver: kernel::driver_domain::DriverConfig::default(),
+                guests: vec![GuestSpec {
+                    weight: 1,
+                    name: "disk".into(),
+                    mac: [2, 0, 0, 0, 0, 0x0d],
+                    above: Above::Block(Box::new(BlockSpec {
+                        disk: Disk::File(path.to_path_buf()),
+                        read_only: true,
+                        persistent: false,
+                        job,
+                    })),
+                    core: None,
+                    front: FrontConfig::default(),
+                }],
+            },
+        )
     })
     .map_err(|e| Error::Other(e.to_string()))
 }

@@ -11,12 +11,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dev::nic::Coalesce;
 use dev::peer::WireRate;
 use dev::svnic::device::{SignalMode, SvnicConfig};
 use dev::svnic::engine::Schedule;
 use dev::wire::WireSink;
-use hv::{GrantPath, GrantVersion};
 use kernel::machine::{Layout, Machine, MachineSpec, NicSpec, SvnicGuestSpec};
 use kernel::probe::FloodSpec;
 use kernel::svnic_guest::{RawApp, SvnicApp};
@@ -97,39 +95,35 @@ fn measure(
     let sent: Vec<Arc<AtomicU64>> = (0..3).map(|_| Arc::default()).collect();
     rates[0].store(offered[0], Ordering::Relaxed);
     let m = Machine::start(MachineSpec {
-        dma_landing: hv::iommu::DmaLanding::Memory,
-        cpus: None,
-        grant_version: GrantVersion::V1,
-        grant_path: GrantPath::Original,
-        sample: None,
         idle,
-        nic: NicSpec {
-            coalesce: Coalesce::default(),
-            source: Box::new(dev::wire::Silence),
-            sink: Box::new(FarSink(Arc::clone(&far))),
-        },
-        layout: Layout::Svnic {
-            config: SvnicConfig {
-                signal: SignalMode::PerVif,
-                link: WireRate::Bits(LINK_BPS),
-                ..SvnicConfig::default()
+        ..MachineSpec::new(
+            NicSpec::new(
+                Box::new(dev::wire::Silence),
+                Box::new(FarSink(Arc::clone(&far))),
+            ),
+            Layout::Svnic {
+                config: SvnicConfig {
+                    signal: SignalMode::PerVif,
+                    link: WireRate::Bits(LINK_BPS),
+                    ..SvnicConfig::default()
+                },
+                guests: (0..3)
+                    .map(|i| SvnicGuestSpec {
+                        name: VMS[i].0.into(),
+                        mac: mac(i),
+                        app: SvnicApp::Raw(RawApp::Flood(FloodSpec {
+                            me: mac(i),
+                            peer: [0x02, 0, 0, 0x9a, 0xff, 0xff],
+                            len: FRAME,
+                            rate: Arc::clone(&rates[i]),
+                            sent: Arc::clone(&sent[i]),
+                        })),
+                        priority: Some(VMS[i].1),
+                        core: None,
+                    })
+                    .collect(),
             },
-            guests: (0..3)
-                .map(|i| SvnicGuestSpec {
-                    name: VMS[i].0.into(),
-                    mac: mac(i),
-                    app: SvnicApp::Raw(RawApp::Flood(FloodSpec {
-                        me: mac(i),
-                        peer: [0x02, 0, 0, 0x9a, 0xff, 0xff],
-                        len: FRAME,
-                        rate: Arc::clone(&rates[i]),
-                        sent: Arc::clone(&sent[i]),
-                    })),
-                    priority: Some(VMS[i].1),
-                    core: None,
-                })
-                .collect(),
-        },
+        )
     })
     .map_err(Error::other)?;
     m.set_vif_schedule(schedule).map_err(Error::other)?;
