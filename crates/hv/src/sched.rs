@@ -1174,6 +1174,7 @@ impl Table {
     /// Takes the IPI word: units woken since the last look become runnable (an idle one
     /// loses its deadline and is stamped woken at `now`). The IPIs are counted here, by
     /// the pCPU, not by each waker on a line they share.
+    #[inline]
     fn take_ipis(&mut self, p: &PcpuShared, now: Instant) {
         for w in 0..WORDS {
             if p.ipi[w].load(Ordering::Relaxed) == 0 {
@@ -1198,6 +1199,7 @@ impl Table {
 
     /// Makes runnable every idle unit whose deadline has passed, stamped woken at its
     /// deadline.
+    #[inline]
     fn expire_deadlines(&mut self, now: Instant) {
         if self.earliest_deadline().is_none_or(|d| d > now) {
             return;
@@ -1218,6 +1220,7 @@ impl Table {
     }
 
     /// A new cap period lets every unit run again.
+    #[inline]
     fn new_cap_period(&mut self, now: Instant) {
         if now.duration_since(self.period_start) >= CAP_PERIOD {
             self.period_start = now;
@@ -1228,6 +1231,7 @@ impl Table {
 
     /// How long an idle pCPU may wait: to the earliest deadline, or to the end of the
     /// cap period if a unit waits for it.
+    #[inline]
     fn idle_until(&self) -> Option<Instant> {
         if self.over_cap.iter().any(|&w| w != 0) {
             let end = self.period_start + CAP_PERIOD;
@@ -1239,6 +1243,7 @@ impl Table {
 
     /// Charges unit `i`'s `ran` ns to its cap (Xen credit's cap: a percentage of each
     /// period), passing it over until the next period once it reaches it.
+    #[inline]
     fn charge_cap(&mut self, i: usize, e: &dyn Erased, ran: u64) {
         let cap = e.spec().cap_percent;
         if cap > 0 && cap < 100 {
@@ -1252,6 +1257,7 @@ impl Table {
     }
 
     /// Unit `i` ended: its slot is free and it is neither idle nor timed.
+    #[inline]
     fn end(&mut self, i: usize) {
         self.held[i / 64] &= !(1 << (i % 64));
         self.live -= 1;
@@ -1290,6 +1296,7 @@ impl CpuClock {
     }
 
     /// Publishes the clock if a millisecond has passed since it last did.
+    #[inline]
     fn publish_now_and_then(&mut self, p: &PcpuShared, now: Instant) {
         if now.saturating_duration_since(self.published) >= Duration::from_millis(1) {
             self.published = now;
@@ -1428,6 +1435,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
 /// accounts each step to the unit and the pCPU. Returns what the last step said, the
 /// time the unit ran, and when its last step ended. A step that panics fails the unit's
 /// join and ends it.
+#[inline]
 fn run_unit(
     p: &PcpuShared,
     e: &mut dyn Erased,

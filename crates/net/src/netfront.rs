@@ -359,6 +359,7 @@ impl CopyBatch {
     /// cache line (the alignment is chosen when the buffer is allocated, paper 000
     /// §4.1): a packet in one slot gets one of its own size. Returns its index, or
     /// `None` if the pool is empty.
+    #[inline]
     fn open_packet(&mut self, pool: &mut SkbPool, rsp: &RxResponse) -> Option<usize> {
         let skb = {
             let _m = enter(Class::Mem);
@@ -379,6 +380,7 @@ impl CopyBatch {
     /// Adds the copy of `len` bytes at `offset` through grant `src` of `be` to the end
     /// of packet `p`. A chain too long, or more bytes than a frame, drops the packet:
     /// returns false the first time that happens to it (for the caller to count).
+    #[inline]
     fn add_copy(
         &mut self,
         pool: &SkbPool,
@@ -432,6 +434,7 @@ impl CopyBatch {
 /// the interface broken.
 /// A transmitted packet's first slot's flags, from its offload: a blank or validated
 /// checksum, and an extra (GSO) following.
+#[inline]
 fn tx_first_flags(off: &Offload) -> u16 {
     let mut flags = match off.csum {
         Csum::Partial { .. } => NETTXF_CSUM_BLANK | NETTXF_DATA_VALIDATED,
@@ -457,6 +460,7 @@ struct Published {
     ctrl_ref: Option<GrantRef>,
 }
 
+#[inline]
 fn next_response<P: ring::RingProtocol>(ring: &mut Front<P>, broken: &mut bool) -> Option<P::Rsp> {
     loop {
         match ring.take_response() {
@@ -1278,6 +1282,7 @@ impl Netfront {
 
     /// [`Netfront::poll_rx`] for a guest-copy front end: batches of lent buffers until
     /// the budget is spent or a batch comes back short.
+    #[inline]
     fn poll_rx_lent(
         &mut self,
         pool: &mut SkbPool,
@@ -1299,6 +1304,7 @@ impl Netfront {
     /// One response off the RX ring, judged: its extras taken, its buffer reclaimed and
     /// joined to the packet under way. Returns a packet it completed; a slot refused
     /// (counted) or one packet's middle returns nothing.
+    #[inline]
     fn rx_slot(&mut self, pool: &mut SkbPool, rsp: &RxResponse, offload_rx: bool) -> Option<SkbId> {
         // A packet's extras follow its first slot, whatever that slot's status
         // (`xennet_get_extras`): their slots are taken now, so that they are not read as
@@ -1385,6 +1391,7 @@ impl Netfront {
     /// A response into a linear buffer (no fragments were posted): the back end wrote
     /// into the buffer's own linear area, so the packet is whole, or refused whole if it
     /// is a chain (no scatter-gather was offered).
+    #[inline]
     fn rx_linear(
         &mut self,
         pool: &mut SkbPool,
@@ -1415,6 +1422,7 @@ impl Netfront {
 
     /// A packet's first slot: a buffer for it, with the offload the response's flags
     /// and extras say. `None` (counted, the page given back) if the pool is empty.
+    #[inline]
     fn rx_new_packet(
         &mut self,
         pool: &mut SkbPool,
@@ -1446,6 +1454,7 @@ impl Netfront {
     /// Joins `len` bytes at `off` in page `gfn` to `skb`: the first bytes of a packet go
     /// to its linear area (copied), the rest stay in the page as a fragment. Returns
     /// false if they could not be joined.
+    #[inline]
     fn rx_attach(
         &mut self,
         pool: &mut SkbPool,
@@ -1586,6 +1595,7 @@ impl Netfront {
     /// The guest-copy batch's end: one `GNTTABOP_copy` for every copy, every slot taken
     /// posted again (which gives the back end what it lent), and each packet whose
     /// copies all succeeded delivered. Returns the packets delivered.
+    #[inline]
     fn deliver_copied(
         &mut self,
         pool: &mut SkbPool,
@@ -1807,6 +1817,7 @@ impl Netfront {
     /// Whether a packet can go now: `Ok(Some(slots))` it can, in that many slots;
     /// `Ok(None)` it was dropped (counted) since no ring will ever take it; `Err` it
     /// waits (no link, the ring or the slots are full, or no page to move its head to).
+    #[inline]
     fn tx_admit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<Option<usize>, SkbId> {
         let Some(l) = self.link.as_ref() else {
             return Err(skb);

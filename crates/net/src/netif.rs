@@ -526,6 +526,7 @@ pub fn read_tx_packet(
 /// Reads the extra-info slots after a packet's first slot into `chain` (their count,
 /// and the GSO one's size and type), until one without `XEN_NETIF_EXTRA_FLAG_MORE`.
 /// An unterminated chain, an unknown type or a bad GSO is fatal.
+#[inline]
 fn read_tx_extras(
     chain: &mut TxChain,
     next: &mut impl FnMut() -> Option<TxRequest>,

@@ -126,6 +126,7 @@ impl FragInfo {
     /// Why a fragment is refused whatever its datagram holds: it reaches past the
     /// largest datagram, carries nothing, or is not the last and not a multiple of 8
     /// bytes long.
+    #[inline]
     fn refused(&self) -> Option<ReasmDrop> {
         let len = self.len as usize;
         if self.offset as usize + len > MAX_DATAGRAM {
@@ -196,6 +197,7 @@ impl<T: Copy + Default> Context<T> {
     /// Why this datagram refuses fragment `f`: it overlaps bytes already here, its end
     /// contradicts the datagram's (a last fragment's, or one past it), or the datagram
     /// has as many pieces as it may.
+    #[inline]
     fn refuses(&self, f: &FragInfo) -> Option<ReasmDrop> {
         let (off, end_of) = (f.offset as usize, f.offset as usize + f.len as usize);
         let conflicting_end = if f.more {
@@ -217,6 +219,7 @@ impl<T: Copy + Default> Context<T> {
     /// Takes fragment `f`'s piece in, keeping the pieces in offset order (insertion; a
     /// handful, usually in order), and notes the bytes it covers and, for the last
     /// fragment, the datagram's end.
+    #[inline]
     fn insert(&mut self, f: &FragInfo, piece: Piece<T>) {
         let (off, len) = (f.offset as usize, f.len as usize);
         let end_of = off + len;

@@ -448,6 +448,7 @@ impl Device {
     /// `len` bytes. Returns how many and the head after them; `None` if the frame is
     /// dropped (descriptors too short for it, counted; a descriptor read that faulted,
     /// counted); `NoRoom` if the driver has not posted enough yet.
+    #[inline]
     fn gather_descs(&mut self, q: usize, len: usize) -> Result<Option<(usize, u32)>, NoRoom> {
         let regs = &self.regs;
         let qr = &regs.rxq[q];
@@ -486,6 +487,7 @@ impl Device {
     /// Writes `frame` into the buffers of the first `k` gathered descriptors (each up
     /// to its room), recording each one's length. Returns false if a write faulted;
     /// the rest are then not written.
+    #[inline]
     fn write_data(&mut self, k: usize, frame: &[u8]) -> bool {
         let mut done = 0;
         let mut ok = true;
@@ -509,6 +511,7 @@ impl Device {
     /// driver never sees the first done before the rest: the last carries end of packet
     /// and the offload (or the checksum's verdict), and after a failed data write each
     /// carries the error bit and no length. Returns false if a write-back faulted.
+    #[inline]
     fn write_backs(&mut self, k: usize, frame: &[u8], off: Offload, failed: bool) -> bool {
         let offloaded = off != Offload::NONE;
         let last_status = if failed {

@@ -483,6 +483,7 @@ pub type Delivery = (usize, Option<u16>);
 /// IOMMU context the write faults (counted in `faults`); without one the bytes land in
 /// the next VIF's buffer and this VIF's slot is left empty.
 #[allow(clippy::too_many_arguments)]
+#[inline]
 fn place<P: PageAccess>(
     dma: Option<&mut VifDma>,
     vifs: &IngressVifs<P>,
@@ -665,6 +666,7 @@ impl<P: PageAccess> Ingress<P> {
     /// number and copies the frame into the VIF's slot. Returns the context's state to
     /// publish it; `None` if there was no frame, or it is dropped (counted: no VIF, the
     /// VIF's queue full or broken).
+    #[inline]
     fn take_frame(
         &mut self,
         i: usize,

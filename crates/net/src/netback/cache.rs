@@ -483,6 +483,7 @@ struct Gathered {
 /// Copies `k` bytes from `from` (a page and an offset) into cache entry `to.0`'s page
 /// at offset `to.1`: straight from a page of the driver domain's own, or, for another
 /// guest's page (a frame it sent), through `bounce`, window to window.
+#[inline]
 fn copy_piece(
     dom: &hv::Domain,
     cache: &GrantCache,

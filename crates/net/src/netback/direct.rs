@@ -81,6 +81,7 @@ impl Direct {
     /// only on a miss, and mapped still after its frame is answered). `Some(true)`: it
     /// is ready for the NIC; `Some(false)`: it could not be had (the request is done,
     /// for the caller to answer with an error); `None`: it needs a map.
+    #[inline]
     fn place_without_map<X: Xen>(
         &mut self,
         req: &crate::netif::RxRequest,
@@ -107,6 +108,7 @@ impl Direct {
 
     /// Request `id`'s buffer, as its map came back: ready for the NIC (true), or, if
     /// the map failed, the request done for the caller to answer with an error.
+    #[inline]
     fn place_mapped(&mut self, id: u16, result: Result<GrantHandle, hv::GrantError>) -> bool {
         let k = self.free.pop().expect("one free slot per op");
         match result {

@@ -739,6 +739,7 @@ enum Waited {
 
 /// A packet's bytes copied into one local buffer, as one piece: for a packet in more
 /// pieces than a response chain carries. `None` (counted) if no buffer was free.
+#[inline]
 fn linearized(pool: &mut SkbPool, skb: SkbId, stats: &mut VifStats) -> Option<(SkbId, PieceList)> {
     let Some(c) = local_linear(pool, skb, &mut stats.rx_linearized) else {
         stats.rx_copy_errors += 1;
@@ -759,6 +760,7 @@ impl GuestCopy {
     /// the queue behind it has room (the packet waits, as for a guest that posts no
     /// buffers): arms `req_event` and looks once more, so that the guest's next post, a
     /// credit or a return, wakes this vif.
+    #[inline]
     fn wait_for_post(
         &mut self,
         gt: &hv::grant::GuestGrants<'_>,
@@ -824,6 +826,7 @@ impl GuestCopy {
     /// domain's own page, or, for bytes in a page another guest granted (a frame it
     /// sent), a windowed transitive grant of that guest's grant: no copy. On a failure,
     /// undoes what was granted and returns false.
+    #[inline]
     fn grant_pieces(&self, gt: &hv::grant::GuestGrants<'_>, fe: DomId, pieces: &PieceList) -> bool {
         let ids = &self.credits[self.credits.len() - pieces.len..];
         let mut granted = 0;
@@ -854,6 +857,7 @@ impl GuestCopy {
     /// [`GuestCopy::grant_pieces`]: each slot answered with its piece's offset and
     /// length, chained with `NETRXF_MORE_DATA`, the first marked validated if the
     /// packet's checksum was.
+    #[inline]
     fn lend(
         &mut self,
         rx: &mut Back<RxRing>,

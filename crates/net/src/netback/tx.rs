@@ -34,6 +34,7 @@ pub(super) fn take_pending(
 
 /// Acquires each slot's grant through the cache (mapped only on a miss), stopping at the
 /// first that fails. Returns the entries and how many were acquired.
+#[inline]
 fn acquire_slots<X: Xen>(
     cache: &mut GrantCache,
     xen: &X,
@@ -55,6 +56,7 @@ fn acquire_slots<X: Xen>(
 
 /// Answers a packet's `n` extra slots (`XEN_NETIF_RSP_NULL`), as netback does whatever
 /// happens to the packet.
+#[inline]
 fn answer_extras(tx: &mut Back<TxRing>, n: usize) {
     for _ in 0..n {
         let _ = tx.push_response(&TxResponse {
@@ -727,6 +729,7 @@ impl<X: Xen> Vif<X> {
 
     /// A packet whose grant copy or map failed: every mapped slot answered with an
     /// error, and its buffers and pages freed (copied slots were answered already).
+    #[cold]
     fn tx_fail_packet(&mut self, pool: &mut SkbPool, p: &TxPkt) {
         self.stats.tx_grant_errors += 1;
         for j in p.maps_at() {
@@ -747,6 +750,7 @@ impl<X: Xen> Vif<X> {
     /// overflow buffer chained behind it). Returns false if a fragment could not be
     /// added; what it held is then given back or answered, and the caller frees the
     /// packet.
+    #[inline]
     fn tx_assemble(&mut self, pool: &mut SkbPool, p: &TxPkt) -> bool {
         let _ = pool.extend_linear(p.skb, p.copy_len);
         let mut ok = true;
