@@ -581,6 +581,12 @@ impl Store {
         self.lock().events_dropped
     }
 
+    /// Watches set now (every domain's): what a connection that watches and unwatches in
+    /// a loop must not grow.
+    pub fn watches_open(&self) -> usize {
+        self.lock().watches.len()
+    }
+
     /// Removes a domain's watch.
     pub fn unwatch(&self, caller: DomId, path: &str, token: &str) {
         self.lock()

@@ -238,3 +238,59 @@ fn a_hostile_domain_cannot_use_anothers_transaction_or_hold_more_than_its_quota(
     s.end_transactions_of(D2);
     assert_eq!(s.transactions_open(), 1, "domain 1's alone");
 }
+
+/// Listing or removing a node that is absent remembers the absence, as reading it
+/// does: a node created meanwhile makes the end answer `EAGAIN` and apply nothing.
+#[test]
+fn listing_or_removing_an_absent_node_remembers_it_absent() {
+    let s = store();
+    let tx = s.transaction_start(D1).expect("start");
+    assert!(matches!(
+        s.tx_directory(D1, tx, &at("later")),
+        Err(StoreError::NoEntry(_))
+    ));
+    s.tx_write(D1, tx, &at("mine"), "1").expect("write");
+    s.write(D1, &at("later"), "").expect("created meanwhile");
+    assert_eq!(s.transaction_end(D1, tx, true), Err(StoreError::Again));
+    assert!(matches!(
+        s.read(D1, &at("mine")),
+        Err(StoreError::NoEntry(_))
+    ));
+    let tx = s.transaction_start(D1).expect("start");
+    assert!(matches!(
+        s.tx_rm(D1, tx, &at("gone")),
+        Err(StoreError::NoEntry(_))
+    ));
+    s.tx_write(D1, tx, &at("mine"), "1").expect("write");
+    s.write(D1, &at("gone"), "").expect("created meanwhile");
+    assert_eq!(s.transaction_end(D1, tx, true), Err(StoreError::Again));
+    assert!(matches!(
+        s.read(D1, &at("mine")),
+        Err(StoreError::NoEntry(_))
+    ));
+}
+
+/// A node removed and then written below in one transaction reads and lists, inside
+/// it, as its end leaves it: present, empty, with only the new children.
+#[test]
+fn a_node_removed_then_written_below_reads_as_the_end_makes_it() {
+    let s = store();
+    s.write(D1, &at("dev/old"), "x").expect("old");
+    s.write(D1, &at("dev"), "v").expect("value");
+    let tx = s.transaction_start(D1).expect("start");
+    s.tx_rm(D1, tx, &at("dev")).expect("rm");
+    s.tx_write(D1, tx, &at("dev/new"), "1")
+        .expect("write below");
+    assert_eq!(s.tx_read(D1, tx, &at("dev")), Ok(String::new()));
+    assert_eq!(
+        s.tx_directory(D1, tx, &at("dev")),
+        Ok(vec!["new".to_string()])
+    );
+    assert!(matches!(
+        s.tx_read(D1, tx, &at("dev/old")),
+        Err(StoreError::NoEntry(_))
+    ));
+    s.transaction_end(D1, tx, true).expect("commit");
+    assert_eq!(s.read(D1, &at("dev")), Ok(String::new()));
+    assert_eq!(s.directory(D1, &at("dev")), Ok(vec!["new".to_string()]));
+}

@@ -216,3 +216,95 @@ fn a_hostile_peer_breaks_only_its_own_connection() {
     c.write(DomId(9), "/local/domain/9/ok", "1")
         .expect("write in its own directory");
 }
+
+/// `XS_MKDIR` carrying a transaction's id is done inside that transaction: nobody sees
+/// it before the end, an abort takes it away, and an id that names no transaction of
+/// this domain's is refused rather than carried out at once.
+#[test]
+fn a_mkdir_inside_a_transaction_waits_for_its_end_and_a_stranger_id_is_refused() {
+    let store = Arc::new(Store::new());
+    let me = DomId::DOM0;
+    let (c, _server) = connect(&store, me);
+    let start = || -> u32 {
+        let m = c
+            .request(XS_TRANSACTION_START, 0, &[b""], true, "")
+            .expect("start");
+        m.strings().expect("answered")[0].parse().expect("id")
+    };
+    let t = start();
+    c.request(wire::XS_MKDIR, t, &[b"/made"], true, "/made")
+        .expect("mkdir in the transaction");
+    assert!(
+        matches!(store.read(me, "/made"), Err(StoreError::NoEntry(_))),
+        "not visible before the end"
+    );
+    c.request(XS_TRANSACTION_END, t, &[b"F"], true, "")
+        .expect("abort");
+    assert!(
+        matches!(store.read(me, "/made"), Err(StoreError::NoEntry(_))),
+        "an abort takes it away"
+    );
+    let t = start();
+    c.request(wire::XS_MKDIR, t, &[b"/made"], true, "/made")
+        .expect("mkdir");
+    c.request(XS_TRANSACTION_END, t, &[b"T"], true, "")
+        .expect("commit");
+    assert_eq!(store.read(me, "/made"), Ok(String::new()));
+    assert!(matches!(
+        c.request(wire::XS_MKDIR, 4242, &[b"/other"], true, "/other"),
+        Err(StoreError::NoEntry(_))
+    ));
+    assert!(matches!(
+        store.read(me, "/other"),
+        Err(StoreError::NoEntry(_))
+    ));
+}
+
+/// A directory whose children's names add up to more than a message holds (a domain
+/// can make such under its home) is answered `E2BIG`, as xenstored answers it; the
+/// connection and its watches go on.
+#[test]
+fn an_answer_too_long_for_a_message_is_refused_and_the_connection_goes_on() {
+    let store = Arc::new(Store::new());
+    let me = DomId::DOM0;
+    for i in 0..80 {
+        store
+            .write(me, &format!("/big/{:060}", i), "")
+            .expect("child");
+    }
+    let (c, _server) = connect(&store, me);
+    c.watch("/big", "w").expect("watch");
+    let r = c.request(wire::XS_DIRECTORY, 0, &[b"/big"], true, "/big");
+    assert_eq!(r.expect_err("refused"), StoreError::Quota, "E2BIG");
+    // The same connection answers again.
+    c.write(me, "/after", "1").expect("the connection goes on");
+    assert_eq!(c.read(me, "/after").expect("answered"), "1");
+}
+
+/// Watching and unwatching in a loop grows nothing: an unwatch removes the
+/// connection's watch; a second watch of the same path and token is refused, as is an
+/// unwatch of one never set; and a connection holds a bounded number of watches.
+#[test]
+fn watching_and_unwatching_in_a_loop_grows_nothing() {
+    let store = Arc::new(Store::new());
+    let me = DomId::DOM0;
+    store.write(me, "/w", "").expect("node");
+    let (c, _server) = connect(&store, me);
+    for _ in 0..500 {
+        c.watch("/w", "t").expect("watch");
+        c.unwatch("/w", "t").expect("unwatch");
+    }
+    assert_eq!(store.watches_open(), 0);
+    c.watch("/w", "t").expect("watch");
+    assert_eq!(c.watch("/w", "t"), Err(StoreError::Invalid), "EEXIST");
+    assert!(matches!(
+        c.unwatch("/w", "never"),
+        Err(StoreError::NoEntry(_))
+    ));
+    assert_eq!(store.watches_open(), 1);
+    for i in 1..wire::MAX_WATCHES_PER_CONNECTION {
+        c.watch("/w", &format!("t{i}")).expect("within the bound");
+    }
+    assert_eq!(c.watch("/w", "one-too-many"), Err(StoreError::Quota));
+    assert_eq!(store.watches_open(), wire::MAX_WATCHES_PER_CONNECTION);
+}

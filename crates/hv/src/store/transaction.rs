@@ -53,13 +53,22 @@ pub(super) struct Txn {
 
 impl Txn {
     /// The value `path` has inside the transaction, if its own writes decide it: the
-    /// last write to it or above it (a removal of an ancestor removes it).
+    /// last write to it, or the last removal of it or above it (a removal of an
+    /// ancestor removes it), unless a write below it came after that removal: the end
+    /// then creates it again, empty, as the store makes a missing ancestor.
     fn own(&self, path: &str) -> Option<Option<&str>> {
-        self.ops.iter().rev().find_map(|op| match op {
-            Op::Write(p, v) if p == path => Some(Some(v.as_str())),
-            Op::Rm(p) if is_at_or_below(path, p) => Some(None),
-            _ => None,
-        })
+        let mut written_below = false;
+        for op in self.ops.iter().rev() {
+            match op {
+                Op::Write(p, v) if p == path => return Some(Some(v.as_str())),
+                Op::Write(p, _) if is_at_or_below(p, path) => written_below = true,
+                Op::Rm(p) if is_at_or_below(path, p) => {
+                    return Some(written_below.then_some(""));
+                }
+                _ => {}
+            }
+        }
+        None
     }
 
     /// Whether the transaction's writes make `path` exist: it wrote `path` or a node
@@ -185,12 +194,14 @@ impl Store {
                 return Err(StoreError::Denied(path.into()));
             }
             children(&g.nodes, path)
-        } else if t.creates(path) {
-            // Absent from the store: someone else creating it meanwhile conflicts.
-            touch(t, path, None)?;
-            Vec::new()
         } else {
-            return Err(StoreError::NoEntry(path.into()));
+            // Absent from the store, and remembered so: someone else creating it
+            // meanwhile conflicts, whether or not this transaction's writes create it.
+            touch(t, path, None)?;
+            if !t.creates(path) {
+                return Err(StoreError::NoEntry(path.into()));
+            }
+            Vec::new()
         };
         let prefix = if path == "/" {
             "/".to_string()
@@ -238,14 +249,16 @@ impl Store {
         let mut g = self.lock();
         let g = &mut *g;
         let t = txn(&mut g.transactions, caller, tx)?;
+        // Remembered whether or not it exists: a node created meanwhile where this
+        // transaction found none conflicts at the end, as for a read.
+        touch(t, path, g.nodes.get(path).map(|n| n.gen))?;
         let exists = match t.own(path) {
             Some(v) => v.is_some(),
-            None => g.nodes.contains_key(path),
+            None => g.nodes.contains_key(path) || t.creates(path),
         };
         if !exists {
             return Err(StoreError::NoEntry(path.into()));
         }
-        touch(t, path, g.nodes.get(path).map(|n| n.gen))?;
         push(t, Op::Rm(path.into()))
     }
 

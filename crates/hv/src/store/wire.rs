@@ -397,37 +397,48 @@ fn serve_loop<R: Read, W: Write + Send + 'static>(
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };
-        let reply = match answer(store, dom, &m) {
+        let error = |name: &str| Msg::new(XS_ERROR, m.req_id, m.tx_id, &[name.as_bytes()], true);
+        let reply = match answer(store, dom, &m, watches) {
             Ok(Answer::Body(parts, last_nul)) => {
                 let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-                Msg::new(m.ty, m.req_id, m.tx_id, &parts, last_nul)
+                let r = Msg::new(m.ty, m.req_id, m.tx_id, &parts, last_nul);
+                // An answer longer than a message may be (a directory whose children's
+                // names add up to more) is refused as xenstored refuses it, and the
+                // connection goes on.
+                if r.body.len() > MAX_VALUE {
+                    error("E2BIG")
+                } else {
+                    r
+                }
             }
             Ok(Answer::Watch(rx)) => {
-                if let [path, token, ..] = m.strings().unwrap_or_default()[..] {
-                    watches.push((path.to_string(), token.to_string()));
-                }
                 let w = Arc::clone(writer);
                 std::thread::spawn(move || forward(rx, w));
                 Msg::new(m.ty, m.req_id, m.tx_id, &[b"OK"], true)
             }
-            Err(e) => Msg::new(
-                XS_ERROR,
-                m.req_id,
-                m.tx_id,
-                &[errno_name(&e).as_bytes()],
-                true,
-            ),
+            Err(e) => error(errno_name(&e)),
         };
         send(&reply)?;
     }
 }
+
+/// Watches one connection may hold at once (xenstored's default `quota-nr-watches`
+/// per domain is 128).
+pub const MAX_WATCHES_PER_CONNECTION: usize = 128;
 
 enum Answer {
     Body(Vec<String>, bool),
     Watch(Receiver<WatchEvent>),
 }
 
-fn answer(store: &Store, dom: DomId, m: &Msg) -> Result<Answer, StoreError> {
+/// The answer to request `m` from domain `dom`'s connection, whose watches are
+/// `watches` (a watch set or removed here is added to or taken from it).
+fn answer(
+    store: &Store,
+    dom: DomId,
+    m: &Msg,
+    watches: &mut Vec<(String, String)>,
+) -> Result<Answer, StoreError> {
     let s = m.strings()?;
     let arg = |i: usize| s.get(i).copied().ok_or(StoreError::Invalid);
     let ok = || Answer::Body(vec!["OK".into()], true);
@@ -450,9 +461,18 @@ fn answer(store: &Store, dom: DomId, m: &Msg) -> Result<Answer, StoreError> {
             ok()
         }
         XS_MKDIR => {
+            // Inside a transaction, done inside it (seen by others at its end, gone
+            // with an abort); an id that names no transaction of this domain's is
+            // refused, as for any other request.
             let path = arg(0)?;
-            match store.read(dom, path) {
+            let found = if in_tx {
+                store.tx_read(dom, tx, path)
+            } else {
+                store.read(dom, path)
+            };
+            match found {
                 Ok(_) => {}
+                Err(StoreError::NoEntry(_)) if in_tx => store.tx_write(dom, tx, path, "")?,
                 Err(StoreError::NoEntry(_)) => store.write(dom, path, "")?,
                 Err(e) => return Err(e),
             }
@@ -474,9 +494,27 @@ fn answer(store: &Store, dom: DomId, m: &Msg) -> Result<Answer, StoreError> {
             };
             Answer::Body(names, true)
         }
-        XS_WATCH => Answer::Watch(store.watch(dom, arg(0)?, arg(1)?)?),
+        XS_WATCH => {
+            let (path, token) = (arg(0)?, arg(1)?);
+            // One watch per path and token, as xenstored (`EEXIST`); a connection holds
+            // at most as many as a domain may.
+            if watches.iter().any(|(p, t)| p == path && t == token) {
+                return Err(StoreError::Invalid);
+            }
+            if watches.len() >= MAX_WATCHES_PER_CONNECTION {
+                return Err(StoreError::Quota);
+            }
+            let rx = store.watch(dom, path, token)?;
+            watches.push((path.to_string(), token.to_string()));
+            Answer::Watch(rx)
+        }
         XS_UNWATCH => {
-            store.unwatch(dom, arg(0)?, arg(1)?);
+            let (path, token) = (arg(0)?, arg(1)?);
+            let Some(i) = watches.iter().position(|(p, t)| p == path && t == token) else {
+                return Err(StoreError::NoEntry(path.into()));
+            };
+            watches.swap_remove(i);
+            store.unwatch(dom, path, token);
             ok()
         }
         XS_TRANSACTION_START => {
