@@ -62,6 +62,10 @@ pub struct Options {
     pub domid: u16,
     /// Where to write what happens to each device (stderr if none).
     pub log: Option<std::path::PathBuf>,
+    /// Close every device when stopping. Without it a stop hands each vbd over to the
+    /// next `pvio backend` (its front end stays `Connected`; the journal under `/run`
+    /// says where the ring was), as an upgrade or `systemctl restart` needs.
+    pub close: bool,
 }
 
 /// Why the back end stopped.
@@ -147,6 +151,8 @@ struct Backend {
     fds: Vec<PollFd>,
     counts: Counts,
     log: Log,
+    /// Close devices on stop (`--close`), instead of handing them over.
+    close: bool,
 }
 
 /// Runs until `stop` is set or the store connection fails.
@@ -176,6 +182,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         fds: Vec::with_capacity(2 + MAX_VIFS),
         counts: Counts::default(),
         log: Log(out, Instant::now()),
+        close: opts.close,
     };
     let root = format!("/local/domain/{}/backend", me.0);
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
@@ -755,9 +762,17 @@ impl Backend {
                 v.disconnect(&mut self.pool);
             }
         }
-        for (_, mut d) in std::mem::take(&mut self.vbds) {
-            if let Some(b) = d.back.take() {
+        let close = self.close;
+        for ((fe, devid), mut d) in std::mem::take(&mut self.vbds) {
+            let Some(b) = d.back.take() else {
+                continue;
+            };
+            if close {
                 b.disconnect();
+            } else {
+                // Left `Connected` at both ends, for the next back end to resume.
+                b.hand_over();
+                self.log.line(&format!("vbd {}/{devid}: handed over", fe));
             }
         }
         self.log.line(&format!(
@@ -872,6 +887,7 @@ mod tests {
             &Options {
                 domid: 0,
                 log: None,
+                close: false,
             },
             &stop,
         )

@@ -364,9 +364,27 @@ pub struct Blkback<X: Xen = Pvio> {
     journal: Option<mem::journal::Journal>,
 }
 
-/// Where a journal keeps the index after the last response written, and that response.
+/// Where a journal keeps the index after the last response written.
 const JOURNAL_WRITTEN: usize = 0;
-const JOURNAL_RESPONSE: usize = 8;
+/// Where it keeps that response: two slots, the one of the index's parity, so that a
+/// record becomes valid in one store. The next response goes to the other slot, and the
+/// last recorded one stays whole until the index that names it moves on: a back end
+/// killed between the two stores leaves the previous record as it was, never a new
+/// response beside the old index.
+const JOURNAL_RESPONSE: [usize; 2] = [64, 128];
+
+/// Writes response `rsp`, which takes ring index `at`, into its journal slot: the first
+/// half of a record, not yet valid.
+fn journal_response(j: &mem::journal::Journal, at: u32, rsp: &Response) {
+    let _ = j.write(JOURNAL_RESPONSE[(at & 1) as usize], bytemuck::bytes_of(rsp));
+}
+
+/// Records response `rsp` at ring index `at`: its slot first, then, in one store that
+/// makes the record valid, the index after it.
+fn journal_record(j: &mem::journal::Journal, at: u32, rsp: &Response) {
+    journal_response(j, at, rsp);
+    let _ = j.store(JOURNAL_WRITTEN, at.wrapping_add(1));
+}
 
 /// Records `rsp` as the response taking index `at` (before its slot is written), then
 /// writes it into the ring.
@@ -379,8 +397,7 @@ fn answer(
         return Ok(());
     };
     if let Some(j) = journal {
-        let _ = j.write(JOURNAL_RESPONSE, bytemuck::bytes_of(rsp));
-        let _ = j.store(JOURNAL_WRITTEN, ring.next_response().wrapping_add(1));
+        journal_record(j, ring.next_response(), rsp);
     }
     ring.push_response(rsp)
 }
@@ -389,7 +406,8 @@ fn answer(
 fn journal_written(j: &mem::journal::Journal) -> Option<(u32, Response)> {
     let w = j.load(JOURNAL_WRITTEN).ok()?;
     let mut b = [0u8; std::mem::size_of::<Response>()];
-    j.read(JOURNAL_RESPONSE, &mut b).ok()?;
+    j.read(JOURNAL_RESPONSE[(w.wrapping_sub(1) & 1) as usize], &mut b)
+        .ok()?;
     Some((w, bytemuck::pod_read_unaligned(&b)))
 }
 
@@ -1190,6 +1208,31 @@ impl<X: Xen> Blkback<X> {
         self.release();
     }
 
+    /// Hands the device over, as a clean stop for an upgrade does: every response
+    /// written is published (and the front end told), then what [`Blkback::abandon`]
+    /// gives back is given back. The store is not written, so the front end stays
+    /// `Connected` and never sees the back end change; the next back end takes the ring
+    /// over where this one left it ([`Blkback::resume`]). Closing a device is an explicit
+    /// act ([`Blkback::disconnect`]), never the side effect of a stop.
+    pub fn hand_over(mut self) {
+        self.flush_responses();
+        self.release_remote_slots();
+        self.release();
+    }
+
+    /// A remote disk's slots' mappings of guest pages, given back.
+    fn release_remote_slots(&mut self) {
+        if let Store::Remote(r) = &mut self.store {
+            for f in &mut r.slots {
+                let u = f.unmaps.len();
+                if u > 0 {
+                    self.xen.grant_unmap(&f.unmaps, &mut self.unmap_st[..u]);
+                    f.unmaps.clear();
+                }
+            }
+        }
+    }
+
     /// Gives back every persistent mapping, the ring and the channel.
     fn release(&mut self) {
         if let Some(p) = self.persistent.take() {
@@ -1204,19 +1247,56 @@ impl<X: Xen> Blkback<X> {
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.
     pub fn disconnect(mut self) {
-        if let Store::Remote(r) = &mut self.store {
-            for f in &mut r.slots {
-                let u = f.unmaps.len();
-                if u > 0 {
-                    self.xen.grant_unmap(&f.unmaps, &mut self.unmap_st[..u]);
-                    f.unmaps.clear();
-                }
-            }
-        }
+        self.release_remote_slots();
         self.release();
         let dir = xenbus::backend_dir(self.xen.id(), self.fe, self.devid);
         let store = self.xen.store();
         let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closing);
         let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn journal(name: &str) -> (mem::journal::Journal, std::path::PathBuf) {
+        let p = std::env::temp_dir().join(format!("pvio-journal-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        (mem::journal::Journal::open(&p).expect("journal"), p)
+    }
+
+    fn rsp(id: u64) -> Response {
+        Response {
+            id,
+            status: BLKIF_RSP_OKAY,
+            ..Response::default()
+        }
+    }
+
+    /// A back end killed between the two stores of a record (the response written, the
+    /// index not yet moved) leaves the previous record whole: the next back end sees
+    /// the last response that was recorded, never the new one beside the old index,
+    /// which would answer [B, B] for [A, B].
+    #[test]
+    fn a_record_torn_between_its_two_stores_leaves_the_previous_one_whole() {
+        let (j, p) = journal("torn");
+        journal_record(&j, 5, &rsp(0xa));
+        assert_eq!(journal_written(&j), Some((6, rsp(0xa))));
+        // Killed after the response's store, before the index's.
+        journal_response(&j, 6, &rsp(0xb));
+        assert_eq!(
+            journal_written(&j),
+            Some((6, rsp(0xa))),
+            "the old record stands"
+        );
+        // The store that completes it makes the new one valid, at once.
+        let _ = j.store(JOURNAL_WRITTEN, 7);
+        assert_eq!(journal_written(&j), Some((7, rsp(0xb))));
+        // And it wraps with the ring's index.
+        journal_record(&j, u32::MAX, &rsp(0xc));
+        journal_response(&j, 0, &rsp(0xd));
+        assert_eq!(journal_written(&j), Some((0, rsp(0xc))));
+        let _ = std::fs::remove_file(p);
     }
 }

@@ -509,15 +509,13 @@ fn responses_written_but_not_published_when_the_back_end_died_are_published_by_t
 {
     let h = host();
     let g = h.guest("guest");
-    let path = backing("journal");
-    let disk = h.offer(&g, 51712, &path, false, false);
-    let mut bad = Hostile::connect(&h, &g, 51712);
-    let mut back =
-        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
-    let jpath = std::env::temp_dir().join(format!("pvio-vbd-journal-{}", std::process::id()));
-    let _ = std::fs::remove_file(&jpath);
-    back.set_journal(mem::journal::Journal::open(&jpath).expect("journal"));
-    let (_, r) = bad.granted(&h, false);
+    let Journaled {
+        mut bad,
+        mut back,
+        path,
+        jpath,
+        r,
+    } = journaled(&h, &g, "journal");
     bad.send(&[
         rw(BLKIF_OP_READ, 1, 0, &[seg(r, 0, 0)]),
         rw(BLKIF_OP_READ, 2, 1, &[seg(r, 1, 1)]),
@@ -531,17 +529,7 @@ fn responses_written_but_not_published_when_the_back_end_died_are_published_by_t
         .write(bad.ring_gfn, 8, &2u32.to_le_bytes())
         .expect("rsp_prod");
     back.abandon();
-    let disk = FileDisk::open(&path, false).expect("disk");
-    let journal = mem::journal::Journal::open(&jpath).expect("journal");
-    let mut again = Blkback::resume(
-        hv::Pvio::new(&h.hv, &h.drv),
-        g.id(),
-        51712,
-        0,
-        disk,
-        Some(journal),
-    )
-    .expect("resume");
+    let mut again = resume_journaled(&h, &g, &path, &jpath);
     assert_eq!(
         again.serve(),
         0,
@@ -768,4 +756,96 @@ fn a_front_end_drops_responses_that_name_no_request_in_flight() {
         "the others still wait for their answers"
     );
     let _ = std::fs::remove_file(&path);
+}
+
+/// A clean stop hands a vbd over instead of closing it: the responses written are
+/// published, the store is not written (both ends stay `Connected`, so Linux's
+/// blkfront never marks the disk dead), and the next back end resumes the ring where
+/// this one left it, answering each request once.
+#[test]
+fn a_clean_stop_hands_the_disk_over_connected_and_the_next_back_end_goes_on() {
+    let h = host();
+    let g = h.guest("guest");
+    let Journaled {
+        mut bad,
+        mut back,
+        path,
+        jpath,
+        r,
+    } = journaled(&h, &g, "handover");
+    bad.send(&[
+        rw(BLKIF_OP_READ, 1, 0, &[seg(r, 0, 0)]),
+        rw(BLKIF_OP_READ, 2, 1, &[seg(r, 1, 1)]),
+    ]);
+    assert_eq!(back.serve(), 2);
+    back.hand_over();
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    let fdir = xenbus::frontend_dir(g.id(), 51712);
+    assert_eq!(
+        h.hv.store().xenbus_state(h.drv.id(), &bdir),
+        XenbusState::Connected
+    );
+    assert_eq!(
+        h.hv.store().xenbus_state(h.drv.id(), &fdir),
+        XenbusState::Connected
+    );
+    assert_eq!(
+        bad.responses().iter().map(|r| r.id).collect::<Vec<_>>(),
+        [1, 2],
+        "what was answered is published before the hand-over"
+    );
+    // Requests posted while no back end runs wait on the ring for the next one.
+    bad.send(&[rw(BLKIF_OP_READ, 3, 2, &[seg(r, 2, 2)])]);
+    let mut again = resume_journaled(&h, &g, &path, &jpath);
+    assert_eq!(again.serve(), 1, "only the new request is taken");
+    let rsp = bad.responses();
+    assert_eq!(rsp.iter().map(|r| r.id).collect::<Vec<_>>(), [3], "{rsp:?}");
+    assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_OKAY));
+    let _ = std::fs::remove_file(&jpath);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A vbd of `g` (device 51712, a backing file named `name`) served by a back end that
+/// journals every response, a hostile front end on it, and a page granted to read into.
+struct Journaled {
+    bad: Hostile,
+    back: Blkback,
+    path: PathBuf,
+    jpath: PathBuf,
+    r: GrantRef,
+}
+
+fn journaled(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
+    let path = backing(name);
+    let disk = h.offer(g, 51712, &path, false, false);
+    let bad = Hostile::connect(h, g, 51712);
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    let jpath = std::env::temp_dir().join(format!("pvio-vbd-{name}-j-{}", std::process::id()));
+    let _ = std::fs::remove_file(&jpath);
+    back.set_journal(mem::journal::Journal::open(&jpath).expect("journal"));
+    let (_, r) = bad.granted(h, false);
+    Journaled {
+        bad,
+        back,
+        path,
+        jpath,
+        r,
+    }
+}
+
+/// The back end started after the one of [`journaled`] left: it takes the ring over from
+/// the journal at `jpath`.
+fn resume_journaled(h: &Host, g: &Arc<Domain>, path: &Path, jpath: &Path) -> Blkback {
+    let disk = FileDisk::open(path, false).expect("disk");
+    let journal = mem::journal::Journal::open(jpath).expect("journal");
+    Blkback::resume(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g.id(),
+        51712,
+        0,
+        disk,
+        Some(journal),
+    )
+    .expect("resumed")
 }

@@ -79,6 +79,11 @@ enum Command {
         /// Where to log each device's connection and disconnection (stderr if none).
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
+        /// Close every device when stopping. Without it, a stop (Ctrl-C, SIGTERM) hands
+        /// each vbd over to the next `pvio backend`, its guest's disk never leaving
+        /// `Connected`.
+        #[arg(long)]
+        close: bool,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -765,7 +770,7 @@ fn main() -> ExitCode {
             compare,
             threshold,
         } => report(dir, compare, threshold),
-        Command::Backend { domid, log } => backend(&backend::Options { domid, log }),
+        Command::Backend { domid, log, close } => backend(&backend::Options { domid, log, close }),
         Command::Up {
             outside_ns,
             guest_ns,
