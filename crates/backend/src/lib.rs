@@ -125,13 +125,49 @@ struct BlkDev {
     seen: bool,
 }
 
-struct Log(Box<dyn std::io::Write + Send>, Instant);
+/// Bytes the log takes before it drops further lines: a guest that reconnects in a loop
+/// (each connection a few lines) cannot grow it without bound.
+pub const LOG_LIMIT: u64 = 16 << 20;
+
+/// What happens to each device, one timestamped line each, up to a bound in bytes.
+struct Log {
+    out: Box<dyn std::io::Write + Send>,
+    start: Instant,
+    limit: u64,
+    written: u64,
+    /// Lines dropped once the bound was reached.
+    dropped: u64,
+}
 
 impl Log {
+    fn new(out: Box<dyn std::io::Write + Send>, limit: u64) -> Self {
+        Self {
+            out,
+            start: Instant::now(),
+            limit,
+            written: 0,
+            dropped: 0,
+        }
+    }
+
+    /// Writes one line, or, past the bound, counts it dropped (the first drop says so
+    /// in one last line).
     fn line(&mut self, s: &str) {
-        let t = self.1.elapsed();
-        let _ = writeln!(self.0, "[{:>8.3}] {s}", t.as_secs_f64());
-        let _ = self.0.flush();
+        let line = format!("[{:>8.3}] {s}\n", self.start.elapsed().as_secs_f64());
+        if self.written + line.len() as u64 > self.limit {
+            if self.dropped == 0 {
+                let _ = writeln!(
+                    self.out,
+                    "log limit of {} bytes reached: further lines are dropped and counted",
+                    self.limit
+                );
+            }
+            self.dropped += 1;
+            return;
+        }
+        self.written += line.len() as u64;
+        let _ = self.out.write_all(line.as_bytes());
+        let _ = self.out.flush();
     }
 }
 
@@ -181,7 +217,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         tokens: Vec::with_capacity(4096),
         fds: Vec::with_capacity(2 + MAX_VIFS),
         counts: Counts::default(),
-        log: Log(out, Instant::now()),
+        log: Log::new(out, LOG_LIMIT),
         close: opts.close,
     };
     let root = format!("/local/domain/{}/backend", me.0);
@@ -775,11 +811,14 @@ impl Backend {
                 self.log.line(&format!("vbd {}/{devid}: handed over", fe));
             }
         }
-        self.log.line(&format!(
-            "stopped: {:?}; store watch events dropped: {}",
+        let stopped = format!(
+            "stopped: {:?}; store watch events dropped: {}; log lines dropped: {}",
             self.counts,
-            self.xen.client().events_dropped()
-        ));
+            self.xen.client().events_dropped(),
+            self.log.dropped
+        );
+        // The last line goes out even past the bound.
+        let _ = writeln!(self.log.out, "{stopped}");
     }
 }
 
@@ -861,6 +900,37 @@ fn negotiated(store: &impl XenStore, me: DomId, fdir: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A log written to memory, for tests.
+    #[derive(Clone, Default)]
+    struct Mem(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Mem {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("log").extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A guest reconnecting in a loop writes lines for ever; the log stops at its bound,
+    /// says so once, and counts what it dropped.
+    #[test]
+    fn the_log_stops_at_its_bound_and_counts_what_it_drops() {
+        let mem = Mem::default();
+        let mut log = Log::new(Box::new(mem.clone()), 1000);
+        for i in 0..10_000 {
+            log.line(&format!("vif 7/0: connected ({i})"));
+        }
+        let text = String::from_utf8(mem.0.lock().expect("log").clone()).expect("utf-8");
+        let kept = text.lines().filter(|l| l.contains("connected")).count();
+        assert!(text.len() < 1000 + 100, "{} bytes", text.len());
+        assert_eq!(text.matches("log limit").count(), 1);
+        assert_eq!(kept as u64 + log.dropped, 10_000);
+        assert!(kept > 0 && log.dropped > 0);
+    }
 
     #[test]
     fn a_directory_is_served_only_if_it_names_its_own_guest_and_device() {
