@@ -1,0 +1,85 @@
+//! The Xen interop run's verdict (`scripts/xen-interop/verdict`) over recorded runs: the
+//! committed records pass, and a run that left a check out, reported it twice, failed
+//! one or carried TCP at a trickle fails. A missing result is a failure, never a pass.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The verdict's exit status and output for `backend` over `checks`.
+fn verdict(backend: &str, checks: &str) -> (bool, String) {
+    let f = std::env::temp_dir().join(format!(
+        "pvio-verdict-{backend}-{}-{}",
+        std::process::id(),
+        checks.len()
+    ));
+    std::fs::write(&f, checks).expect("checks file");
+    let o = Command::new("bash")
+        .arg(repo().join("scripts/xen-interop/verdict"))
+        .arg(backend)
+        .arg(&f)
+        .output()
+        .expect("bash");
+    let _ = std::fs::remove_file(&f);
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+    )
+}
+
+fn recorded(backend: &str) -> String {
+    let p = repo().join(format!("docs/results/xen-interop/{backend}/checks.txt"));
+    std::fs::read_to_string(p).expect("the committed record")
+}
+
+#[test]
+fn the_recorded_runs_pass_with_every_check_reported() {
+    for backend in ["pvio", "linux"] {
+        let (ok, out) = verdict(backend, &recorded(backend));
+        assert!(ok, "{backend}: {out}");
+        assert!(!out.contains("FAIL"), "{backend}: {out}");
+    }
+}
+
+#[test]
+fn a_run_that_misses_repeats_fails_or_trickles_is_a_failed_run() {
+    let pvio = recorded("pvio");
+    let without = |name: &str| {
+        pvio.lines()
+            .filter(|l| !l.starts_with(&format!("pvio-check {name} ")))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>()
+    };
+    // A round that reported nothing of one check (its domU hung, its console lost).
+    for name in [
+        "restart-vif",
+        "restart-disk",
+        "disk",
+        "payload-up",
+        "iperf3-down",
+    ] {
+        let (ok, out) = verdict("pvio", &without(name));
+        assert!(!ok, "{name} missing must fail: {out}");
+    }
+    // pvio's round 3 is pvio's own: the Linux reference does not pass as a pvio run.
+    assert!(!verdict("pvio", &recorded("linux")).0);
+    // A check reported twice (a round run again) is not one round's result.
+    let twice = format!(
+        "{pvio}{}\n",
+        pvio.lines().find(|l| l.contains(" disk ok")).expect("disk")
+    );
+    assert!(!verdict("pvio", &twice).0);
+    // A failed check.
+    let failed = pvio.replacen("pvio-check disk ok", "pvio-check disk FAIL", 1);
+    assert!(!verdict("pvio", &failed).0);
+    // TCP at a trickle.
+    let slow = pvio.replacen("485 Mbits/sec receiver", "0.4 Mbits/sec receiver", 1);
+    let (ok, out) = verdict("pvio", &slow);
+    assert!(!ok && out.contains("iperf3-up: 0.4 Mbit/s"), "{out}");
+    // Nothing at all.
+    assert!(!verdict("pvio", "").0);
+    assert!(!verdict("linux", "").0);
+}
