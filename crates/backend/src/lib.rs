@@ -350,6 +350,10 @@ impl Backend {
             if let Some(back) = d.back.as_mut() {
                 if std::mem::take(&mut d.signalled) {
                     busy |= back.serve() > 0;
+                    // Stopped at its budget: served again at the next pass, after the
+                    // other devices.
+                    d.signalled = back.pending();
+                    busy |= d.signalled;
                 }
             }
         }

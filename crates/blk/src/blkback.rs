@@ -53,6 +53,12 @@ pub const PERSISTENT_MAX: usize = 1056;
 /// Requests on the ring (a one-page blkif ring).
 pub const RING_REQUESTS: usize = 32;
 
+/// Requests one [`Blkback::serve`] takes at most before it returns, two rings' worth: a
+/// guest that posts as fast as it is answered holds its back end for a bounded time, and
+/// the other devices of the same thread get their turn. What is left stays on the ring
+/// ([`Blkback::pending`]) for the caller's next pass.
+pub const SERVE_BUDGET: usize = 2 * RING_REQUESTS;
+
 /// Segments a remote device offers in one indirect request: each request in flight
 /// keeps its segments mapped until the target answers, at slots of its own.
 pub const REMOTE_MAX_SEGMENTS: u16 = 32;
@@ -349,6 +355,8 @@ pub struct Blkback<X: Xen = Pvio> {
     persistent: Option<Persistent>,
     /// Requests copied off the ring in one pass.
     batch: Vec<RawRequest>,
+    /// Requests one `serve` takes at most ([`SERVE_BUDGET`]).
+    budget: usize,
     /// A request's segments (from its slot or its indirect pages).
     segs: Vec<Segment>,
     /// The window slot each segment is at.
@@ -689,6 +697,7 @@ impl<X: Xen> Blkback<X> {
                     .collect(),
             }),
             batch: Vec::with_capacity(RING_REQUESTS),
+            budget: SERVE_BUDGET,
             segs: Vec::with_capacity(max_segs),
             at: Vec::with_capacity(max_segs),
             maps: Vec::with_capacity(max_segs),
@@ -736,29 +745,53 @@ impl<X: Xen> Blkback<X> {
     pub fn serve(&mut self) -> usize {
         let _c = enter(Class::Block);
         let mut answered = 0;
+        let mut taken = 0;
         while self.broken.is_none() {
-            match self.pass() {
+            if taken >= self.budget {
+                // The rest waits for the caller's next pass (`pending`).
+                break;
+            }
+            let room = self.budget - taken;
+            match self.pass(room) {
                 Ok(0) => match self.ring.as_mut().map(|r| r.final_check_for_requests()) {
                     Some(Ok(true)) => continue,
                     Some(Ok(false)) | None => break,
                     Some(Err(e)) => self.protocol_break(e),
                 },
-                Ok(n) => answered += n,
+                Ok(n) => {
+                    answered += n;
+                    taken += n;
+                }
                 Err(e) => self.protocol_break(e),
             }
         }
         answered
     }
 
-    /// Copies every request the ring holds, serves each, and answers them; one
-    /// notification for the pass.
-    fn pass(&mut self) -> Result<usize, RingError> {
+    /// Whether requests wait on the ring that the last [`Blkback::serve`] left for its
+    /// budget: the caller serves again at its next pass, without waiting for an event.
+    pub fn pending(&mut self) -> bool {
+        self.broken.is_none()
+            && self
+                .ring
+                .as_mut()
+                .is_some_and(|r| r.requests_available().is_ok_and(|n| n > 0))
+    }
+
+    /// Sets the requests one `serve` takes at most (at least 1).
+    pub fn set_budget(&mut self, requests: usize) {
+        self.budget = requests.max(1);
+    }
+
+    /// Copies the requests the ring holds (at most `room`), serves each, and answers
+    /// them; one notification for the pass.
+    fn pass(&mut self, room: usize) -> Result<usize, RingError> {
         let Some(ring) = self.ring.as_mut() else {
             return Ok(0);
         };
         let n = ring.requests_available()?;
         self.batch.clear();
-        for _ in 0..n.min(RING_REQUESTS as u32) {
+        for _ in 0..n.min(RING_REQUESTS.min(room) as u32) {
             match ring.take_request()? {
                 Some(r) => self.batch.push(r),
                 None => break,

@@ -187,11 +187,19 @@ impl RemoteVbd {
         }
     }
 
-    /// Serves the front end's requests (its event).
+    /// Serves the front end's requests (its event), at most [`blkback::SERVE_BUDGET`].
     pub fn serve(&mut self) -> usize {
         match &mut self.state {
             State::Serving(b) => b.serve(),
             _ => 0,
+        }
+    }
+
+    /// Whether requests wait that the last `serve` left for its budget.
+    pub fn pending(&mut self) -> bool {
+        match &mut self.state {
+            State::Serving(b) => b.pending(),
+            _ => false,
         }
     }
 

@@ -849,3 +849,32 @@ fn resume_journaled(h: &Host, g: &Arc<Domain>, path: &Path, jpath: &Path) -> Blk
     )
     .expect("resumed")
 }
+
+/// A guest that keeps its ring full holds its back end for a bounded time: one `serve`
+/// takes at most its budget, says what is left (`pending`), and the next takes the rest,
+/// each request answered once, in order.
+#[test]
+fn one_serve_takes_at_most_its_budget_and_the_rest_waits_for_the_next() {
+    let h = host();
+    let g = h.guest("flood");
+    let path = backing("budget");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    back.set_budget(8);
+    let (_, r) = bad.granted(&h, false);
+    let reqs: Vec<_> = (0..20u64)
+        .map(|i| rw(BLKIF_OP_READ, i + 1, i, &[seg(r, 0, 0)]))
+        .collect();
+    bad.send(&reqs);
+    assert_eq!(back.serve(), 8);
+    assert!(back.pending(), "twelve left on the ring");
+    assert_eq!(back.serve(), 8);
+    assert_eq!(back.serve(), 4);
+    assert!(!back.pending());
+    let ids: Vec<u64> = bad.responses().iter().map(|r| r.id).collect();
+    assert_eq!(ids, (1..=20).collect::<Vec<_>>());
+    assert_eq!(back.stats().taken, 20);
+    let _ = std::fs::remove_file(&path);
+}

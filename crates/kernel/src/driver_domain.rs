@@ -338,10 +338,10 @@ impl DriverDomain {
         released && vifs.iter_mut().any(|v| v.tx_pending())
     }
 
-    /// Step 5, block devices whose guests signalled: every request on each ring; the
-    /// remote ones' frames out through the NIC. Returns the requests served and the
-    /// frames sent.
-    fn serve_disks(&mut self, at: Instant) -> (usize, usize) {
+    /// Step 5, block devices whose guests signalled: each ring's requests up to its
+    /// budget; the remote ones' frames out through the NIC. Returns the requests served,
+    /// the frames sent, and whether a disk has requests left for the next pass.
+    fn serve_disks(&mut self, at: Instant) -> (usize, usize, bool) {
         let Self {
             nic,
             pool,
@@ -352,19 +352,25 @@ impl DriverDomain {
             aoe_tx_full,
             ..
         } = self;
-        let (mut rx, mut tx) = (0, 0);
+        let (mut rx, mut tx, mut more) = (0, 0, false);
+        // A disk whose serve stopped at its budget is served again at the next pass,
+        // after the other devices: its guest's event was taken already.
         for (vbd, sig) in vbds.iter_mut().zip(vbd_signalled.iter_mut()) {
             if std::mem::take(sig) {
                 rx += vbd.serve();
+                *sig = vbd.pending();
+                more |= *sig;
             }
         }
         for (r, sig) in remote.iter_mut().zip(remote_signalled.iter_mut()) {
             if std::mem::take(sig) {
                 rx += r.serve();
+                *sig = r.pending();
+                more |= *sig;
             }
             tx += r.poll(at, |frame| aoe_output(nic, pool, frame, aoe_tx_full));
         }
-        (rx, tx)
+        (rx, tx, more)
     }
 
     pub fn new(
@@ -728,10 +734,11 @@ impl Kernel for DriverDomain {
         // 4. Completions: the NIC's TX ring, then the guests' mapped pages.
         let tx_waiting = self.completions();
         // 5. Block devices: local disks, and remote ones' frames out through the NIC.
-        let (rx, tx) = self.serve_disks(at);
+        let (rx, tx, disks_waiting) = self.serve_disks(at);
         w.rx += rx;
         w.tx += tx;
         w.more = tx_waiting
+            || disks_waiting
             || self.nic.napi_scheduled()
             || self
                 .queues
