@@ -62,6 +62,10 @@ pub struct Options {
     pub domid: u16,
     /// Where to write what happens to each device (stderr if none).
     pub log: Option<std::path::PathBuf>,
+    /// Write every device's counters to this file every [`METRICS_EVERY`], in
+    /// Prometheus' text format (for node_exporter's textfile collector, or any scraper):
+    /// one line per counter, labelled with the guest and device.
+    pub metrics: Option<std::path::PathBuf>,
     /// Close every device when stopping. Without it a stop hands each vbd over to the
     /// next `pvio backend` (its front end stays `Connected`; the journal under `/run`
     /// says where the ring was), as an upgrade or `systemctl restart` needs.
@@ -123,6 +127,37 @@ struct BlkDev {
     back: Option<Blkback<X>>,
     signalled: bool,
     seen: bool,
+}
+
+/// How often `--metrics` rewrites its file.
+pub const METRICS_EVERY: Duration = Duration::from_secs(5);
+
+/// Appends one device's counters to `out` in Prometheus' text format:
+/// `pvio_backend_<kind>_<counter>{domid="<guest>",devid="<device>"} <value>`, every
+/// counter of its set, zero or not, so that a scraper sees each from the first write.
+pub fn metrics_lines(
+    out: &mut String,
+    kind: &str,
+    fe: DomId,
+    devid: u32,
+    set: &impl hv::counters::CounterSet,
+) {
+    set.visit(&mut |name, v| {
+        // A per-reason counter is `<field> <Reason>`: the reason becomes a label.
+        let (name, reason) = match name.split_once(' ') {
+            Some((n, r)) => (n, Some(r)),
+            None => (name, None),
+        };
+        let _ = write!(
+            out,
+            "pvio_backend_{kind}_{name}{{domid=\"{}\",devid=\"{devid}\"",
+            fe.0
+        );
+        if let Some(r) = reason {
+            let _ = write!(out, ",reason=\"{r}\"");
+        }
+        let _ = writeln!(out, "}} {v}");
+    });
 }
 
 /// Bytes the log takes before it drops further lines: a guest that reconnects in a loop
@@ -189,6 +224,8 @@ struct Backend {
     log: Log,
     /// Close devices on stop (`--close`), instead of handing them over.
     close: bool,
+    /// Where to write the devices' counters, and when it was last written.
+    metrics: Option<(std::path::PathBuf, Instant)>,
 }
 
 /// Runs until `stop` is set or the store connection fails.
@@ -219,6 +256,10 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         counts: Counts::default(),
         log: Log::new(out, LOG_LIMIT),
         close: opts.close,
+        metrics: opts
+            .metrics
+            .clone()
+            .map(|p| (p, Instant::now() - METRICS_EVERY)),
     };
     let root = format!("/local/domain/{}/backend", me.0);
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
@@ -242,6 +283,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             Duration::from_millis(200)
         })?;
         busy = b.data_path();
+        b.write_metrics();
     }
     b.shutdown();
     Ok(b.counts)
@@ -796,6 +838,37 @@ impl Backend {
         }
     }
 
+    /// Rewrites the metrics file (a new file renamed over the old, so a scraper never
+    /// reads half of one) if `--metrics` asked and [`METRICS_EVERY`] has passed.
+    fn write_metrics(&mut self) {
+        let Some((path, last)) = self.metrics.as_mut() else {
+            return;
+        };
+        if last.elapsed() < METRICS_EVERY {
+            return;
+        }
+        *last = Instant::now();
+        let mut text = String::new();
+        for d in self.vifs.values() {
+            if let Some(v) = d.vif.as_ref() {
+                metrics_lines(&mut text, "vif", d.fe, d.handle, v.stats());
+            }
+        }
+        for d in self.vbds.values() {
+            if let Some(b) = d.back.as_ref() {
+                metrics_lines(&mut text, "vbd", d.fe, d.devid, b.stats());
+            }
+        }
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, text)
+            .and_then(|()| std::fs::rename(&tmp, &*path))
+            .is_err()
+        {
+            self.log
+                .line(&format!("metrics: cannot write {}", path.display()));
+        }
+    }
+
     fn shutdown(&mut self) {
         for (_, mut d) in std::mem::take(&mut self.vifs) {
             if let Some(v) = d.vif.take() {
@@ -919,6 +992,37 @@ mod tests {
         }
     }
 
+    /// Each counter of a device's set is one line, labelled with its guest and device,
+    /// a per-reason counter's reason a label of its own, zero counters included.
+    #[test]
+    fn metrics_are_one_labelled_line_per_counter() {
+        let stats = blk::blkback::VbdStats {
+            taken: 7,
+            ..Default::default()
+        };
+        let mut text = String::new();
+        metrics_lines(&mut text, "vbd", DomId(5), 51712, &stats);
+        assert!(
+            text.lines()
+                .any(|l| l == r#"pvio_backend_vbd_taken{domid="5",devid="51712"} 7"#),
+            "{text}"
+        );
+        assert!(text.lines().all(|l| l.starts_with("pvio_backend_vbd_")
+            && l.contains(r#"domid="5",devid="51712""#)
+            && l.rsplit(' ')
+                .next()
+                .is_some_and(|v| v.parse::<u64>().is_ok())));
+        let mut n = 0;
+        hv::counters::CounterSet::visit(&stats, &mut |_, _| n += 1);
+        assert_eq!(text.lines().count(), n, "every counter, zero or not");
+        // A per-reason counter (`<field> <Reason>`) has its reason as a label.
+        let mut reasons = 0;
+        hv::counters::CounterSet::visit(&stats, &mut |name, _| {
+            reasons += usize::from(name.contains(' '));
+        });
+        assert_eq!(text.matches(",reason=\"").count(), reasons);
+    }
+
     /// A guest reconnecting in a loop writes lines for ever; the log stops at its bound,
     /// says so once, and counts what it dropped.
     #[test]
@@ -961,6 +1065,7 @@ mod tests {
             &Options {
                 domid: 0,
                 log: None,
+                metrics: None,
                 close: false,
             },
             &stop,

@@ -79,6 +79,10 @@ enum Command {
         /// Where to log each device's connection and disconnection (stderr if none).
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
+        /// Write every device's counters to this file every 5 s, in Prometheus' text
+        /// format (for node_exporter's textfile collector, or any scraper).
+        #[arg(long, value_name = "FILE")]
+        metrics: Option<PathBuf>,
         /// Close every device when stopping. Without it, a stop (Ctrl-C, SIGTERM) hands
         /// each vbd over to the next `pvio backend`, its guest's disk never leaving
         /// `Connected`.
@@ -770,7 +774,17 @@ fn main() -> ExitCode {
             compare,
             threshold,
         } => report(dir, compare, threshold),
-        Command::Backend { domid, log, close } => backend(&backend::Options { domid, log, close }),
+        Command::Backend {
+            domid,
+            log,
+            metrics,
+            close,
+        } => backend(&backend::Options {
+            domid,
+            log,
+            metrics,
+            close,
+        }),
         Command::Up {
             outside_ns,
             guest_ns,
