@@ -492,7 +492,12 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
     );
     if !cfg.disks.is_empty() {
-        if let Some(s) = machine.live_sample() {
+        // A kernel that did not answer in time leaves its counters out: no line then
+        // (`get` would panic on the absent component).
+        if let Some(s) = machine
+            .live_sample()
+            .filter(|s| s.counters.try_get("block job", "completed").is_some())
+        {
             let get = |name: &str| s.counters.get("block job", name);
             println!(
                 "disks: {} requests done, {} MB, {} failed",
@@ -503,7 +508,10 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
         }
     }
     if cfg.driver.lro.is_some() {
-        if let Some(s) = machine.live_sample() {
+        if let Some(s) = machine
+            .live_sample()
+            .filter(|s| s.counters.try_get("lro engine", "segments").is_some())
+        {
             let get = |name: &str| s.counters.get("lro engine", name);
             let (aggs, segs) = (get("aggregates"), get("segments"));
             println!(
