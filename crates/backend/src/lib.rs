@@ -60,15 +60,17 @@ const RESCAN: Duration = Duration::from_secs(2);
 pub struct Options {
     /// This domain's id under Xen (0: dom0).
     pub domid: u16,
-    /// Where to write what happens to each device (stderr if none).
+    /// Where to write what happens to each device (stderr if none), appended to, at
+    /// most [`LOG_LIMIT`] bytes a process.
     pub log: Option<std::path::PathBuf>,
     /// Write every device's counters to this file every [`METRICS_EVERY`], in
     /// Prometheus' text format (for node_exporter's textfile collector, or any scraper):
     /// one line per counter, labelled with the guest and device.
     pub metrics: Option<std::path::PathBuf>,
-    /// Close every device when stopping. Without it a stop hands each vbd over to the
-    /// next `pvio backend` (its front end stays `Connected`; the journal under `/run`
-    /// says where the ring was), as an upgrade or `systemctl restart` needs.
+    /// Close every device when stopping. Without it a stop hands each vif and vbd over
+    /// to the next `pvio backend` (its front end stays `Connected`, a vif's interface
+    /// stays on its bridge; the journals under `/run` say where each ring was), as an
+    /// upgrade or `systemctl restart` needs.
     pub close: bool,
 }
 
@@ -103,6 +105,8 @@ pub struct Counts {
     pub frames_in: u64,
     /// Frames dropped for want of a buffer, or too long.
     pub frames_dropped: u64,
+    /// Devices taken over from a back end that left them `Connected` (a restart).
+    pub resumed: u64,
 }
 
 type X = Arc<Dom0>;
@@ -111,6 +115,8 @@ struct NetDev {
     fe: DomId,
     handle: u32,
     index: u16,
+    /// Found Connected both ends: taken over, not connected afresh.
+    resume: bool,
     tap: TapPort,
     ifname: String,
     vif: Option<Vif<X>>,
@@ -240,7 +246,13 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     let pool = SkbPool::new(Arc::clone(xen.domain()), BUFFERS, POOL_PAGES)
         .map_err(|e| Error::Pool(e.to_string()))?;
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
-        Some(p) => Box::new(std::fs::File::create(p)?),
+        // Appended to: the process before this one (a restart) keeps its lines.
+        Some(p) => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)?,
+        ),
         None => Box::new(std::io::stderr()),
     };
     let mut b = Backend {
@@ -498,10 +510,10 @@ impl Backend {
         // and started again): closed first, so that the front end starts over.
         let bstate = store.xenbus_state(self.me, &bdir);
         let fstate = store.xenbus_state(self.me, &fdir);
-        // A vbd both of whose ends are still Connected is taken over where the dead back
-        // end left it (`Blkback::resume`): Linux's blkfront cannot reconnect once closed.
-        let resume =
-            kind == "vbd" && bstate == XenbusState::Connected && fstate == XenbusState::Connected;
+        // A device both of whose ends are still Connected is taken over where the back
+        // end before left it (`Blkback::resume`, `Vif::resume`): Linux's blkfront cannot
+        // reconnect once closed, and a vif's guest would see its link go.
+        let resume = bstate == XenbusState::Connected && fstate == XenbusState::Connected;
         if resume {
             self.log.line(&format!(
                 "{kind} {}/{id}: found Connected both ends: resuming it",
@@ -516,7 +528,7 @@ impl Backend {
         }
         let _ = self.xen.client().watch(&format!("{fdir}/state"), "fe");
         let taken = match kind {
-            "vif" => self.adopt_vif(fe, id, bstate),
+            "vif" => self.adopt_vif(fe, id, bstate, resume),
             _ => self.adopt_vbd(fe, id, bstate, resume),
         };
         if !taken {
@@ -525,7 +537,7 @@ impl Backend {
     }
 
     /// Whether the vif was taken.
-    fn adopt_vif(&mut self, fe: DomId, handle: u32, bstate: XenbusState) -> bool {
+    fn adopt_vif(&mut self, fe: DomId, handle: u32, bstate: XenbusState, resume: bool) -> bool {
         let Some(index) = (0..MAX_VIFS as u16).find(|i| self.vifs.values().all(|d| d.index != *i))
         else {
             self.log.line(&format!(
@@ -546,6 +558,15 @@ impl Backend {
                 return false;
             }
         };
+        // The interface outlives this process, so that it stays on its bridge (where the
+        // hotplug script put it) for the next back end to take over; it goes when the
+        // device does, or on a stop with `--close`.
+        if let Err(e) = mem::tap::set_persist(&tap, true) {
+            self.log.line(&format!(
+                "vif {}/{handle}: {ifname} cannot outlive this process ({e}): a restart will drop it from its bridge",
+                fe.0
+            ));
+        }
         if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
             if let Err(e) = netback::probe(self.xen.store(), self.me, fe, handle) {
                 self.log.line(&format!("vif {}/{handle}: probe: {e}", fe.0));
@@ -562,6 +583,7 @@ impl Backend {
                 fe,
                 handle,
                 index,
+                resume,
                 tap,
                 ifname,
                 vif: None,
@@ -643,36 +665,72 @@ impl Backend {
             if let Some(v) = d.vif.take() {
                 v.disconnect(&mut self.pool);
             }
+            let _ = mem::tap::set_persist(&d.tap, false);
             let name = d.ifname.clone();
             self.vifs.remove(&key);
+            for p in vif_journal_paths(fe, handle) {
+                let _ = std::fs::remove_file(p);
+            }
             self.log.line(&format!(
                 "vif {}/{handle}: directory gone; {name} removed",
                 fe.0
             ));
             return;
         }
+        let fresh = bstate == XenbusState::InitWait
+            && matches!(fstate, XenbusState::Initialised | XenbusState::Connected);
         match d.vif.as_ref() {
-            None if bstate == XenbusState::InitWait
-                && matches!(fstate, XenbusState::Initialised | XenbusState::Connected) =>
-            {
+            None if fresh || d.resume => {
                 let slot_base = u32::from(d.index) * VIF_WINDOW_SLOTS;
-                match Vif::connect(Arc::clone(&self.xen), fe, handle, d.index, slot_base) {
-                    Ok(mut v) => {
-                        // A map here is two system calls each way: TX copies instead.
-                        v.set_tx_copy(true);
+                let (resume, index, xen) = (d.resume, d.index, Arc::clone(&self.xen));
+                d.resume = false;
+                let journals = vif_journals(fe, handle).ok();
+                let had_journals = journals.is_some();
+                let r = if resume {
+                    Vif::resume(xen, fe, handle, index, slot_base, journals)
+                } else {
+                    Vif::connect(xen, fe, handle, index, slot_base)
+                        .map(|v| (v, journals))
+                        .map(|(mut v, j)| {
+                            // A map here is two system calls each way: TX copies instead.
+                            v.set_tx_copy(true);
+                            let _ = j.map(|j| v.record_in(j));
+                            v
+                        })
+                };
+                match r {
+                    Ok(v) => {
+                        let recorded = had_journals;
                         let line = format!(
-                            "vif {}/{handle}: connected: {}",
+                            "vif {}/{handle}: {}: {}{}",
                             fe.0,
-                            negotiated(store, me, &fdir)
+                            if resume { "resumed" } else { "connected" },
+                            negotiated(store, me, &fdir),
+                            if recorded {
+                                String::new()
+                            } else {
+                                "; no journal: a restart will not take it over".into()
+                            }
                         );
+                        if resume {
+                            self.log.line(&format!(
+                                "vif {}/{handle}: responses replayed from the journals: {}",
+                                fe.0,
+                                v.stats().resume_replayed
+                            ));
+                        }
                         d.vif = Some(v);
                         self.counts.connected += 1;
+                        self.counts.resumed += u64::from(resume);
                         self.log.line(&line);
                     }
                     Err(e) => {
                         self.counts.connect_errors += 1;
-                        self.log
-                            .line(&format!("vif {}/{handle}: connect refused: {e}", fe.0));
+                        self.log.line(&format!(
+                            "vif {}/{handle}: {} refused: {e}",
+                            fe.0,
+                            if resume { "takeover" } else { "connect" }
+                        ));
                         let _ = store.switch_state(me, &bdir, XenbusState::Closing);
                     }
                 }
@@ -752,26 +810,33 @@ impl Backend {
             let xen = Arc::clone(&self.xen);
             let jpath = journal_path(fe, devid);
             let r = self.open_disk(fe, devid).and_then(|disk| {
+                let journal = mem::journal::Journal::open(&jpath, blkback::JOURNAL_LEN);
                 if resume {
-                    // The dead back end's record, if it left one.
-                    let j = mem::journal::Journal::open(&jpath).ok();
-                    Blkback::resume(xen, fe, devid, slot_base, disk, j).map_err(|e| e.to_string())
+                    // The journal the back end before recorded in, if it left one.
+                    Blkback::resume(xen, fe, devid, slot_base, disk, journal.ok())
+                        .map_err(|e| e.to_string())
                 } else {
                     let mut b = Blkback::connect(xen, fe, devid, slot_base, disk)
                         .map_err(|e| e.to_string())?;
-                    match mem::journal::Journal::open(&jpath) {
-                        Ok(j) => b.set_journal(j),
-                        Err(e) => self.log.line(&format!(
-                            "vbd {}/{devid}: no journal at {} ({e}): a restart will not resume it",
+                    if !journal.is_ok_and(|j| b.set_journal(j)) {
+                        self.log.line(&format!(
+                            "vbd {}/{devid}: no journal at {}: a restart will not resume it",
                             fe.0,
                             jpath.display()
-                        )),
+                        ));
                     }
                     Ok(b)
                 }
             });
             match r {
                 Ok(b) => {
+                    if resume {
+                        self.log.line(&format!(
+                            "vbd {}/{devid}: responses replayed from the journal: {}",
+                            fe.0,
+                            b.replayed()
+                        ));
+                    }
                     let line = format!(
                         "vbd {}/{devid}: {}: {}",
                         fe.0,
@@ -784,6 +849,7 @@ impl Backend {
                         d.resume = false;
                     }
                     self.counts.connected += 1;
+                    self.counts.resumed += u64::from(resume);
                     self.log.line(&line);
                 }
                 Err(e) => {
@@ -870,12 +936,22 @@ impl Backend {
     }
 
     fn shutdown(&mut self) {
-        for (_, mut d) in std::mem::take(&mut self.vifs) {
-            if let Some(v) = d.vif.take() {
-                v.disconnect(&mut self.pool);
+        let close = self.close;
+        for ((fe, handle), mut d) in std::mem::take(&mut self.vifs) {
+            if close {
+                if let Some(v) = d.vif.take() {
+                    v.disconnect(&mut self.pool);
+                }
+                // The interface goes with this process.
+                let _ = mem::tap::set_persist(&d.tap, false);
+            } else if let Some(v) = d.vif.take() {
+                // Left `Connected` at both ends, its interface on its bridge, for the
+                // next back end to take over.
+                v.hand_over(&mut self.pool);
+                self.log
+                    .line(&format!("vif {fe}/{handle}: handed over ({})", d.ifname));
             }
         }
-        let close = self.close;
         for ((fe, devid), mut d) in std::mem::take(&mut self.vbds) {
             let Some(b) = d.back.take() else {
                 continue;
@@ -925,12 +1001,32 @@ pub fn check_names(
     Ok(())
 }
 
-/// Where a vbd's back end records each response before writing it (in memory, under
-/// `/run`), for the back end started after this one if it dies.
+/// Where the journals live: in memory (`/run` is a tmpfs), kept across this process's
+/// restarts and gone at the host's.
+const JOURNAL_DIR: &str = "/run/pvio/backend";
+
+/// Where a vbd's back end records its responses before writing them, for the back
+/// end started after this one.
 fn journal_path(fe: DomId, devid: u32) -> std::path::PathBuf {
-    let dir = std::path::Path::new("/run/pvio/backend");
+    let dir = std::path::Path::new(JOURNAL_DIR);
     let _ = std::fs::create_dir_all(dir);
     dir.join(format!("vbd-{}-{devid}", fe.0))
+}
+
+/// A vif's two journals' paths (TX, RX).
+fn vif_journal_paths(fe: DomId, handle: u32) -> [std::path::PathBuf; 2] {
+    let dir = std::path::Path::new(JOURNAL_DIR);
+    let _ = std::fs::create_dir_all(dir);
+    ["tx", "rx"].map(|r| dir.join(format!("vif-{}-{handle}-{r}", fe.0)))
+}
+
+/// A vif's two journals, opened (made if missing).
+fn vif_journals(fe: DomId, handle: u32) -> std::io::Result<netback::Journals> {
+    let [tx, rx] = vif_journal_paths(fe, handle);
+    Ok(netback::Journals {
+        tx: mem::journal::Journal::open(&tx, netback::JOURNAL_LEN_TX)?,
+        rx: mem::journal::Journal::open(&rx, netback::JOURNAL_LEN_RX)?,
+    })
 }
 
 /// Writes one packet from a vif to its interface, whole (its pieces gathered into one

@@ -367,56 +367,20 @@ pub struct Blkback<X: Xen = Pvio> {
     unmap_st: Vec<Result<(), GrantError>>,
     stats: VbdStats,
     broken: Option<Broken>,
-    /// Where each response is recorded before its slot is written, so that a back end
-    /// started after this one dies can take the ring over exactly (`Blkback::resume`).
-    journal: Option<mem::journal::Journal>,
 }
 
-/// Where a journal keeps the index after the last response written.
-const JOURNAL_WRITTEN: usize = 0;
-/// Where it keeps that response: two slots, the one of the index's parity, so that a
-/// record becomes valid in one store. The next response goes to the other slot, and the
-/// last recorded one stays whole until the index that names it moves on: a back end
-/// killed between the two stores leaves the previous record as it was, never a new
-/// response beside the old index.
-const JOURNAL_RESPONSE: [usize; 2] = [64, 128];
+/// Bytes of a vbd's journal ([`Blkback::set_journal`]): the record of a one-page ring.
+pub const JOURNAL_LEN: usize = ring::record_len::<BlkRing>(mem::PAGE_SIZE);
 
-/// Writes response `rsp`, which takes ring index `at`, into its journal slot: the first
-/// half of a record, not yet valid.
-fn journal_response(j: &mem::journal::Journal, at: u32, rsp: &Response) {
-    let _ = j.write(JOURNAL_RESPONSE[(at & 1) as usize], bytemuck::bytes_of(rsp));
-}
-
-/// Records response `rsp` at ring index `at`: its slot first, then, in one store that
-/// makes the record valid, the index after it.
-fn journal_record(j: &mem::journal::Journal, at: u32, rsp: &Response) {
-    journal_response(j, at, rsp);
-    let _ = j.store(JOURNAL_WRITTEN, at.wrapping_add(1));
-}
-
-/// Records `rsp` as the response taking index `at` (before its slot is written), then
-/// writes it into the ring.
+/// Writes `rsp` into the ring (staged, if the ring records its responses).
 fn answer(
     ring: &mut Option<BackRing<BlkRing, PageRing<MappedPage>>>,
-    journal: &Option<mem::journal::Journal>,
     rsp: &Response,
 ) -> Result<(), RingError> {
-    let Some(ring) = ring.as_mut() else {
-        return Ok(());
-    };
-    if let Some(j) = journal {
-        journal_record(j, ring.next_response(), rsp);
+    match ring.as_mut() {
+        Some(ring) => ring.push_response(rsp),
+        None => Ok(()),
     }
-    ring.push_response(rsp)
-}
-
-/// What a journal says was written: the index after the last response, and it.
-fn journal_written(j: &mem::journal::Journal) -> Option<(u32, Response)> {
-    let w = j.load(JOURNAL_WRITTEN).ok()?;
-    let mut b = [0u8; std::mem::size_of::<Response>()];
-    j.read(JOURNAL_RESPONSE[(w.wrapping_sub(1) & 1) as usize], &mut b)
-        .ok()?;
-    Some((w, bytemuck::pod_read_unaligned(&b)))
 }
 
 /// Publishes the disk's size and the back end's features and waits for the front end
@@ -534,9 +498,9 @@ impl<X: Xen> Blkback<X> {
     /// reconnect once its back end closed: it marks the disk dead). Persistent grants
     /// are mapped again as requests name them.
     ///
-    /// `journal` is the dead back end's record ([`Blkback::set_journal`]): with it,
-    /// responses it wrote but had not published are published, not taken again as
-    /// requests (their slots hold responses now); it goes on recording for the next.
+    /// `journal` is the one the dead back end recorded in ([`Blkback::set_journal`]):
+    /// with it, responses it wrote but had not published are published, not taken again
+    /// as requests (their slots may hold responses now); recording goes on in it.
     pub fn resume(
         xen: X,
         fe: DomId,
@@ -545,23 +509,27 @@ impl<X: Xen> Blkback<X> {
         disk: FileDisk,
         journal: Option<mem::journal::Journal>,
     ) -> Result<Self, XenbusError> {
-        let written = journal.as_ref().and_then(journal_written);
         let mut b =
-            Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), Some(written))?;
-        b.journal = journal;
+            Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), Some(journal))?;
         // What the dead one wrote and did not publish goes to the front end now.
         b.flush_responses();
         Ok(b)
     }
 
-    /// Records every response from now on in `journal` (a page of a file that outlives
-    /// this process, under `/run`), so that a back end started after this one dies can
-    /// take the ring over exactly. A fresh connection starts it afresh.
-    pub fn set_journal(&mut self, journal: mem::journal::Journal) {
-        if let Some(ring) = self.ring.as_ref() {
-            let _ = journal.store(JOURNAL_WRITTEN, ring.next_response());
-        }
-        self.journal = Some(journal);
+    /// Responses written again from the journal's record when this back end took the
+    /// ring over ([`Blkback::resume`]): those the one before recorded and had not
+    /// published.
+    pub fn replayed(&self) -> u32 {
+        self.ring.as_ref().map_or(0, |r| r.replayed())
+    }
+
+    /// Records every batch of responses from now on in `journal` (a file in memory
+    /// that outlives this process, under `/run`, of at least [`JOURNAL_LEN`] bytes), so
+    /// that a back end started after this one dies takes the ring over exactly
+    /// ([`ring::BackRing::record_in`]). Whether it was taken (a journal too small is
+    /// not). A fresh connection starts it afresh.
+    pub fn set_journal(&mut self, journal: mem::journal::Journal) -> bool {
+        self.ring.as_mut().is_some_and(|r| r.record_in(journal))
     }
 
     /// As [`Blkback::connect`], serving the remote disk `ini` found (and
@@ -609,8 +577,8 @@ impl<X: Xen> Blkback<X> {
         devid: u32,
         slot_base: u32,
         backing: Store,
-        // Taking over a ring a dead back end left, with what its journal says it wrote.
-        resume: Option<Option<(u32, Response)>>,
+        // Taking over a ring a dead back end left, with the journal it recorded in.
+        resume: Option<Option<mem::journal::Journal>>,
     ) -> Result<Self, XenbusError> {
         let store = xen.store();
         let be = xen.id();
@@ -657,7 +625,7 @@ impl<X: Xen> Blkback<X> {
             .ok()
             .and_then(|p| PageRing::new(p).ok())
             .and_then(|p| match resume {
-                Some(written) => BackRing::<BlkRing, _>::resume(p, written).ok(),
+                Some(journal) => BackRing::<BlkRing, _>::resume(p, journal).ok(),
                 None => BackRing::<BlkRing, _>::attach(p).ok(),
             })
         else {
@@ -706,7 +674,6 @@ impl<X: Xen> Blkback<X> {
             unmap_st: vec![Ok(()); max_segs],
             stats: VbdStats::default(),
             broken: None,
-            journal: None,
         })
     }
 
@@ -818,7 +785,7 @@ impl<X: Xen> Blkback<X> {
             };
             let rsp = response(raw.id, raw.response_operation(), status);
             // Room is certain: each response answers a request taken.
-            answer(&mut self.ring, &self.journal, &rsp)?;
+            answer(&mut self.ring, &rsp)?;
         }
         if n > 0 {
             self.flush_responses();
@@ -1195,12 +1162,7 @@ impl<X: Xen> Blkback<X> {
             f.busy = false;
             r.free.push(k);
             if self.ring.is_some()
-                && answer(
-                    &mut self.ring,
-                    &self.journal,
-                    &response(f.id, f.operation, status),
-                )
-                .is_ok()
+                && answer(&mut self.ring, &response(f.id, f.operation, status)).is_ok()
             {
                 n += 1;
             }
@@ -1286,50 +1248,5 @@ impl<X: Xen> Blkback<X> {
         let store = self.xen.store();
         let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closing);
         let _ = store.switch_state(self.xen.id(), &dir, XenbusState::Closed);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn journal(name: &str) -> (mem::journal::Journal, std::path::PathBuf) {
-        let p = std::env::temp_dir().join(format!("pvio-journal-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_file(&p);
-        (mem::journal::Journal::open(&p).expect("journal"), p)
-    }
-
-    fn rsp(id: u64) -> Response {
-        Response {
-            id,
-            status: BLKIF_RSP_OKAY,
-            ..Response::default()
-        }
-    }
-
-    /// A back end killed between the two stores of a record (the response written, the
-    /// index not yet moved) leaves the previous record whole: the next back end sees
-    /// the last response that was recorded, never the new one beside the old index,
-    /// which would answer [B, B] for [A, B].
-    #[test]
-    fn a_record_torn_between_its_two_stores_leaves_the_previous_one_whole() {
-        let (j, p) = journal("torn");
-        journal_record(&j, 5, &rsp(0xa));
-        assert_eq!(journal_written(&j), Some((6, rsp(0xa))));
-        // Killed after the response's store, before the index's.
-        journal_response(&j, 6, &rsp(0xb));
-        assert_eq!(
-            journal_written(&j),
-            Some((6, rsp(0xa))),
-            "the old record stands"
-        );
-        // The store that completes it makes the new one valid, at once.
-        let _ = j.store(JOURNAL_WRITTEN, 7);
-        assert_eq!(journal_written(&j), Some((7, rsp(0xb))));
-        // And it wraps with the ring's index.
-        journal_record(&j, u32::MAX, &rsp(0xc));
-        journal_response(&j, 0, &rsp(0xd));
-        assert_eq!(journal_written(&j), Some((0, rsp(0xc))));
-        let _ = std::fs::remove_file(p);
     }
 }

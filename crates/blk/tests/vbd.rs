@@ -823,7 +823,8 @@ fn journaled(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     let jpath = std::env::temp_dir().join(format!("pvio-vbd-{name}-j-{}", std::process::id()));
     let _ = std::fs::remove_file(&jpath);
-    back.set_journal(mem::journal::Journal::open(&jpath).expect("journal"));
+    assert!(back
+        .set_journal(mem::journal::Journal::open(&jpath, blkback::JOURNAL_LEN).expect("journal")));
     let (_, r) = bad.granted(h, false);
     Journaled {
         bad,
@@ -838,7 +839,7 @@ fn journaled(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
 /// the journal at `jpath`.
 fn resume_journaled(h: &Host, g: &Arc<Domain>, path: &Path, jpath: &Path) -> Blkback {
     let disk = FileDisk::open(path, false).expect("disk");
-    let journal = mem::journal::Journal::open(jpath).expect("journal");
+    let journal = mem::journal::Journal::open(jpath, blkback::JOURNAL_LEN).expect("journal");
     Blkback::resume(
         hv::Pvio::new(&h.hv, &h.drv),
         g.id(),

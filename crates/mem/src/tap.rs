@@ -102,6 +102,23 @@ pub fn open_tap_offload(name: &str, off: TapOffload) -> io::Result<(File, String
 
 const _: () = assert!(std::mem::size_of::<IfReq>() == 40);
 
+/// `_IOW('T', 203, int)`.
+const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
+
+/// Makes the TAP that `file` is attached to outlive every file attached to it (`on`):
+/// the interface, its addresses and its bridge port stay when the process exits, and
+/// the next process to open the same name attaches to it (frames that arrive meanwhile
+/// are dropped by the kernel, as on an unplugged cable). With `!on`, the interface goes
+/// with the last file, as a TAP made without this does.
+pub fn set_persist(file: &impl AsRawFd, on: bool) -> io::Result<()> {
+    // SAFETY: TUNSETPERSIST takes its argument by value (0 or 1); `file` is a TAP
+    // attached with TUNSETIFF (the kernel refuses any other descriptor).
+    if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETPERSIST, libc::c_ulong::from(on)) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Waits up to `timeout` for `file` to have something to read; true if it has.
 pub fn wait_readable(file: &File, timeout: std::time::Duration) -> io::Result<bool> {
     let mut p = libc::pollfd {
@@ -123,5 +140,30 @@ pub fn wait_readable(file: &File, timeout: std::time::Duration) -> io::Result<bo
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exists(name: &str) -> bool {
+        std::path::Path::new("/sys/class/net").join(name).exists()
+    }
+
+    #[test]
+    #[ignore = "needs root: TAPs (.ci/run runs it as root)"]
+    fn a_persistent_tap_outlives_its_file_and_the_next_open_attaches_to_it() {
+        let name = format!("pvpst{}", std::process::id() % 10_000);
+        let (f, got) = open_tap_offload(&name, TapOffload::CsumTso).expect("tap");
+        assert_eq!(got, name);
+        set_persist(&f, true).expect("persist");
+        drop(f);
+        assert!(exists(&name), "the interface stays without a file");
+        let (f, again) = open_tap_offload(&name, TapOffload::CsumTso).expect("again");
+        assert_eq!(again, name, "the same interface, attached again");
+        set_persist(&f, false).expect("let go");
+        drop(f);
+        assert!(!exists(&name), "gone with its last file");
     }
 }

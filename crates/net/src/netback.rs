@@ -93,6 +93,22 @@ pub const RX_LENT_MAX: usize = 128;
 /// many of other guests' TX buffers (a sender has [`MAX_PENDING`]).
 pub const RX_TRANSITIVE_MAX: usize = 32;
 
+/// The journals a vif records its two rings in ([`Vif::record_in`], [`Vif::resume`]):
+/// files in memory that outlive the process, each at least [`JOURNAL_LEN_TX`] or
+/// [`JOURNAL_LEN_RX`] bytes.
+#[derive(Debug)]
+pub struct Journals {
+    /// The TX ring's.
+    pub tx: mem::journal::Journal,
+    /// The RX ring's.
+    pub rx: mem::journal::Journal,
+}
+
+/// Bytes of a vif's TX journal: the record of a one-page TX ring.
+pub const JOURNAL_LEN_TX: usize = ring::record_len::<TxRing>(PAGE_SIZE);
+/// Bytes of a vif's RX journal.
+pub const JOURNAL_LEN_RX: usize = ring::record_len::<RxRing>(PAGE_SIZE);
+
 /// The guest buffers a packet of `len` bytes fills when the first is filled from
 /// offset `start`: at least one, even for an empty packet.
 pub fn rx_pages(len: usize, start: usize) -> usize {
@@ -280,12 +296,60 @@ impl<X: Xen> Vif<X> {
         let _ = self.xen.evtchn_send(self.port);
     }
 
+    /// Records both rings' responses from now on in `j`, so that a back end started
+    /// after this one dies (or after it hands the vif over) takes the vif over exactly
+    /// ([`Vif::resume`]). Whether it was taken: only a vif that answers every request it
+    /// takes before it publishes can be recorded, one in copy mode
+    /// ([`Vif::set_tx_copy`], which must stay on) without guest copy, direct placement
+    /// or grant reuse; and only before its first response.
+    pub fn record_in(&mut self, j: Journals) -> bool {
+        if !self.tx_copy
+            || self.guest_copy.is_some()
+            || self.direct.is_some()
+            || self.cache.is_some()
+        {
+            return false;
+        }
+        self.tx.record_in(j.tx) && self.rx.record_in(j.rx)
+    }
+
+    /// Hands the vif over, as a clean stop for an upgrade does: every response written
+    /// is published (and the guest told), the packets queued for the guest are freed
+    /// (dropped, as a wire does), and the rings, maps and channel are given back. The
+    /// store is not written: the front end stays `Connected` and never sees the back end
+    /// change; the next back end takes the vif over where this one left it
+    /// ([`Vif::resume`]). Closing a vif is an explicit act ([`Vif::disconnect`]), never
+    /// the side effect of a stop.
+    pub fn hand_over(mut self, pool: &mut SkbPool) {
+        if self.disabled.is_none() {
+            let due = self.tx.push_responses_and_check_notify()
+                | self.rx.push_responses_and_check_notify();
+            if due {
+                self.notify();
+            }
+        }
+        self.release(pool);
+    }
+
+    /// Gives back what the vif holds as a back end's death does (the hypervisor unmaps
+    /// a dead process's grants and closes its channels): nothing more is written to
+    /// the rings or the store; responses answered and not yet published are lost with
+    /// it. What a crash leaves, for the next back end to take over ([`Vif::resume`]).
+    pub fn abandon(self, pool: &mut SkbPool) {
+        self.release(pool);
+    }
+
     /// Tears the vif down: frees its queue, unmaps whatever it still maps (answering
     /// nothing more), rings included, and closes its channel. The vif is gone after:
     /// its rings are dropped before their pages are unmapped, since a ring holds its
     /// page open and a held page cannot be unmapped.
     pub fn disconnect(mut self, pool: &mut SkbPool) {
         self.disable(Disabled::Disconnected);
+        self.release(pool);
+    }
+
+    /// Gives back everything the vif holds, the store untouched.
+    fn release(mut self, pool: &mut SkbPool) {
         self.rx_queue.purge(pool);
         self.direct_teardown();
         let ctrl_ring = self.cache_teardown();

@@ -76,7 +76,8 @@ enum Command {
         /// This domain's id under Xen.
         #[arg(long, default_value_t = 0)]
         domid: u16,
-        /// Where to log each device's connection and disconnection (stderr if none).
+        /// Where to log each device's connection and disconnection (stderr if none);
+        /// appended to, so a restart keeps the lines before it.
         #[arg(long, value_name = "FILE")]
         log: Option<PathBuf>,
         /// Write every device's counters to this file every 5 s, in Prometheus' text
@@ -84,8 +85,8 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         metrics: Option<PathBuf>,
         /// Close every device when stopping. Without it, a stop (Ctrl-C, SIGTERM) hands
-        /// each vbd over to the next `pvio backend`, its guest's disk never leaving
-        /// `Connected`.
+        /// each vif and vbd over to the next `pvio backend`, its guest's NIC and disk
+        /// never leaving `Connected`.
         #[arg(long)]
         close: bool,
     },

@@ -23,7 +23,21 @@
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 
+use mem::journal::Journal;
 use mem::{MemError, PageAccess, PAGE_SIZE};
+
+mod record;
+pub use record::Recorded;
+use record::Recorder;
+
+/// Bytes a journal needs to record the responses of a `P` ring in a region of `region`
+/// bytes ([`BackRing::record_in`], [`BackRing::resume`]).
+pub const fn record_len<P: RingProtocol>(region: usize) -> usize {
+    record::len_for(
+        Layout::XEN.ring_size(region, P::SLOT_SIZE),
+        std::mem::size_of::<P::Rsp>(),
+    )
+}
 
 /// Size of the shared header (`struct *_sring` up to `ring[]`): four indices and padding.
 pub const HEADER_SIZE: usize = 64;
@@ -538,6 +552,10 @@ pub struct BackRing<P: RingProtocol, M: RingMemory> {
     /// Last `req_prod` loaded and validated.
     req_prod_seen: RingIdx,
     broken: bool,
+    /// Where each batch of responses is recorded before its slots are written.
+    record: Option<Box<Recorder<P::Rsp>>>,
+    /// Responses written again from a record when this end took the ring over.
+    replayed: u32,
     _p: PhantomData<P>,
 }
 
@@ -557,49 +575,87 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             req_cons: RingIdx(0),
             req_prod_seen: RingIdx(0),
             broken: false,
+            record: None,
+            replayed: 0,
             _p: PhantomData,
         })
     }
 
-    /// Takes over a ring another back end served and left (its process died): carries
-    /// on from its last response, so that every request after it is taken again and
-    /// answered once. Right only for a protocol whose back end answers in request order
-    /// (blkif from a file: each request is answered as it is taken); a back end that
-    /// answers out of order may have answered some of those already.
+    /// Records every batch of responses from now on in `journal` (at least
+    /// [`record_len`] bytes, or this refuses it and answers `false`): a batch is staged
+    /// as it is answered and, when published, recorded whole before its slots are
+    /// written, so that a back end started after this one dies takes the ring over
+    /// exactly ([`BackRing::resume`]). Right only for a back end that has answered every
+    /// request it took whenever it publishes (see the [`record`] module); to be called
+    /// before the first response.
+    pub fn record_in(&mut self, journal: Journal) -> bool {
+        match Recorder::start(journal, self.size, self.rsp_prod_pvt.0) {
+            Some(r) => {
+                self.record = Some(Box::new(r));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Responses written again from the journal's record when this end took the ring
+    /// over ([`BackRing::resume`]): those the back end before had recorded and not
+    /// published.
+    pub fn replayed(&self) -> u32 {
+        self.replayed
+    }
+
+    /// What the journal this ring records in holds now.
+    pub fn recorded(&self) -> Option<Recorded<P::Rsp>> {
+        self.record
+            .as_ref()
+            .and_then(|r| Recorder::last(r.journal(), self.size))
+    }
+
+    /// Takes over a ring another back end served and left (its process died, or stopped
+    /// to hand it over): carries on from its last response, so that every request after
+    /// it is taken again and answered once. Right only for a protocol whose back end
+    /// has answered every request it took whenever it publishes (blkif from a file,
+    /// netif copying); one that answers out of order may have answered some already.
     ///
-    /// Its last response is the last it published (`rsp_prod`), unless `written` says
-    /// more: the index after the last response it wrote, and that response, recorded
-    /// before the slot was written (a [`mem::journal::Journal`]). A response written
-    /// and not yet published has overwritten its request's slot, so without the record
-    /// it would be taken again as a request. With it, the slots up to `written` are
-    /// responses (the last one written again from the record, in case the slot was not)
-    /// and are published by the next [`BackRing::push_responses_and_check_notify`]. A
-    /// record behind `rsp_prod` or more than a ring ahead of it is ignored. The front
-    /// end's producer must lie within one ring of the point taken, or the ring is
-    /// refused (`ProducerOverrun`), as on any later look.
-    pub fn resume(mem: M, written: Option<(u32, P::Rsp)>) -> Result<Self, RingError> {
+    /// Its last response is the last it published (`rsp_prod`), unless `journal` (the
+    /// one it recorded in, [`BackRing::record_in`]) holds a batch that reaches further:
+    /// a batch recorded and not wholly published, whose slots may hold responses now,
+    /// so that without the record they would be taken again as requests. Then its
+    /// responses not yet published are written again from the record and published by
+    /// the next [`BackRing::push_responses_and_check_notify`]. A record of another shape,
+    /// or whose batch does not contain `rsp_prod`, is not taken. Recording goes on in
+    /// `journal`. The front end's producer must lie within one ring of the point taken,
+    /// or the ring is refused (`ProducerOverrun`), as on any later look.
+    pub fn resume(mem: M, journal: Option<Journal>) -> Result<Self, RingError> {
         let mut r = Self::attach(mem)?;
         // Acquire: what the earlier back end wrote before publishing is visible.
         let published = RingIdx(r.mem.load(r.at.rsp_prod, Ordering::Acquire));
-        let at = match written {
-            Some((w, last)) if (1..=r.size).contains(&RingIdx(w).since(published)) => {
-                let slot = RingIdx(w.wrapping_sub(1)).slot(r.size);
-                r.mem.write_entry(slot, P::SLOT_SIZE, &last);
-                RingIdx(w)
+        let last = journal
+            .as_ref()
+            .and_then(|j| Recorder::<P::Rsp>::last(j, r.size));
+        let at = match last {
+            Some(b) if published.since(RingIdx(b.start)) <= b.responses.len() as u32 => {
+                // Only the slots not yet published: those before may hold the front
+                // end's next requests already.
+                let done = published.since(RingIdx(b.start)) as usize;
+                let first = published.slot(r.size);
+                write_run(&r.mem, first, r.size, P::SLOT_SIZE, &b.responses[done..]);
+                r.replayed = (b.responses.len() - done) as u32;
+                RingIdx(b.end())
             }
             _ => published,
         };
         r.rsp_prod_pvt = at;
         r.req_cons = at;
         r.req_prod_seen = at;
+        if let Some(j) = journal {
+            // The record goes on from the point taken (the batch it holds stays named
+            // until the next is committed).
+            r.record = Recorder::start(j, r.size, at.0).map(Box::new);
+        }
         r.load_req_prod()?;
         Ok(r)
-    }
-
-    /// The index the next response will take (`rsp_prod_pvt`): what a back end records
-    /// before writing it, for [`BackRing::resume`].
-    pub fn next_response(&self) -> u32 {
-        self.rsp_prod_pvt.0
     }
 
     /// Number of slots.
@@ -716,8 +772,13 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
         if self.unanswered() == 0 {
             return Err(RingError::Full);
         }
-        self.mem
-            .write_entry(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, rsp);
+        match self.record.as_mut() {
+            // Fits: staged responses answer requests not yet answered, at most a ring.
+            Some(r) => r.staged.push(*rsp),
+            None => self
+                .mem
+                .write_entry(self.rsp_prod_pvt.slot(self.size), P::SLOT_SIZE, rsp),
+        }
         self.rsp_prod_pvt.bump();
         Ok(())
     }
@@ -731,17 +792,30 @@ impl<P: RingProtocol, M: RingMemory> BackRing<P, M> {
             return Err(RingError::Broken);
         }
         let n = (self.unanswered() as usize).min(rsps.len());
-        let first = self.rsp_prod_pvt.slot(self.size);
-        write_run(&self.mem, first, self.size, P::SLOT_SIZE, &rsps[..n]);
+        match self.record.as_mut() {
+            Some(r) => r.staged.extend_from_slice(&rsps[..n]),
+            None => {
+                let first = self.rsp_prod_pvt.slot(self.size);
+                write_run(&self.mem, first, self.size, P::SLOT_SIZE, &rsps[..n]);
+            }
+        }
         self.rsp_prod_pvt = RingIdx(self.rsp_prod_pvt.0.wrapping_add(n as u32));
         Ok(n)
     }
 
     /// Publishes the private responses and says whether the front end asked to be
-    /// notified (`RING_PUSH_RESPONSES_AND_CHECK_NOTIFY`).
+    /// notified (`RING_PUSH_RESPONSES_AND_CHECK_NOTIFY`). A ring that records its
+    /// responses records the staged batch first, then writes its slots.
     pub fn push_responses_and_check_notify(&mut self) -> bool {
         if self.broken {
             return false;
+        }
+        if let Some(r) = self.record.as_mut().filter(|r| !r.staged.is_empty()) {
+            let start = self.rsp_prod_pvt.0.wrapping_sub(r.staged.len() as u32);
+            r.commit(start);
+            let first = RingIdx(start).slot(self.size);
+            write_run(&self.mem, first, self.size, P::SLOT_SIZE, &r.staged);
+            r.staged.clear();
         }
         let new = self.rsp_prod_pvt.0;
         let old = self.mem.load(self.at.rsp_prod, Ordering::Relaxed);
@@ -1106,30 +1180,48 @@ mod tests {
         ));
     }
 
+    fn journal(name: &str) -> (std::path::PathBuf, Journal) {
+        let p = std::env::temp_dir().join(format!("pvio-ring-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        let j = Journal::open(&p, record_len::<Proto>(PAGE_SIZE)).expect("journal");
+        (p, j)
+    }
+
     #[test]
     fn responses_written_and_not_published_are_recovered_from_the_record_not_taken_as_requests() {
         let (mut f, mut b, mem) = pair();
+        let (path, j) = journal("unpublished");
+        assert!(b.record_in(j), "a journal of record_len bytes is taken");
         send_requests(&mut f, 6, 100);
-        // The dead back end took all six, published two answers, wrote two more (the
-        // last recorded but its slot never written) and died before publishing them.
-        let mut record = None;
-        for i in 0..6u32 {
+        // The dead back end took all six and answered two, published; then answered
+        // two more, and died after their batch was recorded and their slots written,
+        // before publishing them: rsp_prod still at 2.
+        for _ in 0..2 {
             let r = b.take_request().expect("valid").expect("one");
-            if i < 4 {
-                let rsp = Rsp {
-                    id: r.id,
-                    status: 7,
-                };
-                record = Some((b.next_response() + 1, rsp));
-                if i < 3 {
-                    b.push_response(&rsp).expect("answer");
-                }
-            }
-            if i == 1 {
-                b.push_responses_and_check_notify();
-            }
+            b.push_response(&Rsp {
+                id: r.id,
+                status: 7,
+            })
+            .expect("answer");
         }
+        assert!(b.push_responses_and_check_notify());
+        assert_eq!(response_ids(&mut f), [0, 1]);
+        for _ in 0..2 {
+            let r = b.take_request().expect("valid").expect("one");
+            b.push_response(&Rsp {
+                id: r.id,
+                status: 7,
+            })
+            .expect("answer");
+        }
+        let staged = b.recorded().expect("a record");
+        assert_eq!(staged.end(), 2, "staged, not yet recorded");
+        b.push_responses_and_check_notify();
+        let rec = b.recorded().expect("a record");
+        assert_eq!((rec.start, rec.end()), (2, 4));
         drop(b);
+        let rsp_prod = mem.atomic_u32(Mfn(0), RSP_PROD).expect("idx");
+        rsp_prod.store(2, Ordering::Release);
         let ring = || {
             let page = FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame");
             PageRing::new(page).expect("ring")
@@ -1142,17 +1234,69 @@ mod tests {
             "slot 2 holds a response now: its status where pad was"
         );
         drop(blind);
-        let mut b2: Back = BackRing::resume(ring(), record).expect("resume");
+        // Killed before even the slots were written: they still hold the requests.
+        // The record's responses are written in again either way.
+        let slot = |i: u32| HEADER_SIZE + i as usize * Proto::SLOT_SIZE;
+        for i in 2..4u32 {
+            mem.write(
+                Mfn(0),
+                slot(i),
+                bytemuck::bytes_of(&Req {
+                    id: i as u16,
+                    pad: 0,
+                    val: 100 + i,
+                }),
+            )
+            .expect("slot");
+        }
+        let j = Journal::open(&path, record_len::<Proto>(PAGE_SIZE)).expect("journal");
+        let mut b2: Back = BackRing::resume(ring(), Some(j)).expect("resume");
         let again: Vec<u32> = std::iter::from_fn(|| b2.take_request().expect("valid"))
             .map(|r| r.val)
             .collect();
         assert_eq!(again, [104, 105], "only the requests never answered");
+        assert_eq!(b2.replayed(), 2);
         answer_and_publish(&mut b2, again.iter().map(|v| (v - 100) as u16));
         assert_eq!(
             response_ids(&mut f),
-            (0..6).collect::<Vec<_>>(),
+            (2..6).collect::<Vec<_>>(),
             "each answered once, in order"
         );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_record_torn_while_written_leaves_the_one_before_and_one_of_another_shape_is_none() {
+        let (mut f, mut b, mem) = pair();
+        let (path, j) = journal("torn");
+        assert!(b.record_in(j));
+        send_requests(&mut f, 4, 0);
+        let ids: Vec<u16> = (0..2).map(|_| b_take(&mut b)).collect();
+        answer_and_publish(&mut b, ids.into_iter());
+        let kept = b.recorded().expect("record");
+        assert_eq!((kept.start, kept.end()), (0, 2));
+        drop(b);
+        // A back end killed while writing the next batch's area: the area the commit
+        // word does not name is scribbled on, the word never stored.
+        {
+            let j = Journal::open(&path, record_len::<Proto>(PAGE_SIZE)).expect("journal");
+            let seq = j.load(12).expect("seq");
+            let other = 64 + ((seq + 1) & 1) as usize * record::area_len(256, 4);
+            j.write(other, &[0xee; 64]).expect("scribble");
+            let ring = PageRing::new(FramePage::new(Arc::clone(&mem), Mfn(0)).expect("frame"))
+                .expect("ring");
+            let b2: Back = BackRing::resume(ring, Some(j)).expect("resume");
+            assert_eq!(b2.recorded().map(|r| (r.start, r.end())), Some((2, 2)));
+        }
+        // A journal of another ring's shape is no record.
+        let j = Journal::open(&path, record_len::<Proto>(PAGE_SIZE)).expect("journal");
+        j.store(8, 16).expect("slots");
+        assert_eq!(Recorder::<Rsp>::last(&j, 256), None);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    fn b_take(b: &mut Back) -> u16 {
+        b.take_request().expect("valid").expect("one").id
     }
 
     /// Answers each id and publishes the answers.

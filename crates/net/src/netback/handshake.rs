@@ -144,12 +144,15 @@ impl<X: Xen> Drop for Taken<'_, X> {
 impl<'a, X: Xen> Taken<'a, X> {
     /// Maps both ring pages at `slot_base` and `slot_base + 1` and attaches the rings in
     /// `layout`; gives back whatever was mapped if either fails.
+    /// With `resume`, the rings are taken over where a dead back end left them
+    /// ([`BackRing::resume`], with the journals it recorded in), not attached afresh.
     fn map_rings(
         xen: &'a X,
         fe: DomId,
         fdir: &str,
         n: &Negotiated,
         slot_base: u32,
+        resume: Option<Option<Journals>>,
     ) -> Result<Self, XenbusError> {
         let op = |gref, slot| MapOp {
             dom: fe,
@@ -183,9 +186,17 @@ impl<'a, X: Xen> Taken<'a, X> {
         };
         let page = |slot| xen.domain().window().page(slot).ok();
         let ring = |slot| page(slot).and_then(|p| PageRing::with_layout(p, n.layout).ok());
-        taken.rings = ring(slot_base)
-            .and_then(|p| BackRing::<TxRing, _>::attach(p).ok())
-            .zip(ring(slot_base + 1).and_then(|p| BackRing::<RxRing, _>::attach(p).ok()));
+        let (tx, rx) = (ring(slot_base), ring(slot_base + 1));
+        taken.rings = match resume {
+            None => tx
+                .and_then(|p| BackRing::<TxRing, _>::attach(p).ok())
+                .zip(rx.and_then(|p| BackRing::<RxRing, _>::attach(p).ok())),
+            Some(j) => {
+                let (tj, rj) = j.map(|j| (j.tx, j.rx)).unzip();
+                tx.and_then(|p| BackRing::<TxRing, _>::resume(p, tj).ok())
+                    .zip(rx.and_then(|p| BackRing::<RxRing, _>::resume(p, rj).ok()))
+            }
+        };
         if taken.rings.is_none() {
             return Err(XenbusError::BadKey(format!("{fdir}/*-ring-ref")));
         }
@@ -249,7 +260,7 @@ impl<X: Xen> Vif<X> {
         let fdir = xenbus::frontend_dir(fe, handle);
         let bdir = xenbus::backend_dir(be, fe, handle);
         let n = Negotiated::read(store, be, &fdir, &bdir)?;
-        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base)?;
+        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, None)?;
         taken.port = Some(
             xen.evtchn_bind_interdomain(fe, Port(n.evtchn))
                 .map_err(|e| XenbusError::BadKey(format!("{fdir}/event-channel: {e}")))?,
@@ -285,6 +296,70 @@ impl<X: Xen> Vif<X> {
             ctrl,
             base.map(GuestCopy::new),
         ))
+    }
+
+    /// Takes over a vif another back end served and left (its process died, or stopped
+    /// to hand it over, [`Vif::hand_over`]), with both ends still `Connected` and the
+    /// store untouched: the front end sees nothing but a pause. Reads the front end's
+    /// keys as [`Vif::connect`] does, maps both rings again and carries each on from its
+    /// last response ([`BackRing::resume`], with `journals`, the ones the dead back end
+    /// recorded in, [`Vif::record_in`]): every TX request after it is taken again (a
+    /// packet the dead one sent and had not answered goes out twice, as a retransmission
+    /// might; none is lost), every RX buffer after it is filled again, and each is
+    /// answered once. Binds the channel again and notifies the front end once, in case
+    /// it waits on a notification the dead one never sent. Only a vif served in copy
+    /// mode ([`Vif::set_tx_copy`]) answers in the order it takes requests, so only one
+    /// without grant reuse, guest copy or machine frames can be taken over.
+    pub fn resume(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        index: u16,
+        slot_base: u32,
+        journals: Option<Journals>,
+    ) -> Result<Self, XenbusError> {
+        let (store, be) = (xen.store(), xen.id());
+        let fdir = xenbus::frontend_dir(fe, handle);
+        let bdir = xenbus::backend_dir(be, fe, handle);
+        let (fst, bst) = (store.xenbus_state(be, &fdir), store.xenbus_state(be, &bdir));
+        if fst != XenbusState::Connected {
+            return Err(XenbusError::PeerState(fst));
+        }
+        if bst != XenbusState::Connected {
+            return Err(XenbusError::BadKey(format!("{bdir}/state: {bst:?}")));
+        }
+        let n = Negotiated::read(store, be, &fdir, &bdir)?;
+        if n.guest_copy || n.grant_reuse || n.machine_frames {
+            return Err(XenbusError::BadKey(format!(
+                "{fdir}: a vif with grant reuse, guest copy or machine frames is not taken over"
+            )));
+        }
+        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, Some(journals))?;
+        taken.port = Some(
+            xen.evtchn_bind_interdomain(fe, Port(n.evtchn))
+                .map_err(|e| XenbusError::BadKey(format!("{fdir}/event-channel: {e}")))?,
+        );
+        let (tx, rx, ring_handles, port, ctrl) = taken.keep();
+        let mut v = Self::connected(
+            xen,
+            fe,
+            handle,
+            index,
+            slot_base,
+            &n,
+            (tx, rx, ring_handles, port),
+            ctrl,
+            None,
+        );
+        v.tx_copy = true;
+        // What the dead one recorded and did not publish goes to the front end now, and
+        // one notification whatever the front end asked for.
+        v.stats.resumed += 1;
+        v.stats.resume_replayed = u64::from(v.tx.replayed() + v.rx.replayed());
+        v.tx.push_responses_and_check_notify();
+        v.rx.push_responses_and_check_notify();
+        v.notify();
+        Ok(v)
     }
 
     /// The vif, connected: its rings, handles and channel as the handshake took them,

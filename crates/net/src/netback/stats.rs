@@ -83,6 +83,12 @@ pub struct VifStats {
     /// Offloads: packets that could not be segmented or checksummed here (bad headers,
     /// no buffer), dropped.
     pub rx_offload_drops: u64,
+    /// Times this vif was taken over from a back end that left it `Connected`
+    /// ([`Vif::resume`]).
+    pub resumed: u64,
+    /// Responses the back end before wrote and had not published, written again from
+    /// its journals and published when this one took the vif over.
+    pub resume_replayed: u64,
 }
 
 hv::counter_set!(VifStats {
@@ -117,7 +123,9 @@ hv::counter_set!(VifStats {
     rx_gso_segmented,
     rx_gso_segments,
     rx_csum_filled,
-    rx_offload_drops
+    rx_offload_drops,
+    resumed,
+    resume_replayed
 });
 
 impl VifStats {
