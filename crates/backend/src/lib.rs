@@ -130,22 +130,29 @@ struct BlkDev {
     index: u16,
     /// Found Connected both ends: taken over, not connected afresh.
     resume: bool,
-    back: Option<Blkback<X>>,
-    signalled: bool,
+    /// Its queues, connected (none while not).
+    queues: Vec<BlkQueue>,
     seen: bool,
+}
+
+/// One of a vbd's queues: its ring and channel, and whether it was signalled.
+struct BlkQueue {
+    back: Blkback<X>,
+    signalled: bool,
 }
 
 /// How often `--metrics` rewrites its file.
 pub const METRICS_EVERY: Duration = Duration::from_secs(5);
 
-/// Appends one device's counters to `out` in Prometheus' text format:
-/// `pvio_backend_<kind>_<counter>{domid="<guest>",devid="<device>"} <value>`, every
+/// Appends one device's (or one queue's) counters to `out` in Prometheus' text format:
+/// `pvio_backend_<kind>_<counter>{domid="<guest>",devid="<device>"[,queue="<n>"]} <value>`, every
 /// counter of its set, zero or not, so that a scraper sees each from the first write.
 pub fn metrics_lines(
     out: &mut String,
     kind: &str,
     fe: DomId,
     devid: u32,
+    queue: Option<u32>,
     set: &impl hv::counters::CounterSet,
 ) {
     set.visit(&mut |name, v| {
@@ -159,6 +166,9 @@ pub fn metrics_lines(
             "pvio_backend_{kind}_{name}{{domid=\"{}\",devid=\"{devid}\"",
             fe.0
         );
+        if let Some(q) = queue {
+            let _ = write!(out, ",queue=\"{q}\"");
+        }
         if let Some(r) = reason {
             let _ = write!(out, ",reason=\"{r}\"");
         }
@@ -237,7 +247,8 @@ struct Backend {
 /// Runs until `stop` is set or the store connection fails.
 pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     let me = DomId(opts.domid);
-    let slots = MAX_VIFS as u32 * VIF_WINDOW_SLOTS + MAX_VBDS as u32 * VBD_WINDOW_SLOTS;
+    let slots = MAX_VIFS as u32 * VIF_WINDOW_SLOTS
+        + MAX_VBDS as u32 * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
     let xen = Arc::new(Dom0::open(Dom0Config {
         id: me,
         pages: POOL_PAGES as u32 + BUFFERS as u32 + 64,
@@ -321,13 +332,16 @@ impl Backend {
             let n = self.xen.evtchn().pending(&mut ports)?;
             for &p in &ports[..n] {
                 for d in self.vifs.values_mut() {
-                    if d.vif.as_ref().is_some_and(|v| v.port().0 == p) {
+                    if d.vif
+                        .as_ref()
+                        .is_some_and(|v| v.port().0 == p || v.rx_port().is_some_and(|r| r.0 == p))
+                    {
                         d.signalled = true;
                     }
                 }
-                for d in self.vbds.values_mut() {
-                    if d.back.as_ref().is_some_and(|v| v.port().0 == p) {
-                        d.signalled = true;
+                for q in self.vbds.values_mut().flat_map(|d| d.queues.iter_mut()) {
+                    if q.back.port().0 == p {
+                        q.signalled = true;
                     }
                 }
                 self.xen.evtchn().unmask(p)?;
@@ -400,15 +414,13 @@ impl Backend {
             }
             tokens.clear();
         }
-        for d in vbds.values_mut() {
-            if let Some(back) = d.back.as_mut() {
-                if std::mem::take(&mut d.signalled) {
-                    busy |= back.serve() > 0;
-                    // Stopped at its budget: served again at the next pass, after the
-                    // other devices.
-                    d.signalled = back.pending();
-                    busy |= d.signalled;
-                }
+        for q in vbds.values_mut().flat_map(|d| d.queues.iter_mut()) {
+            if std::mem::take(&mut q.signalled) {
+                busy |= q.back.serve() > 0;
+                // Stopped at its budget: served again at the next pass, after the other
+                // queues and devices.
+                q.signalled = q.back.pending();
+                busy |= q.signalled;
             }
         }
         busy
@@ -629,26 +641,31 @@ impl Backend {
                 devid,
                 index,
                 resume,
-                back: None,
-                signalled: false,
+                queues: Vec::new(),
                 seen: true,
             },
         );
         true
     }
 
-    /// The disk a vbd's directory names (`params`, written by the toolstack; `mode` r
-    /// opens it read-only).
+    /// The disk a vbd's directory names: the block device the toolstack's hotplug
+    /// script resolved (`physical-device`, as Linux's blkback opens it: a `phy:` disk, or
+    /// the loop device the `block` script set up for a file), else `params` (a file or a
+    /// device); `mode` r opens it read-only.
     fn open_disk(&self, fe: DomId, devid: u32) -> Result<FileDisk, String> {
         let bdir = blk::xenbus::backend_dir(self.me, fe, devid);
         let store = self.xen.store();
-        let params = store
-            .read(self.me, &format!("{bdir}/params"))
-            .map_err(|e| format!("no params: {e}"))?;
+        let path = match store.read(self.me, &format!("{bdir}/physical-device")) {
+            Ok(v) => physical_device_path(&v)
+                .ok_or_else(|| format!("physical-device {v:?} is not major:minor in hex"))?,
+            Err(_) => store
+                .read(self.me, &format!("{bdir}/params"))
+                .map_err(|e| format!("no params: {e}"))?,
+        };
         let ro = store
             .read(self.me, &format!("{bdir}/mode"))
             .is_ok_and(|m| m == "r");
-        FileDisk::open(std::path::Path::new(&params), ro).map_err(|e| format!("{params}: {e}"))
+        FileDisk::open(std::path::Path::new(&path), ro).map_err(|e| format!("{path}: {e}"))
     }
 
     fn step_vif(&mut self, key: (u16, u32)) {
@@ -785,19 +802,21 @@ impl Backend {
 
     fn step_vbd(&mut self, key: (u16, u32)) {
         let Some(d) = self.vbds.get(&key) else { return };
-        let (me, fe, devid, index, seen, resume) =
-            (self.me, d.fe, d.devid, d.index, d.seen, d.resume);
+        let (me, fe, devid, seen, resume) = (self.me, d.fe, d.devid, d.seen, d.resume);
         let bdir = blk::xenbus::backend_dir(me, fe, devid);
         let fdir = blk::xenbus::frontend_dir(fe, devid);
         let fstate = self.xen.store().xenbus_state(me, &fdir);
         let bstate = self.xen.store().xenbus_state(me, &bdir);
-        let connected = d.back.is_some();
+        let connected = !d.queues.is_empty();
         if !seen {
-            if let Some(b) = self.vbds.get_mut(&key).and_then(|d| d.back.take()) {
-                b.disconnect();
+            if let Some(d) = self.vbds.remove(&key) {
+                for q in d.queues {
+                    q.back.disconnect();
+                }
             }
-            self.vbds.remove(&key);
-            let _ = std::fs::remove_file(journal_path(fe, devid));
+            for q in 0..blkback::MAX_QUEUES {
+                let _ = std::fs::remove_file(journal_path(fe, devid, q));
+            }
             self.log
                 .line(&format!("vbd {}/{devid}: directory gone", fe.0));
             return;
@@ -805,66 +824,7 @@ impl Backend {
         let fresh = bstate == XenbusState::InitWait
             && matches!(fstate, XenbusState::Initialised | XenbusState::Connected);
         if !connected && (fresh || resume) {
-            let slot_base =
-                MAX_VIFS as u32 * VIF_WINDOW_SLOTS + u32::from(index) * VBD_WINDOW_SLOTS;
-            let xen = Arc::clone(&self.xen);
-            let jpath = journal_path(fe, devid);
-            let r = self.open_disk(fe, devid).and_then(|disk| {
-                let journal = mem::journal::Journal::open(&jpath, blkback::JOURNAL_LEN);
-                if resume {
-                    // The journal the back end before recorded in, if it left one.
-                    Blkback::resume(xen, fe, devid, slot_base, disk, journal.ok())
-                        .map_err(|e| e.to_string())
-                } else {
-                    let mut b = Blkback::connect(xen, fe, devid, slot_base, disk)
-                        .map_err(|e| e.to_string())?;
-                    if !journal.is_ok_and(|j| b.set_journal(j)) {
-                        self.log.line(&format!(
-                            "vbd {}/{devid}: no journal at {}: a restart will not resume it",
-                            fe.0,
-                            jpath.display()
-                        ));
-                    }
-                    Ok(b)
-                }
-            });
-            match r {
-                Ok(b) => {
-                    if resume {
-                        self.log.line(&format!(
-                            "vbd {}/{devid}: responses replayed from the journal: {}",
-                            fe.0,
-                            b.replayed()
-                        ));
-                    }
-                    let line = format!(
-                        "vbd {}/{devid}: {}: {}",
-                        fe.0,
-                        if resume { "resumed" } else { "connected" },
-                        negotiated(self.xen.store(), me, &fdir)
-                    );
-                    if let Some(d) = self.vbds.get_mut(&key) {
-                        d.back = Some(b);
-                        d.signalled = true;
-                        d.resume = false;
-                    }
-                    self.counts.connected += 1;
-                    self.counts.resumed += u64::from(resume);
-                    self.log.line(&line);
-                }
-                Err(e) => {
-                    self.counts.connect_errors += 1;
-                    self.log
-                        .line(&format!("vbd {}/{devid}: connect refused: {e}", fe.0));
-                    if let Some(d) = self.vbds.get_mut(&key) {
-                        d.resume = false;
-                    }
-                    let _ = self
-                        .xen
-                        .store()
-                        .switch_state(me, &bdir, XenbusState::Closing);
-                }
-            }
+            self.connect_vbd(key, resume);
             return;
         }
         let closing = matches!(
@@ -874,17 +834,21 @@ impl Backend {
         let broken = self
             .vbds
             .get(&key)
-            .and_then(|d| d.back.as_ref())
-            .and_then(|b| b.broken());
+            .and_then(|d| d.queues.iter().find_map(|q| q.back.broken()));
         if connected && (closing || broken.is_some()) {
             if broken.is_some() {
                 self.counts.broken += 1;
             }
-            if let Some(b) = self.vbds.get_mut(&key).and_then(|d| d.back.take()) {
-                let stats = b.stats().clone();
-                b.disconnect();
+            let queues = self
+                .vbds
+                .get_mut(&key)
+                .map(|d| std::mem::take(&mut d.queues))
+                .unwrap_or_default();
+            for (n, q) in queues.into_iter().enumerate() {
+                let stats = q.back.stats().clone();
+                q.back.disconnect();
                 self.log.line(&format!(
-                    "vbd {}/{devid}: disconnected ({broken:?}, front end {fstate:?}); {stats:?}",
+                    "vbd {}/{devid}: queue {n} disconnected ({broken:?}, front end {fstate:?}); {stats:?}",
                     fe.0
                 ));
             }
@@ -904,6 +868,81 @@ impl Backend {
         }
     }
 
+    /// Connects every queue of a vbd whose front end is ready, or takes them over where
+    /// the back end before left them (`resume`), each queue recording in its journal.
+    fn connect_vbd(&mut self, key: (u16, u32), resume: bool) {
+        let Some(d) = self.vbds.get(&key) else { return };
+        let (me, fe, devid, index) = (self.me, d.fe, d.devid, d.index);
+        let (bdir, fdir) = (
+            blk::xenbus::backend_dir(me, fe, devid),
+            blk::xenbus::frontend_dir(fe, devid),
+        );
+        let slot_base = MAX_VIFS as u32 * VIF_WINDOW_SLOTS
+            + u32::from(index) * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
+        let journal = |q: u32| {
+            mem::journal::Journal::open(&journal_path(fe, devid, q), blkback::JOURNAL_LEN).ok()
+        };
+        let xen = Arc::clone(&self.xen);
+        // The journals the back end before recorded in, if it left them.
+        let journals = resume.then(|| (0..blkback::MAX_QUEUES).map(journal).collect());
+        let r = self.open_disk(fe, devid).and_then(|disk| {
+            Blkback::connect_queues(xen, fe, devid, slot_base, disk, journals)
+                .map_err(|e| e.to_string())
+        });
+        let Some(d) = self.vbds.get_mut(&key) else {
+            return;
+        };
+        d.resume = false;
+        match r {
+            Ok(backs) => {
+                let mut unrecorded = 0;
+                let mut replayed = 0;
+                for (q, mut b) in backs.into_iter().enumerate() {
+                    replayed += b.replayed();
+                    if !resume && !journal(q as u32).is_some_and(|j| b.set_journal(j)) {
+                        unrecorded += 1;
+                    }
+                    d.queues.push(BlkQueue {
+                        back: b,
+                        signalled: true,
+                    });
+                }
+                let n = d.queues.len();
+                if resume {
+                    self.log.line(&format!(
+                        "vbd {}/{devid}: responses replayed from the journals: {replayed}",
+                        fe.0
+                    ));
+                }
+                if unrecorded > 0 {
+                    self.log.line(&format!(
+                        "vbd {}/{devid}: {unrecorded} queue(s) without a journal under {JOURNAL_DIR}: a restart will not take them over",
+                        fe.0
+                    ));
+                }
+                self.counts.connected += 1;
+                self.counts.resumed += u64::from(resume);
+                let line = format!(
+                    "vbd {}/{devid}: {} ({n} queue{}): {}",
+                    fe.0,
+                    if resume { "resumed" } else { "connected" },
+                    if n == 1 { "" } else { "s" },
+                    negotiated(self.xen.store(), me, &fdir)
+                );
+                self.log.line(&line);
+            }
+            Err(e) => {
+                self.counts.connect_errors += 1;
+                self.log
+                    .line(&format!("vbd {}/{devid}: connect refused: {e}", fe.0));
+                let _ = self
+                    .xen
+                    .store()
+                    .switch_state(me, &bdir, XenbusState::Closing);
+            }
+        }
+    }
+
     /// Rewrites the metrics file (a new file renamed over the old, so a scraper never
     /// reads half of one) if `--metrics` asked and [`METRICS_EVERY`] has passed.
     fn write_metrics(&mut self) {
@@ -917,12 +956,19 @@ impl Backend {
         let mut text = String::new();
         for d in self.vifs.values() {
             if let Some(v) = d.vif.as_ref() {
-                metrics_lines(&mut text, "vif", d.fe, d.handle, v.stats());
+                metrics_lines(&mut text, "vif", d.fe, d.handle, None, v.stats());
             }
         }
         for d in self.vbds.values() {
-            if let Some(b) = d.back.as_ref() {
-                metrics_lines(&mut text, "vbd", d.fe, d.devid, b.stats());
+            for (n, q) in d.queues.iter().enumerate() {
+                metrics_lines(
+                    &mut text,
+                    "vbd",
+                    d.fe,
+                    d.devid,
+                    Some(n as u32),
+                    q.back.stats(),
+                );
             }
         }
         let tmp = path.with_extension("tmp");
@@ -952,16 +998,19 @@ impl Backend {
                     .line(&format!("vif {fe}/{handle}: handed over ({})", d.ifname));
             }
         }
-        for ((fe, devid), mut d) in std::mem::take(&mut self.vbds) {
-            let Some(b) = d.back.take() else {
-                continue;
-            };
-            if close {
-                b.disconnect();
-            } else {
-                // Left `Connected` at both ends, for the next back end to resume.
-                b.hand_over();
-                self.log.line(&format!("vbd {}/{devid}: handed over", fe));
+        for ((fe, devid), d) in std::mem::take(&mut self.vbds) {
+            let n = d.queues.len();
+            for q in d.queues {
+                if close {
+                    q.back.disconnect();
+                } else {
+                    // Left `Connected` at both ends, for the next back end to resume.
+                    q.back.hand_over();
+                }
+            }
+            if n > 0 && !close {
+                self.log
+                    .line(&format!("vbd {fe}/{devid}: handed over ({n} queues)"));
             }
         }
         let stopped = format!(
@@ -1001,16 +1050,34 @@ pub fn check_names(
     Ok(())
 }
 
+/// The device node of a hotplug script's `physical-device` (`major:minor`, each in hex,
+/// as Linux's blkback reads it): `/dev/block/<major>:<minor>` in decimal, udev's name.
+pub fn physical_device_path(v: &str) -> Option<String> {
+    let (maj, min) = v.split_once(':')?;
+    let hex = |s: &str, max: u32| {
+        (!s.is_empty() && s.len() <= 5 && s.bytes().all(|c| c.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(s, 16).ok())
+            .flatten()
+            .filter(|n| *n <= max)
+    };
+    // Linux's dev_t: 12 bits of major, 20 of minor.
+    Some(format!(
+        "/dev/block/{}:{}",
+        hex(maj, 0xfff)?,
+        hex(min, 0xf_ffff)?
+    ))
+}
+
 /// Where the journals live: in memory (`/run` is a tmpfs), kept across this process's
 /// restarts and gone at the host's.
 const JOURNAL_DIR: &str = "/run/pvio/backend";
 
-/// Where a vbd's back end records its responses before writing them, for the back
-/// end started after this one.
-fn journal_path(fe: DomId, devid: u32) -> std::path::PathBuf {
+/// Where a vbd's queue's back end records its responses before writing them, for the
+/// back end started after this one.
+fn journal_path(fe: DomId, devid: u32, queue: u32) -> std::path::PathBuf {
     let dir = std::path::Path::new(JOURNAL_DIR);
     let _ = std::fs::create_dir_all(dir);
-    dir.join(format!("vbd-{}-{devid}", fe.0))
+    dir.join(format!("vbd-{}-{devid}-q{queue}", fe.0))
 }
 
 /// A vif's two journals' paths (TX, RX).
@@ -1088,8 +1155,8 @@ mod tests {
         }
     }
 
-    /// Each counter of a device's set is one line, labelled with its guest and device,
-    /// a per-reason counter's reason a label of its own, zero counters included.
+    /// Each counter of a device's set is one line, labelled with its guest, device and
+    /// queue, a per-reason counter's reason a label of its own, zero counters included.
     #[test]
     fn metrics_are_one_labelled_line_per_counter() {
         let stats = blk::blkback::VbdStats {
@@ -1097,14 +1164,14 @@ mod tests {
             ..Default::default()
         };
         let mut text = String::new();
-        metrics_lines(&mut text, "vbd", DomId(5), 51712, &stats);
+        metrics_lines(&mut text, "vbd", DomId(5), 51712, Some(1), &stats);
         assert!(
             text.lines()
-                .any(|l| l == r#"pvio_backend_vbd_taken{domid="5",devid="51712"} 7"#),
+                .any(|l| l == r#"pvio_backend_vbd_taken{domid="5",devid="51712",queue="1"} 7"#),
             "{text}"
         );
         assert!(text.lines().all(|l| l.starts_with("pvio_backend_vbd_")
-            && l.contains(r#"domid="5",devid="51712""#)
+            && l.contains(r#"domid="5",devid="51712",queue="1""#)
             && l.rsplit(' ')
                 .next()
                 .is_some_and(|v| v.parse::<u64>().is_ok())));
@@ -1134,6 +1201,23 @@ mod tests {
         assert_eq!(text.matches("log limit").count(), 1);
         assert_eq!(kept as u64 + log.dropped, 10_000);
         assert!(kept > 0 && log.dropped > 0);
+    }
+
+    #[test]
+    fn a_physical_device_is_read_as_hex_major_minor_and_anything_else_refused() {
+        assert_eq!(
+            physical_device_path("7:0").as_deref(),
+            Some("/dev/block/7:0")
+        );
+        assert_eq!(
+            physical_device_path("fd:1a").as_deref(),
+            Some("/dev/block/253:26")
+        );
+        for bad in [
+            "", "7", "7:", ":0", "7:0:0", "g:0", "-1:0", "1000:0", "7:100000", " 7:0", "7:0/../x",
+        ] {
+            assert_eq!(physical_device_path(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ use hv::store::xenbus::{self as netbus, XenbusError};
 use hv::store::{XenStore, XenbusState};
 use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, MapOp, Port, Pvio, Xen};
 use mem::MappedPage;
-use ring::{BackRing, PageRing, RingError};
+use ring::{BackRing, PagesRing, RingError, MAX_RING_PAGES};
 
 use crate::aoe::BadFrame;
 use crate::blkif::{
@@ -50,8 +50,16 @@ use crate::xenbus::{self, Offered};
 pub const MAX_INDIRECT_SEGMENTS: u16 = 256;
 /// Grants a device keeps mapped persistently (Linux's default `max_persistent_grants`).
 pub const PERSISTENT_MAX: usize = 1056;
-/// Requests on the ring (a one-page blkif ring).
+/// Requests on a one-page blkif ring: what one pass takes at most.
 pub const RING_REQUESTS: usize = 32;
+/// The largest ring a file's back end offers (`max-ring-page-order`): 2^4 pages, 512
+/// requests, as Linux's blkback. A remote disk's keeps one page: each request in flight
+/// there holds slots of its own.
+pub const MAX_RING_PAGE_ORDER: u32 = 4;
+/// Queues a file's back end takes (`multi-queue-max-queues`, Linux's blkback's default):
+/// each its own ring, channel, journal and persistent grants, over the one disk, each
+/// at [`VBD_WINDOW_SLOTS`] window slots of its own. A remote disk's takes one.
+pub const MAX_QUEUES: u32 = 4;
 
 /// Requests one [`Blkback::serve`] takes at most before it returns, two rings' worth: a
 /// guest that posts as fast as it is answered holds its back end for a bounded time, and
@@ -76,14 +84,14 @@ const SEG_SLOTS: u32 = {
 
 /// A device's window slots from its base: the ring, the indirect pages, the segments
 /// mapped for requests, the persistent grants.
-const RING_SLOT: u32 = 0;
-const INDIRECT_SLOT0: u32 = 1;
+const RING_SLOT0: u32 = 0;
+const INDIRECT_SLOT0: u32 = RING_SLOT0 + MAX_RING_PAGES as u32;
 const SEG_SLOT0: u32 = INDIRECT_SLOT0 + BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST as u32;
 const PERSISTENT_SLOT0: u32 = SEG_SLOT0 + SEG_SLOTS;
 /// Window slots one device needs.
 pub const VBD_WINDOW_SLOTS: u32 = PERSISTENT_SLOT0 + PERSISTENT_MAX as u32;
 
-type Back = BackRing<BlkRing, PageRing<MappedPage>>;
+type Back = BackRing<BlkRing, PagesRing<MappedPage>>;
 
 /// Why a device stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -348,7 +356,8 @@ pub struct Blkback<X: Xen = Pvio> {
     devid: u32,
     port: Port,
     ring: Option<Back>,
-    ring_handle: GrantHandle,
+    /// The ring's pages' mappings.
+    ring_handles: Vec<GrantHandle>,
     slot_base: u32,
     store: Store,
     offer: Offered,
@@ -369,14 +378,11 @@ pub struct Blkback<X: Xen = Pvio> {
     broken: Option<Broken>,
 }
 
-/// Bytes of a vbd's journal ([`Blkback::set_journal`]): the record of a one-page ring.
-pub const JOURNAL_LEN: usize = ring::record_len::<BlkRing>(mem::PAGE_SIZE);
+/// Bytes of a vbd's journal ([`Blkback::set_journal`]): the record of the largest ring.
+pub const JOURNAL_LEN: usize = ring::record_len::<BlkRing>(MAX_RING_PAGES * mem::PAGE_SIZE);
 
 /// Writes `rsp` into the ring (staged, if the ring records its responses).
-fn answer(
-    ring: &mut Option<BackRing<BlkRing, PageRing<MappedPage>>>,
-    rsp: &Response,
-) -> Result<(), RingError> {
+fn answer(ring: &mut Option<Back>, rsp: &Response) -> Result<(), RingError> {
     match ring.as_mut() {
         Some(ring) => ring.push_response(rsp),
         None => Ok(()),
@@ -407,6 +413,9 @@ pub fn probe(
                 max_indirect_segments: MAX_INDIRECT_SEGMENTS,
             },
             persistent,
+            physical_sector_size: disk.physical_sector_size(),
+            max_ring_page_order: MAX_RING_PAGE_ORDER,
+            max_queues: MAX_QUEUES,
         },
     )
 }
@@ -435,8 +444,76 @@ pub fn probe_remote(
                 max_indirect_segments: REMOTE_MAX_SEGMENTS,
             },
             persistent,
+            physical_sector_size: SECTOR_SIZE as u32,
+            max_ring_page_order: 0,
+            max_queues: 1,
         },
     )
+}
+
+/// Where one of a device's queues lives: which (`None`: the device's only ring, its keys
+/// at the top of the front end's directory), its window slots, and whether connecting it
+/// announces the device (`Connected`).
+#[derive(Debug, Clone, Copy)]
+struct QueueAt {
+    queue: Option<u32>,
+    slot_base: u32,
+    announce: bool,
+}
+
+impl QueueAt {
+    /// The device's only ring, at `slot_base`, announced when connected.
+    fn only(slot_base: u32) -> Self {
+        Self {
+            queue: None,
+            slot_base,
+            announce: true,
+        }
+    }
+}
+
+/// The queues the front end set up: `multi-queue-num-queues` (from 1 to the `max` this
+/// end offered), or `None` if it did not write it (one ring, its keys at the top).
+pub fn front_queues(
+    store: &impl XenStore,
+    be: DomId,
+    fdir: &str,
+    max: u32,
+) -> Result<Option<u32>, XenbusError> {
+    let key = format!("{fdir}/{}", xenbus::MULTI_QUEUE_NUM_QUEUES);
+    if store.read(be, &key).is_err() {
+        return Ok(None);
+    }
+    match netbus::read_u32(store, be, &key)? {
+        n @ 1.. if n <= max => Ok(Some(n)),
+        _ => Err(XenbusError::BadKey(key)),
+    }
+}
+
+/// The grant references of the front end's ring pages: `ring-ref`, or, if it wrote
+/// `ring-page-order` (at most the `max` this end offered), `ring-ref0` to
+/// `ring-ref<2^order - 1>`.
+fn ring_refs(
+    store: &impl XenStore,
+    be: DomId,
+    fdir: &str,
+    max: u32,
+) -> Result<Vec<u32>, XenbusError> {
+    let order_key = format!("{fdir}/ring-page-order");
+    if store.read(be, &order_key).is_err() {
+        return Ok(vec![netbus::read_u32(
+            store,
+            be,
+            &format!("{fdir}/ring-ref"),
+        )?]);
+    }
+    let order = netbus::read_u32(store, be, &order_key)?;
+    if order > max {
+        return Err(XenbusError::BadKey(order_key));
+    }
+    (0..1u32 << order)
+        .map(|i| netbus::read_u32(store, be, &format!("{fdir}/ring-ref{i}")))
+        .collect()
 }
 
 /// Writes what the back end offers into its directory and moves to `InitWait`. The
@@ -455,13 +532,27 @@ fn publish(
     let ro = mode_ro || o.offer.read_only;
     let info = if ro { xenbus::VDISK_READONLY } else { 0 };
     let flag = |b: bool| if b { "1" } else { "0" }.to_string();
+    // The toolstack's `discard-enable` (xl's `discard`/`no-discard`) can only take the
+    // feature away.
+    let discard = o.offer.discard
+        && store
+            .read(be, &format!("{dir}/{}", xenbus::DISCARD_ENABLE))
+            .map_or(true, |v| v != "0");
     for (k, v) in [
         ("sectors", o.offer.sectors.to_string()),
         ("sector-size", SECTOR_SIZE.to_string()),
         ("info", info.to_string()),
         (xenbus::FEATURE_FLUSH, flag(o.offer.flush)),
-        (xenbus::FEATURE_DISCARD, flag(o.offer.discard)),
+        ("physical-sector-size", o.physical_sector_size.to_string()),
+        (
+            xenbus::MAX_RING_PAGE_ORDER,
+            o.max_ring_page_order.to_string(),
+        ),
+        (xenbus::MULTI_QUEUE_MAX_QUEUES, o.max_queues.to_string()),
+        (xenbus::FEATURE_DISCARD, flag(discard)),
         ("discard-granularity", SECTOR_SIZE.to_string()),
+        ("discard-alignment", "0".to_string()),
+        ("discard-secure", "0".to_string()),
         (xenbus::FEATURE_PERSISTENT, flag(o.persistent)),
         (
             xenbus::FEATURE_MAX_INDIRECT,
@@ -486,7 +577,75 @@ impl<X: Xen> Blkback<X> {
         slot_base: u32,
         disk: FileDisk,
     ) -> Result<Self, XenbusError> {
-        Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), None)
+        Self::connect_store(
+            xen,
+            fe,
+            devid,
+            QueueAt::only(slot_base),
+            Store::File(disk),
+            None,
+        )
+    }
+
+    /// Connects every queue the front end set up ([`front_queues`]: each ring and
+    /// channel under `queue-<n>/`, or the one at the top), queue `n` at window slots
+    /// from `slot_base + n * VBD_WINDOW_SLOTS`, each over its own handle on `disk`; then
+    /// moves to `Connected`, once. With `resume` (a journal per queue, or none), takes
+    /// each queue over instead ([`Blkback::resume`]). A queue that fails gives back what
+    /// the ones before it took, and the device is not connected.
+    pub fn connect_queues(
+        xen: X,
+        fe: DomId,
+        devid: u32,
+        slot_base: u32,
+        disk: FileDisk,
+        resume: Option<Vec<Option<mem::journal::Journal>>>,
+    ) -> Result<Vec<Self>, XenbusError>
+    where
+        X: Clone,
+    {
+        let (store, be) = (xen.store(), xen.id());
+        let fdir = xenbus::frontend_dir(fe, devid);
+        let bdir = xenbus::backend_dir(be, fe, devid);
+        let offer = Offered::read(store, be, &bdir)?;
+        let queues = front_queues(store, be, &fdir, offer.max_queues)?;
+        let mut journals = resume.map(|v| v.into_iter());
+        let mut done: Vec<Self> = Vec::new();
+        for q in 0..queues.unwrap_or(1) {
+            let at = QueueAt {
+                queue: queues.map(|_| q),
+                slot_base: slot_base + q * VBD_WINDOW_SLOTS,
+                announce: false,
+            };
+            let r = disk
+                .try_clone()
+                .map_err(|e| XenbusError::BadKey(format!("{bdir}: {e}")));
+            let journal = journals.as_mut().map(|j| j.next().flatten());
+            match r.and_then(|d| {
+                Self::connect_store(xen.clone(), fe, devid, at, Store::File(d), journal)
+            }) {
+                Ok(b) => done.push(b),
+                Err(e) => {
+                    for b in done {
+                        b.abandon();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if journals.is_some() {
+            for b in &mut done {
+                // What the dead one wrote and did not publish goes to the front end now.
+                b.flush_responses();
+            }
+        }
+        if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
+            for b in done {
+                b.abandon();
+            }
+            return Err(e.into());
+        }
+        Ok(done)
     }
 
     /// Takes over a device another back end served and left without closing (its
@@ -509,8 +668,14 @@ impl<X: Xen> Blkback<X> {
         disk: FileDisk,
         journal: Option<mem::journal::Journal>,
     ) -> Result<Self, XenbusError> {
-        let mut b =
-            Self::connect_store(xen, fe, devid, slot_base, Store::File(disk), Some(journal))?;
+        let mut b = Self::connect_store(
+            xen,
+            fe,
+            devid,
+            QueueAt::only(slot_base),
+            Store::File(disk),
+            Some(journal),
+        )?;
         // What the dead one wrote and did not publish goes to the front end now.
         b.flush_responses();
         Ok(b)
@@ -565,7 +730,7 @@ impl<X: Xen> Blkback<X> {
             xen,
             fe,
             devid,
-            slot_base,
+            QueueAt::only(slot_base),
             Store::Remote(Box::new(remote)),
             None,
         )
@@ -575,7 +740,7 @@ impl<X: Xen> Blkback<X> {
         xen: X,
         fe: DomId,
         devid: u32,
-        slot_base: u32,
+        at: QueueAt,
         backing: Store,
         // Taking over a ring a dead back end left, with the journal it recorded in.
         resume: Option<Option<mem::journal::Journal>>,
@@ -600,30 +765,42 @@ impl<X: Xen> Blkback<X> {
             Err(_) => {}
             Ok(_) => return Err(XenbusError::BadKey(format!("{fdir}/protocol"))),
         }
-        let ring_ref = netbus::read_u32(store, be, &format!("{fdir}/ring-ref"))?;
-        let evtchn = netbus::read_u32(store, be, &format!("{fdir}/event-channel"))?;
         let offer = Offered::read(store, be, &bdir)?;
+        let slot_base = at.slot_base;
+        // A queue's ring and channel are under `queue-<n>/`; the rest at the top.
+        let qdir = match at.queue {
+            Some(q) => format!("{fdir}/queue-{q}"),
+            None => fdir.clone(),
+        };
+        let refs = ring_refs(store, be, &qdir, offer.max_ring_page_order)?;
+        let evtchn = netbus::read_u32(store, be, &format!("{qdir}/event-channel"))?;
         let persistent =
             offer.persistent && netbus::feature(store, be, &fdir, xenbus::FEATURE_PERSISTENT);
 
-        let slot = slot_base + RING_SLOT;
-        let mut res = [Err(GrantError::BadHandle(0))];
-        xen.grant_map(
-            &[MapOp {
+        let ops: Vec<MapOp> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| MapOp {
                 dom: fe,
-                gref: GrantRef(ring_ref),
+                gref: GrantRef(*r),
                 readonly: false,
-                slot,
-            }],
-            &mut res,
-        );
-        let h = res[0].map_err(|e| XenbusError::BadKey(format!("{fdir}/ring-ref: {e}")))?;
-        let unmap = || xen.grant_unmap(&[h], &mut [Ok(())]);
-        let Some(ring) = dom
-            .window()
-            .page(slot)
-            .ok()
-            .and_then(|p| PageRing::new(p).ok())
+                slot: slot_base + RING_SLOT0 + i as u32,
+            })
+            .collect();
+        let mut res = vec![Err(GrantError::BadHandle(0)); ops.len()];
+        xen.grant_map(&ops, &mut res);
+        let hs: Vec<GrantHandle> = res.iter().filter_map(|r| r.ok()).collect();
+        let unmap = || xen.grant_unmap(&hs, &mut vec![Ok(()); hs.len()]);
+        if let Some(e) = res.iter().find_map(|r| r.err()) {
+            unmap();
+            return Err(XenbusError::BadKey(format!("{fdir}/ring-ref: {e}")));
+        }
+        let pages: Option<Vec<MappedPage>> = ops
+            .iter()
+            .map(|op| dom.window().page(op.slot).ok())
+            .collect();
+        let Some(ring) = pages
+            .and_then(|p| PagesRing::new(p).ok())
             .and_then(|p| match resume {
                 Some(journal) => BackRing::<BlkRing, _>::resume(p, journal).ok(),
                 None => BackRing::<BlkRing, _>::attach(p).ok(),
@@ -640,7 +817,11 @@ impl<X: Xen> Blkback<X> {
                 return Err(XenbusError::BadKey(format!("{fdir}/event-channel: {e}")));
             }
         };
-        if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
+        let announced = match at.announce {
+            true => store.switch_state(be, &bdir, XenbusState::Connected),
+            false => Ok(()),
+        };
+        if let Err(e) = announced {
             drop(ring);
             unmap();
             let _ = xen.evtchn_close(port);
@@ -652,8 +833,9 @@ impl<X: Xen> Blkback<X> {
             fe,
             devid,
             port,
+            batch: Vec::with_capacity(ring.size() as usize),
             ring: Some(ring),
-            ring_handle: h,
+            ring_handles: hs,
             slot_base,
             store: backing,
             offer,
@@ -664,7 +846,6 @@ impl<X: Xen> Blkback<X> {
                     .map(|i| slot_base + PERSISTENT_SLOT0 + i)
                     .collect(),
             }),
-            batch: Vec::with_capacity(RING_REQUESTS),
             budget: SERVE_BUDGET,
             segs: Vec::with_capacity(max_segs),
             at: Vec::with_capacity(max_segs),
@@ -803,6 +984,13 @@ impl<X: Xen> Blkback<X> {
                 return Some(e.status());
             }
         };
+        // A secure discard (erase beyond recovery) is never offered (`discard-secure` is
+        // 0): a hole punched in a file is not one. Refused, as Linux's blkback refuses it
+        // on a device that cannot.
+        if let Request::Discard { secure: true, .. } = req {
+            self.stats.refused.add(crate::blkif::BadRequest::NotOffered);
+            return Some(crate::blkif::BadRequest::NotOffered.status());
+        }
         let r = match req {
             Request::Rw {
                 write,
@@ -1236,7 +1424,9 @@ impl<X: Xen> Blkback<X> {
             self.xen.grant_unmap(&handles, &mut st);
         }
         self.ring = None;
-        self.xen.grant_unmap(&[self.ring_handle], &mut [Ok(())]);
+        let n = self.ring_handles.len();
+        self.xen
+            .grant_unmap(&self.ring_handles, &mut self.unmap_st[..n]);
         let _ = self.xen.evtchn_close(self.port);
     }
 

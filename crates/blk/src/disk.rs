@@ -65,6 +65,8 @@ pub fn write_patterned(path: &Path, sectors: u64) -> io::Result<()> {
 pub struct FileDisk {
     file: File,
     sectors: u64,
+    /// `physical-sector-size`.
+    physical_sector_size: u32,
     read_only: bool,
     /// Zeros for discards, allocated once.
     zeros: Box<[u8]>,
@@ -93,17 +95,36 @@ impl FileDisk {
         use std::io::Seek;
         let mut file = OpenOptions::new().read(true).write(!read_only).open(path)?;
         let sectors = file.seek(io::SeekFrom::End(0))? / SECTOR_SIZE;
+        let physical_sector_size = mem::file::physical_block_size(&file)?;
         Ok(Self {
             file,
             sectors,
+            physical_sector_size,
             read_only,
             zeros: vec![0u8; ZEROS].into_boxed_slice(),
+        })
+    }
+
+    /// Another handle on the same disk (a queue of its own serves through it).
+    pub fn try_clone(&self) -> io::Result<Self> {
+        Ok(Self {
+            file: self.file.try_clone()?,
+            sectors: self.sectors,
+            physical_sector_size: self.physical_sector_size,
+            read_only: self.read_only,
+            zeros: vec![0u8; self.zeros.len()].into_boxed_slice(),
         })
     }
 
     /// The disk's size in sectors.
     pub fn sectors(&self) -> u64 {
         self.sectors
+    }
+
+    /// The unit below which a write costs a read first (`physical-sector-size`): the
+    /// block device's physical block, or the file system's block for a file.
+    pub fn physical_sector_size(&self) -> u32 {
+        self.physical_sector_size
     }
 
     /// Whether it takes no writes.

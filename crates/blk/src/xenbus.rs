@@ -31,6 +31,15 @@ pub const FEATURE_MAX_INDIRECT: &str = "feature-max-indirect-segments";
 pub const FEATURE_FLUSH: &str = "feature-flush-cache";
 /// `feature-discard`.
 pub const FEATURE_DISCARD: &str = "feature-discard";
+/// `multi-queue-max-queues`: how many rings (each with its channel) the back end takes.
+pub const MULTI_QUEUE_MAX_QUEUES: &str = "multi-queue-max-queues";
+/// `multi-queue-num-queues`: how many the front end set up, each under `queue-<n>/`.
+pub const MULTI_QUEUE_NUM_QUEUES: &str = "multi-queue-num-queues";
+/// `max-ring-page-order`: how many pages (a power of two) the front end's ring may span.
+pub const MAX_RING_PAGE_ORDER: &str = "max-ring-page-order";
+/// `discard-enable`: the toolstack's word in the back end's directory (xl's `discard` or
+/// `no-discard`); `0` takes the feature away.
+pub const DISCARD_ENABLE: &str = "discard-enable";
 
 /// The front end's directory (`device/vbd/<devid>`).
 pub fn frontend_dir(fe: DomId, devid: u32) -> String {
@@ -102,6 +111,13 @@ pub struct Offered {
     pub offer: Offer,
     /// `feature-persistent`.
     pub persistent: bool,
+    /// `physical-sector-size`: the unit below which a write costs a read first (512
+    /// when not written).
+    pub physical_sector_size: u32,
+    /// `max-ring-page-order`: the ring may span 2^this pages (0 when not written).
+    pub max_ring_page_order: u32,
+    /// `multi-queue-max-queues` (1 when not written).
+    pub max_queues: u32,
 }
 
 impl Offered {
@@ -126,6 +142,13 @@ impl Offered {
                 max_indirect_segments: max_indirect,
             },
             persistent: feature(store, caller, bdir, FEATURE_PERSISTENT),
+            physical_sector_size: read_u32(store, caller, &format!("{bdir}/physical-sector-size"))
+                .unwrap_or(SECTOR_SIZE as u32),
+            max_ring_page_order: read_u32(store, caller, &format!("{bdir}/{MAX_RING_PAGE_ORDER}"))
+                .unwrap_or(0),
+            max_queues: read_u32(store, caller, &format!("{bdir}/{MULTI_QUEUE_MAX_QUEUES}"))
+                .unwrap_or(1)
+                .max(1),
         })
     }
 }

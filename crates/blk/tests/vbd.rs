@@ -19,7 +19,7 @@ use blk::blkif::{
 use blk::disk::FileDisk;
 use blk::xenbus;
 use hv::store::{XenStore, XenbusState};
-use hv::{Domain, GrantRef};
+use hv::{DomId, Domain, GrantRef};
 use ring::PageRing;
 
 /// Sectors of the test disks (2 MiB).
@@ -877,5 +877,202 @@ fn one_serve_takes_at_most_its_budget_and_the_rest_waits_for_the_next() {
     let ids: Vec<u64> = bad.responses().iter().map(|r| r.id).collect();
     assert_eq!(ids, (1..=20).collect::<Vec<_>>());
     assert_eq!(back.stats().taken, 20);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A front end whose ring spans four pages (`ring-page-order` 2, as Linux's blkfront
+/// asks with `max_ring_page_order`) fills all 128 slots; each request is read from
+/// wherever a page end cuts it and answered once. An order beyond the one offered is
+/// refused.
+#[test]
+fn a_ring_of_four_pages_is_served_whole_and_a_larger_order_than_offered_refused() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("pages");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    let store = h.hv.store();
+    assert_eq!(
+        store
+            .read(
+                h.drv.id(),
+                &format!("{bdir}/{}", xenbus::MAX_RING_PAGE_ORDER)
+            )
+            .as_deref(),
+        Ok("4")
+    );
+    let mut bad = Hostile::connect_order(&h, &g, 51712, Some(2));
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    let (_, r) = bad.granted(&h, false);
+    let reqs: Vec<_> = (0..128u64)
+        .map(|i| rw(BLKIF_OP_READ, 1000 + i, i % 64, &[seg(r, 0, 7)]))
+        .collect();
+    bad.send(&reqs);
+    let mut served = 0;
+    while served < 128 {
+        let n = back.serve();
+        assert!(n > 0, "every request is taken, {served} so far");
+        served += n;
+    }
+    let rsp = bad.responses();
+    assert_eq!(
+        rsp.iter().map(|r| r.id).collect::<Vec<_>>(),
+        (1000..1128).collect::<Vec<_>>()
+    );
+    assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_OKAY), "{rsp:?}");
+    answered_once(back.stats());
+    back.disconnect();
+    assert_eq!(h.hv.mappings_held(&h.drv), 0, "every ring page unmapped");
+
+    // Order 5 (32 pages) was not offered.
+    let g2 = h.guest("greedy");
+    let disk = h.offer(&g2, 51712, &path, false, false);
+    let _bad = Hostile::connect_order(&h, &g2, 51712, Some(2));
+    let fdir = xenbus::frontend_dir(g2.id(), 51712);
+    store
+        .write(g2.id(), &format!("{fdir}/ring-page-order"), "5")
+        .expect("key");
+    assert!(Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g2.id(), 51712, 0, disk).is_err());
+    assert_eq!(h.hv.mappings_held(&h.drv), 0);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The disk's keys Linux's blkfront reads: its physical sector, discard's granularity,
+/// alignment and (never) secure erase; the toolstack's `discard-enable = 0` takes discard
+/// away; a secure discard, not offered, is refused and counted, and the disk unchanged.
+#[test]
+fn the_disk_keys_are_published_discard_enable_is_honoured_and_secure_discard_refused() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("keys");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    let store = h.hv.store();
+    let key = |k: &str| store.read(h.drv.id(), &format!("{bdir}/{k}")).expect(k);
+    let pss: u32 = key("physical-sector-size").parse().expect("number");
+    assert!(pss.is_power_of_two() && pss >= 512, "{pss}");
+    assert_eq!(key("feature-discard"), "1");
+    assert_eq!(key("discard-granularity"), "512");
+    assert_eq!(key("discard-alignment"), "0");
+    assert_eq!(key("discard-secure"), "0");
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    let before = file_at(&path, 8, 4096);
+    let d = blk::blkif::RawDiscard {
+        operation: blk::blkif::BLKIF_OP_DISCARD,
+        flag: blk::blkif::BLKIF_DISCARD_SECURE,
+        id: 9,
+        sector_number: 8,
+        nr_sectors: 8,
+        ..blk::blkif::RawDiscard::default()
+    };
+    bad.send(&[d.to_slot()]);
+    assert_eq!(back.serve(), 1);
+    let rsp = bad.responses();
+    assert_eq!(
+        rsp.iter().map(|r| (r.id, r.status)).collect::<Vec<_>>(),
+        [(9, BLKIF_RSP_EOPNOTSUPP)]
+    );
+    assert_eq!(back.stats().refused.get(BadRequest::NotOffered), 1);
+    assert_eq!(file_at(&path, 8, 4096), before, "nothing discarded");
+    back.disconnect();
+
+    // The toolstack said no-discard.
+    let g2 = h.guest("nodiscard");
+    xenbus::create_vbd(h.hv.store(), h.drv.id(), g2.id(), 51712, false).expect("vbd");
+    let bdir2 = xenbus::backend_dir(h.drv.id(), g2.id(), 51712);
+    store
+        .write(
+            DomId::DOM0,
+            &format!("{bdir2}/{}", xenbus::DISCARD_ENABLE),
+            "0",
+        )
+        .expect("key");
+    let disk = FileDisk::open(&path, false).expect("disk");
+    blkback::probe(store, h.drv.id(), g2.id(), 51712, &disk, false).expect("probe");
+    assert_eq!(
+        store
+            .read(h.drv.id(), &format!("{bdir2}/feature-discard"))
+            .as_deref(),
+        Ok("0")
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A front end with two queues (`multi-queue-num-queues`, each ring and channel under
+/// `queue-<n>/`, as Linux's blkfront sets them up on a guest of several vCPUs): each
+/// queue is served on its own ring over the one disk, what one writes the other reads,
+/// and a count beyond the one offered is refused.
+#[test]
+fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
+    let h = host();
+    let g = h.guest("guest");
+    let path = backing("queues");
+    let disk = h.offer(&g, 51712, &path, false, false);
+    let bdir = xenbus::backend_dir(h.drv.id(), g.id(), 51712);
+    let store = h.hv.store();
+    assert_eq!(
+        store
+            .read(
+                h.drv.id(),
+                &format!("{bdir}/{}", xenbus::MULTI_QUEUE_MAX_QUEUES)
+            )
+            .as_deref(),
+        Ok("4")
+    );
+    let mut q0 = Hostile::connect_queue(&h, &g, 51712, Some((0, 2)), None);
+    let mut q1 = Hostile::connect_queue(&h, &g, 51712, Some((1, 2)), Some(1));
+    let mut backs =
+        Blkback::connect_queues(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk, None)
+            .expect("queues");
+    assert_eq!(backs.len(), 2);
+    assert_eq!(
+        store.xenbus_state(h.drv.id(), &bdir),
+        XenbusState::Connected
+    );
+    // Queue 0 writes a page at sector 16; queue 1 reads it back.
+    let (src, w) = q0.granted(&h, true);
+    let data: Vec<u8> = (0..4096).map(|i| (i * 13 + 5) as u8).collect();
+    g.write(src, 0, &data).expect("fill");
+    q0.send(&[rw(BLKIF_OP_WRITE, 1, 16, &[seg(w, 0, 7)])]);
+    assert_eq!(backs[0].serve(), 1);
+    assert_eq!(backs[1].serve(), 0, "queue 1's ring holds nothing");
+    assert_eq!(
+        q0.responses()
+            .iter()
+            .map(|r| (r.id, r.status))
+            .collect::<Vec<_>>(),
+        [(1, BLKIF_RSP_OKAY)]
+    );
+    let (dst, r) = q1.granted(&h, false);
+    q1.send(&[rw(BLKIF_OP_READ, 2, 16, &[seg(r, 0, 7)])]);
+    assert_eq!(backs[1].serve(), 1);
+    assert_eq!(
+        q1.responses()
+            .iter()
+            .map(|r| (r.id, r.status))
+            .collect::<Vec<_>>(),
+        [(2, BLKIF_RSP_OKAY)]
+    );
+    let mut back_in = vec![0u8; 4096];
+    g.read(dst, 0, &mut back_in).expect("read");
+    assert_eq!(back_in, data, "one disk under both queues");
+    assert!(q0.responses().is_empty(), "each answer on its own ring");
+    for b in backs.drain(..) {
+        b.disconnect();
+    }
+    assert_eq!(h.hv.mappings_held(&h.drv), 0);
+
+    // Five queues: more than offered.
+    let g2 = h.guest("greedy");
+    let disk = h.offer(&g2, 51712, &path, false, false);
+    let _q = Hostile::connect_queue(&h, &g2, 51712, Some((0, 5)), None);
+    assert!(
+        Blkback::connect_queues(hv::Pvio::new(&h.hv, &h.drv), g2.id(), 51712, 0, disk, None)
+            .is_err()
+    );
+    assert_eq!(h.hv.mappings_held(&h.drv), 0);
     let _ = std::fs::remove_file(&path);
 }

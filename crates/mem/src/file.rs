@@ -37,6 +37,33 @@ pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<bool> {
     }
 }
 
+/// `BLKPBSZGET`, `_IO(0x12, 123)`: a block device's physical block size.
+const BLKPBSZGET: libc::c_ulong = 0x127b;
+
+/// The unit below which a write to `file` costs its device (or its file system) a read
+/// first: a block device's physical block size (`BLKPBSZGET`), a file's preferred I/O
+/// size (`st_blksize`, the file system's block). A value that is not a power of two from
+/// 512 to 64 KiB reads as 512.
+pub fn physical_block_size(file: &File) -> io::Result<u32> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let m = file.metadata()?;
+    let size = if m.file_type().is_block_device() {
+        let mut v: libc::c_uint = 0;
+        // SAFETY: BLKPBSZGET writes one unsigned int through the pointer, which is `v`'s;
+        // `file` is an open block device.
+        if unsafe { libc::ioctl(file.as_raw_fd(), BLKPBSZGET, &mut v as *mut libc::c_uint) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        u64::from(v)
+    } else {
+        m.blksize()
+    };
+    Ok(match u32::try_from(size) {
+        Ok(s) if s.is_power_of_two() && (512..=65536).contains(&s) => s,
+        _ => 512,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

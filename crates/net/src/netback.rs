@@ -135,7 +135,10 @@ pub struct Vif<X: Xen = Pvio> {
     fe: DomId,
     handle: u32,
     index: u16,
+    /// The channel of the TX ring, and of both unless split.
     port: Port,
+    /// The RX ring's own channel, with split event channels.
+    rx_port: Option<Port>,
     tx: Back<TxRing>,
     rx: Back<RxRing>,
     ring_handles: [GrantHandle; 2],
@@ -190,6 +193,12 @@ impl<X: Xen> Vif<X> {
     /// The local end of the vif's event channel.
     pub fn port(&self) -> Port {
         self.port
+    }
+
+    /// The RX ring's own channel, if the front end split them
+    /// ([`xenbus::FEATURE_SPLIT_EVENTS`]); else both rings use [`Vif::port`].
+    pub fn rx_port(&self) -> Option<Port> {
+        self.rx_port
     }
     /// The front end's domain.
     pub fn frontend(&self) -> DomId {
@@ -290,10 +299,18 @@ impl<X: Xen> Vif<X> {
         }
     }
 
+    /// Notifies the guest of TX (or control) responses.
     fn notify(&mut self) {
         let _c = enter(Class::Hypercall);
         self.stats.notifies += 1;
         let _ = self.xen.evtchn_send(self.port);
+    }
+
+    /// Notifies the guest of RX responses: on the RX ring's own channel if split.
+    fn notify_rx(&mut self) {
+        let _c = enter(Class::Hypercall);
+        self.stats.notifies += 1;
+        let _ = self.xen.evtchn_send(self.rx_port.unwrap_or(self.port));
     }
 
     /// Records both rings' responses from now on in `j`, so that a back end started
@@ -322,10 +339,11 @@ impl<X: Xen> Vif<X> {
     /// the side effect of a stop.
     pub fn hand_over(mut self, pool: &mut SkbPool) {
         if self.disabled.is_none() {
-            let due = self.tx.push_responses_and_check_notify()
-                | self.rx.push_responses_and_check_notify();
-            if due {
+            if self.tx.push_responses_and_check_notify() {
                 self.notify();
+            }
+            if self.rx.push_responses_and_check_notify() {
+                self.notify_rx();
             }
         }
         self.release(pool);
@@ -383,11 +401,19 @@ impl<X: Xen> Vif<X> {
             .chain(ctrl_ring)
             .collect();
         let Vif {
-            xen, port, tx, rx, ..
+            xen,
+            port,
+            rx_port,
+            tx,
+            rx,
+            ..
         } = self;
         drop((tx, rx));
         let mut st = vec![Ok(()); held.len()];
         xen.grant_unmap(&held, &mut st);
         let _ = xen.evtchn_close(port);
+        if let Some(p) = rx_port {
+            let _ = xen.evtchn_close(p);
+        }
     }
 }

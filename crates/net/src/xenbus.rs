@@ -99,7 +99,12 @@ pub const FEATURE_SPLIT_INDICES: &str = "feature-split-ring-indices";
 pub const REQUEST_SPLIT_INDICES: &str = "request-split-ring-indices";
 
 /// The back end's features, as pvio's netback offers them.
-pub const BACKEND_FEATURES: [(&str, &str); 8] = [
+/// `feature-split-event-channels`: the back end takes one event channel a ring (the
+/// front end's `event-channel-tx` and `event-channel-rx`), so that a TX completion and a
+/// received packet interrupt the guest apart (Linux's netback and netfront).
+pub const FEATURE_SPLIT_EVENTS: &str = "feature-split-event-channels";
+
+pub const BACKEND_FEATURES: [(&str, &str); 9] = [
     ("feature-sg", "1"),
     ("feature-rx-copy", "1"),
     ("feature-rx-flip", "0"),
@@ -108,4 +113,5 @@ pub const BACKEND_FEATURES: [(&str, &str); 8] = [
     (FEATURE_CTRL_RING, "1"),
     (FEATURE_GRANT_REUSE, "1"),
     (FEATURE_SPLIT_INDICES, "1"),
+    (FEATURE_SPLIT_EVENTS, "1"),
 ];

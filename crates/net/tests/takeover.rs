@@ -311,3 +311,64 @@ fn only_a_vif_connected_at_both_ends_is_taken_over() {
         "a refused takeover keeps nothing"
     );
 }
+
+/// A front end that split its event channels (`event-channel-tx` and `-rx`, as Linux's
+/// netfront does when offered `feature-split-event-channels`) has both bound, and is
+/// told of a received packet on the RX one and of a TX completion on the TX one.
+#[test]
+fn split_event_channels_are_bound_and_each_ring_notifies_on_its_own() {
+    let (mut r, vif) = rig("split");
+    let bdir = net::xenbus::backend_dir(r.drv.id(), r.guest.id(), 0);
+    let fdir = net::xenbus::frontend_dir(r.guest.id(), 0);
+    let store = r.hv.store();
+    assert_eq!(
+        store
+            .read(
+                r.drv.id(),
+                &format!("{bdir}/{}", net::xenbus::FEATURE_SPLIT_EVENTS)
+            )
+            .as_deref(),
+        Ok("1")
+    );
+    // The guest splits its channels (taken over, the rings stay where they are).
+    vif.hand_over(&mut r.dpool);
+    let g = r.guest.id();
+    let tx =
+        r.hv.evtchn_alloc_unbound(&r.guest, r.drv.id())
+            .expect("port");
+    let rx =
+        r.hv.evtchn_alloc_unbound(&r.guest, r.drv.id())
+            .expect("port");
+    store
+        .write(g, &format!("{fdir}/event-channel-tx"), &tx.0.to_string())
+        .expect("key");
+    // Half a split: refused before anything is mapped or bound.
+    assert!(Vif::resume(
+        hv::Pvio::new(&r.hv, &r.drv),
+        g,
+        0,
+        0,
+        0,
+        Some(journals(&r.jpath)),
+    )
+    .is_err());
+    assert_eq!(r.hv.mappings_held(&r.drv), 0);
+    store
+        .write(g, &format!("{fdir}/event-channel-rx"), &rx.0.to_string())
+        .expect("key");
+    let mut vif = r.resume();
+    assert!(vif.rx_port().is_some(), "two channels bound");
+    // The takeover's one notification, on each channel; the guest takes them.
+    assert!(r.guest.evtchn_is_pending(tx).expect("tx"));
+    assert!(r.guest.evtchn_is_pending(rx).expect("rx"));
+    r.guest.take_pending(0, |_| {});
+    assert!(!r.guest.evtchn_is_pending(rx).expect("rx"));
+    r.queue_for_guest(&mut vif, &packet(0x60, 200));
+    vif.rx_action(&mut r.dpool);
+    assert!(
+        r.guest.evtchn_is_pending(rx).expect("rx"),
+        "RX on its own channel"
+    );
+    assert!(!r.guest.evtchn_is_pending(tx).expect("tx"));
+    vif.disconnect(&mut r.dpool);
+}

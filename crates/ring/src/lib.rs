@@ -275,6 +275,98 @@ impl<P: PageAccess> RingMemory for PageRing<P> {
     }
 }
 
+/// Pages of a ring granted together (blkif's and netif's `ring-page-order`: `ring-ref0`
+/// to `ring-ref<n-1>`), one region as ring.h sees it: the indices in the first page, the
+/// slots running on across the pages, an entry cut where a page ends. One page is
+/// [`PageRing`]'s region exactly.
+#[derive(Debug)]
+pub struct PagesRing<P: PageAccess> {
+    pages: Vec<P>,
+}
+
+/// Most pages a ring takes (`XENBUS_MAX_RING_GRANT_ORDER`, order 4).
+pub const MAX_RING_PAGES: usize = 16;
+
+impl<P: PageAccess> PagesRing<P> {
+    /// The pages, in the order the front end granted them, as a ring.h ring; fails for
+    /// none, more than [`MAX_RING_PAGES`] or not a power of two of them, or if the index
+    /// words cannot be reached (a read-only mapping).
+    pub fn new(pages: Vec<P>) -> Result<Self, MemError> {
+        if pages.is_empty() || pages.len() > MAX_RING_PAGES || !pages.len().is_power_of_two() {
+            return Err(MemError::CrossesPage {
+                offset: 0,
+                len: pages.len() * PAGE_SIZE,
+            });
+        }
+        for at in [REQ_PROD, REQ_EVENT, RSP_PROD, RSP_EVENT] {
+            pages[0].atomic_u32(at)?;
+        }
+        Ok(Self { pages })
+    }
+
+    /// The pages.
+    pub fn pages(&self) -> &[P] {
+        &self.pages
+    }
+
+    /// Calls `f` with each piece of `[at, at + len)` of the region: its page, the offset
+    /// in that page and the range of the whole it is.
+    fn pieces(&self, at: usize, len: usize, mut f: impl FnMut(&P, usize, std::ops::Range<usize>)) {
+        let mut done = 0;
+        while done < len {
+            let (page, off) = ((at + done) / PAGE_SIZE, (at + done) % PAGE_SIZE);
+            let n = (PAGE_SIZE - off).min(len - done);
+            if let Some(p) = self.pages.get(page) {
+                f(p, off, done..done + n);
+            }
+            done += n;
+        }
+    }
+}
+
+impl<P: PageAccess> RingMemory for PagesRing<P> {
+    fn region_size(&self) -> usize {
+        self.pages.len() * PAGE_SIZE
+    }
+    #[inline]
+    fn load(&self, at: usize, order: Ordering) -> u32 {
+        // Cannot fail: `new` checked the four index words.
+        self.pages[0].atomic_u32(at).map_or(0, |a| a.load(order))
+    }
+    #[inline]
+    fn store(&self, at: usize, v: u32, order: Ordering) {
+        if let Ok(a) = self.pages[0].atomic_u32(at) {
+            a.store(v, order);
+        }
+    }
+    #[inline]
+    fn fence(&self, order: Ordering) {
+        std::sync::atomic::fence(order);
+    }
+    fn read_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize) -> T {
+        let mut v = T::zeroed();
+        let b = bytemuck::bytes_of_mut(&mut v);
+        let len = b.len();
+        // In bounds: slot < ring_size(region, slot_size). A failed piece reads as zeroes.
+        self.pieces(HEADER_SIZE + slot as usize * slot_size, len, |p, off, r| {
+            if p.read(off, &mut b[r.clone()]).is_err() {
+                b[r].fill(0);
+            }
+        });
+        v
+    }
+    fn write_entry<T: bytemuck::Pod>(&self, slot: u32, slot_size: usize, v: &T) {
+        let b = bytemuck::bytes_of(v);
+        self.pieces(
+            HEADER_SIZE + slot as usize * slot_size,
+            b.len(),
+            |p, off, r| {
+                let _ = p.write(off, &b[r]);
+            },
+        );
+    }
+}
+
 /// Copies the entries of `out.len()` slots (`slot_size` bytes apart) from slot `first`
 /// of a ring of `size` slots, in order: the run up to the ring's end, then the rest
 /// from slot 0.
@@ -1178,6 +1270,67 @@ mod tests {
             Back::resume(ring(), None),
             Err(RingError::ProducerOverrun { .. })
         ));
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    #[repr(C)]
+    struct Wide {
+        id: u32,
+        body: [u32; 27],
+    }
+    struct WideProto;
+    impl RingProtocol for WideProto {
+        type Req = Wide;
+        type Rsp = Rsp;
+    }
+
+    #[test]
+    fn a_ring_over_four_pages_carries_entries_cut_by_page_ends_whole() {
+        let mem = Arc::new(MachineMemory::new(4).expect("memfd"));
+        let pages = || {
+            let v = (0..4)
+                .map(|i| FramePage::new(Arc::clone(&mem), Mfn(i)).expect("frame"))
+                .collect();
+            PagesRing::new(v).expect("ring")
+        };
+        let mut f: FrontRing<WideProto, _> = FrontRing::init(pages()).expect("init");
+        let mut b: BackRing<WideProto, _> = BackRing::attach(pages()).expect("attach");
+        // ring.h's size for four pages of 112-byte slots.
+        assert_eq!(f.size(), 128);
+        assert_eq!(b.size(), 128);
+        let wide = |i: u32| Wide {
+            id: i,
+            body: std::array::from_fn(|k| k as u32 * 7 + i),
+        };
+        for round in 0..3u32 {
+            for i in 0..128 {
+                f.push_request(&wide(round * 1000 + i)).expect("room");
+            }
+            f.push_requests_and_check_notify();
+            for i in 0..128 {
+                let r = b.take_request().expect("valid").expect("one");
+                assert_eq!(
+                    r,
+                    wide(round * 1000 + i),
+                    "slot {i} whole across its page end"
+                );
+                b.push_response(&Rsp {
+                    id: i as u16,
+                    status: round as i16,
+                })
+                .expect("answer");
+            }
+            b.push_responses_and_check_notify();
+            for i in 0..128u16 {
+                let r = f.take_response().expect("valid").expect("one");
+                assert_eq!((r.id, r.status), (i, round as i16));
+            }
+        }
+        let three = (0..3)
+            .map(|i| FramePage::new(Arc::clone(&mem), Mfn(i)).expect("frame"))
+            .collect();
+        assert!(PagesRing::new(three).is_err(), "not a power of two");
+        assert!(PagesRing::<FramePage>::new(Vec::new()).is_err());
     }
 
     fn journal(name: &str) -> (std::path::PathBuf, Journal) {

@@ -109,7 +109,7 @@ use blk::blkif::{BlkRing, RawRequest, Response, Segment};
 use blk::xenbus;
 use hv::store::{XenStore, XenbusState};
 use hv::{Domain, DomainConfig, Gfn, GrantRef, GrantVersion, HvConfig, Hypervisor, OwnPage, Port};
-use ring::{FrontRing, PageRing};
+use ring::{FrontRing, PagesRing};
 
 /// A hypervisor and a driver domain with window slots for two devices.
 pub struct Host {
@@ -158,7 +158,7 @@ impl Host {
 /// A front end written by hand, as a hostile guest would: its own ring, raw requests.
 pub struct Hostile {
     pub g: Arc<Domain>,
-    pub ring: FrontRing<BlkRing, PageRing<OwnPage>>,
+    pub ring: FrontRing<BlkRing, PagesRing<OwnPage>>,
     pub ring_gfn: Gfn,
     pub port: Port,
 }
@@ -166,25 +166,70 @@ pub struct Hostile {
 impl Hostile {
     /// Publishes its ring by hand and says it is connected.
     pub fn connect(h: &Host, g: &Arc<Domain>, devid: u32) -> Self {
+        Self::connect_order(h, g, devid, None)
+    }
+
+    /// As [`Hostile::connect`], its ring on 2^`order` pages (`ring-page-order`,
+    /// `ring-ref0`...) if `order` is given.
+    pub fn connect_order(h: &Host, g: &Arc<Domain>, devid: u32, order: Option<u32>) -> Self {
+        Self::connect_queue(h, g, devid, None, order)
+    }
+
+    /// As [`Hostile::connect_order`], as queue `q` of `n` (`multi-queue-num-queues`,
+    /// its ring and channel under `queue-<q>/`) if `queue` is `Some((q, n))`.
+    pub fn connect_queue(
+        h: &Host,
+        g: &Arc<Domain>,
+        devid: u32,
+        queue: Option<(u32, u32)>,
+        order: Option<u32>,
+    ) -> Self {
         let me = g.id();
-        let gfn = g.alloc_page().expect("page");
-        let gref = g.grant_table().alloc_ref().expect("ref");
-        g.grant_table()
-            .grant_access(gref, h.drv.id(), gfn, false)
-            .expect("grant");
-        let ring = FrontRing::init(PageRing::new(g.page(gfn).expect("page")).expect("ring"))
-            .expect("ring");
-        let port = h.hv.evtchn_alloc_unbound(g, h.drv.id()).expect("port");
-        let dir = xenbus::frontend_dir(me, devid);
+        let n = 1usize << order.unwrap_or(0);
+        let mut gfns = Vec::new();
+        let mut pages = Vec::new();
+        let top = xenbus::frontend_dir(me, devid);
+        let dir = match queue {
+            Some((q, _)) => format!("{top}/queue-{q}"),
+            None => top.clone(),
+        };
+        if let Some((_, all)) = queue {
+            h.hv.store()
+                .write(
+                    me,
+                    &format!("{top}/multi-queue-num-queues"),
+                    &all.to_string(),
+                )
+                .expect("key");
+        }
         let store = h.hv.store();
-        store
-            .write(me, &format!("{dir}/ring-ref"), &gref.0.to_string())
-            .expect("key");
+        for i in 0..n {
+            let gfn = g.alloc_page().expect("page");
+            let gref = g.grant_table().alloc_ref().expect("ref");
+            g.grant_table()
+                .grant_access(gref, h.drv.id(), gfn, false)
+                .expect("grant");
+            let key = match order {
+                Some(_) => format!("{dir}/ring-ref{i}"),
+                None => format!("{dir}/ring-ref"),
+            };
+            store.write(me, &key, &gref.0.to_string()).expect("key");
+            gfns.push(gfn);
+            pages.push(g.page(gfn).expect("page"));
+        }
+        if let Some(o) = order {
+            store
+                .write(me, &format!("{dir}/ring-page-order"), &o.to_string())
+                .expect("key");
+        }
+        let gfn = gfns[0];
+        let ring = FrontRing::init(PagesRing::new(pages).expect("ring")).expect("ring");
+        let port = h.hv.evtchn_alloc_unbound(g, h.drv.id()).expect("port");
         store
             .write(me, &format!("{dir}/event-channel"), &port.0.to_string())
             .expect("key");
         store
-            .switch_state(me, &dir, XenbusState::Connected)
+            .switch_state(me, &top, XenbusState::Connected)
             .expect("state");
         Self {
             g: Arc::clone(g),

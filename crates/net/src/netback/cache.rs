@@ -541,7 +541,7 @@ impl<X: Xen> super::Vif<X> {
             }
         }
         if self.rx.push_responses_and_check_notify() {
-            self.notify();
+            self.notify_rx();
         }
         n
     }

@@ -290,7 +290,7 @@ impl<X: Xen> Vif<X> {
         if broken {
             self.disable(super::Disabled::RingBroken);
         } else if answered && self.rx.push_responses_and_check_notify() {
-            self.notify();
+            self.notify_rx();
         }
         mapped
     }
@@ -383,7 +383,7 @@ impl<X: Xen> Vif<X> {
     /// Publishes the responses of the buffers handed back, notifying the guest once.
     pub fn rx_direct_flush(&mut self) {
         if self.rx.push_responses_and_check_notify() {
-            self.notify();
+            self.notify_rx();
         }
     }
 

@@ -65,7 +65,10 @@ struct Negotiated {
     layout: ring::Layout,
     tx_ref: u32,
     rx_ref: u32,
+    /// The TX ring's channel (both rings' unless split).
     evtchn: u32,
+    /// The RX ring's, with split event channels.
+    evtchn_rx: Option<u32>,
 }
 
 impl Negotiated {
@@ -88,6 +91,14 @@ impl Negotiated {
         // end offered. Both rings use it.
         let split = front(xenbus::REQUEST_SPLIT_INDICES) && back(xenbus::FEATURE_SPLIT_INDICES);
         let key = |k: &str| xenbus::read_u32(store, be, &format!("{fdir}/{k}"));
+        // One channel a ring if this end offered it and the front end wrote both.
+        let split_events = back(xenbus::FEATURE_SPLIT_EVENTS)
+            && store.read(be, &format!("{fdir}/event-channel-tx")).is_ok();
+        let (evtchn, evtchn_rx) = if split_events {
+            (key("event-channel-tx")?, Some(key("event-channel-rx")?))
+        } else {
+            (key("event-channel")?, None)
+        };
         Ok(Self {
             can_sg,
             // Linux netback: GSO only if asked for; blank checksums unless refused.
@@ -105,9 +116,20 @@ impl Negotiated {
             },
             tx_ref: key("tx-ring-ref")?,
             rx_ref: key("rx-ring-ref")?,
-            evtchn: key("event-channel")?,
+            evtchn,
+            evtchn_rx,
         })
     }
+}
+
+/// What a connection that succeeded keeps: both rings, their pages' mappings, and the
+/// channel (or, split, the TX ring's and the RX ring's).
+struct Kept {
+    tx: Back<TxRing>,
+    rx: Back<RxRing>,
+    ring_handles: [GrantHandle; 2],
+    port: Port,
+    rx_port: Option<Port>,
 }
 
 /// What a connection has taken so far, given back if it fails before the end, rings
@@ -117,6 +139,7 @@ struct Taken<'a, X: Xen> {
     rings: Option<(Back<TxRing>, Back<RxRing>)>,
     handles: [GrantHandle; 2],
     port: Option<Port>,
+    rx_port: Option<Port>,
     ctrl: Option<ctrl::Ctrl>,
     /// The connection succeeded: the vif holds all of it now.
     kept: bool,
@@ -135,7 +158,10 @@ impl<X: Xen> Drop for Taken<'_, X> {
             drop(c);
             self.xen.grant_unmap(&[h], &mut [Ok(())]);
         }
-        if let Some(port) = self.port.take() {
+        for port in [self.port.take(), self.rx_port.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = self.xen.evtchn_close(port);
         }
     }
@@ -181,6 +207,7 @@ impl<'a, X: Xen> Taken<'a, X> {
             rings: None,
             handles: [th, rh],
             port: None,
+            rx_port: None,
             ctrl: None,
             kept: false,
         };
@@ -204,15 +231,25 @@ impl<'a, X: Xen> Taken<'a, X> {
     }
 
     /// Everything taken, kept: the connection succeeded.
-    fn keep(
-        mut self,
-    ) -> (
-        Back<TxRing>,
-        Back<RxRing>,
-        [GrantHandle; 2],
-        Port,
-        Option<ctrl::Ctrl>,
-    ) {
+    /// Binds the guest's channel, or its two (split event channels).
+    fn bind(&mut self, fe: DomId, fdir: &str, n: &Negotiated) -> Result<(), XenbusError> {
+        let xen = self.xen;
+        let bind = |p: u32, key: &str| {
+            xen.evtchn_bind_interdomain(fe, Port(p))
+                .map_err(|e| XenbusError::BadKey(format!("{fdir}/{key}: {e}")))
+        };
+        let tx_key = match n.evtchn_rx {
+            Some(_) => "event-channel-tx",
+            None => "event-channel",
+        };
+        self.port = Some(bind(n.evtchn, tx_key)?);
+        if let Some(rx) = n.evtchn_rx {
+            self.rx_port = Some(bind(rx, "event-channel-rx")?);
+        }
+        Ok(())
+    }
+
+    fn keep(mut self) -> (Kept, Option<ctrl::Ctrl>) {
         let (tx, rx) = self
             .rings
             .take()
@@ -222,7 +259,14 @@ impl<'a, X: Xen> Taken<'a, X> {
             .take()
             .expect("bound before the connection is kept");
         self.kept = true;
-        (tx, rx, self.handles, port, self.ctrl.take())
+        let k = Kept {
+            tx,
+            rx,
+            ring_handles: self.handles,
+            port,
+            rx_port: self.rx_port.take(),
+        };
+        (k, self.ctrl.take())
     }
 }
 
@@ -261,10 +305,7 @@ impl<X: Xen> Vif<X> {
         let bdir = xenbus::backend_dir(be, fe, handle);
         let n = Negotiated::read(store, be, &fdir, &bdir)?;
         let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, None)?;
-        taken.port = Some(
-            xen.evtchn_bind_interdomain(fe, Port(n.evtchn))
-                .map_err(|e| XenbusError::BadKey(format!("{fdir}/event-channel: {e}")))?,
-        );
+        taken.bind(fe, &fdir, &n)?;
         if n.grant_reuse {
             taken.ctrl = Some(map_ctrl_ring(&xen, fe, &fdir, slot_base + CTRL_RING_SLOT)?);
         }
@@ -284,7 +325,7 @@ impl<X: Xen> Vif<X> {
             store.write(be, &key, &base.0.to_string())?;
         }
         store.switch_state(be, &bdir, XenbusState::Connected)?;
-        let (tx, rx, ring_handles, port, ctrl) = taken.keep();
+        let (kept, ctrl) = taken.keep();
         Ok(Self::connected(
             xen,
             fe,
@@ -292,7 +333,7 @@ impl<X: Xen> Vif<X> {
             index,
             slot_base,
             &n,
-            (tx, rx, ring_handles, port),
+            kept,
             ctrl,
             base.map(GuestCopy::new),
         ))
@@ -335,11 +376,8 @@ impl<X: Xen> Vif<X> {
             )));
         }
         let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, Some(journals))?;
-        taken.port = Some(
-            xen.evtchn_bind_interdomain(fe, Port(n.evtchn))
-                .map_err(|e| XenbusError::BadKey(format!("{fdir}/event-channel: {e}")))?,
-        );
-        let (tx, rx, ring_handles, port, ctrl) = taken.keep();
+        taken.bind(fe, &fdir, &n)?;
+        let (kept, ctrl) = taken.keep();
         let mut v = Self::connected(
             xen,
             fe,
@@ -347,7 +385,7 @@ impl<X: Xen> Vif<X> {
             index,
             slot_base,
             &n,
-            (tx, rx, ring_handles, port),
+            kept,
             ctrl,
             None,
         );
@@ -359,6 +397,9 @@ impl<X: Xen> Vif<X> {
         v.tx.push_responses_and_check_notify();
         v.rx.push_responses_and_check_notify();
         v.notify();
+        if v.rx_port.is_some() {
+            v.notify_rx();
+        }
         Ok(v)
     }
 
@@ -372,7 +413,13 @@ impl<X: Xen> Vif<X> {
         index: u16,
         slot_base: u32,
         n: &Negotiated,
-        (tx, rx, ring_handles, port): (Back<TxRing>, Back<RxRing>, [GrantHandle; 2], Port),
+        Kept {
+            tx,
+            rx,
+            ring_handles,
+            port,
+            rx_port,
+        }: Kept,
         ctrl: Option<ctrl::Ctrl>,
         guest_copy: Option<GuestCopy>,
     ) -> Self {
@@ -385,6 +432,7 @@ impl<X: Xen> Vif<X> {
             handle,
             index,
             port,
+            rx_port,
             tx,
             rx,
             ring_handles,

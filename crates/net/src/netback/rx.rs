@@ -509,7 +509,7 @@ impl<X: Xen> Vif<X> {
             return n;
         }
         if self.rx.push_responses_and_check_notify() {
-            self.notify();
+            self.notify_rx();
         }
         n
     }
@@ -631,7 +631,7 @@ impl<X: Xen> Vif<X> {
             }
         }
         if self.rx.push_responses_and_check_notify() {
-            self.notify();
+            self.notify_rx();
         }
         let _m = enter(Class::Mem);
         for p in &self.rxb.pkts {
