@@ -41,10 +41,10 @@ use mem::poll::PollFd;
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 
-/// vifs one process serves at once.
-pub const MAX_VIFS: usize = 8;
-/// vbds one process serves at once.
-pub const MAX_VBDS: usize = 8;
+/// vifs one process serves at once unless told otherwise ([`Options::max_vifs`]).
+pub const MAX_VIFS: usize = 64;
+/// vbds one process serves at once unless told otherwise ([`Options::max_vbds`]).
+pub const MAX_VBDS: usize = 64;
 /// Packets one vif's TX takes per pass.
 const TX_BUDGET: usize = 64;
 /// Packet buffers and their pages (the process's own memory).
@@ -67,6 +67,12 @@ pub struct Options {
     /// Prometheus' text format (for node_exporter's textfile collector, or any scraper):
     /// one line per counter, labelled with the guest and device.
     pub metrics: Option<std::path::PathBuf>,
+    /// vifs this process serves at once: each takes address space for its window slots
+    /// (about 6 MiB, reserved, not backed), nothing else until it connects.
+    pub max_vifs: usize,
+    /// vbds this process serves at once (about 33 MiB of reserved address space each,
+    /// four queues' slots).
+    pub max_vbds: usize,
     /// Close every device when stopping. Without it a stop hands each vif and vbd over
     /// to the next `pvio backend` (its front end stays `Connected`, a vif's interface
     /// stays on its bridge; the journals under `/run` say where each ring was), as an
@@ -240,6 +246,9 @@ struct Backend {
     log: Log,
     /// Close devices on stop (`--close`), instead of handing them over.
     close: bool,
+    /// Devices served at once.
+    max_vifs: usize,
+    max_vbds: usize,
     /// Where to write the devices' counters, and when it was last written.
     metrics: Option<(std::path::PathBuf, Instant)>,
 }
@@ -247,8 +256,19 @@ struct Backend {
 /// Runs until `stop` is set or the store connection fails.
 pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     let me = DomId(opts.domid);
-    let slots = MAX_VIFS as u32 * VIF_WINDOW_SLOTS
-        + MAX_VBDS as u32 * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
+    let (max_vifs, max_vbds) = (
+        opts.max_vifs.min(u16::MAX as usize),
+        opts.max_vbds.min(u16::MAX as usize),
+    );
+    let slots = u32::try_from(
+        max_vifs as u64 * u64::from(VIF_WINDOW_SLOTS)
+            + max_vbds as u64 * u64::from(blkback::MAX_QUEUES * VBD_WINDOW_SLOTS),
+    )
+    .map_err(|_| {
+        Error::Pool(format!(
+            "{max_vifs} vifs and {max_vbds} vbds: too many window slots"
+        ))
+    })?;
     let xen = Arc::new(Dom0::open(Dom0Config {
         id: me,
         pages: POOL_PAGES as u32 + BUFFERS as u32 + 64,
@@ -275,7 +295,9 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         refused: BTreeSet::new(),
         frame: vec![0; FRAME_MAX].into_boxed_slice(),
         tokens: Vec::with_capacity(4096),
-        fds: Vec::with_capacity(2 + MAX_VIFS),
+        fds: Vec::with_capacity(2 + max_vifs),
+        max_vifs,
+        max_vbds,
         counts: Counts::default(),
         log: Log::new(out, LOG_LIMIT),
         close: opts.close,
@@ -550,10 +572,11 @@ impl Backend {
 
     /// Whether the vif was taken.
     fn adopt_vif(&mut self, fe: DomId, handle: u32, bstate: XenbusState, resume: bool) -> bool {
-        let Some(index) = (0..MAX_VIFS as u16).find(|i| self.vifs.values().all(|d| d.index != *i))
+        let max = self.max_vifs;
+        let Some(index) = (0..max as u16).find(|i| self.vifs.values().all(|d| d.index != *i))
         else {
             self.log.line(&format!(
-                "vif {}/{handle}: refused: {MAX_VIFS} vifs already",
+                "vif {}/{handle}: refused: {max} vifs already",
                 fe.0
             ));
             return false;
@@ -608,10 +631,11 @@ impl Backend {
 
     /// Whether the vbd was taken.
     fn adopt_vbd(&mut self, fe: DomId, devid: u32, bstate: XenbusState, resume: bool) -> bool {
-        let Some(index) = (0..MAX_VBDS as u16).find(|i| self.vbds.values().all(|d| d.index != *i))
+        let max = self.max_vbds;
+        let Some(index) = (0..max as u16).find(|i| self.vbds.values().all(|d| d.index != *i))
         else {
             self.log.line(&format!(
-                "vbd {}/{devid}: refused: {MAX_VBDS} vbds already",
+                "vbd {}/{devid}: refused: {max} vbds already",
                 fe.0
             ));
             return false;
@@ -877,7 +901,7 @@ impl Backend {
             blk::xenbus::backend_dir(me, fe, devid),
             blk::xenbus::frontend_dir(fe, devid),
         );
-        let slot_base = MAX_VIFS as u32 * VIF_WINDOW_SLOTS
+        let slot_base = self.max_vifs as u32 * VIF_WINDOW_SLOTS
             + u32::from(index) * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
         let journal = |q: u32| {
             mem::journal::Journal::open(&journal_path(fe, devid, q), blkback::JOURNAL_LEN).ok()
@@ -1246,6 +1270,8 @@ mod tests {
                 domid: 0,
                 log: None,
                 metrics: None,
+                max_vifs: MAX_VIFS,
+                max_vbds: MAX_VBDS,
                 close: false,
             },
             &stop,

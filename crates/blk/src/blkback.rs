@@ -490,13 +490,15 @@ pub fn front_queues(
     }
 }
 
-/// The grant references of the front end's ring pages: `ring-ref`, or, if it wrote
-/// `ring-page-order` (at most the `max` this end offered), `ring-ref0` to
-/// `ring-ref<2^order - 1>`.
+/// The grant references of a ring's pages, under `qdir` (the front end's directory, or
+/// a queue's): `ring-ref`, or, if the front end wrote `ring-page-order` (at the top of
+/// its directory `fdir`, for every queue alike; at most the `max` this end offered),
+/// `ring-ref0` to `ring-ref<2^order - 1>`.
 fn ring_refs(
     store: &impl XenStore,
     be: DomId,
     fdir: &str,
+    qdir: &str,
     max: u32,
 ) -> Result<Vec<u32>, XenbusError> {
     let order_key = format!("{fdir}/ring-page-order");
@@ -504,7 +506,7 @@ fn ring_refs(
         return Ok(vec![netbus::read_u32(
             store,
             be,
-            &format!("{fdir}/ring-ref"),
+            &format!("{qdir}/ring-ref"),
         )?]);
     }
     let order = netbus::read_u32(store, be, &order_key)?;
@@ -512,7 +514,7 @@ fn ring_refs(
         return Err(XenbusError::BadKey(order_key));
     }
     (0..1u32 << order)
-        .map(|i| netbus::read_u32(store, be, &format!("{fdir}/ring-ref{i}")))
+        .map(|i| netbus::read_u32(store, be, &format!("{qdir}/ring-ref{i}")))
         .collect()
 }
 
@@ -772,7 +774,7 @@ impl<X: Xen> Blkback<X> {
             Some(q) => format!("{fdir}/queue-{q}"),
             None => fdir.clone(),
         };
-        let refs = ring_refs(store, be, &qdir, offer.max_ring_page_order)?;
+        let refs = ring_refs(store, be, &fdir, &qdir, offer.max_ring_page_order)?;
         let evtchn = netbus::read_u32(store, be, &format!("{qdir}/event-channel"))?;
         let persistent =
             offer.persistent && netbus::feature(store, be, &fdir, xenbus::FEATURE_PERSISTENT);

@@ -1022,7 +1022,9 @@ fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
             .as_deref(),
         Ok("4")
     );
-    let mut q0 = Hostile::connect_queue(&h, &g, 51712, Some((0, 2)), None);
+    // Each on a ring of two pages: `ring-page-order` at the top, `ring-ref<n>` per queue,
+    // as Linux's blkfront writes them.
+    let mut q0 = Hostile::connect_queue(&h, &g, 51712, Some((0, 2)), Some(1));
     let mut q1 = Hostile::connect_queue(&h, &g, 51712, Some((1, 2)), Some(1));
     let mut backs =
         Blkback::connect_queues(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk, None)

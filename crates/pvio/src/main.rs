@@ -84,6 +84,12 @@ enum Command {
         /// format (for node_exporter's textfile collector, or any scraper).
         #[arg(long, value_name = "FILE")]
         metrics: Option<PathBuf>,
+        /// vifs served at once (each reserves about 6 MiB of address space).
+        #[arg(long, default_value_t = backend::MAX_VIFS)]
+        max_vifs: usize,
+        /// vbds served at once (each reserves about 33 MiB of address space).
+        #[arg(long, default_value_t = backend::MAX_VBDS)]
+        max_vbds: usize,
         /// Close every device when stopping. Without it, a stop (Ctrl-C, SIGTERM) hands
         /// each vif and vbd over to the next `pvio backend`, its guest's NIC and disk
         /// never leaving `Connected`.
@@ -787,11 +793,15 @@ fn main() -> ExitCode {
             domid,
             log,
             metrics,
+            max_vifs,
+            max_vbds,
             close,
         } => backend(&backend::Options {
             domid,
             log,
             metrics,
+            max_vifs,
+            max_vbds,
             close,
         }),
         Command::Up {

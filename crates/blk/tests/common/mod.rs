@@ -218,8 +218,9 @@ impl Hostile {
             pages.push(g.page(gfn).expect("page"));
         }
         if let Some(o) = order {
+            // At the top, for every queue alike, as Linux's blkfront writes it.
             store
-                .write(me, &format!("{dir}/ring-page-order"), &o.to_string())
+                .write(me, &format!("{top}/ring-page-order"), &o.to_string())
                 .expect("key");
         }
         let gfn = gfns[0];

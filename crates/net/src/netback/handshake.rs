@@ -378,17 +378,7 @@ impl<X: Xen> Vif<X> {
         let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, Some(journals))?;
         taken.bind(fe, &fdir, &n)?;
         let (kept, ctrl) = taken.keep();
-        let mut v = Self::connected(
-            xen,
-            fe,
-            handle,
-            index,
-            slot_base,
-            &n,
-            kept,
-            ctrl,
-            None,
-        );
+        let mut v = Self::connected(xen, fe, handle, index, slot_base, &n, kept, ctrl, None);
         v.tx_copy = true;
         // What the dead one recorded and did not publish goes to the front end now, and
         // one notification whatever the front end asked for.
