@@ -920,12 +920,15 @@ impl<X: Xen> Blkback<X> {
 
     /// Whether requests wait on the ring that the last [`Blkback::serve`] left for its
     /// budget: the caller serves again at its next pass, without waiting for an event.
+    /// If none do, the front end is asked to notify its next one (`req_event` armed, then
+    /// the ring looked at again): a serve that stopped at its budget just as the ring
+    /// emptied had not asked, and a front end posting after it would not have notified.
     pub fn pending(&mut self) -> bool {
         self.broken.is_none()
             && self
                 .ring
                 .as_mut()
-                .is_some_and(|r| r.requests_available().is_ok_and(|n| n > 0))
+                .is_some_and(|r| r.final_check_for_requests().is_ok_and(|more| more))
     }
 
     /// Sets the requests one `serve` takes at most (at least 1).

@@ -251,12 +251,12 @@ impl Hostile {
         (gfn, r)
     }
 
-    /// Pushes `reqs` and publishes them.
-    pub fn send(&mut self, reqs: &[RawRequest]) {
+    /// Pushes `reqs` and publishes them; whether the back end asked to be notified.
+    pub fn send(&mut self, reqs: &[RawRequest]) -> bool {
         for r in reqs {
             self.ring.push_request(r).expect("push");
         }
-        self.ring.push_requests_and_check_notify();
+        self.ring.push_requests_and_check_notify()
     }
 
     /// Every response published.
