@@ -5,18 +5,19 @@
 #   vmlinuz        Debian 12's kernel, dom0's and the domU's (PV on both sides)
 #   initrd.img     dom0's initramfs (Debian's own, from update-initramfs)
 #   dom0.img       dom0's root filesystem: debootstrap + Xen's tools (xl, xenstored)
-#   domu.cpio.gz   the domU's whole root, an initramfs: busybox, iperf3, mke2fs, the
+#   domu.cpio.gz   the domU's whole root, an initramfs: busybox, iperf3, fio, mke2fs, the
 #                  front-end modules; its /init runs the checks the interop script names
 #
 # Everything comes from Debian's packages; nothing is built from source. The cache is
-# keyed by this script's own hash, so a change here rebuilds.
+# keyed by the hash of this script, the domU's /init and its initramfs builder, so a change
+# to any rebuilds.
 #
 # usage: scripts/xen-interop/images.sh [CACHE_DIR]
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${1:-${PVIO_INTEROP_CACHE:-$HOME/.cache/pvio/xen-interop}}"
-key="$(cat "$here/images.sh" "$here/domu-init" | sha256sum | cut -c1-16)"
+key="$(cat "$here/images.sh" "$here/domu-init" "$here/domu-initramfs" | sha256sum | cut -c1-16)"
 out="$cache/$key"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
@@ -44,7 +45,7 @@ mkdir -p "$work"
 
 echo "debootstrap: dom0's root (several minutes)" >&2
 debootstrap --variant=minbase \
-    --include=systemd-sysv,udev,kmod,iproute2,iputils-ping,procps,iperf3,e2fsprogs,busybox-static,linux-image-amd64,initramfs-tools,xen-system-amd64,xen-utils-4.17,xen-utils-common \
+    --include=systemd-sysv,udev,kmod,iproute2,iputils-ping,procps,iperf3,fio,e2fsprogs,busybox-static,linux-image-amd64,initramfs-tools,xen-system-amd64,xen-utils-4.17,xen-utils-common \
     bookworm "$root" "$mirror" >&2
 
 # dom0's own settings: root on the first virtio disk, the console on Xen's, no password.

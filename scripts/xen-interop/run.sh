@@ -5,7 +5,9 @@
 #
 #   BACKEND=linux   Linux's own xen-netback and xen-blkback serve the domU (the
 #                   reference: what Linux's front ends negotiate with Linux's back ends)
-#   BACKEND=pvio    `pvio backend` in dom0's user space serves them
+#   BACKEND=pvio    `pvio backend` in dom0's user space serves them, as its systemd unit
+#                   (dist/pvio-backend.service) runs it; round 3 restarts it twice
+#   DOMU_VCPUS=N    the domU's vCPUs (1; blkfront takes one queue a vCPU)
 #
 # usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
 # Needs root (debootstrap, for the cached images). Minutes per boot: TCG is slow.
@@ -27,9 +29,15 @@ mkdir -p "$ex/x"
 cp "$here/dom0-run" "$ex/x/run-dom0"
 cp "$here/payload-server.py" "$ex/x/payload-server.py"
 echo "$backend" >"$ex/x/backend"
+# The domU's vCPUs (dom0-run says why one by default).
+echo "${DOMU_VCPUS:-1}" >"$ex/x/domu-vcpus"
 stage="$ex/plan"
 mkdir -p "$stage"
 install -m 0755 "$here/domu-plan" "$stage/plan"
+# Module parameters the domU's /init applies: Linux's blkfront asks for a ring of
+# 2^4 pages only when told to (its default is one page).
+mkdir -p "$stage/etc"
+echo "xen-blkfront.ko max_ring_page_order=4" >"$stage/etc/modparams"
 (cd "$stage" && find . -print0 | cpio --null -o -H newc --quiet | gzip -9) >"$ex/x/plan.cpio.gz"
 if [[ "$backend" == pvio ]]; then
     # dom0 is Debian 12, like the machine this builds on: the ordinary build runs there.
@@ -37,6 +45,7 @@ if [[ "$backend" == pvio ]]; then
         (cd "$repo" && cargo build --release -p pvio >&2)
     fi
     install -m 0755 "${PVIO_BIN:-$repo/target/release/pvio}" "$ex/x/pvio"
+    install -m 0644 "$repo/dist/pvio-backend.service" "$ex/x/pvio-backend.service"
 fi
 # The exchange disk: dom0 mounts it, runs run-dom0 and leaves its results on it.
 mke2fs -q -t ext4 -L pvio-x -d "$ex/x" "$ex/x.img" 1G >&2
@@ -75,8 +84,13 @@ log="$out/x/out/dom0.log"
 sha() { sed -n "s/.*sha $1 \([0-9a-f]*\).*/\1/p" "$log" | head -n1; }
 {
     grep -a "pvio-check" "$log" | sed 's/^.*pvio-check /pvio-check /'
-    for dir in up down; do
-        if [[ "$dir" == up ]]; then a=$(sha up-sent); b=$(sha up-received); else a=$(sha down-sent); b=$(sha down-received); fi
+    for dir in up down restart; do
+        case "$dir" in
+        up) a=$(sha up-sent); b=$(sha up-received) ;;
+        down) a=$(sha down-sent); b=$(sha down-received) ;;
+        # Only BACKEND=pvio runs the restart round, and its paced stream.
+        restart) [[ "$backend" == pvio ]] || continue; a=$(sha slow-sent); b=$(sha slow-received) ;;
+        esac
         if [[ -n "$a" && "$a" == "$b" ]]; then
             echo "pvio-check payload-$dir ok sha256 $a at both ends"
         else

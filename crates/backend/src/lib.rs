@@ -1033,8 +1033,9 @@ impl Backend {
                 }
             }
             if n > 0 && !close {
+                let s = if n == 1 { "" } else { "s" };
                 self.log
-                    .line(&format!("vbd {fe}/{devid}: handed over ({n} queues)"));
+                    .line(&format!("vbd {fe}/{devid}: handed over ({n} queue{s})"));
             }
         }
         let stopped = format!(

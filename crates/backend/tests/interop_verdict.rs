@@ -57,6 +57,11 @@ fn a_run_that_misses_repeats_fails_or_trickles_is_a_failed_run() {
     for name in [
         "restart-vif",
         "restart-disk",
+        "restart-takeover",
+        "restart-connected",
+        "served-by-pvio",
+        "features",
+        "fio-seqwrite",
         "disk",
         "payload-up",
         "iperf3-down",
@@ -75,8 +80,16 @@ fn a_run_that_misses_repeats_fails_or_trickles_is_a_failed_run() {
     // A failed check.
     let failed = pvio.replacen("pvio-check disk ok", "pvio-check disk FAIL", 1);
     assert!(!verdict("pvio", &failed).0);
-    // TCP at a trickle.
-    let slow = pvio.replacen("485 Mbits/sec receiver", "0.4 Mbits/sec receiver", 1);
+    // TCP at a trickle: the up stream's receiver rate, whatever it was, made 0.4.
+    let up = pvio
+        .lines()
+        .find(|l| l.starts_with("pvio-check iperf3-up ok"))
+        .expect("iperf3-up");
+    let (head, tail) = up
+        .rsplit_once(" Mbits/sec receiver")
+        .expect("a receiver rate");
+    let (head, _rate) = head.rsplit_once(' ').expect("a rate");
+    let slow = pvio.replacen(up, &format!("{head} 0.4 Mbits/sec receiver{tail}"), 1);
     let (ok, out) = verdict("pvio", &slow);
     assert!(!ok && out.contains("iperf3-up: 0.4 Mbit/s"), "{out}");
     // Nothing at all.
