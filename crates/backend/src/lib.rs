@@ -642,7 +642,7 @@ impl Backend {
         };
         if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
             match self.open_disk(fe, devid) {
-                Ok(disk) => {
+                Ok((disk, _)) => {
                     if let Err(e) =
                         blkback::probe(self.xen.store(), self.me, fe, devid, &disk, true)
                     {
@@ -676,7 +676,7 @@ impl Backend {
     /// script resolved (`physical-device`, as Linux's blkback opens it: a `phy:` disk, or
     /// the loop device the `block` script set up for a file), else `params` (a file or a
     /// device); `mode` r opens it read-only.
-    fn open_disk(&self, fe: DomId, devid: u32) -> Result<FileDisk, String> {
+    fn open_disk(&self, fe: DomId, devid: u32) -> Result<(FileDisk, String), String> {
         let bdir = blk::xenbus::backend_dir(self.me, fe, devid);
         let store = self.xen.store();
         let path = match store.read(self.me, &format!("{bdir}/physical-device")) {
@@ -689,7 +689,9 @@ impl Backend {
         let ro = store
             .read(self.me, &format!("{bdir}/mode"))
             .is_ok_and(|m| m == "r");
-        FileDisk::open(std::path::Path::new(&path), ro).map_err(|e| format!("{path}: {e}"))
+        FileDisk::open(std::path::Path::new(&path), ro)
+            .map(|d| (d, path.clone()))
+            .map_err(|e| format!("{path}: {e}"))
     }
 
     fn step_vif(&mut self, key: (u16, u32)) {
@@ -883,7 +885,7 @@ impl Backend {
                 .switch_state(me, &bdir, XenbusState::Closed);
         } else if !connected && bstate == XenbusState::Closed && fstate == XenbusState::Initialising
         {
-            if let Ok(disk) = self.open_disk(fe, devid) {
+            if let Ok((disk, _)) = self.open_disk(fe, devid) {
                 if blkback::probe(self.xen.store(), me, fe, devid, &disk, true).is_ok() {
                     self.log
                         .line(&format!("vbd {}/{devid}: offered again", fe.0));
@@ -909,8 +911,9 @@ impl Backend {
         let xen = Arc::clone(&self.xen);
         // The journals the back end before recorded in, if it left them.
         let journals = resume.then(|| (0..blkback::MAX_QUEUES).map(journal).collect());
-        let r = self.open_disk(fe, devid).and_then(|disk| {
+        let r = self.open_disk(fe, devid).and_then(|(disk, path)| {
             Blkback::connect_queues(xen, fe, devid, slot_base, disk, journals)
+                .map(|b| (b, path))
                 .map_err(|e| e.to_string())
         });
         let Some(d) = self.vbds.get_mut(&key) else {
@@ -918,7 +921,7 @@ impl Backend {
         };
         d.resume = false;
         match r {
-            Ok(backs) => {
+            Ok((backs, path)) => {
                 let mut unrecorded = 0;
                 let mut replayed = 0;
                 for (q, mut b) in backs.into_iter().enumerate() {
@@ -947,7 +950,7 @@ impl Backend {
                 self.counts.connected += 1;
                 self.counts.resumed += u64::from(resume);
                 let line = format!(
-                    "vbd {}/{devid}: {} ({n} queue{}): {}",
+                    "vbd {}/{devid}: {} ({n} queue{}, {path}): {}",
                     fe.0,
                     if resume { "resumed" } else { "connected" },
                     if n == 1 { "" } else { "s" },
