@@ -3,27 +3,16 @@
 //! store — it takes back every grant, keeps the packets the dead back end never
 //! answered, reconnects and sends them again, in order. Nothing of the guest stays held.
 
+mod common;
+
 use std::sync::Arc;
 
-use hv::{Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor};
-use net::netback::VIF_WINDOW_SLOTS;
+use common::domain;
+use hv::{Domain, GrantPath, HvConfig, Hypervisor};
 use net::netfront::FrontConfig;
 use net::netfront::LinkChange;
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
-
-fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
-    hv.create_domain(&DomainConfig {
-        name: name.into(),
-        pages: 2048,
-        grant_frames: 4,
-        grant_version: GrantVersion::V2,
-        vcpus: 1,
-        map_slots: if driver { VIF_WINDOW_SLOTS } else { 4 },
-        driver_domain: driver,
-    })
-    .expect("domain")
-}
 
 const SPEC: VifSpec = VifSpec {
     handle: 0,

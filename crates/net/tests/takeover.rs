@@ -3,12 +3,15 @@
 //! stay `Connected`, the front end notices nothing, every request is answered once and
 //! every packet arrives intact. `pvio backend` does this across its own restart.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::domain;
 use hv::store::{XenStore, XenbusState};
-use hv::{Domain, DomainConfig, GrantVersion, HvConfig, Hypervisor};
-use net::netback::{Journals, Vif, JOURNAL_LEN_RX, JOURNAL_LEN_TX, VIF_WINDOW_SLOTS};
+use hv::{Domain, HvConfig, Hypervisor};
+use net::netback::{Journals, Vif, JOURNAL_LEN_RX, JOURNAL_LEN_TX};
 use net::netfront::{FrontConfig, LinkChange, Netfront};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
 use net::toolstack::{self, VifSpec};
@@ -28,19 +31,6 @@ struct Rig {
     dpool: SkbPool,
     front: Netfront,
     jpath: [PathBuf; 2],
-}
-
-fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
-    hv.create_domain(&DomainConfig {
-        name: name.into(),
-        pages: 2048,
-        grant_frames: 4,
-        grant_version: GrantVersion::V2,
-        vcpus: 1,
-        map_slots: if driver { VIF_WINDOW_SLOTS } else { 4 },
-        driver_domain: driver,
-    })
-    .expect("domain")
 }
 
 fn journals(jpath: &[PathBuf; 2]) -> Journals {

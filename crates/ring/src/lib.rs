@@ -1349,24 +1349,10 @@ mod tests {
         // The dead back end took all six and answered two, published; then answered
         // two more, and died after their batch was recorded and their slots written,
         // before publishing them: rsp_prod still at 2.
-        for _ in 0..2 {
-            let r = b.take_request().expect("valid").expect("one");
-            b.push_response(&Rsp {
-                id: r.id,
-                status: 7,
-            })
-            .expect("answer");
-        }
+        take_and_answer(&mut b, 2, 7);
         assert!(b.push_responses_and_check_notify());
         assert_eq!(response_ids(&mut f), [0, 1]);
-        for _ in 0..2 {
-            let r = b.take_request().expect("valid").expect("one");
-            b.push_response(&Rsp {
-                id: r.id,
-                status: 7,
-            })
-            .expect("answer");
-        }
+        take_and_answer(&mut b, 2, 7);
         let staged = b.recorded().expect("a record");
         assert_eq!(staged.end(), 2, "staged, not yet recorded");
         b.push_responses_and_check_notify();
@@ -1446,6 +1432,14 @@ mod tests {
         j.store(8, 16).expect("slots");
         assert_eq!(Recorder::<Rsp>::last(&j, 256), None);
         let _ = std::fs::remove_file(&path);
+    }
+
+    /// Takes `n` requests and answers each with `status` (not yet published).
+    fn take_and_answer(b: &mut Back, n: usize, status: i16) {
+        for _ in 0..n {
+            let r = b.take_request().expect("valid").expect("one");
+            b.push_response(&Rsp { id: r.id, status }).expect("answer");
+        }
     }
 
     fn b_take(b: &mut Back) -> u16 {

@@ -1,9 +1,29 @@
-//! What several integration tests build: TCP/IPv4 frames with complete checksums.
+//! What several integration tests build: TCP/IPv4 frames with complete checksums, and
+//! domains for a guest and its driver domain.
 
 #![allow(dead_code)]
 
+use std::sync::Arc;
+
+use hv::{Domain, DomainConfig, GrantVersion, Hypervisor};
+use net::netback::VIF_WINDOW_SLOTS;
 use net::offload::{checksum_setup, fill_partial, set_pseudo, Csum, Offload, L4};
 use smoltcp::wire::checksum;
+
+/// A domain of 2048 pages with v2 grants: a driver domain (window slots for one vif) if
+/// `driver`, else a guest.
+pub fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
+    hv.create_domain(&DomainConfig {
+        name: name.into(),
+        pages: 2048,
+        grant_frames: 4,
+        grant_version: GrantVersion::V2,
+        vcpus: 1,
+        map_slots: if driver { VIF_WINDOW_SLOTS } else { 4 },
+        driver_domain: driver,
+    })
+    .expect("domain")
+}
 
 /// Ethernet header.
 const ETH: usize = 14;
