@@ -8,10 +8,13 @@
 //! holder keeps its own answer.
 //!
 //! A read or write maps the request's segments into the driver domain's window in one
-//! batch (read-only for a write, whose pages the back end only reads), moves each
-//! segment's sectors between the disk and the mapped page with no buffer between (the
-//! disk's [`FileDisk::read_to_window`], a controller's DMA into the page), and unmaps the
-//! batch (one shoot-down). With `feature-persistent` a front end grants a fixed pool of
+//! batch (read-only for a write, whose pages the back end only reads), moves the whole
+//! request between the disk and the mapped pages in one vectored transfer with no buffer
+//! between (the disk's [`FileDisk::read_vectored`], a controller's scatter-gather DMA
+//! into the pages), and unmaps the batch (one shoot-down). A back end in user space
+//! (`pvio backend`), where each map and unmap is a system call and a page-table update,
+//! copies those segments through pages of its own by one batch of grant copies instead
+//! ([`Blkback::copy_transient`]). With `feature-persistent` a front end grants a fixed pool of
 //! pages once; the back end keeps each mapped at a slot of its own after its first use,
 //! up to [`PERSISTENT_MAX`], and maps any beyond that per request, as Linux does. An
 //! indirect request's segment pages are mapped read-only for the request, their
@@ -31,7 +34,10 @@ use std::time::Instant;
 use hv::profile::{enter, Class};
 use hv::store::xenbus::{self as netbus, XenbusError};
 use hv::store::{XenStore, XenbusState};
-use hv::{DomId, Domain, GrantError, GrantHandle, GrantRef, MapOp, Port, Pvio, Xen};
+use hv::{
+    CopyPtr, DiskPiece, DomId, Domain, Gfn, GrantCopy, GrantError, GrantHandle, GrantRef,
+    GrantStatus, MapOp, Port, Pvio, Xen,
+};
 use mem::MappedPage;
 use ring::{BackRing, PagesRing, RingError, MAX_RING_PAGES};
 
@@ -137,6 +143,9 @@ pub struct VbdStats {
     /// Grants mapped for one request and unmapped after it (segments' pages and
     /// indirect pages).
     pub transient_maps: u64,
+    /// Segments copied through the back end's own pages by grant copy instead of
+    /// mapped ([`Blkback::copy_transient`]).
+    pub transient_copies: u64,
     /// Notifications sent to the front end.
     pub notifies: u64,
 }
@@ -158,6 +167,7 @@ hv::counter_set!(VbdStats {
     persistent_hits,
     persistent_maps,
     transient_maps,
+    transient_copies,
     notifies,
 });
 
@@ -348,6 +358,53 @@ impl<S: FnMut(&[u8]) -> bool> AoeIo for RemoteIo<'_, S> {
     }
 }
 
+/// Pages of a back end's own that requests' segments are copied through
+/// ([`Blkback::copy_transient`]): one a segment of the largest request. One set serves
+/// any number of devices (a request holds it while it is served, so devices served by
+/// one thread never wait for it); the pages go back to their domain with the last
+/// holder.
+#[derive(Debug, Clone)]
+pub struct Bounce {
+    pages: std::sync::Arc<std::sync::Mutex<BouncePages>>,
+}
+
+#[derive(Debug)]
+struct BouncePages {
+    dom: std::sync::Arc<Domain>,
+    gfns: Vec<Gfn>,
+}
+
+impl std::ops::Deref for BouncePages {
+    type Target = [Gfn];
+    fn deref(&self) -> &[Gfn] {
+        &self.gfns
+    }
+}
+
+impl Drop for BouncePages {
+    fn drop(&mut self) {
+        for g in self.gfns.drain(..) {
+            let _ = self.dom.free_page(g);
+        }
+    }
+}
+
+impl Bounce {
+    /// [`MAX_INDIRECT_SEGMENTS`] pages of `dom`'s; `None` if it has not that many free.
+    pub fn new(dom: &std::sync::Arc<Domain>) -> Option<Self> {
+        let mut pages = BouncePages {
+            dom: std::sync::Arc::clone(dom),
+            gfns: Vec::with_capacity(usize::from(MAX_INDIRECT_SEGMENTS)),
+        };
+        for _ in 0..MAX_INDIRECT_SEGMENTS {
+            pages.gfns.push(dom.alloc_page().ok()?);
+        }
+        Some(Self {
+            pages: std::sync::Arc::new(std::sync::Mutex::new(pages)),
+        })
+    }
+}
+
 /// One virtual block device's back end.
 #[derive(Debug)]
 pub struct Blkback<X: Xen = Pvio> {
@@ -374,6 +431,13 @@ pub struct Blkback<X: Xen = Pvio> {
     map_res: Vec<Result<GrantHandle, GrantError>>,
     unmaps: Vec<GrantHandle>,
     unmap_st: Vec<Result<(), GrantError>>,
+    /// A request's pieces for the disk: its segments' bytes where they lie.
+    pieces: Vec<DiskPiece>,
+    /// The back end's own pages a request's segments that are not persistent are
+    /// copied through (none: they are mapped instead).
+    bounce: Option<Bounce>,
+    copies: Vec<GrantCopy>,
+    copy_st: Vec<GrantStatus>,
     stats: VbdStats,
     broken: Option<Broken>,
 }
@@ -386,6 +450,59 @@ fn answer(ring: &mut Option<Back>, rsp: &Response) -> Result<(), RingError> {
     match ring.as_mut() {
         Some(ring) => ring.push_response(rsp),
         None => Ok(()),
+    }
+}
+
+/// Where a segment's sectors lie in its page: their offset and length in bytes.
+fn seg_bytes(seg: &Segment) -> (usize, usize) {
+    let nsect = usize::from(seg.last_sect - seg.first_sect) + 1;
+    (
+        usize::from(seg.first_sect) * SECTOR_SIZE as usize,
+        nsect * SECTOR_SIZE as usize,
+    )
+}
+
+fn piece_len(p: &DiskPiece) -> usize {
+    match *p {
+        DiskPiece::Window { len, .. } | DiskPiece::Own { len, .. } => len,
+    }
+}
+
+/// The slot a persistent grant is mapped at: found, or mapped read-write now and kept
+/// while slots last. `None`: no slot left, or not mappable read-write (the request then
+/// maps or copies it as it needs, a write needing only to read it).
+fn persistent_slot<X: Xen>(
+    p: &mut Persistent,
+    xen: &X,
+    fe: DomId,
+    gref: u32,
+    stats: &mut VbdStats,
+) -> Option<u32> {
+    if let Some(&(slot, _)) = p.slots.get(&gref) {
+        stats.persistent_hits += 1;
+        return Some(slot);
+    }
+    let slot = p.free.pop()?;
+    let mut res = [Err(GrantError::BadHandle(0))];
+    xen.grant_map(
+        &[MapOp {
+            dom: fe,
+            gref: GrantRef(gref),
+            readonly: false,
+            slot,
+        }],
+        &mut res,
+    );
+    match res[0] {
+        Ok(h) => {
+            p.slots.insert(gref, (slot, h));
+            stats.persistent_maps += 1;
+            Some(slot)
+        }
+        Err(_) => {
+            p.free.push(slot);
+            None
+        }
     }
 }
 
@@ -855,9 +972,27 @@ impl<X: Xen> Blkback<X> {
             map_res: vec![Err(GrantError::BadHandle(0)); max_segs],
             unmaps: Vec::with_capacity(max_segs),
             unmap_st: vec![Ok(()); max_segs],
+            pieces: Vec::with_capacity(max_segs),
+            bounce: None,
+            copies: Vec::with_capacity(max_segs),
+            copy_st: vec![Ok(()); max_segs],
             stats: VbdStats::default(),
             broken: None,
         })
+    }
+
+    /// Copies each segment that is not persistently mapped through `bounce` (pages of
+    /// the back end's own) by grant copy, one batch a request, instead of mapping it for
+    /// the request and unmapping it after: what a back end in user space does, where
+    /// each map and unmap is a system call and a page-table update, and a batch of
+    /// copies is one call (QEMU's `xen_disk` does the same). `false` (and segments
+    /// mapped as before) for a remote disk, whose requests stay in flight.
+    pub fn copy_transient(&mut self, bounce: Bounce) -> bool {
+        if !matches!(self.store, Store::File(_)) {
+            return false;
+        }
+        self.bounce = Some(bounce);
+        true
     }
 
     /// The local end of the device's event channel.
@@ -1121,6 +1256,9 @@ impl<X: Xen> Blkback<X> {
     /// A read or write of the checked segments in `segs` from `sector` on: done now
     /// from a file, or sent to a remote disk with its segments left mapped.
     fn rw(&mut self, raw: &RawRequest, write: bool, sector: u64) -> Result<Outcome, Failed> {
+        if self.bounce.is_some() && matches!(self.store, Store::File(_)) {
+            return self.rw_copying(write, sector);
+        }
         let k = match &self.store {
             Store::Remote(r) => match r.free.last() {
                 Some(&k) => Some(k),
@@ -1141,29 +1279,29 @@ impl<X: Xen> Blkback<X> {
         let r = match (&mut self.store, mapped) {
             (_, false) => Err(Failed::Grant),
             (Store::File(disk), true) => {
-                let win = self.xen.domain().window();
+                // The whole request in one transfer, each segment's sectors straight
+                // into or out of its mapped page.
+                self.pieces.clear();
+                self.pieces
+                    .extend(self.segs.iter().zip(&self.at).map(|(seg, &slot)| {
+                        let (offset, len) = seg_bytes(seg);
+                        DiskPiece::Window { slot, offset, len }
+                    }));
+                let dom = self.xen.domain();
                 let _d = enter(Class::Disk);
-                let mut s = sector;
-                let mut r = Ok(Outcome::Done);
-                for (seg, &slot) in self.segs.iter().zip(&self.at) {
-                    let off = usize::from(seg.first_sect) * SECTOR_SIZE as usize;
-                    let nsect = u64::from(seg.last_sect - seg.first_sect) + 1;
-                    let len = (nsect * SECTOR_SIZE) as usize;
-                    let io = if write {
-                        disk.write_from_window(win, slot, off, len, s)
-                    } else {
-                        disk.read_to_window(win, slot, off, len, s)
-                    };
-                    if io.is_err() {
-                        r = Err(Failed::Io);
-                        break;
+                let io = if write {
+                    disk.write_vectored(dom, &self.pieces, sector)
+                } else {
+                    disk.read_vectored(dom, &self.pieces, sector)
+                };
+                match io {
+                    Ok(()) => {
+                        let n = self.pieces.iter().map(|p| piece_len(p) as u64).sum::<u64>();
+                        self.count_rw(write, n / SECTOR_SIZE);
+                        Ok(Outcome::Done)
                     }
-                    s += nsect;
+                    Err(_) => Err(Failed::Io),
                 }
-                if r.is_ok() {
-                    self.count_rw(write, s - sector);
-                }
-                r
             }
             (Store::Remote(rm), true) => {
                 // Its mappings stay until the target has answered.
@@ -1185,6 +1323,88 @@ impl<X: Xen> Blkback<X> {
         r
     }
 
+    /// A read or write from a file with [`Blkback::copy_transient`]: persistent grants
+    /// are used where they are mapped (or mapped now, while slots last); every other
+    /// segment is copied by one batch of grant copies into the back end's own pages
+    /// before a write, or out of them after a read. The disk moves the whole request in
+    /// one transfer either way.
+    fn rw_copying(&mut self, write: bool, sector: u64) -> Result<Outcome, Failed> {
+        let Self {
+            xen,
+            fe,
+            store,
+            persistent,
+            segs,
+            pieces,
+            bounce,
+            copies,
+            copy_st,
+            stats,
+            ..
+        } = self;
+        let (Store::File(disk), Some(bounce)) = (store, bounce.as_ref()) else {
+            return Err(Failed::Io);
+        };
+        // Held for the request: a set of pages may serve several devices.
+        let bounce = bounce.pages.lock().unwrap_or_else(|p| p.into_inner());
+        pieces.clear();
+        copies.clear();
+        for seg in segs.iter() {
+            let (offset, len) = seg_bytes(seg);
+            if let Some(slot) = persistent
+                .as_mut()
+                .and_then(|p| persistent_slot(p, xen, *fe, seg.gref, stats))
+            {
+                pieces.push(DiskPiece::Window { slot, offset, len });
+                continue;
+            }
+            let Some(&gfn) = bounce.get(copies.len()) else {
+                return Err(Failed::Io);
+            };
+            pieces.push(DiskPiece::Own { gfn, offset, len });
+            let theirs = CopyPtr::Gref {
+                dom: *fe,
+                gref: GrantRef(seg.gref),
+                offset: offset as u16,
+            };
+            let ours = CopyPtr::Local {
+                gfn,
+                offset: offset as u16,
+            };
+            let (source, dest) = if write { (theirs, ours) } else { (ours, theirs) };
+            copies.push(GrantCopy {
+                source,
+                dest,
+                len: len as u16,
+            });
+        }
+        let n = copies.len();
+        stats.transient_copies += n as u64;
+        let copy = |st: &mut [GrantStatus]| n == 0 || xen.grant_copy(copies, st) == n;
+        if write && !copy(&mut copy_st[..n]) {
+            return Err(Failed::Grant);
+        }
+        let dom = xen.domain();
+        let io = {
+            let _d = enter(Class::Disk);
+            if write {
+                disk.write_vectored(dom, pieces, sector)
+            } else {
+                disk.read_vectored(dom, pieces, sector)
+            }
+        };
+        if io.is_err() {
+            return Err(Failed::Io);
+        }
+        if !write && !copy(&mut copy_st[..n]) {
+            return Err(Failed::Grant);
+        }
+        let sectors = pieces.iter().map(|p| piece_len(p) as u64).sum::<u64>() / SECTOR_SIZE;
+        drop(bounce);
+        self.count_rw(write, sectors);
+        Ok(Outcome::Done)
+    }
+
     fn count_rw(&mut self, write: bool, sectors: u64) {
         if write {
             self.stats.writes += 1;
@@ -1204,33 +1424,13 @@ impl<X: Xen> Blkback<X> {
         self.maps.clear();
         let mut transient = transient_base;
         for seg in &self.segs {
-            if let Some(p) = self.persistent.as_mut() {
-                if let Some(&(slot, _)) = p.slots.get(&seg.gref) {
-                    self.stats.persistent_hits += 1;
-                    self.at.push(slot);
-                    continue;
-                }
-                if let Some(slot) = p.free.pop() {
-                    let mut res = [Err(GrantError::BadHandle(0))];
-                    self.xen.grant_map(
-                        &[MapOp {
-                            dom: self.fe,
-                            gref: GrantRef(seg.gref),
-                            readonly: false,
-                            slot,
-                        }],
-                        &mut res,
-                    );
-                    if let Ok(h) = res[0] {
-                        p.slots.insert(seg.gref, (slot, h));
-                        self.stats.persistent_maps += 1;
-                        self.at.push(slot);
-                        continue;
-                    }
-                    // Not mappable read-write: the slot goes back and the grant is
-                    // tried as the request needs it (a write needs only reading).
-                    p.free.push(slot);
-                }
+            if let Some(slot) = self
+                .persistent
+                .as_mut()
+                .and_then(|p| persistent_slot(p, &self.xen, self.fe, seg.gref, &mut self.stats))
+            {
+                self.at.push(slot);
+                continue;
             }
             self.maps.push(MapOp {
                 dom: self.fe,
@@ -1433,6 +1633,7 @@ impl<X: Xen> Blkback<X> {
         self.xen
             .grant_unmap(&self.ring_handles, &mut self.unmap_st[..n]);
         let _ = self.xen.evtchn_close(self.port);
+        self.bounce = None;
     }
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.

@@ -11,7 +11,8 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use mem::{MapWindow, MemError};
+use hv::{DiskPiece, Domain, DomainError};
+use mem::MemError;
 
 use crate::blkif::SECTOR_SIZE;
 
@@ -81,6 +82,23 @@ fn mem_error(e: MemError) -> io::Error {
         MemError::Os(errno) => io::Error::from_raw_os_error(errno),
         e => io::Error::other(e),
     }
+}
+
+fn domain_error(e: DomainError) -> io::Error {
+    match e {
+        DomainError::Access(m) => mem_error(m),
+        e => io::Error::other(e),
+    }
+}
+
+/// Bytes a transfer's pieces hold.
+fn pieces_len(pieces: &[DiskPiece]) -> usize {
+    pieces
+        .iter()
+        .map(|p| match *p {
+            DiskPiece::Window { len, .. } | DiskPiece::Own { len, .. } => len,
+        })
+        .sum()
 }
 
 fn out_of_range() -> io::Error {
@@ -157,38 +175,23 @@ impl FileDisk {
         self.file.write_all_at(data, off)
     }
 
-    /// Reads `len` bytes from `sector` on straight into the page mapped at window `slot`
-    /// from `offset`, as a controller's DMA lands in a mapped guest page: one `pread`
-    /// into the frame, no buffer between.
-    pub fn read_to_window(
-        &self,
-        win: &MapWindow,
-        slot: u32,
-        offset: usize,
-        len: usize,
-        sector: u64,
-    ) -> io::Result<()> {
-        let off = self.at(sector, len)?;
-        win.read_file(slot, offset, len, self.file.as_fd(), off)
-            .map_err(mem_error)
+    /// Reads the sectors from `sector` on into `pieces`, one after another, as a
+    /// controller's scatter-gather DMA lands one request in its pages: one `preadv` for
+    /// the whole request (the pages `dom` maps for it and its own).
+    pub fn read_vectored(&self, dom: &Domain, pieces: &[DiskPiece], sector: u64) -> io::Result<()> {
+        let off = self.at(sector, pieces_len(pieces))?;
+        dom.file_io(true, pieces, self.file.as_fd(), off)
+            .map_err(domain_error)
     }
 
-    /// Writes `len` bytes of the page mapped at window `slot` from `offset` to the disk
-    /// from `sector` on.
-    pub fn write_from_window(
-        &self,
-        win: &MapWindow,
-        slot: u32,
-        offset: usize,
-        len: usize,
-        sector: u64,
-    ) -> io::Result<()> {
+    /// Writes `pieces`, one after another, to the disk from `sector` on: one `pwritev`.
+    pub fn write_vectored(&self, dom: &Domain, pieces: &[DiskPiece], sector: u64) -> io::Result<()> {
         if self.read_only {
             return Err(read_only());
         }
-        let off = self.at(sector, len)?;
-        win.write_file(slot, offset, len, self.file.as_fd(), off)
-            .map_err(mem_error)
+        let off = self.at(sector, pieces_len(pieces))?;
+        dom.file_io(false, pieces, self.file.as_fd(), off)
+            .map_err(domain_error)
     }
 
     /// Writes what the disk holds in its cache out (`BLKIF_OP_FLUSH_DISKCACHE`).

@@ -146,12 +146,19 @@ fn file_at(path: &Path, sector: u64, len: usize) -> Vec<u8> {
 
 #[test]
 fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_grants() {
-    for persistent in [false, true] {
+    // Segments not persistently mapped are mapped per request, or (`copy`, as `pvio
+    // backend` serves them) copied through the back end's own pages.
+    for (persistent, copy) in [(false, false), (true, false), (false, true), (true, true)] {
         let h = host();
         let g = h.guest("guest");
-        let path = backing(&format!("rw-{persistent}"));
+        let path = backing(&format!("rw-{persistent}-{copy}"));
         let refs0 = g.grant_table().refs_free();
+        let free0 = h.drv.free_page_count();
         let (mut front, mut back) = h.plug(&g, 51712, 0, &path, persistent);
+        if copy {
+            let bounce = blkback::Bounce::new(&h.drv).expect("the back end has the pages");
+            assert!(back.copy_transient(bounce));
+        }
         assert_eq!(front.sectors(), SECTORS);
         assert_eq!(front.persistent(), persistent);
         assert_eq!(back.persistent(), persistent);
@@ -219,17 +226,25 @@ fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_gran
             // Each pool page mapped once and found mapped ever after; only the indirect
             // pages (granted read-only) are mapped per request.
             assert_eq!(s.transient_maps, 4);
+            assert_eq!(s.transient_copies, 0);
             assert_eq!(s.persistent_maps as usize, front.pool_pages());
             assert!(s.persistent_hits > 0);
             assert!(front.stats().bounce_bytes > 0);
+        } else if copy {
+            // Every segment copied, one batch a request; only indirect pages mapped.
+            assert_eq!(s.persistent_maps + s.persistent_hits, 0);
+            assert_eq!(s.transient_maps, 2 * 2);
+            assert_eq!(s.transient_copies, 2 * 2 * (1 + 11 + 32 + 5));
         } else {
             assert_eq!(s.persistent_maps + s.persistent_hits, 0);
             assert_eq!(s.transient_maps, 2 * 2 * (1 + 11 + 32 + 5) + 2 * 2);
+            assert_eq!(s.transient_copies, 0);
             assert_eq!(front.stats().bounce_bytes, 0);
         }
-        // Teardown gives every mapping and grant back.
+        // Teardown gives every mapping, grant and page back.
         back.disconnect();
         assert_eq!(h.hv.mappings_held(&h.drv), 0);
+        assert_eq!(h.drv.free_page_count(), free0);
         front.close();
         assert_eq!(g.grant_table().refs_free(), refs0);
         let _ = std::fs::remove_file(&path);
@@ -351,13 +366,22 @@ fn flush_and_discard_are_served_and_a_read_only_device_refuses_writes() {
 
 #[test]
 fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
+    // Segments mapped, or copied through the back end's pages (`pvio backend`).
+    for copy in [false, true] {
+        hostile_requests(copy);
+    }
+}
+
+fn hostile_requests(copy: bool) {
     let h = host();
     let g = h.guest("hostile");
-    let path = backing("hostile");
+    let path = backing(&format!("hostile-{copy}"));
     let disk = h.offer(&g, 51712, &path, false, false);
     let mut bad = Hostile::connect(&h, &g, 51712);
     let mut back =
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    assert!(!copy || back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
+    let before = file_at(&path, 24, 4096);
     let (page, r) = bad.granted(&h, false);
     let (ro_page, ro) = bad.granted(&h, true);
     g.fill(ro_page, 0, 4096, 0x5a).expect("fill");
@@ -385,6 +409,8 @@ fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
         // A good read, and then its id again in the same batch.
         rw(BLKIF_OP_READ, 10, 8, &[seg(r, 0, 7)]),
         rw(BLKIF_OP_WRITE, 10, 16, &[seg(r, 0, 7)]),
+        // A write from a good page and one outside the table: nothing reaches the disk.
+        rw(BLKIF_OP_WRITE, 11, 24, &[seg(r, 0, 7), seg(GrantRef(1 << 20), 0, 7)]),
     ];
     bad.send(&reqs);
     assert_eq!(back.serve(), reqs.len());
@@ -404,7 +430,8 @@ fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
             (8, e),
             (9, BLKIF_RSP_EOPNOTSUPP),
             (10, BLKIF_RSP_OKAY),
-            (10, e)
+            (10, e),
+            (11, e)
         ]
     );
     let s = back.stats();
@@ -417,8 +444,9 @@ fn a_hostile_front_end_gets_each_malformed_request_refused_and_counted() {
     ] {
         assert_eq!(s.refused.get(reason), n, "{reason:?}");
     }
-    assert_eq!((s.bad_grants, s.id_in_flight, s.done), (2, 1, 1));
+    assert_eq!((s.bad_grants, s.id_in_flight, s.done), (3, 1, 1));
     answered_once(s);
+    assert_eq!(file_at(&path, 24, 4096), before, "a failed write writes nothing");
     let mut b = [0u8; 4096];
     g.read(ro_page, 0, &mut b).expect("read");
     assert!(

@@ -53,6 +53,31 @@ impl Default for DomainConfig {
     }
 }
 
+/// A piece of a disk transfer ([`Domain::file_io`]): bytes of a page the domain maps at
+/// a window slot (a guest's), or of one of its own pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskPiece {
+    /// `len` bytes from `offset` of the page mapped at `slot`.
+    Window {
+        /// The window slot.
+        slot: u32,
+        /// Where in the page.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+    },
+    /// `len` bytes from `offset` of the domain's own page `gfn`.
+    Own {
+        /// The page.
+        gfn: Gfn,
+        /// Where in it.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+    },
+}
+
+
 /// Why a domain operation on its own memory was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum DomainError {
@@ -280,6 +305,44 @@ impl Domain {
             .window
             .copy_in(slot, offset, self.own(src)?, src_offset, len)?)
     }
+    /// Moves bytes between file `fd` (from byte `pos` on) and `pieces` in one vectored
+    /// call: pages this domain maps at window slots, and its own pages by frame number
+    /// (see [`mem::MapWindow::read_file_vectored`]). `read` fills the pieces from the
+    /// file; else they are written to it. A page the domain does not own refuses the
+    /// whole transfer before any byte moves.
+    pub fn file_io(
+        &self,
+        read: bool,
+        pieces: &[DiskPiece],
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+    ) -> Result<(), DomainError> {
+        let mut at = [mem::IoPiece::Frame {
+            mfn: Mfn(0),
+            offset: 0,
+            len: 0,
+        }; mem::MAX_IO_PIECES];
+        if pieces.len() > at.len() {
+            return Err(DomainError::Access(MemError::TooManyPieces(pieces.len())));
+        }
+        for (a, p) in at.iter_mut().zip(pieces) {
+            *a = match *p {
+                DiskPiece::Window { slot, offset, len } => mem::IoPiece::Slot { slot, offset, len },
+                DiskPiece::Own { gfn, offset, len } => mem::IoPiece::Frame {
+                    mfn: if read { self.own_w(gfn)? } else { self.own(gfn)? },
+                    offset,
+                    len,
+                },
+            };
+        }
+        let at = &at[..pieces.len()];
+        Ok(if read {
+            self.window.read_file_vectored(at, fd, pos)
+        } else {
+            self.window.write_file_vectored(at, fd, pos)
+        }?)
+    }
+
     /// Copies bytes of one of this domain's pages into a foreign page it maps and holds
     /// (see [`mem::MappedPage::copy_in`]): no reference taken per copy.
     #[inline]

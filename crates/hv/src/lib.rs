@@ -62,7 +62,7 @@ pub mod xen;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-pub use domain::{Domain, DomainConfig, DomainError, OwnPage};
+pub use domain::{DiskPiece, Domain, DomainConfig, DomainError, OwnPage};
 pub use event::{ChannelState, EvtchnError, IrqHandler, Virq};
 pub use grant::{CopyPtr, GrantCopy, GrantError, GrantPath, GrantStatus, GrantVersion, MapOp};
 pub use mem::{MachineMemory, MapBackend, PageAccess, PAGE_SIZE};

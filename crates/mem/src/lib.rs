@@ -31,7 +31,7 @@ mod window;
 pub mod xen;
 
 pub use machine::{FramePage, MachineMemory};
-pub use window::{MapBackend, MapWindow, MappedPage, SlotState};
+pub use window::{IoPiece, MapBackend, MapWindow, MappedPage, SlotState, MAX_IO_PIECES};
 
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 
@@ -124,6 +124,9 @@ pub enum MemError {
     /// The kernel refused an mmap/munmap; the errno is kept.
     #[error("operating system error {0}")]
     Os(i32),
+    /// A vectored transfer of more pieces than [`MAX_IO_PIECES`].
+    #[error("{0} pieces in one transfer (at most {MAX_IO_PIECES})")]
+    TooManyPieces(usize),
 }
 
 /// Checks that `[offset, offset + len)` lies inside one page.

@@ -75,6 +75,88 @@ pub enum SlotState {
     ReadWrite,
 }
 
+/// Pieces one vectored file transfer takes at most (a blkif request's 256 segments;
+/// Linux's `IOV_MAX` is 1024).
+pub const MAX_IO_PIECES: usize = 256;
+
+/// A piece of a vectored file transfer ([`MapWindow::read_file_vectored`]): bytes of the
+/// frame mapped at a window slot, or of one of the caller's own frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoPiece {
+    /// `len` bytes from `offset` of the page mapped at `slot`.
+    Slot {
+        /// The window slot.
+        slot: u32,
+        /// Where in the page.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+    },
+    /// `len` bytes from `offset` of the caller's frame `mfn`.
+    Frame {
+        /// The frame.
+        mfn: Mfn,
+        /// Where in it.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+    },
+}
+
+impl IoPiece {
+    /// Its offset in its page and its length.
+    pub fn range(&self) -> (usize, usize) {
+        match *self {
+            IoPiece::Slot { offset, len, .. } | IoPiece::Frame { offset, len, .. } => {
+                (offset, len)
+            }
+        }
+    }
+}
+
+/// Moves every byte `iov` describes between it and a file from byte `pos` on, calling
+/// `io(iovecs left, file offset)` (a `preadv` or `pwritev`) until all have moved: a
+/// short transfer goes on from where it stopped, an interrupted call is made again, the
+/// file's end is `EIO`.
+fn vectored_io(
+    iov: &mut [libc::iovec],
+    pos: u64,
+    mut io: impl FnMut(&[libc::iovec], libc::off_t) -> isize,
+) -> Result<(), MemError> {
+    let total: usize = iov.iter().map(|v| v.iov_len).sum();
+    let (mut first, mut done) = (0, 0);
+    while done < total {
+        let at =
+            libc::off_t::try_from(pos + done as u64).map_err(|_| MemError::Os(libc::EINVAL))?;
+        let mut n = match io(&iov[first..], at) {
+            0 => return Err(MemError::Os(libc::EIO)),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(MemError::Os(e.raw_os_error().unwrap_or(libc::EIO)));
+            }
+            n => n as usize,
+        };
+        done += n;
+        while n > 0 && first < iov.len() {
+            let v = &mut iov[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: `n < iov_len`, so the pointer stays inside the piece.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
+
 /// A window of `slots` page-sized slots.
 ///
 /// Access is refused unless the slot is mapped (and writable, for a write). An unmap is
@@ -589,6 +671,108 @@ impl MapWindow {
         r
     }
 
+    /// Reads file `fd` from byte `pos` on into `pieces`, one after another (a block back
+    /// end's read of a whole request, landing in the guest's pages it maps and in its
+    /// own): one `preadv` for all of them, a short transfer carried on from where it
+    /// stopped. A slot must be mapped writable. A file that ends first is `EIO`; more
+    /// than [`MAX_IO_PIECES`] pieces is refused.
+    pub fn read_file_vectored(
+        &self,
+        pieces: &[IoPiece],
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+    ) -> Result<(), MemError> {
+        self.file_vectored(pieces, fd, pos, true)
+    }
+
+    /// Writes `pieces`, one after another, to file `fd` from byte `pos` on (a block back
+    /// end's write of a whole request): one `pwritev`.
+    pub fn write_file_vectored(
+        &self,
+        pieces: &[IoPiece],
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+    ) -> Result<(), MemError> {
+        self.file_vectored(pieces, fd, pos, false)
+    }
+
+    fn file_vectored(
+        &self,
+        pieces: &[IoPiece],
+        fd: std::os::fd::BorrowedFd<'_>,
+        pos: u64,
+        read: bool,
+    ) -> Result<(), MemError> {
+        if pieces.len() > MAX_IO_PIECES {
+            return Err(MemError::TooManyPieces(pieces.len()));
+        }
+        for p in pieces {
+            let (offset, len) = p.range();
+            check_in_page(offset, len)?;
+        }
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; MAX_IO_PIECES];
+        // Every slot is held in use (it cannot be unmapped) until the transfer is over.
+        let mut held = 0;
+        let mut r = Ok(());
+        for (i, p) in pieces.iter().enumerate() {
+            let (offset, len) = p.range();
+            let base = match *p {
+                IoPiece::Slot { slot, .. } => match self.enter(slot, read, INFLIGHT_ONE) {
+                    Ok(mfn) => {
+                        held = i + 1;
+                        match self.foreign_addr(slot) {
+                            // SAFETY: the slot's page is mapped (entered above) and
+                            // `offset` lies inside it (checked above).
+                            Some(a) => Ok(unsafe { a.add(offset) }),
+                            // A frame of this machine's own: reached where it lives.
+                            None => self.mem.ptr(mfn, offset, len),
+                        }
+                    }
+                    Err(e) => Err(e),
+                },
+                IoPiece::Frame { mfn, .. } => {
+                    held = i + 1;
+                    self.mem.ptr(mfn, offset, len)
+                }
+            };
+            match base {
+                Ok(b) => {
+                    iov[i] = libc::iovec {
+                        iov_base: b.cast(),
+                        iov_len: len,
+                    }
+                }
+                Err(e) => {
+                    r = Err(e);
+                    break;
+                }
+            }
+        }
+        if r.is_ok() {
+            r = vectored_io(&mut iov[..pieces.len()], pos, |v, at| {
+                let n = v.len() as libc::c_int;
+                if read {
+                    // SAFETY: each iovec covers bytes inside a mapped, held page or one of
+                    // the process's frames (checked above); the kernel writes into them
+                    // as into any shared memory, and no Rust reference to them exists.
+                    unsafe { libc::preadv(fd.as_raw_fd(), v.as_ptr(), n, at) }
+                } else {
+                    // SAFETY: as above; the kernel only reads them.
+                    unsafe { libc::pwritev(fd.as_raw_fd(), v.as_ptr(), n, at) }
+                }
+            });
+        }
+        for p in &pieces[..held] {
+            if let IoPiece::Slot { slot, .. } = *p {
+                self.leave(slot, INFLIGHT_ONE);
+            }
+        }
+        r
+    }
+
     /// Holds the page at `slot` for repeated access (a mapped ring, say) until dropped;
     /// the slot cannot be unmapped meanwhile.
     pub fn page(self: &Arc<Self>, slot: u32) -> Result<MappedPage, MemError> {
@@ -1035,6 +1219,130 @@ mod tests {
             assert_eq!(&back[4608..], &data[4608..]);
             let _ = std::fs::remove_file(&path);
         }
+    }
+
+    #[test]
+    fn a_request_moves_between_a_file_and_its_pages_in_one_vectored_call_and_only_as_mapped() {
+        use std::os::fd::AsFd;
+        for backend in BACKENDS {
+            let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
+            let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
+            let path = std::env::temp_dir().join(format!(
+                "pvio-window-vectored-{}-{}",
+                std::process::id(),
+                backend.name()
+            ));
+            let data: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
+            std::fs::write(&path, &data).expect("file");
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .expect("open");
+            w.map(0, Mfn(3), true).expect("map");
+            w.map(1, Mfn(4), false).expect("map");
+            // A guest page's tail, one of our own frames whole, another guest page's head.
+            let pieces = [
+                IoPiece::Slot {
+                    slot: 0,
+                    offset: 3584,
+                    len: 512,
+                },
+                IoPiece::Frame {
+                    mfn: Mfn(6),
+                    offset: 0,
+                    len: PAGE_SIZE,
+                },
+                IoPiece::Slot {
+                    slot: 0,
+                    offset: 0,
+                    len: 1024,
+                },
+            ];
+            w.read_file_vectored(&pieces, f.as_fd(), 512).expect("read");
+            let mut b = vec![0u8; PAGE_SIZE];
+            mem.read(Mfn(3), 0, &mut b).expect("frame");
+            assert_eq!(&b[3584..], &data[512..1024]);
+            assert_eq!(&b[..1024], &data[1024 + PAGE_SIZE..2048 + PAGE_SIZE]);
+            assert!(b[1024..3584].iter().all(|&x| x == 0));
+            mem.read(Mfn(6), 0, &mut b).expect("frame");
+            assert_eq!(&b[..], &data[1024..1024 + PAGE_SIZE]);
+            // Into a read-only mapping: refused, and nothing is held after.
+            let ro = [IoPiece::Slot {
+                slot: 1,
+                offset: 0,
+                len: 512,
+            }];
+            assert_eq!(
+                w.read_file_vectored(&ro, f.as_fd(), 0),
+                Err(MemError::ReadOnly(1))
+            );
+            assert_eq!(
+                w.read_file_vectored(&pieces, f.as_fd(), 16384 - 1024),
+                Err(MemError::Os(libc::EIO)),
+                "past the file's end"
+            );
+            // Out of the read-only mapping and a frame, into the file, in order.
+            mem.fill(Mfn(4), 0, PAGE_SIZE, 0xab).expect("fill");
+            mem.fill(Mfn(7), 0, PAGE_SIZE, 0xcd).expect("fill");
+            let out = [
+                IoPiece::Slot {
+                    slot: 1,
+                    offset: 0,
+                    len: 512,
+                },
+                IoPiece::Frame {
+                    mfn: Mfn(7),
+                    offset: 100,
+                    len: 1000,
+                },
+            ];
+            w.write_file_vectored(&out, f.as_fd(), 8192).expect("write");
+            let back = std::fs::read(&path).expect("read back");
+            assert!(back[8192..8704].iter().all(|&x| x == 0xab));
+            assert!(back[8704..9704].iter().all(|&x| x == 0xcd));
+            assert_eq!(&back[..8192], &data[..8192]);
+            assert_eq!(&back[9704..], &data[9704..]);
+            assert_eq!(w.unmap(0), Ok(Mfn(3)), "no slot left held");
+            let crossing = [IoPiece::Frame {
+                mfn: Mfn(7),
+                offset: 4000,
+                len: 200,
+            }];
+            assert!(w.write_file_vectored(&crossing, f.as_fd(), 0).is_err());
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+
+    #[test]
+    fn a_short_transfer_carries_on_from_where_it_stopped() {
+        let src: Vec<u8> = (0..3000u32).map(|i| (i % 241) as u8).collect();
+        let mut a = vec![0u8; 1000];
+        let mut b = vec![0u8; 7];
+        let mut c = vec![0u8; 1993];
+        let mut iov = [&mut a, &mut b, &mut c].map(|v| libc::iovec {
+            iov_base: v.as_mut_ptr().cast(),
+            iov_len: v.len(),
+        });
+        let mut calls = 0;
+        // A kernel that moves at most 13 bytes a call, and is interrupted once.
+        vectored_io(&mut iov, 0, |v, at| {
+            calls += 1;
+            if calls == 2 {
+                // SAFETY: sets this thread's errno, as an interrupted call does.
+                unsafe { *libc::__errno_location() = libc::EINTR };
+                return -1;
+            }
+            let n = v[0].iov_len.min(13);
+            let from = &src[at as usize..at as usize + n];
+            // SAFETY: `v[0]` points into one of the buffers above, `n` bytes of it at
+            // most, and no reference to them is alive while this runs.
+            unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), v[0].iov_base.cast(), n) };
+            n as isize
+        })
+        .expect("all moved");
+        assert_eq!([&a[..], &b[..], &c[..]].concat(), src);
+        assert!(calls > 3000 / 13);
     }
 
     #[test]
