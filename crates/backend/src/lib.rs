@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
+use blk::blkback::{self, Blkback, Bounce, VBD_WINDOW_SLOTS};
 use blk::disk::FileDisk;
 use dev::tap::TapPort;
 use hv::store::{StoreError, XenStore, XenbusState};
@@ -55,11 +55,29 @@ const FRAME_MAX: usize = 65536 + 14;
 /// Rescans of the store when no watch fired, in case one was lost.
 const RESCAN: Duration = Duration::from_secs(2);
 
+/// Who does a vif's hotplug work: putting its interface on the bridge its directory
+/// names and bringing it up, then saying so (`hotplug-status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Hotplug {
+    /// pvio in a driver domain, the toolstack's scripts in dom0.
+    #[default]
+    Auto,
+    /// pvio itself, as `xl devd` would run `vif-bridge` in a driver domain: nothing else
+    /// needs to run there.
+    Pvio,
+    /// The toolstack's hotplug scripts (`xl` runs `vif-bridge` in dom0; `xl devd` in a
+    /// driver domain).
+    Scripts,
+}
+
 /// How to run.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// This domain's id under Xen (0: dom0).
-    pub domid: u16,
+    /// This domain's id under Xen (0: dom0); `None` asks the store (`domid` under the
+    /// domain's own directory), as a driver domain learns its id.
+    pub domid: Option<u16>,
+    /// Who puts a vif's interface on its bridge.
+    pub hotplug: Hotplug,
     /// Where to write what happens to each device (stderr if none), appended to, at
     /// most [`LOG_LIMIT`] bytes a process.
     pub log: Option<std::path::PathBuf>,
@@ -246,6 +264,10 @@ struct Backend {
     log: Log,
     /// Close devices on stop (`--close`), instead of handing them over.
     close: bool,
+    /// The pages vbds copy segments through (none: they map them).
+    bounce: Option<Bounce>,
+    /// Whether this process does a vif's hotplug work ([`Hotplug`]).
+    hotplug: bool,
     /// Devices served at once.
     max_vifs: usize,
     max_vbds: usize,
@@ -255,7 +277,15 @@ struct Backend {
 
 /// Runs until `stop` is set or the store connection fails.
 pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
-    let me = DomId(opts.domid);
+    let me = match opts.domid {
+        Some(id) => DomId(id),
+        None => hv::xen::Dom0::own_id()?,
+    };
+    let hotplug = match opts.hotplug {
+        Hotplug::Auto => me != DomId(0),
+        Hotplug::Pvio => true,
+        Hotplug::Scripts => false,
+    };
     let (max_vifs, max_vbds) = (
         opts.max_vifs.min(u16::MAX as usize),
         opts.max_vbds.min(u16::MAX as usize),
@@ -271,11 +301,14 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     })?;
     let xen = Arc::new(Dom0::open(Dom0Config {
         id: me,
-        pages: POOL_PAGES as u32 + BUFFERS as u32 + 64,
+        // The packet buffers, and the pages every vbd's segments are copied through.
+        pages: POOL_PAGES as u32 + BUFFERS as u32 + 64 + u32::from(blkback::MAX_INDIRECT_SEGMENTS),
         map_slots: slots,
     })?);
     let pool = SkbPool::new(Arc::clone(xen.domain()), BUFFERS, POOL_PAGES)
         .map_err(|e| Error::Pool(e.to_string()))?;
+    // One set for every vbd: this thread serves one request at a time.
+    let bounce = Bounce::new(xen.domain());
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
         // Appended to: the process before this one (a restart) keeps its lines.
         Some(p) => Box::new(
@@ -294,6 +327,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         vbds: BTreeMap::new(),
         refused: BTreeSet::new(),
         frame: vec![0; FRAME_MAX].into_boxed_slice(),
+        bounce,
         tokens: Vec::with_capacity(4096),
         fds: Vec::with_capacity(2 + max_vifs),
         max_vifs,
@@ -301,6 +335,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         counts: Counts::default(),
         log: Log::new(out, LOG_LIMIT),
         close: opts.close,
+        hotplug,
         metrics: opts
             .metrics
             .clone()
@@ -309,8 +344,11 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     let root = format!("/local/domain/{}/backend", me.0);
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
-    b.log
-        .line(&format!("serving {root}/{{vif,vbd}} as domain {}", me.0));
+    b.log.line(&format!(
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}",
+        me.0,
+        if hotplug { "pvio" } else { "the hotplug scripts" }
+    ));
     let mut last_scan = Instant::now() - RESCAN;
     let mut busy = false;
     while !stop.load(Ordering::Relaxed) {
@@ -602,6 +640,9 @@ impl Backend {
                 fe.0
             ));
         }
+        if self.hotplug {
+            self.hotplug_vif(fe, handle, &ifname);
+        }
         if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
             if let Err(e) = netback::probe(self.xen.store(), self.me, fe, handle) {
                 self.log.line(&format!("vif {}/{handle}: probe: {e}", fe.0));
@@ -627,6 +668,34 @@ impl Backend {
             },
         );
         true
+    }
+
+    /// What `vif-bridge` does for an interface a back end made, done here (where no
+    /// script runs): the interface put on the bridge the toolstack named (`bridge`) and
+    /// brought up, then `hotplug-status` written (`error`, with `hotplug-error`, if it
+    /// could not be). A takeover finds the interface on its bridge already.
+    fn hotplug_vif(&mut self, fe: DomId, handle: u32, ifname: &str) {
+        let store = self.xen.store();
+        let bdir = net::xenbus::backend_dir(self.me, fe, handle);
+        let done = match store.read(self.me, &format!("{bdir}/bridge")) {
+            Ok(bridge) => mem::tap::join_bridge(ifname, &bridge)
+                .map(|()| format!("on bridge {bridge}"))
+                .map_err(|e| format!("cannot join bridge {bridge:?}: {e}")),
+            Err(_) => mem::tap::set_up(ifname)
+                .map(|()| "up, on no bridge (none named)".to_string())
+                .map_err(|e| format!("cannot bring it up: {e}")),
+        };
+        let status = match &done {
+            Ok(_) => "connected",
+            Err(e) => {
+                let _ = store.write(self.me, &format!("{bdir}/hotplug-error"), e);
+                "error"
+            }
+        };
+        let _ = store.write(self.me, &format!("{bdir}/hotplug-status"), status);
+        let (Ok(what) | Err(what)) = done;
+        self.log
+            .line(&format!("vif {}/{handle}: {ifname} {what}", fe.0));
     }
 
     /// Whether the vbd was taken.
@@ -822,7 +891,35 @@ impl Backend {
                 self.log
                     .line(&format!("vif {}/{handle}: offered again", fe.0));
             }
+            None => self.remove_if_offline("vif", fe, handle, &bdir, bstate),
             _ => {}
+        }
+    }
+
+    /// What `xl devd` does in a driver domain once the toolstack has taken a device away
+    /// (its `online` 0) and this end has closed it: the device's directory removed, which
+    /// the toolstack in dom0 waits for (it removes a dom0 back end's itself). Only when
+    /// this process does the hotplug work ([`Hotplug`]).
+    fn remove_if_offline(
+        &mut self,
+        kind: &str,
+        fe: DomId,
+        id: u32,
+        bdir: &str,
+        bstate: XenbusState,
+    ) {
+        let store = self.xen.store();
+        if self.hotplug
+            && bstate == XenbusState::Closed
+            && store
+                .read(self.me, &format!("{bdir}/online"))
+                .is_ok_and(|v| v == "0")
+            && store.rm(self.me, bdir).is_ok()
+        {
+            self.log.line(&format!(
+                "{kind} {}/{id}: taken offline by the toolstack: its directory removed",
+                fe.0
+            ));
         }
     }
 
@@ -891,6 +988,8 @@ impl Backend {
                         .line(&format!("vbd {}/{devid}: offered again", fe.0));
                 }
             }
+        } else if !connected {
+            self.remove_if_offline("vbd", fe, devid, &bdir, bstate);
         }
     }
 
@@ -924,8 +1023,14 @@ impl Backend {
             Ok((backs, path)) => {
                 let mut unrecorded = 0;
                 let mut replayed = 0;
+                let mut mapping = 0;
                 for (q, mut b) in backs.into_iter().enumerate() {
                     replayed += b.replayed();
+                    // A map from user space is two system calls and a page-table update
+                    // each way: segments that are not persistent are copied instead.
+                    if !self.bounce.clone().is_some_and(|p| b.copy_transient(p)) {
+                        mapping += 1;
+                    }
                     if !resume && !journal(q as u32).is_some_and(|j| b.set_journal(j)) {
                         unrecorded += 1;
                     }
@@ -938,6 +1043,12 @@ impl Backend {
                 if resume {
                     self.log.line(&format!(
                         "vbd {}/{devid}: responses replayed from the journals: {replayed}",
+                        fe.0
+                    ));
+                }
+                if mapping > 0 {
+                    self.log.line(&format!(
+                        "vbd {}/{devid}: {mapping} queue(s) map each request's segments: no pages to copy them through",
                         fe.0
                     ));
                 }
@@ -1271,7 +1382,8 @@ mod tests {
         let stop = AtomicBool::new(false);
         let e = run(
             &Options {
-                domid: 0,
+                domid: Some(0),
+                hotplug: Hotplug::Auto,
                 log: None,
                 metrics: None,
                 max_vifs: MAX_VIFS,

@@ -119,6 +119,98 @@ pub fn set_persist(file: &impl AsRawFd, on: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// `SIOCBRADDIF` (linux/sockios.h; the libc crate names it for Android only): adds the
+/// interface whose index the request carries to the bridge it names.
+const SIOCBRADDIF: libc::c_ulong = 0x89a2;
+
+/// `struct ifreq` whose union holds an `int` (an interface index) or a `short` (its
+/// flags), each at the union's start, kept as the bytes the kernel reads and writes.
+#[repr(C)]
+struct IfReqInt {
+    name: [u8; IFNAMSIZ],
+    data: [u8; 24],
+}
+
+const _: () = assert!(std::mem::size_of::<IfReqInt>() == 40);
+
+impl IfReqInt {
+    fn named(name: &str) -> io::Result<Self> {
+        if name.is_empty() || name.len() >= IFNAMSIZ || name.bytes().any(|b| b == 0 || b == b'/')
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not an interface name"),
+            ));
+        }
+        let mut r = IfReqInt {
+            name: [0; IFNAMSIZ],
+            data: [0; 24],
+        };
+        r.name[..name.len()].copy_from_slice(name.as_bytes());
+        Ok(r)
+    }
+    fn int(&self) -> libc::c_int {
+        libc::c_int::from_ne_bytes([self.data[0], self.data[1], self.data[2], self.data[3]])
+    }
+    fn set_int(&mut self, v: libc::c_int) {
+        self.data[..4].copy_from_slice(&v.to_ne_bytes());
+    }
+    fn short(&self) -> libc::c_short {
+        libc::c_short::from_ne_bytes([self.data[0], self.data[1]])
+    }
+    fn set_short(&mut self, v: libc::c_short) {
+        self.data[..2].copy_from_slice(&v.to_ne_bytes());
+    }
+}
+
+/// One interface request on a socket made for it (any socket takes them).
+fn if_ioctl(request: libc::c_ulong, req: &mut IfReqInt) -> io::Result<()> {
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and nothing else owns it.
+    let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: every request passed here (SIOCGIFINDEX, SIOCBRADDIF, SIOCGIFFLAGS,
+    // SIOCSIFFLAGS) reads and writes one `struct ifreq` of 40 bytes, which `req` is: the
+    // name first, the int or short at offset 16.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), request, req as *mut IfReqInt) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The bridge `ifname` is a port of, if it is one (its `master` in sysfs).
+pub fn bridge_of(ifname: &str) -> Option<String> {
+    let link = std::fs::read_link(format!("/sys/class/net/{ifname}/master")).ok()?;
+    link.file_name().map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Puts the interface `ifname` on the bridge `bridge` and brings it up, as Xen's
+/// `vif-bridge` hotplug script does for the interface a back end made (`ip link set
+/// master`, `ip link set up`). Already on that bridge is not an error; on another
+/// bridge is (`EBUSY`), and the interface stays where it was.
+pub fn join_bridge(ifname: &str, bridge: &str) -> io::Result<()> {
+    if bridge_of(ifname).as_deref() != Some(bridge) {
+        let mut r = IfReqInt::named(ifname)?;
+        if_ioctl(libc::SIOCGIFINDEX, &mut r)?;
+        let mut b = IfReqInt::named(bridge)?;
+        b.set_int(r.int());
+        if_ioctl(SIOCBRADDIF, &mut b)?;
+    }
+    set_up(ifname)
+}
+
+/// Sets `IFF_UP` on the interface `ifname` (`ip link set up`).
+pub fn set_up(ifname: &str) -> io::Result<()> {
+    let mut r = IfReqInt::named(ifname)?;
+    if_ioctl(libc::SIOCGIFFLAGS, &mut r)?;
+    // Written back as read, with IFF_UP added.
+    r.set_short(r.short() | libc::IFF_UP as libc::c_short);
+    if_ioctl(libc::SIOCSIFFLAGS, &mut r)
+}
+
 /// Waits up to `timeout` for `file` to have something to read; true if it has.
 pub fn wait_readable(file: &File, timeout: std::time::Duration) -> io::Result<bool> {
     let mut p = libc::pollfd {
@@ -165,5 +257,34 @@ mod tests {
         set_persist(&f, false).expect("let go");
         drop(f);
         assert!(!exists(&name), "gone with its last file");
+    }
+
+    #[test]
+    #[ignore = "needs root: TAPs and a bridge (.ci/run runs it as root)"]
+    fn a_tap_joins_its_bridge_once_and_comes_up() {
+        let n = std::process::id() % 10_000;
+        let (tap, br) = (format!("pvbrp{n}"), format!("pvbr{n}"));
+        let ip = |args: &[&str]| {
+            let ok = std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "ip {args:?}");
+        };
+        ip(&["link", "add", "name", &br, "type", "bridge"]);
+        let (f, got) = open_tap_offload(&tap, TapOffload::CsumTso).expect("tap");
+        assert_eq!(bridge_of(&got), None);
+        join_bridge(&got, &br).expect("joins");
+        assert_eq!(bridge_of(&got).as_deref(), Some(br.as_str()));
+        let flags = std::fs::read_to_string(format!("/sys/class/net/{got}/flags")).expect("flags");
+        let flags =
+            u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).expect("hex flags");
+        assert_eq!(flags & libc::IFF_UP as u32, libc::IFF_UP as u32, "up");
+        join_bridge(&got, &br).expect("a second time (a restart's) is no error");
+        assert!(join_bridge(&got, "pvnosuchbr").is_err(), "no such bridge");
+        assert_eq!(bridge_of(&got).as_deref(), Some(br.as_str()), "still on its own");
+        assert!(join_bridge(&got, "bad/name").is_err());
+        drop(f);
+        ip(&["link", "del", &br]);
     }
 }

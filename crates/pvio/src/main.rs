@@ -73,9 +73,15 @@ enum Command {
     /// is a TAP named `vif<domid>.<devid>`, which `xl`'s `vif-bridge` script bridges.
     /// See `scripts/xen-interop/` for a whole run under QEMU.
     Backend {
-        /// This domain's id under Xen.
-        #[arg(long, default_value_t = 0)]
-        domid: u16,
+        /// This domain's id under Xen; by default the store's `domid` for this domain
+        /// (0 in dom0).
+        #[arg(long)]
+        domid: Option<u16>,
+        /// Who puts a vif's interface on the bridge its directory names: pvio itself
+        /// (what `xl devd` would do in a driver domain), the toolstack's hotplug scripts,
+        /// or auto (pvio outside dom0, the scripts in dom0).
+        #[arg(long, value_enum, default_value_t = HotplugArg::Auto)]
+        hotplug: HotplugArg,
         /// Where to log each device's connection and disconnection (stderr if none);
         /// appended to, so a restart keeps the lines before it.
         #[arg(long, value_name = "FILE")]
@@ -237,6 +243,17 @@ enum Command {
         #[arg(long)]
         port: u16,
     },
+}
+
+/// Who does `pvio backend`'s vif hotplug work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum HotplugArg {
+    /// pvio outside dom0, the toolstack's scripts in dom0.
+    Auto,
+    /// pvio itself.
+    Pvio,
+    /// The toolstack's hotplug scripts.
+    Scripts,
 }
 
 /// When `pvio up`'s LRO flushes.
@@ -791,6 +808,7 @@ fn main() -> ExitCode {
         } => report(dir, compare, threshold),
         Command::Backend {
             domid,
+            hotplug,
             log,
             metrics,
             max_vifs,
@@ -798,6 +816,11 @@ fn main() -> ExitCode {
             close,
         } => backend(&backend::Options {
             domid,
+            hotplug: match hotplug {
+                HotplugArg::Auto => backend::Hotplug::Auto,
+                HotplugArg::Pvio => backend::Hotplug::Pvio,
+                HotplugArg::Scripts => backend::Hotplug::Scripts,
+            },
             log,
             metrics,
             max_vifs,

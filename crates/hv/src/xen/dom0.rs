@@ -148,6 +148,28 @@ impl Dom0 {
         })
     }
 
+    /// This domain's id, as the store gives it: `domid` under the domain's own directory
+    /// (a relative path, which the store resolves for the connection's domain). How a
+    /// driver domain learns its id; dom0 when the store holds none (xenstored's socket
+    /// is dom0's).
+    pub fn own_id() -> io::Result<DomId> {
+        let conn = StoreConn::open()?;
+        let on_device = matches!(conn, StoreConn::Device(_));
+        let client = Client::new(conn, DomId(0));
+        match crate::store::XenStore::read(&client, DomId(0), "domid") {
+            Ok(v) => v.trim().parse::<u16>().map(DomId).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("the store's domid {v:?} is not a domain id"),
+                )
+            }),
+            Err(_) if !on_device => Ok(DomId(0)),
+            Err(e) => Err(io::Error::other(format!(
+                "this domain's id: the store has no domid ({e}); give --domid"
+            ))),
+        }
+    }
+
     /// The event-channel device: poll it, read the ports that fired, unmask them.
     pub fn evtchn(&self) -> &Evtchn {
         &self.evtchn
