@@ -1212,6 +1212,9 @@ impl<X: Xen> Blkback<X> {
     /// the copy, unmapped after) into `segs`, unchecked.
     fn read_indirect(&mut self, nr_segments: u16, pages: &[u32]) -> Result<(), Failed> {
         let npages = indirect_pages(nr_segments);
+        if self.bounce.is_some() {
+            return self.read_indirect_copying(nr_segments, &pages[..npages]);
+        }
         self.maps.clear();
         for (i, &g) in pages[..npages].iter().enumerate() {
             self.maps.push(MapOp {
@@ -1251,6 +1254,61 @@ impl<X: Xen> Blkback<X> {
         } else {
             Err(Failed::Grant)
         }
+    }
+
+    /// [`Blkback::read_indirect`] with [`Blkback::copy_transient`]: the segment entries
+    /// are grant-copied out of the indirect pages into the back end's own pages (one
+    /// batch), instead of the pages being mapped and unmapped, and read there.
+    fn read_indirect_copying(&mut self, nr_segments: u16, pages: &[u32]) -> Result<(), Failed> {
+        let Self {
+            xen,
+            fe,
+            segs,
+            bounce,
+            copies,
+            copy_st,
+            stats,
+            ..
+        } = self;
+        let Some(bounce) = bounce.as_ref() else {
+            return Err(Failed::Grant);
+        };
+        let bounce = bounce.pages.lock().unwrap_or_else(|p| p.into_inner());
+        let entry_len = std::mem::size_of::<Segment>();
+        copies.clear();
+        let mut left = usize::from(nr_segments);
+        for (&g, &gfn) in pages.iter().zip(bounce.iter()) {
+            let k = SEGMENTS_PER_INDIRECT_PAGE.min(left);
+            left -= k;
+            copies.push(GrantCopy {
+                source: CopyPtr::Gref {
+                    dom: *fe,
+                    gref: GrantRef(g),
+                    offset: 0,
+                },
+                dest: CopyPtr::Local { gfn, offset: 0 },
+                len: (k * entry_len) as u16,
+            });
+        }
+        let n = copies.len();
+        stats.transient_copies += n as u64;
+        segs.clear();
+        if n != pages.len() || xen.grant_copy(copies, &mut copy_st[..n]) != n {
+            return Err(Failed::Grant);
+        }
+        let dom = xen.domain();
+        let mut entry = [0u8; std::mem::size_of::<Segment>()];
+        for c in copies.iter() {
+            let CopyPtr::Local { gfn, .. } = c.dest else {
+                return Err(Failed::Grant);
+            };
+            for k in 0..usize::from(c.len) / entry_len {
+                dom.read(gfn, k * entry_len, &mut entry)
+                    .map_err(|_| Failed::Grant)?;
+                segs.push(bytemuck::pod_read_unaligned(&entry));
+            }
+        }
+        Ok(())
     }
 
     /// A read or write of the checked segments in `segs` from `sector` on: done now

@@ -222,19 +222,21 @@ fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_gran
         answered_once(&s);
         assert_eq!((s.reads, s.writes, s.indirect), (8, 8, 4));
         assert_eq!(s.sectors_read, 2 * (1 + 88 + 256 + 29));
+        // The indirect pages (granted read-only, one a 32-segment request) are mapped
+        // for their request, or copied from.
+        let indirect = 2 * 2;
         if persistent {
-            // Each pool page mapped once and found mapped ever after; only the indirect
-            // pages (granted read-only) are mapped per request.
-            assert_eq!(s.transient_maps, 4);
-            assert_eq!(s.transient_copies, 0);
+            // Each pool page mapped once and found mapped ever after.
+            let (maps, copies) = if copy { (0, indirect) } else { (indirect, 0) };
+            assert_eq!((s.transient_maps, s.transient_copies), (maps, copies));
             assert_eq!(s.persistent_maps as usize, front.pool_pages());
             assert!(s.persistent_hits > 0);
             assert!(front.stats().bounce_bytes > 0);
         } else if copy {
-            // Every segment copied, one batch a request; only indirect pages mapped.
+            // Every segment and indirect page copied, one batch a request; none mapped.
             assert_eq!(s.persistent_maps + s.persistent_hits, 0);
-            assert_eq!(s.transient_maps, 2 * 2);
-            assert_eq!(s.transient_copies, 2 * 2 * (1 + 11 + 32 + 5));
+            assert_eq!(s.transient_maps, 0);
+            assert_eq!(s.transient_copies, 2 * 2 * (1 + 11 + 32 + 5) + indirect);
         } else {
             assert_eq!(s.persistent_maps + s.persistent_hits, 0);
             assert_eq!(s.transient_maps, 2 * 2 * (1 + 11 + 32 + 5) + 2 * 2);
@@ -583,13 +585,21 @@ fn responses_written_but_not_published_when_the_back_end_died_are_published_by_t
 
 #[test]
 fn indirect_pages_that_point_anywhere_are_refused_before_any_segment_is_used() {
+    // Indirect pages mapped, or copied from (`pvio backend`).
+    for copy in [false, true] {
+        hostile_indirect(copy);
+    }
+}
+
+fn hostile_indirect(copy: bool) {
     let h = host();
     let g = h.guest("hostile");
-    let path = backing("indirect");
+    let path = backing(&format!("indirect-{copy}"));
     let disk = h.offer(&g, 51712, &path, false, false);
     let mut bad = Hostile::connect(&h, &g, 51712);
     let mut back =
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    assert!(!copy || back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
     let (data, dr) = bad.granted(&h, false);
     let (ind, ir) = bad.granted(&h, true);
     let write_segs = |segs: &[Segment]| g.write(ind, 0, bytemuck::cast_slice(segs)).expect("write");
