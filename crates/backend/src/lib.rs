@@ -52,6 +52,9 @@ const BUFFERS: usize = 2048;
 const POOL_PAGES: usize = 8192;
 /// Longest frame between a TAP and a vif: a 64 KiB segment and its Ethernet header.
 const FRAME_MAX: usize = 65536 + 14;
+/// The longest wait for an event (the store is rescanned, the metrics written, at most
+/// this late).
+const IDLE_WAIT: Duration = Duration::from_millis(200);
 /// Rescans of the store when no watch fired, in case one was lost.
 const RESCAN: Duration = Duration::from_secs(2);
 
@@ -360,11 +363,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             b.scan()?;
             last_scan = Instant::now();
         }
-        b.wait(if busy {
-            Duration::ZERO
-        } else {
-            Duration::from_millis(200)
-        })?;
+        b.wait(if busy { Duration::ZERO } else { b.idle_wait() })?;
         busy = b.data_path();
         b.write_metrics();
     }
@@ -408,6 +407,18 @@ impl Backend {
             }
         }
         Ok(())
+    }
+
+    /// How long to wait for an event when nothing moved: until the first vif whose
+    /// packets wait for their rate may send again, at most [`IDLE_WAIT`].
+    fn idle_wait(&self) -> Duration {
+        let now = Instant::now();
+        self.vifs
+            .values()
+            .filter_map(|d| d.vif.as_ref()?.tx_credit_wait())
+            .map(|t| t.saturating_duration_since(now))
+            .min()
+            .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
     }
 
     /// Moves packets and requests; whether this pass moved any (then another pass at
@@ -813,8 +824,15 @@ impl Backend {
                 match r {
                     Ok(v) => {
                         let recorded = had_journals;
+                        let rate = v.tx_rate().map_or(String::new(), |(b, t)| {
+                            format!(
+                                "; TX rate {b} bytes a {} µs ({:.1} Mbit/s)",
+                                t.as_micros(),
+                                b as f64 * 8.0 / t.as_secs_f64() / 1e6
+                            )
+                        });
                         let line = format!(
-                            "vif {}/{handle}: {}: {}{}",
+                            "vif {}/{handle}: {}: {}{rate}{}",
                             fe.0,
                             if resume { "resumed" } else { "connected" },
                             negotiated(store, me, &fdir),

@@ -59,6 +59,7 @@ const CTRL_RING_SLOT: u32 = CACHE_SLOT0 + CACHE_SLOTS as u32;
 const CTRL_LIST_SLOT: u32 = CTRL_RING_SLOT + 1;
 
 mod cache;
+mod credit;
 mod ctrl;
 mod direct;
 mod handshake;
@@ -67,6 +68,7 @@ mod stats;
 mod tx;
 
 pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
+pub use credit::Credit;
 pub use ctrl::CTRL_WAITING;
 pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
 pub use handshake::probe;
@@ -184,6 +186,8 @@ pub struct Vif<X: Xen = Pvio> {
     /// budget, or too few pending entries) leaves it stale, and the front end then
     /// sends no event for what it adds; [`Vif::tx_pending`] arms it again.
     tx_armed: bool,
+    /// The toolstack's transmit rate: the guest's packets wait on the ring for credit.
+    credit: Option<Credit>,
     tx_check: TxCheckStats,
     stats: VifStats,
     disabled: Option<Disabled>,

@@ -103,6 +103,9 @@ pub const REQUEST_SPLIT_INDICES: &str = "request-split-ring-indices";
 /// front end's `event-channel-tx` and `event-channel-rx`), so that a TX completion and a
 /// received packet interrupt the guest apart (Linux's netback and netfront).
 pub const FEATURE_SPLIT_EVENTS: &str = "feature-split-event-channels";
+/// The toolstack's transmit rate for a vif, in the back end's directory:
+/// `<bytes>,<microseconds>` ([`crate::netback::Credit`]).
+pub const RATE: &str = "rate";
 
 pub const BACKEND_FEATURES: [(&str, &str); 9] = [
     ("feature-sg", "1"),

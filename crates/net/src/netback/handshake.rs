@@ -69,6 +69,8 @@ struct Negotiated {
     evtchn: u32,
     /// The RX ring's, with split event channels.
     evtchn_rx: Option<u32>,
+    /// The toolstack's transmit rate (`rate` in the back end's directory), if any.
+    rate: Option<Credit>,
 }
 
 impl Negotiated {
@@ -118,6 +120,10 @@ impl Negotiated {
             rx_ref: key("rx-ring-ref")?,
             evtchn,
             evtchn_rx,
+            rate: store
+                .read(be, &format!("{bdir}/{}", xenbus::RATE))
+                .ok()
+                .and_then(|v| Credit::parse(&v, std::time::Instant::now())),
         })
     }
 }
@@ -451,6 +457,7 @@ impl<X: Xen> Vif<X> {
             pending: vec![Pending::default(); MAX_PENDING].into_boxed_slice(),
             pending_free: (0..MAX_PENDING as u16).rev().collect(),
             tx_armed: false,
+            credit: n.rate,
             tx_check: TxCheckStats::default(),
             stats: VifStats::default(),
             disabled: None,

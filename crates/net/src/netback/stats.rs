@@ -62,6 +62,9 @@ pub struct VifStats {
     /// Times the TX action stopped with requests waiting because a packet's worth of
     /// pending entries was not free (large packets hold many until sent).
     pub tx_pending_stalls: u64,
+    /// Times the TX action stopped with a packet waiting for the vif's rate to allow it
+    /// (the toolstack's `rate`).
+    pub tx_rate_limited: u64,
     /// Offloads: large (GSO) packets taken from the guest.
     pub tx_gso_packets: u64,
     /// Offloads: GSO packets the guest sent without `NETTXF_csum_blank`, made partial
@@ -116,6 +119,7 @@ hv::counter_set!(VifStats {
     ctrl_requests,
     ctrl_errors,
     tx_pending_stalls,
+    tx_rate_limited,
     tx_gso_packets,
     tx_gso_csum_fixups,
     tx_offload_errors,

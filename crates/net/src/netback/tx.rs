@@ -359,6 +359,16 @@ impl<X: Xen> Vif<X> {
             }
         };
         self.tx_armed = false;
+        // The toolstack's rate: a packet whose size the credit does not cover waits on
+        // the ring (its first slot's size is the packet's, as the guest claims it; a
+        // claim the chain belies is judged below, and the chain dropped).
+        if let (Some(c), Some(_)) = (self.credit.as_mut(), avail) {
+            let size = self.tx.peek_request(0).map_or(0, |r| u64::from(r.size));
+            if !c.admit(size, std::time::Instant::now()) {
+                self.stats.tx_rate_limited += 1;
+                return None;
+            }
+        }
         let first = avail.and_then(|_| self.tx.take_request().ok().flatten());
         let (Some(avail), Some(first)) = (avail, first) else {
             self.disable(Disabled::RingBroken);
@@ -886,6 +896,20 @@ impl<X: Xen> Vif<X> {
         let _ = self.tx.push_response(&TxResponse { id: p.id, status });
     }
 
+    /// When a packet waiting for the vif's rate may go (the next period), if one waits
+    /// and its time has not come: the caller looks at the vif again then, as Linux's
+    /// netback arms a timer. No event will come for it: the guest signalled already.
+    pub fn tx_credit_wait(&self) -> Option<std::time::Instant> {
+        self.credit
+            .and_then(|c| c.waiting_until())
+            .filter(|&t| t > std::time::Instant::now())
+    }
+
+    /// The toolstack's rate for this vif (bytes a period, the period), if it set one.
+    pub fn tx_rate(&self) -> Option<(u64, std::time::Duration)> {
+        self.credit.map(|c| c.rate())
+    }
+
     /// Whether the guest has published TX requests not yet taken. When there are none
     /// and `req_event` went stale (a build that stopped early), it is armed and the ring
     /// looked at once more (`RING_FINAL_CHECK_FOR_REQUESTS`, as Linux's netback does
@@ -893,7 +917,7 @@ impl<X: Xen> Vif<X> {
     /// it, a vif that ran out of pending entries and then found its ring empty slept
     /// through every request the front end added after, until some other event came.
     pub fn tx_pending(&mut self) -> bool {
-        if self.disabled.is_some() {
+        if self.disabled.is_some() || self.tx_credit_wait().is_some() {
             return false;
         }
         match self.tx.requests_available() {
