@@ -13,7 +13,7 @@
 //! nothing is held.
 
 use net::lro::{Delivery, Flush, Lro, LroConfig};
-use net::offload::{checksum_setup, segment_tcpv4};
+use net::offload::{checksum_setup, segment_tcp};
 use net::wire::TcpSegment;
 
 use crate::Input;
@@ -156,7 +156,7 @@ pub fn case(inp: &mut Input<'_>) {
             // Cut at the segment size: exactly the segments that joined.
             let mut buf = vec![0u8; 2048];
             let mut cut = Vec::new();
-            segment_tcpv4(&whole, &l4, gso, &mut buf, |f| {
+            segment_tcp(&whole, &l4, gso, &mut buf, |f| {
                 let l = checksum_setup(f, f.len()).expect("cut segment");
                 let seq = u32::from_be_bytes([f[l.l4 + 4], f[l.l4 + 5], f[l.l4 + 6], f[l.l4 + 7]]);
                 cut.push((seq, f[l.headers()..].to_vec()));

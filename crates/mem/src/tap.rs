@@ -31,6 +31,8 @@ const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const TUN_F_CSUM: libc::c_ulong = 0x01;
 /// `TUN_F_TSO4`: the reader takes TCP/IPv4 frames larger than the MTU (GSO).
 const TUN_F_TSO4: libc::c_ulong = 0x02;
+/// `TUN_F_TSO6`: and TCP/IPv6 ones.
+const TUN_F_TSO6: libc::c_ulong = 0x04;
 /// `TUN_F_TSO_ECN`: those may carry ECN (CWR is then the segmenter's business).
 const TUN_F_TSO_ECN: libc::c_ulong = 0x08;
 
@@ -42,7 +44,8 @@ pub enum TapOffload {
     None,
     /// Each frame behind a virtio-net header; partial checksums allowed.
     Csum,
-    /// As `Csum`, and TCP/IPv4 segments of up to 64 KiB with their segment size.
+    /// As `Csum`, and TCP segments (over IPv4 or IPv6) of up to 64 KiB with their
+    /// segment size.
     CsumTso,
 }
 
@@ -88,7 +91,7 @@ pub fn open_tap_offload(name: &str, off: TapOffload) -> io::Result<(File, String
     let flags = match off {
         TapOffload::None => 0,
         TapOffload::Csum => TUN_F_CSUM,
-        TapOffload::CsumTso => TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO_ECN,
+        TapOffload::CsumTso => TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN,
     };
     // SAFETY: TUNSETOFFLOAD takes its argument by value (an unsigned int of TUN_F_*
     // flags); `file` is the TAP just attached.

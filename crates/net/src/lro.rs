@@ -240,7 +240,7 @@ const TCP_ACK: u8 = 0x10;
 /// headers truncated or malformed).
 fn locate(frame: &[u8], len: usize) -> Option<(L4, [u8; 12])> {
     let l4 = checksum_setup(frame, len).ok()?;
-    if !l4.tcp {
+    if !l4.tcp || l4.v6 {
         return None;
     }
     let mut key = [0u8; 12];

@@ -150,6 +150,8 @@ pub struct Vif<X: Xen = Pvio> {
     can_sg: bool,
     /// The front end takes large TCP packets whole (`feature-gso-tcpv4`).
     gso_rx: bool,
+    /// And TCP/IPv6 ones (`feature-gso-tcpv6`).
+    gso6_rx: bool,
     /// The front end takes blank checksums (no `feature-no-csum-offload`).
     csum_rx: bool,
     /// A packet being cut up or checksummed for a front end that cannot take it as it

@@ -19,7 +19,7 @@
 
 use smoltcp::wire::{checksum, IpProtocol, Ipv4Address};
 
-use crate::netif::{Gso, XEN_NETIF_GSO_TYPE_TCPV4};
+use crate::netif::{Gso, XEN_NETIF_GSO_TYPE_TCPV4, XEN_NETIF_GSO_TYPE_TCPV6};
 use crate::wire::{ETH_HEADER, MAX_FRAME};
 
 /// A packet's checksum state.
@@ -93,14 +93,15 @@ impl Offload {
 /// Why offload metadata or the headers it describes were refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum OffloadError {
-    /// Not an IPv4 frame (the only family offloaded here).
-    #[error("not IPv4")]
-    NotIpv4,
+    /// Neither an IPv4 nor an IPv6 frame.
+    #[error("not IPv4 or IPv6")]
+    NotIp,
     /// Shorter than its headers, or than its IPv4 length says.
     #[error("headers truncated")]
     Truncated,
-    /// An IPv4 fragment, or a header length out of range.
-    #[error("bad IPv4 header")]
+    /// A fragment (IPv4, or an IPv6 fragment header), a header length out of range, an
+    /// IPv6 jumbogram or extension headers past what is looked at.
+    #[error("bad IP header")]
     BadIpHeader,
     /// Neither TCP nor UDP: no checksum to offload.
     #[error("not TCP or UDP")]
@@ -111,11 +112,12 @@ pub enum OffloadError {
     /// A GSO segment size of zero.
     #[error("GSO size zero")]
     GsoSizeZero,
-    /// A GSO type other than TCP over IPv4.
+    /// A GSO type other than TCP over IPv4 or IPv6, or one that is not the packet's
+    /// family.
     #[error("unsupported GSO type")]
     BadGsoType,
-    /// GSO of something that is not TCP over IPv4.
-    #[error("GSO of a packet that is not TCP/IPv4")]
+    /// GSO of something that is not TCP.
+    #[error("GSO of a packet that is not TCP")]
     GsoNotTcp,
     /// Segments (headers plus segment size) longer than an MTU-sized frame.
     #[error("GSO segments longer than a frame")]
@@ -128,7 +130,7 @@ pub enum OffloadError {
 impl OffloadError {
     /// Every reason, for counters.
     pub const ALL: [OffloadError; 10] = [
-        OffloadError::NotIpv4,
+        OffloadError::NotIp,
         OffloadError::Truncated,
         OffloadError::BadIpHeader,
         OffloadError::NotTcpUdp,
@@ -146,14 +148,22 @@ hv::reason!(OffloadError);
 /// Ethernet header included).
 pub const MAX_OFFLOAD_LEN: usize = 65536;
 
-/// Bytes of headers [`checksum_setup`] may need: Ethernet, IPv4 and TCP with options.
+/// Bytes of headers [`checksum_setup`] may need: Ethernet, IPv4 with options and TCP
+/// with options, or IPv6 with the extension headers it walks and TCP.
 pub const MAX_HEADERS: usize = ETH_HEADER + 60 + 60;
 
-/// Where an IPv4 frame's transport header and checksum lie.
+/// Bytes of IPv6 extension headers [`checksum_setup`] walks past: what fits in
+/// [`MAX_HEADERS`] beside the fixed header and TCP's longest (`xenvif`'s own bound is
+/// the same idea: headers beyond what it copied are not looked at).
+const MAX_V6_EXTENSIONS: usize = MAX_HEADERS - ETH_HEADER - 40 - 60;
+
+/// Where an IP frame's transport header and checksum lie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct L4 {
-    /// Offset of the IPv4 header (after Ethernet).
+    /// Offset of the IP header (after Ethernet).
     pub l3: usize,
+    /// IPv6 (its fixed header at `l3`), not IPv4.
+    pub v6: bool,
     /// Offset of the TCP or UDP header.
     pub l4: usize,
     /// TCP or UDP.
@@ -162,7 +172,7 @@ pub struct L4 {
     pub l4_len: usize,
     /// The checksum field's offset from `l4`.
     pub csum_offset: usize,
-    /// The frame's length as the IPv4 header gives it (Ethernet header included).
+    /// The frame's length as the IP header gives it (Ethernet header included).
     pub frame_len: usize,
 }
 
@@ -174,22 +184,33 @@ impl L4 {
             offset: self.csum_offset as u16,
         }
     }
-    /// Headers' length: Ethernet, IPv4, transport.
+    /// Headers' length: Ethernet, IP (with IPv6's extension headers), transport.
     pub fn headers(&self) -> usize {
         self.l4 + self.l4_len
     }
+    /// The GSO type of TCP in this family.
+    pub fn gso_type(&self) -> u8 {
+        if self.v6 {
+            XEN_NETIF_GSO_TYPE_TCPV6
+        } else {
+            XEN_NETIF_GSO_TYPE_TCPV4
+        }
+    }
 }
 
-/// Finds the transport header of an untagged IPv4 TCP or UDP frame from its first bytes
-/// (`head`, at least the headers; more is ignored) and its length: netback's and
-/// netfront's `checksum_setup` (`skb_checksum_setup_ipv4`). Fragments are refused, as
-/// they are there.
+/// Finds the transport header of an untagged IPv4 or IPv6 TCP or UDP frame from its
+/// first bytes (`head`, at least the headers; more is ignored) and its length: netback's
+/// and netfront's `checksum_setup` (`skb_checksum_setup_ipv4` and `_ipv6`). Fragments
+/// are refused, as they are there; IPv6's hop-by-hop, routing and destination options
+/// headers are walked past.
 pub fn checksum_setup(head: &[u8], len: usize) -> Result<L4, OffloadError> {
     if head.len() < ETH_HEADER + 20 || len < ETH_HEADER + 20 {
         return Err(OffloadError::Truncated);
     }
-    if head[12..14] != [0x08, 0x00] {
-        return Err(OffloadError::NotIpv4);
+    match head[12..14] {
+        [0x08, 0x00] => {}
+        [0x86, 0xdd] => return setup_v6(head, len),
+        _ => return Err(OffloadError::NotIp),
     }
     let ip = &head[ETH_HEADER..];
     let ihl = usize::from(ip[0] & 0x0f) * 4;
@@ -227,6 +248,7 @@ pub fn checksum_setup(head: &[u8], len: usize) -> Result<L4, OffloadError> {
     }
     Ok(L4 {
         l3: ETH_HEADER,
+        v6: false,
         l4,
         tcp,
         l4_len,
@@ -235,10 +257,77 @@ pub fn checksum_setup(head: &[u8], len: usize) -> Result<L4, OffloadError> {
     })
 }
 
+/// [`checksum_setup`] for IPv6: the fixed header, then extension headers while they are
+/// hop-by-hop options (0), routing (43) or destination options (60), up to
+/// [`MAX_V6_EXTENSIONS`] bytes of them; a fragment header (44) is refused, a jumbogram
+/// (payload length 0) too.
+fn setup_v6(head: &[u8], len: usize) -> Result<L4, OffloadError> {
+    let l3 = ETH_HEADER;
+    if head.len() < l3 + 40 || len < l3 + 40 {
+        return Err(OffloadError::Truncated);
+    }
+    let ip = &head[l3..];
+    if ip[0] >> 4 != 6 {
+        return Err(OffloadError::BadIpHeader);
+    }
+    let payload = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    if payload == 0 {
+        return Err(OffloadError::BadIpHeader);
+    }
+    let frame_len = l3 + 40 + payload;
+    if frame_len > len {
+        return Err(OffloadError::Truncated);
+    }
+    let (mut next, mut at) = (ip[6], l3 + 40);
+    loop {
+        match next {
+            0 | 43 | 60 => {
+                let h = head.get(at..at + 2).ok_or(OffloadError::Truncated)?;
+                next = h[0];
+                at += (usize::from(h[1]) + 1) * 8;
+                if at - (l3 + 40) > MAX_V6_EXTENSIONS {
+                    return Err(OffloadError::BadIpHeader);
+                }
+            }
+            44 => return Err(OffloadError::BadIpHeader),
+            _ => break,
+        }
+    }
+    let (tcp, csum_offset) = match IpProtocol::from(next) {
+        IpProtocol::Tcp => (true, 16),
+        IpProtocol::Udp => (false, 6),
+        _ => return Err(OffloadError::NotTcpUdp),
+    };
+    let l4_len = if tcp {
+        let doff = head
+            .get(at + 12)
+            .map(|b| usize::from(b >> 4) * 4)
+            .ok_or(OffloadError::Truncated)?;
+        if doff < 20 {
+            return Err(OffloadError::BadIpHeader);
+        }
+        doff
+    } else {
+        8
+    };
+    if at + l4_len > frame_len || at + l4_len > head.len() {
+        return Err(OffloadError::Truncated);
+    }
+    Ok(L4 {
+        l3,
+        v6: true,
+        l4: at,
+        tcp,
+        l4_len,
+        csum_offset,
+        frame_len,
+    })
+}
+
 /// Checks a packet's offload metadata against its headers (`head`: its first bytes,
 /// `len`: its length): a partial checksum must point at the transport checksum, and a
-/// GSO packet must be TCP over IPv4 with a segment size that keeps its segments within
-/// an MTU-sized frame. Returns where the transport header lies, if there is metadata.
+/// GSO packet must be TCP, its GSO type its IP family's, with a segment size that keeps
+/// its segments within an MTU-sized frame. Returns where the transport header lies, if there is metadata.
 pub fn validate(off: &Offload, head: &[u8], len: usize) -> Result<Option<L4>, OffloadError> {
     if len > MAX_OFFLOAD_LEN {
         return Err(OffloadError::TooLong);
@@ -263,7 +352,9 @@ pub fn check_gso(g: Gso, l4: &L4) -> Result<(), OffloadError> {
     if g.size == 0 {
         return Err(OffloadError::GsoSizeZero);
     }
-    if g.ty != XEN_NETIF_GSO_TYPE_TCPV4 {
+    if !matches!(g.ty, XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6)
+        || g.ty != l4.gso_type()
+    {
         return Err(OffloadError::BadGsoType);
     }
     if !l4.tcp {
@@ -300,16 +391,25 @@ pub fn locate(
 }
 
 /// The pseudo-header sum a partial checksum's field holds (not complemented), for the
-/// IPv4 header at `frame[l3..]` and a transport length of `l4_len_total` bytes.
+/// IP header at `frame[l3..]` and the transport bytes to the frame's end: IPv4's
+/// (addresses, protocol, length) or IPv6's (RFC 8200 §8.1: addresses, a 32-bit length,
+/// the next header).
 pub fn pseudo_sum(frame: &[u8], l4: &L4) -> u16 {
     let ip = &frame[l4.l3..];
-    let src = Ipv4Address::new(ip[12], ip[13], ip[14], ip[15]);
-    let dst = Ipv4Address::new(ip[16], ip[17], ip[18], ip[19]);
     let proto = if l4.tcp {
         IpProtocol::Tcp
     } else {
         IpProtocol::Udp
     };
+    if l4.v6 {
+        let mut p = [0u8; 40];
+        p[..32].copy_from_slice(&ip[8..40]);
+        p[32..36].copy_from_slice(&((l4.frame_len - l4.l4) as u32).to_be_bytes());
+        p[39] = u8::from(proto);
+        return checksum::data(&p);
+    }
+    let src = Ipv4Address::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Address::new(ip[16], ip[17], ip[18], ip[19]);
     checksum::pseudo_header_v4(&src, &dst, proto, (l4.frame_len - l4.l4) as u32)
 }
 
@@ -346,13 +446,14 @@ pub fn verify(frame: &[u8], l4: &L4) -> bool {
     checksum::combine(&[pseudo_sum(frame, l4), checksum::data(&frame[l4.l4..end])]) == 0xffff
 }
 
-/// Cuts a TCP/IPv4 GSO frame into frames of at most `mss` payload bytes each, with
-/// complete checksums (Linux's `tcp_gso_segment` with software checksums, or a NIC's
-/// TSO engine): each segment gets the headers, its IPv4 total length, identification
-/// (one more per segment) and header checksum, its sequence number, and the flags only
-/// the last (FIN, PSH) or only the first (CWR) segment keeps. Each frame is built in
-/// `out` (at least `headers + mss` bytes) and handed to `emit`. Returns the segments.
-pub fn segment_tcpv4(
+/// Cuts a TCP GSO frame (over IPv4 or IPv6) into frames of at most `mss` payload bytes
+/// each, with complete checksums (Linux's `tcp_gso_segment` with software checksums, or
+/// a NIC's TSO engine): each segment gets the headers, its IP length (IPv4's total
+/// length, identification one more per segment and header checksum; IPv6's payload
+/// length), its sequence number, and the flags only the last (FIN, PSH) or only the
+/// first (CWR) segment keeps. Each frame is built in `out` (at least `headers + mss`
+/// bytes) and handed to `emit`. Returns the segments.
+pub fn segment_tcp(
     frame: &[u8],
     l4: &L4,
     mss: usize,
@@ -393,11 +494,15 @@ pub fn segment_tcpv4(
         f[..hl].copy_from_slice(&frame[..hl]);
         f[hl..].copy_from_slice(chunk);
         let ip = l4.l3;
-        f[ip + 2..ip + 4].copy_from_slice(&((n - ip) as u16).to_be_bytes());
-        f[ip + 4..ip + 6].copy_from_slice(&ip_id.wrapping_add(i as u16).to_be_bytes());
-        f[ip + 10..ip + 12].copy_from_slice(&[0, 0]);
-        let ip_sum = !checksum::data(&f[ip..l4.l4]);
-        f[ip + 10..ip + 12].copy_from_slice(&ip_sum.to_be_bytes());
+        if l4.v6 {
+            f[ip + 4..ip + 6].copy_from_slice(&((n - ip - 40) as u16).to_be_bytes());
+        } else {
+            f[ip + 2..ip + 4].copy_from_slice(&((n - ip) as u16).to_be_bytes());
+            f[ip + 4..ip + 6].copy_from_slice(&ip_id.wrapping_add(i as u16).to_be_bytes());
+            f[ip + 10..ip + 12].copy_from_slice(&[0, 0]);
+            let ip_sum = !checksum::data(&f[ip..l4.l4]);
+            f[ip + 10..ip + 12].copy_from_slice(&ip_sum.to_be_bytes());
+        }
         let t = l4.l4;
         let s = seq.wrapping_add((i * mss) as u32);
         f[t + 4..t + 8].copy_from_slice(&s.to_be_bytes());
@@ -432,6 +537,8 @@ pub const VNET_F_DATA_VALID: u8 = 2;
 pub const VNET_GSO_NONE: u8 = 0;
 /// `VIRTIO_NET_HDR_GSO_TCPV4`.
 pub const VNET_GSO_TCPV4: u8 = 1;
+/// `VIRTIO_NET_HDR_GSO_TCPV6`.
+pub const VNET_GSO_TCPV6: u8 = 4;
 /// `VIRTIO_NET_HDR_GSO_ECN`, or-ed into the type.
 pub const VNET_GSO_ECN: u8 = 0x80;
 
@@ -493,7 +600,7 @@ impl VnetHdr {
             Csum::None => {}
         }
         if let (Some(g), Some(l4)) = (off.gso, l4) {
-            h.gso_type = VNET_GSO_TCPV4;
+            h.gso_type = if l4.v6 { VNET_GSO_TCPV6 } else { VNET_GSO_TCPV4 };
             h.gso_size = g.size;
             h.hdr_len = l4.headers() as u16;
         }
@@ -501,9 +608,8 @@ impl VnetHdr {
     }
 
     /// The metadata this header gives a frame, checked against the frame's first bytes
-    /// (`head`) and length. ECN is accepted with TCPv4 (the CWR rule of
-    /// [`segment_tcpv4`] is what it asks of a segmenter); every other GSO type is
-    /// refused.
+    /// (`head`) and length. ECN is accepted with TCP (the CWR rule of [`segment_tcp`]
+    /// is what it asks of a segmenter); every GSO type but TCP's is refused.
     pub fn to_offload(&self, head: &[u8], len: usize) -> Result<Offload, OffloadError> {
         let csum = if self.flags & VNET_F_NEEDS_CSUM != 0 {
             Csum::Partial {
@@ -520,6 +626,10 @@ impl VnetHdr {
             VNET_GSO_TCPV4 => Some(Gso {
                 size: self.gso_size,
                 ty: XEN_NETIF_GSO_TYPE_TCPV4,
+            }),
+            VNET_GSO_TCPV6 => Some(Gso {
+                size: self.gso_size,
+                ty: XEN_NETIF_GSO_TYPE_TCPV6,
             }),
             _ => return Err(OffloadError::BadGsoType),
         };
@@ -614,7 +724,7 @@ mod tests {
         let mut out = [0u8; 2048];
         let mut got = Vec::new();
         let mut segs = Vec::new();
-        let n = segment_tcpv4(&big, &l4, 1448, &mut out, |f| {
+        let n = segment_tcp(&big, &l4, 1448, &mut out, |f| {
             segs.push(f.to_vec());
         })
         .expect("segment");
@@ -699,14 +809,150 @@ mod tests {
             validate(&partial(34, 16), &f, f.len() - 1),
             Err(OffloadError::Truncated)
         );
+        // An IPv4 header behind IPv6's type; ARP.
         let mut v6 = f.clone();
         v6[12..14].copy_from_slice(&[0x86, 0xdd]);
         assert_eq!(
             validate(&partial(34, 16), &v6, v6.len()),
-            Err(OffloadError::NotIpv4)
+            Err(OffloadError::BadIpHeader)
+        );
+        let mut arp = f.clone();
+        arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        assert_eq!(
+            validate(&partial(34, 16), &arp, arp.len()),
+            Err(OffloadError::NotIp)
         );
         // Nothing to check without metadata.
         assert_eq!(validate(&Offload::NONE, &[], 0), Ok(None));
+    }
+
+    /// A TCP/IPv6 frame of `payload` bytes (pattern `i % 251`) behind `ext` bytes of
+    /// hop-by-hop options (0 or a multiple of 8), checksum complete, computed here from
+    /// RFC 8200's pseudo-header without this module's code.
+    fn tcp6_frame(payload: usize, ext: usize, flags: u8) -> Vec<u8> {
+        let mut f = vec![0u8; ETH_HEADER + 40 + ext + 20 + payload];
+        f[12..14].copy_from_slice(&[0x86, 0xdd]);
+        let ip = ETH_HEADER;
+        f[ip] = 0x60;
+        f[ip + 4..ip + 6].copy_from_slice(&((ext + 20 + payload) as u16).to_be_bytes());
+        f[ip + 6] = if ext > 0 { 0 } else { 6 };
+        f[ip + 7] = 64;
+        f[ip + 8..ip + 24].copy_from_slice(&[0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        f[ip + 24..ip + 40].copy_from_slice(&[0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        if ext > 0 {
+            f[ip + 40] = 6;
+            f[ip + 41] = (ext / 8 - 1) as u8;
+        }
+        let t = ip + 40 + ext;
+        f[t..t + 2].copy_from_slice(&5001u16.to_be_bytes());
+        f[t + 2..t + 4].copy_from_slice(&40000u16.to_be_bytes());
+        f[t + 4..t + 8].copy_from_slice(&0x0102_0304u32.to_be_bytes());
+        f[t + 12] = 5 << 4;
+        f[t + 13] = flags;
+        for (i, b) in f[t + 20..].iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let mut sum: u32 = 0;
+        let mut add = |b: &[u8]| {
+            for c in b.chunks(2) {
+                sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+            }
+        };
+        add(&f[ip + 8..ip + 40].to_vec());
+        add(&((20 + payload) as u32).to_be_bytes());
+        add(&[0, 0, 0, 6]);
+        add(&f[t..].to_vec());
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        f[t + 16..t + 18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+        f
+    }
+
+    #[test]
+    fn an_ipv6_frame_is_located_past_its_options_and_its_checksum_filled_as_its_senders() {
+        for ext in [0, 8, 16] {
+            let full = tcp6_frame(3000, ext, 0x18);
+            let l4 = checksum_setup(&full, full.len()).expect("setup");
+            assert!(l4.v6 && l4.tcp);
+            assert_eq!((l4.l4, l4.csum_offset), (ETH_HEADER + 40 + ext, 16));
+            assert_eq!(l4.frame_len, full.len());
+            assert!(verify(&full, &l4), "the sender's checksum verifies");
+            let mut partial = full.clone();
+            set_pseudo(&mut partial, &l4);
+            fill_partial(&mut partial, l4.l4, l4.csum_offset).expect("fill");
+            assert_eq!(partial, full, "filled in as the sender computed it");
+            let off = Offload {
+                csum: l4.partial(),
+                gso: Some(Gso {
+                    size: 1400,
+                    ty: XEN_NETIF_GSO_TYPE_TCPV6,
+                }),
+            };
+            assert_eq!(validate(&off, &full, full.len()), Ok(Some(l4)));
+            // The other family's GSO type is refused.
+            let v4 = Offload {
+                gso: Some(Gso {
+                    size: 1400,
+                    ty: XEN_NETIF_GSO_TYPE_TCPV4,
+                }),
+                ..off
+            };
+            assert_eq!(
+                validate(&v4, &full, full.len()),
+                Err(OffloadError::BadGsoType)
+            );
+        }
+        // A fragment header, a jumbogram, a length past the frame, options past the bound.
+        let mut frag = tcp6_frame(100, 8, 0x18);
+        frag[ETH_HEADER + 6] = 44;
+        let mut jumbo = tcp6_frame(100, 0, 0x18);
+        jumbo[ETH_HEADER + 4..ETH_HEADER + 6].copy_from_slice(&[0, 0]);
+        let mut long = tcp6_frame(100, 0, 0x18);
+        long[ETH_HEADER + 4..ETH_HEADER + 6].copy_from_slice(&[0x10, 0]);
+        let mut deep = tcp6_frame(100, 8, 0x18);
+        deep[ETH_HEADER + 41] = 255;
+        for (f, e) in [
+            (frag, OffloadError::BadIpHeader),
+            (jumbo, OffloadError::BadIpHeader),
+            (long, OffloadError::Truncated),
+            (deep, OffloadError::BadIpHeader),
+        ] {
+            let l = f.len();
+            assert_eq!(checksum_setup(&f[..l.min(MAX_HEADERS)], l), Err(e));
+        }
+    }
+
+    #[test]
+    fn an_ipv6_segment_is_cut_into_frames_with_their_lengths_and_checksums() {
+        let big = tcp6_frame(10_000, 8, 0x10 | 0x08 | 0x01);
+        let l4 = checksum_setup(&big, big.len()).expect("setup");
+        let mut out = [0u8; 2048];
+        let mut segs = Vec::new();
+        let n = segment_tcp(&big, &l4, 1428, &mut out, |f| segs.push(f.to_vec())).expect("cut");
+        assert_eq!(n, 10_000usize.div_ceil(1428));
+        let mut payload = Vec::new();
+        for (i, s) in segs.iter().enumerate() {
+            let sl4 = checksum_setup(s, s.len()).expect("a frame");
+            assert!(sl4.v6 && verify(s, &sl4), "segment {i} verifies");
+            let plen = u16::from_be_bytes([s[ETH_HEADER + 4], s[ETH_HEADER + 5]]) as usize;
+            assert_eq!(plen, s.len() - ETH_HEADER - 40);
+            let last = i + 1 == segs.len();
+            assert_eq!(s[sl4.l4 + 13] & 0x09 != 0, last, "FIN and PSH on the last only");
+            payload.extend_from_slice(&s[sl4.headers()..]);
+        }
+        assert_eq!(payload, &big[l4.headers()..], "every byte, in order");
+        // The virtio-net header says TCPv6 and comes back as it went.
+        let off = Offload {
+            csum: l4.partial(),
+            gso: Some(Gso {
+                size: 1428,
+                ty: XEN_NETIF_GSO_TYPE_TCPV6,
+            }),
+        };
+        let h = VnetHdr::from_offload(&off, Some(&l4));
+        assert_eq!((h.gso_type, h.hdr_len), (VNET_GSO_TCPV6, l4.headers() as u16));
+        assert_eq!(h.to_offload(&big, big.len()), Ok(off));
     }
 
     #[test]

@@ -107,11 +107,13 @@ pub const FEATURE_SPLIT_EVENTS: &str = "feature-split-event-channels";
 /// `<bytes>,<microseconds>` ([`crate::netback::Credit`]).
 pub const RATE: &str = "rate";
 
-pub const BACKEND_FEATURES: [(&str, &str); 9] = [
+pub const BACKEND_FEATURES: [(&str, &str); 11] = [
     ("feature-sg", "1"),
     ("feature-rx-copy", "1"),
     ("feature-rx-flip", "0"),
     ("feature-gso-tcpv4", "1"),
+    ("feature-gso-tcpv6", "1"),
+    ("feature-ipv6-csum-offload", "1"),
     ("feature-multicast-control", "0"),
     (FEATURE_CTRL_RING, "1"),
     (FEATURE_GRANT_REUSE, "1"),

@@ -3,7 +3,7 @@
 //! came with, and cutting each aggregate at its segment size gives them back).
 
 use net::lro::{Delivery, Flush, Lro, LroConfig, Pass};
-use net::offload::{checksum_setup, fill_partial, segment_tcpv4, set_pseudo};
+use net::offload::{checksum_setup, fill_partial, segment_tcp, set_pseudo};
 use net::wire::TcpSegment;
 
 const ACK: u8 = 0x10;
@@ -66,7 +66,7 @@ fn run(frames: &[Vec<u8>], cfg: LroConfig, poll_every: usize) -> (Out, Lro<usize
             assert_eq!(l4.frame_len, whole.len(), "IPv4 length covers the whole");
             let mut buf = vec![0u8; 2048];
             let mut cut = Vec::new();
-            segment_tcpv4(&whole, &l4, gso, &mut buf, |f| {
+            segment_tcp(&whole, &l4, gso, &mut buf, |f| {
                 let l = checksum_setup(f, f.len()).expect("test frame");
                 cut.push((
                     u32::from_be_bytes(f[l.l4 + 4..l.l4 + 8].try_into().expect("test frame")),

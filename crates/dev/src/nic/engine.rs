@@ -369,7 +369,7 @@ impl Device {
         f.copy_from_slice(frame);
         if let Ok(l4) = net::offload::checksum_setup(&f[..f.len().min(MAX_HEADERS)], f.len()) {
             let done = match off.gso {
-                Some(g) => net::offload::segment_tcpv4(f, &l4, g.size.into(), &mut seg, |s| {
+                Some(g) => net::offload::segment_tcp(f, &l4, g.size.into(), &mut seg, |s| {
                     self.regs.rx_cut.fetch_add(1, Ordering::Relaxed);
                     if let Err(e) = self.receive_one(q, s, Offload::NONE) {
                         self.missed(e);
@@ -593,7 +593,7 @@ impl Device {
             Some(g) => {
                 regs.tx_gso.fetch_add(1, Ordering::Relaxed);
                 let r =
-                    net::offload::segment_tcpv4(frame, &l4, g.size.into(), &mut self.seg, |f| {
+                    net::offload::segment_tcp(frame, &l4, g.size.into(), &mut self.seg, |f| {
                         regs.tx_tso_segments.fetch_add(1, Ordering::Relaxed);
                         sink.transmit(f, Offload::NONE);
                         count(f.len());

@@ -58,6 +58,7 @@ pub fn probe(store: &impl XenStore, be: DomId, fe: DomId, handle: u32) -> Result
 struct Negotiated {
     can_sg: bool,
     gso_rx: bool,
+    gso6_rx: bool,
     csum_rx: bool,
     guest_copy: bool,
     machine_frames: bool,
@@ -105,6 +106,7 @@ impl Negotiated {
             can_sg,
             // Linux netback: GSO only if asked for; blank checksums unless refused.
             gso_rx: can_sg && front("feature-gso-tcpv4"),
+            gso6_rx: can_sg && front("feature-gso-tcpv6"),
             csum_rx: !front("feature-no-csum-offload"),
             guest_copy,
             machine_frames: front(xenbus::REQUEST_MACHINE_FRAMES)
@@ -436,6 +438,7 @@ impl<X: Xen> Vif<X> {
             rx_queue: SkbQueue::with_backlog(RX_QUEUE_BYTES, RX_QUEUE_BACKLOG),
             can_sg: n.can_sg,
             gso_rx: n.gso_rx,
+            gso6_rx: n.gso6_rx,
             csum_rx: n.csum_rx,
             offload_scratch: vec![0; OFFLOAD_SCRATCH].into_boxed_slice(),
             aligned_copies: false,

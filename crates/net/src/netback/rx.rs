@@ -293,7 +293,7 @@ impl<X: Xen> Vif<X> {
         let off = pool.offload(skb);
         let whole = self.rx_carries_offload();
         let partial = matches!(off.csum, Csum::Partial { .. });
-        if (off.gso.is_some() && !(whole && self.gso_rx)) || (partial && !(whole && self.csum_rx)) {
+        if (off.gso.is_some() && !(whole && self.takes_gso(off.gso))) || (partial && !(whole && self.csum_rx)) {
             self.rx_software_offload(pool, skb);
             return;
         }
@@ -309,6 +309,16 @@ impl<X: Xen> Vif<X> {
         if let Err(skb) = self.rx_queue.push(pool, skb) {
             self.stats.rx_queue_full += 1;
             pool.free(skb);
+        }
+    }
+
+    /// Whether the front end takes this large segment whole: TCP/IPv4 with
+    /// `feature-gso-tcpv4`, TCP/IPv6 with `feature-gso-tcpv6`.
+    pub(super) fn takes_gso(&self, gso: Option<crate::netif::Gso>) -> bool {
+        match gso.map(|g| g.ty) {
+            Some(crate::netif::XEN_NETIF_GSO_TYPE_TCPV4) => self.gso_rx,
+            Some(crate::netif::XEN_NETIF_GSO_TYPE_TCPV6) => self.gso6_rx,
+            _ => false,
         }
     }
 
@@ -339,7 +349,7 @@ impl<X: Xen> Vif<X> {
         match (l4, off.gso) {
             (Some(l4), Some(g)) => {
                 let mut segs = 0;
-                let r = crate::offload::segment_tcpv4(frame, &l4, g.size.into(), out, |f| {
+                let r = crate::offload::segment_tcp(frame, &l4, g.size.into(), out, |f| {
                     segs += 1;
                     self.rx_enqueue_copy(pool, f);
                 });
@@ -529,7 +539,7 @@ impl<X: Xen> Vif<X> {
                 0
             };
             let off = pool.offload(skb);
-            let gso = off.gso.filter(|_| self.gso_rx);
+            let gso = off.gso.filter(|_| self.takes_gso(off.gso));
             let blank = matches!(off.csum, Csum::Partial { .. }) && self.csum_rx;
             let need = (rx_pages(pool.len(skb), start) + usize::from(gso.is_some())) as u32;
             // All the buffers the packet needs, or wait for the guest's next post (the
