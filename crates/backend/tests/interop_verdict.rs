@@ -96,3 +96,18 @@ fn a_run_that_misses_repeats_fails_or_trickles_is_a_failed_run() {
     assert!(!verdict("pvio", "").0);
     assert!(!verdict("linux", "").0);
 }
+
+#[test]
+fn a_driver_domain_run_must_show_its_driver_domain_serving() {
+    // A dom0 run's checks are a driver-domain run's too, less the driver domain's own:
+    // without it the run proves nothing about a driver domain.
+    let pvio = recorded("pvio");
+    let (ok, out) = verdict("pvio-drvdom", &pvio);
+    assert!(!ok && out.contains("driver-domain: 0 ok"), "{out}");
+    let with = format!("{pvio}pvio-check driver-domain ok domain 1 runs pvio backend\n");
+    let (ok, out) = verdict("pvio-drvdom", &with);
+    assert!(ok, "{out}");
+    // The line says so only when it is ok.
+    let failed = format!("{pvio}pvio-check driver-domain FAIL domain 1: no back end serving\n");
+    assert!(!verdict("pvio-drvdom", &failed).0);
+}
