@@ -858,10 +858,10 @@ mod tests {
                 sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
             }
         };
-        add(&f[ip + 8..ip + 40].to_vec());
+        add(&f[ip + 8..ip + 40]);
         add(&((20 + payload) as u32).to_be_bytes());
         add(&[0, 0, 0, 6]);
-        add(&f[t..].to_vec());
+        add(&f[t..]);
         while sum >> 16 != 0 {
             sum = (sum & 0xffff) + (sum >> 16);
         }
