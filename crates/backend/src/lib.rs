@@ -350,7 +350,11 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.log.line(&format!(
         "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}",
         me.0,
-        if hotplug { "pvio" } else { "the hotplug scripts" }
+        if hotplug {
+            "pvio"
+        } else {
+            "the hotplug scripts"
+        }
     ));
     let mut last_scan = Instant::now() - RESCAN;
     let mut busy = false;

@@ -1429,7 +1429,11 @@ impl<X: Xen> Blkback<X> {
                 gfn,
                 offset: offset as u16,
             };
-            let (source, dest) = if write { (theirs, ours) } else { (ours, theirs) };
+            let (source, dest) = if write {
+                (theirs, ours)
+            } else {
+                (ours, theirs)
+            };
             copies.push(GrantCopy {
                 source,
                 dest,

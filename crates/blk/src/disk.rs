@@ -185,7 +185,12 @@ impl FileDisk {
     }
 
     /// Writes `pieces`, one after another, to the disk from `sector` on: one `pwritev`.
-    pub fn write_vectored(&self, dom: &Domain, pieces: &[DiskPiece], sector: u64) -> io::Result<()> {
+    pub fn write_vectored(
+        &self,
+        dom: &Domain,
+        pieces: &[DiskPiece],
+        sector: u64,
+    ) -> io::Result<()> {
         if self.read_only {
             return Err(read_only());
         }

@@ -412,7 +412,12 @@ fn hostile_requests(copy: bool) {
         rw(BLKIF_OP_READ, 10, 8, &[seg(r, 0, 7)]),
         rw(BLKIF_OP_WRITE, 10, 16, &[seg(r, 0, 7)]),
         // A write from a good page and one outside the table: nothing reaches the disk.
-        rw(BLKIF_OP_WRITE, 11, 24, &[seg(r, 0, 7), seg(GrantRef(1 << 20), 0, 7)]),
+        rw(
+            BLKIF_OP_WRITE,
+            11,
+            24,
+            &[seg(r, 0, 7), seg(GrantRef(1 << 20), 0, 7)],
+        ),
     ];
     bad.send(&reqs);
     assert_eq!(back.serve(), reqs.len());
@@ -448,7 +453,11 @@ fn hostile_requests(copy: bool) {
     }
     assert_eq!((s.bad_grants, s.id_in_flight, s.done), (3, 1, 1));
     answered_once(s);
-    assert_eq!(file_at(&path, 24, 4096), before, "a failed write writes nothing");
+    assert_eq!(
+        file_at(&path, 24, 4096),
+        before,
+        "a failed write writes nothing"
+    );
     let mut b = [0u8; 4096];
     g.read(ro_page, 0, &mut b).expect("read");
     assert!(

@@ -77,7 +77,6 @@ pub enum DiskPiece {
     },
 }
 
-
 /// Why a domain operation on its own memory was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum DomainError {
@@ -329,7 +328,11 @@ impl Domain {
             *a = match *p {
                 DiskPiece::Window { slot, offset, len } => mem::IoPiece::Slot { slot, offset, len },
                 DiskPiece::Own { gfn, offset, len } => mem::IoPiece::Frame {
-                    mfn: if read { self.own_w(gfn)? } else { self.own(gfn)? },
+                    mfn: if read {
+                        self.own_w(gfn)?
+                    } else {
+                        self.own(gfn)?
+                    },
                     offset,
                     len,
                 },

@@ -138,8 +138,7 @@ const _: () = assert!(std::mem::size_of::<IfReqInt>() == 40);
 
 impl IfReqInt {
     fn named(name: &str) -> io::Result<Self> {
-        if name.is_empty() || name.len() >= IFNAMSIZ || name.bytes().any(|b| b == 0 || b == b'/')
-        {
+        if name.is_empty() || name.len() >= IFNAMSIZ || name.bytes().any(|b| b == 0 || b == b'/') {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("{name:?} is not an interface name"),
@@ -285,7 +284,11 @@ mod tests {
         assert_eq!(flags & libc::IFF_UP as u32, libc::IFF_UP as u32, "up");
         join_bridge(&got, &br).expect("a second time (a restart's) is no error");
         assert!(join_bridge(&got, "pvnosuchbr").is_err(), "no such bridge");
-        assert_eq!(bridge_of(&got).as_deref(), Some(br.as_str()), "still on its own");
+        assert_eq!(
+            bridge_of(&got).as_deref(),
+            Some(br.as_str()),
+            "still on its own"
+        );
         assert!(join_bridge(&got, "bad/name").is_err());
         drop(f);
         ip(&["link", "del", &br]);

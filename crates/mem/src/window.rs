@@ -107,9 +107,7 @@ impl IoPiece {
     /// Its offset in its page and its length.
     pub fn range(&self) -> (usize, usize) {
         match *self {
-            IoPiece::Slot { offset, len, .. } | IoPiece::Frame { offset, len, .. } => {
-                (offset, len)
-            }
+            IoPiece::Slot { offset, len, .. } | IoPiece::Frame { offset, len, .. } => (offset, len),
         }
     }
 }
@@ -155,7 +153,6 @@ fn vectored_io(
     }
     Ok(())
 }
-
 
 /// A window of `slots` page-sized slots.
 ///

@@ -352,8 +352,7 @@ pub fn check_gso(g: Gso, l4: &L4) -> Result<(), OffloadError> {
     if g.size == 0 {
         return Err(OffloadError::GsoSizeZero);
     }
-    if !matches!(g.ty, XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6)
-        || g.ty != l4.gso_type()
+    if !matches!(g.ty, XEN_NETIF_GSO_TYPE_TCPV4 | XEN_NETIF_GSO_TYPE_TCPV6) || g.ty != l4.gso_type()
     {
         return Err(OffloadError::BadGsoType);
     }
@@ -600,7 +599,11 @@ impl VnetHdr {
             Csum::None => {}
         }
         if let (Some(g), Some(l4)) = (off.gso, l4) {
-            h.gso_type = if l4.v6 { VNET_GSO_TCPV6 } else { VNET_GSO_TCPV4 };
+            h.gso_type = if l4.v6 {
+                VNET_GSO_TCPV6
+            } else {
+                VNET_GSO_TCPV4
+            };
             h.gso_size = g.size;
             h.hdr_len = l4.headers() as u16;
         }
@@ -838,7 +841,8 @@ mod tests {
         f[ip + 6] = if ext > 0 { 0 } else { 6 };
         f[ip + 7] = 64;
         f[ip + 8..ip + 24].copy_from_slice(&[0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
-        f[ip + 24..ip + 40].copy_from_slice(&[0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        f[ip + 24..ip + 40]
+            .copy_from_slice(&[0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
         if ext > 0 {
             f[ip + 40] = 6;
             f[ip + 41] = (ext / 8 - 1) as u8;
@@ -938,7 +942,11 @@ mod tests {
             let plen = u16::from_be_bytes([s[ETH_HEADER + 4], s[ETH_HEADER + 5]]) as usize;
             assert_eq!(plen, s.len() - ETH_HEADER - 40);
             let last = i + 1 == segs.len();
-            assert_eq!(s[sl4.l4 + 13] & 0x09 != 0, last, "FIN and PSH on the last only");
+            assert_eq!(
+                s[sl4.l4 + 13] & 0x09 != 0,
+                last,
+                "FIN and PSH on the last only"
+            );
             payload.extend_from_slice(&s[sl4.headers()..]);
         }
         assert_eq!(payload, &big[l4.headers()..], "every byte, in order");
@@ -951,7 +959,10 @@ mod tests {
             }),
         };
         let h = VnetHdr::from_offload(&off, Some(&l4));
-        assert_eq!((h.gso_type, h.hdr_len), (VNET_GSO_TCPV6, l4.headers() as u16));
+        assert_eq!(
+            (h.gso_type, h.hdr_len),
+            (VNET_GSO_TCPV6, l4.headers() as u16)
+        );
         assert_eq!(h.to_offload(&big, big.len()), Ok(off));
     }
 

@@ -63,7 +63,11 @@ fn packets_beyond_the_periods_credit_wait_on_the_ring_and_none_is_dropped() {
     let (_front, mut vif, _gpool, mut dpool) = sent(Some("3000,60000000"), 10, 1000);
     assert_eq!(vif.tx_rate(), Some((3000, Duration::from_secs(60))));
     let at = Instant::now();
-    assert_eq!(transmit(&mut vif, &mut dpool), 3, "three packets' worth of credit");
+    assert_eq!(
+        transmit(&mut vif, &mut dpool),
+        3,
+        "three packets' worth of credit"
+    );
     let s = vif.stats().clone();
     assert!(s.tx_rate_limited >= 1, "{s:?}");
     assert_eq!(s.tx_offload_errors.total(), 0);
@@ -71,7 +75,11 @@ fn packets_beyond_the_periods_credit_wait_on_the_ring_and_none_is_dropped() {
     assert!(until > at + Duration::from_secs(59) && until <= at + Duration::from_secs(61));
     assert!(!vif.tx_pending(), "no spin while it waits");
     assert_eq!(transmit(&mut vif, &mut dpool), 0, "still the same period");
-    assert_eq!(vif.stats().tx_packets, 3, "the rest wait on the ring, none dropped");
+    assert_eq!(
+        vif.stats().tx_packets,
+        3,
+        "the rest wait on the ring, none dropped"
+    );
 }
 
 #[test]

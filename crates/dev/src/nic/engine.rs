@@ -592,12 +592,11 @@ impl Device {
         match off.gso {
             Some(g) => {
                 regs.tx_gso.fetch_add(1, Ordering::Relaxed);
-                let r =
-                    net::offload::segment_tcp(frame, &l4, g.size.into(), &mut self.seg, |f| {
-                        regs.tx_tso_segments.fetch_add(1, Ordering::Relaxed);
-                        sink.transmit(f, Offload::NONE);
-                        count(f.len());
-                    });
+                let r = net::offload::segment_tcp(frame, &l4, g.size.into(), &mut self.seg, |f| {
+                    regs.tx_tso_segments.fetch_add(1, Ordering::Relaxed);
+                    sink.transmit(f, Offload::NONE);
+                    count(f.len());
+                });
                 if r.is_err() {
                     regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
                 }

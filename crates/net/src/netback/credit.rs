@@ -87,7 +87,16 @@ mod tests {
         let now = Instant::now();
         let c = Credit::parse("125000,50000", now).expect("10 Mbit/s in 50 ms periods");
         assert_eq!(c.rate(), (125_000, Duration::from_millis(50)));
-        for bad in ["", "1", "0,5", "5,0", "-1,5", "1,2,3", "x,1", "18446744073709551616,1"] {
+        for bad in [
+            "",
+            "1",
+            "0,5",
+            "5,0",
+            "-1,5",
+            "1,2,3",
+            "x,1",
+            "18446744073709551616,1",
+        ] {
             assert_eq!(Credit::parse(bad, now), None, "{bad:?}");
         }
     }

@@ -293,7 +293,9 @@ impl<X: Xen> Vif<X> {
         let off = pool.offload(skb);
         let whole = self.rx_carries_offload();
         let partial = matches!(off.csum, Csum::Partial { .. });
-        if (off.gso.is_some() && !(whole && self.takes_gso(off.gso))) || (partial && !(whole && self.csum_rx)) {
+        if (off.gso.is_some() && !(whole && self.takes_gso(off.gso)))
+            || (partial && !(whole && self.csum_rx))
+        {
             self.rx_software_offload(pool, skb);
             return;
         }
