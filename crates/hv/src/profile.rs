@@ -48,7 +48,7 @@ pub enum Class {
     /// Block layer and blkfront (the guest's), blkback (the driver domain's).
     Block = 13,
     /// Data moved between a disk and memory (a controller's DMA; here the backing
-    /// file's `pread`/`pwrite` into the frame).
+    /// file's `preadv`/`pwritev` into the frames).
     Disk = 14,
     /// Hypervisor: grant map, unmap or copy (bookkeeping, not the data copy).
     XenGrant = 16,

@@ -204,45 +204,6 @@ impl MachineMemory {
         Ok(())
     }
 
-    /// Reads `len` bytes of the file `fd` from byte `pos` straight into frame `mfn` at
-    /// `offset`, as a disk controller's DMA lands a sector run in a page: the kernel
-    /// copies from its page cache into the frame, with no buffer between. A file that
-    /// ends first is an error (`EIO`).
-    pub fn read_file(
-        &self,
-        mfn: Mfn,
-        offset: usize,
-        len: usize,
-        fd: BorrowedFd<'_>,
-        pos: u64,
-    ) -> Result<(), MemError> {
-        let p = self.ptr(mfn, offset, len)?;
-        file_io(len, pos, |done, at| {
-            // SAFETY: `p + done .. p + len` is inside the mapping (checked by `ptr`; `done
-            // < len`); the kernel writes into it as into any shared memory, and no Rust
-            // reference to those bytes exists.
-            unsafe { libc::pread(fd.as_raw_fd(), p.add(done).cast(), len - done, at) }
-        })
-    }
-
-    /// Writes `len` bytes of frame `mfn` from `offset` to the file `fd` at byte `pos`
-    /// (the disk controller's DMA out of a page).
-    pub fn write_file(
-        &self,
-        mfn: Mfn,
-        offset: usize,
-        len: usize,
-        fd: BorrowedFd<'_>,
-        pos: u64,
-    ) -> Result<(), MemError> {
-        let p = self.ptr(mfn, offset, len)?;
-        file_io(len, pos, |done, at| {
-            // SAFETY: `p + done .. p + len` is inside the mapping (checked by `ptr`; `done
-            // < len`); the kernel only reads it.
-            unsafe { libc::pwrite(fd.as_raw_fd(), p.add(done).cast(), len - done, at) }
-        })
-    }
-
     /// The 16-bit word at `offset` in frame `mfn` as an atomic.
     #[inline]
     pub fn atomic_u16(&self, mfn: Mfn, offset: usize) -> Result<&AtomicU16, MemError> {
@@ -341,32 +302,6 @@ impl PageAccess for FramePage {
     fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, MemError> {
         self.mem.atomic_u64(self.mfn, offset)
     }
-}
-
-/// Moves `len` bytes between a frame and a file from byte `pos` on, calling `io(done,
-/// file_offset)` (a `pread` or `pwrite` of the rest) until all have moved: short
-/// transfers go on, an interrupted call is made again, the file's end is `EIO`.
-pub(crate) fn file_io(
-    len: usize,
-    pos: u64,
-    mut io: impl FnMut(usize, libc::off_t) -> isize,
-) -> Result<(), MemError> {
-    let mut done = 0;
-    while done < len {
-        let at =
-            libc::off_t::try_from(pos + done as u64).map_err(|_| MemError::Os(libc::EINVAL))?;
-        match io(done, at) {
-            0 => return Err(MemError::Os(libc::EIO)),
-            n if n < 0 => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(MemError::Os(e.raw_os_error().unwrap_or(libc::EIO)));
-                }
-            }
-            n => done += n as usize,
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -25,7 +25,6 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::machine::file_io;
 use crate::xen::Gntdev;
 use crate::{
     check_in_page, shared, FramePage, MachineMemory, MemError, Mfn, PageAccess, PAGE_SHIFT,
@@ -604,70 +603,6 @@ impl MapWindow {
         r
     }
 
-    /// Reads `len` bytes of file `fd` from byte `pos` into the frame mapped at `slot`
-    /// from `offset` (a block back end's read landing in a guest page it maps); refused
-    /// for a read-only mapping. See [`MachineMemory::read_file`].
-    pub fn read_file(
-        &self,
-        slot: u32,
-        offset: usize,
-        len: usize,
-        fd: std::os::fd::BorrowedFd<'_>,
-        pos: u64,
-    ) -> Result<(), MemError> {
-        check_in_page(offset, len)?;
-        let mfn = self.enter(slot, true, INFLIGHT_ONE)?;
-        let r = match self.foreign_addr(slot) {
-            Some(addr) => file_io(len, pos, |done, at| {
-                // SAFETY: the slot is mapped, writable and counted in use; `offset +
-                // done < offset + len` stays inside its page (checked above), and the
-                // kernel writes there as into any shared memory.
-                unsafe {
-                    libc::pread(
-                        fd.as_raw_fd(),
-                        addr.add(offset + done).cast(),
-                        len - done,
-                        at,
-                    )
-                }
-            }),
-            None => self.mem.read_file(mfn, offset, len, fd, pos),
-        };
-        self.leave(slot, INFLIGHT_ONE);
-        r
-    }
-
-    /// Writes `len` bytes of the frame mapped at `slot` from `offset` to file `fd` at
-    /// byte `pos` (a block back end's write out of a guest page).
-    pub fn write_file(
-        &self,
-        slot: u32,
-        offset: usize,
-        len: usize,
-        fd: std::os::fd::BorrowedFd<'_>,
-        pos: u64,
-    ) -> Result<(), MemError> {
-        check_in_page(offset, len)?;
-        let mfn = self.enter(slot, false, INFLIGHT_ONE)?;
-        let r = match self.foreign_addr(slot) {
-            Some(addr) => file_io(len, pos, |done, at| {
-                // SAFETY: the slot is mapped and counted in use; the range read is inside
-                // its page (checked above).
-                unsafe {
-                    libc::pwrite(
-                        fd.as_raw_fd(),
-                        addr.add(offset + done).cast(),
-                        len - done,
-                        at,
-                    )
-                }
-            }),
-            None => self.mem.write_file(mfn, offset, len, fd, pos),
-        };
-        self.leave(slot, INFLIGHT_ONE);
-        r
-    }
-
     /// Reads file `fd` from byte `pos` on into `pieces`, one after another (a block back
     /// end's read of a whole request, landing in the guest's pages it maps and in its
     /// own): one `preadv` for all of them, a short transfer carried on from where it
@@ -1171,6 +1106,7 @@ mod tests {
     #[test]
     fn a_file_is_read_into_and_written_from_a_mapped_frame_and_only_as_mapped() {
         use std::os::fd::AsFd;
+        let slot = |slot, offset, len| IoPiece::Slot { slot, offset, len };
         for backend in BACKENDS {
             let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
             let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
@@ -1187,29 +1123,29 @@ mod tests {
                 .open(&path)
                 .expect("open");
             assert_eq!(
-                w.read_file(0, 0, 512, f.as_fd(), 0),
+                w.read_file_vectored(&[slot(0, 0, 512)], f.as_fd(), 0),
                 Err(MemError::NotMapped(0))
             );
             w.map(0, Mfn(3), true).expect("map");
             w.map(1, Mfn(4), false).expect("map");
             // Sectors 3..5 of the file land at byte 512 of the frame, nowhere else.
-            w.read_file(0, 512, 1024, f.as_fd(), 1536).expect("read");
+            w.read_file_vectored(&[slot(0, 512, 1024)], f.as_fd(), 1536).expect("read");
             let mut b = vec![0u8; PAGE_SIZE];
             mem.read(Mfn(3), 0, &mut b).expect("frame");
             assert!(b[..512].iter().all(|&x| x == 0) && b[1536..].iter().all(|&x| x == 0));
             assert_eq!(&b[512..1536], &data[1536..2560]);
             // Into a read-only mapping: refused; past the file's end: an error.
             assert_eq!(
-                w.read_file(1, 0, 512, f.as_fd(), 0),
+                w.read_file_vectored(&[slot(1, 0, 512)], f.as_fd(), 0),
                 Err(MemError::ReadOnly(1))
             );
             assert_eq!(
-                w.read_file(0, 0, 1024, f.as_fd(), 7680),
+                w.read_file_vectored(&[slot(0, 0, 1024)], f.as_fd(), 7680),
                 Err(MemError::Os(libc::EIO))
             );
             // Out of a read-only mapping into the file.
             mem.fill(Mfn(4), 0, PAGE_SIZE, 0xab).expect("fill");
-            w.write_file(1, 0, 512, f.as_fd(), 4096).expect("write");
+            w.write_file_vectored(&[slot(1, 0, 512)], f.as_fd(), 4096).expect("write");
             let back = std::fs::read(&path).expect("read back");
             assert!(back[4096..4608].iter().all(|&x| x == 0xab));
             assert_eq!(&back[..4096], &data[..4096]);
