@@ -1103,6 +1103,28 @@ mod tests {
         }
     }
 
+    /// A file of `len` bytes (`i % 251`) for a test named `tag`, opened read-write: its
+    /// path, the file and its bytes.
+    fn patterned_file(
+        tag: &str,
+        backend: MapBackend,
+        len: u32,
+    ) -> (std::path::PathBuf, std::fs::File, Vec<u8>) {
+        let path = std::env::temp_dir().join(format!(
+            "pvio-window-{tag}-{}-{}",
+            std::process::id(),
+            backend.name()
+        ));
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).expect("file");
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open");
+        (path, f, data)
+    }
+
     #[test]
     fn a_file_is_read_into_and_written_from_a_mapped_frame_and_only_as_mapped() {
         use std::os::fd::AsFd;
@@ -1110,18 +1132,7 @@ mod tests {
         for backend in BACKENDS {
             let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
             let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
-            let path = std::env::temp_dir().join(format!(
-                "pvio-window-file-{}-{}",
-                std::process::id(),
-                backend.name()
-            ));
-            let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-            std::fs::write(&path, &data).expect("file");
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .expect("open");
+            let (path, f, data) = patterned_file("file", backend, 8192);
             assert_eq!(
                 w.read_file_vectored(&[slot(0, 0, 512)], f.as_fd(), 0),
                 Err(MemError::NotMapped(0))
@@ -1129,7 +1140,8 @@ mod tests {
             w.map(0, Mfn(3), true).expect("map");
             w.map(1, Mfn(4), false).expect("map");
             // Sectors 3..5 of the file land at byte 512 of the frame, nowhere else.
-            w.read_file_vectored(&[slot(0, 512, 1024)], f.as_fd(), 1536).expect("read");
+            w.read_file_vectored(&[slot(0, 512, 1024)], f.as_fd(), 1536)
+                .expect("read");
             let mut b = vec![0u8; PAGE_SIZE];
             mem.read(Mfn(3), 0, &mut b).expect("frame");
             assert!(b[..512].iter().all(|&x| x == 0) && b[1536..].iter().all(|&x| x == 0));
@@ -1145,7 +1157,8 @@ mod tests {
             );
             // Out of a read-only mapping into the file.
             mem.fill(Mfn(4), 0, PAGE_SIZE, 0xab).expect("fill");
-            w.write_file_vectored(&[slot(1, 0, 512)], f.as_fd(), 4096).expect("write");
+            w.write_file_vectored(&[slot(1, 0, 512)], f.as_fd(), 4096)
+                .expect("write");
             let back = std::fs::read(&path).expect("read back");
             assert!(back[4096..4608].iter().all(|&x| x == 0xab));
             assert_eq!(&back[..4096], &data[..4096]);
@@ -1160,18 +1173,7 @@ mod tests {
         for backend in BACKENDS {
             let mem = Arc::new(MachineMemory::new(8).expect("memfd"));
             let w = Arc::new(MapWindow::with_backend(Arc::clone(&mem), 4, backend).expect("w"));
-            let path = std::env::temp_dir().join(format!(
-                "pvio-window-vectored-{}-{}",
-                std::process::id(),
-                backend.name()
-            ));
-            let data: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
-            std::fs::write(&path, &data).expect("file");
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .expect("open");
+            let (path, f, data) = patterned_file("vectored", backend, 16384);
             w.map(0, Mfn(3), true).expect("map");
             w.map(1, Mfn(4), false).expect("map");
             // A guest page's tail, one of our own frames whole, another guest page's head.
