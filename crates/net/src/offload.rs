@@ -226,7 +226,21 @@ pub fn checksum_setup(head: &[u8], len: usize) -> Result<L4, OffloadError> {
         return Err(OffloadError::BadIpHeader);
     }
     let l4 = ETH_HEADER + ihl;
-    let (tcp, csum_offset) = match IpProtocol::from(ip[9]) {
+    transport(head, ip[9], ETH_HEADER, false, l4, ETH_HEADER + total)
+}
+
+/// The transport header of protocol `proto` at `l4`, behind the IP header at `l3`, in a
+/// frame the IP header says is `frame_len` long: TCP (its data offset read and checked)
+/// or UDP; its header must lie inside both the frame and `head`.
+fn transport(
+    head: &[u8],
+    proto: u8,
+    l3: usize,
+    v6: bool,
+    l4: usize,
+    frame_len: usize,
+) -> Result<L4, OffloadError> {
+    let (tcp, csum_offset) = match IpProtocol::from(proto) {
         IpProtocol::Tcp => (true, 16),
         IpProtocol::Udp => (false, 6),
         _ => return Err(OffloadError::NotTcpUdp),
@@ -243,17 +257,17 @@ pub fn checksum_setup(head: &[u8], len: usize) -> Result<L4, OffloadError> {
     } else {
         8
     };
-    if l4 + l4_len > ETH_HEADER + total || l4 + l4_len > head.len() {
+    if l4 + l4_len > frame_len || l4 + l4_len > head.len() {
         return Err(OffloadError::Truncated);
     }
     Ok(L4 {
-        l3: ETH_HEADER,
-        v6: false,
+        l3,
+        v6,
         l4,
         tcp,
         l4_len,
         csum_offset,
-        frame_len: ETH_HEADER + total,
+        frame_len,
     })
 }
 
@@ -293,35 +307,7 @@ fn setup_v6(head: &[u8], len: usize) -> Result<L4, OffloadError> {
             _ => break,
         }
     }
-    let (tcp, csum_offset) = match IpProtocol::from(next) {
-        IpProtocol::Tcp => (true, 16),
-        IpProtocol::Udp => (false, 6),
-        _ => return Err(OffloadError::NotTcpUdp),
-    };
-    let l4_len = if tcp {
-        let doff = head
-            .get(at + 12)
-            .map(|b| usize::from(b >> 4) * 4)
-            .ok_or(OffloadError::Truncated)?;
-        if doff < 20 {
-            return Err(OffloadError::BadIpHeader);
-        }
-        doff
-    } else {
-        8
-    };
-    if at + l4_len > frame_len || at + l4_len > head.len() {
-        return Err(OffloadError::Truncated);
-    }
-    Ok(L4 {
-        l3,
-        v6: true,
-        l4: at,
-        tcp,
-        l4_len,
-        csum_offset,
-        frame_len,
-    })
+    transport(head, next, l3, true, at, frame_len)
 }
 
 /// Checks a packet's offload metadata against its headers (`head`: its first bytes,
