@@ -5,11 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::domain;
-use hv::{DomId, HvConfig, Hypervisor};
+use hv::DomId;
 use net::netback::Vif;
 use net::netfront::{FrontConfig, Netfront};
 use net::skb::SkbPool;
@@ -25,15 +23,7 @@ const SPEC: VifSpec = VifSpec {
 /// A guest that has put `n` packets of `len` bytes on its vif's TX ring, the vif's
 /// back-end directory holding `rate` (if any) as the toolstack wrote it.
 fn sent(rate: Option<&str>, n: usize, len: usize) -> (Netfront, Vif, SkbPool, SkbPool) {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 256, 300).expect("pool");
-    let dpool = SkbPool::new(Arc::clone(&drv), 128, 64).expect("pool");
+    let (hv, guest, drv, mut gpool, dpool) = common::pair((256, 300), (128, 64));
     toolstack::offer_vif(&hv, &drv, &guest, SPEC).expect("offer");
     if let Some(r) = rate {
         let dir = net::xenbus::backend_dir(drv.id(), guest.id(), SPEC.handle);

@@ -23,16 +23,7 @@ const SPEC: VifSpec = VifSpec {
 
 /// A hypervisor with a guest and a driver domain, and a small pool for each.
 fn pair() -> (Arc<Hypervisor>, Arc<Domain>, Arc<Domain>, SkbPool, SkbPool) {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let gpool = SkbPool::new(Arc::clone(&guest), 16, 16).expect("pool");
-    let dpool = SkbPool::new(Arc::clone(&drv), 16, 16).expect("pool");
-    (hv, guest, drv, gpool, dpool)
+    common::pair((16, 16), (16, 16))
 }
 
 fn packet(i: u8, len: usize) -> Vec<u8> {

@@ -8,9 +8,8 @@ mod common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::domain;
 use hv::store::{XenStore, XenbusState};
-use hv::{Domain, HvConfig, Hypervisor};
+use hv::{Domain, Hypervisor};
 use net::netback::{Journals, Vif, JOURNAL_LEN_RX, JOURNAL_LEN_TX};
 use net::netfront::{FrontConfig, LinkChange, Netfront};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
@@ -42,15 +41,7 @@ fn journals(jpath: &[PathBuf; 2]) -> Journals {
 
 /// A guest's vif served in copy mode by a back end that records both rings.
 fn rig(name: &str) -> (Rig, Vif) {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let guest = domain(&hv, "guest", false);
-    let drv = domain(&hv, "driver", true);
-    let mut gpool = SkbPool::new(Arc::clone(&guest), 256, 300).expect("pool");
-    let dpool = SkbPool::new(Arc::clone(&drv), 128, 64).expect("pool");
+    let (hv, guest, drv, mut gpool, dpool) = common::pair((256, 300), (128, 64));
     let (mut front, mut vif) = toolstack::plug_vif(&hv, &drv, &guest, SPEC).expect("plug");
     front.refill_rx(&mut gpool);
     // The handshake's own store events, followed as a front end's watch does.

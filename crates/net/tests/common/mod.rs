@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
-use hv::{Domain, DomainConfig, GrantVersion, Hypervisor};
+use hv::{Domain, DomainConfig, GrantVersion, HvConfig, Hypervisor};
 use net::netback::VIF_WINDOW_SLOTS;
 use net::offload::{checksum_setup, fill_partial, set_pseudo, Csum, Offload, L4};
+use net::skb::SkbPool;
 use smoltcp::wire::checksum;
 
 /// A domain of 2048 pages with v2 grants: a driver domain (window slots for one vif) if
@@ -23,6 +24,24 @@ pub fn domain(hv: &Arc<Hypervisor>, name: &str, driver: bool) -> Arc<Domain> {
         driver_domain: driver,
     })
     .expect("domain")
+}
+
+/// A hypervisor of 8192 frames with a guest and a driver domain ([`domain`]), and a
+/// packet pool for each: `(buffers, pages)` of the guest's, then of the driver domain's.
+pub fn pair(
+    guest_pool: (usize, usize),
+    driver_pool: (usize, usize),
+) -> (Arc<Hypervisor>, Arc<Domain>, Arc<Domain>, SkbPool, SkbPool) {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let guest = domain(&hv, "guest", false);
+    let drv = domain(&hv, "driver", true);
+    let gpool = SkbPool::new(Arc::clone(&guest), guest_pool.0, guest_pool.1).expect("pool");
+    let dpool = SkbPool::new(Arc::clone(&drv), driver_pool.0, driver_pool.1).expect("pool");
+    (hv, guest, drv, gpool, dpool)
 }
 
 /// Ethernet header.
