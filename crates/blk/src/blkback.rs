@@ -462,10 +462,23 @@ fn seg_bytes(seg: &Segment) -> (usize, usize) {
     )
 }
 
-fn piece_len(p: &DiskPiece) -> usize {
-    match *p {
-        DiskPiece::Window { len, .. } | DiskPiece::Own { len, .. } => len,
-    }
+/// Moves a request's `pieces` between the disk (from `sector` on) and memory in one
+/// vectored transfer, counted as disk time; the sectors moved.
+fn transfer(
+    disk: &FileDisk,
+    dom: &Domain,
+    write: bool,
+    pieces: &[DiskPiece],
+    sector: u64,
+) -> Result<u64, Failed> {
+    let _d = enter(Class::Disk);
+    let io = if write {
+        disk.write_vectored(dom, pieces, sector)
+    } else {
+        disk.read_vectored(dom, pieces, sector)
+    };
+    io.map_err(|_| Failed::Io)?;
+    Ok(crate::disk::pieces_len(pieces) as u64 / SECTOR_SIZE)
 }
 
 /// The slot a persistent grant is mapped at: found, or mapped read-write now and kept
@@ -1345,21 +1358,10 @@ impl<X: Xen> Blkback<X> {
                         let (offset, len) = seg_bytes(seg);
                         DiskPiece::Window { slot, offset, len }
                     }));
-                let dom = self.xen.domain();
-                let _d = enter(Class::Disk);
-                let io = if write {
-                    disk.write_vectored(dom, &self.pieces, sector)
-                } else {
-                    disk.read_vectored(dom, &self.pieces, sector)
-                };
-                match io {
-                    Ok(()) => {
-                        let n = self.pieces.iter().map(|p| piece_len(p) as u64).sum::<u64>();
-                        self.count_rw(write, n / SECTOR_SIZE);
-                        Ok(Outcome::Done)
-                    }
-                    Err(_) => Err(Failed::Io),
-                }
+                transfer(disk, self.xen.domain(), write, &self.pieces, sector).map(|n| {
+                    self.count_rw(write, n);
+                    Outcome::Done
+                })
             }
             (Store::Remote(rm), true) => {
                 // Its mappings stay until the target has answered.
@@ -1447,21 +1449,10 @@ impl<X: Xen> Blkback<X> {
             return Err(Failed::Grant);
         }
         let dom = xen.domain();
-        let io = {
-            let _d = enter(Class::Disk);
-            if write {
-                disk.write_vectored(dom, pieces, sector)
-            } else {
-                disk.read_vectored(dom, pieces, sector)
-            }
-        };
-        if io.is_err() {
-            return Err(Failed::Io);
-        }
+        let sectors = transfer(disk, dom, write, pieces, sector)?;
         if !write && !copy(&mut copy_st[..n]) {
             return Err(Failed::Grant);
         }
-        let sectors = pieces.iter().map(|p| piece_len(p) as u64).sum::<u64>() / SECTOR_SIZE;
         drop(bounce);
         self.count_rw(write, sectors);
         Ok(Outcome::Done)

@@ -92,7 +92,7 @@ fn domain_error(e: DomainError) -> io::Error {
 }
 
 /// Bytes a transfer's pieces hold.
-fn pieces_len(pieces: &[DiskPiece]) -> usize {
+pub fn pieces_len(pieces: &[DiskPiece]) -> usize {
     pieces
         .iter()
         .map(|p| match *p {
