@@ -3,9 +3,12 @@
 //!
 //! The back ends are the lab's own ([`net::netback::Vif`], [`blk::blkback::Blkback`]),
 //! over [`hv::xen::Dom0`]: grants through `/dev/xen/gntdev`, event channels through
-//! `/dev/xen/evtchn`, the store through xenstored. One thread runs everything: it waits
-//! on the event-channel device, the store connection and every vif's interface, then
-//! does what each woke for.
+//! `/dev/xen/evtchn`, the store through xenstored. The main thread watches the store,
+//! moves every vif's packets and reads the ports that fired; each vbd queue is a unit
+//! of pvio's own scheduler ([`blk::unit`]) on pCPU threads of the back end's
+//! ([`Options::cpus`]), woken by its port, each step bounded by its budget. A disk's
+//! system calls hold only the pCPU they run on: never the network, the store, or a
+//! queue on another pCPU.
 //!
 //! **How a device reaches it.** `xl` writes a vif's or a vbd's back-end directory under
 //! `/local/domain/<this domain>/backend/{vif,vbd}/<guest>/<device>`, where Linux's
@@ -33,7 +36,9 @@ use std::time::{Duration, Instant};
 
 use blk::blkback::{self, Blkback, Bounce, VBD_WINDOW_SLOTS};
 use blk::disk::FileDisk;
+use blk::unit::Queue;
 use dev::tap::TapPort;
+use hv::sched::{CpuPlan, IdlePolicy, Scheduler, HALT_POLL_DEFAULT};
 use hv::store::{StoreError, XenStore, XenbusState};
 use hv::xen::{Dom0, Dom0Config};
 use hv::{DomId, Xen};
@@ -99,7 +104,18 @@ pub struct Options {
     /// stays on its bridge; the journals under `/run` say where each ring was), as an
     /// upgrade or `systemctl restart` needs.
     pub close: bool,
+    /// pCPUs (threads pinned to this domain's first cores) the vbd queues run on, each
+    /// queue a unit placed on the least loaded; 0: one per core, at most [`MAX_CPUS`].
+    pub cpus: usize,
 }
+
+/// pCPUs the vbd queues run on unless told otherwise: one per core up to this.
+pub const MAX_CPUS: usize = 4;
+
+/// How an idle pCPU of the back end waits: adaptive halt-polling (KVM's rule), which
+/// spins only while wake-ups come soon after it went idle and otherwise sleeps, giving
+/// its core back to the domain's other work.
+const IDLE: IdlePolicy = IdlePolicy::AdaptiveHaltPoll(HALT_POLL_DEFAULT);
 
 /// Why the back end stopped.
 #[derive(Debug, thiserror::Error)]
@@ -157,15 +173,9 @@ struct BlkDev {
     index: u16,
     /// Found Connected both ends: taken over, not connected afresh.
     resume: bool,
-    /// Its queues, connected (none while not).
-    queues: Vec<BlkQueue>,
+    /// Its queues, connected (none while not), each a unit on a pCPU.
+    queues: Vec<Queue<X>>,
     seen: bool,
-}
-
-/// One of a vbd's queues: its ring and channel, and whether it was signalled.
-struct BlkQueue {
-    back: Blkback<X>,
-    signalled: bool,
 }
 
 /// How often `--metrics` rewrites its file.
@@ -267,8 +277,11 @@ struct Backend {
     log: Log,
     /// Close devices on stop (`--close`), instead of handing them over.
     close: bool,
-    /// The pages vbds copy segments through (none: they map them).
-    bounce: Option<Bounce>,
+    /// The pCPUs the vbd queues run on.
+    sched: Arc<Scheduler>,
+    /// Each pCPU's pages its vbd queues copy segments through (none: they map them):
+    /// one request at a time runs on a pCPU, so its queues never wait for them.
+    bounces: Vec<Option<Bounce>>,
     /// Whether this process does a vif's hotplug work ([`Hotplug`]).
     hotplug: bool,
     /// Devices served at once.
@@ -302,16 +315,23 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             "{max_vifs} vifs and {max_vbds} vbds: too many window slots"
         ))
     })?;
+    let cpus = match opts.cpus {
+        0 => mem::cpu::online_cores().clamp(1, MAX_CPUS),
+        n => n.min(hv::sched::MAX_UNITS),
+    };
     let xen = Arc::new(Dom0::open(Dom0Config {
         id: me,
-        // The packet buffers, and the pages every vbd's segments are copied through.
-        pages: POOL_PAGES as u32 + BUFFERS as u32 + 64 + u32::from(blkback::MAX_INDIRECT_SEGMENTS),
+        // The packet buffers, and each pCPU's pages its vbds' segments are copied through.
+        pages: POOL_PAGES as u32
+            + BUFFERS as u32
+            + 64
+            + cpus as u32 * u32::from(blkback::MAX_INDIRECT_SEGMENTS),
         map_slots: slots,
     })?);
     let pool = SkbPool::new(Arc::clone(xen.domain()), BUFFERS, POOL_PAGES)
         .map_err(|e| Error::Pool(e.to_string()))?;
-    // One set for every vbd: this thread serves one request at a time.
-    let bounce = Bounce::new(xen.domain());
+    let sched = Scheduler::new(&CpuPlan::first(cpus, IDLE), None)?;
+    let bounces = (0..cpus).map(|_| Bounce::new(xen.domain())).collect();
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
         // Appended to: the process before this one (a restart) keeps its lines.
         Some(p) => Box::new(
@@ -330,7 +350,8 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         vbds: BTreeMap::new(),
         refused: BTreeSet::new(),
         frame: vec![0; FRAME_MAX].into_boxed_slice(),
-        bounce,
+        sched,
+        bounces,
         tokens: Vec::with_capacity(4096),
         fds: Vec::with_capacity(2 + max_vifs),
         max_vifs,
@@ -348,7 +369,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
     b.log.line(&format!(
-        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}",
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; vbd queues on {cpus} pCPU(s) ({IDLE})",
         me.0,
         if hotplug {
             "pvio"
@@ -402,9 +423,11 @@ impl Backend {
                         d.signalled = true;
                     }
                 }
-                for q in self.vbds.values_mut().flat_map(|d| d.queues.iter_mut()) {
-                    if q.back.port().0 == p {
-                        q.signalled = true;
+                // A vbd queue's unit runs on its pCPU (the unmask below may come first:
+                // an event meanwhile wakes it again, and it looks at its ring anyway).
+                for q in self.vbds.values().flat_map(|d| d.queues.iter()) {
+                    if q.port().0 == p {
+                        q.wake();
                     }
                 }
                 self.xen.evtchn().unmask(p)?;
@@ -425,15 +448,14 @@ impl Backend {
             .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
     }
 
-    /// Moves packets and requests; whether this pass moved any (then another pass at
-    /// once; else the next waits for an event: a queue the guest has posted no buffers
-    /// for waits for its notification, not in a spin).
+    /// Moves packets (a vbd's requests are its units'); whether this pass moved any
+    /// (then another pass at once; else the next waits for an event: a queue the guest
+    /// has posted no buffers for waits for its notification, not in a spin).
     fn data_path(&mut self) -> bool {
         let mut busy = false;
         let Backend {
             pool,
             vifs,
-            vbds,
             frame,
             tokens,
             counts,
@@ -488,15 +510,6 @@ impl Backend {
                 }
             }
             tokens.clear();
-        }
-        for q in vbds.values_mut().flat_map(|d| d.queues.iter_mut()) {
-            if std::mem::take(&mut q.signalled) {
-                busy |= q.back.serve() > 0;
-                // Stopped at its budget: served again at the next pass, after the other
-                // queues and devices.
-                q.signalled = q.back.pending();
-                busy |= q.signalled;
-            }
         }
         busy
     }
@@ -956,7 +969,9 @@ impl Backend {
         if !seen {
             if let Some(d) = self.vbds.remove(&key) {
                 for q in d.queues {
-                    q.back.disconnect();
+                    if let Some(b) = q.take() {
+                        b.disconnect();
+                    }
                 }
             }
             for q in 0..blkback::MAX_QUEUES {
@@ -976,10 +991,16 @@ impl Backend {
             fstate,
             XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
         );
-        let broken = self
-            .vbds
-            .get(&key)
-            .and_then(|d| d.queues.iter().find_map(|q| q.back.broken()));
+        // A queue broken by its front end, or whose unit ended under it (a step that
+        // panicked): the device is disconnected.
+        let broken = self.vbds.get(&key).and_then(|d| {
+            d.queues.iter().find_map(|q| {
+                q.with(|b| b.broken())
+                    .flatten()
+                    .map(|b| format!("{b:?}"))
+                    .or_else(|| q.ended().then(|| "its unit ended".into()))
+            })
+        });
         if connected && (closing || broken.is_some()) {
             if broken.is_some() {
                 self.counts.broken += 1;
@@ -990,8 +1011,9 @@ impl Backend {
                 .map(|d| std::mem::take(&mut d.queues))
                 .unwrap_or_default();
             for (n, q) in queues.into_iter().enumerate() {
-                let stats = q.back.stats().clone();
-                q.back.disconnect();
+                let Some(b) = q.take() else { continue };
+                let stats = b.stats().clone();
+                b.disconnect();
                 self.log.line(&format!(
                     "vbd {}/{devid}: queue {n} disconnected ({broken:?}, front end {fstate:?}); {stats:?}",
                     fe.0
@@ -1046,21 +1068,42 @@ impl Backend {
                 let mut unrecorded = 0;
                 let mut replayed = 0;
                 let mut mapping = 0;
+                let mut pcpus = Vec::new();
                 for (q, mut b) in backs.into_iter().enumerate() {
                     replayed += b.replayed();
+                    // The pCPU with the fewest queues; its first step serves whatever
+                    // the ring holds already.
+                    let pcpu = least_loaded(&self.sched, &self.vbds);
                     // A map from user space is two system calls and a page-table update
                     // each way: segments that are not persistent are copied instead.
-                    if !self.bounce.clone().is_some_and(|p| b.copy_transient(p)) {
+                    let bounce = self.bounces.get(pcpu).cloned().flatten();
+                    if !bounce.is_some_and(|p| b.copy_transient(p)) {
                         mapping += 1;
                     }
                     if !resume && !journal(q as u32).is_some_and(|j| b.set_journal(j)) {
                         unrecorded += 1;
                     }
-                    d.queues.push(BlkQueue {
-                        back: b,
-                        signalled: true,
-                    });
+                    let name = format!("vbd{}.{devid}q{q}", fe.0);
+                    match Queue::place(&self.sched, pcpu, name, b) {
+                        Ok(placed) => {
+                            pcpus.push(pcpu);
+                            if let Some(d) = self.vbds.get_mut(&key) {
+                                d.queues.push(placed);
+                            }
+                        }
+                        Err(e) => {
+                            // Not served: its front end's requests wait until the
+                            // device is taken over or reconnected.
+                            self.log.line(&format!(
+                                "vbd {}/{devid}: queue {q} cannot be placed: {e}",
+                                fe.0
+                            ));
+                        }
+                    }
                 }
+                let Some(d) = self.vbds.get_mut(&key) else {
+                    return;
+                };
                 let n = d.queues.len();
                 if resume {
                     self.log.line(&format!(
@@ -1083,7 +1126,7 @@ impl Backend {
                 self.counts.connected += 1;
                 self.counts.resumed += u64::from(resume);
                 let line = format!(
-                    "vbd {}/{devid}: {} ({n} queue{}, {path}): {}",
+                    "vbd {}/{devid}: {} ({n} queue{} on pCPU {pcpus:?}, {path}): {}",
                     fe.0,
                     if resume { "resumed" } else { "connected" },
                     if n == 1 { "" } else { "s" },
@@ -1121,14 +1164,9 @@ impl Backend {
         }
         for d in self.vbds.values() {
             for (n, q) in d.queues.iter().enumerate() {
-                metrics_lines(
-                    &mut text,
-                    "vbd",
-                    d.fe,
-                    d.devid,
-                    Some(n as u32),
-                    q.back.stats(),
-                );
+                q.with(|b| {
+                    metrics_lines(&mut text, "vbd", d.fe, d.devid, Some(n as u32), b.stats())
+                });
             }
         }
         let tmp = path.with_extension("tmp");
@@ -1160,12 +1198,12 @@ impl Backend {
         }
         for ((fe, devid), d) in std::mem::take(&mut self.vbds) {
             let n = d.queues.len();
-            for q in d.queues {
+            for b in d.queues.into_iter().filter_map(Queue::take) {
                 if close {
-                    q.back.disconnect();
+                    b.disconnect();
                 } else {
                     // Left `Connected` at both ends, for the next back end to resume.
-                    q.back.hand_over();
+                    b.hand_over();
                 }
             }
             if n > 0 && !close {
@@ -1174,6 +1212,7 @@ impl Backend {
                     .line(&format!("vbd {fe}/{devid}: handed over ({n} queue{s})"));
             }
         }
+        self.sched.stop(Duration::from_secs(1));
         let stopped = format!(
             "stopped: {:?}; store watch events dropped: {}; log lines dropped: {}",
             self.counts,
@@ -1183,6 +1222,17 @@ impl Backend {
         // The last line goes out even past the bound.
         let _ = writeln!(self.log.out, "{stopped}");
     }
+}
+
+/// The pCPU with the fewest vbd queues placed on it.
+fn least_loaded(sched: &Scheduler, vbds: &BTreeMap<(u16, u32), BlkDev>) -> usize {
+    let mut load = vec![0usize; sched.pcpus().max(1)];
+    for q in vbds.values().flat_map(|d| d.queues.iter()) {
+        if let Some(l) = load.get_mut(q.pcpu()) {
+            *l += 1;
+        }
+    }
+    (0..load.len()).min_by_key(|&i| load[i]).unwrap_or(0)
 }
 
 /// Whether a back-end directory found at `.../<fe>/<device>` names that guest and that
@@ -1411,6 +1461,7 @@ mod tests {
                 max_vifs: MAX_VIFS,
                 max_vbds: MAX_VBDS,
                 close: false,
+                cpus: 0,
             },
             &stop,
         )

@@ -9,7 +9,8 @@
 //! * [`disk`]: the disk behind a virtual block device, a backing file of sectors;
 //! * [`aoe`]: ATA over Ethernet's frames, built and judged;
 //! * [`initiator`]: an AoE initiator: discovery, frames, tags, retransmission;
-//! * [`remote`]: a remote disk's back end through its life.
+//! * [`remote`]: a remote disk's back end through its life;
+//! * [`unit`]: a vbd queue served as a unit of pvio's scheduler.
 
 pub mod aoe;
 pub mod blkback;
@@ -18,4 +19,5 @@ pub mod blkif;
 pub mod disk;
 pub mod initiator;
 pub mod remote;
+pub mod unit;
 pub mod xenbus;

@@ -101,6 +101,10 @@ enum Command {
         /// never leaving `Connected`.
         #[arg(long)]
         close: bool,
+        /// pCPUs (threads pinned to this domain's first cores) the vbd queues run on,
+        /// each queue a unit of pvio's scheduler; 0: one per core, at most 4.
+        #[arg(long, default_value_t = 0)]
+        cpus: usize,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -814,6 +818,7 @@ fn main() -> ExitCode {
             max_vifs,
             max_vbds,
             close,
+            cpus,
         } => backend(&backend::Options {
             domid,
             hotplug: match hotplug {
@@ -826,6 +831,7 @@ fn main() -> ExitCode {
             max_vifs,
             max_vbds,
             close,
+            cpus,
         }),
         Command::Up {
             outside_ns,

@@ -1,0 +1,206 @@
+//! vbd queues as units of pvio's scheduler (`blk::unit`), as `pvio backend` runs them:
+//! a guest that floods its ring shares a pCPU with a quiet guest, which waits for at
+//! most the flooder's step in progress and one more; every request of both is answered
+//! once; a queue taken back ends its unit and is handed on whole.
+
+mod common;
+
+use common::{host, rw, seg, Hostile};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use blk::blkback::{self, Blkback, VBD_WINDOW_SLOTS};
+use blk::blkif::{RawRequest, BLKIF_OP_READ, BLKIF_RSP_EOPNOTSUPP, BLKIF_RSP_OKAY, SECTOR_SIZE};
+use blk::disk::FileDisk;
+use blk::unit::{Queue, Served};
+use blk::xenbus;
+use hv::sched::{CpuPlan, Cx, IdlePolicy, Scheduler, Step, Unit, UnitSpec};
+
+/// Sectors of the test disks.
+const SECTORS: u64 = 1024;
+
+fn backing(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("pvio-units-{}-{name}", std::process::id()));
+    blk::disk::write_patterned(&p, SECTORS).expect("backing file");
+    p
+}
+
+/// The order units stepped in, each with the requests its queue had taken after the
+/// step, and the marks the test made between their steps.
+type Log = Arc<Mutex<Vec<(&'static str, u64)>>>;
+
+/// A queue's unit that writes its name to the log after each step.
+struct Logged {
+    inner: Served<hv::Pvio>,
+    name: &'static str,
+    log: Log,
+}
+
+impl Unit for Logged {
+    type Output = ();
+    fn step(&mut self, cx: &Cx) -> Step<()> {
+        let s = self.inner.step(cx);
+        let taken = self.inner.with(|b| b.stats().taken).unwrap_or(0);
+        self.log.lock().expect("log").push((self.name, taken));
+        s
+    }
+}
+
+/// Waits (at most ten seconds) until `front` has `n` responses, gathering them.
+fn responses(front: &mut Hostile, n: usize, got: &mut Vec<blk::blkif::Response>) {
+    let t0 = Instant::now();
+    while got.len() < n {
+        got.extend(front.responses());
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{} of {n} responses",
+            got.len()
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// One pCPU, two guests' queues on it. The flooder's ring holds 32 requests a round,
+/// reads and requests of an operation no disk has (refused, `EOPNOTSUPP`); its budget
+/// is one request a step. The quiet guest posts one read while a flood is under way:
+/// from the moment it is woken to its step, the flooder's queue takes at most two
+/// requests (the step that began before the wake arrived, and none after: the pCPU's
+/// round goes to the quiet queue next), however many its ring still holds. Every
+/// request of both is answered once, the flooder's in order.
+#[test]
+fn a_flooding_guest_holds_a_shared_pcpu_for_one_budget_at_a_time() {
+    let h = host();
+    let (gf, gq) = (h.guest("flooder"), h.guest("quiet"));
+    let (pf, pq) = (backing("flooder"), backing("quiet"));
+    let open = |g: &hv::Domain, devid: u32, p: &PathBuf| {
+        let disk = FileDisk::open(p, false).expect("disk");
+        xenbus::create_vbd(h.hv.store(), h.drv.id(), g.id(), devid, false).expect("vbd");
+        blkback::probe(h.hv.store(), h.drv.id(), g.id(), devid, &disk, false).expect("probe");
+        disk
+    };
+    let (df, dq) = (open(&gf, 51712, &pf), open(&gq, 51712, &pq));
+    let mut flooder = Hostile::connect(&h, &gf, 51712);
+    let mut quiet = Hostile::connect(&h, &gq, 51712);
+    let connect = |g: &hv::Domain, slot: u32, disk| {
+        Blkback::connect(
+            hv::Pvio::new(&h.hv, &h.drv),
+            g.id(),
+            51712,
+            slot * VBD_WINDOW_SLOTS,
+            disk,
+        )
+        .expect("back")
+    };
+    let mut bf = connect(&gf, 0, df);
+    bf.set_budget(1);
+    let bq = connect(&gq, 1, dq);
+
+    let sched = Scheduler::new(
+        &CpuPlan {
+            cores: vec![None],
+            policy: IdlePolicy::Block,
+            own_policy: Vec::new(),
+        },
+        None,
+    )
+    .expect("scheduler");
+    let log: Log = Arc::default();
+    let place = |name: &'static str, back| {
+        let log = Arc::clone(&log);
+        Queue::place_as(&sched, 0, UnitSpec::named(name), back, move |inner| {
+            Logged { inner, name, log }
+        })
+        .expect("placed")
+    };
+    let qf = place("flooder", bf);
+    let qq = place("quiet", bq);
+
+    let (_, rf) = flooder.granted(&h, false);
+    let (gfn_q, rq) = quiet.granted(&h, false);
+    let mut got_f = Vec::new();
+    let mut got_q = Vec::new();
+    let mut judged = 0;
+    for round in 0..50u64 {
+        let base = round * 32;
+        let flood: Vec<_> = (base..base + 32)
+            .map(|i| match i % 4 {
+                3 => RawRequest {
+                    operation: 9,
+                    id: i + 1,
+                    ..RawRequest::default()
+                },
+                _ => rw(BLKIF_OP_READ, i + 1, i % (SECTORS - 8), &[seg(rf, 0, 7)]),
+            })
+            .collect();
+        log.lock().expect("log").clear();
+        flooder.send(&flood);
+        qf.wake();
+        // The flooder's count as it stands between two of its steps, then the mark.
+        let before = qf.with(|b| b.stats().taken).expect("flooder") - base;
+        quiet.send(&[rw(BLKIF_OP_READ, round, 3, &[seg(rq, 0, 7)])]);
+        log.lock().expect("log").push(("mark", before));
+        qq.wake();
+        responses(&mut quiet, round as usize + 1, &mut got_q);
+        responses(&mut flooder, (base + 32) as usize, &mut got_f);
+        if before > 29 {
+            // The flood was over before the quiet read came: nothing to judge.
+            continue;
+        }
+        let log = log.lock().expect("log").clone();
+        let mark = log.iter().position(|&(n, _)| n == "mark").expect("mark");
+        let quiet_step = mark
+            + log[mark..]
+                .iter()
+                .position(|&(n, _)| n == "quiet")
+                .expect("quiet");
+        let at_quiet = log[..quiet_step]
+            .iter()
+            .rev()
+            .find(|&&(n, _)| n == "flooder")
+            .map_or(base, |&(_, t)| t)
+            - base;
+        assert!(
+            at_quiet.saturating_sub(before) <= 2,
+            "the flooder's queue took {} requests between the quiet read's wake and its step: {log:?}",
+            at_quiet - before
+        );
+        judged += 1;
+    }
+    assert!(
+        judged >= 10,
+        "only {judged} of 50 rounds caught the flood under way"
+    );
+
+    for r in &got_q {
+        assert_eq!(r.status, BLKIF_RSP_OKAY, "quiet read {}", r.id);
+    }
+    let mut want = vec![0u8; 4096];
+    blk::disk::pattern_fill(3 * SECTOR_SIZE, &mut want);
+    let mut page = vec![0u8; 4096];
+    gq.read(gfn_q, 0, &mut page).expect("read");
+    assert_eq!(page, want, "the quiet guest's sectors");
+
+    let ids: Vec<u64> = got_f.iter().map(|r| r.id).collect();
+    assert_eq!(
+        ids,
+        (1..=50 * 32).collect::<Vec<_>>(),
+        "each once, in order"
+    );
+    for r in &got_f {
+        let want = if r.id % 4 == 0 {
+            BLKIF_RSP_EOPNOTSUPP
+        } else {
+            BLKIF_RSP_OKAY
+        };
+        assert_eq!(r.status, want, "request {}", r.id);
+    }
+    let sf = qf.take().expect("flooder's back end");
+    assert_eq!(sf.stats().taken, 50 * 32);
+    assert_eq!(sf.stats().refused.total(), 50 * 8);
+    assert!(qq.take().is_some());
+    sched.stop(Duration::from_secs(1));
+    for p in [pf, pq] {
+        let _ = std::fs::remove_file(p);
+    }
+}
