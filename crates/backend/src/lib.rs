@@ -162,7 +162,9 @@ struct NetDev {
     resume: bool,
     tap: TapPort,
     ifname: String,
-    vif: Option<Vif<X>>,
+    /// Its queues, connected (none while not): one vif each, with its own rings and
+    /// channels ([`Vif::connect_queues`]).
+    queues: Vec<Vif<X>>,
     signalled: bool,
     seen: bool,
 }
@@ -307,7 +309,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         opts.max_vbds.min(u16::MAX as usize),
     );
     let slots = u32::try_from(
-        max_vifs as u64 * u64::from(VIF_WINDOW_SLOTS)
+        max_vifs as u64 * u64::from(netback::MAX_QUEUES * VIF_WINDOW_SLOTS)
             + max_vbds as u64 * u64::from(blkback::MAX_QUEUES * VBD_WINDOW_SLOTS),
     )
     .map_err(|_| {
@@ -416,9 +418,9 @@ impl Backend {
             let n = self.xen.evtchn().pending(&mut ports)?;
             for &p in &ports[..n] {
                 for d in self.vifs.values_mut() {
-                    if d.vif
-                        .as_ref()
-                        .is_some_and(|v| v.port().0 == p || v.rx_port().is_some_and(|r| r.0 == p))
+                    if d.queues
+                        .iter()
+                        .any(|v| v.port().0 == p || v.rx_port().is_some_and(|r| r.0 == p))
                     {
                         d.signalled = true;
                     }
@@ -442,7 +444,8 @@ impl Backend {
         let now = Instant::now();
         self.vifs
             .values()
-            .filter_map(|d| d.vif.as_ref()?.tx_credit_wait())
+            .flat_map(|d| d.queues.iter())
+            .filter_map(|v| v.tx_credit_wait())
             .map(|t| t.saturating_duration_since(now))
             .min()
             .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
@@ -463,15 +466,17 @@ impl Backend {
         } = self;
         for d in vifs.values_mut() {
             let NetDev {
-                vif: Some(vif),
+                queues,
                 tap,
                 signalled,
                 ..
-            } = d
-            else {
+            } = d;
+            if queues.is_empty() {
                 continue;
-            };
-            // dom0's side to the guest: the interface's frames into the vif's queue.
+            }
+            // dom0's side to the guest: the interface's frames into the queue of their
+            // flow.
+            let n = queues.len();
             let got = tap.recv(|bytes, off| {
                 let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
                     counts.frames_dropped += 1;
@@ -483,31 +488,33 @@ impl Backend {
                     return true;
                 }
                 pool.set_offload(skb, off);
-                vif.start_xmit(pool, skb);
+                queues[netback::select_queue(bytes, n)].start_xmit(pool, skb);
                 counts.frames_in += 1;
                 true
             });
-            let rx = if vif.rx_pending() {
-                vif.rx_action(pool)
-            } else {
-                0
-            };
-            let tx = if std::mem::take(signalled) || vif.tx_pending() {
-                vif.tx_action(pool, TX_BUDGET, |pool, skb| {
-                    to_tap(tap, pool, skb, frame, counts);
-                })
-            } else {
-                0
-            };
-            busy |= got + rx + tx > 0;
+            busy |= got > 0;
+            let signalled = std::mem::take(signalled);
+            for vif in queues.iter_mut() {
+                let rx = if vif.rx_pending() {
+                    vif.rx_action(pool)
+                } else {
+                    0
+                };
+                let tx = if signalled || vif.tx_pending() {
+                    vif.tx_action(pool, TX_BUDGET, |pool, skb| {
+                        to_tap(tap, pool, skb, frame, counts);
+                    })
+                } else {
+                    0
+                };
+                busy |= rx + tx > 0;
+            }
         }
         pool.take_released(|r| tokens.push(r.token));
         if !tokens.is_empty() {
             busy = true;
-            for d in vifs.values_mut() {
-                if let Some(v) = d.vif.as_mut() {
-                    v.tx_release(tokens.iter().copied());
-                }
+            for v in vifs.values_mut().flat_map(|d| d.queues.iter_mut()) {
+                v.tx_release(tokens.iter().copied());
             }
             tokens.clear();
         }
@@ -672,7 +679,9 @@ impl Backend {
             self.hotplug_vif(fe, handle, &ifname);
         }
         if bstate == XenbusState::Initialising || bstate == XenbusState::Unknown {
-            if let Err(e) = netback::probe(self.xen.store(), self.me, fe, handle) {
+            if let Err(e) =
+                netback::probe_queues(self.xen.store(), self.me, fe, handle, netback::MAX_QUEUES)
+            {
                 self.log.line(&format!("vif {}/{handle}: probe: {e}", fe.0));
             }
         }
@@ -690,7 +699,7 @@ impl Backend {
                 resume,
                 tap,
                 ifname,
-                vif: None,
+                queues: Vec::new(),
                 signalled: false,
                 seen: true,
             },
@@ -802,14 +811,16 @@ impl Backend {
         let fstate = store.xenbus_state(me, &fdir);
         let bstate = store.xenbus_state(me, &bdir);
         if !d.seen {
-            if let Some(v) = d.vif.take() {
+            for v in d.queues.drain(..) {
                 v.disconnect(&mut self.pool);
             }
             let _ = mem::tap::set_persist(&d.tap, false);
             let name = d.ifname.clone();
             self.vifs.remove(&key);
-            for p in vif_journal_paths(fe, handle) {
-                let _ = std::fs::remove_file(p);
+            for q in 0..netback::MAX_QUEUES {
+                for p in vif_journal_paths(fe, handle, q) {
+                    let _ = std::fs::remove_file(p);
+                }
             }
             self.log.line(&format!(
                 "vif {}/{handle}: directory gone; {name} removed",
@@ -819,28 +830,39 @@ impl Backend {
         }
         let fresh = bstate == XenbusState::InitWait
             && matches!(fstate, XenbusState::Initialised | XenbusState::Connected);
-        match d.vif.as_ref() {
-            None if fresh || d.resume => {
-                let slot_base = u32::from(d.index) * VIF_WINDOW_SLOTS;
+        let connected = !d.queues.is_empty();
+        let disabled = d.queues.iter().find_map(|v| v.disabled());
+        match connected {
+            false if fresh || d.resume => {
                 let (resume, index, xen) = (d.resume, d.index, Arc::clone(&self.xen));
                 d.resume = false;
-                let journals = vif_journals(fe, handle).ok();
-                let had_journals = journals.is_some();
+                // Queue `q` of the vif at `index`: window slots and release tokens of
+                // its own.
+                let at = |q: u32| {
+                    let i = u32::from(index) * netback::MAX_QUEUES + q;
+                    (i as u16, i * VIF_WINDOW_SLOTS)
+                };
+                let mut recorded = true;
                 let r = if resume {
-                    Vif::resume(xen, fe, handle, index, slot_base, journals)
+                    Vif::resume_queues(xen, fe, handle, netback::MAX_QUEUES, at, |q| {
+                        let j = vif_journals(fe, handle, q).ok();
+                        recorded &= j.is_some();
+                        j
+                    })
                 } else {
-                    Vif::connect(xen, fe, handle, index, slot_base)
-                        .map(|v| (v, journals))
-                        .map(|(mut v, j)| {
+                    Vif::connect_queues(xen, fe, handle, netback::MAX_QUEUES, at).map(|mut vs| {
+                        for (q, v) in vs.iter_mut().enumerate() {
                             // A map here is two system calls each way: TX copies instead.
                             v.set_tx_copy(true);
-                            let _ = j.map(|j| v.record_in(j));
-                            v
-                        })
+                            recorded &=
+                                vif_journals(fe, handle, q as u32).is_ok_and(|j| v.record_in(j));
+                        }
+                        vs
+                    })
                 };
                 match r {
-                    Ok(v) => {
-                        let recorded = had_journals;
+                    Ok(vs) => {
+                        let v = &vs[0];
                         let rate = v.tx_rate().map_or(String::new(), |(b, t)| {
                             format!(
                                 "; TX rate {b} bytes a {} µs ({:.1} Mbit/s)",
@@ -848,10 +870,12 @@ impl Backend {
                                 b as f64 * 8.0 / t.as_secs_f64() / 1e6
                             )
                         });
+                        let n = vs.len();
                         let line = format!(
-                            "vif {}/{handle}: {}: {}{rate}{}",
+                            "vif {}/{handle}: {} ({n} queue{}): {}{rate}{}",
                             fe.0,
                             if resume { "resumed" } else { "connected" },
+                            if n == 1 { "" } else { "s" },
                             negotiated(store, me, &fdir),
                             if recorded {
                                 String::new()
@@ -863,10 +887,10 @@ impl Backend {
                             self.log.line(&format!(
                                 "vif {}/{handle}: responses replayed from the journals: {}",
                                 fe.0,
-                                v.stats().resume_replayed
+                                vs.iter().map(|v| v.stats().resume_replayed).sum::<u64>()
                             ));
                         }
-                        d.vif = Some(v);
+                        d.queues = vs;
                         self.counts.connected += 1;
                         self.counts.resumed += u64::from(resume);
                         self.log.line(&line);
@@ -882,52 +906,56 @@ impl Backend {
                     }
                 }
             }
-            Some(v)
-                if v.disabled().is_some()
-                    || matches!(
-                        fstate,
-                        XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
-                    ) =>
+            true if disabled.is_some()
+                || matches!(
+                    fstate,
+                    XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
+                ) =>
             {
-                let why = v.disabled();
+                // One queue broken by its front end closes the whole vif, as Linux's
+                // netback does.
+                let why = disabled;
                 if matches!(
                     why,
                     Some(net::netback::Disabled::Fatal(_) | net::netback::Disabled::RingBroken)
                 ) {
                     self.counts.broken += 1;
                 }
-                let stats = v.stats().clone();
-                if let Some(v) = d.vif.take() {
+                for (q, v) in d.queues.drain(..).enumerate() {
+                    let stats = v.stats().clone();
                     v.disconnect(&mut self.pool);
+                    self.log.line(&format!(
+                        "vif {}/{handle}: queue {q} disconnected ({why:?}, front end {fstate:?}); {stats:?}",
+                        fe.0
+                    ));
                 }
                 let _ = store.switch_state(me, &bdir, XenbusState::Closed);
-                self.log.line(&format!(
-                    "vif {}/{handle}: disconnected ({why:?}, front end {fstate:?}); {stats:?}",
-                    fe.0
-                ));
             }
-            None if matches!(bstate, XenbusState::Closing)
-                && matches!(
-                    fstate,
-                    XenbusState::Closing
-                        | XenbusState::Closed
-                        | XenbusState::Initialising
-                        | XenbusState::Unknown
-                ) =>
+            false
+                if matches!(bstate, XenbusState::Closing)
+                    && matches!(
+                        fstate,
+                        XenbusState::Closing
+                            | XenbusState::Closed
+                            | XenbusState::Initialising
+                            | XenbusState::Unknown
+                    ) =>
             {
                 let _ = store.switch_state(me, &bdir, XenbusState::Closed);
             }
             // The front end starts over (a guest reconnecting after this back end
             // closed): offer again.
-            None if matches!(bstate, XenbusState::Closed)
-                && fstate == XenbusState::Initialising
-                && netback::probe(store, me, fe, handle).is_ok() =>
+            false
+                if matches!(bstate, XenbusState::Closed)
+                    && fstate == XenbusState::Initialising
+                    && netback::probe_queues(store, me, fe, handle, netback::MAX_QUEUES)
+                        .is_ok() =>
             {
                 self.log
                     .line(&format!("vif {}/{handle}: offered again", fe.0));
             }
-            None => self.remove_if_offline("vif", fe, handle, &bdir, bstate),
-            _ => {}
+            false => self.remove_if_offline("vif", fe, handle, &bdir, bstate),
+            true => {}
         }
     }
 
@@ -995,10 +1023,13 @@ impl Backend {
         // panicked): the device is disconnected.
         let broken = self.vbds.get(&key).and_then(|d| {
             d.queues.iter().find_map(|q| {
-                q.with(|b| b.broken())
-                    .flatten()
-                    .map(|b| format!("{b:?}"))
-                    .or_else(|| q.ended().then(|| "its unit ended".into()))
+                if q.broken() {
+                    Some("its front end broke the protocol")
+                } else if q.ended() {
+                    Some("its unit ended")
+                } else {
+                    None
+                }
             })
         });
         if connected && (closing || broken.is_some()) {
@@ -1013,10 +1044,14 @@ impl Backend {
             for (n, q) in queues.into_iter().enumerate() {
                 let Some(b) = q.take() else { continue };
                 let stats = b.stats().clone();
+                let why = b.broken();
                 b.disconnect();
                 self.log.line(&format!(
-                    "vbd {}/{devid}: queue {n} disconnected ({broken:?}, front end {fstate:?}); {stats:?}",
-                    fe.0
+                    "vbd {}/{devid}: queue {n} disconnected ({}, front end {fstate:?}); {stats:?}",
+                    fe.0,
+                    why.map_or(broken.unwrap_or("closing").to_string(), |w| format!(
+                        "{w:?}"
+                    ))
                 ));
             }
         } else if !connected && bstate == XenbusState::Closing && closing {
@@ -1046,7 +1081,7 @@ impl Backend {
             blk::xenbus::backend_dir(me, fe, devid),
             blk::xenbus::frontend_dir(fe, devid),
         );
-        let slot_base = self.max_vifs as u32 * VIF_WINDOW_SLOTS
+        let slot_base = self.max_vifs as u32 * netback::MAX_QUEUES * VIF_WINDOW_SLOTS
             + u32::from(index) * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
         let journal = |q: u32| {
             mem::journal::Journal::open(&journal_path(fe, devid, q), blkback::JOURNAL_LEN).ok()
@@ -1158,15 +1193,17 @@ impl Backend {
         *last = Instant::now();
         let mut text = String::new();
         for d in self.vifs.values() {
-            if let Some(v) = d.vif.as_ref() {
-                metrics_lines(&mut text, "vif", d.fe, d.handle, None, v.stats());
+            // A vif's counters are per queue when it has several.
+            let several = d.queues.len() > 1;
+            for (n, v) in d.queues.iter().enumerate() {
+                let q = several.then_some(n as u32);
+                metrics_lines(&mut text, "vif", d.fe, d.handle, q, v.stats());
             }
         }
-        for d in self.vbds.values() {
-            for (n, q) in d.queues.iter().enumerate() {
-                q.with(|b| {
-                    metrics_lines(&mut text, "vbd", d.fe, d.devid, Some(n as u32), b.stats())
-                });
+        for d in self.vbds.values_mut() {
+            // As last seen: the network's thread never waits for a queue's step.
+            for (n, q) in d.queues.iter_mut().enumerate() {
+                metrics_lines(&mut text, "vbd", d.fe, d.devid, Some(n as u32), q.stats());
             }
         }
         let tmp = path.with_extension("tmp");
@@ -1181,19 +1218,26 @@ impl Backend {
 
     fn shutdown(&mut self) {
         let close = self.close;
-        for ((fe, handle), mut d) in std::mem::take(&mut self.vifs) {
-            if close {
-                if let Some(v) = d.vif.take() {
+        for ((fe, handle), d) in std::mem::take(&mut self.vifs) {
+            let n = d.queues.len();
+            for v in d.queues {
+                if close {
                     v.disconnect(&mut self.pool);
+                } else {
+                    // Left `Connected` at both ends, its interface on its bridge, for
+                    // the next back end to take over.
+                    v.hand_over(&mut self.pool);
                 }
+            }
+            if close {
                 // The interface goes with this process.
                 let _ = mem::tap::set_persist(&d.tap, false);
-            } else if let Some(v) = d.vif.take() {
-                // Left `Connected` at both ends, its interface on its bridge, for the
-                // next back end to take over.
-                v.hand_over(&mut self.pool);
-                self.log
-                    .line(&format!("vif {fe}/{handle}: handed over ({})", d.ifname));
+            } else if n > 0 {
+                let s = if n == 1 { "" } else { "s" };
+                self.log.line(&format!(
+                    "vif {fe}/{handle}: handed over ({}, {n} queue{s})",
+                    d.ifname
+                ));
             }
         }
         for ((fe, devid), d) in std::mem::take(&mut self.vbds) {
@@ -1291,16 +1335,20 @@ fn journal_path(fe: DomId, devid: u32, queue: u32) -> std::path::PathBuf {
     dir.join(format!("vbd-{}-{devid}-q{queue}", fe.0))
 }
 
-/// A vif's two journals' paths (TX, RX).
-fn vif_journal_paths(fe: DomId, handle: u32) -> [std::path::PathBuf; 2] {
+/// A vif's queue's two journals' paths (TX, RX).
+fn vif_journal_paths(fe: DomId, handle: u32, queue: u32) -> [std::path::PathBuf; 2] {
     let dir = std::path::Path::new(JOURNAL_DIR);
     let _ = std::fs::create_dir_all(dir);
-    ["tx", "rx"].map(|r| dir.join(format!("vif-{}-{handle}-{r}", fe.0)))
+    let q = match queue {
+        0 => String::new(),
+        q => format!("-q{q}"),
+    };
+    ["tx", "rx"].map(|r| dir.join(format!("vif-{}-{handle}{q}-{r}", fe.0)))
 }
 
-/// A vif's two journals, opened (made if missing).
-fn vif_journals(fe: DomId, handle: u32) -> std::io::Result<netback::Journals> {
-    let [tx, rx] = vif_journal_paths(fe, handle);
+/// A vif's queue's two journals, opened (made if missing).
+fn vif_journals(fe: DomId, handle: u32, queue: u32) -> std::io::Result<netback::Journals> {
+    let [tx, rx] = vif_journal_paths(fe, handle, queue);
     Ok(netback::Journals {
         tx: mem::journal::Journal::open(&tx, netback::JOURNAL_LEN_TX)?,
         rx: mem::journal::Journal::open(&rx, netback::JOURNAL_LEN_RX)?,

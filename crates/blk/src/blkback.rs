@@ -581,12 +581,14 @@ pub fn probe_remote(
     )
 }
 
-/// Where one of a device's queues lives: which (`None`: the device's only ring, its keys
-/// at the top of the front end's directory), its window slots, and whether connecting it
-/// announces the device (`Connected`).
+/// Where one of a device's queues lives: which of how many (`queues` `None`: the front
+/// end wrote no `multi-queue-num-queues`; with one queue its keys are at the top of the
+/// front end's directory, [`netbus::queue_dir`]), its window slots, and whether
+/// connecting it announces the device (`Connected`).
 #[derive(Debug, Clone, Copy)]
 struct QueueAt {
-    queue: Option<u32>,
+    queues: Option<u32>,
+    queue: u32,
     slot_base: u32,
     announce: bool,
 }
@@ -595,30 +597,15 @@ impl QueueAt {
     /// The device's only ring, at `slot_base`, announced when connected.
     fn only(slot_base: u32) -> Self {
         Self {
-            queue: None,
+            queues: None,
+            queue: 0,
             slot_base,
             announce: true,
         }
     }
 }
 
-/// The queues the front end set up: `multi-queue-num-queues` (from 1 to the `max` this
-/// end offered), or `None` if it did not write it (one ring, its keys at the top).
-pub fn front_queues(
-    store: &impl XenStore,
-    be: DomId,
-    fdir: &str,
-    max: u32,
-) -> Result<Option<u32>, XenbusError> {
-    let key = format!("{fdir}/{}", xenbus::MULTI_QUEUE_NUM_QUEUES);
-    if store.read(be, &key).is_err() {
-        return Ok(None);
-    }
-    match netbus::read_u32(store, be, &key)? {
-        n @ 1.. if n <= max => Ok(Some(n)),
-        _ => Err(XenbusError::BadKey(key)),
-    }
-}
+pub use netbus::front_queues;
 
 /// The grant references of a ring's pages, under `qdir` (the front end's directory, or
 /// a queue's): `ring-ref`, or, if the front end wrote `ring-page-order` (at the top of
@@ -745,7 +732,8 @@ impl<X: Xen> Blkback<X> {
         let mut done: Vec<Self> = Vec::new();
         for q in 0..queues.unwrap_or(1) {
             let at = QueueAt {
-                queue: queues.map(|_| q),
+                queues,
+                queue: q,
                 slot_base: slot_base + q * VBD_WINDOW_SLOTS,
                 announce: false,
             };
@@ -899,11 +887,9 @@ impl<X: Xen> Blkback<X> {
         }
         let offer = Offered::read(store, be, &bdir)?;
         let slot_base = at.slot_base;
-        // A queue's ring and channel are under `queue-<n>/`; the rest at the top.
-        let qdir = match at.queue {
-            Some(q) => format!("{fdir}/queue-{q}"),
-            None => fdir.clone(),
-        };
+        // A queue's ring and channel are under `queue-<n>/` when there are several; the
+        // rest at the top.
+        let qdir = netbus::queue_dir(&fdir, at.queues, at.queue);
         let refs = ring_refs(store, be, &fdir, &qdir, offer.max_ring_page_order)?;
         let evtchn = netbus::read_u32(store, be, &format!("{qdir}/event-channel"))?;
         let persistent =

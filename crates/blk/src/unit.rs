@@ -14,18 +14,34 @@
 //! ring's thread. The unit then serves until its ring stays empty, re-arming the
 //! front end's notification as it goes idle ([`Blkback::pending`]).
 //!
-//! The back end stays reachable from the thread that placed it ([`Queue::with`]: its
-//! counters, whether it broke) behind a lock a step holds while it serves; taking it
-//! back ([`Queue::take`]), to hand it over or disconnect it, ends the unit.
+//! The back end sits behind a lock each step holds while it serves. The thread that
+//! placed it never waits on that lock while the unit runs, since it also moves the
+//! network's packets: it looks at the back end's counters only when the lock is free
+//! ([`Queue::try_with`]), and learns that the ring broke from a flag the unit sets
+//! ([`Queue::broken`]). Taking the back end back ([`Queue::take`]), to hand it over or
+//! disconnect it, first tells the unit to leave, so it waits for the step in progress
+//! and no other (a lock alone can be taken again by a unit whose guest keeps it busy,
+//! step after step, before the waiting thread wakes), then ends the unit.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hv::sched::{Cx, SchedError, Scheduler, Step, Unit, UnitJoin, UnitSpec};
 use hv::{Port, Xen};
 
-use crate::blkback::Blkback;
+use crate::blkback::{Blkback, VbdStats};
 
-type Shared<X> = Arc<Mutex<Option<Blkback<X>>>>;
+/// What the unit and the thread that placed it share.
+#[derive(Debug)]
+struct Inner<X: Xen> {
+    back: Mutex<Option<Blkback<X>>>,
+    /// The back end is to be taken back: the unit ends at its next step.
+    leave: AtomicBool,
+    /// The front end broke the protocol: the device waits to be disconnected.
+    broken: AtomicBool,
+}
+
+type Shared<X> = Arc<Inner<X>>;
 
 /// The lock, also after a step panicked holding it (the back end is then taken back and
 /// disconnected: [`Queue::ended`]).
@@ -43,7 +59,7 @@ pub struct Served<X: Xen> {
 impl<X: Xen> Served<X> {
     /// Looks at the back end between two steps (none once taken back).
     pub fn with<R>(&self, f: impl FnOnce(&Blkback<X>) -> R) -> Option<R> {
-        lock(&self.back).as_ref().map(f)
+        lock(&self.back.back).as_ref().map(f)
     }
 }
 
@@ -51,17 +67,24 @@ impl<X: Xen + Send + 'static> Unit for Served<X> {
     type Output = ();
 
     fn step(&mut self, _cx: &Cx) -> Step<()> {
-        let mut g = lock(&self.back);
+        if self.back.leave.load(Ordering::Acquire) {
+            // To be taken back: the unit ends, the lock left to the taker.
+            return Step::Done(());
+        }
+        let mut g = lock(&self.back.back);
         let Some(b) = g.as_mut() else {
-            // Taken back: the unit ends.
             return Step::Done(());
         };
         if b.broken().is_some() {
             // Disconnected for a protocol break: it waits to be taken back.
+            self.back.broken.store(true, Ordering::Release);
             return Step::Idle(None);
         }
         b.serve();
-        if b.pending() {
+        if b.broken().is_some() {
+            self.back.broken.store(true, Ordering::Release);
+            Step::Idle(None)
+        } else if b.pending() {
             // Stopped at its budget: the pCPU's other units go first.
             Step::More
         } else {
@@ -76,6 +99,8 @@ pub struct Queue<X: Xen> {
     back: Shared<X>,
     join: UnitJoin<()>,
     port: Port,
+    /// Its counters as last seen ([`Queue::stats`]).
+    seen: VbdStats,
 }
 
 impl<X: Xen + Send + 'static> Queue<X> {
@@ -99,7 +124,11 @@ impl<X: Xen + Send + 'static> Queue<X> {
         wrap: impl FnOnce(Served<X>) -> U,
     ) -> Result<Self, SchedError> {
         let port = back.port();
-        let shared = Arc::new(Mutex::new(Some(back)));
+        let shared = Arc::new(Inner {
+            back: Mutex::new(Some(back)),
+            leave: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+        });
         let join = sched.place(
             pcpu,
             spec,
@@ -111,6 +140,7 @@ impl<X: Xen + Send + 'static> Queue<X> {
             back: shared,
             join,
             port,
+            seen: VbdStats::default(),
         })
     }
 
@@ -129,9 +159,29 @@ impl<X: Xen + Send + 'static> Queue<X> {
         self.join.waker().pcpu()
     }
 
-    /// Looks at the back end between two of its steps (none once taken back).
-    pub fn with<R>(&self, f: impl FnOnce(&Blkback<X>) -> R) -> Option<R> {
-        lock(&self.back).as_ref().map(f)
+    /// Looks at the back end if no step holds it now (none then, or once taken back):
+    /// never waits for the unit.
+    pub fn try_with<R>(&self, f: impl FnOnce(&Blkback<X>) -> R) -> Option<R> {
+        let g = match self.back.back.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        g.as_ref().map(f)
+    }
+
+    /// Its counters: now if no step holds the back end, else as last seen.
+    pub fn stats(&mut self) -> &VbdStats {
+        if let Some(s) = self.try_with(|b| b.stats().clone()) {
+            self.seen = s;
+        }
+        &self.seen
+    }
+
+    /// Whether the front end broke the protocol: the device is to be taken back and
+    /// disconnected ([`Blkback::broken`] says how, once taken).
+    pub fn broken(&self) -> bool {
+        self.back.broken.load(Ordering::Acquire)
     }
 
     /// Whether the unit has ended without being taken back: a step panicked, or the
@@ -140,14 +190,14 @@ impl<X: Xen + Send + 'static> Queue<X> {
         self.join.is_finished()
     }
 
-    /// Takes the back end back (waiting for a step in progress to finish) and ends the
-    /// unit; `None` if it was taken before.
+    /// Takes the back end back and ends the unit, waiting for the step in progress (if
+    /// any) and no other; `None` if it was taken before.
     pub fn take(self) -> Option<Blkback<X>> {
-        let back = lock(&self.back).take();
+        self.back.leave.store(true, Ordering::Release);
         self.join.wake();
         if !self.join.is_finished() {
             let _ = self.join.join();
         }
-        back
+        lock(&self.back.back).take()
     }
 }

@@ -31,10 +31,7 @@ pub const FEATURE_MAX_INDIRECT: &str = "feature-max-indirect-segments";
 pub const FEATURE_FLUSH: &str = "feature-flush-cache";
 /// `feature-discard`.
 pub const FEATURE_DISCARD: &str = "feature-discard";
-/// `multi-queue-max-queues`: how many rings (each with its channel) the back end takes.
-pub const MULTI_QUEUE_MAX_QUEUES: &str = "multi-queue-max-queues";
-/// `multi-queue-num-queues`: how many the front end set up, each under `queue-<n>/`.
-pub const MULTI_QUEUE_NUM_QUEUES: &str = "multi-queue-num-queues";
+pub use hv::store::xenbus::{MULTI_QUEUE_MAX_QUEUES, MULTI_QUEUE_NUM_QUEUES};
 /// `max-ring-page-order`: how many pages (a power of two) the front end's ring may span.
 pub const MAX_RING_PAGE_ORDER: &str = "max-ring-page-order";
 /// `discard-enable`: the toolstack's word in the back end's directory (xl's `discard` or

@@ -71,7 +71,7 @@ pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
 pub use credit::Credit;
 pub use ctrl::CTRL_WAITING;
 pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
-pub use handshake::probe;
+pub use handshake::{probe, probe_queues};
 use rx::{end_lent, GuestCopy, LentOrder, RxBatch, NIL};
 pub use stats::{RingOccupancy, VifStats};
 use tx::{Pending, TxBatch, Unmaps, OFFLOAD_SCRATCH};
@@ -110,6 +110,57 @@ pub struct Journals {
 pub const JOURNAL_LEN_TX: usize = ring::record_len::<TxRing>(PAGE_SIZE);
 /// Bytes of a vif's RX journal.
 pub const JOURNAL_LEN_RX: usize = ring::record_len::<RxRing>(PAGE_SIZE);
+
+/// Queues a vif offers its front end (`multi-queue-max-queues`, [`probe_queues`]), as
+/// Linux's netback offers one a CPU of its domain, up to its `max_queues`.
+pub const MAX_QUEUES: u32 = 4;
+
+/// The queue of `queues` a frame for the guest goes to: one flow's frames always the
+/// same one, so that each arrives in order, as Linux's netback picks by the packet's
+/// flow hash (`xenvif_select_queue`). The flow is the IPv4 or IPv6 addresses and, for
+/// an unfragmented TCP or UDP packet, its ports (FNV-1a over them); any other frame
+/// goes to queue 0. Reads only within `frame`, whatever it holds.
+pub fn select_queue(frame: &[u8], queues: usize) -> usize {
+    if queues <= 1 {
+        return 0;
+    }
+    let mut h: u32 = 0x811c_9dc5;
+    let mut mix = |b: &[u8]| {
+        for &x in b {
+            h = (h ^ u32::from(x)).wrapping_mul(0x0100_0193);
+        }
+    };
+    let (mut at, mut ty) = (12, frame.get(12..14));
+    if ty == Some(&[0x81, 0x00]) {
+        at += 4;
+        ty = frame.get(at..at + 2);
+    }
+    let ip = at + 2;
+    let ports = |l4: usize| frame.get(l4..l4 + 4);
+    let l4 = match ty {
+        Some([0x08, 0x00]) => {
+            let Some(hdr) = frame.get(ip..ip + 20) else {
+                return 0;
+            };
+            mix(&hdr[12..20]);
+            let fragment = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x3fff != 0;
+            let l4 = ip + usize::from(hdr[0] & 0x0f) * 4;
+            (matches!(hdr[9], 6 | 17) && !fragment).then_some(l4)
+        }
+        Some([0x86, 0xdd]) => {
+            let Some(hdr) = frame.get(ip..ip + 40) else {
+                return 0;
+            };
+            mix(&hdr[8..40]);
+            matches!(hdr[6], 6 | 17).then_some(ip + 40)
+        }
+        _ => return 0,
+    };
+    if let Some(p) = l4.and_then(ports) {
+        mix(p);
+    }
+    h as usize % queues
+}
 
 /// The guest buffers a packet of `len` bytes fills when the first is filled from
 /// offset `start`: at least one, even for an empty packet.
@@ -372,26 +423,44 @@ impl<X: Xen> Vif<X> {
         self.release(pool);
     }
 
+    /// Gives back what a vif that never moved a packet holds (one connected with
+    /// others that could not be): its rings' mappings and its channels. It holds no
+    /// buffer yet, so no pool is needed.
+    pub(crate) fn abandon_unpooled(self) {
+        self.release_with(None);
+    }
+
     /// Gives back everything the vif holds, the store untouched.
-    fn release(mut self, pool: &mut SkbPool) {
-        self.rx_queue.purge(pool);
+    fn release(self, pool: &mut SkbPool) {
+        self.release_with(Some(pool));
+    }
+
+    /// [`Vif::release`]; without a pool for a vif that holds no buffer.
+    fn release_with(mut self, mut pool: Option<&mut SkbPool>) {
+        if let Some(pool) = pool.as_deref_mut() {
+            self.rx_queue.purge(pool);
+        }
         self.direct_teardown();
         let ctrl_ring = self.cache_teardown();
         if let Some(gc) = self.guest_copy.as_mut() {
             let gt = self.xen.domain().grant_table();
             for id in 0..RING_IDS {
-                if let Some(skb) = gc.lent[id as usize].take() {
-                    end_lent(&gt, gc, pool, id, skb, false);
+                if let Some(pool) = pool.as_deref_mut() {
+                    if let Some(skb) = gc.lent[id as usize].take() {
+                        end_lent(&gt, gc, pool, id, skb, false);
+                    }
                 }
             }
             // A copy in flight ends within a hypercall: wait for it, since a buffer
             // freed under a grant would show the guest the buffer's next packet.
-            for _ in 0..1000 {
-                gc.end_pending(&gt, pool);
-                if gc.ending.is_empty() {
-                    break;
+            if let Some(pool) = pool {
+                for _ in 0..1000 {
+                    gc.end_pending(&gt, pool);
+                    if gc.ending.is_empty() {
+                        break;
+                    }
+                    std::thread::yield_now();
                 }
-                std::thread::yield_now();
             }
             if gc.ending.is_empty() {
                 for i in 0..u32::from(RING_IDS) {

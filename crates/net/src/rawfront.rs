@@ -58,6 +58,55 @@ impl RawFront {
         be: DomId,
         handle: u32,
     ) -> Result<RawFront, XenbusError> {
+        let f = Self::publish_at(hv, dom, be, handle, None)?;
+        let dir = xenbus::frontend_dir(dom.id(), handle);
+        hv.store()
+            .switch_state(dom.id(), &dir, XenbusState::Connected)?;
+        Ok(f)
+    }
+
+    /// As [`RawFront::publish`] with `n` queues, as Linux's netfront sets them up on a
+    /// back end that offers them: `multi-queue-num-queues`, and each queue's rings and
+    /// channel under `queue-<q>/` (at the top for one). One raw front end a queue.
+    pub fn publish_queues(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        be: DomId,
+        handle: u32,
+        n: u32,
+    ) -> Result<Vec<RawFront>, XenbusError> {
+        let mut out: Vec<RawFront> = Vec::new();
+        for q in 0..n {
+            match Self::publish_at(hv, dom, be, handle, Some((q, n))) {
+                Ok(f) => out.push(f),
+                Err(e) => {
+                    for f in out {
+                        f.close(hv, handle);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let store = hv.store();
+        let dir = xenbus::frontend_dir(dom.id(), handle);
+        store.write(
+            dom.id(),
+            &format!("{dir}/{}", hv::store::xenbus::MULTI_QUEUE_NUM_QUEUES),
+            &n.to_string(),
+        )?;
+        store.switch_state(dom.id(), &dir, XenbusState::Connected)?;
+        Ok(out)
+    }
+
+    /// Publishes one queue's pages and channel (`queue`: which of how many, `None`
+    /// for a front end that writes no queue count), its state left as it is.
+    fn publish_at(
+        hv: &Arc<Hypervisor>,
+        dom: &Arc<Domain>,
+        be: DomId,
+        handle: u32,
+        queue: Option<(u32, u32)>,
+    ) -> Result<RawFront, XenbusError> {
         let store = hv.store();
         let gt = dom.grant_table();
         let mut grants: Vec<(GrantRef, Gfn)> = Vec::with_capacity(3);
@@ -78,16 +127,18 @@ impl RawFront {
             if store.xenbus_state(dom.id(), &dir) == XenbusState::Closed {
                 store.switch_state(dom.id(), &dir, XenbusState::Initialising)?;
             }
+            let (q, n) = queue.unwrap_or((0, 1));
+            let qdir = hv::store::xenbus::queue_dir(&dir, Some(n), q);
             for (k, v) in [
                 ("tx-ring-ref", grants[0].0 .0.to_string()),
                 ("rx-ring-ref", grants[1].0 .0.to_string()),
                 ("event-channel", p.0.to_string()),
-                ("request-rx-copy", "1".into()),
-                ("feature-sg", "1".into()),
             ] {
-                store.write(dom.id(), &format!("{dir}/{k}"), &v)?;
+                store.write(dom.id(), &format!("{qdir}/{k}"), &v)?;
             }
-            store.switch_state(dom.id(), &dir, XenbusState::Connected)?;
+            for (k, v) in [("request-rx-copy", "1"), ("feature-sg", "1")] {
+                store.write(dom.id(), &format!("{dir}/{k}"), v)?;
+            }
             Ok(p)
         })();
         match r {

@@ -63,3 +63,37 @@ pub fn feature(store: &impl XenStore, caller: DomId, dir: &str, key: &str) -> bo
         .read(caller, &format!("{dir}/{key}"))
         .is_ok_and(|v| v == "1")
 }
+
+/// `multi-queue-max-queues`: how many rings (each with its channel) a back end takes,
+/// for netif and blkif alike.
+pub const MULTI_QUEUE_MAX_QUEUES: &str = "multi-queue-max-queues";
+/// `multi-queue-num-queues`: how many the front end set up, each under `queue-<n>/`.
+pub const MULTI_QUEUE_NUM_QUEUES: &str = "multi-queue-num-queues";
+
+/// The queues the front end set up: `multi-queue-num-queues` (from 1 to the `max` this
+/// end offered), or `None` if it did not write it (one ring, its keys at the top).
+pub fn front_queues(
+    store: &impl XenStore,
+    be: DomId,
+    fdir: &str,
+    max: u32,
+) -> Result<Option<u32>, XenbusError> {
+    let key = format!("{fdir}/{MULTI_QUEUE_NUM_QUEUES}");
+    if store.read(be, &key).is_err() {
+        return Ok(None);
+    }
+    match read_u32(store, be, &key)? {
+        n @ 1.. if n <= max => Ok(Some(n)),
+        _ => Err(XenbusError::BadKey(key)),
+    }
+}
+
+/// Where queue `q`'s ring keys are: under `queue-<q>/` of the front end's directory
+/// `fdir` when it set up queues (`Some(q)`), else at its top, as Linux's front ends
+/// write them for one queue (with or without `multi-queue-num-queues` 1).
+pub fn queue_dir(fdir: &str, queues: Option<u32>, q: u32) -> String {
+    match queues {
+        Some(n) if n > 1 => format!("{fdir}/queue-{q}"),
+        _ => fdir.to_string(),
+    }
+}

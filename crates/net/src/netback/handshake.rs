@@ -4,6 +4,7 @@
 //! `drivers/net/xen-netback/xenbus.c` holds the same work.
 
 use super::*;
+use hv::store::xenbus as netbus;
 
 /// Maps the front end's control ring (`ctrl-ring-ref`) at `slot`.
 pub(super) fn map_ctrl_ring<X: Xen>(
@@ -45,12 +46,52 @@ pub(super) fn map_ctrl_ring<X: Xen>(
 
 /// Publishes the back end's features and waits for the front end (`InitWait`).
 pub fn probe(store: &impl XenStore, be: DomId, fe: DomId, handle: u32) -> Result<(), XenbusError> {
+    probe_queues(store, be, fe, handle, 1)
+}
+
+/// As [`probe`], offering up to `max_queues` queues (`multi-queue-max-queues`, when
+/// more than one), each a TX and an RX ring with their channels: a back end that
+/// connects them with [`Vif::connect_queues`].
+pub fn probe_queues(
+    store: &impl XenStore,
+    be: DomId,
+    fe: DomId,
+    handle: u32,
+    max_queues: u32,
+) -> Result<(), XenbusError> {
     let dir = xenbus::backend_dir(be, fe, handle);
     for (k, v) in xenbus::BACKEND_FEATURES {
         store.write(be, &format!("{dir}/{k}"), v)?;
     }
+    let mq = format!("{dir}/{}", netbus::MULTI_QUEUE_MAX_QUEUES);
+    if max_queues > 1 {
+        store.write(be, &mq, &max_queues.to_string())?;
+    } else {
+        let _ = store.rm(be, &mq);
+    }
     store.switch_state(be, &dir, XenbusState::InitWait)?;
     Ok(())
+}
+
+/// Where one of a vif's queues is: which of how many the front end set up (`queues`
+/// `None`: it wrote no `multi-queue-num-queues`), its index in release tokens and its
+/// window slots.
+#[derive(Debug, Clone, Copy)]
+struct QueueAt {
+    /// The queues the front end set up, if it said.
+    queues: Option<u32>,
+    /// This one.
+    queue: u32,
+    /// Its index (high half of its release tokens).
+    index: u16,
+    /// Its first window slot ([`VIF_WINDOW_SLOTS`] from there).
+    slot_base: u32,
+}
+
+impl QueueAt {
+    fn several(&self) -> bool {
+        self.queues.is_some_and(|n| n > 1)
+    }
 }
 
 /// What the front end asked for and this end offers, read strictly from both
@@ -75,7 +116,15 @@ struct Negotiated {
 }
 
 impl Negotiated {
-    fn read(store: &impl XenStore, be: DomId, fdir: &str, bdir: &str) -> Result<Self, XenbusError> {
+    /// The front end's features from the top of its directory `fdir`, its rings' and
+    /// channels' keys from `qdir` (its queue's directory, or `fdir` itself).
+    fn read(
+        store: &impl XenStore,
+        be: DomId,
+        fdir: &str,
+        qdir: &str,
+        bdir: &str,
+    ) -> Result<Self, XenbusError> {
         let st = store.xenbus_state(be, fdir);
         if !matches!(st, XenbusState::Initialised | XenbusState::Connected) {
             return Err(XenbusError::PeerState(st));
@@ -93,10 +142,10 @@ impl Negotiated {
         // The ring layout: ring.h's unless the front end asked for the split one this
         // end offered. Both rings use it.
         let split = front(xenbus::REQUEST_SPLIT_INDICES) && back(xenbus::FEATURE_SPLIT_INDICES);
-        let key = |k: &str| xenbus::read_u32(store, be, &format!("{fdir}/{k}"));
+        let key = |k: &str| xenbus::read_u32(store, be, &format!("{qdir}/{k}"));
         // One channel a ring if this end offered it and the front end wrote both.
         let split_events = back(xenbus::FEATURE_SPLIT_EVENTS)
-            && store.read(be, &format!("{fdir}/event-channel-tx")).is_ok();
+            && store.read(be, &format!("{qdir}/event-channel-tx")).is_ok();
         let (evtchn, evtchn_rx) = if split_events {
             (key("event-channel-tx")?, Some(key("event-channel-rx")?))
         } else {
@@ -308,12 +357,122 @@ impl<X: Xen> Vif<X> {
         index: u16,
         slot_base: u32,
     ) -> Result<Self, XenbusError> {
+        let at = QueueAt {
+            queues: None,
+            queue: 0,
+            index,
+            slot_base,
+        };
+        let v = Self::connect_at(xen, fe, handle, at)?;
+        let (be, bdir) = (v.xen.id(), xenbus::backend_dir(v.xen.id(), fe, handle));
+        if let Err(e) = v
+            .xen
+            .store()
+            .switch_state(be, &bdir, XenbusState::Connected)
+        {
+            v.abandon_unpooled();
+            return Err(e.into());
+        }
+        Ok(v)
+    }
+
+    /// Connects every queue the front end set up (`multi-queue-num-queues`, at most
+    /// `max`, each queue's rings and channels under `queue-<n>/`; or the one at the top
+    /// of its directory), queue `q` where `at(q)` says (its index and window slots),
+    /// then moves to `Connected`, as Linux's netback connects its queues. A queue that
+    /// fails gives back every queue taken before it. Grant reuse, guest copy and
+    /// machine frames (pvio's own protocols, whose state is the device's) are refused
+    /// with more than one queue.
+    pub fn connect_queues(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        max: u32,
+        at: impl Fn(u32) -> (u16, u32),
+    ) -> Result<Vec<Self>, XenbusError>
+    where
+        X: Clone,
+    {
+        Self::queues(xen, fe, handle, max, at, None)
+    }
+
+    /// As [`Vif::resume`], for every queue the front end set up ([`Vif::connect_queues`]),
+    /// queue `q` from the journals `journals(q)` gives.
+    pub fn resume_queues(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        max: u32,
+        at: impl Fn(u32) -> (u16, u32),
+        journals: impl FnMut(u32) -> Option<Journals>,
+    ) -> Result<Vec<Self>, XenbusError>
+    where
+        X: Clone,
+    {
+        Self::queues(xen, fe, handle, max, at, Some(Box::new(journals)))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn queues(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        max: u32,
+        at: impl Fn(u32) -> (u16, u32),
+        mut resume: Option<Box<dyn FnMut(u32) -> Option<Journals> + '_>>,
+    ) -> Result<Vec<Self>, XenbusError>
+    where
+        X: Clone,
+    {
         let (store, be) = (xen.store(), xen.id());
         let fdir = xenbus::frontend_dir(fe, handle);
         let bdir = xenbus::backend_dir(be, fe, handle);
-        let n = Negotiated::read(store, be, &fdir, &bdir)?;
-        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, None)?;
-        taken.bind(fe, &fdir, &n)?;
+        let queues = netbus::front_queues(store, be, &fdir, max)?;
+        let mut done: Vec<Self> = Vec::new();
+        for q in 0..queues.unwrap_or(1) {
+            let (index, slot_base) = at(q);
+            let at = QueueAt {
+                queues,
+                queue: q,
+                index,
+                slot_base,
+            };
+            let r = match resume.as_mut() {
+                None => Self::connect_at(xen.clone(), fe, handle, at),
+                Some(j) => Self::resume_at(xen.clone(), fe, handle, at, j(q)),
+            };
+            match r {
+                Ok(v) => done.push(v),
+                Err(e) => {
+                    done.into_iter().for_each(Self::abandon_unpooled);
+                    return Err(e);
+                }
+            }
+        }
+        if resume.is_none() {
+            if let Err(e) = store.switch_state(be, &bdir, XenbusState::Connected) {
+                done.into_iter().for_each(Self::abandon_unpooled);
+                return Err(e.into());
+            }
+        }
+        Ok(done)
+    }
+
+    /// Connects one queue, the store's state left as it is.
+    fn connect_at(xen: X, fe: DomId, handle: u32, at: QueueAt) -> Result<Self, XenbusError> {
+        let (store, be) = (xen.store(), xen.id());
+        let fdir = xenbus::frontend_dir(fe, handle);
+        let bdir = xenbus::backend_dir(be, fe, handle);
+        let qdir = netbus::queue_dir(&fdir, at.queues, at.queue);
+        let n = Negotiated::read(store, be, &fdir, &qdir, &bdir)?;
+        if at.several() && (n.guest_copy || n.grant_reuse || n.machine_frames) {
+            return Err(XenbusError::BadKey(format!(
+                "{fdir}: grant reuse, guest copy or machine frames with several queues"
+            )));
+        }
+        let slot_base = at.slot_base;
+        let mut taken = Taken::map_rings(&xen, fe, &qdir, &n, slot_base, None)?;
+        taken.bind(fe, &qdir, &n)?;
         if n.grant_reuse {
             taken.ctrl = Some(map_ctrl_ring(&xen, fe, &fdir, slot_base + CTRL_RING_SLOT)?);
         }
@@ -332,13 +491,12 @@ impl<X: Xen> Vif<X> {
             let key = format!("{bdir}/{}", xenbus::RX_GRANT_BASE);
             store.write(be, &key, &base.0.to_string())?;
         }
-        store.switch_state(be, &bdir, XenbusState::Connected)?;
         let (kept, ctrl) = taken.keep();
         Ok(Self::connected(
             xen,
             fe,
             handle,
-            index,
+            at.index,
             slot_base,
             &n,
             kept,
@@ -367,9 +525,28 @@ impl<X: Xen> Vif<X> {
         slot_base: u32,
         journals: Option<Journals>,
     ) -> Result<Self, XenbusError> {
+        let at = QueueAt {
+            queues: None,
+            queue: 0,
+            index,
+            slot_base,
+        };
+        Self::resume_at(xen, fe, handle, at, journals)
+    }
+
+    /// Takes one queue over.
+    fn resume_at(
+        xen: X,
+        fe: DomId,
+        handle: u32,
+        at: QueueAt,
+        journals: Option<Journals>,
+    ) -> Result<Self, XenbusError> {
+        let (index, slot_base) = (at.index, at.slot_base);
         let (store, be) = (xen.store(), xen.id());
         let fdir = xenbus::frontend_dir(fe, handle);
         let bdir = xenbus::backend_dir(be, fe, handle);
+        let qdir = netbus::queue_dir(&fdir, at.queues, at.queue);
         let (fst, bst) = (store.xenbus_state(be, &fdir), store.xenbus_state(be, &bdir));
         if fst != XenbusState::Connected {
             return Err(XenbusError::PeerState(fst));
@@ -377,14 +554,14 @@ impl<X: Xen> Vif<X> {
         if bst != XenbusState::Connected {
             return Err(XenbusError::BadKey(format!("{bdir}/state: {bst:?}")));
         }
-        let n = Negotiated::read(store, be, &fdir, &bdir)?;
+        let n = Negotiated::read(store, be, &fdir, &qdir, &bdir)?;
         if n.guest_copy || n.grant_reuse || n.machine_frames {
             return Err(XenbusError::BadKey(format!(
                 "{fdir}: a vif with grant reuse, guest copy or machine frames is not taken over"
             )));
         }
-        let mut taken = Taken::map_rings(&xen, fe, &fdir, &n, slot_base, Some(journals))?;
-        taken.bind(fe, &fdir, &n)?;
+        let mut taken = Taken::map_rings(&xen, fe, &qdir, &n, slot_base, Some(journals))?;
+        taken.bind(fe, &qdir, &n)?;
         let (kept, ctrl) = taken.keep();
         let mut v = Self::connected(xen, fe, handle, index, slot_base, &n, kept, ctrl, None);
         v.tx_copy = true;
