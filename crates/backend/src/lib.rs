@@ -3,12 +3,12 @@
 //!
 //! The back ends are the lab's own ([`net::netback::Vif`], [`blk::blkback::Blkback`]),
 //! over [`hv::xen::Dom0`]: grants through `/dev/xen/gntdev`, event channels through
-//! `/dev/xen/evtchn`, the store through xenstored. The main thread watches the store,
-//! moves every vif's packets and reads the ports that fired; each vbd queue is a unit
-//! of pvio's own scheduler ([`blk::unit`]) on pCPU threads of the back end's
-//! ([`Options::cpus`]), woken by its port, each step bounded by its budget. A disk's
-//! system calls hold only the pCPU they run on: never the network, the store, or a
-//! queue on another pCPU.
+//! `/dev/xen/evtchn`, the store through xenstored. The main thread watches the store and
+//! reads the ports that fired; each connected vif (its queues and its interface, `vif`)
+//! and each vbd queue ([`blk::unit`]) is a unit of pvio's own scheduler on pCPU threads
+//! of the back end's ([`Options::cpus`]), woken by its port (a vif also by its
+//! interface), each step bounded by its budgets. A disk's system calls hold only the
+//! pCPU they run on: never the store, or a device on another pCPU.
 //!
 //! **How a device reaches it.** `xl` writes a vif's or a vbd's back-end directory under
 //! `/local/domain/<this domain>/backend/{vif,vbd}/<guest>/<device>`, where Linux's
@@ -44,19 +44,19 @@ use hv::xen::{Dom0, Dom0Config};
 use hv::{DomId, Xen};
 use mem::poll::PollFd;
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
-use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
+use net::skb::SkbPool;
+
+mod vif;
+use vif::{NetUnit, Pool};
 
 /// vifs one process serves at once unless told otherwise ([`Options::max_vifs`]).
 pub const MAX_VIFS: usize = 64;
 /// vbds one process serves at once unless told otherwise ([`Options::max_vbds`]).
 pub const MAX_VBDS: usize = 64;
-/// Packets one vif's TX takes per pass.
-const TX_BUDGET: usize = 64;
-/// Packet buffers and their pages (the process's own memory).
+/// Packet buffers and their pages (the process's own memory), shared out among the
+/// pCPUs.
 const BUFFERS: usize = 2048;
 const POOL_PAGES: usize = 8192;
-/// Longest frame between a TAP and a vif: a 64 KiB segment and its Ethernet header.
-const FRAME_MAX: usize = 65536 + 14;
 /// The longest wait for an event (the store is rescanned, the metrics written, at most
 /// this late).
 const IDLE_WAIT: Duration = Duration::from_millis(200);
@@ -160,12 +160,12 @@ struct NetDev {
     index: u16,
     /// Found Connected both ends: taken over, not connected afresh.
     resume: bool,
-    tap: TapPort,
+    /// Its interface, while no unit moves its packets.
+    tap: Option<TapPort>,
     ifname: String,
-    /// Its queues, connected (none while not): one vif each, with its own rings and
-    /// channels ([`Vif::connect_queues`]).
-    queues: Vec<Vif<X>>,
-    signalled: bool,
+    /// Connected: its queues (one vif each, with its own rings and channels,
+    /// [`Vif::connect_queues`]) and its interface, as a unit on a pCPU.
+    unit: Option<NetUnit<X>>,
     seen: bool,
 }
 
@@ -265,14 +265,13 @@ impl Log {
 struct Backend {
     xen: X,
     me: DomId,
-    pool: SkbPool,
+    /// Each pCPU's packet buffers, shared by the vifs placed there.
+    pools: Vec<Pool>,
     vifs: BTreeMap<(u16, u32), NetDev>,
     vbds: BTreeMap<(u16, u32), BlkDev>,
     /// Directories refused or that could not be taken (kind, guest, device): not
     /// looked at again while they stay.
     refused: BTreeSet<(&'static str, u16, u32)>,
-    frame: Box<[u8]>,
-    tokens: Vec<u32>,
     /// What the loop waits on, made again in place each pass (no allocation).
     fds: Vec<PollFd>,
     counts: Counts,
@@ -330,8 +329,13 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             + cpus as u32 * u32::from(blkback::MAX_INDIRECT_SEGMENTS),
         map_slots: slots,
     })?);
-    let pool = SkbPool::new(Arc::clone(xen.domain()), BUFFERS, POOL_PAGES)
-        .map_err(|e| Error::Pool(e.to_string()))?;
+    let pools = (0..cpus)
+        .map(|_| {
+            SkbPool::new(Arc::clone(xen.domain()), BUFFERS / cpus, POOL_PAGES / cpus)
+                .map(|p| Arc::new(std::sync::Mutex::new(p)))
+                .map_err(|e| Error::Pool(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let sched = Scheduler::new(&CpuPlan::first(cpus, IDLE), None)?;
     let bounces = (0..cpus).map(|_| Bounce::new(xen.domain())).collect();
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
@@ -347,15 +351,13 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     let mut b = Backend {
         xen,
         me,
-        pool,
+        pools,
         vifs: BTreeMap::new(),
         vbds: BTreeMap::new(),
         refused: BTreeSet::new(),
-        frame: vec![0; FRAME_MAX].into_boxed_slice(),
         sched,
         bounces,
-        tokens: Vec::with_capacity(4096),
-        fds: Vec::with_capacity(2 + max_vifs),
+        fds: Vec::with_capacity(2),
         max_vifs,
         max_vbds,
         counts: Counts::default(),
@@ -380,7 +382,6 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         }
     ));
     let mut last_scan = Instant::now() - RESCAN;
-    let mut busy = false;
     while !stop.load(Ordering::Relaxed) {
         let mut changed = false;
         while b.xen.client().take_event().is_some() {
@@ -390,8 +391,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             b.scan()?;
             last_scan = Instant::now();
         }
-        b.wait(if busy { Duration::ZERO } else { b.idle_wait() })?;
-        busy = b.data_path();
+        b.wait(IDLE_WAIT)?;
         b.write_metrics();
     }
     b.shutdown();
@@ -399,15 +399,13 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
 }
 
 impl Backend {
-    /// Waits for an event channel, a store message or a frame on an interface.
+    /// Waits for an event channel or a store message (a vif's interface is its unit's
+    /// line, watched by its pCPU).
     fn wait(&mut self, timeout: Duration) -> Result<(), Error> {
         let fds = &mut self.fds;
         fds.clear();
         fds.push(PollFd::readable(self.xen.evtchn().as_raw_fd()));
         fds.push(PollFd::readable(self.xen.store_fd()));
-        for d in self.vifs.values() {
-            fds.push(PollFd::readable(d.tap.as_raw_fd()));
-        }
         mem::poll::wait(fds, Some(timeout))?;
         let (events, store) = (fds[0].ready(), fds[1].ready());
         if store {
@@ -417,16 +415,14 @@ impl Backend {
             let mut ports = [0u32; 64];
             let n = self.xen.evtchn().pending(&mut ports)?;
             for &p in &ports[..n] {
-                for d in self.vifs.values_mut() {
-                    if d.queues
-                        .iter()
-                        .any(|v| v.port().0 == p || v.rx_port().is_some_and(|r| r.0 == p))
-                    {
-                        d.signalled = true;
+                // A vif's or a vbd queue's unit runs on its pCPU (the unmask below may
+                // come first: an event meanwhile wakes it again, and it looks at its
+                // rings anyway).
+                for u in self.vifs.values().filter_map(|d| d.unit.as_ref()) {
+                    if u.owns(p) {
+                        u.signal();
                     }
                 }
-                // A vbd queue's unit runs on its pCPU (the unmask below may come first:
-                // an event meanwhile wakes it again, and it looks at its ring anyway).
                 for q in self.vbds.values().flat_map(|d| d.queues.iter()) {
                     if q.port().0 == p {
                         q.wake();
@@ -436,89 +432,6 @@ impl Backend {
             }
         }
         Ok(())
-    }
-
-    /// How long to wait for an event when nothing moved: until the first vif whose
-    /// packets wait for their rate may send again, at most [`IDLE_WAIT`].
-    fn idle_wait(&self) -> Duration {
-        let now = Instant::now();
-        self.vifs
-            .values()
-            .flat_map(|d| d.queues.iter())
-            .filter_map(|v| v.tx_credit_wait())
-            .map(|t| t.saturating_duration_since(now))
-            .min()
-            .map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT))
-    }
-
-    /// Moves packets (a vbd's requests are its units'); whether this pass moved any
-    /// (then another pass at once; else the next waits for an event: a queue the guest
-    /// has posted no buffers for waits for its notification, not in a spin).
-    fn data_path(&mut self) -> bool {
-        let mut busy = false;
-        let Backend {
-            pool,
-            vifs,
-            frame,
-            tokens,
-            counts,
-            ..
-        } = self;
-        for d in vifs.values_mut() {
-            let NetDev {
-                queues,
-                tap,
-                signalled,
-                ..
-            } = d;
-            if queues.is_empty() {
-                continue;
-            }
-            // dom0's side to the guest: the interface's frames into the queue of their
-            // flow.
-            let n = queues.len();
-            let got = tap.recv(|bytes, off| {
-                let Ok(skb) = pool.alloc(NET_SKB_PAD) else {
-                    counts.frames_dropped += 1;
-                    return false;
-                };
-                if pool.append(skb, bytes).is_err() {
-                    pool.free(skb);
-                    counts.frames_dropped += 1;
-                    return true;
-                }
-                pool.set_offload(skb, off);
-                queues[netback::select_queue(bytes, n)].start_xmit(pool, skb);
-                counts.frames_in += 1;
-                true
-            });
-            busy |= got > 0;
-            let signalled = std::mem::take(signalled);
-            for vif in queues.iter_mut() {
-                let rx = if vif.rx_pending() {
-                    vif.rx_action(pool)
-                } else {
-                    0
-                };
-                let tx = if signalled || vif.tx_pending() {
-                    vif.tx_action(pool, TX_BUDGET, |pool, skb| {
-                        to_tap(tap, pool, skb, frame, counts);
-                    })
-                } else {
-                    0
-                };
-                busy |= rx + tx > 0;
-            }
-        }
-        pool.take_released(|r| tokens.push(r.token));
-        if !tokens.is_empty() {
-            busy = true;
-            for v in vifs.values_mut().flat_map(|d| d.queues.iter_mut()) {
-                v.tx_release(tokens.iter().copied());
-            }
-            tokens.clear();
-        }
-        busy
     }
 
     /// Looks at every back-end directory handed to this domain: adopts new devices,
@@ -697,10 +610,9 @@ impl Backend {
                 handle,
                 index,
                 resume,
-                tap,
+                tap: Some(tap),
                 ifname,
-                queues: Vec::new(),
-                signalled: false,
+                unit: None,
                 seen: true,
             },
         );
@@ -801,6 +713,8 @@ impl Backend {
     }
 
     fn step_vif(&mut self, key: (u16, u32)) {
+        // Where it would go if it connects now: the pCPU with the fewest units.
+        let pcpu = least_loaded(&self.sched, &self.vifs, &self.vbds);
         let Some(d) = self.vifs.get_mut(&key) else {
             return;
         };
@@ -811,10 +725,16 @@ impl Backend {
         let fstate = store.xenbus_state(me, &fdir);
         let bstate = store.xenbus_state(me, &bdir);
         if !d.seen {
-            for v in d.queues.drain(..) {
-                v.disconnect(&mut self.pool);
+            if let Some((queues, tap, pool)) = d.unit.take().and_then(NetUnit::take) {
+                let mut pool = vif::lock(&pool);
+                for v in queues {
+                    v.disconnect(&mut pool);
+                }
+                d.tap = Some(tap);
             }
-            let _ = mem::tap::set_persist(&d.tap, false);
+            if let Some(tap) = &d.tap {
+                let _ = mem::tap::set_persist(tap, false);
+            }
             let name = d.ifname.clone();
             self.vifs.remove(&key);
             for q in 0..netback::MAX_QUEUES {
@@ -830,8 +750,8 @@ impl Backend {
         }
         let fresh = bstate == XenbusState::InitWait
             && matches!(fstate, XenbusState::Initialised | XenbusState::Connected);
-        let connected = !d.queues.is_empty();
-        let disabled = d.queues.iter().find_map(|v| v.disabled());
+        let connected = d.unit.is_some();
+        let broken = d.unit.as_ref().is_some_and(NetUnit::broken);
         match connected {
             false if fresh || d.resume => {
                 let (resume, index, xen) = (d.resume, d.index, Arc::clone(&self.xen));
@@ -860,22 +780,33 @@ impl Backend {
                         vs
                     })
                 };
-                match r {
-                    Ok(vs) => {
-                        let v = &vs[0];
-                        let rate = v.tx_rate().map_or(String::new(), |(b, t)| {
-                            format!(
-                                "; TX rate {b} bytes a {} µs ({:.1} Mbit/s)",
-                                t.as_micros(),
-                                b as f64 * 8.0 / t.as_secs_f64() / 1e6
-                            )
-                        });
-                        let n = vs.len();
+                // Its queues and interface as a unit.
+                let placed = r.map_err(|e| e.to_string()).and_then(|vs| {
+                    let line = vs.first().map(|v| describe_vif(v, vs.len()));
+                    let replayed: u64 = vs.iter().map(|v| v.stats().resume_replayed).sum();
+                    let tap = d.tap.take().expect("an interface while not connected");
+                    let pool = Arc::clone(&self.pools[pcpu % self.pools.len()]);
+                    let name = format!("vif{}.{handle}", fe.0);
+                    match NetUnit::place(&self.sched, pcpu, name, vs, tap, pool) {
+                        Ok(u) => Ok((u, line.unwrap_or_default(), replayed)),
+                        Err(u) => {
+                            let vif::Unplaced { why, queues, tap } = *u;
+                            d.tap = Some(tap);
+                            let mut pool = vif::lock(&self.pools[pcpu % self.pools.len()]);
+                            for v in queues {
+                                v.disconnect(&mut pool);
+                            }
+                            Err(format!("cannot be placed: {why}"))
+                        }
+                    }
+                });
+                match placed {
+                    Ok((u, what, replayed)) => {
                         let line = format!(
-                            "vif {}/{handle}: {} ({n} queue{}): {}{rate}{}",
+                            "vif {}/{handle}: {} ({what} on pCPU {}): {}{}",
                             fe.0,
                             if resume { "resumed" } else { "connected" },
-                            if n == 1 { "" } else { "s" },
+                            u.pcpu(),
                             negotiated(store, me, &fdir),
                             if recorded {
                                 String::new()
@@ -885,12 +816,11 @@ impl Backend {
                         );
                         if resume {
                             self.log.line(&format!(
-                                "vif {}/{handle}: responses replayed from the journals: {}",
+                                "vif {}/{handle}: responses replayed from the journals: {replayed}",
                                 fe.0,
-                                vs.iter().map(|v| v.stats().resume_replayed).sum::<u64>()
                             ));
                         }
-                        d.queues = vs;
+                        d.unit = Some(u);
                         self.counts.connected += 1;
                         self.counts.resumed += u64::from(resume);
                         self.log.line(&line);
@@ -906,7 +836,7 @@ impl Backend {
                     }
                 }
             }
-            true if disabled.is_some()
+            true if broken
                 || matches!(
                     fstate,
                     XenbusState::Closing | XenbusState::Closed | XenbusState::Unknown
@@ -914,20 +844,27 @@ impl Backend {
             {
                 // One queue broken by its front end closes the whole vif, as Linux's
                 // netback does.
-                let why = disabled;
-                if matches!(
-                    why,
-                    Some(net::netback::Disabled::Fatal(_) | net::netback::Disabled::RingBroken)
-                ) {
-                    self.counts.broken += 1;
-                }
-                for (q, v) in d.queues.drain(..).enumerate() {
-                    let stats = v.stats().clone();
-                    v.disconnect(&mut self.pool);
-                    self.log.line(&format!(
-                        "vif {}/{handle}: queue {q} disconnected ({why:?}, front end {fstate:?}); {stats:?}",
-                        fe.0
-                    ));
+                let Some(u) = d.unit.take() else { return };
+                add_counted(&mut self.counts, u.counted());
+                if let Some((queues, tap, pool)) = u.take() {
+                    d.tap = Some(tap);
+                    let why = queues.iter().find_map(|v| v.disabled());
+                    if matches!(
+                        why,
+                        Some(netback::Disabled::Fatal(_) | netback::Disabled::RingBroken)
+                    ) || (broken && why.is_none())
+                    {
+                        self.counts.broken += 1;
+                    }
+                    let mut pool = vif::lock(&pool);
+                    for (q, v) in queues.into_iter().enumerate() {
+                        let stats = v.stats().clone();
+                        v.disconnect(&mut pool);
+                        self.log.line(&format!(
+                            "vif {}/{handle}: queue {q} disconnected ({why:?}, front end {fstate:?}); {stats:?}",
+                            fe.0
+                        ));
+                    }
                 }
                 let _ = store.switch_state(me, &bdir, XenbusState::Closed);
             }
@@ -1106,9 +1043,9 @@ impl Backend {
                 let mut pcpus = Vec::new();
                 for (q, mut b) in backs.into_iter().enumerate() {
                     replayed += b.replayed();
-                    // The pCPU with the fewest queues; its first step serves whatever
+                    // The pCPU with the fewest units; its first step serves whatever
                     // the ring holds already.
-                    let pcpu = least_loaded(&self.sched, &self.vbds);
+                    let pcpu = least_loaded(&self.sched, &self.vifs, &self.vbds);
                     // A map from user space is two system calls and a page-table update
                     // each way: segments that are not persistent are copied instead.
                     let bounce = self.bounces.get(pcpu).cloned().flatten();
@@ -1192,12 +1129,14 @@ impl Backend {
         }
         *last = Instant::now();
         let mut text = String::new();
-        for d in self.vifs.values() {
-            // A vif's counters are per queue when it has several.
-            let several = d.queues.len() > 1;
-            for (n, v) in d.queues.iter().enumerate() {
+        for d in self.vifs.values_mut() {
+            let Some(u) = d.unit.as_mut() else { continue };
+            // A vif's counters are per queue when it has several, as last seen.
+            let stats = u.stats();
+            let several = stats.len() > 1;
+            for (n, v) in stats.iter().enumerate() {
                 let q = several.then_some(n as u32);
-                metrics_lines(&mut text, "vif", d.fe, d.handle, q, v.stats());
+                metrics_lines(&mut text, "vif", d.fe, d.handle, q, v);
             }
         }
         for d in self.vbds.values_mut() {
@@ -1218,20 +1157,30 @@ impl Backend {
 
     fn shutdown(&mut self) {
         let close = self.close;
-        for ((fe, handle), d) in std::mem::take(&mut self.vifs) {
-            let n = d.queues.len();
-            for v in d.queues {
-                if close {
-                    v.disconnect(&mut self.pool);
-                } else {
-                    // Left `Connected` at both ends, its interface on its bridge, for
-                    // the next back end to take over.
-                    v.hand_over(&mut self.pool);
+        for ((fe, handle), mut d) in std::mem::take(&mut self.vifs) {
+            let mut n = 0;
+            if let Some(u) = d.unit.take() {
+                add_counted(&mut self.counts, u.counted());
+                if let Some((queues, tap, pool)) = u.take() {
+                    n = queues.len();
+                    d.tap = Some(tap);
+                    let mut pool = vif::lock(&pool);
+                    for v in queues {
+                        if close {
+                            v.disconnect(&mut pool);
+                        } else {
+                            // Left `Connected` at both ends, its interface on its
+                            // bridge, for the next back end to take over.
+                            v.hand_over(&mut pool);
+                        }
+                    }
                 }
             }
             if close {
                 // The interface goes with this process.
-                let _ = mem::tap::set_persist(&d.tap, false);
+                if let Some(tap) = &d.tap {
+                    let _ = mem::tap::set_persist(tap, false);
+                }
             } else if n > 0 {
                 let s = if n == 1 { "" } else { "s" };
                 self.log.line(&format!(
@@ -1268,15 +1217,42 @@ impl Backend {
     }
 }
 
-/// The pCPU with the fewest vbd queues placed on it.
-fn least_loaded(sched: &Scheduler, vbds: &BTreeMap<(u16, u32), BlkDev>) -> usize {
+/// The pCPU with the fewest units (vifs and vbd queues) placed on it.
+fn least_loaded(
+    sched: &Scheduler,
+    vifs: &BTreeMap<(u16, u32), NetDev>,
+    vbds: &BTreeMap<(u16, u32), BlkDev>,
+) -> usize {
     let mut load = vec![0usize; sched.pcpus().max(1)];
-    for q in vbds.values().flat_map(|d| d.queues.iter()) {
-        if let Some(l) = load.get_mut(q.pcpu()) {
+    let placed = vifs
+        .values()
+        .filter_map(|d| d.unit.as_ref().map(NetUnit::pcpu))
+        .chain(vbds.values().flat_map(|d| d.queues.iter().map(Queue::pcpu)));
+    for p in placed {
+        if let Some(l) = load.get_mut(p) {
             *l += 1;
         }
     }
     (0..load.len()).min_by_key(|&i| load[i]).unwrap_or(0)
+}
+
+/// A vif unit's packet counts, added to the process's.
+fn add_counted(c: &mut Counts, u: &vif::Counted) {
+    c.frames_in += u.frames_in.load(Ordering::Relaxed);
+    c.frames_out += u.frames_out.load(Ordering::Relaxed);
+    c.frames_dropped += u.frames_dropped.load(Ordering::Relaxed);
+}
+
+/// What a connected vif is, for its log line: its queues and its rate.
+fn describe_vif<X: Xen>(v: &Vif<X>, queues: usize) -> String {
+    let rate = v.tx_rate().map_or(String::new(), |(b, t)| {
+        format!(
+            ", TX rate {b} bytes a {} µs ({:.1} Mbit/s)",
+            t.as_micros(),
+            b as f64 * 8.0 / t.as_secs_f64() / 1e6
+        )
+    });
+    format!("{queues} queue{}{rate}", if queues == 1 { "" } else { "s" })
 }
 
 /// Whether a back-end directory found at `.../<fe>/<device>` names that guest and that
@@ -1353,25 +1329,6 @@ fn vif_journals(fe: DomId, handle: u32, queue: u32) -> std::io::Result<netback::
         tx: mem::journal::Journal::open(&tx, netback::JOURNAL_LEN_TX)?,
         rx: mem::journal::Journal::open(&rx, netback::JOURNAL_LEN_RX)?,
     })
-}
-
-/// Writes one packet from a vif to its interface, whole (its pieces gathered into one
-/// buffer allocated once), with its offload; frees it.
-fn to_tap(
-    tap: &mut TapPort,
-    pool: &mut SkbPool,
-    skb: SkbId,
-    frame: &mut [u8],
-    counts: &mut Counts,
-) {
-    let len = pool.len(skb);
-    if len <= frame.len() && pool.read(skb, 0, &mut frame[..len]).is_ok() {
-        tap.send(&frame[..len], pool.offload(skb));
-        counts.frames_out += 1;
-    } else {
-        counts.frames_dropped += 1;
-    }
-    pool.free(skb);
 }
 
 fn offered(keys: &[(&str, &str)]) -> String {

@@ -238,6 +238,12 @@ impl TapPort {
         }
     }
 
+    /// The interface is no longer its consumer's line (the consumer is gone; a new one
+    /// binds again).
+    pub fn unbind_unit(&mut self) {
+        self.line = None;
+    }
+
     /// Reads one frame into the buffer and judges it: the header is the kernel's, but
     /// the frame behind it came from outside, so what it claims is checked against the
     /// frame.
