@@ -104,18 +104,38 @@ pub struct Options {
     /// stays on its bridge; the journals under `/run` say where each ring was), as an
     /// upgrade or `systemctl restart` needs.
     pub close: bool,
-    /// pCPUs (threads pinned to this domain's first cores) the vbd queues run on, each
-    /// queue a unit placed on the least loaded; 0: one per core, at most [`MAX_CPUS`].
+    /// pCPUs (threads pinned to this domain's first cores) the devices run on, each vif
+    /// and vbd queue a unit placed on the least loaded; 0: [`default_cpus`]. They
+    /// halt-poll only if a core is left over for the main thread ([`idle_policy`]).
     pub cpus: usize,
 }
 
-/// pCPUs the vbd queues run on unless told otherwise: one per core up to this.
+/// pCPUs the devices run on unless told otherwise: at most this many.
 pub const MAX_CPUS: usize = 4;
 
-/// How an idle pCPU of the back end waits: adaptive halt-polling (KVM's rule), which
-/// spins only while wake-ups come soon after it went idle and otherwise sleeps, giving
-/// its core back to the domain's other work.
-const IDLE: IdlePolicy = IdlePolicy::AdaptiveHaltPoll(HALT_POLL_DEFAULT);
+/// pCPUs by default on a domain of `cores` cores: one per core but one, left to the main
+/// thread that routes the event channels (at least one, at most [`MAX_CPUS`]).
+pub fn default_cpus(cores: usize) -> usize {
+    cores.saturating_sub(1).clamp(1, MAX_CPUS)
+}
+
+/// How an idle pCPU of the back end waits when the domain has a core to spare for the
+/// main thread: adaptive halt-polling (KVM's rule), which spins only while wake-ups come
+/// soon after it went idle and otherwise sleeps. With no core to spare (a domain of one
+/// vCPU, dom0's under the interop run) it sleeps at once ([`idle_policy`]).
+const HALT_POLL: IdlePolicy = IdlePolicy::AdaptiveHaltPoll(HALT_POLL_DEFAULT);
+
+/// The pCPUs' idle policy for `cpus` pCPUs on a domain of `cores` cores. A unit's
+/// wake-up comes from the main thread, which reads the event channels: a pCPU that
+/// spins on the main thread's only core holds off the very wake-up it waits for, until
+/// the host's scheduler preempts it, so it halt-polls only when a core is left over.
+pub fn idle_policy(cpus: usize, cores: usize) -> IdlePolicy {
+    if cores > cpus {
+        HALT_POLL
+    } else {
+        IdlePolicy::Block
+    }
+}
 
 /// Why the back end stopped.
 #[derive(Debug, thiserror::Error)]
@@ -150,6 +170,9 @@ pub struct Counts {
     pub frames_dropped: u64,
     /// Devices taken over from a back end that left them `Connected` (a restart).
     pub resumed: u64,
+    /// Packet-buffer release tokens a vif's unit found that named another vif (none is
+    /// expected: every packet is copied, no buffer holds a guest's page).
+    pub stray_tokens: u64,
 }
 
 type X = Arc<Dom0>;
@@ -317,7 +340,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         ))
     })?;
     let cpus = match opts.cpus {
-        0 => mem::cpu::online_cores().clamp(1, MAX_CPUS),
+        0 => default_cpus(mem::cpu::online_cores()),
         n => n.min(hv::sched::MAX_UNITS),
     };
     let xen = Arc::new(Dom0::open(Dom0Config {
@@ -336,7 +359,8 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
                 .map_err(|e| Error::Pool(e.to_string()))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let sched = Scheduler::new(&CpuPlan::first(cpus, IDLE), None)?;
+    let idle = idle_policy(cpus, mem::cpu::online_cores());
+    let sched = Scheduler::new(&CpuPlan::first(cpus, idle), None)?;
     let bounces = (0..cpus).map(|_| Bounce::new(xen.domain())).collect();
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
         // Appended to: the process before this one (a restart) keeps its lines.
@@ -373,7 +397,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
     b.log.line(&format!(
-        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; vbd queues on {cpus} pCPU(s) ({IDLE})",
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle})",
         me.0,
         if hotplug {
             "pvio"
@@ -1241,6 +1265,7 @@ fn add_counted(c: &mut Counts, u: &vif::Counted) {
     c.frames_in += u.frames_in.load(Ordering::Relaxed);
     c.frames_out += u.frames_out.load(Ordering::Relaxed);
     c.frames_dropped += u.frames_dropped.load(Ordering::Relaxed);
+    c.stray_tokens += u.stray_tokens.load(Ordering::Relaxed);
 }
 
 /// What a connected vif is, for its log line: its queues and its rate.
@@ -1449,6 +1474,28 @@ mod tests {
         assert!(check_names(me, me, &mine, Some("0"), Some(&mine)).is_err());
         assert!(check_names(me, DomId(3), &fdir, None, None).is_err());
         assert!(check_names(me, DomId(3), &fdir, Some("03"), Some(&fdir)).is_err());
+    }
+
+    /// The pCPUs leave a core to the main thread, which routes every unit's wake-ups, and
+    /// halt-poll only when it has one: on one core a spinning pCPU would hold off the
+    /// wake-up it waits for.
+    #[test]
+    fn the_pcpus_leave_the_main_thread_a_core_and_spin_only_when_it_has_one() {
+        assert_eq!(default_cpus(1), 1);
+        assert_eq!(default_cpus(2), 1);
+        assert_eq!(default_cpus(3), 2);
+        assert_eq!(default_cpus(16), MAX_CPUS);
+        assert_eq!(idle_policy(1, 1), IdlePolicy::Block);
+        assert_eq!(idle_policy(2, 2), IdlePolicy::Block);
+        assert!(matches!(idle_policy(1, 2), IdlePolicy::AdaptiveHaltPoll(_)));
+        for cores in 1..=16 {
+            let cpus = default_cpus(cores);
+            assert_eq!(
+                idle_policy(cpus, cores) == IdlePolicy::Block,
+                cores == 1,
+                "{cores} cores"
+            );
+        }
     }
 
     #[test]

@@ -14,8 +14,10 @@
 //!
 //! The vifs on one pCPU share that pCPU's packet buffers (one step at a time runs
 //! there). A back end in user space copies every packet (`Vif::set_tx_copy`), so no
-//! buffer holds a guest's page and no release token comes back to be answered; any
-//! that did would be handed to its own vif's queues and otherwise counted dropped.
+//! buffer holds a guest's page and no release token comes back to be answered. The
+//! unit whose step finds one hands it to its own queues; one that names another vif
+//! would be lost to that vif, and is counted (`stray_tokens`), so that a mode that made
+//! them would show.
 //!
 //! As for a vbd queue, the thread that placed the unit never waits on its lock while it
 //! runs: counters when the lock is free, a flag for a vif that broke, and taking it

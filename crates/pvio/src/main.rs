@@ -102,7 +102,8 @@ enum Command {
         #[arg(long)]
         close: bool,
         /// pCPUs (threads pinned to this domain's first cores) the vbd queues run on,
-        /// each queue a unit of pvio's scheduler; 0: one per core, at most 4.
+        /// each queue a unit of pvio's scheduler; 0: one per core but one (left to the
+        /// thread that routes the event channels), at least one, at most 4.
         #[arg(long, default_value_t = 0)]
         cpus: usize,
     },
