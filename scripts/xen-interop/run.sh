@@ -40,8 +40,9 @@ stage="$ex/plan"
 mkdir -p "$stage"
 install -m 0755 "$here/domu-plan" "$stage/plan"
 # Module parameters the domU's /init applies: Linux's blkfront asks for a ring of
-# 2^4 pages only when told to (its default is one page), and each front end sets up
-# two queues when the back end offers them (by default, one a vCPU; the domU runs one).
+# 2^4 pages only when told to (its default is one page), and each front end is asked for
+# two queues (by default, one a vCPU; netfront takes two, blkfront no more than its vCPUs
+# online, here one).
 mkdir -p "$stage/etc"
 printf 'xen-blkfront.ko max_ring_page_order=4 max_queues=2\nxen-netfront.ko max_queues=2\n' >"$stage/etc/modparams"
 (cd "$stage" && find . -print0 | cpio --null -o -H newc --quiet | gzip -9) >"$ex/x/plan.cpio.gz"
