@@ -28,6 +28,17 @@ fn domain(hv: &Arc<Hypervisor>, name: &str, slots: u32) -> Arc<Domain> {
     .expect("domain")
 }
 
+/// A hypervisor and a driver domain with window slots for four queues.
+fn host() -> (Arc<Hypervisor>, Arc<Domain>) {
+    let hv = Hypervisor::new(HvConfig {
+        frames: 8192,
+        ..HvConfig::default()
+    })
+    .expect("hv");
+    let drv = domain(&hv, "driver", 4 * VIF_WINDOW_SLOTS);
+    (hv, drv)
+}
+
 /// Queue `q` at index `q`, its window slots after the queue before it.
 fn at(q: u32) -> (u16, u32) {
     (q as u16, q * VIF_WINDOW_SLOTS)
@@ -71,12 +82,7 @@ fn send(front: &RawFront, vifs: &mut [Vif], pool: &mut SkbPool, i: u16, f: &[u8]
 
 #[test]
 fn each_queue_moves_packets_on_its_own_rings_survives_a_hand_over_and_too_many_are_refused() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let drv = domain(&hv, "driver", 4 * VIF_WINDOW_SLOTS);
+    let (hv, drv) = host();
     let guest = domain(&hv, "guest", 4);
     let mut pool = SkbPool::new(Arc::clone(&drv), 64, 64).expect("pool");
     let store = hv.store();
@@ -241,12 +247,7 @@ fn a_flow_keeps_its_queue_flows_spread_over_all_and_any_frame_gets_one() {
 /// refused whole, no ring or channel kept, and the back end does not go `Connected`.
 #[test]
 fn a_bad_queue_count_or_a_queue_without_its_keys_refuses_the_vif_whole() {
-    let hv = Hypervisor::new(HvConfig {
-        frames: 8192,
-        ..HvConfig::default()
-    })
-    .expect("hv");
-    let drv = domain(&hv, "driver", 4 * VIF_WINDOW_SLOTS);
+    let (hv, drv) = host();
     let store = hv.store();
     for (i, bad) in ["0", "two", "-1", "", "3"].iter().enumerate() {
         let g = domain(&hv, &format!("g{i}"), 4);
