@@ -82,9 +82,18 @@ set +e
 # domain stopped at a guest's teardown: with AVX and without, with the domains pinned to
 # one emulated CPU and not, with one thread and with two (docs/results/xen-interop.md).
 tcg="${TCG:-multi}"
+# The serial port (Xen's console, dom0's through it) is logged to console.log and takes
+# input from a socket, and QEMU's monitor listens on another: stall-watch asks dom0 and
+# Xen what every task and vCPU waits on when the console goes quiet (a stalled run), by
+# a path that needs neither dom0's disks nor the store, and ends the emulation after.
+rm -f "$out/console.log"
+"$here/stall-watch" "$out/console.log" "$ex/serial.sock" "$ex/monitor.sock" "${STALL_S:-240}" &
+watch_pid=$!
 timeout "$timeout_s" qemu-system-x86_64 \
     -accel tcg,thread=$tcg -cpu max,-smap,-pku,-la57,-avx,-avx2,-fma,-f16c -smp 2 -m 3G \
-    -display none -no-reboot -serial "file:$out/console.log" -monitor none \
+    -display none -no-reboot \
+    -chardev "socket,id=con,path=$ex/serial.sock,server=on,wait=off,logfile=$out/console.log,logappend=on" \
+    -serial chardev:con -monitor "unix:$ex/monitor.sock,server=on,wait=off" \
     -kernel "$images/xen" \
     -append "dom0_mem=1024M,max:1024M dom0_max_vcpus=1 dom0_vcpus_pin console=com1 com1=115200,8n1 loglvl=all guest_loglvl=all" \
     -initrd "$images/vmlinuz root=/dev/vda ro console=hvc0 earlyprintk=xen,$images/initrd.img" \
@@ -92,8 +101,10 @@ timeout "$timeout_s" qemu-system-x86_64 \
     -drive "file=$ex/x.img,if=virtio,format=raw" \
     -net none
 rc=$?
+kill "$watch_pid" 2>/dev/null
 set -e
 echo "qemu exited $rc" >&2
+grep -q "stall-watch" "$out/console.log" && echo "the console went quiet: see stall-watch in $out/console.log" >&2
 # Bring back what dom0 left on the exchange disk.
 rm -rf "$out/x"
 mkdir -p "$out/x"
