@@ -108,6 +108,10 @@ pub struct Options {
     /// and vbd queue a unit placed on the least loaded; 0: [`default_cpus`]. They
     /// halt-poll only if a core is left over for the main thread ([`idle_policy`]).
     pub cpus: usize,
+    /// Move each vbd's bytes synchronously, one request after another on its pCPU,
+    /// instead of through an io_uring of each queue's own ([`Blkback::disk_async`]):
+    /// for a kernel that refuses io_uring, or to compare.
+    pub sync_disk: bool,
 }
 
 /// pCPUs the devices run on unless told otherwise: at most this many.
@@ -301,6 +305,8 @@ struct Backend {
     log: Log,
     /// Close devices on stop (`--close`), instead of handing them over.
     close: bool,
+    /// Each vbd queue moves its disk's bytes synchronously (`--sync-disk`).
+    sync_disk: bool,
     /// The pCPUs the vbd queues run on.
     sched: Arc<Scheduler>,
     /// Each pCPU's pages its vbd queues copy segments through (none: they map them):
@@ -387,6 +393,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         counts: Counts::default(),
         log: Log::new(out, LOG_LIMIT),
         close: opts.close,
+        sync_disk: opts.sync_disk,
         hotplug,
         metrics: opts
             .metrics
@@ -1064,6 +1071,7 @@ impl Backend {
                 let mut unrecorded = 0;
                 let mut replayed = 0;
                 let mut mapping = 0;
+                let mut blocking = 0;
                 let mut pcpus = Vec::new();
                 for (q, mut b) in backs.into_iter().enumerate() {
                     replayed += b.replayed();
@@ -1075,6 +1083,11 @@ impl Backend {
                     let bounce = self.bounces.get(pcpu).cloned().flatten();
                     if !bounce.is_some_and(|p| b.copy_transient(p)) {
                         mapping += 1;
+                    }
+                    // The disk's bytes move while the pCPU serves other devices (or
+                    // at once where io_uring is refused: said below).
+                    if !self.sync_disk && !b.disk_async() {
+                        blocking += 1;
                     }
                     if !resume && !journal(q as u32).is_some_and(|j| b.set_journal(j)) {
                         unrecorded += 1;
@@ -1110,6 +1123,12 @@ impl Backend {
                 if mapping > 0 {
                     self.log.line(&format!(
                         "vbd {}/{devid}: {mapping} queue(s) map each request's segments: no pages to copy them through",
+                        fe.0
+                    ));
+                }
+                if blocking > 0 {
+                    self.log.line(&format!(
+                        "vbd {}/{devid}: {blocking} queue(s) move the disk's bytes synchronously: io_uring refused",
                         fe.0
                     ));
                 }
@@ -1514,6 +1533,7 @@ mod tests {
                 max_vbds: MAX_VBDS,
                 close: false,
                 cpus: 0,
+                sync_disk: false,
             },
             &stop,
         )

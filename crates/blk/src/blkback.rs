@@ -67,6 +67,10 @@ pub const MAX_RING_PAGE_ORDER: u32 = 4;
 /// at [`VBD_WINDOW_SLOTS`] window slots of its own. A remote disk's takes one.
 pub const MAX_QUEUES: u32 = 4;
 
+/// Transfers a queue keeps in flight to its disk at once when its disk I/O is
+/// asynchronous ([`Blkback::disk_async`]): fio's and Linux's usual queue depth.
+pub const DISK_DEPTH: u16 = 32;
+
 /// Requests one [`Blkback::serve`] takes at most before it returns, two rings' worth: a
 /// guest that posts as fast as it is answered holds its back end for a bounded time, and
 /// the other devices of the same thread get their turn. What is left stays on the ring
@@ -148,6 +152,11 @@ pub struct VbdStats {
     pub transient_copies: u64,
     /// Notifications sent to the front end.
     pub notifies: u64,
+    /// Reads, writes and flushes the disk carried out asynchronously, answered when
+    /// they ended ([`Blkback::disk_async`]).
+    pub async_transfers: u64,
+    /// `io_uring_enter` calls that handed them to the kernel (several a call).
+    pub disk_enters: u64,
 }
 
 hv::counter_set!(VbdStats {
@@ -169,6 +178,8 @@ hv::counter_set!(VbdStats {
     transient_maps,
     transient_copies,
     notifies,
+    async_transfers,
+    disk_enters,
 });
 
 /// The persistent grants of a device: each kept mapped at a slot of its own.
@@ -192,6 +203,54 @@ enum Failed {
 enum Outcome {
     Done,
     Pending,
+}
+
+/// What a transfer in flight to the disk counts as once it ends well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moved {
+    Read(u64),
+    Write(u64),
+    Flush,
+}
+
+/// A request taken from the ring and not yet answered, while the disk moves bytes.
+#[derive(Debug, Clone, Copy)]
+struct Taken {
+    id: u64,
+    operation: u8,
+    /// Its answer, once known; none while its transfer is in flight.
+    status: Option<i16>,
+    /// Its transfer in flight, if it has one.
+    moved: Option<Moved>,
+}
+
+/// A file's disk I/O in flight ([`Blkback::disk_async`]). Answers go out in the order
+/// the requests were taken, whatever order the disk ends them in: a back end that takes
+/// the ring over after a crash carries on from the last answer published, and takes
+/// every request after it again ([`BackRing::resume`]), which is right only if every
+/// request before it was answered. The disk still works on up to [`DISK_DEPTH`] at once.
+#[derive(Debug)]
+struct Aio {
+    ring: mem::uring::FileRing,
+    /// Every request taken and not yet answered, oldest first.
+    order: std::collections::VecDeque<Taken>,
+    /// The number of `order`'s first request since the device was served (a transfer's
+    /// tag is its request's number).
+    head: u64,
+    /// The transfer the request being handled placed (set by it, taken by `pass`).
+    placed: Option<Moved>,
+}
+
+impl Aio {
+    /// Requests `order` holds at most: a whole ring's.
+    fn room(&self) -> usize {
+        (self.order.capacity() - self.order.len()).min(self.ring.room())
+    }
+
+    /// The tag of the request being handled: its number in `order` once pushed.
+    fn next_tag(&self) -> u64 {
+        self.head + self.order.len() as u64
+    }
 }
 
 /// Hands a judged request to a remote disk's initiator under a free in-flight slot:
@@ -438,6 +497,9 @@ pub struct Blkback<X: Xen = Pvio> {
     bounce: Option<Bounce>,
     copies: Vec<GrantCopy>,
     copy_st: Vec<GrantStatus>,
+    /// Disk I/O in flight through an io_uring (none: each request's bytes move before
+    /// the next is taken).
+    aio: Option<Box<Aio>>,
     stats: VbdStats,
     broken: Option<Broken>,
 }
@@ -451,6 +513,48 @@ fn answer(ring: &mut Option<Back>, rsp: &Response) -> Result<(), RingError> {
         Some(ring) => ring.push_response(rsp),
         None => Ok(()),
     }
+}
+
+/// The request a disk transfer ended for (tag: its number, `head` being `order`'s
+/// first's) gets its answer, counted.
+fn mark(
+    order: &mut std::collections::VecDeque<Taken>,
+    head: u64,
+    c: mem::uring::Completion,
+    stats: &mut VbdStats,
+) {
+    let Some(t) = c
+        .tag
+        .checked_sub(head)
+        .and_then(|i| order.get_mut(usize::try_from(i).ok()?))
+    else {
+        return;
+    };
+    if t.status.is_some() {
+        return;
+    }
+    stats.async_transfers += 1;
+    t.status = Some(match (c.result, t.moved) {
+        (Ok(()), Some(m)) => {
+            stats.done += 1;
+            match m {
+                Moved::Read(n) => {
+                    stats.reads += 1;
+                    stats.sectors_read += n;
+                }
+                Moved::Write(n) => {
+                    stats.writes += 1;
+                    stats.sectors_written += n;
+                }
+                Moved::Flush => stats.flushes += 1,
+            }
+            BLKIF_RSP_OKAY
+        }
+        _ => {
+            stats.io_errors += 1;
+            BLKIF_RSP_ERROR
+        }
+    });
 }
 
 /// Where a segment's sectors lie in its page: their offset and length in bytes.
@@ -975,6 +1079,7 @@ impl<X: Xen> Blkback<X> {
             bounce: None,
             copies: Vec::with_capacity(max_segs),
             copy_st: vec![Ok(()); max_segs],
+            aio: None,
             stats: VbdStats::default(),
             broken: None,
         })
@@ -992,6 +1097,50 @@ impl<X: Xen> Blkback<X> {
         }
         self.bounce = Some(bounce);
         true
+    }
+
+    /// Moves the disk's bytes asynchronously from now on: each read, write or flush is
+    /// placed in an io_uring of the device's own and answered when it ends (answers
+    /// published in the order requests were taken), so a queue keeps up to
+    /// [`DISK_DEPTH`] transfers in flight, and its pCPU serves other devices while the
+    /// disk works. Reads and writes whose every segment is kept mapped (persistent
+    /// grants) go to the disk straight from the guest's pages; the rest, and discards,
+    /// are carried out at once, as before. `false` (nothing changes) for a remote disk,
+    /// or where the kernel has no io_uring. The ring's event descriptor
+    /// ([`Blkback::disk_event_fd`]) becomes readable when a transfer ends: whoever
+    /// serves the device serves it again then.
+    pub fn disk_async(&mut self) -> bool {
+        if self.aio.is_some() {
+            return true;
+        }
+        let Store::File(disk) = &self.store else {
+            return false;
+        };
+        let Ok(ring) = disk.async_ring(DISK_DEPTH) else {
+            return false;
+        };
+        let depth = self
+            .ring
+            .as_ref()
+            .map_or(RING_REQUESTS, |r| r.size() as usize);
+        self.aio = Some(Box::new(Aio {
+            ring,
+            order: std::collections::VecDeque::with_capacity(depth),
+            head: 0,
+            placed: None,
+        }));
+        true
+    }
+
+    /// The descriptor that becomes readable when a disk transfer ends
+    /// ([`Blkback::disk_async`]).
+    pub fn disk_event_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.aio.as_ref().map(|a| a.ring.event_fd())
+    }
+
+    /// Disk transfers in flight now.
+    pub fn disk_in_flight(&self) -> usize {
+        self.aio.as_ref().map_or(0, |a| a.ring.in_flight())
     }
 
     /// The local end of the device's event channel.
@@ -1030,9 +1179,15 @@ impl<X: Xen> Blkback<X> {
         let _c = enter(Class::Block);
         let mut answered = 0;
         let mut taken = 0;
+        // What the disk ended since the last serve is answered first.
+        self.reap_disk();
         while self.broken.is_none() {
             if taken >= self.budget {
                 // The rest waits for the caller's next pass (`pending`).
+                break;
+            }
+            if self.aio.as_ref().is_some_and(|a| a.room() == 0) {
+                // As many in flight as the disk takes: a transfer's end serves again.
                 break;
             }
             let room = self.budget - taken;
@@ -1059,6 +1214,7 @@ impl<X: Xen> Blkback<X> {
     /// emptied had not asked, and a front end posting after it would not have notified.
     pub fn pending(&mut self) -> bool {
         self.broken.is_none()
+            && self.aio.as_ref().is_none_or(|a| a.room() > 0)
             && self
                 .ring
                 .as_mut()
@@ -1077,6 +1233,8 @@ impl<X: Xen> Blkback<X> {
             return Ok(0);
         };
         let n = ring.requests_available()?;
+        // Each request may take a transfer in flight: no more than there is room for.
+        let room = room.min(self.aio.as_ref().map_or(usize::MAX, |a| a.room()));
         self.batch.clear();
         for _ in 0..n.min(RING_REQUESTS.min(room) as u32) {
             match ring.take_request()? {
@@ -1092,25 +1250,103 @@ impl<X: Xen> Blkback<X> {
                 || match &self.store {
                     Store::Remote(r) => r.slots.iter().any(|f| f.busy && f.id == raw.id),
                     Store::File(_) => false,
-                };
+                }
+                || self
+                    .aio
+                    .as_ref()
+                    .is_some_and(|a| a.order.iter().any(|t| t.id == raw.id));
             let status = if in_flight {
                 self.stats.id_in_flight += 1;
-                BLKIF_RSP_ERROR
+                Some(BLKIF_RSP_ERROR)
             } else {
-                match self.handle(&raw) {
-                    Some(s) => s,
-                    // In flight to a remote disk: answered when it is done.
-                    None => continue,
-                }
+                self.handle(&raw)
+            };
+            if let Some(a) = self.aio.as_mut() {
+                // In the order taken, answered or not yet.
+                let moved = a.placed.take();
+                a.order.push_back(Taken {
+                    id: raw.id,
+                    operation: raw.response_operation(),
+                    status: match moved {
+                        Some(_) => None,
+                        None => Some(status.unwrap_or(BLKIF_RSP_ERROR)),
+                    },
+                    moved,
+                });
+                continue;
+            }
+            let Some(status) = status else {
+                // In flight to a remote disk: answered when it is done.
+                continue;
             };
             let rsp = response(raw.id, raw.response_operation(), status);
             // Room is certain: each response answers a request taken.
             answer(&mut self.ring, &rsp)?;
         }
-        if n > 0 {
+        if let Some(a) = self.aio.as_mut() {
+            // Every transfer placed in the pass, in one call.
+            let before = a.ring.enters();
+            if a.ring.submit().is_err() {
+                // Nothing the kernel takes: each placed transfer fails (as the disk
+                // failing), and the ring goes on.
+                a.ring.wait_all(|_| {});
+            }
+            self.stats.disk_enters += a.ring.enters() - before;
+            self.retire()?;
+        } else if n > 0 {
             self.flush_responses();
         }
         Ok(n)
+    }
+
+    /// Takes what the disk ended: each transfer's request gets its answer (counted as
+    /// done, or as the disk's error), and the answers now due go out.
+    fn reap_disk(&mut self) {
+        let Some(a) = self.aio.as_mut() else {
+            return;
+        };
+        let Self { stats, .. } = self;
+        let head = a.head;
+        let order = &mut a.order;
+        a.ring.complete(|c| mark(order, head, c, stats));
+        if let Err(e) = self.retire() {
+            self.protocol_break(e);
+        }
+    }
+
+    /// Writes the answers of the requests at the head of `order` whose answer is known,
+    /// in order, and publishes them.
+    fn retire(&mut self) -> Result<(), RingError> {
+        let Some(a) = self.aio.as_mut() else {
+            return Ok(());
+        };
+        let mut n = 0;
+        while let Some(t) = a.order.front().copied() {
+            let Some(status) = t.status else {
+                break;
+            };
+            a.order.pop_front();
+            a.head += 1;
+            n += 1;
+            // Room is certain: each response answers a request taken.
+            answer(&mut self.ring, &response(t.id, t.operation, status))?;
+        }
+        if n > 0 {
+            self.flush_responses();
+        }
+        Ok(())
+    }
+
+    /// Waits for every disk transfer in flight to end and takes each: what a device
+    /// that is let go does first, since the kernel writes into its pages until then.
+    fn settle_disk(&mut self) {
+        let Some(a) = self.aio.as_mut() else {
+            return;
+        };
+        let Self { stats, .. } = self;
+        let head = a.head;
+        let order = &mut a.order;
+        a.ring.wait_all(|c| mark(order, head, c, stats));
     }
 
     /// Judges one copied request and carries it out; its status, or none if it went
@@ -1162,6 +1398,16 @@ impl<X: Xen> Blkback<X> {
                 Err(f) => Err(f),
             },
             Request::Flush { .. } => match &mut self.store {
+                Store::File(_) if self.aio.is_some() => match self.aio.as_mut() {
+                    Some(a) => {
+                        let tag = a.next_tag();
+                        a.ring.sync(tag).map_err(|_| Failed::Io).map(|()| {
+                            a.placed = Some(Moved::Flush);
+                            Outcome::Pending
+                        })
+                    }
+                    None => Err(Failed::Io),
+                },
                 Store::File(disk) => {
                     let _d = enter(Class::Disk);
                     disk.flush().map_err(|_| Failed::Io).map(|()| {
@@ -1429,6 +1675,24 @@ impl<X: Xen> Blkback<X> {
             });
         }
         let n = copies.len();
+        if n == 0 {
+            if let Some(a) = self.aio.as_mut() {
+                // Every segment kept mapped: the disk moves the bytes straight to or
+                // from the guest's pages while the back end goes on.
+                drop(bounce);
+                let tag = a.next_tag();
+                let sectors = crate::disk::pieces_len(pieces) as u64 / SECTOR_SIZE;
+                let _d = enter(Class::Disk);
+                disk.start_vectored(xen.domain(), &mut a.ring, write, pieces, sector, tag)
+                    .map_err(|_| Failed::Io)?;
+                a.placed = Some(if write {
+                    Moved::Write(sectors)
+                } else {
+                    Moved::Read(sectors)
+                });
+                return Ok(Outcome::Pending);
+            }
+        }
         stats.transient_copies += n as u64;
         let copy = |st: &mut [GrantStatus]| n == 0 || xen.grant_copy(copies, st) == n;
         if write && !copy(&mut copy_st[..n]) {
@@ -1632,6 +1896,8 @@ impl<X: Xen> Blkback<X> {
     /// no request is answered and the store is not written, so the front end stays
     /// `Connected` and another back end may [`Blkback::resume`] the device.
     pub fn abandon(mut self) {
+        // The kernel ends a dead process's transfers too; their answers are not written.
+        self.settle_disk();
         self.release();
     }
 
@@ -1642,6 +1908,10 @@ impl<X: Xen> Blkback<X> {
     /// over where this one left it ([`Blkback::resume`]). Closing a device is an explicit
     /// act ([`Blkback::disconnect`]), never the side effect of a stop.
     pub fn hand_over(mut self) {
+        // Every transfer in flight ended and answered, so that the next back end finds
+        // the ring answered up to what it takes.
+        self.settle_disk();
+        let _ = self.retire();
         self.flush_responses();
         self.release_remote_slots();
         self.release();
@@ -1673,10 +1943,12 @@ impl<X: Xen> Blkback<X> {
             .grant_unmap(&self.ring_handles, &mut self.unmap_st[..n]);
         let _ = self.xen.evtchn_close(self.port);
         self.bounce = None;
+        self.aio = None;
     }
 
     /// Disconnects: gives back every persistent mapping, the ring and the channel.
     pub fn disconnect(mut self) {
+        self.settle_disk();
         self.release_remote_slots();
         self.release();
         let dir = xenbus::backend_dir(self.xen.id(), self.fe, self.devid);

@@ -199,6 +199,33 @@ impl FileDisk {
             .map_err(domain_error)
     }
 
+    /// A ring that moves this disk's bytes asynchronously, up to `depth` transfers in
+    /// flight ([`mem::uring::FileRing`]); an error where the kernel has no io_uring.
+    pub fn async_ring(&self, depth: u16) -> io::Result<mem::uring::FileRing> {
+        mem::uring::FileRing::new(self.file.as_fd(), depth).map_err(mem_error)
+    }
+
+    /// Places a read (into `pieces`) or a write (out of them) of the sectors from
+    /// `sector` on in `ring`, one of this disk's ([`FileDisk::async_ring`]), to end
+    /// with `tag`: checked against the disk's size and its being read-only first, as a
+    /// transfer made at once is.
+    pub fn start_vectored(
+        &self,
+        dom: &Domain,
+        ring: &mut mem::uring::FileRing,
+        write: bool,
+        pieces: &[DiskPiece],
+        sector: u64,
+        tag: u64,
+    ) -> io::Result<()> {
+        if write && self.read_only {
+            return Err(read_only());
+        }
+        let off = self.at(sector, pieces_len(pieces))?;
+        dom.file_io_start(ring, !write, pieces, off, tag)
+            .map_err(domain_error)
+    }
+
     /// Writes what the disk holds in its cache out (`BLKIF_OP_FLUSH_DISKCACHE`).
     pub fn flush(&self) -> io::Result<()> {
         self.file.sync_data()

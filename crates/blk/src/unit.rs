@@ -26,7 +26,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use hv::sched::{Cx, SchedError, Scheduler, Step, Unit, UnitJoin, UnitSpec};
+use hv::sched::{
+    Cx, IrqLine, SchedError, Scheduler, Step, Unit, UnitJoin, UnitSpec, UnitStats, Waker,
+};
 use hv::{Port, Xen};
 
 use crate::blkback::{Blkback, VbdStats};
@@ -54,6 +56,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub struct Served<X: Xen> {
     back: Shared<X>,
+    /// What wakes it; the disk's completions are bound to it at the first step that
+    /// finds the back end's disk asynchronous ([`Blkback::disk_async`]).
+    waker: Option<Waker>,
+    /// The disk's completions, as an interrupt line of this unit.
+    disk: Option<IrqLine>,
 }
 
 impl<X: Xen> Served<X> {
@@ -65,6 +72,10 @@ impl<X: Xen> Served<X> {
 
 impl<X: Xen + Send + 'static> Unit for Served<X> {
     type Output = ();
+
+    fn attach(&mut self, waker: &Waker, _stats: &Arc<UnitStats>) {
+        self.waker = Some(waker.clone());
+    }
 
     fn step(&mut self, _cx: &Cx) -> Step<()> {
         if self.back.leave.load(Ordering::Acquire) {
@@ -80,6 +91,13 @@ impl<X: Xen + Send + 'static> Unit for Served<X> {
             self.back.broken.store(true, Ordering::Release);
             return Step::Idle(None);
         }
+        if self.disk.is_none() {
+            if let (Some(fd), Some(w)) = (b.disk_event_fd(), &self.waker) {
+                // A transfer's end wakes the unit as the ring's event does. The line goes
+                // with the unit, before the back end (and the descriptor) is taken back.
+                self.disk = w.irq_line(fd).ok();
+            }
+        }
         b.serve();
         if b.broken().is_some() {
             self.back.broken.store(true, Ordering::Release);
@@ -88,6 +106,10 @@ impl<X: Xen + Send + 'static> Unit for Served<X> {
             // Stopped at its budget: the pCPU's other units go first.
             Step::More
         } else {
+            if let Some(l) = &self.disk {
+                // Transfers in flight (or none): the next to end wakes the unit.
+                l.arm();
+            }
             Step::Idle(None)
         }
     }
@@ -134,6 +156,8 @@ impl<X: Xen + Send + 'static> Queue<X> {
             spec,
             wrap(Served {
                 back: Arc::clone(&shared),
+                waker: None,
+                disk: None,
             }),
         )?;
         Ok(Self {

@@ -92,6 +92,20 @@ fn answered_once(s: &VbdStats) {
     );
 }
 
+/// Serves, and again as the disk's transfers end ([`Blkback::disk_async`]) until none
+/// is in flight; the requests taken.
+fn serve_settled(back: &mut Blkback) -> usize {
+    let mut n = back.serve();
+    while back.disk_in_flight() > 0 {
+        if let Some(fd) = back.disk_event_fd() {
+            let mut p = [mem::poll::PollFd::readable(fd)];
+            let _ = mem::poll::wait(&mut p, Some(std::time::Duration::from_secs(5)));
+        }
+        n += back.serve();
+    }
+    n
+}
+
 /// Submits each bio under its index as tag, serves, and collects every completion.
 fn run(front: &mut Blkfront, back: &mut Blkback, bios: &[Bio<'_>]) -> Vec<Completion> {
     let mut out = Vec::new();
@@ -99,7 +113,7 @@ fn run(front: &mut Blkfront, back: &mut Blkback, bios: &[Bio<'_>]) -> Vec<Comple
         front.submit(i as u64, b).expect("submit");
     }
     front.kick();
-    back.serve();
+    serve_settled(back);
     front.complete(|c| out.push(c));
     out.sort_by_key(|c| c.tag);
     out
@@ -147,11 +161,20 @@ fn file_at(path: &Path, sector: u64, len: usize) -> Vec<u8> {
 #[test]
 fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_grants() {
     // Segments not persistently mapped are mapped per request, or (`copy`, as `pvio
-    // backend` serves them) copied through the back end's own pages.
-    for (persistent, copy) in [(false, false), (true, false), (false, true), (true, true)] {
+    // backend` serves them) copied through the back end's own pages; `aio`: the disk's
+    // bytes move through an io_uring (as `pvio backend` moves them), persistent segments
+    // straight to and from the guest's pages.
+    for (persistent, copy, aio) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, false),
+        (true, true, false),
+        (false, true, true),
+        (true, true, true),
+    ] {
         let h = host();
         let g = h.guest("guest");
-        let path = backing(&format!("rw-{persistent}-{copy}"));
+        let path = backing(&format!("rw-{persistent}-{copy}-{aio}"));
         let refs0 = g.grant_table().refs_free();
         let free0 = h.drv.free_page_count();
         let (mut front, mut back) = h.plug(&g, 51712, 0, &path, persistent);
@@ -159,6 +182,7 @@ fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_gran
             let bounce = blkback::Bounce::new(&h.drv).expect("the back end has the pages");
             assert!(back.copy_transient(bounce));
         }
+        assert!(!aio || back.disk_async(), "io_uring taken");
         assert_eq!(front.sectors(), SECTORS);
         assert_eq!(front.persistent(), persistent);
         assert_eq!(back.persistent(), persistent);
@@ -221,6 +245,13 @@ fn writes_land_in_the_file_and_read_back_intact_with_and_without_persistent_gran
         let s = back.stats().clone();
         answered_once(&s);
         assert_eq!((s.reads, s.writes, s.indirect), (8, 8, 4));
+        if aio && persistent {
+            // Every read and write through the ring, each pass's in one enter.
+            assert_eq!((s.async_transfers, s.disk_enters), (16, 4), "{s:?}");
+        } else {
+            // Segments copied through the back end's pages: moved at once.
+            assert_eq!((s.async_transfers, s.disk_enters), (0, 0), "{s:?}");
+        }
         assert_eq!(s.sectors_read, 2 * (1 + 88 + 256 + 29));
         // The indirect pages (granted read-only, one a 32-segment request) are mapped
         // for their request, or copied from.
@@ -1136,5 +1167,153 @@ fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
             .is_err()
     );
     assert_eq!(h.hv.mappings_held(&h.drv), 0);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// [`journaled`], served as `pvio backend` serves a vbd: the front end takes persistent
+/// grants, other segments are copied through the back end's pages, and the disk's
+/// bytes move through an io_uring.
+fn journaled_async(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
+    let fdir = xenbus::frontend_dir(g.id(), 51712);
+    let path = backing(name);
+    let disk = h.offer(g, 51712, &path, false, true);
+    let bad = Hostile::connect(h, g, 51712);
+    h.hv.store()
+        .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
+        .expect("key");
+    let mut back =
+        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    assert!(back.persistent());
+    assert!(back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
+    assert!(back.disk_async(), "io_uring taken");
+    let jpath = std::env::temp_dir().join(format!("pvio-vbd-{name}-j-{}", std::process::id()));
+    let _ = std::fs::remove_file(&jpath);
+    assert!(back
+        .set_journal(mem::journal::Journal::open(&jpath, blkback::JOURNAL_LEN).expect("journal")));
+    let (_, r) = bad.granted(h, false);
+    Journaled {
+        bad,
+        back,
+        path,
+        jpath,
+        r,
+    }
+}
+
+/// With the disk's bytes moving asynchronously, requests the disk ends in any order are
+/// answered in the order they were taken (what a back end that takes the ring over
+/// after a crash relies on), each once, refusals and flushes among them.
+#[test]
+fn asynchronous_disk_io_answers_every_request_once_in_the_order_taken() {
+    let h = host();
+    let g = h.guest("guest");
+    let Journaled {
+        mut bad,
+        mut back,
+        path,
+        jpath,
+        r: r0,
+    } = journaled_async(&h, &g, "aio-order");
+    let pages: Vec<(hv::Gfn, GrantRef)> = (0..3).map(|_| bad.granted(&h, false)).collect();
+    for (k, (gfn, _)) in pages.iter().enumerate() {
+        g.fill(*gfn, 0, 4096, 0x10 + k as u8).expect("fill");
+    }
+    let (w1, w2, rd) = (pages[0].1, pages[1].1, pages[2].1);
+    let before = file_at(&path, 200, 4096);
+    let reqs = [
+        rw(BLKIF_OP_WRITE, 1, 0, &[seg(w1, 0, 7)]),
+        rw(BLKIF_OP_READ, 2, 200, &[seg(rd, 0, 7)]),
+        RawRequest {
+            operation: blk::blkif::BLKIF_OP_FLUSH_DISKCACHE,
+            id: 3,
+            ..RawRequest::default()
+        },
+        // Past the device: refused at once, answered after the three before it.
+        rw(BLKIF_OP_READ, 4, SECTORS - 4, &[seg(r0, 0, 7)]),
+        rw(BLKIF_OP_WRITE, 5, 64, &[seg(w2, 0, 7)]),
+        // Its id again while the first is in flight: refused.
+        rw(BLKIF_OP_WRITE, 5, 128, &[seg(w2, 0, 7)]),
+    ];
+    bad.send(&reqs);
+    assert_eq!(back.serve(), reqs.len());
+    assert!(
+        bad.responses().is_empty(),
+        "nothing is answered before the first request's transfer has ended"
+    );
+    serve_settled(&mut back);
+    let got: Vec<(u64, i16)> = bad.responses().iter().map(|r| (r.id, r.status)).collect();
+    let (ok, e) = (BLKIF_RSP_OKAY, BLKIF_RSP_ERROR);
+    assert_eq!(got, [(1, ok), (2, ok), (3, ok), (4, e), (5, ok), (5, e)]);
+    assert_eq!(file_at(&path, 0, 4096), vec![0x10; 4096]);
+    assert_eq!(file_at(&path, 64, 4096), vec![0x11; 4096]);
+    let mut b = vec![0u8; 4096];
+    g.read(pages[2].0, 0, &mut b).expect("read");
+    assert_eq!(b, before, "the read got its own sectors");
+    let s = back.stats().clone();
+    answered_once(&s);
+    assert_eq!((s.async_transfers, s.disk_enters), (4, 1), "{s:?}");
+    assert_eq!((s.writes, s.reads, s.flushes, s.id_in_flight), (2, 1, 1, 1));
+    let _ = std::fs::remove_file(&jpath);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A back end that stops (hand-over) or dies (abandon) while the disk moves its
+/// requests' bytes: a stop answers them all first; a crash answers none, and the next
+/// back end takes each again from the ring; no request is lost or answered twice, and
+/// no mapping stays held.
+#[test]
+fn a_stop_or_a_crash_with_disk_transfers_in_flight_loses_no_request_and_answers_none_twice() {
+    let h = host();
+    let g = h.guest("guest");
+    let Journaled {
+        mut bad,
+        mut back,
+        path,
+        jpath,
+        ..
+    } = journaled_async(&h, &g, "aio-stop");
+    let pages: Vec<(hv::Gfn, GrantRef)> = (0..8).map(|_| bad.granted(&h, false)).collect();
+    for (k, (gfn, _)) in pages.iter().enumerate() {
+        g.fill(*gfn, 0, 4096, 0x40 + k as u8).expect("fill");
+    }
+    let writes = |ids: std::ops::Range<u64>| -> Vec<RawRequest> {
+        ids.map(|id| {
+            let (_, r) = pages[(id - 1) as usize];
+            rw(BLKIF_OP_WRITE, id, 8 * id, &[seg(r, 0, 7)])
+        })
+        .collect()
+    };
+    // The crash: placed, none answered, and the dead back end holds nothing.
+    bad.send(&writes(1..5));
+    assert_eq!(back.serve(), 4);
+    back.abandon();
+    assert!(
+        bad.responses().is_empty(),
+        "a dead back end answers nothing"
+    );
+    assert_eq!(h.hv.mappings_held(&h.drv), 0, "its transfers' pages let go");
+    let mut again = resume_journaled(&h, &g, &path, &jpath);
+    assert!(again.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
+    assert!(again.disk_async());
+    assert_eq!(serve_settled(&mut again), 4, "each taken again");
+    let got: Vec<u64> = bad.responses().iter().map(|r| r.id).collect();
+    assert_eq!(got, [1, 2, 3, 4]);
+    // The clean stop: every transfer ended and answered before the hand-over returns.
+    bad.send(&writes(5..9));
+    assert_eq!(again.serve(), 4);
+    again.hand_over();
+    let rsp = bad.responses();
+    assert_eq!(rsp.iter().map(|r| r.id).collect::<Vec<_>>(), [5, 6, 7, 8]);
+    assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_OKAY), "{rsp:?}");
+    let mut third = resume_journaled(&h, &g, &path, &jpath);
+    assert_eq!(serve_settled(&mut third), 0, "nothing left to take again");
+    for id in 1..9u64 {
+        assert_eq!(
+            file_at(&path, 8 * id, 4096),
+            vec![0x40 + (id - 1) as u8; 4096],
+            "write {id}"
+        );
+    }
+    let _ = std::fs::remove_file(&jpath);
     let _ = std::fs::remove_file(&path);
 }

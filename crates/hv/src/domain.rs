@@ -53,6 +53,13 @@ impl Default for DomainConfig {
     }
 }
 
+/// An empty piece (an array's filling).
+const NO_PIECE: mem::IoPiece = mem::IoPiece::Frame {
+    mfn: Mfn(0),
+    offset: 0,
+    len: 0,
+};
+
 /// A piece of a disk transfer ([`Domain::file_io`]): bytes of a page the domain maps at
 /// a window slot (a guest's), or of one of its own pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -316,11 +323,42 @@ impl Domain {
         fd: std::os::fd::BorrowedFd<'_>,
         pos: u64,
     ) -> Result<(), DomainError> {
-        let mut at = [mem::IoPiece::Frame {
-            mfn: Mfn(0),
-            offset: 0,
-            len: 0,
-        }; mem::MAX_IO_PIECES];
+        let mut at = [NO_PIECE; mem::MAX_IO_PIECES];
+        let at = self.io_pieces(read, pieces, &mut at)?;
+        Ok(if read {
+            self.window.read_file_vectored(at, fd, pos)
+        } else {
+            self.window.write_file_vectored(at, fd, pos)
+        }?)
+    }
+
+    /// [`Domain::file_io`] through `ring`'s file, placed to end later: the transfer
+    /// holds its slots until `ring` reports it ended with `tag` ([`mem::uring`]).
+    pub fn file_io_start(
+        &self,
+        ring: &mut mem::uring::FileRing,
+        read: bool,
+        pieces: &[DiskPiece],
+        pos: u64,
+        tag: u64,
+    ) -> Result<(), DomainError> {
+        let mut at = [NO_PIECE; mem::MAX_IO_PIECES];
+        let at = self.io_pieces(read, pieces, &mut at)?;
+        Ok(if read {
+            ring.read(&self.window, at, pos, tag)
+        } else {
+            ring.write(&self.window, at, pos, tag)
+        }?)
+    }
+
+    /// Where `pieces` lie, for the window: a page of the domain's own by its frame (one
+    /// it owns, writable for a `read`).
+    fn io_pieces<'a>(
+        &self,
+        read: bool,
+        pieces: &[DiskPiece],
+        at: &'a mut [mem::IoPiece; mem::MAX_IO_PIECES],
+    ) -> Result<&'a [mem::IoPiece], DomainError> {
         if pieces.len() > at.len() {
             return Err(DomainError::Access(MemError::TooManyPieces(pieces.len())));
         }
@@ -338,12 +376,7 @@ impl Domain {
                 },
             };
         }
-        let at = &at[..pieces.len()];
-        Ok(if read {
-            self.window.read_file_vectored(at, fd, pos)
-        } else {
-            self.window.write_file_vectored(at, fd, pos)
-        }?)
+        Ok(&at[..pieces.len()])
     }
 
     /// Copies bytes of one of this domain's pages into a foreign page it maps and holds

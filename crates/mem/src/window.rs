@@ -34,9 +34,9 @@ use crate::{
 // Slot entry word: accesses in flight (a copy through the slot) in the low 12 bits,
 // holders (a `MappedPage`, a mapped ring say) in the next 12; the flags say whether a
 // frame is mapped and how.
-const INFLIGHT_ONE: u32 = 1;
+pub(crate) const INFLIGHT_ONE: u32 = 1;
 const INFLIGHT_MASK: u32 = (1 << 12) - 1;
-const HOLD_ONE: u32 = 1 << 12;
+pub(crate) const HOLD_ONE: u32 = 1 << 12;
 const HOLDS_MASK: u32 = ((1 << 12) - 1) << 12;
 const MAPPED: u32 = 1 << 28;
 const WRITABLE: u32 = 1 << 29;
@@ -115,7 +115,7 @@ impl IoPiece {
 /// `io(iovecs left, file offset)` (a `preadv` or `pwritev`) until all have moved: a
 /// short transfer goes on from where it stopped, an interrupted call is made again, the
 /// file's end is `EIO`.
-fn vectored_io(
+pub(crate) fn vectored_io(
     iov: &mut [libc::iovec],
     pos: u64,
     mut io: impl FnMut(&[libc::iovec], libc::off_t) -> isize,
@@ -152,6 +152,12 @@ fn vectored_io(
     }
     Ok(())
 }
+
+/// An iovec that covers nothing (an array's filling before use).
+pub(crate) const EMPTY_IOVEC: libc::iovec = libc::iovec {
+    iov_base: std::ptr::null_mut(),
+    iov_len: 0,
+};
 
 /// A window of `slots` page-sized slots.
 ///
@@ -635,6 +641,39 @@ impl MapWindow {
         pos: u64,
         read: bool,
     ) -> Result<(), MemError> {
+        let mut iov = [EMPTY_IOVEC; MAX_IO_PIECES];
+        self.hold_pieces(pieces, read, INFLIGHT_ONE, &mut iov)?;
+        let r = vectored_io(&mut iov[..pieces.len()], pos, |v, at| {
+            let n = v.len() as libc::c_int;
+            if read {
+                // SAFETY: each iovec covers bytes inside a mapped, held page or one of
+                // the process's frames (`hold_pieces`); the kernel writes into them as
+                // into any shared memory, and no Rust reference to them exists.
+                unsafe { libc::preadv(fd.as_raw_fd(), v.as_ptr(), n, at) }
+            } else {
+                // SAFETY: as above; the kernel only reads them.
+                unsafe { libc::pwritev(fd.as_raw_fd(), v.as_ptr(), n, at) }
+            }
+        });
+        self.release_pieces(pieces, INFLIGHT_ONE);
+        r
+    }
+
+    /// Holds every slot among `pieces` in use (none can be unmapped; a read's must be
+    /// writable) and writes where each piece's bytes lie into `iov`, until
+    /// [`MapWindow::release_pieces`]: the memory a transfer by the kernel moves. `one`
+    /// says how: as an access in flight (`INFLIGHT_ONE`: a `preadv` now, which an unmap
+    /// waits for) or as a holder (`HOLD_ONE`: an io_uring transfer that ends later,
+    /// which an unmap is refused for, as for a [`MappedPage`]). Refused whole, nothing
+    /// held, if a piece lies outside its page, a slot is not mapped so, or there are
+    /// more than [`MAX_IO_PIECES`] pieces.
+    pub(crate) fn hold_pieces(
+        &self,
+        pieces: &[IoPiece],
+        read: bool,
+        one: u32,
+        iov: &mut [libc::iovec; MAX_IO_PIECES],
+    ) -> Result<(), MemError> {
         if pieces.len() > MAX_IO_PIECES {
             return Err(MemError::TooManyPieces(pieces.len()));
         }
@@ -642,33 +681,21 @@ impl MapWindow {
             let (offset, len) = p.range();
             check_in_page(offset, len)?;
         }
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; MAX_IO_PIECES];
-        // Every slot is held in use (it cannot be unmapped) until the transfer is over.
-        let mut held = 0;
-        let mut r = Ok(());
         for (i, p) in pieces.iter().enumerate() {
             let (offset, len) = p.range();
             let base = match *p {
-                IoPiece::Slot { slot, .. } => match self.enter(slot, read, INFLIGHT_ONE) {
-                    Ok(mfn) => {
-                        held = i + 1;
-                        match self.foreign_addr(slot) {
-                            // SAFETY: the slot's page is mapped (entered above) and
-                            // `offset` lies inside it (checked above).
-                            Some(a) => Ok(unsafe { a.add(offset) }),
-                            // A frame of this machine's own: reached where it lives.
-                            None => self.mem.ptr(mfn, offset, len),
-                        }
+                IoPiece::Slot { slot, .. } => match self.enter(slot, read, one) {
+                    Ok(mfn) => match self.foreign_addr(slot) {
+                        // SAFETY: the slot's page is mapped (entered above) and
+                        // `offset` lies inside it (checked above).
+                        Some(a) => Ok(unsafe { a.add(offset) }),
+                        // A frame of this machine's own: reached where it lives.
+                        None => self.mem.ptr(mfn, offset, len),
                     }
+                    .inspect_err(|_| self.leave(slot, one)),
                     Err(e) => Err(e),
                 },
-                IoPiece::Frame { mfn, .. } => {
-                    held = i + 1;
-                    self.mem.ptr(mfn, offset, len)
-                }
+                IoPiece::Frame { mfn, .. } => self.mem.ptr(mfn, offset, len),
             };
             match base {
                 Ok(b) => {
@@ -678,31 +705,21 @@ impl MapWindow {
                     }
                 }
                 Err(e) => {
-                    r = Err(e);
-                    break;
+                    self.release_pieces(&pieces[..i], one);
+                    return Err(e);
                 }
             }
         }
-        if r.is_ok() {
-            r = vectored_io(&mut iov[..pieces.len()], pos, |v, at| {
-                let n = v.len() as libc::c_int;
-                if read {
-                    // SAFETY: each iovec covers bytes inside a mapped, held page or one of
-                    // the process's frames (checked above); the kernel writes into them
-                    // as into any shared memory, and no Rust reference to them exists.
-                    unsafe { libc::preadv(fd.as_raw_fd(), v.as_ptr(), n, at) }
-                } else {
-                    // SAFETY: as above; the kernel only reads them.
-                    unsafe { libc::pwritev(fd.as_raw_fd(), v.as_ptr(), n, at) }
-                }
-            });
-        }
-        for p in &pieces[..held] {
+        Ok(())
+    }
+
+    /// Lets go of the slots [`MapWindow::hold_pieces`] held for `pieces`.
+    pub(crate) fn release_pieces(&self, pieces: &[IoPiece], one: u32) {
+        for p in pieces {
             if let IoPiece::Slot { slot, .. } = *p {
-                self.leave(slot, INFLIGHT_ONE);
+                self.leave(slot, one);
             }
         }
-        r
     }
 
     /// Holds the page at `slot` for repeated access (a mapped ring, say) until dropped;

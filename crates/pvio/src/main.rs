@@ -106,6 +106,10 @@ enum Command {
         /// thread that routes the event channels), at least one, at most 4.
         #[arg(long, default_value_t = 0)]
         cpus: usize,
+        /// Move each vbd's bytes synchronously, one request at a time on its pCPU,
+        /// instead of through an io_uring of each queue's own (up to 32 in flight).
+        #[arg(long)]
+        sync_disk: bool,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -820,6 +824,7 @@ fn main() -> ExitCode {
             max_vbds,
             close,
             cpus,
+            sync_disk,
         } => backend(&backend::Options {
             domid,
             hotplug: match hotplug {
@@ -833,6 +838,7 @@ fn main() -> ExitCode {
             max_vbds,
             close,
             cpus,
+            sync_disk,
         }),
         Command::Up {
             outside_ns,
