@@ -404,12 +404,17 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
     b.log.line(&format!(
-        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle})",
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle}); disk I/O {}",
         me.0,
         if hotplug {
             "pvio"
         } else {
             "the hotplug scripts"
+        },
+        if opts.sync_disk {
+            "synchronous (--sync-disk)"
+        } else {
+            "through io_uring"
         }
     ));
     let mut last_scan = Instant::now() - RESCAN;
