@@ -13,6 +13,7 @@
 #                   and disk are served by dom0's Linux back ends; round 3 restarts it
 #                   twice there
 #   DOMU_VCPUS=N    the domU's vCPUs (1; blkfront takes one queue a vCPU)
+#   PVIO_ARGS=...   more options for `pvio backend` in dom0 (--sync-disk, say)
 #
 # usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
 # Needs root (debootstrap, for the cached images). Minutes per boot: TCG is slow.
@@ -34,6 +35,7 @@ mkdir -p "$ex/x"
 cp "$here/dom0-run" "$ex/x/run-dom0"
 cp "$here/payload-server.py" "$ex/x/payload-server.py"
 echo "$backend" >"$ex/x/backend"
+echo "${PVIO_ARGS:-}" >"$ex/x/pvio-args"
 # The domU's vCPUs (dom0-run says why one by default).
 echo "${DOMU_VCPUS:-1}" >"$ex/x/domu-vcpus"
 stage="$ex/plan"
