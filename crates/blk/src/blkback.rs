@@ -1305,6 +1305,11 @@ impl<X: Xen> Blkback<X> {
         let Some(a) = self.aio.as_mut() else {
             return;
         };
+        if a.ring.in_flight() == 0 {
+            // Nothing to reap (and no read of the ring's event counter to clear it: a
+            // wake it leaves costs one step that finds nothing).
+            return;
+        }
         let Self { stats, .. } = self;
         let head = a.head;
         let order = &mut a.order;
