@@ -14,6 +14,7 @@
 #                   twice there
 #   DOMU_VCPUS=N    the domU's vCPUs (1; blkfront takes one queue a vCPU)
 #   PVIO_ARGS=...   more options for `pvio backend` in dom0 (--sync-disk, say)
+#   QEMU_CPU=...    the emulated CPU (default below)
 #
 # usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
 # Needs root (debootstrap, for the cached images). Minutes per boot: TCG is slow.
@@ -92,7 +93,7 @@ rm -f "$out/console.log"
 "$here/stall-watch" "$out/console.log" "$ex/serial.sock" "$ex/monitor.sock" "${STALL_S:-240}" &
 watch_pid=$!
 timeout "$timeout_s" qemu-system-x86_64 \
-    -accel tcg,thread=$tcg -cpu max,-smap,-pku,-la57,-avx,-avx2,-fma,-f16c -smp 2 -m 3G \
+    -accel tcg,thread=$tcg -cpu "${QEMU_CPU:-max,-smap,-pku,-la57,-avx,-avx2,-fma,-f16c}" -smp 2 -m 3G \
     -display none -no-reboot \
     -chardev "socket,id=con,path=$ex/serial.sock,server=on,wait=off,logfile=$out/console.log,logappend=on" \
     -serial chardev:con -monitor "unix:$ex/monitor.sock,server=on,wait=off" \

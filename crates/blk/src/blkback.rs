@@ -1213,6 +1213,16 @@ impl<X: Xen> Blkback<X> {
     /// the ring looked at again): a serve that stopped at its budget just as the ring
     /// emptied had not asked, and a front end posting after it would not have notified.
     pub fn pending(&mut self) -> bool {
+        if let Some(a) = self.aio.as_mut() {
+            if a.ring.queued() > 0 {
+                // Transfers the kernel did not take: handed over again now, and while it
+                // still does not take them, at the next step.
+                let _ = a.ring.submit();
+                if a.ring.queued() > 0 {
+                    return self.broken.is_none();
+                }
+            }
+        }
         self.broken.is_none()
             && self.aio.as_ref().is_none_or(|a| a.room() > 0)
             && self
@@ -1286,11 +1296,9 @@ impl<X: Xen> Blkback<X> {
         if let Some(a) = self.aio.as_mut() {
             // Every transfer placed in the pass, in one call.
             let before = a.ring.enters();
-            if a.ring.submit().is_err() {
-                // Nothing the kernel takes: each placed transfer fails (as the disk
-                // failing), and the ring goes on.
-                a.ring.wait_all(|_| {});
-            }
+            // What the kernel does not take now stays queued, handed over again at the
+            // next step (`pending` says there is one to come).
+            let _ = a.ring.submit();
             self.stats.disk_enters += a.ring.enters() - before;
             self.retire()?;
         } else if n > 0 {

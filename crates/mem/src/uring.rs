@@ -260,19 +260,25 @@ impl FileRing {
         loop {
             self.enters += 1;
             match self.ring.submit() {
-                Ok(_) => {
-                    self.queued = 0;
+                Ok(n) => {
+                    // What the kernel did not take yet stays queued for the next enter.
+                    self.queued -= n.min(self.queued);
                     return Ok(());
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                    // The completion queue is full: reaped by the caller's next
-                    // `complete`, which submits again.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
+                    // The completion queue is full, or the kernel is short of memory for
+                    // a moment: handed over by the caller's next `submit` or `complete`.
                     return Ok(());
                 }
                 Err(e) => return Err(os(e)),
             }
         }
+    }
+
+    /// Transfers placed and not yet handed to the kernel.
+    pub fn queued(&self) -> usize {
+        self.queued
     }
 
     /// Reaps the completions posted, calling `done` for each transfer that has ended;
