@@ -68,6 +68,12 @@ pvio-drvdom)
     install -m 0755 "$here/drvdom-plan" "$drv/plan"
     strip -o "$drv/bin/pvio" "${PVIO_BIN:-$repo/target/release/pvio}"
     (cd "$drv" && find . -print0 | cpio --null -o -H newc --quiet | gzip -9) >"$ex/x/drvdom-plan.cpio.gz"
+    # Round 5's toolstack step: a domain created under a chosen id (libxl can, xl 4.17
+    # cannot), built here against Debian 12's libxl, the same as dom0's.
+    if ! command -v gcc >/dev/null || [ ! -e /usr/include/libxl.h ]; then
+        apt-get install -y gcc libxen-dev >&2
+    fi
+    gcc -O2 -Wall -o "$ex/x/create-domid" "$here/create-domid.c" -lxenlight -lxentoollog
     ;;
 esac
 # The exchange disk: dom0 mounts it, runs run-dom0 and leaves its results on it.
@@ -126,12 +132,15 @@ log="$out/x/out/dom0.log"
 sha() { sed -n "s/.*sha $1 \([0-9a-f]*\).*/\1/p" "$log" | head -n1; }
 {
     grep -a "pvio-check" "$log" | sed 's/^.*pvio-check /pvio-check /'
-    for dir in up down restart; do
+    for dir in up down restart drvdom-restart; do
         case "$dir" in
         up) a=$(sha up-sent); b=$(sha up-received) ;;
         down) a=$(sha down-sent); b=$(sha down-received) ;;
         # Only BACKEND=pvio runs the restart round, and its paced stream.
         restart) [[ "$backend" == pvio* ]] || continue; a=$(sha slow-sent); b=$(sha slow-received) ;;
+        # Round 5 (a driver domain's run): the same stream across the driver domain's
+        # destruction and creation.
+        drvdom-restart) [[ "$backend" == pvio-drvdom ]] || continue; a=$(sha slow-sent); b=$(sha slow5-received) ;;
         esac
         if [[ -n "$a" && "$a" == "$b" ]]; then
             echo "pvio-check payload-$dir ok sha256 $a at both ends"

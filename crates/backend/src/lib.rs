@@ -78,6 +78,20 @@ pub enum Hotplug {
     Scripts,
 }
 
+/// Whether a vbd's disk is reached through this domain's page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DiskCache {
+    /// Direct in a driver domain, cached in dom0. A driver domain's page cache dies with
+    /// the domain (destroyed, crashed, created again): a write answered from it would be
+    /// lost after the guest was told it was written. dom0's outlives every back end.
+    #[default]
+    Auto,
+    /// `O_DIRECT`: a write answered has reached the disk's own queue.
+    Direct,
+    /// Through the page cache (a guest's flush writes it out).
+    Cached,
+}
+
 /// How to run.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -112,6 +126,8 @@ pub struct Options {
     /// instead of through an io_uring of each queue's own ([`Blkback::disk_async`]):
     /// for a kernel that refuses io_uring, or to compare.
     pub sync_disk: bool,
+    /// Whether each vbd's disk is opened `O_DIRECT` ([`DiskCache`]).
+    pub disk_cache: DiskCache,
 }
 
 /// pCPUs the devices run on unless told otherwise: at most this many.
@@ -307,6 +323,8 @@ struct Backend {
     close: bool,
     /// Each vbd queue moves its disk's bytes synchronously (`--sync-disk`).
     sync_disk: bool,
+    /// Each vbd's disk opened `O_DIRECT` (`--disk-cache`; by default outside dom0).
+    direct_disk: bool,
     /// The pCPUs the vbd queues run on.
     sched: Arc<Scheduler>,
     /// Each pCPU's pages its vbd queues copy segments through (none: they map them):
@@ -378,6 +396,11 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         ),
         None => Box::new(std::io::stderr()),
     };
+    let direct_disk = match opts.disk_cache {
+        DiskCache::Auto => me != DomId(0),
+        DiskCache::Direct => true,
+        DiskCache::Cached => false,
+    };
     let mut b = Backend {
         xen,
         me,
@@ -394,6 +417,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         log: Log::new(out, LOG_LIMIT),
         close: opts.close,
         sync_disk: opts.sync_disk,
+        direct_disk,
         hotplug,
         metrics: opts
             .metrics
@@ -404,7 +428,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
     b.log.line(&format!(
-        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle}); disk I/O {}",
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle}); disk I/O {}, {}",
         me.0,
         if hotplug {
             "pvio"
@@ -415,6 +439,11 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
             "synchronous (--sync-disk)"
         } else {
             "through io_uring"
+        },
+        if direct_disk {
+            "direct (O_DIRECT: no page cache here)"
+        } else {
+            "through this domain's page cache"
         }
     ));
     let mut last_scan = Instant::now() - RESCAN;
@@ -743,8 +772,15 @@ impl Backend {
         let ro = store
             .read(self.me, &format!("{bdir}/mode"))
             .is_ok_and(|m| m == "r");
-        FileDisk::open(std::path::Path::new(&path), ro)
-            .map(|d| (d, path.clone()))
+        let p = std::path::Path::new(&path);
+        // A file system that refuses O_DIRECT (tmpfs): through the page cache, and said
+        // by the caller (`FileDisk::direct`).
+        let disk = if self.direct_disk {
+            FileDisk::open_with(p, ro, true).or_else(|_| FileDisk::open_with(p, ro, false))
+        } else {
+            FileDisk::open_with(p, ro, false)
+        };
+        disk.map(|d| (d, path.clone()))
             .map_err(|e| format!("{path}: {e}"))
     }
 
@@ -1062,11 +1098,20 @@ impl Backend {
         let xen = Arc::clone(&self.xen);
         // The journals the back end before recorded in, if it left them.
         let journals = resume.then(|| (0..blkback::MAX_QUEUES).map(journal).collect());
+        let direct = self.direct_disk;
+        let mut cached = false;
         let r = self.open_disk(fe, devid).and_then(|(disk, path)| {
+            cached = direct && !disk.direct();
             Blkback::connect_queues(xen, fe, devid, slot_base, disk, journals)
                 .map(|b| (b, path))
                 .map_err(|e| e.to_string())
         });
+        if cached {
+            self.log.line(&format!(
+                "vbd {}/{devid}: its disk refuses O_DIRECT: through this domain's page cache",
+                fe.0
+            ));
+        }
         let Some(d) = self.vbds.get_mut(&key) else {
             return;
         };
@@ -1539,6 +1584,7 @@ mod tests {
                 close: false,
                 cpus: 0,
                 sync_disk: false,
+                disk_cache: DiskCache::Auto,
             },
             &stop,
         )

@@ -69,8 +69,10 @@ pub struct FileDisk {
     /// `physical-sector-size`.
     physical_sector_size: u32,
     read_only: bool,
-    /// Zeros for discards, allocated once.
+    /// Zeros for discards, allocated once, with room to start them on a page boundary.
     zeros: Box<[u8]>,
+    /// Opened `O_DIRECT`: no page cache of this domain between a write and the disk.
+    direct: bool,
 }
 
 fn read_only() -> io::Error {
@@ -110,8 +112,24 @@ impl FileDisk {
     /// sectors is the disk's (a block device's metadata says 0 bytes: its end is
     /// found by seeking there).
     pub fn open(path: &Path, read_only: bool) -> io::Result<Self> {
+        Self::open_with(path, read_only, false)
+    }
+
+    /// [`FileDisk::open`], and `direct`: with `O_DIRECT`, so that a write answered has
+    /// left this domain's memory for the disk. A driver domain's page cache dies with the
+    /// domain: a write answered from it, and then lost, would be reported written to a
+    /// guest whose next flush the next back end answers. Every transfer through a
+    /// vbd lands in whole sectors of page-aligned pages, as `O_DIRECT` asks. Fails where
+    /// the file system refuses `O_DIRECT` (tmpfs): the caller opens it cached instead.
+    pub fn open_with(path: &Path, read_only: bool, direct: bool) -> io::Result<Self> {
         use std::io::Seek;
-        let mut file = OpenOptions::new().read(true).write(!read_only).open(path)?;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(!read_only);
+        if direct {
+            opts.custom_flags(mem::file::O_DIRECT);
+        }
+        let mut file = opts.open(path)?;
         let sectors = file.seek(io::SeekFrom::End(0))? / SECTOR_SIZE;
         let physical_sector_size = mem::file::physical_block_size(&file)?;
         Ok(Self {
@@ -119,7 +137,8 @@ impl FileDisk {
             sectors,
             physical_sector_size,
             read_only,
-            zeros: vec![0u8; ZEROS].into_boxed_slice(),
+            zeros: vec![0u8; ZEROS + mem::PAGE_SIZE].into_boxed_slice(),
+            direct,
         })
     }
 
@@ -131,6 +150,7 @@ impl FileDisk {
             physical_sector_size: self.physical_sector_size,
             read_only: self.read_only,
             zeros: vec![0u8; self.zeros.len()].into_boxed_slice(),
+            direct: self.direct,
         })
     }
 
@@ -143,6 +163,18 @@ impl FileDisk {
     /// block device's physical block, or the file system's block for a file.
     pub fn physical_sector_size(&self) -> u32 {
         self.physical_sector_size
+    }
+
+    /// Whether it was opened `O_DIRECT` ([`FileDisk::open_with`]).
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Zeros to write, starting on a page boundary (`O_DIRECT` asks for aligned memory).
+    fn zeros(&self) -> &[u8] {
+        let skew = self.zeros.as_ptr() as usize % mem::PAGE_SIZE;
+        let at = (mem::PAGE_SIZE - skew) % mem::PAGE_SIZE;
+        &self.zeros[at..at + ZEROS]
     }
 
     /// Whether it takes no writes.
@@ -247,7 +279,7 @@ impl FileDisk {
         let end = off + len;
         while off < end {
             let n = (end - off).min(ZEROS as u64) as usize;
-            self.file.write_all_at(&self.zeros[..n], off)?;
+            self.file.write_all_at(&self.zeros()[..n], off)?;
             off += n as u64;
         }
         Ok(())
@@ -295,6 +327,17 @@ mod tests {
     /// Issue 39: a discard deallocates its range (a hole, one call) rather than writing
     /// zeros over it, so a discard of a whole disk does not stall the back end; what
     /// is read back is zeros either way, and the sectors around it are untouched.
+    #[test]
+    fn the_zeros_a_discard_writes_start_on_a_page_as_o_direct_asks() {
+        let p = file("zeros", 8);
+        let d = FileDisk::open(&p, false).expect("disk");
+        assert_eq!(d.zeros().as_ptr() as usize % mem::PAGE_SIZE, 0);
+        assert_eq!(d.zeros().len(), ZEROS);
+        assert!(d.zeros().iter().all(|&b| b == 0));
+        assert!(!d.direct());
+        let _ = std::fs::remove_file(&p);
+    }
+
     #[test]
     fn a_discard_punches_a_hole_and_reads_back_zeros() {
         use std::os::unix::fs::MetadataExt;

@@ -4,6 +4,10 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 
+/// `open(2)`'s flag for I/O that bypasses this kernel's page cache, straight between the
+/// caller's (aligned) memory and the device (`OpenOptionsExt::custom_flags`).
+pub const O_DIRECT: i32 = libc::O_DIRECT;
+
 /// Deallocates `len` bytes of `file` from `offset` on, keeping its size: they read as
 /// zeros afterwards (`fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)`, what a
 /// discard on a loop device does to its file). One call whatever the length, so a

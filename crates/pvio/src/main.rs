@@ -110,6 +110,10 @@ enum Command {
         /// instead of through an io_uring of each queue's own (up to 32 in flight).
         #[arg(long)]
         sync_disk: bool,
+        /// Whether each vbd's disk is reached through this domain's page cache: direct
+        /// (O_DIRECT) in a driver domain, whose cache dies with it, cached in dom0.
+        #[arg(long, value_enum, default_value_t = DiskCacheArg::Auto)]
+        disk_cache: DiskCacheArg,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -252,6 +256,17 @@ enum Command {
         #[arg(long)]
         port: u16,
     },
+}
+
+/// Whether `pvio backend` reaches a vbd's disk through the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DiskCacheArg {
+    /// Direct outside dom0, cached in dom0.
+    Auto,
+    /// O_DIRECT.
+    Direct,
+    /// Through the page cache.
+    Cached,
 }
 
 /// Who does `pvio backend`'s vif hotplug work.
@@ -825,6 +840,7 @@ fn main() -> ExitCode {
             close,
             cpus,
             sync_disk,
+            disk_cache,
         } => backend(&backend::Options {
             domid,
             hotplug: match hotplug {
@@ -839,6 +855,11 @@ fn main() -> ExitCode {
             close,
             cpus,
             sync_disk,
+            disk_cache: match disk_cache {
+                DiskCacheArg::Auto => backend::DiskCache::Auto,
+                DiskCacheArg::Direct => backend::DiskCache::Direct,
+                DiskCacheArg::Cached => backend::DiskCache::Cached,
+            },
         }),
         Command::Up {
             outside_ns,
