@@ -10,6 +10,12 @@
  * The interop run's dom0 builds it against Debian's libxen-dev (run.sh) and runs it in
  * its fifth round (dom0-run). It retries while the id is still held by the domain
  * destroyed before (a dying domain keeps its id until every page is let go).
+ *
+ * libxl also refuses an id destroyed in the last minute ("domain id recently used"): it
+ * keeps a history of them (XEN_RUN_DIR/domid-history, one "seconds domid" line each) so
+ * that nothing that still names the old domain mistakes a new one for it. Here that is
+ * the point: the guests name the old driver domain, and the new one is to take its place.
+ * So the id asked for is taken out of the history, and no other.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -47,6 +53,33 @@ static char *slurp(const char *path)
     return buf;
 }
 
+/* Takes `domid` out of libxl's history of recently destroyed ids (see above). */
+static void forget_recent(uint32_t domid)
+{
+    static const char *paths[] = {"/run/xen/domid-history", "/var/run/xen/domid-history"};
+
+    for (size_t p = 0; p < sizeof(paths) / sizeof(paths[0]); p++) {
+        char *all = slurp(paths[p]);
+        if (!all)
+            continue;
+        FILE *f = fopen(paths[p], "w");
+        if (!f) {
+            free(all);
+            continue;
+        }
+        for (char *line = strtok(all, "\n"); line; line = strtok(NULL, "\n")) {
+            unsigned long sec;
+            unsigned int id;
+            if (sscanf(line, "%lu %u", &sec, &id) == 2 && id == domid)
+                continue;
+            fprintf(f, "%s\n", line);
+        }
+        fclose(f);
+        free(all);
+        return;
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -81,6 +114,7 @@ int main(int argc, char **argv)
             break;
         }
         cfg.c_info.domid = (uint32_t)want;
+        forget_recent((uint32_t)want);
         uint32_t domid = INVALID_DOMID;
         rc = libxl_domain_create_new(ctx, &cfg, &domid, NULL, NULL);
         libxl_domain_config_dispose(&cfg);
