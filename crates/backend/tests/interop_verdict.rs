@@ -137,6 +137,9 @@ fn a_driver_domain_run_must_show_its_driver_domain_serving() {
         "payload-drvdom-restart",
     ] {
         let (ok, out) = verdict("pvio-drvdom", &without(&format!("pvio-check {name} ")));
-        assert!(!ok && out.contains(&format!("{name}: 0 ok")), "{name}: {out}");
+        assert!(
+            !ok && out.contains(&format!("{name}: 0 ok")),
+            "{name}: {out}"
+        );
     }
 }
