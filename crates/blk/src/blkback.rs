@@ -251,6 +251,18 @@ impl Aio {
     fn next_tag(&self) -> u64 {
         self.head + self.order.len() as u64
     }
+
+    /// Takes the transfers that ended (all of them, waiting, if `wait`): each one's
+    /// request gets its answer, counted in `stats`.
+    fn reap(&mut self, stats: &mut VbdStats, wait: bool) {
+        let (head, order) = (self.head, &mut self.order);
+        let mark = |c| mark(order, head, c, stats);
+        if wait {
+            self.ring.wait_all(mark);
+        } else {
+            self.ring.complete(mark);
+        }
+    }
 }
 
 /// Hands a judged request to a remote disk's initiator under a free in-flight slot:
@@ -1318,10 +1330,7 @@ impl<X: Xen> Blkback<X> {
             // wake it leaves costs one step that finds nothing).
             return;
         }
-        let Self { stats, .. } = self;
-        let head = a.head;
-        let order = &mut a.order;
-        a.ring.complete(|c| mark(order, head, c, stats));
+        a.reap(&mut self.stats, false);
         if let Err(e) = self.retire() {
             self.protocol_break(e);
         }
@@ -1353,13 +1362,9 @@ impl<X: Xen> Blkback<X> {
     /// Waits for every disk transfer in flight to end and takes each: what a device
     /// that is let go does first, since the kernel writes into its pages until then.
     fn settle_disk(&mut self) {
-        let Some(a) = self.aio.as_mut() else {
-            return;
-        };
-        let Self { stats, .. } = self;
-        let head = a.head;
-        let order = &mut a.order;
-        a.ring.wait_all(|c| mark(order, head, c, stats));
+        if let Some(a) = self.aio.as_mut() {
+            a.reap(&mut self.stats, true);
+        }
     }
 
     /// Judges one copied request and carries it out; its status, or none if it went
@@ -1410,25 +1415,22 @@ impl<X: Xen> Blkback<X> {
                 },
                 Err(f) => Err(f),
             },
-            Request::Flush { .. } => match &mut self.store {
-                Store::File(_) if self.aio.is_some() => match self.aio.as_mut() {
-                    Some(a) => {
-                        let tag = a.next_tag();
-                        a.ring.sync(tag).map_err(|_| Failed::Io).map(|()| {
-                            a.placed = Some(Moved::Flush);
-                            Outcome::Pending
-                        })
-                    }
-                    None => Err(Failed::Io),
-                },
-                Store::File(disk) => {
+            Request::Flush { .. } => match (&mut self.store, self.aio.as_mut()) {
+                (Store::File(_), Some(a)) => {
+                    let tag = a.next_tag();
+                    a.ring.sync(tag).map_err(|_| Failed::Io).map(|()| {
+                        a.placed = Some(Moved::Flush);
+                        Outcome::Pending
+                    })
+                }
+                (Store::File(disk), None) => {
                     let _d = enter(Class::Disk);
                     disk.flush().map_err(|_| Failed::Io).map(|()| {
                         self.stats.flushes += 1;
                         Outcome::Done
                     })
                 }
-                Store::Remote(r) => {
+                (Store::Remote(r), _) => {
                     self.segs.clear();
                     remote_submit(r, raw, false, 0, &[], &[]).map(|()| Outcome::Pending)
                 }

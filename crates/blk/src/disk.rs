@@ -324,9 +324,6 @@ mod tests {
         let _ = std::fs::remove_file(&p);
     }
 
-    /// Issue 39: a discard deallocates its range (a hole, one call) rather than writing
-    /// zeros over it, so a discard of a whole disk does not stall the back end; what
-    /// is read back is zeros either way, and the sectors around it are untouched.
     #[test]
     fn the_zeros_a_discard_writes_start_on_a_page_as_o_direct_asks() {
         let p = file("zeros", 8);
@@ -338,6 +335,9 @@ mod tests {
         let _ = std::fs::remove_file(&p);
     }
 
+    /// Issue 39: a discard deallocates its range (a hole, one call) rather than writing
+    /// zeros over it, so a discard of a whole disk does not stall the back end; what
+    /// is read back is zeros either way, and the sectors around it are untouched.
     #[test]
     fn a_discard_punches_a_hole_and_reads_back_zeros() {
         use std::os::unix::fs::MetadataExt;

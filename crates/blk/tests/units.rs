@@ -48,6 +48,19 @@ impl Unit for Logged {
     }
 }
 
+/// A scheduler of one pCPU that sleeps when idle: what runs there, runs in turn.
+fn one_pcpu() -> Arc<Scheduler> {
+    Scheduler::new(
+        &CpuPlan {
+            cores: vec![None],
+            policy: IdlePolicy::Block,
+            own_policy: Vec::new(),
+        },
+        None,
+    )
+    .expect("scheduler")
+}
+
 /// Waits (at most ten seconds) until `front` has `n` responses, gathering them.
 fn responses(front: &mut Hostile, n: usize, got: &mut Vec<blk::blkif::Response>) {
     let t0 = Instant::now();
@@ -119,15 +132,7 @@ fn a_flooding_guest_holds_a_shared_pcpu_for_one_budget_at_a_time() {
     bf.set_budget(1);
     let bq = connect(&gq, 1, dq);
 
-    let sched = Scheduler::new(
-        &CpuPlan {
-            cores: vec![None],
-            policy: IdlePolicy::Block,
-            own_policy: Vec::new(),
-        },
-        None,
-    )
-    .expect("scheduler");
+    let sched = one_pcpu();
     let log: Log = Arc::default();
     let place = |name: &'static str, back| {
         let log = Arc::clone(&log);
@@ -286,15 +291,7 @@ fn a_queue_whose_disk_is_asynchronous_is_woken_by_the_disk_and_answers_every_req
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     assert!(back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
     assert!(back.disk_async(), "io_uring taken");
-    let sched = Scheduler::new(
-        &CpuPlan {
-            cores: vec![None],
-            policy: IdlePolicy::Block,
-            own_policy: Vec::new(),
-        },
-        None,
-    )
-    .expect("scheduler");
+    let sched = one_pcpu();
     let q = Queue::place(&sched, 0, "aio", back).expect("placed");
     let pages: Vec<_> = (0..8).map(|_| front.granted(&h, false)).collect();
     let mut got = Vec::new();

@@ -894,11 +894,29 @@ struct Journaled {
 }
 
 fn journaled(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
+    journaled_as(h, g, name, false)
+}
+
+/// [`journaled`], and `served`: as `pvio backend` serves a vbd, the front end taking
+/// persistent grants, other segments copied through the back end's pages, and the
+/// disk's bytes moving through an io_uring.
+fn journaled_as(h: &Host, g: &Arc<Domain>, name: &str, served: bool) -> Journaled {
     let path = backing(name);
-    let disk = h.offer(g, 51712, &path, false, false);
+    let disk = h.offer(g, 51712, &path, false, served);
     let bad = Hostile::connect(h, g, 51712);
+    if served {
+        let fdir = xenbus::frontend_dir(g.id(), 51712);
+        h.hv.store()
+            .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
+            .expect("key");
+    }
     let mut back =
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
+    if served {
+        assert!(back.persistent());
+        assert!(back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
+        assert!(back.disk_async(), "io_uring taken");
+    }
     let jpath = std::env::temp_dir().join(format!("pvio-vbd-{name}-j-{}", std::process::id()));
     let _ = std::fs::remove_file(&jpath);
     assert!(back
@@ -1170,36 +1188,6 @@ fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
     let _ = std::fs::remove_file(&path);
 }
 
-/// [`journaled`], served as `pvio backend` serves a vbd: the front end takes persistent
-/// grants, other segments are copied through the back end's pages, and the disk's
-/// bytes move through an io_uring.
-fn journaled_async(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
-    let fdir = xenbus::frontend_dir(g.id(), 51712);
-    let path = backing(name);
-    let disk = h.offer(g, 51712, &path, false, true);
-    let bad = Hostile::connect(h, g, 51712);
-    h.hv.store()
-        .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
-        .expect("key");
-    let mut back =
-        Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
-    assert!(back.persistent());
-    assert!(back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
-    assert!(back.disk_async(), "io_uring taken");
-    let jpath = std::env::temp_dir().join(format!("pvio-vbd-{name}-j-{}", std::process::id()));
-    let _ = std::fs::remove_file(&jpath);
-    assert!(back
-        .set_journal(mem::journal::Journal::open(&jpath, blkback::JOURNAL_LEN).expect("journal")));
-    let (_, r) = bad.granted(h, false);
-    Journaled {
-        bad,
-        back,
-        path,
-        jpath,
-        r,
-    }
-}
-
 /// With the disk's bytes moving asynchronously, requests the disk ends in any order are
 /// answered in the order they were taken (what a back end that takes the ring over
 /// after a crash relies on), each once, refusals and flushes among them.
@@ -1213,7 +1201,7 @@ fn asynchronous_disk_io_answers_every_request_once_in_the_order_taken() {
         path,
         jpath,
         r: r0,
-    } = journaled_async(&h, &g, "aio-order");
+    } = journaled_as(&h, &g, "aio-order", true);
     let pages: Vec<(hv::Gfn, GrantRef)> = (0..3).map(|_| bad.granted(&h, false)).collect();
     for (k, (gfn, _)) in pages.iter().enumerate() {
         g.fill(*gfn, 0, 4096, 0x10 + k as u8).expect("fill");
@@ -1271,7 +1259,7 @@ fn a_stop_or_a_crash_with_disk_transfers_in_flight_loses_no_request_and_answers_
         path,
         jpath,
         ..
-    } = journaled_async(&h, &g, "aio-stop");
+    } = journaled_as(&h, &g, "aio-stop", true);
     let pages: Vec<(hv::Gfn, GrantRef)> = (0..8).map(|_| bad.granted(&h, false)).collect();
     for (k, (gfn, _)) in pages.iter().enumerate() {
         g.fill(*gfn, 0, 4096, 0x40 + k as u8).expect("fill");
