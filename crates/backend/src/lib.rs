@@ -3,11 +3,12 @@
 //!
 //! The back ends are the lab's own ([`net::netback::Vif`], [`blk::blkback::Blkback`]),
 //! over [`hv::xen::Dom0`]: grants through `/dev/xen/gntdev`, event channels through
-//! `/dev/xen/evtchn`, the store through xenstored. The main thread watches the store and
-//! reads the ports that fired; each connected vif (its queues and its interface, `vif`)
-//! and each vbd queue ([`blk::unit`]) is a unit of pvio's own scheduler on pCPU threads
-//! of the back end's ([`Options::cpus`]), woken by its port (a vif also by its
-//! interface), each step bounded by its budgets. A disk's system calls hold only the
+//! `/dev/xen/evtchn`, the store through xenstored. The main thread watches the store;
+//! each connected vif (its queues and its interface, `vif`) and each vbd queue
+//! ([`blk::unit`]) is a unit of pvio's own scheduler on pCPU threads of the back end's
+//! ([`Options::cpus`]), woken by its port (a vif also by its interface), each step
+//! bounded by its budgets. The ports that fired are read on pCPU 0 by a unit of its own
+//! (`upcall`), which wakes each port's unit there. A disk's system calls hold only the
 //! pCPU they run on: never the store, or a device on another pCPU.
 //!
 //! **How a device reaches it.** `xl` writes a vif's or a vbd's back-end directory under
@@ -29,7 +30,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,7 +46,9 @@ use mem::poll::PollFd;
 use net::netback::{self, Vif, VIF_WINDOW_SLOTS};
 use net::skb::SkbPool;
 
+mod upcall;
 mod vif;
+use upcall::{Route, Upcall};
 use vif::{NetUnit, Pool};
 
 /// vifs one process serves at once unless told otherwise ([`Options::max_vifs`]).
@@ -145,10 +147,12 @@ pub fn default_cpus(cores: usize) -> usize {
 /// vCPU, dom0's under the interop run) it sleeps at once ([`idle_policy`]).
 const HALT_POLL: IdlePolicy = IdlePolicy::AdaptiveHaltPoll(HALT_POLL_DEFAULT);
 
-/// The pCPUs' idle policy for `cpus` pCPUs on a domain of `cores` cores. A unit's
-/// wake-up comes from the main thread, which reads the event channels: a pCPU that
-/// spins on the main thread's only core holds off the very wake-up it waits for, until
-/// the host's scheduler preempts it, so it halt-polls only when a core is left over.
+/// The pCPUs' idle policy for `cpus` pCPUs on a domain of `cores` cores. A pCPU that
+/// spins on a core the domain has no other of holds off every thread its devices' work
+/// passes through (the store's, the kernel's bridge and loop-device threads, the
+/// guests' own traffic ends in dom0), until the host's scheduler preempts it, so it
+/// halt-polls only when a core is left over. (Before the upcall ran on pCPU 0 it held
+/// off its own wake-ups too: the main thread read the event channels.)
 pub fn idle_policy(cpus: usize, cores: usize) -> IdlePolicy {
     if cores > cpus {
         HALT_POLL
@@ -193,6 +197,12 @@ pub struct Counts {
     /// Packet-buffer release tokens a vif's unit found that named another vif (none is
     /// expected: every packet is copied, no buffer holds a guest's page).
     pub stray_tokens: u64,
+    /// Event-channel ports read as they fired (a guest's notifications).
+    pub events: u64,
+    /// Ports that fired while no unit was routed (a device connecting or going).
+    pub events_unrouted: u64,
+    /// Reads or unmasks of the event-channel device that failed.
+    pub event_errors: u64,
 }
 
 type X = Arc<Dom0>;
@@ -327,6 +337,8 @@ struct Backend {
     direct_disk: bool,
     /// The pCPUs the vbd queues run on.
     sched: Arc<Scheduler>,
+    /// Reads the event channels on pCPU 0 and wakes each port's unit (taken at stop).
+    upcall: Option<Upcall>,
     /// Each pCPU's pages its vbd queues copy segments through (none: they map them):
     /// one request at a time runs on a pCPU, so its queues never wait for them.
     bounces: Vec<Option<Bounce>>,
@@ -385,6 +397,10 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         .collect::<Result<Vec<_>, _>>()?;
     let idle = idle_policy(cpus, mem::cpu::online_cores());
     let sched = Scheduler::new(&CpuPlan::first(cpus, idle), None)?;
+    // Read only when it is readable, by the upcall on a pCPU ([`upcall`]).
+    xen.evtchn().set_nonblocking()?;
+    let upcall = Upcall::place(&sched, 0, Arc::clone(&xen))
+        .map_err(|e| Error::Open(std::io::Error::other(format!("placing the upcall: {e}"))))?;
     let bounces = (0..cpus).map(|_| Bounce::new(xen.domain())).collect();
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
         // Appended to: the process before this one (a restart) keeps its lines.
@@ -409,8 +425,9 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         vbds: BTreeMap::new(),
         refused: BTreeSet::new(),
         sched,
+        upcall: Some(upcall),
         bounces,
-        fds: Vec::with_capacity(2),
+        fds: Vec::with_capacity(1),
         max_vifs,
         max_vbds,
         counts: Counts::default(),
@@ -464,39 +481,41 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
 }
 
 impl Backend {
-    /// Waits for an event channel or a store message (a vif's interface is its unit's
-    /// line, watched by its pCPU).
+    /// Waits for a store message (the event channels are the upcall's, on pCPU 0; a vif's
+    /// interface is its unit's line, watched by its pCPU).
     fn wait(&mut self, timeout: Duration) -> Result<(), Error> {
         let fds = &mut self.fds;
         fds.clear();
-        fds.push(PollFd::readable(self.xen.evtchn().as_raw_fd()));
         fds.push(PollFd::readable(self.xen.store_fd()));
         mem::poll::wait(fds, Some(timeout))?;
-        let (events, store) = (fds[0].ready(), fds[1].ready());
-        if store {
+        if fds[0].ready() {
             self.xen.client().receive_event()?;
         }
-        if events {
-            let mut ports = [0u32; 64];
-            let n = self.xen.evtchn().pending(&mut ports)?;
-            for &p in &ports[..n] {
-                // A vif's or a vbd queue's unit runs on its pCPU (the unmask below may
-                // come first: an event meanwhile wakes it again, and it looks at its
-                // rings anyway).
-                for u in self.vifs.values().filter_map(|d| d.unit.as_ref()) {
-                    if u.owns(p) {
-                        u.signal();
-                    }
-                }
-                for q in self.vbds.values().flat_map(|d| d.queues.iter()) {
-                    if q.port().0 == p {
-                        q.wake();
-                    }
-                }
-                self.xen.evtchn().unmask(p)?;
-            }
-        }
         Ok(())
+    }
+
+    /// Gives the upcall every connected device's ports: each vif's channels and each
+    /// vbd queue's, routed to its unit ([`Upcall::reroute`]).
+    fn reroute(&mut self) {
+        let Some(up) = &self.upcall else {
+            return;
+        };
+        let mut routes: Vec<Route> = self
+            .vifs
+            .values()
+            .filter_map(|d| d.unit.as_ref())
+            .flat_map(NetUnit::routes)
+            .collect();
+        for q in self.vbds.values().flat_map(|d| d.queues.iter()) {
+            let (waker, stats) = q.join();
+            routes.push(Route {
+                port: q.port().0,
+                flag: None,
+                waker: waker.clone(),
+                unit: Route::unit_of(stats),
+            });
+        }
+        up.reroute(routes);
     }
 
     /// Looks at every back-end directory handed to this domain: adopts new devices,
@@ -528,6 +547,7 @@ impl Backend {
         for k in keys {
             self.step_vbd(k);
         }
+        self.reroute();
         Ok(())
     }
 
@@ -1297,6 +1317,13 @@ impl Backend {
                 self.log
                     .line(&format!("vbd {fe}/{devid}: handed over ({n} queue{s})"));
             }
+        }
+        if let Some(up) = self.upcall.take() {
+            let c = up.counts();
+            self.counts.events = c.fired.load(Ordering::Relaxed);
+            self.counts.events_unrouted = c.unrouted.load(Ordering::Relaxed);
+            self.counts.event_errors = c.errors.load(Ordering::Relaxed);
+            up.stop();
         }
         self.sched.stop(Duration::from_secs(1));
         let stopped = format!(

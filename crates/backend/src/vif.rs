@@ -9,7 +9,7 @@
 //! that floods its TX ring, or a host that floods the interface, holds its pCPU one
 //! step at a time. Input on the interface wakes the unit (the pCPU watches the
 //! descriptor, [`dev::tap::TapPort::bind_unit`]); the guest's notifications come from
-//! whoever reads the event-channel device ([`NetUnit::signal`]); a rate's next period
+//! the upcall that reads the event-channel device ([`NetUnit::routes`]); a rate's next period
 //! is the unit's deadline.
 //!
 //! The vifs on one pCPU share that pCPU's packet buffers (one step at a time runs
@@ -31,6 +31,8 @@ use hv::sched::{Cx, SchedError, Scheduler, Step, Unit, UnitJoin, UnitSpec, UnitS
 use hv::Xen;
 use net::netback::{self, Vif, VifStats};
 use net::skb::{SkbId, SkbPool, NET_SKB_PAD};
+
+use crate::upcall::Route;
 
 /// Packets one queue's TX takes per step.
 const TX_BUDGET: usize = 64;
@@ -71,8 +73,8 @@ struct Inner<X: Xen> {
     pool: Pool,
     /// To be taken back: the unit ends at its next step.
     leave: AtomicBool,
-    /// The guest notified (a queue's TX may hold packets).
-    signalled: AtomicBool,
+    /// The guest notified (a queue's TX may hold packets); set by the upcall.
+    signalled: Arc<AtomicBool>,
     /// A queue broke the protocol: the vif waits to be disconnected.
     broken: AtomicBool,
     counted: Counted,
@@ -250,7 +252,7 @@ impl<X: Xen + Send + 'static> NetUnit<X> {
             pool,
             leave: AtomicBool::new(false),
             // Its first step looks at every ring.
-            signalled: AtomicBool::new(true),
+            signalled: Arc::new(AtomicBool::new(true)),
             broken: AtomicBool::new(false),
             counted: Counted::default(),
         });
@@ -279,15 +281,14 @@ impl<X: Xen + Send + 'static> NetUnit<X> {
         }
     }
 
-    /// Whether port `p` is one of its queues' channels.
-    pub(crate) fn owns(&self, p: u32) -> bool {
-        self.ports.contains(&p)
-    }
-
-    /// The guest notified on one of its channels: the unit runs.
-    pub(crate) fn signal(&self) {
-        self.inner.signalled.store(true, Ordering::Release);
-        self.join.wake();
+    /// What each of its queues' channels wakes: the unit, told the guest notified.
+    pub(crate) fn routes(&self) -> impl Iterator<Item = Route> + '_ {
+        self.ports.iter().map(|&port| Route {
+            port,
+            flag: Some(Arc::clone(&self.inner.signalled)),
+            waker: self.join.waker().clone(),
+            unit: Route::unit_of(self.join.stats()),
+        })
     }
 
     /// The pCPU it runs on.

@@ -9,9 +9,9 @@
 //! the thread that moves the network's packets or watches the store.
 //!
 //! The event channel is not the unit's to read: whoever reads the ports that fired (one
-//! descriptor for the whole domain, as Linux's upcall demultiplexes its ports) calls
-//! [`Queue::wake`] for the queue's [`Queue::port`], as an interrupt handler wakes the
-//! ring's thread. The unit then serves until its ring stays empty, re-arming the
+//! descriptor for the whole domain, as Linux's upcall demultiplexes its ports) wakes
+//! the unit for the queue's [`Queue::port`] ([`Queue::wake`], or the waker of
+//! [`Queue::join`]), as an interrupt handler wakes the ring's thread. The unit then serves until its ring stays empty, re-arming the
 //! front end's notification as it goes idle ([`Blkback::pending`]).
 //!
 //! The back end sits behind a lock each step holds while it serves. The thread that
@@ -181,6 +181,12 @@ impl<X: Xen + Send + 'static> Queue<X> {
     /// The pCPU the unit runs on.
     pub fn pcpu(&self) -> usize {
         self.join.waker().pcpu()
+    }
+
+    /// What wakes the unit, and its accounting (which placement it is), for whoever
+    /// routes the queue's port to it.
+    pub fn join(&self) -> (&Waker, &Arc<UnitStats>) {
+        (self.join.waker(), self.join.stats())
     }
 
     /// Looks at the back end if no step holds it now (none then, or once taken back):

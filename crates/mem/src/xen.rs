@@ -358,6 +358,12 @@ impl Evtchn {
         ioctl(self.file.as_raw_fd(), IOCTL_EVTCHN_NOTIFY, &mut op).map(|_| ())
     }
 
+    /// Makes [`Evtchn::pending`] answer `WouldBlock` instead of waiting when no port
+    /// fired (for a reader that looks only when woken).
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        crate::poll::set_nonblocking(&self.file)
+    }
+
     /// Waits for ports to fire and writes them into `ports`; how many. Each stays masked
     /// until unmasked. Blocks unless the device was made non-blocking.
     pub fn pending(&self, ports: &mut [u32]) -> io::Result<usize> {
