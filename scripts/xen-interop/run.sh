@@ -14,6 +14,10 @@
 #                   twice there
 #   DOMU_VCPUS=N    the domU's vCPUs (1; blkfront takes one queue a vCPU)
 #   PVIO_ARGS=...   more options for `pvio backend` in dom0 (--sync-disk, say)
+#   PERSISTENT_GRANTS=N
+#                   grants each vbd queue keeps mapped, told to either back end alike
+#                   (pvio's --persistent-grants, Linux blkback's max_persistent_grants;
+#                   both 1056 unless told)
 #   QEMU_CPU=...    the emulated CPU (default below)
 #
 # usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
@@ -36,7 +40,13 @@ mkdir -p "$ex/x"
 cp "$here/dom0-run" "$ex/x/run-dom0"
 cp "$here/payload-server.py" "$ex/x/payload-server.py"
 echo "$backend" >"$ex/x/backend"
-echo "${PVIO_ARGS:-}" >"$ex/x/pvio-args"
+pvio_args="${PVIO_ARGS:-}"
+if [[ -n "${PERSISTENT_GRANTS:-}" ]]; then
+    [[ "$PERSISTENT_GRANTS" =~ ^[0-9]+$ ]] || { echo "PERSISTENT_GRANTS: a number" >&2; exit 2; }
+    pvio_args="$pvio_args --persistent-grants $PERSISTENT_GRANTS"
+    echo "$PERSISTENT_GRANTS" >"$ex/x/persistent-grants"
+fi
+echo "$pvio_args" >"$ex/x/pvio-args"
 # The domU's vCPUs (dom0-run says why one by default).
 echo "${DOMU_VCPUS:-1}" >"$ex/x/domu-vcpus"
 stage="$ex/plan"

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::blkback::{self, Blkback, Bounce, VBD_WINDOW_SLOTS};
+use blk::blkback::{self, Blkback, Bounce};
 use blk::disk::FileDisk;
 use blk::unit::Queue;
 use dev::tap::TapPort;
@@ -130,7 +130,19 @@ pub struct Options {
     pub sync_disk: bool,
     /// Whether each vbd's disk is opened `O_DIRECT` ([`DiskCache`]).
     pub disk_cache: DiskCache,
+    /// Grants each vbd queue keeps mapped at most (Linux's blkback's
+    /// `max_persistent_grants`; [`blkback::PERSISTENT_MAX`] by default, at most
+    /// [`blkback::PERSISTENT_LIMIT`]). A segment whose grant is not kept is copied
+    /// through the back end's pages, its request moved synchronously on its pCPU; each
+    /// one kept costs a window slot (4 KiB of address space, reserved, not backed) and
+    /// one of Xen's maptrack entries while mapped.
+    pub persistent_grants: usize,
 }
+
+/// Grants a vbd queue keeps mapped unless told otherwise ([`Options::persistent_grants`]).
+pub const PERSISTENT_GRANTS: usize = blkback::PERSISTENT_MAX;
+/// The most it may be told.
+pub const PERSISTENT_GRANTS_LIMIT: usize = blkback::PERSISTENT_LIMIT;
 
 /// pCPUs the devices run on unless told otherwise: at most this many.
 pub const MAX_CPUS: usize = 4;
@@ -335,6 +347,8 @@ struct Backend {
     sync_disk: bool,
     /// Each vbd's disk opened `O_DIRECT` (`--disk-cache`; by default outside dom0).
     direct_disk: bool,
+    /// Grants each vbd queue keeps mapped at most (`--persistent-grants`).
+    persistent: usize,
     /// The pCPUs the vbd queues run on.
     sched: Arc<Scheduler>,
     /// Reads the event channels on pCPU 0 and wakes each port's unit (taken at stop).
@@ -366,9 +380,11 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         opts.max_vifs.min(u16::MAX as usize),
         opts.max_vbds.min(u16::MAX as usize),
     );
+    let persistent = opts.persistent_grants.min(blkback::PERSISTENT_LIMIT);
+    let vbd_slots = blkback::vbd_window_slots(persistent);
     let slots = u32::try_from(
         max_vifs as u64 * u64::from(netback::MAX_QUEUES * VIF_WINDOW_SLOTS)
-            + max_vbds as u64 * u64::from(blkback::MAX_QUEUES * VBD_WINDOW_SLOTS),
+            + max_vbds as u64 * u64::from(blkback::MAX_QUEUES * vbd_slots),
     )
     .map_err(|_| {
         Error::Pool(format!(
@@ -435,6 +451,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         close: opts.close,
         sync_disk: opts.sync_disk,
         direct_disk,
+        persistent,
         hotplug,
         metrics: opts
             .metrics
@@ -445,7 +462,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     b.xen.client().watch(&format!("{root}/vif"), "vif")?;
     b.xen.client().watch(&format!("{root}/vbd"), "vbd")?;
     b.log.line(&format!(
-        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle}); disk I/O {}, {}",
+        "serving {root}/{{vif,vbd}} as domain {}; a vif's bridge joined by {}; devices on {cpus} pCPU(s) ({idle}); disk I/O {}, {}; up to {persistent} persistent grants a vbd queue",
         me.0,
         if hotplug {
             "pvio"
@@ -1111,7 +1128,7 @@ impl Backend {
             blk::xenbus::frontend_dir(fe, devid),
         );
         let slot_base = self.max_vifs as u32 * netback::MAX_QUEUES * VIF_WINDOW_SLOTS
-            + u32::from(index) * blkback::MAX_QUEUES * VBD_WINDOW_SLOTS;
+            + u32::from(index) * blkback::MAX_QUEUES * blkback::vbd_window_slots(self.persistent);
         let journal = |q: u32| {
             mem::journal::Journal::open(&journal_path(fe, devid, q), blkback::JOURNAL_LEN).ok()
         };
@@ -1122,7 +1139,7 @@ impl Backend {
         let mut cached = false;
         let r = self.open_disk(fe, devid).and_then(|(disk, path)| {
             cached = direct && !disk.direct();
-            Blkback::connect_queues(xen, fe, devid, slot_base, disk, journals)
+            Blkback::connect_queues(xen, fe, devid, slot_base, self.persistent, disk, journals)
                 .map(|b| (b, path))
                 .map_err(|e| e.to_string())
         });
@@ -1612,6 +1629,7 @@ mod tests {
                 cpus: 0,
                 sync_disk: false,
                 disk_cache: DiskCache::Auto,
+                persistent_grants: blkback::PERSISTENT_MAX,
             },
             &stop,
         )

@@ -54,8 +54,12 @@ use crate::xenbus::{self, Offered};
 /// Segments the back end offers in one indirect request
 /// (`feature-max-indirect-segments`, Linux blkback's `MAX_INDIRECT_SEGMENTS`).
 pub const MAX_INDIRECT_SEGMENTS: u16 = 256;
-/// Grants a device keeps mapped persistently (Linux's default `max_persistent_grants`).
+/// Grants a device keeps mapped persistently unless told otherwise (Linux's default
+/// `max_persistent_grants`; [`Blkback::connect_queues`] takes another).
 pub const PERSISTENT_MAX: usize = 1056;
+/// The most persistent grants a queue may be told to keep: blkfront's own pool at its
+/// largest, a full 16-page ring of requests of [`MAX_INDIRECT_SEGMENTS`] each.
+pub const PERSISTENT_LIMIT: usize = 512 * MAX_INDIRECT_SEGMENTS as usize;
 /// Requests on a one-page blkif ring: what one pass takes at most.
 pub const RING_REQUESTS: usize = 32;
 /// The largest ring a file's back end offers (`max-ring-page-order`): 2^4 pages, 512
@@ -99,7 +103,18 @@ const INDIRECT_SLOT0: u32 = RING_SLOT0 + MAX_RING_PAGES as u32;
 const SEG_SLOT0: u32 = INDIRECT_SLOT0 + BLKIF_MAX_INDIRECT_PAGES_PER_REQUEST as u32;
 const PERSISTENT_SLOT0: u32 = SEG_SLOT0 + SEG_SLOTS;
 /// Window slots one device needs.
-pub const VBD_WINDOW_SLOTS: u32 = PERSISTENT_SLOT0 + PERSISTENT_MAX as u32;
+pub const VBD_WINDOW_SLOTS: u32 = vbd_window_slots(PERSISTENT_MAX);
+
+/// Window slots one device (one queue) needs if it keeps up to `persistent` grants
+/// mapped (at most [`PERSISTENT_LIMIT`]).
+pub const fn vbd_window_slots(persistent: usize) -> u32 {
+    let p = if persistent > PERSISTENT_LIMIT {
+        PERSISTENT_LIMIT
+    } else {
+        persistent
+    };
+    PERSISTENT_SLOT0 + p as u32
+}
 
 type Back = BackRing<BlkRing, PagesRing<MappedPage>>;
 
@@ -707,6 +722,8 @@ struct QueueAt {
     queue: u32,
     slot_base: u32,
     announce: bool,
+    /// Grants it keeps mapped at most.
+    persistent: usize,
 }
 
 impl QueueAt {
@@ -717,6 +734,7 @@ impl QueueAt {
             queue: 0,
             slot_base,
             announce: true,
+            persistent: PERSISTENT_MAX,
         }
     }
 }
@@ -823,8 +841,10 @@ impl<X: Xen> Blkback<X> {
     }
 
     /// Connects every queue the front end set up ([`front_queues`]: each ring and
-    /// channel under `queue-<n>/`, or the one at the top), queue `n` at window slots
-    /// from `slot_base + n * VBD_WINDOW_SLOTS`, each over its own handle on `disk`; then
+    /// channel under `queue-<n>/`, or the one at the top), each keeping up to
+    /// `persistent` grants mapped (at most [`PERSISTENT_LIMIT`]), queue `n` at window
+    /// slots from `slot_base + n * vbd_window_slots(persistent)`
+    /// ([`vbd_window_slots`]), each over its own handle on `disk`; then
     /// moves to `Connected`, once. With `resume` (a journal per queue, or none), takes
     /// each queue over instead ([`Blkback::resume`]). A queue that fails gives back what
     /// the ones before it took, and the device is not connected.
@@ -833,6 +853,7 @@ impl<X: Xen> Blkback<X> {
         fe: DomId,
         devid: u32,
         slot_base: u32,
+        persistent: usize,
         disk: FileDisk,
         resume: Option<Vec<Option<mem::journal::Journal>>>,
     ) -> Result<Vec<Self>, XenbusError>
@@ -847,11 +868,13 @@ impl<X: Xen> Blkback<X> {
         let mut journals = resume.map(|v| v.into_iter());
         let mut done: Vec<Self> = Vec::new();
         for q in 0..queues.unwrap_or(1) {
+            let persistent = persistent.min(PERSISTENT_LIMIT);
             let at = QueueAt {
                 queues,
                 queue: q,
-                slot_base: slot_base + q * VBD_WINDOW_SLOTS,
+                slot_base: slot_base + q * vbd_window_slots(persistent),
                 announce: false,
+                persistent,
             };
             let r = disk
                 .try_clone()
@@ -1074,8 +1097,8 @@ impl<X: Xen> Blkback<X> {
             store: backing,
             offer,
             persistent: persistent.then(|| Persistent {
-                slots: HashMap::with_capacity(PERSISTENT_MAX),
-                free: (0..PERSISTENT_MAX as u32)
+                slots: HashMap::with_capacity(at.persistent),
+                free: (0..at.persistent as u32)
                     .rev()
                     .map(|i| slot_base + PERSISTENT_SLOT0 + i)
                     .collect(),

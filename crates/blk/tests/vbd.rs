@@ -1135,9 +1135,16 @@ fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
     // as Linux's blkfront writes them.
     let mut q0 = Hostile::connect_queue(&h, &g, 51712, Some((0, 2)), Some(1));
     let mut q1 = Hostile::connect_queue(&h, &g, 51712, Some((1, 2)), Some(1));
-    let mut backs =
-        Blkback::connect_queues(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk, None)
-            .expect("queues");
+    let mut backs = Blkback::connect_queues(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g.id(),
+        51712,
+        0,
+        blkback::PERSISTENT_MAX,
+        disk,
+        None,
+    )
+    .expect("queues");
     assert_eq!(backs.len(), 2);
     assert_eq!(
         store.xenbus_state(h.drv.id(), &bdir),
@@ -1180,10 +1187,16 @@ fn two_queues_are_served_each_on_its_ring_over_one_disk_and_too_many_refused() {
     let g2 = h.guest("greedy");
     let disk = h.offer(&g2, 51712, &path, false, false);
     let _q = Hostile::connect_queue(&h, &g2, 51712, Some((0, 5)), None);
-    assert!(
-        Blkback::connect_queues(hv::Pvio::new(&h.hv, &h.drv), g2.id(), 51712, 0, disk, None)
-            .is_err()
-    );
+    assert!(Blkback::connect_queues(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g2.id(),
+        51712,
+        0,
+        blkback::PERSISTENT_MAX,
+        disk,
+        None
+    )
+    .is_err());
     assert_eq!(h.hv.mappings_held(&h.drv), 0);
     let _ = std::fs::remove_file(&path);
 }
@@ -1364,5 +1377,87 @@ fn a_disk_opened_direct_takes_every_transfer_the_front_end_can_send() {
     assert_eq!((s.io_errors, s.writes, s.reads), (0, 6, 6), "{s:?}");
     back.disconnect();
     front.close();
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A queue told to keep N grants mapped (`pvio backend --persistent-grants`, Linux's
+/// `max_persistent_grants`) keeps the first N it meets and no more; a segment whose grant
+/// comes after is copied through the back end's pages, and the bytes the guest reads are
+/// the disk's either way.
+#[test]
+fn a_queue_keeps_as_many_persistent_grants_as_it_was_told_and_copies_the_rest() {
+    let h = host();
+    let g = h.guest("few");
+    let path = backing("few-grants");
+    let disk = h.offer(&g, 51712, &path, false, true);
+    let mut bad = Hostile::connect(&h, &g, 51712);
+    let fdir = xenbus::frontend_dir(g.id(), 51712);
+    h.hv.store()
+        .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
+        .expect("key");
+    let mut backs = Blkback::connect_queues(
+        hv::Pvio::new(&h.hv, &h.drv),
+        g.id(),
+        51712,
+        0,
+        3,
+        disk,
+        None,
+    )
+    .expect("connected");
+    assert_eq!(backs.len(), 1, "a front end without queues has one");
+    let mut back = backs.pop().expect("one");
+    assert!(back.persistent());
+    assert!(back.copy_transient(blkback::Bounce::new(&h.drv).expect("pages")));
+    let pages: Vec<_> = (0..5).map(|_| bad.granted(&h, false)).collect();
+    let expect = |i: usize| -> Vec<u8> {
+        (i * 4096..(i + 1) * 4096)
+            .map(|b| (b.wrapping_mul(7) + b / 4096) as u8)
+            .collect()
+    };
+    for round in 1..=2u64 {
+        for (gfn, _) in &pages {
+            g.write(*gfn, 0, &[0u8; 4096]).expect("cleared");
+        }
+        let reqs: Vec<_> = pages
+            .iter()
+            .enumerate()
+            .map(|(i, (_, r))| {
+                rw(
+                    BLKIF_OP_READ,
+                    round * 10 + i as u64,
+                    i as u64 * 8,
+                    &[seg(*r, 0, 7)],
+                )
+            })
+            .collect();
+        bad.send(&reqs);
+        while back.pending() || back.disk_in_flight() > 0 {
+            back.serve();
+        }
+        let rsp = bad.responses();
+        assert_eq!(rsp.len(), 5, "round {round}");
+        assert!(rsp.iter().all(|r| r.status == BLKIF_RSP_OKAY), "{rsp:?}");
+        for (i, (gfn, _)) in pages.iter().enumerate() {
+            let mut got = vec![0u8; 4096];
+            g.read(*gfn, 0, &mut got).expect("read");
+            assert!(
+                got == expect(i),
+                "round {round}: page {i} holds the disk's sector {}",
+                i * 8
+            );
+        }
+        let s = back.stats();
+        assert_eq!(
+            s.persistent_maps, 3,
+            "round {round}: only the first three are kept"
+        );
+        assert_eq!(s.persistent_hits, 3 * (round - 1), "round {round}");
+        assert_eq!(
+            s.transient_copies,
+            2 * round,
+            "round {round}: the other two copied"
+        );
+    }
     let _ = std::fs::remove_file(&path);
 }

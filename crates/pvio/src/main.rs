@@ -114,6 +114,13 @@ enum Command {
         /// (O_DIRECT) in a driver domain, whose cache dies with it, cached in dom0.
         #[arg(long, value_enum, default_value_t = DiskCacheArg::Auto)]
         disk_cache: DiskCacheArg,
+        /// Grants each vbd queue keeps mapped at most (Linux blkback's
+        /// `max_persistent_grants`, whose default this is); a segment beyond them is
+        /// copied, its request moved synchronously. Each costs 4 KiB of address space
+        /// and, while mapped, one of Xen's maptrack entries.
+        #[arg(long, default_value_t = backend::PERSISTENT_GRANTS as u32,
+              value_parser = clap::value_parser!(u32).range(0..=backend::PERSISTENT_GRANTS_LIMIT as i64))]
+        persistent_grants: u32,
     },
     /// Runs a pv machine on real interfaces until interrupted: the NIC's cable on a TAP
     /// in the outside network namespace, the guest's stack a TAP in the guest's. Try
@@ -841,6 +848,7 @@ fn main() -> ExitCode {
             cpus,
             sync_disk,
             disk_cache,
+            persistent_grants,
         } => backend(&backend::Options {
             domid,
             hotplug: match hotplug {
@@ -860,6 +868,7 @@ fn main() -> ExitCode {
                 DiskCacheArg::Direct => backend::DiskCache::Direct,
                 DiskCacheArg::Cached => backend::DiskCache::Cached,
             },
+            persistent_grants: persistent_grants as usize,
         }),
         Command::Up {
             outside_ns,
