@@ -408,7 +408,9 @@ mod tests {
     #[test]
     fn copies_match_memmove_for_every_overlap() {
         // Both sides of `WORDS_FROM`, and word moves with every tail length.
-        let lens = [0usize, 1, 7, 8, 63, 64, 255, 256, 257, 263, 1500, 4096, 4099];
+        let lens = [
+            0usize, 1, 7, 8, 63, 64, 255, 256, 257, 263, 1500, 4096, 4099,
+        ];
         for len in lens {
             for shift in [-9isize, -8, -7, -1, 0, 1, 7, 8, 9, 2000, 5000] {
                 let mut a: Vec<u8> = (0..16384u32).map(|i| (i * 7 + 3) as u8).collect();
@@ -424,7 +426,14 @@ mod tests {
                 let mut w: Vec<u8> = (0..16384u32).map(|i| (i * 7 + 3) as u8).collect();
                 let p = w.as_mut_ptr();
                 // SAFETY: as above.
-                unsafe { copy_as(p.add(s), p.add(d), len, len >= WORDS_FROM && bytes_are_fast()) };
+                unsafe {
+                    copy_as(
+                        p.add(s),
+                        p.add(d),
+                        len,
+                        len >= WORDS_FROM && bytes_are_fast(),
+                    )
+                };
                 assert_eq!(w, b, "len {len} shift {shift}, the other way");
             }
         }
