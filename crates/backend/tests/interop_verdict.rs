@@ -45,6 +45,9 @@ fn the_recorded_runs_pass_with_every_check_reported() {
     for (backend, dir) in [
         ("pvio", "pvio"),
         ("linux", "linux"),
+        // The rates' records now (the emulated CPU without ERMS).
+        ("pvio", "pvio-noerms3"),
+        ("linux", "linux-noerms3"),
         ("pvio-drvdom", DRVDOM_RECORD),
     ] {
         let (ok, out) = verdict(backend, &recorded(dir));
