@@ -15,9 +15,9 @@
 #   DOMU_VCPUS=N    the domU's vCPUs (1; blkfront takes one queue a vCPU)
 #   PVIO_ARGS=...   more options for `pvio backend` in dom0 (--sync-disk, say)
 #   PERSISTENT_GRANTS=N
-#                   grants each vbd queue keeps mapped, told to either back end alike
-#                   (pvio's --persistent-grants, Linux blkback's max_persistent_grants;
-#                   both 1056 unless told)
+#                   grants each vbd queue keeps mapped, told to the back end in dom0,
+#                   either alike (pvio's --persistent-grants, Linux blkback's
+#                   max_persistent_grants; both 1056 unless told); refused with pvio-drvdom
 #   QEMU_CPU=...    the emulated CPU (default below)
 #
 # usage: scripts/xen-interop/run.sh [OUT_DIR]     (OUT_DIR defaults to results/xen-interop)
@@ -43,6 +43,8 @@ echo "$backend" >"$ex/x/backend"
 pvio_args="${PVIO_ARGS:-}"
 if [[ -n "${PERSISTENT_GRANTS:-}" ]]; then
     [[ "$PERSISTENT_GRANTS" =~ ^[0-9]+$ ]] || { echo "PERSISTENT_GRANTS: a number" >&2; exit 2; }
+    # Told to dom0's back end only: a driver domain's pvio would not hear of it.
+    [[ "$backend" != pvio-drvdom ]] || { echo "PERSISTENT_GRANTS: for BACKEND=pvio or linux" >&2; exit 2; }
     pvio_args="$pvio_args --persistent-grants $PERSISTENT_GRANTS"
     echo "$PERSISTENT_GRANTS" >"$ex/x/persistent-grants"
 fi

@@ -185,6 +185,9 @@ pub enum Error {
     /// The packet buffers could not be made.
     #[error("packet buffers: {0}")]
     Pool(String),
+    /// The event channels could no longer be read.
+    #[error("event channels: {0}")]
+    Events(String),
 }
 
 /// What happened, counted (printed to the log as it goes, and returned at the end).
@@ -416,7 +419,7 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
     // Read only when it is readable, by the upcall on a pCPU ([`upcall`]).
     xen.evtchn().set_nonblocking()?;
     let upcall = Upcall::place(&sched, 0, Arc::clone(&xen))
-        .map_err(|e| Error::Open(std::io::Error::other(format!("placing the upcall: {e}"))))?;
+        .map_err(|e| Error::Events(format!("placing the upcall: {e}")))?;
     let bounces = (0..cpus).map(|_| Bounce::new(xen.domain())).collect();
     let out: Box<dyn std::io::Write + Send> = match &opts.log {
         // Appended to: the process before this one (a restart) keeps its lines.
@@ -492,6 +495,13 @@ pub fn run(opts: &Options, stop: &AtomicBool) -> Result<Counts, Error> {
         }
         b.wait(IDLE_WAIT)?;
         b.write_metrics();
+        if b.upcall.as_ref().is_some_and(Upcall::ended) {
+            // No guest's notification would reach its device again.
+            b.shutdown();
+            return Err(Error::Events(
+                "the upcall could not watch /dev/xen/evtchn".into(),
+            ));
+        }
     }
     b.shutdown();
     Ok(b.counts)
@@ -524,13 +534,7 @@ impl Backend {
             .flat_map(NetUnit::routes)
             .collect();
         for q in self.vbds.values().flat_map(|d| d.queues.iter()) {
-            let (waker, stats) = q.join();
-            routes.push(Route {
-                port: q.port().0,
-                flag: None,
-                waker: waker.clone(),
-                unit: Route::unit_of(stats),
-            });
+            routes.push(Route::new(q.port().0, None, q.waker(), q.unit_stats()));
         }
         up.reroute(routes);
     }

@@ -78,9 +78,20 @@ impl Route {
         self.waker.wake();
     }
 
-    /// Names a placement of a unit by its stats (one `Arc` per placement).
-    pub(crate) fn unit_of(stats: &Arc<UnitStats>) -> usize {
-        Arc::as_ptr(stats) as usize
+    /// Port `port` routed to the unit `waker` wakes, placed with `stats` (one `Arc` a
+    /// placement, which names it), setting `flag` first if given.
+    pub(crate) fn new(
+        port: u32,
+        flag: Option<Arc<AtomicBool>>,
+        waker: &Waker,
+        stats: &Arc<UnitStats>,
+    ) -> Self {
+        Self {
+            port,
+            flag,
+            waker: waker.clone(),
+            unit: Arc::as_ptr(stats) as usize,
+        }
     }
 }
 
@@ -222,6 +233,12 @@ impl Upcall {
         true
     }
 
+    /// Whether the unit ended on its own (it could not watch the device): no port is
+    /// read any more.
+    pub(crate) fn ended(&self) -> bool {
+        self.join.is_finished()
+    }
+
     /// What it counted.
     pub(crate) fn counts(&self) -> &UpcallCounts {
         &self.shared.counts
@@ -308,15 +325,7 @@ mod tests {
     }
 
     fn one_pcpu() -> Arc<Scheduler> {
-        Scheduler::new(
-            &CpuPlan {
-                cores: vec![None],
-                policy: IdlePolicy::Block,
-                own_policy: Vec::new(),
-            },
-            None,
-        )
-        .expect("scheduler")
+        Scheduler::new(&CpuPlan::floating(1, IdlePolicy::Block), None).expect("scheduler")
     }
 
     fn device(s: &Scheduler, port: u32) -> (Route, UnitJoin<()>, mpsc::Receiver<()>) {
@@ -332,16 +341,20 @@ mod tests {
                 },
             )
             .expect("placed");
-        let r = Route {
-            port,
-            flag: Some(flag),
-            waker: join.waker().clone(),
-            unit: Route::unit_of(join.stats()),
-        };
+        let r = Route::new(port, Some(flag), join.waker(), join.stats());
         (r, join, rx)
     }
 
     const WAIT: Duration = Duration::from_secs(10);
+
+    /// The ports unmasked once there are `n` (or after [`WAIT`]).
+    fn unmasked_when(unmasked: &Mutex<Vec<u32>>, n: usize) -> Vec<u32> {
+        let t0 = std::time::Instant::now();
+        while lock(unmasked).len() < n && t0.elapsed() < WAIT {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        lock(unmasked).clone()
+    }
 
     fn no_more(rx: &mpsc::Receiver<()>) -> bool {
         rx.recv_timeout(Duration::from_millis(50)).is_err()
@@ -363,11 +376,7 @@ mod tests {
         assert!(no_more(&rx9), "port 9 did not fire");
         tx.write_all(&9u32.to_ne_bytes()).expect("fire");
         rx9.recv_timeout(WAIT).expect("port 9 wakes its unit");
-        let t0 = std::time::Instant::now();
-        while lock(&unmasked).len() < 2 && t0.elapsed() < WAIT {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(*lock(&unmasked), vec![5, 9]);
+        assert_eq!(unmasked_when(&unmasked, 2), vec![5, 9]);
         assert_eq!(up.counts().fired.load(Ordering::Relaxed), 2);
         assert_eq!(up.counts().unrouted.load(Ordering::Relaxed), 0);
         up.stop();
@@ -389,12 +398,8 @@ mod tests {
         assert!(up.reroute(vec![r5b]));
         rx5b.recv_timeout(WAIT).expect("the port's new unit woken");
         tx.write_all(&77u32.to_ne_bytes()).expect("fire");
-        let t0 = std::time::Instant::now();
-        while lock(&unmasked).is_empty() && t0.elapsed() < WAIT {
-            std::thread::sleep(Duration::from_millis(1));
-        }
         assert_eq!(
-            *lock(&unmasked),
+            unmasked_when(&unmasked, 1),
             vec![77],
             "left masked, it would never fire again"
         );
@@ -415,11 +420,10 @@ mod tests {
             b.extend_from_slice(&(100 + p).to_ne_bytes());
         }
         tx.write_all(&b).expect("fire");
-        let t0 = std::time::Instant::now();
-        while lock(&unmasked).len() < n as usize && t0.elapsed() < WAIT {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(*lock(&unmasked), (100..100 + n).collect::<Vec<_>>());
+        assert_eq!(
+            unmasked_when(&unmasked, n as usize),
+            (100..100 + n).collect::<Vec<_>>()
+        );
         up.stop();
         s.stop(Duration::from_secs(1));
     }

@@ -283,11 +283,9 @@ impl<X: Xen + Send + 'static> NetUnit<X> {
 
     /// What each of its queues' channels wakes: the unit, told the guest notified.
     pub(crate) fn routes(&self) -> impl Iterator<Item = Route> + '_ {
-        self.ports.iter().map(|&port| Route {
-            port,
-            flag: Some(Arc::clone(&self.inner.signalled)),
-            waker: self.join.waker().clone(),
-            unit: Route::unit_of(self.join.stats()),
+        self.ports.iter().map(|&port| {
+            let flag = Some(Arc::clone(&self.inner.signalled));
+            Route::new(port, flag, self.join.waker(), self.join.stats())
         })
     }
 

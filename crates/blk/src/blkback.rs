@@ -867,8 +867,8 @@ impl<X: Xen> Blkback<X> {
         let queues = front_queues(store, be, &fdir, offer.max_queues)?;
         let mut journals = resume.map(|v| v.into_iter());
         let mut done: Vec<Self> = Vec::new();
+        let persistent = persistent.min(PERSISTENT_LIMIT);
         for q in 0..queues.unwrap_or(1) {
-            let persistent = persistent.min(PERSISTENT_LIMIT);
             let at = QueueAt {
                 queues,
                 queue: q,

@@ -10,9 +10,10 @@
 //!
 //! The event channel is not the unit's to read: whoever reads the ports that fired (one
 //! descriptor for the whole domain, as Linux's upcall demultiplexes its ports) wakes
-//! the unit for the queue's [`Queue::port`] ([`Queue::wake`], or the waker of
-//! [`Queue::join`]), as an interrupt handler wakes the ring's thread. The unit then serves until its ring stays empty, re-arming the
-//! front end's notification as it goes idle ([`Blkback::pending`]).
+//! the unit for the queue's [`Queue::port`] ([`Queue::wake`], or [`Queue::waker`]), as
+//! an interrupt handler wakes the ring's thread. The unit then serves until its ring
+//! stays empty, re-arming the front end's notification as it goes idle
+//! ([`Blkback::pending`]).
 //!
 //! The back end sits behind a lock each step holds while it serves. The thread that
 //! placed it never waits on that lock while the unit runs, since it also moves the
@@ -183,10 +184,14 @@ impl<X: Xen + Send + 'static> Queue<X> {
         self.join.waker().pcpu()
     }
 
-    /// What wakes the unit, and its accounting (which placement it is), for whoever
-    /// routes the queue's port to it.
-    pub fn join(&self) -> (&Waker, &Arc<UnitStats>) {
-        (self.join.waker(), self.join.stats())
+    /// What wakes the unit, for whoever routes the queue's port to it.
+    pub fn waker(&self) -> &Waker {
+        self.join.waker()
+    }
+
+    /// The unit's accounting on its pCPU (one a placement: it names the placement).
+    pub fn unit_stats(&self) -> &Arc<UnitStats> {
+        self.join.stats()
     }
 
     /// Looks at the back end if no step holds it now (none then, or once taken back):

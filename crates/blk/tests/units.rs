@@ -50,15 +50,7 @@ impl Unit for Logged {
 
 /// A scheduler of one pCPU that sleeps when idle: what runs there, runs in turn.
 fn one_pcpu() -> Arc<Scheduler> {
-    Scheduler::new(
-        &CpuPlan {
-            cores: vec![None],
-            policy: IdlePolicy::Block,
-            own_policy: Vec::new(),
-        },
-        None,
-    )
-    .expect("scheduler")
+    Scheduler::new(&CpuPlan::floating(1, IdlePolicy::Block), None).expect("scheduler")
 }
 
 /// Waits (at most ten seconds) until `front` has `n` responses, gathering them.

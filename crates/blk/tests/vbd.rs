@@ -902,14 +902,7 @@ fn journaled(h: &Host, g: &Arc<Domain>, name: &str) -> Journaled {
 /// disk's bytes moving through an io_uring.
 fn journaled_as(h: &Host, g: &Arc<Domain>, name: &str, served: bool) -> Journaled {
     let path = backing(name);
-    let disk = h.offer(g, 51712, &path, false, served);
-    let bad = Hostile::connect(h, g, 51712);
-    if served {
-        let fdir = xenbus::frontend_dir(g.id(), 51712);
-        h.hv.store()
-            .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
-            .expect("key");
-    }
+    let (disk, bad) = hostile_on(h, g, &path, served);
     let mut back =
         Blkback::connect(hv::Pvio::new(&h.hv, &h.drv), g.id(), 51712, 0, disk).expect("back");
     if served {
@@ -929,6 +922,20 @@ fn journaled_as(h: &Host, g: &Arc<Domain>, name: &str, served: bool) -> Journale
         jpath,
         r,
     }
+}
+
+/// Device 51712 of `g` on the file at `path`, offered, and a hand-driven front end
+/// connected to it, taking persistent grants if `persistent` (as Linux's blkfront).
+fn hostile_on(h: &Host, g: &Arc<Domain>, path: &Path, persistent: bool) -> (FileDisk, Hostile) {
+    let disk = h.offer(g, 51712, path, false, persistent);
+    let bad = Hostile::connect(h, g, 51712);
+    if persistent {
+        let fdir = xenbus::frontend_dir(g.id(), 51712);
+        h.hv.store()
+            .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
+            .expect("key");
+    }
+    (disk, bad)
 }
 
 /// The back end started after the one of [`journaled`] left: it takes the ring over from
@@ -1389,12 +1396,7 @@ fn a_queue_keeps_as_many_persistent_grants_as_it_was_told_and_copies_the_rest() 
     let h = host();
     let g = h.guest("few");
     let path = backing("few-grants");
-    let disk = h.offer(&g, 51712, &path, false, true);
-    let mut bad = Hostile::connect(&h, &g, 51712);
-    let fdir = xenbus::frontend_dir(g.id(), 51712);
-    h.hv.store()
-        .write(g.id(), &format!("{fdir}/feature-persistent"), "1")
-        .expect("key");
+    let (disk, mut bad) = hostile_on(&h, &g, &path, true);
     let mut backs = Blkback::connect_queues(
         hv::Pvio::new(&h.hv, &h.drv),
         g.id(),

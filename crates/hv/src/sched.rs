@@ -780,6 +780,16 @@ impl CpuPlan {
         }
     }
 
+    /// `n` pCPUs pinned to no core (the host places their threads), as a test or a tool
+    /// that shares the machine wants them.
+    pub fn floating(n: usize, policy: IdlePolicy) -> Self {
+        Self {
+            cores: vec![None; n],
+            policy,
+            own_policy: Vec::new(),
+        }
+    }
+
     /// How pCPU `i` waits.
     pub fn policy_of(&self, i: usize) -> IdlePolicy {
         self.own_policy

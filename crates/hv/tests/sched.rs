@@ -47,15 +47,7 @@ fn counter(busy: bool) -> (Counter, Arc<AtomicU64>, Arc<AtomicU64>, Arc<AtomicBo
 }
 
 fn one_pcpu(policy: IdlePolicy) -> Arc<Scheduler> {
-    Scheduler::new(
-        &CpuPlan {
-            cores: vec![None],
-            policy,
-            own_policy: Vec::new(),
-        },
-        None,
-    )
-    .expect("scheduler")
+    Scheduler::new(&CpuPlan::floating(1, policy), None).expect("scheduler")
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
