@@ -261,7 +261,7 @@ impl NicDriver {
             .store(TX_RING_IOVA_PFN << mem::PAGE_SHIFT, Ordering::Relaxed);
         regs.set_rx_tail(0, RING_DESCS - 1);
         regs.rxq[0].irq_enabled.store(true, Ordering::Release);
-        regs.enabled.store(true, Ordering::Release);
+        regs.enable();
         Ok(d)
     }
 

@@ -185,7 +185,7 @@ impl hv::sched::Unit for NicUnit {
             .pass(source.as_mut(), self.sink.as_mut(), &mut self.resets)
         {
             None => Step::More,
-            Some(until) => Step::Idle(Some(until)),
+            Some(until) => Step::Idle(until),
         }
     }
 }

@@ -97,7 +97,7 @@ fn a_guest_queue_gets_its_frames_in_its_own_buffers_and_its_own_interrupt() {
         };
         drv_nic.vmq_post(1, buf).expect("room");
     }
-    regs.link_up.store(true, Ordering::Release);
+    regs.plug();
     // Take what the device fills, as the driver domain's kernel would on the queue's
     // interrupt.
     let mut done: Vec<VmqDone> = Vec::new();
@@ -198,7 +198,7 @@ fn with_direct_placement_the_nic_writes_a_guests_frames_into_the_buffers_its_net
         driver.vmq_room(1) < 1000,
         "the guest's buffers are on the queue"
     );
-    regs.link_up.store(true, Ordering::Release);
+    regs.plug();
     let check = PayloadCheck::new(1472);
     let mut got = 0u64;
     let t0 = Instant::now();

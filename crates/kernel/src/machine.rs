@@ -201,7 +201,7 @@ impl Machine {
             std::thread::sleep(Duration::from_millis(1));
         }
         if let Some(nic) = &self.nic {
-            nic.regs().link_up.store(true, Ordering::Release);
+            nic.regs().plug();
         }
         if let Some((s, _)) = &self.svnic {
             s.link_up();

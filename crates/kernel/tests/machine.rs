@@ -254,13 +254,19 @@ fn a_broadcast_from_the_wire_reaches_every_guest_once() {
     assert_eq!(c.get("bridge", "flood_copy_failures"), 0);
 }
 
-/// Frames the test hands over while the machine runs.
+/// Frames the test hands over while the machine runs: pushed from outside, which wake the device as a frame on a real cable does.
 #[derive(Clone, Default)]
-struct Feed(Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+struct Feed(
+    Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+    Arc<std::sync::OnceLock<Arc<dev::wire::Doze>>>,
+);
 
 impl Feed {
     fn push(&self, frames: Vec<Vec<u8>>) {
         self.0.lock().expect("feed").extend(frames);
+        if let Some(d) = self.1.get() {
+            d.wake();
+        }
     }
 }
 
@@ -274,6 +280,9 @@ impl WireSource for Feed {
     }
     fn next_due(&self) -> Option<Instant> {
         (!self.0.lock().expect("feed").is_empty()).then(Instant::now)
+    }
+    fn attach(&mut self, wake: &Arc<dev::wire::Doze>) {
+        let _ = self.1.set(Arc::clone(wake));
     }
 }
 

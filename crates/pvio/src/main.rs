@@ -425,9 +425,15 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
     use std::time::{Duration, Instant};
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let s = std::sync::Arc::clone(&stop);
+    // The loop below sleeps until its next duty (a redraw, a fault, the end) or a
+    // signal: an idle machine's own process takes no timer of its own beyond those.
+    let (signalled, signal) = std::sync::mpsc::channel::<()>();
     // SIGINT, SIGTERM and SIGHUP alike (ctrlc's `termination`): what `kill`, systemd and
     // test harnesses send stops the machine and removes what was made for it.
-    if let Err(e) = ctrlc::set_handler(move || s.store(true, Ordering::Release)) {
+    if let Err(e) = ctrlc::set_handler(move || {
+        s.store(true, Ordering::Release);
+        let _ = signalled.send(());
+    }) {
         eprintln!("cannot catch Ctrl-C: {e}");
     }
     let mut machine = match up::up(cfg) {
@@ -479,8 +485,25 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
     let t0 = Instant::now();
     let mut fault = run.fault;
     let (mut last, mut shown) = (up::UpCounters::default(), t0);
-    while !stop.load(Ordering::Acquire) && run.seconds.is_none_or(|s| t0.elapsed().as_secs() < s) {
-        std::thread::sleep(Duration::from_millis(10));
+    // The live table is sampled (every kernel asked for its counters) only where it is
+    // drawn or written.
+    let sampled = live.on_terminal || json.is_some();
+    let end = run.seconds.map(|s| t0 + Duration::from_secs(s));
+    while !stop.load(Ordering::Acquire) && end.is_none_or(|e| Instant::now() < e) {
+        // Until the next duty: a second's redraw or counter line, the fault, the end; a
+        // watchdog looks four times in its limit (at least 10 ms apart), so that a
+        // stall is seen within 1.25 limits.
+        let mut next = Instant::now() + Duration::from_secs(1);
+        if let Some(limit) = run.watchdog {
+            next = next.min(Instant::now() + (limit / 4).max(Duration::from_millis(10)));
+        }
+        if let Some((_, at)) = fault {
+            next = next.min(t0 + at);
+        }
+        if let Some(e) = end {
+            next = next.min(e);
+        }
+        let _ = signal.recv_timeout(next.saturating_duration_since(Instant::now()));
         if let Some((kind, at)) = fault.filter(|&(_, at)| t0.elapsed() >= at) {
             println!("fault: the driver domain's kernel is made to {kind:?} at {at:?}");
             live.printed();
@@ -522,7 +545,7 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
                 }
             }
         }
-        if let Some(rows) = live.tick(&machine) {
+        if let Some(rows) = sampled.then(|| live.tick(&machine)).flatten() {
             if let Some(j) = json.as_mut() {
                 use std::io::Write;
                 let line = rig::live::json_line(t0.elapsed().as_secs_f64(), &rows);

@@ -11,7 +11,7 @@ use hv::{DeviceId, Iova};
 use net::offload::{Csum, Offload, MAX_HEADERS};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::*;
 
@@ -123,14 +123,16 @@ impl Device {
 
     /// One pass of the device: a reset taken, frames due from the wire received,
     /// descriptors the driver posted sent, interrupts raised; then what it waits for:
-    /// `None` to run again at once, or the instant the next frame or interrupt is due
-    /// (a millisecond from now when nothing is, or a doorbell comes first).
+    /// `None` to run again at once, or `Some(until)`: the instant the next frame or
+    /// interrupt is due, or (`Some(None)`) nothing at all but a wake-up (a doorbell, a
+    /// refill, a frame on the wire, a register change), so that an idle device takes no
+    /// timer.
     pub(super) fn pass(
         &mut self,
         source: &mut dyn WireSource,
         sink: &mut dyn WireSink,
         resets: &mut u64,
-    ) -> Option<Instant> {
+    ) -> Option<Option<Instant>> {
         let regs = Arc::clone(&self.regs);
         let r = regs.resets.load(Ordering::Acquire);
         if r != *resets {
@@ -198,11 +200,10 @@ impl Device {
         } else {
             None
         };
-        let wake = match (wake, due) {
+        Some(match (wake, due) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
-        };
-        Some(wake.unwrap_or(now + Duration::from_millis(1)))
+        })
     }
 
     /// The device on a thread of its own: passes, parked between them.
@@ -216,9 +217,16 @@ impl Device {
         source.attach(&regs.doze);
         let mut resets = regs.resets.load(Ordering::Acquire);
         while !regs.stop.load(Ordering::Acquire) {
-            if let Some(until) = self.pass(source.as_mut(), sink.as_mut(), &mut resets) {
-                std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
-                regs.doze.awake();
+            match self.pass(source.as_mut(), sink.as_mut(), &mut resets) {
+                None => {}
+                Some(Some(until)) => {
+                    std::thread::park_timeout(until.saturating_duration_since(Instant::now()));
+                    regs.doze.awake();
+                }
+                Some(None) => {
+                    std::thread::park();
+                    regs.doze.awake();
+                }
             }
         }
         source

@@ -495,6 +495,19 @@ impl NicRegs {
         self.doze.wake();
     }
 
+    /// Plugs the cable in and wakes the device, which may have frames waiting on it.
+    pub fn plug(&self) {
+        self.link_up.store(true, Ordering::Release);
+        self.doze.wake();
+    }
+
+    /// Enables the device (its rings are set up) and wakes it: an idle device waits for
+    /// a wake-up, not a timer.
+    pub fn enable(&self) {
+        self.enabled.store(true, Ordering::Release);
+        self.doze.wake();
+    }
+
     /// A frame arrived at the far end of the cable: wakes an idle device.
     pub fn wire_wake(&self) {
         self.doze.wake();
