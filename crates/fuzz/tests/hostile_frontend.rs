@@ -204,6 +204,71 @@ fn a_guest_that_stops_posting_rx_buffers_only_fills_its_own_bounded_queue() {
     good_still_works(&mut w, (&mut front, &mut vif, &good));
 }
 
+#[test]
+fn a_guest_that_stops_posting_holds_the_nics_poll_only_for_a_bounded_time_and_loses_nothing_before()
+{
+    use netback::{RX_DESC_COST, RX_HOLD_LIMIT, RX_QUEUE_BYTES};
+    use std::time::Duration;
+    let mut w = world();
+    let (mut raw, mut bad, mut front, mut vif, good) = pair(&w);
+    let t0 = Duration::from_secs(1);
+    let empty = bad.rx_room(t0).expect("an empty queue limits the poll");
+    assert_eq!(empty, RX_QUEUE_BYTES / RX_DESC_COST);
+    // The driver domain polls the NIC for no more than the room it is given, here a
+    // full-sized frame a descriptor: the queue fills, nothing is dropped.
+    let mut queued = 0;
+    while let Some(room) = bad.rx_room(t0).filter(|&r| r > 0) {
+        for _ in 0..room {
+            let s = w.pool.alloc(NET_SKB_PAD).expect("buffer");
+            w.pool.put(s, &[1u8; 1514]).expect("put");
+            bad.start_xmit(&mut w.pool, s);
+            queued += 1;
+        }
+    }
+    assert_eq!(bad.stats().rx_queue_full, 0, "flow control lost nothing");
+    assert_eq!(bad.rx_queued(), queued);
+    // No room: the vif holds the poll, once counted, until its limit.
+    assert_eq!(bad.rx_room(t0), Some(0));
+    assert_eq!(bad.stats().rx_nic_held, 1);
+    assert_eq!(bad.rx_hold_until(), Some(t0 + RX_HOLD_LIMIT));
+    let almost = t0 + RX_HOLD_LIMIT - Duration::from_millis(1);
+    assert_eq!(bad.rx_room(almost), Some(0));
+    // The guest took nothing for the whole limit: let go, so that the NIC's other
+    // traffic flows; the well-behaved vif beside it never limited anything.
+    let late = t0 + RX_HOLD_LIMIT;
+    assert_eq!(bad.rx_room(late), None);
+    assert_eq!(bad.stats().rx_hold_expired, 1);
+    assert_eq!(bad.rx_hold_until(), None);
+    assert_eq!(bad.rx_room(late + Duration::from_secs(5)), None);
+    assert!(vif.rx_room(late).is_some_and(|r| r > 0));
+    // Its packets meanwhile are dropped at its own bounded queue (past the stopped
+    // device's backlog) and counted.
+    for _ in 0..=netback::RX_QUEUE_BACKLOG + RX_DESC_COST / 1514 + 1 {
+        let s = w.pool.alloc(NET_SKB_PAD).expect("buffer");
+        w.pool.put(s, &[1u8; 1514]).expect("put");
+        bad.start_xmit(&mut w.pool, s);
+    }
+    assert!(bad.stats().rx_queue_full > 0);
+    // Once it takes packets again and its queue drains to half, it is flow-controlled
+    // again.
+    for i in 0..256u32 {
+        let gref = raw.rx_buffer(w.drv.id()).expect("buffer");
+        raw.post_rx(
+            i,
+            RxRequest {
+                id: i as u16,
+                pad: 0,
+                gref,
+            },
+            i + 1,
+        );
+    }
+    bad.rx_action(&mut w.pool);
+    assert!(bad.rx_queued() * 1514 <= RX_QUEUE_BYTES / 2);
+    assert!(bad.rx_room(late).is_some_and(|r| r > 0));
+    good_still_works(&mut w, (&mut front, &mut vif, &good));
+}
+
 // --- Findings of the hostile-input run (issue 15) -----------------------------------
 
 #[test]

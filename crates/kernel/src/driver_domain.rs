@@ -226,8 +226,13 @@ impl DriverDomain {
             aoe_mac,
             aoe_head,
             aoe_unclaimed,
+            now,
             ..
         } = self;
+        // Flow control: no more descriptors than every vif's queue can take for
+        // certain; a full one pauses the poll, and the NIC leaves frames with their
+        // sender (`net::netback::flow`).
+        let budget = nic_budget(vifs, *now);
         let mut up = |pool: &mut SkbPool, skb: SkbId| {
             if !remote.is_empty() {
                 match aoe_input(pool, dom, skb, *aoe_mac, aoe_head, remote, at) {
@@ -259,11 +264,17 @@ impl DriverDomain {
             }
         };
         let mut n = 0;
-        if nic.napi_scheduled() {
-            n += nic.poll(pool, NAPI_BUDGET, &mut up);
+        if nic.napi_scheduled() && budget > 0 {
+            n += nic.poll(pool, budget, &mut up);
         }
         nic.lro_expire(pool, &mut up);
         n
+    }
+
+    /// Whether the NIC has received frames the driver can take now: its poll is
+    /// scheduled and no vif's full queue holds it.
+    fn nic_ready(&mut self) -> bool {
+        self.nic.napi_scheduled() && nic_budget(&mut self.vifs, self.now) > 0
     }
 
     /// Step 3, guest TX: each signalled vif's packets through the bridge to the NIC, or
@@ -627,6 +638,14 @@ fn aoe_output(nic: &mut NicDriver, pool: &mut SkbPool, frame: &[u8], full: &mut 
 }
 
 /// Hands a frame to the NIC (a full TX ring drops it).
+/// The NAPI budget a poll of the NIC may use: [`NAPI_BUDGET`] descriptors, or fewer
+/// where a vif's queue has room for fewer (0: a full one holds the poll).
+fn nic_budget(vifs: &mut [Vif], now: Duration) -> usize {
+    vifs.iter_mut()
+        .filter_map(|v| v.rx_room(now))
+        .fold(NAPI_BUDGET, usize::min)
+}
+
 fn to_nic(nic: &mut NicDriver, pool: &mut SkbPool, skb: SkbId) {
     if let Err(s) = nic.xmit(pool, skb) {
         pool.free(s);
@@ -688,12 +707,16 @@ impl Kernel for DriverDomain {
         }
     }
 
+    /// Always: a vif's hold on the NIC's poll runs out on the kernel's timer, and LRO
+    /// and remote disks keep time too.
     fn wants_clock(&self) -> bool {
-        self.nic.lro().is_some() || !self.remote.is_empty()
+        true
     }
 
     fn next_timer(&self) -> Option<Duration> {
         let lro = self.nic.lro_due_in().map(|d| self.now + d);
+        let held = self.vifs.iter().filter_map(|v| v.rx_hold_until()).min();
+        let lro = lro.into_iter().chain(held).min();
         // The initiators keep their own clock; their next deadline in the kernel's.
         let at = Instant::now();
         let remote = self
@@ -739,7 +762,7 @@ impl Kernel for DriverDomain {
         w.tx += tx;
         w.more = tx_waiting
             || disks_waiting
-            || self.nic.napi_scheduled()
+            || self.nic_ready()
             || self
                 .queues
                 .iter()

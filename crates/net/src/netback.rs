@@ -62,6 +62,7 @@ mod cache;
 mod credit;
 mod ctrl;
 mod direct;
+mod flow;
 mod handshake;
 mod rx;
 mod stats;
@@ -71,6 +72,8 @@ pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
 pub use credit::Credit;
 pub use ctrl::CTRL_WAITING;
 pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
+use flow::RxHold;
+pub use flow::{RX_DESC_COST, RX_HOLD_LIMIT};
 pub use handshake::{probe, probe_queues};
 use rx::{end_lent, GuestCopy, LentOrder, RxBatch, NIL};
 pub use stats::{RingOccupancy, VifStats};
@@ -197,6 +200,8 @@ pub struct Vif<X: Xen = Pvio> {
     ring_handles: [GrantHandle; 2],
     slot_base: u32,
     rx_queue: SkbQueue,
+    /// Its hold on the NIC's receive poll while the queue has no room.
+    rx_hold: RxHold,
     /// The front end takes packets over several slots (`feature-sg`).
     can_sg: bool,
     /// The front end takes large TCP packets whole (`feature-gso-tcpv4`).

@@ -635,10 +635,21 @@ fn place(ifname: &str, ns: &str, addr: &str, lladdr: Option<&str>) -> Result<(),
     if let Some(a) = lladdr {
         ip(&["-n", ns, "link", "set", "dev", ifname, "address", a])?;
     }
+    // The frames the kernel queues for pvio to read: a TAP drops what its queue cannot
+    // hold (it does not stop its sender's queueing discipline), and a TCP sender that
+    // pvio keeps waiting fills whatever its receiver's window allows.
+    let qlen = TAP_QUEUE_FRAMES.to_string();
+    ip(&["-n", ns, "link", "set", "dev", ifname, "txqueuelen", &qlen])?;
     ip(&["-n", ns, "addr", "add", addr, "dev", ifname])?;
     ip(&["-n", ns, "link", "set", "dev", ifname, "up"])?;
     ip(&["-n", ns, "link", "set", "dev", "lo", "up"])
 }
+
+/// Frames a TAP of `pvio up`'s queues toward pvio (its `txqueuelen`; Linux's default is
+/// 1000): a default receive window of MTU-sized TCP segments (Linux's `tcp_rmem` bound
+/// of 6 MiB, about 4000 frames after its overhead share), so that a single TCP flow
+/// that pvio holds back waits instead of losing frames at the interface.
+pub const TAP_QUEUE_FRAMES: u32 = 4096;
 
 /// A guest with a disk and no network, its block job kept to the disk's size (the
 /// first 64 MiB of a remote one, whose size it learns only once found).

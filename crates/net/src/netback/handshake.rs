@@ -613,6 +613,7 @@ impl<X: Xen> Vif<X> {
             ring_handles,
             slot_base,
             rx_queue: SkbQueue::with_backlog(RX_QUEUE_BYTES, RX_QUEUE_BACKLOG),
+            rx_hold: RxHold::default(),
             can_sg: n.can_sg,
             gso_rx: n.gso_rx,
             gso6_rx: n.gso6_rx,

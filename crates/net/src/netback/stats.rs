@@ -19,6 +19,12 @@ pub struct VifStats {
     pub rx_from_grants: u64,
     /// Times the RX action stopped for want of posted buffers.
     pub rx_stalls: u64,
+    /// Times its queue had no room and held the NIC's receive poll (flow control: the
+    /// NIC then leaves frames with its sender instead of this vif dropping them).
+    pub rx_nic_held: u64,
+    /// Times it held the poll for [`RX_HOLD_LIMIT`] with its guest taking nothing, and
+    /// was let go (its packets then dropped at its queue until it drains to half).
+    pub rx_hold_expired: u64,
     /// TX packets passed to the bridge.
     pub tx_packets: u64,
     /// Bytes of those packets.
@@ -101,6 +107,8 @@ hv::counter_set!(VifStats {
     rx_copy_errors,
     rx_from_grants,
     rx_stalls,
+    rx_nic_held,
+    rx_hold_expired,
     tx_packets,
     tx_bytes,
     tx_grant_errors,
