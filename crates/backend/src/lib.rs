@@ -675,7 +675,14 @@ impl Backend {
         };
         let want = format!("vif{}.{handle}", fe.0);
         let tap = mem::tap::open_tap_offload(&want, mem::tap::TapOffload::CsumTso).and_then(
-            |(f, name)| Ok((TapPort::start_with(f, mem::tap::TapOffload::CsumTso)?, name)),
+            |(f, name)| {
+                // One frame a call until batched I/O has run under a real Xen.
+                let io = dev::tap::EdgeIo::Plain;
+                Ok((
+                    TapPort::start_io(f, mem::tap::TapOffload::CsumTso, io)?,
+                    name,
+                ))
+            },
         );
         let (tap, ifname) = match tap {
             Ok(t) => t,

@@ -148,9 +148,6 @@ pub struct TapGuest {
     front: Netfront,
     pool: SkbPool,
     tap: TapPort,
-    /// One frame's bytes on their way to the TAP: netfront's buffers are a head and
-    /// page fragments, a write wants one slice.
-    scratch: Vec<u8>,
     /// Frames from the TAP that did not fit a buffer.
     tx_dropped: u64,
     /// Times a frame from the TAP waited: no page for it, or netfront's ring full.
@@ -167,7 +164,6 @@ impl TapGuest {
             front,
             pool,
             tap,
-            scratch: vec![0; 65536],
             tx_dropped: 0,
             tx_wait_pool: 0,
             tx_wait_ring: 0,
@@ -189,7 +185,6 @@ impl Kernel for TapGuest {
             front,
             pool,
             tap,
-            scratch,
             tx_dropped,
             tx_wait_pool,
             tx_wait_ring,
@@ -200,14 +195,15 @@ impl Kernel for TapGuest {
         pool.retry_deferred();
         let mut w = Work {
             rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| {
-                let len = pool.len(skb).min(scratch.len());
-                if pool.read(skb, 0, &mut scratch[..len]).is_ok() {
-                    tap.send(&scratch[..len], pool.offload(skb));
-                }
+                // Read straight into where the frame leaves from; the frames of one
+                // poll go to the TAP together.
+                let len = pool.len(skb);
+                tap.send_with(len, pool.offload(skb), |buf| pool.read(skb, 0, buf).is_ok());
                 pool.free(skb);
             }),
             ..Work::default()
         };
+        tap.flush();
         // A frame netfront cannot take yet (its ring or the pool is full) waits in the
         // TAP's queue: the stack behind it is held back, not dropped on.
         w.tx = tap.recv(|frame, off| {

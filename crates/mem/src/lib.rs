@@ -27,6 +27,7 @@ pub mod packet;
 pub mod poll;
 mod shared;
 pub mod tap;
+pub mod tapring;
 pub mod uring;
 mod window;
 pub mod xen;

@@ -192,6 +192,11 @@ enum Command {
         /// would not).
         #[arg(long)]
         split_ring: bool,
+        /// How frames cross the TAPs: `batched` through an io_uring, many frames a
+        /// system call (one frame a call where the kernel cannot), or `plain`, one
+        /// `read` or `write` a frame. Also with `--machine`.
+        #[arg(long, value_enum, default_value_t = EdgeArg::Batched)]
+        edge_io: EdgeArg,
         /// With `--lro delayed`: flush every this many polls (the paper's 2); refused
         /// with any other `--lro`.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -307,6 +312,15 @@ enum DmaArg {
     Cache,
     /// Memory (the papers' 2008 platforms).
     Memory,
+}
+
+/// How `pvio up` moves frames across its TAPs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum EdgeArg {
+    /// In batches through an io_uring (one frame a call where the kernel cannot).
+    Batched,
+    /// One `read` or `write` a frame.
+    Plain,
 }
 
 /// A driver-domain failure `pvio up` can inject.
@@ -568,6 +582,17 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
     println!(
         "down: wire in {} out {}, guest in {} out {}, oversize {}",
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
+    );
+    let frames = c.wire_in + c.wire_out + c.guest_in + c.guest_out;
+    println!(
+        "edge: {} system calls for {frames} frames across the interfaces ({:.3} a frame; {})",
+        c.edge_syscalls,
+        c.edge_syscalls as f64 / frames.max(1) as f64,
+        if c.batched {
+            "batched"
+        } else {
+            "one frame a call"
+        }
     );
     if !cfg.disks.is_empty() {
         // A kernel that did not answer in time leaves its counters out: no line then
@@ -909,6 +934,7 @@ fn main() -> ExitCode {
             cable,
             dma,
             split_ring,
+            edge_io,
             seconds,
             keep_namespaces,
             watchdog_ms,
@@ -918,9 +944,13 @@ fn main() -> ExitCode {
             pcap,
             machine,
         } => {
+            let edge_io = match edge_io {
+                EdgeArg::Batched => up::EdgeIo::Batched,
+                EdgeArg::Plain => up::EdgeIo::Plain,
+            };
             let cfg = match machine {
                 Some(file) => match up::machine_file::load(&file) {
-                    Ok(c) => up::UpConfig { pcap, ..c },
+                    Ok(c) => up::UpConfig { pcap, edge_io, ..c },
                     Err(e) => {
                         eprintln!("pvio up: {e}");
                         return ExitCode::from(2);
@@ -967,6 +997,7 @@ fn main() -> ExitCode {
                         DmaArg::Cache => up::DmaLanding::Cache,
                         DmaArg::Memory => up::DmaLanding::Memory,
                     },
+                    edge_io,
                     ..up::UpConfig::default()
                 },
             };

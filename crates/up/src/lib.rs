@@ -27,6 +27,8 @@ use std::sync::Arc;
 pub use kernel::driver_domain::DriverConfig;
 use kernel::machine::{Above, GuestSpec};
 
+/// How frames cross the TAPs (`UpConfig::edge_io`).
+pub use dev::tap::EdgeIo;
 pub use hv::iommu::DmaLanding;
 use rig::tools::ip;
 use rig::udp::{flow, Config, Options, Plumbing, Running};
@@ -82,6 +84,9 @@ pub struct UpConfig {
     /// processor puts a NIC's writes in its last-level cache (Data Direct I/O, since
     /// 2012): `Cache` by default. `Memory` is the papers' 2008 platform.
     pub dma_landing: hv::iommu::DmaLanding,
+    /// How frames cross the TAPs: in batches through an io_uring (falling back to one
+    /// frame a call where the kernel cannot), or one `read` or `write` a frame.
+    pub edge_io: dev::tap::EdgeIo,
 }
 
 /// A guest whose one device is a virtual disk, and the job it runs on it until the
@@ -296,6 +301,7 @@ impl Default for UpConfig {
             cpus: None,
             cable: None,
             dma_landing: hv::iommu::DmaLanding::Cache,
+            edge_io: dev::tap::EdgeIo::Batched,
         }
     }
 }
@@ -357,6 +363,13 @@ pub struct UpCounters {
     pub oversize: u64,
     /// Frames the NIC had no posted buffer for (its missed-packet counter).
     pub rx_missed: u64,
+    /// System calls the machine's ports made to move frames across the interfaces
+    /// (the cable's and the guests': reads, writes, `io_uring_enter`s, packet-socket
+    /// sends and polls).
+    pub edge_syscalls: u64,
+    /// Whether every port moves its frames in batches (an io_uring, or a packet
+    /// socket's mapped rings).
+    pub batched: bool,
 }
 
 fn netns_exists(name: &str) -> bool {
@@ -715,7 +728,7 @@ fn bring_up(
             let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
                 .map_err(|e| Error::Other(format!("tap: {e}")))?;
             place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
-            let mut wire = dev::tap::TapPort::start_with(wire_file, wire_taps)
+            let mut wire = dev::tap::TapPort::start_io(wire_file, wire_taps, cfg.edge_io)
                 .map_err(|e| Error::Other(e.to_string()))?;
             if let Some(w) = &wire_capture {
                 wire.capture(&w.1);
@@ -734,7 +747,7 @@ fn bring_up(
             .map_err(|e| Error::Other(format!("tap: {e}")))?;
         let mac = UpGuest::mac(i);
         place(&ifname, &g.ns, &g.addr, Some(&mac_text(mac)))?;
-        let mut tap = dev::tap::TapPort::start_with(file, tap_offload(on))
+        let mut tap = dev::tap::TapPort::start_io(file, tap_offload(on), cfg.edge_io)
             .map_err(|e| Error::Other(e.to_string()))?;
         if let Some(dir) = &cfg.pcap {
             let c = capture_file(dir, &guest_pcap(&g.name))?;
@@ -805,6 +818,9 @@ impl Up {
             guest_in_bytes: sum(&|c| l(&c.bytes_out)),
             guest_out: sum(&|c| l(&c.frames_in)),
             oversize: l(&self.wire.oversize_in) + sum(&|c| l(&c.oversize_in)),
+            edge_syscalls: l(&self.wire.syscalls) + sum(&|c| l(&c.syscalls)),
+            batched: (self.cable || l(&self.wire.batched) == 1)
+                && self.guests.iter().all(|(_, c)| l(&c.batched) == 1),
             rx_missed: self
                 .running
                 .as_ref()

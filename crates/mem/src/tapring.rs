@@ -1,0 +1,582 @@
+//! Batched frame I/O on a TAP (or any descriptor that reads and writes one frame a
+//! call) through an io_uring: many frames each way for one system call.
+//!
+//! **Receive.** One multishot read (`IORING_OP_READ_MULTISHOT`, Linux 6.7) stays armed
+//! on the descriptor with a ring of provided buffers (`IORING_REGISTER_PBUF_RING`,
+//! 5.19): each frame the kernel has lands in a buffer it picks, and its completion
+//! names the buffer. The ring is set up with cooperative task running
+//! (`IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG`): the reads run in the
+//! owner's thread the next time it enters the kernel, which the ring's shared flags say
+//! it should; so a look that finds frames costs one `io_uring_enter` for all of them,
+//! and one that finds none costs nothing but loads. A consumed buffer goes back to the
+//! kernel by a store to the buffer ring, not a call. The descriptor itself stays what
+//! wakes the owner (its queue is readable until the reads have run).
+//!
+//! **Transmit.** A frame is written into one of the ring's own slots (the copy its
+//! owner would otherwise hand to `write`), queued as a write, and every queued write
+//! goes to the kernel in one `io_uring_enter` ([`TapRing::flush`]); a TAP's write
+//! completes inline, so its slot is free again when the call returns.
+//!
+//! [`TapRing::new`] fails where the kernel has no io_uring, refuses it, or lacks the
+//! multishot read; the owner then reads and writes one frame a call.
+
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU16, Ordering};
+
+use io_uring::{cqueue, opcode, types, IoUring, Probe};
+
+use crate::MemError;
+
+/// The provided-buffer group of the receive buffers.
+const RX_GROUP: u16 = 7;
+/// The user data of the multishot read's completions (a write's is its slot).
+const RX_TAG: u64 = u64::MAX;
+
+fn os(e: std::io::Error) -> MemError {
+    MemError::Os(e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+/// Anonymous memory, page-aligned, unmapped when dropped.
+#[derive(Debug)]
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the region is plain memory owned by one TapRing; the kernel reads and writes it
+// only through the ring the same owner drives.
+unsafe impl Send for Region {}
+
+impl Region {
+    fn new(len: usize) -> Result<Self, MemError> {
+        let len = len.div_ceil(crate::PAGE_SIZE).max(1) * crate::PAGE_SIZE;
+        // SAFETY: an anonymous private mapping of `len` bytes, with no address hint; the
+        // result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(os(std::io::Error::last_os_error()));
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    fn addr(&self, at: usize) -> u64 {
+        self.ptr as u64 + at as u64
+    }
+
+    fn bytes(&self, at: usize, len: usize) -> &[u8] {
+        assert!(at + len <= self.len);
+        // SAFETY: within the mapping (asserted); the kernel writes a buffer only while it
+        // is with the kernel (posted to the buffer ring, or a write in flight reads it),
+        // and the owner reads or writes it only after its completion, before it goes
+        // back.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(at), len) }
+    }
+
+    fn bytes_mut(&mut self, at: usize, len: usize) -> &mut [u8] {
+        assert!(at + len <= self.len);
+        // SAFETY: as `bytes`; `&mut self` makes this the only reference the owner holds.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), len) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, of this length; nothing refers to it now
+        // (the ring that used it was dropped first: see TapRing's field order).
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+/// What one look at the ring found, frame by frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RxEvent {
+    /// A frame of this many bytes in buffer `bid`.
+    Frame { bid: u16, len: usize },
+    /// A read failed other than for want of input or buffers (its errno), or the input
+    /// ended (0): nothing more will be read.
+    Error(i32),
+}
+
+/// Counters of the ring's work.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TapRingStats {
+    /// `io_uring_enter` calls (system calls).
+    pub enters: u64,
+    /// Frames read.
+    pub reads: u64,
+    /// Frames written.
+    pub writes: u64,
+    /// Times the multishot read was armed again (it ended for want of buffers).
+    pub rearms: u64,
+}
+
+/// An io_uring serving one TAP's frames both ways.
+pub struct TapRing {
+    // Dropped first: the kernel lets go of every buffer and slot with the ring.
+    ring: IoUring,
+    file: OwnedFd,
+    rx_mem: Region,
+    rx_ring: Region,
+    rx_size: usize,
+    rx_count: u16,
+    /// The buffer ring's tail as last published.
+    rx_tail: u16,
+    /// The multishot read is in the kernel.
+    rx_armed: bool,
+    /// A read failed for good: not armed again.
+    rx_failed: bool,
+    /// Frames (and failures) reaped and not yet handed on, in order.
+    ready: std::collections::VecDeque<RxEvent>,
+    tx_mem: Region,
+    tx_size: usize,
+    tx_free: Vec<u16>,
+    /// Each slot's length as queued: a write that moved less failed.
+    tx_len: Box<[u32]>,
+    /// Writes placed in the submission queue and not yet handed to the kernel.
+    tx_queued: usize,
+    /// Writes whose completion has not been reaped.
+    tx_in_flight: usize,
+    tx_errors: u64,
+    stats: TapRingStats,
+}
+
+impl std::fmt::Debug for TapRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TapRing")
+            .field("rx", &(self.rx_count, self.rx_size))
+            .field("tx_free", &self.tx_free.len())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl TapRing {
+    /// A ring for `file` with `rx_count` receive buffers (a power of two, at most
+    /// 32768; 0 for a ring that only transmits) and `tx_count` transmit slots, each
+    /// `size` bytes. The calling thread is the one whose kernel entries run the reads:
+    /// make it on the thread that will look at it. Fails where the kernel
+    /// lacks what it needs (see the module's notes).
+    pub fn new(
+        file: BorrowedFd<'_>,
+        rx_count: u16,
+        tx_count: u16,
+        size: usize,
+    ) -> Result<Self, MemError> {
+        if (rx_count != 0 && !rx_count.is_power_of_two())
+            || rx_count > 32768
+            || tx_count == 0
+            || size == 0
+        {
+            return Err(MemError::Os(libc::EINVAL));
+        }
+        let entries = (u32::from(tx_count) + 8).next_power_of_two();
+        let ring = IoUring::builder()
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .setup_single_issuer()
+            .setup_cqsize(4 * (entries + u32::from(rx_count)))
+            .build(entries)
+            .map_err(os)?;
+        let mut probe = Probe::new();
+        ring.submitter().register_probe(&mut probe).map_err(os)?;
+        if !probe.is_supported(opcode::ReadMulti::CODE) || !probe.is_supported(opcode::Write::CODE)
+        {
+            return Err(MemError::Os(libc::EOPNOTSUPP));
+        }
+        let file = file.try_clone_to_owned().map_err(os)?;
+        let rx_mem = Region::new(usize::from(rx_count) * size)?;
+        let rx_ring =
+            Region::new(usize::from(rx_count) * std::mem::size_of::<types::BufRingEntry>())?;
+        if rx_count > 0 {
+            // SAFETY: `rx_ring` is page-aligned, `rx_count` entries long, zeroed (its
+            // tail 0), and lives as long as the ring (dropped after it).
+            unsafe {
+                ring.submitter()
+                    .register_buf_ring_with_flags(rx_ring.addr(0), rx_count, RX_GROUP, 0)
+                    .map_err(os)?;
+            }
+        }
+        let tx_mem = Region::new(usize::from(tx_count) * size)?;
+        let mut r = Self {
+            ring,
+            file,
+            rx_mem,
+            rx_ring,
+            rx_size: size,
+            rx_count,
+            rx_tail: 0,
+            rx_armed: false,
+            rx_failed: false,
+            ready: std::collections::VecDeque::with_capacity(usize::from(rx_count)),
+            tx_mem,
+            tx_size: size,
+            tx_free: (0..tx_count).rev().collect(),
+            tx_len: vec![0; usize::from(tx_count)].into_boxed_slice(),
+            tx_queued: 0,
+            tx_in_flight: 0,
+            tx_errors: 0,
+            stats: TapRingStats::default(),
+        };
+        if rx_count == 0 {
+            // Transmit only: nothing is ever read.
+            r.rx_failed = true;
+            return Ok(r);
+        }
+        for bid in 0..rx_count {
+            r.put_back(bid);
+        }
+        r.arm()?;
+        r.enter()?;
+        Ok(r)
+    }
+
+    /// The ring's counters.
+    pub fn stats(&self) -> TapRingStats {
+        self.stats
+    }
+
+    /// Writes that failed or came up short.
+    pub fn tx_errors(&self) -> u64 {
+        self.tx_errors
+    }
+
+    /// The descriptor served.
+    pub fn raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// The ring's own descriptor: readable while completions wait to be reaped.
+    pub fn ring_fd(&self) -> RawFd {
+        self.ring.as_raw_fd()
+    }
+
+    /// Gives receive buffer `bid` back to the kernel.
+    fn put_back(&mut self, bid: u16) {
+        let base = self.rx_ring.ptr.cast::<types::BufRingEntry>();
+        let i = self.rx_tail & (self.rx_count - 1);
+        // SAFETY: entry `i` is within the buffer ring (i < rx_count); the kernel reads
+        // entries only below the tail published next, so this one is the owner's.
+        let e = unsafe { &mut *base.add(usize::from(i)) };
+        e.set_addr(self.rx_mem.addr(usize::from(bid) * self.rx_size));
+        e.set_len(self.rx_size as u32);
+        e.set_bid(bid);
+        self.rx_tail = self.rx_tail.wrapping_add(1);
+        // SAFETY: the tail field of entry 0 (the ring's base), a u16 the kernel reads
+        // concurrently: published with a release store after the entry is written.
+        let tail = unsafe { &*types::BufRingEntry::tail(base).cast::<AtomicU16>() };
+        tail.store(self.rx_tail, Ordering::Release);
+    }
+
+    /// Places the multishot read in the submission queue.
+    fn arm(&mut self) -> Result<(), MemError> {
+        let e = opcode::ReadMulti::new(types::Fd(self.file.as_raw_fd()), 0, RX_GROUP)
+            .build()
+            .user_data(RX_TAG);
+        // SAFETY: the read writes only into provided buffers of group RX_GROUP, which
+        // live in `rx_mem` as long as the ring.
+        unsafe { self.ring.submission().push(&e) }.map_err(|_| MemError::Os(libc::EBUSY))?;
+        self.rx_armed = true;
+        Ok(())
+    }
+
+    /// One `io_uring_enter`: hands queued entries to the kernel and runs the reads
+    /// that input has made due.
+    fn enter(&mut self) -> Result<(), MemError> {
+        self.stats.enters += 1;
+        self.tx_in_flight += self.tx_queued;
+        self.tx_queued = 0;
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(()),
+            Err(e) => Err(os(e)),
+        }
+    }
+
+    /// Whether a look would find something: frames already reaped, completions
+    /// posted, or reads the kernel has made due for this thread to run.
+    pub fn pending(&self) -> bool {
+        if !self.ready.is_empty() {
+            return true;
+        }
+        // SAFETY: the shared queues are only read here (their flags and indices), and
+        // dropped before returning; every other use of them takes `&mut self`, which
+        // cannot coexist with this `&self`.
+        unsafe {
+            self.ring.submission_shared().taskrun() || !self.ring.completion_shared().is_empty()
+        }
+    }
+
+    /// Moves every posted completion out of the queue: a write's frees its slot, a
+    /// read's frame (or failure) joins the frames ready, in order.
+    fn reap(&mut self) {
+        let mut eof_bid = None;
+        let mut cq = self.ring.completion();
+        cq.sync();
+        for c in &mut cq {
+            let res = c.result();
+            if c.user_data() != RX_TAG {
+                self.tx_in_flight = self.tx_in_flight.saturating_sub(1);
+                let want = match u16::try_from(c.user_data()) {
+                    Ok(slot) if usize::from(slot) < self.tx_len.len() => {
+                        self.tx_free.push(slot);
+                        self.tx_len[usize::from(slot)]
+                    }
+                    _ => 0,
+                };
+                if res < 0 || res as u32 != want {
+                    self.tx_errors += 1;
+                } else {
+                    self.stats.writes += 1;
+                }
+                continue;
+            }
+            if !cqueue::more(c.flags()) {
+                self.rx_armed = false;
+            }
+            if res < 0 {
+                // For want of input or of buffers the read is armed again at the next
+                // look; any other failure ends it (a descriptor in error would fail at
+                // once again).
+                if res != -libc::ENOBUFS && res != -libc::EAGAIN && res != -libc::EINTR {
+                    self.rx_failed = true;
+                    self.ready.push_back(RxEvent::Error(-res));
+                }
+                continue;
+            }
+            if res == 0 {
+                // End of input (a peer gone): nothing more will come.
+                eof_bid = cqueue::buffer_select(c.flags());
+                self.rx_failed = true;
+                self.ready.push_back(RxEvent::Error(0));
+                continue;
+            }
+            // The kernel names only buffers it was given; one it was not is counted
+            // and skipped rather than trusted.
+            if let Some(bid) = cqueue::buffer_select(c.flags()).filter(|&b| b < self.rx_count) {
+                self.stats.reads += 1;
+                let len = (res as usize).min(self.rx_size);
+                self.ready.push_back(RxEvent::Frame { bid, len });
+            }
+        }
+        drop(cq);
+        if let Some(bid) = eof_bid {
+            self.put_back(bid);
+        }
+    }
+
+    /// Hands the frames read so far to `f` in order, until `f` has taken `max` or
+    /// refuses one (returns false: that frame is handed on first next time). Enters
+    /// the kernel at most once, and only if it has reads due (or the read must be armed
+    /// again). Returns the frames taken; a read's failure is handed on as
+    /// [`RxEvent::Error`] with no bytes, and ends the reading.
+    pub fn recv(&mut self, max: usize, mut f: impl FnMut(RxEvent, &[u8]) -> bool) -> usize {
+        let mut n = 0;
+        let mut entered = false;
+        while n < max {
+            if self.ready.is_empty() {
+                self.reap();
+            }
+            let Some(ev) = self.ready.pop_front() else {
+                let rearm = !self.rx_armed && !self.rx_failed;
+                if entered || !(rearm || self.ring.submission().taskrun()) {
+                    break;
+                }
+                if rearm && self.arm().is_ok() {
+                    self.stats.rearms += 1;
+                }
+                entered = true;
+                if self.enter().is_err() {
+                    break;
+                }
+                continue;
+            };
+            match ev {
+                RxEvent::Frame { bid, len } => {
+                    let at = usize::from(bid) * self.rx_size;
+                    if !f(ev, self.rx_mem.bytes(at, len)) {
+                        self.ready.push_front(ev);
+                        return n;
+                    }
+                    self.put_back(bid);
+                    n += 1;
+                }
+                RxEvent::Error(_) => {
+                    f(ev, &[]);
+                    return n;
+                }
+            }
+        }
+        n
+    }
+
+    /// Hands every queued write to the kernel in one call, and frees the slots of
+    /// those done.
+    pub fn flush(&mut self) {
+        if self.tx_queued > 0 {
+            let _ = self.enter();
+        }
+        self.reap();
+    }
+
+    /// Writes queued and not yet handed to the kernel.
+    pub fn queued(&self) -> usize {
+        self.tx_queued
+    }
+
+    /// Writes one frame: `fill` puts at most `len` bytes in a slot and says how many;
+    /// the write goes with the next [`TapRing::flush`] (or now, if the queue is full).
+    /// False if no slot could be had.
+    pub fn send(&mut self, len: usize, fill: impl FnOnce(&mut [u8]) -> usize) -> bool {
+        if len > self.tx_size {
+            self.tx_errors += 1;
+            return false;
+        }
+        if self.tx_free.is_empty() {
+            self.reap();
+        }
+        if self.tx_free.is_empty() || self.ring.submission().is_full() {
+            self.flush();
+        }
+        let Some(slot) = self.tx_free.pop() else {
+            return false;
+        };
+        let at = usize::from(slot) * self.tx_size;
+        let n = fill(self.tx_mem.bytes_mut(at, len)).min(len);
+        let e = opcode::Write::new(
+            types::Fd(self.file.as_raw_fd()),
+            self.tx_mem.addr(at) as *const u8,
+            n as u32,
+        )
+        .offset(u64::MAX)
+        .build()
+        .user_data(u64::from(slot));
+        // SAFETY: the write reads `n` bytes of slot `slot`, which stays out of the free
+        // list until its completion is reaped.
+        if unsafe { self.ring.submission().push(&e) }.is_err() {
+            self.tx_free.push(slot);
+            self.tx_errors += 1;
+            return false;
+        }
+        self.tx_len[usize::from(slot)] = n as u32;
+        self.tx_queued += 1;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixDatagram;
+
+    /// A ring over one end of a datagram socket pair (a frame a read, as a TAP gives),
+    /// or None where the kernel cannot run it.
+    fn pair() -> Option<(TapRing, UnixDatagram, UnixDatagram)> {
+        let (a, b) = UnixDatagram::pair().expect("pair");
+        a.set_nonblocking(true).expect("nonblocking");
+        match TapRing::new(a.as_fd(), 16, 8, 2048) {
+            Ok(r) => Some((r, a, b)),
+            Err(e) => {
+                eprintln!("no io_uring with multishot reads here: {e:?}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn frames_cross_in_order_both_ways_many_to_a_call() {
+        let Some((mut r, _a, peer)) = pair() else {
+            return;
+        };
+        // More frames than buffers: the read ends for want of them and is armed again.
+        let frames: Vec<Vec<u8>> = (0..40u8).map(|i| vec![i; 60 + usize::from(i)]).collect();
+        for f in &frames {
+            peer.send(f).expect("send");
+        }
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        for _ in 0..20 {
+            r.recv(64, |ev, bytes| {
+                assert!(matches!(ev, RxEvent::Frame { .. }));
+                got.push(bytes.to_vec());
+                true
+            });
+            if got.len() == frames.len() {
+                break;
+            }
+        }
+        assert_eq!(got, frames);
+        let st = r.stats();
+        assert!(st.enters < frames.len() as u64 / 2, "batched: {st:?}");
+        // A refused frame is handed on first next time.
+        peer.send(&[7u8; 70]).expect("send");
+        peer.send(&[8u8; 80]).expect("send");
+        let mut refused = 0;
+        while refused == 0 {
+            r.recv(64, |_, b| {
+                assert_eq!(b, &[7u8; 70][..]);
+                refused += 1;
+                false
+            });
+        }
+        let mut next = Vec::new();
+        while next.len() < 2 {
+            r.recv(64, |_, b| {
+                next.push(b[0]);
+                true
+            });
+        }
+        assert_eq!(next, [7, 8]);
+        // Twenty frames out (more than the slots), one call a full queue.
+        for i in 0..20u8 {
+            assert!(r.send(100, |buf| {
+                buf[..50].fill(i);
+                50
+            }));
+        }
+        r.flush();
+        let mut buf = [0u8; 200];
+        for i in 0..20u8 {
+            let n = peer.recv(&mut buf).expect("frame");
+            assert_eq!(&buf[..n], &[i; 50][..]);
+        }
+        assert_eq!(r.tx_errors(), 0);
+        assert!(r.stats().writes >= 20);
+        assert!(!r.send(4096, |_| 0), "larger than a slot: refused");
+    }
+
+    #[test]
+    fn a_look_that_finds_nothing_makes_no_system_call() {
+        let Some((mut r, _a, peer)) = pair() else {
+            return;
+        };
+        peer.send(b"last").expect("send");
+        let mut seen = Vec::new();
+        while seen.is_empty() {
+            r.recv(64, |_, b| {
+                seen.push(b.to_vec());
+                true
+            });
+        }
+        let before = r.stats().enters;
+        for _ in 0..100 {
+            assert_eq!(r.recv(64, |_, _| true), 0);
+            assert!(!r.pending());
+        }
+        assert_eq!(r.stats().enters, before, "idle looks are loads, not calls");
+        assert_eq!(seen, [b"last".to_vec()]);
+    }
+}
