@@ -128,7 +128,7 @@ impl Machine {
             Some(set) => CpuPool::of(set)?,
             None => CpuPool::all(),
         };
-        let (plan, device_pcpu) = cpu_plan(&spec.layout, &pool, spec.idle);
+        let (plan, device_pcpu) = cpu_plan(&spec.layout, &pool, spec.idle, spec.nic.core);
         let pcpu_cores = plan.cores.iter().flatten().copied().collect();
         let sched = Scheduler::new(&plan, spec.sample).map_err(other)?;
         let mut m = Machine {

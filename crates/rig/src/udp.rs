@@ -417,6 +417,8 @@ pub struct Plumbing {
     /// configuration, and each guest's VIF priority. The guests' TAPs go above their VIF
     /// drivers.
     pub svnic: Option<(dev::svnic::device::SvnicConfig, Vec<Option<u8>>)>,
+    /// The layout core the NIC's engine runs on (`NicSpec::core`; `None`: the rule).
+    pub nic_core: Option<usize>,
 }
 
 impl Running {
@@ -459,6 +461,7 @@ impl Running {
                     coalesce: opts.coalesce,
                     source: p.wire,
                     sink: p.sink,
+                    core: p.nic_core,
                 };
                 svnic = p.svnic.take();
                 (nic, p.guests)
@@ -468,6 +471,7 @@ impl Running {
                     coalesce: opts.coalesce,
                     source: Box::new(sender),
                     sink: Box::new(CountingSink::default()),
+                    core: None,
                 };
                 let guests = std::iter::once(GuestSpec {
                     weight: 1,

@@ -189,9 +189,14 @@ pub(super) fn device_policies(
 /// The machine's pCPUs: one on each core of `pool` the layout uses, its device engines'
 /// included, idling by `idle` (a sleeping device's own cores by its own policy).
 /// Returns the plan and the index of the pCPU the device engines run on.
-pub(super) fn cpu_plan(layout: &Layout, pool: &CpuPool, idle: IdlePolicy) -> (CpuPlan, usize) {
+pub(super) fn cpu_plan(
+    layout: &Layout,
+    pool: &CpuPool,
+    idle: IdlePolicy,
+    nic_core: Option<usize>,
+) -> (CpuPlan, usize) {
     let mut cores = layout_cores(layout, pool);
-    let dev_core = device_core(layout, &cores, pool);
+    let dev_core = nic_core.map_or_else(|| device_core(layout, &cores, pool), |c| pool.core(c));
     if !cores.contains(&dev_core) {
         cores.push(dev_core);
         cores.sort_unstable();

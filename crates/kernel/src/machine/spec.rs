@@ -24,6 +24,10 @@ pub struct NicSpec {
     pub source: Box<dyn WireSource>,
     /// Where what it sends goes.
     pub sink: Box<dyn WireSink>,
+    /// The layout core its engine runs on (an index into the machine's pool); `None`:
+    /// a core of its own if the pool has one free, else the core of the domain that
+    /// does not drive it ([`crate::machine`]'s rule for the papers' measurements).
+    pub core: Option<usize>,
 }
 
 /// What runs above a PV guest's netfront.
@@ -207,6 +211,7 @@ impl NicSpec {
             coalesce: Coalesce::default(),
             source,
             sink,
+            core: None,
         }
     }
 }

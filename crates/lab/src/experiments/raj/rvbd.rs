@@ -247,6 +247,7 @@ fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), Erro
                 coalesce: Coalesce::default(),
                 source: Box::new(Silence),
                 sink: Box::new(CountingSink::default()),
+                core: None,
             },
             None,
         ),
@@ -277,6 +278,7 @@ fn cable(path: Where, disk: &Path) -> Result<(NicSpec, Option<RemoteHost>), Erro
                     coalesce: Coalesce::default(),
                     source: Box::new(wire),
                     sink: Box::new(sink),
+                    core: None,
                 },
                 Some(host),
             )
