@@ -11,7 +11,7 @@ use hv::{DeviceId, Iova};
 use net::offload::{Csum, Offload, MAX_HEADERS};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -52,6 +52,9 @@ pub(super) struct RxQueue {
     pub(super) pending: u32,
     pub(super) first_pending: Option<Instant>,
     pub(super) last_pending: Option<Instant>,
+    /// A guest queue: since when a frame for it has waited with the source for want of
+    /// a buffer (flow control, bounded by [`GUEST_QUEUE_HOLD`]).
+    pub(super) starved_since: Option<Instant>,
 }
 
 impl RxQueue {
@@ -60,8 +63,16 @@ impl RxQueue {
         self.pending = 0;
         self.first_pending = None;
         self.last_pending = None;
+        self.starved_since = None;
     }
 }
+
+/// The longest a guest's own queue without buffers holds the cable's frames with their
+/// source (a TAP's queue, whose sender slows down) before its frames are dropped, as a
+/// VMDq queue with drop enabled does: a guest that posts nothing pauses the others
+/// behind the same cable for this long at most, once, until it posts again (the vif's
+/// own bound, `net::netback::RX_HOLD_LIMIT`).
+pub const GUEST_QUEUE_HOLD: Duration = Duration::from_millis(20);
 
 /// The bytes a receive descriptor's buffer holds: its length field, 0 meaning a full
 /// frame.
@@ -163,6 +174,11 @@ impl Device {
             None
         };
         for q in 0..RX_QUEUES {
+            if let Some(t) = self.rxq[q].starved_since.filter(|_| self.holding) {
+                // A guest queue's hold runs out even if it never posts.
+                let d = t + GUEST_QUEUE_HOLD;
+                wake = Some(wake.map_or(d, |w| w.min(d)));
+            }
             self.maybe_interrupt(q, now);
             if self.rxq[q].pending > 0 {
                 // With interrupts off the driver is polling and will see the
@@ -291,12 +307,19 @@ impl Device {
         let mut refused = None;
         source.poll_held(now, &mut |f, off| match self.take(f, off) {
             Ok(()) => true,
-            // A guest's own queue without room drops its frame, as a VMDq NIC's queue
-            // with drop enabled does: one guest that posts no buffers must not pause
-            // the cable for the others. Only the default queue pauses it.
+            // A guest's own queue without room holds its frame with the source for a
+            // while (flow control), then drops what comes for it until it posts again,
+            // as a VMDq NIC's queue with drop enabled does: one guest that posts no
+            // buffers pauses the cable for the others only that long.
             Err(e) if e.q != 0 => {
-                self.missed(e);
-                true
+                let since = *self.rxq[e.q].starved_since.get_or_insert(now);
+                if now.saturating_duration_since(since) < GUEST_QUEUE_HOLD {
+                    refused = Some(e);
+                    false
+                } else {
+                    self.missed(e);
+                    true
+                }
             }
             Err(e) => {
                 refused = Some(e);
@@ -353,12 +376,32 @@ impl Device {
         let partial = matches!(off.csum, Csum::Partial { .. });
         if q != 0 && (partial || off.gso.is_some()) {
             // A guest queue's completions carry no offload: it gets what a cable of
-            // MTU-sized frames would have brought, checksums complete. (Cut frames
-            // that find no room are dropped as a cable's: their first parts are in.)
+            // MTU-sized frames would have brought, checksums complete. A large segment
+            // is cut only once the queue has a buffer for every frame of it, so that
+            // none is lost for want of one (flow control holds it meanwhile).
+            let head = &frame[..frame.len().min(MAX_HEADERS)];
+            let frames = match (off.gso, net::offload::checksum_setup(head, frame.len())) {
+                (Some(g), Ok(l4)) => (frame.len() - l4.headers())
+                    .div_ceil(usize::from(g.size).max(1))
+                    .max(1),
+                _ => 1,
+            };
+            self.room_for(q, frames)?;
             self.receive_cut(q, frame, off);
             return Ok(());
         }
         self.receive_one(q, frame, off)
+    }
+
+    /// Whether queue `q` has at least `n` free descriptors (a frame cut up takes one
+    /// each, as each fits a buffer); its lack of room if not.
+    fn room_for(&self, q: usize, n: usize) -> Result<(), NoRoom> {
+        let tail = self.regs.rxq[q].tail.load(Ordering::Acquire);
+        let free = (tail + RING_DESCS - self.rxq[q].head) % RING_DESCS;
+        if (free as usize) < n {
+            return Err(NoRoom { q, tail });
+        }
+        Ok(())
     }
 
     /// Counts a frame dropped for want of a descriptor on its queue.
@@ -439,6 +482,7 @@ impl Device {
             return Ok(());
         }
         self.rxq[q].head = h;
+        self.rxq[q].starved_since = None;
         qr.frames.fetch_add(1, Ordering::Relaxed);
         regs.rx_frames.fetch_add(1, Ordering::Relaxed);
         if !failed {
