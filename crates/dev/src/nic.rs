@@ -174,10 +174,11 @@ impl hv::sched::Unit for NicUnit {
             return Step::Done(Box::new(crate::wire::Silence));
         };
         if regs.stop.load(Ordering::Acquire) {
-            let s = self
+            let mut s = self
                 .source
                 .take()
                 .unwrap_or_else(|| Box::new(crate::wire::Silence));
+            s.close();
             return Step::Done(s);
         }
         match self

@@ -656,6 +656,18 @@ impl TapPort {
         true
     }
 
+    /// Ends the port's batched I/O on the calling thread (the one that armed its reads:
+    /// the consumer's, as it stops): queued frames go, the kernel lets go of the
+    /// interface, and the port moves frames one a call from then on.
+    pub fn close_io(&mut self) {
+        if let Ring::Up(r) = &mut self.ring {
+            r.close();
+        }
+        self.sync_ring_counts();
+        self.ring_line = None;
+        self.ring = Ring::None;
+    }
+
     /// Hands every frame queued for the interface over in one system call.
     pub fn flush(&mut self) {
         if let Ring::Up(r) = &mut self.ring {
@@ -812,6 +824,9 @@ impl WireSource for TapPort {
     }
     fn poll_held(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
         self.recv(|f, off| emit(f, off))
+    }
+    fn close(&mut self) {
+        self.close_io();
     }
 }
 
@@ -1037,6 +1052,28 @@ mod tests {
         let l4 = net::offload::checksum_setup(&got[..MAX_HEADERS], got.len()).expect("tcp");
         net::offload::fill_partial(&mut got, 34, 16).expect("fill");
         assert!(net::offload::verify(&got, &l4));
+    }
+
+    #[test]
+    #[ignore = "needs root: a TAP (.ci/run runs it as root)"]
+    fn a_batched_tap_is_gone_once_its_port_closes_so_the_next_of_its_name_can_be_made() {
+        let name = format!("pvtr{}", std::process::id() % 100_000);
+        let gone = || !std::path::Path::new("/sys/class/net").join(&name).exists();
+        for _ in 0..3 {
+            let (f, got) = mem::tap::open_tap(&name).expect("tap");
+            assert_eq!(got, name, "made afresh under its name");
+            let mut p = TapPort::start_io(f, TapOffload::None, EdgeIo::Batched).expect("port");
+            // Arms the read: a request in flight holds the interface's file.
+            p.recv(|_, _| true);
+            p.send_with(60, Offload::NONE, |b| {
+                b.fill(0xff);
+                true
+            });
+            p.flush();
+            p.close_io();
+            drop(p);
+            assert!(gone(), "the kernel let go of the interface");
+        }
     }
 
     #[test]

@@ -93,6 +93,9 @@ pub trait WireSource: Send {
     fn holds(&self) -> bool {
         false
     }
+    /// The device is done with the source for now (it stops, or hands the source on):
+    /// a source with work in the kernel ends it here, on the device's own thread.
+    fn close(&mut self) {}
     /// As [`Self::poll`], for a source that [`Self::holds`]: `emit` returns false for
     /// a frame the device refuses, which stays first in line, and the poll stops there.
     fn poll_held(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {

@@ -265,7 +265,9 @@ impl Kernel for TapGuest {
         c
     }
 
-    fn shutdown(self) -> Counters {
+    fn shutdown(mut self) -> Counters {
+        // On the vCPU's thread, which armed the TAP's reads.
+        self.tap.close_io();
         self.counters()
     }
 }

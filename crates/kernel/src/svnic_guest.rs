@@ -391,9 +391,14 @@ impl Kernel for SvnicGuest {
 
     fn shutdown(mut self) -> Counters {
         let c = self.counters();
-        if let Above::Stack(b) = &mut self.above {
-            let (pool, app) = &mut **b;
-            app.shutdown(pool);
+        match &mut self.above {
+            Above::Stack(b) => {
+                let (pool, app) = &mut **b;
+                app.shutdown(pool);
+            }
+            // On the vCPU's thread, which armed the TAP's reads.
+            Above::Tap(tap) => tap.close_io(),
+            _ => {}
         }
         c
     }

@@ -31,6 +31,10 @@ use crate::MemError;
 const RX_GROUP: u16 = 7;
 /// The user data of the multishot read's completions (a write's is its slot).
 const RX_TAG: u64 = u64::MAX;
+/// The user data of the cancellation of the read.
+const CANCEL_TAG: u64 = u64::MAX - 1;
+/// How long [`TapRing::close`] waits for the kernel to let go of the descriptor.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn os(e: std::io::Error) -> MemError {
     MemError::Os(e.raw_os_error().unwrap_or(libc::EIO))
@@ -152,6 +156,12 @@ pub struct TapRing {
     tx_in_flight: usize,
     tx_errors: u64,
     stats: TapRingStats,
+}
+
+impl Drop for TapRing {
+    fn drop(&mut self) {
+        self.close();
+    }
 }
 
 impl std::fmt::Debug for TapRing {
@@ -328,6 +338,9 @@ impl TapRing {
         cq.sync();
         for c in &mut cq {
             let res = c.result();
+            if c.user_data() == CANCEL_TAG {
+                continue;
+            }
             if c.user_data() != RX_TAG {
                 self.tx_in_flight = self.tx_in_flight.saturating_sub(1);
                 let want = match u16::try_from(c.user_data()) {
@@ -435,6 +448,40 @@ impl TapRing {
     /// Writes queued and not yet handed to the kernel.
     pub fn queued(&self) -> usize {
         self.tx_queued
+    }
+
+    /// Ends the ring's work on the descriptor: sends what is queued, cancels the read
+    /// and waits (a bounded while) until the kernel has let go of the descriptor. A
+    /// request in flight holds the file open, and a TAP whose file stays open after its
+    /// owner is done keeps its name, so the next TAP of that name could not be made. The
+    /// kernel finishes a cancelled read in the thread that armed it: call this there
+    /// (dropping the ring does, wherever it is dropped, and waits no longer than
+    /// [`CLOSE_WAIT`]).
+    pub fn close(&mut self) {
+        self.flush();
+        if self.rx_armed {
+            let e = opcode::AsyncCancel::new(RX_TAG)
+                .build()
+                .user_data(CANCEL_TAG);
+            // SAFETY: a cancellation names a request by its user data; it reads no
+            // memory of ours.
+            if unsafe { self.ring.submission().push(&e) }.is_err() {
+                return;
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let ts = types::Timespec::new().nsec(10_000_000);
+        while (self.rx_armed || self.tx_in_flight > 0) && t0.elapsed() < CLOSE_WAIT {
+            let args = types::SubmitArgs::new().timespec(&ts);
+            self.stats.enters += 1;
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
+                Err(_) => break,
+            }
+            self.reap();
+        }
+        self.rx_failed = true;
     }
 
     /// Writes one frame: `fill` puts at most `len` bytes in a slot and says how many;

@@ -245,6 +245,7 @@ impl Device {
                 }
             }
         }
+        source.close();
         source
     }
 
