@@ -282,7 +282,8 @@ enum Got {
 
 /// Judges `read`, the `n` bytes one read of an interface gave into a buffer of `size`:
 /// the header is the kernel's, but the frame behind it came from outside, so what it
-/// claims is checked against the frame. Its offload, or None (counted) to drop it.
+/// claims is checked against the frame. Its offload, or None (counted) to drop it. A
+/// frame judged good is counted in once taken ([`count_in`]).
 fn judge(read: &[u8], size: usize, vnet: bool, c: &TapCounters) -> Option<Offload> {
     let n = read.len();
     let hdr = if vnet { VNET_HDR_LEN } else { 0 };
@@ -306,12 +307,17 @@ fn judge(read: &[u8], size: usize, vnet: bool, c: &TapCounters) -> Option<Offloa
     } else {
         Offload::NONE
     };
+    Some(off)
+}
+
+/// Counts a frame of `len` bytes (header excluded) with `off` as taken from the
+/// interface.
+fn count_in(c: &TapCounters, len: usize, off: Offload) {
     if off.gso.is_some() {
         c.gso_in.fetch_add(1, Ordering::Relaxed);
     }
-    c.bytes_in.fetch_add((n - hdr) as u64, Ordering::Relaxed);
+    c.bytes_in.fetch_add(len as u64, Ordering::Relaxed);
     c.frames_in.fetch_add(1, Ordering::Relaxed);
-    Some(off)
 }
 
 /// A port's capture taps.
@@ -530,6 +536,7 @@ impl TapPort {
                 self.held = Some((len, off));
                 return n;
             }
+            count_in(&self.counters, len - hdr, off);
             if let Some(c) = &self.capture {
                 c.taken.frame(&self.buf[hdr..len]);
             }
@@ -566,13 +573,9 @@ impl TapPort {
                 };
                 if !f(&bytes[hdr..], off) {
                     // Judged again when it is handed on again.
-                    c.frames_in.fetch_sub(1, Ordering::Relaxed);
-                    c.bytes_in
-                        .fetch_sub((bytes.len() - hdr) as u64, Ordering::Relaxed);
-                    c.gso_in
-                        .fetch_sub(u64::from(off.gso.is_some()), Ordering::Relaxed);
                     return false;
                 }
+                count_in(c, bytes.len() - hdr, off);
                 if let Some(cap) = capture {
                     cap.taken.frame(&bytes[hdr..]);
                 }
