@@ -906,8 +906,16 @@ mod tests {
         n
     }
 
+    /// Whether this kernel can run a port's ring (io_uring with multishot reads, 6.7):
+    /// where it cannot, a batched port moves frames one a call, and is tested so.
+    fn rings_here() -> bool {
+        let (a, _b) = std::os::unix::net::UnixDatagram::pair().expect("pair");
+        mem::tapring::TapRing::new(a.as_fd(), 16, 8, 2048).is_ok()
+    }
+
     #[test]
     fn both_ways_of_moving_frames_carry_the_same_frames_in_order_and_batches_make_fewer_calls() {
+        let rings = rings_here();
         let mut calls = Vec::new();
         for io in [EdgeIo::Plain, EdgeIo::Batched] {
             let (mut p, peer) = port_io(TapOffload::None, io);
@@ -936,14 +944,19 @@ mod tests {
             assert_eq!(c.write_errors.load(Ordering::Relaxed), 0, "{io:?}");
             assert_eq!(
                 c.batched.load(Ordering::Relaxed),
-                u64::from(io == EdgeIo::Batched)
+                u64::from(io == EdgeIo::Batched && rings),
+                "a port batches wherever the kernel can"
             );
             calls.push(c.syscalls.load(Ordering::Relaxed));
         }
         // One a frame each way and more (the look that found nothing), against a few
         // for all.
         assert!(calls[0] >= 200, "{calls:?}");
-        assert!(calls[1] * 10 < calls[0], "{calls:?}");
+        if rings {
+            assert!(calls[1] * 10 < calls[0], "{calls:?}");
+        } else {
+            eprintln!("no io_uring with multishot reads here: both ports moved a frame a call");
+        }
     }
 
     #[test]
