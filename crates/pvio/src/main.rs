@@ -197,6 +197,13 @@ enum Command {
         /// `read` or `write` a frame. Also with `--machine`.
         #[arg(long, value_enum, default_value_t = EdgeArg::Batched)]
         edge_io: EdgeArg,
+        /// How idle pCPUs wait: adaptive (KVM's halt-polling window that grows and
+        /// shrinks), halt-poll or halt-poll:<n>us (a fixed window), block (a host
+        /// wake-up per interrupt); poll is taken as halt-poll, since outside programs
+        /// share the cores. Also with `--machine`.
+        #[arg(long, value_name = "POLICY", default_value = "adaptive",
+              value_parser = |s: &str| rig::IdlePolicy::parse(s))]
+        idle: rig::IdlePolicy,
         /// With `--lro delayed`: flush every this many polls (the paper's 2); refused
         /// with any other `--lro`.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -935,6 +942,7 @@ fn main() -> ExitCode {
             dma,
             split_ring,
             edge_io,
+            idle,
             seconds,
             keep_namespaces,
             watchdog_ms,
@@ -950,7 +958,12 @@ fn main() -> ExitCode {
             };
             let cfg = match machine {
                 Some(file) => match up::machine_file::load(&file) {
-                    Ok(c) => up::UpConfig { pcap, edge_io, ..c },
+                    Ok(c) => up::UpConfig {
+                        pcap,
+                        edge_io,
+                        idle,
+                        ..c
+                    },
                     Err(e) => {
                         eprintln!("pvio up: {e}");
                         return ExitCode::from(2);
@@ -998,6 +1011,7 @@ fn main() -> ExitCode {
                         DmaArg::Memory => up::DmaLanding::Memory,
                     },
                     edge_io,
+                    idle,
                     ..up::UpConfig::default()
                 },
             };

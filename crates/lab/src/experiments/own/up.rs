@@ -548,8 +548,9 @@ struct LroRecord {
 fn run(cx: &crate::Context) -> Result<Report, Error> {
     let mode = cx.mode;
     let mut rep = Report::new(EXPERIMENT.id, EXPERIMENT.title, EXPERIMENT.paper);
-    // `pvio up` always halt-polls: iperf3, sockperf and the TAPs' far ends share its cores.
-    rep.idle = Some(hv::sched::IdlePolicy::HALT_POLL.name());
+    // `pvio up` halt-polls (adaptively, by default): iperf3, sockperf and the TAPs' far
+    // ends share its cores.
+    rep.idle = Some(UpConfig::default().idle.name());
     let plan = Plan::of(mode);
     rep.setup = setup(&plan);
     rep.set_config(&Recorded {
@@ -691,7 +692,8 @@ fn setup(plan: &Plan) -> String {
          end to end, against the pair with them off; `--multi-queue`: the guest's own NIC \
          queue, frames placed straight in its buffers, against pvio's default path. pvio's \
          machine: a page-fragment netfront, a grant per I/O, the NIC's DMA writes landing in \
-         the cache (Data Direct I/O), idle pCPUs halt-polling, TAP queues of \
+         the cache (Data Direct I/O), idle pCPUs halt-polling adaptively (KVM's window, growing and \
+         shrinking up to 200 µs), TAP queues of \
          {qlen} frames, flow control from each vif's queue back to the NIC. Before the \
          rounds an 8 MiB seeded stream crosses pvio each way, checked byte for byte. \
          Losses: each TCP run's sender retransmissions (iperf3), the NIC's rx_missed and the \
