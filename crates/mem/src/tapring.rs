@@ -40,6 +40,22 @@ fn os(e: std::io::Error) -> MemError {
     MemError::Os(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
+/// Whether this kernel should run a [`TapRing`]: Linux 6.7 or later (the multishot
+/// read), with io_uring not disabled (`kernel.io_uring_disabled`). Tests use it so that a
+/// ring that fails where it should not is a failure, not a skip.
+pub fn kernel_runs_rings() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok());
+    let version = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
+        .ok()
+        .and_then(|d| d.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    version >= (6, 7) && disabled == 0
+}
+
 /// Anonymous memory, page-aligned, unmapped when dropped.
 #[derive(Debug)]
 struct Region {
@@ -538,6 +554,7 @@ mod tests {
         match TapRing::new(a.as_fd(), 16, 8, 2048) {
             Ok(r) => Some((r, a, b)),
             Err(e) => {
+                assert!(!kernel_runs_rings(), "this kernel should run a ring: {e:?}");
                 eprintln!("no io_uring with multishot reads here: {e:?}");
                 None
             }
