@@ -21,8 +21,8 @@ use net::skb::{SegPage, SkbId, SkbPool, NET_IP_ALIGN, NET_SKB_PAD};
 use net::offload::{Csum, Offload, MAX_HEADERS};
 
 use crate::nic::{
-    Desc, FilterError, NicRegs, DESC_CTX, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK, DESC_OFFLOAD,
-    DESC_SIZE, RING_DESCS, RING_PAGES, RX_QUEUES,
+    Desc, FilterError, NicRegs, DESC_CTX, DESC_CTX_NEXT, DESC_DD, DESC_EOP, DESC_ERR, DESC_L4_OK,
+    DESC_LOOP, DESC_OFFLOAD, DESC_SIZE, RING_DESCS, RING_PAGES, RX_QUEUES,
 };
 
 /// Where the rings appear to the device: I/O-virtually contiguous, whatever frames hold
@@ -80,6 +80,39 @@ pub struct VmqDone {
     pub csum_ok: bool,
     /// The device's DMA faulted: no data.
     pub error: bool,
+    /// The frame goes on in the next buffer(s) (data, after a context if it is next).
+    pub more: bool,
+    /// The first buffer of a frame the queue took whole: the frame's offload (its GSO
+    /// and checksum state), from the context descriptor that follows.
+    pub offload: Option<Offload>,
+    /// The buffer the device left for a whole frame's context: no data.
+    pub context: bool,
+}
+
+impl VmqDone {
+    /// What the buffer holds, for its vif's netback to answer.
+    pub fn fill(&self) -> net::netback::Fill {
+        use net::netback::Fill;
+        if self.error {
+            return Fill::Error;
+        }
+        if self.context {
+            return Fill::Context;
+        }
+        match self.offload.and_then(|o| o.gso.map(|g| (g, o.csum))) {
+            Some((gso, csum)) => Fill::First {
+                len: self.len,
+                more: self.more,
+                gso,
+                blank: matches!(csum, Csum::Partial { .. }),
+            },
+            None => Fill::Data {
+                len: self.len,
+                csum_ok: self.csum_ok,
+                more: self.more,
+            },
+        }
+    }
 }
 
 /// Why a guest queue could not be opened or used.
@@ -605,6 +638,18 @@ impl NicDriver {
     /// Transmits a packet: one descriptor per page its bytes lie in. Gives the buffer
     /// back if the ring has no room.
     pub fn xmit(&mut self, pool: &mut SkbPool, skb: SkbId) -> Result<(), SkbId> {
+        self.xmit_to(pool, skb, None)
+    }
+
+    /// Sends a frame into guest queue `q` through the device's loopback instead of
+    /// onto the cable (VMDq's switching between pools): the bridge's frames for a
+    /// guest whose buffers the queue holds reach them in the queue's order, the order
+    /// its netback answers in. Gives the buffer back if the ring is full.
+    pub fn xmit_to_queue(&mut self, pool: &mut SkbPool, skb: SkbId, q: usize) -> Result<(), SkbId> {
+        self.xmit_to(pool, skb, Some(q))
+    }
+
+    fn xmit_to(&mut self, pool: &mut SkbPool, skb: SkbId, q: Option<usize>) -> Result<(), SkbId> {
         let _c = enter(Class::Driver);
         let len = pool.len(skb);
         let mut segs = 0u32;
@@ -659,6 +704,10 @@ impl NicDriver {
             }
             if j + 1 == k {
                 d.flags = DESC_EOP;
+                if let Some(q) = q {
+                    d.flags |= DESC_LOOP;
+                    d.pad = q as u16;
+                }
             }
             self.write_desc(&self.tx_ring, self.tx_next, d);
             if j + 1 == k {
@@ -712,6 +761,15 @@ impl NicDriver {
         Ok(())
     }
 
+    /// The large frames guest queue `q` takes whole (bit `1 << t` for netif GSO type
+    /// `t`; its owner answers a buffer chain with netif's extra-info slot at the
+    /// context's place); the device cuts others into frames.
+    pub fn vmq_set_whole(&mut self, q: usize, gso_types: u32) {
+        if self.vmq.get(q).is_some_and(Option::is_some) {
+            self.regs.rxq[q].whole.store(gso_types, Ordering::Release);
+        }
+    }
+
     /// Buffers guest queue `q` can still take.
     pub fn vmq_room(&self, q: usize) -> usize {
         self.vmq.get(q).and_then(Option::as_ref).map_or(0, |v| {
@@ -759,15 +817,19 @@ impl NicDriver {
     }
 
     /// Guest queue `q`'s poll: up to `budget` filled buffers handed to `done` (the
-    /// frame is already where the guest will read it), re-enabling the queue's
-    /// interrupt when it runs dry. Returns the buffers handed back.
+    /// frame is already where the guest will read it), whole frames only (the last may
+    /// go past the budget), re-enabling the queue's interrupt when it runs dry.
+    /// Returns the buffers handed back.
     pub fn vmq_poll(&mut self, q: usize, budget: usize, mut done: impl FnMut(VmqDone)) -> usize {
         let _c = enter(Class::Driver);
         let Some(ring) = self.vmq.get(q).and_then(Option::as_ref).map(|v| v.ring) else {
             return 0;
         };
         let mut n = 0;
-        while n < budget {
+        // Inside a frame (the device writes a frame's descriptors back from its last,
+        // so the rest of one begun is done), and whether the next is its context.
+        let (mut in_frame, mut context) = (false, false);
+        while n < budget || in_frame {
             let Some(v) = self.vmq[q].as_mut() else {
                 break;
             };
@@ -788,17 +850,38 @@ impl NicDriver {
                 break;
             };
             v.next = (i + 1) % RING_DESCS;
+            let (next, tail) = (v.next, v.tail);
             let error = d.status & DESC_ERR != 0;
+            let eop = d.status & DESC_EOP != 0;
+            let is_context = std::mem::take(&mut context);
+            let (mut more, mut offload) = (!eop, None);
+            if !error && !is_context && d.status & DESC_CTX_NEXT != 0 && next != tail {
+                // A frame taken whole: its offload is in the context after this.
+                let c = self.read_desc(&ring, next);
+                if c.status & (DESC_DD | DESC_OFFLOAD) == DESC_DD | DESC_OFFLOAD {
+                    offload = Offload::from_bits(c.addr);
+                    more = c.status & DESC_EOP == 0;
+                    context = true;
+                }
+            }
             if error {
                 self.stats.rx_errors += 1;
-            } else {
+            } else if !in_frame {
                 self.stats.rx_packets += 1;
             }
+            in_frame = !eop;
             done(VmqDone {
                 token: buf.token,
-                len: if error { 0 } else { d.len.min(buf.len) },
+                len: if error || is_context {
+                    0
+                } else {
+                    d.len.min(buf.len)
+                },
                 csum_ok: d.status & DESC_L4_OK != 0,
                 error,
+                more,
+                offload,
+                context: is_context,
             });
             n += 1;
         }

@@ -91,6 +91,11 @@ pub struct DriverDomain {
     tokens: Vec<u32>,
     /// Frames a vif's TX action sent to another vif, delivered after it.
     between_vifs: Vec<(SkbId, Forward)>,
+    /// Frames for vifs with a NIC queue, sent into it through the NIC's loopback
+    /// after the poll that found them (by queue).
+    to_queues: Vec<(SkbId, usize)>,
+    /// The large frames each vif's NIC queue was last told to take whole.
+    queue_gso: Vec<u32>,
     /// Frames flooded to more than one port that could not be copied.
     flood_copy_failures: u64,
     /// The bridge copies aggregates (LRO without BO).
@@ -186,17 +191,26 @@ impl DriverDomain {
     /// the queue. Returns the packets placed.
     fn poll_guest_queues(&mut self) -> usize {
         let Self {
-            nic, vifs, queues, ..
+            nic,
+            vifs,
+            queues,
+            queue_gso,
+            ..
         } = self;
         let mut n = 0;
-        for (vif, q) in vifs.iter_mut().zip(queues.iter()) {
+        for ((vif, q), gso) in vifs.iter_mut().zip(queues.iter()).zip(queue_gso.iter_mut()) {
             let Some(q) = *q else {
                 continue;
             };
+            // The queue takes whole the large frames the guest's netfront takes whole
+            // (known once it connects).
+            let takes = vif.rx_gso_types();
+            if takes != *gso {
+                nic.vmq_set_whole(q, takes);
+                *gso = takes;
+            }
             if nic.vmq_scheduled(q) {
-                n += nic.vmq_poll(q, NAPI_BUDGET, |d| {
-                    vif.rx_direct_done(d.token, d.len, d.csum_ok, d.error);
-                });
+                n += nic.vmq_poll(q, NAPI_BUDGET, |d| vif.rx_direct_filled(d.token, d.fill()));
                 vif.rx_direct_flush();
             }
             vif.rx_direct_refill();
@@ -227,6 +241,8 @@ impl DriverDomain {
             aoe_head,
             aoe_unclaimed,
             now,
+            queues,
+            to_queues,
             ..
         } = self;
         // Flow control: no more descriptors than every vif's queue can take for
@@ -259,7 +275,7 @@ impl DriverDomain {
                 skb
             };
             let fwd = bridge.input(pool, skb, NIC_PORT);
-            if !to_vifs(pool, vifs, skb, fwd, NIC_PORT) {
+            if !to_vifs(pool, vifs, queues, to_queues, skb, fwd, NIC_PORT) {
                 *flood_copy_failures += 1;
             }
         };
@@ -268,6 +284,7 @@ impl DriverDomain {
             n += nic.poll(pool, budget, &mut up);
         }
         nic.lro_expire(pool, &mut up);
+        loop_to_queues(nic, pool, to_queues);
         n
     }
 
@@ -288,6 +305,8 @@ impl DriverDomain {
             signalled,
             between_vifs,
             flood_copy_failures,
+            queues,
+            to_queues,
             ..
         } = self;
         let mut n = 0;
@@ -316,10 +335,11 @@ impl DriverDomain {
                         None => *flood_copy_failures += 1,
                     }
                 }
-                if !to_vifs(pool, vifs, skb, fwd, from) {
+                if !to_vifs(pool, vifs, queues, to_queues, skb, fwd, from) {
                     *flood_copy_failures += 1;
                 }
             }
+            loop_to_queues(nic, pool, to_queues);
         }
         n
     }
@@ -433,6 +453,8 @@ impl DriverDomain {
             signalled: vec![false; n],
             tokens: Vec::with_capacity(POOL_BUFFERS),
             between_vifs: Vec::with_capacity(NAPI_BUDGET),
+            to_queues: Vec::with_capacity(NAPI_BUDGET),
+            queue_gso: vec![0; n],
             flood_copy_failures: 0,
             lro_bridge_copy: config.lro_bridge_copy,
             lro_copied: 0,
@@ -652,28 +674,53 @@ fn to_nic(nic: &mut NicDriver, pool: &mut SkbPool, skb: SkbId) {
     }
 }
 
+/// Sends the frames gathered for vifs with a NIC queue into their queues through the
+/// NIC's loopback (a frame the ring has no room for is dropped, as the NIC drops one
+/// its queue has no room for).
+fn loop_to_queues(nic: &mut NicDriver, pool: &mut SkbPool, to_queues: &mut Vec<(SkbId, usize)>) {
+    for (skb, q) in to_queues.drain(..) {
+        if let Err(s) = nic.xmit_to_queue(pool, skb, q) {
+            pool.free(s);
+        }
+    }
+}
+
 /// Delivers a frame the bridge decided on to the vifs: to one, or (a flood) to every
-/// vif but the one it came from, copied for all but the last. Frames for the NIC are
-/// the caller's. Returns false if some copy failed.
-fn to_vifs(pool: &mut SkbPool, vifs: &mut [Vif], skb: SkbId, fwd: Forward, from: u16) -> bool {
+/// vif but the one it came from, copied for all but the last; a vif with a NIC queue
+/// gets it through the queue (gathered in `to_queues`), so that its netback answers in
+/// ring order. Frames for the NIC are the caller's. Returns false if some copy failed.
+fn to_vifs(
+    pool: &mut SkbPool,
+    vifs: &mut [Vif],
+    queues: &[Option<usize>],
+    to_queues: &mut Vec<(SkbId, usize)>,
+    skb: SkbId,
+    fwd: Forward,
+    from: u16,
+) -> bool {
+    let mut give = |pool: &mut SkbPool, i: usize, skb: SkbId| match queues[i] {
+        Some(q) => to_queues.push((skb, q)),
+        None => vifs[i].start_xmit(pool, skb),
+    };
+    let n = queues.len();
     match fwd {
-        Forward::Port(p) if p != NIC_PORT && usize::from(p) <= vifs.len() => {
-            vifs[usize::from(p) - 1].start_xmit(pool, skb);
+        Forward::Port(p) if p != NIC_PORT && usize::from(p) <= n => {
+            give(pool, usize::from(p) - 1, skb);
             true
         }
         Forward::Flood => {
             let mut ok = true;
             let mut last = None;
-            for i in (0..vifs.len()).filter(|&i| vif_port(i) != from) {
+            for i in (0..n).filter(|&i| vif_port(i) != from) {
                 if let Some(prev) = last.replace(i) {
                     match copy_frame(pool, skb) {
-                        Some(c) => vifs[prev].start_xmit(pool, c),
+                        Some(c) => give(pool, prev, c),
                         None => ok = false,
                     }
                 }
             }
             match last {
-                Some(i) => vifs[i].start_xmit(pool, skb),
+                Some(i) => give(pool, i, skb),
                 None => pool.free(skb),
             }
             ok

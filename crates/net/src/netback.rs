@@ -71,7 +71,7 @@ mod tx;
 pub use cache::{CacheError, CacheStats, DropOutcome, GrantCache, CACHE_SLOTS};
 pub use credit::Credit;
 pub use ctrl::CTRL_WAITING;
-pub use direct::{DirectToken, DIRECT_BRIDGE_RESERVE, DIRECT_OFFSET, RX_MAPPED};
+pub use direct::{DirectToken, Fill, DIRECT_OFFSET, RX_MAPPED};
 use flow::RxHold;
 pub use flow::{RX_DESC_COST, RX_HOLD_LIMIT};
 pub use handshake::{probe, probe_queues};

@@ -4,10 +4,11 @@
 //! the driver domain nor its device can reach it; hostile control messages and
 //! references are bounded and counted.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use hv::{DeviceId, Domain, DomainConfig, GrantPath, GrantVersion, HvConfig, Hypervisor, Iova};
-use net::netback::{Vif, CACHE_SLOTS, CTRL_WAITING, VIF_WINDOW_SLOTS};
+use net::netback::{DirectToken, Vif, CACHE_SLOTS, CTRL_WAITING, VIF_WINDOW_SLOTS};
 use net::netfront::FrontConfig;
 use net::netfront::{Grants, Netfront, RxBuffers};
 use net::netif::{
@@ -30,6 +31,8 @@ struct Pair {
     gpool: SkbPool,
     front: Netfront,
     vif: Vif,
+    /// A direct vif's buffers the NIC holds, in the order given.
+    held: VecDeque<(Iova, DirectToken)>,
 }
 
 fn machine() -> (Arc<Hypervisor>, Arc<Domain>) {
@@ -93,6 +96,7 @@ fn pair() -> Pair {
         gpool,
         front,
         vif,
+        held: VecDeque::new(),
     }
 }
 
@@ -102,20 +106,36 @@ fn frame(len: usize, seed: u32) -> Vec<u8> {
         .collect()
 }
 
-/// One round of guest RX: the ring refilled and taken by netback, `n` frames through
-/// the bridge path into the buffers it holds mapped, every byte checked at netfront.
+/// One round of guest RX: the ring refilled and taken by netback, `n` frames written
+/// by the NIC into the buffers it holds mapped (direct placement) or copied by netback
+/// from the bridge, every byte checked at netfront.
 fn rx_round(p: &mut Pair, n: usize, seed: u32) {
     p.front.refill_rx(&mut p.gpool);
     p.vif.rx_direct_refill();
+    let held = &mut p.held;
+    p.vif.rx_direct_give(|iova, _, token| {
+        held.push_back((iova, token));
+        true
+    });
     let sent: Vec<Vec<u8>> = (0..n)
         .map(|k| frame(60 + (k * 97) % 1400, seed + k as u32))
         .collect();
-    for f in &sent {
-        let s = p.dpool.alloc(NET_SKB_PAD + NET_IP_ALIGN).expect("skb");
-        p.dpool.put(s, f).expect("put");
-        p.vif.start_xmit(&mut p.dpool, s);
+    if p.vif.is_direct() {
+        let mut dma = p.hv.iommu().device(DEV);
+        for f in &sent {
+            let (iova, token) = p.held.pop_front().expect("a buffer with the NIC");
+            dma.dma_write(iova, f).expect("mapped");
+            p.vif.rx_direct_done(token, f.len() as u16, false, false);
+        }
+        p.vif.rx_direct_flush();
+    } else {
+        for f in &sent {
+            let s = p.dpool.alloc(NET_SKB_PAD + NET_IP_ALIGN).expect("skb");
+            p.dpool.put(s, f).expect("put");
+            p.vif.start_xmit(&mut p.dpool, s);
+        }
+        assert_eq!(p.vif.rx_action(&mut p.dpool), n);
     }
-    assert_eq!(p.vif.rx_action(&mut p.dpool), n);
     let mut got = Vec::new();
     p.front.poll_rx(&mut p.gpool, 256, |pool, s| {
         let mut b = vec![0u8; pool.len(s)];
@@ -521,8 +541,7 @@ fn a_guest_posting_ever_new_references_churns_only_its_own_cache() {
     let mine = p.vif.cached_grants();
     let before = p.vif.cache_stats().expect("cache").clone();
     let (_bad, mut raw, mut vif) = raw_with_ctrl(&p);
-    // 1440 fresh pages, each posted once and handed back filled (all but the few
-    // netback keeps back for the bridge).
+    // 1440 fresh pages, each posted once and handed back filled.
     let mut prod = 0u32;
     for _ in 0..6 {
         for _ in 0..240 {
@@ -602,6 +621,7 @@ fn without_direct_placement_netback_copies_into_cached_pages_and_maps_nothing_in
         guest,
         front,
         vif,
+        held: VecDeque::new(),
     };
     for r in 0..3 {
         rx_round(&mut p, 200, r);
@@ -637,6 +657,7 @@ fn when_the_back_end_goes_every_binding_ends_and_every_page_comes_back() {
         mut gpool,
         mut front,
         vif,
+        ..
     } = p;
     vif.disconnect(&mut dpool);
     toolstack::close_backend(&hv, drv.id(), guest.id(), 0);

@@ -275,3 +275,101 @@ fn a_small_packet_without_metadata_is_untouched() {
     });
     assert_eq!(got, vec![(f, Offload::NONE)]);
 }
+
+/// Direct placement (paper 000 §4.3) with GSO: the NIC writes a large segment into the
+/// guest's posted buffers in ring order, leaving the buffer after the first for the
+/// frame's context; netback answers that buffer's request with the GSO extra, so the
+/// guest's netfront gets one packet, whole, with its segment size. A frame after it
+/// follows in order; a context no large frame came before (a device fault) is answered
+/// with an error, counted, and spoils nothing after it.
+#[test]
+fn through_direct_placement_a_large_segment_reaches_the_guest_whole_with_its_extra_in_the_contexts_place(
+) {
+    use net::netback::{Fill, DIRECT_OFFSET};
+    const DEV: hv::DeviceId = hv::DeviceId(5);
+    let mut p = pair(true);
+    p._hv.iommu_attach(DEV, &p._doms[0]).expect("attach");
+    let mut dma = p._hv.iommu().device(DEV);
+    p.vif.enable_direct();
+    assert!(p.vif.rx_direct_refill() > 20);
+    let mut given = Vec::new();
+    p.vif.rx_direct_give(|iova, room, token| {
+        given.push((iova, usize::from(room), token));
+        true
+    });
+    let (big, off) = common::partial(
+        common::tcp_frame(PEER_MAC, GUEST_MAC, 30_000, 7, 3),
+        Some(1448),
+    );
+    let gso = off.gso.expect("gso");
+    // As the NIC places it: the first buffer, the context's left empty, the rest.
+    let mut bufs = given.iter();
+    let mut at = 0;
+    let mut fills = Vec::new();
+    while at < big.len() {
+        let &(iova, room, token) = bufs.next().expect("a buffer");
+        let n = (big.len() - at).min(room);
+        dma.dma_write(iova, &big[at..at + n]).expect("mapped");
+        let more = at + n < big.len();
+        fills.push((
+            token,
+            if at == 0 {
+                Fill::First {
+                    len: n as u16,
+                    more,
+                    gso,
+                    blank: true,
+                }
+            } else {
+                Fill::Data {
+                    len: n as u16,
+                    csum_ok: false,
+                    more,
+                }
+            },
+        ));
+        if at == 0 {
+            fills.push((bufs.next().expect("a buffer").2, Fill::Context));
+        }
+        at += n;
+    }
+    assert_eq!(fills.len(), big.len().div_ceil(4096 - DIRECT_OFFSET) + 1);
+    // A small frame after it, then a context out of nowhere, then another frame.
+    let small = common::tcp_frame(PEER_MAC, GUEST_MAC, 100, 9, 1);
+    for (fill, frame) in [
+        (None, &small),
+        (Some(Fill::Context), &small),
+        (None, &small),
+    ] {
+        let &(iova, _, token) = bufs.next().expect("a buffer");
+        dma.dma_write(iova, frame).expect("mapped");
+        fills.push((
+            token,
+            fill.unwrap_or(Fill::Data {
+                len: frame.len() as u16,
+                csum_ok: true,
+                more: false,
+            }),
+        ));
+    }
+    for (token, fill) in fills {
+        p.vif.rx_direct_filled(token, fill);
+    }
+    p.vif.rx_direct_flush();
+    let mut got = Vec::new();
+    p.front.poll_rx(&mut p.gpool, 256, |pool, s| {
+        got.push((bytes(pool, s), pool.offload(s)));
+        pool.free(s);
+    });
+    assert_eq!(got.len(), 3, "the large one, then the two small");
+    assert_eq!(got[0].0, big, "every byte, in order");
+    assert_eq!(got[0].1.gso, Some(gso), "with its segment size");
+    assert!(common::is_partial(&got[0].1), "its checksum left blank");
+    assert_eq!((&got[1].0, &got[2].0), (&small, &small));
+    let st = p.vif.stats();
+    assert_eq!((st.rx_gso_packets, st.rx_packets), (1, 3), "{st:?}");
+    assert_eq!(st.rx_copy_errors, 1, "the stray context");
+    assert_eq!(p.front.stats().rx_errors.total(), 1);
+    // Every buffer answered: the guest's ring takes posts again in full.
+    assert_eq!(p.vif.stats().rx_bad_requests, 0);
+}

@@ -1102,26 +1102,7 @@ fn direct_placement_maps_only_what_a_guest_posted_rightly_and_answers_the_rest_w
     for (i, &(id, gref)) in reqs.iter().enumerate() {
         raw.post_rx(i as u32, RxRequest { id, pad: 0, gref }, i as u32 + 1);
     }
-    // And as many good ones again as netback keeps back from the NIC for the bridge.
-    let reserve = netback::DIRECT_BRIDGE_RESERVE;
-    for j in 0..reserve {
-        let g = raw.rx_buffer(p.drv.id()).expect("buffer");
-        let i = (reqs.len() + j) as u32;
-        raw.post_rx(
-            i,
-            RxRequest {
-                id: 20 + j as u16,
-                pad: 0,
-                gref: g,
-            },
-            i + 1,
-        );
-    }
-    assert_eq!(
-        vif.rx_direct_refill(),
-        2 + reserve,
-        "the good buffers mapped"
-    );
+    assert_eq!(vif.rx_direct_refill(), 2, "the good buffers mapped");
     let st = vif.stats().clone();
     assert_eq!((st.rx_bad_requests, st.rx_copy_errors), (2, 2), "{st:?}");
     // The four bad ones are answered with errors at once.
@@ -1133,15 +1114,14 @@ fn direct_placement_maps_only_what_a_guest_posted_rightly_and_answers_the_rest_w
     let mut ids: Vec<u16> = rsp.iter().map(|r| r.id).collect();
     ids.sort_unstable();
     assert_eq!(ids, [7, 8, 9, 300]);
-    // The good buffers go to the NIC; one comes back filled, one from the bridge path
-    // is written by netback into the other.
+    // The good buffers go to the NIC, all of them; one comes back filled.
     let mut given = Vec::new();
     vif.rx_direct_give(|iova, len, token| {
         given.push((iova, len, token));
         true
     });
     assert_eq!(given.len(), 2);
-    assert_eq!(vif.rx_direct_ready(), reserve, "kept back for the bridge");
+    assert_eq!(vif.rx_direct_ready(), 0);
     vif.rx_direct_done(given[0].2, 200, true, false);
     // A token the NIC never had, or one already handed back: nothing.
     vif.rx_direct_done(given[0].2, 200, true, false);
@@ -1161,36 +1141,6 @@ fn direct_placement_maps_only_what_a_guest_posted_rightly_and_answers_the_rest_w
     vif.disconnect(&mut p.dpool);
     assert_eq!(bad.grant_table().end_access(GrantRef(good2)), Ok(()));
     assert_eq!(p.dpool.free_buffers(), p.dpool.capacity());
-}
-
-#[test]
-fn a_frame_through_the_bridge_to_a_direct_vif_is_written_into_a_mapped_buffer_not_yet_with_the_nic()
-{
-    let mut p = pair_with(GrantVersion::V2, GrantPath::Optimised, RxBuffers::Linear);
-    p.vif.enable_direct();
-    p.front.refill_rx(&mut p.gpool);
-    assert_eq!(p.vif.rx_direct_refill(), 256);
-    // The NIC takes all it is given: all but the bridge's reserve.
-    let reserve = netback::DIRECT_BRIDGE_RESERVE;
-    let mut k = 0;
-    p.vif.rx_direct_give(|_, _, _| {
-        k += 1;
-        true
-    });
-    assert_eq!((k, p.vif.rx_direct_ready()), (256 - reserve, reserve));
-    let frames: Vec<Vec<u8>> = (0..reserve + 2)
-        .map(|s| message(1000 + 50 * s, s as u8))
-        .collect();
-    for f in &frames {
-        queue_frame(&mut p, f);
-    }
-    // The reserve is written into; the last two wait for a post.
-    assert_eq!(p.vif.rx_action(&mut p.dpool), reserve);
-    assert_eq!(take_all(&mut p), frames[..reserve]);
-    assert_eq!(p.vif.rx_queued(), 2);
-    p.vif.rx_direct_refill();
-    assert_eq!(p.vif.rx_action(&mut p.dpool), 2);
-    assert_eq!(take_all(&mut p), frames[reserve..]);
 }
 
 /// A back end that stops taking requests before it has seen its ring empty (its budget

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use dev::nic::NicCounts;
-use net::netback::CacheStats;
+use net::netback::{CacheStats, VifStats};
 use rig::tools;
 use up::RxBuffers;
 use up::{up, UpConfig, UpGuest};
@@ -354,6 +354,13 @@ fn ping_and_iperf3_cross_the_pv_path_intact() {
         c.sum(|n: &NicCounts| n.default_queue_frames) > 0,
         "ARP broadcasts go through the default queue and the bridge"
     );
+    assert!(
+        c.sum(|n: &NicCounts| n.tx_looped) > 0,
+        "and from the bridge into the guest's own queue through the NIC's loopback: {c:?}"
+    );
+    // Large segments from the outside's TCP reach the guest whole through its queue.
+    assert!(c.sum(|n: &NicCounts| n.rx_gso) > 0, "{c:?}");
+    assert!(c.sum(|v: &VifStats| v.rx_gso_packets) > 0, "{c:?}");
 }
 
 /// A 2-second iperf3 run from namespace `o` to a server in `g` at `to` (JSON out),

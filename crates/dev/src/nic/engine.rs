@@ -355,31 +355,52 @@ impl Device {
     /// (received, or dropped for a reason no refill cures), or refused for want of a
     /// free descriptor, to stay first in the source's line.
     pub(super) fn take(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
-        let regs = Arc::clone(&self.regs);
+        if !self.admit(frame, off) {
+            return Ok(());
+        }
+        let q = self.regs.classify(frame);
+        self.receive_or_refuse(q, frame, off)
+    }
+
+    /// Whether a frame and what rides beside it may be received: offload metadata the
+    /// frame's headers do not bear out, or a frame too long without GSO, is counted and
+    /// dropped.
+    fn admit(&self, frame: &[u8], off: Offload) -> bool {
+        let regs = &self.regs;
         let partial = matches!(off.csum, Csum::Partial { .. });
         if (partial || off.gso.is_some())
             && net::offload::validate(&off, &frame[..frame.len().min(MAX_HEADERS)], frame.len())
                 .is_err()
         {
             regs.rx_bad_offload.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return false;
         }
         if frame.len() > MAX_FRAME && off.gso.is_none() {
             regs.rx_oversize.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+            return false;
         }
-        self.receive_or_refuse(frame, off)
+        true
     }
 
-    /// A checked frame into its queue, or its queue's lack of room.
-    pub(super) fn receive_or_refuse(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
-        let q = self.regs.classify(frame);
+    /// A checked frame into queue `q`, or the queue's lack of room.
+    pub(super) fn receive_or_refuse(
+        &mut self,
+        q: usize,
+        frame: &[u8],
+        off: Offload,
+    ) -> Result<(), NoRoom> {
         let partial = matches!(off.csum, Csum::Partial { .. });
+        if let Some(g) = off.gso.filter(|_| q != 0) {
+            let whole = self.regs.rxq[q].whole.load(Ordering::Acquire);
+            if whole & 1u32.checked_shl(u32::from(g.ty)).unwrap_or(0) != 0 {
+                return self.receive_whole(q, frame, off);
+            }
+        }
         if q != 0 && (partial || off.gso.is_some()) {
-            // A guest queue's completions carry no offload: it gets what a cable of
-            // MTU-sized frames would have brought, checksums complete. A large segment
-            // is cut only once the queue has a buffer for every frame of it, so that
-            // none is lost for want of one (flow control holds it meanwhile).
+            // A guest queue that takes no large frames gets what a cable of MTU-sized
+            // frames would have brought, checksums complete. A large segment is cut
+            // only once the queue has a buffer for every frame of it, so that none is
+            // lost for want of one (flow control holds it meanwhile).
             let head = &frame[..frame.len().min(MAX_HEADERS)];
             let frames = match (off.gso, net::offload::checksum_setup(head, frame.len())) {
                 (Some(g), Ok(l4)) => (frame.len() - l4.headers())
@@ -458,6 +479,21 @@ impl Device {
         frame: &[u8],
         off: Offload,
     ) -> Result<(), NoRoom> {
+        self.place(q, frame, off, false)
+    }
+
+    /// A large frame into a guest queue that takes it whole: its first buffer, then a
+    /// descriptor left for its context (the offload, in the write-back's address field,
+    /// the buffer unwritten), then the rest of its bytes ([`DESC_CTX_NEXT`]). Its
+    /// checksum stays partial, as it came. Without descriptors for all of it, nothing
+    /// is written and the frame waits (or is dropped) as a whole.
+    fn receive_whole(&mut self, q: usize, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
+        self.place(q, frame, off, true)
+    }
+
+    /// One frame into queue `q`'s descriptors, with a context descriptor second if
+    /// `whole`.
+    fn place(&mut self, q: usize, frame: &[u8], off: Offload, whole: bool) -> Result<(), NoRoom> {
         let regs = Arc::clone(&self.regs);
         let qr = &regs.rxq[q];
         // Queue 0 is on whenever the device is; another only once enabled, with a line.
@@ -467,18 +503,23 @@ impl Device {
             regs.rx_missed.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        let Some((k, h)) = self.gather_descs(q, frame.len())? else {
+        let Some((k, h)) = self.gather_descs(q, frame.len(), whole)? else {
             return Ok(());
         };
         // Data first. A write that faults (part of it may have landed) completes every
         // descriptor of the frame with the error bit and no length, so the driver
         // drops it and recycles the buffers instead of handing up what they held.
-        let failed = !self.write_data(k, frame);
+        let failed = !self.write_data(k, frame, whole);
         if failed {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
             regs.rx_dma_errors.fetch_add(1, Ordering::Relaxed);
         }
-        if !self.write_backs(k, frame, off, failed) {
+        let written = if whole {
+            self.write_backs_whole(k, off, failed)
+        } else {
+            self.write_backs(k, frame, off, failed)
+        };
+        if !written {
             regs.dma_faults.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -498,11 +539,17 @@ impl Device {
     }
 
     /// Reads queue `q`'s free descriptors from its head until their buffers hold
-    /// `len` bytes. Returns how many and the head after them; `None` if the frame is
-    /// dropped (descriptors too short for it, counted; a descriptor read that faulted,
+    /// `len` bytes (with `ctx`, the second holds none: it is the frame's context).
+    /// Returns how many and the head after them; `None` if the frame is dropped
+    /// (descriptors too short for it, counted; a descriptor read that faulted,
     /// counted); `NoRoom` if the driver has not posted enough yet.
     #[inline]
-    fn gather_descs(&mut self, q: usize, len: usize) -> Result<Option<(usize, u32)>, NoRoom> {
+    fn gather_descs(
+        &mut self,
+        q: usize,
+        len: usize,
+        ctx: bool,
+    ) -> Result<Option<(usize, u32)>, NoRoom> {
         let regs = &self.regs;
         let qr = &regs.rxq[q];
         let tail = qr.tail.load(Ordering::Acquire);
@@ -512,7 +559,7 @@ impl Device {
         }
         let base = qr.base.load(Ordering::Relaxed);
         let (mut k, mut room, mut h) = (0, 0usize, head);
-        while room < len.max(1) {
+        while room < len.max(1) || (ctx && k < 2) {
             if h == tail {
                 return Err(NoRoom { q, tail });
             }
@@ -529,7 +576,9 @@ impl Device {
                 return Ok(None);
             }
             let d: Desc = bytemuck::pod_read_unaligned(&raw);
-            room += desc_room(&d);
+            if !(ctx && k == 1) {
+                room += desc_room(&d);
+            }
             self.rx_descs[k] = (at, d);
             k += 1;
             h = (h + 1) % RING_DESCS;
@@ -538,14 +587,18 @@ impl Device {
     }
 
     /// Writes `frame` into the buffers of the first `k` gathered descriptors (each up
-    /// to its room), recording each one's length. Returns false if a write faulted;
-    /// the rest are then not written.
+    /// to its room; with `ctx`, none into the second), recording each one's length.
+    /// Returns false if a write faulted; the rest are then not written.
     #[inline]
-    fn write_data(&mut self, k: usize, frame: &[u8]) -> bool {
+    fn write_data(&mut self, k: usize, frame: &[u8], ctx: bool) -> bool {
         let mut done = 0;
         let mut ok = true;
         for (j, (_, d)) in self.rx_descs[..k].iter().enumerate() {
-            let n = (frame.len() - done).min(desc_room(d));
+            let n = if ctx && j == 1 {
+                0
+            } else {
+                (frame.len() - done).min(desc_room(d))
+            };
             if ok
                 && self
                     .dma
@@ -595,6 +648,47 @@ impl Device {
                 },
                 flags: 0,
                 pad: 0,
+            };
+            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The write-backs of a frame taken whole, from the last descriptor to the first:
+    /// the first marked [`DESC_CTX_NEXT`], the second the context (the offload in its
+    /// address field, no length), end of packet on the last, whichever it is; after a
+    /// failed data write each carries the error bit and no length, and the first no
+    /// context mark. Returns false if a write-back faulted.
+    fn write_backs_whole(&mut self, k: usize, off: Offload, failed: bool) -> bool {
+        for j in (0..k).rev() {
+            let (at, d) = self.rx_descs[j];
+            let eop = if j + 1 == k { DESC_EOP } else { 0 };
+            let wb = if failed {
+                Desc {
+                    status: DESC_DD | DESC_ERR | eop,
+                    ..d
+                }
+            } else if j == 1 {
+                Desc {
+                    addr: off.to_bits(),
+                    len: 0,
+                    status: DESC_DD | DESC_OFFLOAD | eop,
+                    ..d
+                }
+            } else {
+                Desc {
+                    len: self.rx_lens[j],
+                    status: DESC_DD | eop | if j == 0 { DESC_CTX_NEXT } else { 0 },
+                    ..d
+                }
+            };
+            let wb = Desc {
+                len: if failed { 0 } else { wb.len },
+                flags: 0,
+                pad: 0,
+                ..wb
             };
             if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
                 return false;
@@ -665,6 +759,26 @@ impl Device {
         }
     }
 
+    /// A packet the driver sent to guest queue `q` ([`DESC_LOOP`]): received into
+    /// that queue as a frame from the cable would be, checked as one; dropped and
+    /// counted on the queue if it has no room (a transmit ring does not wait for a
+    /// receive queue). Queue 0, or none, is no guest queue: counted as a bad packet.
+    pub(super) fn loop_back(&mut self, q: usize, len: usize, off: Offload) {
+        let regs = Arc::clone(&self.regs);
+        if q == 0 || q >= RX_QUEUES {
+            regs.tx_bad_offload.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        regs.tx_looped.fetch_add(1, Ordering::Relaxed);
+        let frame = std::mem::take(&mut self.frame);
+        if self.admit(&frame[..len], off) {
+            if let Err(e) = self.receive_or_refuse(q, &frame[..len], off) {
+                self.missed(e);
+            }
+        }
+        self.frame = frame;
+    }
+
     /// Sends every packet the driver queued.
     pub(super) fn transmit(&mut self, sink: &mut dyn WireSink) {
         self.transmit_ring(sink);
@@ -716,14 +830,17 @@ impl Device {
                 len += n;
             }
             let eop = d.flags & DESC_EOP != 0;
+            let looped = (d.flags & DESC_LOOP != 0).then_some(usize::from(d.pad));
             d.status = DESC_DD;
             let _ = self.dma.dma_write(at, bytemuck::bytes_of(&d));
             self.tx_head = (self.tx_head + 1) % RING_DESCS;
             regs.tx_head.store(self.tx_head, Ordering::Release);
             if eop {
                 let off = std::mem::take(&mut self.tx_off);
-                if !bad {
-                    self.send(sink, len, off);
+                match (bad, looped) {
+                    (true, _) => {}
+                    (false, Some(q)) => self.loop_back(q, len, off),
+                    (false, None) => self.send(sink, len, off),
                 }
                 len = 0;
                 bad = false;

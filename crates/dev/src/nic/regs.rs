@@ -39,6 +39,19 @@ pub const DESC_OFFLOAD: u16 = 1 << 4;
 /// ([`Offload::to_bits`]) of the packet whose descriptors follow (a NIC's TSO and
 /// checksum context descriptor).
 pub const DESC_CTX: u16 = 1 << 4;
+/// RX status, on a large frame's first descriptor on a queue that takes large frames
+/// whole ([`RxQueueRegs::whole`]): the next descriptor is the frame's context, its
+/// buffer left unwritten and its address field holding the frame's offload
+/// ([`net::offload::Offload::to_bits`]), with [`DESC_OFFLOAD`] (and [`DESC_EOP`] if no data
+/// follows); the frame's other bytes are in the descriptors after it. A netback that
+/// answers its guest's buffers in ring order thus has the request netif's extra-info
+/// slot takes, at the slot's place.
+pub const DESC_CTX_NEXT: u16 = 1 << 5;
+/// TX flag, on a packet's last descriptor: loop the packet back into receive queue
+/// [`Desc::pad`] instead of putting it on the cable (VMDq's loopback between pools: a
+/// frame the driver domain's bridge sends to a guest whose buffers its queue holds
+/// reaches them in the order of the queue's other frames).
+pub const DESC_LOOP: u16 = 1 << 5;
 /// Descriptors one received frame may take (a 64 KiB frame in 2 KiB buffers).
 pub const MAX_RX_DESCS_PER_FRAME: usize = 40;
 
@@ -132,6 +145,11 @@ pub struct RxQueueRegs {
     pub irq_enabled: AtomicBool,
     /// The queue takes frames (queue 0: whenever the device is enabled).
     pub enabled: AtomicBool,
+    /// The large (GSO) frames a guest queue takes whole, in several buffers with a
+    /// context descriptor after the first ([`DESC_CTX_NEXT`]): bit `1 << t` for netif
+    /// GSO type `t`. The device cuts the others into frames with complete checksums,
+    /// one a buffer.
+    pub whole: AtomicU32,
     /// The device's counters from here on.
     pub(super) device: LineBreak,
     /// Frames received into its buffers.
@@ -146,6 +164,7 @@ impl RxQueueRegs {
     pub(super) fn clear(&self) {
         self.enabled.store(false, Ordering::Release);
         self.irq_enabled.store(false, Ordering::Release);
+        self.whole.store(0, Ordering::Release);
         self.base.store(0, Ordering::Release);
         self.tail.store(0, Ordering::Release);
     }
@@ -249,6 +268,8 @@ pub struct NicRegs {
     pub rx_cut: AtomicU64,
     /// Offloads: packets whose context the frame does not bear out, not sent.
     pub tx_bad_offload: AtomicU64,
+    /// Packets the driver looped back into a guest queue ([`DESC_LOOP`]).
+    pub tx_looped: AtomicU64,
     /// Offloads: large (GSO) packets the driver handed over whole (to the cable whole
     /// if it takes them, else to the segmentation engine).
     pub tx_gso: AtomicU64,
@@ -287,6 +308,7 @@ pub struct NicCounts {
     pub rx_gso: u64,
     pub rx_cut: u64,
     pub tx_bad_offload: u64,
+    pub tx_looped: u64,
     pub tx_gso: u64,
     pub tx_tso_segments: u64,
     pub irqs: u64,
@@ -315,6 +337,7 @@ impl NicRegs {
             rx_gso: l(&self.rx_gso),
             rx_cut: l(&self.rx_cut),
             tx_bad_offload: l(&self.tx_bad_offload),
+            tx_looped: l(&self.tx_looped),
             tx_gso: l(&self.tx_gso),
             tx_tso_segments: l(&self.tx_tso_segments),
             irqs: l(&self.irqs),
@@ -343,6 +366,7 @@ impl hv::counters::CounterSet for NicRegs {
         f("rx_gso", c.rx_gso);
         f("rx_cut", c.rx_cut);
         f("tx_bad_offload", c.tx_bad_offload);
+        f("tx_looped", c.tx_looped);
         f("tx_gso", c.tx_gso);
         f("tx_tso_segments", c.tx_tso_segments);
         f("irqs", c.irqs);
@@ -396,6 +420,7 @@ impl NicRegs {
             rx_gso: AtomicU64::new(0),
             rx_cut: AtomicU64::new(0),
             tx_bad_offload: AtomicU64::new(0),
+            tx_looped: AtomicU64::new(0),
             tx_gso: AtomicU64::new(0),
             tx_tso_segments: AtomicU64::new(0),
             irqs: AtomicU64::new(0),

@@ -607,6 +607,74 @@ fn a_large_frame_fills_several_descriptors_and_bad_cable_metadata_is_dropped() {
     assert_eq!(r.regs.rx_cut.load(Ordering::Relaxed), 4);
 }
 
+#[test]
+fn a_guest_queue_that_takes_large_frames_whole_gets_the_first_buffer_the_context_then_the_rest() {
+    let mut r = rig(2);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.rxq[1]
+        .whole
+        .store(1 << net::netif::XEN_NETIF_GSO_TYPE_TCPV4, Ordering::Relaxed);
+    // 2000 bytes of payload: two buffers of data (a full frame each), and the
+    // context's between them.
+    let (big, off) = tcp_to(MAC_A, 2000, 1000);
+    r.dev.receive(&big, off);
+    let desc = |k: usize| -> Desc {
+        let mut raw = [0u8; DESC_SIZE];
+        r.dom
+            .read(r.rings[1], k * DESC_SIZE, &mut raw)
+            .expect("desc");
+        bytemuck::pod_read_unaligned(&raw)
+    };
+    let d: Vec<Desc> = (0..3).map(desc).collect();
+    assert_eq!(d[0].status, DESC_DD | DESC_CTX_NEXT, "first: {d:?}");
+    assert_eq!(d[1].status, DESC_DD | DESC_OFFLOAD, "context: {d:?}");
+    assert_eq!((d[1].len, Offload::from_bits(d[1].addr)), (0, Some(off)));
+    assert_eq!(d[2].status, DESC_DD | DESC_EOP, "last: {d:?}");
+    let mut untouched = [1u8; 64];
+    r.dom.read(r.bufs[1][1], 0, &mut untouched).expect("data");
+    assert_eq!(untouched, [0; 64], "the context's buffer is not written");
+    let got = [r.got(1, 0), r.got(1, 2)].concat();
+    assert_eq!(got, big, "every byte, in order, the checksum still partial");
+    assert_eq!((r.frames(1), r.regs.rx_cut.load(Ordering::Relaxed)), (1, 0));
+    // A second needs three descriptors; one is left: it waits whole (a source that
+    // holds keeps it), nothing written.
+    assert!(r.dev.take(&big, off).is_err());
+    assert_eq!((r.frames(1), r.missed(1)), (1, 0));
+    assert_eq!(desc(3).status, 0);
+    // A queue that takes no type whole gets large frames cut.
+    r.regs.rxq[1].whole.store(0, Ordering::Relaxed);
+    let (small, soff) = tcp_to(MAC_A, 900, 1000);
+    r.dev.receive(&small, soff);
+    let f = r.got(1, 3);
+    let l4 = net::offload::checksum_setup(&f, f.len()).expect("a frame");
+    assert!(net::offload::verify(&f, &l4), "cut, its checksum complete");
+}
+
+#[test]
+fn a_packet_the_driver_loops_back_lands_in_its_guest_queue_and_never_on_the_cable() {
+    let mut r = rig(2);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    // A broadcast (ARP, say) the driver domain's bridge sends to queue 1's guest: the
+    // queue takes it though its filter would send it to the default.
+    let bcast = frame_to([0xff; 6], None, 7);
+    r.dev.frame[..bcast.len()].copy_from_slice(&bcast);
+    r.dev.loop_back(1, bcast.len(), Offload::NONE);
+    assert_eq!((r.frames(1), r.frames(0)), (1, 0));
+    assert_eq!(r.got(1, 0), bcast);
+    assert_eq!(r.regs.tx_looped.load(Ordering::Relaxed), 1);
+    assert_eq!(r.regs.tx_frames.load(Ordering::Relaxed), 0, "not sent");
+    // Queue 0 is no guest queue: refused, counted, nothing received.
+    r.dev.loop_back(0, bcast.len(), Offload::NONE);
+    assert_eq!(r.frames(0), 0);
+    assert_eq!(r.regs.tx_bad_offload.load(Ordering::Relaxed), 1);
+    // A full queue drops it on that queue.
+    for _ in 0..4 {
+        r.dev.frame[..bcast.len()].copy_from_slice(&bcast);
+        r.dev.loop_back(1, bcast.len(), Offload::NONE);
+    }
+    assert_eq!((r.frames(1), r.missed(1)), (4, 1));
+}
+
 /// What a cable was given: each frame and its offload.
 #[derive(Default)]
 struct Cable {

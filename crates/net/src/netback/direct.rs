@@ -8,9 +8,18 @@
 //! buffers from netback ([`Vif::rx_direct_give`], the paper's `vmq_alloc_skb`) for the
 //! guest's receive queue, and hands each one back filled ([`Vif::rx_direct_done`], the
 //! paper's `vmq_netif_rx`): netback answers the request with the frame's offset and
-//! length and unmaps the page. Nothing is copied. A frame that reaches the vif
-//! through the bridge instead (another guest's, a broadcast) is written into a mapped
-//! buffer netback has not yet given to the NIC.
+//! length and unmaps the page. Nothing is copied.
+//!
+//! Requests are answered in the order the guest posted them, as a front end that takes
+//! each answer's buffer by ring position (Linux's netfront) needs, and as netif's
+//! extra-info slot needs in any front end: the slot has no request id and stands for
+//! the request at its ring position. The buffers go to the NIC in ring order and the
+//! NIC fills them in that order; a frame that reaches the vif through the bridge
+//! (another guest's, a broadcast such as ARP) is sent into the vif's NIC queue by the
+//! driver domain (the NIC's loopback between its queues) to take its turn there,
+//! rather than written into a buffer out of turn. A large segment the NIC takes whole
+//! comes as its first buffer, a buffer the NIC left empty for the frame's context,
+//! and the rest: netback answers the empty one with the GSO extra ([`Fill`]).
 //!
 //! The request ids a guest posts are checked as in the copy path: one out of range, or
 //! one already posted and not answered, is answered with an error and counted; a
@@ -24,20 +33,17 @@ use hv::profile::{enter, Class};
 use hv::{GrantHandle, GrantRef, Iova, MapOp, Xen};
 
 use super::{GrantCache, Vif, MAX_PENDING};
-use crate::netif::{InFlight, RxResponse, NETRXF_DATA_VALIDATED, RING_IDS, XEN_NETIF_RSP_ERROR};
-use crate::skb::{SkbId, SkbPool, NET_IP_ALIGN};
-use crate::wire::MAX_TAGGED_FRAME;
+use crate::netif::{
+    ExtraInfo, Gso, InFlight, RxResponse, NETRXF_CSUM_BLANK, NETRXF_DATA_VALIDATED,
+    NETRXF_EXTRA_INFO, NETRXF_MORE_DATA, RING_IDS, XEN_NETIF_RSP_ERROR,
+};
+use crate::skb::{SkbPool, NET_IP_ALIGN};
 
 /// RX buffers one vif may hold mapped at once: a whole ring's worth.
 pub const RX_MAPPED: usize = RING_IDS as usize;
 /// Below this many buffers mapped, netback asks the guest for an event on its next
 /// post.
 pub const DIRECT_LOW_WATER: usize = 64;
-/// Mapped buffers netback keeps back from the NIC for frames that reach the vif
-/// through the bridge (broadcasts such as ARP, frames from other guests): given all to
-/// the NIC, such a frame would wait for a buffer the NIC holds until frames arrive on
-/// its queue, which for a guest that must answer an ARP first may be never.
-pub const DIRECT_BRIDGE_RESERVE: usize = 8;
 /// Where in a mapped buffer a frame starts: IP-aligned, as NIC drivers post.
 pub const DIRECT_OFFSET: usize = NET_IP_ALIGN;
 
@@ -67,23 +73,48 @@ pub(super) struct Direct {
     free: Vec<u16>,
     ready: VecDeque<u16>,
     taken: InFlight,
-    /// The batch of maps under way (one hypercall).
+    /// The batch under way: the requests taken, in ring order (each with the map slot
+    /// it has, and whether it waits for a map), and the maps (one hypercall).
+    batch: Vec<(u16, u16, bool)>,
     ops: Vec<MapOp>,
-    ids: Vec<u16>,
     results: Vec<Result<GrantHandle, hv::GrantError>>,
-    frame: Box<[u8]>,
+    /// A large frame's first buffer was answered with `NETRXF_EXTRA_INFO`: the GSO for
+    /// the extra slot its context buffer takes.
+    extra_due: Option<Gso>,
+}
+
+/// What the NIC left in a buffer it handed back (the paper's `vmq_netif_rx`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// `len` bytes of a frame; `more`: the frame goes on in the next buffers;
+    /// `csum_ok`: the NIC verified its L4 checksum.
+    Data { len: u16, csum_ok: bool, more: bool },
+    /// The first `len` bytes of a large frame taken whole: its GSO, and whether its
+    /// checksum is left to fill (partial), for the context buffer that comes next.
+    First {
+        len: u16,
+        more: bool,
+        gso: Gso,
+        blank: bool,
+    },
+    /// The buffer the NIC left empty for a large frame's context: its request carries
+    /// the frame's GSO extra.
+    Context,
+    /// The NIC's write failed: no data.
+    Error,
 }
 
 impl Direct {
-    /// A posted buffer that needs no map of its own now: the unsafe stand-in's machine
-    /// frame (taken as the guest gave it; nothing is checked, mapped or pinned, as the
-    /// paper measured it), or, with grant reuse, a page looked up in the cache (mapped
-    /// only on a miss, and mapped still after its frame is answered). `Some(true)`: it
-    /// is ready for the NIC; `Some(false)`: it could not be had (the request is done,
-    /// for the caller to answer with an error); `None`: it needs a map.
+    /// A posted buffer that needs no map of its own now, at map slot `k`: the unsafe
+    /// stand-in's machine frame (taken as the guest gave it; nothing is checked, mapped
+    /// or pinned, as the paper measured it), or, with grant reuse, a page looked up in
+    /// the cache (mapped only on a miss, and mapped still after its frame is answered).
+    /// `Some(true)`: it is placed; `Some(false)`: it could not be had (the request is
+    /// done, for the caller to answer with an error); `None`: it needs a map.
     #[inline]
     fn place_without_map<X: Xen>(
         &mut self,
+        k: u16,
         req: &crate::netif::RxRequest,
         machine_frames: bool,
         cache: Option<&mut GrantCache>,
@@ -100,28 +131,28 @@ impl Direct {
                 }
             }
         };
-        let k = self.free.pop().expect("one free slot per request taken");
         self.maps[k as usize] = Some(Mapped { id: req.id, at });
-        self.ready.push_back(k);
         Some(true)
     }
 
-    /// Request `id`'s buffer, as its map came back: ready for the NIC (true), or, if
-    /// the map failed, the request done for the caller to answer with an error.
+    /// Request `id`'s buffer at map slot `k`, as its map came back: placed (true), or,
+    /// if the map failed, the request done for the caller to answer with an error.
     #[inline]
-    fn place_mapped(&mut self, id: u16, result: Result<GrantHandle, hv::GrantError>) -> bool {
-        let k = self.free.pop().expect("one free slot per op");
+    fn place_mapped(
+        &mut self,
+        k: u16,
+        id: u16,
+        result: Result<GrantHandle, hv::GrantError>,
+    ) -> bool {
         match result {
             Ok(handle) => {
                 self.maps[k as usize] = Some(Mapped {
                     id,
                     at: MappedAt::Own(handle),
                 });
-                self.ready.push_back(k);
                 true
             }
             Err(_) => {
-                self.free.push(k);
                 let _ = self.taken.complete(id);
                 false
             }
@@ -134,10 +165,10 @@ impl Direct {
             free: (0..RX_MAPPED as u16).rev().collect(),
             ready: VecDeque::with_capacity(RX_MAPPED),
             taken: InFlight::default(),
+            batch: Vec::with_capacity(RX_MAPPED),
             ops: Vec::with_capacity(RX_MAPPED),
-            ids: Vec::with_capacity(RX_MAPPED),
             results: vec![Err(hv::GrantError::BadPage); RX_MAPPED],
-            frame: vec![0; MAX_TAGGED_FRAME].into_boxed_slice(),
+            extra_due: None,
         }
     }
 }
@@ -166,11 +197,6 @@ impl<X: Xen> Vif<X> {
             MappedAt::Machine(f) => return Some((None, hv::iommu::machine_iova(hv::Mfn(f)))),
         };
         Some((Some(slot), window_iova(slot)))
-    }
-
-    /// The window slot buffer `k` is reached through by the driver domain's CPU.
-    fn direct_slot(&self, k: u16) -> Option<u32> {
-        self.direct_place(k)?.0
     }
 }
 
@@ -201,9 +227,10 @@ impl<X: Xen> Vif<X> {
         self.direct.is_some()
     }
 
-    /// Takes the guest's posted RX requests and maps each buffer (one map hypercall);
-    /// a request that is bad or cannot be mapped is answered with an error and
-    /// counted. Returns the buffers mapped.
+    /// Takes the guest's posted RX requests and maps each buffer (one map hypercall),
+    /// keeping them in ring order for the NIC; a request that is bad or cannot be
+    /// mapped is answered with an error at once and counted (only a guest that posts
+    /// such requests sees its answers out of ring order). Returns the buffers mapped.
     pub fn rx_direct_refill(&mut self) -> usize {
         let _c = enter(Class::Netback);
         if self.disabled.is_some() {
@@ -213,17 +240,16 @@ impl<X: Xen> Vif<X> {
             return 0;
         };
         let (mut broken, mut answered) = (false, false);
-        let mut cached = 0;
         d.ops.clear();
-        d.ids.clear();
-        while d.ops.len() < d.free.len() {
+        d.batch.clear();
+        while d.batch.len() < d.free.len() {
             let req = match self.rx.take_request() {
                 Ok(Some(r)) => r,
                 // None waiting. While the NIC holds plenty of this guest's buffers the
                 // driver domain looks again at its next poll anyway; only when they run
                 // low is `req_event` armed, so that the guest's next post wakes this
                 // vif (an event per post would wake the driver domain per packet).
-                Ok(None) if RX_MAPPED - d.free.len() + d.ops.len() >= DIRECT_LOW_WATER => break,
+                Ok(None) if RX_MAPPED - d.free.len() + d.batch.len() >= DIRECT_LOW_WATER => break,
                 Ok(None) => match self.rx.final_check_for_at_least(1) {
                     Ok(true) => continue,
                     Ok(false) => break,
@@ -244,44 +270,51 @@ impl<X: Xen> Vif<X> {
                 answered = true;
                 continue;
             }
+            // The free slots are taken from the top of the stack, one per request.
+            let k = d.free[d.free.len() - 1 - d.batch.len()];
             match d.place_without_map(
+                k,
                 &req,
                 self.machine_frames,
                 self.cache.as_deref_mut(),
                 &self.xen,
             ) {
-                Some(true) => {
-                    cached += 1;
-                    continue;
-                }
+                Some(true) => d.batch.push((k, req.id, false)),
                 Some(false) => {
                     self.stats.rx_copy_errors += 1;
                     let _ = self.rx.push_response(&rx_error(req.id));
                     answered = true;
-                    continue;
                 }
-                None => {}
+                None => {
+                    d.ops.push(MapOp {
+                        dom: self.fe,
+                        gref: GrantRef(req.gref),
+                        readonly: false,
+                        slot: map_slot(self.slot_base, k),
+                    });
+                    d.batch.push((k, req.id, true));
+                }
             }
-            let k = d.free[d.free.len() - 1 - d.ops.len()];
-            d.ops.push(MapOp {
-                dom: self.fe,
-                gref: GrantRef(req.gref),
-                readonly: false,
-                slot: map_slot(self.slot_base, k),
-            });
-            d.ids.push(req.id);
         }
         let n = d.ops.len();
         if n > 0 {
             let _h = enter(Class::Hypercall);
             self.xen.grant_map(&d.ops, &mut d.results[..n]);
         }
-        let mut mapped = cached;
-        for j in 0..n {
-            let id = d.ids[j];
-            if d.place_mapped(id, d.results[j]) {
+        let taken = d.batch.len();
+        d.free.truncate(d.free.len() - taken);
+        let (mut mapped, mut op) = (0, 0);
+        for j in 0..taken {
+            let (k, id, needs_map) = d.batch[j];
+            let placed = !needs_map || {
+                op += 1;
+                d.place_mapped(k, id, d.results[op - 1])
+            };
+            if placed {
+                d.ready.push_back(k);
                 mapped += 1;
             } else {
+                d.free.push(k);
                 self.stats.rx_copy_errors += 1;
                 let _ = self.rx.push_response(&rx_error(id));
                 answered = true;
@@ -296,20 +329,14 @@ impl<X: Xen> Vif<X> {
     }
 
     /// Gives mapped buffers to the NIC's queue for this guest while `post` takes them
-    /// (`vmq_alloc_skb`): each as the I/O address the device writes to, the room it
-    /// has, and a token to hand back with it; [`DIRECT_BRIDGE_RESERVE`] stay back for
-    /// frames through the bridge. Returns the buffers given.
+    /// (`vmq_alloc_skb`), in ring order: each as the I/O address the device writes to,
+    /// the room it has, and a token to hand back with it. Returns the buffers given.
     pub fn rx_direct_give(
         &mut self,
         mut post: impl FnMut(Iova, u16, DirectToken) -> bool,
     ) -> usize {
         let mut n = 0;
-        while let Some(k) = self
-            .direct
-            .as_ref()
-            .filter(|d| d.ready.len() > DIRECT_BRIDGE_RESERVE)
-            .and_then(|d| d.ready.front().copied())
-        {
+        while let Some(k) = self.direct.as_ref().and_then(|d| d.ready.front().copied()) {
             let Some((_, page)) = self.direct_place(k) else {
                 break;
             };
@@ -326,32 +353,94 @@ impl<X: Xen> Vif<X> {
         n
     }
 
-    /// A buffer the NIC filled (`vmq_netif_rx`): its mapping undone, and its request
-    /// answered with the frame's place and length (or an error if the device's write
-    /// failed). Responses are published by [`Vif::rx_direct_flush`].
+    /// A buffer the NIC filled with a frame of its own (`vmq_netif_rx`): its mapping
+    /// undone, and its request answered with the frame's place and length (or an error
+    /// if the device's write failed). Responses are published by
+    /// [`Vif::rx_direct_flush`].
     pub fn rx_direct_done(&mut self, token: DirectToken, len: u16, csum_ok: bool, error: bool) {
+        let fill = if error {
+            Fill::Error
+        } else {
+            Fill::Data {
+                len,
+                csum_ok,
+                more: false,
+            }
+        };
+        self.rx_direct_filled(token, fill);
+    }
+
+    /// A buffer the NIC handed back (`vmq_netif_rx`), as [`Fill`] says: its mapping
+    /// undone, and its request answered, in the order the buffers come back (the
+    /// guest's ring order). A large frame's buffers are answered as one response
+    /// chain: the first with `NETRXF_EXTRA_INFO` (and its checksum left blank if it
+    /// came partial), the context buffer's request with the GSO extra, the rest with
+    /// `NETRXF_MORE_DATA` but the last. A context with no large frame before it (a
+    /// device fault) is answered with an error and counted. Responses are published
+    /// by [`Vif::rx_direct_flush`].
+    pub fn rx_direct_filled(&mut self, token: DirectToken, fill: Fill) {
         let _c = enter(Class::Netback);
-        let ok = !error && usize::from(len) <= mem::PAGE_SIZE - DIRECT_OFFSET && len > 0;
         let Some(id) = self.direct_release(token) else {
             return;
         };
-        if ok {
-            self.stats.rx_packets += 1;
-            self.stats.rx_bytes += u64::from(len);
-        } else {
-            self.stats.rx_copy_errors += 1;
-        }
+        let extra_due = self.direct.as_mut().and_then(|d| d.extra_due.take());
+        let room = (mem::PAGE_SIZE - DIRECT_OFFSET) as u16;
+        let rsp = match fill {
+            Fill::Context => {
+                if let Some(g) = extra_due {
+                    // Cannot fail: one response per request taken.
+                    let _ = self
+                        .rx
+                        .push_response(&ExtraInfo::gso(g.size, g.ty, false).to_rx_slot());
+                    return;
+                }
+                self.stats.rx_copy_errors += 1;
+                rx_error(id)
+            }
+            Fill::Data { len, csum_ok, more } if len > 0 && len <= room => {
+                if !more {
+                    self.stats.rx_packets += 1;
+                }
+                self.stats.rx_bytes += u64::from(len);
+                RxResponse {
+                    id,
+                    offset: DIRECT_OFFSET as u16,
+                    flags: if csum_ok { NETRXF_DATA_VALIDATED } else { 0 }
+                        | if more { NETRXF_MORE_DATA } else { 0 },
+                    status: len as i16,
+                }
+            }
+            Fill::First {
+                len,
+                more,
+                gso,
+                blank,
+            } if len > 0 && len <= room => {
+                if let Some(d) = self.direct.as_mut() {
+                    d.extra_due = Some(gso);
+                }
+                self.stats.rx_gso_packets += 1;
+                self.stats.rx_bytes += u64::from(len);
+                RxResponse {
+                    id,
+                    offset: DIRECT_OFFSET as u16,
+                    flags: NETRXF_EXTRA_INFO
+                        | if blank {
+                            NETRXF_CSUM_BLANK | NETRXF_DATA_VALIDATED
+                        } else {
+                            NETRXF_DATA_VALIDATED
+                        }
+                        | if more { NETRXF_MORE_DATA } else { 0 },
+                    status: len as i16,
+                }
+            }
+            Fill::Data { .. } | Fill::First { .. } | Fill::Error => {
+                self.stats.rx_copy_errors += 1;
+                rx_error(id)
+            }
+        };
         // Cannot fail: one response per request taken.
-        let _ = self.rx.push_response(&RxResponse {
-            id,
-            offset: DIRECT_OFFSET as u16,
-            flags: if ok && csum_ok {
-                NETRXF_DATA_VALIDATED
-            } else {
-                0
-            },
-            status: if ok { len as i16 } else { XEN_NETIF_RSP_ERROR },
-        });
+        let _ = self.rx.push_response(&rsp);
     }
 
     /// Unmaps the buffer given under `token` and frees its slot; its request id, if the
@@ -392,58 +481,17 @@ impl<X: Xen> Vif<X> {
         self.direct.as_ref().map_or(0, |d| d.ready.len())
     }
 
-    /// The RX action of a direct vif, for frames that came through the bridge: each is
-    /// written into the oldest mapped buffer not yet with the NIC, through the
-    /// driver domain's mapping of it, and answered. Returns the packets taken.
-    pub(super) fn rx_direct_copy(&mut self, pool: &mut SkbPool) -> usize {
-        if self.disabled.is_some() {
-            return 0;
-        }
+    /// The RX action of a direct vif: its frames come through its NIC queue only (the
+    /// driver domain sends the bridge's there), so that its answers keep ring order;
+    /// any queued here are dropped and counted. Returns the packets taken.
+    pub(super) fn rx_direct_unplaced(&mut self, pool: &mut SkbPool) -> usize {
         let mut n = 0;
-        loop {
-            let Some(k) = self.direct.as_ref().and_then(|d| d.ready.front().copied()) else {
-                if !self.rx_queue.is_empty() {
-                    self.stats.rx_stalls += 1;
-                }
-                break;
-            };
-            let Some(skb) = self.rx_queue.pop(pool) else {
-                break;
-            };
-            n += 1;
-            let len = pool.len(skb);
-            let csum = pool.csum_valid(skb);
-            let written = self.direct_write(pool, skb, k, len);
+        while let Some(skb) = self.rx_queue.pop(pool) {
+            self.stats.rx_unplaced += 1;
             pool.free(skb);
-            if let Some(d) = self.direct.as_mut() {
-                d.ready.pop_front();
-            }
-            let ok = written && len > 0;
-            self.rx_direct_done(u32::from(k), if ok { len as u16 } else { 0 }, csum, !ok);
+            n += 1;
         }
-        self.rx_direct_flush();
         n
-    }
-
-    /// Writes `skb`'s `len` bytes into mapped buffer `k` at the frame offset.
-    fn direct_write(&mut self, pool: &SkbPool, skb: SkbId, k: u16, len: usize) -> bool {
-        let Some(slot) = self.direct_slot(k) else {
-            return false;
-        };
-        let Some(d) = self.direct.as_mut() else {
-            return false;
-        };
-        if len > d.frame.len() || DIRECT_OFFSET + len > mem::PAGE_SIZE {
-            return false;
-        }
-        let _c = enter(Class::GrantCopy);
-        pool.read(skb, 0, &mut d.frame[..len]).is_ok()
-            && self
-                .xen
-                .domain()
-                .window()
-                .write(slot, DIRECT_OFFSET, &d.frame[..len])
-                .is_ok()
     }
 
     /// At disconnection: every mapping undone, no response (the ring is going).
@@ -462,6 +510,7 @@ impl<X: Xen> Vif<X> {
             })
             .collect();
         d.ready.clear();
+        d.extra_due = None;
         if !handles.is_empty() {
             let mut st = vec![Ok(()); handles.len()];
             self.xen.grant_unmap(&handles, &mut st);

@@ -324,6 +324,13 @@ impl<X: Xen> Vif<X> {
         }
     }
 
+    /// The large packets the front end takes whole: bit `1 << t` for each netif GSO
+    /// type `t` it negotiated.
+    pub fn rx_gso_types(&self) -> u32 {
+        u32::from(self.gso_rx) << crate::netif::XEN_NETIF_GSO_TYPE_TCPV4
+            | u32::from(self.gso6_rx) << crate::netif::XEN_NETIF_GSO_TYPE_TCPV6
+    }
+
     /// Whether this vif's receive path passes checksum and GSO metadata to the guest:
     /// the grant-copy path does; the guest-copy, direct-placement and grant-cache paths
     /// give frames as they are (their responses carry no extras).
@@ -409,7 +416,7 @@ impl<X: Xen> Vif<X> {
             return self.rx_lend(pool);
         }
         if self.direct.is_some() {
-            return self.rx_direct_copy(pool);
+            return self.rx_direct_unplaced(pool);
         }
         if self.cache.is_some() {
             return self.rx_cached_copy(pool);

@@ -92,6 +92,10 @@ pub struct VifStats {
     /// Offloads: packets that could not be segmented or checksummed here (bad headers,
     /// no buffer), dropped.
     pub rx_offload_drops: u64,
+    /// Direct placement: packets queued to the vif instead of sent through its NIC
+    /// queue, dropped (its answers must keep ring order, so its frames come only
+    /// through the queue).
+    pub rx_unplaced: u64,
     /// Times this vif was taken over from a back end that left it `Connected`
     /// ([`Vif::resume`]).
     pub resumed: u64,
@@ -136,6 +140,7 @@ hv::counter_set!(VifStats {
     rx_gso_segments,
     rx_csum_filled,
     rx_offload_drops,
+    rx_unplaced,
     resumed,
     resume_replayed
 });
@@ -153,6 +158,7 @@ impl VifStats {
         "dropped_disabled",
         "tx_offload_errors",
         "rx_offload_drops",
+        "rx_unplaced",
     ];
 }
 
