@@ -112,17 +112,21 @@ impl Nic {
     ) -> Result<Self, hv::sched::SchedError> {
         let (regs, d) = Device::with_regs(hv, dev, coalesce, irqs);
         let resets = regs.resets.load(Ordering::Acquire);
+        // Hardware beside the CPUs: an idle pCPU runs its steps while its own is busy,
+        // unless its cable's I/O is tied to one thread.
+        let name = format!("nic{}", dev.0);
+        let spec = if source.thread_bound() || sink.thread_bound() {
+            hv::sched::UnitSpec::named(name)
+        } else {
+            hv::sched::UnitSpec::device(name)
+        };
         let unit = NicUnit {
             dev: d,
             source: Some(source),
             sink,
             resets,
         };
-        let j = sched.place(
-            pcpu,
-            hv::sched::UnitSpec::named(format!("nic{}", dev.0)),
-            unit,
-        )?;
+        let j = sched.place(pcpu, spec, unit)?;
         Ok(Self {
             regs,
             engine: Some(Engine::Unit(j)),

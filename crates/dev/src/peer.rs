@@ -375,7 +375,7 @@ impl TcpPeer {
         pcpu: usize,
     ) -> Result<(), hv::sched::SchedError> {
         if let Some(e) = self.engine.take() {
-            let j = sched.place(pcpu, hv::sched::UnitSpec::named("tcp-peer"), e)?;
+            let j = sched.place(pcpu, hv::sched::UnitSpec::device("tcp-peer"), e)?;
             self.runner = Some(Runner::Unit(j));
         }
         Ok(())

@@ -805,6 +805,9 @@ impl WireSink for TapSink {
     fn takes_offload(&self) -> bool {
         self.vnet
     }
+    fn thread_bound(&self) -> bool {
+        !matches!(self.ring, Ring::None)
+    }
     fn flush(&mut self) {
         let Ring::Up(r) = &mut self.ring else {
             return;
@@ -840,6 +843,9 @@ impl WireSource for TapPort {
     }
     fn close(&mut self) {
         self.close_io();
+    }
+    fn thread_bound(&self) -> bool {
+        !matches!(self.ring, Ring::None)
     }
 }
 

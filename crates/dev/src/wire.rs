@@ -96,6 +96,12 @@ pub trait WireSource: Send {
     /// The device is done with the source for now (it stops, or hands the source on):
     /// a source with work in the kernel ends it here, on the device's own thread.
     fn close(&mut self) {}
+    /// Whether the source must be used from one thread (an io_uring whose completions
+    /// run as work of the thread that submitted): the device's engine then stays on
+    /// its own pCPU rather than have idle pCPUs run its steps.
+    fn thread_bound(&self) -> bool {
+        false
+    }
     /// As [`Self::poll`], for a source that [`Self::holds`]: `emit` returns false for
     /// a frame the device refuses, which stays first in line, and the poll stops there.
     fn poll_held(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
@@ -118,6 +124,10 @@ pub trait WireSink: Send {
     /// The NIC has put every frame it had on the cable for now: a sink that sends in
     /// batches sends what it holds.
     fn flush(&mut self) {}
+    /// Whether the sink must be used from one thread ([`WireSource::thread_bound`]).
+    fn thread_bound(&self) -> bool {
+        false
+    }
 }
 
 /// No traffic.

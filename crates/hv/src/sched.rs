@@ -23,6 +23,13 @@
 //! clock against the wall clock over a window, less the time it slept on purpose), so
 //! that no domain is charged for the host's other work.
 //!
+//! A device's engine is hardware beside the CPUs: it must not wait for a CPU while one
+//! idles. A unit placed [`UnitSpec::stealable`] may have its steps run by another pCPU
+//! of the scheduler that is idle while its own pCPU is in another unit's step (work
+//! stealing, [`steal`]); it goes back to its own pCPU's table after each turn. Each
+//! unit's waits to run are kept in a histogram (their 99th percentile and longest in
+//! [`UnitReport`]), and steps longer than [`LONG_STEP`] are counted.
+//!
 //! A step that never returns (a hung kernel) holds its pCPU's thread but not its other
 //! units: [`Scheduler::rescue`] retires the thread and starts a fresh one on the same
 //! core, which takes the pCPU's other units over; the hung unit goes back to the pCPU
@@ -36,6 +43,8 @@ use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
+
+mod steal;
 
 /// Units a pCPU can hold.
 pub const MAX_UNITS: usize = 256;
@@ -205,6 +214,10 @@ pub struct UnitSpec {
     /// The share of its pCPU's time it may take, in percent per accounting period (Xen's
     /// cap); 0 or 100 is no cap. A unit past its cap is not run until the next period.
     pub cap_percent: u32,
+    /// Another pCPU of the scheduler, idle, may run its steps while its own pCPU is in
+    /// another unit's step (a device's engine, which must not wait for a CPU while one
+    /// idles). Its state must not be tied to a thread.
+    pub stealable: bool,
 }
 
 impl UnitSpec {
@@ -214,7 +227,45 @@ impl UnitSpec {
             name: name.into(),
             weight: 1,
             cap_percent: 0,
+            stealable: false,
         }
+    }
+
+    /// A device's engine of weight 1 without a cap, which idle pCPUs may run
+    /// ([`UnitSpec::stealable`]).
+    pub fn device(name: impl Into<String>) -> Self {
+        Self {
+            stealable: true,
+            ..Self::named(name)
+        }
+    }
+}
+
+/// A step longer than this is counted as long (`long_steps`): the time a unit's
+/// neighbours on its pCPU may wait behind it, a bound a device's engine (whose frames
+/// arrive at the wire's pace) cannot afford to wait past.
+pub const LONG_STEP: Duration = Duration::from_millis(1);
+
+/// Buckets of the wait-to-run histogram: bucket 0 below 1 µs, bucket `k` from
+/// `2^(k-1)` to `2^k` µs, the last everything longer.
+pub const WAIT_BUCKETS: usize = 24;
+
+/// The histogram bucket of a wait of `ns`.
+fn wait_bucket(ns: u64) -> usize {
+    let us = ns / 1000;
+    if us == 0 {
+        0
+    } else {
+        (64 - us.leading_zeros() as usize).min(WAIT_BUCKETS - 1)
+    }
+}
+
+/// The upper bound of histogram bucket `k`.
+fn bucket_bound(k: usize) -> Duration {
+    if k == 0 {
+        Duration::from_micros(1)
+    } else {
+        Duration::from_micros(1u64 << k.min(40))
     }
 }
 
@@ -232,6 +283,12 @@ pub struct UnitStats {
     wakeups: AtomicU64,
     longest_step_ns: AtomicU64,
     capped: AtomicU64,
+    /// Its waits to run, woken until it ran, by [`wait_bucket`].
+    waits: [AtomicU64; WAIT_BUCKETS],
+    longest_wait_ns: AtomicU64,
+    long_steps: AtomicU64,
+    /// Turns another pCPU ran it.
+    stolen: AtomicU64,
 }
 
 /// A snapshot of [`UnitStats`].
@@ -251,6 +308,15 @@ pub struct UnitReport {
     pub longest_step: Duration,
     /// Turns it was passed over for being past its cap.
     pub capped: u64,
+    /// The 99th percentile of its waits to run (woken until it ran), as the upper bound
+    /// of the histogram bucket it falls in (zero: no wait yet).
+    pub wait_p99: Duration,
+    /// Its longest wait to run.
+    pub longest_wait: Duration,
+    /// Steps longer than [`LONG_STEP`].
+    pub long_steps: u64,
+    /// Turns an idle pCPU other than its own ran it ([`UnitSpec::stealable`]).
+    pub stolen: u64,
 }
 
 impl UnitStats {
@@ -261,6 +327,27 @@ impl UnitStats {
     /// A snapshot.
     pub fn report(&self) -> UnitReport {
         let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        let waits: Vec<u64> = self
+            .waits
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = waits.iter().sum();
+        let wait_p99 = if total == 0 {
+            Duration::ZERO
+        } else {
+            // The bucket holding the wait that 99% of the waits do not exceed.
+            let want = total - total / 100;
+            let mut seen = 0;
+            let k = waits
+                .iter()
+                .position(|&n| {
+                    seen += n;
+                    seen >= want
+                })
+                .unwrap_or(WAIT_BUCKETS - 1);
+            bucket_bound(k)
+        };
         UnitReport {
             name: self.name.clone(),
             running: d(&self.running_ns),
@@ -269,7 +356,17 @@ impl UnitStats {
             wakeups: self.wakeups.load(Ordering::Relaxed),
             longest_step: d(&self.longest_step_ns),
             capped: self.capped.load(Ordering::Relaxed),
+            wait_p99,
+            longest_wait: d(&self.longest_wait_ns),
+            long_steps: self.long_steps.load(Ordering::Relaxed),
+            stolen: self.stolen.load(Ordering::Relaxed),
         }
+    }
+
+    /// A wait to run of `ns`, into the histogram.
+    fn waited(&self, ns: u64) {
+        self.waits[wait_bucket(ns)].fetch_add(1, Ordering::Relaxed);
+        self.longest_wait_ns.fetch_max(ns, Ordering::Relaxed);
     }
 }
 
@@ -369,6 +466,8 @@ struct Table {
     period_start: Instant,
     /// Units passed over until the next period.
     over_cap: [u64; WORDS],
+    /// Stealable units out on another pCPU's thread for a turn.
+    away: [u64; WORDS],
 }
 
 /// A pCPU: its IPI word and the state its thread and wakers share.
@@ -403,6 +502,19 @@ pub(crate) struct PcpuShared {
     lines_at: AtomicU64,
     /// What a waker signals while the thread sleeps in `ppoll` on its lines.
     doorbell: OnceLock<mem::poll::EventFd>,
+    /// Its stealable units (set as they are placed, cleared as they end).
+    stealable: [AtomicU64; WORDS],
+    /// Hints for idle pCPUs, published under the table's lock: stealable units left
+    /// runnable, and the earliest deadline of an idle stealable one (ns since `epoch`,
+    /// `u64::MAX` for none).
+    waiting: [AtomicU64; WORDS],
+    steal_due: AtomicU64,
+    /// When each stealable unit was last woken from idle, ns since `epoch` (0: not
+    /// since its pCPU last looked), stamped by its waker.
+    woke_ns: Box<[AtomicU64]>,
+    /// A thief put a unit back idle with a deadline: the pCPU's idle loop, which waits
+    /// for the deadlines it knew, looks at its table again.
+    retime: AtomicBool,
 }
 
 /// A host descriptor a unit waits on: when it has input and the unit armed it, the
@@ -569,6 +681,17 @@ impl Waker {
     pub fn wake(&self) {
         let p = &*self.pcpu;
         let (w, b) = (self.slot as usize / 64, self.slot % 64);
+        if p.stealable[w].load(Ordering::Relaxed) & (1 << b) != 0 {
+            // A device's engine: when it was woken, for its wait to run (a clock read
+            // in user space; a vCPU's wake-up does not pay it).
+            let at = p.epoch.elapsed().as_nanos() as u64 | 1;
+            let _ = p.woke_ns[self.slot as usize].compare_exchange(
+                0,
+                at,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
         p.ipi[w].fetch_or(1 << b, Ordering::SeqCst);
         // Pairs with the idle loop's store of `sleeping` and its look at the word.
         if p.sleeping.load(Ordering::SeqCst) {
@@ -804,6 +927,8 @@ impl CpuPlan {
 #[derive(Debug)]
 pub struct Scheduler {
     pcpus: Vec<Arc<PcpuShared>>,
+    /// The same, for each pCPU's thread to steal from.
+    peers: Arc<Vec<Arc<PcpuShared>>>,
     threads: Mutex<Vec<(usize, JoinHandle<()>)>>,
     policy: IdlePolicy,
 }
@@ -849,6 +974,7 @@ impl Scheduler {
                         period_ns: vec![0; MAX_UNITS],
                         period_start: now,
                         over_cap: [0; WORDS],
+                        away: [0; WORDS],
                     }),
                     stats: PcpuStats::default(),
                     own: idle_slot(),
@@ -857,10 +983,16 @@ impl Scheduler {
                     lines: Mutex::new(Vec::new()),
                     lines_at: AtomicU64::new(0),
                     doorbell: OnceLock::new(),
+                    stealable: std::array::from_fn(|_| AtomicU64::new(0)),
+                    waiting: std::array::from_fn(|_| AtomicU64::new(0)),
+                    steal_due: AtomicU64::new(u64::MAX),
+                    woke_ns: (0..MAX_UNITS).map(|_| AtomicU64::new(0)).collect(),
+                    retime: AtomicBool::new(false),
                 })
             })
             .collect();
         let s = Arc::new(Self {
+            peers: Arc::new(pcpus.clone()),
             pcpus,
             threads: Mutex::new(Vec::new()),
             policy: plan.policy,
@@ -873,9 +1005,10 @@ impl Scheduler {
 
     fn spawn(&self, p: &Arc<PcpuShared>, generation: u64) -> std::io::Result<()> {
         let q = Arc::clone(p);
+        let peers = Arc::clone(&self.peers);
         let h = std::thread::Builder::new()
             .name(p.name.clone())
-            .spawn(move || pcpu_main(&q, generation))?;
+            .spawn(move || pcpu_main(&q, &peers, generation))?;
         if let Ok(mut t) = self.threads.lock() {
             t.push((p.index, h));
         }
@@ -931,6 +1064,7 @@ impl Scheduler {
             ..UnitStats::default()
         });
         unit.attach(&waker, &stats);
+        let stealable = spec.stealable;
         let done = Arc::new(Done {
             result: Mutex::new(None),
             finished: AtomicBool::new(false),
@@ -945,6 +1079,9 @@ impl Scheduler {
         }));
         t.held[slot / 64] |= 1 << (slot % 64);
         t.live += 1;
+        if stealable {
+            p.stealable[slot / 64].fetch_or(1 << (slot % 64), Ordering::SeqCst);
+        }
         drop(t);
         waker.wake();
         Ok(UnitJoin { done, stats, waker })
@@ -1141,7 +1278,7 @@ impl Table {
         let (w0, b0) = (from / 64, from % 64);
         for k in 0..=WORDS {
             let w = (w0 + k) % WORDS;
-            let mut bits = self.runnable[w] & !self.over_cap[w];
+            let mut bits = self.runnable[w] & !self.over_cap[w] & !self.away[w];
             if k == 0 {
                 bits &= !0u64 << b0;
             } else if k == WORDS {
@@ -1190,19 +1327,32 @@ impl Table {
             if p.ipi[w].load(Ordering::Relaxed) == 0 {
                 continue;
             }
-            let mut bits = p.ipi[w].swap(0, Ordering::SeqCst);
-            self.runnable[w] |= bits;
-            p.stats
-                .ipis
-                .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
-            while bits != 0 {
-                let i = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                if self.idle[w] & (1 << (i % 64)) != 0 {
-                    self.idle[w] &= !(1 << (i % 64));
-                    self.set_deadline(i, None);
-                    self.woken[i] = Some(now);
-                }
+            let bits = p.ipi[w].swap(0, Ordering::SeqCst);
+            self.wake_units(p, w, bits, now);
+        }
+    }
+
+    /// Units `bits` of word `w`, taken from the IPI word, become runnable.
+    #[inline]
+    fn wake_units(&mut self, p: &PcpuShared, w: usize, mut bits: u64, now: Instant) {
+        self.runnable[w] |= bits;
+        p.stats
+            .ipis
+            .fetch_add(u64::from(bits.count_ones()), Ordering::Relaxed);
+        while bits != 0 {
+            let i = w * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            // A stealable unit's waker stamped the wake-up (its wait counts from
+            // there, not from when a pCPU got to look).
+            let stamped = p.woke_ns[i].swap(0, Ordering::AcqRel);
+            if self.idle[w] & (1 << (i % 64)) != 0 {
+                self.idle[w] &= !(1 << (i % 64));
+                self.set_deadline(i, None);
+                self.woken[i] = Some(if stamped == 0 {
+                    now
+                } else {
+                    (p.epoch + Duration::from_nanos(stamped)).min(now)
+                });
             }
         }
     }
@@ -1214,8 +1364,14 @@ impl Table {
         if self.earliest_deadline().is_none_or(|d| d > now) {
             return;
         }
+        self.expire_deadlines_of(now, [u64::MAX; WORDS]);
+    }
+
+    /// As [`Self::expire_deadlines`], for the units in `mask` only.
+    fn expire_deadlines_of(&mut self, now: Instant, mask: [u64; WORDS]) {
         let timed = self.timed;
-        for (w, mut bits) in timed.into_iter().enumerate() {
+        for (w, bits) in timed.into_iter().enumerate() {
+            let mut bits = bits & mask[w];
             while bits != 0 {
                 let i = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
@@ -1266,9 +1422,47 @@ impl Table {
         }
     }
 
+    /// Publishes the hints idle pCPUs steal by: the stealable units left runnable, and
+    /// the earliest deadline of an idle one.
+    fn publish_steal_hints(&self, p: &PcpuShared) {
+        let mut due = u64::MAX;
+        for w in 0..WORDS {
+            let mine = p.stealable[w].load(Ordering::Relaxed);
+            if mine == 0 {
+                continue;
+            }
+            p.waiting[w].store(self.runnable[w] & self.present(w, mine), Ordering::Release);
+            let mut timed = self.timed[w] & mine & !self.away[w];
+            while timed != 0 {
+                let i = w * 64 + timed.trailing_zeros() as usize;
+                timed &= timed - 1;
+                if let Some(d) = self.deadline[i] {
+                    due = due.min(d.saturating_duration_since(p.epoch).as_nanos() as u64);
+                }
+            }
+        }
+        p.steal_due.store(due, Ordering::Release);
+    }
+
+    /// Of units `mask` of word `w`, those in the table now (not out in a step on its own
+    /// pCPU's thread or a thief's).
+    fn present(&self, w: usize, mask: u64) -> u64 {
+        let mut bits = mask & !self.away[w];
+        let mut out = 0;
+        while bits != 0 {
+            let b = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if self.units[w * 64 + b].is_some() {
+                out |= 1 << b;
+            }
+        }
+        out
+    }
+
     /// Unit `i` ended: its slot is free and it is neither idle nor timed.
     #[inline]
-    fn end(&mut self, i: usize) {
+    fn end(&mut self, p: &PcpuShared, i: usize) {
+        p.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         self.held[i / 64] &= !(1 << (i % 64));
         self.live -= 1;
         self.set_deadline(i, None);
@@ -1343,7 +1537,7 @@ fn bind_sampler(p: &PcpuShared) -> Option<SlotBinding> {
 /// turn takes the host's input and the IPI word, wakes units whose deadline passed,
 /// picks the next runnable unit (or idles), runs it for its weight in steps, and puts
 /// it back as its last step said.
-fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
+fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
     pcpu_enter(p);
     let mut cpu = CpuClock::new(p);
     let mut binding = bind_sampler(p);
@@ -1378,8 +1572,15 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             }
             let until = t.idle_until();
             drop(t);
+            // Nothing of its own to run: a device's engine another pCPU's step keeps
+            // waiting, if there is one.
+            if !p.stop.load(Ordering::Relaxed) && steal::try_steal(p, peers, &mut binding) {
+                cpu.publish_now_and_then(p, Instant::now());
+                t = lock(&p.table);
+                continue;
+            }
             cpu.publish_now_and_then(p, now);
-            idle(p, until, &cpu, &mut lines);
+            idle(p, until, &cpu, &mut lines, peers);
             t = lock(&p.table);
             continue;
         };
@@ -1388,6 +1589,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
         let Some(mut e) = t.units[i].take() else {
             continue;
         };
+        t.publish_steal_hints(p);
         drop(t);
         let prev = match (binding.as_mut(), e.samples()) {
             (Some(b), Some(s)) => Some(b.switch(s)),
@@ -1425,12 +1627,15 @@ fn pcpu_main(p: &Arc<PcpuShared>, generation: u64) {
             }
             StepOut::Idle(d) => {
                 yields = 0;
-                t.idle[i / 64] |= 1 << (i % 64);
-                t.set_deadline(i, d);
+                // Unless a thief took its wake-up meanwhile (it is runnable already).
+                if t.runnable[i / 64] & (1 << (i % 64)) == 0 {
+                    t.idle[i / 64] |= 1 << (i % 64);
+                    t.set_deadline(i, d);
+                }
                 t.units[i] = Some(e);
             }
             StepOut::Ended => {
-                t.end(i);
+                t.end(p, i);
                 drop(t);
                 e.finish();
                 drop(e);
@@ -1470,13 +1675,15 @@ fn run_unit(
         st.running_ns.fetch_add(ns, Ordering::Relaxed);
         st.steps.fetch_add(1, Ordering::Relaxed);
         st.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
+        if ns > LONG_STEP.as_nanos() as u64 {
+            st.long_steps.fetch_add(1, Ordering::Relaxed);
+        }
         p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
         if let Some(w) = woken.take() {
+            let wait = start.saturating_duration_since(w).as_nanos() as u64;
             st.wakeups.fetch_add(1, Ordering::Relaxed);
-            st.runnable_ns.fetch_add(
-                start.saturating_duration_since(w).as_nanos() as u64,
-                Ordering::Relaxed,
-            );
+            st.runnable_ns.fetch_add(wait, Ordering::Relaxed);
+            st.waited(wait);
         }
         start = end;
         match r {
@@ -1512,6 +1719,7 @@ fn hand_back(
         p.ipi[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
         wake_thread(p);
     } else {
+        p.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         t.held[i / 64] &= !(1 << (i % 64));
         t.live -= 1;
         drop(t);
@@ -1527,7 +1735,13 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The idle loop: waits for the IPI word, a deadline or a stop, as the policy says.
-fn idle(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Lines) {
+fn idle(
+    p: &PcpuShared,
+    until: Option<Instant>,
+    cpu: &CpuClock,
+    lines: &mut Lines,
+    peers: &[Arc<PcpuShared>],
+) {
     let start = Instant::now();
     let window = Duration::from_nanos(p.poll_window_ns.load(Ordering::Relaxed));
     let spin_end = match p.policy {
@@ -1536,7 +1750,7 @@ fn idle(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Line
         IdlePolicy::Block => Some(start),
         IdlePolicy::AdaptiveHaltPoll(_) => Some(start + window),
     };
-    let (sleep, counted) = idle_spin(p, start, until, spin_end, cpu, lines);
+    let (sleep, counted) = idle_spin(p, start, until, spin_end, cpu, lines, peers);
     if sleep {
         idle_sleep(p, until, cpu, lines);
     }
@@ -1561,12 +1775,16 @@ fn idle_spin(
     spin_end: Option<Instant>,
     cpu: &CpuClock,
     lines: &mut Lines,
+    peers: &[Arc<PcpuShared>],
 ) -> (bool, Instant) {
     let mut counted = start;
     let mut spins = 0u32;
     let mut last = start;
     loop {
-        if any_ipi(p, Ordering::Acquire) || p.stop.load(Ordering::Relaxed) {
+        if any_ipi(p, Ordering::Acquire)
+            || p.stop.load(Ordering::Relaxed)
+            || p.retime.swap(false, Ordering::AcqRel)
+        {
             return (false, counted);
         }
         if spins.is_multiple_of(32) {
@@ -1582,6 +1800,10 @@ fn idle_spin(
                 return (false, counted);
             }
             if lines.look(p, now, LINE_LOOK_IDLE) > 0 {
+                return (false, counted);
+            }
+            // Another pCPU's device engine waits while that pCPU is in a step.
+            if steal::wanted_by(p, peers, now) {
                 return (false, counted);
             }
             // A long spin shows in the accounting as it goes, not only once it ends.
@@ -1609,7 +1831,10 @@ fn idle_spin(
 fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Lines) {
     p.sleeping.store(true, Ordering::SeqCst);
     fence(Ordering::SeqCst);
-    if !any_ipi(p, Ordering::SeqCst) && !p.stop.load(Ordering::SeqCst) {
+    if !any_ipi(p, Ordering::SeqCst)
+        && !p.stop.load(Ordering::SeqCst)
+        && !p.retime.swap(false, Ordering::SeqCst)
+    {
         // The thread's CPU clock as it goes to sleep (one more system call beside the
         // sleep's own): the time it then sleeps is not the host's, and a report taken
         // meanwhile sees the CPU it used up to here.

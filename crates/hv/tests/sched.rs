@@ -503,3 +503,244 @@ fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_slee
         assert_eq!(IdlePolicy::parse(&p.name()), Ok(p));
     }
 }
+
+/// A vCPU whose steps hold its pCPU for `step` at a time, as a guest's long poll does;
+/// with `steps`, only that many, then it idles (its pCPU with it) until the end.
+struct Hog {
+    step: Duration,
+    steps: Option<u32>,
+    end: Arc<AtomicBool>,
+}
+
+impl Unit for Hog {
+    type Output = ();
+    fn step(&mut self, _cx: &Cx) -> Step<()> {
+        if self.end.load(Ordering::Acquire) {
+            return Step::Done(());
+        }
+        if self.steps == Some(0) {
+            return Step::Idle(None);
+        }
+        if let Some(n) = self.steps.as_mut() {
+            *n -= 1;
+        }
+        let t = Instant::now();
+        while t.elapsed() < self.step {
+            std::hint::spin_loop();
+        }
+        Step::More
+    }
+}
+
+/// A device's engine: takes the work published before each wake-up, and notes any step
+/// that began while another of its steps was under way.
+struct Engine {
+    work: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
+    inside: Arc<AtomicBool>,
+    overlaps: Arc<AtomicU64>,
+    end: Arc<AtomicBool>,
+}
+
+impl Unit for Engine {
+    type Output = u64;
+    fn step(&mut self, _cx: &Cx) -> Step<u64> {
+        if self.inside.swap(true, Ordering::AcqRel) {
+            self.overlaps.fetch_add(1, Ordering::Relaxed);
+        }
+        let w = self.work.swap(0, Ordering::Acquire);
+        self.done.fetch_add(w, Ordering::Relaxed);
+        self.inside.store(false, Ordering::Release);
+        if self.end.load(Ordering::Acquire) {
+            return Step::Done(self.done.load(Ordering::Relaxed));
+        }
+        Step::Idle(None)
+    }
+}
+
+/// Idle pCPUs run a device's engine while its own pCPU is held by a vCPU's long steps:
+/// every wake-up's work is taken, no two of its steps ever overlap though two thieves
+/// race for it, and the engine's turns elsewhere are counted. A unit not placed as a
+/// device stays on its pCPU.
+#[test]
+fn idle_pcpus_run_a_device_engine_whose_pcpu_is_busy_and_never_two_of_its_steps_at_once() {
+    for stealable in [true, false] {
+        let s = Scheduler::new(&CpuPlan::floating(3, IdlePolicy::Poll), None).expect("sched");
+        let end = Arc::new(AtomicBool::new(false));
+        let hog = s
+            .place(
+                0,
+                UnitSpec::named("vcpu"),
+                Hog {
+                    step: Duration::from_millis(5),
+                    steps: None,
+                    end: Arc::clone(&end),
+                },
+            )
+            .expect("hog");
+        let (work, done, inside, overlaps, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let spec = if stealable {
+            UnitSpec::device("nic")
+        } else {
+            UnitSpec::named("nic")
+        };
+        let j = s
+            .place(
+                0,
+                spec,
+                Engine {
+                    work: Arc::clone(&work),
+                    done: Arc::clone(&done),
+                    inside,
+                    overlaps: Arc::clone(&overlaps),
+                    end: Arc::clone(&stop),
+                },
+            )
+            .expect("engine");
+        const N: u64 = 2000;
+        for k in 1..=N {
+            work.fetch_add(1, Ordering::Release);
+            j.wake();
+            if k % 200 == 0 {
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        }
+        wait_for("every wake-up's work taken", || {
+            done.load(Ordering::Acquire) == N
+        });
+        stop.store(true, Ordering::Release);
+        j.wake();
+        let stats = Arc::clone(j.stats());
+        assert_eq!(j.join(), Ok(N));
+        end.store(true, Ordering::Release);
+        hog.join().expect("hog");
+        let r = stats.report();
+        assert_eq!(overlaps.load(Ordering::Relaxed), 0, "{r:?}");
+        if stealable {
+            assert!(r.stolen > 0, "idle pCPUs ran it: {r:?}");
+        } else {
+            assert_eq!(r.stolen, 0, "{r:?}");
+        }
+        assert!(
+            r.wait_p99 > Duration::ZERO && r.longest_wait > Duration::ZERO,
+            "its waits are counted: {r:?}"
+        );
+    }
+}
+
+/// A device's engine idle until a deadline is run at its deadline by an idle pCPU while
+/// its own pCPU is in a long step; once its own pCPU goes idle, it keeps the deadlines a
+/// thief handed back.
+#[test]
+fn a_device_engines_deadline_is_kept_by_an_idle_pcpu_while_its_own_is_busy() {
+    struct Ticker {
+        next: Option<Instant>,
+        late: Vec<Duration>,
+    }
+    impl Unit for Ticker {
+        type Output = Vec<Duration>;
+        fn step(&mut self, cx: &Cx) -> Step<Vec<Duration>> {
+            if let Some(at) = self.next.filter(|&at| cx.now >= at) {
+                self.late.push(cx.now - at);
+                if self.late.len() == 50 {
+                    return Step::Done(std::mem::take(&mut self.late));
+                }
+            }
+            if self.next.is_none_or(|at| cx.now >= at) {
+                self.next = Some(cx.now + Duration::from_millis(1));
+            }
+            Step::Idle(self.next)
+        }
+    }
+    let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+    let end = Arc::new(AtomicBool::new(false));
+    let hog = s
+        .place(
+            0,
+            UnitSpec::named("vcpu"),
+            Hog {
+                step: Duration::from_millis(20),
+                steps: Some(2),
+                end: Arc::clone(&end),
+            },
+        )
+        .expect("hog");
+    let j = s
+        .place(
+            0,
+            UnitSpec::device("timer"),
+            Ticker {
+                next: None,
+                late: Vec::new(),
+            },
+        )
+        .expect("timer");
+    let stats = Arc::clone(j.stats());
+    wait_for("the 50 ticks, on either pCPU", || j.is_finished());
+    let late = j.join().expect("ticks");
+    end.store(true, Ordering::Release);
+    hog.wake();
+    hog.join().expect("hog");
+    let r = stats.report();
+    assert!(r.stolen > 0, "{r:?}");
+    // Behind the vCPU's 20 ms steps, the ticks would come 20 ms apart: most run on the
+    // idle pCPU instead, at their time (the host may take a thread away now and then).
+    let mut late = late;
+    late.sort_unstable();
+    assert!(late[late.len() / 2] < Duration::from_millis(10), "{late:?}");
+}
+
+/// A device's engine that panics in a step an idle pCPU took from its busy own pCPU fails
+/// its own join only: the vCPU beside it and the thief's pCPU run on.
+#[test]
+fn a_device_engine_that_panics_on_a_thief_fails_its_own_join_only() {
+    struct Fragile(u32);
+    impl Unit for Fragile {
+        type Output = ();
+        fn step(&mut self, cx: &Cx) -> Step<()> {
+            self.0 += 1;
+            assert!(self.0 < 200, "engine fault");
+            Step::Idle(Some(cx.now + Duration::from_micros(200)))
+        }
+    }
+    let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+    let end = Arc::new(AtomicBool::new(false));
+    let hog = s
+        .place(
+            0,
+            UnitSpec::named("vcpu"),
+            Hog {
+                step: Duration::from_millis(2),
+                steps: None,
+                end: Arc::clone(&end),
+            },
+        )
+        .expect("hog");
+    let j = s
+        .place(0, UnitSpec::device("fragile"), Fragile(0))
+        .expect("engine");
+    let stats = Arc::clone(j.stats());
+    let r = j.join();
+    assert!(
+        r.is_err_and(|e| e.contains("engine fault")),
+        "{:?}",
+        stats.report()
+    );
+    // The scheduler goes on: a fresh unit on the thief's side runs.
+    let (c, work, done, stop) = counter(false);
+    let k = s.place(1, UnitSpec::named("after"), c).expect("place");
+    work.store(1, Ordering::Release);
+    k.wake();
+    wait_for("the next unit to run", || done.load(Ordering::Acquire) == 1);
+    stop.store(true, Ordering::Release);
+    k.wake();
+    assert_eq!(k.join(), Ok(1));
+    end.store(true, Ordering::Release);
+    hog.join().expect("the vCPU ran on");
+}

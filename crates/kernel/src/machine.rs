@@ -627,6 +627,10 @@ impl Machine {
             c.add(&k, "steps", u.steps);
             c.add(&k, "wakeups", u.wakeups);
             c.add(&k, "longest_step_us", us(u.longest_step));
+            c.add(&k, "wait_p99_us", us(u.wait_p99));
+            c.add(&k, "longest_wait_us", us(u.longest_wait));
+            c.add(&k, "long_steps", u.long_steps);
+            c.add(&k, "stolen", u.stolen);
         }
         for r in self.sched.reports() {
             let k = format!("pcpu{}", r.index);

@@ -15,6 +15,7 @@ pub mod chart;
 pub mod dpdk;
 pub mod experiments;
 pub(crate) mod harness;
+pub mod host;
 pub mod progress;
 pub mod remote_host;
 pub mod report;

@@ -94,6 +94,10 @@ pub struct Report {
     /// the records name it instead of the run's.
     #[serde(default)]
     pub idle: Option<String>,
+    /// How much of the cores the host's other processes and the VM's hypervisor took
+    /// while the record was taken (`pvio reproduce` measures it around each experiment).
+    #[serde(default)]
+    pub host: Option<crate::host::HostLoad>,
 }
 
 /// What [`Report::write`] wrote.
@@ -131,6 +135,7 @@ impl Report {
             charts: Vec::new(),
             lines: Vec::new(),
             idle: None,
+            host: None,
         }
     }
 
@@ -278,6 +283,9 @@ impl Report {
             env.cores,
             self.idle.as_deref().unwrap_or(&env.idle)
         );
+        if let Some(h) = &self.host {
+            let _ = writeln!(md, "{}\n", h.line());
+        }
         if !self.setup.is_empty() {
             let _ = writeln!(md, "{}\n", self.setup);
         }

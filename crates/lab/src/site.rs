@@ -333,6 +333,15 @@ fn article(html: &mut String, f: &Folder, r: &Record, page: Option<&RunEnv>) {
             env_line(&r.env, e.idle.as_deref())
         );
     }
+    if let Some(h) = e.host.filter(|h| h.disturbed) {
+        let _ = writeln!(
+            html,
+            "<p class=\"env disturbed\">Disturbed: other processes took {:.1}% of a core and \
+             the hypervisor {:.1}% while this record was taken; its figures include that.</p>",
+            100.0 * h.others_cores,
+            100.0 * h.steal_cores
+        );
+    }
     checks_html(html, e);
     if !e.setup.is_empty() {
         let _ = writeln!(

@@ -747,15 +747,22 @@ fn reproduce(cx: &lab::Context, only: Option<&str>, out: &std::path::Path) -> Ex
         return ExitCode::from(2);
     }
     let env = RunEnv::capture(cx);
+    warn_if_cores_busy();
     let mut failed = 0;
     let count = chosen.len();
     for (i, e) in chosen.into_iter().enumerate() {
         eprintln!("running {} ({}) ...", e.id, e.paper);
         let line = lab::progress::experiment(e.id, i + 1, count);
+        let before = lab::host::Reading::now();
         let result = (e.run)(cx);
+        let host = before.and_then(|b| Some(lab::host::Reading::now()?.since(&b)));
         drop(line);
         match result {
-            Ok(report) => {
+            Ok(mut report) => {
+                report.host = host;
+                if let Some(h) = host.filter(|h| h.disturbed) {
+                    eprintln!("{}: {}", e.id, h.line());
+                }
                 println!("{}", report.table());
                 match report.write(out, &env) {
                     Ok(w) => {
@@ -791,6 +798,30 @@ fn reproduce(cx: &lab::Context, only: Option<&str>, out: &std::path::Path) -> Ex
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// Warns when other processes use the cores as the lab starts (as pyperf's `system
+/// show` does): the records measure what pvio's pCPUs get, and a busy host takes it.
+fn warn_if_cores_busy() {
+    let (busy, steal) = lab::host::busy_others(std::time::Duration::from_millis(500));
+    let total: f64 = busy.iter().map(|b| b.1).sum();
+    if total + steal > lab::host::DISTURBED_SHARE {
+        eprintln!(
+            "warning: other processes are using the cores ({:.0}% of a core{}): {}; \
+             records taken now will be marked disturbed if it lasts",
+            100.0 * total,
+            if steal > 0.0 {
+                format!(", the hypervisor {:.0}%", 100.0 * steal)
+            } else {
+                String::new()
+            },
+            busy.iter()
+                .take(5)
+                .map(|(n, s)| format!("{n} {:.0}%", 100.0 * s))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
 }
 
