@@ -363,10 +363,15 @@ impl UnitStats {
         }
     }
 
-    /// A wait to run of `ns`, into the histogram.
+    /// A wait to run of `ns`, into the histogram. Only the thread running the unit
+    /// writes its stats (one at a time, handed over under its pCPU's table lock), so
+    /// plain loads and stores do, without a locked instruction per wake-up.
     fn waited(&self, ns: u64) {
-        self.waits[wait_bucket(ns)].fetch_add(1, Ordering::Relaxed);
-        self.longest_wait_ns.fetch_max(ns, Ordering::Relaxed);
+        let b = &self.waits[wait_bucket(ns)];
+        b.store(b.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        if ns > self.longest_wait_ns.load(Ordering::Relaxed) {
+            self.longest_wait_ns.store(ns, Ordering::Relaxed);
+        }
     }
 }
 
@@ -502,16 +507,28 @@ pub(crate) struct PcpuShared {
     lines_at: AtomicU64,
     /// What a waker signals while the thread sleeps in `ppoll` on its lines.
     doorbell: OnceLock<mem::poll::EventFd>,
+    /// What work stealing shares, on lines of its own.
+    steal: StealShared,
+    /// When each stealable unit was last woken from idle, ns since `epoch` (0: not
+    /// since its pCPU last looked), stamped by its waker.
+    woke_ns: Box<[AtomicU64]>,
+}
+
+/// A pCPU's state for work stealing, away from its IPI word's line: the owner writes
+/// the hints as its steps start, and the IPI word is written by every waker.
+#[derive(Debug, Default)]
+#[repr(C, align(128))]
+struct StealShared {
     /// Its stealable units (set as they are placed, cleared as they end).
     stealable: [AtomicU64; WORDS],
     /// Hints for idle pCPUs, published under the table's lock: stealable units left
     /// runnable, and the earliest deadline of an idle stealable one (ns since `epoch`,
     /// `u64::MAX` for none).
     waiting: [AtomicU64; WORDS],
-    steal_due: AtomicU64,
-    /// When each stealable unit was last woken from idle, ns since `epoch` (0: not
-    /// since its pCPU last looked), stamped by its waker.
-    woke_ns: Box<[AtomicU64]>,
+    due: AtomicU64,
+    /// The pCPU is running units (its own, or another's as a thief), not idle: written
+    /// only as it goes idle and comes back, not at every step, since idle pCPUs read it.
+    busy: AtomicBool,
     /// A thief put a unit back idle with a deadline: the pCPU's idle loop, which waits
     /// for the deadlines it knew, looks at its table again.
     retime: AtomicBool,
@@ -554,6 +571,10 @@ impl Drop for IrqLine {
         self.pcpu.ring_doorbell();
     }
 }
+
+/// How often a spinning pCPU looks whether another pCPU's device engine waits for it
+/// ([`steal`]).
+pub const STEAL_LOOK: Duration = Duration::from_micros(2);
 
 /// How often a spinning pCPU looks at its armed lines (a `ppoll` with no timeout):
 /// the most an input waits to be seen while the pCPU is idle.
@@ -681,7 +702,7 @@ impl Waker {
     pub fn wake(&self) {
         let p = &*self.pcpu;
         let (w, b) = (self.slot as usize / 64, self.slot % 64);
-        if p.stealable[w].load(Ordering::Relaxed) & (1 << b) != 0 {
+        if p.steal.stealable[w].load(Ordering::Relaxed) & (1 << b) != 0 {
             // A device's engine: when it was woken, for its wait to run (a clock read
             // in user space; a vCPU's wake-up does not pay it).
             let at = p.epoch.elapsed().as_nanos() as u64 | 1;
@@ -983,11 +1004,11 @@ impl Scheduler {
                     lines: Mutex::new(Vec::new()),
                     lines_at: AtomicU64::new(0),
                     doorbell: OnceLock::new(),
-                    stealable: std::array::from_fn(|_| AtomicU64::new(0)),
-                    waiting: std::array::from_fn(|_| AtomicU64::new(0)),
-                    steal_due: AtomicU64::new(u64::MAX),
+                    steal: StealShared {
+                        due: AtomicU64::new(u64::MAX),
+                        ..StealShared::default()
+                    },
                     woke_ns: (0..MAX_UNITS).map(|_| AtomicU64::new(0)).collect(),
-                    retime: AtomicBool::new(false),
                 })
             })
             .collect();
@@ -1080,7 +1101,7 @@ impl Scheduler {
         t.held[slot / 64] |= 1 << (slot % 64);
         t.live += 1;
         if stealable {
-            p.stealable[slot / 64].fetch_or(1 << (slot % 64), Ordering::SeqCst);
+            p.steal.stealable[slot / 64].fetch_or(1 << (slot % 64), Ordering::SeqCst);
         }
         drop(t);
         waker.wake();
@@ -1344,7 +1365,10 @@ impl Table {
             bits &= bits - 1;
             // A stealable unit's waker stamped the wake-up (its wait counts from
             // there, not from when a pCPU got to look).
-            let stamped = p.woke_ns[i].swap(0, Ordering::AcqRel);
+            let stamped = match p.woke_ns[i].load(Ordering::Acquire) {
+                0 => 0,
+                _ => p.woke_ns[i].swap(0, Ordering::AcqRel),
+            };
             if self.idle[w] & (1 << (i % 64)) != 0 {
                 self.idle[w] &= !(1 << (i % 64));
                 self.set_deadline(i, None);
@@ -1425,13 +1449,21 @@ impl Table {
     /// Publishes the hints idle pCPUs steal by: the stealable units left runnable, and
     /// the earliest deadline of an idle one.
     fn publish_steal_hints(&self, p: &PcpuShared) {
+        let s = &p.steal;
         let mut due = u64::MAX;
+        let mut any = false;
         for w in 0..WORDS {
-            let mine = p.stealable[w].load(Ordering::Relaxed);
+            let mine = s.stealable[w].load(Ordering::Relaxed);
             if mine == 0 {
                 continue;
             }
-            p.waiting[w].store(self.runnable[w] & self.present(w, mine), Ordering::Release);
+            any = true;
+            let waiting = self.runnable[w] & self.present(w, mine);
+            // Stored only when it changes: the owner's steps must not keep the line
+            // moving for nothing.
+            if s.waiting[w].load(Ordering::Relaxed) != waiting {
+                s.waiting[w].store(waiting, Ordering::Release);
+            }
             let mut timed = self.timed[w] & mine & !self.away[w];
             while timed != 0 {
                 let i = w * 64 + timed.trailing_zeros() as usize;
@@ -1441,7 +1473,9 @@ impl Table {
                 }
             }
         }
-        p.steal_due.store(due, Ordering::Release);
+        if (any || due != u64::MAX) && s.due.load(Ordering::Relaxed) != due {
+            s.due.store(due, Ordering::Release);
+        }
     }
 
     /// Of units `mask` of word `w`, those in the table now (not out in a step on its own
@@ -1462,7 +1496,7 @@ impl Table {
     /// Unit `i` ended: its slot is free and it is neither idle nor timed.
     #[inline]
     fn end(&mut self, p: &PcpuShared, i: usize) {
-        p.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        p.steal.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         self.held[i / 64] &= !(1 << (i % 64));
         self.live -= 1;
         self.set_deadline(i, None);
@@ -1580,6 +1614,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
                 continue;
             }
             cpu.publish_now_and_then(p, now);
+            p.steal.busy.store(false, Ordering::Release);
             idle(p, until, &cpu, &mut lines, peers);
             t = lock(&p.table);
             continue;
@@ -1591,15 +1626,11 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
         };
         t.publish_steal_hints(p);
         drop(t);
-        let prev = match (binding.as_mut(), e.samples()) {
-            (Some(b), Some(s)) => Some(b.switch(s)),
-            _ => None,
-        };
-        let (out, ran, end) = run_unit(p, &mut *e, woken);
-        cpu.publish_now_and_then(p, end);
-        if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
-            b.switch(prev);
+        if !p.steal.busy.load(Ordering::Relaxed) {
+            p.steal.busy.store(true, Ordering::Release);
         }
+        let (out, ran, end) = run_sampled(p, &mut binding, &mut *e, woken);
+        cpu.publish_now_and_then(p, end);
         t = lock(&p.table);
         if t.generation != generation {
             hand_back(p, t, i, e, &out);
@@ -1646,6 +1677,24 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
     }
 }
 
+/// [`run_unit`] with the profiler's samples charged to the unit while it runs.
+fn run_sampled(
+    p: &PcpuShared,
+    binding: &mut Option<SlotBinding>,
+    e: &mut dyn Erased,
+    woken: Option<Instant>,
+) -> (StepOut, u64, Instant) {
+    let prev = match (binding.as_mut(), e.samples()) {
+        (Some(b), Some(s)) => Some(b.switch(s)),
+        _ => None,
+    };
+    let r = run_unit(p, e, woken);
+    if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
+        b.switch(prev);
+    }
+    r
+}
+
 /// Runs unit `e` for its weight in steps, or until a step returns anything but *more*;
 /// accounts each step to the unit and the pCPU. Returns what the last step said, the
 /// time the unit ran, and when its last step ended. A step that panics fails the unit's
@@ -1676,7 +1725,8 @@ fn run_unit(
         st.steps.fetch_add(1, Ordering::Relaxed);
         st.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
         if ns > LONG_STEP.as_nanos() as u64 {
-            st.long_steps.fetch_add(1, Ordering::Relaxed);
+            let n = st.long_steps.load(Ordering::Relaxed);
+            st.long_steps.store(n + 1, Ordering::Relaxed);
         }
         p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
         if let Some(w) = woken.take() {
@@ -1719,7 +1769,7 @@ fn hand_back(
         p.ipi[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
         wake_thread(p);
     } else {
-        p.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        p.steal.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         t.held[i / 64] &= !(1 << (i % 64));
         t.live -= 1;
         drop(t);
@@ -1780,10 +1830,12 @@ fn idle_spin(
     let mut counted = start;
     let mut spins = 0u32;
     let mut last = start;
+    let mut last_peek = start;
     loop {
         if any_ipi(p, Ordering::Acquire)
             || p.stop.load(Ordering::Relaxed)
-            || p.retime.swap(false, Ordering::AcqRel)
+            || (p.steal.retime.load(Ordering::Relaxed)
+                && p.steal.retime.swap(false, Ordering::AcqRel))
         {
             return (false, counted);
         }
@@ -1802,9 +1854,13 @@ fn idle_spin(
             if lines.look(p, now, LINE_LOOK_IDLE) > 0 {
                 return (false, counted);
             }
-            // Another pCPU's device engine waits while that pCPU is in a step.
-            if steal::wanted_by(p, peers, now) {
-                return (false, counted);
+            // Another pCPU's device engine waits while that pCPU is in a step (looked
+            // at every few µs: each look reads lines the other pCPU writes as it works).
+            if now.duration_since(last_peek) >= STEAL_LOOK {
+                last_peek = now;
+                if steal::wanted_by(p, peers, now) {
+                    return (false, counted);
+                }
             }
             // A long spin shows in the accounting as it goes, not only once it ends.
             if now.duration_since(counted) >= Duration::from_millis(1) {
@@ -1833,7 +1889,7 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
     fence(Ordering::SeqCst);
     if !any_ipi(p, Ordering::SeqCst)
         && !p.stop.load(Ordering::SeqCst)
-        && !p.retime.swap(false, Ordering::SeqCst)
+        && !p.steal.retime.swap(false, Ordering::SeqCst)
     {
         // The thread's CPU clock as it goes to sleep (one more system call beside the
         // sleep's own): the time it then sleeps is not the host's, and a report taken

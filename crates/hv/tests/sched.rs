@@ -532,6 +532,21 @@ impl Unit for Hog {
     }
 }
 
+/// A [`Hog`] on pCPU 0 of `s`; and the flag that ends it.
+fn place_hog(
+    s: &Scheduler,
+    step: Duration,
+    steps: Option<u32>,
+) -> (hv::sched::UnitJoin<()>, Arc<AtomicBool>) {
+    let end = Arc::new(AtomicBool::new(false));
+    let hog = Hog {
+        step,
+        steps,
+        end: Arc::clone(&end),
+    };
+    (s.place(0, UnitSpec::named("vcpu"), hog).expect("hog"), end)
+}
+
 /// A device's engine: takes the work published before each wake-up, and notes any step
 /// that began while another of its steps was under way.
 struct Engine {
@@ -566,18 +581,7 @@ impl Unit for Engine {
 fn idle_pcpus_run_a_device_engine_whose_pcpu_is_busy_and_never_two_of_its_steps_at_once() {
     for stealable in [true, false] {
         let s = Scheduler::new(&CpuPlan::floating(3, IdlePolicy::Poll), None).expect("sched");
-        let end = Arc::new(AtomicBool::new(false));
-        let hog = s
-            .place(
-                0,
-                UnitSpec::named("vcpu"),
-                Hog {
-                    step: Duration::from_millis(5),
-                    steps: None,
-                    end: Arc::clone(&end),
-                },
-            )
-            .expect("hog");
+        let (hog, end) = place_hog(&s, Duration::from_millis(5), None);
         let (work, done, inside, overlaps, stop) = (
             Arc::new(AtomicU64::new(0)),
             Arc::new(AtomicU64::new(0)),
@@ -659,18 +663,7 @@ fn a_device_engines_deadline_is_kept_by_an_idle_pcpu_while_its_own_is_busy() {
         }
     }
     let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
-    let end = Arc::new(AtomicBool::new(false));
-    let hog = s
-        .place(
-            0,
-            UnitSpec::named("vcpu"),
-            Hog {
-                step: Duration::from_millis(20),
-                steps: Some(2),
-                end: Arc::clone(&end),
-            },
-        )
-        .expect("hog");
+    let (hog, end) = place_hog(&s, Duration::from_millis(20), Some(2));
     let j = s
         .place(
             0,
@@ -710,18 +703,7 @@ fn a_device_engine_that_panics_on_a_thief_fails_its_own_join_only() {
         }
     }
     let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
-    let end = Arc::new(AtomicBool::new(false));
-    let hog = s
-        .place(
-            0,
-            UnitSpec::named("vcpu"),
-            Hog {
-                step: Duration::from_millis(2),
-                steps: None,
-                end: Arc::clone(&end),
-            },
-        )
-        .expect("hog");
+    let (hog, end) = place_hog(&s, Duration::from_millis(2), None);
     let j = s
         .place(0, UnitSpec::device("fragile"), Fragile(0))
         .expect("engine");

@@ -3,12 +3,13 @@
 //! beside a busy process, or in a VM whose hypervisor took its CPUs away, measures that
 //! too, and says so.
 //!
-//! Two readings bracket an experiment: the cores' times from `/proc/stat` (busy, and
-//! *steal*, the time the VM's own hypervisor ran something else) and this process's
-//! CPU time from `/proc/self/stat`. What the cores were busy with beyond this process
-//! is the other processes' (and the kernel's for them); steal is the hypervisor's. A
-//! record whose others and steal together took more than [`DISTURBED_SHARE`] of a core
-//! is marked disturbed on its page.
+//! Two readings bracket an experiment: the VM's *steal* time from `/proc/stat` (the time
+//! its own hypervisor ran something else on its CPUs), and the CPU time of every process
+//! (and kernel thread) on the machine. The others' share is the CPU of the processes that
+//! were already running when the record began, this one aside: an experiment's own helpers
+//! (iperf3, a DPDK test program, an AoE target), started during the record, are its
+//! workload, not interference. A record whose others and steal together took more than
+//! [`DISTURBED_SHARE`] of a core is marked disturbed on its page.
 
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
@@ -17,14 +18,23 @@ use std::time::{Duration, Instant};
 /// record is marked disturbed.
 pub const DISTURBED_SHARE: f64 = 0.10;
 
-/// One reading: the cores' summed times and this process's CPU time, in clock ticks
+/// One process as a reading saw it: its id, its start time (so that a reused id is not
+/// taken for the same process), its name and its user and system time.
+#[derive(Debug, Clone)]
+struct Proc {
+    pid: u32,
+    start: u64,
+    name: String,
+    ticks: u64,
+}
+
+/// One reading: the VM's steal time and every other process's CPU time, in clock ticks
 /// (`USER_HZ`), and when.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Reading {
     at: Instant,
-    busy: u64,
     steal: u64,
-    own: u64,
+    procs: Vec<Proc>,
 }
 
 /// The host's interference over a record.
@@ -32,7 +42,8 @@ pub struct Reading {
 pub struct HostLoad {
     /// The record's wall time, s.
     pub seconds: f64,
-    /// Other processes' CPU on the machine's cores, in cores (1.0: one core's worth).
+    /// The CPU of the processes running before the record began (this one aside), in
+    /// cores (1.0: one core's worth).
     pub others_cores: f64,
     /// The VM's steal time, in cores.
     pub steal_cores: f64,
@@ -48,19 +59,12 @@ impl Reading {
     pub fn now() -> Option<Self> {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
         let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
-        let f: Vec<u64> = cpu
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|v| v.parse().ok())
-            .collect();
         // user nice system idle iowait irq softirq steal ...
-        let at = |i: usize| f.get(i).copied().unwrap_or(0);
-        let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+        let steal = cpu.split_whitespace().nth(8)?.parse().ok()?;
         Some(Self {
             at: Instant::now(),
-            busy,
-            steal: at(7),
-            own: own_ticks()?,
+            steal,
+            procs: procs(),
         })
     }
 
@@ -68,9 +72,18 @@ impl Reading {
     pub fn since(&self, before: &Reading) -> HostLoad {
         let seconds = self.at.duration_since(before.at).as_secs_f64().max(1e-3);
         let cores = |ticks: u64| ticks as f64 / TICKS / seconds;
-        let busy = self.busy.saturating_sub(before.busy);
-        let own = self.own.saturating_sub(before.own);
-        let others_cores = cores(busy.saturating_sub(own));
+        let others: u64 = self
+            .procs
+            .iter()
+            .filter_map(|p| {
+                let was = before
+                    .procs
+                    .iter()
+                    .find(|b| b.pid == p.pid && b.start == p.start)?;
+                Some(p.ticks.saturating_sub(was.ticks))
+            })
+            .sum();
+        let others_cores = cores(others);
         let steal_cores = cores(self.steal.saturating_sub(before.steal));
         HostLoad {
             seconds,
@@ -81,56 +94,66 @@ impl Reading {
     }
 }
 
-/// This process's user and system time, clock ticks (`/proc/self/stat` fields 14, 15).
-fn own_ticks() -> Option<u64> {
-    ticks_of("/proc/self/stat")
+/// Every process and kernel thread but this one, as `/proc/<pid>/stat` gives it.
+fn procs() -> Vec<Proc> {
+    let me = std::process::id();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+        if pid == me {
+            return None;
+        }
+        parse_stat(
+            pid,
+            &std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?,
+        )
+    })
+    .collect()
 }
 
-fn ticks_of(path: &str) -> Option<u64> {
-    let s = std::fs::read_to_string(path).ok()?;
-    // The command name may hold spaces: fields count from after its closing paren.
-    let rest = &s[s.rfind(')')? + 2..];
+/// A process's `stat` line: its name, user and system time (fields 14, 15) and start time
+/// (field 22).
+fn parse_stat(pid: u32, s: &str) -> Option<Proc> {
+    let (_, rest) = s.split_once('(')?;
+    // The command name may hold spaces and parentheses: it ends at the last ')'.
+    let (name, rest) = rest.rsplit_once(')')?;
     let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+    let n = |i: usize| f.get(i)?.parse::<u64>().ok();
+    Some(Proc {
+        pid,
+        start: n(19)?,
+        name: name.to_string(),
+        ticks: n(11)? + n(12)?,
+    })
 }
 
 /// The other processes using the cores now: each that took more than 2% of a core over
-/// `window`, with its name and share, busiest first; and the whole machine's steal.
+/// `window`, with its name and share, busiest first; and the VM's steal, in cores.
 pub fn busy_others(window: Duration) -> (Vec<(String, f64)>, f64) {
-    let me = std::process::id();
-    let sample = || -> Vec<(u32, String, u64)> {
-        let Ok(dir) = std::fs::read_dir("/proc") else {
-            return Vec::new();
-        };
-        dir.filter_map(|e| {
-            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-            if pid == me {
-                return None;
-            }
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let name = stat.split_once('(')?.1.rsplit_once(')')?.0.to_string();
-            Some((pid, name, ticks_of(&format!("/proc/{pid}/stat"))?))
-        })
-        .collect()
+    let Some(a) = Reading::now() else {
+        return (Vec::new(), 0.0);
     };
-    let (a, ra) = (sample(), Reading::now());
     std::thread::sleep(window);
-    let (b, rb) = (sample(), Reading::now());
-    let secs = window.as_secs_f64().max(1e-3);
+    let Some(b) = Reading::now() else {
+        return (Vec::new(), 0.0);
+    };
+    let secs = b.at.duration_since(a.at).as_secs_f64().max(1e-3);
     let mut busy: Vec<(String, f64)> = b
+        .procs
         .iter()
-        .filter_map(|(pid, name, t)| {
-            let was = a.iter().find(|x| x.0 == *pid)?.2;
-            let share = t.saturating_sub(was) as f64 / TICKS / secs;
-            (share > 0.02).then(|| (format!("{name} ({pid})"), share))
+        .filter_map(|p| {
+            let was = a
+                .procs
+                .iter()
+                .find(|x| x.pid == p.pid && x.start == p.start)?;
+            let share = p.ticks.saturating_sub(was.ticks) as f64 / TICKS / secs;
+            (share > 0.02).then(|| (format!("{} ({})", p.name, p.pid), share))
         })
         .collect();
     busy.sort_by(|x, y| y.1.total_cmp(&x.1));
-    let steal = match (ra, rb) {
-        (Some(a), Some(b)) => b.since(&a).steal_cores,
-        _ => 0.0,
-    };
-    (busy, steal)
+    (busy, b.since(&a).steal_cores)
 }
 
 impl HostLoad {
@@ -159,38 +182,67 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_process_spinning_beside_the_reader_shows_as_others_and_disturbs_the_record() {
+    fn a_process_running_before_the_record_shows_as_others_and_one_started_during_it_does_not() {
+        // A shell spinning in its own loop (no child per turn) for `ms`.
+        let spin = |ms: u32| {
+            std::process::Command::new("timeout")
+                .args([
+                    &format!("{}", f64::from(ms) / 1000.0),
+                    "sh",
+                    "-c",
+                    "while :; do :; done",
+                ])
+                .spawn()
+                .expect("timeout")
+        };
+        // Already running as the record begins, and still as it ends: the host's load.
+        let mut before_it = spin(1500);
+        std::thread::sleep(Duration::from_millis(100));
         let before = Reading::now().expect("/proc");
-        // A child process spinning for 400 ms: others' CPU, not this process's.
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "end=$(( $(date +%s%N) + 400000000 )); while [ $(date +%s%N) -lt $end ]; do :; done"])
-            .spawn()
-            .expect("sh");
-        let _ = child.wait();
+        // Started during the record: the experiment's own helper.
+        let mut helper = spin(300);
+        let _ = helper.wait();
+        std::thread::sleep(Duration::from_millis(200));
         let load = Reading::now().expect("/proc").since(&before);
+        let _ = before_it.wait();
         assert!(load.others_cores > 0.2, "{load:?}");
-        assert!(load.disturbed, "{load:?}");
-        assert!(load.line().contains("disturbed"));
+        assert!(
+            load.disturbed && load.line().contains("disturbed"),
+            "{load:?}"
+        );
     }
 
     #[test]
-    fn this_processs_own_time_is_not_others_and_steal_is_counted_apart() {
+    fn only_processes_older_than_the_record_count_and_steal_apart() {
         let t0 = Instant::now();
-        let at = |busy, steal, own, s: u64| Reading {
-            at: t0 + Duration::from_secs(s),
-            busy,
-            steal,
-            own,
+        let p = |pid, start, ticks| Proc {
+            pid,
+            start,
+            name: format!("p{pid}"),
+            ticks,
         };
-        // 10 s: the cores busy 1500 ticks, 1200 of them this process's; steal 50.
-        let load = at(2500, 60, 1300, 10).since(&at(1000, 10, 100, 0));
-        assert!((load.others_cores - 0.3).abs() < 1e-9, "{load:?}");
+        let before = Reading {
+            at: t0,
+            steal: 10,
+            procs: vec![p(1, 5, 100), p(2, 6, 40), p(3, 7, 0)],
+        };
+        // 10 s on: 1 took 200 ticks, 2 ended, 3's id was reused by a new process, 4 is
+        // new (a helper the experiment started): only 1's count.
+        let after = Reading {
+            at: t0 + Duration::from_secs(10),
+            steal: 60,
+            procs: vec![p(1, 5, 300), p(3, 99, 500), p(4, 100, 900)],
+        };
+        let load = after.since(&before);
+        assert!((load.others_cores - 0.2).abs() < 1e-9, "{load:?}");
         assert!((load.steal_cores - 0.05).abs() < 1e-9, "{load:?}");
         assert!(load.disturbed);
-        let quiet = at(2300, 10, 1300, 10).since(&at(1000, 10, 100, 0));
-        assert!(
-            (quiet.others_cores - 0.1).abs() < 1e-9 && !quiet.disturbed,
-            "{quiet:?}"
-        );
+    }
+
+    #[test]
+    fn a_stat_line_is_read_past_a_name_with_spaces_and_parentheses() {
+        let line = "42 (a (b) c) S 1 42 42 0 -1 4194304 100 0 0 0 7 5 0 0 20 0 1 0 777 0 0";
+        let p = parse_stat(42, line).expect("parsed");
+        assert_eq!((p.name.as_str(), p.ticks, p.start), ("a (b) c", 12, 777));
     }
 }

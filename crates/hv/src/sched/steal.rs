@@ -17,20 +17,23 @@
 
 use super::*;
 
-/// Whether pCPU `q` is in a step with a stealable unit waiting (runnable, woken, or its
-/// deadline passed by `now`).
+/// Whether pCPU `q` is running units with a stealable one waiting (runnable, woken, or
+/// its deadline passed by `now`). Its busy flag, not its step's start, says it runs: the
+/// flag is written only as it goes idle and comes back, the step's start at every step.
 fn wanted(q: &PcpuShared, now: Instant) -> bool {
-    if q.step_since.load(Ordering::Acquire) == 0 || q.stop.load(Ordering::Relaxed) {
+    if !q.steal.busy.load(Ordering::Acquire) || q.stop.load(Ordering::Relaxed) {
         return false;
     }
-    let due = q.steal_due.load(Ordering::Acquire);
+    let due = q.steal.due.load(Ordering::Acquire);
     if due != u64::MAX && now.saturating_duration_since(q.epoch).as_nanos() as u64 >= due {
         return true;
     }
     (0..WORDS).any(|w| {
-        let mine = q.stealable[w].load(Ordering::Relaxed);
+        let mine = q.steal.stealable[w].load(Ordering::Relaxed);
         mine != 0
-            && (q.ipi[w].load(Ordering::Relaxed) | q.waiting[w].load(Ordering::Relaxed)) & mine != 0
+            && (q.ipi[w].load(Ordering::Relaxed) | q.steal.waiting[w].load(Ordering::Relaxed))
+                & mine
+                != 0
     })
 }
 
@@ -62,7 +65,7 @@ pub(super) fn try_steal(
         // unit its own pCPU is running, stay for that pCPU.
         let mut mask = [0u64; WORDS];
         for (w, m) in mask.iter_mut().enumerate() {
-            *m = t.present(w, q.stealable[w].load(Ordering::Relaxed));
+            *m = t.present(w, q.steal.stealable[w].load(Ordering::Relaxed));
             if *m != 0 {
                 let bits = q.ipi[w].fetch_and(!*m, Ordering::SeqCst) & *m;
                 t.wake_units(q, w, bits, now);
@@ -88,14 +91,7 @@ pub(super) fn try_steal(
         };
         t.publish_steal_hints(q);
         drop(t);
-        let prev = match (binding.as_mut(), e.samples()) {
-            (Some(b), Some(s)) => Some(b.switch(s)),
-            _ => None,
-        };
-        let (out, ran, _) = run_unit(me, &mut *e, woken);
-        if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
-            b.switch(prev);
-        }
+        let (out, ran, _) = run_sampled(me, binding, &mut *e, woken);
         e.stats().stolen.fetch_add(1, Ordering::Relaxed);
         put_back(q, i, e, out, ran, generation);
         return true;
@@ -152,7 +148,7 @@ fn put_back(
     } else if timed {
         // Its own pCPU may have gone idle meanwhile, waiting for the deadlines it knew:
         // it looks again.
-        q.retime.store(true, Ordering::SeqCst);
+        q.steal.retime.store(true, Ordering::SeqCst);
     } else {
         return;
     }
