@@ -68,21 +68,21 @@ impl Reading {
         })
     }
 
+    /// The ticks process `now` (as a later reading saw it) used since this reading, if
+    /// this reading saw it already (the same id and start time).
+    fn used_since(&self, now: &Proc) -> Option<u64> {
+        let was = self
+            .procs
+            .iter()
+            .find(|b| b.pid == now.pid && b.start == now.start)?;
+        Some(now.ticks.saturating_sub(was.ticks))
+    }
+
     /// The interference from `before` to this reading.
     pub fn since(&self, before: &Reading) -> HostLoad {
         let seconds = self.at.duration_since(before.at).as_secs_f64().max(1e-3);
         let cores = |ticks: u64| ticks as f64 / TICKS / seconds;
-        let others: u64 = self
-            .procs
-            .iter()
-            .filter_map(|p| {
-                let was = before
-                    .procs
-                    .iter()
-                    .find(|b| b.pid == p.pid && b.start == p.start)?;
-                Some(p.ticks.saturating_sub(was.ticks))
-            })
-            .sum();
+        let others: u64 = self.procs.iter().filter_map(|p| before.used_since(p)).sum();
         let others_cores = cores(others);
         let steal_cores = cores(self.steal.saturating_sub(before.steal));
         HostLoad {
@@ -144,11 +144,7 @@ pub fn busy_others(window: Duration) -> (Vec<(String, f64)>, f64) {
         .procs
         .iter()
         .filter_map(|p| {
-            let was = a
-                .procs
-                .iter()
-                .find(|x| x.pid == p.pid && x.start == p.start)?;
-            let share = p.ticks.saturating_sub(was.ticks) as f64 / TICKS / secs;
+            let share = a.used_since(p)? as f64 / TICKS / secs;
             (share > 0.02).then(|| (format!("{} ({})", p.name, p.pid), share))
         })
         .collect();
