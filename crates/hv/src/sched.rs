@@ -216,8 +216,12 @@ pub struct UnitSpec {
     pub cap_percent: u32,
     /// Another pCPU of the scheduler, idle, may run its steps while its own pCPU is in
     /// another unit's step (a device's engine, which must not wait for a CPU while one
-    /// idles). Its state must not be tied to a thread.
+    /// idles). Its state must not be tied to a thread. Implies `movable`.
     pub stealable: bool,
+    /// Another pCPU of the scheduler, idle, may run its steps while the host holds its
+    /// own pCPU's thread off the core (Xen's soft affinity: a vCPU pinned to a pCPU
+    /// runs elsewhere rather than not at all). Its state must not be tied to a thread.
+    pub movable: bool,
 }
 
 impl UnitSpec {
@@ -228,6 +232,16 @@ impl UnitSpec {
             weight: 1,
             cap_percent: 0,
             stealable: false,
+            movable: false,
+        }
+    }
+
+    /// A vCPU of weight 1 without a cap, which an idle pCPU may run while the host
+    /// holds its own ([`UnitSpec::movable`]).
+    pub fn vcpu(name: impl Into<String>) -> Self {
+        Self {
+            movable: true,
+            ..Self::named(name)
         }
     }
 
@@ -236,6 +250,7 @@ impl UnitSpec {
     pub fn device(name: impl Into<String>) -> Self {
         Self {
             stealable: true,
+            movable: true,
             ..Self::named(name)
         }
     }
@@ -269,6 +284,118 @@ fn bucket_bound(k: usize) -> Duration {
     }
 }
 
+/// The 99th percentile of a wait histogram, as the upper bound of the bucket it falls in
+/// (zero: no wait yet).
+fn p99(waits: &[AtomicU64; WAIT_BUCKETS]) -> Duration {
+    let waits: Vec<u64> = waits.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+    let total: u64 = waits.iter().sum();
+    if total == 0 {
+        return Duration::ZERO;
+    }
+    // The bucket holding the wait that 99% of the waits do not exceed.
+    let want = total - total / 100;
+    let mut seen = 0;
+    let k = waits
+        .iter()
+        .position(|&n| {
+            seen += n;
+            seen >= want
+        })
+        .unwrap_or(WAIT_BUCKETS - 1);
+    bucket_bound(k)
+}
+
+/// A gap between two looks of a spinning idle loop longer than this is the host's: the
+/// loop looks every few hundred ns while it has its core, and a look at its lines (a
+/// `ppoll`) or its clock takes a few µs at most.
+pub const HOST_GAP: Duration = Duration::from_micros(10);
+
+/// What a pCPU's thread knows of the host's holds of it, for the waits to run they
+/// take up: the holds its idle loop saw as gaps between its looks past [`HOST_GAP`]
+/// (each as its start and end in ns since the pCPU's epoch, the newest over the
+/// oldest), and its CPU clock as it last read it, with the wall time and its sleeps
+/// then (a hold anywhere else, in a step or on a lock, shows as wall time the clock did
+/// not count). Written and read by the pCPU's own thread only.
+#[derive(Debug, Default)]
+struct Holds {
+    next: AtomicU64,
+    spans: [[AtomicU64; 2]; GAPS],
+    /// Its last clock read: when (ns since the epoch), the CPU time, and the time it had
+    /// slept in all by then.
+    read_at_ns: AtomicU64,
+    read_cpu_ns: AtomicU64,
+    read_slept_ns: AtomicU64,
+    /// Its sleeps in the host in all (never reset).
+    slept_ns: AtomicU64,
+}
+
+/// Gaps kept in [`Holds`]: a wait spans a few at most.
+const GAPS: usize = 16;
+
+/// A wait to run longer than this has the host's share in it looked for: the thread's
+/// clock is read (a system call, on the waits a host's hold makes, not on the others).
+pub const HOLD_LOOK: Duration = Duration::from_micros(50);
+
+/// How often a spinning idle loop reads its clock, so that a hold after it goes busy
+/// is measured from a read at most this old.
+const CLOCK_READ_IDLE: Duration = Duration::from_micros(100);
+
+fn add(a: &AtomicU64, v: u64) {
+    a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
+}
+
+impl Holds {
+    fn push(&self, from: u64, to: u64) {
+        let n = self.next.load(Ordering::Relaxed);
+        let s = &self.spans[n as usize % GAPS];
+        s[0].store(from, Ordering::Relaxed);
+        s[1].store(to, Ordering::Relaxed);
+        self.next.store(n + 1, Ordering::Relaxed);
+    }
+
+    /// The thread's clock read `cpu` at `at` (ns since the epoch).
+    fn clock_read(&self, at: u64, cpu: u64) {
+        self.read_at_ns.store(at, Ordering::Relaxed);
+        self.read_cpu_ns.store(cpu, Ordering::Relaxed);
+        self.read_slept_ns
+            .store(self.slept_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
+    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there,
+    /// or the wall time since its last clock read that its clock did not count, less
+    /// the part of it before `from`, whichever says more. Never more than the truth
+    /// but for the clock's own granularity: a reader of the net waits may trust that
+    /// they are not shorter than they were.
+    fn within(&self, from: u64, to: u64) -> u64 {
+        let gaps: u64 = self
+            .spans
+            .iter()
+            .map(|s| {
+                let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
+                b.min(to).saturating_sub(a.max(from))
+            })
+            .sum();
+        let at = self.read_at_ns.load(Ordering::Relaxed);
+        let clocked = match ThreadClock::current().ok().and_then(|c| c.read()) {
+            Some(cpu) if at > 0 && at <= to => {
+                let cpu = cpu.as_nanos() as u64;
+                let slept = self.slept_ns.load(Ordering::Relaxed)
+                    - self
+                        .read_slept_ns
+                        .load(Ordering::Relaxed)
+                        .min(self.slept_ns.load(Ordering::Relaxed));
+                let off = (to - at)
+                    .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
+                    .saturating_sub(slept);
+                off.saturating_sub(from.saturating_sub(at))
+            }
+            _ => 0,
+        };
+        gaps.max(clocked)
+    }
+}
+
 /// The accounting period for caps (Xen's credit scheduler accounts every 30 ms; a
 /// shorter period keeps a capped unit's bursts short on a lab's time scale).
 pub const CAP_PERIOD: Duration = Duration::from_millis(10);
@@ -286,6 +413,10 @@ pub struct UnitStats {
     /// Its waits to run, woken until it ran, by [`wait_bucket`].
     waits: [AtomicU64; WAIT_BUCKETS],
     longest_wait_ns: AtomicU64,
+    /// The same waits less the time the host held the thread that ran the unit off its
+    /// core meanwhile, as that thread's idle loop saw it ([`Holds`]).
+    net_waits: [AtomicU64; WAIT_BUCKETS],
+    longest_net_wait_ns: AtomicU64,
     long_steps: AtomicU64,
     /// Turns another pCPU ran it.
     stolen: AtomicU64,
@@ -313,6 +444,12 @@ pub struct UnitReport {
     pub wait_p99: Duration,
     /// Its longest wait to run.
     pub longest_wait: Duration,
+    /// As `wait_p99`, each wait less the time the host held the pCPU that ran it off
+    /// its core meanwhile (the holds its idle loop saw, [`Holds`]: a hold in another
+    /// unit's step stays in the wait).
+    pub wait_p99_net: Duration,
+    /// Its longest wait to run, net likewise.
+    pub longest_wait_net: Duration,
     /// Steps longer than [`LONG_STEP`].
     pub long_steps: u64,
     /// Turns an idle pCPU other than its own ran it ([`UnitSpec::stealable`]).
@@ -327,27 +464,7 @@ impl UnitStats {
     /// A snapshot.
     pub fn report(&self) -> UnitReport {
         let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
-        let waits: Vec<u64> = self
-            .waits
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .collect();
-        let total: u64 = waits.iter().sum();
-        let wait_p99 = if total == 0 {
-            Duration::ZERO
-        } else {
-            // The bucket holding the wait that 99% of the waits do not exceed.
-            let want = total - total / 100;
-            let mut seen = 0;
-            let k = waits
-                .iter()
-                .position(|&n| {
-                    seen += n;
-                    seen >= want
-                })
-                .unwrap_or(WAIT_BUCKETS - 1);
-            bucket_bound(k)
-        };
+        let (wait_p99, wait_p99_net) = (p99(&self.waits), p99(&self.net_waits));
         UnitReport {
             name: self.name.clone(),
             running: d(&self.running_ns),
@@ -358,19 +475,27 @@ impl UnitStats {
             capped: self.capped.load(Ordering::Relaxed),
             wait_p99,
             longest_wait: d(&self.longest_wait_ns),
+            wait_p99_net,
+            longest_wait_net: d(&self.longest_net_wait_ns),
             long_steps: self.long_steps.load(Ordering::Relaxed),
             stolen: self.stolen.load(Ordering::Relaxed),
         }
     }
 
-    /// A wait to run of `ns`, into the histogram. Only the thread running the unit
-    /// writes its stats (one at a time, handed over under its pCPU's table lock), so
-    /// plain loads and stores do, without a locked instruction per wake-up.
-    fn waited(&self, ns: u64) {
-        let b = &self.waits[wait_bucket(ns)];
-        b.store(b.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        if ns > self.longest_wait_ns.load(Ordering::Relaxed) {
-            self.longest_wait_ns.store(ns, Ordering::Relaxed);
+    /// A wait to run of `ns`, `net` of it not the host's, into the histograms. Only the
+    /// thread running the unit writes its stats (one at a time, handed over under its
+    /// pCPU's table lock), so plain loads and stores do, without a locked instruction
+    /// per wake-up.
+    fn waited(&self, ns: u64, net: u64) {
+        for (h, longest, v) in [
+            (&self.waits, &self.longest_wait_ns, ns),
+            (&self.net_waits, &self.longest_net_wait_ns, net),
+        ] {
+            let b = &h[wait_bucket(v)];
+            b.store(b.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+            if v > longest.load(Ordering::Relaxed) {
+                longest.store(v, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -397,6 +522,9 @@ struct PcpuStats {
     /// the thread has its core): the longest time the host took the core from it while
     /// it was idle.
     longest_away_ns: AtomicU64,
+    /// Turns of its units that idle peers ran while the host held its thread off the
+    /// core ([`steal::HELD_AFTER`]).
+    covered: AtomicU64,
 }
 
 /// A snapshot of one pCPU's accounting.
@@ -443,6 +571,9 @@ pub struct PcpuReport {
     /// threads had the core; the rest is time the VM itself was off the host's CPU (its
     /// hypervisor's), which the host kernel cannot see.
     pub host_queued: Duration,
+    /// Turns of its units that idle peers ran while the host held its thread off the
+    /// core (movable units: vCPUs and devices' engines).
+    pub covered: u64,
 }
 
 type Slot = Option<Box<dyn Erased>>;
@@ -512,6 +643,8 @@ pub(crate) struct PcpuShared {
     /// When each stealable unit was last woken from idle, ns since `epoch` (0: not
     /// since its pCPU last looked), stamped by its waker.
     woke_ns: Box<[AtomicU64]>,
+    /// The host's recent holds of its thread ([`Holds`]).
+    holds: Holds,
 }
 
 /// A pCPU's state for work stealing, away from its IPI word's line: the owner writes
@@ -521,6 +654,8 @@ pub(crate) struct PcpuShared {
 struct StealShared {
     /// Its stealable units (set as they are placed, cleared as they end).
     stealable: [AtomicU64; WORDS],
+    /// Its movable units, stealable ones included (likewise).
+    movable: [AtomicU64; WORDS],
     /// Hints for idle pCPUs, published under the table's lock: stealable units left
     /// runnable, and the earliest deadline of an idle stealable one (ns since `epoch`,
     /// `u64::MAX` for none).
@@ -1009,6 +1144,7 @@ impl Scheduler {
                         ..StealShared::default()
                     },
                     woke_ns: (0..MAX_UNITS).map(|_| AtomicU64::new(0)).collect(),
+                    holds: Holds::default(),
                 })
             })
             .collect();
@@ -1085,7 +1221,7 @@ impl Scheduler {
             ..UnitStats::default()
         });
         unit.attach(&waker, &stats);
-        let stealable = spec.stealable;
+        let (stealable, movable) = (spec.stealable, spec.stealable || spec.movable);
         let done = Arc::new(Done {
             result: Mutex::new(None),
             finished: AtomicBool::new(false),
@@ -1102,6 +1238,9 @@ impl Scheduler {
         t.live += 1;
         if stealable {
             p.steal.stealable[slot / 64].fetch_or(1 << (slot % 64), Ordering::SeqCst);
+        }
+        if movable {
+            p.steal.movable[slot / 64].fetch_or(1 << (slot % 64), Ordering::SeqCst);
         }
         drop(t);
         waker.wake();
@@ -1153,6 +1292,7 @@ impl Scheduler {
                 &s.longest_step_ns,
                 &s.line_fires,
                 &s.longest_away_ns,
+                &s.covered,
             ] {
                 a.store(0, Ordering::Relaxed);
             }
@@ -1198,6 +1338,7 @@ impl Scheduler {
                     line_fires: s.line_fires.load(Ordering::Relaxed),
                     longest_away: d(&s.longest_away_ns),
                     host_queued: run_delay(p).saturating_sub(queued0),
+                    covered: s.covered.load(Ordering::Relaxed),
                     cpu,
                     samples: p.own.counts().iter().sum(),
                 }
@@ -1497,6 +1638,7 @@ impl Table {
     #[inline]
     fn end(&mut self, p: &PcpuShared, i: usize) {
         p.steal.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        p.steal.movable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         self.held[i / 64] &= !(1 << (i % 64));
         self.live -= 1;
         self.set_deadline(i, None);
@@ -1530,6 +1672,8 @@ impl CpuClock {
             p.stats
                 .cpu_ns
                 .store((self.base + c).as_nanos() as u64, Ordering::Relaxed);
+            p.holds
+                .clock_read(p.epoch.elapsed().as_nanos() as u64, c.as_nanos() as u64);
         }
     }
 
@@ -1579,6 +1723,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
     // Steps in a row that only yielded.
     let mut yields = 0usize;
     let mut lines = Lines::new();
+    let mut peers = steal::Peers::new(peers);
     let mut t = lock(&p.table);
     loop {
         if t.generation != generation {
@@ -1605,17 +1750,20 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
                 return;
             }
             let until = t.idle_until();
+            // The hints as it goes idle: a device's deadline it set after its step's
+            // start is what peers watch for while it idles (a past one says it is held).
+            t.publish_steal_hints(p);
             drop(t);
             // Nothing of its own to run: a device's engine another pCPU's step keeps
             // waiting, if there is one.
-            if !p.stop.load(Ordering::Relaxed) && steal::try_steal(p, peers, &mut binding) {
+            if !p.stop.load(Ordering::Relaxed) && steal::try_steal(p, &mut peers, &mut binding) {
                 cpu.publish_now_and_then(p, Instant::now());
                 t = lock(&p.table);
                 continue;
             }
             cpu.publish_now_and_then(p, now);
             p.steal.busy.store(false, Ordering::Release);
-            idle(p, until, &cpu, &mut lines, peers);
+            idle(p, until, &cpu, &mut lines, &mut peers);
             t = lock(&p.table);
             continue;
         };
@@ -1733,7 +1881,13 @@ fn run_unit(
             let wait = start.saturating_duration_since(w).as_nanos() as u64;
             st.wakeups.fetch_add(1, Ordering::Relaxed);
             st.runnable_ns.fetch_add(wait, Ordering::Relaxed);
-            st.waited(wait);
+            let host = if wait > HOLD_LOOK.as_nanos() as u64 {
+                let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+                p.holds.within(ns(w), ns(start)).min(wait)
+            } else {
+                0
+            };
+            st.waited(wait, wait.saturating_sub(host));
         }
         start = end;
         match r {
@@ -1770,6 +1924,7 @@ fn hand_back(
         wake_thread(p);
     } else {
         p.steal.stealable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        p.steal.movable[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
         t.held[i / 64] &= !(1 << (i % 64));
         t.live -= 1;
         drop(t);
@@ -1790,7 +1945,7 @@ fn idle(
     until: Option<Instant>,
     cpu: &CpuClock,
     lines: &mut Lines,
-    peers: &[Arc<PcpuShared>],
+    peers: &mut steal::Peers<'_>,
 ) {
     let start = Instant::now();
     let window = Duration::from_nanos(p.poll_window_ns.load(Ordering::Relaxed));
@@ -1825,28 +1980,26 @@ fn idle_spin(
     spin_end: Option<Instant>,
     cpu: &CpuClock,
     lines: &mut Lines,
-    peers: &[Arc<PcpuShared>],
+    peers: &mut steal::Peers<'_>,
 ) -> (bool, Instant) {
     let mut counted = start;
     let mut spins = 0u32;
     let mut last = start;
     let mut last_peek = start;
+    let mut last_read = start;
     loop {
         if any_ipi(p, Ordering::Acquire)
             || p.stop.load(Ordering::Relaxed)
             || (p.steal.retime.load(Ordering::Relaxed)
                 && p.steal.retime.swap(false, Ordering::AcqRel))
         {
+            // The host may have held it until just now: the wait it ends is net of that.
+            away(p, last, Instant::now());
             return (false, counted);
         }
         if spins.is_multiple_of(32) {
             let now = Instant::now();
-            // 32 turns of the loop take well under a µs on a core of its own: a longer
-            // gap is the host's.
-            p.stats.longest_away_ns.fetch_max(
-                now.duration_since(last).as_nanos() as u64,
-                Ordering::Relaxed,
-            );
+            away(p, last, now);
             last = now;
             if until.is_some_and(|u| now >= u) {
                 return (false, counted);
@@ -1861,6 +2014,11 @@ fn idle_spin(
                 if steal::wanted_by(p, peers, now) {
                     return (false, counted);
                 }
+            }
+            // The clock read now and then, for the holds that may come once it is busy.
+            if now.duration_since(last_read) >= CLOCK_READ_IDLE {
+                last_read = now;
+                cpu.publish(p);
             }
             // A long spin shows in the accounting as it goes, not only once it ends.
             if now.duration_since(counted) >= Duration::from_millis(1) {
@@ -1877,6 +2035,20 @@ fn idle_spin(
         }
         spins = spins.wrapping_add(1);
         std::hint::spin_loop();
+    }
+}
+
+/// The idle loop's look at `now` after one at `last`: 32 turns of the loop take well
+/// under a µs on a core of its own, so a gap past [`HOST_GAP`] is the host's.
+#[inline]
+fn away(p: &PcpuShared, last: Instant, now: Instant) {
+    let gap = now.saturating_duration_since(last);
+    p.stats
+        .longest_away_ns
+        .fetch_max(gap.as_nanos() as u64, Ordering::Relaxed);
+    if gap > HOST_GAP {
+        let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+        p.holds.push(ns(last), ns(now));
     }
 }
 
@@ -1916,9 +2088,9 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
                 Some(d) => std::thread::park_timeout(d),
             },
         }
-        p.stats
-            .slept_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let slept = t0.elapsed().as_nanos() as u64;
+        p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
+        add(&p.holds.slept_ns, slept);
         p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
     }
     p.sleeping.store(false, Ordering::Relaxed);
@@ -1927,4 +2099,61 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
 /// Live units on a pCPU (for tests and reports).
 pub fn live_units(s: &Scheduler, pcpu: usize) -> usize {
     s.pcpus.get(pcpu).map_or(0, |p| lock(&p.table).live)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hold the idle loop saw counts only for its part inside a wait.
+    #[test]
+    fn a_wait_is_net_of_the_gaps_inside_it_and_only_of_those() {
+        let h = Holds::default();
+        h.push(1_000, 5_000);
+        h.push(9_000, 10_000);
+        assert_eq!(h.within(0, 20_000), 5_000);
+        assert_eq!(h.within(3_000, 9_500), 2_500);
+        assert_eq!(h.within(5_000, 9_000), 0);
+        // Older gaps give way to newer ones, never more than it keeps.
+        for k in 0..GAPS as u64 {
+            h.push(100_000 + k * 10, 100_000 + k * 10 + 5);
+        }
+        assert_eq!(h.within(0, 20_000), 0);
+    }
+
+    /// Wall time the thread's clock did not count since its last read, and not slept in
+    /// the idle loop, is the host's: the part of it inside a wait counts, the part
+    /// before the wait began does not, and a sleep of its own is not a hold.
+    #[test]
+    fn wall_time_the_threads_clock_did_not_count_is_the_hosts_from_the_waits_start() {
+        let epoch = Instant::now();
+        let ns = |t: Instant| t.duration_since(epoch).as_nanos() as u64;
+        let h = Holds::default();
+        let clock = ThreadClock::current().expect("clock");
+        let read = |h: &Holds| {
+            let c = clock.read().expect("read").as_nanos() as u64;
+            h.clock_read(ns(Instant::now()), c);
+        };
+        read(&h);
+        let from = Instant::now();
+        // Off the CPU for 4 ms, as a host's hold would keep it.
+        std::thread::sleep(Duration::from_millis(4));
+        let to = Instant::now();
+        let held = h.within(ns(from), ns(to));
+        assert!((3_500_000..=ns(to) - ns(from)).contains(&held), "{held}");
+        // A wait that began 2 ms into it has 2 ms of it, give or take the clock.
+        let later = h.within(ns(from) + 2_000_000, ns(to));
+        assert!(
+            (later + 2_000_000).abs_diff(held) <= 100_000,
+            "{later} {held}"
+        );
+        // The same off-CPU time spent asleep in the idle loop is its own, not the host's.
+        read(&h);
+        let from = Instant::now();
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_millis(4));
+        add(&h.slept_ns, t0.elapsed().as_nanos() as u64);
+        let held = h.within(ns(from), ns(Instant::now()));
+        assert!(held < 500_000, "{held}");
+    }
 }

@@ -726,3 +726,90 @@ fn a_device_engine_that_panics_on_a_thief_fails_its_own_join_only() {
     end.store(true, Ordering::Release);
     hog.join().expect("the vCPU ran on");
 }
+
+/// A pCPU whose thread the host holds off its core has its movable units (vCPUs) run by
+/// an idle peer, and nothing else: two pCPUs pinned to one host core take the core in
+/// turn (the host's time slices), so each is held while the other spins. The vCPU's
+/// every wake-up is served, no two of its steps overlap, its turns elsewhere are
+/// counted on both sides; of two woken at once, the one the peer leaves is not lost; the
+/// unit placed as neither device nor vCPU stays home.
+#[test]
+fn a_vcpu_whose_pcpu_the_host_holds_runs_on_an_idle_peer_and_a_pinned_unit_does_not() {
+    let plan = CpuPlan {
+        cores: vec![Some(0), Some(0)],
+        policy: IdlePolicy::Poll,
+        own_policy: Vec::new(),
+    };
+    let s = Scheduler::new(&plan, None).expect("sched");
+    let mut units = Vec::new();
+    for spec in [
+        UnitSpec::vcpu("guest-v0"),
+        UnitSpec::vcpu("guest-v1"),
+        UnitSpec::named("bound"),
+    ] {
+        let (work, done, overlaps, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let j = s
+            .place(
+                1,
+                spec,
+                Engine {
+                    work: Arc::clone(&work),
+                    done: Arc::clone(&done),
+                    inside: Arc::new(AtomicBool::new(false)),
+                    overlaps: Arc::clone(&overlaps),
+                    end: Arc::clone(&stop),
+                },
+            )
+            .expect("place");
+        units.push((j, work, done, overlaps, stop));
+    }
+    // Wake-ups spread over many of the host's time slices (a few ms each).
+    const N: u64 = 1500;
+    for _ in 0..N {
+        for (j, work, ..) in &units {
+            work.fetch_add(1, Ordering::Release);
+            j.wake();
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // Both vCPUs woken at once, once: whichever the peer does not run is seen by its own
+    // pCPU (or the peer's next look), though no later wake-up comes to point at it.
+    for round in 1..=20 {
+        for (j, work, ..) in &units[..2] {
+            work.fetch_add(1, Ordering::Release);
+            j.wake();
+        }
+        wait_for("both vCPUs' single wake-up served", || {
+            units[..2]
+                .iter()
+                .all(|(_, _, done, ..)| done.load(Ordering::Acquire) == N + round)
+        });
+    }
+    for (j, work, ..) in &units[2..] {
+        work.fetch_add(20, Ordering::Release);
+        j.wake();
+    }
+    let covered = s.reports()[1].covered;
+    for (k, (j, _, done, overlaps, stop)) in units.into_iter().enumerate() {
+        wait_for("every wake-up's work taken", || {
+            done.load(Ordering::Acquire) == N + 20
+        });
+        stop.store(true, Ordering::Release);
+        j.wake();
+        let stats = Arc::clone(j.stats());
+        assert_eq!(j.join(), Ok(N + 20));
+        let r = stats.report();
+        assert_eq!(overlaps.load(Ordering::Relaxed), 0, "{r:?}");
+        if k < 2 {
+            assert!(r.stolen > 0, "the idle peer ran the vCPU: {r:?}");
+        } else {
+            assert_eq!(r.stolen, 0, "a unit that may not move stays: {r:?}");
+        }
+    }
+    assert!(covered > 0, "pCPU 1 counts the turns its peer ran for it");
+}

@@ -266,7 +266,7 @@ impl Machine {
                 pcpu,
                 UnitSpec {
                     weight: weight.max(1),
-                    ..UnitSpec::named(format!("{}-v0", dom.name()))
+                    ..UnitSpec::vcpu(format!("{}-v0", dom.name()))
                 },
                 unit,
             )
@@ -629,6 +629,8 @@ impl Machine {
             c.add(&k, "longest_step_us", us(u.longest_step));
             c.add(&k, "wait_p99_us", us(u.wait_p99));
             c.add(&k, "longest_wait_us", us(u.longest_wait));
+            c.add(&k, "wait_p99_net_us", us(u.wait_p99_net));
+            c.add(&k, "longest_wait_net_us", us(u.longest_wait_net));
             c.add(&k, "long_steps", u.long_steps);
             c.add(&k, "stolen", u.stolen);
         }
@@ -642,6 +644,7 @@ impl Machine {
             c.add(&k, "longest_away_us", us(r.longest_away));
             c.add(&k, "host_queued_us", us(r.host_queued));
             c.add(&k, "line_fires", r.line_fires);
+            c.add(&k, "covered", r.covered);
         }
         c
     }

@@ -315,25 +315,34 @@ fn is_device_unit(comp: &str) -> bool {
 }
 
 /// The worst wait to run of any device's engine over `runs`: its 99th percentile (as
-/// the scheduler's histogram bounds it) and its longest, as checks of the record (each
-/// worst value replaces a check of the same claim from an earlier call), and how often
-/// an idle pCPU ran an engine while its own pCPU was busy, as a note. The waits include
-/// any time the host held the pCPU that would have run the engine; the records' pCPU
-/// counters (`stolen_us`, `longest_away_us`) say how much the host took.
+/// the scheduler's histogram bounds it) and its longest, net of the time the host held
+/// the pCPU that ran it off its core meanwhile (the issue's measure: the host's time is
+/// reported apart), as checks of the record (each worst value replaces a check of the
+/// same claim from an earlier call); the same waits with the host's time in, and how
+/// often an idle pCPU ran an engine while its own pCPU was busy, as a note. The net
+/// waits keep a hold the host made in another unit's step (the idle loop alone sees a
+/// hold as it happens); the records' pCPU counters (`stolen_us`, `longest_away_us`) say
+/// how much the host took.
 pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Finish)]) {
     let mut p99 = (0u64, String::new());
     let mut max = (0u64, String::new());
-    let (mut stolen, mut steps, mut any) = (0u64, 0u64, false);
+    let (mut gross_p99, mut gross_max) = (0u64, 0u64);
+    let (mut stolen, mut steps, mut covered, mut any) = (0u64, 0u64, 0u64, false);
     for (label, f) in runs {
         for (comp, name, v) in &f.counters.entries {
+            if name == "covered" && comp.starts_with("pcpu") {
+                covered += v;
+            }
             if !is_device_unit(comp) {
                 continue;
             }
             any = true;
             let at = || format!("{label}, {comp}");
             match name.as_str() {
-                "wait_p99_us" if *v > p99.0 => p99 = (*v, at()),
-                "longest_wait_us" if *v > max.0 => max = (*v, at()),
+                "wait_p99_net_us" if *v > p99.0 => p99 = (*v, at()),
+                "longest_wait_net_us" if *v > max.0 => max = (*v, at()),
+                "wait_p99_us" => gross_p99 = gross_p99.max(*v),
+                "longest_wait_us" => gross_max = gross_max.max(*v),
                 "stolen" => stolen += v,
                 "steps" => steps += v,
                 _ => {}
@@ -360,18 +369,20 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Finish)]) {
         r.check(&what, v as f64, "µs", &format!("≤ {limit}"), v <= limit);
     };
     put(
-        "a device engine's wait to run once woken, 99th percentile",
+        "a device engine's wait to run once woken, net of the host's holds, 99th percentile",
         p99,
         DEVICE_WAIT_P99_US,
     );
     put(
-        "a device engine's longest wait to run once woken",
+        "a device engine's longest wait to run once woken, net of the host's holds",
         max,
         DEVICE_WAIT_MAX_US,
     );
     r.notes.push(format!(
         "devices' engines: {stolen} of {steps} steps run by an idle pCPU while their own was \
-         busy (work stealing)"
+         busy (work stealing); their waits with the host's holds in: 99th percentile \
+         {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
+         engines run by an idle pCPU while the host held their own off its core"
     ));
 }
 

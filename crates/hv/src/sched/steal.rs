@@ -14,8 +14,71 @@
 //! stealable units left runnable as a step starts, the earliest deadline of an idle
 //! one) and from their IPI words, looked at as it spins; a pCPU asleep in the host does
 //! not steal.
+//!
+//! A pCPU whose thread the host holds off its core is covered the same way, for every
+//! unit that may move ([`UnitSpec::movable`]: vCPUs too, as Xen's soft affinity lets a
+//! vCPU run on another pCPU rather than not at all). A pCPU with its core takes a
+//! wake-up from its IPI word within a few hundred ns as it spins; one that is neither
+//! in a step nor asleep and leaves a wake-up there across an idle peer's looks for
+//! [`HELD_AFTER`] is not running, and the peer takes its movable units' wake-ups.
 
 use super::*;
+
+/// How long a pCPU that is neither in a step nor asleep may leave a wake-up of a
+/// movable unit in its IPI word, across an idle peer's unbroken looks, before the peer
+/// takes it as held off its core by the host and runs the unit.
+pub const HELD_AFTER: Duration = Duration::from_micros(20);
+
+/// A pCPU's peers (itself among them), and what it has seen of each as it looked: since
+/// when the peer has left a wake-up untaken while out of its steps and awake, and when
+/// it last looked.
+#[derive(Debug)]
+pub(super) struct Peers<'a> {
+    all: &'a [Arc<PcpuShared>],
+    untaken: Vec<(Option<Instant>, Instant)>,
+}
+
+impl<'a> Peers<'a> {
+    /// `all`, nothing seen of them yet.
+    pub(super) fn new(all: &'a [Arc<PcpuShared>]) -> Self {
+        Self {
+            all,
+            untaken: vec![(None, Instant::now()); all.len()],
+        }
+    }
+}
+
+/// Whether pCPU `q` looks held by the host: out of its steps, awake, and a wake-up of
+/// a movable unit in its IPI word (or a device's deadline past) at every look of the
+/// watcher for [`HELD_AFTER`]
+/// (`seen`: since when, and the watcher's last look; a gap in the looks starts over).
+fn held(q: &PcpuShared, now: Instant, seen: &mut (Option<Instant>, Instant)) -> bool {
+    let unbroken = now.saturating_duration_since(seen.1) <= STEAL_LOOK * 4;
+    seen.1 = now;
+    let untaken = !q.steal.busy.load(Ordering::Acquire)
+        && !q.sleeping.load(Ordering::Acquire)
+        && !q.stop.load(Ordering::Relaxed)
+        && ((0..WORDS).any(|w| {
+            q.ipi[w].load(Ordering::Relaxed) & q.steal.movable[w].load(Ordering::Relaxed) != 0
+        }) || due(q, now));
+    if !untaken {
+        seen.0 = None;
+        return false;
+    }
+    if !unbroken || seen.0.is_none() {
+        seen.0 = Some(now);
+    }
+    seen.0
+        .is_some_and(|s| now.saturating_duration_since(s) >= HELD_AFTER)
+}
+
+/// Whether the earliest deadline of `q`'s idle stealable units (its hint) has passed
+/// by `now`. A pCPU spinning idle leaves its spin at its earliest deadline; one whose
+/// hint stays past is held, or its hint is stale (a thief's look refreshes it).
+fn due(q: &PcpuShared, now: Instant) -> bool {
+    let due = q.steal.due.load(Ordering::Acquire);
+    due != u64::MAX && now.saturating_duration_since(q.epoch).as_nanos() as u64 >= due
+}
 
 /// Whether pCPU `q` is running units with a stealable one waiting (runnable, woken, or
 /// its deadline passed by `now`). Its busy flag, not its step's start, says it runs: the
@@ -24,8 +87,7 @@ fn wanted(q: &PcpuShared, now: Instant) -> bool {
     if !q.steal.busy.load(Ordering::Acquire) || q.stop.load(Ordering::Relaxed) {
         return false;
     }
-    let due = q.steal.due.load(Ordering::Acquire);
-    if due != u64::MAX && now.saturating_duration_since(q.epoch).as_nanos() as u64 >= due {
+    if due(q, now) {
         return true;
     }
     (0..WORDS).any(|w| {
@@ -37,35 +99,53 @@ fn wanted(q: &PcpuShared, now: Instant) -> bool {
     })
 }
 
-/// Whether a pCPU other than `me` has a device's engine waiting while it is in a step.
-pub(super) fn wanted_by(me: &PcpuShared, peers: &[Arc<PcpuShared>], now: Instant) -> bool {
-    peers
-        .iter()
-        .any(|q| !std::ptr::eq(&**q, me) && wanted(q, now))
+/// Whether a pCPU other than `me` has a device's engine waiting while it is in a step,
+/// or looks held by the host with a movable unit woken.
+pub(super) fn wanted_by(me: &PcpuShared, peers: &mut Peers<'_>, now: Instant) -> bool {
+    let mut any = false;
+    for (q, seen) in peers.all.iter().zip(&mut peers.untaken) {
+        if !std::ptr::eq(&**q, me) {
+            // Every peer is looked at, so that each one's watch stays unbroken.
+            any |= held(q, now, seen) || wanted(q, now);
+        }
+    }
+    any
 }
 
-/// Runs one turn of a stealable unit of another pCPU that is in a step, if one waits
-/// and that pCPU's table is free this instant. Returns whether it ran one.
+/// Runs one turn of a stealable unit of another pCPU that is in a step, or of a movable
+/// unit of one the host holds, if one waits and that pCPU's table is free this instant.
+/// Returns whether it ran one.
 pub(super) fn try_steal(
     me: &PcpuShared,
-    peers: &[Arc<PcpuShared>],
+    peers: &mut Peers<'_>,
     binding: &mut Option<SlotBinding>,
 ) -> bool {
     let now = Instant::now();
-    for q in peers.iter().filter(|q| !std::ptr::eq(&***q, me)) {
-        if !wanted(q, now) {
+    for (q, seen) in peers.all.iter().zip(&mut peers.untaken) {
+        if std::ptr::eq(&**q, me) {
+            continue;
+        }
+        let held = held(q, now, seen);
+        if !held && !wanted(q, now) {
             continue;
         }
         // Its own thread holds the lock only between steps: if it is taken, the pCPU is
-        // choosing what to run next, which may be the engine.
+        // choosing what to run next, which may be the engine. (A thread the host holds
+        // with the lock taken keeps its units.)
         let Ok(mut t) = q.table.try_lock() else {
             continue;
         };
-        // Only the wake-ups of stealable units in the table: a vCPU's, or those of a
-        // unit its own pCPU is running, stay for that pCPU.
+        // Only the wake-ups of stealable units in the table (of movable ones, if the
+        // host holds the pCPU): a vCPU's, or those of a unit its own pCPU is running,
+        // stay for that pCPU.
+        let units = if held {
+            &q.steal.movable
+        } else {
+            &q.steal.stealable
+        };
         let mut mask = [0u64; WORDS];
         for (w, m) in mask.iter_mut().enumerate() {
-            *m = t.present(w, q.steal.stealable[w].load(Ordering::Relaxed));
+            *m = t.present(w, units[w].load(Ordering::Relaxed));
             if *m != 0 {
                 let bits = q.ipi[w].fetch_and(!*m, Ordering::SeqCst) & *m;
                 t.wake_units(q, w, bits, now);
@@ -89,8 +169,25 @@ pub(super) fn try_steal(
             t.away[w] &= !bit;
             continue;
         };
+        // Units it woke and does not run go back into the IPI word: their pCPU, idle
+        // in its spin (the host let it go, or it went idle as the thief looked), watches
+        // the word, not its table.
+        for (ww, m) in mask.iter().enumerate() {
+            let rest = t.runnable[ww] & m & !t.away[ww];
+            if rest != 0 {
+                q.ipi[ww].fetch_or(rest, Ordering::SeqCst);
+            }
+        }
         t.publish_steal_hints(q);
         drop(t);
+        if held {
+            q.stats.covered.fetch_add(1, Ordering::Relaxed);
+        }
+        // A pCPU running another's unit is busy: its own wake-ups wait for it as they
+        // would behind its own step, and no peer takes it for held meanwhile.
+        if !me.steal.busy.load(Ordering::Relaxed) {
+            me.steal.busy.store(true, Ordering::Release);
+        }
         let (out, ran, _) = run_sampled(me, binding, &mut *e, woken);
         e.stats().stolen.fetch_add(1, Ordering::Relaxed);
         put_back(q, i, e, out, ran, generation);
