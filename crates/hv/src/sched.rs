@@ -525,6 +525,9 @@ struct PcpuStats {
     /// Turns of its units that idle peers ran while the host held its thread off the
     /// core ([`steal::HELD_AFTER`]).
     covered: AtomicU64,
+    /// Times its own thread took wake-ups from its IPI word (written by it alone; read
+    /// by peers watching whether it runs).
+    took: AtomicU64,
 }
 
 /// A snapshot of one pCPU's accounting.
@@ -1490,6 +1493,9 @@ impl Table {
                 continue;
             }
             let bits = p.ipi[w].swap(0, Ordering::SeqCst);
+            // Its own takes, counted for peers watching whether it runs at all (a
+            // thief's take of a unit's wake-up does not count).
+            add(&p.stats.took, 1);
             self.wake_units(p, w, bits, now);
         }
     }

@@ -258,6 +258,13 @@ impl Machine {
             .hv
             .vcpu(dom, 0)
             .ok_or_else(|| other(format!("{}: no vCPU 0", dom.name())))?;
+        // A vCPU may run on another pCPU while the host holds its own, unless its kernel
+        // is tied to its thread.
+        let spec = if kernel.thread_bound() {
+            UnitSpec::named(format!("{}-v0", dom.name()))
+        } else {
+            UnitSpec::vcpu(format!("{}-v0", dom.name()))
+        };
         let unit = vcpu::KernelUnit::new(v, platform, kernel, stop, ready, Arc::clone(&door));
         let pcpu = self.pcpu_cores.iter().position(|&c| c == at).unwrap_or(0);
         let h = self
@@ -266,7 +273,7 @@ impl Machine {
                 pcpu,
                 UnitSpec {
                     weight: weight.max(1),
-                    ..UnitSpec::vcpu(format!("{}-v0", dom.name()))
+                    ..spec
                 },
                 unit,
             )

@@ -174,6 +174,10 @@ impl TapGuest {
 impl Kernel for TapGuest {
     const CLOCK: bool = false;
 
+    fn thread_bound(&self) -> bool {
+        dev::wire::WireSource::thread_bound(&self.tap)
+    }
+
     fn attach(&mut self, waker: &hv::sched::Waker) {
         self.tap.bind_unit(waker);
     }

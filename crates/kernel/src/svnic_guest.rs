@@ -250,6 +250,10 @@ impl SvnicGuest {
 impl Kernel for SvnicGuest {
     const CLOCK: bool = true;
 
+    fn thread_bound(&self) -> bool {
+        matches!(&self.above, Above::Tap(t) if dev::wire::WireSource::thread_bound(&**t))
+    }
+
     fn attach(&mut self, waker: &hv::sched::Waker) {
         if let Above::Tap(tap) = &mut self.above {
             tap.bind_unit(waker);

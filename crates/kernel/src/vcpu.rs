@@ -68,6 +68,13 @@ pub trait Kernel: Send + 'static {
     fn wants_clock(&self) -> bool {
         Self::CLOCK
     }
+    /// Whether its state is tied to the thread that runs it (a host interface whose
+    /// io_uring completions run as the submitting thread's work): its vCPU then stays on
+    /// its pCPU, even while the host holds it (`hv::sched::UnitSpec::movable`). Asked
+    /// once, at placement.
+    fn thread_bound(&self) -> bool {
+        false
+    }
     /// When it next needs its timer.
     fn next_timer(&self) -> Option<Duration> {
         None

@@ -25,17 +25,18 @@
 use super::*;
 
 /// How long a pCPU that is neither in a step nor asleep may leave a wake-up of a
-/// movable unit in its IPI word, across an idle peer's unbroken looks, before the peer
-/// takes it as held off its core by the host and runs the unit.
+/// movable unit in its IPI word (or a device's deadline past), taking no other wake-up
+/// meanwhile, before an idle peer takes it as held off its core by the host and runs
+/// the unit.
 pub const HELD_AFTER: Duration = Duration::from_micros(20);
 
 /// A pCPU's peers (itself among them), and what it has seen of each as it looked: since
-/// when the peer has left a wake-up untaken while out of its steps and awake, and when
-/// it last looked.
+/// when the peer, out of its steps and awake, has left work untaken, and the count of
+/// wake-ups it had taken then.
 #[derive(Debug)]
 pub(super) struct Peers<'a> {
     all: &'a [Arc<PcpuShared>],
-    untaken: Vec<(Option<Instant>, Instant)>,
+    untaken: Vec<Option<(Instant, u64)>>,
 }
 
 impl<'a> Peers<'a> {
@@ -43,18 +44,19 @@ impl<'a> Peers<'a> {
     pub(super) fn new(all: &'a [Arc<PcpuShared>]) -> Self {
         Self {
             all,
-            untaken: vec![(None, Instant::now()); all.len()],
+            untaken: vec![None; all.len()],
         }
     }
 }
 
-/// Whether pCPU `q` looks held by the host: out of its steps, awake, and a wake-up of
-/// a movable unit in its IPI word (or a device's deadline past) at every look of the
-/// watcher for [`HELD_AFTER`]
-/// (`seen`: since when, and the watcher's last look; a gap in the looks starts over).
-fn held(q: &PcpuShared, now: Instant, seen: &mut (Option<Instant>, Instant)) -> bool {
-    let unbroken = now.saturating_duration_since(seen.1) <= STEAL_LOOK * 4;
-    seen.1 = now;
+/// Whether pCPU `q` looks held by the host: out of its steps and awake, with a wake-up
+/// of a movable unit in its IPI word (or a device's deadline past), and no wake-up
+/// taken by its own thread (its count of takes unchanged) for [`HELD_AFTER`] since the
+/// watcher first saw it so (`seen`). The watcher may look with gaps (its own steps
+/// between): a pCPU with its core takes a wake-up within a few hundred ns, and one it
+/// took shows in the count. (Thieves' takes of its devices' wake-ups, every few µs at
+/// the wire's pace, must not count: they would hide a held owner from its watcher.)
+fn held(q: &PcpuShared, now: Instant, seen: &mut Option<(Instant, u64)>) -> bool {
     let untaken = !q.steal.busy.load(Ordering::Acquire)
         && !q.sleeping.load(Ordering::Acquire)
         && !q.stop.load(Ordering::Relaxed)
@@ -62,14 +64,17 @@ fn held(q: &PcpuShared, now: Instant, seen: &mut (Option<Instant>, Instant)) -> 
             q.ipi[w].load(Ordering::Relaxed) & q.steal.movable[w].load(Ordering::Relaxed) != 0
         }) || due(q, now));
     if !untaken {
-        seen.0 = None;
+        *seen = None;
         return false;
     }
-    if !unbroken || seen.0.is_none() {
-        seen.0 = Some(now);
+    let taken = q.stats.took.load(Ordering::Relaxed);
+    match *seen {
+        Some((since, n)) if n == taken => now.saturating_duration_since(since) >= HELD_AFTER,
+        _ => {
+            *seen = Some((now, taken));
+            false
+        }
     }
-    seen.0
-        .is_some_and(|s| now.saturating_duration_since(s) >= HELD_AFTER)
 }
 
 /// Whether the earliest deadline of `q`'s idle stealable units (its hint) has passed
