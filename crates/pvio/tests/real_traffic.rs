@@ -140,8 +140,14 @@ fn streams_are_in_the_captures(
     assert!(names.iter().any(|n| n.starts_with("vif")), "{names:?}");
     for (path, c) in captures {
         let fields = |filter: &str, field: &str| -> Vec<u64> {
+            // Frame by frame, no name lookups and no TCP reassembly: a capture whose
+            // stream tshark's reassembly took over a minute of CPU to walk once made
+            // this test fail on time, and frames, not reassembled PDUs, are what it counts.
             let o = run(&[
                 "tshark",
+                "-n",
+                "-o",
+                "tcp.desegment_tcp_streams:FALSE",
                 "-r",
                 path.to_str().expect("path"),
                 "-Y",

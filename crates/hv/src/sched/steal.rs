@@ -37,7 +37,14 @@ pub const HELD_AFTER: Duration = Duration::from_micros(20);
 pub(super) struct Peers<'a> {
     all: &'a [Arc<PcpuShared>],
     untaken: Vec<Option<(Instant, u64)>>,
+    /// When its spin last looked whether a peer is held.
+    held_look: Instant,
 }
+
+/// How often a spinning pCPU looks whether a peer is held ([`held`]): a look reads the
+/// peer's IPI word, whose line every wake-up of the peer then has to take back, so it is
+/// made a few times per [`HELD_AFTER`], not at every [`STEAL_LOOK`].
+pub const HELD_LOOK: Duration = Duration::from_micros(10);
 
 impl<'a> Peers<'a> {
     /// `all`, nothing seen of them yet.
@@ -45,6 +52,7 @@ impl<'a> Peers<'a> {
         Self {
             all,
             untaken: vec![None; all.len()],
+            held_look: Instant::now(),
         }
     }
 }
@@ -107,11 +115,15 @@ fn wanted(q: &PcpuShared, now: Instant) -> bool {
 /// Whether a pCPU other than `me` has a device's engine waiting while it is in a step,
 /// or looks held by the host with a movable unit woken.
 pub(super) fn wanted_by(me: &PcpuShared, peers: &mut Peers<'_>, now: Instant) -> bool {
+    let look_held = now.saturating_duration_since(peers.held_look) >= HELD_LOOK;
+    if look_held {
+        peers.held_look = now;
+    }
     let mut any = false;
     for (q, seen) in peers.all.iter().zip(&mut peers.untaken) {
         if !std::ptr::eq(&**q, me) {
-            // Every peer is looked at, so that each one's watch stays unbroken.
-            any |= held(q, now, seen) || wanted(q, now);
+            // Every peer is looked at, so that each one's watch is kept.
+            any |= (look_held && held(q, now, seen)) || wanted(q, now);
         }
     }
     any
