@@ -380,11 +380,10 @@ impl Holds {
         let clocked = match ThreadClock::current().ok().and_then(|c| c.read()) {
             Some(cpu) if at > 0 && at <= to => {
                 let cpu = cpu.as_nanos() as u64;
-                let slept = self.slept_ns.load(Ordering::Relaxed)
-                    - self
-                        .read_slept_ns
-                        .load(Ordering::Relaxed)
-                        .min(self.slept_ns.load(Ordering::Relaxed));
+                let slept = self
+                    .slept_ns
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
                 let off = (to - at)
                     .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
                     .saturating_sub(slept);
@@ -414,7 +413,7 @@ pub struct UnitStats {
     waits: [AtomicU64; WAIT_BUCKETS],
     longest_wait_ns: AtomicU64,
     /// The same waits less the time the host held the thread that ran the unit off its
-    /// core meanwhile, as that thread's idle loop saw it ([`Holds`]).
+    /// core meanwhile, as far as that thread can tell ([`Holds`]).
     net_waits: [AtomicU64; WAIT_BUCKETS],
     longest_net_wait_ns: AtomicU64,
     long_steps: AtomicU64,
@@ -445,8 +444,8 @@ pub struct UnitReport {
     /// Its longest wait to run.
     pub longest_wait: Duration,
     /// As `wait_p99`, each wait less the time the host held the pCPU that ran it off
-    /// its core meanwhile (the holds its idle loop saw, [`Holds`]: a hold in another
-    /// unit's step stays in the wait).
+    /// its core meanwhile, as far as its thread can tell ([`Holds`]: the gaps its idle
+    /// loop saw, and the wall time its CPU clock did not count since its last read).
     pub wait_p99_net: Duration,
     /// Its longest wait to run, net likewise.
     pub longest_wait_net: Duration,
@@ -1865,6 +1864,9 @@ fn run_unit(
     let mut out = StepOut::More;
     let mut ran = 0u64;
     for _ in 0..weight {
+        if let Some(w) = woken {
+            start = account_wait(p, e.stats(), w, start);
+        }
         p.step_since.store(
             start.duration_since(p.epoch).as_nanos() as u64 | 1,
             Ordering::Release,
@@ -1883,18 +1885,7 @@ fn run_unit(
             st.long_steps.store(n + 1, Ordering::Relaxed);
         }
         p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
-        if let Some(w) = woken.take() {
-            let wait = start.saturating_duration_since(w).as_nanos() as u64;
-            st.wakeups.fetch_add(1, Ordering::Relaxed);
-            st.runnable_ns.fetch_add(wait, Ordering::Relaxed);
-            let host = if wait > HOLD_LOOK.as_nanos() as u64 {
-                let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
-                p.holds.within(ns(w), ns(start)).min(wait)
-            } else {
-                0
-            };
-            st.waited(wait, wait.saturating_sub(host));
-        }
+        woken = None;
         start = end;
         match r {
             Ok(StepOut::More) => continue,
@@ -1909,6 +1900,25 @@ fn run_unit(
     p.step_since.store(0, Ordering::Release);
     p.stats.busy_ns.fetch_add(ran, Ordering::Relaxed);
     (out, ran, start)
+}
+
+/// Accounts unit `st`'s wait to run from its wake-up `w` to `start`, with and without
+/// the host's holds of this thread meanwhile. Returns when its step may start: a long
+/// wait reads the thread's clock ([`HOLD_LOOK`]), and that system call is the
+/// scheduler's time, not the unit's, so the step's time starts after it.
+#[inline]
+fn account_wait(p: &PcpuShared, st: &UnitStats, w: Instant, start: Instant) -> Instant {
+    let wait = start.saturating_duration_since(w).as_nanos() as u64;
+    st.wakeups.fetch_add(1, Ordering::Relaxed);
+    st.runnable_ns.fetch_add(wait, Ordering::Relaxed);
+    if wait <= HOLD_LOOK.as_nanos() as u64 {
+        st.waited(wait, wait);
+        return start;
+    }
+    let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+    let host = p.holds.within(ns(w), ns(start)).min(wait);
+    st.waited(wait, wait - host);
+    Instant::now()
 }
 
 /// A unit whose step a rescue retired the thread in: handed back to the pCPU's new

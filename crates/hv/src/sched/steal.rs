@@ -19,8 +19,8 @@
 //! unit that may move ([`UnitSpec::movable`]: vCPUs too, as Xen's soft affinity lets a
 //! vCPU run on another pCPU rather than not at all). A pCPU with its core takes a
 //! wake-up from its IPI word within a few hundred ns as it spins; one that is neither
-//! in a step nor asleep and leaves a wake-up there across an idle peer's looks for
-//! [`HELD_AFTER`] is not running, and the peer takes its movable units' wake-ups.
+//! in a step nor asleep, leaves a wake-up there and takes none for [`HELD_AFTER`] is not
+//! running, and an idle peer that saw it so takes its movable units' wake-ups.
 
 use super::*;
 
