@@ -33,6 +33,7 @@ use crate::irq::IrqLine;
 use crate::wire::{WireSink, WireSource};
 
 mod engine;
+pub mod misses;
 mod regs;
 
 use engine::Device;

@@ -44,7 +44,11 @@ use std::time::{Duration, Instant};
 
 use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
 
+mod holds;
 mod steal;
+
+use holds::{add, Holds, CLOCK_READ_IDLE};
+pub use holds::{HostHold, HOLD_LOGGED, HOLD_LOOK, HOST_GAP};
 
 /// Units a pCPU can hold.
 pub const MAX_UNITS: usize = 256;
@@ -303,96 +307,6 @@ fn p99(waits: &[AtomicU64; WAIT_BUCKETS]) -> Duration {
         })
         .unwrap_or(WAIT_BUCKETS - 1);
     bucket_bound(k)
-}
-
-/// A gap between two looks of a spinning idle loop longer than this is the host's: the
-/// loop looks every few hundred ns while it has its core, and a look at its lines (a
-/// `ppoll`) or its clock takes a few µs at most.
-pub const HOST_GAP: Duration = Duration::from_micros(10);
-
-/// What a pCPU's thread knows of the host's holds of it, for the waits to run they
-/// take up: the holds its idle loop saw as gaps between its looks past [`HOST_GAP`]
-/// (each as its start and end in ns since the pCPU's epoch, the newest over the
-/// oldest), and its CPU clock as it last read it, with the wall time and its sleeps
-/// then (a hold anywhere else, in a step or on a lock, shows as wall time the clock did
-/// not count). Written and read by the pCPU's own thread only.
-#[derive(Debug, Default)]
-struct Holds {
-    next: AtomicU64,
-    spans: [[AtomicU64; 2]; GAPS],
-    /// Its last clock read: when (ns since the epoch), the CPU time, and the time it had
-    /// slept in all by then.
-    read_at_ns: AtomicU64,
-    read_cpu_ns: AtomicU64,
-    read_slept_ns: AtomicU64,
-    /// Its sleeps in the host in all (never reset).
-    slept_ns: AtomicU64,
-}
-
-/// Gaps kept in [`Holds`]: a wait spans a few at most.
-const GAPS: usize = 16;
-
-/// A wait to run longer than this has the host's share in it looked for: the thread's
-/// clock is read (a system call, on the waits a host's hold makes, not on the others).
-pub const HOLD_LOOK: Duration = Duration::from_micros(50);
-
-/// How often a spinning idle loop reads its clock, so that a hold after it goes busy
-/// is measured from a read at most this old.
-const CLOCK_READ_IDLE: Duration = Duration::from_micros(100);
-
-fn add(a: &AtomicU64, v: u64) {
-    a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
-}
-
-impl Holds {
-    fn push(&self, from: u64, to: u64) {
-        let n = self.next.load(Ordering::Relaxed);
-        let s = &self.spans[n as usize % GAPS];
-        s[0].store(from, Ordering::Relaxed);
-        s[1].store(to, Ordering::Relaxed);
-        self.next.store(n + 1, Ordering::Relaxed);
-    }
-
-    /// The thread's clock read `cpu` at `at` (ns since the epoch).
-    fn clock_read(&self, at: u64, cpu: u64) {
-        self.read_at_ns.store(at, Ordering::Relaxed);
-        self.read_cpu_ns.store(cpu, Ordering::Relaxed);
-        self.read_slept_ns
-            .store(self.slept_ns.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-
-    /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
-    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there,
-    /// or the wall time since its last clock read that its clock did not count, less
-    /// the part of it before `from`, whichever says more. Never more than the truth
-    /// but for the clock's own granularity: a reader of the net waits may trust that
-    /// they are not shorter than they were.
-    fn within(&self, from: u64, to: u64) -> u64 {
-        let gaps: u64 = self
-            .spans
-            .iter()
-            .map(|s| {
-                let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
-                b.min(to).saturating_sub(a.max(from))
-            })
-            .sum();
-        let at = self.read_at_ns.load(Ordering::Relaxed);
-        let clocked = match ThreadClock::current().ok().and_then(|c| c.read()) {
-            Some(cpu) if at > 0 && at <= to => {
-                let cpu = cpu.as_nanos() as u64;
-                let slept = self
-                    .slept_ns
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
-                let off = (to - at)
-                    .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
-                    .saturating_sub(slept);
-                off.saturating_sub(from.saturating_sub(at))
-            }
-            _ => 0,
-        };
-        gaps.max(clocked)
-    }
 }
 
 /// The accounting period for caps (Xen's credit scheduler accounts every 30 ms; a
@@ -1306,6 +1220,16 @@ impl Scheduler {
         }
     }
 
+    /// The host's holds of the pCPUs' threads of [`HOLD_LOGGED`] or longer, as the
+    /// threads saw them, since the scheduler started (the newest few hundred of each
+    /// pCPU's), oldest first by pCPU: what a device's losses are laid beside.
+    pub fn host_holds(&self) -> Vec<HostHold> {
+        self.pcpus
+            .iter()
+            .flat_map(|p| p.holds.logged(p.index, p.epoch))
+            .collect()
+    }
+
     /// Each pCPU's accounting since the last reset.
     pub fn reports(&self) -> Vec<PcpuReport> {
         self.pcpus
@@ -1887,6 +1811,12 @@ fn run_unit(
         p.stats.longest_step_ns.fetch_max(ns, Ordering::Relaxed);
         woken = None;
         start = end;
+        if ns >= HOLD_LOGGED.as_nanos() as u64 {
+            // Was the host's hold in it? (A clock read: the scheduler's time.)
+            let at = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+            start = Instant::now();
+            p.holds.long_step(at(end) - ns, at(start));
+        }
         match r {
             Ok(StepOut::More) => continue,
             Ok(o) => out = o,
@@ -2115,61 +2045,4 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
 /// Live units on a pCPU (for tests and reports).
 pub fn live_units(s: &Scheduler, pcpu: usize) -> usize {
     s.pcpus.get(pcpu).map_or(0, |p| lock(&p.table).live)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A hold the idle loop saw counts only for its part inside a wait.
-    #[test]
-    fn a_wait_is_net_of_the_gaps_inside_it_and_only_of_those() {
-        let h = Holds::default();
-        h.push(1_000, 5_000);
-        h.push(9_000, 10_000);
-        assert_eq!(h.within(0, 20_000), 5_000);
-        assert_eq!(h.within(3_000, 9_500), 2_500);
-        assert_eq!(h.within(5_000, 9_000), 0);
-        // Older gaps give way to newer ones, never more than it keeps.
-        for k in 0..GAPS as u64 {
-            h.push(100_000 + k * 10, 100_000 + k * 10 + 5);
-        }
-        assert_eq!(h.within(0, 20_000), 0);
-    }
-
-    /// Wall time the thread's clock did not count since its last read, and not slept in
-    /// the idle loop, is the host's: the part of it inside a wait counts, the part
-    /// before the wait began does not, and a sleep of its own is not a hold.
-    #[test]
-    fn wall_time_the_threads_clock_did_not_count_is_the_hosts_from_the_waits_start() {
-        let epoch = Instant::now();
-        let ns = |t: Instant| t.duration_since(epoch).as_nanos() as u64;
-        let h = Holds::default();
-        let clock = ThreadClock::current().expect("clock");
-        let read = |h: &Holds| {
-            let c = clock.read().expect("read").as_nanos() as u64;
-            h.clock_read(ns(Instant::now()), c);
-        };
-        read(&h);
-        let from = Instant::now();
-        // Off the CPU for 4 ms, as a host's hold would keep it.
-        std::thread::sleep(Duration::from_millis(4));
-        let to = Instant::now();
-        let held = h.within(ns(from), ns(to));
-        assert!((3_500_000..=ns(to) - ns(from)).contains(&held), "{held}");
-        // A wait that began 2 ms into it has 2 ms of it, give or take the clock.
-        let later = h.within(ns(from) + 2_000_000, ns(to));
-        assert!(
-            (later + 2_000_000).abs_diff(held) <= 100_000,
-            "{later} {held}"
-        );
-        // The same off-CPU time spent asleep in the idle loop is its own, not the host's.
-        read(&h);
-        let from = Instant::now();
-        let t0 = Instant::now();
-        std::thread::sleep(Duration::from_millis(4));
-        add(&h.slept_ns, t0.elapsed().as_nanos() as u64);
-        let held = h.within(ns(from), ns(Instant::now()));
-        assert!(held < 500_000, "{held}");
-    }
 }

@@ -813,3 +813,58 @@ fn a_vcpu_whose_pcpu_the_host_holds_runs_on_an_idle_peer_and_a_pinned_unit_does_
     }
     assert!(covered > 0, "pCPU 1 counts the turns its peer ran for it");
 }
+
+/// A unit whose one step spins for `wall`, then ends.
+struct Spinner {
+    wall: Duration,
+}
+
+impl Unit for Spinner {
+    type Output = ();
+    fn step(&mut self, _cx: &Cx) -> Step<()> {
+        let t = Instant::now();
+        while t.elapsed() < self.wall {
+            std::hint::spin_loop();
+        }
+        Step::Done(())
+    }
+}
+
+/// The host's long holds of a pCPU's thread are kept with their times, in a step and
+/// between the idle loop's looks: two pCPUs pinned to one host core share it, so that
+/// while one spins in a 60 ms step the host's time slices hold it for the other's idle
+/// spin, and that one for the step.
+#[test]
+fn the_hosts_long_holds_of_a_pcpu_are_kept_with_their_times_in_a_step_and_idle() {
+    let plan = CpuPlan {
+        cores: vec![Some(0), Some(0)],
+        policy: IdlePolicy::Poll,
+        own_policy: Vec::new(),
+    };
+    let s = Scheduler::new(&plan, None).expect("sched");
+    // Both threads spinning on the core first, so that the step below shares it.
+    std::thread::sleep(Duration::from_millis(20));
+    let wall = Duration::from_millis(60);
+    let t0 = Instant::now();
+    let j = s
+        .place(1, UnitSpec::named("spinner"), Spinner { wall })
+        .expect("place");
+    assert_eq!(j.join(), Ok(()));
+    let t1 = Instant::now();
+    let holds = s.host_holds();
+    let in_step: Vec<_> = holds.iter().filter(|h| h.pcpu == 1 && h.in_step).collect();
+    assert_eq!(in_step.len(), 1, "{holds:?}");
+    let h = in_step[0];
+    assert!(t0 <= h.from && h.to <= t1, "{h:?}");
+    assert!(h.to - h.from >= wall, "{h:?}");
+    // The idle pCPU had its share of the core meanwhile, so the step had at most the
+    // rest; the host held it for the remainder, which is no more than its span.
+    assert!(h.held >= Duration::from_millis(10), "{h:?}");
+    assert!(h.held <= h.to - h.from, "{h:?}");
+    assert!(
+        holds
+            .iter()
+            .any(|h| h.pcpu == 0 && !h.in_step && h.from >= t0 && h.to <= t1),
+        "the idle pCPU's gaps while the step had the core: {holds:?}"
+    );
+}

@@ -587,6 +587,10 @@ impl Machine {
         let mut c = self.halt()?;
         if let Some(r) = regs {
             c.add_port("nic", PortKind::Nic, &*r);
+            // Whose the missed frames were: those in the host's holds of a pCPU.
+            let held =
+                dev::nic::misses::in_holds(&r.rx_missed_log.bursts(), &self.sched.host_holds());
+            c.add("nic", "rx_missed_in_host_holds", held);
         }
         if let Some(b) = self.block_engine.take() {
             c.add_set("svnic block engine", &**b.stats());
@@ -641,8 +645,17 @@ impl Machine {
             c.add(&k, "long_steps", u.long_steps);
             c.add(&k, "stolen", u.stolen);
         }
+        let holds = self.sched.host_holds();
         for r in self.sched.reports() {
             let k = format!("pcpu{}", r.index);
+            // The longest hold the host made inside a step on it, since the start.
+            let in_step = holds
+                .iter()
+                .filter(|h| h.pcpu == r.index && h.in_step)
+                .map(|h| h.held)
+                .max()
+                .unwrap_or_default();
+            c.add(&k, "longest_step_hold_us", us(in_step));
             c.add(&k, "idle_us", us(r.idle));
             c.add(&k, "slept_us", us(r.slept));
             c.add(&k, "host_wakes", r.host_wakes);

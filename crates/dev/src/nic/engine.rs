@@ -430,6 +430,7 @@ impl Device {
     pub(super) fn missed(&self, e: NoRoom) {
         self.regs.rxq[e.q].missed.fetch_add(1, Ordering::Relaxed);
         self.regs.rx_missed.fetch_add(1, Ordering::Relaxed);
+        self.regs.rx_missed_log.note(Instant::now());
     }
 
     /// Cuts a large or partially checksummed frame into complete frames for queue `q`.

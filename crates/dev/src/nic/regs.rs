@@ -245,6 +245,8 @@ pub struct NicRegs {
     pub rx_bytes: AtomicU64,
     /// Frames dropped for want of a queue or a free descriptor, all queues.
     pub rx_missed: AtomicU64,
+    /// Those dropped for want of a free descriptor, in bursts with their times.
+    pub rx_missed_log: super::misses::MissLog,
     /// Times the device paused its source so.
     pub rx_pauses: AtomicU64,
     /// Frames dropped: too long.
@@ -409,6 +411,7 @@ impl NicRegs {
             rx_frames: AtomicU64::new(0),
             rx_bytes: AtomicU64::new(0),
             rx_missed: AtomicU64::new(0),
+            rx_missed_log: Default::default(),
             rx_paused: AtomicBool::new(false),
             rx_pauses: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),

@@ -1,0 +1,315 @@
+//! What a pCPU's thread knows of the host's holds of it: the time the host kept the
+//! thread off its core, which is neither a unit's nor the scheduler's.
+//!
+//! Two measures, each never more than the truth: the gaps between the idle loop's looks
+//! past [`HOST_GAP`] (the loop looks every few hundred ns while it has its core), and
+//! the wall time since the thread's last read of its CPU clock that the clock did not
+//! count and the thread did not sleep (a hold anywhere else: in a step, on a lock).
+//! Waits to run are taken net of both ([`Holds::within`]); holds of
+//! [`HOLD_LOGGED`] or longer are also kept with their times ([`HostHold`]), so that a
+//! device's losses can be laid beside them afterwards: a frame the NIC had no buffer
+//! for while the host held the thread of the unit that posts them is the host's.
+
+use super::*;
+
+/// A gap between two looks of a spinning idle loop longer than this is the host's: the
+/// loop looks every few hundred ns while it has its core, and a look at its lines (a
+/// `ppoll`) or its clock takes a few µs at most.
+pub const HOST_GAP: Duration = Duration::from_micros(10);
+
+/// A wait to run longer than this has the host's share in it looked for: the thread's
+/// clock is read (a system call, on the waits a host's hold makes, not on the others).
+pub const HOLD_LOOK: Duration = Duration::from_micros(50);
+
+/// How often a spinning idle loop reads its clock, so that a hold after it goes busy
+/// is measured from a read at most this old.
+pub(super) const CLOCK_READ_IDLE: Duration = Duration::from_micros(100);
+
+/// A hold of a pCPU's thread this long or longer is kept with its time
+/// ([`Scheduler::host_holds`]): a twelfth of the time a ring of 256 buffers lasts at
+/// the papers' 81 274 frames/s, so that every hold a ring could run dry in is there. A
+/// step this long has its thread's clock read as it ends (a system call, on steps this
+/// long only).
+pub const HOLD_LOGGED: Duration = Duration::from_micros(250);
+
+/// Gaps kept in [`Holds`] for the waits: a wait spans a few at most.
+pub(super) const GAPS: usize = 16;
+
+/// Holds kept with their times, the newest over the oldest: a lab run sees a few dozen.
+const HOLD_LOG: usize = 256;
+
+/// The bit of a logged hold's length that says it was seen in a step.
+const IN_STEP: u64 = 1 << 63;
+
+pub(super) fn add(a: &AtomicU64, v: u64) {
+    a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
+}
+
+/// A hold of a pCPU's thread by the host, as the thread saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostHold {
+    /// The pCPU whose thread was held.
+    pub pcpu: usize,
+    /// The span the hold lies in: an idle loop's gap exactly; for a step, the step.
+    pub from: Instant,
+    /// Its end.
+    pub to: Instant,
+    /// How much of the span the host held the thread at least.
+    pub held: Duration,
+    /// It came in a step (the step's unit could not run anywhere meanwhile), not
+    /// between two looks of the idle loop.
+    pub in_step: bool,
+}
+
+/// What a pCPU's thread knows of the host's holds of it, for the waits to run they
+/// take up: the holds its idle loop saw as gaps between its looks past [`HOST_GAP`]
+/// (each as its start and end in ns since the pCPU's epoch, the newest over the
+/// oldest), and its CPU clock as it last read it, with the wall time and its sleeps
+/// then (a hold anywhere else, in a step or on a lock, shows as wall time the clock did
+/// not count); and the long holds with their times. Written by the pCPU's own thread
+/// only; the log is read by others once the run is over.
+#[derive(Debug)]
+pub(super) struct Holds {
+    next: AtomicU64,
+    spans: [[AtomicU64; 2]; GAPS],
+    /// Its last clock read: when (ns since the epoch), the CPU time, and the time it had
+    /// slept in all by then.
+    read_at_ns: AtomicU64,
+    read_cpu_ns: AtomicU64,
+    read_slept_ns: AtomicU64,
+    /// Its sleeps in the host in all (never reset).
+    pub(super) slept_ns: AtomicU64,
+    /// Holds of [`HOLD_LOGGED`] or longer: from, to (ns since the epoch), and the time
+    /// held, with [`IN_STEP`] set for one seen in a step; `logged` counts them all.
+    logged: AtomicU64,
+    log: Box<[[AtomicU64; 3]]>,
+}
+
+impl Default for Holds {
+    fn default() -> Self {
+        Self {
+            next: AtomicU64::new(0),
+            spans: Default::default(),
+            read_at_ns: AtomicU64::new(0),
+            read_cpu_ns: AtomicU64::new(0),
+            read_slept_ns: AtomicU64::new(0),
+            slept_ns: AtomicU64::new(0),
+            logged: AtomicU64::new(0),
+            log: (0..HOLD_LOG).map(|_| Default::default()).collect(),
+        }
+    }
+}
+
+impl Holds {
+    /// The idle loop saw a gap from `from` to `to` (ns since the epoch).
+    pub(super) fn push(&self, from: u64, to: u64) {
+        let n = self.next.load(Ordering::Relaxed);
+        let s = &self.spans[n as usize % GAPS];
+        s[0].store(from, Ordering::Relaxed);
+        s[1].store(to, Ordering::Relaxed);
+        self.next.store(n + 1, Ordering::Relaxed);
+        if to - from >= HOLD_LOGGED.as_nanos() as u64 {
+            self.log(from, to, to - from, false);
+        }
+    }
+
+    fn log(&self, from: u64, to: u64, held: u64, in_step: bool) {
+        let n = self.logged.load(Ordering::Relaxed);
+        let s = &self.log[n as usize % HOLD_LOG];
+        s[0].store(from, Ordering::Relaxed);
+        s[1].store(to, Ordering::Relaxed);
+        s[2].store(held | if in_step { IN_STEP } else { 0 }, Ordering::Relaxed);
+        self.logged.store(n + 1, Ordering::Relaxed);
+    }
+
+    /// The thread's clock read `cpu` at `at` (ns since the epoch).
+    pub(super) fn clock_read(&self, at: u64, cpu: u64) {
+        self.read_at_ns.store(at, Ordering::Relaxed);
+        self.read_cpu_ns.store(cpu, Ordering::Relaxed);
+        self.read_slept_ns
+            .store(self.slept_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
+    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there,
+    /// or the wall time since its last clock read that its clock did not count, less
+    /// the part of it before `from`, whichever says more. Never more than the truth
+    /// but for the clock's own granularity: a reader of the net waits may trust that
+    /// they are not shorter than they were.
+    pub(super) fn within(&self, from: u64, to: u64) -> u64 {
+        self.within_read(from, to).0
+    }
+
+    /// As [`Holds::within`], with the clock's reading it took.
+    fn within_read(&self, from: u64, to: u64) -> (u64, Option<u64>) {
+        let gaps: u64 = self
+            .spans
+            .iter()
+            .map(|s| {
+                let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
+                b.min(to).saturating_sub(a.max(from))
+            })
+            .sum();
+        let at = self.read_at_ns.load(Ordering::Relaxed);
+        let cpu = ThreadClock::current()
+            .ok()
+            .and_then(|c| c.read())
+            .map(|c| c.as_nanos() as u64);
+        let clocked = match cpu {
+            Some(cpu) if at > 0 && at <= to => {
+                let slept = self
+                    .slept_ns
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
+                let off = (to - at)
+                    .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
+                    .saturating_sub(slept);
+                off.saturating_sub(from.saturating_sub(at))
+            }
+            _ => 0,
+        };
+        (gaps.max(clocked), cpu)
+    }
+
+    /// A step ran from `from` to `to` (ns since the epoch, `to` now) for at least
+    /// [`HOLD_LOGGED`]: the thread's clock is read, and the host's share of the step
+    /// (as [`Holds::within`] bounds it) kept if it is as long. The read is the next
+    /// measure's start.
+    pub(super) fn long_step(&self, from: u64, to: u64) {
+        let (held, cpu) = self.within_read(from, to);
+        if let Some(cpu) = cpu {
+            self.clock_read(to, cpu);
+        }
+        if held >= HOLD_LOGGED.as_nanos() as u64 {
+            self.log(from, to, held, true);
+        }
+    }
+
+    /// The holds kept, oldest first, as pCPU `pcpu`'s with epoch `epoch`.
+    pub(super) fn logged(&self, pcpu: usize, epoch: Instant) -> Vec<HostHold> {
+        let n = self.logged.load(Ordering::Relaxed);
+        let first = n.saturating_sub(HOLD_LOG as u64);
+        (first..n)
+            .map(|k| {
+                let s = &self.log[k as usize % HOLD_LOG];
+                let at = |i: usize| epoch + Duration::from_nanos(s[i].load(Ordering::Relaxed));
+                let held = s[2].load(Ordering::Relaxed);
+                HostHold {
+                    pcpu,
+                    from: at(0),
+                    to: at(1),
+                    held: Duration::from_nanos(held & !IN_STEP),
+                    in_step: held & IN_STEP != 0,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hold the idle loop saw counts only for its part inside a wait.
+    #[test]
+    fn a_wait_is_net_of_the_gaps_inside_it_and_only_of_those() {
+        let h = Holds::default();
+        h.push(1_000, 5_000);
+        h.push(9_000, 10_000);
+        assert_eq!(h.within(0, 20_000), 5_000);
+        assert_eq!(h.within(3_000, 9_500), 2_500);
+        assert_eq!(h.within(5_000, 9_000), 0);
+        // Older gaps give way to newer ones, never more than it keeps.
+        for k in 0..GAPS as u64 {
+            h.push(100_000 + k * 10, 100_000 + k * 10 + 5);
+        }
+        assert_eq!(h.within(0, 20_000), 0);
+    }
+
+    /// Wall time the thread's clock did not count since its last read, and not slept in
+    /// the idle loop, is the host's: the part of it inside a wait counts, the part
+    /// before the wait began does not, and a sleep of its own is not a hold.
+    #[test]
+    fn wall_time_the_threads_clock_did_not_count_is_the_hosts_from_the_waits_start() {
+        let epoch = Instant::now();
+        let ns = |t: Instant| t.duration_since(epoch).as_nanos() as u64;
+        let h = Holds::default();
+        let clock = ThreadClock::current().expect("clock");
+        let read = |h: &Holds| {
+            let c = clock.read().expect("read").as_nanos() as u64;
+            h.clock_read(ns(Instant::now()), c);
+        };
+        read(&h);
+        let from = Instant::now();
+        // Off the CPU for 4 ms, as a host's hold would keep it.
+        std::thread::sleep(Duration::from_millis(4));
+        let to = Instant::now();
+        let held = h.within(ns(from), ns(to));
+        assert!((3_500_000..=ns(to) - ns(from)).contains(&held), "{held}");
+        // A wait that began 2 ms into it has 2 ms of it, give or take the clock.
+        let later = h.within(ns(from) + 2_000_000, ns(to));
+        assert!(
+            (later + 2_000_000).abs_diff(held) <= 100_000,
+            "{later} {held}"
+        );
+        // The same off-CPU time spent asleep in the idle loop is its own, not the host's.
+        read(&h);
+        let from = Instant::now();
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_millis(4));
+        add(&h.slept_ns, t0.elapsed().as_nanos() as u64);
+        let held = h.within(ns(from), ns(Instant::now()));
+        assert!(held < 500_000, "{held}");
+    }
+    /// Holds long enough to empty a device's ring are kept with their times, from the
+    /// idle loop's gaps and from steps the host held, the newest over the oldest; a
+    /// short gap or a step the thread ran through is not.
+    #[test]
+    fn long_holds_are_kept_with_their_times_and_short_ones_are_not() {
+        let epoch = Instant::now();
+        let ns = |t: Instant| t.duration_since(epoch).as_nanos() as u64;
+        let h = Holds::default();
+        h.push(1_000, 1_000 + HOST_GAP.as_nanos() as u64 * 2);
+        h.push(10_000, 10_000 + HOLD_LOGGED.as_nanos() as u64);
+        let kept = h.logged(3, epoch);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].pcpu, 3);
+        assert_eq!(kept[0].from, epoch + Duration::from_nanos(10_000));
+        assert_eq!(kept[0].held, HOLD_LOGGED);
+        assert!(!kept[0].in_step);
+        // A step off the CPU for 4 ms (as a host's hold keeps it) is kept; one that
+        // spins through 1 ms on its core is not.
+        let clock = ThreadClock::current().expect("clock");
+        h.clock_read(
+            ns(Instant::now()),
+            clock.read().expect("read").as_nanos() as u64,
+        );
+        let from = Instant::now();
+        std::thread::sleep(Duration::from_millis(4));
+        h.long_step(ns(from), ns(Instant::now()));
+        let from = Instant::now();
+        while from.elapsed() < Duration::from_millis(1) {
+            std::hint::spin_loop();
+        }
+        let before_spin = h.logged(0, epoch).len();
+        h.long_step(ns(from), ns(Instant::now()));
+        // (A busy host may hold the spin too; then it is rightly kept as well.)
+        let kept = h.logged(0, epoch);
+        assert_eq!(before_spin, 2);
+        let step = kept[1];
+        assert!(step.in_step);
+        assert!(step.held >= Duration::from_micros(3_500), "{step:?}");
+        assert!(step.held <= step.to - step.from, "{step:?}");
+        for k in 0..HOLD_LOG as u64 {
+            h.push(
+                1_000_000_000 + k * 1_000_000,
+                1_000_000_000 + k * 1_000_000 + 500_000,
+            );
+        }
+        let kept = h.logged(0, epoch);
+        assert_eq!(kept.len(), HOLD_LOG);
+        assert!(kept
+            .iter()
+            .all(|k| !k.in_step && k.held == Duration::from_micros(500)));
+    }
+}
