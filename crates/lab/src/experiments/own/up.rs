@@ -190,6 +190,33 @@ fn run_cmd(args: &[&str]) -> Result<Output, Error> {
         .map_err(|e| Error::other(format!("{}: {e}", args.join(" "))))
 }
 
+/// Waits until a TCP server in `ns` listens on `port` (`ss`), so that its client does
+/// not race its start on a loaded machine: a server that exits, or never listens within
+/// 10 s, is an error.
+fn await_listener(ns: &str, port: &str, server: &mut std::process::Child) -> Result<(), Error> {
+    let t = std::time::Instant::now();
+    let filter = format!("sport = :{port}");
+    loop {
+        let o = run_cmd(&["ip", "netns", "exec", ns, "ss", "-Hltn", &filter])?;
+        if !o.stdout.is_empty() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = server.try_wait() {
+            return Err(Error::other(format!(
+                "the server for port {port} in {ns} exited before it listened: {status}"
+            )));
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            let _ = server.kill();
+            let _ = server.wait();
+            return Err(Error::other(format!(
+                "no server listened on port {port} in {ns} within 10 s"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn ok(args: &[&str]) -> Result<(), Error> {
     let o = run_cmd(args)?;
     if o.status.success() {
@@ -371,7 +398,7 @@ fn iperf(
         .stderr(Stdio::null())
         .spawn()
         .map_err(Error::other)?;
-    std::thread::sleep(Duration::from_millis(300));
+    await_listener(server_ns, "5299", &mut server)?;
     let secs = secs.to_string();
     let mut args = vec![
         "ip", "netns", "exec", client_ns, "iperf3", "-c", addr, "-p", "5299", "-J", "-t", &secs,
@@ -450,7 +477,7 @@ fn sockperf(client_ns: &str, server_ns: &str, addr: &str, secs: u64) -> Result<(
         .stderr(Stdio::null())
         .spawn()
         .map_err(Error::other)?;
-    std::thread::sleep(Duration::from_millis(300));
+    await_listener(server_ns, "11111", &mut server)?;
     let secs = secs.to_string();
     let o = run_cmd(&[
         "ip",
@@ -498,12 +525,12 @@ fn pvio_exe() -> Option<PathBuf> {
 fn stream_intact(exe: &FsPath, sink_ns: &str, source_ns: &str, to: &str) -> Result<bool, Error> {
     let exe = exe.to_str().ok_or_else(|| Error::other("exe path"))?;
     let port = to.rsplit(':').next().unwrap_or("5300");
-    let sink = Command::new("ip")
+    let mut sink = Command::new("ip")
         .args(["netns", "exec", sink_ns, exe, "tcp-sink", "--port", port])
         .stdout(Stdio::piped())
         .spawn()
         .map_err(Error::other)?;
-    std::thread::sleep(Duration::from_millis(300));
+    await_listener(sink_ns, port, &mut sink)?;
     let sent = run_cmd(&[
         "ip",
         "netns",
