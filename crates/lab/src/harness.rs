@@ -338,11 +338,16 @@ fn loss_cause(f: &Finish) -> String {
         }
     }
     let (all, held) = missed(f);
+    let hold = |(us, on): (u64, &str)| match us {
+        0 => "none".to_string(),
+        _ => format!("{us} µs ({on})"),
+    };
     format!(
         "the NIC had no buffer for {all} frames, {held} of them while the host held a pCPU; \
-         the host's longest hold in a step {} µs ({}), between steps {} µs ({}); a device's \
-         engine waited {wait} µs at most",
-        in_step.0, in_step.1, away.0, away.1
+         the host's longest hold in a step: {}, between steps: {}; a device's engine waited \
+         {wait} µs at most",
+        hold(in_step),
+        hold(away)
     )
 }
 

@@ -131,11 +131,13 @@ impl Holds {
     }
 
     /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
-    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there,
-    /// or the wall time since its last clock read that its clock did not count, less
-    /// the part of it before `from`, whichever says more. Never more than the truth
-    /// but for the clock's own granularity: a reader of the net waits may trust that
-    /// they are not shorter than they were.
+    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there
+    /// with the holds kept from its long steps there, or the wall time since its last
+    /// clock read that its clock did not count, less the part of it before `from`,
+    /// whichever says more (a long step reads the clock as it ends, so a hold in it is
+    /// before the next read and only its kept record still shows it). Never more than
+    /// the truth but for the clock's own granularity: a reader of the net waits may
+    /// trust that they are not shorter than they were.
     pub(super) fn within(&self, from: u64, to: u64) -> u64 {
         self.within_read(from, to).0
     }
@@ -149,7 +151,8 @@ impl Holds {
                 let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
                 b.min(to).saturating_sub(a.max(from))
             })
-            .sum();
+            .sum::<u64>()
+            + self.in_steps(from, to);
         let at = self.read_at_ns.load(Ordering::Relaxed);
         let cpu = ThreadClock::current()
             .ok()
@@ -169,6 +172,29 @@ impl Holds {
             _ => 0,
         };
         (gaps.max(clocked), cpu)
+    }
+
+    /// At least the time in `from..to` the host held the thread in the long steps kept
+    /// (a hold lies somewhere in its step, so the part of it inside is at least its
+    /// length less the step's part outside), newest first until one ended before `from`.
+    fn in_steps(&self, from: u64, to: u64) -> u64 {
+        let n = self.logged.load(Ordering::Relaxed);
+        let mut sum = 0;
+        for k in (n.saturating_sub(HOLD_LOG as u64)..n).rev() {
+            let s = &self.log[k as usize % HOLD_LOG];
+            let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
+            if b < from {
+                break;
+            }
+            let held = s[2].load(Ordering::Relaxed);
+            if held & IN_STEP == 0 {
+                continue;
+            }
+            let inside = b.min(to).saturating_sub(a.max(from));
+            let outside = (b - a).saturating_sub(inside);
+            sum += (held & !IN_STEP).saturating_sub(outside);
+        }
+        sum
     }
 
     /// A step ran from `from` to `to` (ns since the epoch, `to` now) for at least
@@ -261,6 +287,24 @@ mod tests {
         let held = h.within(ns(from), ns(Instant::now()));
         assert!(held < 500_000, "{held}");
     }
+    /// A hold kept from a long step counts in a wait for the part of it that must lie
+    /// inside the wait, on top of the idle loop's gaps: its step read the clock as it
+    /// ended, so the clock's measure no longer sees it.
+    #[test]
+    fn a_wait_is_net_of_the_holds_kept_from_long_steps_inside_it() {
+        let h = Holds::default();
+        h.log(10_000, 20_000, 6_000, true);
+        h.push(30_000, 31_000);
+        // An idle loop's gap kept is counted from the gaps, not again from what is kept
+        // (here kept only, as though the ring of gaps had let it go).
+        h.log(40_000, 41_000, 1_000, false);
+        assert_eq!(h.within(0, 50_000), 7_000);
+        // 8 of the step's 10 µs inside: at least 4 of its 6 µs held.
+        assert_eq!(h.within(12_000, 29_000), 4_000);
+        assert_eq!(h.within(21_000, 29_000), 0);
+        assert_eq!(h.within(16_000, 18_000), 0);
+    }
+
     /// Holds long enough to empty a device's ring are kept with their times, from the
     /// idle loop's gaps and from steps the host held, the newest over the oldest; a
     /// short gap or a step the thread ran through is not.
