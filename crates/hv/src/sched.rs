@@ -1703,10 +1703,16 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
         };
         t.publish_steal_hints(p);
         drop(t);
+        if now.elapsed() >= HOLD_LOGGED {
+            // The turn, a few hundred ns with its core, was the host's: no thief could
+            // take a unit from the locked table meanwhile.
+            let at = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+            p.holds.long_turn(at(now), at(Instant::now()));
+        }
         if !p.steal.busy.load(Ordering::Relaxed) {
             p.steal.busy.store(true, Ordering::Release);
         }
-        let (out, ran, end) = run_sampled(p, &mut binding, &mut *e, woken);
+        let (out, ran, end) = run_sampled(p, p, &mut binding, &mut *e, woken);
         cpu.publish_now_and_then(p, end);
         t = lock(&p.table);
         if t.generation != generation {
@@ -1757,6 +1763,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
 /// [`run_unit`] with the profiler's samples charged to the unit while it runs.
 fn run_sampled(
     p: &PcpuShared,
+    owner: &PcpuShared,
     binding: &mut Option<SlotBinding>,
     e: &mut dyn Erased,
     woken: Option<Instant>,
@@ -1765,7 +1772,7 @@ fn run_sampled(
         (Some(b), Some(s)) => Some(b.switch(s)),
         _ => None,
     };
-    let r = run_unit(p, e, woken);
+    let r = run_unit(p, owner, e, woken);
     if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
         b.switch(prev);
     }
@@ -1779,6 +1786,7 @@ fn run_sampled(
 #[inline]
 fn run_unit(
     p: &PcpuShared,
+    owner: &PcpuShared,
     e: &mut dyn Erased,
     mut woken: Option<Instant>,
 ) -> (StepOut, u64, Instant) {
@@ -1789,7 +1797,7 @@ fn run_unit(
     let mut ran = 0u64;
     for _ in 0..weight {
         if let Some(w) = woken {
-            start = account_wait(p, e.stats(), w, start);
+            start = account_wait(p, owner, e.stats(), w, start);
         }
         p.step_since.store(
             start.duration_since(p.epoch).as_nanos() as u64 | 1,
@@ -1833,11 +1841,19 @@ fn run_unit(
 }
 
 /// Accounts unit `st`'s wait to run from its wake-up `w` to `start`, with and without
-/// the host's holds of this thread meanwhile. Returns when its step may start: a long
-/// wait reads the thread's clock ([`HOLD_LOOK`]), and that system call is the
-/// scheduler's time, not the unit's, so the step's time starts after it.
+/// the host's holds of this thread meanwhile, and, for a unit of another pCPU
+/// (`owner`), of that pCPU's thread in its scheduler's turns, where its table was
+/// locked against thieves. Returns when its step may start: a long wait reads the
+/// thread's clock ([`HOLD_LOOK`]), and that system call is the scheduler's time, not
+/// the unit's, so the step's time starts after it.
 #[inline]
-fn account_wait(p: &PcpuShared, st: &UnitStats, w: Instant, start: Instant) -> Instant {
+fn account_wait(
+    p: &PcpuShared,
+    owner: &PcpuShared,
+    st: &UnitStats,
+    w: Instant,
+    start: Instant,
+) -> Instant {
     let wait = start.saturating_duration_since(w).as_nanos() as u64;
     st.wakeups.fetch_add(1, Ordering::Relaxed);
     st.runnable_ns.fetch_add(wait, Ordering::Relaxed);
@@ -1845,8 +1861,13 @@ fn account_wait(p: &PcpuShared, st: &UnitStats, w: Instant, start: Instant) -> I
         st.waited(wait, wait);
         return start;
     }
-    let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
-    let host = p.holds.within(ns(w), ns(start)).min(wait);
+    let ns = |q: &PcpuShared, t: Instant| t.saturating_duration_since(q.epoch).as_nanos() as u64;
+    let mut host = p.holds.within(ns(p, w), ns(p, start));
+    if !std::ptr::eq(p, owner) {
+        // Both may have been held at once: the larger, never more than the truth.
+        host = host.max(owner.holds.in_turns(ns(owner, w), ns(owner, start)));
+    }
+    let host = host.min(wait);
     st.waited(wait, wait - host);
     Instant::now()
 }

@@ -138,6 +138,7 @@ mod tests {
             to,
             held: to - from,
             in_step: true,
+            in_turn: false,
         }
     }
 

@@ -38,8 +38,11 @@ pub(super) const GAPS: usize = 16;
 /// Holds kept with their times, the newest over the oldest: a lab run sees a few dozen.
 const HOLD_LOG: usize = 256;
 
-/// The bit of a logged hold's length that says it was seen in a step.
+/// The bits of a logged hold's length that say it was seen in a step, or in the
+/// scheduler's turn between steps (the table's lock held).
 const IN_STEP: u64 = 1 << 63;
+const IN_TURN: u64 = 1 << 62;
+const RUNNING: u64 = IN_STEP | IN_TURN;
 
 pub(super) fn add(a: &AtomicU64, v: u64) {
     a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
@@ -59,6 +62,9 @@ pub struct HostHold {
     /// It came in a step (the step's unit could not run anywhere meanwhile), not
     /// between two looks of the idle loop.
     pub in_step: bool,
+    /// It came in the scheduler's turn between steps, with the pCPU's table locked:
+    /// no idle peer could take any of its units meanwhile.
+    pub in_turn: bool,
 }
 
 /// What a pCPU's thread knows of the host's holds of it, for the waits to run they
@@ -109,16 +115,16 @@ impl Holds {
         s[1].store(to, Ordering::Relaxed);
         self.next.store(n + 1, Ordering::Relaxed);
         if to - from >= HOLD_LOGGED.as_nanos() as u64 {
-            self.log(from, to, to - from, false);
+            self.log(from, to, to - from, 0);
         }
     }
 
-    fn log(&self, from: u64, to: u64, held: u64, in_step: bool) {
+    fn log(&self, from: u64, to: u64, held: u64, kind: u64) {
         let n = self.logged.load(Ordering::Relaxed);
         let s = &self.log[n as usize % HOLD_LOG];
         s[0].store(from, Ordering::Relaxed);
         s[1].store(to, Ordering::Relaxed);
-        s[2].store(held | if in_step { IN_STEP } else { 0 }, Ordering::Relaxed);
+        s[2].store(held | kind, Ordering::Relaxed);
         self.logged.store(n + 1, Ordering::Relaxed);
     }
 
@@ -152,7 +158,7 @@ impl Holds {
                 b.min(to).saturating_sub(a.max(from))
             })
             .sum::<u64>()
-            + self.in_steps(from, to);
+            + self.running(from, to, RUNNING);
         let at = self.read_at_ns.load(Ordering::Relaxed);
         let cpu = ThreadClock::current()
             .ok()
@@ -174,10 +180,17 @@ impl Holds {
         (gaps.max(clocked), cpu)
     }
 
-    /// At least the time in `from..to` the host held the thread in the long steps kept
-    /// (a hold lies somewhere in its step, so the part of it inside is at least its
-    /// length less the step's part outside), newest first until one ended before `from`.
-    fn in_steps(&self, from: u64, to: u64) -> u64 {
+    /// At least the time in `from..to` the host held the thread in the scheduler's
+    /// turns kept: what a thief that found the pCPU's table locked meanwhile waited for.
+    pub(super) fn in_turns(&self, from: u64, to: u64) -> u64 {
+        self.running(from, to, IN_TURN)
+    }
+
+    /// At least the time in `from..to` the host held the thread in the long steps or
+    /// turns kept (of `kinds`; a hold lies somewhere in its span, so the part of it
+    /// inside is at least its length less the span's part outside), newest first until
+    /// one ended before `from`.
+    fn running(&self, from: u64, to: u64, kinds: u64) -> u64 {
         let n = self.logged.load(Ordering::Relaxed);
         let mut sum = 0;
         for k in (n.saturating_sub(HOLD_LOG as u64)..n).rev() {
@@ -187,12 +200,12 @@ impl Holds {
                 break;
             }
             let held = s[2].load(Ordering::Relaxed);
-            if held & IN_STEP == 0 {
+            if held & kinds == 0 {
                 continue;
             }
             let inside = b.min(to).saturating_sub(a.max(from));
             let outside = (b - a).saturating_sub(inside);
-            sum += (held & !IN_STEP).saturating_sub(outside);
+            sum += (held & !RUNNING).saturating_sub(outside);
         }
         sum
     }
@@ -202,12 +215,23 @@ impl Holds {
     /// (as [`Holds::within`] bounds it) kept if it is as long. The read is the next
     /// measure's start.
     pub(super) fn long_step(&self, from: u64, to: u64) {
+        self.long_span(from, to, IN_STEP);
+    }
+
+    /// The scheduler's turn between steps, which takes a few hundred ns, took from
+    /// `from` to `to` ([`HOLD_LOGGED`] or more) with the table's lock held: as
+    /// [`Holds::long_step`].
+    pub(super) fn long_turn(&self, from: u64, to: u64) {
+        self.long_span(from, to, IN_TURN);
+    }
+
+    fn long_span(&self, from: u64, to: u64, kind: u64) {
         let (held, cpu) = self.within_read(from, to);
         if let Some(cpu) = cpu {
             self.clock_read(to, cpu);
         }
         if held >= HOLD_LOGGED.as_nanos() as u64 {
-            self.log(from, to, held, true);
+            self.log(from, to, held, kind);
         }
     }
 
@@ -224,8 +248,9 @@ impl Holds {
                     pcpu,
                     from: at(0),
                     to: at(1),
-                    held: Duration::from_nanos(held & !IN_STEP),
+                    held: Duration::from_nanos(held & !RUNNING),
                     in_step: held & IN_STEP != 0,
+                    in_turn: held & IN_TURN != 0,
                 }
             })
             .collect()
@@ -293,16 +318,32 @@ mod tests {
     #[test]
     fn a_wait_is_net_of_the_holds_kept_from_long_steps_inside_it() {
         let h = Holds::default();
-        h.log(10_000, 20_000, 6_000, true);
+        h.log(10_000, 20_000, 6_000, IN_STEP);
         h.push(30_000, 31_000);
         // An idle loop's gap kept is counted from the gaps, not again from what is kept
         // (here kept only, as though the ring of gaps had let it go).
-        h.log(40_000, 41_000, 1_000, false);
+        h.log(40_000, 41_000, 1_000, 0);
         assert_eq!(h.within(0, 50_000), 7_000);
         // 8 of the step's 10 µs inside: at least 4 of its 6 µs held.
         assert_eq!(h.within(12_000, 29_000), 4_000);
         assert_eq!(h.within(21_000, 29_000), 0);
         assert_eq!(h.within(16_000, 18_000), 0);
+    }
+
+    /// A hold in the scheduler's turn counts in the pCPU's own waits as a step's does,
+    /// and is what a thief's wait for one of its units is net of; a step's is not (a
+    /// thief may take a unit from a pCPU in a step).
+    #[test]
+    fn a_hold_in_the_schedulers_turn_counts_for_its_own_waits_and_a_thiefs() {
+        let h = Holds::default();
+        h.log(10_000, 20_000, 6_000, IN_TURN);
+        h.log(30_000, 40_000, 10_000, IN_STEP);
+        assert_eq!(h.within(0, 50_000), 16_000);
+        assert_eq!(h.in_turns(0, 50_000), 6_000);
+        assert_eq!(h.in_turns(25_000, 50_000), 0);
+        let kept = h.logged(0, Instant::now());
+        assert!(kept[0].in_turn && !kept[0].in_step);
+        assert!(kept[1].in_step && !kept[1].in_turn);
     }
 
     /// Holds long enough to empty a device's ring are kept with their times, from the

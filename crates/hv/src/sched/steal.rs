@@ -205,7 +205,7 @@ pub(super) fn try_steal(
         if !me.steal.busy.load(Ordering::Relaxed) {
             me.steal.busy.store(true, Ordering::Release);
         }
-        let (out, ran, _) = run_sampled(me, binding, &mut *e, woken);
+        let (out, ran, _) = run_sampled(me, q, binding, &mut *e, woken);
         e.stats().stolen.fetch_add(1, Ordering::Relaxed);
         put_back(q, i, e, out, ran, generation);
         return true;
