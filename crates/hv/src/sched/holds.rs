@@ -73,7 +73,10 @@ pub struct HostHold {
 /// oldest), and its CPU clock as it last read it, with the wall time and its sleeps
 /// then (a hold anywhere else, in a step or on a lock, shows as wall time the clock did
 /// not count); and the long holds with their times. Written by the pCPU's own thread
-/// only; the log is read by others once the run is over.
+/// only; the log is also read by a thief accounting a wait for one of the pCPU's units
+/// (its turn holds, [`Holds::in_turns`]) and by reports once the run is over (relaxed
+/// loads: an entry being written may read torn, which costs a wait's net figure at
+/// most, never memory safety).
 #[derive(Debug)]
 pub(super) struct Holds {
     next: AtomicU64,
