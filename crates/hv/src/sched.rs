@@ -627,6 +627,9 @@ impl Drop for IrqLine {
 /// ([`steal`]).
 pub const STEAL_LOOK: Duration = Duration::from_micros(2);
 
+/// How often a pCPU spinning within a bound gives its core to any other thread of the
+/// host that waits for it (`sched_yield`: one system call, nothing when none waits).
+pub const SPIN_YIELD: Duration = Duration::from_micros(20);
 /// How often a spinning pCPU looks at its armed lines (a `ppoll` with no timeout):
 /// the most an input waits to be seen while the pCPU is idle.
 pub const LINE_LOOK_IDLE: Duration = Duration::from_micros(5);
@@ -1954,6 +1957,7 @@ fn idle_spin(
     let mut last = start;
     let mut last_peek = start;
     let mut last_read = start;
+    let mut last_yield = start;
     loop {
         if any_ipi(p, Ordering::Acquire)
             || p.stop.load(Ordering::Relaxed)
@@ -1998,6 +2002,19 @@ fn idle_spin(
             }
             if spin_end.is_some_and(|e| now >= e) {
                 return (true, counted);
+            }
+            // A bounded spin shares the core with the host's other threads: it gives
+            // way now and then, and a turn given away means another thread wanted the
+            // core, so it stops spinning and sleeps (KVM's poll ends likewise once its
+            // core has another task to run).
+            if spin_end.is_some() && now.duration_since(last_yield) >= SPIN_YIELD {
+                std::thread::yield_now();
+                let back = Instant::now();
+                last_yield = back;
+                if back.saturating_duration_since(now) > HOST_GAP {
+                    away(p, now, back);
+                    return (true, counted);
+                }
             }
         }
         spins = spins.wrapping_add(1);

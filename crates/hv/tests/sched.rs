@@ -479,6 +479,52 @@ fn a_pcpu_with_a_policy_of_its_own_sleeps_while_its_polling_neighbour_spins() {
     assert_eq!(j.join(), Ok(50));
 }
 
+/// A halt-polling pCPU gives way to another thread of the host that wants its core, and
+/// then sleeps instead of spinning out its window against it (KVM's halt-poll stops once
+/// its core has another task to run): a user's programs beside `pvio up` get the core.
+#[test]
+fn a_halt_polling_pcpu_sleeps_once_another_thread_wants_its_core() {
+    // A window far longer than the test: only giving way ends the spin.
+    let s = Scheduler::new(
+        &CpuPlan {
+            cores: vec![Some(0)],
+            policy: IdlePolicy::HaltPoll(Duration::from_secs(30)),
+            own_policy: Vec::new(),
+        },
+        None,
+    )
+    .expect("scheduler");
+    let stop = Arc::new(AtomicBool::new(false));
+    let busy = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let _ = mem::cpu::pin_current_thread(0);
+            while !stop.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        })
+    };
+    // A while beside it: long enough for many of the spin's looks at the core.
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    busy.join().expect("busy thread");
+    // The pCPU sleeps now, though its window has most of 30 s to run: a unit woken on
+    // it is a host wake-up, and still runs.
+    let (c, work, done, end) = counter(false);
+    let j = s.place(0, UnitSpec::named("counter"), c).expect("place");
+    work.fetch_add(1, Ordering::Release);
+    j.wake();
+    wait_for("the unit to take its work", || {
+        done.load(Ordering::Acquire) == 1
+    });
+    let r = &s.reports()[0];
+    assert!(r.sleeps >= 1 && r.host_wakes >= 1, "it spun on: {r:?}");
+    end.store(true, Ordering::Release);
+    j.wake();
+    assert_eq!(j.join(), Ok(1));
+    s.stop(Duration::from_secs(1));
+}
+
 #[test]
 fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_sleeps() {
     use hv::sched::{next_poll_window, ADAPTIVE_GROW_START};
