@@ -999,6 +999,29 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
         ),
         pvio.retransmits == 0,
     );
+    // Whose they were: a reader of a record that missed frames sees which path to look at.
+    let by_path: Vec<String> = Path::ALL
+        .into_iter()
+        .filter(|p| p.is_pvio())
+        .map(|p| (p, tcp_losses[p.at()]))
+        .filter(|(_, l)| l.rx_missed + l.tap_dropped + l.retransmits > 0)
+        .map(|(p, l)| {
+            format!(
+                "{}: {} missed, {} dropped by the TAPs, {} retransmitted",
+                p.name(),
+                l.rx_missed,
+                l.tap_dropped,
+                l.retransmits
+            )
+        })
+        .collect();
+    if !by_path.is_empty() {
+        rep.notes.push(format!(
+            "TCP losses through pvio by path (frames the NIC had no buffer for, frames the \
+             TAPs' queues dropped, segments the senders sent again), all rounds: {}.",
+            by_path.join("; ")
+        ));
+    }
     let (lost, sent) = udp_loss
         .iter()
         .fold((0, 0), |(l, s), &(a, b)| (l + a, s + b));
