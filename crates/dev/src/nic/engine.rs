@@ -41,6 +41,74 @@ pub(super) struct Device {
     /// Frames wait with a holding source for want of a descriptor: its readiness is
     /// not work until the driver refills (which wakes the device).
     pub(super) holding: bool,
+    /// The device's own memory for frames the driver looped back to a guest queue
+    /// that had no buffer for them ([`LOOP_FIFO`] of them, allocated with the device).
+    pub(super) looped: LoopFifo,
+}
+
+/// Frames looped back to a guest queue without room, kept in the device's memory as a
+/// NIC's receive FIFO keeps a frame until a descriptor comes, rather than dropped: the
+/// queue's next refill takes them first, in order. At most [`LOOP_HOLD_PER_QUEUE`] a
+/// queue (a guest that posts nothing keeps no room from the others), each at most
+/// [`GUEST_QUEUE_HOLD`], then dropped and counted as a frame the queue missed.
+pub(super) struct LoopFifo {
+    /// Each slot's bytes (a largest frame's worth) and, while it holds a frame, its
+    /// queue, length, offload and arrival.
+    slots: Vec<(Vec<u8>, Option<LoopHeld>)>,
+    /// Slots holding frames, oldest first.
+    order: std::collections::VecDeque<usize>,
+    /// A frame was kept while its queue was being refilled: look again at once.
+    again: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LoopHeld {
+    q: usize,
+    len: usize,
+    off: Offload,
+    since: Instant,
+}
+
+/// Slots of the loopback FIFO (a frame of up to 64 KiB each: 256 KiB of device memory).
+pub const LOOP_FIFO: usize = 4;
+/// The most frames one guest queue may keep in it.
+pub const LOOP_HOLD_PER_QUEUE: usize = 2;
+
+impl LoopFifo {
+    fn new() -> Self {
+        Self {
+            slots: (0..LOOP_FIFO).map(|_| (vec![0; 65536], None)).collect(),
+            order: std::collections::VecDeque::with_capacity(LOOP_FIFO),
+            again: false,
+        }
+    }
+
+    /// Frames it holds for queue `q`.
+    fn held_for(&self, q: usize) -> usize {
+        self.order
+            .iter()
+            .filter(|&&s| self.slots[s].1.is_some_and(|h| h.q == q))
+            .count()
+    }
+
+    /// Whether it holds anything.
+    pub(super) fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// When its oldest frame's hold runs out.
+    fn due(&self) -> Option<Instant> {
+        self.order
+            .iter()
+            .filter_map(|&s| self.slots[s].1.map(|h| h.since + GUEST_QUEUE_HOLD))
+            .min()
+    }
+
+    fn clear(&mut self) {
+        for s in self.order.drain(..) {
+            self.slots[s].1 = None;
+        }
+    }
 }
 
 /// The device's own state of one receive queue.
@@ -129,6 +197,7 @@ impl Device {
             rx_descs: [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME],
             rx_lens: [0; MAX_RX_DESCS_PER_FRAME],
             holding: false,
+            looped: LoopFifo::new(),
         }
     }
 
@@ -149,13 +218,19 @@ impl Device {
         if r != *resets {
             *resets = r;
             self.rxq.iter_mut().for_each(RxQueue::reset);
+            self.looped.clear();
             self.tx_head = 0;
         }
         regs.iterations.fetch_add(1, Ordering::AcqRel);
         regs.iotlb_hits.store(self.dma.hits, Ordering::Relaxed);
         regs.iotlb_misses.store(self.dma.misses, Ordering::Relaxed);
         let now = Instant::now();
+        let mut again = false;
         if regs.enabled.load(Ordering::Acquire) {
+            // Frames looped back earlier go ahead of the cable's.
+            if !self.looped.is_empty() {
+                again = self.drain_looped(now);
+            }
             if regs.link_up.load(Ordering::Acquire) {
                 if source.holds() {
                     self.receive_held(source, now);
@@ -173,6 +248,9 @@ impl Device {
         } else {
             None
         };
+        if let Some(d) = self.looped.due() {
+            wake = Some(wake.map_or(d, |w| w.min(d)));
+        }
         for q in 0..RX_QUEUES {
             if let Some(t) = self.rxq[q].starved_since.filter(|_| self.holding) {
                 // A guest queue's hold runs out even if it never posts.
@@ -193,7 +271,7 @@ impl Device {
             }
         }
         let now = Instant::now();
-        if wake.is_some_and(|w| w <= now) {
+        if again || std::mem::take(&mut self.looped.again) || wake.is_some_and(|w| w <= now) {
             return None;
         }
         // Announce the sleep, then look once more: a doorbell or a frame that came
@@ -771,13 +849,89 @@ impl Device {
             return;
         }
         regs.tx_looped.fetch_add(1, Ordering::Relaxed);
-        let frame = std::mem::take(&mut self.frame);
+        let mut frame = std::mem::take(&mut self.frame);
         if self.admit(&frame[..len], off) {
-            if let Err(e) = self.receive_or_refuse(q, &frame[..len], off) {
-                self.missed(e);
+            // Behind a frame of its own already waiting, it waits too (order kept).
+            let r = match self.looped.held_for(q) {
+                0 => self.receive_or_refuse(q, &frame[..len], off),
+                _ => Err(NoRoom {
+                    q,
+                    tail: regs.rxq[q].tail.load(Ordering::SeqCst),
+                }),
+            };
+            if let Err(e) = r {
+                self.hold_looped(e, &mut frame, len, off);
             }
         }
         self.frame = frame;
+    }
+
+    /// Keeps looped-back `frame` (its first `len` bytes) in the device's FIFO, its
+    /// queue paused as the cable's is, until the queue is refilled; drops and counts it
+    /// if the FIFO, or the queue's share of it, is full. The frame's buffer trades
+    /// places with the slot's: nothing is copied or allocated.
+    fn hold_looped(&mut self, e: NoRoom, frame: &mut Vec<u8>, len: usize, off: Offload) {
+        let free = (0..LOOP_FIFO).find(|&s| self.looped.slots[s].1.is_none());
+        let (Some(s), true) = (free, self.looped.held_for(e.q) < LOOP_HOLD_PER_QUEUE) else {
+            self.missed(e);
+            return;
+        };
+        std::mem::swap(frame, &mut self.looped.slots[s].0);
+        self.looped.slots[s].1 = Some(LoopHeld {
+            q: e.q,
+            len,
+            off,
+            since: Instant::now(),
+        });
+        self.looped.order.push_back(s);
+        self.regs.rx_loop_held.fetch_add(1, Ordering::Relaxed);
+        // The refill wakes the device; one that came before the flag was up did not
+        // see it, and the tail, looked at again, says so (see `receive_held`).
+        self.regs.rx_paused.store(true, Ordering::SeqCst);
+        self.looped.again |= self.regs.rxq[e.q].tail.load(Ordering::SeqCst) != e.tail;
+    }
+
+    /// Places the looped-back frames whose queues now have room, oldest first; a
+    /// frame's queue without room keeps it and every later one of its own. A frame
+    /// held past [`GUEST_QUEUE_HOLD`] is dropped and counted. Returns whether a queue
+    /// was refilled while it looked (the pass then runs again rather than sleep).
+    fn drain_looped(&mut self, now: Instant) -> bool {
+        let mut blocked = 0u32;
+        let mut again = false;
+        let n = self.looped.order.len();
+        for _ in 0..n {
+            let Some(s) = self.looped.order.pop_front() else {
+                break;
+            };
+            let Some(h) = self.looped.slots[s].1 else {
+                continue;
+            };
+            let tail = self.regs.rxq[h.q].tail.load(Ordering::SeqCst);
+            if blocked & (1 << h.q) != 0 {
+                self.looped.order.push_back(s);
+                continue;
+            }
+            if now.saturating_duration_since(h.since) >= GUEST_QUEUE_HOLD {
+                self.looped.slots[s].1 = None;
+                self.missed(NoRoom { q: h.q, tail });
+                continue;
+            }
+            let buf = std::mem::take(&mut self.looped.slots[s].0);
+            let r = self.receive_or_refuse(h.q, &buf[..h.len], h.off);
+            self.looped.slots[s].0 = buf;
+            match r {
+                Ok(()) => self.looped.slots[s].1 = None,
+                Err(e) => {
+                    blocked |= 1 << h.q;
+                    self.looped.order.push_back(s);
+                    // Paused again, then the tail looked at once more: a refill that
+                    // came before the flag was up did not see it.
+                    self.regs.rx_paused.store(true, Ordering::SeqCst);
+                    again |= self.regs.rxq[h.q].tail.load(Ordering::SeqCst) != e.tail;
+                }
+            }
+        }
+        again
     }
 
     /// Sends every packet the driver queued.

@@ -249,6 +249,9 @@ pub struct NicRegs {
     pub rx_missed_log: super::misses::MissLog,
     /// Times the device paused its source so.
     pub rx_pauses: AtomicU64,
+    /// Frames the driver looped back to a guest queue without room, kept in the
+    /// device's FIFO until the queue had room (or dropped from it, in `rx_missed`).
+    pub rx_loop_held: AtomicU64,
     /// Frames dropped: too long.
     pub rx_oversize: AtomicU64,
     /// DMA faults (a descriptor naming memory the device may not touch).
@@ -301,6 +304,7 @@ pub struct NicCounts {
     pub rx_bytes: u64,
     pub rx_missed: u64,
     pub rx_pauses: u64,
+    pub rx_loop_held: u64,
     pub rx_oversize: u64,
     pub dma_faults: u64,
     pub rx_dma_errors: u64,
@@ -330,6 +334,7 @@ impl NicRegs {
             rx_bytes: l(&self.rx_bytes),
             rx_missed: l(&self.rx_missed),
             rx_pauses: l(&self.rx_pauses),
+            rx_loop_held: l(&self.rx_loop_held),
             rx_oversize: l(&self.rx_oversize),
             dma_faults: l(&self.dma_faults),
             rx_dma_errors: l(&self.rx_dma_errors),
@@ -359,6 +364,7 @@ impl hv::counters::CounterSet for NicRegs {
         f("rx_bytes", c.rx_bytes);
         f("rx_missed", c.rx_missed);
         f("rx_pauses", c.rx_pauses);
+        f("rx_loop_held", c.rx_loop_held);
         f("rx_oversize", c.rx_oversize);
         f("dma_faults", c.dma_faults);
         f("rx_dma_errors", c.rx_dma_errors);
@@ -414,6 +420,7 @@ impl NicRegs {
             rx_missed_log: Default::default(),
             rx_paused: AtomicBool::new(false),
             rx_pauses: AtomicU64::new(0),
+            rx_loop_held: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
             rx_dma_errors: AtomicU64::new(0),

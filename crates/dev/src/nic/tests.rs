@@ -34,6 +34,7 @@ fn the_drivers_registers_and_the_devices_counters_keep_to_lines_of_their_own() {
         offset_of!(NicRegs, rx_bytes),
         offset_of!(NicRegs, rx_missed),
         offset_of!(NicRegs, rx_pauses),
+        offset_of!(NicRegs, rx_loop_held),
         offset_of!(NicRegs, tx_frames),
         offset_of!(NicRegs, tx_bytes),
         offset_of!(NicRegs, irqs),
@@ -667,12 +668,95 @@ fn a_packet_the_driver_loops_back_lands_in_its_guest_queue_and_never_on_the_cabl
     r.dev.loop_back(0, bcast.len(), Offload::NONE);
     assert_eq!(r.frames(0), 0);
     assert_eq!(r.regs.tx_bad_offload.load(Ordering::Relaxed), 1);
-    // A full queue drops it on that queue.
-    for _ in 0..4 {
+    // Three more fill the queue's four buffers.
+    for _ in 0..3 {
         r.dev.frame[..bcast.len()].copy_from_slice(&bcast);
         r.dev.loop_back(1, bcast.len(), Offload::NONE);
     }
+    assert_eq!((r.frames(1), r.missed(1)), (4, 0));
+}
+
+#[test]
+fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_loses_it() {
+    let mut r = rig(3);
+    r.regs.enabled.store(true, Ordering::Relaxed);
+    r.regs.link_up.store(true, Ordering::Relaxed);
+    let send = |r: &mut Rig, seed: u8| {
+        let f = frame_to([0xff; 6], None, seed);
+        r.dev.frame[..f.len()].copy_from_slice(&f);
+        r.dev.loop_back(1, f.len(), Offload::NONE);
+        f
+    };
+    for seed in 0..POSTED as u8 {
+        send(&mut r, seed);
+    }
+    // The queue full: the next two wait in the device, the queue's source paused; a
+    // third finds the queue's share of the FIFO taken and is dropped on the queue.
+    let (a, b) = (send(&mut r, 10), send(&mut r, 11));
+    send(&mut r, 12);
     assert_eq!((r.frames(1), r.missed(1)), (4, 1));
+    assert_eq!(r.regs.rx_loop_held.load(Ordering::Relaxed), 2);
+    assert!(r.regs.rx_paused.load(Ordering::Relaxed));
+    // Another guest's queue is not held up by them.
+    assert!(send_to(&mut r, 2, 20).is_some());
+    assert_eq!((r.frames(2), r.missed(2)), (1, 0));
+    // The guest posts two buffers (the first two again): the refill lifts the pause,
+    // and the next pass places both, in order, before anything from the cable.
+    let ring = r.rings[1];
+    for k in 0..2u32 {
+        let desc = Desc {
+            addr: 0x200_000 + 0x10_000 + u64::from(k) * 0x1000,
+            ..Default::default()
+        };
+        r.dom
+            .write(
+                ring,
+                (POSTED + k) as usize * DESC_SIZE,
+                bytemuck::bytes_of(&desc),
+            )
+            .expect("desc");
+    }
+    r.regs.set_rx_tail(1, POSTED + 2);
+    assert!(
+        !r.regs.rx_paused.load(Ordering::Relaxed),
+        "the refill wakes it"
+    );
+    let (mut src, mut sink) = (crate::wire::Silence, crate::wire::CountingSink::default());
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!((r.frames(1), r.missed(1)), (6, 1));
+    for (k, f) in [a, b].iter().enumerate() {
+        let mut raw = [0u8; DESC_SIZE];
+        r.dom
+            .read(ring, (POSTED as usize + k) * DESC_SIZE, &mut raw)
+            .expect("desc");
+        let d: Desc = bytemuck::pod_read_unaligned(&raw);
+        let mut got = vec![0u8; d.len as usize];
+        r.dom.read(r.bufs[1][k], 0, &mut got).expect("data");
+        assert_eq!(&got, f, "held frame {k}, in order");
+    }
+    // A guest that posts nothing more: its frame waits out the queue's hold, then is
+    // dropped and counted, and the FIFO is empty again.
+    send(&mut r, 13);
+    assert_eq!(r.regs.rx_loop_held.load(Ordering::Relaxed), 3);
+    let until = r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert!(
+        matches!(until, Some(Some(_))),
+        "the hold's end is the device's next wake-up: {until:?}"
+    );
+    std::thread::sleep(super::engine::GUEST_QUEUE_HOLD + Duration::from_millis(5));
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!((r.frames(1), r.missed(1)), (6, 2));
+    assert!(r.dev.looped.is_empty());
+}
+
+/// Loops a frame back to queue `q`; `None` if the device refused it as no guest's
+/// queue.
+fn send_to(r: &mut Rig, q: usize, seed: u8) -> Option<Vec<u8>> {
+    let f = frame_to([0xff; 6], None, seed);
+    r.dev.frame[..f.len()].copy_from_slice(&f);
+    let bad = r.regs.tx_bad_offload.load(Ordering::Relaxed);
+    r.dev.loop_back(q, f.len(), Offload::NONE);
+    (r.regs.tx_bad_offload.load(Ordering::Relaxed) == bad).then_some(f)
 }
 
 /// What a cable was given: each frame and its offload.
