@@ -372,9 +372,6 @@ pub struct UpCounters {
     pub oversize: u64,
     /// Frames the NIC had no posted buffer for (its missed-packet counter).
     pub rx_missed: u64,
-    /// Packets the driver domain's vifs dropped or refused, every reason together
-    /// (`net::netback::VifStats::DROPS`: a receive queue full, a bad request, ...).
-    pub vif_drops: u64,
     /// System calls the machine's ports made to move frames across the interfaces
     /// (the cable's and the guests': reads, writes, `io_uring_enter`s, packet-socket
     /// sends and polls).
@@ -858,22 +855,30 @@ impl Up {
                 .as_ref()
                 .and_then(|r| r.nic_regs())
                 .map_or(0, |n| l(&n.rx_missed)),
-            vif_drops: self.running.as_ref().map_or(0, |r| {
-                let c = r.live_sample().counters;
-                let vifs: Vec<&str> = c
-                    .ports()
-                    .filter(|(_, k)| *k == kernel::counters::PortKind::Vif)
-                    .map(|(p, _)| p)
-                    .collect();
-                vifs.iter()
-                    .flat_map(|v| {
-                        net::netback::VifStats::DROPS
-                            .iter()
-                            .map(|d| c.try_get(v, d).unwrap_or(0))
-                    })
-                    .sum()
-            }),
         }
+    }
+
+    /// Packets the driver domain's vifs dropped or refused so far, every reason
+    /// together (`net::netback::VifStats::DROPS`: a receive queue full, a bad request,
+    /// ...). It reads the driver domain's state as the live table does, so it waits for
+    /// a driver domain in its step: not for a loop that must go on while one hangs (the
+    /// watchdog's); [`Up::counters`] reads only atomics.
+    pub fn vif_drops(&self) -> u64 {
+        self.live_sample().map_or(0, |s| {
+            let c = s.counters;
+            let vifs: Vec<&str> = c
+                .ports()
+                .filter(|(_, k)| *k == kernel::counters::PortKind::Vif)
+                .map(|(p, _)| p)
+                .collect();
+            vifs.iter()
+                .flat_map(|v| {
+                    net::netback::VifStats::DROPS
+                        .iter()
+                        .map(|d| c.try_get(v, d).unwrap_or(0))
+                })
+                .sum()
+        })
     }
 
     /// Renames each guest's capture after its vif (`vif<domain>.0`), once the machine

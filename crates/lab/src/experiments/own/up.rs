@@ -829,7 +829,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                     path.name(),
                     flow.name()
                 ));
-                let counters = || machine.as_ref().map(|m| m.counters());
+                let counters = || machine.as_ref().map(|m| (m.counters(), m.vif_drops()));
                 let before = counters();
                 let dropped = if path.is_pvio() {
                     tap_dropped(&spaces)?
@@ -838,7 +838,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                 };
                 let r = iperf(&o, &g, addr, flow, secs)?;
                 rates[pi][fi].push(r.bps / 1e9);
-                if let (Some(b), Some(a)) = (before, counters()) {
+                if let (Some((b, vb)), Some((a, va))) = (before, counters()) {
                     if flow == Flow::TcpIn {
                         let frames =
                             |c: &up::UpCounters| c.wire_in + c.wire_out + c.guest_in + c.guest_out;
@@ -850,7 +850,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                         let l = &mut tcp_losses[pi];
                         l.retransmits += r.retransmits;
                         l.rx_missed += a.rx_missed.saturating_sub(b.rx_missed);
-                        l.vif_dropped += a.vif_drops.saturating_sub(b.vif_drops);
+                        l.vif_dropped += va.saturating_sub(vb);
                         l.tap_dropped += tap_dropped(&spaces)?.saturating_sub(dropped);
                     }
                 }
