@@ -893,8 +893,9 @@ impl Device {
 
     /// Places the looped-back frames whose queues now have room, oldest first; a
     /// frame's queue without room keeps it and every later one of its own. A frame
-    /// held past [`GUEST_QUEUE_HOLD`] is dropped and counted. Returns whether a queue
-    /// was refilled while it looked (the pass then runs again rather than sleep).
+    /// still without room once held [`GUEST_QUEUE_HOLD`] is dropped and counted.
+    /// Returns whether a queue was refilled while it looked (the pass then runs again
+    /// rather than sleep).
     fn drain_looped(&mut self, now: Instant) -> bool {
         let mut blocked = 0u32;
         let mut again = false;
@@ -906,14 +907,8 @@ impl Device {
             let Some(h) = self.looped.slots[s].1 else {
                 continue;
             };
-            let tail = self.regs.rxq[h.q].tail.load(Ordering::SeqCst);
             if blocked & (1 << h.q) != 0 {
                 self.looped.order.push_back(s);
-                continue;
-            }
-            if now.saturating_duration_since(h.since) >= GUEST_QUEUE_HOLD {
-                self.looped.slots[s].1 = None;
-                self.missed(NoRoom { q: h.q, tail });
                 continue;
             }
             let buf = std::mem::take(&mut self.looped.slots[s].0);
@@ -921,6 +916,12 @@ impl Device {
             self.looped.slots[s].0 = buf;
             match r {
                 Ok(()) => self.looped.slots[s].1 = None,
+                // Its queue found no room for it in all that time: dropped there. (A
+                // refill that came meanwhile is taken first, whatever woke the device.)
+                Err(e) if now.saturating_duration_since(h.since) >= GUEST_QUEUE_HOLD => {
+                    self.looped.slots[s].1 = None;
+                    self.missed(e);
+                }
                 Err(e) => {
                     blocked |= 1 << h.q;
                     self.looped.order.push_back(s);

@@ -747,6 +747,27 @@ fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert_eq!((r.frames(1), r.missed(1)), (6, 2));
     assert!(r.dev.looped.is_empty());
+    // One whose queue is refilled after its hold ran out, but before the device looked
+    // again, is placed: only a frame that still finds no room is dropped.
+    let d = send(&mut r, 14);
+    std::thread::sleep(super::engine::GUEST_QUEUE_HOLD + Duration::from_millis(5));
+    let desc = Desc {
+        addr: 0x200_000 + 0x10_000 + 2 * 0x1000,
+        ..Default::default()
+    };
+    r.dom
+        .write(
+            ring,
+            (POSTED + 2) as usize * DESC_SIZE,
+            bytemuck::bytes_of(&desc),
+        )
+        .expect("desc");
+    r.regs.set_rx_tail(1, POSTED + 3);
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!((r.frames(1), r.missed(1)), (7, 2));
+    let mut got = vec![0u8; d.len()];
+    r.dom.read(r.bufs[1][2], 0, &mut got).expect("data");
+    assert_eq!(got, d);
 }
 
 /// Loops a frame back to queue `q`; `None` if the device refused it as no guest's
