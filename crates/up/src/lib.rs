@@ -865,17 +865,13 @@ impl Up {
     /// watchdog's); [`Up::counters`] reads only atomics.
     pub fn vif_drops(&self) -> u64 {
         self.live_sample().map_or(0, |s| {
-            let c = s.counters;
-            let vifs: Vec<&str> = c
-                .ports()
+            let c = &s.counters;
+            c.ports()
                 .filter(|(_, k)| *k == kernel::counters::PortKind::Vif)
-                .map(|(p, _)| p)
-                .collect();
-            vifs.iter()
-                .flat_map(|v| {
+                .flat_map(|(v, _)| {
                     net::netback::VifStats::DROPS
                         .iter()
-                        .map(|d| c.try_get(v, d).unwrap_or(0))
+                        .map(move |d| c.try_get(v, d).unwrap_or(0))
                 })
                 .sum()
         })
