@@ -498,6 +498,12 @@ impl TapPort {
         let c = &self.counters;
         c.syscalls.fetch_add(1, Ordering::Relaxed);
         let n = match (&self.out).read(&mut self.buf) {
+            // End of input (a TAP never gives it; a socket whose peer left does): as
+            // a failure, or every look would read nothing again.
+            Ok(0) => {
+                c.read_errors.fetch_add(1, Ordering::Relaxed);
+                return Got::Failed;
+            }
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => return Got::Skip,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Got::Empty,
@@ -595,9 +601,11 @@ impl TapPort {
         let (vnet, hdr) = (*vnet, if *vnet { VNET_HDR_LEN } else { 0 });
         let size = ring_shape(vnet).2;
         let mut handed = 0;
+        let mut failed = false;
         ring.recv(RECV_BUDGET, |ev, bytes| match ev {
             mem::tapring::RxEvent::Error(_) => {
                 c.read_errors.fetch_add(1, Ordering::Relaxed);
+                failed = true;
                 true
             }
             mem::tapring::RxEvent::Frame { .. } => {
@@ -616,6 +624,14 @@ impl TapPort {
                 true
             }
         });
+        if failed {
+            // The ring's read ended for good, after every frame it had read: the port
+            // goes on one frame a call, in order, rather than leave the interface
+            // unread (its readiness would wake the consumer at every look).
+            self.close_io();
+            self.more = true;
+            return handed;
+        }
         self.more = handed == RECV_BUDGET || matches!(&self.ring, Ring::Up(r) if r.pending());
         if !self.more {
             self.arm();
@@ -977,6 +993,64 @@ mod tests {
             assert!(calls[1] * 10 < calls[0], "{calls:?}");
         } else {
             eprintln!("no io_uring with multishot reads here: both ports moved a frame a call");
+        }
+    }
+
+    #[test]
+    fn a_port_whose_ring_was_made_on_a_thread_that_ended_still_reads_its_interface() {
+        // A unit moves to a fresh thread when its pCPU's old one is retired (a hung
+        // step's rescue); the kernel cancels the reads that thread armed when it ends.
+        let (p, peer) = port_io(TapOffload::None, EdgeIo::Batched);
+        let mut p = std::thread::spawn(move || {
+            let mut p = p;
+            assert_eq!(p.recv(|_, _| true), 0, "nothing yet; the ring is made here");
+            p
+        })
+        .join()
+        .expect("first thread");
+        let frames: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 60 + usize::from(i)]).collect();
+        for f in &frames {
+            peer.send(f).expect("send");
+        }
+        // The kernel cancels them as the thread goes, a moment after it ended.
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            p.recv(|b, _| {
+                got.push(b.to_vec());
+                true
+            });
+            if got.len() == frames.len() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(got, frames);
+        assert_eq!(p.counters().read_errors.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_frame_before_the_interface_ends_arrives_and_a_look_after_it_returns() {
+        for io in [EdgeIo::Plain, EdgeIo::Batched] {
+            // A stream's end reads as nothing (a TAP never ends; a socket whose peer
+            // left does): one frame, then the end.
+            let (a, peer) = std::os::unix::net::UnixStream::pair().expect("pair");
+            let f = File::from(std::os::fd::OwnedFd::from(a));
+            let mut p = TapPort::start_io(f, TapOffload::None, io).expect("port");
+            (&peer).write_all(&[9u8; 64]).expect("send");
+            drop(peer);
+            let mut got = Vec::new();
+            for _ in 0..50 {
+                p.recv(|b, _| {
+                    got.push(b.to_vec());
+                    true
+                });
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(got, [vec![9u8; 64]], "{io:?}");
+            assert!(
+                p.counters().read_errors.load(Ordering::Relaxed) >= 1,
+                "{io:?}"
+            );
         }
     }
 

@@ -194,8 +194,11 @@ impl TapRing {
     /// A ring for `file` with `rx_count` receive buffers (a power of two, at most
     /// 32768; 0 for a ring that only transmits) and `tx_count` transmit slots, each
     /// `size` bytes. The calling thread is the one whose kernel entries run the reads:
-    /// make it on the thread that will look at it. Fails where the kernel
-    /// lacks what it needs (see the module's notes).
+    /// make it on the thread that will look at it. Any thread may look, as a unit moves
+    /// between threads; the read armed by a thread that ends is cancelled by the kernel
+    /// and armed again by the next look, on that look's thread (so the ring is not
+    /// `IORING_SETUP_SINGLE_ISSUER`, which would refuse every thread but its first).
+    /// Fails where the kernel lacks what it needs (see the module's notes).
     pub fn new(
         file: BorrowedFd<'_>,
         rx_count: u16,
@@ -213,7 +216,6 @@ impl TapRing {
         let ring = IoUring::builder()
             .setup_coop_taskrun()
             .setup_taskrun_flag()
-            .setup_single_issuer()
             .setup_cqsize(4 * (entries + u32::from(rx_count)))
             .build(entries)
             .map_err(os)?;
@@ -378,9 +380,14 @@ impl TapRing {
             }
             if res < 0 {
                 // For want of input or of buffers the read is armed again at the next
-                // look; any other failure ends it (a descriptor in error would fail at
-                // once again).
-                if res != -libc::ENOBUFS && res != -libc::EAGAIN && res != -libc::EINTR {
+                // look, and so is one cancelled by the kernel because the thread that
+                // armed it ended (a request belongs to the thread that submitted it; a
+                // unit moves between threads when a hung pCPU's others go to a fresh
+                // one): the descriptor is fine, and this thread arms it anew. Any
+                // other failure ends it (a descriptor in error would fail at once
+                // again); `close`'s own cancellation ends it there.
+                let again = [libc::ENOBUFS, libc::EAGAIN, libc::EINTR, libc::ECANCELED];
+                if !again.contains(&-res) {
                     self.rx_failed = true;
                     self.ready.push_back(RxEvent::Error(-res));
                 }
@@ -620,6 +627,41 @@ mod tests {
         assert_eq!(r.tx_errors(), 0);
         assert!(r.stats().writes >= 20);
         assert!(!r.send(4096, |_| 0), "larger than a slot: refused");
+    }
+
+    #[test]
+    fn a_read_armed_by_a_thread_that_ended_is_armed_again_by_the_next() {
+        // The ring is made, and its multishot read goes to the kernel, in a thread that
+        // then ends: the kernel cancels what that thread submitted.
+        let Some((mut r, _a, peer)) = std::thread::spawn(pair).join().expect("arming thread")
+        else {
+            return;
+        };
+        let frames: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 64]).collect();
+        for f in &frames {
+            peer.send(f).expect("send");
+        }
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            r.recv(64, |ev, bytes| {
+                assert!(matches!(ev, RxEvent::Frame { .. }), "{ev:?}");
+                got.push(bytes.to_vec());
+                true
+            });
+            if got.len() == frames.len() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(
+            got,
+            frames,
+            "the frames arrive through the read armed again: {:?} armed {} failed {}",
+            r.stats(),
+            r.rx_armed,
+            r.rx_failed
+        );
+        assert_eq!(r.stats().rearms, 1, "{:?}", r.stats());
     }
 
     #[test]
