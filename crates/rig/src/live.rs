@@ -84,6 +84,19 @@ fn kind(kind: PortKind) -> Kind {
     }
 }
 
+/// Every packet the ports of `c` dropped so far, every reason of each port's kind
+/// together (the sum of the live table's drops column over the machine's life).
+pub fn drops(c: &Counters) -> u64 {
+    c.ports()
+        .flat_map(|(port, pk)| {
+            kind(pk)
+                .drops
+                .iter()
+                .map(move |d| c.try_get(port, d).unwrap_or(0))
+        })
+        .sum()
+}
+
 /// How full a vif's rings were at the second sample.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Rings {
@@ -263,6 +276,10 @@ mod tests {
                 ("wire cable", "frames_in", 30),
             ],
         );
+        // Every port's drops so far, each by its kind's reasons: the NIC's missed
+        // frames and the vif's full queue, not the bridge's forwarding or a cache's hits.
+        assert_eq!(drops(&before.counters), 5);
+        assert_eq!(drops(&after.counters), 9);
         let r = rates(&before, &after);
         let ports: Vec<&str> = r.iter().map(|p| p.port.as_str()).collect();
         // A host interface gets its row whatever its name (`pvio up --cable`'s is

@@ -858,23 +858,16 @@ impl Up {
         }
     }
 
-    /// Packets the driver domain's vifs dropped or refused so far, every reason
-    /// together (`net::netback::VifStats::DROPS`: a receive queue full, a bad request,
-    /// ...). It reads the driver domain's state as the live table does, so it waits for
-    /// a driver domain in its step: not for a loop that must go on while one hangs (the
-    /// watchdog's); [`Up::counters`] reads only atomics.
-    pub fn vif_drops(&self) -> u64 {
-        self.live_sample().map_or(0, |s| {
-            let c = &s.counters;
-            c.ports()
-                .filter(|(_, k)| *k == kernel::counters::PortKind::Vif)
-                .flat_map(|(v, _)| {
-                    net::netback::VifStats::DROPS
-                        .iter()
-                        .map(move |d| c.try_get(v, d).unwrap_or(0))
-                })
-                .sum()
-        })
+    /// Packets pvio's ports dropped or refused so far, every reason together: the
+    /// NIC's (`rx_missed` among them), the driver domain's vifs' (a receive queue full,
+    /// a bad request, ...) and the TAP ports' own (a write that failed, a frame whose
+    /// header lied, ...), as the live table's drops column counts them. It reads the
+    /// driver domain's state as the live table does, so it waits for a driver domain in
+    /// its step: not for a loop that must go on while one hangs (the watchdog's);
+    /// [`Up::counters`] reads only atomics.
+    pub fn port_drops(&self) -> u64 {
+        self.live_sample()
+            .map_or(0, |s| rig::live::drops(&s.counters))
     }
 
     /// Renames each guest's capture after its vif (`vif<domain>.0`), once the machine

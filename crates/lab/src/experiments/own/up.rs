@@ -724,7 +724,7 @@ fn setup(plan: &Plan) -> String {
          {qlen} frames, flow control from each vif's queue back to the NIC. Before the \
          rounds an 8 MiB seeded stream crosses pvio each way, checked byte for byte. \
          Losses: each TCP run's sender retransmissions (iperf3), the NIC's rx_missed and the \
-         TAPs' tx_dropped (`ip -s link`), with the driver domain's vifs' drops in the note \
+         TAPs' tx_dropped (`ip -s link`), with every drop pvio's ports count (the NIC's, the vifs', the TAP ports' own) in the note \
          by path. System calls at the edge: those pvio's ports make \
          to move frames (reads, writes, io_uring_enter), per frame across either interface, \
          in each pvio path's TCP run into the guest (the pCPUs' own waits are not in it). \
@@ -770,8 +770,9 @@ struct Losses {
     retransmits: u64,
     rx_missed: u64,
     tap_dropped: u64,
-    /// Packets the driver domain's vifs dropped (a receive queue full, ...).
-    vif_dropped: u64,
+    /// Packets pvio's ports dropped, every reason (the NIC's, the vifs', the TAP
+    /// ports' own; `rx_missed` among them).
+    port_dropped: u64,
 }
 
 /// Frames the TAPs in namespaces `ns` dropped on their way to pvio (their queue full):
@@ -829,7 +830,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                     path.name(),
                     flow.name()
                 ));
-                let counters = || machine.as_ref().map(|m| (m.counters(), m.vif_drops()));
+                let counters = || machine.as_ref().map(|m| (m.counters(), m.port_drops()));
                 let before = counters();
                 let dropped = if path.is_pvio() {
                     tap_dropped(&spaces)?
@@ -850,7 +851,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                         let l = &mut tcp_losses[pi];
                         l.retransmits += r.retransmits;
                         l.rx_missed += a.rx_missed.saturating_sub(b.rx_missed);
-                        l.vif_dropped += va.saturating_sub(vb);
+                        l.port_dropped += va.saturating_sub(vb);
                         l.tap_dropped += tap_dropped(&spaces)?.saturating_sub(dropped);
                     }
                 }
@@ -972,7 +973,7 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
                 retransmits: a.retransmits + b.retransmits,
                 rx_missed: a.rx_missed + b.rx_missed,
                 tap_dropped: a.tap_dropped + b.tap_dropped,
-                vif_dropped: a.vif_dropped + b.vif_dropped,
+                port_dropped: a.port_dropped + b.port_dropped,
             })
     };
     let (pvio, veth) = (sum(true), sum(false));
@@ -1009,14 +1010,15 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
         .into_iter()
         .filter(|p| p.is_pvio())
         .map(|p| (p, tcp_losses[p.at()]))
-        .filter(|(_, l)| l.rx_missed + l.tap_dropped + l.vif_dropped + l.retransmits > 0)
+        .filter(|(_, l)| l.rx_missed + l.tap_dropped + l.port_dropped + l.retransmits > 0)
         .map(|(p, l)| {
             format!(
-                "{}: {} missed, {} dropped by the TAPs, {} by the vifs, {} retransmitted",
+                "{}: {} missed, {} dropped by the TAPs' queues, {} by pvio's ports, {} \
+                 retransmitted",
                 p.name(),
                 l.rx_missed,
                 l.tap_dropped,
-                l.vif_dropped,
+                l.port_dropped,
                 l.retransmits
             )
         })
@@ -1024,8 +1026,10 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
     if !by_path.is_empty() {
         rep.notes.push(format!(
             "TCP losses through pvio by path (frames the NIC had no buffer for, frames the \
-             TAPs' queues dropped, packets the driver domain's vifs dropped, segments the \
-             senders sent again), all rounds: {}.",
+             TAPs' queues dropped on their way to pvio, packets pvio's ports dropped for any \
+             reason: the NIC's, the driver domain's vifs', the TAP ports' own, as the live \
+             table counts them, the NIC's missed frames among them; segments the senders \
+             sent again), all rounds: {}.",
             by_path.join("; ")
         ));
     }
