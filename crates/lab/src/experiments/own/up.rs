@@ -431,9 +431,9 @@ fn iperf(
     })
 }
 
-/// IP packets received in namespace `ns`, and the segments they carried (Linux counts
-/// a GRO packet's segments in its ECN counters, one per packet in `InReceives`).
-fn ip_segments(ns: &str) -> Result<(u64, u64), Error> {
+/// Namespace `ns`'s IP and TCP counters (`/proc/net/snmp` and `netstat`), by table and
+/// name (`Ip:InReceives`, `TcpExt:TCPLossProbes`).
+fn net_counters(ns: &str) -> Result<std::collections::HashMap<String, u64>, Error> {
     let o = run_cmd(&[
         "ip",
         "netns",
@@ -455,6 +455,23 @@ fn ip_segments(ns: &str) -> Result<(u64, u64), Error> {
             }
         }
     }
+    Ok(get)
+}
+
+/// The tail-loss probes TCP in namespace `ns` has sent: each went because no
+/// acknowledgement came for about two round trips and 2 ms (the sender's path held
+/// one back that long); a probe that resends a segment counts as a retransmission too.
+fn loss_probes(ns: &str) -> Result<u64, Error> {
+    net_counters(ns)?
+        .get("TcpExt:TCPLossProbes")
+        .copied()
+        .ok_or_else(|| Error::other(format!("{ns}: no TcpExt TCPLossProbes")))
+}
+
+/// IP packets received in namespace `ns`, and the segments they carried (Linux counts
+/// a GRO packet's segments in its ECN counters, one per packet in `InReceives`).
+fn ip_segments(ns: &str) -> Result<(u64, u64), Error> {
+    let get = net_counters(ns)?;
     let v = |k: &str| get.get(k).copied();
     let packets =
         v("Ip:InReceives").ok_or_else(|| Error::other(format!("{ns}: no Ip InReceives")))?;
@@ -724,8 +741,9 @@ fn setup(plan: &Plan) -> String {
          {qlen} frames, flow control from each vif's queue back to the NIC. Before the \
          rounds an 8 MiB seeded stream crosses pvio each way, checked byte for byte. \
          Losses: each TCP run's sender retransmissions (iperf3), the NIC's rx_missed and the \
-         TAPs' tx_dropped (`ip -s link`), with every drop pvio's ports count (the NIC's, the vifs', the TAP ports' own) in the note \
-         by path. System calls at the edge: those pvio's ports make \
+         TAPs' tx_dropped (`ip -s link`), with every drop pvio's ports count (the NIC's, \
+         the vifs', the TAP ports' own) and the senders' tail-loss probes (TcpExt \
+         TCPLossProbes) in the note by path. System calls at the edge: those pvio's ports make \
          to move frames (reads, writes, io_uring_enter), per frame across either interface, \
          in each pvio path's TCP run into the guest (the pCPUs' own waits are not in it). \
          Idle: the machine up with nothing flowing, the CPU time of every thread of this \
@@ -773,6 +791,8 @@ struct Losses {
     /// Packets pvio's ports dropped, every reason (the NIC's, the vifs', the TAP
     /// ports' own; `rx_missed` among them).
     port_dropped: u64,
+    /// The senders' tail-loss probes ([`loss_probes`]).
+    loss_probes: u64,
 }
 
 /// Frames the TAPs in namespaces `ns` dropped on their way to pvio (their queue full):
@@ -837,7 +857,17 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                 } else {
                     0
                 };
+                // The sender's namespace: the client's, or with -R the server's.
+                let sender = if flow == Flow::TcpOut { &g } else { &o };
+                let probes = if flow == Flow::UdpIn {
+                    0
+                } else {
+                    loss_probes(sender)?
+                };
                 let r = iperf(&o, &g, addr, flow, secs)?;
+                if flow != Flow::UdpIn {
+                    tcp_losses[pi].loss_probes += loss_probes(sender)?.saturating_sub(probes);
+                }
                 rates[pi][fi].push(r.bps / 1e9);
                 if let (Some((b, vb)), Some((a, va))) = (before, counters()) {
                     if flow == Flow::TcpIn {
@@ -974,6 +1004,7 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
                 rx_missed: a.rx_missed + b.rx_missed,
                 tap_dropped: a.tap_dropped + b.tap_dropped,
                 port_dropped: a.port_dropped + b.port_dropped,
+                loss_probes: a.loss_probes + b.loss_probes,
             })
     };
     let (pvio, veth) = (sum(true), sum(false));
@@ -1008,31 +1039,39 @@ fn loss_checks(rep: &mut Report, t: &TcpRuns) {
     // Whose they were: a reader of a record that missed frames sees which path to look at.
     let by_path: Vec<String> = Path::ALL
         .into_iter()
-        .filter(|p| p.is_pvio())
         .map(|p| (p, tcp_losses[p.at()]))
-        .filter(|(_, l)| l.rx_missed + l.tap_dropped + l.port_dropped + l.retransmits > 0)
         .map(|(p, l)| {
-            format!(
-                "{}: {} missed, {} dropped by the TAPs' queues, {} by pvio's ports, {} \
-                 retransmitted",
-                p.name(),
-                l.rx_missed,
-                l.tap_dropped,
-                l.port_dropped,
-                l.retransmits
-            )
+            if p.is_pvio() {
+                format!(
+                    "{}: {} missed, {} dropped by the TAPs' queues, {} by pvio's ports, {} \
+                     retransmitted, {} tail-loss probes",
+                    p.name(),
+                    l.rx_missed,
+                    l.tap_dropped,
+                    l.port_dropped,
+                    l.retransmits,
+                    l.loss_probes
+                )
+            } else {
+                format!(
+                    "{}: {} retransmitted, {} tail-loss probes",
+                    p.name(),
+                    l.retransmits,
+                    l.loss_probes
+                )
+            }
         })
         .collect();
-    if !by_path.is_empty() {
-        rep.notes.push(format!(
-            "TCP losses through pvio by path (frames the NIC had no buffer for, frames the \
-             TAPs' queues dropped on their way to pvio, packets pvio's ports dropped for any \
-             reason: the NIC's, the driver domain's vifs', the TAP ports' own, as the live \
-             table counts them, the NIC's missed frames among them; segments the senders \
-             sent again), all rounds: {}.",
-            by_path.join("; ")
-        ));
-    }
+    rep.notes.push(format!(
+        "TCP losses by path (frames the NIC had no buffer for, frames the TAPs' queues \
+         dropped on their way to pvio, packets pvio's ports dropped for any reason: the \
+         NIC's, the driver domain's vifs', the TAP ports' own, as the live table counts them, \
+         the NIC's missed frames among them; segments the senders sent again; the senders' \
+         tail-loss probes, each sent because no acknowledgement came for about two round \
+         trips and 2 ms, so a path that held an ACK back that long, and one that resends a \
+         segment when the sender has nothing new is also a retransmission), all rounds: {}.",
+        by_path.join("; ")
+    ));
     let (lost, sent) = udp_loss
         .iter()
         .fold((0, 0), |(l, s), &(a, b)| (l + a, s + b));
