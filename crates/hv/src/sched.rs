@@ -1383,6 +1383,15 @@ impl Table {
     }
 
     /// Sets (or clears) unit `i`'s deadline.
+    /// Unit `i`, whose step ended at `ended`, idles until `d`. A deadline already past
+    /// as the step ended (a device behind its schedule: its timer was due while it ran
+    /// or before) makes it runnable at once, and its wait to run counts from the step's
+    /// end, not from the deadline: it could not have waited while it was running.
+    fn idle_after_step(&mut self, i: usize, d: Option<Instant>, ended: Instant) {
+        self.idle[i / 64] |= 1 << (i % 64);
+        self.set_deadline(i, d.map(|d| d.max(ended)));
+    }
+
     fn set_deadline(&mut self, i: usize, d: Option<Instant>) {
         self.deadline[i] = d;
         match d {
@@ -1746,8 +1755,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
                 yields = 0;
                 // Unless a thief took its wake-up meanwhile (it is runnable already).
                 if t.runnable[i / 64] & (1 << (i % 64)) == 0 {
-                    t.idle[i / 64] |= 1 << (i % 64);
-                    t.set_deadline(i, d);
+                    t.idle_after_step(i, d, end);
                 }
                 t.units[i] = Some(e);
             }

@@ -181,6 +181,46 @@ fn an_idle_unit_runs_again_at_its_deadline() {
     }
 }
 
+/// A unit behind its schedule idles until a deadline already past (a device whose
+/// timer was due while it ran): it runs again at once, and its wait counts from its own
+/// step's end, not from the deadline.
+#[test]
+fn a_deadline_already_past_runs_at_once_and_its_wait_counts_from_the_steps_end() {
+    struct Behind {
+        steps: u32,
+    }
+    impl Unit for Behind {
+        type Output = ();
+        fn step(&mut self, cx: &Cx) -> Step<()> {
+            self.steps += 1;
+            if self.steps == 20 {
+                return Step::Done(());
+            }
+            Step::Idle(Some(cx.now - Duration::from_millis(20)))
+        }
+    }
+    for policy in [IdlePolicy::Poll, IdlePolicy::Block] {
+        let s = one_pcpu(policy);
+        let t0 = Instant::now();
+        let j = s
+            .place(0, UnitSpec::named("behind"), Behind { steps: 0 })
+            .expect("behind");
+        let stats = Arc::clone(j.stats());
+        j.join().expect("join");
+        let r = stats.report();
+        assert!(
+            r.wakeups >= 19,
+            "{policy}: each past deadline woke it: {r:?}"
+        );
+        // Nineteen turns at once: nowhere near a deadline's 20 ms each.
+        assert!(t0.elapsed() < Duration::from_millis(300), "{policy}");
+        assert!(
+            r.longest_wait < Duration::from_millis(10),
+            "{policy}: a wait from the deadline, not from the step's end: {r:?}"
+        );
+    }
+}
+
 #[test]
 fn a_unit_that_panics_fails_its_join_and_its_neighbours_run_on() {
     struct Bomb;

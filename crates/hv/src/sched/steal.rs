@@ -205,21 +205,23 @@ pub(super) fn try_steal(
         if !me.steal.busy.load(Ordering::Relaxed) {
             me.steal.busy.store(true, Ordering::Release);
         }
-        let (out, ran, _) = run_sampled(me, q, binding, &mut *e, woken);
+        let (out, ran, end) = run_sampled(me, q, binding, &mut *e, woken);
         e.stats().stolen.fetch_add(1, Ordering::Relaxed);
-        put_back(q, i, e, out, ran, generation);
+        put_back(q, i, e, out, ran, end, generation);
         return true;
     }
     false
 }
 
-/// Unit `i` of pCPU `q` back from a turn on a thief's thread, as the turn ended.
+/// Unit `i` of pCPU `q` back from a turn on a thief's thread, as the turn ended (at
+/// `ended`).
 fn put_back(
     q: &PcpuShared,
     i: usize,
     mut e: Box<dyn Erased>,
     out: StepOut,
     ran: u64,
+    ended: Instant,
     generation: u64,
 ) {
     let (w, bit) = (i / 64, 1u64 << (i % 64));
@@ -238,10 +240,7 @@ fn put_back(
     match out {
         StepOut::More | StepOut::Yield => t.runnable[w] |= bit,
         // A wake-up while it was away left it runnable: it runs again.
-        StepOut::Idle(d) if t.runnable[w] & bit == 0 => {
-            t.idle[w] |= bit;
-            t.set_deadline(i, d);
-        }
+        StepOut::Idle(d) if t.runnable[w] & bit == 0 => t.idle_after_step(i, d, ended),
         StepOut::Idle(_) => {}
         StepOut::Ended => {
             t.end(q, i);
