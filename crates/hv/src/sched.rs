@@ -1382,7 +1382,6 @@ impl Table {
         None
     }
 
-    /// Sets (or clears) unit `i`'s deadline.
     /// Unit `i`, whose step ended at `ended`, idles until `d`. A deadline already past
     /// as the step ended (a device behind its schedule: its timer was due while it ran
     /// or before) makes it runnable at once, and its wait to run counts from the step's
@@ -1392,6 +1391,7 @@ impl Table {
         self.set_deadline(i, d.map(|d| d.max(ended)));
     }
 
+    /// Sets (or clears) unit `i`'s deadline.
     fn set_deadline(&mut self, i: usize, d: Option<Instant>) {
         self.deadline[i] = d;
         match d {
