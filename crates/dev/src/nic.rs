@@ -33,10 +33,12 @@ use crate::irq::IrqLine;
 use crate::wire::{WireSink, WireSource};
 
 mod engine;
+mod fifo;
 pub mod misses;
 mod regs;
 
 use engine::Device;
+pub use fifo::{GUEST_QUEUE_HOLD, RX_FIFO_BYTES, RX_FIFO_CHUNK, RX_FIFO_RESERVE};
 pub use regs::*;
 
 #[derive(Debug)]

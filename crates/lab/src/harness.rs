@@ -338,13 +338,21 @@ fn loss_cause(f: &Finish) -> String {
         }
     }
     let (all, held) = missed(f);
+    let waited: u64 = f
+        .counters
+        .entries
+        .iter()
+        .filter(|(comp, name, _)| comp == "nic" && name == "rx_fifo_held")
+        .map(|e| e.2)
+        .sum();
     let hold = |(us, on): (u64, &str)| match us {
         0 => "none".to_string(),
         _ => format!("{us} µs ({on})"),
     };
     format!(
-        "the NIC had no buffer for {all} frames, {held} of them while the host held a pCPU; \
-         the host's longest hold in a step: {}, between steps: {}; a device's engine waited \
+        "the NIC had no buffer for {all} frames, {held} of them while the host held a pCPU, \
+         and {waited} waited in its packet buffer until one came or their wait ran out; the \
+         host's longest hold in a step: {}, between steps: {}; a device's engine waited \
          {wait} µs at most",
         hold(in_step),
         hold(away)

@@ -11,8 +11,10 @@ use hv::{DeviceId, Iova};
 use net::offload::{Csum, Offload, MAX_HEADERS};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use super::fifo::RxFifo;
+pub use super::fifo::GUEST_QUEUE_HOLD;
 use super::*;
 
 #[derive(Debug, Clone, Copy)]
@@ -41,74 +43,11 @@ pub(super) struct Device {
     /// Frames wait with a holding source for want of a descriptor: its readiness is
     /// not work until the driver refills (which wakes the device).
     pub(super) holding: bool,
-    /// The device's own memory for frames the driver looped back to a guest queue
-    /// that had no buffer for them ([`LOOP_FIFO`] of them, allocated with the device).
-    pub(super) looped: LoopFifo,
-}
-
-/// Frames looped back to a guest queue without room, kept in the device's memory as a
-/// NIC's receive FIFO keeps a frame until a descriptor comes, rather than dropped: the
-/// queue's next refill takes them first, in order. At most [`LOOP_HOLD_PER_QUEUE`] a
-/// queue (a guest that posts nothing keeps no room from the others), each at most
-/// [`GUEST_QUEUE_HOLD`], then dropped and counted as a frame the queue missed.
-pub(super) struct LoopFifo {
-    /// Each slot's bytes (a largest frame's worth) and, while it holds a frame, its
-    /// queue, length, offload and arrival.
-    slots: Vec<(Vec<u8>, Option<LoopHeld>)>,
-    /// Slots holding frames, oldest first.
-    order: std::collections::VecDeque<usize>,
-    /// A frame was kept while its queue was being refilled: look again at once.
-    again: bool,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct LoopHeld {
-    q: usize,
-    len: usize,
-    off: Offload,
-    since: Instant,
-}
-
-/// Slots of the loopback FIFO (a frame of up to 64 KiB each: 256 KiB of device memory).
-pub const LOOP_FIFO: usize = 4;
-/// The most frames one guest queue may keep in it.
-pub const LOOP_HOLD_PER_QUEUE: usize = 2;
-
-impl LoopFifo {
-    fn new() -> Self {
-        Self {
-            slots: (0..LOOP_FIFO).map(|_| (vec![0; 65536], None)).collect(),
-            order: std::collections::VecDeque::with_capacity(LOOP_FIFO),
-            again: false,
-        }
-    }
-
-    /// Frames it holds for queue `q`.
-    fn held_for(&self, q: usize) -> usize {
-        self.order
-            .iter()
-            .filter(|&&s| self.slots[s].1.is_some_and(|h| h.q == q))
-            .count()
-    }
-
-    /// Whether it holds anything.
-    pub(super) fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
-    /// When its oldest frame's hold runs out.
-    fn due(&self) -> Option<Instant> {
-        self.order
-            .iter()
-            .filter_map(|&s| self.slots[s].1.map(|h| h.since + GUEST_QUEUE_HOLD))
-            .min()
-    }
-
-    fn clear(&mut self) {
-        for s in self.order.drain(..) {
-            self.slots[s].1 = None;
-        }
-    }
+    /// The receive packet buffer: frames from the cable or looped back by the driver
+    /// wait there while their queue has no free descriptor.
+    pub(super) fifo: RxFifo,
+    /// A frame of several of the buffer's chunks, gathered to be placed.
+    pub(super) fifo_frame: Vec<u8>,
 }
 
 /// The device's own state of one receive queue.
@@ -134,13 +73,6 @@ impl RxQueue {
         self.starved_since = None;
     }
 }
-
-/// The longest a guest's own queue without buffers holds the cable's frames with their
-/// source (a TAP's queue, whose sender slows down) before its frames are dropped, as a
-/// VMDq queue with drop enabled does: a guest that posts nothing pauses the others
-/// behind the same cable for this long at most, once, until it posts again (the vif's
-/// own bound, `net::netback::RX_HOLD_LIMIT`).
-pub const GUEST_QUEUE_HOLD: Duration = Duration::from_millis(20);
 
 /// The bytes a receive descriptor's buffer holds: its length field, 0 meaning a full
 /// frame.
@@ -197,7 +129,8 @@ impl Device {
             rx_descs: [(Iova(0), Desc::default()); MAX_RX_DESCS_PER_FRAME],
             rx_lens: [0; MAX_RX_DESCS_PER_FRAME],
             holding: false,
-            looped: LoopFifo::new(),
+            fifo: RxFifo::new(),
+            fifo_frame: vec![0; super::RX_FIFO_RESERVE],
         }
     }
 
@@ -218,7 +151,7 @@ impl Device {
         if r != *resets {
             *resets = r;
             self.rxq.iter_mut().for_each(RxQueue::reset);
-            self.looped.clear();
+            self.fifo.clear();
             self.tx_head = 0;
         }
         regs.iterations.fetch_add(1, Ordering::AcqRel);
@@ -227,9 +160,9 @@ impl Device {
         let now = Instant::now();
         let mut again = false;
         if regs.enabled.load(Ordering::Acquire) {
-            // Frames looped back earlier go ahead of the cable's.
-            if !self.looped.is_empty() {
-                again = self.drain_looped(now);
+            // Frames kept in the device go ahead of the cable's.
+            if !self.fifo.is_empty() {
+                again = self.drain_fifo(now);
             }
             if regs.link_up.load(Ordering::Acquire) {
                 if source.holds() {
@@ -248,7 +181,7 @@ impl Device {
         } else {
             None
         };
-        if let Some(d) = self.looped.due() {
+        if let Some(d) = self.fifo.due() {
             wake = Some(wake.map_or(d, |w| w.min(d)));
         }
         for q in 0..RX_QUEUES {
@@ -271,7 +204,7 @@ impl Device {
             }
         }
         let now = Instant::now();
-        if again || std::mem::take(&mut self.looped.again) || wake.is_some_and(|w| w <= now) {
+        if again || std::mem::take(&mut self.fifo.again) || wake.is_some_and(|w| w <= now) {
             return None;
         }
         // Announce the sleep, then look once more: a doorbell or a frame that came
@@ -422,21 +355,37 @@ impl Device {
 
     /// A frame from the wire, with what rides beside it: into the free descriptors'
     /// buffers of the queue its destination is steered to. Metadata from the cable is
-    /// checked against the frame first, like anything from outside.
+    /// checked against the frame first, like anything from outside. A frame whose
+    /// queue has no room (or has frames waiting already, which it goes behind) waits
+    /// in the device's packet buffer; one the buffer has no room for is dropped on the
+    /// queue.
     pub(super) fn receive(&mut self, frame: &[u8], off: Offload) {
         if let Err(e) = self.take(frame, off) {
-            self.missed(e);
+            self.hold(e, frame, off, false);
         }
     }
 
-    /// A frame from a source that holds what the device refuses (a TAP): taken
-    /// (received, or dropped for a reason no refill cures), or refused for want of a
-    /// free descriptor, to stay first in the source's line.
+    /// Queue `q`'s lack of room, as its tail stands now.
+    fn no_room(&self, q: usize) -> NoRoom {
+        NoRoom {
+            q,
+            tail: self.regs.rxq[q].tail.load(Ordering::SeqCst),
+        }
+    }
+
+    /// A frame from the wire: taken (received, or dropped for a reason no refill
+    /// cures), or refused for want of a free descriptor on its queue (or because frames
+    /// of its queue wait in the device already), to stay first in a holding source's
+    /// line or to wait in the device.
     pub(super) fn take(&mut self, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
         if !self.admit(frame, off) {
             return Ok(());
         }
         let q = self.regs.classify(frame);
+        // Behind frames of its queue waiting in the device, it waits too (order kept).
+        if self.fifo.holds_for(q) {
+            return Err(self.no_room(q));
+        }
         self.receive_or_refuse(q, frame, off)
     }
 
@@ -839,9 +788,10 @@ impl Device {
     }
 
     /// A packet the driver sent to guest queue `q` ([`DESC_LOOP`]): received into
-    /// that queue as a frame from the cable would be, checked as one; dropped and
-    /// counted on the queue if it has no room (a transmit ring does not wait for a
-    /// receive queue). Queue 0, or none, is no guest queue: counted as a bad packet.
+    /// that queue as a frame from the cable would be, checked as one, and kept in the
+    /// device's packet buffer while the queue has no room (the transmit ring does not
+    /// wait for a receive queue). Queue 0, or none, is no guest queue: counted as a bad
+    /// packet.
     pub(super) fn loop_back(&mut self, q: usize, len: usize, off: Offload) {
         let regs = Arc::clone(&self.regs);
         if q == 0 || q >= RX_QUEUES {
@@ -849,82 +799,70 @@ impl Device {
             return;
         }
         regs.tx_looped.fetch_add(1, Ordering::Relaxed);
-        let mut frame = std::mem::take(&mut self.frame);
+        let frame = std::mem::take(&mut self.frame);
         if self.admit(&frame[..len], off) {
             // Behind a frame of its own already waiting, it waits too (order kept).
-            let r = match self.looped.held_for(q) {
-                0 => self.receive_or_refuse(q, &frame[..len], off),
-                _ => Err(NoRoom {
-                    q,
-                    tail: regs.rxq[q].tail.load(Ordering::SeqCst),
-                }),
+            let r = if self.fifo.holds_for(q) {
+                Err(self.no_room(q))
+            } else {
+                self.receive_or_refuse(q, &frame[..len], off)
             };
             if let Err(e) = r {
-                self.hold_looped(e, &mut frame, len, off);
+                self.hold(e, &frame[..len], off, true);
             }
         }
         self.frame = frame;
     }
 
-    /// Keeps looped-back `frame` (its first `len` bytes) in the device's FIFO, its
-    /// queue paused as the cable's is, until the queue is refilled; drops and counts it
-    /// if the FIFO, or the queue's share of it, is full. The frame's buffer trades
-    /// places with the slot's: nothing is copied or allocated.
-    fn hold_looped(&mut self, e: NoRoom, frame: &mut Vec<u8>, len: usize, off: Offload) {
-        let free = (0..LOOP_FIFO).find(|&s| self.looped.slots[s].1.is_none());
-        let (Some(s), true) = (free, self.looped.held_for(e.q) < LOOP_HOLD_PER_QUEUE) else {
+    /// Keeps `frame` in the device's packet buffer, its queue paused as the cable's is,
+    /// until the queue is refilled; drops and counts it if the buffer, or the queue's
+    /// share of it, is full.
+    fn hold(&mut self, e: NoRoom, frame: &[u8], off: Offload, looped: bool) {
+        if !self.fifo.put(e.q, frame, off, Instant::now()) {
             self.missed(e);
             return;
+        }
+        let held = if looped {
+            &self.regs.rx_loop_held
+        } else {
+            &self.regs.rx_fifo_held
         };
-        std::mem::swap(frame, &mut self.looped.slots[s].0);
-        self.looped.slots[s].1 = Some(LoopHeld {
-            q: e.q,
-            len,
-            off,
-            since: Instant::now(),
-        });
-        self.looped.order.push_back(s);
-        self.regs.rx_loop_held.fetch_add(1, Ordering::Relaxed);
+        held.fetch_add(1, Ordering::Relaxed);
         // The refill wakes the device; one that came before the flag was up did not
         // see it, and the tail, looked at again, says so (see `receive_held`).
         self.regs.rx_paused.store(true, Ordering::SeqCst);
-        self.looped.again |= self.regs.rxq[e.q].tail.load(Ordering::SeqCst) != e.tail;
+        self.fifo.again |= self.regs.rxq[e.q].tail.load(Ordering::SeqCst) != e.tail;
     }
 
-    /// Places the looped-back frames whose queues now have room, oldest first; a
-    /// frame's queue without room keeps it and every later one of its own. A frame
-    /// still without room once held [`GUEST_QUEUE_HOLD`] is dropped and counted.
-    /// Returns whether a queue was refilled while it looked (the pass then runs again
-    /// rather than sleep).
-    fn drain_looped(&mut self, now: Instant) -> bool {
+    /// Places the frames waiting in the packet buffer whose queues now have room,
+    /// oldest first; a frame's queue without room keeps it and every later one of its
+    /// own. A frame still without room once held [`GUEST_QUEUE_HOLD`] is dropped and
+    /// counted. Returns whether a queue was refilled while it looked (the pass then
+    /// runs again rather than sleep).
+    fn drain_fifo(&mut self, now: Instant) -> bool {
+        let mut fifo = std::mem::take(&mut self.fifo);
+        let mut buf = std::mem::take(&mut self.fifo_frame);
         let mut blocked = 0u32;
         let mut again = false;
-        let n = self.looped.order.len();
-        for _ in 0..n {
-            let Some(s) = self.looped.order.pop_front() else {
+        for _ in 0..fifo.len() {
+            let Some(h) = fifo.pop() else {
                 break;
             };
-            let Some(h) = self.looped.slots[s].1 else {
-                continue;
-            };
             if blocked & (1 << h.q) != 0 {
-                self.looped.order.push_back(s);
+                fifo.keep(h);
                 continue;
             }
-            let buf = std::mem::take(&mut self.looped.slots[s].0);
-            let r = self.receive_or_refuse(h.q, &buf[..h.len], h.off);
-            self.looped.slots[s].0 = buf;
-            match r {
-                Ok(()) => self.looped.slots[s].1 = None,
+            match self.receive_or_refuse(h.q, fifo.bytes(&h, &mut buf), h.off) {
+                Ok(()) => fifo.release(h),
                 // Its queue found no room for it in all that time: dropped there. (A
                 // refill that came meanwhile is taken first, whatever woke the device.)
                 Err(e) if now.saturating_duration_since(h.since) >= GUEST_QUEUE_HOLD => {
-                    self.looped.slots[s].1 = None;
+                    fifo.release(h);
                     self.missed(e);
                 }
                 Err(e) => {
                     blocked |= 1 << h.q;
-                    self.looped.order.push_back(s);
+                    fifo.keep(h);
                     // Paused again, then the tail looked at once more: a refill that
                     // came before the flag was up did not see it.
                     self.regs.rx_paused.store(true, Ordering::SeqCst);
@@ -932,6 +870,8 @@ impl Device {
                 }
             }
         }
+        self.fifo = fifo;
+        self.fifo_frame = buf;
         again
     }
 

@@ -252,6 +252,10 @@ pub struct NicRegs {
     /// Frames the driver looped back to a guest queue without room, kept in the
     /// device's FIFO until the queue had room (or dropped from it, in `rx_missed`).
     pub rx_loop_held: AtomicU64,
+    /// Frames from the cable kept in the device's packet buffer for want of a free
+    /// descriptor on their queue, until it had room (or dropped from it, in
+    /// `rx_missed`).
+    pub rx_fifo_held: AtomicU64,
     /// Frames dropped: too long.
     pub rx_oversize: AtomicU64,
     /// DMA faults (a descriptor naming memory the device may not touch).
@@ -305,6 +309,7 @@ pub struct NicCounts {
     pub rx_missed: u64,
     pub rx_pauses: u64,
     pub rx_loop_held: u64,
+    pub rx_fifo_held: u64,
     pub rx_oversize: u64,
     pub dma_faults: u64,
     pub rx_dma_errors: u64,
@@ -335,6 +340,7 @@ impl NicRegs {
             rx_missed: l(&self.rx_missed),
             rx_pauses: l(&self.rx_pauses),
             rx_loop_held: l(&self.rx_loop_held),
+            rx_fifo_held: l(&self.rx_fifo_held),
             rx_oversize: l(&self.rx_oversize),
             dma_faults: l(&self.dma_faults),
             rx_dma_errors: l(&self.rx_dma_errors),
@@ -365,6 +371,7 @@ impl hv::counters::CounterSet for NicRegs {
         f("rx_missed", c.rx_missed);
         f("rx_pauses", c.rx_pauses);
         f("rx_loop_held", c.rx_loop_held);
+        f("rx_fifo_held", c.rx_fifo_held);
         f("rx_oversize", c.rx_oversize);
         f("dma_faults", c.dma_faults);
         f("rx_dma_errors", c.rx_dma_errors);
@@ -421,6 +428,7 @@ impl NicRegs {
             rx_paused: AtomicBool::new(false),
             rx_pauses: AtomicU64::new(0),
             rx_loop_held: AtomicU64::new(0),
+            rx_fifo_held: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
             rx_dma_errors: AtomicU64::new(0),
