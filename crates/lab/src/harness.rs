@@ -288,6 +288,17 @@ fn missed(f: &Finish) -> (u64, u64) {
     (all, get("rx_missed_in_host_holds").min(all))
 }
 
+/// A run's frames from the cable that waited in the NIC's packet buffer for want of a
+/// descriptor (`rx_fifo_held`).
+fn fifo_held(f: &Finish) -> u64 {
+    f.counters
+        .entries
+        .iter()
+        .filter(|(comp, name, _)| comp == "nic" && name == "rx_fifo_held")
+        .map(|e| e.2)
+        .sum()
+}
+
 /// The check that every frame the NIC missed over `runs` fell in a hold of the host
 /// (issue 58: the host's holds are reported apart), with the split in a note; a later
 /// call (another group of runs of the same record) adds to both.
@@ -295,12 +306,13 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
     const WHAT: &str =
         "frames the NIC had no buffer for outside the host's holds of the machine's pCPUs \
          (all runs)";
-    const NOTE: &str = "the NIC had no buffer for (frames over all runs, of them while the host held a pCPU's thread)";
-    let (mut all, mut held) = (0, 0);
+    const NOTE: &str = "the NIC had no buffer for (frames over all runs, of them while the host held a pCPU's thread; frames that waited in its packet buffer for one)";
+    let (mut all, mut held, mut waited) = (0, 0, 0);
     for (_, f) in runs {
         let (a, h) = missed(f);
         all += a;
         held += h;
+        waited += fifo_held(f);
     }
     if let Some(k) = r.notes.iter().position(|n| n.starts_with(NOTE)) {
         let old = r.notes.remove(k);
@@ -309,11 +321,12 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
             .filter_map(|w| w.parse::<u64>().ok());
         all += nums.next().unwrap_or(0);
         held += nums.next().unwrap_or(0);
+        waited += nums.next().unwrap_or(0);
     }
     r.checks.retain(|c| c.what != WHAT);
     r.check_none(WHAT, all - held, "frames");
     r.notes.push(format!(
-        "{NOTE}: {all}, {held}; a hold counts if it lasted {} µs or more (a thread held in a \
+        "{NOTE}: {all}, {held}; {waited}; a hold counts if it lasted {} µs or more (a thread held in a \
          step: the step's unit could run nowhere else; the NIC's bursts of misses laid beside \
          each pCPU's holds, a burst counting within {} µs of a hold's end)",
         hv::sched::HOLD_LOGGED.as_micros(),
@@ -338,13 +351,7 @@ fn loss_cause(f: &Finish) -> String {
         }
     }
     let (all, held) = missed(f);
-    let waited: u64 = f
-        .counters
-        .entries
-        .iter()
-        .filter(|(comp, name, _)| comp == "nic" && name == "rx_fifo_held")
-        .map(|e| e.2)
-        .sum();
+    let waited = fifo_held(f);
     let hold = |(us, on): (u64, &str)| match us {
         0 => "none".to_string(),
         _ => format!("{us} µs ({on})"),
@@ -526,6 +533,7 @@ mod tests {
         let mut counters = kernel::counters::Counters::default();
         counters.add("nic", "rx_missed", all);
         counters.add("nic", "rx_missed_in_host_holds", held);
+        counters.add("nic", "rx_fifo_held", 100 + all);
         Finish {
             frames_sent: 100,
             messages_sent: 100,
@@ -561,7 +569,7 @@ mod tests {
             .filter(|n| n.starts_with("the NIC had no buffer for (frames"))
             .collect();
         assert_eq!(note.len(), 1);
-        assert!(note[0].contains(": 35, 32;"), "{}", note[0]);
+        assert!(note[0].contains(": 35, 32; 235;"), "{}", note[0]);
     }
 
     /// Every configuration runs once a round, in the given order and then reversed, and
