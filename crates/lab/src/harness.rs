@@ -271,6 +271,28 @@ pub(crate) fn account_losses<'a>(
     total
 }
 
+/// The stack of an experiment's own thread: the main thread's size (8 MiB) twice over.
+const EXPERIMENT_STACK: usize = 16 << 20;
+
+/// Runs `f` (one experiment) on a thread of its own and returns what it returned, or its
+/// panic. What an experiment does to its thread ends with it: a pin to one core (the
+/// ceiling's and `core`'s measuring threads are the callers'), a timer slack. Every
+/// process and thread an experiment starts takes its starter's affinity, so one run on
+/// the caller's thread would leave every later experiment's helpers (iperf3, sockperf)
+/// and unpinned device threads on the one core an earlier experiment pinned it to.
+pub fn isolated<T: Send>(
+    name: &str,
+    f: impl FnOnce() -> T + Send,
+) -> std::io::Result<std::thread::Result<T>> {
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name(name.to_string())
+            .stack_size(EXPERIMENT_STACK)
+            .spawn_scoped(s, f)
+            .map(|h| h.join())
+    })
+}
+
 /// A run's NIC frames dropped for want of a buffer (`rx_missed`), and those of them
 /// that fell while the host held one of the machine's pCPUs' threads at least
 /// `hv::sched::HOLD_LOGGED` (`rx_missed_in_host_holds`, as the machine laid the NIC's
@@ -545,6 +567,30 @@ mod tests {
 
     /// Frames the NIC missed while the host held a pCPU are reported apart; the check
     /// fails on any other, and a second group of runs of the same record adds to it.
+    /// An experiment that pins its thread to one core leaves the caller's thread, and so
+    /// every later experiment and the processes it starts, on the cores it had.
+    #[test]
+    fn an_experiment_that_pins_its_thread_leaves_the_callers_cores_as_they_were() {
+        let before = mem::cpu::allowed_cores().expect("affinity");
+        assert!(!before.is_empty());
+        let seen = isolated("pins", || {
+            mem::cpu::pin_current_thread(before[0]).expect("pin");
+            mem::cpu::allowed_cores().expect("affinity")
+        })
+        .expect("spawned")
+        .expect("returned");
+        assert_eq!(
+            seen,
+            vec![before[0]],
+            "the experiment's own thread was pinned"
+        );
+        assert_eq!(mem::cpu::allowed_cores().expect("affinity"), before);
+        // A panic comes back as the experiment's failure, not the caller's.
+        assert!(isolated("panics", || panic!("an experiment's bug"))
+            .expect("spawned")
+            .is_err());
+    }
+
     #[test]
     fn missed_frames_outside_the_hosts_holds_fail_the_record_and_add_up() {
         let mut r = Report::new("t", "t", "t");

@@ -22,6 +22,7 @@ pub mod report;
 pub mod site;
 pub mod stats;
 
+pub use harness::isolated;
 pub use report::{Report, Row, RunEnv, Written};
 /// The one error type of the lab, its rigs and `pvio up`.
 pub use rig::Error;

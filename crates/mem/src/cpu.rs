@@ -51,6 +51,22 @@ pub fn pin_current_thread(core: usize) -> std::io::Result<()> {
     }
 }
 
+/// The cores the calling thread may run on (its affinity), lowest first.
+pub fn allowed_cores() -> std::io::Result<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid, writable cpu_set_t of the
+    // given size.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: every `c` is below CPU_SETSIZE, the set's size.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
 fn timespec_to_duration(ts: libc::timespec) -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }

@@ -754,7 +754,12 @@ fn reproduce(cx: &lab::Context, only: Option<&str>, out: &std::path::Path) -> Ex
         eprintln!("running {} ({}) ...", e.id, e.paper);
         let line = lab::progress::experiment(e.id, i + 1, count);
         let before = lab::host::Reading::now();
-        let result = (e.run)(cx);
+        // On a thread of its own, so that a pin or a panic stays with this experiment.
+        let result = match lab::isolated(e.id, || (e.run)(cx)) {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(lab::Error::other(format!("{} panicked", e.id))),
+            Err(err) => Err(lab::Error::other(format!("no thread for {}: {err}", e.id))),
+        };
         let host = before.and_then(|b| Some(lab::host::Reading::now()?.since(&b)));
         drop(line);
         match result {
