@@ -486,6 +486,35 @@ fn frame_to(dst: [u8; 6], vlan: Option<u16>, seed: u8) -> Vec<u8> {
 }
 
 impl Rig {
+    /// Queue `q`'s driver posts its buffers `from..from + n` again, at the ring
+    /// positions after its first [`POSTED`], and writes the tail past them.
+    fn repost(&self, q: usize, from: u32, n: u32) {
+        for k in from..from + n {
+            let desc = Desc {
+                addr: 0x200_000 + q as u64 * 0x10_000 + u64::from(k) * 0x1000,
+                ..Default::default()
+            };
+            self.dom
+                .write(
+                    self.rings[q],
+                    (POSTED + k) as usize * DESC_SIZE,
+                    bytemuck::bytes_of(&desc),
+                )
+                .expect("desc");
+        }
+        self.regs.set_rx_tail(q, POSTED + from + n);
+    }
+    /// The bytes queue `q` wrote into its buffer `k` posted again ([`Self::repost`]).
+    fn got_again(&self, q: usize, k: usize) -> Vec<u8> {
+        let mut raw = [0u8; DESC_SIZE];
+        self.dom
+            .read(self.rings[q], (POSTED as usize + k) * DESC_SIZE, &mut raw)
+            .expect("desc");
+        let d: Desc = bytemuck::pod_read_unaligned(&raw);
+        let mut b = vec![0u8; d.len as usize];
+        self.dom.read(self.bufs[q][k], 0, &mut b).expect("data");
+        b
+    }
     fn frames(&self, q: usize) -> u64 {
         self.regs.rxq[q].frames.load(Ordering::Relaxed)
     }
@@ -702,21 +731,7 @@ fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_
     assert_eq!((r.frames(2), r.missed(2)), (1, 0));
     // The guest posts two buffers (the first two again): the refill lifts the pause,
     // and the next pass places both, in order, before anything from the cable.
-    let ring = r.rings[1];
-    for k in 0..2u32 {
-        let desc = Desc {
-            addr: 0x200_000 + 0x10_000 + u64::from(k) * 0x1000,
-            ..Default::default()
-        };
-        r.dom
-            .write(
-                ring,
-                (POSTED + k) as usize * DESC_SIZE,
-                bytemuck::bytes_of(&desc),
-            )
-            .expect("desc");
-    }
-    r.regs.set_rx_tail(1, POSTED + 2);
+    r.repost(1, 0, 2);
     assert!(
         !r.regs.rx_paused.load(Ordering::Relaxed),
         "the refill wakes it"
@@ -725,14 +740,7 @@ fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert_eq!((r.frames(1), r.missed(1)), (6, 0));
     for (k, f) in [a, b].iter().enumerate() {
-        let mut raw = [0u8; DESC_SIZE];
-        r.dom
-            .read(ring, (POSTED as usize + k) * DESC_SIZE, &mut raw)
-            .expect("desc");
-        let d: Desc = bytemuck::pod_read_unaligned(&raw);
-        let mut got = vec![0u8; d.len as usize];
-        r.dom.read(r.bufs[1][k], 0, &mut got).expect("data");
-        assert_eq!(&got, f, "held frame {k}, in order");
+        assert_eq!(&r.got_again(1, k), f, "held frame {k}, in order");
     }
     // The third still waits; a guest that posts nothing more: it and the next wait out
     // the queue's hold, then are dropped and counted, and the FIFO is empty again.
@@ -752,23 +760,10 @@ fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_
     // again, is placed: only a frame that still finds no room is dropped.
     let d = send(&mut r, 14);
     std::thread::sleep(super::GUEST_QUEUE_HOLD + Duration::from_millis(5));
-    let desc = Desc {
-        addr: 0x200_000 + 0x10_000 + 2 * 0x1000,
-        ..Default::default()
-    };
-    r.dom
-        .write(
-            ring,
-            (POSTED + 2) as usize * DESC_SIZE,
-            bytemuck::bytes_of(&desc),
-        )
-        .expect("desc");
-    r.regs.set_rx_tail(1, POSTED + 3);
+    r.repost(1, 2, 1);
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert_eq!((r.frames(1), r.missed(1)), (7, 2));
-    let mut got = vec![0u8; d.len()];
-    r.dom.read(r.bufs[1][2], 0, &mut got).expect("data");
-    assert_eq!(got, d);
+    assert_eq!(r.got_again(1, 2), d);
 }
 
 /// Loops a frame back to queue `q`; `None` if the device refused it as no guest's
@@ -826,21 +821,7 @@ fn a_cable_frame_for_a_full_queue_waits_in_the_device_in_order_and_holds_up_no_o
     );
     // Queue 1 posts its four buffers again: the next pass places the first four that
     // waited, in order, and a frame the cable brings meanwhile goes behind the rest.
-    let ring = r.rings[1];
-    for k in 0..POSTED {
-        let desc = Desc {
-            addr: 0x200_000 + 0x10_000 + u64::from(k) * 0x1000,
-            ..Default::default()
-        };
-        r.dom
-            .write(
-                ring,
-                (POSTED + k) as usize * DESC_SIZE,
-                bytemuck::bytes_of(&desc),
-            )
-            .expect("desc");
-    }
-    r.regs.set_rx_tail(1, 2 * POSTED);
+    r.repost(1, 0, POSTED);
     assert!(
         !r.regs.rx_paused.load(Ordering::Relaxed),
         "the refill wakes it"
@@ -849,14 +830,11 @@ fn a_cable_frame_for_a_full_queue_waits_in_the_device_in_order_and_holds_up_no_o
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert_eq!((r.frames(1), r.missed(1)), (2 * u64::from(POSTED), 1));
     for k in 0..POSTED as usize {
-        let mut raw = [0u8; DESC_SIZE];
-        r.dom
-            .read(ring, (POSTED as usize + k) * DESC_SIZE, &mut raw)
-            .expect("desc");
-        let d: Desc = bytemuck::pod_read_unaligned(&raw);
-        let mut got = vec![0u8; d.len as usize];
-        r.dom.read(r.bufs[1][k], 0, &mut got).expect("data");
-        assert_eq!(got, to_a[POSTED as usize + k], "waited frame {k}, in order");
+        assert_eq!(
+            r.got_again(1, k),
+            to_a[POSTED as usize + k],
+            "waited frame {k}, in order"
+        );
     }
     r.dev.receive(&frame_to(MAC_A, None, 0xee), Offload::NONE);
     assert_eq!(
