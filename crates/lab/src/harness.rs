@@ -275,8 +275,8 @@ pub(crate) fn account_losses<'a>(
 const EXPERIMENT_STACK: usize = 16 << 20;
 
 /// Runs `f` (one experiment) on a thread of its own and returns what it returned, or its
-/// panic. What an experiment does to its thread ends with it: a pin to one core (the
-/// ceiling's and `core`'s measuring threads are the callers'), a timer slack. Every
+/// panic. What an experiment does to its thread ends with it: a pin to one core (`core`
+/// and `iosup` measure on the thread they were called on), a timer slack. Every
 /// process and thread an experiment starts takes its starter's affinity, so one run on
 /// the caller's thread would leave every later experiment's helpers (iperf3, sockperf)
 /// and unpinned device threads on the one core an earlier experiment pinned it to.
@@ -293,32 +293,23 @@ pub fn isolated<T: Send>(
     })
 }
 
+/// A run's NIC counter `what`, summed over its NICs.
+fn nic_count(f: &Finish, what: &str) -> u64 {
+    f.counters
+        .entries
+        .iter()
+        .filter(|(comp, name, _)| comp == "nic" && name == what)
+        .map(|e| e.2)
+        .sum()
+}
+
 /// A run's NIC frames dropped for want of a buffer (`rx_missed`), and those of them
 /// that fell while the host held one of the machine's pCPUs' threads at least
 /// `hv::sched::HOLD_LOGGED` (`rx_missed_in_host_holds`, as the machine laid the NIC's
 /// bursts of misses beside the holds).
 fn missed(f: &Finish) -> (u64, u64) {
-    let get = |what: &str| {
-        f.counters
-            .entries
-            .iter()
-            .filter(|(comp, name, _)| comp == "nic" && name == what)
-            .map(|e| e.2)
-            .sum::<u64>()
-    };
-    let all = get("rx_missed");
-    (all, get("rx_missed_in_host_holds").min(all))
-}
-
-/// A run's frames from the cable that waited in the NIC's packet buffer for want of a
-/// descriptor (`rx_fifo_held`).
-fn fifo_held(f: &Finish) -> u64 {
-    f.counters
-        .entries
-        .iter()
-        .filter(|(comp, name, _)| comp == "nic" && name == "rx_fifo_held")
-        .map(|e| e.2)
-        .sum()
+    let all = nic_count(f, "rx_missed");
+    (all, nic_count(f, "rx_missed_in_host_holds").min(all))
 }
 
 /// The check that every frame the NIC missed over `runs` fell in a hold of the host
@@ -334,7 +325,7 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
         let (a, h) = missed(f);
         all += a;
         held += h;
-        waited += fifo_held(f);
+        waited += nic_count(f, "rx_fifo_held");
     }
     if let Some(k) = r.notes.iter().position(|n| n.starts_with(NOTE)) {
         let old = r.notes.remove(k);
@@ -373,7 +364,7 @@ fn loss_cause(f: &Finish) -> String {
         }
     }
     let (all, held) = missed(f);
-    let waited = fifo_held(f);
+    let waited = nic_count(f, "rx_fifo_held");
     let hold = |(us, on): (u64, &str)| match us {
         0 => "none".to_string(),
         _ => format!("{us} µs ({on})"),
@@ -565,8 +556,6 @@ mod tests {
         }
     }
 
-    /// Frames the NIC missed while the host held a pCPU are reported apart; the check
-    /// fails on any other, and a second group of runs of the same record adds to it.
     /// An experiment that pins its thread to one core leaves the caller's thread, and so
     /// every later experiment and the processes it starts, on the cores it had.
     #[test]
@@ -591,6 +580,8 @@ mod tests {
             .is_err());
     }
 
+    /// Frames the NIC missed while the host held a pCPU are reported apart; the check
+    /// fails on any other, and a second group of runs of the same record adds to it.
     #[test]
     fn missed_frames_outside_the_hosts_holds_fail_the_record_and_add_up() {
         let mut r = Report::new("t", "t", "t");

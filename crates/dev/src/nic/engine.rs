@@ -382,7 +382,12 @@ impl Device {
             return Ok(());
         }
         let q = self.regs.classify(frame);
-        // Behind frames of its queue waiting in the device, it waits too (order kept).
+        self.receive_in_turn(q, frame, off)
+    }
+
+    /// As [`Self::receive_or_refuse`], behind the frames of queue `q` already waiting
+    /// in the device: refused while there are any (order kept).
+    fn receive_in_turn(&mut self, q: usize, frame: &[u8], off: Offload) -> Result<(), NoRoom> {
         if self.fifo.holds_for(q) {
             return Err(self.no_room(q));
         }
@@ -801,13 +806,7 @@ impl Device {
         regs.tx_looped.fetch_add(1, Ordering::Relaxed);
         let frame = std::mem::take(&mut self.frame);
         if self.admit(&frame[..len], off) {
-            // Behind a frame of its own already waiting, it waits too (order kept).
-            let r = if self.fifo.holds_for(q) {
-                Err(self.no_room(q))
-            } else {
-                self.receive_or_refuse(q, &frame[..len], off)
-            };
-            if let Err(e) = r {
+            if let Err(e) = self.receive_in_turn(q, &frame[..len], off) {
                 self.hold(e, &frame[..len], off, true);
             }
         }
