@@ -11,8 +11,11 @@
 //! datagrams (as NICs do) and says so in the descriptor. Interrupts are coalesced: one
 //! is raised when `pkts_per_irq` completions are pending or the oldest has waited
 //! `max_delay`, and only while the driver has them enabled (NAPI turns them off while
-//! it polls). A frame arriving with no descriptor free is dropped and counted
-//! (`rx_missed`), as the hardware's missed-packet counter.
+//! it polls). A frame arriving with no descriptor free waits in the device's receive
+//! packet buffer (`fifo`) for the queue's refill; a far end that takes PAUSE frames is
+//! paused as that buffer fills (802.3x flow control); a frame that finds no room, or
+//! waits too long, is dropped and counted (`rx_missed`), as the hardware's
+//! missed-packet counter.
 //!
 //! Several receive queues (paper 000 §4.3, Figure 9; Intel's VMDq, the `vmq` of the
 //! paper's driver): [`RX_QUEUES`] descriptor rings, each with its own registers,
@@ -38,7 +41,9 @@ pub mod misses;
 mod regs;
 
 use engine::Device;
-pub use fifo::{GUEST_QUEUE_HOLD, RX_FIFO_BYTES, RX_FIFO_CHUNK, RX_FIFO_RESERVE};
+pub use fifo::{
+    GUEST_QUEUE_HOLD, RX_FIFO_BYTES, RX_FIFO_CHUNK, RX_FIFO_RESERVE, RX_FIFO_XOFF, RX_FIFO_XON,
+};
 pub use regs::*;
 
 #[derive(Debug)]

@@ -93,6 +93,18 @@ pub trait WireSource: Send {
     fn holds(&self) -> bool {
         false
     }
+    /// Whether the far end takes PAUSE frames (IEEE 802.3x flow control): the device
+    /// then stops it while its packet buffer is nearly full ([`Self::pause`]) rather
+    /// than drop what comes, and takes its frames through [`Self::poll_held`], refusing
+    /// those that come after it decided to pause (a refused frame stays first in the
+    /// far end's line). A far end without flow control keeps sending, and what the
+    /// device has no room for is lost.
+    fn pauses(&self) -> bool {
+        false
+    }
+    /// The device paused the far end (`on`, an XOFF) or let it go again (an XON), at
+    /// `now`. A paused far end sends nothing and has nothing due until let go.
+    fn pause(&mut self, _on: bool, _now: Instant) {}
     /// The device is done with the source for now (it stops, or hands the source on):
     /// a source with work in the kernel ends it here, on the device's own thread.
     fn close(&mut self) {}
@@ -339,6 +351,8 @@ pub struct PacedSender {
     sent: u64,
     limit: Option<u64>,
     stall_horizon: Option<Duration>,
+    /// Since when the device has paused it (an XOFF), if it has.
+    paused: Option<Instant>,
     counters: Arc<SenderCounters>,
     probe: Option<Arc<LatencyProbe>>,
 }
@@ -377,6 +391,7 @@ impl PacedSender {
             sent: 0,
             limit,
             stall_horizon: None,
+            paused: None,
             counters: Arc::default(),
             probe: None,
         })
@@ -409,8 +424,13 @@ impl PacedSender {
     }
 }
 
-impl WireSource for PacedSender {
-    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+impl PacedSender {
+    /// Sends every frame due by `now` while `emit` takes them; a frame it refuses stays
+    /// first in line (the device paused the link as it came). Returns how many went.
+    fn send_due(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        if self.paused.is_some() {
+            return 0;
+        }
         let start = *self.start.get_or_insert(now);
         let mut n = 0;
         while self.limit.is_none_or(|l| self.sent < l) {
@@ -436,10 +456,13 @@ impl WireSource for PacedSender {
             let last = (self.sent + 1).is_multiple_of(fpm);
             if let Some(p) = self.probe.as_ref().filter(|_| last) {
                 // Stamped before the NIC has the frame, so the receiver never finds the
-                // previous round's stamp for it.
+                // previous round's stamp for it (a refused frame is stamped again when
+                // it goes).
                 p.sent((self.sent / fpm) as usize % PREBUILT);
             }
-            emit(&self.frames[off..off + len], Offload::NONE);
+            if !emit(&self.frames[off..off + len], Offload::NONE) {
+                break;
+            }
             self.sent += 1;
             n += 1;
             self.counters.frames.fetch_add(1, Ordering::Relaxed);
@@ -449,9 +472,45 @@ impl WireSource for PacedSender {
         }
         n
     }
+}
+
+/// The sender's NIC takes PAUSE frames, as a link partner with flow control on does
+/// (Linux's ixgbe and igb turn it on by default): while paused it sends nothing, and
+/// its pacing resumes where it stopped, each later frame due as much later as the
+/// pause lasted (as a packet generator whose transmit ring is full waits and then
+/// keeps its interval from there), rather than sending the backlog at once or
+/// skipping it.
+impl WireSource for PacedSender {
+    fn poll(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        self.send_due(now, &mut |f, off| {
+            emit(f, off);
+            true
+        })
+    }
+
+    fn poll_held(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        self.send_due(now, emit)
+    }
+
+    fn pauses(&self) -> bool {
+        true
+    }
+
+    fn pause(&mut self, on: bool, now: Instant) {
+        match (on, self.paused) {
+            (true, None) => self.paused = Some(now),
+            (false, Some(since)) => {
+                self.paused = None;
+                if let Some(s) = self.start.as_mut() {
+                    *s += now.saturating_duration_since(since);
+                }
+            }
+            _ => {}
+        }
+    }
 
     fn next_due(&self) -> Option<Instant> {
-        if self.limit.is_some_and(|l| self.sent >= l) {
+        if self.paused.is_some() || self.limit.is_some_and(|l| self.sent >= l) {
             return None;
         }
         match self.start {
@@ -503,6 +562,48 @@ mod tests {
         assert_eq!(c.messages.load(Ordering::Relaxed), 4);
         // The schedule is kept: the next frame is due at 11 ms.
         assert_eq!(s.next_due(), Some(t0 + 11 * ms));
+    }
+
+    /// A sender the device pauses (802.3x) keeps the frame it refused first in line,
+    /// sends nothing and has nothing due while paused, and resumes its pace as much
+    /// later as the pause lasted: no backlog sent at once, nothing skipped, even with a
+    /// stall horizon shorter than the pause.
+    #[test]
+    fn a_paused_sender_keeps_its_refused_frame_and_resumes_its_pace_as_late_as_the_pause() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let mut s = PacedSender::new(flow(), 52, 1000.0, None)
+            .expect("sender")
+            .skip_after_stall(2 * ms);
+        assert!(s.pauses());
+        assert_eq!(poll(&mut s, t0), 1);
+        // Frames 1 and 2 are due by 2 ms: the device takes one, refuses the next and
+        // pauses the sender.
+        let mut offered = Vec::new();
+        let took = s.poll_held(t0 + 2 * ms, &mut |f, _| {
+            offered.push(f.to_vec());
+            offered.len() == 1
+        });
+        assert_eq!(took, 1);
+        s.pause(true, t0 + 2 * ms);
+        assert_eq!(s.next_due(), None, "a paused sender has nothing due");
+        assert_eq!(poll(&mut s, t0 + 10 * ms), 0);
+        // Let go at 12 ms: the refused frame is due then, the next a period later.
+        s.pause(false, t0 + 12 * ms);
+        assert_eq!(s.next_due(), Some(t0 + 12 * ms));
+        let mut again = Vec::new();
+        s.poll_held(t0 + 12 * ms, &mut |f, _| {
+            again.push(f.to_vec());
+            true
+        });
+        assert_eq!(again, vec![offered[1].clone()], "the refused frame, first");
+        assert_eq!(s.next_due(), Some(t0 + 13 * ms));
+        assert_eq!(poll(&mut s, t0 + 13 * ms), 1);
+        let c = s.counters();
+        assert_eq!(c.frames.load(Ordering::Relaxed), 4);
+        assert_eq!(c.skipped_frames.load(Ordering::Relaxed), 0);
+        // Frame 1, due at 1 ms and sent at 2, was the latest: the pause made none late.
+        assert_eq!(c.max_late_us.load(Ordering::Relaxed), 1000);
     }
 
     #[test]

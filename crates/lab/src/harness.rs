@@ -254,6 +254,7 @@ pub(crate) fn account_losses<'a>(
     let runs: Vec<(String, &Finish)> = runs.collect();
     device_waits(r, &runs);
     missed_outside_holds(r, &runs);
+    link_pauses(r, &runs);
     let mut total = 0;
     for (label, f) in runs {
         let lost = f.messages_sent.saturating_sub(f.messages_received);
@@ -347,6 +348,35 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
     ));
 }
 
+/// How often and how long the NIC paused the cable's far end (802.3x) over `runs`, as
+/// a note (the frames a pause kept with the sender are not lost, but came late); a later
+/// call (another group of runs of the same record) adds to it.
+fn link_pauses(r: &mut Report, runs: &[(String, &Finish)]) {
+    const NOTE: &str = "the NIC paused the sender at the cable's far end (802.3x flow control, \
+        as its packet buffer filled; pauses over all runs, µs paused in all, the longest \
+        pause in µs, runs paused)";
+    let mut n = [0u64; 4];
+    for (_, f) in runs {
+        let xoffs = nic_count(f, "rx_xoffs");
+        n[0] += xoffs;
+        n[1] += nic_count(f, "rx_xoff_us");
+        n[2] = n[2].max(nic_count(f, "rx_xoff_longest_us"));
+        n[3] += u64::from(xoffs > 0);
+    }
+    if let Some(k) = r.notes.iter().position(|t| t.starts_with(NOTE)) {
+        let old = r.notes.remove(k);
+        let before: Vec<u64> = old[NOTE.len()..]
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        if let [a, b, c, d] = before[..] {
+            n = [n[0] + a, n[1] + b, n[2].max(c), n[3] + d];
+        }
+    }
+    r.notes
+        .push(format!("{NOTE}: {}, {}, {}, {}", n[0], n[1], n[2], n[3]));
+}
+
 /// Whose a run's losses were, as its counters tell: the NIC's frames dropped for want
 /// of a buffer (`rx_missed`), how many of them fell in the host's holds of a pCPU's
 /// thread, the longest such hold (in a step, or between the idle loop's looks), and the
@@ -365,15 +395,16 @@ fn loss_cause(f: &Finish) -> String {
     }
     let (all, held) = missed(f);
     let waited = nic_count(f, "rx_fifo_held");
+    let (xoffs, xoff_us) = (nic_count(f, "rx_xoffs"), nic_count(f, "rx_xoff_longest_us"));
     let hold = |(us, on): (u64, &str)| match us {
         0 => "none".to_string(),
         _ => format!("{us} µs ({on})"),
     };
     format!(
         "the NIC had no buffer for {all} frames, {held} of them while the host held a pCPU, \
-         and {waited} waited in its packet buffer until one came or their wait ran out; the \
-         host's longest hold in a step: {}, between steps: {}; a device's engine waited \
-         {wait} µs at most",
+         and {waited} waited in its packet buffer until one came or their wait ran out; it \
+         paused the sender {xoffs} times, the longest {xoff_us} µs; the host's longest hold \
+         in a step: {}, between steps: {}; a device's engine waited {wait} µs at most",
         hold(in_step),
         hold(away)
     )
@@ -607,6 +638,37 @@ mod tests {
             .collect();
         assert_eq!(note.len(), 1);
         assert!(note[0].contains(": 35, 32; 235;"), "{}", note[0]);
+    }
+
+    /// The NIC's pauses of the sender add up over the groups of runs of one record, in
+    /// one note: counts and time in all, the longest pause the longest of any run.
+    #[test]
+    fn the_pauses_of_the_sender_add_up_over_every_group_of_runs() {
+        let paused = |xoffs: u64, us: u64, longest: u64| {
+            let mut f = run_that_missed(0, 0);
+            f.counters.add("nic", "rx_xoffs", xoffs);
+            f.counters.add("nic", "rx_xoff_us", us);
+            f.counters.add("nic", "rx_xoff_longest_us", longest);
+            f
+        };
+        let mut r = Report::new("t", "t", "t");
+        let (a, b, c) = (
+            paused(3, 9000, 5000),
+            paused(0, 0, 0),
+            paused(1, 7000, 7000),
+        );
+        account_losses(
+            &mut r,
+            [("a".to_string(), &a), ("b".to_string(), &b)].into_iter(),
+        );
+        account_losses(&mut r, [("c".to_string(), &c)].into_iter());
+        let note: Vec<_> = r
+            .notes
+            .iter()
+            .filter(|n| n.starts_with("the NIC paused the sender"))
+            .collect();
+        assert_eq!(note.len(), 1);
+        assert!(note[0].ends_with("): 4, 16000, 7000, 2"), "{}", note[0]);
     }
 
     /// Every configuration runs once a round, in the given order and then reversed, and

@@ -48,6 +48,8 @@ pub(super) struct Device {
     pub(super) fifo: RxFifo,
     /// A frame of several of the buffer's chunks, gathered to be placed.
     pub(super) fifo_frame: Vec<u8>,
+    /// Since when the cable's far end has been paused (802.3x XOFF), if it has.
+    pub(super) xoff: Option<Instant>,
 }
 
 /// The device's own state of one receive queue.
@@ -62,6 +64,11 @@ pub(super) struct RxQueue {
     /// A guest queue: since when a frame for it has waited with the source for want of
     /// a buffer (flow control, bounded by [`GUEST_QUEUE_HOLD`]).
     pub(super) starved_since: Option<Instant>,
+    /// The queue's tail when a frame of it was dropped from the packet buffer, its wait
+    /// run out: until the driver moves the tail, the queue is stuck, and what comes for
+    /// it is dropped at once rather than kept (so that a guest that posts nothing
+    /// neither fills the buffer again nor pauses the cable again).
+    pub(super) stuck_at: Option<u32>,
 }
 
 impl RxQueue {
@@ -71,6 +78,7 @@ impl RxQueue {
         self.first_pending = None;
         self.last_pending = None;
         self.starved_since = None;
+        self.stuck_at = None;
     }
 }
 
@@ -131,6 +139,7 @@ impl Device {
             holding: false,
             fifo: RxFifo::new(),
             fifo_frame: vec![0; super::RX_FIFO_RESERVE],
+            xoff: None,
         }
     }
 
@@ -164,9 +173,14 @@ impl Device {
             if !self.fifo.is_empty() {
                 again = self.drain_fifo(now);
             }
+            if self.xoff.is_some() {
+                self.maybe_xon(source, now);
+            }
             if regs.link_up.load(Ordering::Acquire) {
                 if source.holds() {
                     self.receive_held(source, now);
+                } else if source.pauses() {
+                    self.receive_paced(source, now);
                 } else {
                     source.poll(now, &mut |f, off| self.receive(f, off));
                 }
@@ -175,8 +189,9 @@ impl Device {
         }
         let now = Instant::now();
         // Until the next frame is due or the oldest completion's interrupt, or (idle)
-        // until a doorbell.
-        let mut wake = if regs.link_up.load(Ordering::Acquire) {
+        // until a doorbell. A paused far end has nothing due: the refill that makes
+        // room wakes the device.
+        let mut wake = if regs.link_up.load(Ordering::Acquire) && self.xoff.is_none() {
             source.next_due()
         } else {
             None
@@ -222,7 +237,7 @@ impl Device {
         // The wire is asked again: a frame put on it since the first look (its wake-up
         // found the device not yet asleep) is due in its serialization time, not at the
         // idle timeout.
-        let due = if regs.link_up.load(Ordering::Acquire) {
+        let due = if regs.link_up.load(Ordering::Acquire) && self.xoff.is_none() {
             source.next_due()
         } else {
             None
@@ -351,6 +366,52 @@ impl Device {
         } else {
             self.regs.rx_paused.store(false, Ordering::Relaxed);
         }
+    }
+
+    /// Frames from a far end that takes PAUSE frames, while it is not paused: each is
+    /// received as a cable's is, and once the packet buffer's room for its fullest
+    /// queue falls under [`super::RX_FIFO_XOFF`] the device pauses the far end (an
+    /// 802.3x XOFF, as the 82599 sends one at its high-water mark) and refuses what it
+    /// would still have sent, which stays first in its line. [`Self::maybe_xon`] lets
+    /// it go. A queue that is stuck (its frames' wait ran out) drops its frames at once
+    /// and fills nothing, so it cannot keep the cable paused.
+    pub(super) fn receive_paced(&mut self, source: &mut dyn WireSource, now: Instant) {
+        if self.xoff.is_some() {
+            return;
+        }
+        source.poll_held(now, &mut |f, off| {
+            if self.xoff.is_some() {
+                return false;
+            }
+            self.receive(f, off);
+            if !self.fifo.is_empty() && self.fifo.room() < super::RX_FIFO_XOFF {
+                self.xoff = Some(Instant::now());
+                self.regs.rx_xoffs.fetch_add(1, Ordering::Relaxed);
+            }
+            true
+        });
+        if let Some(at) = self.xoff {
+            source.pause(true, at);
+        }
+    }
+
+    /// Lets a paused far end go (an XON) once the packet buffer has
+    /// [`super::RX_FIFO_XON`] of room again for its fullest queue, and accounts the
+    /// pause.
+    fn maybe_xon(&mut self, source: &mut dyn WireSource, now: Instant) {
+        let Some(since) = self.xoff else {
+            return;
+        };
+        if self.fifo.room() < super::RX_FIFO_XON {
+            return;
+        }
+        self.xoff = None;
+        source.pause(false, now);
+        let us = now.saturating_duration_since(since).as_micros() as u64;
+        self.regs.rx_xoff_us.fetch_add(us, Ordering::Relaxed);
+        self.regs
+            .rx_xoff_longest_us
+            .fetch_max(us, Ordering::Relaxed);
     }
 
     /// A frame from the wire, with what rides beside it: into the free descriptors'
@@ -817,7 +878,7 @@ impl Device {
     /// until the queue is refilled; drops and counts it if the buffer, or the queue's
     /// share of it, is full.
     fn hold(&mut self, e: NoRoom, frame: &[u8], off: Offload, looped: bool) {
-        if !self.fifo.put(e.q, frame, off, Instant::now()) {
+        if self.stuck(e.q) || !self.fifo.put(e.q, frame, off, Instant::now()) {
             self.missed(e);
             return;
         }
@@ -831,6 +892,19 @@ impl Device {
         // see it, and the tail, looked at again, says so (see `receive_held`).
         self.regs.rx_paused.store(true, Ordering::SeqCst);
         self.fifo.again |= self.regs.rxq[e.q].tail.load(Ordering::SeqCst) != e.tail;
+    }
+
+    /// Whether queue `q` is stuck: a frame of it waited out its hold, and the driver
+    /// has not moved its tail since. Its mark goes once the tail moves.
+    fn stuck(&mut self, q: usize) -> bool {
+        let Some(at) = self.rxq[q].stuck_at else {
+            return false;
+        };
+        if self.regs.rxq[q].tail.load(Ordering::Acquire) == at {
+            return true;
+        }
+        self.rxq[q].stuck_at = None;
+        false
     }
 
     /// Places the frames waiting in the packet buffer whose queues now have room,
@@ -851,13 +925,20 @@ impl Device {
                 fifo.keep(h);
                 continue;
             }
+            if self.stuck(h.q) {
+                fifo.release(h);
+                self.missed(self.no_room(h.q));
+                continue;
+            }
             match self.receive_or_refuse(h.q, fifo.bytes(&h, &mut buf), h.off) {
                 Ok(()) => fifo.release(h),
-                // Its queue found no room for it in all that time: dropped there. (A
-                // refill that came meanwhile is taken first, whatever woke the device.)
+                // Its queue found no room for it in all that time: dropped there, and
+                // the queue stuck until its driver posts again. (A refill that came
+                // meanwhile is taken first, whatever woke the device.)
                 Err(e) if now.saturating_duration_since(h.since) >= GUEST_QUEUE_HOLD => {
                     fifo.release(h);
                     self.missed(e);
+                    self.rxq[h.q].stuck_at = Some(e.tail);
                 }
                 Err(e) => {
                     blocked |= 1 << h.q;

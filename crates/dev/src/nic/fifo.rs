@@ -34,6 +34,14 @@ pub const RX_FIFO_RESERVE: usize = 64 * 1024;
 /// `net::netback::RX_HOLD_LIMIT`).
 pub const GUEST_QUEUE_HOLD: Duration = Duration::from_millis(20);
 
+/// The room left, for the queue with the most waiting, under which the device pauses
+/// a far end that takes PAUSE frames (the 82599's `FCRTH` high-water mark, set so that
+/// what a 10 Gbit/s partner sends before it stops still fits).
+pub const RX_FIFO_XOFF: usize = 32 * 1024;
+/// The room at which it lets the far end go again (`FCRTL`, low water): far enough
+/// from the high mark that the link is not paused and released at every frame.
+pub const RX_FIFO_XON: usize = 128 * 1024;
+
 const CHUNKS: usize = RX_FIFO_BYTES / RX_FIFO_CHUNK;
 const QUEUE_CHUNKS: usize = (RX_FIFO_BYTES - RX_FIFO_RESERVE) / RX_FIFO_CHUNK;
 const END: u16 = u16::MAX;
@@ -99,6 +107,13 @@ impl RxFifo {
     /// Frames it holds.
     pub(super) fn len(&self) -> usize {
         self.order.len()
+    }
+
+    /// The room the queue with the most frames waiting still finds (its share, or the
+    /// whole buffer's, whichever is less), in bytes.
+    pub(super) fn room(&self) -> usize {
+        let fullest = self.per_queue.iter().copied().max().unwrap_or(0);
+        self.free_chunks.min(QUEUE_CHUNKS - fullest) * RX_FIFO_CHUNK
     }
 
     /// When its oldest frame's wait runs out.

@@ -256,6 +256,13 @@ pub struct NicRegs {
     /// descriptor on their queue, until it had room (or dropped from it, in
     /// `rx_missed`).
     pub rx_fifo_held: AtomicU64,
+    /// Times the device paused the cable's far end (an 802.3x XOFF) as its packet
+    /// buffer filled, for a far end that takes PAUSE frames.
+    pub rx_xoffs: AtomicU64,
+    /// How long those pauses lasted in all (µs).
+    pub rx_xoff_us: AtomicU64,
+    /// The longest of them (µs).
+    pub rx_xoff_longest_us: AtomicU64,
     /// Frames dropped: too long.
     pub rx_oversize: AtomicU64,
     /// DMA faults (a descriptor naming memory the device may not touch).
@@ -310,6 +317,9 @@ pub struct NicCounts {
     pub rx_pauses: u64,
     pub rx_loop_held: u64,
     pub rx_fifo_held: u64,
+    pub rx_xoffs: u64,
+    pub rx_xoff_us: u64,
+    pub rx_xoff_longest_us: u64,
     pub rx_oversize: u64,
     pub dma_faults: u64,
     pub rx_dma_errors: u64,
@@ -341,6 +351,9 @@ impl NicRegs {
             rx_pauses: l(&self.rx_pauses),
             rx_loop_held: l(&self.rx_loop_held),
             rx_fifo_held: l(&self.rx_fifo_held),
+            rx_xoffs: l(&self.rx_xoffs),
+            rx_xoff_us: l(&self.rx_xoff_us),
+            rx_xoff_longest_us: l(&self.rx_xoff_longest_us),
             rx_oversize: l(&self.rx_oversize),
             dma_faults: l(&self.dma_faults),
             rx_dma_errors: l(&self.rx_dma_errors),
@@ -372,6 +385,9 @@ impl hv::counters::CounterSet for NicRegs {
         f("rx_pauses", c.rx_pauses);
         f("rx_loop_held", c.rx_loop_held);
         f("rx_fifo_held", c.rx_fifo_held);
+        f("rx_xoffs", c.rx_xoffs);
+        f("rx_xoff_us", c.rx_xoff_us);
+        f("rx_xoff_longest_us", c.rx_xoff_longest_us);
         f("rx_oversize", c.rx_oversize);
         f("dma_faults", c.dma_faults);
         f("rx_dma_errors", c.rx_dma_errors);
@@ -429,6 +445,9 @@ impl NicRegs {
             rx_pauses: AtomicU64::new(0),
             rx_loop_held: AtomicU64::new(0),
             rx_fifo_held: AtomicU64::new(0),
+            rx_xoffs: AtomicU64::new(0),
+            rx_xoff_us: AtomicU64::new(0),
+            rx_xoff_longest_us: AtomicU64::new(0),
             rx_oversize: AtomicU64::new(0),
             dma_faults: AtomicU64::new(0),
             rx_dma_errors: AtomicU64::new(0),

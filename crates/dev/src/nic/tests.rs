@@ -756,14 +756,24 @@ fn a_looped_back_frame_waits_in_the_device_for_its_full_queue_and_a_stuck_queue_
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert_eq!((r.frames(1), r.missed(1)), (6, 2));
     assert!(r.dev.fifo.is_empty());
+    // The queue is stuck until its guest posts again: the next frame is dropped at
+    // once, not kept.
+    send(&mut r, 14);
+    assert_eq!((r.frames(1), r.missed(1)), (6, 3));
+    assert!(r.dev.fifo.is_empty());
+    // It posts one buffer, which the next frame takes, and the one after waits again.
+    r.repost(1, 2, 1);
+    send(&mut r, 15);
+    let d = send(&mut r, 16);
+    assert_eq!((r.frames(1), r.missed(1)), (7, 3));
+    assert_eq!(r.regs.rx_loop_held.load(Ordering::Relaxed), 5);
     // One whose queue is refilled after its hold ran out, but before the device looked
     // again, is placed: only a frame that still finds no room is dropped.
-    let d = send(&mut r, 14);
     std::thread::sleep(super::GUEST_QUEUE_HOLD + Duration::from_millis(5));
-    r.repost(1, 2, 1);
+    r.repost(1, 3, 1);
     r.dev.pass(&mut src, &mut sink, &mut 0);
-    assert_eq!((r.frames(1), r.missed(1)), (7, 2));
-    assert_eq!(r.got_again(1, 2), d);
+    assert_eq!((r.frames(1), r.missed(1)), (8, 3));
+    assert_eq!(r.got_again(1, 3), d);
 }
 
 /// Loops a frame back to queue `q`; `None` if the device refused it as no guest's
@@ -846,6 +856,228 @@ fn a_cable_frame_for_a_full_queue_waits_in_the_device_in_order_and_holds_up_no_o
     r.regs.resets.fetch_add(1, Ordering::Relaxed);
     r.dev.pass(&mut src, &mut sink, &mut 0);
     assert!(r.dev.fifo.is_empty());
+}
+
+/// A far end that takes PAUSE frames: its frames wait in its line while the device
+/// refuses them or has paused it, and it keeps what it was told.
+#[derive(Default)]
+struct Pausing {
+    line: std::collections::VecDeque<Vec<u8>>,
+    paused: bool,
+    told: Vec<bool>,
+}
+
+impl WireSource for Pausing {
+    fn poll(&mut self, _now: Instant, _emit: &mut dyn FnMut(&[u8], Offload)) -> usize {
+        unreachable!("a far end that pauses is polled with poll_held")
+    }
+    fn next_due(&self) -> Option<Instant> {
+        (!self.paused && !self.line.is_empty()).then(Instant::now)
+    }
+    fn pauses(&self) -> bool {
+        true
+    }
+    fn pause(&mut self, on: bool, _now: Instant) {
+        self.paused = on;
+        self.told.push(on);
+    }
+    fn poll_held(&mut self, _now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        let mut n = 0;
+        while let Some(f) = self.line.front().filter(|_| !self.paused) {
+            if !emit(f, Offload::NONE) {
+                break;
+            }
+            self.line.pop_front();
+            n += 1;
+        }
+        n
+    }
+}
+
+/// Frames of the packet buffer's chunk each, to `dst`, numbered from `from`.
+fn numbered(dst: [u8; 6], from: usize, n: usize) -> Vec<Vec<u8>> {
+    (from..from + n)
+        .map(|k| {
+            let mut f = frame_to(dst, None, k as u8);
+            f.extend_from_slice(&(k as u32).to_be_bytes());
+            f
+        })
+        .collect()
+}
+
+impl Rig {
+    /// Queue `q`'s driver posts `n` more buffers (its pages in turn) at ring positions
+    /// `at..at + n`, and writes the tail past them.
+    fn post_at(&self, q: usize, at: u32, n: u32) {
+        for p in at..at + n {
+            let desc = Desc {
+                addr: 0x200_000 + q as u64 * 0x10_000 + u64::from(p % POSTED) * 0x1000,
+                ..Default::default()
+            };
+            self.dom
+                .write(
+                    self.rings[q],
+                    (p % RING_DESCS) as usize * DESC_SIZE,
+                    bytemuck::bytes_of(&desc),
+                )
+                .expect("desc");
+        }
+        self.regs.set_rx_tail(q, (at + n) % RING_DESCS);
+    }
+    /// The bytes queue `q` wrote for ring position `at` ([`Self::post_at`]'s buffer).
+    fn got_at(&self, q: usize, at: u32) -> Vec<u8> {
+        let mut raw = [0u8; DESC_SIZE];
+        self.dom
+            .read(
+                self.rings[q],
+                (at % RING_DESCS) as usize * DESC_SIZE,
+                &mut raw,
+            )
+            .expect("desc");
+        let d: Desc = bytemuck::pod_read_unaligned(&raw);
+        let mut b = vec![0u8; d.len as usize];
+        self.dom
+            .read(self.bufs[q][(at % POSTED) as usize], 0, &mut b)
+            .expect("data");
+        b
+    }
+    /// Frames the device kept in its packet buffer so far.
+    fn kept(&self) -> u64 {
+        self.regs.rx_fifo_held.load(Ordering::Relaxed)
+    }
+}
+
+/// Packet-buffer chunks one queue may fill before the device pauses a far end that
+/// takes PAUSE frames.
+fn chunks_before_xoff() -> usize {
+    (RX_FIFO_BYTES - RX_FIFO_RESERVE - RX_FIFO_XOFF) / RX_FIFO_CHUNK + 1
+}
+
+/// A far end with flow control is paused (XOFF) once a queue's frames fill the packet
+/// buffer to its high-water mark, and what it would have sent stays in its line, in
+/// order; the refills that drain the buffer to the low-water mark let it go (XON), and
+/// nothing is lost. The pause is link-wide, as 802.3x is: another queue's frame behind
+/// waits too.
+#[test]
+fn a_far_end_that_takes_pause_frames_is_paused_as_the_packet_buffer_fills_and_loses_nothing() {
+    let mut r = rig(3);
+    r.regs.enabled.store(true, Ordering::Relaxed);
+    r.regs.link_up.store(true, Ordering::Relaxed);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    let high = chunks_before_xoff();
+    let to_a = numbered(MAC_A, 0, POSTED as usize + high + 20);
+    let mut src = Pausing::default();
+    src.line.extend(to_a.iter().cloned());
+    src.line.push_back(frame_to(MAC_B, None, 0xb0));
+    let mut sink = crate::wire::CountingSink::default();
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(src.told, vec![true], "paused once");
+    assert_eq!((r.frames(1), r.missed(1)), (u64::from(POSTED), 0));
+    assert_eq!(r.kept(), high as u64);
+    assert_eq!(
+        src.line.len(),
+        21,
+        "twenty frames for queue 1 and one for queue 2 wait"
+    );
+    assert_eq!(src.line.front(), Some(&to_a[POSTED as usize + high]));
+    assert_eq!(r.regs.rx_xoffs.load(Ordering::Relaxed), 1);
+    // Paused, a pass takes nothing more.
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!((src.line.len(), r.kept()), (21, high as u64));
+    // Refills that leave the buffer just over the low-water mark do not let it go...
+    let low = (RX_FIFO_BYTES - RX_FIFO_RESERVE - RX_FIFO_XON) / RX_FIFO_CHUNK;
+    let first = (high - low - 1) as u32;
+    r.post_at(1, POSTED, first);
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(r.frames(1), u64::from(POSTED + first));
+    assert_eq!(src.told, vec![true]);
+    // ...one more does, and what waited comes in order, behind the packet buffer's.
+    r.post_at(1, POSTED + first, 1);
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(src.told, vec![true, false]);
+    assert!(src.line.is_empty());
+    assert_eq!(r.frames(2), 1, "queue 2's frame came after the pause");
+    assert_eq!(r.kept(), high as u64 + 20);
+    // Drained to the end: every frame for queue 1 placed, in order, none missed.
+    let mut at = POSTED + first + 1;
+    let total = to_a.len() as u64;
+    while r.frames(1) < total {
+        r.post_at(1, at, POSTED);
+        r.dev.pass(&mut src, &mut sink, &mut 0);
+        let placed = r.frames(1) as usize;
+        for k in 0..POSTED {
+            let n = placed - POSTED as usize + k as usize;
+            assert_eq!(r.got_at(1, at + k), to_a[n], "frame {n}, in order");
+        }
+        at += POSTED;
+    }
+    assert_eq!(
+        (
+            r.frames(1),
+            r.missed(1),
+            r.regs.rx_missed.load(Ordering::Relaxed)
+        ),
+        (total, 0, 0)
+    );
+    assert!(r.dev.fifo.is_empty());
+    assert_eq!(r.regs.rx_xoffs.load(Ordering::Relaxed), 1);
+}
+
+/// A guest that stops posting pauses a far end with flow control once, for the
+/// queue's hold at most: its waiting frames are then dropped on its queue, the cable
+/// goes on for the others, and what comes for the stuck queue is dropped at once
+/// without filling the buffer or pausing the cable again, until its driver posts.
+#[test]
+fn a_guest_that_stops_posting_pauses_the_cable_once_and_then_loses_only_its_own_frames() {
+    let mut r = rig(3);
+    r.regs.enabled.store(true, Ordering::Relaxed);
+    r.regs.link_up.store(true, Ordering::Relaxed);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    let high = chunks_before_xoff();
+    let mut src = Pausing::default();
+    src.line
+        .extend(numbered(MAC_A, 0, POSTED as usize + high + 1));
+    src.line.push_back(frame_to(MAC_B, None, 0xb0));
+    let mut sink = crate::wire::CountingSink::default();
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!((src.told.clone(), src.line.len()), (vec![true], 2));
+    let until = r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert!(
+        matches!(until, Some(Some(_))),
+        "the hold's end is the device's next wake-up: {until:?}"
+    );
+    std::thread::sleep(GUEST_QUEUE_HOLD + Duration::from_millis(5));
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(
+        src.told,
+        vec![true, false],
+        "let go once the queue's frames are dropped"
+    );
+    assert!(src.line.is_empty());
+    assert_eq!(
+        (r.frames(1), r.missed(1)),
+        (u64::from(POSTED), high as u64 + 1)
+    );
+    assert_eq!((r.frames(2), r.missed(2)), (1, 0));
+    assert!(r.dev.fifo.is_empty());
+    // More for the stuck queue: dropped at once, no pause.
+    src.line.extend(numbered(MAC_A, 1000, 2 * high));
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(src.told, vec![true, false]);
+    assert_eq!(r.missed(1), 3 * high as u64 + 1);
+    assert!(r.dev.fifo.is_empty());
+    assert_eq!(r.regs.rx_xoffs.load(Ordering::Relaxed), 1);
+    // It posts again: its frames are placed, and kept when it is full, as before.
+    r.post_at(1, POSTED, 1);
+    src.line.extend(numbered(MAC_A, 2000, 2));
+    r.dev.pass(&mut src, &mut sink, &mut 0);
+    assert_eq!(
+        (r.frames(1), r.missed(1)),
+        (u64::from(POSTED) + 1, 3 * high as u64 + 1)
+    );
+    assert_eq!(r.kept(), high as u64 + 1);
 }
 
 /// What a cable was given: each frame and its offload.
