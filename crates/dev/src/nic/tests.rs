@@ -472,6 +472,17 @@ fn rig(queues: usize) -> Rig {
     }
 }
 
+/// A running device with the default queue and two guests' queues: frames to `MAC_A`
+/// steered to queue 1, to `MAC_B` to queue 2, the cable plugged in.
+fn two_guests() -> Rig {
+    let r = rig(3);
+    r.regs.enabled.store(true, Ordering::Relaxed);
+    r.regs.link_up.store(true, Ordering::Relaxed);
+    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
+    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    r
+}
+
 /// A frame to `dst`, tagged with `vlan` if given, its payload `seed`.
 fn frame_to(dst: [u8; 6], vlan: Option<u16>, seed: u8) -> Vec<u8> {
     let mut f = dst.to_vec();
@@ -792,11 +803,7 @@ fn send_to(r: &mut Rig, q: usize, seed: u8) -> Option<Vec<u8>> {
 /// and one of them still finds the room kept for the others.
 #[test]
 fn a_cable_frame_for_a_full_queue_waits_in_the_device_in_order_and_holds_up_no_other_queue() {
-    let mut r = rig(3);
-    r.regs.enabled.store(true, Ordering::Relaxed);
-    r.regs.link_up.store(true, Ordering::Relaxed);
-    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
-    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    let mut r = two_guests();
     // Queue 1's four buffers, then frames that wait: every one of its share.
     let share = (RX_FIFO_BYTES - RX_FIFO_RESERVE) / RX_FIFO_CHUNK;
     let to_a: Vec<Vec<u8>> = (0..POSTED as usize + share + 1)
@@ -960,11 +967,7 @@ fn chunks_before_xoff() -> usize {
 /// waits too.
 #[test]
 fn a_far_end_that_takes_pause_frames_is_paused_as_the_packet_buffer_fills_and_loses_nothing() {
-    let mut r = rig(3);
-    r.regs.enabled.store(true, Ordering::Relaxed);
-    r.regs.link_up.store(true, Ordering::Relaxed);
-    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
-    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    let mut r = two_guests();
     let high = chunks_before_xoff();
     let to_a = numbered(MAC_A, 0, POSTED as usize + high + 20);
     let mut src = Pausing::default();
@@ -1030,11 +1033,7 @@ fn a_far_end_that_takes_pause_frames_is_paused_as_the_packet_buffer_fills_and_lo
 /// without filling the buffer or pausing the cable again, until its driver posts.
 #[test]
 fn a_guest_that_stops_posting_pauses_the_cable_once_and_then_loses_only_its_own_frames() {
-    let mut r = rig(3);
-    r.regs.enabled.store(true, Ordering::Relaxed);
-    r.regs.link_up.store(true, Ordering::Relaxed);
-    r.regs.set_filter(0, MAC_A, None, 1).expect("filter");
-    r.regs.set_filter(1, MAC_B, None, 2).expect("filter");
+    let mut r = two_guests();
     let high = chunks_before_xoff();
     let mut src = Pausing::default();
     src.line
