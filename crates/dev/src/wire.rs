@@ -422,9 +422,7 @@ impl PacedSender {
     pub fn counters(&self) -> &Arc<SenderCounters> {
         &self.counters
     }
-}
 
-impl PacedSender {
     /// Sends every frame due by `now` while `emit` takes them; a frame it refuses stays
     /// first in line (the device paused the link as it came). Returns how many went.
     fn send_due(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {

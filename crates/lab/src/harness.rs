@@ -328,14 +328,10 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
         held += h;
         waited += nic_count(f, "rx_fifo_held");
     }
-    if let Some(k) = r.notes.iter().position(|n| n.starts_with(NOTE)) {
-        let old = r.notes.remove(k);
-        let mut nums = old[NOTE.len()..]
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse::<u64>().ok());
-        all += nums.next().unwrap_or(0);
-        held += nums.next().unwrap_or(0);
-        waited += nums.next().unwrap_or(0);
+    if let [a, h, w, ..] = carried(r, NOTE)[..] {
+        all += a;
+        held += h;
+        waited += w;
     }
     r.checks.retain(|c| c.what != WHAT);
     r.check_none(WHAT, all - held, "frames");
@@ -346,6 +342,20 @@ fn missed_outside_holds(r: &mut Report, runs: &[(String, &Finish)]) {
         hv::sched::HOLD_LOGGED.as_micros(),
         dev::nic::misses::MISS_AFTER_HOLD.as_micros(),
     ));
+}
+
+/// The numbers of the note that starts with `prefix`, written by an earlier call for
+/// another group of runs of the same record, in order; the note is taken out, for the
+/// caller to write again with its own runs added. Empty if there is none.
+fn carried(r: &mut Report, prefix: &str) -> Vec<u64> {
+    let Some(k) = r.notes.iter().position(|n| n.starts_with(prefix)) else {
+        return Vec::new();
+    };
+    let old = r.notes.remove(k);
+    old[prefix.len()..]
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect()
 }
 
 /// How often and how long the NIC paused the cable's far end (802.3x) over `runs`, as
@@ -363,15 +373,8 @@ fn link_pauses(r: &mut Report, runs: &[(String, &Finish)]) {
         n[2] = n[2].max(nic_count(f, "rx_xoff_longest_us"));
         n[3] += u64::from(xoffs > 0);
     }
-    if let Some(k) = r.notes.iter().position(|t| t.starts_with(NOTE)) {
-        let old = r.notes.remove(k);
-        let before: Vec<u64> = old[NOTE.len()..]
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        if let [a, b, c, d] = before[..] {
-            n = [n[0] + a, n[1] + b, n[2].max(c), n[3] + d];
-        }
+    if let [a, b, c, d, ..] = carried(r, NOTE)[..] {
+        n = [n[0] + a, n[1] + b, n[2].max(c), n[3] + d];
     }
     r.notes
         .push(format!("{NOTE}: {}, {}, {}, {}", n[0], n[1], n[2], n[3]));
@@ -395,7 +398,7 @@ fn loss_cause(f: &Finish) -> String {
     }
     let (all, held) = missed(f);
     let waited = nic_count(f, "rx_fifo_held");
-    let (xoffs, xoff_us) = (nic_count(f, "rx_xoffs"), nic_count(f, "rx_xoff_longest_us"));
+    let (xoffs, longest_xoff) = (nic_count(f, "rx_xoffs"), nic_count(f, "rx_xoff_longest_us"));
     let hold = |(us, on): (u64, &str)| match us {
         0 => "none".to_string(),
         _ => format!("{us} µs ({on})"),
@@ -403,7 +406,7 @@ fn loss_cause(f: &Finish) -> String {
     format!(
         "the NIC had no buffer for {all} frames, {held} of them while the host held a pCPU, \
          and {waited} waited in its packet buffer until one came or their wait ran out; it \
-         paused the sender {xoffs} times, the longest {xoff_us} µs; the host's longest hold \
+         paused the sender {xoffs} times, the longest {longest_xoff} µs; the host's longest hold \
          in a step: {}, between steps: {}; a device's engine waited {wait} µs at most",
         hold(in_step),
         hold(away)

@@ -173,9 +173,7 @@ impl Device {
             if !self.fifo.is_empty() {
                 again = self.drain_fifo(now);
             }
-            if self.xoff.is_some() {
-                self.maybe_xon(source, now);
-            }
+            self.maybe_xon(source, now);
             if regs.link_up.load(Ordering::Acquire) {
                 if source.holds() {
                     self.receive_held(source, now);
@@ -875,8 +873,8 @@ impl Device {
     }
 
     /// Keeps `frame` in the device's packet buffer, its queue paused as the cable's is,
-    /// until the queue is refilled; drops and counts it if the buffer, or the queue's
-    /// share of it, is full.
+    /// until the queue is refilled; drops and counts it if the queue is stuck, or the
+    /// buffer, or the queue's share of it, is full.
     fn hold(&mut self, e: NoRoom, frame: &[u8], off: Offload, looped: bool) {
         if self.stuck(e.q) || !self.fifo.put(e.q, frame, off, Instant::now()) {
             self.missed(e);
@@ -910,7 +908,8 @@ impl Device {
     /// Places the frames waiting in the packet buffer whose queues now have room,
     /// oldest first; a frame's queue without room keeps it and every later one of its
     /// own. A frame still without room once held [`GUEST_QUEUE_HOLD`] is dropped and
-    /// counted. Returns whether a queue was refilled while it looked (the pass then
+    /// counted, and its queue marked stuck: the queue's other waiting frames are
+    /// dropped with it. Returns whether a queue was refilled while it looked (the pass then
     /// runs again rather than sleep).
     fn drain_fifo(&mut self, now: Instant) -> bool {
         let mut fifo = std::mem::take(&mut self.fifo);
