@@ -76,6 +76,9 @@ struct Lane {
     /// When the wire is free again (the last frame's last bit).
     free_at: Option<Instant>,
     rate: WireRate,
+    /// Since when the receiving device has paused the sender (an 802.3x XOFF): frames
+    /// on the lane stay where they are, and nothing is due until it lets it go.
+    paused: Option<Instant>,
 }
 
 impl Lane {
@@ -89,6 +92,7 @@ impl Lane {
             due: VecDeque::with_capacity(frames),
             free_at: None,
             rate,
+            paused: None,
         }
     }
 
@@ -107,9 +111,54 @@ impl Lane {
         true
     }
 
-    /// When the oldest frame arrives.
+    /// When the oldest frame arrives (none while paused).
     fn next_due(&self) -> Option<Instant> {
+        if self.paused.is_some() {
+            return None;
+        }
         self.due.front().copied()
+    }
+
+    /// Whether a sender may put a frame on now without it being lost: the lane has
+    /// room and the receiver has not paused it.
+    fn takes(&self) -> bool {
+        self.paused.is_none() && !self.ring.is_full()
+    }
+
+    /// The receiver pauses the sender (`on`) or lets it go, at `now`. The sender stops
+    /// between frames and, let go, carries on as late as the pause lasted: what was on
+    /// the lane arrives that much later, and what had arrived and was refused arrives
+    /// at once.
+    fn pause(&mut self, on: bool, now: Instant) {
+        match (on, self.paused) {
+            (true, None) => self.paused = Some(now),
+            (false, Some(since)) => {
+                self.paused = None;
+                let d = now.saturating_duration_since(since);
+                self.due.iter_mut().for_each(|t| *t += d);
+                if let Some(f) = self.free_at.as_mut() {
+                    *f += d;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// As [`Self::deliver`], while the receiver takes them: a frame `f` refuses stays
+    /// first on the lane and delivery stops there. Nothing is delivered while paused.
+    fn deliver_held(&mut self, now: Instant, mut f: impl FnMut(&[u8]) -> bool) -> usize {
+        let mut n = 0;
+        while self.paused.is_none() && self.due.front().is_some_and(|&d| d <= now) {
+            if let Some(fr) = self.ring.front() {
+                if !f(fr) {
+                    break;
+                }
+            }
+            self.ring.pop();
+            self.due.pop_front();
+            n += 1;
+        }
+        n
     }
 
     /// Hands every frame that has arrived by `now` to `f`; returns how many.
@@ -799,6 +848,26 @@ impl WireSource for CrossEnd {
     fn attach(&mut self, wake: &Arc<Doze>) {
         let _ = self.cable.nics[self.me].set(Arc::clone(wake));
     }
+
+    /// The far end is a device like this one: its MAC takes PAUSE frames, and while
+    /// paused its frames wait on the lane (its transmit queue) and its device sends
+    /// nothing more ([`WireSink::room`]).
+    fn pauses(&self) -> bool {
+        true
+    }
+
+    fn pause(&mut self, on: bool, now: Instant) {
+        if let Ok(mut lane) = self.cable.lanes[self.me].lock() {
+            lane.pause(on, now);
+        }
+    }
+
+    fn poll_held(&mut self, now: Instant, emit: &mut dyn FnMut(&[u8], Offload) -> bool) -> usize {
+        let Ok(mut lane) = self.cable.lanes[self.me].lock() else {
+            return 0;
+        };
+        lane.deliver_held(now, |f| emit(f, Offload::NONE))
+    }
 }
 
 impl WireSink for CrossEnd {
@@ -814,5 +883,71 @@ impl WireSink for CrossEnd {
         } else {
             self.cable.dropped[self.me].fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    fn room(&self) -> bool {
+        self.cable.lanes[1 - self.me]
+            .lock()
+            .is_ok_and(|l| l.takes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn numbered(k: u8) -> Vec<u8> {
+        vec![k; 100]
+    }
+
+    #[test]
+    fn a_paused_crossover_keeps_its_frames_and_takes_no_more_until_let_go() {
+        let (a, mut b) = crossover(WireRate::GIGABIT);
+        let mut to_b = a.sink();
+        assert!(b.pauses());
+        for k in 0..3 {
+            assert!(to_b.room());
+            to_b.transmit(&numbered(k), Offload::NONE);
+        }
+        let ms = Duration::from_millis(1);
+        let t0 = Instant::now() + ms;
+        // The receiver takes one, refuses the next and pauses the sender.
+        let mut got = Vec::new();
+        let took = b.poll_held(t0, &mut |f, _| {
+            if got.is_empty() {
+                got.push(f[0]);
+                true
+            } else {
+                false
+            }
+        });
+        assert_eq!((took, got.as_slice()), (1, &[0u8][..]));
+        b.pause(true, t0);
+        assert!(!to_b.room(), "a paused sender sends nothing more");
+        assert_eq!(b.next_due(), None, "nothing is due while paused");
+        assert_eq!(b.poll_held(t0 + 10 * ms, &mut |_, _| true), 0);
+        // Let go: the refused frame first, then the rest, each once and in order.
+        b.pause(false, t0 + 5 * ms);
+        assert!(to_b.room());
+        assert!(b.next_due().is_some_and(|d| d <= t0 + 5 * ms));
+        b.poll_held(t0 + 10 * ms, &mut |f, _| {
+            got.push(f[0]);
+            true
+        });
+        assert_eq!(got, vec![0, 1, 2]);
+        assert_eq!(a.sink().dropped(), 0);
+    }
+
+    #[test]
+    fn a_full_crossover_lane_has_no_room_and_what_is_sent_anyway_is_counted_lost() {
+        let (a, _b) = crossover(WireRate::GIGABIT);
+        let mut to_b = a.sink();
+        for _ in 0..CROSSOVER_FRAMES {
+            assert!(to_b.room());
+            to_b.transmit(&numbered(1), Offload::NONE);
+        }
+        assert!(!to_b.room());
+        to_b.transmit(&numbered(2), Offload::NONE);
+        assert_eq!(a.dropped(), 1);
     }
 }

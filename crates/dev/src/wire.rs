@@ -89,7 +89,8 @@ pub trait WireSource: Send {
     fn attach(&mut self, _wake: &Arc<Doze>) {}
     /// Whether a frame the device has no room for can stay with the source, first in
     /// its line, rather than be lost: a TAP keeps it in the interface's queue, as a
-    /// link with flow control pauses its sender. A cable's frames cannot wait.
+    /// link with flow control pauses its sender. A cable's frames cannot wait this way: a
+    /// far end that takes PAUSE frames is paused instead ([`Self::pauses`]).
     fn holds(&self) -> bool {
         false
     }
@@ -136,6 +137,13 @@ pub trait WireSink: Send {
     /// The NIC has put every frame it had on the cable for now: a sink that sends in
     /// batches sends what it holds.
     fn flush(&mut self) {}
+    /// Whether the cable takes a frame now without losing it: false while the far end
+    /// has paused this one (802.3x) or its queue is full. A device that can wait keeps
+    /// its frames in the guests' rings until it is true; one that sends regardless
+    /// loses what finds no room.
+    fn room(&self) -> bool {
+        true
+    }
     /// Whether the sink must be used from one thread ([`WireSource::thread_bound`]).
     fn thread_bound(&self) -> bool {
         false

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use dev::svnic::engine::{Demux, Egress, Ingress, IngressVifs, Stage, StageTimes};
 use dev::svnic::vif::{VifDevice, VifFront, VifRegion, SLOTS, SLOT_BYTES};
@@ -159,7 +160,9 @@ fn ingress_places_each_frame_in_its_vif_in_order_and_counts_the_rest() {
     };
     let mut placed = 0;
     loop {
-        let n = ingress.step(&vifs, &mut take, &mut |v| signals[v as usize] += 1);
+        let n = ingress.step(&vifs, Instant::now(), &mut take, &mut |v| {
+            signals[v as usize] += 1
+        });
         placed += n;
         if n == 0 && ingress.in_flight() == 0 {
             break;
@@ -224,7 +227,7 @@ fn two_ingress_engines_on_two_threads_place_every_frame_once_and_intact_or_count
                     Some((f.len(), None))
                 };
                 loop {
-                    let n = ingress.step(&vifs, &mut take, &mut |_| {});
+                    let n = ingress.step(&vifs, Instant::now(), &mut take, &mut |_| {});
                     if n == 0 {
                         if ingress.in_flight() == 0 && wire.lock().expect("wire").is_empty() {
                             break;
@@ -636,4 +639,144 @@ fn a_broadcast_from_the_wire_reaches_every_vif_once_and_a_unicast_only_its_own()
         .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(broadcast, 3);
     svnic.stop();
+}
+
+/// An engine of 8 contexts over two VIFs, the wire's frames in `wire`.
+struct HeldRig {
+    ingress: Ingress<OwnPage>,
+    vifs: IngressVifs<OwnPage>,
+    fronts: Vec<VifFront<MappedPage>>,
+    wire: VecDeque<Vec<u8>>,
+    _s: common::Setup,
+}
+
+impl HeldRig {
+    fn new() -> Self {
+        let s = setup(2);
+        let mut vifs = IngressVifs {
+            rx: Vec::new(),
+            demux: Demux::new(2),
+        };
+        let mut fronts = Vec::new();
+        for i in 0..2 {
+            let (dev, front) = vif(&s, i);
+            vifs.rx.push(Some(Arc::clone(&dev.rx)));
+            vifs.demux.insert(mac(i), i as u16);
+            fronts.push(front);
+        }
+        Self {
+            ingress: Ingress::new(8, Arc::new(StageTimes::default())),
+            vifs,
+            fronts,
+            wire: VecDeque::new(),
+            _s: s,
+        }
+    }
+
+    /// Steps at `now` until a step publishes nothing; returns frames published.
+    fn run(&mut self, now: Instant) -> usize {
+        let wire = &mut self.wire;
+        let mut take = |buf: &mut [u8]| {
+            let f = wire.pop_front()?;
+            buf[..f.len()].copy_from_slice(&f);
+            Some((f.len(), None))
+        };
+        let mut placed = 0;
+        loop {
+            let n = self.ingress.step(&self.vifs, now, &mut take, &mut |_| {});
+            if n == 0 {
+                return placed;
+            }
+            placed += n;
+        }
+    }
+
+    /// The numbers of the frames VIF `to`'s guest takes now, each checked byte for byte.
+    fn drain(&mut self, to: usize, most: usize) -> Vec<u32> {
+        let mut buf = [0u8; SLOT_BYTES];
+        let mut got = Vec::new();
+        while got.len() < most {
+            let Some(n) = self.fronts[to].recv(&mut buf).expect("recv") else {
+                break;
+            };
+            let k = number(&buf[..n]);
+            assert_eq!(&buf[..n], &frame(to, k)[..], "VIF {to}, frame {k}");
+            got.push(k);
+        }
+        got
+    }
+
+    fn stat(
+        &self,
+        f: impl Fn(&dev::svnic::engine::EngineStats) -> &std::sync::atomic::AtomicU64,
+    ) -> u64 {
+        f(self.ingress.stats()).load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[test]
+fn a_frame_for_a_full_vif_waits_for_its_guest_and_the_frames_behind_it_wait_on_the_wire_in_order() {
+    use dev::svnic::engine::VIF_HOLD;
+    let mut r = HeldRig::new();
+    // VIF 0's guest drains nothing: its queue fills, and the next frame for it finds
+    // no room, with frames for both VIFs behind it.
+    r.wire.extend((0..SLOTS).map(|k| frame(0, k)));
+    r.wire.extend([
+        frame(0, SLOTS),
+        frame(1, 0),
+        frame(0, SLOTS + 1),
+        frame(1, 1),
+    ]);
+    let t0 = Instant::now();
+    assert_eq!(r.run(t0), SLOTS as usize);
+    assert_eq!(r.stat(|s| &s.vif_held), 1, "one frame waits in its context");
+    assert_eq!(r.ingress.in_flight(), 1);
+    assert_eq!(r.wire.len(), 3, "nothing behind it is taken from the wire");
+    assert!(r.drain(1, usize::MAX).is_empty(), "VIF 1's frame waits too");
+    // Short of the hold, it still waits: nothing is dropped.
+    assert_eq!(r.run(t0 + VIF_HOLD - Duration::from_millis(1)), 0);
+    assert_eq!(r.stat(|s| &s.vif_full), 0);
+    // The guest takes four: the waiting frame and everything behind it go through.
+    assert_eq!(r.drain(0, 4), vec![0, 1, 2, 3]);
+    assert_eq!(r.run(t0 + VIF_HOLD - Duration::from_millis(1)), 4);
+    assert!(r.wire.is_empty());
+    assert_eq!(r.ingress.in_flight(), 0);
+    let want: Vec<u32> = (4..SLOTS + 2).collect();
+    assert_eq!(r.drain(0, usize::MAX), want, "every frame, in order");
+    assert_eq!(r.drain(1, usize::MAX), vec![0, 1]);
+    assert_eq!(r.stat(|s| &s.vif_full), 0, "nothing lost");
+}
+
+#[test]
+fn a_vif_whose_guest_stops_draining_holds_the_others_back_once_for_the_hold_then_loses_only_its_own(
+) {
+    use dev::svnic::engine::VIF_HOLD;
+    let mut r = HeldRig::new();
+    r.wire.extend((0..SLOTS).map(|k| frame(0, k)));
+    r.wire.extend([
+        frame(0, SLOTS),
+        frame(1, 0),
+        frame(0, SLOTS + 1),
+        frame(1, 1),
+    ]);
+    let t0 = Instant::now();
+    assert_eq!(r.run(t0), SLOTS as usize);
+    // The hold runs out: that frame is dropped and VIF 0 is stuck; VIF 1's frames go
+    // through, and VIF 0's next is dropped at once, with no second wait.
+    assert_eq!(r.run(t0 + VIF_HOLD), 2);
+    assert!(r.wire.is_empty());
+    assert_eq!(r.stat(|s| &s.vif_full), 2);
+    assert_eq!(r.stat(|s| &s.vif_held), 1);
+    assert_eq!(r.drain(1, usize::MAX), vec![0, 1]);
+    // Once its guest drains, VIF 0 takes frames again, and a frame that finds its
+    // queue full waits again.
+    assert_eq!(r.drain(0, usize::MAX).len(), SLOTS as usize);
+    r.wire.extend((0..=SLOTS).map(|k| frame(0, 1000 + k)));
+    let t1 = t0 + VIF_HOLD + Duration::from_millis(1);
+    assert_eq!(r.run(t1), SLOTS as usize);
+    assert_eq!(r.stat(|s| &s.vif_held), 2);
+    assert_eq!(r.stat(|s| &s.vif_full), 2, "no new loss");
+    assert_eq!(r.drain(0, 1), vec![1000]);
+    assert_eq!(r.run(t1), 1);
+    assert_eq!(r.ingress.in_flight(), 0);
 }

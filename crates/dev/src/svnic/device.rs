@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hv::{Hypervisor, Vector};
 use mem::PageAccess;
@@ -112,6 +112,9 @@ pub struct SvnicConfig {
     /// own (beyond the paper, c: its "device domain per VIF"); otherwise the VIFs are
     /// the device's own memory, written directly.
     pub iommu: bool,
+    /// How long an ingress context keeps a frame whose VIF's queue is full before
+    /// dropping it ([`super::engine::VIF_HOLD`]).
+    pub vif_hold: Duration,
 }
 
 impl Default for SvnicConfig {
@@ -126,6 +129,7 @@ impl Default for SvnicConfig {
             schedule: super::engine::Schedule::RoundRobin,
             idle: Idle::Poll,
             iommu: false,
+            vif_hold: super::engine::VIF_HOLD,
         }
     }
 }
@@ -166,17 +170,26 @@ pub struct SignalStats {
     pub undelivered: AtomicU64,
 }
 
-/// What the device refused outside its engines.
+/// What the device refused outside its engines, and how it paused the cable instead.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceDrops {
     /// Frames the cable brought that found no device buffer.
     pub rx_fifo_full: u64,
     /// Messages for the sidecore that found its channel full.
     pub channel_full: u64,
+    /// Times the device paused the cable's far end (802.3x XOFF) as its buffer filled.
+    pub rx_xoffs: u64,
+    /// Microseconds the far end spent paused, in all.
+    pub rx_xoff_us: u64,
+    /// The longest pause, in microseconds.
+    pub rx_xoff_longest_us: u64,
 }
 hv::counter_set!(DeviceDrops {
     rx_fifo_full,
-    channel_full
+    channel_full,
+    rx_xoffs,
+    rx_xoff_us,
+    rx_xoff_longest_us
 });
 
 hv::atomic_counter_set!(SignalStats => SignalCounts {
@@ -316,6 +329,12 @@ pub const MAX_VIFS: usize = 256;
 
 /// Frames the network I/O engine holds between the cable and the ingress contexts.
 const RX_FIFO: usize = 256;
+/// With fewer free buffers than this, the device pauses a far end that takes PAUSE
+/// frames (an 802.3x XOFF at the high-water mark, as the NIC's packet buffer does);
+/// what that far end would still send stays on its side of the cable.
+const RX_FIFO_XOFF: usize = RX_FIFO / 8;
+/// With this many free buffers again, it lets the far end go (the XON).
+const RX_FIFO_XON: usize = RX_FIFO / 2;
 
 /// A management request to the egress engine (the device-side driver writes it, the
 /// engine takes it between steps).
@@ -356,6 +375,10 @@ struct Shared<P> {
     ingress_stats: Mutex<Option<Arc<EngineStats>>>,
     /// Frames the cable brought that the device had no buffer for.
     rx_fifo_full: AtomicU64,
+    /// Pauses of the cable's far end: how many, their microseconds, the longest.
+    rx_xoffs: AtomicU64,
+    rx_xoff_us: AtomicU64,
+    rx_xoff_longest_us: AtomicU64,
     /// Management requests each engine has carried out (egress, ingress): a request
     /// is done once both passed its number.
     done: [AtomicU64; 2],
@@ -590,7 +613,10 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for EgressEngine<P> {
         // context may send.
         let now = Instant::now();
         let link = self.link;
+        // A far end that paused the link, or a cable with no room, takes nothing: the
+        // frames stay in the guests' send queues.
         let budget = match link {
+            _ if !self.sink.room() => 0,
             crate::peer::WireRate::Unlimited => usize::MAX,
             crate::peer::WireRate::Bits(_) => usize::from(self.free_at <= now),
         };
@@ -627,6 +653,10 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for EgressEngine<P> {
     }
 }
 
+/// A frame in the network I/O engine's buffer: its bytes, its length, and its VIF
+/// when the engine chose it (a copy of a broadcast).
+type Held = (Box<[u8]>, usize, Option<u16>);
+
 /// The ingress engine: management requests, frames from the cable into the network
 /// I/O engine's FIFO, then the contexts place them in the VIFs' buffers.
 struct IngressEngine<P: PageAccess + Send + Sync + 'static> {
@@ -636,8 +666,10 @@ struct IngressEngine<P: PageAccess + Send + Sync + 'static> {
     vifs: IngressVifs<P>,
     /// The network I/O engine's buffers: frames from the cable wait here for an
     /// ingress context.
-    fifo: VecDeque<(Box<[u8]>, usize, Option<u16>)>,
+    fifo: VecDeque<Held>,
     free: Vec<Box<[u8]>>,
+    /// Since when the device has paused the cable's far end, if it has.
+    xoff: Option<Instant>,
     last: Activity,
     source: Box<dyn WireSource>,
     _running: Running<P>,
@@ -651,7 +683,8 @@ impl<P: PageAccess + Send + Sync + 'static> IngressEngine<P> {
         mut source: Box<dyn WireSource>,
     ) -> Self {
         source.attach(&sh.dozes[1]);
-        let ing: Ingress<P> = Ingress::new(cfg.ingress_contexts, Arc::clone(&sh.times));
+        let mut ing: Ingress<P> = Ingress::new(cfg.ingress_contexts, Arc::clone(&sh.times));
+        ing.set_hold(cfg.vif_hold);
         if let Ok(mut s) = sh.ingress_stats.lock() {
             *s = Some(Arc::clone(ing.stats()));
         }
@@ -668,6 +701,7 @@ impl<P: PageAccess + Send + Sync + 'static> IngressEngine<P> {
             free: (0..RX_FIFO)
                 .map(|_| vec![0u8; SLOT_BYTES].into_boxed_slice())
                 .collect(),
+            xoff: None,
             last: Activity::default(),
             source,
         }
@@ -689,11 +723,14 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for IngressEngine<P> {
             vifs,
             fifo,
             free,
+            xoff,
             last,
             source,
             ..
         } = self;
         if sh.stop.load(Ordering::Acquire) {
+            // A far end left paused would wait for this device for ever.
+            xon(sh, source.as_mut(), xoff, Instant::now());
             return EngineStep::Done;
         }
         if let Ok(mut r) = sh.ingress_requests.lock() {
@@ -711,7 +748,7 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for IngressEngine<P> {
                         if let Some(r) = vifs.rx.get_mut(id as usize) {
                             *r = None;
                         }
-                        ing.set_dma(id, None);
+                        ing.forget(id);
                     }
                     IngressReq::Dma { id, dma } => ing.set_dma(id, Some(*dma)),
                     IngressReq::Misplace(every) => ing.inject_misplacement(every),
@@ -721,37 +758,39 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for IngressEngine<P> {
         }
         if sh.link_up.load(Ordering::Acquire) {
             let st = ing.stats();
-            source.poll(Instant::now(), &mut |f, _off| {
-                // A broadcast or multicast frame goes to every VIF: the network I/O
-                // engine makes a copy for each, addressed.
-                let group = f.first().is_some_and(|&b| b & 1 == 1);
-                let mut each = |to: Option<u16>| match free.pop() {
-                    Some(mut b) if f.len() <= b.len() => {
-                        b[..f.len()].copy_from_slice(f);
-                        fifo.push_back((b, f.len(), to));
-                    }
-                    Some(b) => {
-                        free.push(b);
-                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
-                    }
-                    None => {
-                        sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
-                    }
-                };
-                if !group {
-                    return each(None);
+            let now = Instant::now();
+            if !source.pauses() {
+                source.poll(now, &mut |f, _off| intake(f, fifo, free, vifs, sh, st));
+            } else {
+                if free.len() >= RX_FIFO_XON {
+                    xon(sh, source.as_mut(), xoff, now);
                 }
-                for (id, rx) in vifs.rx.iter().enumerate() {
-                    if rx.is_some() {
-                        st.broadcast.fetch_add(1, Ordering::Relaxed);
-                        each(Some(id as u16));
+                if xoff.is_none() {
+                    // Frames as the cable brings them, until the buffer's free part
+                    // falls under the high-water mark: then the far end is paused, and
+                    // what it would still send stays with it, first in its line.
+                    source.poll_held(now, &mut |f, _off| {
+                        if xoff.is_some() {
+                            return false;
+                        }
+                        intake(f, fifo, free, vifs, sh, st);
+                        if free.len() < RX_FIFO_XOFF {
+                            *xoff = Some(Instant::now());
+                            sh.rx_xoffs.fetch_add(1, Ordering::Relaxed);
+                        }
+                        true
+                    });
+                    if let Some(at) = *xoff {
+                        source.pause(true, at);
                     }
                 }
-            });
+            }
         }
         let sig = &sh.signals;
+        let now = Instant::now();
         let n = ing.step(
             vifs,
+            now,
             &mut |buf: &mut [u8]| {
                 let (b, len, to) = fifo.pop_front()?;
                 buf[..len].copy_from_slice(&b[..len]);
@@ -777,6 +816,52 @@ impl<P: PageAccess + Send + Sync + 'static> DeviceEngine for IngressEngine<P> {
             next,
         )
     }
+}
+
+/// A frame from the cable into the network I/O engine's buffer: a broadcast or
+/// multicast frame goes to every VIF, the engine making a copy for each, addressed.
+/// What finds no free buffer is dropped and counted.
+fn intake<P>(
+    f: &[u8],
+    fifo: &mut VecDeque<Held>,
+    free: &mut Vec<Box<[u8]>>,
+    vifs: &IngressVifs<P>,
+    sh: &Shared<P>,
+    st: &EngineStats,
+) {
+    let mut each = |to: Option<u16>| match free.pop() {
+        Some(mut b) if f.len() <= b.len() => {
+            b[..f.len()].copy_from_slice(f);
+            fifo.push_back((b, f.len(), to));
+        }
+        Some(b) => {
+            free.push(b);
+            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+        }
+        None => {
+            sh.rx_fifo_full.fetch_add(1, Ordering::Relaxed);
+        }
+    };
+    if f.first().is_none_or(|&b| b & 1 == 0) {
+        return each(None);
+    }
+    for (id, rx) in vifs.rx.iter().enumerate() {
+        if rx.is_some() {
+            st.broadcast.fetch_add(1, Ordering::Relaxed);
+            each(Some(id as u16));
+        }
+    }
+}
+
+/// Lets a far end the device paused go again (the XON), and accounts the pause.
+fn xon<P>(sh: &Shared<P>, source: &mut dyn WireSource, xoff: &mut Option<Instant>, now: Instant) {
+    let Some(since) = xoff.take() else {
+        return;
+    };
+    source.pause(false, now);
+    let us = now.saturating_duration_since(since).as_micros() as u64;
+    sh.rx_xoff_us.fetch_add(us, Ordering::Relaxed);
+    sh.rx_xoff_longest_us.fetch_max(us, Ordering::Relaxed);
 }
 
 /// The sidecore: forwards the engines' signals (paper 002's interrupt virtualization);
@@ -932,6 +1017,9 @@ impl<P: PageAccess + Send + Sync + 'static> Svnic<P> {
             egress_stats: Mutex::new(None),
             ingress_stats: Mutex::new(None),
             rx_fifo_full: AtomicU64::new(0),
+            rx_xoffs: AtomicU64::new(0),
+            rx_xoff_us: AtomicU64::new(0),
+            rx_xoff_longest_us: AtomicU64::new(0),
             done: [AtomicU64::new(0), AtomicU64::new(0)],
             issued: AtomicU64::new(0),
             mgmt: Arc::default(),
@@ -1124,12 +1212,16 @@ impl<P: PageAccess + Send + Sync + 'static> Control<P> {
         self.shared.rx_fifo_full.load(Ordering::Relaxed)
     }
 
-    /// The device's own refusals, outside its engines: [`Svnic::rx_fifo_full`] and
-    /// [`Svnic::channel_full`].
+    /// The device's own refusals, outside its engines ([`Svnic::rx_fifo_full`] and
+    /// [`Svnic::channel_full`]), and its pauses of the cable's far end.
     pub fn drops(&self) -> DeviceDrops {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         DeviceDrops {
             rx_fifo_full: self.rx_fifo_full(),
             channel_full: self.channel_full(),
+            rx_xoffs: l(&self.shared.rx_xoffs),
+            rx_xoff_us: l(&self.shared.rx_xoff_us),
+            rx_xoff_longest_us: l(&self.shared.rx_xoff_longest_us),
         }
     }
 

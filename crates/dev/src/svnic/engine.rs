@@ -16,6 +16,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use mem::PageAccess;
 
@@ -146,8 +147,12 @@ pub struct EngineStats {
     pub frames: AtomicU64,
     /// Ingress: frames for no VIF's MAC (dropped).
     pub no_vif: AtomicU64,
-    /// Ingress: frames a VIF had no room for (its `rx_full` counts them too).
+    /// Ingress: frames a VIF had no room for, dropped once they had waited the hold
+    /// ([`VIF_HOLD`]) or at once while the VIF was stuck (its `rx_full` counts them too).
     pub vif_full: AtomicU64,
+    /// Ingress: frames that found their VIF's queue full and waited in their context
+    /// for the guest to drain it (flow control), the other contexts held back.
+    pub vif_held: AtomicU64,
     /// Frames a VIF's queue refused (a bad length, or the VIF disconnected).
     pub vif_errors: AtomicU64,
     /// Context steps that found nothing to do.
@@ -167,6 +172,7 @@ hv::atomic_counter_set!(EngineStats => EngineCounts {
     frames,
     no_vif,
     vif_full,
+    vif_held,
     vif_errors,
     idle_steps,
     broadcast,
@@ -189,6 +195,13 @@ hv::named_enum!(Schedule {
     RoundRobin => "round-robin",
     Priority => "quality-aware",
 });
+
+/// How long an ingress context keeps a frame whose VIF's queue is full, waiting for
+/// the guest to drain it, before dropping it (the same bound the NIC keeps for a
+/// guest's own queue, [`crate::nic::GUEST_QUEUE_HOLD`]): long enough for a guest held
+/// off its core by the host's scheduler, short enough that one that stopped draining
+/// holds the other VIFs back once, briefly.
+pub const VIF_HOLD: Duration = crate::nic::GUEST_QUEUE_HOLD;
 
 /// A VIF's priority when none was set (the scale is 1 to 100).
 pub const DEFAULT_PRIORITY: u8 = 50;
@@ -531,6 +544,13 @@ fn place<P: PageAccess>(
 enum InState {
     /// Ready for a frame from the wire.
     Idle,
+    /// Its frame is in its buffer; its VIF's queue is full, and it waits for the
+    /// guest to drain it (since `since`), holding back the contexts behind it.
+    Wait {
+        vif: u16,
+        len: usize,
+        since: Instant,
+    },
     /// Its frame is in the VIF's slot; waiting for its turn to publish.
     Publish {
         vif: u16,
@@ -538,6 +558,16 @@ enum InState {
         len: usize,
         t0: u64,
     },
+}
+
+/// What became of a frame an ingress context asked its VIF to take.
+enum Admit {
+    /// Placed in a slot: the context's state to publish it.
+    Placed(InState),
+    /// The VIF's queue is full: the frame is the caller's to keep or drop.
+    Full,
+    /// Dropped and counted: a stuck VIF's queue still full, or the VIF gone or broken.
+    Dropped,
 }
 
 /// One ingress context and its frame buffer.
@@ -558,6 +588,14 @@ pub struct Ingress<P> {
     /// next VIF's address for the frame.
     misplace_every: u32,
     placed: u32,
+    /// The context whose frame waits for room in its VIF's queue: while it waits the
+    /// others take no frame from the wire, so that every VIF's frames keep their order.
+    waiting: Option<usize>,
+    /// How long a frame waits for room ([`VIF_HOLD`] unless set).
+    hold: Duration,
+    /// By VIF id: its frame waited out the hold, and its frames are dropped at once
+    /// until its queue has room again.
+    stuck: Vec<bool>,
     times: Arc<StageTimes>,
     stats: Arc<EngineStats>,
     _p: std::marker::PhantomData<P>,
@@ -586,10 +624,27 @@ impl<P: PageAccess> Ingress<P> {
             dma: Vec::new(),
             misplace_every: 0,
             placed: 0,
+            waiting: None,
+            hold: VIF_HOLD,
+            stuck: Vec::new(),
             times,
             stats: Arc::default(),
             _p: std::marker::PhantomData,
         }
+    }
+
+    /// VIF `id` was destroyed: its DMA handle and its stuck mark go (a VIF made later
+    /// with its number starts afresh).
+    pub fn forget(&mut self, id: u16) {
+        self.set_dma(id, None);
+        if let Some(s) = self.stuck.get_mut(id as usize) {
+            *s = false;
+        }
+    }
+
+    /// A frame whose VIF's queue is full waits `hold` for room from now on.
+    pub fn set_hold(&mut self, hold: Duration) {
+        self.hold = hold;
     }
 
     /// VIF `id`'s receive buffers are reached through the IOMMU with `dma` from now on
@@ -619,16 +674,28 @@ impl<P: PageAccess> Ingress<P> {
     /// turn has come; a context waiting to publish tries again. `signal` is called for
     /// each published frame whose guest wants a receive signal. Returns frames
     /// published.
+    ///
+    /// A frame whose VIF's queue is full waits in its context for the guest to drain
+    /// it, and the other contexts take nothing from the wire meanwhile: the frames
+    /// behind it stay with the network I/O engine, whose buffer pauses the cable when
+    /// it fills (flow control, not loss). The wait is bounded: a frame still without
+    /// room after the hold ([`VIF_HOLD`] unless [`Self::set_hold`]) is dropped, and
+    /// that VIF is *stuck*, its frames dropped at once until its queue has room, so a
+    /// guest that stops draining holds the others back once, for the hold at most.
     pub fn step(
         &mut self,
         vifs: &IngressVifs<P>,
+        now: Instant,
         wire: &mut dyn FnMut(&mut [u8]) -> Option<Delivery>,
         signal: &mut dyn FnMut(u16),
     ) -> usize {
+        if let Some(i) = self.waiting {
+            self.retry(i, vifs, now);
+        }
         let mut published = 0;
         for i in 0..self.contexts.len() {
-            if self.contexts[i].state == InState::Idle {
-                let Some(state) = self.take_frame(i, vifs, wire) else {
+            if self.contexts[i].state == InState::Idle && self.waiting.is_none() {
+                let Some(state) = self.take_frame(i, vifs, now, wire) else {
                     continue;
                 };
                 self.contexts[i].state = state;
@@ -662,15 +729,15 @@ impl<P: PageAccess> Ingress<P> {
         published
     }
 
-    /// Idle context `i` takes a frame from the wire, finds its VIF, takes a sequence
-    /// number and copies the frame into the VIF's slot. Returns the context's state to
-    /// publish it; `None` if there was no frame, or it is dropped (counted: no VIF, the
-    /// VIF's queue full or broken).
+    /// Idle context `i` takes a frame from the wire and finds its VIF, then admits it
+    /// ([`Self::admit`]). Returns the context's next state; `None` if there was no
+    /// frame, or it is dropped (counted: no VIF, the VIF stuck or broken).
     #[inline]
     fn take_frame(
         &mut self,
         i: usize,
         vifs: &IngressVifs<P>,
+        now: Instant,
         wire: &mut dyn FnMut(&mut [u8]) -> Option<Delivery>,
     ) -> Option<InState> {
         let c = &mut self.contexts[i];
@@ -687,22 +754,85 @@ impl<P: PageAccess> Ingress<P> {
         }
         let mut dst = [0u8; 6];
         dst.copy_from_slice(&c.buf[..6]);
-        let Some((vif, rx)) = to
+        let Some(vif) = to
             .or_else(|| vifs.demux.lookup(&dst))
-            .and_then(|v| Some((v, vifs.rx.get(v as usize)?.as_ref()?)))
+            .filter(|&v| vifs.rx.get(v as usize).is_some_and(Option::is_some))
         else {
             self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        let seq = match rx.reserve() {
-            Ok(Some(seq)) => seq,
-            Ok(None) => {
-                self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
-                return None;
+        match self.admit(i, vifs, vif, len, t1) {
+            Admit::Placed(state) => Some(state),
+            Admit::Full => {
+                // The frame waits for the guest to drain its queue.
+                self.stats.vif_held.fetch_add(1, Ordering::Relaxed);
+                self.waiting = Some(i);
+                Some(InState::Wait {
+                    vif,
+                    len,
+                    since: now,
+                })
             }
+            Admit::Dropped => None,
+        }
+    }
+
+    /// Context `i`'s waiting frame asks its VIF for room again: placed if there is,
+    /// dropped once it has waited the hold (its VIF then stuck).
+    fn retry(&mut self, i: usize, vifs: &IngressVifs<P>, now: Instant) {
+        let InState::Wait { vif, len, since } = self.contexts[i].state else {
+            self.waiting = None;
+            return;
+        };
+        let Some(rx) = vifs.rx.get(vif as usize).and_then(Option::as_ref) else {
+            // Destroyed while its frame waited.
+            self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+            self.contexts[i].state = InState::Idle;
+            self.waiting = None;
+            return;
+        };
+        let t = mem::cpu::rdtsc();
+        let state = match self.admit(i, vifs, vif, len, t) {
+            Admit::Placed(state) => state,
+            Admit::Full if now.saturating_duration_since(since) < self.hold => return,
+            Admit::Full => {
+                rx.refuse();
+                self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
+                self.stuck[vif as usize] = true;
+                InState::Idle
+            }
+            Admit::Dropped => InState::Idle,
+        };
+        self.contexts[i].state = state;
+        self.waiting = None;
+    }
+
+    /// Takes a sequence number in `vif`'s queue for context `i`'s `len`-byte frame and
+    /// copies the frame into that slot. `t1` is when the frame was taken, for the
+    /// demultiplexing stage's time.
+    fn admit(&mut self, i: usize, vifs: &IngressVifs<P>, vif: u16, len: usize, t1: u64) -> Admit {
+        let Some(rx) = vifs.rx.get(vif as usize).and_then(Option::as_ref) else {
+            self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
+            return Admit::Dropped;
+        };
+        let v = vif as usize;
+        if self.stuck.len() <= v {
+            self.stuck.resize(v + 1, false);
+        }
+        let seq = match rx.try_reserve() {
+            Ok(Some(seq)) => {
+                self.stuck[v] = false;
+                seq
+            }
+            Ok(None) if self.stuck[v] => {
+                rx.refuse();
+                self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
+                return Admit::Dropped;
+            }
+            Ok(None) => return Admit::Full,
             Err(_) => {
                 self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
-                return None;
+                return Admit::Dropped;
             }
         };
         let t2 = mem::cpu::rdtsc();
@@ -714,7 +844,7 @@ impl<P: PageAccess> Ingress<P> {
         if place(dma, vifs, vif, rx, seq, frame, bug, &self.stats.dma_faults).is_err() {
             self.stats.vif_errors.fetch_add(1, Ordering::Relaxed);
         }
-        Some(InState::Publish {
+        Admit::Placed(InState::Publish {
             vif,
             seq,
             len,

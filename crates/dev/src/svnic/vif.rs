@@ -308,6 +308,21 @@ impl<P: PageAccess> VifRx<P> {
     /// Takes the next slot's sequence number, under the VIF's lock: none if the guest
     /// has not drained its queue (the frame is dropped, counted against this VIF only).
     pub fn reserve(&self) -> Result<Option<u32>, VifError> {
+        let seq = self.try_reserve()?;
+        if seq.is_none() {
+            self.refuse();
+        }
+        Ok(seq)
+    }
+
+    /// Counts a frame dropped because the guest had not drained its queue.
+    pub fn refuse(&self) {
+        self.shared.stats.rx_full.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// As [`Self::reserve`], counting nothing when the queue is full: for a device
+    /// that keeps the frame and asks again ([`Self::refuse`] when it gives up).
+    pub fn try_reserve(&self) -> Result<Option<u32>, VifError> {
         self.shared.check()?;
         let mut s = self.seq.lock().map_err(|_| VifError::Broken)?;
         // The guest's consumer is read under the lock: read before it, another
@@ -331,7 +346,6 @@ impl<P: PageAccess> VifRx<P> {
         }
         s.cons = cons;
         if s.next.wrapping_sub(cons) >= SLOTS {
-            self.shared.stats.rx_full.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
         let seq = s.next;

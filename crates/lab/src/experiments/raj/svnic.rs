@@ -458,6 +458,24 @@ fn device_drops(c: &kernel::Counters) -> u64 {
         + c.sum(|n: &NicCounts| n.rx_missed)
 }
 
+/// How a stopped host's devices paused the cable's far end instead of dropping (802.3x):
+/// pauses, their microseconds in all, the longest; and frames that waited in an ingress
+/// context for their VIF's guest to drain its queue (SV-NIC).
+fn device_pauses(c: &kernel::Counters) -> [u64; 4] {
+    let longest = c
+        .sets::<DeviceDrops>()
+        .map(|(_, d)| d.rx_xoff_longest_us)
+        .chain(c.sets::<NicCounts>().map(|(_, n)| n.rx_xoff_longest_us))
+        .max()
+        .unwrap_or(0);
+    [
+        c.sum(|d: &DeviceDrops| d.rx_xoffs) + c.sum(|n: &NicCounts| n.rx_xoffs),
+        c.sum(|d: &DeviceDrops| d.rx_xoff_us) + c.sum(|n: &NicCounts| n.rx_xoff_us),
+        longest,
+        c.sum(|e: &EngineCounts| e.vif_held),
+    ]
+}
+
 /// The `q` quantile of sorted `v`.
 fn quantile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {

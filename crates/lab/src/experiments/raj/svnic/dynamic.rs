@@ -47,6 +47,9 @@ struct Point {
     flood_bad: u64,
     /// Frames the devices dropped: no device buffer, or a VIF's receive queue full.
     dropped: u64,
+    /// How the devices held back instead: pauses of the cable, their µs in all, the
+    /// longest, and frames that waited for their VIF ([`super::device_pauses`]).
+    paused: [u64; 4],
 }
 
 fn measure(
@@ -124,10 +127,17 @@ fn measure(
     // The flood stops; what it sent drains before the far end is read.
     rate.store(1, Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(100));
-    let mut dropped = 0;
+    let (mut dropped, mut paused) = (0, [0u64; 4]);
     for m in [clients, servers] {
         let c = m.stop().map_err(Error::other)?;
         dropped += super::device_drops(&c);
+        let p = super::device_pauses(&c);
+        paused = [
+            paused[0] + p[0],
+            paused[1] + p[1],
+            paused[2].max(p[2]),
+            paused[3] + p[3],
+        ];
     }
     got.sort_by(f64::total_cmp);
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -139,6 +149,7 @@ fn measure(
         flood_received: l(&sink.received),
         flood_bad: l(&sink.corrupt) + l(&sink.out_of_sequence),
         dropped,
+        paused,
     })
 }
 
@@ -194,8 +205,15 @@ pub fn dynamic(rep: &mut Report, cx: &crate::Context) -> Result<(), Error> {
                 &[p.dropped as f64],
             )
             .reference = Some(format!(
-                "of {} flood frames; no device buffer, or the receiving VIF's queue full",
-                p.flood_sent
+                "of {} flood frames; no device buffer, or the receiving VIF's queue full \
+                 once its frame had waited {} ms; instead the cable was paused {} times \
+                 ({:.1} ms in all, longest {:.1} ms) and {} frames waited for their VIF",
+                p.flood_sent,
+                dev::svnic::engine::VIF_HOLD.as_millis(),
+                p.paused[0],
+                p.paused[1] as f64 / 1e3,
+                p.paused[2] as f64 / 1e3,
+                p.paused[3],
             ));
             row.push(p);
         }
