@@ -42,7 +42,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use mem::cpu::{pin_current_thread, SampleSlot, SlotBinding, ThreadClock};
+use mem::cpu::{pin_current_thread, RunDelay, SampleSlot, SlotBinding, ThreadClock};
 
 mod holds;
 mod steal;
@@ -1593,6 +1593,9 @@ impl Table {
 /// millisecond.
 struct CpuClock {
     clock: Option<ThreadClock>,
+    /// The thread's wait on the host's run queue, read around its sleeps: a wake-up
+    /// the host did not run at once (another thread had the core) is the host's hold.
+    delay: Option<RunDelay>,
     /// What the pCPU's threads before this one (retired by rescues) used.
     base: Duration,
     published: Instant,
@@ -1602,6 +1605,7 @@ impl CpuClock {
     fn new(p: &PcpuShared) -> Self {
         Self {
             clock: ThreadClock::current().ok(),
+            delay: RunDelay::current().ok(),
             base: Duration::from_nanos(p.stats.cpu_ns.load(Ordering::Relaxed)),
             published: Instant::now(),
         }
@@ -2059,6 +2063,7 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
         // sleep's own): the time it then sleeps is not the host's, and a report taken
         // meanwhile sees the CPU it used up to here.
         cpu.publish(p);
+        let waited0 = cpu.delay.as_ref().and_then(RunDelay::read);
         let t0 = Instant::now();
         let timeout = until.map(|u| u.saturating_duration_since(t0));
         lines.refresh(p);
@@ -2080,7 +2085,17 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
                 Some(d) => std::thread::park_timeout(d),
             },
         }
-        let slept = t0.elapsed().as_nanos() as u64;
+        let now = Instant::now();
+        let mut slept = now.saturating_duration_since(t0).as_nanos() as u64;
+        // Woken, it may have waited on the host's run queue behind another thread (a
+        // kernel without preemption lets one run on to its tick): that wait is not its
+        // sleep but the host's hold, laid where it ended, as the idle loop's gaps are.
+        if let (Some(a), Some(b)) = (waited0, cpu.delay.as_ref().and_then(RunDelay::read)) {
+            let to = now.saturating_duration_since(p.epoch).as_nanos() as u64;
+            slept = p
+                .holds
+                .woke(to, slept, b.saturating_sub(a).as_nanos() as u64);
+        }
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
         add(&p.holds.slept_ns, slept);
         p.stats.sleeps.fetch_add(1, Ordering::Relaxed);

@@ -93,12 +93,8 @@ pub fn current_tid() -> i32 {
 /// for a core that other host threads held (`run_delay` of its `schedstat`). Time the
 /// host's own hypervisor took the core away from the whole VM does not show here.
 pub fn thread_run_delay(tid: i32) -> Option<Duration> {
-    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-    s.split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-        .map(Duration::from_nanos)
+    let s = std::fs::read(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    parse_run_delay(&s)
 }
 
 /// CPU time consumed so far by the calling thread.
@@ -140,6 +136,36 @@ impl ThreadClock {
     pub fn read(&self) -> Option<Duration> {
         clock_read(self.0)
     }
+}
+
+/// The calling thread's [`thread_run_delay`], through a file kept open: its time
+/// runnable on the host's run queue, preempted by another thread or woken and not yet
+/// run. Opened on the thread it measures; readable from any thread while it lives. A
+/// read is one system call (a `pread` of a procfs file, a few µs).
+#[derive(Debug)]
+pub struct RunDelay(std::fs::File);
+
+impl RunDelay {
+    /// The calling thread's.
+    pub fn current() -> std::io::Result<Self> {
+        std::fs::File::open("/proc/thread-self/schedstat").map(Self)
+    }
+
+    /// Its time waiting for a core so far, or `None` if the kernel keeps no such
+    /// statistic (or the thread has exited).
+    pub fn read(&self) -> Option<Duration> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 96];
+        let n = self.0.read_at(&mut buf, 0).ok()?;
+        parse_run_delay(buf.get(..n)?)
+    }
+}
+
+/// The second of `schedstat`'s fields (run time, run delay, time slices; ns).
+fn parse_run_delay(text: &[u8]) -> Option<Duration> {
+    let text = std::str::from_utf8(text).ok()?;
+    let ns = text.split_ascii_whitespace().nth(1)?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
 }
 
 /// The time-stamp counter (constant-rate on the machines pvio targets).
@@ -584,6 +610,50 @@ mod tests {
         })
         .join()
         .expect("pinned thread");
+    }
+
+    #[test]
+    fn a_threads_wait_for_its_core_is_read_from_its_schedstat_and_grows_while_another_has_the_core()
+    {
+        assert_eq!(
+            parse_run_delay(b"81234 5678 9\n"),
+            Some(Duration::from_nanos(5678))
+        );
+        assert_eq!(parse_run_delay(b"81234\n"), None);
+        // A thread that gives its core to another runnable thread waits for it to come
+        // back, and the wait shows.
+        use std::sync::atomic::AtomicBool;
+        let (stop, spinning) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let busy = {
+            let (stop, spinning) = (Arc::clone(&stop), Arc::clone(&spinning));
+            std::thread::spawn(move || {
+                pin_current_thread(0).expect("pin");
+                spinning.store(true, Ordering::Release);
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        while !spinning.load(Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        let (before, after) = std::thread::spawn(|| {
+            pin_current_thread(0).expect("pin");
+            let d = RunDelay::current().expect("schedstat");
+            let before = d.read().expect("run_delay");
+            for _ in 0..5 {
+                std::thread::yield_now();
+            }
+            (before, d.read().expect("run_delay"))
+        })
+        .join()
+        .expect("measured thread");
+        stop.store(true, Ordering::Relaxed);
+        busy.join().expect("busy thread");
+        assert!(after > before, "{before:?} then {after:?}");
     }
 
     #[test]

@@ -122,6 +122,20 @@ impl Holds {
         }
     }
 
+    /// The thread woke at `to` (ns since the epoch) from a sleep of `slept` ns, in which
+    /// its wait on the host's run queue grew by `queued` ns: woken, it waited that long
+    /// for its core behind another thread. That wait is the host's hold, not its sleep:
+    /// kept as the idle loop's gaps are, ending as the thread ran. Returns the sleep net
+    /// of it.
+    pub(super) fn woke(&self, to: u64, slept: u64, queued: u64) -> u64 {
+        let held = queued.min(slept);
+        if held <= HOST_GAP.as_nanos() as u64 {
+            return slept;
+        }
+        self.push(to.saturating_sub(held), to);
+        slept - held
+    }
+
     fn log(&self, from: u64, to: u64, held: u64, kind: u64) {
         let n = self.logged.load(Ordering::Relaxed);
         let s = &self.log[n as usize % HOLD_LOG];
@@ -315,6 +329,23 @@ mod tests {
         let held = h.within(ns(from), ns(Instant::now()));
         assert!(held < 500_000, "{held}");
     }
+    /// A thread woken from its sleep that waited for its core behind another thread was
+    /// held by the host for that wait, not asleep: a wait to run across it is net of
+    /// it, and a short queue (a few µs, any wake-up's) is no hold.
+    #[test]
+    fn a_wake_up_that_waited_for_its_core_is_the_hosts_hold_not_the_threads_sleep() {
+        let h = Holds::default();
+        // Woke at 10 ms from a 5 ms sleep whose last 3 ms were a wait for the core.
+        assert_eq!(h.woke(10_000_000, 5_000_000, 3_000_000), 2_000_000);
+        assert_eq!(h.within(6_000_000, 10_000_000), 3_000_000);
+        assert_eq!(h.within(0, 7_000_000), 0);
+        assert_eq!(h.logged(0, Instant::now()).len(), 1, "a long one is kept");
+        // Never more than the sleep; a few µs of queueing is a wake-up's own.
+        assert_eq!(h.woke(20_000_000, 1_000_000, 4_000_000), 0);
+        assert_eq!(h.woke(30_000_000, 1_000_000, 5_000), 1_000_000);
+        assert_eq!(h.within(29_000_000, 30_000_000), 0);
+    }
+
     /// A hold kept from a long step counts in a wait for the part of it that must lie
     /// inside the wait, on top of the idle loop's gaps: its step read the clock as it
     /// ended, so the clock's measure no longer sees it.
