@@ -333,6 +333,11 @@ pub struct UnitStats {
     long_steps: AtomicU64,
     /// Turns another pCPU ran it.
     stolen: AtomicU64,
+    /// Its scheduler's count of wait windows ([`Scheduler::mark_waits`]), and the one
+    /// its wait histograms and longest waits belong to: a new window restarts them at
+    /// the unit's next wait (by the thread that writes them, so nothing races).
+    window: Arc<AtomicU64>,
+    counted: AtomicU64,
 }
 
 /// A snapshot of [`UnitStats`].
@@ -378,6 +383,9 @@ impl UnitStats {
     pub fn report(&self) -> UnitReport {
         let d = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
         let (wait_p99, wait_p99_net) = (p99(&self.waits), p99(&self.net_waits));
+        // No wait since a new window began: its waits are none yet.
+        let fresh = self.window.load(Ordering::Relaxed) == self.counted.load(Ordering::Relaxed);
+        let w = |v: Duration| if fresh { v } else { Duration::ZERO };
         UnitReport {
             name: self.name.clone(),
             running: d(&self.running_ns),
@@ -386,10 +394,10 @@ impl UnitStats {
             wakeups: self.wakeups.load(Ordering::Relaxed),
             longest_step: d(&self.longest_step_ns),
             capped: self.capped.load(Ordering::Relaxed),
-            wait_p99,
-            longest_wait: d(&self.longest_wait_ns),
-            wait_p99_net,
-            longest_wait_net: d(&self.longest_net_wait_ns),
+            wait_p99: w(wait_p99),
+            longest_wait: w(d(&self.longest_wait_ns)),
+            wait_p99_net: w(wait_p99_net),
+            longest_wait_net: w(d(&self.longest_net_wait_ns)),
             long_steps: self.long_steps.load(Ordering::Relaxed),
             stolen: self.stolen.load(Ordering::Relaxed),
         }
@@ -400,6 +408,15 @@ impl UnitStats {
     /// pCPU's table lock), so plain loads and stores do, without a locked instruction
     /// per wake-up.
     fn waited(&self, ns: u64, net: u64) {
+        let window = self.window.load(Ordering::Relaxed);
+        if window != self.counted.load(Ordering::Relaxed) {
+            for a in self.waits.iter().chain(&self.net_waits) {
+                a.store(0, Ordering::Relaxed);
+            }
+            self.longest_wait_ns.store(0, Ordering::Relaxed);
+            self.longest_net_wait_ns.store(0, Ordering::Relaxed);
+            self.counted.store(window, Ordering::Relaxed);
+        }
         for (h, longest, v) in [
             (&self.waits, &self.longest_wait_ns, ns),
             (&self.net_waits, &self.longest_net_wait_ns, net),
@@ -1006,6 +1023,8 @@ pub struct Scheduler {
     peers: Arc<Vec<Arc<PcpuShared>>>,
     threads: Mutex<Vec<(usize, JoinHandle<()>)>>,
     policy: IdlePolicy,
+    /// Wait windows begun ([`Scheduler::mark_waits`]), shared with every unit's stats.
+    waits_window: Arc<AtomicU64>,
 }
 
 /// A pCPU's samples when no unit runs (its idle loop and the scheduler itself).
@@ -1072,6 +1091,7 @@ impl Scheduler {
             pcpus,
             threads: Mutex::new(Vec::new()),
             policy: plan.policy,
+            waits_window: Arc::default(),
         });
         for p in &s.pcpus {
             s.spawn(p, 0)?;
@@ -1135,8 +1155,11 @@ impl Scheduler {
             pcpu: Arc::clone(p),
             slot: slot as u16,
         };
+        let window = Arc::clone(&self.waits_window);
         let stats = Arc::new(UnitStats {
             name: spec.name.clone(),
+            counted: AtomicU64::new(window.load(Ordering::Relaxed)),
+            window,
             ..UnitStats::default()
         });
         unit.attach(&waker, &stats);
@@ -1195,6 +1218,14 @@ impl Scheduler {
             }
         }
         n
+    }
+
+    /// Every unit's waits to run count from now (a measured window, after a machine's
+    /// start and warm-up): each unit's wait histograms and longest waits restart, as
+    /// the unit next waits; a report before then shows none. Its other accounting
+    /// (CPU, steps) goes on.
+    pub fn mark_waits(&self) {
+        self.waits_window.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Zeroes every pCPU's and starts a new accounting window (units keep theirs).
@@ -2106,4 +2137,41 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
 /// Live units on a pCPU (for tests and reports).
 pub fn live_units(s: &Scheduler, pcpu: usize) -> usize {
     s.pcpus.get(pcpu).map_or(0, |p| lock(&p.table).live)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A new wait window restarts a unit's waits: a report before its next wait shows
+    /// none, and after it only the window's; its other accounting goes on.
+    #[test]
+    fn a_units_waits_count_from_the_window_its_scheduler_marked() {
+        let window = Arc::new(AtomicU64::new(0));
+        let st = UnitStats {
+            window: Arc::clone(&window),
+            ..UnitStats::default()
+        };
+        st.steps.store(7, Ordering::Relaxed);
+        st.waited(9_000_000, 8_000_000);
+        let r = st.report();
+        assert_eq!(r.longest_wait, Duration::from_millis(9));
+        assert_eq!(r.longest_wait_net, Duration::from_millis(8));
+        window.fetch_add(1, Ordering::Relaxed);
+        let r = st.report();
+        assert_eq!(
+            (r.longest_wait, r.wait_p99),
+            (Duration::ZERO, Duration::ZERO)
+        );
+        assert_eq!(
+            (r.longest_wait_net, r.wait_p99_net),
+            (Duration::ZERO, Duration::ZERO)
+        );
+        assert_eq!(r.steps, 7, "the rest of its accounting goes on");
+        st.waited(20_000, 10_000);
+        let r = st.report();
+        assert_eq!(r.longest_wait, Duration::from_micros(20));
+        assert_eq!(r.longest_wait_net, Duration::from_micros(10));
+        assert!(r.wait_p99 > Duration::ZERO && r.wait_p99 < Duration::from_millis(1));
+    }
 }

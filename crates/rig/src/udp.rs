@@ -586,6 +586,16 @@ impl Running {
         }
     }
 
+    /// The measured window begins: the devices' and vCPUs' waits to run count from now
+    /// ([`hv::sched::Scheduler::mark_waits`]), as the CPU per packet does, not from the
+    /// machine's start. Returns the scheduler's account as it stood, with the waits of
+    /// the start and warm-up.
+    pub fn begin_window(&self) -> Counters {
+        let before = self.machine.sched_counters();
+        self.machine.scheduler().mark_waits();
+        before
+    }
+
     /// The machine's counters now.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
