@@ -130,17 +130,7 @@ fn ingress_places_each_frame_in_its_vif_in_order_and_counts_the_rest() {
     let s = setup(3);
     let times = Arc::new(StageTimes::default());
     let mut ingress = Ingress::new(8, Arc::clone(&times));
-    let mut vifs = IngressVifs {
-        rx: Vec::new(),
-        demux: Demux::new(3),
-    };
-    let mut fronts = Vec::new();
-    for i in 0..3 {
-        let (dev, front) = vif(&s, i);
-        vifs.rx.push(Some(Arc::clone(&dev.rx)));
-        vifs.demux.insert(mac(i), i as u16);
-        fronts.push(front);
-    }
+    let (vifs, mut fronts) = ingress_vifs(&s, 3);
     fronts[1].set_rx_signal(true).expect("signal on");
     // 3 × 40 frames interleaved, and 5 for a MAC no VIF has.
     let mut wire: VecDeque<Vec<u8>> = VecDeque::new();
@@ -153,11 +143,7 @@ fn ingress_places_each_frame_in_its_vif_in_order_and_counts_the_rest() {
         }
     }
     let mut signals = [0u32; 3];
-    let mut take = |buf: &mut [u8]| {
-        let f = wire.pop_front()?;
-        buf[..f.len()].copy_from_slice(&f);
-        Some((f.len(), None))
-    };
+    let mut take = |buf: &mut [u8]| from_wire(&mut wire, buf);
     let mut placed = 0;
     loop {
         let n = ingress.step(&vifs, Instant::now(), &mut take, &mut |v| {
@@ -201,17 +187,7 @@ fn two_ingress_engines_on_two_threads_place_every_frame_once_and_intact_or_count
     const FRAMES: u32 = 20_000;
     let s = setup(2);
     let times = Arc::new(StageTimes::default());
-    let mut vifs = IngressVifs {
-        rx: Vec::new(),
-        demux: Demux::new(2),
-    };
-    let mut fronts = Vec::new();
-    for i in 0..2 {
-        let (dev, front) = vif(&s, i);
-        vifs.rx.push(Some(Arc::clone(&dev.rx)));
-        vifs.demux.insert(mac(i), i as u16);
-        fronts.push(front);
-    }
+    let (vifs, mut fronts) = ingress_vifs(&s, 2);
     let vifs = Arc::new(vifs);
     let wire: Arc<Mutex<VecDeque<Vec<u8>>>> = Arc::new(Mutex::new(
         (0..FRAMES).map(|k| frame((k % 2) as usize, k)).collect(),
@@ -641,6 +617,31 @@ fn a_broadcast_from_the_wire_reaches_every_vif_once_and_a_unicast_only_its_own()
     svnic.stop();
 }
 
+/// The next frame on `wire` into `buf`, as the network I/O engine hands it to an
+/// ingress context (no VIF chosen for it).
+fn from_wire(wire: &mut VecDeque<Vec<u8>>, buf: &mut [u8]) -> Option<(usize, Option<u16>)> {
+    let f = wire.pop_front()?;
+    buf[..f.len()].copy_from_slice(&f);
+    Some((f.len(), None))
+}
+
+/// `n` VIFs made and mapped, as ingress finds them (each by its MAC), and their
+/// guests' ends.
+fn ingress_vifs(s: &common::Setup, n: usize) -> (IngressVifs<OwnPage>, Vec<VifFront<MappedPage>>) {
+    let mut vifs = IngressVifs {
+        rx: Vec::new(),
+        demux: Demux::new(n),
+    };
+    let mut fronts = Vec::new();
+    for i in 0..n {
+        let (dev, front) = vif(s, i);
+        vifs.rx.push(Some(Arc::clone(&dev.rx)));
+        vifs.demux.insert(mac(i), i as u16);
+        fronts.push(front);
+    }
+    (vifs, fronts)
+}
+
 /// An engine of 8 contexts over two VIFs, the wire's frames in `wire`.
 struct HeldRig {
     ingress: Ingress<OwnPage>,
@@ -653,17 +654,7 @@ struct HeldRig {
 impl HeldRig {
     fn new() -> Self {
         let s = setup(2);
-        let mut vifs = IngressVifs {
-            rx: Vec::new(),
-            demux: Demux::new(2),
-        };
-        let mut fronts = Vec::new();
-        for i in 0..2 {
-            let (dev, front) = vif(&s, i);
-            vifs.rx.push(Some(Arc::clone(&dev.rx)));
-            vifs.demux.insert(mac(i), i as u16);
-            fronts.push(front);
-        }
+        let (vifs, fronts) = ingress_vifs(&s, 2);
         Self {
             ingress: Ingress::new(8, Arc::new(StageTimes::default())),
             vifs,
@@ -673,14 +664,27 @@ impl HeldRig {
         }
     }
 
+    /// VIF 0's guest drains nothing: its queue fills, and the next frame for it finds
+    /// no room, with frames for both VIFs behind it (VIF 0's `SLOTS` and `SLOTS + 1`,
+    /// VIF 1's 0 and 1, interleaved). Returns the rig once VIF 0 is full, and when.
+    fn vif0_full() -> (Self, Instant) {
+        let mut r = Self::new();
+        r.wire.extend((0..SLOTS).map(|k| frame(0, k)));
+        r.wire.extend([
+            frame(0, SLOTS),
+            frame(1, 0),
+            frame(0, SLOTS + 1),
+            frame(1, 1),
+        ]);
+        let t0 = Instant::now();
+        assert_eq!(r.run(t0), SLOTS as usize);
+        (r, t0)
+    }
+
     /// Steps at `now` until a step publishes nothing; returns frames published.
     fn run(&mut self, now: Instant) -> usize {
         let wire = &mut self.wire;
-        let mut take = |buf: &mut [u8]| {
-            let f = wire.pop_front()?;
-            buf[..f.len()].copy_from_slice(&f);
-            Some((f.len(), None))
-        };
+        let mut take = |buf: &mut [u8]| from_wire(wire, buf);
         let mut placed = 0;
         loop {
             let n = self.ingress.step(&self.vifs, now, &mut take, &mut |_| {});
@@ -717,18 +721,7 @@ impl HeldRig {
 #[test]
 fn a_frame_for_a_full_vif_waits_for_its_guest_and_the_frames_behind_it_wait_on_the_wire_in_order() {
     use dev::svnic::engine::VIF_HOLD;
-    let mut r = HeldRig::new();
-    // VIF 0's guest drains nothing: its queue fills, and the next frame for it finds
-    // no room, with frames for both VIFs behind it.
-    r.wire.extend((0..SLOTS).map(|k| frame(0, k)));
-    r.wire.extend([
-        frame(0, SLOTS),
-        frame(1, 0),
-        frame(0, SLOTS + 1),
-        frame(1, 1),
-    ]);
-    let t0 = Instant::now();
-    assert_eq!(r.run(t0), SLOTS as usize);
+    let (mut r, t0) = HeldRig::vif0_full();
     assert_eq!(r.stat(|s| &s.vif_held), 1, "one frame waits in its context");
     assert_eq!(r.ingress.in_flight(), 1);
     assert_eq!(r.wire.len(), 3, "nothing behind it is taken from the wire");
@@ -751,16 +744,7 @@ fn a_frame_for_a_full_vif_waits_for_its_guest_and_the_frames_behind_it_wait_on_t
 fn a_vif_whose_guest_stops_draining_holds_the_others_back_once_for_the_hold_then_loses_only_its_own(
 ) {
     use dev::svnic::engine::VIF_HOLD;
-    let mut r = HeldRig::new();
-    r.wire.extend((0..SLOTS).map(|k| frame(0, k)));
-    r.wire.extend([
-        frame(0, SLOTS),
-        frame(1, 0),
-        frame(0, SLOTS + 1),
-        frame(1, 1),
-    ]);
-    let t0 = Instant::now();
-    assert_eq!(r.run(t0), SLOTS as usize);
+    let (mut r, t0) = HeldRig::vif0_full();
     // The hold runs out: that frame is dropped and VIF 0 is stuck; VIF 1's frames go
     // through, and VIF 0's next is dropped at once, with no second wait.
     assert_eq!(r.run(t0 + VIF_HOLD), 2);

@@ -47,24 +47,28 @@ impl WireSink for BySource {
 }
 
 fn device(s: &common::Setup, sink: BySource, link: dev::peer::WireRate) -> Svnic<OwnPage> {
-    let source: Box<dyn WireSource> = Box::new(dev::wire::Silence);
-    let mut svnic = Svnic::start(
-        &s.hv,
-        None,
-        SvnicConfig {
-            signal: SignalMode::PerVif,
-            link,
-            ..SvnicConfig::default()
-        },
-        source,
-        Box::new(sink),
-    )
-    .expect("device");
+    let cfg = SvnicConfig {
+        signal: SignalMode::PerVif,
+        link,
+        ..SvnicConfig::default()
+    };
+    let svnic = managed(s, cfg, Box::new(dev::wire::Silence), Box::new(sink));
+    svnic.link_up();
+    svnic
+}
+
+/// A device on `s` with `cfg` and its cable, its management driver running.
+fn managed(
+    s: &common::Setup,
+    cfg: SvnicConfig,
+    source: Box<dyn WireSource>,
+    sink: Box<dyn WireSink>,
+) -> Svnic<OwnPage> {
+    let mut svnic = Svnic::start(&s.hv, None, cfg, source, sink).expect("device");
     mgmt::prepare(&s.hv, s.device.id()).expect("prepare");
     svnic
         .manage(&s.hv, Arc::clone(&s.device))
         .expect("management driver");
-    svnic.link_up();
     svnic
 }
 
@@ -391,25 +395,15 @@ fn cabled(
     i: usize,
 ) -> (Svnic<OwnPage>, VifFront<mem::MappedPage>) {
     let sink = end.sink();
-    let mut svnic = Svnic::start(
-        &s.hv,
-        None,
-        SvnicConfig {
-            signal: SignalMode::PerVif,
-            link: dev::peer::WireRate::GIGABIT,
-            // Longer than the test: the frames wait for the guest however slow the
-            // machine, so what is checked is the flow control, not a race.
-            vif_hold: Duration::from_secs(60),
-            ..SvnicConfig::default()
-        },
-        Box::new(end),
-        Box::new(sink),
-    )
-    .expect("device");
-    mgmt::prepare(&s.hv, s.device.id()).expect("prepare");
-    svnic
-        .manage(&s.hv, Arc::clone(&s.device))
-        .expect("management driver");
+    let cfg = SvnicConfig {
+        signal: SignalMode::PerVif,
+        link: dev::peer::WireRate::GIGABIT,
+        // Longer than the test: the frames wait for the guest however slow the
+        // machine, so what is checked is the flow control, not a race.
+        vif_hold: Duration::from_secs(60),
+        ..SvnicConfig::default()
+    };
+    let svnic = managed(s, cfg, Box::new(end), Box::new(sink));
     let g = &s.guests[0];
     let v = mgmt::create_vif(&s.hv, s.device.id(), 0, &request(g.id(), i, 50), WAIT).expect("VIF");
     let front = VifFront::new(
