@@ -566,7 +566,8 @@ enum Admit {
     Placed(InState),
     /// The VIF's queue is full: the frame is the caller's to keep or drop.
     Full,
-    /// Dropped and counted: a stuck VIF's queue still full, or the VIF gone or broken.
+    /// Dropped and counted: the queue still full for a stuck VIF or a frame that waited
+    /// out its hold, or the VIF gone or broken.
     Dropped,
 }
 
@@ -754,14 +755,11 @@ impl<P: PageAccess> Ingress<P> {
         }
         let mut dst = [0u8; 6];
         dst.copy_from_slice(&c.buf[..6]);
-        let Some(vif) = to
-            .or_else(|| vifs.demux.lookup(&dst))
-            .filter(|&v| vifs.rx.get(v as usize).is_some_and(Option::is_some))
-        else {
+        let Some(vif) = to.or_else(|| vifs.demux.lookup(&dst)) else {
             self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        match self.admit(i, vifs, vif, len, t1) {
+        match self.admit(i, vifs, vif, len, t1, false) {
             Admit::Placed(state) => Some(state),
             Admit::Full => {
                 // The frame waits for the guest to drain its queue.
@@ -784,23 +782,11 @@ impl<P: PageAccess> Ingress<P> {
             self.waiting = None;
             return;
         };
-        let Some(rx) = vifs.rx.get(vif as usize).and_then(Option::as_ref) else {
-            // Destroyed while its frame waited.
-            self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
-            self.contexts[i].state = InState::Idle;
-            self.waiting = None;
-            return;
-        };
-        let t = mem::cpu::rdtsc();
-        let state = match self.admit(i, vifs, vif, len, t) {
+        let waited_out = now.saturating_duration_since(since) >= self.hold;
+        let state = match self.admit(i, vifs, vif, len, mem::cpu::rdtsc(), waited_out) {
             Admit::Placed(state) => state,
-            Admit::Full if now.saturating_duration_since(since) < self.hold => return,
-            Admit::Full => {
-                rx.refuse();
-                self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
-                self.stuck[vif as usize] = true;
-                InState::Idle
-            }
+            Admit::Full => return,
+            // Dropped (counted): waited out, or its VIF destroyed or broken meanwhile.
             Admit::Dropped => InState::Idle,
         };
         self.contexts[i].state = state;
@@ -809,8 +795,17 @@ impl<P: PageAccess> Ingress<P> {
 
     /// Takes a sequence number in `vif`'s queue for context `i`'s `len`-byte frame and
     /// copies the frame into that slot. `t1` is when the frame was taken, for the
-    /// demultiplexing stage's time.
-    fn admit(&mut self, i: usize, vifs: &IngressVifs<P>, vif: u16, len: usize, t1: u64) -> Admit {
+    /// demultiplexing stage's time. A full queue drops the frame (counted) if the VIF is
+    /// stuck, or if the frame has `waited_out` its hold, which makes the VIF stuck.
+    fn admit(
+        &mut self,
+        i: usize,
+        vifs: &IngressVifs<P>,
+        vif: u16,
+        len: usize,
+        t1: u64,
+        waited_out: bool,
+    ) -> Admit {
         let Some(rx) = vifs.rx.get(vif as usize).and_then(Option::as_ref) else {
             self.stats.no_vif.fetch_add(1, Ordering::Relaxed);
             return Admit::Dropped;
@@ -824,7 +819,8 @@ impl<P: PageAccess> Ingress<P> {
                 self.stuck[v] = false;
                 seq
             }
-            Ok(None) if self.stuck[v] => {
+            Ok(None) if self.stuck[v] || waited_out => {
+                self.stuck[v] = true;
                 rx.refuse();
                 self.stats.vif_full.fetch_add(1, Ordering::Relaxed);
                 return Admit::Dropped;
