@@ -47,7 +47,7 @@ use mem::cpu::{pin_current_thread, RunDelay, SampleSlot, SlotBinding, ThreadCloc
 mod holds;
 mod steal;
 
-use holds::{add, Holds, CLOCK_READ_IDLE};
+use holds::{add, Holds, CLOCK_READ};
 pub use holds::{HostHold, HOLD_LOGGED, HOLD_LOOK, HOST_GAP};
 
 /// Units a pCPU can hold.
@@ -327,7 +327,8 @@ pub struct UnitStats {
     waits: [AtomicU64; WAIT_BUCKETS],
     longest_wait_ns: AtomicU64,
     /// The same waits less the time the host held the thread that ran the unit off its
-    /// core meanwhile, as far as that thread can tell ([`Holds`]).
+    /// core meanwhile, as far as that thread can tell ([`Holds`]), or a thief's thread
+    /// that had it ([`UnitStats::held_away`]).
     net_waits: [AtomicU64; WAIT_BUCKETS],
     longest_net_wait_ns: AtomicU64,
     long_steps: AtomicU64,
@@ -338,6 +339,10 @@ pub struct UnitStats {
     /// the unit's next wait (by the thread that writes them, so nothing races).
     window: Arc<AtomicU64>,
     counted: AtomicU64,
+    /// Its last turn on a thief's thread that lasted [`HOLD_LOOK`] or more: from, to
+    /// (ns since the pCPU's epoch), and the time at least that the host held the
+    /// thief's thread in it ([`UnitStats::held_away`]).
+    away_hold: [AtomicU64; 3],
 }
 
 /// A snapshot of [`UnitStats`].
@@ -403,6 +408,28 @@ impl UnitStats {
         }
     }
 
+    /// It had a turn on a thief's thread from `from` to `to` (ns since its pCPU's
+    /// epoch) in which the host held that thread for `held` at least. Written by the
+    /// thief before the unit is back in its table (under the table's lock), read by
+    /// whoever runs it next.
+    pub(super) fn held_away(&self, from: u64, to: u64, held: u64) {
+        for (a, v) in self.away_hold.iter().zip([from, to, held]) {
+            a.store(v, Ordering::Relaxed);
+        }
+    }
+
+    /// At least the time in `from..to` (ns since its pCPU's epoch) the host held a
+    /// thief's thread with the unit on it: the hold lies somewhere in its turn, so the
+    /// part inside is at least the hold less the turn's part outside.
+    fn away_within(&self, from: u64, to: u64) -> u64 {
+        let [a, b, held] = self.away_hold.each_ref().map(|v| v.load(Ordering::Relaxed));
+        if held == 0 || b < from || a > to {
+            return 0;
+        }
+        let inside = b.min(to).saturating_sub(a.max(from));
+        held.saturating_sub((b - a).saturating_sub(inside))
+    }
+
     /// A wait to run of `ns`, `net` of it not the host's, into the histograms. Only the
     /// thread running the unit writes its stats (one at a time, handed over under its
     /// pCPU's table lock), so plain loads and stores do, without a locked instruction
@@ -449,8 +476,8 @@ struct PcpuStats {
     /// Interrupt lines it saw input on and fired.
     line_fires: AtomicU64,
     /// The longest gap between two looks of its spinning idle loop (a few ns apart when
-    /// the thread has its core): the longest time the host took the core from it while
-    /// it was idle.
+    /// the thread has its core), or on its way from a step to the next pick: the longest
+    /// time the host took the core from it outside steps.
     longest_away_ns: AtomicU64,
     /// Turns of its units that idle peers ran while the host held its thread off the
     /// core ([`steal::HELD_AFTER`]).
@@ -497,8 +524,9 @@ pub struct PcpuReport {
     pub samples: u64,
     /// Interrupt lines from the host ([`IrqLine`]) it saw input on and fired.
     pub line_fires: u64,
-    /// The longest the host kept its idle loop off the core at one time (a step's
-    /// such gaps show in `longest_step`).
+    /// The longest the host kept its thread off the core at one time outside steps
+    /// (in the idle loop or the scheduler's way to its next pick; a step's such gaps
+    /// show in `longest_step`).
     pub longest_away: Duration,
     /// Of `stolen`, the time its thread waited on the host's run queue while other host
     /// threads had the core; the rest is time the VM itself was off the host's CPU (its
@@ -1309,17 +1337,19 @@ impl Scheduler {
     /// Every unit placed and not yet ended, with its pCPU's index: its accounting as it
     /// stands (a unit out in a step at the moment is left out).
     pub fn unit_reports(&self) -> Vec<(usize, UnitReport)> {
-        let mut v = Vec::new();
+        let mut stats = Vec::new();
         for p in &self.pcpus {
+            // Only the stats are taken under the table's lock, which the pCPU and its
+            // thieves take between steps: a report is built (and allocates) without it.
             let t = lock(&p.table);
-            v.extend(
+            stats.extend(
                 t.units
                     .iter()
                     .flatten()
-                    .map(|u| (p.index, u.stats().report())),
+                    .map(|u| (p.index, Arc::clone(u.stats()))),
             );
         }
-        v
+        stats.into_iter().map(|(i, s)| (i, s.report())).collect()
     }
 
     /// Stops every pCPU: each runs its units until they end (their owners stop them
@@ -1482,14 +1512,19 @@ impl Table {
                 0 => 0,
                 _ => p.woke_ns[i].swap(0, Ordering::AcqRel),
             };
+            let at = if stamped == 0 {
+                now
+            } else {
+                (p.epoch + Duration::from_nanos(stamped)).min(now)
+            };
             if self.idle[w] & (1 << (i % 64)) != 0 {
                 self.idle[w] &= !(1 << (i % 64));
                 self.set_deadline(i, None);
-                self.woken[i] = Some(if stamped == 0 {
-                    now
-                } else {
-                    (p.epoch + Duration::from_nanos(stamped)).min(now)
-                });
+                self.woken[i] = Some(at);
+            } else if self.away[w] & (1 << (i % 64)) != 0 && self.woken[i].is_none() {
+                // Woken while a thief runs it: it runs again as it comes back, and its
+                // wait counts from this wake-up, as it would on its own pCPU.
+                self.woken[i] = Some(at);
             }
         }
     }
@@ -1615,13 +1650,14 @@ impl Table {
         self.live -= 1;
         self.set_deadline(i, None);
         self.idle[i / 64] &= !(1 << (i % 64));
+        self.woken[i] = None;
     }
 }
 
 /// The pCPU thread's own CPU clock, published into its `cpu_ns` stat for reports taken
-/// while it runs. A read is a system call, which the way into the idle loop (and so a
-/// wake-up's latency) must not pay each time: between steps it is read at most once a
-/// millisecond.
+/// while it runs, and the start of the host's holds measured by it. A read is a
+/// system call, which the way into the idle loop (and so a wake-up's latency) must not
+/// pay each time: between steps it is read at most every [`CLOCK_READ`].
 struct CpuClock {
     clock: Option<ThreadClock>,
     /// The thread's wait on the host's run queue, read around its sleeps: a wake-up
@@ -1653,10 +1689,10 @@ impl CpuClock {
         }
     }
 
-    /// Publishes the clock if a millisecond has passed since it last did.
+    /// Publishes the clock if [`CLOCK_READ`] has passed since it last did.
     #[inline]
     fn publish_now_and_then(&mut self, p: &PcpuShared, now: Instant) {
-        if now.saturating_duration_since(self.published) >= Duration::from_millis(1) {
+        if now.saturating_duration_since(self.published) >= CLOCK_READ {
             self.published = now;
             self.publish(p);
         }
@@ -1691,16 +1727,22 @@ fn bind_sampler(p: &PcpuShared) -> Option<SlotBinding> {
 /// turn takes the host's input and the IPI word, wakes units whose deadline passed,
 /// picks the next runnable unit (or idles), runs it for its weight in steps, and puts
 /// it back as its last step said.
-fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
+fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
     pcpu_enter(p);
     let mut cpu = CpuClock::new(p);
+    // The first read, from which the host's first holds are measured.
+    cpu.publish(p);
     let mut binding = bind_sampler(p);
     let mut cursor = 0usize;
     // Steps in a row that only yielded.
     let mut yields = 0usize;
     let mut lines = Lines::new();
-    let mut peers = steal::Peers::new(peers);
+    let mut peers = steal::Peers::new(all);
     let mut t = lock(&p.table);
+    // When the thread last had its core outside a unit's step: the way from there to
+    // the next pick (or to the idle loop) is a few hundred ns of its own, so a longer
+    // gap is the host's.
+    let mut mark = Instant::now();
     loop {
         if t.generation != generation {
             return;
@@ -1729,10 +1771,15 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
             // The hints as it goes idle: a device's deadline it set after its step's
             // start is what peers watch for while it idles (a past one says it is held).
             t.publish_steal_hints(p);
+            between(p, mark, Instant::now());
             drop(t);
             // Nothing of its own to run: a device's engine another pCPU's step keeps
             // waiting, if there is one.
-            if !p.stop.load(Ordering::Relaxed) && steal::try_steal(p, &mut peers, &mut binding) {
+            let stole = (!p.stop.load(Ordering::Relaxed))
+                .then(|| steal::try_steal(p, &mut peers, &mut binding))
+                .flatten();
+            if let Some(end) = stole {
+                mark = end;
                 cpu.publish_now_and_then(p, Instant::now());
                 t = lock(&p.table);
                 continue;
@@ -1740,6 +1787,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
             cpu.publish_now_and_then(p, now);
             p.steal.busy.store(false, Ordering::Release);
             idle(p, until, &cpu, &mut lines, &mut peers);
+            mark = Instant::now();
             t = lock(&p.table);
             continue;
         };
@@ -1749,17 +1797,15 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
             continue;
         };
         t.publish_steal_hints(p);
+        // Kept before the table is free, so that a thief that waited for it sees the
+        // hold as it accounts the wait.
+        between(p, mark, Instant::now());
         drop(t);
-        if now.elapsed() >= HOLD_LOGGED {
-            // The turn, a few hundred ns with its core, was the host's: no thief could
-            // take a unit from the locked table meanwhile.
-            let at = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
-            p.holds.long_turn(at(now), at(Instant::now()));
-        }
         if !p.steal.busy.load(Ordering::Relaxed) {
             p.steal.busy.store(true, Ordering::Release);
         }
-        let (out, ran, end) = run_sampled(p, p, &mut binding, &mut *e, woken);
+        let (out, ran, end) = run_sampled(p, p, all, &mut binding, &mut *e, woken);
+        mark = end;
         cpu.publish_now_and_then(p, end);
         t = lock(&p.table);
         if t.generation != generation {
@@ -1779,10 +1825,14 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
                 yields += 1;
                 if yields >= t.live && p.policy != IdlePolicy::Poll {
                     // A round of nothing but polling: the host's other threads get the
-                    // core for a moment.
+                    // core for a moment (the host's time, as in the idle loop; the table
+                    // is free meanwhile).
                     yields = 0;
                     drop(t);
+                    let gave = Instant::now();
                     std::thread::yield_now();
+                    mark = Instant::now();
+                    away(p, gave, mark);
                     t = lock(&p.table);
                 }
             }
@@ -1799,6 +1849,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
                 drop(t);
                 e.finish();
                 drop(e);
+                mark = Instant::now();
                 t = lock(&p.table);
             }
         }
@@ -1810,6 +1861,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, peers: &[Arc<PcpuShared>], generation: u64) {
 fn run_sampled(
     p: &PcpuShared,
     owner: &PcpuShared,
+    all: &[Arc<PcpuShared>],
     binding: &mut Option<SlotBinding>,
     e: &mut dyn Erased,
     woken: Option<Instant>,
@@ -1818,7 +1870,7 @@ fn run_sampled(
         (Some(b), Some(s)) => Some(b.switch(s)),
         _ => None,
     };
-    let r = run_unit(p, owner, e, woken);
+    let r = run_unit(p, owner, all, e, woken);
     if let (Some(b), Some(prev)) = (binding.as_mut(), prev) {
         b.switch(prev);
     }
@@ -1833,6 +1885,7 @@ fn run_sampled(
 fn run_unit(
     p: &PcpuShared,
     owner: &PcpuShared,
+    all: &[Arc<PcpuShared>],
     e: &mut dyn Erased,
     mut woken: Option<Instant>,
 ) -> (StepOut, u64, Instant) {
@@ -1843,7 +1896,7 @@ fn run_unit(
     let mut ran = 0u64;
     for _ in 0..weight {
         if let Some(w) = woken {
-            start = account_wait(p, owner, e.stats(), w, start);
+            start = account_wait(p, owner, all, (e.stats(), e.spec().stealable), w, start);
         }
         p.step_since.store(
             start.duration_since(p.epoch).as_nanos() as u64 | 1,
@@ -1887,16 +1940,21 @@ fn run_unit(
 }
 
 /// Accounts unit `st`'s wait to run from its wake-up `w` to `start`, with and without
-/// the host's holds of this thread meanwhile, and, for a unit of another pCPU
-/// (`owner`), of that pCPU's thread in its scheduler's turns, where its table was
-/// locked against thieves. Returns when its step may start: a long wait reads the
-/// thread's clock ([`HOLD_LOOK`]), and that system call is the scheduler's time, not
-/// the unit's, so the step's time starts after it.
+/// the host's share of it: the largest of what is known to be the host's (never more
+/// than the truth). That is its holds of this thread meanwhile; for a unit of another
+/// pCPU (`owner`), of that pCPU's thread in its scheduler's turns, where its table was
+/// locked against thieves; of a thief's thread that had the unit
+/// ([`UnitStats::held_away`]); and for a device's engine (`stealable`), the time every
+/// pCPU of `all` but the owner was held at once, in which none of them could take it
+/// while its own was busy, as an idle one would. Returns when its step may start: a long wait
+/// reads the thread's clock ([`HOLD_LOOK`]), and that system call is the scheduler's
+/// time, not the unit's, so the step's time starts after it.
 #[inline]
 fn account_wait(
     p: &PcpuShared,
     owner: &PcpuShared,
-    st: &UnitStats,
+    all: &[Arc<PcpuShared>],
+    (st, stealable): (&UnitStats, bool),
     w: Instant,
     start: Instant,
 ) -> Instant {
@@ -1913,9 +1971,33 @@ fn account_wait(
         // Both may have been held at once: the larger, never more than the truth.
         host = host.max(owner.holds.in_turns(ns(owner, w), ns(owner, start)));
     }
+    // The wait may have begun while the unit was on a thief's thread the host held
+    // (likewise the larger).
+    host = host.max(st.away_within(ns(owner, w), ns(owner, start)));
+    if stealable {
+        // Every other pCPU held at once, as far as they kept their holds by now.
+        let others = all.iter().filter(|q| !std::ptr::eq(&***q, owner));
+        let held = others.map(|q| q.holds.seen(ns(q, w), ns(q, start)));
+        host = host.max(held_at_once(held, wait));
+    }
     let host = host.min(wait);
     st.waited(wait, wait - host);
     Instant::now()
+}
+
+/// At least the time in a wait of `wait` ns that every one of some threads was held at
+/// once, from at least how long each was held in it (`held`): their sum less all but
+/// one wait's length. None without any thread.
+fn held_at_once(held: impl Iterator<Item = u64>, wait: u64) -> u64 {
+    let (mut n, mut sum) = (0u64, 0u64);
+    for h in held {
+        n += 1;
+        sum += h.min(wait);
+    }
+    match n {
+        0 => 0,
+        n => sum.saturating_sub((n - 1) * wait),
+    }
 }
 
 /// A unit whose step a rescue retired the thread in: handed back to the pCPU's new
@@ -2030,7 +2112,7 @@ fn idle_spin(
                 }
             }
             // The clock read now and then, for the holds that may come once it is busy.
-            if now.duration_since(last_read) >= CLOCK_READ_IDLE {
+            if now.duration_since(last_read) >= CLOCK_READ {
                 last_read = now;
                 cpu.publish(p);
             }
@@ -2066,16 +2148,35 @@ fn idle_spin(
 }
 
 /// The idle loop's look at `now` after one at `last`: 32 turns of the loop take well
-/// under a µs on a core of its own, so a gap past [`HOST_GAP`] is the host's.
+/// under a µs on a core of its own, so a gap past [`HOST_GAP`] is the host's. Likewise
+/// the scheduler's way from a step's end (or the idle loop, or a thief's turn) to its
+/// next pick, a few hundred ns with the core (a clock read, a lock a peer holds for a
+/// few hundred ns at most).
 #[inline]
 fn away(p: &PcpuShared, last: Instant, now: Instant) {
+    gap(p, last, now, Holds::push);
+}
+
+/// The scheduler's way from `last` (a step's end, the idle loop's or a thief's turn's)
+/// to its next pick at `now`, as [`away`]: a few hundred ns with its core (a clock read,
+/// a lock a peer holds for as long). A gap past [`HOST_GAP`] is the host's, and the
+/// unit whose step ended was in the thread's hand or the table locked meanwhile.
+#[inline]
+fn between(p: &PcpuShared, last: Instant, now: Instant) {
+    gap(p, last, now, Holds::push_turn);
+}
+
+#[inline]
+fn gap(p: &PcpuShared, last: Instant, now: Instant, push: fn(&Holds, u64, u64)) {
     let gap = now.saturating_duration_since(last);
-    p.stats
-        .longest_away_ns
-        .fetch_max(gap.as_nanos() as u64, Ordering::Relaxed);
+    // Only the pCPU's own thread writes it.
+    let longest = &p.stats.longest_away_ns;
+    if gap.as_nanos() as u64 > longest.load(Ordering::Relaxed) {
+        longest.store(gap.as_nanos() as u64, Ordering::Relaxed);
+    }
     if gap > HOST_GAP {
         let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
-        p.holds.push(ns(last), ns(now));
+        push(&p.holds, ns(last), ns(now));
     }
 }
 
@@ -2142,6 +2243,17 @@ pub fn live_units(s: &Scheduler, pcpu: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Threads held at once for at least the overlap their holds force into one wait:
+    /// none if they could have taken turns, the one hold alone, none without threads.
+    #[test]
+    fn threads_are_held_at_once_for_no_more_than_their_holds_force() {
+        assert_eq!(held_at_once([700, 600].into_iter(), 1_000), 300);
+        assert_eq!(held_at_once([500, 500].into_iter(), 1_000), 0);
+        assert_eq!(held_at_once([900, 2_000, 950].into_iter(), 1_000), 850);
+        assert_eq!(held_at_once([400].into_iter(), 1_000), 400);
+        assert_eq!(held_at_once(std::iter::empty(), 1_000), 0);
+    }
 
     /// A new wait window restarts a unit's waits: a report before its next wait shows
     /// none, and after it only the window's; its other accounting goes on.

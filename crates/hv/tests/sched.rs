@@ -813,6 +813,99 @@ fn a_device_engine_that_panics_on_a_thief_fails_its_own_join_only() {
     hog.join().expect("the vCPU ran on");
 }
 
+/// A device's engine woken while an idle pCPU runs it, on a thread the host then holds
+/// off its core (here the thief's step sleeps, which the thread's clock tells as the
+/// host would), runs again on its own pCPU once the thief puts it back: the wake-up's
+/// wait is counted, and it is the host's hold, not a wait for a CPU (its own pCPU idled
+/// meanwhile, but the engine's state was on the held thread).
+#[test]
+fn a_device_engine_held_on_a_thiefs_thread_has_its_wait_counted_as_the_hosts() {
+    /// Spins its first step until the engine's first step has begun (on the idle pCPU,
+    /// since this one is in the step), then idles until the end.
+    struct Vcpu {
+        engine: Arc<AtomicBool>,
+        end: Arc<AtomicBool>,
+    }
+    impl Unit for Vcpu {
+        type Output = ();
+        fn step(&mut self, _cx: &Cx) -> Step<()> {
+            if self.end.load(Ordering::Acquire) {
+                return Step::Done(());
+            }
+            let t = Instant::now();
+            while !self.engine.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(5) {
+                std::hint::spin_loop();
+            }
+            Step::Idle(None)
+        }
+    }
+    /// Its first step is woken again (new work arrives) and is then held 10 ms; its
+    /// second ends it.
+    struct Engine {
+        waker: Option<Waker>,
+        began: Arc<AtomicBool>,
+        steps: u32,
+    }
+    impl Unit for Engine {
+        type Output = u32;
+        fn attach(&mut self, waker: &Waker, _stats: &Arc<hv::sched::UnitStats>) {
+            self.waker = Some(waker.clone());
+        }
+        fn step(&mut self, _cx: &Cx) -> Step<u32> {
+            self.steps += 1;
+            if self.steps == 1 {
+                self.began.store(true, Ordering::Release);
+                self.waker.as_ref().expect("attached").wake();
+                std::thread::sleep(Duration::from_millis(10));
+                return Step::Idle(None);
+            }
+            Step::Done(self.steps)
+        }
+    }
+    let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+    let (began, end) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let vcpu = s
+        .place(
+            0,
+            // Pinned: a peer that finds the pCPU held does not take it instead.
+            UnitSpec::named("vcpu"),
+            Vcpu {
+                engine: Arc::clone(&began),
+                end: Arc::clone(&end),
+            },
+        )
+        .expect("vcpu");
+    let j = s
+        .place(
+            0,
+            UnitSpec::device("nic"),
+            Engine {
+                waker: None,
+                began,
+                steps: 0,
+            },
+        )
+        .expect("engine");
+    let stats = Arc::clone(j.stats());
+    assert_eq!(j.join(), Ok(2));
+    end.store(true, Ordering::Release);
+    vcpu.wake();
+    vcpu.join().expect("vcpu");
+    let r = stats.report();
+    assert!(r.stolen >= 1, "the idle pCPU ran its first step: {r:?}");
+    assert!(
+        r.longest_wait >= Duration::from_millis(9),
+        "the wake-up while it was away waited for the held thread: {r:?}"
+    );
+    assert!(
+        r.longest_wait_net < Duration::from_millis(3),
+        "and that wait is the host's: {r:?}"
+    );
+}
+
 /// A pCPU whose thread the host holds off its core has its movable units (vCPUs) run by
 /// an idle peer, and nothing else: two pCPUs pinned to one host core take the core in
 /// turn (the host's time slices), so each is held while the other spins. The vCPU's

@@ -21,9 +21,12 @@ pub const HOST_GAP: Duration = Duration::from_micros(10);
 /// clock is read (a system call, on the waits a host's hold makes, not on the others).
 pub const HOLD_LOOK: Duration = Duration::from_micros(50);
 
-/// How often a spinning idle loop reads its clock, so that a hold after it goes busy
-/// is measured from a read at most this old.
-pub(super) const CLOCK_READ_IDLE: Duration = Duration::from_micros(100);
+/// How often a pCPU's thread reads its clock, spinning idle or between steps, so that
+/// a hold is measured from a read at most this old (a hold's part before the wait it
+/// falls in cannot be told from its part inside, so an older read makes a net wait
+/// longer than it was by up to its age). A read is a system call of a few hundred ns:
+/// a few tenths of a percent of a busy pCPU, the scheduler's, not a unit's.
+pub(super) const CLOCK_READ: Duration = Duration::from_micros(100);
 
 /// A hold of a pCPU's thread this long or longer is kept with its time
 /// ([`Scheduler::host_holds`]): a twelfth of the time a ring of 256 buffers lasts at
@@ -38,11 +41,12 @@ pub(super) const GAPS: usize = 16;
 /// Holds kept with their times, the newest over the oldest: a lab run sees a few dozen.
 const HOLD_LOG: usize = 256;
 
-/// The bits of a logged hold's length that say it was seen in a step, or in the
-/// scheduler's turn between steps (the table's lock held).
+/// The bits of a logged hold's length that say it was seen in a step, or on the
+/// scheduler's way from a step to its next pick ([`Holds::push_turn`]: kept in the gaps
+/// too).
 const IN_STEP: u64 = 1 << 63;
 const IN_TURN: u64 = 1 << 62;
-const RUNNING: u64 = IN_STEP | IN_TURN;
+const KINDS: u64 = IN_STEP | IN_TURN;
 
 pub(super) fn add(a: &AtomicU64, v: u64) {
     a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
@@ -62,8 +66,9 @@ pub struct HostHold {
     /// It came in a step (the step's unit could not run anywhere meanwhile), not
     /// between two looks of the idle loop.
     pub in_step: bool,
-    /// It came in the scheduler's turn between steps, with the pCPU's table locked:
-    /// no idle peer could take any of its units meanwhile.
+    /// It came in the scheduler's turn between steps, with the pCPU's table locked
+    /// or the unit whose step ended in the thread's hand: no idle peer could take any
+    /// of its units (or that one) meanwhile.
     pub in_turn: bool,
 }
 
@@ -112,13 +117,25 @@ impl Default for Holds {
 impl Holds {
     /// The idle loop saw a gap from `from` to `to` (ns since the epoch).
     pub(super) fn push(&self, from: u64, to: u64) {
+        self.push_kind(from, to, 0);
+    }
+
+    /// The scheduler's way from a step's end to its next pick took from `from` to `to`
+    /// (ns since the epoch), past [`HOST_GAP`]: a gap, as the idle loop's, in which the
+    /// unit whose step ended was in the thread's hand or the table locked, so that no
+    /// peer could take any of its units ([`Holds::in_turns`]).
+    pub(super) fn push_turn(&self, from: u64, to: u64) {
+        self.push_kind(from, to, IN_TURN);
+    }
+
+    fn push_kind(&self, from: u64, to: u64, kind: u64) {
         let n = self.next.load(Ordering::Relaxed);
         let s = &self.spans[n as usize % GAPS];
         s[0].store(from, Ordering::Relaxed);
         s[1].store(to, Ordering::Relaxed);
         self.next.store(n + 1, Ordering::Relaxed);
         if to - from >= HOLD_LOGGED.as_nanos() as u64 {
-            self.log(from, to, to - from, 0);
+            self.log(from, to, to - from, kind);
         }
     }
 
@@ -154,8 +171,8 @@ impl Holds {
     }
 
     /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
-    /// held the calling thread, which is this pCPU's: the gaps its idle loop saw there
-    /// with the holds kept from its long steps there, or the wall time since its last
+    /// held the calling thread, which is this pCPU's: the gaps its idle loop and its
+    /// way between steps saw there with the holds kept from its long steps there, or the wall time since its last
     /// clock read that its clock did not count, less the part of it before `from`,
     /// whichever says more (a long step reads the clock as it ends, so a hold in it is
     /// before the next read and only its kept record still shows it). Never more than
@@ -165,17 +182,24 @@ impl Holds {
         self.within_read(from, to).0
     }
 
-    /// As [`Holds::within`], with the clock's reading it took.
-    fn within_read(&self, from: u64, to: u64) -> (u64, Option<u64>) {
-        let gaps: u64 = self
-            .spans
+    /// At least the time in `from..to` the host held the thread as its gaps and long
+    /// steps kept show, without a clock read: a system call returning is where the host
+    /// takes a thread off its core, so a thread holding something a peer waits for
+    /// measures this way.
+    pub(super) fn seen(&self, from: u64, to: u64) -> u64 {
+        self.spans
             .iter()
             .map(|s| {
                 let (a, b) = (s[0].load(Ordering::Relaxed), s[1].load(Ordering::Relaxed));
                 b.min(to).saturating_sub(a.max(from))
             })
             .sum::<u64>()
-            + self.running(from, to, RUNNING);
+            + self.running(from, to, IN_STEP)
+    }
+
+    /// As [`Holds::within`], with the clock's reading it took.
+    fn within_read(&self, from: u64, to: u64) -> (u64, Option<u64>) {
+        let gaps = self.seen(from, to);
         let at = self.read_at_ns.load(Ordering::Relaxed);
         let cpu = ThreadClock::current()
             .ok()
@@ -197,14 +221,15 @@ impl Holds {
         (gaps.max(clocked), cpu)
     }
 
-    /// At least the time in `from..to` the host held the thread in the scheduler's
-    /// turns kept: what a thief that found the pCPU's table locked meanwhile waited for.
+    /// At least the time in `from..to` the host held the thread on its way from a step
+    /// to its next pick, as kept: what a thief that found the pCPU's table locked (or
+    /// the unit in the thread's hand) meanwhile waited for.
     pub(super) fn in_turns(&self, from: u64, to: u64) -> u64 {
         self.running(from, to, IN_TURN)
     }
 
-    /// At least the time in `from..to` the host held the thread in the long steps or
-    /// turns kept (of `kinds`; a hold lies somewhere in its span, so the part of it
+    /// At least the time in `from..to` the host held the thread in the holds kept
+    /// (of `kinds`; a hold lies somewhere in its span, so the part of it
     /// inside is at least its length less the span's part outside), newest first until
     /// one ended before `from`.
     fn running(&self, from: u64, to: u64, kinds: u64) -> u64 {
@@ -222,7 +247,7 @@ impl Holds {
             }
             let inside = b.min(to).saturating_sub(a.max(from));
             let outside = (b - a).saturating_sub(inside);
-            sum += (held & !RUNNING).saturating_sub(outside);
+            sum += (held & !KINDS).saturating_sub(outside);
         }
         sum
     }
@@ -232,23 +257,12 @@ impl Holds {
     /// (as [`Holds::within`] bounds it) kept if it is as long. The read is the next
     /// measure's start.
     pub(super) fn long_step(&self, from: u64, to: u64) {
-        self.long_span(from, to, IN_STEP);
-    }
-
-    /// The scheduler's turn between steps, which takes a few hundred ns, took from
-    /// `from` to `to` ([`HOLD_LOGGED`] or more) with the table's lock held: as
-    /// [`Holds::long_step`].
-    pub(super) fn long_turn(&self, from: u64, to: u64) {
-        self.long_span(from, to, IN_TURN);
-    }
-
-    fn long_span(&self, from: u64, to: u64, kind: u64) {
         let (held, cpu) = self.within_read(from, to);
         if let Some(cpu) = cpu {
             self.clock_read(to, cpu);
         }
         if held >= HOLD_LOGGED.as_nanos() as u64 {
-            self.log(from, to, held, kind);
+            self.log(from, to, held, IN_STEP);
         }
     }
 
@@ -265,7 +279,7 @@ impl Holds {
                     pcpu,
                     from: at(0),
                     to: at(1),
-                    held: Duration::from_nanos(held & !RUNNING),
+                    held: Duration::from_nanos(held & !KINDS),
                     in_step: held & IN_STEP != 0,
                     in_turn: held & IN_TURN != 0,
                 }
@@ -364,20 +378,24 @@ mod tests {
         assert_eq!(h.within(16_000, 18_000), 0);
     }
 
-    /// A hold in the scheduler's turn counts in the pCPU's own waits as a step's does,
-    /// and is what a thief's wait for one of its units is net of; a step's is not (a
-    /// thief may take a unit from a pCPU in a step).
+    /// A hold on the scheduler's way between steps counts in the pCPU's own waits
+    /// once, as a gap, and is what a thief's wait for one of its units is net of; a
+    /// step's is not (a thief may take a unit from a pCPU in a step), nor an idle
+    /// loop's gap.
     #[test]
-    fn a_hold_in_the_schedulers_turn_counts_for_its_own_waits_and_a_thiefs() {
+    fn a_hold_between_steps_counts_once_for_its_own_waits_and_for_a_thiefs() {
         let h = Holds::default();
-        h.log(10_000, 20_000, 6_000, IN_TURN);
-        h.log(30_000, 40_000, 10_000, IN_STEP);
-        assert_eq!(h.within(0, 50_000), 16_000);
-        assert_eq!(h.in_turns(0, 50_000), 6_000);
-        assert_eq!(h.in_turns(25_000, 50_000), 0);
+        h.push_turn(1_000_000, 1_600_000);
+        h.log(3_000_000, 4_000_000, 1_000_000, IN_STEP);
+        h.push(5_000_000, 5_300_000);
+        assert_eq!(h.within(0, 6_000_000), 1_900_000);
+        assert_eq!(h.in_turns(0, 6_000_000), 600_000);
+        assert_eq!(h.in_turns(1_300_000, 6_000_000), 300_000);
+        assert_eq!(h.in_turns(2_000_000, 6_000_000), 0);
         let kept = h.logged(0, Instant::now());
-        assert!(kept[0].in_turn && !kept[0].in_step);
-        assert!(kept[1].in_step && !kept[1].in_turn);
+        assert!(kept[0].in_turn && !kept[0].in_step, "{kept:?}");
+        assert!(kept[1].in_step && !kept[1].in_turn, "{kept:?}");
+        assert!(!kept[2].in_step && !kept[2].in_turn, "{kept:?}");
     }
 
     /// Holds long enough to empty a device's ring are kept with their times, from the

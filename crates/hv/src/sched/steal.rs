@@ -131,12 +131,13 @@ pub(super) fn wanted_by(me: &PcpuShared, peers: &mut Peers<'_>, now: Instant) ->
 
 /// Runs one turn of a stealable unit of another pCPU that is in a step, or of a movable
 /// unit of one the host holds, if one waits and that pCPU's table is free this instant.
-/// Returns whether it ran one.
+/// Returns when the turn's last step ended, if it ran one: the way on from there is
+/// the scheduler's, and a hold in it the host's ([`between`]).
 pub(super) fn try_steal(
     me: &PcpuShared,
     peers: &mut Peers<'_>,
     binding: &mut Option<SlotBinding>,
-) -> bool {
+) -> Option<Instant> {
     let now = Instant::now();
     for (q, seen) in peers.all.iter().zip(&mut peers.untaken) {
         if std::ptr::eq(&**q, me) {
@@ -205,27 +206,77 @@ pub(super) fn try_steal(
         if !me.steal.busy.load(Ordering::Relaxed) {
             me.steal.busy.store(true, Ordering::Release);
         }
-        let (out, ran, end) = run_sampled(me, q, binding, &mut *e, woken);
+        let turn = Instant::now();
+        let (out, ran, end) = run_sampled(me, q, peers.all, binding, &mut *e, woken);
         e.stats().stolen.fetch_add(1, Ordering::Relaxed);
-        put_back(q, i, e, out, ran, end, generation);
-        return true;
+        put_back(
+            me,
+            q,
+            i,
+            e,
+            Turn {
+                out,
+                ran,
+                from: turn,
+                end,
+            },
+            generation,
+        );
+        return Some(end);
     }
-    false
+    None
 }
 
-/// Unit `i` of pCPU `q` back from a turn on a thief's thread, as the turn ended (at
-/// `ended`).
+/// A unit's turn on a thief's thread: what its last step said, the time it ran, when
+/// the turn began and when its last step ended.
+struct Turn {
+    out: StepOut,
+    ran: u64,
+    from: Instant,
+    end: Instant,
+}
+
+/// Unit `i` of pCPU `q` back from a `turn` on thief `me`'s thread.
+///
+/// The host may have held the thief's thread off its core with the unit on it, in a
+/// step or after it: the unit could run nowhere else meanwhile, so a wait of it that
+/// began then is the host's for as long as the hold lasted. A turn long enough to have
+/// had one ([`HOLD_LOOK`]) has the hold measured by the thief, as its gaps and long
+/// steps show, and kept with the unit ([`UnitStats::held_away`]) before the unit is back in its table,
+/// where whoever runs it next reads it.
 fn put_back(
+    me: &PcpuShared,
     q: &PcpuShared,
     i: usize,
     mut e: Box<dyn Erased>,
-    out: StepOut,
-    ran: u64,
-    ended: Instant,
+    turn: Turn,
     generation: u64,
 ) {
+    let Turn {
+        out,
+        ran,
+        from,
+        end: ended,
+    } = turn;
     let (w, bit) = (i / 64, 1u64 << (i % 64));
     let mut t = lock(&q.table);
+    let now = Instant::now();
+    if now.saturating_duration_since(from) >= HOLD_LOOK {
+        let ns = |t: Instant| t.saturating_duration_since(me.epoch).as_nanos() as u64;
+        // From the step's end to here is a few hundred ns with the core (a lock its
+        // owner holds for as long): a longer gap is the host's, the unit in hand (kept
+        // in the thief's own gaps later, with the rest of its way to its next pick).
+        // No clock read here, with the unit and the table held: a hold at its return
+        // would not be in what it measured.
+        let after = now.saturating_duration_since(ended);
+        let after = if after > HOST_GAP {
+            after.as_nanos() as u64
+        } else {
+            0
+        };
+        let held = me.holds.seen(ns(from), ns(ended)) + after;
+        e.stats().held_away(ns(from), ns(now), held);
+    }
     t.away[w] &= !bit;
     if q.stop.load(Ordering::Acquire) && t.generation != generation {
         // The scheduler stopped and gave up the table's units while this one was away.
@@ -238,7 +289,11 @@ fn put_back(
     }
     t.charge_cap(i, &*e, ran);
     match out {
-        StepOut::More | StepOut::Yield => t.runnable[w] |= bit,
+        StepOut::More | StepOut::Yield => {
+            // It had more work, woken or not: no wait from idle (as on its own pCPU).
+            t.runnable[w] |= bit;
+            t.woken[i] = None;
+        }
         // A wake-up while it was away left it runnable: it runs again.
         StepOut::Idle(d) if t.runnable[w] & bit == 0 => t.idle_after_step(i, d, ended),
         StepOut::Idle(_) => {}
