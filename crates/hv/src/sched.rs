@@ -1896,7 +1896,7 @@ fn run_unit(
     let mut ran = 0u64;
     for _ in 0..weight {
         if let Some(w) = woken {
-            start = account_wait(p, owner, all, (e.stats(), e.spec().stealable), w, start);
+            start = account_wait(p, owner, all, e.stats(), e.spec().stealable, w, start);
         }
         p.step_since.store(
             start.duration_since(p.epoch).as_nanos() as u64 | 1,
@@ -1946,15 +1946,16 @@ fn run_unit(
 /// locked against thieves; of a thief's thread that had the unit
 /// ([`UnitStats::held_away`]); and for a device's engine (`stealable`), the time every
 /// pCPU of `all` but the owner was held at once, in which none of them could take it
-/// while its own was busy, as an idle one would. Returns when its step may start: a long wait
-/// reads the thread's clock ([`HOLD_LOOK`]), and that system call is the scheduler's
-/// time, not the unit's, so the step's time starts after it.
+/// while its own was busy, as an idle one would. Returns when its step may start: a
+/// long wait reads the thread's clock ([`HOLD_LOOK`]), and that system call is the
+/// scheduler's time, not the unit's, so the step's time starts after it.
 #[inline]
 fn account_wait(
     p: &PcpuShared,
     owner: &PcpuShared,
     all: &[Arc<PcpuShared>],
-    (st, stealable): (&UnitStats, bool),
+    st: &UnitStats,
+    stealable: bool,
     w: Instant,
     start: Instant,
 ) -> Instant {
@@ -2148,10 +2149,7 @@ fn idle_spin(
 }
 
 /// The idle loop's look at `now` after one at `last`: 32 turns of the loop take well
-/// under a µs on a core of its own, so a gap past [`HOST_GAP`] is the host's. Likewise
-/// the scheduler's way from a step's end (or the idle loop, or a thief's turn) to its
-/// next pick, a few hundred ns with the core (a clock read, a lock a peer holds for a
-/// few hundred ns at most).
+/// under a µs on a core of its own, so a gap past [`HOST_GAP`] is the host's.
 #[inline]
 fn away(p: &PcpuShared, last: Instant, now: Instant) {
     gap(p, last, now, Holds::push);
@@ -2174,7 +2172,7 @@ fn gap(p: &PcpuShared, last: Instant, now: Instant, push: fn(&Holds, u64, u64)) 
     if gap.as_nanos() as u64 > longest.load(Ordering::Relaxed) {
         longest.store(gap.as_nanos() as u64, Ordering::Relaxed);
     }
-    if gap > HOST_GAP {
+    if holds::hosts(gap) > 0 {
         let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
         push(&p.holds, ns(last), ns(now));
     }

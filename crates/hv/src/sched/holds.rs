@@ -17,6 +17,17 @@ use super::*;
 /// `ppoll`) or its clock takes a few µs at most.
 pub const HOST_GAP: Duration = Duration::from_micros(10);
 
+/// The host's part of a gap between two points of a thread's own way that take a few
+/// hundred ns with its core (two looks of the idle loop, a step's end and the next
+/// pick): all of it past [`HOST_GAP`], none of a shorter one.
+pub(super) fn hosts(gap: Duration) -> u64 {
+    if gap > HOST_GAP {
+        gap.as_nanos() as u64
+    } else {
+        0
+    }
+}
+
 /// A wait to run longer than this has the host's share in it looked for: the thread's
 /// clock is read (a system call, on the waits a host's hold makes, not on the others).
 pub const HOLD_LOOK: Duration = Duration::from_micros(50);
@@ -172,8 +183,9 @@ impl Holds {
 
     /// At least the time in `from..to` (ns since the epoch, `to` now) that the host
     /// held the calling thread, which is this pCPU's: the gaps its idle loop and its
-    /// way between steps saw there with the holds kept from its long steps there, or the wall time since its last
-    /// clock read that its clock did not count, less the part of it before `from`,
+    /// way between steps saw there with the holds kept from its long steps there, or
+    /// the wall time since its last clock read that its clock did not count, less the
+    /// part of it before `from`,
     /// whichever says more (a long step reads the clock as it ends, so a hold in it is
     /// before the next read and only its kept record still shows it). Never more than
     /// the truth but for the clock's own granularity: a reader of the net waits may

@@ -242,8 +242,8 @@ struct Turn {
 /// step or after it: the unit could run nowhere else meanwhile, so a wait of it that
 /// began then is the host's for as long as the hold lasted. A turn long enough to have
 /// had one ([`HOLD_LOOK`]) has the hold measured by the thief, as its gaps and long
-/// steps show, and kept with the unit ([`UnitStats::held_away`]) before the unit is back in its table,
-/// where whoever runs it next reads it.
+/// steps show, and kept with the unit ([`UnitStats::held_away`]) before the unit is
+/// back in its table, where whoever runs it next reads it.
 fn put_back(
     me: &PcpuShared,
     q: &PcpuShared,
@@ -268,12 +268,7 @@ fn put_back(
         // in the thief's own gaps later, with the rest of its way to its next pick).
         // No clock read here, with the unit and the table held: a hold at its return
         // would not be in what it measured.
-        let after = now.saturating_duration_since(ended);
-        let after = if after > HOST_GAP {
-            after.as_nanos() as u64
-        } else {
-            0
-        };
+        let after = holds::hosts(now.saturating_duration_since(ended));
         let held = me.holds.seen(ns(from), ns(ended)) + after;
         e.stats().held_away(ns(from), ns(now), held);
     }
