@@ -1945,8 +1945,9 @@ fn run_unit(
 /// pCPU (`owner`), of that pCPU's thread in its scheduler's turns, where its table was
 /// locked against thieves; of a thief's thread that had the unit
 /// ([`UnitStats::held_away`]); and for a device's engine (`stealable`), the time every
-/// pCPU of `all` but the owner was held at once, in which none of them could take it
-/// while its own was busy, as an idle one would. Returns when its step may start: a
+/// pCPU of `all` but the owner was held at once (an idle one's hold still going on
+/// included, [`Holds::held_idle`]), in which none of them could take it while its own
+/// was busy, as an idle one would. Returns when its step may start: a
 /// long wait reads the thread's clock ([`HOLD_LOOK`]), and that system call is the
 /// scheduler's time, not the unit's, so the step's time starts after it.
 #[inline]
@@ -1976,9 +1977,10 @@ fn account_wait(
     // (likewise the larger).
     host = host.max(st.away_within(ns(owner, w), ns(owner, start)));
     if stealable {
-        // Every other pCPU held at once, as far as they kept their holds by now.
+        // Every other pCPU held at once, as far as they kept their holds by now, and an
+        // idle one's hold still going on.
         let others = all.iter().filter(|q| !std::ptr::eq(&***q, owner));
-        let held = others.map(|q| q.holds.seen(ns(q, w), ns(q, start)));
+        let held = others.map(|q| q.holds.held_idle(ns(q, w), ns(q, start)));
         host = host.max(held_at_once(held, wait));
     }
     let host = host.min(wait);
@@ -2052,6 +2054,7 @@ fn idle(
         IdlePolicy::AdaptiveHaltPoll(_) => Some(start + window),
     };
     let (sleep, counted) = idle_spin(p, start, until, spin_end, cpu, lines, peers);
+    p.holds.left_idle();
     if sleep {
         idle_sleep(p, until, cpu, lines);
     }
@@ -2096,6 +2099,10 @@ fn idle_spin(
         }
         if spins.is_multiple_of(32) {
             let now = Instant::now();
+            // The look is published before the gap it ends is kept (a peer reading both
+            // takes the gaps up to the look it read).
+            p.holds
+                .looked(now.saturating_duration_since(p.epoch).as_nanos() as u64);
             away(p, last, now);
             last = now;
             if until.is_some_and(|u| now >= u) {

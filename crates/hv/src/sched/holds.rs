@@ -104,6 +104,9 @@ pub(super) struct Holds {
     read_slept_ns: AtomicU64,
     /// Its sleeps in the host in all (never reset).
     pub(super) slept_ns: AtomicU64,
+    /// Its idle loop's last look (ns since the epoch) while it spins; 0 while it does
+    /// not: a peer that finds it old sees a hold still going on ([`Holds::held_idle`]).
+    look_ns: AtomicU64,
     /// Holds of [`HOLD_LOGGED`] or longer: from, to (ns since the epoch), and the time
     /// held, with [`IN_STEP`] set for one seen in a step; `logged` counts them all.
     logged: AtomicU64,
@@ -119,6 +122,7 @@ impl Default for Holds {
             read_cpu_ns: AtomicU64::new(0),
             read_slept_ns: AtomicU64::new(0),
             slept_ns: AtomicU64::new(0),
+            look_ns: AtomicU64::new(0),
             logged: AtomicU64::new(0),
             log: (0..HOLD_LOG).map(|_| Default::default()).collect(),
         }
@@ -207,6 +211,33 @@ impl Holds {
             })
             .sum::<u64>()
             + self.running(from, to, IN_STEP)
+    }
+
+    /// The idle loop looked at `at` (ns since the epoch), spinning.
+    #[inline]
+    pub(super) fn looked(&self, at: u64) {
+        self.look_ns.store(at, Ordering::Relaxed);
+    }
+
+    /// The idle loop stopped spinning (to run a unit, to steal, to sleep).
+    #[inline]
+    pub(super) fn left_idle(&self) {
+        self.look_ns.store(0, Ordering::Relaxed);
+    }
+
+    /// As [`Holds::seen`], read by a peer at `to` (now, ns since this thread's epoch),
+    /// with a hold still going on: an idle loop that spins looks every few hundred ns
+    /// while it has its core, so one whose last look is more than [`HOST_GAP`] old is
+    /// held since that look, and the hold is not in its gaps until it looks again.
+    /// What it kept is taken up to that look only, so that a gap it pushes meanwhile
+    /// (which ends at its next look) is not counted twice.
+    pub(super) fn held_idle(&self, from: u64, to: u64) -> u64 {
+        let look = self.look_ns.load(Ordering::Relaxed);
+        if look == 0 || to <= look || hosts(Duration::from_nanos(to - look)) == 0 {
+            return self.seen(from, to);
+        }
+        let since = look.max(from);
+        self.seen(from, since) + (to - since)
     }
 
     /// As [`Holds::within`], with the clock's reading it took.
@@ -413,6 +444,33 @@ mod tests {
     /// Holds long enough to empty a device's ring are kept with their times, from the
     /// idle loop's gaps and from steps the host held, the newest over the oldest; a
     /// short gap or a step the thread ran through is not.
+    #[test]
+    fn an_idle_peer_held_now_counts_from_its_last_look_and_its_kept_gaps_once() {
+        let h = Holds::default();
+        h.push(2_000, 3_000);
+        // Not spinning (running a unit, asleep): only what it kept.
+        assert_eq!(h.held_idle(0, 100_000), 1_000);
+        // Spinning, its last look 5 µs ago: it has its core.
+        h.looked(95_000);
+        assert_eq!(h.held_idle(0, 100_000), 1_000);
+        // Its last look 60 µs ago: held since then, and still.
+        h.looked(40_000);
+        assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
+        assert_eq!(
+            h.held_idle(50_000, 100_000),
+            50_000,
+            "from the wait's start"
+        );
+        // Back, it keeps the gap as it looks again; a peer that read the old look
+        // meanwhile takes the gaps up to it only, so the hold counts once.
+        h.push(40_000, 100_000);
+        assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
+        h.looked(100_000);
+        assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
+        h.left_idle();
+        assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
+    }
+
     #[test]
     fn long_holds_are_kept_with_their_times_and_short_ones_are_not() {
         let epoch = Instant::now();
