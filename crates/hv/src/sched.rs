@@ -1942,8 +1942,8 @@ fn run_unit(
 /// Accounts unit `st`'s wait to run from its wake-up `w` to `start`, with and without
 /// the host's share of it: the largest of what is known to be the host's (never more
 /// than the truth). That is its holds of this thread meanwhile; for a unit of another
-/// pCPU (`owner`), of that pCPU's thread in its scheduler's turns, where its table was
-/// locked against thieves; of a thief's thread that had the unit
+/// pCPU (`owner`), of that pCPU's thread (idle, with a hold still going on, or in its
+/// scheduler's turns, where its table was locked against thieves); of a thief's thread that had the unit
 /// ([`UnitStats::held_away`]); and for a device's engine (`stealable`), the time every
 /// pCPU of `all` but the owner was held at once (an idle one's hold still going on
 /// included, [`Holds::held_idle`]), in which none of them could take it while its own
@@ -1970,8 +1970,12 @@ fn account_wait(
     let ns = |q: &PcpuShared, t: Instant| t.saturating_duration_since(q.epoch).as_nanos() as u64;
     let mut host = p.holds.within(ns(p, w), ns(p, start));
     if !std::ptr::eq(p, owner) {
-        // Both may have been held at once: the larger, never more than the truth.
-        host = host.max(owner.holds.in_turns(ns(owner, w), ns(owner, start)));
+        // The unit's own pCPU held meanwhile (idle, its hold perhaps still going on, or
+        // in its turn with its table locked): the larger, never more than the truth.
+        let (from, to) = (ns(owner, w), ns(owner, start));
+        host = host
+            .max(owner.holds.in_turns(from, to))
+            .max(owner.holds.held_idle(from, to));
     }
     // The wait may have begun while the unit was on a thief's thread the host held
     // (likewise the larger).
