@@ -4,7 +4,8 @@
 //! Two measures, each never more than the truth: the gaps between the idle loop's looks
 //! past [`HOST_GAP`] (the loop looks every few hundred ns while it has its core), and
 //! the wall time since the thread's last read of its CPU clock that the clock did not
-//! count and the thread did not sleep (a hold anywhere else: in a step, on a lock).
+//! count and the thread did not sleep (a hold anywhere else: in a step, on a lock; each
+//! read keeps what of it since the read before no gap kept).
 //! Waits to run are taken net of both ([`Holds::within`]); holds of
 //! [`HOLD_LOGGED`] or longer are also kept with their times ([`HostHold`]), so that a
 //! device's losses can be laid beside them afterwards: a frame the NIC had no buffer
@@ -52,12 +53,14 @@ pub(super) const GAPS: usize = 16;
 /// Holds kept with their times, the newest over the oldest: a lab run sees a few dozen.
 const HOLD_LOG: usize = 256;
 
-/// The bits of a logged hold's length that say it was seen in a step, or on the
+/// The bits of a logged hold's length that say it was seen in a step, on the
 /// scheduler's way from a step to its next pick ([`Holds::push_turn`]: kept in the gaps
-/// too).
+/// too), or between two of the thread's clock reads where no gap or step showed it
+/// ([`Holds::clock_read`]).
 const IN_STEP: u64 = 1 << 63;
 const IN_TURN: u64 = 1 << 62;
-const KINDS: u64 = IN_STEP | IN_TURN;
+const IN_READ: u64 = 1 << 61;
+const KINDS: u64 = IN_STEP | IN_TURN | IN_READ;
 
 pub(super) fn add(a: &AtomicU64, v: u64) {
     a.store(a.load(Ordering::Relaxed) + v, Ordering::Relaxed);
@@ -68,7 +71,8 @@ pub(super) fn add(a: &AtomicU64, v: u64) {
 pub struct HostHold {
     /// The pCPU whose thread was held.
     pub pcpu: usize,
-    /// The span the hold lies in: an idle loop's gap exactly; for a step, the step.
+    /// The span the hold lies in: an idle loop's gap exactly; for a step, the step; for
+    /// one only a clock read saw, the time since the read before it.
     pub from: Instant,
     /// Its end.
     pub to: Instant,
@@ -177,8 +181,35 @@ impl Holds {
         self.logged.store(n + 1, Ordering::Relaxed);
     }
 
-    /// The thread's clock read `cpu` at `at` (ns since the epoch).
+    /// The thread's clock read `cpu` at `at` (ns since the epoch). The wall time since
+    /// its last read that the clock did not count and the thread did not sleep was the
+    /// host's: what of it no gap or step kept (a hold on the way from a step to the next
+    /// read, say, where no look measures) is kept now, over the two reads' span, if it
+    /// is [`HOLD_LOGGED`] or longer. Without it the read would be the next measure's
+    /// start, and a hold before it that a peer's wait took in would be lost.
     pub(super) fn clock_read(&self, at: u64, cpu: u64) {
+        let prev = self.read_at_ns.load(Ordering::Relaxed);
+        if prev > 0 && at > prev {
+            let slept = self
+                .slept_ns
+                .load(Ordering::Relaxed)
+                .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
+            let off = (at - prev)
+                .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
+                .saturating_sub(slept);
+            let long = HOLD_LOGGED.as_nanos() as u64;
+            if off >= long {
+                let unkept = off.saturating_sub(self.seen(prev, at));
+                if unkept >= long {
+                    self.log(prev, at, unkept, IN_READ);
+                }
+            }
+        }
+        self.rebase(at, cpu);
+    }
+
+    /// The clock read `cpu` at `at`: the next measure's start, with nothing kept.
+    fn rebase(&self, at: u64, cpu: u64) {
         self.read_at_ns.store(at, Ordering::Relaxed);
         self.read_cpu_ns.store(cpu, Ordering::Relaxed);
         self.read_slept_ns
@@ -210,7 +241,7 @@ impl Holds {
                 b.min(to).saturating_sub(a.max(from))
             })
             .sum::<u64>()
-            + self.running(from, to, IN_STEP)
+            + self.running(from, to, IN_STEP | IN_READ)
     }
 
     /// The idle loop looked at `at` (ns since the epoch), spinning.
@@ -302,7 +333,8 @@ impl Holds {
     pub(super) fn long_step(&self, from: u64, to: u64) {
         let (held, cpu) = self.within_read(from, to);
         if let Some(cpu) = cpu {
-            self.clock_read(to, cpu);
+            // What the step's hold is, is kept below, as the step's.
+            self.rebase(to, cpu);
         }
         if held >= HOLD_LOGGED.as_nanos() as u64 {
             self.log(from, to, held, IN_STEP);
@@ -469,6 +501,27 @@ mod tests {
         assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
         h.left_idle();
         assert_eq!(h.held_idle(0, 100_000), 1_000 + 60_000);
+    }
+
+    /// A hold between two clock reads that no gap or step kept (on the way from a step
+    /// to the next read) is kept by the read after it, so that a peer's wait that began
+    /// before that read still sees it; a gap the idle loop kept in it counts once.
+    #[test]
+    fn a_hold_only_the_next_clock_read_saw_is_kept_by_it_and_counted_once() {
+        let h = Holds::default();
+        h.rebase(1_000_000, 1_000_000);
+        // 2 ms later the clock has counted 0.5 ms: 1.5 ms off the CPU, none kept.
+        h.clock_read(3_000_000, 1_500_000);
+        assert_eq!(h.seen(1_500_000, 3_200_000), 1_500_000 - 500_000);
+        assert_eq!(h.logged(0, Instant::now()).len(), 1);
+        // 3 ms with 0.5 ms counted, 1 ms of it a gap the idle loop kept: the other
+        // 1.5 ms kept by the read, the gap not twice.
+        h.push(4_000_000, 5_000_000);
+        h.clock_read(6_000_000, 2_000_000);
+        assert_eq!(h.seen(3_000_000, 6_000_000), 1_000_000 + 1_500_000);
+        // Off the CPU less than a long hold: nothing more kept.
+        h.clock_read(6_200_000, 2_000_000);
+        assert_eq!(h.logged(0, Instant::now()).len(), 3);
     }
 
     #[test]
