@@ -1483,7 +1483,9 @@ impl Table {
     /// loses its deadline and is stamped woken at `now`). The IPIs are counted here, by
     /// the pCPU, not by each waker on a line they share.
     #[inline]
-    fn take_ipis(&mut self, p: &PcpuShared, now: Instant) {
+    /// `clear`: when the pCPU's idle loop last found the IPI word empty, if it comes
+    /// from there ([`woken_at`]).
+    fn take_ipis(&mut self, p: &PcpuShared, now: Instant, clear: Option<Instant>) {
         for w in 0..WORDS {
             if p.ipi[w].load(Ordering::Relaxed) == 0 {
                 continue;
@@ -1492,13 +1494,20 @@ impl Table {
             // Its own takes, counted for peers watching whether it runs at all (a
             // thief's take of a unit's wake-up does not count).
             add(&p.stats.took, 1);
-            self.wake_units(p, w, bits, now);
+            self.wake_units(p, w, bits, now, clear);
         }
     }
 
     /// Units `bits` of word `w`, taken from the IPI word, become runnable.
     #[inline]
-    fn wake_units(&mut self, p: &PcpuShared, w: usize, mut bits: u64, now: Instant) {
+    fn wake_units(
+        &mut self,
+        p: &PcpuShared,
+        w: usize,
+        mut bits: u64,
+        now: Instant,
+        clear: Option<Instant>,
+    ) {
         self.runnable[w] |= bits;
         p.stats
             .ipis
@@ -1512,11 +1521,8 @@ impl Table {
                 0 => 0,
                 _ => p.woke_ns[i].swap(0, Ordering::AcqRel),
             };
-            let at = if stamped == 0 {
-                now
-            } else {
-                (p.epoch + Duration::from_nanos(stamped)).min(now)
-            };
+            let stamped = (stamped != 0).then(|| p.epoch + Duration::from_nanos(stamped));
+            let at = woken_at(stamped, now, clear);
             if self.idle[w] & (1 << (i % 64)) != 0 {
                 self.idle[w] &= !(1 << (i % 64));
                 self.set_deadline(i, None);
@@ -1743,6 +1749,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
     // the next pick (or to the idle loop) is a few hundred ns of its own, so a longer
     // gap is the host's.
     let mut mark = Instant::now();
+    // When the idle loop it just left last found the IPI word empty.
+    let mut clear = None;
     loop {
         if t.generation != generation {
             return;
@@ -1751,7 +1759,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
         // Input on the host's lines, looked at now and then between steps.
         lines.refresh(p);
         lines.look(p, now, LINE_LOOK_BUSY);
-        t.take_ipis(p, now);
+        t.take_ipis(p, now, clear.take());
         t.expire_deadlines(now);
         t.new_cap_period(now);
         let pick = t.next_runnable(cursor).filter(|&i| t.units[i].is_some());
@@ -1786,7 +1794,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
             }
             cpu.publish_now_and_then(p, now);
             p.steal.busy.store(false, Ordering::Release);
-            idle(p, until, &cpu, &mut lines, &mut peers);
+            clear = idle(p, until, &cpu, &mut lines, &mut peers);
             mark = Instant::now();
             t = lock(&p.table);
             continue;
@@ -1939,6 +1947,17 @@ fn run_unit(
     (out, ran, start)
 }
 
+/// When a unit taken from the IPI word at `now` was woken: at its waker's stamp, if it
+/// has one, but not before the pCPU's idle loop last found the word empty (`clear`). A
+/// waker stamps, then signals; a spinning idle loop sees the signal within a look, so
+/// a stamp older than the last empty look is a waker held between the two (a host's
+/// hold of its thread, in its step): the wake-up could not be seen, nor the unit run,
+/// before the signal.
+fn woken_at(stamped: Option<Instant>, now: Instant, clear: Option<Instant>) -> Instant {
+    let at = stamped.map_or(now, |s| s.min(now));
+    clear.map_or(at, |c| at.max(c.min(now)))
+}
+
 /// Accounts unit `st`'s wait to run from its wake-up `w` to `start`, with and without
 /// the host's share of it: the largest of what is known to be the host's (never more
 /// than the truth). That is its holds of this thread meanwhile; for a unit of another
@@ -2048,7 +2067,7 @@ fn idle(
     cpu: &CpuClock,
     lines: &mut Lines,
     peers: &mut steal::Peers<'_>,
-) {
+) -> Option<Instant> {
     let start = Instant::now();
     let window = Duration::from_nanos(p.poll_window_ns.load(Ordering::Relaxed));
     let spin_end = match p.policy {
@@ -2057,10 +2076,10 @@ fn idle(
         IdlePolicy::Block => Some(start),
         IdlePolicy::AdaptiveHaltPoll(_) => Some(start + window),
     };
-    let (sleep, counted) = idle_spin(p, start, until, spin_end, cpu, lines, peers);
+    let (sleep, counted, mut clear) = idle_spin(p, start, until, spin_end, cpu, lines, peers);
     p.holds.left_idle();
     if sleep {
-        idle_sleep(p, until, cpu, lines);
+        clear = idle_sleep(p, until, cpu, lines).or(clear);
     }
     if let IdlePolicy::AdaptiveHaltPoll(max) = p.policy {
         let next = next_poll_window(window, start.elapsed(), max);
@@ -2070,12 +2089,13 @@ fn idle(
     p.stats
         .idle_ns
         .fetch_add(counted.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    clear
 }
 
 /// The idle loop's spin: until a unit is woken, the scheduler stops, `until` passes,
 /// a host line has input, or the spin's end (`spin_end`, none: for ever) passes. Returns
-/// whether the pCPU should now sleep (the spin ran out) and up to when its idle time
-/// has been counted.
+/// whether the pCPU should now sleep (the spin ran out), up to when its idle time has
+/// been counted, and when it last found the IPI word empty.
 fn idle_spin(
     p: &PcpuShared,
     start: Instant,
@@ -2084,13 +2104,15 @@ fn idle_spin(
     cpu: &CpuClock,
     lines: &mut Lines,
     peers: &mut steal::Peers<'_>,
-) -> (bool, Instant) {
+) -> (bool, Instant, Option<Instant>) {
     let mut counted = start;
     let mut spins = 0u32;
     let mut last = start;
     let mut last_peek = start;
     let mut last_read = start;
     let mut last_yield = start;
+    // When it last found the IPI word empty (it was looked at just before).
+    let mut clear = None;
     loop {
         if any_ipi(p, Ordering::Acquire)
             || p.stop.load(Ordering::Relaxed)
@@ -2099,10 +2121,11 @@ fn idle_spin(
         {
             // The host may have held it until just now: the wait it ends is net of that.
             away(p, last, Instant::now());
-            return (false, counted);
+            return (false, counted, clear);
         }
         if spins.is_multiple_of(32) {
             let now = Instant::now();
+            clear = Some(now);
             // The look is published before the gap it ends is kept (a peer reading both
             // takes the gaps up to the look it read).
             p.holds
@@ -2110,17 +2133,17 @@ fn idle_spin(
             away(p, last, now);
             last = now;
             if until.is_some_and(|u| now >= u) {
-                return (false, counted);
+                return (false, counted, Some(now));
             }
             if lines.look(p, now, LINE_LOOK_IDLE) > 0 {
-                return (false, counted);
+                return (false, counted, Some(now));
             }
             // Another pCPU's device engine waits while that pCPU is in a step (looked
             // at every few µs: each look reads lines the other pCPU writes as it works).
             if now.duration_since(last_peek) >= STEAL_LOOK {
                 last_peek = now;
                 if steal::wanted_by(p, peers, now) {
-                    return (false, counted);
+                    return (false, counted, Some(now));
                 }
             }
             // The clock read now and then, for the holds that may come once it is busy.
@@ -2138,7 +2161,7 @@ fn idle_spin(
                 cpu.publish(p);
             }
             if spin_end.is_some_and(|e| now >= e) {
-                return (true, counted);
+                return (true, counted, Some(now));
             }
             // A bounded spin shares the core with the host's other threads: it gives
             // way now and then, and a turn given away means another thread wanted the
@@ -2150,7 +2173,7 @@ fn idle_spin(
                 last_yield = back;
                 if back.saturating_duration_since(now) > HOST_GAP {
                     away(p, now, back);
-                    return (true, counted);
+                    return (true, counted, Some(now));
                 }
             }
         }
@@ -2190,10 +2213,17 @@ fn gap(p: &PcpuShared, last: Instant, now: Instant, push: fn(&Holds, u64, u64)) 
 }
 
 /// The idle loop's sleep in the host, until a wake-up, `until`, or input on a host
-/// line. The sleep is announced, then the IPI word looked at once more: a waker that set
+/// line; returns a time it found the IPI word empty at, if it slept. The sleep is announced, then the IPI word looked at once more: a waker that set
 /// a bit before it could see the flag must not be slept through (both sides store, then
 /// load).
-fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mut Lines) {
+fn idle_sleep(
+    p: &PcpuShared,
+    until: Option<Instant>,
+    cpu: &CpuClock,
+    lines: &mut Lines,
+) -> Option<Instant> {
+    // Before the look at the IPI word below: a time it was found empty at, if it was.
+    let checked = Instant::now();
     p.sleeping.store(true, Ordering::SeqCst);
     fence(Ordering::SeqCst);
     if !any_ipi(p, Ordering::SeqCst)
@@ -2240,8 +2270,11 @@ fn idle_sleep(p: &PcpuShared, until: Option<Instant>, cpu: &CpuClock, lines: &mu
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
         add(&p.holds.slept_ns, slept);
         p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        p.sleeping.store(false, Ordering::Relaxed);
+        return Some(checked);
     }
     p.sleeping.store(false, Ordering::Relaxed);
+    None
 }
 
 /// Live units on a pCPU (for tests and reports).
@@ -2262,6 +2295,26 @@ mod tests {
         assert_eq!(held_at_once([900, 2_000, 950].into_iter(), 1_000), 850);
         assert_eq!(held_at_once([400].into_iter(), 1_000), 400);
         assert_eq!(held_at_once(std::iter::empty(), 1_000), 0);
+    }
+
+    /// A unit's wake-up counts from its waker's stamp, never after it was taken, and
+    /// never before the idle loop last found the IPI word empty: a waker held between
+    /// its stamp and its signal is not the unit's wait.
+    #[test]
+    fn a_wake_up_counts_from_its_stamp_but_not_before_it_could_be_seen() {
+        let t0 = Instant::now();
+        let us = |n: u64| t0 + Duration::from_micros(n);
+        assert_eq!(woken_at(Some(us(10)), us(50), None), us(10));
+        assert_eq!(woken_at(None, us(50), None), us(50));
+        assert_eq!(woken_at(Some(us(60)), us(50), None), us(50), "not after");
+        // Stamped at 10, the word still empty at 4 000: seen from then.
+        assert_eq!(
+            woken_at(Some(us(10)), us(4_001), Some(us(4_000))),
+            us(4_000)
+        );
+        // Empty at 5, stamped at 10: from the stamp.
+        assert_eq!(woken_at(Some(us(10)), us(50), Some(us(5))), us(10));
+        assert_eq!(woken_at(None, us(50), Some(us(5))), us(50));
     }
 
     /// A new wait window restarts a unit's waits: a report before its next wait shows

@@ -166,7 +166,7 @@ pub(super) fn try_steal(
             *m = t.present(w, units[w].load(Ordering::Relaxed));
             if *m != 0 {
                 let bits = q.ipi[w].fetch_and(!*m, Ordering::SeqCst) & *m;
-                t.wake_units(q, w, bits, now);
+                t.wake_units(q, w, bits, now, None);
             }
         }
         t.expire_deadlines_of(now, mask);
