@@ -190,13 +190,7 @@ impl Holds {
     pub(super) fn clock_read(&self, at: u64, cpu: u64) {
         let prev = self.read_at_ns.load(Ordering::Relaxed);
         if prev > 0 && at > prev {
-            let slept = self
-                .slept_ns
-                .load(Ordering::Relaxed)
-                .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
-            let off = (at - prev)
-                .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
-                .saturating_sub(slept);
+            let off = self.off_since_read(prev, at, cpu);
             let long = HOLD_LOGGED.as_nanos() as u64;
             if off >= long {
                 let unkept = off.saturating_sub(self.seen(prev, at));
@@ -206,6 +200,18 @@ impl Holds {
             }
         }
         self.rebase(at, cpu);
+    }
+
+    /// The wall time from the last clock read (at `at`) to `to`, when the clock read
+    /// `cpu`, that the clock did not count and the thread did not sleep.
+    fn off_since_read(&self, at: u64, to: u64, cpu: u64) -> u64 {
+        let slept = self
+            .slept_ns
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
+        (to - at)
+            .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
+            .saturating_sub(slept)
     }
 
     /// The clock read `cpu` at `at`: the next measure's start, with nothing kept.
@@ -280,16 +286,9 @@ impl Holds {
             .and_then(|c| c.read())
             .map(|c| c.as_nanos() as u64);
         let clocked = match cpu {
-            Some(cpu) if at > 0 && at <= to => {
-                let slept = self
-                    .slept_ns
-                    .load(Ordering::Relaxed)
-                    .saturating_sub(self.read_slept_ns.load(Ordering::Relaxed));
-                let off = (to - at)
-                    .saturating_sub(cpu.saturating_sub(self.read_cpu_ns.load(Ordering::Relaxed)))
-                    .saturating_sub(slept);
-                off.saturating_sub(from.saturating_sub(at))
-            }
+            Some(cpu) if at > 0 && at <= to => self
+                .off_since_read(at, to, cpu)
+                .saturating_sub(from.saturating_sub(at)),
             _ => 0,
         };
         (gaps.max(clocked), cpu)
