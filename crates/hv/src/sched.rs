@@ -1482,9 +1482,9 @@ impl Table {
     /// Takes the IPI word: units woken since the last look become runnable (an idle one
     /// loses its deadline and is stamped woken at `now`). The IPIs are counted here, by
     /// the pCPU, not by each waker on a line they share.
-    #[inline]
     /// `clear`: when the pCPU's idle loop last found the IPI word empty, if it comes
     /// from there ([`woken_at`]).
+    #[inline]
     fn take_ipis(&mut self, p: &PcpuShared, now: Instant, clear: Option<Instant>) {
         for w in 0..WORDS {
             if p.ipi[w].load(Ordering::Relaxed) == 0 {
@@ -1962,13 +1962,13 @@ fn woken_at(stamped: Option<Instant>, now: Instant, clear: Option<Instant>) -> I
 /// the host's share of it: the largest of what is known to be the host's (never more
 /// than the truth). That is its holds of this thread meanwhile; for a unit of another
 /// pCPU (`owner`), of that pCPU's thread (idle, with a hold still going on, or in its
-/// scheduler's turns, where its table was locked against thieves); of a thief's thread that had the unit
-/// ([`UnitStats::held_away`]); and for a device's engine (`stealable`), the time every
-/// pCPU of `all` but the owner was held at once (an idle one's hold still going on
-/// included, [`Holds::held_idle`]), in which none of them could take it while its own
-/// was busy, as an idle one would. Returns when its step may start: a
-/// long wait reads the thread's clock ([`HOLD_LOOK`]), and that system call is the
-/// scheduler's time, not the unit's, so the step's time starts after it.
+/// scheduler's turns, where its table was locked against thieves); of a thief's thread
+/// that had the unit ([`UnitStats::held_away`]); and for a device's engine
+/// (`stealable`), the time every pCPU of `all` but the owner was held at once (an idle
+/// one's hold still going on included, [`Holds::held_idle`]), in which none of them
+/// could take it while its own was busy, as an idle one would. Returns when its step
+/// may start: a long wait reads the thread's clock ([`HOLD_LOOK`]), and that system
+/// call is the scheduler's time, not the unit's, so the step's time starts after it.
 #[inline]
 fn account_wait(
     p: &PcpuShared,
@@ -2213,9 +2213,9 @@ fn gap(p: &PcpuShared, last: Instant, now: Instant, push: fn(&Holds, u64, u64)) 
 }
 
 /// The idle loop's sleep in the host, until a wake-up, `until`, or input on a host
-/// line; returns a time it found the IPI word empty at, if it slept. The sleep is announced, then the IPI word looked at once more: a waker that set
-/// a bit before it could see the flag must not be slept through (both sides store, then
-/// load).
+/// line; returns a time it found the IPI word empty at, if it slept. The sleep is
+/// announced, then the IPI word looked at once more: a waker that set a bit before it
+/// could see the flag must not be slept through (both sides store, then load).
 fn idle_sleep(
     p: &PcpuShared,
     until: Option<Instant>,
@@ -2226,10 +2226,10 @@ fn idle_sleep(
     let checked = Instant::now();
     p.sleeping.store(true, Ordering::SeqCst);
     fence(Ordering::SeqCst);
-    if !any_ipi(p, Ordering::SeqCst)
+    let asleep = (!any_ipi(p, Ordering::SeqCst)
         && !p.stop.load(Ordering::SeqCst)
-        && !p.steal.retime.swap(false, Ordering::SeqCst)
-    {
+        && !p.steal.retime.swap(false, Ordering::SeqCst))
+    .then(|| {
         // The thread's CPU clock as it goes to sleep (one more system call beside the
         // sleep's own): the time it then sleeps is not the host's, and a report taken
         // meanwhile sees the CPU it used up to here.
@@ -2270,11 +2270,10 @@ fn idle_sleep(
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
         add(&p.holds.slept_ns, slept);
         p.stats.sleeps.fetch_add(1, Ordering::Relaxed);
-        p.sleeping.store(false, Ordering::Relaxed);
-        return Some(checked);
-    }
+        checked
+    });
     p.sleeping.store(false, Ordering::Relaxed);
-    None
+    asleep
 }
 
 /// Live units on a pCPU (for tests and reports).

@@ -472,9 +472,8 @@ mod tests {
         assert!(!kept[2].in_step && !kept[2].in_turn, "{kept:?}");
     }
 
-    /// Holds long enough to empty a device's ring are kept with their times, from the
-    /// idle loop's gaps and from steps the host held, the newest over the oldest; a
-    /// short gap or a step the thread ran through is not.
+    /// An idle peer held as a wait is accounted counts from its last look, with the
+    /// gaps it kept taken once.
     #[test]
     fn an_idle_peer_held_now_counts_from_its_last_look_and_its_kept_gaps_once() {
         let h = Holds::default();
@@ -523,6 +522,9 @@ mod tests {
         assert_eq!(h.logged(0, Instant::now()).len(), 3);
     }
 
+    /// Holds long enough to empty a device's ring are kept with their times, from the
+    /// idle loop's gaps and from steps the host held, the newest over the oldest; a
+    /// short gap or a step the thread ran through is not.
     #[test]
     fn long_holds_are_kept_with_their_times_and_short_ones_are_not() {
         let epoch = Instant::now();
