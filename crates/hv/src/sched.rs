@@ -343,6 +343,10 @@ pub struct UnitStats {
     /// (ns since the pCPU's epoch), and the time at least that the host held the
     /// thief's thread in it ([`UnitStats::held_away`]).
     away_hold: [AtomicU64; 3],
+    /// The last span (ns since its pCPU's epoch) over which a thief found its pCPU's
+    /// table locked in one turn of that pCPU's scheduler before it took the unit: the
+    /// host held the pCPU's thread, table and all ([`UnitStats::held_locked`]).
+    locked_hold: [AtomicU64; 2],
 }
 
 /// A snapshot of [`UnitStats`].
@@ -416,6 +420,25 @@ impl UnitStats {
         for (a, v) in self.away_hold.iter().zip([from, to, held]) {
             a.store(v, Ordering::Relaxed);
         }
+    }
+
+    /// Its pCPU's thread held its table from `from` to `to` (ns since its pCPU's epoch)
+    /// in one turn, as a thief that then took the unit found it: the host's, every bit
+    /// of it (the thread has it a few hundred ns a turn with its core). Written by the
+    /// thief under the table's lock, read as it accounts the unit's wait.
+    pub(super) fn held_locked(&self, from: u64, to: u64) {
+        self.locked_hold[0].store(from, Ordering::Relaxed);
+        self.locked_hold[1].store(to, Ordering::Relaxed);
+    }
+
+    /// The time in `from..to` (ns since its pCPU's epoch) its pCPU's thread was held
+    /// with its table locked, as the thief that took it last found.
+    fn locked_within(&self, from: u64, to: u64) -> u64 {
+        let [a, b] = self
+            .locked_hold
+            .each_ref()
+            .map(|v| v.load(Ordering::Relaxed));
+        b.min(to).saturating_sub(a.max(from))
     }
 
     /// At least the time in `from..to` (ns since its pCPU's epoch) the host held a
@@ -583,6 +606,11 @@ pub(crate) struct PcpuShared {
     stop: AtomicBool,
     /// When the step now running began, in ns since `epoch`; 0 when none runs.
     step_since: AtomicU64,
+    /// When its thread took its table for a turn of its scheduler (ns since `epoch`),
+    /// 0 once it let it go: the table is its own a few hundred ns a turn with its core,
+    /// so a thief that finds it locked in the same turn over a span knows the host held
+    /// the thread, with the table, all that span ([`steal`]).
+    turn_ns: AtomicU64,
     epoch: Instant,
     table: Mutex<Table>,
     stats: PcpuStats,
@@ -1082,6 +1110,7 @@ impl Scheduler {
                     thread: Mutex::new(None),
                     stop: AtomicBool::new(false),
                     step_since: AtomicU64::new(0),
+                    turn_ns: AtomicU64::new(0),
                     epoch: now,
                     table: Mutex::new(Table {
                         generation: 0,
@@ -1756,6 +1785,10 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
             return;
         }
         let now = Instant::now();
+        p.turn_ns.store(
+            now.saturating_duration_since(p.epoch).as_nanos() as u64 | 1,
+            Ordering::Release,
+        );
         // Input on the host's lines, looked at now and then between steps.
         lines.refresh(p);
         lines.look(p, now, LINE_LOOK_BUSY);
@@ -1772,6 +1805,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
                 continue;
             }
             if p.stop.load(Ordering::Acquire) && t.live == 0 {
+                p.turn_ns.store(0, Ordering::Release);
                 cpu.publish(p);
                 return;
             }
@@ -1780,6 +1814,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
             // start is what peers watch for while it idles (a past one says it is held).
             t.publish_steal_hints(p);
             between(p, mark, Instant::now());
+            p.turn_ns.store(0, Ordering::Release);
             drop(t);
             // Nothing of its own to run: a device's engine another pCPU's step keeps
             // waiting, if there is one.
@@ -1806,8 +1841,10 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
         };
         t.publish_steal_hints(p);
         // Kept before the table is free, so that a thief that waited for it sees the
-        // hold as it accounts the wait.
+        // hold as it accounts the wait. (A hold after it, with the table still locked,
+        // the thief measures itself: `turn_ns`.)
         between(p, mark, Instant::now());
+        p.turn_ns.store(0, Ordering::Release);
         drop(t);
         if !p.steal.busy.load(Ordering::Relaxed) {
             p.steal.busy.store(true, Ordering::Release);
@@ -1962,8 +1999,9 @@ fn woken_at(stamped: Option<Instant>, now: Instant, clear: Option<Instant>) -> I
 /// the host's share of it: the largest of what is known to be the host's (never more
 /// than the truth). That is its holds of this thread meanwhile; for a unit of another
 /// pCPU (`owner`), of that pCPU's thread (idle, with a hold still going on, or in its
-/// scheduler's turns, where its table was locked against thieves); of a thief's thread
-/// that had the unit ([`UnitStats::held_away`]); and for a device's engine
+/// scheduler's turns, where its table was locked against thieves, as it kept them or
+/// as the thief found the table, [`UnitStats::held_locked`]); of a thief's thread that
+/// had the unit ([`UnitStats::held_away`]); and for a device's engine
 /// (`stealable`), the time every pCPU of `all` but the owner was held at once (an idle
 /// one's hold still going on included, [`Holds::held_idle`]), in which none of them
 /// could take it while its own was busy, as an idle one would. Returns when its step
@@ -1988,17 +2026,20 @@ fn account_wait(
     }
     let ns = |q: &PcpuShared, t: Instant| t.saturating_duration_since(q.epoch).as_nanos() as u64;
     let mut host = p.holds.within(ns(p, w), ns(p, start));
+    let (from, to) = (ns(owner, w), ns(owner, start));
     if !std::ptr::eq(p, owner) {
         // The unit's own pCPU held meanwhile (idle, its hold perhaps still going on, or
         // in its turn with its table locked): the larger, never more than the truth.
-        let (from, to) = (ns(owner, w), ns(owner, start));
         host = host
             .max(owner.holds.in_turns(from, to))
             .max(owner.holds.held_idle(from, to));
     }
-    // The wait may have begun while the unit was on a thief's thread the host held
-    // (likewise the larger).
-    host = host.max(st.away_within(ns(owner, w), ns(owner, start)));
+    // The wait may have begun while the unit was on a thief's thread the host held, or
+    // its own pCPU's thread held with the table locked as a thief tried it (likewise the
+    // larger).
+    host = host
+        .max(st.away_within(from, to))
+        .max(st.locked_within(from, to));
     if stealable {
         // Every other pCPU held at once, as far as they kept their holds by now, and an
         // idle one's hold still going on.
@@ -2314,6 +2355,32 @@ mod tests {
         // Empty at 5, stamped at 10: from the stamp.
         assert_eq!(woken_at(Some(us(10)), us(50), Some(us(5))), us(10));
         assert_eq!(woken_at(None, us(50), Some(us(5))), us(50));
+    }
+
+    /// A pCPU's table found locked in one turn of its scheduler, over a span longer than
+    /// the thread's own few hundred ns, is the host's hold of the thread from the turn's
+    /// start to the look, all of it; a short one, another thread's lock (no turn), or a
+    /// turn begun after the look is none.
+    #[test]
+    fn a_table_found_locked_in_one_turn_is_held_from_the_turns_start_to_the_look() {
+        use super::steal::found_locked;
+        assert_eq!(found_locked(40_000, 3_040_000), Some((40_000, 3_040_000)));
+        assert_eq!(found_locked(40_000, 45_000), None, "its own turn's time");
+        assert_eq!(found_locked(0, 3_040_000), None, "not its thread's turn");
+        assert_eq!(found_locked(50_000, 40_000), None, "a turn after the look");
+    }
+
+    /// A unit's wait is net of the part inside it of the span its pCPU's thread was
+    /// found holding its table (by the thief that then took it), and of none outside.
+    #[test]
+    fn a_wait_is_net_of_its_pcpus_table_found_held_inside_it() {
+        let st = UnitStats::default();
+        assert_eq!(st.locked_within(0, 10_000_000), 0);
+        st.held_locked(1_000_000, 4_000_000);
+        assert_eq!(st.locked_within(0, 10_000_000), 3_000_000);
+        assert_eq!(st.locked_within(2_000_000, 10_000_000), 2_000_000);
+        assert_eq!(st.locked_within(5_000_000, 6_000_000), 0);
+        assert_eq!(st.locked_within(0, 500_000), 0);
     }
 
     /// A new wait window restarts a unit's waits: a report before its next wait shows

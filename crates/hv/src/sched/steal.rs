@@ -32,11 +32,13 @@ pub const HELD_AFTER: Duration = Duration::from_micros(20);
 
 /// A pCPU's peers (itself among them), and what it has seen of each as it looked: since
 /// when the peer, out of its steps and awake, has left work untaken, and the count of
-/// wake-ups it had taken then.
+/// wake-ups it had taken then; and the span over which it last found the peer's table
+/// locked in one of the peer's own turns ([`found_locked`]).
 #[derive(Debug)]
 pub(super) struct Peers<'a> {
     all: &'a [Arc<PcpuShared>],
     untaken: Vec<Option<(Instant, u64)>>,
+    locked: Vec<Option<(u64, u64)>>,
     /// When its spin last looked whether a peer is held.
     held_look: Instant,
 }
@@ -52,6 +54,7 @@ impl<'a> Peers<'a> {
         Self {
             all,
             untaken: vec![None; all.len()],
+            locked: vec![None; all.len()],
             held_look: Instant::now(),
         }
     }
@@ -83,6 +86,17 @@ fn held(q: &PcpuShared, now: Instant, seen: &mut Option<(Instant, u64)>) -> bool
             false
         }
     }
+}
+
+/// The span a thief that found a peer's table locked at `at` (ns since the peer's
+/// epoch) knows the peer's thread held it: from the start of the peer's turn then
+/// (`turn`, its [`PcpuShared::turn_ns`]; 0 when the lock was not its own thread's
+/// turn's) to `at`. The thread has its table a few hundred ns a turn with its core, so
+/// a span past [`HOST_GAP`] is the host's hold of it, all of it (as [`between`] counts
+/// a gap); a shorter one is none.
+pub(super) fn found_locked(turn: u64, at: u64) -> Option<(u64, u64)> {
+    (turn != 0 && holds::hosts(Duration::from_nanos(at.saturating_sub(turn))) > 0)
+        .then_some((turn, at))
 }
 
 /// Whether the earliest deadline of `q`'s idle stealable units (its hint) has passed
@@ -139,7 +153,12 @@ pub(super) fn try_steal(
     binding: &mut Option<SlotBinding>,
 ) -> Option<Instant> {
     let now = Instant::now();
-    for (q, seen) in peers.all.iter().zip(&mut peers.untaken) {
+    let peers_at = peers
+        .all
+        .iter()
+        .zip(&mut peers.untaken)
+        .zip(&mut peers.locked);
+    for ((q, seen), locked) in peers_at {
         if std::ptr::eq(&**q, me) {
             continue;
         }
@@ -149,10 +168,15 @@ pub(super) fn try_steal(
         }
         // Its own thread holds the lock only between steps: if it is taken, the pCPU is
         // choosing what to run next, which may be the engine. (A thread the host holds
-        // with the lock taken keeps its units.)
+        // with the lock taken keeps its units; a long turn found so is the host's.)
         let Ok(mut t) = q.table.try_lock() else {
+            let at = now.saturating_duration_since(q.epoch).as_nanos() as u64;
+            // Read after the failed try: on a machine whose locked instructions are
+            // fences (x86), a turn's end (its clear before the unlock) shows here.
+            *locked = found_locked(q.turn_ns.load(Ordering::Acquire), at).or(*locked);
             continue;
         };
+        let locked = locked.take();
         // Only the wake-ups of stealable units in the table (of movable ones, if the
         // host holds the pCPU): a vCPU's, or those of a unit its own pCPU is running,
         // stay for that pCPU.
@@ -187,6 +211,10 @@ pub(super) fn try_steal(
             t.away[w] &= !bit;
             continue;
         };
+        if let Some((from, to)) = locked {
+            // Its wait to run may lie in it.
+            e.stats().held_locked(from, to);
+        }
         // Units it woke and does not run go back into the IPI word: their pCPU, idle
         // in its spin (the host let it go, or it went idle as the thief looked), watches
         // the word, not its table.
