@@ -332,7 +332,9 @@ fn put_back(
     let runnable = t.runnable[w] & bit != 0;
     let timed = t.timed[w] & bit != 0;
     t.publish_steal_hints(q);
-    drop(t);
+    // Signalled before the table is free: a hold of this thread after it (the unlock
+    // may be a system call, where the host takes a thread off its core) must not keep
+    // the unit's own pCPU, spinning idle with its core, from seeing it.
     if runnable {
         // Its own pCPU, or a thief, runs it next.
         q.ipi[w].fetch_or(bit, Ordering::SeqCst);
@@ -343,6 +345,7 @@ fn put_back(
     } else {
         return;
     }
+    drop(t);
     // One asleep is woken.
     if q.sleeping.load(Ordering::SeqCst) {
         q.stats.host_wakes.fetch_add(1, Ordering::Relaxed);
