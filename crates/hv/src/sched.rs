@@ -265,26 +265,47 @@ impl UnitSpec {
 /// arrive at the wire's pace) cannot afford to wait past.
 pub const LONG_STEP: Duration = Duration::from_millis(1);
 
-/// Buckets of the wait-to-run histogram: bucket 0 below 1 µs, bucket `k` from
-/// `2^(k-1)` to `2^k` µs, the last everything longer.
-pub const WAIT_BUCKETS: usize = 24;
+/// Buckets of the wait-to-run histogram: bucket 0 below 1024 ns, then each power of two
+/// of ns from 2^10 on in four equal parts (a bucket's bound at most a quarter above any
+/// wait in it), up to 2^34 ns (17 s), the last everything longer.
+pub const WAIT_BUCKETS: usize = 1 + 4 * 24;
 
 /// The histogram bucket of a wait of `ns`.
 fn wait_bucket(ns: u64) -> usize {
-    let us = ns / 1000;
-    if us == 0 {
-        0
-    } else {
-        (64 - us.leading_zeros() as usize).min(WAIT_BUCKETS - 1)
+    if ns < 1 << 10 {
+        return 0;
+    }
+    let e = 63 - ns.leading_zeros() as usize;
+    let quarter = (ns >> (e - 2)) as usize & 3;
+    (1 + 4 * (e - 10) + quarter).min(WAIT_BUCKETS - 1)
+}
+
+/// The upper bound of histogram bucket `k`, in whole µs up.
+fn bucket_bound(k: usize) -> Duration {
+    let ns = match k {
+        0 => 1 << 10,
+        _ => {
+            let (e, quarter) = (10 + (k - 1) / 4, (k - 1) % 4);
+            (5 + quarter as u64) << (e - 2)
+        }
+    };
+    Duration::from_micros(ns.div_ceil(1000))
+}
+
+/// A histogram of waits to run, by [`wait_bucket`].
+#[derive(Debug)]
+struct WaitHist([AtomicU64; WAIT_BUCKETS]);
+
+impl Default for WaitHist {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| AtomicU64::new(0)))
     }
 }
 
-/// The upper bound of histogram bucket `k`.
-fn bucket_bound(k: usize) -> Duration {
-    if k == 0 {
-        Duration::from_micros(1)
-    } else {
-        Duration::from_micros(1u64 << k.min(40))
+impl std::ops::Deref for WaitHist {
+    type Target = [AtomicU64; WAIT_BUCKETS];
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }
 
@@ -324,12 +345,12 @@ pub struct UnitStats {
     longest_step_ns: AtomicU64,
     capped: AtomicU64,
     /// Its waits to run, woken until it ran, by [`wait_bucket`].
-    waits: [AtomicU64; WAIT_BUCKETS],
+    waits: WaitHist,
     longest_wait_ns: AtomicU64,
     /// The same waits less the time the host held the thread that ran the unit off its
     /// core meanwhile, as far as that thread can tell ([`Holds`]), or a thief's thread
     /// that had it ([`UnitStats::held_away`]).
-    net_waits: [AtomicU64; WAIT_BUCKETS],
+    net_waits: WaitHist,
     longest_net_wait_ns: AtomicU64,
     long_steps: AtomicU64,
     /// Turns another pCPU ran it.
@@ -460,7 +481,7 @@ impl UnitStats {
     fn waited(&self, ns: u64, net: u64) {
         let window = self.window.load(Ordering::Relaxed);
         if window != self.counted.load(Ordering::Relaxed) {
-            for a in self.waits.iter().chain(&self.net_waits) {
+            for a in self.waits.iter().chain(self.net_waits.iter()) {
                 a.store(0, Ordering::Relaxed);
             }
             self.longest_wait_ns.store(0, Ordering::Relaxed);
@@ -2381,6 +2402,37 @@ mod tests {
         assert_eq!(st.locked_within(2_000_000, 10_000_000), 2_000_000);
         assert_eq!(st.locked_within(5_000_000, 6_000_000), 0);
         assert_eq!(st.locked_within(0, 500_000), 0);
+    }
+
+    /// A wait falls in a bucket whose bound is at or above it and at most a quarter
+    /// (and a µs's rounding) above it, so a 99th percentile between two powers of two
+    /// is told as such: 35 µs waits are reported as 41, not 64.
+    #[test]
+    fn a_waits_bucket_bounds_it_from_above_within_a_quarter() {
+        for ns in (0..40u64)
+            .map(|k| 1u64 << k)
+            .chain([
+                999, 1_000, 1_024, 1_500, 35_000, 49_999, 50_000, 1_000_000, 7_127_000,
+            ])
+            .chain((1..200).map(|k| k * 7_919))
+        {
+            let (k, bound) = (wait_bucket(ns), bucket_bound(wait_bucket(ns)));
+            let bound = bound.as_nanos() as u64;
+            match k {
+                // Below a µs (and a few ns): told as 2 µs at most.
+                0 => assert!(ns < 1_024 && bound <= 2_000, "{ns} ns: bound {bound}"),
+                // Past 17 s: the last bucket, everything longer.
+                _ if k == WAIT_BUCKETS - 1 => assert!(ns >= 1 << 34, "{ns} ns"),
+                _ => {
+                    assert!(bound >= ns, "{ns} ns: bound {bound}");
+                    assert!(bound <= ns + ns / 4 + 1_000, "{ns} ns: bound {bound}");
+                }
+            }
+        }
+        let h = WaitHist::default();
+        h[wait_bucket(35_000)].store(100, Ordering::Relaxed);
+        assert_eq!(p99(&h), Duration::from_micros(41), "not 64");
+        assert_eq!(p99(&WaitHist::default()), Duration::ZERO);
     }
 
     /// A new wait window restarts a unit's waits: a report before its next wait shows
