@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use hv::profile::{Class, GlobalClass};
+use kernel::counters::Counters;
 
 use crate::{Context, Error, IdlePolicy, Mode, Report};
 use rig::udp::{DomainSnapshot, Finish, Options, Running, Snapshot};
@@ -259,7 +260,9 @@ pub(crate) fn account_losses<'a>(
     runs: impl Iterator<Item = (String, &'a Finish)>,
 ) -> u64 {
     let runs: Vec<(String, &Finish)> = runs.collect();
-    device_waits(r, &runs);
+    let counters: Vec<(String, &Counters)> =
+        runs.iter().map(|(l, f)| (l.clone(), &f.counters)).collect();
+    device_waits(r, &counters);
     missed_outside_holds(r, &runs);
     link_pauses(r, &runs);
     let mut total = 0;
@@ -444,14 +447,14 @@ fn is_device_unit(comp: &str) -> bool {
 /// waits keep a hold the host made in another unit's step (the idle loop alone sees a
 /// hold as it happens); the records' pCPU counters (`stolen_us`, `longest_away_us`) say
 /// how much the host took.
-pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Finish)]) {
+pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
     let mut p99 = (0u64, String::new());
     let mut max = (0u64, String::new());
     let (mut gross_p99, mut gross_max) = (0u64, 0u64);
     let (mut stolen, mut steps, mut covered, mut any) = (0u64, 0u64, 0u64, false);
     let mut before = (0u64, String::new());
-    for (label, f) in runs {
-        for (comp, name, v) in &f.counters.entries {
+    for (label, c) in runs {
+        for (comp, name, v) in &c.entries {
             if name == "covered" && comp.starts_with("pcpu") {
                 covered += v;
             }
