@@ -438,6 +438,16 @@ fn is_device_unit(comp: &str) -> bool {
     })
 }
 
+/// The scheduler's part of a machine's counters (each pCPU's and each unit's, `pcpu<n>
+/// ...`): what [`device_waits`] reads, kept per run without the rest.
+pub(crate) fn sched_part(c: &Counters) -> Counters {
+    let mut part = Counters::default();
+    for (comp, name, v) in c.entries.iter().filter(|e| e.0.starts_with("pcpu")) {
+        part.add(comp, name, *v);
+    }
+    part
+}
+
 /// The worst wait to run of any device's engine over `runs`: its 99th percentile (as
 /// the scheduler's histogram bounds it) and its longest, net of the time the host held
 /// the pCPU that ran it off its core meanwhile (the issue's measure: the host's time is
@@ -504,20 +514,23 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
         max,
         DEVICE_WAIT_MAX_US,
     );
+    let window = if before.1.is_empty() {
+        // Runs that kept no waits from before their window (not the harness's).
+        "waits counted from each run's measured window on".to_string()
+    } else {
+        format!(
+            "waits counted over each run's measured window and the drain after it, as the \
+             CPU per packet is: before it, through the machine's start and warm-up (the \
+             lab's thread building and booting it on the same cores), the longest net wait \
+             was {} µs ({})",
+            before.0, before.1
+        )
+    };
     r.notes.push(format!(
         "devices' engines: {stolen} of {steps} steps run by an idle pCPU while their own was \
          busy (work stealing); their waits with the host's holds in: 99th percentile \
          {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
-         engines run by an idle pCPU while the host held their own off its core; waits \
-         counted over each run's measured window and the drain after it, as the CPU per \
-         packet is: before it, through the machine's start and warm-up (the lab's thread \
-         building and booting it on the same cores), the longest net wait was {} µs ({})",
-        before.0,
-        if before.1.is_empty() {
-            "no run"
-        } else {
-            &before.1
-        }
+         engines run by an idle pCPU while the host held their own off its core; {window}"
     ));
 }
 

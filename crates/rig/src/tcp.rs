@@ -274,6 +274,13 @@ impl TcpRunning {
         &self.machine
     }
 
+    /// The measured window begins: the devices' and vCPUs' waits to run count from now
+    /// ([`hv::sched::Scheduler::mark_waits`]), as the CPU per byte does, not from the
+    /// machine's start.
+    pub fn begin_window(&self) {
+        self.machine.scheduler().mark_waits();
+    }
+
     /// The machine's counters now.
     pub fn snapshot(&self) -> TcpSnapshot {
         let counters = self.machine.live_counters(Duration::from_millis(100));

@@ -264,6 +264,7 @@ fn measure(o: TcpOptions, d: &Durations) -> Result<(Measure, TcpFinish), Error> 
         PeerApp::Stream { rate: Some(_), .. } => m.settle(SETTLE_WITHIN),
         _ => true,
     };
+    m.begin_window();
     let a = m.snapshot();
     let window = match o.app {
         PeerApp::Rr { .. } => d.rr_window,
@@ -540,6 +541,8 @@ struct Tally {
     corrupt: u64,
     unchecked: u64,
     unsettled: u64,
+    /// Each run's scheduler counters (its units' waits to run), by run.
+    sched: Vec<(String, kernel::Counters)>,
 }
 
 /// The two-core placement is for the full run; a quick look keeps to the paper's.
@@ -641,6 +644,9 @@ fn rounds(mode: Mode, d: &Durations) -> Result<(Results, Tally), Error> {
                 t.unsettled += u64::from(rate.is_some() && !m.settled);
             }
             t.corrupt += f.corrupt + f.answers_corrupt;
+            let waits = crate::harness::sched_part(&f.counters);
+            t.sched
+                .push((format!("round {}, {phase}, {}", round + 1, c.name), waits));
             res.entry((phase, c.name)).or_default().push(m);
         }
     }
@@ -657,6 +663,9 @@ fn integrity(r: &mut Report, t: &Tally) {
         "bytes",
     );
     r.check_none("stream runs in which nothing arrived", t.unchecked, "runs");
+    let runs: Vec<(String, &kernel::Counters)> =
+        t.sched.iter().map(|(l, c)| (l.clone(), c)).collect();
+    crate::harness::device_waits(r, &runs);
     r.check_none(
         "fixed-load runs whose sender had not caught up with its schedule when the window opened",
         t.unsettled,

@@ -386,12 +386,8 @@ fn measure(
         p.channel_full += c.sum(|d: &DeviceDrops| d.channel_full);
     }
     for (side, c) in [("clients", &cc), ("servers", &sc)] {
-        let mut waits = kernel::Counters::default();
-        for (comp, name, v) in c.entries.iter().filter(|e| e.0.starts_with("pcpu")) {
-            waits.add(comp, name, *v);
-        }
         let label = format!("{} {n} VIFs, {side}' host", design.name());
-        p.sched.push((label, waits));
+        p.sched.push((label, crate::harness::sched_part(c)));
     }
     for (c, r) in counters.iter().zip(&rtts) {
         let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);

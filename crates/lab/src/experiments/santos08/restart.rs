@@ -194,6 +194,8 @@ fn network_rows(
         caught == 2 * faults,
     );
     r.check_none("messages delivered not as sent", finish.corrupt, "messages");
+    let run = "the network's run across the faults".to_string();
+    crate::harness::device_waits(r, &[(run, &finish.counters)]);
     r.check_none(
         "frames of destroyed domains still held after the run",
         held as u64,
@@ -272,6 +274,8 @@ fn measure(opts: Options, faults: usize) -> Result<Measured, Error> {
     let mut running = Running::start(opts)?;
     let hv = std::sync::Arc::clone(&running.hv);
     until_more(&running, 200, Duration::from_secs(10))?;
+    // Traffic flows: the devices' waits to run count from here, across the faults.
+    running.begin_window();
     let mut out = Vec::new();
     crate::progress::plan(2 * faults as u64);
     for (f, kind) in [(Fault::Panic, "panic"), (Fault::Hang, "hang")] {
