@@ -443,10 +443,12 @@ impl UnitStats {
         }
     }
 
-    /// Its pCPU's thread held its table from `from` to `to` (ns since its pCPU's epoch)
-    /// in one turn, as a thief that then took the unit found it: the host's, every bit
-    /// of it (the thread has it a few hundred ns a turn with its core). Written by the
-    /// thief under the table's lock, read as it accounts the unit's wait.
+    /// Its pCPU's table was held from `from` to `to` (ns since its pCPU's epoch) by a
+    /// thread the host held: its pCPU's own in one turn, as a thief that then took the
+    /// unit found it, or a thief's putting the unit back before it signalled it. The
+    /// host's, every bit of it (either has the table a few hundred ns with its core).
+    /// Written under the table's lock, read as whoever runs the unit next accounts its
+    /// wait.
     pub(super) fn held_locked(&self, from: u64, to: u64) {
         self.locked_hold[0].store(from, Ordering::Relaxed);
         self.locked_hold[1].store(to, Ordering::Relaxed);

@@ -328,10 +328,19 @@ fn put_back(
             return;
         }
     }
-    t.units[i] = Some(e);
     let runnable = t.runnable[w] & bit != 0;
     let timed = t.timed[w] & bit != 0;
     t.publish_steal_hints(q);
+    // Held here, with the table locked and the unit not yet signalled, its own pCPU
+    // (spinning idle with its core) could not have run it: a wait that lies in the
+    // hold is the host's, kept with the unit before it is free to run (the way from the
+    // lock to here is a few hundred ns with the core).
+    let signal = Instant::now();
+    if holds::hosts(signal.saturating_duration_since(now)) > 0 {
+        let ns = |t: Instant| t.saturating_duration_since(q.epoch).as_nanos() as u64;
+        e.stats().held_locked(ns(now), ns(signal));
+    }
+    t.units[i] = Some(e);
     // Signalled before the table is free: a hold of this thread after it (the unlock
     // may be a system call, where the host takes a thread off its core) must not keep
     // the unit's own pCPU, spinning idle with its core, from seeing it.
