@@ -364,9 +364,9 @@ pub struct UnitStats {
     /// (ns since the pCPU's epoch), and the time at least that the host held the
     /// thief's thread in it ([`UnitStats::held_away`]).
     away_hold: [AtomicU64; 3],
-    /// The last span (ns since its pCPU's epoch) over which a thief found its pCPU's
-    /// table locked in one turn of that pCPU's scheduler before it took the unit: the
-    /// host held the pCPU's thread, table and all ([`UnitStats::held_locked`]).
+    /// The last span (ns since its pCPU's epoch) over which its pCPU's table was locked
+    /// by a thread the host held: its pCPU's own in one turn, as a thief found it before
+    /// it took the unit, or a thief's putting it back ([`UnitStats::held_locked`]).
     locked_hold: [AtomicU64; 2],
 }
 
@@ -454,8 +454,8 @@ impl UnitStats {
         self.locked_hold[1].store(to, Ordering::Relaxed);
     }
 
-    /// The time in `from..to` (ns since its pCPU's epoch) its pCPU's thread was held
-    /// with its table locked, as the thief that took it last found.
+    /// The time in `from..to` (ns since its pCPU's epoch) its pCPU's table was locked by
+    /// a thread the host held, as last kept ([`UnitStats::held_locked`]).
     fn locked_within(&self, from: u64, to: u64) -> u64 {
         let [a, b] = self
             .locked_hold
@@ -2058,8 +2058,8 @@ fn account_wait(
             .max(owner.holds.held_idle(from, to));
     }
     // The wait may have begun while the unit was on a thief's thread the host held, or
-    // its own pCPU's thread held with the table locked as a thief tried it (likewise the
-    // larger).
+    // while its pCPU's table was locked by a held thread (its pCPU's own as a thief tried
+    // it, or a thief's putting it back; likewise the larger).
     host = host
         .max(st.away_within(from, to))
         .max(st.locked_within(from, to));

@@ -611,7 +611,7 @@ mod tests {
     use super::*;
 
     fn run_that_missed(all: u64, held: u64) -> Finish {
-        let mut counters = kernel::counters::Counters::default();
+        let mut counters = Counters::default();
         counters.add("nic", "rx_missed", all);
         counters.add("nic", "rx_missed_in_host_holds", held);
         counters.add("nic", "rx_fifo_held", 100 + all);
