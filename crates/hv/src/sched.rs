@@ -604,6 +604,9 @@ struct Table {
     deadline: Vec<Option<Instant>>,
     /// When each runnable unit was woken (index: slot).
     woken: Vec<Option<Instant>>,
+    /// When each idle unit's last step ended (index: slot): a wake-up stamped before
+    /// then came while the unit ran, so it waited to run from there on, not before.
+    stepped: Vec<Option<Instant>>,
     /// Time each capped unit ran in the current period, and when the period began.
     period_ns: Vec<u64>,
     period_start: Instant,
@@ -1145,6 +1148,7 @@ impl Scheduler {
                         timed: [0; WORDS],
                         deadline: vec![None; MAX_UNITS],
                         woken: vec![None; MAX_UNITS],
+                        stepped: vec![None; MAX_UNITS],
                         period_ns: vec![0; MAX_UNITS],
                         period_start: now,
                         over_cap: [0; WORDS],
@@ -1501,6 +1505,7 @@ impl Table {
     /// end, not from the deadline: it could not have waited while it was running.
     fn idle_after_step(&mut self, i: usize, d: Option<Instant>, ended: Instant) {
         self.idle[i / 64] |= 1 << (i % 64);
+        self.stepped[i] = Some(ended);
         self.set_deadline(i, d.map(|d| d.max(ended)));
     }
 
@@ -1578,7 +1583,7 @@ impl Table {
             if self.idle[w] & (1 << (i % 64)) != 0 {
                 self.idle[w] &= !(1 << (i % 64));
                 self.set_deadline(i, None);
-                self.woken[i] = Some(at);
+                self.woken[i] = Some(after_step(at, self.stepped[i].take()));
             } else if self.away[w] & (1 << (i % 64)) != 0 && self.woken[i].is_none() {
                 // Woken while a thief runs it: it runs again as it comes back, and its
                 // wait counts from this wake-up, as it would on its own pCPU.
@@ -1709,7 +1714,24 @@ impl Table {
         self.set_deadline(i, None);
         self.idle[i / 64] &= !(1 << (i % 64));
         self.woken[i] = None;
+        self.stepped[i] = None;
     }
+
+    /// Unit `i`'s step ended at `ended` saying it is idle, but a wake-up came while it
+    /// ran and left it runnable: it waits to run from the step's end (a wait from
+    /// before then would count its own step).
+    fn woken_in_step(&mut self, i: usize, ended: Instant) {
+        self.woken[i] = Some(after_step(self.woken[i].unwrap_or(ended), Some(ended)));
+    }
+}
+
+/// When a unit woken at `at` began to wait to run, if its last step ended at
+/// `stepped`: not before that end. A wake-up stamped earlier came while the unit was
+/// being picked or ran (its waker saw it dozing before its step began), and that step
+/// may well have served it; either way the unit ran meanwhile, and did not wait.
+#[inline]
+fn after_step(at: Instant, stepped: Option<Instant>) -> Instant {
+    stepped.map_or(at, |e| at.max(e))
 }
 
 /// The pCPU thread's own CPU clock, published into its `cpu_ns` stat for reports taken
@@ -1909,6 +1931,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
                 // Unless a thief took its wake-up meanwhile (it is runnable already).
                 if t.runnable[i / 64] & (1 << (i % 64)) == 0 {
                     t.idle_after_step(i, d, end);
+                } else {
+                    t.woken_in_step(i, end);
                 }
                 t.units[i] = Some(e);
             }

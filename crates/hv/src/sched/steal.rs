@@ -317,9 +317,10 @@ fn put_back(
             t.runnable[w] |= bit;
             t.woken[i] = None;
         }
-        // A wake-up while it was away left it runnable: it runs again.
         StepOut::Idle(d) if t.runnable[w] & bit == 0 => t.idle_after_step(i, d, ended),
-        StepOut::Idle(_) => {}
+        // A wake-up while it was away left it runnable: it runs again, and waits from
+        // the end of the step it was woken in.
+        StepOut::Idle(_) => t.woken_in_step(i, ended),
         StepOut::Ended => {
             t.end(q, i);
             t.publish_steal_hints(q);
