@@ -1889,11 +1889,14 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
         // hold as it accounts the wait. (A hold after it, with the table still locked,
         // the thief measures itself: `turn_ns`.)
         between(p, mark, Instant::now());
-        p.turn_ns.store(0, Ordering::Release);
-        drop(t);
+        // Busy before the table is free: a thread the host holds from here to the step
+        // must look busy to its peers, or a device's engine left waiting in its table
+        // looks like an idle pCPU's own to take, and nobody takes it.
         if !p.steal.busy.load(Ordering::Relaxed) {
             p.steal.busy.store(true, Ordering::Release);
         }
+        p.turn_ns.store(0, Ordering::Release);
+        drop(t);
         let (out, ran, end) = run_sampled(p, p, all, &mut binding, &mut *e, woken);
         mark = end;
         cpu.publish_now_and_then(p, end);

@@ -225,14 +225,15 @@ pub(super) fn try_steal(
             }
         }
         t.publish_steal_hints(q);
+        // A pCPU running another's unit is busy: its own wake-ups wait for it as they
+        // would behind its own step, and no peer takes it for held meanwhile. Marked
+        // before the peer's table is free, as an owner marks itself before its step.
+        if !me.steal.busy.load(Ordering::Relaxed) {
+            me.steal.busy.store(true, Ordering::Release);
+        }
         drop(t);
         if held {
             q.stats.covered.fetch_add(1, Ordering::Relaxed);
-        }
-        // A pCPU running another's unit is busy: its own wake-ups wait for it as they
-        // would behind its own step, and no peer takes it for held meanwhile.
-        if !me.steal.busy.load(Ordering::Relaxed) {
-            me.steal.busy.store(true, Ordering::Release);
         }
         let turn = Instant::now();
         let (out, ran, end) = run_sampled(me, q, peers.all, binding, &mut *e, woken);
