@@ -376,6 +376,8 @@ impl Drop for CableVeth {
 struct Iperf {
     /// The receiver's bits per second.
     bps: f64,
+    /// The bytes the receiver took.
+    bytes: f64,
     /// UDP: the datagrams lost, of those sent.
     udp: Option<(u64, u64)>,
     /// TCP: the sender's retransmitted segments.
@@ -426,6 +428,7 @@ fn iperf(
     let retransmits = v["end"]["sum_sent"]["retransmits"].as_u64().unwrap_or(0);
     Ok(Iperf {
         bps,
+        bytes: sum["bytes"].as_f64().unwrap_or(0.0),
         udp,
         retransmits,
     })
@@ -642,6 +645,7 @@ fn run(cx: &crate::Context) -> Result<Report, Error> {
     let t = tcp_rounds(&cfg, &plan)?;
     tcp_rows(&mut rep, &t.rates);
     call_rows(&mut rep, &t.edge_calls);
+    cpu_rows(&mut rep, &t.cpu);
     loss_checks(&mut rep, &t);
     idle_row(&mut rep, &cfg, plan.rounds)?;
     let intact = t.intact;
@@ -746,6 +750,11 @@ fn setup(plan: &Plan) -> String {
          TCPLossProbes) in the note by path. System calls at the edge: those pvio's ports make \
          to move frames (reads, writes, io_uring_enter), per frame across either interface, \
          in each pvio path's TCP run into the guest (the pCPUs' own waits are not in it). \
+         CPU: over each run, every core's busy time (`/proc/stat`: user, system, interrupts \
+         and softirqs), per 1448 bytes the receiver took (one MTU-sized frame's payload), \
+         whoever spent it (iperf3, the kernel's stacks, pvio); for pvio's paths also the \
+         time on its own threads, in pvio's code and in the kernel there (the TAPs' I/O, and \
+         the guest namespace's receive, which a TAP write runs on the writer's thread). \
          Idle: the machine up with nothing flowing, the CPU time of every thread of this \
          process over 3 s. LRO rows ({lro_rounds} rounds of {lro_secs} s iperf3 and \
          {ping_secs} s sockperf each): the cable takes no large segments \
@@ -778,6 +787,8 @@ struct TcpRuns {
     /// Per path and round, of its TCP run into the guest: the system calls its ports
     /// made to move frames, per frame across the interfaces (pvio's paths).
     edge_calls: Vec<Vec<f64>>,
+    /// By path, flow and round: the host's CPU over the run and the bytes it delivered.
+    cpu: Vec<Vec<Vec<(CpuUse, f64)>>>,
     /// Whether the seeded streams crossed pvio intact (None: not run).
     intact: Option<bool>,
 }
@@ -793,6 +804,80 @@ struct Losses {
     port_dropped: u64,
     /// The senders' tail-loss probes ([`loss_probes`]).
     loss_probes: u64,
+}
+
+/// The payload a TCP segment of an MTU-sized frame carries (1500 less IPv4's, TCP's and
+/// its timestamp option's headers): the unit CPU time is counted per.
+const SEGMENT: f64 = 1448.0;
+
+/// Clock ticks a second of `/proc`'s times (`USER_HZ`).
+const TICKS: f64 = 100.0;
+
+/// The host's CPU time so far, in clock ticks: every core's busy time (`/proc/stat`:
+/// user, nice, system, interrupts and softirqs; idle, I/O wait and the VM's steal left
+/// out), and this process's own user and system time (`/proc/self/stat`), which under
+/// `pvio up` is the pCPUs' own code and the kernel's work on their threads: the TAPs'
+/// I/O and the namespaces' stacks a TAP write runs.
+#[derive(Debug, Clone, Copy)]
+struct CpuReading {
+    at: std::time::Instant,
+    host: u64,
+    user: u64,
+    system: u64,
+}
+
+/// CPU time over one run, in microseconds, and the run's wall time.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuUse {
+    host_us: f64,
+    user_us: f64,
+    system_us: f64,
+    wall_us: f64,
+}
+
+impl CpuReading {
+    fn now() -> Result<Self, Error> {
+        let stat = std::fs::read_to_string("/proc/stat").map_err(Error::other)?;
+        let me = std::fs::read_to_string("/proc/self/stat").map_err(Error::other)?;
+        Self::parse(&stat, &me)
+            .ok_or_else(|| Error::other("/proc/stat or /proc/self/stat: unreadable"))
+    }
+
+    fn parse(stat: &str, me: &str) -> Option<Self> {
+        let cpu: Vec<u64> = stat
+            .lines()
+            .find(|l| l.starts_with("cpu "))?
+            .split_whitespace()
+            .skip(1)
+            .map(|x| x.parse().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal (guest time is in user's).
+        let host = [0, 1, 2, 5, 6]
+            .iter()
+            .map(|&i| cpu.get(i).copied())
+            .sum::<Option<u64>>()?;
+        // The command name may hold spaces and parentheses: it ends at the last ')'.
+        let (_, rest) = me.rsplit_once(')')?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let n = |i: usize| f.get(i)?.parse::<u64>().ok();
+        Some(Self {
+            at: std::time::Instant::now(),
+            host,
+            user: n(11)?,
+            system: n(12)?,
+        })
+    }
+
+    /// What was used from `before` to this reading.
+    fn since(&self, before: &CpuReading) -> CpuUse {
+        let us = |a: u64, b: u64| a.saturating_sub(b) as f64 * 1e6 / TICKS;
+        CpuUse {
+            host_us: us(self.host, before.host),
+            user_us: us(self.user, before.user),
+            system_us: us(self.system, before.system),
+            wall_us: self.at.duration_since(before.at).as_secs_f64() * 1e6,
+        }
+    }
 }
 
 /// Frames the TAPs in namespaces `ns` dropped on their way to pvio (their queue full):
@@ -819,6 +904,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
     let mut udp_loss: Vec<(u64, u64)> = Vec::new();
     let mut tcp_losses = vec![Losses::default(); Path::ALL.len()];
     let mut edge_calls = vec![Vec::new(); Path::ALL.len()];
+    let mut cpu = vec![vec![Vec::new(); Flow::ALL.len()]; Path::ALL.len()];
     let mut intact = None;
     let spaces = [cfg.outside_ns.as_str(), cfg.guest().ns.as_str()];
     for round in 0..rounds {
@@ -864,7 +950,9 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
                 } else {
                     loss_probes(sender)?
                 };
+                let cpu0 = CpuReading::now()?;
                 let r = iperf(&o, &g, addr, flow, secs)?;
+                cpu[pi][fi].push((CpuReading::now()?.since(&cpu0), r.bytes));
                 if flow != Flow::UdpIn {
                     tcp_losses[pi].loss_probes += loss_probes(sender)?.saturating_sub(probes);
                 }
@@ -899,6 +987,7 @@ fn tcp_rounds(cfg: &UpConfig, plan: &Plan) -> Result<TcpRuns, Error> {
         udp_loss,
         tcp_losses,
         edge_calls,
+        cpu,
         intact,
     })
 }
@@ -988,6 +1077,76 @@ fn call_rows(rep: &mut Report, calls: &[Vec<f64>]) {
         "≤ 0.1",
         x <= 0.1,
     );
+}
+
+/// The host's CPU time per segment's worth of payload delivered, every path and flow,
+/// each of pvio's against its like in the same round; for pvio's paths, how much of it
+/// was on pvio's threads, in its own code and in the kernel; and a note of how busy the
+/// cores were, which says whether a rate was bound by the CPU.
+fn cpu_rows(rep: &mut Report, cpu: &[Vec<Vec<(CpuUse, f64)>>]) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let per = |runs: &[(CpuUse, f64)], f: fn(&CpuUse) -> f64| -> Vec<f64> {
+        runs.iter()
+            .filter(|(_, bytes)| *bytes > 0.0)
+            .map(|(c, bytes)| f(c) / (bytes / SEGMENT))
+            .collect()
+    };
+    for (fi, flow) in Flow::ALL.into_iter().enumerate() {
+        let group = format!(
+            "{}: the host's CPU time per {SEGMENT} bytes delivered (every core)",
+            flow.name()
+        );
+        for path in Path::ALL {
+            let mine = per(&cpu[path.at()][fi], |c| c.host_us);
+            let ratio = path.base().map(|b| {
+                let theirs = per(&cpu[b.at()][fi], |c| c.host_us);
+                let x = crate::stats::ratio_median(&mine, &theirs).unwrap_or(f64::NAN);
+                (b.name().to_string(), x)
+            });
+            rep.row(&group, path.name(), "µs", &mine).ratio = ratio;
+        }
+        let group = format!(
+            "{}: of it, on pvio's threads (its own code; the kernel's: TAP I/O and the \
+             namespace's stack a TAP write runs)",
+            flow.name()
+        );
+        for path in Path::ALL.into_iter().filter(|p| p.is_pvio()) {
+            let runs = &cpu[path.at()][fi];
+            rep.row(
+                &group,
+                &format!("{}, pvio's code", path.name()),
+                "µs",
+                &per(runs, |c| c.user_us),
+            );
+            rep.row(
+                &group,
+                &format!("{}, the kernel", path.name()),
+                "µs",
+                &per(runs, |c| c.system_us),
+            );
+        }
+        let busy: Vec<String> = Path::ALL
+            .into_iter()
+            .map(|p| {
+                let shares: Vec<f64> = cpu[p.at()][fi]
+                    .iter()
+                    .map(|(c, _)| 100.0 * c.host_us / (c.wall_us * cores).max(1.0))
+                    .collect();
+                format!(
+                    "{} {:.0}%",
+                    p.name(),
+                    crate::stats::Stats::of(&shares).median
+                )
+            })
+            .collect();
+        rep.notes.push(format!(
+            "{}: the cores' busy share over each run (all {cores} of them, median): {}. A \
+             path that keeps every core busy is bound by its CPU time per byte, and its rate \
+             against another's so bound is about the inverse of their CPU times.",
+            flow.name(),
+            busy.join(", ")
+        ));
+    }
 }
 
 /// What pvio's paths lost on TCP, against the veth pair's in the same rounds, and UDP's
@@ -1377,6 +1536,26 @@ mod tests {
         assert_eq!(r.rows.iter().filter(|row| calls(row)).count(), pvio_paths);
         assert!(r.rows.iter().any(|row| row.group.contains("idle")));
         assert!(r.checks.iter().any(|c| c.what.contains("idle")));
+        // The host's CPU per segment for every path and flow, some of it pvio's where
+        // pvio carried it.
+        let host = |row: &crate::report::Row| row.group.contains("the host's CPU time per");
+        assert_eq!(
+            r.rows.iter().filter(|row| host(row)).count(),
+            Path::ALL.len() * Flow::ALL.len()
+        );
+        assert!(
+            r.rows
+                .iter()
+                .filter(|row| host(row))
+                .all(|row| row.stats.median > 0.0),
+            "{:?}",
+            r.rows
+        );
+        let threads = |row: &crate::report::Row| row.group.contains("on pvio's threads");
+        assert_eq!(
+            r.rows.iter().filter(|row| threads(row)).count(),
+            2 * pvio_paths * Flow::ALL.len()
+        );
         if tools::have(&[tools::SOCKPERF]) {
             assert_eq!(
                 r.rows.iter().filter(|row| lro(row)).count(),
@@ -1423,5 +1602,22 @@ mod tests {
             r.checks
         );
         assert!(r.checks.iter().all(|c| c.value.is_finite()));
+    }
+
+    /// The CPU readings take the cores' busy fields and this process's user and system
+    /// time, whatever its name holds.
+    #[test]
+    fn a_cpu_reading_counts_busy_time_and_the_process_own() {
+        let stat = "cpu  100 5 40 9000 7 3 2 11 0 0\ncpu0 50 2 20 4500 3 1 1 5 0 0\n";
+        let me = "42 (pcpu (0) x) S 1 42 42 0 -1 4194560 10 0 0 0 250 31 0 0 20 0 9 0 77 1 1";
+        let a = CpuReading::parse(stat, me).expect("parses");
+        assert_eq!((a.host, a.user, a.system), (150, 250, 31));
+        let stat2 = "cpu  200 5 90 9100 7 3 2 40 0 0\n";
+        let me2 = "42 (pcpu (0) x) S 1 42 42 0 -1 4194560 10 0 0 0 300 41 0 0 20 0 9 0 77 1 1";
+        let b = CpuReading::parse(stat2, me2).expect("parses");
+        let u = b.since(&a);
+        // 150 ticks busy (the steal's 29 left out), 50 user, 10 system, at 100 a second.
+        assert_eq!((u.host_us, u.user_us, u.system_us), (1.5e6, 0.5e6, 0.1e6));
+        assert!(CpuReading::parse("intr 1 2\n", me).is_none());
     }
 }
