@@ -193,8 +193,9 @@ enum Command {
         #[arg(long)]
         split_ring: bool,
         /// How frames cross the TAPs: `batched` through an io_uring, many frames a
-        /// system call (one frame a call where the kernel cannot), or `plain`, one
-        /// `read` or `write` a frame. Also with `--machine`.
+        /// system call (one frame a call where the kernel cannot, and on a cable TAP
+        /// that carries large segments), or `plain`, one `read` or `write` a frame. Also
+        /// with `--machine`.
         #[arg(long, value_enum, default_value_t = EdgeArg::Batched)]
         edge_io: EdgeArg,
         /// How idle pCPUs wait: adaptive (KVM's halt-polling window that grows and
@@ -324,7 +325,9 @@ enum DmaArg {
 /// How `pvio up` moves frames across its TAPs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum EdgeArg {
-    /// In batches through an io_uring (one frame a call where the kernel cannot).
+    /// In batches through an io_uring (one frame a call where the kernel cannot, and on a
+    /// cable TAP that carries large segments, which then leaves the NIC free to run on
+    /// an idle pCPU).
     Batched,
     /// One `read` or `write` a frame.
     Plain,
@@ -591,15 +594,20 @@ fn up(cfg: &up::UpConfig, run: UpRun) -> ExitCode {
         c.wire_in, c.wire_out, c.guest_in, c.guest_out, c.oversize
     );
     let frames = c.wire_in + c.wire_out + c.guest_in + c.guest_out;
-    println!(
-        "edge: {} system calls for {frames} frames across the interfaces ({:.3} a frame; {})",
-        c.edge_syscalls,
-        c.edge_syscalls as f64 / frames.max(1) as f64,
-        if c.batched {
+    let way = |batched: bool| {
+        if batched {
             "batched"
         } else {
             "one frame a call"
         }
+    };
+    println!(
+        "edge: {} system calls for {frames} frames across the interfaces ({:.3} a frame; \
+         the cable {}, the guests {})",
+        c.edge_syscalls,
+        c.edge_syscalls as f64 / frames.max(1) as f64,
+        way(c.wire_batched),
+        way(c.guests_batched),
     );
     if !cfg.disks.is_empty() {
         // A kernel that did not answer in time leaves its counters out: no line then

@@ -85,7 +85,8 @@ pub struct UpConfig {
     /// 2012): `Cache` by default. `Memory` is the papers' 2008 platform.
     pub dma_landing: hv::iommu::DmaLanding,
     /// How frames cross the TAPs: in batches through an io_uring (falling back to one
-    /// frame a call where the kernel cannot), or one `read` or `write` a frame.
+    /// frame a call where the kernel cannot), or one `read` or `write` a frame. A cable
+    /// TAP that carries large segments moves one a call either way ([`wire_io`]).
     pub edge_io: dev::tap::EdgeIo,
     /// How the machine's idle pCPUs wait. Outside processes (iperf3, sockperf, the TAPs'
     /// far ends) share the cores, so never `poll`; by default KVM's adaptive
@@ -376,9 +377,11 @@ pub struct UpCounters {
     /// (the cable's and the guests': reads, writes, `io_uring_enter`s, packet-socket
     /// sends and polls).
     pub edge_syscalls: u64,
-    /// Whether every port moves its frames in batches (an io_uring, or a packet
-    /// socket's mapped rings).
-    pub batched: bool,
+    /// Whether the cable moves its frames in batches (an io_uring, or a packet
+    /// socket's mapped rings; a TAP that carries large segments does not, [`wire_io`]).
+    pub wire_batched: bool,
+    /// Whether every guest's TAP moves its frames in batches.
+    pub guests_batched: bool,
 }
 
 fn netns_exists(name: &str) -> bool {
@@ -544,6 +547,21 @@ pub fn check(cfg: &UpConfig) -> Result<(), Error> {
 }
 
 /// Makes the namespaces and interfaces and starts the machine.
+/// How the cable's TAP moves frames. One that carries large segments (offloads on, no
+/// MTU-sized wire) moves one a call even where `cfg` asks for batches: such a call moves
+/// up to 64 KiB, so a batch saves little, while a ring ties the port's reads, and with
+/// them the NIC's engine, to one pCPU's thread (`WireSource::thread_bound`). Without it
+/// an idle pCPU runs the engine's steps while its own is busy, and out of the guest
+/// those steps are heavy: each frame the NIC writes to the outside's TAP runs the
+/// outside's TCP receive on the writing thread (ARCHITECTURE §6, "The TAPs' I/O").
+pub fn wire_io(cfg: &UpConfig, wire: mem::tap::TapOffload) -> dev::tap::EdgeIo {
+    if wire == mem::tap::TapOffload::CsumTso {
+        dev::tap::EdgeIo::Plain
+    } else {
+        cfg.edge_io
+    }
+}
+
 pub fn up(cfg: &UpConfig) -> Result<Up, Error> {
     check(cfg)?;
     on_this_host(cfg)?;
@@ -738,8 +756,9 @@ fn bring_up(
             let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
                 .map_err(|e| Error::Other(format!("tap: {e}")))?;
             place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
-            let mut wire = dev::tap::TapPort::start_io(wire_file, wire_taps, cfg.edge_io)
-                .map_err(|e| Error::Other(e.to_string()))?;
+            let mut wire =
+                dev::tap::TapPort::start_io(wire_file, wire_taps, wire_io(cfg, wire_taps))
+                    .map_err(|e| Error::Other(e.to_string()))?;
             if let Some(w) = &wire_capture {
                 wire.capture(&w.1);
             }
@@ -848,8 +867,8 @@ impl Up {
             guest_out: sum(&|c| l(&c.frames_in)),
             oversize: l(&self.wire.oversize_in) + sum(&|c| l(&c.oversize_in)),
             edge_syscalls: l(&self.wire.syscalls) + sum(&|c| l(&c.syscalls)),
-            batched: (self.cable || l(&self.wire.batched) == 1)
-                && self.guests.iter().all(|(_, c)| l(&c.batched) == 1),
+            wire_batched: self.cable || l(&self.wire.batched) == 1,
+            guests_batched: self.guests.iter().all(|(_, c)| l(&c.batched) == 1),
             rx_missed: self
                 .running
                 .as_ref()
@@ -990,6 +1009,23 @@ impl Drop for Up {
 #[cfg(test)]
 mod host_tests {
     use super::*;
+
+    /// A cable TAP of large segments moves one a call, so that the NIC's engine is not
+    /// tied to one thread; one of MTU-sized frames moves as asked.
+    #[test]
+    fn only_a_cable_of_large_segments_gives_up_its_batches() {
+        use dev::tap::EdgeIo;
+        use mem::tap::TapOffload;
+        for asked in [EdgeIo::Batched, EdgeIo::Plain] {
+            let cfg = UpConfig {
+                edge_io: asked,
+                ..UpConfig::default()
+            };
+            assert_eq!(wire_io(&cfg, TapOffload::CsumTso), EdgeIo::Plain);
+            assert_eq!(wire_io(&cfg, TapOffload::None), asked);
+            assert_eq!(wire_io(&cfg, TapOffload::Csum), asked);
+        }
+    }
 
     /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
     #[test]
