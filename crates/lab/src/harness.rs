@@ -534,6 +534,14 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
     ));
 }
 
+/// Whether `c` is one of [`device_waits`]' checks: a scheduling bound, judged in the
+/// records (quiet machine, several rounds), which a test run beside other tests on a
+/// shared host cannot hold to.
+#[cfg(test)]
+pub(crate) fn is_device_wait_check(c: &crate::report::Check) -> bool {
+    c.what.starts_with("a device engine's") && c.what.contains("wait to run")
+}
+
 /// P(X ≥ k) for X ~ Binomial(n, ½): the chance of `k` or more wins in `n` fair tosses.
 pub(crate) fn sign_test_p(k: usize, n: usize) -> f64 {
     let mut c = 1.0f64; // C(n, 0)

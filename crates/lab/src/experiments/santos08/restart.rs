@@ -454,7 +454,17 @@ mod tests {
             .find(|c| c.what.starts_with("faults caught"))
             .expect("check");
         assert!(caught.met, "{caught:?}");
-        for c in rep.checks.iter().filter(|c| !c.what.contains("median")) {
+        // What the run must do (every fault caught, nothing lost or left held), not how
+        // fast: the recovery's medians and the devices' waits are the record's to judge.
+        let timed = |c: &crate::report::Check| {
+            c.what.contains("median") || crate::harness::is_device_wait_check(c)
+        };
+        assert!(
+            rep.checks.iter().any(crate::harness::is_device_wait_check),
+            "the devices' waits are judged: {:?}",
+            rep.checks
+        );
+        for c in rep.checks.iter().filter(|c| !timed(c)) {
             assert!(c.met, "{c:?}");
         }
     }
