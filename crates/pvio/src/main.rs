@@ -193,9 +193,9 @@ enum Command {
         #[arg(long)]
         split_ring: bool,
         /// How frames cross the TAPs: `batched` through an io_uring, many frames a
-        /// system call (one frame a call where the kernel cannot, and on a cable TAP
-        /// that carries large segments), or `plain`, one `read` or `write` a frame. Also
-        /// with `--machine`.
+        /// system call (one frame a call where the kernel cannot, and on the cable's TAP
+        /// where the NIC shares a guest's core), or `plain`, one `read` or `write` a
+        /// frame. Also with `--machine`.
         #[arg(long, value_enum, default_value_t = EdgeArg::Batched)]
         edge_io: EdgeArg,
         /// How idle pCPUs wait: adaptive (KVM's halt-polling window that grows and
@@ -325,9 +325,9 @@ enum DmaArg {
 /// How `pvio up` moves frames across its TAPs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum EdgeArg {
-    /// In batches through an io_uring (one frame a call where the kernel cannot, and on a
-    /// cable TAP that carries large segments, which then leaves the NIC free to run on
-    /// an idle pCPU).
+    /// In batches through an io_uring (one frame a call where the kernel cannot, and on
+    /// the cable's TAP where the NIC shares a guest's core, which leaves it free to run
+    /// on an idle pCPU).
     Batched,
     /// One `read` or `write` a frame.
     Plain,

@@ -85,8 +85,9 @@ pub struct UpConfig {
     /// 2012): `Cache` by default. `Memory` is the papers' 2008 platform.
     pub dma_landing: hv::iommu::DmaLanding,
     /// How frames cross the TAPs: in batches through an io_uring (falling back to one
-    /// frame a call where the kernel cannot), or one `read` or `write` a frame. A cable
-    /// TAP that carries large segments moves one a call either way ([`wire_io`]).
+    /// frame a call where the kernel cannot), or one `read` or `write` a frame. The
+    /// cable's TAP moves one a call either way where the NIC's engine shares a guest's
+    /// core ([`wire_io`]).
     pub edge_io: dev::tap::EdgeIo,
     /// How the machine's idle pCPUs wait. Outside processes (iperf3, sockperf, the TAPs'
     /// far ends) share the cores, so never `poll`; by default KVM's adaptive
@@ -378,7 +379,7 @@ pub struct UpCounters {
     /// sends and polls).
     pub edge_syscalls: u64,
     /// Whether the cable moves its frames in batches (an io_uring, or a packet
-    /// socket's mapped rings; a TAP that carries large segments does not, [`wire_io`]).
+    /// socket's mapped rings; not a TAP whose NIC shares a guest's core, [`wire_io`]).
     pub wire_batched: bool,
     /// Whether every guest's TAP moves its frames in batches.
     pub guests_batched: bool,
@@ -547,15 +548,18 @@ pub fn check(cfg: &UpConfig) -> Result<(), Error> {
 }
 
 /// Makes the namespaces and interfaces and starts the machine.
-/// How the cable's TAP moves frames. One that carries large segments (offloads on, no
-/// MTU-sized wire) moves one a call even where `cfg` asks for batches: such a call moves
-/// up to 64 KiB, so a batch saves little, while a ring ties the port's reads, and with
-/// them the NIC's engine, to one pCPU's thread (`WireSource::thread_bound`). Without it
-/// an idle pCPU runs the engine's steps while its own is busy, and out of the guest
-/// those steps are heavy: each frame the NIC writes to the outside's TAP runs the
-/// outside's TCP receive on the writing thread (ARCHITECTURE §6, "The TAPs' I/O").
-pub fn wire_io(cfg: &UpConfig, wire: mem::tap::TapOffload) -> dev::tap::EdgeIo {
-    if wire == mem::tap::TapOffload::CsumTso {
+/// How the cable's TAP moves frames. Where the NIC's engine shares a guest's core
+/// ([`nic_beside_guest`]), one a call even where `cfg` asks for batches: a ring ties the
+/// port's reads, and with them the engine, to that pCPU's thread
+/// (`WireSource::thread_bound`), while without one an idle pCPU runs the engine's steps
+/// whenever the guest keeps its own busy. That is worth more there than the calls a
+/// batch saves: out of the guest with offloads each frame the NIC writes to the
+/// outside's TAP runs the outside's TCP receive on the writing thread, and into it with
+/// LRO the guest's TAP writes run the guest's (ARCHITECTURE §6, "The TAPs' I/O"). An
+/// engine beside the driver domain (MTU-sized frames end to end) or on a core of its
+/// own keeps its batches.
+pub fn wire_io(cfg: &UpConfig, beside_guest: bool) -> dev::tap::EdgeIo {
+    if beside_guest {
         dev::tap::EdgeIo::Plain
     } else {
         cfg.edge_io
@@ -753,11 +757,12 @@ fn bring_up(
         Some(ifname) => attach_cable(ifname, wire_capture.as_ref().map(|c| &c.1))?,
         None => {
             let wire_taps = tap_offload(!mtu_wire && cfg.guests.iter().any(offloads));
+            let beside_guest = nic_beside_guest(cfg, cfg.guests.iter().any(offloads));
             let (wire_file, wire_if) = mem::tap::open_tap_offload(&format!("pvw{pid}"), wire_taps)
                 .map_err(|e| Error::Other(format!("tap: {e}")))?;
             place(&wire_if, &cfg.outside_ns, &cfg.outside_addr, None)?;
             let mut wire =
-                dev::tap::TapPort::start_io(wire_file, wire_taps, wire_io(cfg, wire_taps))
+                dev::tap::TapPort::start_io(wire_file, wire_taps, wire_io(cfg, beside_guest))
                     .map_err(|e| Error::Other(e.to_string()))?;
             if let Some(w) = &wire_capture {
                 wire.capture(&w.1);
@@ -844,12 +849,23 @@ fn bring_up(
 /// place beside the first guest did better (8.1–9.4 against 7.6–8.3 Gbit/s; LRO 4.0–4.2
 /// against 3.7). See `docs/ARCHITECTURE.md`.
 fn nic_core(cfg: &UpConfig, offloads: bool) -> Option<usize> {
+    let mtu_frames = !offloads && cfg.driver.lro.is_none();
+    (cfg.svnic.is_none() && mtu_frames && !spare_core(cfg)).then_some(0)
+}
+
+/// Whether the machine's pool has a core the domains leave free (the NIC's engine then
+/// runs there).
+fn spare_core(cfg: &UpConfig) -> bool {
     let pool = cfg
         .cpus
         .map_or_else(mem::cpu::online_cores, |c| c.cores().len());
-    let domains = 1 + cfg.guests.len() + cfg.disks.len();
-    let mtu_frames = !offloads && cfg.driver.lro.is_none();
-    (cfg.svnic.is_none() && mtu_frames && pool <= domains).then_some(0)
+    pool > 1 + cfg.guests.len() + cfg.disks.len()
+}
+
+/// Whether the NIC's engine shares the first guest's core: no core to spare, and
+/// frames large enough ([`nic_core`]) that the papers' place is taken.
+fn nic_beside_guest(cfg: &UpConfig, offloads: bool) -> bool {
+    cfg.svnic.is_none() && !spare_core(cfg) && nic_core(cfg, offloads).is_none()
 }
 
 impl Up {
@@ -1010,35 +1026,38 @@ impl Drop for Up {
 mod host_tests {
     use super::*;
 
-    /// A cable TAP of large segments moves one a call, so that the NIC's engine is not
-    /// tied to one thread; one of MTU-sized frames moves as asked.
+    /// The cable's TAP moves one frame a call where the NIC's engine shares a guest's
+    /// core (offloads or LRO, no core to spare), so that the engine is not tied to one
+    /// thread; beside the driver domain or on a core of its own it moves as asked.
     #[test]
-    fn only_a_cable_of_large_segments_gives_up_its_batches() {
+    fn the_cable_gives_up_its_batches_only_where_the_nic_shares_a_guests_core() {
         use dev::tap::EdgeIo;
-        use mem::tap::TapOffload;
+        let on = |cores: usize, offloads: bool, lro: LroMode| {
+            let mut cfg = UpConfig {
+                cpus: Some(kernel::machine::CpuSet::range(0..cores)),
+                ..UpConfig::default()
+            };
+            cfg.driver.lro = lro.setup();
+            nic_beside_guest(&cfg, offloads)
+        };
+        assert!(
+            on(2, true, LroMode::Off),
+            "offloads on two cores: beside the guest"
+        );
+        assert!(on(2, false, LroMode::Adaptive), "LRO: beside the guest");
+        assert!(
+            !on(2, false, LroMode::Off),
+            "MTU frames: beside the driver domain"
+        );
+        assert!(!on(3, true, LroMode::Off), "a core to spare: its own");
         for asked in [EdgeIo::Batched, EdgeIo::Plain] {
             let cfg = UpConfig {
                 edge_io: asked,
                 ..UpConfig::default()
             };
-            assert_eq!(wire_io(&cfg, TapOffload::CsumTso), EdgeIo::Plain);
-            assert_eq!(wire_io(&cfg, TapOffload::None), asked);
-            assert_eq!(wire_io(&cfg, TapOffload::Csum), asked);
+            assert_eq!(wire_io(&cfg, true), EdgeIo::Plain);
+            assert_eq!(wire_io(&cfg, false), asked);
         }
-    }
-
-    /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
-    #[test]
-    fn a_core_the_host_does_not_have_is_refused() {
-        let mut cfg = UpConfig {
-            guests: vec![UpGuest::nth(0)],
-            ..UpConfig::default()
-        };
-        cfg.guests[0].core = Some(0);
-        assert!(on_this_host(&cfg).is_ok());
-        cfg.guests[0].core = Some(mem::cpu::online_cores());
-        let e = on_this_host(&cfg).expect_err("refused").to_string();
-        assert!(e.contains("guest: core"), "{e}");
     }
 
     /// Grant reuse is a guest's to ask for; the paper's unsafe stand-in (machine frames
