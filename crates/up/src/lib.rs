@@ -1060,6 +1060,20 @@ mod host_tests {
         }
     }
 
+    /// A guest on a core this host lacks is refused, naming it; one on core 0 runs.
+    #[test]
+    fn a_core_the_host_does_not_have_is_refused() {
+        let mut cfg = UpConfig {
+            guests: vec![UpGuest::nth(0)],
+            ..UpConfig::default()
+        };
+        cfg.guests[0].core = Some(0);
+        assert!(on_this_host(&cfg).is_ok());
+        cfg.guests[0].core = Some(mem::cpu::online_cores());
+        let e = on_this_host(&cfg).expect_err("refused").to_string();
+        assert!(e.contains("guest: core"), "{e}");
+    }
+
     /// Grant reuse is a guest's to ask for; the paper's unsafe stand-in (machine frames
     /// on the ring, unchecked) never runs with real traffic.
     #[test]
