@@ -52,15 +52,51 @@ pub struct HostLoad {
 }
 
 /// Clock ticks a second of `/proc`'s times (`USER_HZ`, 100 on Linux).
-const TICKS: f64 = 100.0;
+pub(crate) const TICKS: f64 = 100.0;
+
+/// The machine's `cpu` line of `/proc/stat` (`stat`): its fields in clock ticks, in the
+/// kernel's order (user nice system idle iowait irq softirq steal guest guest_nice).
+pub(crate) fn cpu_fields(stat: &str) -> Option<Vec<u64>> {
+    stat.lines()
+        .find(|l| l.starts_with("cpu "))?
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().ok())
+        .collect()
+}
+
+/// A process's times from its `stat` line (`/proc/<pid>/stat`), in clock ticks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProcTimes {
+    pub user: u64,
+    pub system: u64,
+    /// When it started (field 22), so that a reused id is not taken for the same process.
+    pub start: u64,
+}
+
+/// A `stat` line's name and times (fields 14, 15 and 22).
+pub(crate) fn proc_times(s: &str) -> Option<(&str, ProcTimes)> {
+    let (_, rest) = s.split_once('(')?;
+    // The command name may hold spaces and parentheses: it ends at the last ')'.
+    let (name, rest) = rest.rsplit_once(')')?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let n = |i: usize| f.get(i)?.parse::<u64>().ok();
+    Some((
+        name,
+        ProcTimes {
+            user: n(11)?,
+            system: n(12)?,
+            start: n(19)?,
+        },
+    ))
+}
 
 impl Reading {
     /// Reads the host now (`None` where `/proc` does not say).
     pub fn now() -> Option<Self> {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
         // user nice system idle iowait irq softirq steal ...
-        let steal = cpu.split_whitespace().nth(8)?.parse().ok()?;
+        let steal = *cpu_fields(&stat)?.get(7)?;
         Some(Self {
             at: Instant::now(),
             steal,
@@ -116,16 +152,12 @@ fn procs() -> Vec<Proc> {
 /// A process's `stat` line: its name, user and system time (fields 14, 15) and start time
 /// (field 22).
 fn parse_stat(pid: u32, s: &str) -> Option<Proc> {
-    let (_, rest) = s.split_once('(')?;
-    // The command name may hold spaces and parentheses: it ends at the last ')'.
-    let (name, rest) = rest.rsplit_once(')')?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let n = |i: usize| f.get(i)?.parse::<u64>().ok();
+    let (name, t) = proc_times(s)?;
     Some(Proc {
         pid,
-        start: n(19)?,
+        start: t.start,
         name: name.to_string(),
-        ticks: n(11)? + n(12)?,
+        ticks: t.user + t.system,
     })
 }
 

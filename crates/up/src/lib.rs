@@ -547,7 +547,6 @@ pub fn check(cfg: &UpConfig) -> Result<(), Error> {
     Ok(())
 }
 
-/// Makes the namespaces and interfaces and starts the machine.
 /// How the cable's TAP moves frames. Where the NIC's engine shares a guest's core
 /// ([`nic_beside_guest`]), one a call even where `cfg` asks for batches: a ring ties the
 /// port's reads, and with them the engine, to that pCPU's thread
@@ -566,6 +565,7 @@ pub fn wire_io(cfg: &UpConfig, beside_guest: bool) -> dev::tap::EdgeIo {
     }
 }
 
+/// Makes the namespaces and interfaces and starts the machine.
 pub fn up(cfg: &UpConfig) -> Result<Up, Error> {
     check(cfg)?;
     on_this_host(cfg)?;
@@ -849,8 +849,12 @@ fn bring_up(
 /// place beside the first guest did better (8.1–9.4 against 7.6–8.3 Gbit/s; LRO 4.0–4.2
 /// against 3.7). See `docs/ARCHITECTURE.md`.
 fn nic_core(cfg: &UpConfig, offloads: bool) -> Option<usize> {
-    let mtu_frames = !offloads && cfg.driver.lro.is_none();
-    (cfg.svnic.is_none() && mtu_frames && !spare_core(cfg)).then_some(0)
+    (cfg.svnic.is_none() && mtu_frames(cfg, offloads) && !spare_core(cfg)).then_some(0)
+}
+
+/// Whether MTU-sized frames go end to end: no guest takes offloads and there is no LRO.
+fn mtu_frames(cfg: &UpConfig, offloads: bool) -> bool {
+    !offloads && cfg.driver.lro.is_none()
 }
 
 /// Whether the machine's pool has a core the domains leave free (the NIC's engine then
@@ -863,9 +867,9 @@ fn spare_core(cfg: &UpConfig) -> bool {
 }
 
 /// Whether the NIC's engine shares the first guest's core: no core to spare, and
-/// frames large enough ([`nic_core`]) that the papers' place is taken.
+/// frames large enough that the papers' place is taken ([`nic_core`]).
 fn nic_beside_guest(cfg: &UpConfig, offloads: bool) -> bool {
-    cfg.svnic.is_none() && !spare_core(cfg) && nic_core(cfg, offloads).is_none()
+    cfg.svnic.is_none() && !spare_core(cfg) && !mtu_frames(cfg, offloads)
 }
 
 impl Up {

@@ -812,9 +812,6 @@ struct Losses {
 /// its timestamp option's headers): the unit CPU time is counted per.
 const SEGMENT: f64 = 1448.0;
 
-/// Clock ticks a second of `/proc`'s times (`USER_HZ`).
-const TICKS: f64 = 100.0;
-
 /// The host's CPU time so far, in clock ticks: every core's busy time (`/proc/stat`:
 /// user, nice, system, interrupts and softirqs; idle, I/O wait and the VM's steal left
 /// out), and this process's own user and system time (`/proc/self/stat`), which under
@@ -846,33 +843,24 @@ impl CpuReading {
     }
 
     fn parse(stat: &str, me: &str) -> Option<Self> {
-        let cpu: Vec<u64> = stat
-            .lines()
-            .find(|l| l.starts_with("cpu "))?
-            .split_whitespace()
-            .skip(1)
-            .map(|x| x.parse().ok())
-            .collect::<Option<_>>()?;
+        let cpu = crate::host::cpu_fields(stat)?;
         // user nice system idle iowait irq softirq steal (guest time is in user's).
         let host = [0, 1, 2, 5, 6]
             .iter()
             .map(|&i| cpu.get(i).copied())
             .sum::<Option<u64>>()?;
-        // The command name may hold spaces and parentheses: it ends at the last ')'.
-        let (_, rest) = me.rsplit_once(')')?;
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let n = |i: usize| f.get(i)?.parse::<u64>().ok();
+        let (_, me) = crate::host::proc_times(me)?;
         Some(Self {
             at: std::time::Instant::now(),
             host,
-            user: n(11)?,
-            system: n(12)?,
+            user: me.user,
+            system: me.system,
         })
     }
 
     /// What was used from `before` to this reading.
     fn since(&self, before: &CpuReading) -> CpuUse {
-        let us = |a: u64, b: u64| a.saturating_sub(b) as f64 * 1e6 / TICKS;
+        let us = |a: u64, b: u64| a.saturating_sub(b) as f64 * 1e6 / crate::host::TICKS;
         CpuUse {
             host_us: us(self.host, before.host),
             user_us: us(self.user, before.user),
