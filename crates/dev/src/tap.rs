@@ -215,9 +215,15 @@ pub const BATCH_MAX_FRAME: usize = 4096;
 /// How a port moves frames across its interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EdgeIo {
-    /// In batches through an io_uring (`mem::tapring`): many frames a system call each
-    /// way; where the kernel cannot, as `Plain`.
+    /// In batches through an io_uring (`mem::tapring`), many frames a system call each
+    /// way, by reads that never wait (`RxMode::Nowait`): done inside the call of
+    /// whichever thread looks, so the port's consumer may move between threads (a
+    /// vCPU or an engine that idle pCPUs run). Where the kernel cannot, as `Plain`.
     Batched,
+    /// As `Batched`, by one multishot read armed in the kernel (`RxMode::Armed`): a
+    /// look that finds nothing costs no call, but the reads run as work of the thread
+    /// that armed them, so the port's consumer stays on that thread.
+    Armed,
     /// One `read` or `write` a frame.
     Plain,
 }
@@ -226,11 +232,41 @@ pub enum EdgeIo {
 /// ring's reads in the thread that armed them), or why there is none.
 #[derive(Debug)]
 enum Ring {
-    /// Wanted, not made yet.
-    Wanted,
+    /// Wanted, reading as this says, not made yet.
+    Wanted(mem::tapring::RxMode),
     Up(Box<mem::tapring::TapRing>),
     /// Plain I/O: not wanted, or the kernel could not.
     None,
+}
+
+impl Ring {
+    /// The ring `io` asks for.
+    fn wanted(io: EdgeIo) -> Self {
+        match io {
+            EdgeIo::Batched => Ring::Wanted(mem::tapring::RxMode::Nowait),
+            EdgeIo::Armed => Ring::Wanted(mem::tapring::RxMode::Armed),
+            EdgeIo::Plain => Ring::None,
+        }
+    }
+
+    /// The same kind of ring, not made yet (for a second handle of the interface).
+    fn again(&self) -> Self {
+        match self {
+            Ring::Wanted(m) => Ring::Wanted(*m),
+            Ring::Up(r) => Ring::Wanted(r.mode()),
+            Ring::None => Ring::None,
+        }
+    }
+
+    /// Whether the ring's work must be done from one thread (its reads run as work of
+    /// the thread that armed them).
+    fn thread_bound(&self) -> bool {
+        match self {
+            Ring::Wanted(m) => *m == mem::tapring::RxMode::Armed,
+            Ring::Up(r) => r.mode() == mem::tapring::RxMode::Armed,
+            Ring::None => false,
+        }
+    }
 }
 
 /// Receive buffers and transmit slots of a port's ring: for MTU-sized frames, and for
@@ -411,10 +447,7 @@ impl TapPort {
             waker: None,
             counters: Arc::new(TapCounters::default()),
             capture: None,
-            ring: match io {
-                EdgeIo::Batched => Ring::Wanted,
-                EdgeIo::Plain => Ring::None,
-            },
+            ring: Ring::wanted(io),
             ring_line: None,
             ring_seen: Default::default(),
             tx_buf: vec![0u8; size].into_boxed_slice(),
@@ -422,18 +455,22 @@ impl TapPort {
     }
 
     /// The port's ring, made now if wanted and not yet made (on the calling thread,
-    /// which from then on runs its reads); None for plain I/O.
+    /// which from then on runs its reads, unless they never wait); None for plain I/O.
     fn ring(&mut self) -> Option<&mut mem::tapring::TapRing> {
-        if matches!(self.ring, Ring::Wanted) {
+        if let Ring::Wanted(mode) = self.ring {
             let (rx, tx, size) = ring_shape(self.vnet);
-            self.ring = match mem::tapring::TapRing::new(self.out.as_fd(), rx, tx, size) {
+            self.ring = match mem::tapring::TapRing::with_mode(self.out.as_fd(), rx, tx, size, mode)
+            {
                 Ok(r) => {
                     self.counters.batched.store(1, Ordering::Relaxed);
                     Ring::Up(Box::new(r))
                 }
                 Err(_) => Ring::None,
             };
-            if let (Ring::Up(r), Some(w)) = (
+            // A ring whose reads wait in the kernel has completions between looks,
+            // and wakes the consumer for them.
+            if let (true, Ring::Up(r), Some(w)) = (
+                self.ring.thread_bound(),
                 &self.ring,
                 self.doze
                     .as_ref()
@@ -465,7 +502,7 @@ impl TapPort {
                 l.arm();
             }
         }
-        if let (Ring::Up(r), None) = (&self.ring, &self.ring_line) {
+        if let (true, Ring::Up(r), None) = (self.ring.thread_bound(), &self.ring, &self.ring_line) {
             self.ring_line = waker.irq_line(r.ring_fd()).ok();
         }
         if let Some(l) = &self.ring_line {
@@ -733,10 +770,7 @@ impl TapPort {
             vnet: self.vnet,
             counters: Arc::clone(&self.counters),
             capture: self.capture.as_mut().and_then(|c| c.for_sink.take()),
-            ring: match self.ring {
-                Ring::None => Ring::None,
-                _ => Ring::Wanted,
-            },
+            ring: self.ring.again(),
             ring_seen: Default::default(),
         })
     }
@@ -770,9 +804,10 @@ pub struct TapSink {
 impl TapSink {
     /// The sink's ring (transmit only), made on the device's thread at first use.
     fn ring(&mut self) -> Option<&mut mem::tapring::TapRing> {
-        if matches!(self.ring, Ring::Wanted) {
+        if let Ring::Wanted(mode) = self.ring {
             let size = ring_shape(self.vnet).2;
-            self.ring = match mem::tapring::TapRing::new(self.out.as_fd(), 0, 128, size) {
+            self.ring = match mem::tapring::TapRing::with_mode(self.out.as_fd(), 0, 128, size, mode)
+            {
                 Ok(r) => Ring::Up(Box::new(r)),
                 Err(_) => Ring::None,
             };
@@ -822,7 +857,7 @@ impl WireSink for TapSink {
         self.vnet
     }
     fn thread_bound(&self) -> bool {
-        !matches!(self.ring, Ring::None)
+        self.ring.thread_bound()
     }
     fn flush(&mut self) {
         let Ring::Up(r) = &mut self.ring else {
@@ -861,7 +896,7 @@ impl WireSource for TapPort {
         self.close_io();
     }
     fn thread_bound(&self) -> bool {
-        !matches!(self.ring, Ring::None)
+        self.ring.thread_bound()
     }
 }
 
@@ -954,7 +989,7 @@ mod tests {
     fn both_ways_of_moving_frames_carry_the_same_frames_in_order_and_batches_make_fewer_calls() {
         let rings = rings_here();
         let mut calls = Vec::new();
-        for io in [EdgeIo::Plain, EdgeIo::Batched] {
+        for io in [EdgeIo::Plain, EdgeIo::Batched, EdgeIo::Armed] {
             let (mut p, peer) = port_io(TapOffload::None, io);
             let frames: Vec<Vec<u8>> = (0..100u8).map(|i| vec![i; 60 + usize::from(i)]).collect();
             for f in &frames {
@@ -981,7 +1016,7 @@ mod tests {
             assert_eq!(c.write_errors.load(Ordering::Relaxed), 0, "{io:?}");
             assert_eq!(
                 c.batched.load(Ordering::Relaxed),
-                u64::from(io == EdgeIo::Batched && rings),
+                u64::from(io != EdgeIo::Plain && rings),
                 "a port batches wherever the kernel can"
             );
             calls.push(c.syscalls.load(Ordering::Relaxed));
@@ -991,16 +1026,39 @@ mod tests {
         assert!(calls[0] >= 200, "{calls:?}");
         if rings {
             assert!(calls[1] * 10 < calls[0], "{calls:?}");
+            assert!(calls[2] * 10 < calls[0], "{calls:?}");
         } else {
             eprintln!("no io_uring with multishot reads here: both ports moved a frame a call");
         }
     }
 
     #[test]
+    fn only_a_multishot_read_ties_a_port_and_its_sink_to_one_thread() {
+        for io in [EdgeIo::Plain, EdgeIo::Batched, EdgeIo::Armed] {
+            let (mut p, _peer) = port_io(TapOffload::None, io);
+            let sink = p.sink().expect("sink");
+            // Before and after the ring is made (at the first look).
+            for _ in 0..2 {
+                let bound =
+                    io == EdgeIo::Armed && (matches!(p.ring, Ring::Wanted(_)) || rings_here());
+                assert_eq!(WireSource::thread_bound(&p), bound, "{io:?}");
+                assert_eq!(WireSink::thread_bound(&sink), io == EdgeIo::Armed, "{io:?}");
+                p.recv(|_, _| true);
+            }
+        }
+    }
+
+    #[test]
     fn a_port_whose_ring_was_made_on_a_thread_that_ended_still_reads_its_interface() {
+        for io in [EdgeIo::Batched, EdgeIo::Armed] {
+            ring_outlives_its_thread(io);
+        }
+    }
+
+    fn ring_outlives_its_thread(io: EdgeIo) {
         // A unit moves to a fresh thread when its pCPU's old one is retired (a hung
         // step's rescue); the kernel cancels the reads that thread armed when it ends.
-        let (p, peer) = port_io(TapOffload::None, EdgeIo::Batched);
+        let (p, peer) = port_io(TapOffload::None, io);
         let mut p = std::thread::spawn(move || {
             let mut p = p;
             assert_eq!(p.recv(|_, _| true), 0, "nothing yet; the ring is made here");
@@ -1024,13 +1082,13 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(got, frames);
+        assert_eq!(got, frames, "{io:?}");
         assert_eq!(p.counters().read_errors.load(Ordering::Relaxed), 0);
     }
 
     #[test]
     fn a_frame_before_the_interface_ends_arrives_and_a_look_after_it_returns() {
-        for io in [EdgeIo::Plain, EdgeIo::Batched] {
+        for io in [EdgeIo::Plain, EdgeIo::Batched, EdgeIo::Armed] {
             // A stream's end reads as nothing (a TAP never ends; a socket whose peer
             // left does): one frame, then the end.
             let (a, peer) = std::os::unix::net::UnixStream::pair().expect("pair");
@@ -1057,7 +1115,7 @@ mod tests {
     #[test]
     fn frames_whose_header_lies_or_that_overrun_the_buffer_are_dropped_and_counted_and_the_next_one_arrives(
     ) {
-        for io in [EdgeIo::Plain, EdgeIo::Batched] {
+        for io in [EdgeIo::Plain, EdgeIo::Batched, EdgeIo::Armed] {
             hostile_frames_are_dropped(io);
         }
     }
@@ -1098,7 +1156,7 @@ mod tests {
 
     #[test]
     fn a_refused_frame_is_first_in_line_next_time_and_a_recv_stops_at_its_budget() {
-        for io in [EdgeIo::Plain, EdgeIo::Batched] {
+        for io in [EdgeIo::Plain, EdgeIo::Batched, EdgeIo::Armed] {
             refused_frame_waits(io);
         }
     }
@@ -1170,11 +1228,17 @@ mod tests {
     fn a_batched_tap_is_gone_once_its_port_closes_so_the_next_of_its_name_can_be_made() {
         let name = format!("pvtr{}", std::process::id() % 100_000);
         let gone = || !std::path::Path::new("/sys/class/net").join(&name).exists();
-        for _ in 0..3 {
+        for io in [
+            EdgeIo::Batched,
+            EdgeIo::Armed,
+            EdgeIo::Batched,
+            EdgeIo::Armed,
+        ] {
             let (f, got) = mem::tap::open_tap(&name).expect("tap");
             assert_eq!(got, name, "made afresh under its name");
-            let mut p = TapPort::start_io(f, TapOffload::None, EdgeIo::Batched).expect("port");
-            // Arms the read: a request in flight holds the interface's file.
+            let mut p = TapPort::start_io(f, TapOffload::None, io).expect("port");
+            // Makes the ring (and arms the multishot read: a request in flight holds
+            // the interface's file).
             p.recv(|_, _| true);
             assert_eq!(
                 p.counters().batched.load(Ordering::Relaxed),

@@ -17,6 +17,18 @@
 //! goes to the kernel in one `io_uring_enter` ([`TapRing::flush`]); a TAP's write
 //! completes inline, so its slot is free again when the call returns.
 //!
+//! **Receive from any thread** ([`RxMode::Nowait`]). The multishot read's frames are
+//! read by the thread that armed it, so its owner must look from that thread. A ring
+//! whose owner moves between threads (a device's engine that idle pCPUs may run)
+//! instead hands the kernel several single reads in one `io_uring_enter`, each marked
+//! `RWF_NOWAIT`: each takes a frame inside that call, or fails with `EAGAIN` rather
+//! than wait (no poll is armed, so nothing is left as work of the calling thread). The
+//! buffers are the ring's own, named by each read. A batch that came back full is
+//! followed by a larger one in the same look, one that ran dry by one just larger than
+//! what it found, so a look at a quiet descriptor costs one call with one read (as a
+//! plain `read` would), and a busy one many frames a call. Writes there are marked
+//! `RWF_NOWAIT` too.
+//!
 //! [`TapRing::new`] fails where the kernel has no io_uring, refuses it, or lacks the
 //! multishot read; the owner then reads and writes one frame a call.
 
@@ -33,6 +45,10 @@ const RX_GROUP: u16 = 7;
 const RX_TAG: u64 = u64::MAX;
 /// The user data of the cancellation of the read.
 const CANCEL_TAG: u64 = u64::MAX - 1;
+/// The user data of a single read (`RxMode::Nowait`) is this and its buffer's index.
+const READ_TAG: u64 = 1 << 32;
+/// The most single reads one `io_uring_enter` carries.
+const READ_BATCH_MAX: usize = 64;
 /// How long [`TapRing::close`] waits for the kernel to let go of the descriptor.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -131,6 +147,17 @@ pub enum RxEvent {
     Error(i32),
 }
 
+/// How a ring reads (see the module's notes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RxMode {
+    /// One multishot read stays armed and runs as work of the thread that armed it: a
+    /// look that finds nothing costs no call, but only that thread's looks read.
+    Armed,
+    /// Single reads that never wait, several to a call, done inside the call of
+    /// whichever thread looks: the owner may move between threads.
+    Nowait,
+}
+
 /// Counters of the ring's work.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct TapRingStats {
@@ -142,6 +169,10 @@ pub struct TapRingStats {
     pub writes: u64,
     /// Times the multishot read was armed again (it ended for want of buffers).
     pub rearms: u64,
+    /// Single reads that found nothing (`RxMode::Nowait`).
+    pub dry_reads: u64,
+    /// Completions that named no read or write in flight: skipped.
+    pub strays: u64,
 }
 
 /// An io_uring serving one TAP's frames both ways.
@@ -149,6 +180,7 @@ pub struct TapRing {
     // Dropped first: the kernel lets go of every buffer and slot with the ring.
     ring: IoUring,
     file: OwnedFd,
+    mode: RxMode,
     rx_mem: Region,
     rx_ring: Region,
     rx_size: usize,
@@ -161,11 +193,23 @@ pub struct TapRing {
     rx_failed: bool,
     /// Frames (and failures) reaped and not yet handed on, in order.
     ready: std::collections::VecDeque<RxEvent>,
+    /// `RxMode::Nowait`: buffers free for a read.
+    rx_free: Vec<u16>,
+    /// `RxMode::Nowait`: whether each buffer is with a read in the kernel.
+    rx_out: Box<[bool]>,
+    /// `RxMode::Nowait`: reads handed to the kernel and not yet reaped.
+    rx_in_flight: usize,
+    /// `RxMode::Nowait`: how many reads the next batch carries.
+    rx_batch: usize,
+    /// `RxMode::Nowait`: a read of the batches reaped since last cleared found nothing.
+    rx_dry: bool,
     tx_mem: Region,
     tx_size: usize,
     tx_free: Vec<u16>,
     /// Each slot's length as queued: a write that moved less failed.
     tx_len: Box<[u32]>,
+    /// Whether each slot is with a write in the kernel.
+    tx_out: Box<[bool]>,
     /// Writes placed in the submission queue and not yet handed to the kernel.
     tx_queued: usize,
     /// Writes whose completion has not been reaped.
@@ -205,6 +249,18 @@ impl TapRing {
         tx_count: u16,
         size: usize,
     ) -> Result<Self, MemError> {
+        Self::with_mode(file, rx_count, tx_count, size, RxMode::Armed)
+    }
+
+    /// As [`TapRing::new`], reading as `mode` says. With [`RxMode::Nowait`] no read
+    /// waits in the kernel between looks, and any thread may look.
+    pub fn with_mode(
+        file: BorrowedFd<'_>,
+        rx_count: u16,
+        tx_count: u16,
+        size: usize,
+        mode: RxMode,
+    ) -> Result<Self, MemError> {
         if (rx_count != 0 && !rx_count.is_power_of_two())
             || rx_count > 32768
             || tx_count == 0
@@ -212,7 +268,11 @@ impl TapRing {
         {
             return Err(MemError::Os(libc::EINVAL));
         }
-        let entries = (u32::from(tx_count) + 8).next_power_of_two();
+        let reads = match mode {
+            RxMode::Armed => 0,
+            RxMode::Nowait => READ_BATCH_MAX.min(usize::from(rx_count)) as u32,
+        };
+        let entries = (u32::from(tx_count) + reads + 8).next_power_of_two();
         let ring = IoUring::builder()
             .setup_coop_taskrun()
             .setup_taskrun_flag()
@@ -221,15 +281,18 @@ impl TapRing {
             .map_err(os)?;
         let mut probe = Probe::new();
         ring.submitter().register_probe(&mut probe).map_err(os)?;
-        if !probe.is_supported(opcode::ReadMulti::CODE) || !probe.is_supported(opcode::Write::CODE)
-        {
+        let read = match mode {
+            RxMode::Armed => opcode::ReadMulti::CODE,
+            RxMode::Nowait => opcode::Read::CODE,
+        };
+        if !probe.is_supported(read) || !probe.is_supported(opcode::Write::CODE) {
             return Err(MemError::Os(libc::EOPNOTSUPP));
         }
         let file = file.try_clone_to_owned().map_err(os)?;
         let rx_mem = Region::new(usize::from(rx_count) * size)?;
         let rx_ring =
             Region::new(usize::from(rx_count) * std::mem::size_of::<types::BufRingEntry>())?;
-        if rx_count > 0 {
+        if rx_count > 0 && mode == RxMode::Armed {
             // SAFETY: `rx_ring` is page-aligned, `rx_count` entries long, zeroed (its
             // tail 0), and lives as long as the ring (dropped after it).
             unsafe {
@@ -242,6 +305,7 @@ impl TapRing {
         let mut r = Self {
             ring,
             file,
+            mode,
             rx_mem,
             rx_ring,
             rx_size: size,
@@ -250,10 +314,19 @@ impl TapRing {
             rx_armed: false,
             rx_failed: false,
             ready: std::collections::VecDeque::with_capacity(usize::from(rx_count)),
+            rx_free: match mode {
+                RxMode::Armed => Vec::new(),
+                RxMode::Nowait => (0..rx_count).rev().collect(),
+            },
+            rx_out: vec![false; usize::from(rx_count)].into_boxed_slice(),
+            rx_in_flight: 0,
+            rx_batch: 1,
+            rx_dry: false,
             tx_mem,
             tx_size: size,
             tx_free: (0..tx_count).rev().collect(),
             tx_len: vec![0; usize::from(tx_count)].into_boxed_slice(),
+            tx_out: vec![false; usize::from(tx_count)].into_boxed_slice(),
             tx_queued: 0,
             tx_in_flight: 0,
             tx_errors: 0,
@@ -264,12 +337,21 @@ impl TapRing {
             r.rx_failed = true;
             return Ok(r);
         }
+        if mode == RxMode::Nowait {
+            // Nothing waits in the kernel: the first look reads.
+            return Ok(r);
+        }
         for bid in 0..rx_count {
             r.put_back(bid);
         }
         r.arm()?;
         r.enter()?;
         Ok(r)
+    }
+
+    /// How the ring reads.
+    pub fn mode(&self) -> RxMode {
+        self.mode
     }
 
     /// The ring's counters.
@@ -340,6 +422,10 @@ impl TapRing {
         if !self.ready.is_empty() {
             return true;
         }
+        if self.mode == RxMode::Nowait {
+            // Reads complete inside the call that made them: nothing is due later.
+            return false;
+        }
         // SAFETY: the shared queues are only read here (their flags and indices), and
         // dropped before returning; every other use of them takes `&mut self`, which
         // cannot coexist with this `&self`.
@@ -352,23 +438,36 @@ impl TapRing {
     /// read's frame (or failure) joins the frames ready, in order.
     fn reap(&mut self) {
         let mut eof_bid = None;
-        let mut cq = self.ring.completion();
-        cq.sync();
-        for c in &mut cq {
+        // One completion at a time, each given back to the kernel as it is taken.
+        loop {
+            let next = self.ring.completion().next();
+            let Some(c) = next else {
+                break;
+            };
             let res = c.result();
-            if c.user_data() == CANCEL_TAG {
+            let tag = c.user_data();
+            if tag == CANCEL_TAG {
                 continue;
             }
-            if c.user_data() != RX_TAG {
-                self.tx_in_flight = self.tx_in_flight.saturating_sub(1);
-                let want = match u16::try_from(c.user_data()) {
-                    Ok(slot) if usize::from(slot) < self.tx_len.len() => {
-                        self.tx_free.push(slot);
-                        self.tx_len[usize::from(slot)]
-                    }
-                    _ => 0,
+            if (READ_TAG..CANCEL_TAG).contains(&tag) {
+                self.reaped_read(tag - READ_TAG, res);
+                continue;
+            }
+            if tag != RX_TAG {
+                // A write's: the kernel names only slots it was given; one that is not
+                // in flight is counted and skipped, never freed twice.
+                let Some(slot) = u16::try_from(tag)
+                    .ok()
+                    .map(usize::from)
+                    .filter(|&s| s < self.tx_out.len() && self.tx_out[s])
+                else {
+                    self.stats.strays += 1;
+                    continue;
                 };
-                if res < 0 || res as u32 != want {
+                self.tx_out[slot] = false;
+                self.tx_in_flight = self.tx_in_flight.saturating_sub(1);
+                self.tx_free.push(slot as u16);
+                if res < 0 || res as u32 != self.tx_len[slot] {
                     self.tx_errors += 1;
                 } else {
                     self.stats.writes += 1;
@@ -408,10 +507,87 @@ impl TapRing {
                 self.ready.push_back(RxEvent::Frame { bid, len });
             }
         }
-        drop(cq);
         if let Some(bid) = eof_bid {
             self.put_back(bid);
         }
+    }
+
+    /// One single read's completion (`RxMode::Nowait`): buffer `bid`, result `res`.
+    fn reaped_read(&mut self, bid: u64, res: i32) {
+        let Some(bid) = u16::try_from(bid)
+            .ok()
+            .filter(|&b| b < self.rx_count && self.rx_out[usize::from(b)])
+        else {
+            self.stats.strays += 1;
+            return;
+        };
+        self.rx_out[usize::from(bid)] = false;
+        self.rx_in_flight -= 1;
+        if res > 0 {
+            self.stats.reads += 1;
+            let len = (res as usize).min(self.rx_size);
+            self.ready.push_back(RxEvent::Frame { bid, len });
+            return;
+        }
+        self.rx_free.push(bid);
+        if res == -libc::EAGAIN || res == -libc::EINTR {
+            self.stats.dry_reads += 1;
+            self.rx_dry = true;
+        } else if !self.rx_failed {
+            // End of input (0), or the descriptor failed: nothing more will be read.
+            self.rx_failed = true;
+            self.ready.push_back(RxEvent::Error(-res));
+        }
+    }
+
+    /// Hands the kernel a batch of single reads that never wait and reaps what they
+    /// found (`RxMode::Nowait`): false if none could be made.
+    fn read_batch(&mut self, want: usize) -> bool {
+        let k = want
+            .min(self.rx_batch)
+            .min(self.rx_free.len())
+            .min(READ_BATCH_MAX);
+        let mut made = 0;
+        while made < k {
+            let Some(&bid) = self.rx_free.last() else {
+                break;
+            };
+            let at = usize::from(bid) * self.rx_size;
+            let e = opcode::Read::new(
+                types::Fd(self.file.as_raw_fd()),
+                self.rx_mem.addr(at) as *mut u8,
+                self.rx_size as u32,
+            )
+            .offset(u64::MAX)
+            .rw_flags(libc::RWF_NOWAIT)
+            .build()
+            .user_data(READ_TAG + u64::from(bid));
+            // SAFETY: the read writes at most `rx_size` bytes into buffer `bid` of
+            // `rx_mem`, which stays out of the free list until its completion is reaped.
+            if unsafe { self.ring.submission().push(&e) }.is_err() {
+                break;
+            }
+            self.rx_free.pop();
+            self.rx_out[usize::from(bid)] = true;
+            self.rx_in_flight += 1;
+            made += 1;
+        }
+        if made == 0 {
+            return false;
+        }
+        let found = self.stats.reads;
+        self.rx_dry = false;
+        let entered = self.enter();
+        self.reap();
+        let found = (self.stats.reads - found) as usize;
+        // Full: more may wait, so the next batch is larger; dry: the next is just
+        // larger than what this one found.
+        self.rx_batch = if self.rx_dry {
+            found + 1
+        } else {
+            (2 * made).min(READ_BATCH_MAX)
+        };
+        entered.is_ok()
     }
 
     /// Hands the frames read so far to `f` in order, until `f` has taken `max` or
@@ -427,6 +603,14 @@ impl TapRing {
                 self.reap();
             }
             let Some(ev) = self.ready.pop_front() else {
+                if self.mode == RxMode::Nowait {
+                    // Another batch while the last came back full.
+                    if (entered && self.rx_dry) || self.rx_failed || !self.read_batch(max - n) {
+                        break;
+                    }
+                    entered = true;
+                    continue;
+                }
                 let rearm = !self.rx_armed && !self.rx_failed;
                 if entered || !(rearm || self.ring.submission().taskrun()) {
                     break;
@@ -447,7 +631,10 @@ impl TapRing {
                         self.ready.push_front(ev);
                         return n;
                     }
-                    self.put_back(bid);
+                    match self.mode {
+                        RxMode::Armed => self.put_back(bid),
+                        RxMode::Nowait => self.rx_free.push(bid),
+                    }
                     n += 1;
                 }
                 RxEvent::Error(_) => {
@@ -494,7 +681,9 @@ impl TapRing {
         }
         let t0 = std::time::Instant::now();
         let ts = types::Timespec::new().nsec(10_000_000);
-        while (self.rx_armed || self.tx_in_flight > 0) && t0.elapsed() < CLOSE_WAIT {
+        while (self.rx_armed || self.rx_in_flight > 0 || self.tx_in_flight > 0)
+            && t0.elapsed() < CLOSE_WAIT
+        {
             let args = types::SubmitArgs::new().timespec(&ts);
             self.stats.enters += 1;
             match self.ring.submitter().submit_with_args(1, &args) {
@@ -532,6 +721,11 @@ impl TapRing {
             n as u32,
         )
         .offset(u64::MAX)
+        .rw_flags(match self.mode {
+            RxMode::Armed => 0,
+            // Fails rather than leave a poll armed for the calling thread.
+            RxMode::Nowait => libc::RWF_NOWAIT,
+        })
         .build()
         .user_data(u64::from(slot));
         // SAFETY: the write reads `n` bytes of slot `slot`, which stays out of the free
@@ -542,8 +736,21 @@ impl TapRing {
             return false;
         }
         self.tx_len[usize::from(slot)] = n as u32;
+        self.tx_out[usize::from(slot)] = true;
         self.tx_queued += 1;
         true
+    }
+}
+
+#[cfg(test)]
+impl TapRing {
+    /// Has the kernel post a completion with user data `tag` for nothing the ring made
+    /// (a no-op's), as a completion the ring never asked for would come.
+    fn post_stray(&mut self, tag: u64) {
+        let e = opcode::Nop::new().build().user_data(tag);
+        // SAFETY: a no-op reads and writes no memory.
+        unsafe { self.ring.submission().push(&e) }.expect("room");
+        self.ring.submit().expect("enter");
     }
 }
 
@@ -556,9 +763,13 @@ mod tests {
     /// A ring over one end of a datagram socket pair (a frame a read, as a TAP gives),
     /// or None where the kernel cannot run it.
     fn pair() -> Option<(TapRing, UnixDatagram, UnixDatagram)> {
+        pair_of(RxMode::Armed)
+    }
+
+    fn pair_of(mode: RxMode) -> Option<(TapRing, UnixDatagram, UnixDatagram)> {
         let (a, b) = UnixDatagram::pair().expect("pair");
         a.set_nonblocking(true).expect("nonblocking");
-        match TapRing::new(a.as_fd(), 16, 8, 2048) {
+        match TapRing::with_mode(a.as_fd(), 16, 8, 2048, mode) {
             Ok(r) => Some((r, a, b)),
             Err(e) => {
                 assert!(!kernel_runs_rings(), "this kernel should run a ring: {e:?}");
@@ -570,7 +781,13 @@ mod tests {
 
     #[test]
     fn frames_cross_in_order_both_ways_many_to_a_call() {
-        let Some((mut r, _a, peer)) = pair() else {
+        for mode in [RxMode::Armed, RxMode::Nowait] {
+            frames_cross(mode);
+        }
+    }
+
+    fn frames_cross(mode: RxMode) {
+        let Some((mut r, _a, peer)) = pair_of(mode) else {
             return;
         };
         // More frames than buffers: the read ends for want of them and is armed again.
@@ -591,7 +808,10 @@ mod tests {
         }
         assert_eq!(got, frames);
         let st = r.stats();
-        assert!(st.enters < frames.len() as u64 / 2, "batched: {st:?}");
+        assert!(
+            st.enters < frames.len() as u64 / 2,
+            "{mode:?} batched: {st:?}"
+        );
         // A refused frame is handed on first next time.
         peer.send(&[7u8; 70]).expect("send");
         peer.send(&[8u8; 80]).expect("send");
@@ -684,5 +904,111 @@ mod tests {
         }
         assert_eq!(r.stats().enters, before, "idle looks are loads, not calls");
         assert_eq!(seen, [b"last".to_vec()]);
+    }
+
+    #[test]
+    fn reads_that_never_wait_serve_whichever_thread_looks() {
+        // Made on a thread that ends before any look: nothing of its is left in the
+        // kernel, and every other thread's look reads.
+        let Some((r, _a, peer)) = std::thread::spawn(|| pair_of(RxMode::Nowait))
+            .join()
+            .expect("making thread")
+        else {
+            return;
+        };
+        let r = std::sync::Mutex::new(r);
+        let mut got = Vec::new();
+        for round in 0..4u8 {
+            for i in 0..10u8 {
+                peer.send(&[round * 10 + i; 90]).expect("send");
+            }
+            // Each round's frames all wait when a thread never seen before looks once.
+            let took = std::thread::scope(|s| {
+                s.spawn(|| {
+                    let mut r = r.lock().expect("ring");
+                    let mut took = Vec::new();
+                    r.recv(64, |ev, b| {
+                        assert!(matches!(ev, RxEvent::Frame { .. }), "{ev:?}");
+                        took.push(b[0]);
+                        true
+                    });
+                    took
+                })
+                .join()
+                .expect("looking thread")
+            });
+            got.extend(took);
+        }
+        let want: Vec<u8> = (0..40).collect();
+        assert_eq!(got, want, "every frame, in order, one look each round");
+        let st = r.lock().expect("ring").stats();
+        assert_eq!(st.reads, 40);
+        assert!(st.enters <= 4 * 5, "a few calls a round of ten: {st:?}");
+        assert_eq!(st.strays, 0);
+    }
+
+    #[test]
+    fn a_quiet_look_without_waiting_reads_costs_one_call_of_one_read() {
+        let Some((mut r, _a, peer)) = pair_of(RxMode::Nowait) else {
+            return;
+        };
+        peer.send(b"first").expect("send");
+        assert_eq!(r.recv(64, |_, b| b == b"first"), 1);
+        let before = r.stats();
+        for _ in 0..10 {
+            assert_eq!(r.recv(64, |_, _| true), 0);
+            assert!(!r.pending(), "nothing is due later: no read waits");
+        }
+        let st = r.stats();
+        assert_eq!(st.enters - before.enters, 10, "one call a look: {st:?}");
+        assert_eq!(st.dry_reads - before.dry_reads, 10, "of one read: {st:?}");
+        // Nothing waits in the kernel, so a peer's frame waits in the socket until a look.
+        peer.send(b"later").expect("send");
+        let mut seen = Vec::new();
+        r.recv(64, |_, b| {
+            seen.push(b.to_vec());
+            true
+        });
+        assert_eq!(seen, [b"later".to_vec()]);
+    }
+
+    #[test]
+    fn a_completion_for_no_read_or_write_in_flight_is_counted_and_frees_nothing() {
+        for mode in [RxMode::Armed, RxMode::Nowait] {
+            let Some((mut r, _a, peer)) = pair_of(mode) else {
+                return;
+            };
+            let free = r.tx_free.len();
+            // A read's buffer not with the kernel, one past the buffers, a write's slot
+            // not in flight, one past the slots.
+            for tag in [READ_TAG + 3, READ_TAG + 9999, 5, 60_000] {
+                r.post_stray(tag);
+            }
+            r.reap();
+            assert_eq!(r.stats().strays, 4, "{mode:?}");
+            assert_eq!(r.tx_free.len(), free, "{mode:?}: no slot freed twice");
+            assert!(r.ready.is_empty(), "{mode:?}: no frame made up");
+            // Frames still cross both ways.
+            peer.send(b"after").expect("send");
+            let mut got = Vec::new();
+            for _ in 0..100 {
+                r.recv(64, |_, b| {
+                    got.push(b.to_vec());
+                    true
+                });
+                if !got.is_empty() {
+                    break;
+                }
+            }
+            assert_eq!(got, [b"after".to_vec()], "{mode:?}");
+            assert!(r.send(10, |b| {
+                b.fill(1);
+                10
+            }));
+            r.flush();
+            let mut buf = [0u8; 16];
+            assert_eq!(peer.recv(&mut buf).expect("frame"), 10);
+            assert_eq!(r.tx_errors(), 0, "{mode:?}");
+        }
     }
 }

@@ -193,9 +193,10 @@ enum Command {
         #[arg(long)]
         split_ring: bool,
         /// How frames cross the TAPs: `batched` through an io_uring, many frames a
-        /// system call (one frame a call where the kernel cannot, and on the cable's TAP
-        /// where the NIC shares a guest's core), or `plain`, one `read` or `write` a
-        /// frame. Also with `--machine`.
+        /// system call, by reads that never wait (one frame a call where the kernel
+        /// cannot); `armed`, the same by a multishot read that ties each port to one
+        /// thread (but for the cable's TAP where the NIC shares a guest's core); or
+        /// `plain`, one `read` or `write` a frame. Also with `--machine`.
         #[arg(long, value_enum, default_value_t = EdgeArg::Batched)]
         edge_io: EdgeArg,
         /// How idle pCPUs wait: adaptive (KVM's halt-polling window that grows and
@@ -325,10 +326,12 @@ enum DmaArg {
 /// How `pvio up` moves frames across its TAPs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum EdgeArg {
-    /// In batches through an io_uring (one frame a call where the kernel cannot, and on
-    /// the cable's TAP where the NIC shares a guest's core, which leaves it free to run
-    /// on an idle pCPU).
+    /// In batches through an io_uring, by reads that never wait, which any thread may
+    /// make (one frame a call where the kernel cannot).
     Batched,
+    /// In batches through an io_uring, by a multishot read that ties each port to one
+    /// thread (on the cable's TAP where the NIC shares a guest's core, as `batched`).
+    Armed,
     /// One `read` or `write` a frame.
     Plain,
 }
@@ -998,6 +1001,7 @@ fn main() -> ExitCode {
         } => {
             let edge_io = match edge_io {
                 EdgeArg::Batched => up::EdgeIo::Batched,
+                EdgeArg::Armed => up::EdgeIo::Armed,
                 EdgeArg::Plain => up::EdgeIo::Plain,
             };
             let cfg = match machine {

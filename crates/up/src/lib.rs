@@ -547,21 +547,20 @@ pub fn check(cfg: &UpConfig) -> Result<(), Error> {
     Ok(())
 }
 
-/// How the cable's TAP moves frames. Where the NIC's engine shares a guest's core
-/// ([`nic_beside_guest`]), one a call even where `cfg` asks for batches: a ring ties the
-/// port's reads, and with them the engine, to that pCPU's thread
-/// (`WireSource::thread_bound`), while without one an idle pCPU runs the engine's steps
-/// whenever the guest keeps its own busy. That is worth more there than the calls a
-/// batch saves: out of the guest with offloads each frame the NIC writes to the
-/// outside's TAP runs the outside's TCP receive on the writing thread, and into it with
-/// LRO the guest's TAP writes run the guest's (ARCHITECTURE §6, "The TAPs' I/O"). An
-/// engine beside the driver domain (MTU-sized frames end to end) or on a core of its
-/// own keeps its batches.
+/// How the cable's TAP moves frames: as `cfg` asks, except that where the NIC's engine
+/// shares a guest's core ([`nic_beside_guest`]) a multishot read (`EdgeIo::Armed`) gives
+/// way to reads that never wait (`EdgeIo::Batched`). The multishot read runs as work of
+/// the thread that armed it, which ties the port, and with it the engine, to that
+/// pCPU's thread (`WireSource::thread_bound`); without the tie an idle pCPU runs the
+/// engine's steps whenever the guest keeps its own busy. Out of the guest with offloads
+/// each frame the NIC writes to the outside's TAP runs the outside's TCP receive on the
+/// writing thread, and into it with LRO the guest's TAP writes run the guest's
+/// (ARCHITECTURE §6, "The TAPs' I/O"). An engine beside the driver domain (MTU-sized
+/// frames end to end) or on a core of its own moves frames as asked.
 pub fn wire_io(cfg: &UpConfig, beside_guest: bool) -> dev::tap::EdgeIo {
-    if beside_guest {
-        dev::tap::EdgeIo::Plain
-    } else {
-        cfg.edge_io
+    match cfg.edge_io {
+        dev::tap::EdgeIo::Armed if beside_guest => dev::tap::EdgeIo::Batched,
+        io => io,
     }
 }
 
@@ -1030,11 +1029,12 @@ impl Drop for Up {
 mod host_tests {
     use super::*;
 
-    /// The cable's TAP moves one frame a call where the NIC's engine shares a guest's
-    /// core (offloads or LRO, no core to spare), so that the engine is not tied to one
-    /// thread; beside the driver domain or on a core of its own it moves as asked.
+    /// Where the NIC's engine shares a guest's core (offloads or LRO, no core to
+    /// spare) the cable's TAP is never read by a multishot read, which would tie the
+    /// engine to one thread; beside the driver domain or on a core of its own it moves
+    /// as asked.
     #[test]
-    fn the_cable_gives_up_its_batches_only_where_the_nic_shares_a_guests_core() {
+    fn the_cable_is_never_tied_to_one_thread_where_the_nic_shares_a_guests_core() {
         use dev::tap::EdgeIo;
         let on = |cores: usize, offloads: bool, lro: LroMode| {
             let mut cfg = UpConfig {
@@ -1054,13 +1054,18 @@ mod host_tests {
             "MTU frames: beside the driver domain"
         );
         assert!(!on(3, true, LroMode::Off), "a core to spare: its own");
-        for asked in [EdgeIo::Batched, EdgeIo::Plain] {
+        for asked in [EdgeIo::Batched, EdgeIo::Armed, EdgeIo::Plain] {
             let cfg = UpConfig {
                 edge_io: asked,
                 ..UpConfig::default()
             };
-            assert_eq!(wire_io(&cfg, true), EdgeIo::Plain);
-            assert_eq!(wire_io(&cfg, false), asked);
+            let beside = if asked == EdgeIo::Armed {
+                EdgeIo::Batched
+            } else {
+                asked
+            };
+            assert_eq!(wire_io(&cfg, true), beside, "beside a guest");
+            assert_eq!(wire_io(&cfg, false), asked, "elsewhere");
         }
     }
 
