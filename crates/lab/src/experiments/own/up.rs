@@ -730,9 +730,8 @@ fn setup(plan: &Plan) -> String {
          pair, the sender's TCP hands a segment to veth, whose peer runs the receiver's IP \
          and TCP (softirq), one copy into the socket and one out; pvio up, the outside's TCP \
          queues the frame on a TAP, pvio reads it (batched: many a system call, through an \
-         io_uring, except where the NIC shares the guest's core (offloads, LRO), read one \
-         a call so that an idle pCPU may run the NIC's engine; `--edge-io plain`: one read \
-         a frame), its NIC model DMA-writes it into the \
+         io_uring, by reads that never wait, so that whichever pCPU runs the NIC's engine \
+         reads; `--edge-io plain`: one read a frame), its NIC model DMA-writes it into the \
          driver domain's buffer, the bridge (netfilter hooks on) hands it to netback, which \
          grant-copies it into a buffer netfront posted, and the guest writes it to its TAP, \
          where the guest namespace's IP and TCP run: three copies more than the veth pair and \
