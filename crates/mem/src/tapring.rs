@@ -30,7 +30,8 @@
 //! `RWF_NOWAIT` too.
 //!
 //! [`TapRing::new`] fails where the kernel has no io_uring, refuses it, or lacks the
-//! multishot read; the owner then reads and writes one frame a call.
+//! read it needs (the multishot read for [`RxMode::Armed`]); the owner then reads and
+//! writes one frame a call.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU16, Ordering};
