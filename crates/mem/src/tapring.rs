@@ -198,8 +198,6 @@ pub struct TapRing {
     rx_free: Vec<u16>,
     /// `RxMode::Nowait`: whether each buffer is with a read in the kernel.
     rx_out: Box<[bool]>,
-    /// `RxMode::Nowait`: reads handed to the kernel and not yet reaped.
-    rx_in_flight: usize,
     /// `RxMode::Nowait`: how many reads the next batch carries.
     rx_batch: usize,
     /// `RxMode::Nowait`: a read of the batches reaped since last cleared found nothing.
@@ -320,7 +318,6 @@ impl TapRing {
                 RxMode::Nowait => (0..rx_count).rev().collect(),
             },
             rx_out: vec![false; usize::from(rx_count)].into_boxed_slice(),
-            rx_in_flight: 0,
             rx_batch: 1,
             rx_dry: false,
             tx_mem,
@@ -523,7 +520,6 @@ impl TapRing {
             return;
         };
         self.rx_out[usize::from(bid)] = false;
-        self.rx_in_flight -= 1;
         if res > 0 {
             self.stats.reads += 1;
             let len = (res as usize).min(self.rx_size);
@@ -570,7 +566,6 @@ impl TapRing {
             }
             self.rx_free.pop();
             self.rx_out[usize::from(bid)] = true;
-            self.rx_in_flight += 1;
             made += 1;
         }
         if made == 0 {
@@ -682,7 +677,7 @@ impl TapRing {
         }
         let t0 = std::time::Instant::now();
         let ts = types::Timespec::new().nsec(10_000_000);
-        while (self.rx_armed || self.rx_in_flight > 0 || self.tx_in_flight > 0)
+        while (self.rx_armed || self.rx_out.contains(&true) || self.tx_in_flight > 0)
             && t0.elapsed() < CLOSE_WAIT
         {
             let args = types::SubmitArgs::new().timespec(&ts);

@@ -85,9 +85,9 @@ pub struct UpConfig {
     /// 2012): `Cache` by default. `Memory` is the papers' 2008 platform.
     pub dma_landing: hv::iommu::DmaLanding,
     /// How frames cross the TAPs: in batches through an io_uring (falling back to one
-    /// frame a call where the kernel cannot), or one `read` or `write` a frame. The
-    /// cable's TAP moves one a call either way where the NIC's engine shares a guest's
-    /// core ([`wire_io`]).
+    /// frame a call where the kernel cannot), or one `read` or `write` a frame. Where the
+    /// NIC's engine shares a guest's core the cable's TAP is never tied to one thread
+    /// ([`wire_io`]).
     pub edge_io: dev::tap::EdgeIo,
     /// How the machine's idle pCPUs wait. Outside processes (iperf3, sockperf, the TAPs'
     /// far ends) share the cores, so never `poll`; by default KVM's adaptive
@@ -379,7 +379,7 @@ pub struct UpCounters {
     /// sends and polls).
     pub edge_syscalls: u64,
     /// Whether the cable moves its frames in batches (an io_uring, or a packet
-    /// socket's mapped rings; not a TAP whose NIC shares a guest's core, [`wire_io`]).
+    /// socket's mapped rings).
     pub wire_batched: bool,
     /// Whether every guest's TAP moves its frames in batches.
     pub guests_batched: bool,
