@@ -1858,7 +1858,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
             // The hints as it goes idle: a device's deadline it set after its step's
             // start is what peers watch for while it idles (a past one says it is held).
             t.publish_steal_hints(p);
-            between(p, mark, Instant::now());
+            let left = Instant::now();
+            between(p, mark, left);
             p.turn_ns.store(0, Ordering::Release);
             drop(t);
             // Nothing of its own to run: a device's engine another pCPU's step keeps
@@ -1872,7 +1873,16 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
                 t = lock(&p.table);
                 continue;
             }
+            #[cfg(test)]
+            tests::pause_before_idle(p);
             cpu.publish_now_and_then(p, now);
+            // The way from its turn to the idle loop's first look (a look at its peers
+            // that found nothing to take, a clock read now and then) is a few µs with
+            // its core, and no look of the idle loop measures it: a longer gap is the
+            // host's, in which this pCPU could have taken a peer's device and did not
+            // (a VM's hypervisor pauses every vCPU at once, and a thread's clock counts
+            // the pause: this gap is then what shows it, the peer's step does not).
+            away(p, left, Instant::now());
             p.steal.busy.store(false, Ordering::Release);
             clear = idle(p, until, &cpu, &mut lines, &mut peers);
             mark = Instant::now();
@@ -2494,5 +2504,123 @@ mod tests {
         assert_eq!(r.longest_wait, Duration::from_micros(20));
         assert_eq!(r.longest_wait_net, Duration::from_micros(10));
         assert!(r.wait_p99 > Duration::ZERO && r.wait_p99 < Duration::from_millis(1));
+    }
+
+    /// Pauses that tests ask of a pCPU on its way to the idle loop: the pCPU (by
+    /// address), how long, and a flag raised as the pause begins.
+    type Pause = (usize, Duration, Arc<AtomicBool>);
+    static PAUSES: Mutex<Vec<Pause>> = Mutex::new(Vec::new());
+
+    /// The pause asked of `p`, if any: its thread spins through it, so that its CPU
+    /// clock counts it, as a thread's clock counts a VM's hypervisor's pause of its vCPU.
+    pub(super) fn pause_before_idle(p: &PcpuShared) {
+        let me = p as *const PcpuShared as usize;
+        let pause = {
+            let mut all = lock(&PAUSES);
+            let k = all.iter().position(|(at, ..)| *at == me);
+            k.map(|k| all.remove(k))
+        };
+        if let Some((_, d, paused)) = pause {
+            paused.store(true, Ordering::Release);
+            let t = Instant::now();
+            while t.elapsed() < d {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// A device's engine waits while its own pCPU is in a vCPU's long step and the host
+    /// holds the only other pCPU on its way from a turn to the idle loop, where no look
+    /// of the idle loop measures (a hypervisor's pause, which the thread's clock counts):
+    /// that pCPU would have taken the engine, so the wait is the host's, and the engine's
+    /// net wait leaves it out.
+    #[test]
+    fn a_hold_on_the_way_to_the_idle_loop_is_the_hosts_in_a_device_engines_wait() {
+        struct Hog {
+            inside: Arc<AtomicBool>,
+            release: Arc<AtomicBool>,
+        }
+        impl Unit for Hog {
+            type Output = ();
+            fn step(&mut self, _cx: &Cx) -> Step<()> {
+                self.inside.store(true, Ordering::Release);
+                while !self.release.load(Ordering::Acquire) {
+                    std::hint::spin_loop();
+                }
+                Step::Done(())
+            }
+        }
+        struct Once(Arc<AtomicU64>);
+        impl Unit for Once {
+            type Output = ();
+            fn step(&mut self, _cx: &Cx) -> Step<()> {
+                if self.0.fetch_add(1, Ordering::AcqRel) == 1 {
+                    return Step::Done(());
+                }
+                Step::Idle(None)
+            }
+        }
+        const PAUSE: Duration = Duration::from_millis(20);
+        let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+        let (inside, release) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let hog = Hog {
+            inside: Arc::clone(&inside),
+            release: Arc::clone(&release),
+        };
+        let hog = s.place(0, UnitSpec::named("vcpu"), hog).expect("hog");
+        let ran = Arc::new(AtomicU64::new(0));
+        let nic = s
+            .place(0, UnitSpec::device("nic"), Once(Arc::clone(&ran)))
+            .expect("nic");
+        let poke = s
+            .place(
+                1,
+                UnitSpec::named("poke"),
+                Once(Arc::new(AtomicU64::new(0))),
+            )
+            .expect("poke");
+        let t = Instant::now();
+        let waited = |what: &str, f: &dyn Fn() -> bool| {
+            while !f() {
+                assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
+                std::thread::yield_now();
+            }
+        };
+        waited("the engine's first step", &|| {
+            ran.load(Ordering::Acquire) == 1
+        });
+        waited("the vCPU's long step", &|| inside.load(Ordering::Acquire));
+        // pCPU 1 runs a unit, and is held on its way back to the idle loop.
+        let paused = Arc::new(AtomicBool::new(false));
+        let at = &*s.pcpus[1] as *const PcpuShared as usize;
+        lock(&PAUSES).push((at, PAUSE, Arc::clone(&paused)));
+        poke.wake();
+        waited("pCPU 1 held", &|| paused.load(Ordering::Acquire));
+        let woken = Instant::now();
+        nic.wake();
+        waited("the engine's second step", &|| {
+            ran.load(Ordering::Acquire) == 2
+        });
+        let ran_after = woken.elapsed();
+        release.store(true, Ordering::Release);
+        poke.wake();
+        let r = nic.stats().report();
+        assert_eq!(nic.join(), Ok(()));
+        assert_eq!(hog.join(), Ok(()));
+        assert_eq!(poke.join(), Ok(()));
+        // The engine ran once pCPU 1 was back (its own was in the vCPU's step all along).
+        assert!(r.stolen >= 1, "{r:?}");
+        if ran_after < PAUSE / 2 {
+            // This test's thread was held past most of the pause: nothing to judge.
+            return;
+        }
+        assert!(r.longest_wait >= PAUSE / 2, "{ran_after:?} {r:?}");
+        assert!(
+            r.longest_wait_net < Duration::from_millis(2),
+            "the hold is the host's: {r:?}"
+        );
     }
 }

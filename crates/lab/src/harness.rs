@@ -526,11 +526,54 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
             before.0, before.1
         )
     };
+    long_steps(r, runs);
     r.notes.push(format!(
         "devices' engines: {stolen} of {steps} steps run by an idle pCPU while their own was \
          busy (work stealing); their waits with the host's holds in: 99th percentile \
          {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
          engines run by an idle pCPU while the host held their own off its core; {window}"
+    ));
+}
+
+/// The steps over `runs` that ran past [`hv::sched::LONG_STEP`], as a note: a step is
+/// the scheduling latency its unit imposes on its pCPU's others (a device's engine
+/// among them), bounded by the unit's budget (a kernel's poll takes at most a NAPI
+/// budget of frames from a ring, a device's engine one batch); one past it is work past
+/// the budget or a hold of the thread, which the thread's clock shows as the host's
+/// unless the VM's hypervisor made it (a paused vCPU's thread's clock runs on).
+fn long_steps(r: &mut Report, runs: &[(String, &Counters)]) {
+    let (mut long, mut all, mut dev_long, mut dev_all) = (0u64, 0u64, 0u64, 0u64);
+    let mut longest = (0u64, String::new());
+    let mut held = 0u64;
+    for (label, c) in runs {
+        for (comp, name, v) in &c.entries {
+            let unit = comp
+                .split_once(' ')
+                .is_some_and(|(p, _)| p.starts_with("pcpu"));
+            match name.as_str() {
+                "longest_step_hold_us" => held = held.max(*v),
+                _ if !unit => {}
+                "steps" if is_device_unit(comp) => dev_all += v,
+                "long_steps" if is_device_unit(comp) => dev_long += v,
+                "steps" => all += v,
+                "long_steps" => long += v,
+                "longest_step_us" if *v > longest.0 => longest = (*v, format!("{label}, {comp}")),
+                _ => {}
+            }
+        }
+    }
+    if all + dev_all == 0 {
+        return;
+    }
+    let ms = hv::sched::LONG_STEP.as_millis();
+    r.notes.push(format!(
+        "steps longer than {ms} ms: vCPUs' {long} of {all}, devices' engines' {dev_long} of \
+         {dev_all}; the longest {} µs ({}); the longest hold of a pCPU's thread its clock \
+         showed in a step {held} µs. A vCPU's step is one poll of its kernel, an engine's \
+         one batch, each with a budget of frames: a longer one is work past the budget or a \
+         hold of its thread, which the thread's clock does not show when the VM's \
+         hypervisor paused the vCPU under it",
+        longest.0, longest.1
     ));
 }
 
