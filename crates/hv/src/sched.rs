@@ -911,6 +911,9 @@ impl Waker {
 /// What one step of a placed unit came to.
 enum StepOut {
     More,
+    /// More, its weighted turn cut short after a step because a device's engine of the
+    /// pCPU running it was woken ([`run_unit`]).
+    Cut,
     Yield,
     Idle(Option<Instant>),
     Ended,
@@ -1481,6 +1484,25 @@ fn any_ipi(p: &PcpuShared, order: Ordering) -> bool {
 impl Table {
     /// The first runnable unit at or after `from` (wrapping), not past its cap: a few
     /// word operations, whatever the number of slots.
+    /// A device's engine of `p` woken since its last step and runnable here: picked
+    /// ahead of the round (hardware does not wait for a CPU's turn to come round).
+    fn woken_device(&self, p: &PcpuShared) -> Option<usize> {
+        (0..WORDS).find_map(|w| {
+            let mut bits = self.runnable[w]
+                & !self.over_cap[w]
+                & !self.away[w]
+                & p.steal.stealable[w].load(Ordering::Relaxed);
+            while bits != 0 {
+                let i = w * 64 + bits.trailing_zeros() as usize;
+                if self.woken[i].is_some() && self.units[i].is_some() {
+                    return Some(i);
+                }
+                bits &= bits - 1;
+            }
+            None
+        })
+    }
+
     fn next_runnable(&self, from: usize) -> Option<usize> {
         let from = from % MAX_UNITS;
         let (w0, b0) = (from / 64, from % 64);
@@ -1814,6 +1836,8 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
     cpu.publish(p);
     let mut binding = bind_sampler(p);
     let mut cursor = 0usize;
+    // The last pick was a device's engine ahead of the round.
+    let mut ahead = false;
     // Steps in a row that only yielded.
     let mut yields = 0usize;
     let mut lines = Lines::new();
@@ -1840,7 +1864,14 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
         t.take_ipis(p, now, clear.take());
         t.expire_deadlines(now);
         t.new_cap_period(now);
-        let pick = t.next_runnable(cursor).filter(|&i| t.units[i].is_some());
+        // A device's engine woken since its last step goes first, but never twice in a
+        // row out of the round: an engine woken again and again cannot keep a vCPU off
+        // its pCPU, which runs one step of the round between two such picks.
+        let first = (!ahead).then(|| t.woken_device(p)).flatten();
+        ahead = first.is_some();
+        let pick = first
+            .or_else(|| t.next_runnable(cursor))
+            .filter(|&i| t.units[i].is_some());
         let Some(i) = pick else {
             // A runnable bit whose unit is away (in a retired thread's step) waits.
             if let Some(i) = t.next_runnable(cursor) {
@@ -1916,8 +1947,11 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
             return;
         }
         t.charge_cap(i, &*e, ran);
+        // A turn a device's wake-up cut short (`run_unit`) resumes after the engine's step,
+        // and an engine run ahead of the round leaves the round where it was.
+        let resume = ahead || matches!(out, StepOut::Cut);
         match out {
-            StepOut::More => {
+            StepOut::More | StepOut::Cut => {
                 t.runnable[i / 64] |= 1 << (i % 64);
                 t.units[i] = Some(e);
                 yields = 0;
@@ -1958,8 +1992,18 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
                 t = lock(&p.table);
             }
         }
-        cursor = i + 1;
+        if !resume {
+            cursor = i + 1;
+        }
     }
+}
+
+/// Whether a device's engine of `p` has been woken and not yet taken from its IPI word.
+#[inline]
+fn device_woken(p: &PcpuShared) -> bool {
+    (0..WORDS).any(|w| {
+        p.ipi[w].load(Ordering::Relaxed) & p.steal.stealable[w].load(Ordering::Relaxed) != 0
+    })
 }
 
 /// [`run_unit`] with the profiler's samples charged to the unit while it runs.
@@ -1999,7 +2043,7 @@ fn run_unit(
     let mut start = Instant::now();
     let mut out = StepOut::More;
     let mut ran = 0u64;
-    for _ in 0..weight {
+    for k in 0..weight {
         if let Some(w) = woken {
             start = account_wait(p, owner, all, e.stats(), e.spec().stealable, w, start);
         }
@@ -2030,6 +2074,11 @@ fn run_unit(
             p.holds.long_step(at(end) - ns, at(start));
         }
         match r {
+            // A device's engine woken on this pCPU waits for this step's end, not for the
+            // rest of a weighted turn: the turn ends here and resumes after the engine.
+            Ok(StepOut::More) if k + 1 < weight && !e.spec().stealable && device_woken(p) => {
+                out = StepOut::Cut;
+            }
             Ok(StepOut::More) => continue,
             Ok(o) => out = o,
             Err(panic) => {

@@ -1098,3 +1098,145 @@ fn the_hosts_long_holds_of_a_pcpu_are_kept_with_their_times_in_a_step_and_idle()
         "the idle pCPU's gaps while the step had the core: {holds:?}"
     );
 }
+
+/// A vCPU that always has work, its steps `step` long of busy work.
+struct BusyVcpu {
+    step: Duration,
+    steps: Arc<AtomicU64>,
+    end: Arc<AtomicBool>,
+}
+
+impl Unit for BusyVcpu {
+    type Output = ();
+    fn step(&mut self, _cx: &Cx) -> Step<()> {
+        if self.end.load(Ordering::Acquire) {
+            return Step::Done(());
+        }
+        let t = Instant::now();
+        while t.elapsed() < self.step {
+            std::hint::spin_loop();
+        }
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        Step::More
+    }
+}
+
+/// A device's engine woken on a pCPU whose only other unit is a vCPU of weight 4 (four
+/// steps a turn) waits for the vCPU's step to end, not for the rest of its turn: its
+/// waits stay within about one step, where the turn is four. The vCPU's turn resumes
+/// after the engine's step, so it keeps running.
+#[test]
+fn a_device_engine_waits_for_a_weighted_vcpus_step_not_its_whole_turn() {
+    const STEP: Duration = Duration::from_micros(400);
+    let s = one_pcpu(IdlePolicy::Poll);
+    let (steps, end) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let vcpu = BusyVcpu {
+        step: STEP,
+        steps: Arc::clone(&steps),
+        end: Arc::clone(&end),
+    };
+    let spec = UnitSpec {
+        weight: 4,
+        ..UnitSpec::named("vcpu")
+    };
+    let v = s.place(0, spec, vcpu).expect("vcpu");
+    let (work, done, inside, overlaps, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let j = s
+        .place(
+            0,
+            UnitSpec::device("nic"),
+            Engine {
+                work: Arc::clone(&work),
+                done: Arc::clone(&done),
+                inside,
+                overlaps,
+                end: Arc::clone(&stop),
+            },
+        )
+        .expect("engine");
+    const N: u64 = 200;
+    for k in 1..=N {
+        work.fetch_add(1, Ordering::Release);
+        j.wake();
+        // Wake-ups at every point of the vCPU's turn (1.6 ms): 0.5 to 2.6 ms apart.
+        std::thread::sleep(Duration::from_micros(500 + (k * 700) % 2100));
+    }
+    wait_for("every wake-up's work taken", || {
+        done.load(Ordering::Acquire) == N
+    });
+    stop.store(true, Ordering::Release);
+    j.wake();
+    let stats = Arc::clone(j.stats());
+    assert_eq!(j.join(), Ok(N));
+    end.store(true, Ordering::Release);
+    v.join().expect("vcpu");
+    let r = stats.report();
+    // Run to the end of its turn, the engine's waits would spread over 0-1.6 ms.
+    assert!(
+        r.wait_p99_net < STEP * 2,
+        "the engine waits for a step, not a turn: {r:?}"
+    );
+    assert!(
+        steps.load(Ordering::Relaxed) > N,
+        "the vCPU ran meanwhile: {} steps",
+        steps.load(Ordering::Relaxed)
+    );
+}
+
+/// An engine woken again and again goes ahead of the round only every other pick: a
+/// vCPU on its pCPU keeps taking steps.
+#[test]
+fn an_engine_woken_without_pause_does_not_keep_a_vcpu_off_its_pcpu() {
+    let s = one_pcpu(IdlePolicy::Poll);
+    let (steps, end) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let vcpu = BusyVcpu {
+        step: Duration::from_micros(20),
+        steps: Arc::clone(&steps),
+        end: Arc::clone(&end),
+    };
+    let v = s.place(0, UnitSpec::named("vcpu"), vcpu).expect("vcpu");
+    let (work, done, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let j = s
+        .place(
+            0,
+            UnitSpec::device("nic"),
+            Engine {
+                work: Arc::clone(&work),
+                done: Arc::clone(&done),
+                inside: Arc::new(AtomicBool::new(false)),
+                overlaps: Arc::new(AtomicU64::new(0)),
+                end: Arc::clone(&stop),
+            },
+        )
+        .expect("engine");
+    let t = Instant::now();
+    let before = steps.load(Ordering::Relaxed);
+    while t.elapsed() < Duration::from_millis(100) {
+        work.fetch_add(1, Ordering::Release);
+        j.wake();
+    }
+    let during = steps.load(Ordering::Relaxed) - before;
+    stop.store(true, Ordering::Release);
+    j.wake();
+    let _ = j.join();
+    end.store(true, Ordering::Release);
+    v.join().expect("vcpu");
+    // 100 ms of 20 µs steps, each turn of the vCPU beside at most one of the engine's.
+    assert!(during >= 500, "the vCPU took {during} steps in 100 ms");
+}

@@ -313,7 +313,7 @@ fn put_back(
     }
     t.charge_cap(i, &*e, ran);
     match out {
-        StepOut::More | StepOut::Yield => {
+        StepOut::More | StepOut::Cut | StepOut::Yield => {
             // It had more work, woken or not: no wait from idle (as on its own pCPU).
             t.runnable[w] |= bit;
             t.woken[i] = None;
