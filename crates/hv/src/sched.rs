@@ -7,7 +7,10 @@
 //! NAPI-style budget) and says whether it has more, is idle until an event (or a
 //! deadline), or is done. The pCPU runs its runnable units round-robin, each for its
 //! weight in steps a turn; preemption happens only between steps, so a step's length is
-//! the scheduling latency a unit can impose on its neighbours, and it is counted.
+//! the scheduling latency a unit can impose on its neighbours, and it is counted. A
+//! device's engine woken since its last step goes ahead of the round (never twice in a
+//! row), and a step that leaves one woken ends its unit's weighted turn there: an engine
+//! waits for a step, not for a turn or the round.
 //!
 //! A wake-up is Xen's `vcpu_wake` followed by an IPI: whoever gives a unit work (an
 //! event channel's sender, a doorbell, a frame on a cable) sets the unit's bit in its
