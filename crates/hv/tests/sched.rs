@@ -642,11 +642,13 @@ fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_slee
 }
 
 /// A vCPU whose steps hold its pCPU for `step` at a time, as a guest's long poll does;
-/// with `steps`, only that many, then it idles (its pCPU with it) until the end.
+/// with `steps`, only that many, then it idles (its pCPU with it) until the end. It
+/// counts the steps it took in `took`.
 struct Hog {
     step: Duration,
     steps: Option<u32>,
     end: Arc<AtomicBool>,
+    took: Arc<AtomicU64>,
 }
 
 impl Unit for Hog {
@@ -665,6 +667,7 @@ impl Unit for Hog {
         while t.elapsed() < self.step {
             std::hint::spin_loop();
         }
+        self.took.fetch_add(1, Ordering::Relaxed);
         Step::More
     }
 }
@@ -680,6 +683,7 @@ fn place_hog(
         step,
         steps,
         end: Arc::clone(&end),
+        took: Arc::default(),
     };
     (s.place(0, UnitSpec::named("vcpu"), hog).expect("hog"), end)
 }
@@ -708,6 +712,32 @@ impl Unit for Engine {
         }
         Step::Idle(None)
     }
+}
+
+/// An [`Engine`] placed as a device on pCPU 0 of `s`: its join, the work counter its
+/// wakers publish to, the work it took, and the flag that ends it.
+fn place_engine(
+    s: &Scheduler,
+) -> (
+    hv::sched::UnitJoin<u64>,
+    Arc<AtomicU64>,
+    Arc<AtomicU64>,
+    Arc<AtomicBool>,
+) {
+    let (work, done, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let engine = Engine {
+        work: Arc::clone(&work),
+        done: Arc::clone(&done),
+        inside: Arc::new(AtomicBool::new(false)),
+        overlaps: Arc::new(AtomicU64::new(0)),
+        end: Arc::clone(&stop),
+    };
+    let j = s.place(0, UnitSpec::device("nic"), engine).expect("engine");
+    (j, work, done, stop)
 }
 
 /// Idle pCPUs run a device's engine while its own pCPU is held by a vCPU's long steps:
@@ -1099,28 +1129,6 @@ fn the_hosts_long_holds_of_a_pcpu_are_kept_with_their_times_in_a_step_and_idle()
     );
 }
 
-/// A vCPU that always has work, its steps `step` long of busy work.
-struct BusyVcpu {
-    step: Duration,
-    steps: Arc<AtomicU64>,
-    end: Arc<AtomicBool>,
-}
-
-impl Unit for BusyVcpu {
-    type Output = ();
-    fn step(&mut self, _cx: &Cx) -> Step<()> {
-        if self.end.load(Ordering::Acquire) {
-            return Step::Done(());
-        }
-        let t = Instant::now();
-        while t.elapsed() < self.step {
-            std::hint::spin_loop();
-        }
-        self.steps.fetch_add(1, Ordering::Relaxed);
-        Step::More
-    }
-}
-
 /// A device's engine woken on a pCPU whose only other unit is a vCPU of weight 4 (four
 /// steps a turn) waits for the vCPU's step to end, not for the rest of its turn: its
 /// waits stay within about one step, where the turn is four. The vCPU's turn resumes
@@ -1133,36 +1141,18 @@ fn a_device_engine_waits_for_a_weighted_vcpus_step_not_its_whole_turn() {
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicBool::new(false)),
     );
-    let vcpu = BusyVcpu {
+    let vcpu = Hog {
         step: STEP,
-        steps: Arc::clone(&steps),
+        steps: None,
         end: Arc::clone(&end),
+        took: Arc::clone(&steps),
     };
     let spec = UnitSpec {
         weight: 4,
         ..UnitSpec::named("vcpu")
     };
     let v = s.place(0, spec, vcpu).expect("vcpu");
-    let (work, done, inside, overlaps, stop) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let j = s
-        .place(
-            0,
-            UnitSpec::device("nic"),
-            Engine {
-                work: Arc::clone(&work),
-                done: Arc::clone(&done),
-                inside,
-                overlaps,
-                end: Arc::clone(&stop),
-            },
-        )
-        .expect("engine");
+    let (j, work, done, stop) = place_engine(&s);
     const N: u64 = 200;
     for k in 1..=N {
         work.fetch_add(1, Ordering::Release);
@@ -1201,30 +1191,14 @@ fn an_engine_woken_without_pause_does_not_keep_a_vcpu_off_its_pcpu() {
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicBool::new(false)),
     );
-    let vcpu = BusyVcpu {
+    let vcpu = Hog {
         step: Duration::from_micros(20),
-        steps: Arc::clone(&steps),
+        steps: None,
         end: Arc::clone(&end),
+        took: Arc::clone(&steps),
     };
     let v = s.place(0, UnitSpec::named("vcpu"), vcpu).expect("vcpu");
-    let (work, done, stop) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let j = s
-        .place(
-            0,
-            UnitSpec::device("nic"),
-            Engine {
-                work: Arc::clone(&work),
-                done: Arc::clone(&done),
-                inside: Arc::new(AtomicBool::new(false)),
-                overlaps: Arc::new(AtomicU64::new(0)),
-                end: Arc::clone(&stop),
-            },
-        )
-        .expect("engine");
+    let (j, work, _done, stop) = place_engine(&s);
     let t = Instant::now();
     let before = steps.load(Ordering::Relaxed);
     while t.elapsed() < Duration::from_millis(100) {
