@@ -2003,7 +2003,7 @@ fn pcpu_main(p: &Arc<PcpuShared>, all: &[Arc<PcpuShared>], generation: u64) {
 
 /// Whether a device's engine of `p` has been woken and not yet taken from its IPI word.
 #[inline]
-fn device_woken(p: &PcpuShared) -> bool {
+fn device_signalled(p: &PcpuShared) -> bool {
     (0..WORDS).any(|w| {
         p.ipi[w].load(Ordering::Relaxed) & p.steal.stealable[w].load(Ordering::Relaxed) != 0
     })
@@ -2079,7 +2079,7 @@ fn run_unit(
         match r {
             // A device's engine woken on this pCPU waits for this step's end, not for the
             // rest of a weighted turn: the turn ends here and resumes after the engine.
-            Ok(StepOut::More) if k + 1 < weight && !e.spec().stealable && device_woken(p) => {
+            Ok(StepOut::More) if k + 1 < weight && !e.spec().stealable && device_signalled(p) => {
                 out = StepOut::Cut;
             }
             Ok(StepOut::More) => continue,
@@ -2613,62 +2613,70 @@ mod tests {
             }
         }
         const PAUSE: Duration = Duration::from_millis(20);
-        let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
-        let (inside, release) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let hog = Hog {
-            inside: Arc::clone(&inside),
-            release: Arc::clone(&release),
+        // One round: pCPU 1 held 20 ms on its way to the idle loop while pCPU 0 is in a
+        // vCPU's step and the engine is woken. Returns how long after its wake-up the
+        // engine ran, and its report.
+        let round = || {
+            let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+            let (inside, release) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let hog = Hog {
+                inside: Arc::clone(&inside),
+                release: Arc::clone(&release),
+            };
+            let hog = s.place(0, UnitSpec::named("vcpu"), hog).expect("hog");
+            let ran = Arc::new(AtomicU64::new(0));
+            let nic = s
+                .place(0, UnitSpec::device("nic"), Once(Arc::clone(&ran)))
+                .expect("nic");
+            let poke = s
+                .place(
+                    1,
+                    UnitSpec::named("poke"),
+                    Once(Arc::new(AtomicU64::new(0))),
+                )
+                .expect("poke");
+            let t = Instant::now();
+            let waited = |what: &str, f: &dyn Fn() -> bool| {
+                while !f() {
+                    assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
+                    std::thread::yield_now();
+                }
+            };
+            waited("the engine's first step", &|| {
+                ran.load(Ordering::Acquire) == 1
+            });
+            waited("the vCPU's long step", &|| inside.load(Ordering::Acquire));
+            // pCPU 1 runs a unit, and is held on its way back to the idle loop.
+            let paused = Arc::new(AtomicBool::new(false));
+            let at = &*s.pcpus[1] as *const PcpuShared as usize;
+            lock(&PAUSES).push((at, PAUSE, Arc::clone(&paused)));
+            poke.wake();
+            waited("pCPU 1 held", &|| paused.load(Ordering::Acquire));
+            let woken = Instant::now();
+            nic.wake();
+            waited("the engine's second step", &|| {
+                ran.load(Ordering::Acquire) == 2
+            });
+            let ran_after = woken.elapsed();
+            release.store(true, Ordering::Release);
+            poke.wake();
+            let r = nic.stats().report();
+            assert_eq!(nic.join(), Ok(()));
+            assert_eq!(hog.join(), Ok(()));
+            assert_eq!(poke.join(), Ok(()));
+            // The engine ran once pCPU 1 was back (its own was in the vCPU's step all along).
+            assert!(r.stolen >= 1, "{r:?}");
+            (ran_after, r)
         };
-        let hog = s.place(0, UnitSpec::named("vcpu"), hog).expect("hog");
-        let ran = Arc::new(AtomicU64::new(0));
-        let nic = s
-            .place(0, UnitSpec::device("nic"), Once(Arc::clone(&ran)))
-            .expect("nic");
-        let poke = s
-            .place(
-                1,
-                UnitSpec::named("poke"),
-                Once(Arc::new(AtomicU64::new(0))),
-            )
-            .expect("poke");
-        let t = Instant::now();
-        let waited = |what: &str, f: &dyn Fn() -> bool| {
-            while !f() {
-                assert!(t.elapsed() < Duration::from_secs(10), "timed out: {what}");
-                std::thread::yield_now();
-            }
-        };
-        waited("the engine's first step", &|| {
-            ran.load(Ordering::Acquire) == 1
-        });
-        waited("the vCPU's long step", &|| inside.load(Ordering::Acquire));
-        // pCPU 1 runs a unit, and is held on its way back to the idle loop.
-        let paused = Arc::new(AtomicBool::new(false));
-        let at = &*s.pcpus[1] as *const PcpuShared as usize;
-        lock(&PAUSES).push((at, PAUSE, Arc::clone(&paused)));
-        poke.wake();
-        waited("pCPU 1 held", &|| paused.load(Ordering::Acquire));
-        let woken = Instant::now();
-        nic.wake();
-        waited("the engine's second step", &|| {
-            ran.load(Ordering::Acquire) == 2
-        });
-        let ran_after = woken.elapsed();
-        release.store(true, Ordering::Release);
-        poke.wake();
-        let r = nic.stats().report();
-        assert_eq!(nic.join(), Ok(()));
-        assert_eq!(hog.join(), Ok(()));
-        assert_eq!(poke.join(), Ok(()));
-        // The engine ran once pCPU 1 was back (its own was in the vCPU's step all along).
-        assert!(r.stolen >= 1, "{r:?}");
-        if ran_after < PAUSE / 2 {
-            // This test's thread was held past most of the pause: nothing to judge.
-            return;
-        }
+        // A round counts only if this test's thread woke the engine early in the pause
+        // (a thread the host held past most of it judges nothing); one of a few does.
+        let (ran_after, r) = (0..5)
+            .map(|_| round())
+            .find(|(ran_after, _)| *ran_after >= PAUSE / 2)
+            .expect("the engine woken early in pCPU 1's pause in one of five rounds");
         assert!(r.longest_wait >= PAUSE / 2, "{ran_after:?} {r:?}");
         assert!(
             r.longest_wait_net < Duration::from_millis(2),
