@@ -33,6 +33,8 @@ pub struct NicKernel {
     /// hooks, as a driver domain's own address sits on its bridge; none: the stack is
     /// straight on the driver.
     bridge: Option<net::bridge::Bridge>,
+    /// Its vCPU's preemption point, once placed (the application gives way at it).
+    preempt: Option<hv::sched::Preempt>,
 }
 
 impl NicKernel {
@@ -54,6 +56,7 @@ impl NicKernel {
             app: AppStack::bind(dom, app, Duration::ZERO)?,
             pirq,
             bridge: None,
+            preempt: None,
         })
     }
 
@@ -87,6 +90,10 @@ impl Kernel for NicKernel {
         self.drv.interrupt();
     }
 
+    fn attach(&mut self, waker: &hv::sched::Waker) {
+        self.preempt = Some(waker.preempt());
+    }
+
     fn tick(&mut self, now: Duration) {
         self.app.tick(&mut self.pool, now);
     }
@@ -97,6 +104,7 @@ impl Kernel for NicKernel {
             pool,
             app,
             bridge,
+            preempt,
             ..
         } = self;
         let mut w = Work::default();
@@ -111,10 +119,13 @@ impl Kernel for NicKernel {
             });
         }
         drv.clean_tx(pool);
-        (w.app, w.tx) = app.run(pool, now, |pool, frame| {
+        // A device's engine of the vCPU's pCPU waiting past its budget: the application
+        // gives way after the frame or piece of a read under way.
+        let stop = || preempt.as_ref().is_some_and(|p| p.device_overdue());
+        (w.app, w.tx) = app.run(pool, now, stop, |pool, frame| {
             xmit_frame(pool, frame, |pool, skb| to_nic(pool, drv, bridge, skb))
         });
-        w.more = drv.napi_scheduled();
+        w.more = drv.napi_scheduled() || app.pending();
         w
     }
 
