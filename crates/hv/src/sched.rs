@@ -10,10 +10,7 @@
 //! the scheduling latency a unit can impose on its neighbours, and it is counted. A
 //! device's engine woken since its last step goes ahead of the round (never twice in a
 //! row), and a step that leaves one woken ends its unit's weighted turn there: an engine
-//! waits for a step, not for a turn or the round. A vCPU's kernel whose step is a long
-//! pass (a poll's packets, an application's reads) looks at its [`Preempt`] point
-//! between two items and ends the step once such an engine has waited
-//! [`DEVICE_WAIT_BUDGET`]: the engine then waits for an item, not a step.
+//! waits for a step, not for a turn or the round.
 //!
 //! A wake-up is Xen's `vcpu_wake` followed by an IPI: whoever gives a unit work (an
 //! event channel's sender, a doorbell, a frame on a cable) sets the unit's bit in its
@@ -682,10 +679,6 @@ struct StealShared {
     /// `u64::MAX` for none).
     waiting: [AtomicU64; WORDS],
     due: AtomicU64,
-    /// When the longest-waiting of the woken stealable units left runnable was woken
-    /// (ns since `epoch`, `u64::MAX` for none): what a step's preemption point
-    /// ([`Preempt`]) measures a device's wait from once the pCPU has taken its IPI.
-    waiting_since: AtomicU64,
     /// The pCPU is running units (its own, or another's as a thief), not idle: written
     /// only as it goes idle and comes back, not at every step, since idle pCPUs read it.
     busy: AtomicBool,
@@ -896,14 +889,6 @@ impl Waker {
         self.pcpu.index
     }
 
-    /// What the unit's step asks, between items of its work, whether a device's engine
-    /// of its pCPU has waited long enough for the step to end early ([`Preempt`]).
-    pub fn preempt(&self) -> Preempt {
-        Preempt {
-            pcpu: Arc::clone(&self.pcpu),
-        }
-    }
-
     /// Makes host descriptor `fd` an interrupt line of this unit ([`IrqLine`]), not
     /// yet armed.
     pub fn irq_line(&self, fd: RawFd) -> std::io::Result<IrqLine> {
@@ -923,64 +908,6 @@ impl Waker {
             inner,
             pcpu: Arc::clone(p),
         })
-    }
-}
-
-/// How long a device's engine woken on a pCPU may wait for the step under way before a
-/// vCPU's kernel ends that step early at its next preemption point ([`Preempt`]).
-pub const DEVICE_WAIT_BUDGET: Duration = Duration::from_micros(20);
-
-/// A vCPU kernel's voluntary preemption point, as Xen's `hypercall_preempt_check` in a
-/// long hypercall or Linux's `cond_resched` in a long loop: between two items of a
-/// step's work (two packets of a poll), the kernel asks whether a device's engine of
-/// its pCPU was woken more than [`DEVICE_WAIT_BUDGET`] ago and still waits, and if so
-/// ends the step there with its work left for the next one. Since the scheduler picks a
-/// woken device ahead of the round, the engine then waits for one item of the vCPU's
-/// work past the budget, not for a whole poll: a NIC's DMA does not wait for a CPU, and
-/// this bounds what pvio's stand-in for it waits. The look is two loads of the pCPU's
-/// IPI word's lines while no device is woken, and a clock read when one is.
-#[derive(Debug, Clone)]
-pub struct Preempt {
-    pcpu: Arc<PcpuShared>,
-}
-
-impl Preempt {
-    /// Whether a device's engine of the pCPU has waited past [`DEVICE_WAIT_BUDGET`].
-    #[inline]
-    pub fn device_overdue(&self) -> bool {
-        let p = &*self.pcpu;
-        let budget = DEVICE_WAIT_BUDGET.as_nanos() as u64;
-        let mut now = None;
-        // An engine the pCPU found woken as it began this step waits from its wake-up;
-        // one idle until a deadline (a paced wire's next frame), from the deadline.
-        for since in [
-            p.steal.waiting_since.load(Ordering::Relaxed),
-            p.steal.due.load(Ordering::Relaxed),
-        ] {
-            if since != u64::MAX {
-                let t = *now.get_or_insert_with(|| p.epoch.elapsed().as_nanos() as u64);
-                if t.saturating_sub(since) >= budget {
-                    return true;
-                }
-            }
-        }
-        for w in 0..WORDS {
-            let mut bits =
-                p.ipi[w].load(Ordering::Relaxed) & p.steal.stealable[w].load(Ordering::Relaxed);
-            while bits != 0 {
-                let i = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                let woke = p.woke_ns[i].load(Ordering::Relaxed);
-                if woke == 0 {
-                    continue;
-                }
-                let now = *now.get_or_insert_with(|| p.epoch.elapsed().as_nanos() as u64);
-                if now.saturating_sub(woke) >= budget {
-                    return true;
-                }
-            }
-        }
-        false
     }
 }
 
@@ -1242,7 +1169,6 @@ impl Scheduler {
                     doorbell: OnceLock::new(),
                     steal: StealShared {
                         due: AtomicU64::new(u64::MAX),
-                        waiting_since: AtomicU64::new(u64::MAX),
                         ..StealShared::default()
                     },
                     woke_ns: (0..MAX_UNITS).map(|_| AtomicU64::new(0)).collect(),
@@ -1761,7 +1687,6 @@ impl Table {
     fn publish_steal_hints(&self, p: &PcpuShared) {
         let s = &p.steal;
         let mut due = u64::MAX;
-        let mut since = u64::MAX;
         let mut any = false;
         for w in 0..WORDS {
             let mine = s.stealable[w].load(Ordering::Relaxed);
@@ -1775,14 +1700,6 @@ impl Table {
             if s.waiting[w].load(Ordering::Relaxed) != waiting {
                 s.waiting[w].store(waiting, Ordering::Release);
             }
-            let mut left = waiting;
-            while left != 0 {
-                let i = w * 64 + left.trailing_zeros() as usize;
-                left &= left - 1;
-                if let Some(at) = self.woken[i] {
-                    since = since.min(at.saturating_duration_since(p.epoch).as_nanos() as u64);
-                }
-            }
             let mut timed = self.timed[w] & mine & !self.away[w];
             while timed != 0 {
                 let i = w * 64 + timed.trailing_zeros() as usize;
@@ -1794,9 +1711,6 @@ impl Table {
         }
         if (any || due != u64::MAX) && s.due.load(Ordering::Relaxed) != due {
             s.due.store(due, Ordering::Release);
-        }
-        if s.waiting_since.load(Ordering::Relaxed) != since {
-            s.waiting_since.store(since, Ordering::Release);
         }
     }
 

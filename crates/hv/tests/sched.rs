@@ -5,10 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hv::sched::{
-    live_units, CpuPlan, Cx, IdlePolicy, Preempt, Scheduler, Step, Unit, UnitSpec, Waker,
-    DEVICE_WAIT_BUDGET,
-};
+use hv::sched::{live_units, CpuPlan, Cx, IdlePolicy, Scheduler, Step, Unit, UnitSpec, Waker};
 
 /// Counts its steps; has `work` to do when woken, and ends when told.
 struct Counter {
@@ -1216,91 +1213,4 @@ fn an_engine_woken_without_pause_does_not_keep_a_vcpu_off_its_pcpu() {
     v.join().expect("vcpu");
     // 100 ms of 20 µs steps, each turn of the vCPU beside at most one of the engine's.
     assert!(during >= 500, "the vCPU took {during} steps in 100 ms");
-}
-
-/// A vCPU whose steps are long passes of small items (a poll's packets, a read's
-/// pieces), with a preemption point between two: it ends its step early when told a
-/// device's engine of its pCPU has waited past the budget.
-struct Polite {
-    step: Duration,
-    preempt: Option<Preempt>,
-    end: Arc<AtomicBool>,
-    /// Steps it ended early, at its preemption point.
-    gave_way: Arc<AtomicU64>,
-}
-
-impl Unit for Polite {
-    type Output = ();
-    fn attach(&mut self, waker: &Waker, _stats: &Arc<hv::sched::UnitStats>) {
-        self.preempt = Some(waker.preempt());
-    }
-    fn step(&mut self, _cx: &Cx) -> Step<()> {
-        if self.end.load(Ordering::Acquire) {
-            return Step::Done(());
-        }
-        let t = Instant::now();
-        while t.elapsed() < self.step {
-            // One item of work, then the preemption point.
-            for _ in 0..64 {
-                std::hint::spin_loop();
-            }
-            if self.preempt.as_ref().is_some_and(|p| p.device_overdue()) {
-                self.gave_way.fetch_add(1, Ordering::Relaxed);
-                break;
-            }
-        }
-        Step::More
-    }
-}
-
-/// A vCPU kernel that looks at its preemption point between items of a long step gives
-/// way to a woken engine of its pCPU once the engine has waited its budget: the engine
-/// waits about the budget, not the step (2 ms here), and the vCPU gives way no more
-/// often than the engine is woken (a look with no engine waiting says so).
-#[test]
-fn a_vcpu_that_looks_at_its_preemption_point_gives_way_to_a_waiting_engine() {
-    const STEP: Duration = Duration::from_millis(2);
-    let s = one_pcpu(IdlePolicy::Poll);
-    let (gave_way, end) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let vcpu = Polite {
-        step: STEP,
-        preempt: None,
-        end: Arc::clone(&end),
-        gave_way: Arc::clone(&gave_way),
-    };
-    let v = s.place(0, UnitSpec::named("vcpu"), vcpu).expect("vcpu");
-    let (j, work, done, stop) = place_engine(&s);
-    // With no engine woken, every step runs its length.
-    std::thread::sleep(STEP * 10);
-    assert_eq!(gave_way.load(Ordering::Relaxed), 0, "no engine waited");
-    const N: u64 = 100;
-    for k in 1..=N {
-        work.fetch_add(1, Ordering::Release);
-        j.wake();
-        // Wake-ups at every point of the vCPU's step: 0.5 to 3 ms apart.
-        std::thread::sleep(Duration::from_micros(500 + (k * 700) % 2500));
-    }
-    wait_for("every wake-up's work taken", || {
-        done.load(Ordering::Acquire) == N
-    });
-    stop.store(true, Ordering::Release);
-    j.wake();
-    let stats = Arc::clone(j.stats());
-    assert_eq!(j.join(), Ok(N));
-    end.store(true, Ordering::Release);
-    v.join().expect("vcpu");
-    let r = stats.report();
-    let gave = gave_way.load(Ordering::Relaxed);
-    assert!(
-        gave > 0 && gave <= N + 1,
-        "gave way {gave} times for {N} wake-ups"
-    );
-    // Without the preemption point the waits would spread over the whole step.
-    assert!(
-        r.wait_p99_net < STEP / 2 && r.wait_p99_net >= DEVICE_WAIT_BUDGET,
-        "the engine waits about its budget: {r:?}"
-    );
 }

@@ -112,17 +112,9 @@ impl UdpReceiver {
     }
 
     /// `recv` until the socket is empty; returns the messages taken.
-    pub fn run(
-        &mut self,
-        stack: &mut Stack,
-        pool: &mut SkbPool,
-        mut stop: impl FnMut() -> bool,
-    ) -> usize {
+    pub fn run(&mut self, stack: &mut Stack, pool: &mut SkbPool) -> usize {
         let mut n = 0;
-        while n == 0 || !stop() {
-            let Ok(Some(r)) = stack.recv(pool, self.sock, &self.buf) else {
-                break;
-            };
+        while let Ok(Some(r)) = stack.recv(pool, self.sock, &self.buf) {
             let _u = enter(Class::User);
             let data = &mut self.scratch[..r.len.min(65536)];
             let ok = r.len == self.message
@@ -159,8 +151,6 @@ pub struct TcpApp {
     /// What arrived so far, checked.
     check: StreamCheck,
     scratch: Vec<u8>,
-    /// The part of the last read, in `scratch`, not yet checked.
-    unchecked: std::ops::Range<usize>,
     counters: Arc<AppCounters>,
     /// The stack's next timer, as of the last poll.
     timer: Option<Duration>,
@@ -207,7 +197,6 @@ impl TcpApp {
             dom: Arc::clone(dom),
             check: StreamCheck::default(),
             scratch: vec![0; READ_SIZE],
-            unchecked: 0..0,
             counters: Arc::clone(&spec.counters),
             timer: None,
             written: 0,
@@ -228,16 +217,11 @@ impl TcpApp {
     /// Runs the stack and the application at `now`; `send` puts each frame the stack
     /// sends on the wire (false: no room, it stays queued). Returns the reads the
     /// application made and the frames sent.
-    pub fn run(
-        &mut self,
-        now: Duration,
-        mut stop: impl FnMut() -> bool,
-        mut send: impl FnMut(&[u8]) -> bool,
-    ) -> (usize, usize) {
+    pub fn run(&mut self, now: Duration, mut send: impl FnMut(&[u8]) -> bool) -> (usize, usize) {
         let c = enter(Class::Network);
-        self.host.poll_until(now, &mut stop);
+        self.host.poll(now);
         drop(c);
-        let reads = self.serve(&mut stop);
+        let reads = self.serve();
         let _c = enter(Class::Network);
         if reads > 0 {
             // What the application wrote, and the window its reads opened.
@@ -248,11 +232,9 @@ impl TcpApp {
         (reads, sent)
     }
 
-    /// The application: reads what is there, checks it, answers requests, until `stop`
-    /// says its vCPU should give way, after a read or a piece of a read's check (a
-    /// process is preemptible anywhere; these are pvio's grains). A closed connection
-    /// is listened for again.
-    fn serve(&mut self, mut stop: impl FnMut() -> bool) -> usize {
+    /// The application: reads what is there, checks it, answers requests. A closed
+    /// connection is listened for again.
+    fn serve(&mut self) -> usize {
         if self.proto == Proto::TcpSend {
             return self.send_stream();
         }
@@ -266,22 +248,11 @@ impl TcpApp {
             check,
             scratch,
             counters,
-            unchecked,
             ..
         } = self;
-        // A read whose check gave way at a preemption point is checked to its end first
-        // (what it left is still in the scratch buffer).
-        if unchecked.start < unchecked.end {
-            let _u = enter(Class::User);
-            let done = check_piecewise(check, scratch, unchecked, &mut stop);
-            counters.corrupt.store(check.corrupt, Ordering::Relaxed);
-            if !done {
-                return 1;
-            }
-        }
         let s = host.socket(*sock);
         let mut reads = 0;
-        while unchecked.start >= unchecked.end && s.can_recv() && (reads == 0 || !stop()) {
+        while s.can_recv() {
             // TCP_RR answers whole requests: take no more than the room to answer.
             let room = match proto {
                 Proto::TcpRr => (s.send_capacity() - s.send_queue()) / *message * *message,
@@ -299,14 +270,12 @@ impl TcpApp {
             };
             let _u = enter(Class::User);
             let data = &scratch[..n];
-            // The copy to the application's buffer, then its check of what it read,
-            // which may give way between pieces (the rest is checked first next time).
+            // The copy to the application's buffer, then its check of what it read.
             let _ = write_user(dom, buf, data);
+            check.check(data);
             if *proto == Proto::TcpRr {
                 let _ = s.send_slice(data);
             }
-            *unchecked = 0..n;
-            check_piecewise(check, scratch, unchecked, &mut stop);
             reads += 1;
             counters.messages.fetch_add(1, Ordering::Relaxed);
             counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
@@ -317,7 +286,6 @@ impl TcpApp {
             s.abort();
             let _ = s.listen(self.port);
             self.check = StreamCheck::default();
-            self.unchecked = 0..0;
         }
         reads
     }
@@ -356,39 +324,10 @@ impl TcpApp {
         self.timer
     }
 
-    /// Frames the stack has yet to take in, or a read still to check (a run cut at its
-    /// preemption point).
-    pub fn pending(&self) -> bool {
-        self.host.input_queued() > 0 || self.unchecked.start < self.unchecked.end
-    }
-
     /// The stack's counters.
     pub fn stats(&self) -> &net::tcp::TcpStats {
         self.host.stats()
     }
-}
-
-/// Bytes of a read the application checks between two looks at its vCPU's
-/// preemption point.
-const CHECK_PIECE: usize = 8192;
-
-/// Checks `data[at]` in pieces of [`CHECK_PIECE`], giving way when `stop` says so
-/// between two; `at` keeps what is left. Returns whether it checked all.
-fn check_piecewise(
-    check: &mut StreamCheck,
-    data: &[u8],
-    at: &mut std::ops::Range<usize>,
-    stop: &mut impl FnMut() -> bool,
-) -> bool {
-    while at.start < at.end {
-        let end = (at.start + CHECK_PIECE).min(at.end);
-        check.check(&data[at.start..end]);
-        at.start = end;
-        if at.start < at.end && stop() {
-            return false;
-        }
-    }
-    true
 }
 
 /// Copies `data` into the application's buffer (from its start, as a read into one
@@ -542,23 +481,20 @@ impl AppStack {
         }
     }
 
-    /// Runs the application (and TCP); `send` puts a frame on the wire. Between two of
-    /// its reads, `stop` says whether the vCPU should give way (its preemption point):
-    /// what is left stays in the socket for the next step. Returns what the application
-    /// took and the frames sent.
+    /// Runs the application (and TCP); `send` puts a frame on the wire. Returns what
+    /// the application took and the frames sent.
     pub fn run(
         &mut self,
         pool: &mut SkbPool,
         now: Duration,
-        stop: impl FnMut() -> bool,
         mut send: impl FnMut(&mut SkbPool, &[u8]) -> bool,
     ) -> (usize, usize) {
         match self {
             Self::Udp(u) => {
                 let (stack, app) = &mut **u;
-                (app.run(stack, pool, stop), 0)
+                (app.run(stack, pool), 0)
             }
-            Self::Tcp(t) => t.run(now, stop, |f| send(pool, f)),
+            Self::Tcp(t) => t.run(now, |f| send(pool, f)),
             Self::Nbd(n) => n.run(now, |f| send(pool, f)),
         }
     }
@@ -567,15 +503,6 @@ impl AppStack {
     pub fn tick(&mut self, pool: &mut SkbPool, now: Duration) {
         if let Self::Udp(u) = self {
             u.0.tick(pool, now);
-        }
-    }
-
-    /// Work a run left for the next at its preemption point (frames the stack has yet
-    /// to take in): the vCPU must not go idle on it.
-    pub fn pending(&self) -> bool {
-        match self {
-            Self::Tcp(t) => t.pending(),
-            Self::Udp(_) | Self::Nbd(_) => false,
         }
     }
 
@@ -605,31 +532,5 @@ impl AppStack {
         if let Self::Udp(u) = self {
             u.0.shutdown(pool);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A read's check that gives way at every piece picks up where it left off: every
-    /// byte is checked once, in order, and a spoiled byte past the first piece counts.
-    #[test]
-    fn a_reads_check_that_gives_way_resumes_where_it_stopped() {
-        let n = 2 * CHECK_PIECE + 100;
-        let mut data = vec![0u8; n];
-        net::tcp::fill_stream(0, &mut data);
-        data[CHECK_PIECE + 7] ^= 1;
-        let (mut check, mut at, mut calls) = (StreamCheck::default(), 0..n, 0);
-        while !check_piecewise(&mut check, &data, &mut at, &mut || true) {
-            calls += 1;
-            assert_eq!(check.bytes as usize, calls * CHECK_PIECE, "a piece a call");
-        }
-        assert_eq!(calls, 2);
-        assert_eq!((check.bytes as usize, check.corrupt), (n, 1));
-        // Not asked to give way, it checks the read whole at once.
-        let (mut whole, mut at) = (StreamCheck::default(), 0..n);
-        assert!(check_piecewise(&mut whole, &data, &mut at, &mut || false));
-        assert_eq!((whole.bytes as usize, whole.corrupt), (n, 1));
     }
 }

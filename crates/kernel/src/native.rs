@@ -33,8 +33,6 @@ pub struct NicKernel {
     /// hooks, as a driver domain's own address sits on its bridge; none: the stack is
     /// straight on the driver.
     bridge: Option<net::bridge::Bridge>,
-    /// Its vCPU's preemption point, once placed (the application gives way at it).
-    preempt: Option<hv::sched::Preempt>,
 }
 
 impl NicKernel {
@@ -56,7 +54,6 @@ impl NicKernel {
             app: AppStack::bind(dom, app, Duration::ZERO)?,
             pirq,
             bridge: None,
-            preempt: None,
         })
     }
 
@@ -90,10 +87,6 @@ impl Kernel for NicKernel {
         self.drv.interrupt();
     }
 
-    fn attach(&mut self, waker: &hv::sched::Waker) {
-        self.preempt = Some(waker.preempt());
-    }
-
     fn tick(&mut self, now: Duration) {
         self.app.tick(&mut self.pool, now);
     }
@@ -104,7 +97,6 @@ impl Kernel for NicKernel {
             pool,
             app,
             bridge,
-            preempt,
             ..
         } = self;
         let mut w = Work::default();
@@ -119,13 +111,10 @@ impl Kernel for NicKernel {
             });
         }
         drv.clean_tx(pool);
-        // A device's engine of the vCPU's pCPU waiting past its budget: the application
-        // gives way after the frame or piece of a read under way.
-        let stop = || preempt.as_ref().is_some_and(|p| p.device_overdue());
-        (w.app, w.tx) = app.run(pool, now, stop, |pool, frame| {
+        (w.app, w.tx) = app.run(pool, now, |pool, frame| {
             xmit_frame(pool, frame, |pool, skb| to_nic(pool, drv, bridge, skb))
         });
-        w.more = drv.napi_scheduled() || app.pending();
+        w.more = drv.napi_scheduled();
         w
     }
 

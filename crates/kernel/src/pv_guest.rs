@@ -38,8 +38,6 @@ pub struct PvGuest {
     /// Frames the stack sent that found no buffer or no room on the ring (TCP's
     /// frames stay queued in the stack and go on the next pass).
     tx_wait: u64,
-    /// Its vCPU's preemption point, once placed.
-    preempt: Option<hv::sched::Preempt>,
 }
 
 impl PvGuest {
@@ -55,7 +53,6 @@ impl PvGuest {
             pool,
             app: AppStack::bind(dom, app, Duration::ZERO)?,
             tx_wait: 0,
-            preempt: None,
         })
     }
 }
@@ -64,10 +61,6 @@ impl Kernel for PvGuest {
     const CLOCK: bool = true;
 
     fn event(&mut self, _v: &Vcpu, _port: Port) {}
-
-    fn attach(&mut self, waker: &hv::sched::Waker) {
-        self.preempt = Some(waker.preempt());
-    }
 
     fn tick(&mut self, now: Duration) {
         self.app.tick(&mut self.pool, now);
@@ -79,20 +72,13 @@ impl Kernel for PvGuest {
             pool,
             app,
             tx_wait,
-            preempt,
         } = self;
-        // A device's engine of the vCPU's pCPU that has waited past its budget ends the
-        // poll after the packet, frame or piece of a read under way: the rest stays on
-        // the ring, in the stack or in the read for the next step.
-        let stop = || preempt.as_ref().is_some_and(|p| p.device_overdue());
         // The back end may have gone or come back (a store watch woke the vCPU).
         let link = front.check_backend(pool);
         // Buffers a back end held when they were revoked come back once it lets go.
         pool.retry_deferred();
         let mut w = Work {
-            rx: front.poll_rx_until(pool, NAPI_BUDGET, &stop, |pool, skb| {
-                app.input(pool, skb, now)
-            }),
+            rx: front.poll_rx(pool, NAPI_BUDGET, |pool, skb| app.input(pool, skb, now)),
             tx: usize::from(link != LinkChange::None),
             ..Work::default()
         };
@@ -100,7 +86,7 @@ impl Kernel for PvGuest {
         // response comes with an event of its own.
         front.poll_tx(pool);
         // The application's frames go as a burst, published once at its end.
-        let (reads, sent) = app.run(pool, now, &stop, |pool, frame| {
+        let (reads, sent) = app.run(pool, now, |pool, frame| {
             let ok = xmit_frame(pool, frame, |pool, skb| front.xmit_more(pool, skb));
             *tx_wait += u64::from(!ok);
             ok
@@ -108,7 +94,6 @@ impl Kernel for PvGuest {
         front.xmit_flush();
         w.app = reads;
         w.tx += sent;
-        w.more |= app.pending();
         w
     }
 

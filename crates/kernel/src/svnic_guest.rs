@@ -127,8 +127,6 @@ pub struct SvnicGuest {
     /// A send found the queue full: the transmit signal is on until room is made.
     tx_waiting: bool,
     stats: VifDriverStats,
-    /// Its vCPU's preemption point, once placed (the application gives way at it).
-    preempt: Option<hv::sched::Preempt>,
 }
 
 impl SvnicGuest {
@@ -168,7 +166,6 @@ impl SvnicGuest {
             napi: true,
             tx_waiting: false,
             stats: VifDriverStats::default(),
-            preempt: None,
         })
     }
 
@@ -258,7 +255,6 @@ impl Kernel for SvnicGuest {
     }
 
     fn attach(&mut self, waker: &hv::sched::Waker) {
-        self.preempt = Some(waker.preempt());
         if let Above::Tap(tap) = &mut self.above {
             tap.bind_unit(waker);
         }
@@ -321,7 +317,6 @@ impl Kernel for SvnicGuest {
             front,
             above,
             stats,
-            preempt,
             ..
         } = self;
         let mut send = |frame: &[u8]| match front.send(frame) {
@@ -337,13 +332,9 @@ impl Kernel for SvnicGuest {
         match above {
             Above::Stack(b) => {
                 let (pool, app) = &mut **b;
-                // The application gives way after the frame or piece of a read under
-                // way when a device's engine of the vCPU's pCPU waits past its budget.
-                let stop = || preempt.as_ref().is_some_and(|p| p.device_overdue());
-                let (reads, sent) = app.run(pool, now, stop, |_pool, frame| send(frame));
+                let (reads, sent) = app.run(pool, now, |_pool, frame| send(frame));
                 w.app = reads;
                 w.tx += sent;
-                w.more |= app.pending();
             }
             Above::Raw(raw) => w.tx += raw.run(now, &mut send),
             // A frame the send queue has no room for stays in the TAP's queue: the

@@ -1247,23 +1247,11 @@ impl Netfront {
         &mut self,
         pool: &mut SkbPool,
         budget: usize,
-        deliver: impl FnMut(&mut SkbPool, SkbId),
-    ) -> usize {
-        self.poll_rx_until(pool, budget, || false, deliver)
-    }
-
-    /// [`Netfront::poll_rx`] that also ends early, after a packet delivered, when `stop`
-    /// says so (the vCPU's preemption point: a device waits for its pCPU).
-    pub fn poll_rx_until(
-        &mut self,
-        pool: &mut SkbPool,
-        budget: usize,
-        mut stop: impl FnMut() -> bool,
         mut deliver: impl FnMut(&mut SkbPool, SkbId),
     ) -> usize {
         let _c = enter(Class::Driver);
         if self.rx_buffers == RxBuffers::GuestCopy {
-            return self.poll_rx_lent(pool, budget, &mut stop, &mut deliver);
+            return self.poll_rx_lent(pool, budget, &mut deliver);
         }
         let mut n = 0;
         // The first lines of the next responses' buffers, fetched ahead: the back end
@@ -1286,9 +1274,6 @@ impl Netfront {
                 self.stats.rx_packets += 1;
                 n += 1;
                 deliver(pool, skb);
-                if stop() {
-                    break;
-                }
             }
         }
         self.refill_rx(pool);
@@ -1296,20 +1281,19 @@ impl Netfront {
     }
 
     /// [`Netfront::poll_rx`] for a guest-copy front end: batches of lent buffers until
-    /// the budget is spent, a batch comes back short or `stop` says so.
+    /// the budget is spent or a batch comes back short.
     #[inline]
     fn poll_rx_lent(
         &mut self,
         pool: &mut SkbPool,
         budget: usize,
-        stop: &mut impl FnMut() -> bool,
         deliver: &mut impl FnMut(&mut SkbPool, SkbId),
     ) -> usize {
         let mut n = 0;
         while n < budget {
             let (delivered, taken) = self.poll_rx_copy(pool, budget - n, &mut *deliver);
             n += delivered;
-            if taken < COPY_BATCH || stop() {
+            if taken < COPY_BATCH {
                 break;
             }
         }

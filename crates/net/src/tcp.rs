@@ -353,41 +353,10 @@ impl TcpHost {
     /// Runs the stack at `now`: takes in what was received, lets the sockets send.
     /// Returns whether anything changed.
     pub fn poll(&mut self, now: Duration) -> bool {
-        self.poll_until(now, || false)
-    }
-
-    /// [`TcpHost::poll`] that stops taking frames in, after one, when `stop` says so
-    /// (its vCPU's preemption point); the rest stay queued for the next poll
-    /// ([`TcpHost::input_queued`]), and the sockets still send.
-    pub fn poll_until(&mut self, now: Duration, mut stop: impl FnMut() -> bool) -> bool {
-        use smoltcp::iface::{PollIngressSingleResult as In, PollResult};
-        let t = smol_now(now);
-        let mut changed = false;
-        self.iface.poll_maintenance(t);
-        loop {
-            match self
-                .iface
-                .poll_ingress_single(t, &mut self.phy, &mut self.sockets)
-            {
-                In::None => break,
-                In::PacketProcessed => {}
-                In::SocketStateChanged => changed = true,
-            }
-            if stop() {
-                break;
-            }
-        }
-        while self.iface.poll_egress(t, &mut self.phy, &mut self.sockets)
-            == PollResult::SocketStateChanged
-        {
-            changed = true;
-        }
-        changed
-    }
-
-    /// Frames received and not yet taken in by a poll.
-    pub fn input_queued(&self) -> usize {
-        self.phy.rx.len()
+        let r = self
+            .iface
+            .poll(smol_now(now), &mut self.phy, &mut self.sockets);
+        r == smoltcp::iface::PollResult::SocketStateChanged
     }
 
     /// Hands each frame the host sent to `send`, oldest first, until `send` refuses one
