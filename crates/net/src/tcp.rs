@@ -410,6 +410,33 @@ pub fn stream_byte(k: u64) -> u8 {
     crate::wire::payload_byte((k >> 10) as u8, (k & 1023) as usize)
 }
 
+/// Bytes of one message of the stream's pattern.
+const STREAM_MESSAGE: u64 = 1024;
+
+/// The stream's pattern as one table: byte `k` is `31·(k mod 256) + k / 1024` (mod
+/// 256), which is `31·(k mod 256 + 223·(k / 1024))` since 31·223 = 1 (mod 256). So the
+/// bytes from `k` to the end of its 1024-byte message are this table's from
+/// `(k + 223·(k / 1024)) mod 256` on, and a whole run is checked with one comparison of
+/// memory and written with one copy, where a byte at a time cost a 64 KiB read 40 µs.
+static STREAM_TABLE: [u8; 256 + STREAM_MESSAGE as usize] = {
+    let mut t = [0u8; 256 + STREAM_MESSAGE as usize];
+    let mut j = 0;
+    while j < t.len() {
+        t[j] = crate::wire::payload_byte(0, j);
+        j += 1;
+    }
+    t
+};
+
+/// The stream's bytes from offset `at` to the end of its message (at most 1024).
+fn stream_run(at: u64) -> &'static [u8] {
+    let message = at / STREAM_MESSAGE;
+    let within = at % STREAM_MESSAGE;
+    let from = ((at % 256) + 223 * (message % 256)) % 256;
+    let len = STREAM_MESSAGE - within;
+    &STREAM_TABLE[from as usize..(from + len) as usize]
+}
+
 /// Checks a byte stream against [`stream_byte`] as it arrives, in pieces of any size.
 #[derive(Debug, Default, Clone)]
 pub struct StreamCheck {
@@ -420,18 +447,31 @@ pub struct StreamCheck {
 }
 
 impl StreamCheck {
-    /// Checks the next piece of the stream.
-    pub fn check(&mut self, piece: &[u8]) {
-        for &b in piece {
-            self.corrupt += u64::from(b != stream_byte(self.bytes));
-            self.bytes += 1;
+    /// Checks the next piece of the stream: a run of the pattern at a time, the bytes
+    /// of a run that differs counted one by one.
+    pub fn check(&mut self, mut piece: &[u8]) {
+        while !piece.is_empty() {
+            let want = stream_run(self.bytes);
+            let n = want.len().min(piece.len());
+            let (got, rest) = piece.split_at(n);
+            if got != &want[..n] {
+                let bad = got.iter().zip(want).filter(|(g, w)| g != w).count();
+                self.corrupt += bad as u64;
+            }
+            self.bytes += n as u64;
+            piece = rest;
         }
     }
 }
 
 /// Fills `out` with the stream's bytes from offset `at`.
-pub fn fill_stream(at: u64, out: &mut [u8]) {
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = stream_byte(at + i as u64);
+pub fn fill_stream(mut at: u64, mut out: &mut [u8]) {
+    while !out.is_empty() {
+        let want = stream_run(at);
+        let n = want.len().min(out.len());
+        let (run, rest) = out.split_at_mut(n);
+        run.copy_from_slice(&want[..n]);
+        at += n as u64;
+        out = rest;
     }
 }

@@ -62,7 +62,7 @@ pub enum WireError {
 /// (mod 256). Every byte depends on its position and the message, so a byte copied to
 /// the wrong place, a stale buffer or a message delivered twice in one is caught by
 /// [`PayloadCheck`], which needs nothing from the sender but the message itself.
-pub fn payload_byte(seq: u8, i: usize) -> u8 {
+pub const fn payload_byte(seq: u8, i: usize) -> u8 {
     (i as u8).wrapping_mul(PAYLOAD_STEP).wrapping_add(seq)
 }
 

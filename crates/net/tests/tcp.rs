@@ -137,3 +137,45 @@ fn a_frame_larger_than_a_slot_or_a_full_ring_is_refused_and_counted() {
     h.poll(Duration::from_millis(1));
     assert!(h.input(60, true, |_| true));
 }
+
+#[test]
+fn the_stream_is_filled_and_checked_byte_for_byte_in_pieces_of_any_size_at_any_offset() {
+    // Offsets across message boundaries (every 1024 bytes) and the pattern's wraps
+    // (every 256 messages), pieces from one byte to more than a message.
+    for &(at, len) in &[
+        (0u64, 1usize),
+        (1023, 2),
+        (1000, 3000),
+        (255 * 1024 + 7, 70_000),
+        (u64::from(u32::MAX) - 5, 4096),
+        (12_345_678, 65_536),
+    ] {
+        let mut out = vec![0u8; len];
+        fill_stream(at, &mut out);
+        let want: Vec<u8> = (0..len as u64).map(|i| net::tcp::stream_byte(at + i)).collect();
+        assert_eq!(out, want, "fill from {at}, {len} bytes");
+
+        // Checked in uneven pieces: nothing wrong; then with three bytes spoiled, in
+        // one run and across runs, exactly three counted.
+        let mut check = StreamCheck {
+            bytes: at,
+            corrupt: 0,
+        };
+        for piece in out.chunks(777) {
+            check.check(piece);
+        }
+        assert_eq!((check.bytes, check.corrupt), (at + len as u64, 0));
+        for i in [0, len / 2, len - 1] {
+            out[i] ^= 0x40;
+        }
+        let spoiled = if len >= 3 { 3 } else { [0, 1, 1, 2][len] };
+        let mut check = StreamCheck {
+            bytes: at,
+            corrupt: 0,
+        };
+        for piece in out.chunks(1000) {
+            check.check(piece);
+        }
+        assert_eq!(check.corrupt, spoiled, "spoiled from {at}, {len} bytes");
+    }
+}
