@@ -152,7 +152,9 @@ fn the_stream_is_filled_and_checked_byte_for_byte_in_pieces_of_any_size_at_any_o
     ] {
         let mut out = vec![0u8; len];
         fill_stream(at, &mut out);
-        let want: Vec<u8> = (0..len as u64).map(|i| net::tcp::stream_byte(at + i)).collect();
+        let want: Vec<u8> = (0..len as u64)
+            .map(|i| net::tcp::stream_byte(at + i))
+            .collect();
         assert_eq!(out, want, "fill from {at}, {len} bytes");
 
         // Checked in uneven pieces: nothing wrong; then with three bytes spoiled, in
