@@ -515,6 +515,11 @@ struct PcpuStats {
     sleeps: AtomicU64,
     /// Wake-ups that found it asleep (the host had to wake it).
     host_wakes: AtomicU64,
+    /// Sleeps a waker rang it out of, and the time from the first ring to its thread's
+    /// running again, in all and the longest (the host's wake-ups).
+    rung_wakes: AtomicU64,
+    rung_wake_ns: AtomicU64,
+    longest_rung_wake_ns: AtomicU64,
     /// Units it found woken in its IPI word (wake-ups of one unit before the pCPU looked
     /// count once).
     ipis: AtomicU64,
@@ -553,6 +558,13 @@ pub struct PcpuReport {
     pub sleeps: u64,
     /// Wake-ups that had to wake it in the host.
     pub host_wakes: u64,
+    /// Sleeps a waker rang it out of (several rings of one sleep count once).
+    pub rung_wakes: u64,
+    /// The time from each such sleep's first ring to its thread's running again, in
+    /// all: the host's wake-ups of it, a hold its devices' waits are net of.
+    pub rung_wake: Duration,
+    /// The longest of those.
+    pub longest_rung_wake: Duration,
     /// Units it found woken in its IPI word (several wake-ups of a unit before it looked
     /// count once).
     pub ipis: u64,
@@ -631,6 +643,9 @@ pub(crate) struct PcpuShared {
     /// The IPI word: one bit per unit woken since the thread last looked.
     ipi: [AtomicU64; WORDS],
     sleeping: AtomicBool,
+    /// When a waker first rang it while it slept (ns since `epoch`; 0: not since it
+    /// went to sleep): from then until its thread runs, the host holds it.
+    rung_ns: AtomicU64,
     thread: Mutex<Option<Thread>>,
     stop: AtomicBool,
     /// When the step now running began, in ns since `epoch`; 0 when none runs.
@@ -873,14 +888,7 @@ impl Waker {
         // Pairs with the idle loop's store of `sleeping` and its look at the word.
         if p.sleeping.load(Ordering::SeqCst) {
             p.stats.host_wakes.fetch_add(1, Ordering::Relaxed);
-            // A pCPU with lines sleeps in `ppoll` on its doorbell, one without in
-            // `park`; which one is decided as it goes to sleep, so both are rung.
-            p.ring_doorbell();
-            if let Ok(t) = p.thread.lock() {
-                if let Some(t) = t.as_ref() {
-                    t.unpark();
-                }
-            }
+            wake_thread(p);
         }
     }
 
@@ -1139,6 +1147,7 @@ impl Scheduler {
                     name: format!("pcpu{index}"),
                     ipi: std::array::from_fn(|_| AtomicU64::new(0)),
                     sleeping: AtomicBool::new(false),
+                    rung_ns: AtomicU64::new(0),
                     thread: Mutex::new(None),
                     stop: AtomicBool::new(false),
                     step_since: AtomicU64::new(0),
@@ -1328,6 +1337,9 @@ impl Scheduler {
                 &s.slept_ns,
                 &s.sleeps,
                 &s.host_wakes,
+                &s.rung_wakes,
+                &s.rung_wake_ns,
+                &s.longest_rung_wake_ns,
                 &s.ipis,
                 &s.longest_step_ns,
                 &s.line_fires,
@@ -1380,6 +1392,9 @@ impl Scheduler {
                     slept,
                     sleeps: s.sleeps.load(Ordering::Relaxed),
                     host_wakes: s.host_wakes.load(Ordering::Relaxed),
+                    rung_wakes: s.rung_wakes.load(Ordering::Relaxed),
+                    rung_wake: d(&s.rung_wake_ns),
+                    longest_rung_wake: d(&s.longest_rung_wake_ns),
                     ipis: s.ipis.load(Ordering::Relaxed),
                     stolen: window.saturating_sub(cpu + slept),
                     window,
@@ -1471,7 +1486,16 @@ fn run_delay(p: &PcpuShared) -> Duration {
     }
 }
 
+/// Wakes a pCPU asleep in the host: when it was first rung is kept (a clock read, on
+/// a path that makes a system call anyway), so that the time the host takes to run
+/// its thread again counts as the host's hold of it ([`idle_sleep`]). A pCPU with
+/// lines sleeps in `ppoll` on its doorbell, one without in `park`; which one is
+/// decided as it goes to sleep, so both are rung.
 fn wake_thread(p: &PcpuShared) {
+    let at = p.epoch.elapsed().as_nanos() as u64 | 1;
+    let _ = p
+        .rung_ns
+        .compare_exchange(0, at, Ordering::AcqRel, Ordering::Relaxed);
     p.ring_doorbell();
     if let Ok(t) = p.thread.lock() {
         if let Some(t) = t.as_ref() {
@@ -2377,6 +2401,7 @@ fn idle_sleep(
 ) -> Option<Instant> {
     // Before the look at the IPI word below: a time it was found empty at, if it was.
     let checked = Instant::now();
+    p.rung_ns.store(0, Ordering::Relaxed);
     p.sleeping.store(true, Ordering::SeqCst);
     fence(Ordering::SeqCst);
     let asleep = (!any_ipi(p, Ordering::SeqCst)
@@ -2411,14 +2436,29 @@ fn idle_sleep(
         }
         let now = Instant::now();
         let mut slept = now.saturating_duration_since(t0).as_nanos() as u64;
-        // Woken, it may have waited on the host's run queue behind another thread (a
-        // kernel without preemption lets one run on to its tick): that wait is not its
-        // sleep but the host's hold, laid where it ended, as the idle loop's gaps are.
-        if let (Some(a), Some(b)) = (waited0, cpu.delay.as_ref().and_then(RunDelay::read)) {
-            let to = now.saturating_duration_since(p.epoch).as_nanos() as u64;
-            slept = p
-                .holds
-                .woke(to, slept, b.saturating_sub(a).as_nanos() as u64);
+        let ns = |t: Instant| t.saturating_duration_since(p.epoch).as_nanos() as u64;
+        let to = ns(now);
+        // Rung, it was no longer asleep by its own choice: the time from the ring to its
+        // thread's running again is the host's wake-up of it (on this VM its hypervisor
+        // waking an idle vCPU, 29 µs median, where a halted core wakes in about a µs).
+        // Woken, it may also have waited on the host's run queue behind another thread
+        // (a kernel without preemption lets one run on to its tick): that wait is not
+        // its sleep either. Both are the host's holds, laid where they ended as the idle
+        // loop's gaps are, so that a device's wait across them is net of them, and the
+        // wake-ups are counted.
+        let rung = Some(p.rung_ns.swap(0, Ordering::Relaxed)).filter(|r| *r >= ns(t0) && *r < to);
+        let queued = match (waited0, cpu.delay.as_ref().and_then(RunDelay::read)) {
+            (Some(a), Some(b)) => b.saturating_sub(a).as_nanos() as u64,
+            _ => 0,
+        };
+        slept = p.holds.woke(to, slept, queued, rung);
+        if let Some(rung) = rung {
+            let woke = to - rung;
+            p.stats.rung_wake_ns.fetch_add(woke, Ordering::Relaxed);
+            if woke > p.stats.longest_rung_wake_ns.load(Ordering::Relaxed) {
+                p.stats.longest_rung_wake_ns.store(woke, Ordering::Relaxed);
+            }
+            p.stats.rung_wakes.fetch_add(1, Ordering::Relaxed);
         }
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
         add(&p.holds.slept_ns, slept);

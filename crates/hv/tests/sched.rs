@@ -616,6 +616,51 @@ fn a_halt_polling_pcpu_sleeps_once_another_thread_wants_its_core() {
     s.stop(Duration::from_secs(1));
 }
 
+/// A sleeping pCPU rung by a waker counts the host's wake-up of it, from the ring to its
+/// thread's running: the record's device waits are net of it and it is reported apart.
+#[test]
+fn a_sleeping_pcpus_wake_up_by_the_host_is_counted_from_the_ring_to_its_run() {
+    let s = Scheduler::new(
+        &CpuPlan {
+            cores: vec![Some(0)],
+            policy: IdlePolicy::Block,
+            own_policy: Vec::new(),
+        },
+        None,
+    )
+    .expect("scheduler");
+    let (c, work, done, end) = counter(false);
+    let j = s.place(0, UnitSpec::named("counter"), c).expect("place");
+    // It sleeps at once when idle: wake-ups that find it asleep are rung (one that comes
+    // as it goes to sleep, before its sleep began, is not the host's wake-up).
+    let mut k = 0;
+    wait_for("three rung wake-ups", || {
+        std::thread::sleep(Duration::from_millis(1));
+        k += 1;
+        work.fetch_add(1, Ordering::Release);
+        j.wake();
+        wait_for("the unit to take its work", || {
+            done.load(Ordering::Acquire) == k
+        });
+        s.reports()[0].rung_wakes >= 3
+    });
+    let r = &s.reports()[0];
+    assert!(
+        r.rung_wakes <= r.host_wakes && r.rung_wakes <= r.sleeps,
+        "{r:?}"
+    );
+    assert!(r.rung_wake > Duration::ZERO, "{r:?}");
+    assert!(
+        r.longest_rung_wake <= r.rung_wake
+            && r.longest_rung_wake * r.rung_wakes as u32 >= r.rung_wake,
+        "{r:?}"
+    );
+    end.store(true, Ordering::Release);
+    j.wake();
+    assert_eq!(j.join(), Ok(k));
+    s.stop(Duration::from_secs(1));
+}
+
 #[test]
 fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_sleeps() {
     use hv::sched::{next_poll_window, ADAPTIVE_GROW_START};

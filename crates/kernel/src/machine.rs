@@ -659,6 +659,9 @@ impl Machine {
             c.add(&k, "idle_us", us(r.idle));
             c.add(&k, "slept_us", us(r.slept));
             c.add(&k, "host_wakes", r.host_wakes);
+            c.add(&k, "rung_wakes", r.rung_wakes);
+            c.add(&k, "rung_wake_us", us(r.rung_wake));
+            c.add(&k, "longest_rung_wake_us", us(r.longest_rung_wake));
             c.add(&k, "stolen_us", us(r.stolen));
             c.add(&k, "longest_step_us", us(r.longest_step));
             c.add(&k, "longest_away_us", us(r.longest_away));

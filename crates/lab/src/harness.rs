@@ -462,11 +462,18 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
     let mut max = (0u64, String::new());
     let (mut gross_p99, mut gross_max) = (0u64, 0u64);
     let (mut stolen, mut steps, mut covered, mut any) = (0u64, 0u64, 0u64, false);
+    let (mut rung, mut rung_us, mut longest_rung) = (0u64, 0u64, 0u64);
     let mut before = (0u64, String::new());
     for (label, c) in runs {
         for (comp, name, v) in &c.entries {
-            if name == "covered" && comp.starts_with("pcpu") {
-                covered += v;
+            if comp.starts_with("pcpu") && !comp.contains(' ') {
+                match name.as_str() {
+                    "covered" => covered += v,
+                    "rung_wakes" => rung += v,
+                    "rung_wake_us" => rung_us += v,
+                    "longest_rung_wake_us" => longest_rung = longest_rung.max(*v),
+                    _ => {}
+                }
             }
             if !is_device_unit(comp) {
                 continue;
@@ -531,7 +538,10 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
         "devices' engines: {stolen} of {steps} steps run by an idle pCPU while their own was \
          busy (work stealing); their waits with the host's holds in: 99th percentile \
          {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
-         engines run by an idle pCPU while the host held their own off its core; {window}"
+         engines run by an idle pCPU while the host held their own off its core; {rung} \
+         wake-ups of a sleeping pCPU by the host, {rung_us} µs from ring to run in all, the \
+         longest {longest_rung} µs (a hold of the host's, past 10 µs kept apart from the net \
+         waits); {window}"
     ));
 }
 

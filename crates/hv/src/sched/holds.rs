@@ -163,13 +163,24 @@ impl Holds {
     /// for its core behind another thread. That wait is the host's hold, not its sleep:
     /// kept as the idle loop's gaps are, ending as the thread ran. Returns the sleep net
     /// of it.
-    pub(super) fn woke(&self, to: u64, slept: u64, queued: u64) -> u64 {
-        let held = queued.min(slept);
-        if held <= HOST_GAP.as_nanos() as u64 {
-            return slept;
-        }
-        self.push(to.saturating_sub(held), to);
-        slept - held
+    ///
+    /// If a waker rang it at `rung` (ns since the epoch), the time from the ring to its
+    /// running again is the host's wake-up of it, kept as one hold with the queueing
+    /// (which lies inside it) if it is past [`HOST_GAP`]: the wake-up's own system calls
+    /// and the host scheduler's way to an idle core take a few µs, which stay in the
+    /// waits. The wake-up stays in the sleep (the pCPU chose to sleep; only its queueing
+    /// behind another thread is taken from it).
+    pub(super) fn woke(&self, to: u64, slept: u64, queued: u64, rung: Option<u64>) -> u64 {
+        let gap = HOST_GAP.as_nanos() as u64;
+        let queued = queued.min(slept);
+        let queued = if queued > gap { queued } else { 0 };
+        let from = match rung.filter(|r| to.saturating_sub(*r) > gap) {
+            Some(r) => r.min(to - queued),
+            None if queued > 0 => to - queued,
+            None => return slept,
+        };
+        self.push(from, to);
+        slept - queued
     }
 
     fn log(&self, from: u64, to: u64, held: u64, kind: u64) {
@@ -424,14 +435,46 @@ mod tests {
     fn a_wake_up_that_waited_for_its_core_is_the_hosts_hold_not_the_threads_sleep() {
         let h = Holds::default();
         // Woke at 10 ms from a 5 ms sleep whose last 3 ms were a wait for the core.
-        assert_eq!(h.woke(10_000_000, 5_000_000, 3_000_000), 2_000_000);
+        assert_eq!(h.woke(10_000_000, 5_000_000, 3_000_000, None), 2_000_000);
         assert_eq!(h.within(6_000_000, 10_000_000), 3_000_000);
         assert_eq!(h.within(0, 7_000_000), 0);
         assert_eq!(h.logged(0, Instant::now()).len(), 1, "a long one is kept");
         // Never more than the sleep; a few µs of queueing is a wake-up's own.
-        assert_eq!(h.woke(20_000_000, 1_000_000, 4_000_000), 0);
-        assert_eq!(h.woke(30_000_000, 1_000_000, 5_000), 1_000_000);
+        assert_eq!(h.woke(20_000_000, 1_000_000, 4_000_000, None), 0);
+        assert_eq!(h.woke(30_000_000, 1_000_000, 5_000, None), 1_000_000);
         assert_eq!(h.within(29_000_000, 30_000_000), 0);
+    }
+
+    /// A sleeping thread rung by a waker is the host's from the ring until it runs: a
+    /// wait across that is net of it, once, with any queueing inside it, while a
+    /// wake-up of a few µs is no hold; the sleep before the ring is the thread's own.
+    #[test]
+    fn the_hosts_wake_up_of_a_rung_thread_is_a_hold_counted_once() {
+        let h = Holds::default();
+        // Asleep 1–10 ms, rung at 9.95 ms, ran at 10 ms: 50 µs the host's.
+        assert_eq!(h.woke(10_000_000, 9_000_000, 0, Some(9_950_000)), 9_000_000);
+        assert_eq!(h.within(9_900_000, 10_100_000), 50_000);
+        assert_eq!(h.within(1_000_000, 9_950_000), 0, "the sleep is its own");
+        // Rung at 19.9 ms, 60 µs of it queued behind another thread: 100 µs held, once,
+        // and only the queueing taken from the sleep.
+        assert_eq!(
+            h.woke(20_000_000, 5_000_000, 60_000, Some(19_900_000)),
+            4_940_000
+        );
+        assert_eq!(h.within(19_000_000, 21_000_000), 100_000);
+        // Queued longer than the ring says (a ring after the wake-up began): the
+        // queueing's span is kept whole.
+        assert_eq!(
+            h.woke(30_000_000, 5_000_000, 60_000, Some(29_980_000)),
+            4_940_000
+        );
+        assert_eq!(h.within(29_000_000, 31_000_000), 60_000);
+        // A wake-up within the host's gap is the wake-up's own.
+        assert_eq!(
+            h.woke(40_000_000, 5_000_000, 0, Some(39_995_000)),
+            5_000_000
+        );
+        assert_eq!(h.within(39_000_000, 41_000_000), 0);
     }
 
     /// A hold kept from a long step counts in a wait for the part of it that must lie
