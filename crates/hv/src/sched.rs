@@ -2455,9 +2455,9 @@ fn idle_sleep(
         if let Some(rung) = rung {
             let woke = to - rung;
             p.stats.rung_wake_ns.fetch_add(woke, Ordering::Relaxed);
-            if woke > p.stats.longest_rung_wake_ns.load(Ordering::Relaxed) {
-                p.stats.longest_rung_wake_ns.store(woke, Ordering::Relaxed);
-            }
+            p.stats
+                .longest_rung_wake_ns
+                .fetch_max(woke, Ordering::Relaxed);
             p.stats.rung_wakes.fetch_add(1, Ordering::Relaxed);
         }
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);

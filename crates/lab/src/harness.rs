@@ -540,8 +540,9 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
          {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
          engines run by an idle pCPU while the host held their own off its core; {rung} \
          wake-ups of a sleeping pCPU by the host, {rung_us} µs from ring to run in all, the \
-         longest {longest_rung} µs (a hold of the host's, past 10 µs kept apart from the net \
-         waits); {window}"
+         longest {longest_rung} µs (a hold of the host's, past {gap} µs kept apart from the \
+         net waits); {window}",
+        gap = hv::sched::HOST_GAP.as_micros()
     ));
 }
 
