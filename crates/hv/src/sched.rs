@@ -520,6 +520,11 @@ struct PcpuStats {
     rung_wakes: AtomicU64,
     rung_wake_ns: AtomicU64,
     longest_rung_wake_ns: AtomicU64,
+    /// Timed sleeps the host woke it from after their time, and how late, in all and
+    /// the longest (the host's wake-ups at a timer).
+    timer_wakes: AtomicU64,
+    timer_late_ns: AtomicU64,
+    longest_timer_late_ns: AtomicU64,
     /// Units it found woken in its IPI word (wake-ups of one unit before the pCPU looked
     /// count once).
     ipis: AtomicU64,
@@ -565,6 +570,14 @@ pub struct PcpuReport {
     pub rung_wake: Duration,
     /// The longest of those.
     pub longest_rung_wake: Duration,
+    /// Timed sleeps that ended at their timer (before any ring).
+    pub timer_wakes: u64,
+    /// How long after the timer's due time each such sleep's thread ran again, in all:
+    /// the host's wake-up of it at its timer (a halted core's timer interrupt wakes it
+    /// in about a µs), a hold its devices' waits are net of, as a ring's.
+    pub timer_late: Duration,
+    /// The longest of those.
+    pub longest_timer_late: Duration,
     /// Units it found woken in its IPI word (several wake-ups of a unit before it looked
     /// count once).
     pub ipis: u64,
@@ -1340,6 +1353,9 @@ impl Scheduler {
                 &s.rung_wakes,
                 &s.rung_wake_ns,
                 &s.longest_rung_wake_ns,
+                &s.timer_wakes,
+                &s.timer_late_ns,
+                &s.longest_timer_late_ns,
                 &s.ipis,
                 &s.longest_step_ns,
                 &s.line_fires,
@@ -1395,6 +1411,9 @@ impl Scheduler {
                     rung_wakes: s.rung_wakes.load(Ordering::Relaxed),
                     rung_wake: d(&s.rung_wake_ns),
                     longest_rung_wake: d(&s.longest_rung_wake_ns),
+                    timer_wakes: s.timer_wakes.load(Ordering::Relaxed),
+                    timer_late: d(&s.timer_late_ns),
+                    longest_timer_late: d(&s.longest_timer_late_ns),
                     ipis: s.ipis.load(Ordering::Relaxed),
                     stolen: window.saturating_sub(cpu + slept),
                     window,
@@ -2447,18 +2466,26 @@ fn idle_sleep(
         // loop's gaps are, so that a device's wait across them is net of them, and the
         // wake-ups are counted.
         let rung = Some(p.rung_ns.swap(0, Ordering::Relaxed)).filter(|r| *r >= ns(t0) && *r < to);
+        // Its timer due before any ring, it was no longer asleep by its own choice
+        // either: from the due time to its running is the host's wake-up of it at the
+        // timer, a hold as a ring's is (the timer slack is a µs, [`pcpu_enter`]).
+        let due = until.map(ns).filter(|u| *u >= ns(t0) && *u < to);
+        let (woken, stats) = match (rung, due) {
+            (Some(r), Some(u)) if u < r => (Some(u), timer_stats(p)),
+            (None, Some(u)) => (Some(u), timer_stats(p)),
+            (r, _) => (r, rung_stats(p)),
+        };
         let queued = match (waited0, cpu.delay.as_ref().and_then(RunDelay::read)) {
             (Some(a), Some(b)) => b.saturating_sub(a).as_nanos() as u64,
             _ => 0,
         };
-        slept = p.holds.woke(to, slept, queued, rung);
-        if let Some(rung) = rung {
-            let woke = to - rung;
-            p.stats.rung_wake_ns.fetch_add(woke, Ordering::Relaxed);
-            p.stats
-                .longest_rung_wake_ns
-                .fetch_max(woke, Ordering::Relaxed);
-            p.stats.rung_wakes.fetch_add(1, Ordering::Relaxed);
+        slept = p.holds.woke(to, slept, queued, woken);
+        if let Some(w) = woken {
+            let [count, total, longest] = stats;
+            let late = to - w;
+            total.fetch_add(late, Ordering::Relaxed);
+            longest.fetch_max(late, Ordering::Relaxed);
+            count.fetch_add(1, Ordering::Relaxed);
         }
         p.stats.slept_ns.fetch_add(slept, Ordering::Relaxed);
         add(&p.holds.slept_ns, slept);
@@ -2467,6 +2494,19 @@ fn idle_sleep(
     });
     p.sleeping.store(false, Ordering::Relaxed);
     asleep
+}
+
+/// A pCPU's counters of the host's wake-ups of it by a ring: how many, their time in
+/// all, the longest.
+fn rung_stats(p: &PcpuShared) -> [&AtomicU64; 3] {
+    let s = &p.stats;
+    [&s.rung_wakes, &s.rung_wake_ns, &s.longest_rung_wake_ns]
+}
+
+/// As [`rung_stats`], for its wake-ups at a timer.
+fn timer_stats(p: &PcpuShared) -> [&AtomicU64; 3] {
+    let s = &p.stats;
+    [&s.timer_wakes, &s.timer_late_ns, &s.longest_timer_late_ns]
 }
 
 /// Live units on a pCPU (for tests and reports).

@@ -661,6 +661,50 @@ fn a_sleeping_pcpus_wake_up_by_the_host_is_counted_from_the_ring_to_its_run() {
     s.stop(Duration::from_secs(1));
 }
 
+/// A pCPU asleep until a unit's deadline counts the host's wake-up of it at its timer,
+/// from the due time to its thread's running, apart from the rung ones: the record's
+/// device waits are net of it (a unit due at a deadline is woken from there).
+#[test]
+fn a_sleeping_pcpus_wake_up_at_its_timer_is_counted_from_the_due_time_to_its_run() {
+    struct Timed {
+        left: u32,
+    }
+    impl Unit for Timed {
+        type Output = ();
+        fn step(&mut self, cx: &Cx) -> Step<()> {
+            if self.left == 0 {
+                return Step::Done(());
+            }
+            self.left -= 1;
+            Step::Idle(Some(cx.now + Duration::from_millis(2)))
+        }
+    }
+    let s = Scheduler::new(
+        &CpuPlan {
+            cores: vec![Some(0)],
+            policy: IdlePolicy::Block,
+            own_policy: Vec::new(),
+        },
+        None,
+    )
+    .expect("scheduler");
+    // Nobody rings it: every sleep ends at the unit's deadline.
+    let j = s
+        .place(0, UnitSpec::named("timed"), Timed { left: 10 })
+        .expect("place");
+    j.join().expect("join");
+    let r = &s.reports()[0];
+    assert_eq!(r.rung_wakes, 0, "{r:?}");
+    assert!(r.timer_wakes >= 5 && r.timer_wakes <= r.sleeps, "{r:?}");
+    assert!(r.timer_late > Duration::ZERO, "{r:?}");
+    assert!(
+        r.longest_timer_late <= r.timer_late
+            && r.longest_timer_late * r.timer_wakes as u32 >= r.timer_late,
+        "{r:?}"
+    );
+    s.stop(Duration::from_secs(1));
+}
+
 #[test]
 fn the_adaptive_window_grows_for_wake_ups_it_just_missed_and_drops_for_long_sleeps() {
     use hv::sched::{next_poll_window, ADAPTIVE_GROW_START};

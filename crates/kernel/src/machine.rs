@@ -662,6 +662,9 @@ impl Machine {
             c.add(&k, "rung_wakes", r.rung_wakes);
             c.add(&k, "rung_wake_us", us(r.rung_wake));
             c.add(&k, "longest_rung_wake_us", us(r.longest_rung_wake));
+            c.add(&k, "timer_wakes", r.timer_wakes);
+            c.add(&k, "timer_late_us", us(r.timer_late));
+            c.add(&k, "longest_timer_late_us", us(r.longest_timer_late));
             c.add(&k, "stolen_us", us(r.stolen));
             c.add(&k, "longest_step_us", us(r.longest_step));
             c.add(&k, "longest_away_us", us(r.longest_away));

@@ -463,6 +463,7 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
     let (mut gross_p99, mut gross_max) = (0u64, 0u64);
     let (mut stolen, mut steps, mut covered, mut any) = (0u64, 0u64, 0u64, false);
     let (mut rung, mut rung_us, mut longest_rung) = (0u64, 0u64, 0u64);
+    let (mut timer, mut timer_us, mut longest_timer) = (0u64, 0u64, 0u64);
     let mut before = (0u64, String::new());
     for (label, c) in runs {
         for (comp, name, v) in &c.entries {
@@ -472,6 +473,9 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
                     "rung_wakes" => rung += v,
                     "rung_wake_us" => rung_us += v,
                     "longest_rung_wake_us" => longest_rung = longest_rung.max(*v),
+                    "timer_wakes" => timer += v,
+                    "timer_late_us" => timer_us += v,
+                    "longest_timer_late_us" => longest_timer = longest_timer.max(*v),
                     _ => {}
                 }
             }
@@ -540,8 +544,9 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
          {gross_p99} µs, longest {gross_max} µs (worst run); {covered} turns of vCPUs and \
          engines run by an idle pCPU while the host held their own off its core; {rung} \
          wake-ups of a sleeping pCPU by the host, {rung_us} µs from ring to run in all, the \
-         longest {longest_rung} µs (a hold of the host's, past {gap} µs kept apart from the \
-         net waits); {window}",
+         longest {longest_rung} µs, and {timer} at its timer, {timer_us} µs late in all, the \
+         longest {longest_timer} µs (each a hold of the host's, past {gap} µs kept apart \
+         from the net waits); {window}",
         gap = hv::sched::HOST_GAP.as_micros()
     ));
 }
