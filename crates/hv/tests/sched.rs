@@ -679,15 +679,7 @@ fn a_sleeping_pcpus_wake_up_at_its_timer_is_counted_from_the_due_time_to_its_run
             Step::Idle(Some(cx.now + Duration::from_millis(2)))
         }
     }
-    let s = Scheduler::new(
-        &CpuPlan {
-            cores: vec![Some(0)],
-            policy: IdlePolicy::Block,
-            own_policy: Vec::new(),
-        },
-        None,
-    )
-    .expect("scheduler");
+    let s = one_pcpu(IdlePolicy::Block);
     // Nobody rings it: every sleep ends at the unit's deadline.
     let j = s
         .place(0, UnitSpec::named("timed"), Timed { left: 10 })
