@@ -975,6 +975,75 @@ fn a_device_engine_that_panics_on_a_thief_fails_its_own_join_only() {
     hog.join().expect("the vCPU ran on");
 }
 
+/// A device's engine whose step never returns is handled as a hung vCPU's is, wherever
+/// the step runs (its own pCPU, or an idle one that took it while its own was in a
+/// vCPU's step): the rescue gives that pCPU's thread a successor, every other unit on
+/// both pCPUs runs on, and the engine's join answers once its step returns.
+#[test]
+fn a_device_engine_hung_in_a_step_is_rescued_on_whichever_pcpu_ran_it() {
+    struct Hang {
+        entered: Arc<AtomicBool>,
+        release: Arc<AtomicBool>,
+    }
+    impl Unit for Hang {
+        type Output = &'static str;
+        fn step(&mut self, _cx: &Cx) -> Step<&'static str> {
+            self.entered.store(true, Ordering::Release);
+            while !self.release.load(Ordering::Acquire) {
+                std::thread::park_timeout(Duration::from_millis(1));
+            }
+            Step::Done("released")
+        }
+    }
+    let s = Scheduler::new(&CpuPlan::floating(2, IdlePolicy::Poll), None).expect("sched");
+    let (hog, end) = place_hog(&s, Duration::from_millis(2), None);
+    let counters: Vec<_> = (0..2)
+        .map(|p| {
+            let (c, work, done, stop) = counter(false);
+            let j = s
+                .place(p, UnitSpec::named(format!("c{p}")), c)
+                .expect("counter");
+            (j, work, done, stop)
+        })
+        .collect();
+    let (entered, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let jh = s
+        .place(
+            0,
+            UnitSpec::device("hang"),
+            Hang {
+                entered: Arc::clone(&entered),
+                release: Arc::clone(&release),
+            },
+        )
+        .expect("engine");
+    wait_for("the engine's step to begin", || {
+        entered.load(Ordering::Acquire)
+    });
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(s.rescue(Duration::from_millis(20)), 1, "{:?}", s.reports());
+    for (j, work, done, _) in &counters {
+        work.store(1, Ordering::Release);
+        j.wake();
+        wait_for("each pCPU's neighbour to run", || {
+            done.load(Ordering::Acquire) == 1
+        });
+    }
+    release.store(true, Ordering::Release);
+    assert_eq!(jh.join(), Ok("released"));
+    for (j, _, _, stop) in counters {
+        stop.store(true, Ordering::Release);
+        j.wake();
+        assert_eq!(j.join(), Ok(1));
+    }
+    end.store(true, Ordering::Release);
+    hog.join().expect("the vCPU ran on");
+    assert_eq!(s.reports().iter().map(|r| r.rescues).sum::<u64>(), 1);
+}
+
 /// A device's engine woken while an idle pCPU runs it, in a step the host then holds
 /// off its core (here the thief's step sleeps, which the thread's clock tells as the
 /// host would), runs again on its own pCPU once the thief puts it back. The engine was
