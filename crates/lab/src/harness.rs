@@ -465,7 +465,8 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
     let (mut rung, mut rung_us, mut longest_rung) = (0u64, 0u64, 0u64);
     let (mut timer, mut timer_us, mut longest_timer) = (0u64, 0u64, 0u64);
     let mut before = (0u64, String::new());
-    for (label, c) in runs {
+    let mut worst_run = None;
+    for (k, (label, c)) in runs.iter().enumerate() {
         for (comp, name, v) in &c.entries {
             if comp.starts_with("pcpu") && !comp.contains(' ') {
                 match name.as_str() {
@@ -486,7 +487,10 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
             let at = || format!("{label}, {comp}");
             match name.as_str() {
                 "wait_p99_net_us" if *v > p99.0 => p99 = (*v, at()),
-                "longest_wait_net_us" if *v > max.0 => max = (*v, at()),
+                "longest_wait_net_us" if *v > max.0 => {
+                    max = (*v, at());
+                    worst_run = Some(k);
+                }
                 "longest_wait_net_before_us" if *v > before.0 => before = (*v, at()),
                 "wait_p99_us" => gross_p99 = gross_p99.max(*v),
                 "longest_wait_us" => gross_max = gross_max.max(*v),
@@ -538,6 +542,9 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
         )
     };
     long_steps(r, runs);
+    if let Some(k) = worst_run {
+        r.notes.push(beside_longest_wait(&runs[k].0, runs[k].1));
+    }
     r.notes.push(format!(
         "devices' engines: {stolen} of {steps} steps run by an idle pCPU while their own was \
          busy (work stealing); their waits with the host's holds in: 99th percentile \
@@ -549,6 +556,50 @@ pub(crate) fn device_waits(r: &mut Report, runs: &[(String, &Counters)]) {
          from the net waits); {window}",
         gap = hv::sched::HOST_GAP.as_micros()
     ));
+}
+
+/// What a device's longest wait could have waited behind, in the run it came from: the
+/// longest steps of that run's units (a wait lasts at least until a step on its pCPU
+/// ends, unless an idle one takes it) and the longest host holds each pCPU saw in a step
+/// and off its idle loop. The counters keep no time line, so this bounds rather than
+/// traces the wait.
+fn beside_longest_wait(label: &str, c: &Counters) -> String {
+    let mut steps: Vec<(u64, &str)> = c
+        .entries
+        .iter()
+        .filter(|(comp, name, _)| comp.contains(' ') && name == "longest_step_us")
+        .map(|(comp, _, v)| (*v, comp.as_str()))
+        .collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    let steps: Vec<String> = steps
+        .iter()
+        .take(3)
+        .map(|(v, comp)| format!("{comp} {v} µs"))
+        .collect();
+    let holds: Vec<String> = c
+        .entries
+        .iter()
+        .filter(|(comp, name, _)| {
+            comp.starts_with("pcpu")
+                && !comp.contains(' ')
+                && (name == "longest_step_hold_us" || name == "longest_away_us")
+        })
+        .map(|(comp, name, v)| {
+            let what = if name == "longest_step_hold_us" {
+                "in a step"
+            } else {
+                "off its idle loop"
+            };
+            format!("{comp} {v} µs {what}")
+        })
+        .collect();
+    format!(
+        "beside the longest net wait (run {label}): that run's longest steps {}; the host's \
+         longest holds {} (a wait is net of the holds its own accounting saw; these bound \
+         what else it could have waited behind)",
+        steps.join(", "),
+        holds.join(", ")
+    )
 }
 
 /// The steps over `runs` that ran past [`hv::sched::LONG_STEP`], as a note: a step is
@@ -689,6 +740,48 @@ mod tests {
             corrupt: 0,
             counters,
         }
+    }
+
+    /// The record names, beside the longest device wait, the run it came from, that
+    /// run's longest steps (longest first) and each pCPU's longest host holds, so that a
+    /// reader sees what the wait could have been behind.
+    #[test]
+    fn the_longest_device_wait_is_shown_beside_its_runs_longest_steps_and_holds() {
+        let mut quiet = Counters::default();
+        quiet.add("pcpu1 nic1", "longest_wait_net_us", 40);
+        quiet.add("pcpu1 guest-v0", "longest_step_us", 9000);
+        let mut worst = Counters::default();
+        worst.add("pcpu1 nic1", "longest_wait_net_us", 2500);
+        worst.add("pcpu1 guest-v0", "longest_step_us", 2400);
+        worst.add("pcpu0 xen0-v0", "longest_step_us", 300);
+        worst.add("pcpu1 nic1", "longest_step_us", 20);
+        worst.add("pcpu0 tcp-peer", "longest_step_us", 5);
+        worst.add("pcpu1", "longest_step_hold_us", 70);
+        worst.add("pcpu1", "longest_away_us", 11);
+        let mut r = Report::new("t", "t", "t");
+        device_waits(
+            &mut r,
+            &[("quiet".into(), &quiet), ("pv 32".into(), &worst)],
+        );
+        let note = r
+            .notes
+            .iter()
+            .find(|n| n.starts_with("beside the longest net wait"))
+            .expect("note");
+        assert!(note.contains("(run pv 32)"), "{note}");
+        assert!(
+            note.contains("pcpu1 guest-v0 2400 µs, pcpu0 xen0-v0 300 µs, pcpu1 nic1 20 µs;"),
+            "{note}"
+        );
+        assert!(
+            !note.contains("9000") && !note.contains("tcp-peer"),
+            "{note}"
+        );
+        assert!(
+            note.contains("pcpu1 70 µs in a step")
+                && note.contains("pcpu1 11 µs off its idle loop"),
+            "{note}"
+        );
     }
 
     /// An experiment that pins its thread to one core leaves the caller's thread, and so
