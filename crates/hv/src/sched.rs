@@ -2470,10 +2470,9 @@ fn idle_sleep(
         // either: from the due time to its running is the host's wake-up of it at the
         // timer, a hold as a ring's is (the timer slack is a µs, [`pcpu_enter`]).
         let due = until.map(ns).filter(|u| *u >= ns(t0) && *u < to);
-        let (woken, stats) = match (rung, due) {
-            (Some(r), Some(u)) if u < r => (Some(u), timer_stats(p)),
-            (None, Some(u)) => (Some(u), timer_stats(p)),
-            (r, _) => (r, rung_stats(p)),
+        let (woken, stats) = match due {
+            Some(u) if rung.is_none_or(|r| u < r) => (Some(u), timer_stats(p)),
+            _ => (rung, rung_stats(p)),
         };
         let queued = match (waited0, cpu.delay.as_ref().and_then(RunDelay::read)) {
             (Some(a), Some(b)) => b.saturating_sub(a).as_nanos() as u64,
