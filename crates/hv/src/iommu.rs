@@ -778,6 +778,32 @@ impl DmaContext {
         Ok(())
     }
 
+    /// Hands a 16-byte descriptor back as a device does: its first 8 bytes (the
+    /// buffer's address, or what a write-back puts there), then its last 8 (length,
+    /// status, flags) in one store that is visible only after the first, so a driver
+    /// that loads the status word and finds it done finds the length written with it.
+    /// A string move of all 16 bytes promises no order among them. A descriptor not on
+    /// a 16-byte boundary (a ring base a device would refuse) is written as bytes.
+    pub fn dma_write_back(&mut self, iova: Iova, desc: &[u8; 16]) -> Result<(), DmaFault> {
+        if !iova.0.is_multiple_of(16) {
+            return self.dma_write(iova, desc);
+        }
+        // A 16-byte-aligned descriptor lies in one page.
+        let mfn = self.translate(iova, true)?;
+        let off = iova.page_offset();
+        let (head, last) = desc.split_at(8);
+        let last = u64::from_le_bytes(last.try_into().unwrap_or([0; 8]));
+        let stream = self.landing == DmaLanding::Memory;
+        // Cannot fail: the frame exists and `off + 16 <= PAGE_SIZE`, 8-aligned.
+        let _ = if stream {
+            self.iommu.mem.write_nt(mfn, off, head)
+        } else {
+            self.iommu.mem.write(mfn, off, head)
+        };
+        let _ = self.iommu.mem.publish_u64(mfn, off + 8, last, stream);
+        Ok(())
+    }
+
     /// Reads `buf.len()` bytes at `iova` as a device would.
     pub fn dma_read(&mut self, iova: Iova, buf: &mut [u8]) -> Result<(), DmaFault> {
         let mut done = 0;

@@ -177,6 +177,30 @@ impl MachineMemory {
         Ok(())
     }
 
+    /// Stores the 8-byte word `v` at `offset` (8-aligned) of a frame in one store that
+    /// no reader sees before the stores that came before it: what a device writes last
+    /// when it hands a descriptor back (its status, with the length beside it), so that
+    /// a driver that loads the word and finds it done also finds what it announces.
+    /// `stream`: non-temporal, as [`Self::write_nt`]; otherwise an ordinary store with
+    /// release ordering.
+    pub fn publish_u64(
+        &self,
+        mfn: Mfn,
+        offset: usize,
+        v: u64,
+        stream: bool,
+    ) -> Result<(), MemError> {
+        if stream {
+            let p = self.aligned(mfn, offset, 8)?;
+            // SAFETY: `p..p+8` is inside the mapping and 8-aligned, checked by `aligned`.
+            unsafe { shared::stream_word(p, v) };
+        } else {
+            self.atomic_u64(mfn, offset)?
+                .store(v, std::sync::atomic::Ordering::Release);
+        }
+        Ok(())
+    }
+
     /// Fills `len` bytes of a frame with `byte`.
     pub fn fill(&self, mfn: Mfn, offset: usize, len: usize, byte: u8) -> Result<(), MemError> {
         let p = self.ptr(mfn, offset, len)?;

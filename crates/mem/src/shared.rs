@@ -376,6 +376,36 @@ pub(crate) unsafe fn stream(dst: *mut u8, data: &[u8]) {
     }
 }
 
+/// Stores the 8-byte word `v` at `dst` with one non-temporal store (`movnti`), fenced on
+/// both sides: the stores before it, streaming or not, are globally visible first, and
+/// it is before whatever comes after. A NIC's last write of a descriptor, whose status
+/// announces the writes before it.
+///
+/// # Safety
+/// `dst..dst+8` must be valid for writes and 8-aligned.
+pub(crate) unsafe fn stream_word(dst: *mut u8, v: u64) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller guarantees `dst..dst+8` valid and 8-aligned, so the one
+    // `movnti` writes exactly those bytes, whole (an aligned 8-byte store is
+    // single-copy atomic); `sfence` has no memory-safety preconditions.
+    unsafe {
+        std::arch::asm!(
+            "sfence",
+            "movnti [{p}], {w}",
+            "sfence",
+            p = in(reg) dst,
+            w = in(reg) v,
+            options(nostack, preserves_flags),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: as above; the word is 8-aligned as `AtomicU64` needs.
+    unsafe {
+        std::sync::atomic::AtomicU64::from_ptr(dst.cast())
+            .store(v, std::sync::atomic::Ordering::Release)
+    }
+}
+
 /// Writes `bytes` (at most up to the next 16-byte boundary) at `dst` with one masked
 /// non-temporal store of the 16-byte block that holds them.
 ///

@@ -741,7 +741,7 @@ impl Device {
                 flags: 0,
                 pad: 0,
             };
-            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
+            if self.dma.dma_write_back(at, &wb.to_bytes()).is_err() {
                 return false;
             }
         }
@@ -782,7 +782,7 @@ impl Device {
                 pad: 0,
                 ..wb
             };
-            if self.dma.dma_write(at, bytemuck::bytes_of(&wb)).is_err() {
+            if self.dma.dma_write_back(at, &wb.to_bytes()).is_err() {
                 return false;
             }
         }
@@ -986,7 +986,7 @@ impl Device {
                     }
                 }
                 d.status = DESC_DD;
-                let _ = self.dma.dma_write(at, bytemuck::bytes_of(&d));
+                let _ = self.dma.dma_write_back(at, &d.to_bytes());
                 self.tx_head = (self.tx_head + 1) % RING_DESCS;
                 regs.tx_head.store(self.tx_head, Ordering::Release);
                 continue;
@@ -1007,7 +1007,7 @@ impl Device {
             let eop = d.flags & DESC_EOP != 0;
             let looped = (d.flags & DESC_LOOP != 0).then_some(usize::from(d.pad));
             d.status = DESC_DD;
-            let _ = self.dma.dma_write(at, bytemuck::bytes_of(&d));
+            let _ = self.dma.dma_write_back(at, &d.to_bytes());
             self.tx_head = (self.tx_head + 1) % RING_DESCS;
             regs.tx_head.store(self.tx_head, Ordering::Release);
             if eop {

@@ -78,6 +78,23 @@ pub struct Desc {
 
 const _: () = assert!(std::mem::size_of::<Desc>() == DESC_SIZE);
 
+impl Desc {
+    /// Its bytes as they lie in the ring.
+    pub fn to_bytes(&self) -> [u8; DESC_SIZE] {
+        bytemuck::cast(*self)
+    }
+
+    /// The descriptor whose last 8 bytes (length, status, flags, reserved) are `last`
+    /// and whose address is `addr`: read as a driver reads a write-back, the status
+    /// word first.
+    pub fn from_words(addr: u64, last: u64) -> Self {
+        let mut b = [0u8; DESC_SIZE];
+        b[..8].copy_from_slice(&addr.to_le_bytes());
+        b[8..].copy_from_slice(&last.to_le_bytes());
+        bytemuck::cast(b)
+    }
+}
+
 /// Interrupt coalescing parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Coalesce {
