@@ -98,8 +98,9 @@ fn poll_while_written_back(landing: DmaLanding) -> (u64, u64) {
 /// The device's last store of a write-back is the word with the status and the
 /// length, and the driver loads that word before the rest: a frame is never taken with
 /// the posted buffer's length and the device's status, whichever way its writes land.
-/// (With the descriptor read as one 16-byte copy, 3 to 5 frames of the 200 000 in memory
-/// landing came up wrong, in each of 3 release runs on this project's AMD EPYC VM.)
+/// (With the descriptor written and read as one 16-byte copy, frames of the 200 000 in
+/// memory landing came up wrong in every run on this project's AMD EPYC VM: 1 in each of
+/// 2 debug runs, 3 to 5 in each of 5 release runs.)
 #[test]
 fn a_driver_polling_as_the_device_writes_back_takes_every_frame_at_the_length_written() {
     for landing in [DmaLanding::Memory, DmaLanding::Cache] {
