@@ -324,11 +324,9 @@ impl NicDriver {
     /// Descriptor `i` as the device hands it back: the word with its status and length
     /// in one load first, then (if done) its address, so that a done descriptor is never
     /// read with bytes from before the device's write-back, whose last store is that
-    /// word ([`hv::iommu::DmaContext::dma_write_back`]). Read whole as one copy (a
-    /// string move, whose loads keep no order among its bytes), a poll that met the
-    /// write-back took a length that was not the device's with its done status: 3 to 5
-    /// frames in 200 000 in `tests/writeback.rs` on the AMD EPYC VM. A descriptor not
-    /// done comes with its status alone.
+    /// word ([`hv::iommu::DmaContext::dma_write_back`]). A copy of all 16 bytes keeps no
+    /// order among its loads, and could take a stale length beside a done status
+    /// (ARCHITECTURE §6). A descriptor not done comes with its status alone.
     fn read_desc(&self, ring: &Ring, i: u32) -> Desc {
         let (g, off) = Self::desc_at(ring, i);
         let Ok(last) = self
